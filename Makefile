@@ -1,0 +1,43 @@
+# gpupool: `make run` starts a pool on this machine, `make test` checks everything.
+# Both work on a fresh clone with nothing but Python >= 3.11: the first target that needs the
+# virtual environment builds it (gpupool is installed into its own venv; see README).
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install run test lint typecheck pytest chaos bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+	# One resolver run for everything: aiobotocore pins a narrow botocore range.
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,dev]'
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/poold $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+chaos: $(STAMP)
+	$(BIN)/python -m pytest -m slow tests/chaos $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""gpupool daemon: everything with a socket or a process (server, worker, queue, CLI)."""

@@ -1,0 +1,392 @@
+"""The pool's configuration: one typed table of options, one layered loader.
+
+Precedence: command-line flag > ``GPUPOOL_<NAME>`` environment variable > TOML file > default.
+Every option is one `Option` row below; its TOML key, its env variable (``GPUPOOL_`` + upper case)
+and its flag (``--name-with-dashes``) all come from its name. Secrets may instead be read from a file
+(``<name>_file`` in any layer) so they need not sit in the TOML or the process table.
+
+A bad value stops start-up with one line: the key, where it came from (file:line, env var or flag)
+and what was expected (`ConfigError`, exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from daemon.errors import ConfigError
+
+ENV_PREFIX = "GPUPOOL_"
+DEFAULT_CONFIG_FILE = Path("/etc/gpupool/pool.toml")
+SERVER_PORT = 7420
+SERVER_METRICS_PORT = 9420
+WORKER_METRICS_PORT = 9421
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:7420 or [::1]:7420")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    name: str
+    type: type
+    default: Any
+    help: str
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple[str, ...] = ()
+    secret: bool = False
+    check: Callable[[str], object] | None = None  # extra validation of a string value
+
+    def expected(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+            self.type, "a list of names"
+        )
+        if self.lo is not None and self.hi is not None:
+            return f"{kind} from {self.lo:g} to {self.hi:g}"
+        if self.lo is not None:
+            return f"{kind} >= {self.lo:g}"
+        return kind
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "worker_mode",
+        str,
+        "singlenode",
+        "singlenode: embedded Redis and local store; multinode: the external Redis and MinIO below",
+        choices=("singlenode", "multinode"),
+    ),
+    Option("redis_ip", str, "127.0.0.1", "the pool's Redis host (multinode)"),
+    Option("redis_port", int, 6379, "the pool's Redis port (multinode)", lo=1, hi=65535),
+    Option("redis_db", int, 0, "Redis database number", lo=0, hi=15),
+    Option("redis_username", str, "", "Redis ACL user (empty: the default user)"),
+    Option("main_server_redis_password", str, "", "Redis password", secret=True),
+    Option(
+        "redis_appendfsync",
+        str,
+        "everysec",
+        "embedded Redis AOF fsync policy: always loses nothing on a crash, everysec may lose the last second",
+        choices=("always", "everysec"),
+    ),
+    Option(
+        "main_server_minio_address", str, "127.0.0.1:9000", "MinIO/S3 endpoint HOST:PORT", check=_host_port
+    ),
+    Option("main_server_minio_access_key_id", str, "", "S3 access key id", secret=True),
+    Option("main_server_minio_secret_access_key", str, "", "S3 secret key", secret=True),
+    Option("main_server_minio_bucket", str, "gpupool", "bucket for datasets and artifacts"),
+    Option(
+        "main_server_minio_bucket_ping_timeout",
+        float,
+        30.0,
+        "seconds a worker waits for the bucket at start",
+        lo=0,
+    ),
+    Option("local_minio_port", int, 9000, "port of a MinIO the server machine runs", lo=1, hi=65535),
+    Option(
+        "worker_local_processors", int, 32, "slots the server runs itself in singlenode mode", lo=0, hi=4096
+    ),
+    Option("worker_remote_processors", int, 2, "slots per worker", lo=1, hi=4096),
+    Option(
+        "worker_healthy_response_period",
+        float,
+        300.0,
+        "seconds of heartbeat silence after which a worker is dead and its jobs reclaimed",
+        lo=1,
+    ),
+    Option(
+        "redis_result_queue_polling_interval",
+        float,
+        100.0,
+        "ms: the longest the server may take to see a result",
+        lo=1,
+        hi=60_000,
+    ),
+    Option(
+        "heartbeat_interval",
+        float,
+        0.0,
+        "seconds between heartbeats; 0 means a tenth of worker_healthy_response_period",
+        lo=0,
+    ),
+    Option("job_retention", float, 7 * 24 * 3600.0, "seconds finished jobs are kept", lo=60),
+    Option("queues", list, ["default"], "queues a worker serves, in priority order"),
+    Option(
+        "data_dir",
+        str,
+        "",
+        "where the embedded Redis, the local store and state live "
+        "(default: $XDG_DATA_HOME/gpupool, or $STATE_DIRECTORY under systemd)",
+    ),
+    Option("listen", str, f"127.0.0.1:{SERVER_PORT}", "HOST:PORT of the wire protocol", check=_host_port),
+    Option(
+        "metrics_listen",
+        str,
+        "",
+        "HOST:PORT of the Prometheus metrics (default: 127.0.0.1:"
+        f"{SERVER_METRICS_PORT} for the server, {WORKER_METRICS_PORT} for a worker)",
+        check=_host_port,
+    ),
+    Option("tokens_file", str, "", 'file of `user = "token"` lines (mode 0600) the server accepts'),
+    Option("tls_cert", str, "", "server TLS certificate (PEM); with tls_key, enables TLS"),
+    Option("tls_key", str, "", "server TLS private key (PEM)", secret=False),
+    Option("log_format", str, "text", "text or json (one JSON object per line)", choices=("text", "json")),
+    Option(
+        "log_level",
+        str,
+        "info",
+        "debug, info, warning or error",
+        choices=("debug", "info", "warning", "error"),
+    ),
+)
+BY_NAME = {o.name: o for o in OPTIONS}
+SECRET_NAMES = frozenset(o.name for o in OPTIONS if o.secret)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    worker_mode: str
+    redis_ip: str
+    redis_port: int
+    redis_db: int
+    redis_username: str
+    main_server_redis_password: str
+    redis_appendfsync: str
+    main_server_minio_address: str
+    main_server_minio_access_key_id: str
+    main_server_minio_secret_access_key: str
+    main_server_minio_bucket: str
+    main_server_minio_bucket_ping_timeout: float
+    local_minio_port: int
+    worker_local_processors: int
+    worker_remote_processors: int
+    worker_healthy_response_period: float
+    redis_result_queue_polling_interval: float
+    heartbeat_interval: float
+    job_retention: float
+    queues: list[str]
+    data_dir: str
+    listen: str
+    metrics_listen: str
+    tokens_file: str
+    tls_cert: str
+    tls_key: str
+    log_format: str
+    log_level: str
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def embedded(self) -> bool:
+        return self.worker_mode == "singlenode"
+
+    @property
+    def heartbeat_seconds(self) -> float:
+        """At most a third of the lease, so two heartbeats can be lost before a worker is dead."""
+        period = self.worker_healthy_response_period
+        return min(self.heartbeat_interval or period / 10, period / 3)
+
+    def listen_address(self) -> tuple[str, int]:
+        return _host_port(self.listen)
+
+    def data_path(self) -> Path:
+        if self.data_dir:
+            return Path(self.data_dir).expanduser()
+        if state := os.environ.get("STATE_DIRECTORY"):  # systemd's StateDirectory=
+            return Path(state.split(":")[0])
+        xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+        return Path(xdg) / "gpupool"
+
+    def shown(self) -> dict[str, Any]:
+        """The effective values with secrets masked, for --print-config and logs."""
+        return {
+            o.name: ("********" if o.secret and getattr(self, o.name) else getattr(self, o.name))
+            for o in OPTIONS
+        }
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per option (``--redis-port 6380``); `load` reads them from the parsed namespace."""
+    group = parser.add_argument_group("configuration (flag > GPUPOOL_* env > file > default)")
+    group.add_argument(
+        "--config", metavar="FILE", help=f"TOML file (default {DEFAULT_CONFIG_FILE} if present)"
+    )
+    for o in OPTIONS:
+        flag = "--" + o.name.replace("_", "-")
+        if o.type is bool:
+            group.add_argument(flag, dest=o.name, default=None, action=argparse.BooleanOptionalAction)
+        else:
+            group.add_argument(flag, dest=o.name, default=None, metavar=o.name.upper(), help=o.help)
+        if o.secret:
+            group.add_argument(
+                flag + "-file",
+                dest=o.name + "_file",
+                default=None,
+                metavar="FILE",
+                help=f"read {o.name} from FILE",
+            )
+
+
+def load(
+    args: argparse.Namespace | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | Path | None = None,
+) -> Config:
+    """Merge the layers. Raises ConfigError naming the key, its source and what was expected."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {o.name: o.default for o in OPTIONS}
+    sources: dict[str, str] = dict.fromkeys(values, "default")
+
+    path = config_file or (args and getattr(args, "config", None)) or env.get(ENV_PREFIX + "CONFIG")
+    if path is None and DEFAULT_CONFIG_FILE.is_file():
+        path = DEFAULT_CONFIG_FILE
+    if path is not None:
+        _apply(values, sources, _read_toml(Path(path)))
+    _apply(values, sources, _from_env(env))
+    if args is not None:
+        _apply(values, sources, _from_flags(args))
+    return Config(**values, sources=sources)
+
+
+# A layer is a list of (key, raw value, source description, is_text) where is_text means the value
+# came as a string (env, flags) and must be parsed, rather than as a typed TOML value.
+_Layer = list[tuple[str, Any, str, bool]]
+
+
+def _read_toml(path: Path) -> _Layer:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError("config", str(path), f"cannot read the file ({exc.strerror})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", str(path), f"not valid TOML: {exc}") from None
+    lines = text.splitlines()
+
+    def where(key: str) -> str:
+        pattern = re.compile(rf"^\s*[\"']?{re.escape(key)}[\"']?\s*=")
+        for number, line in enumerate(lines, 1):
+            if pattern.match(line):
+                return f"{path}:{number}"
+        return str(path)
+
+    return [(k, v, where(k), False) for k, v in data.items()]
+
+
+def _from_env(env: Mapping[str, str]) -> _Layer:
+    layer: _Layer = []
+    for var, value in env.items():
+        if var.startswith(ENV_PREFIX) and var != ENV_PREFIX + "CONFIG":
+            name = var[len(ENV_PREFIX) :].lower()
+            if name in _GPUPOOL_CLIENT_VARS:
+                continue
+            layer.append((name, value, var, True))
+    return layer
+
+
+# Variables poolctl and jobs use; they share the prefix but are not server options.
+_GPUPOOL_CLIENT_VARS = frozenset(
+    {"token", "server", "job_id", "attempt", "queue", "worker", "output", "user", "tls_ca"}
+)
+
+
+def _from_flags(args: argparse.Namespace) -> _Layer:
+    layer: _Layer = []
+    for o in OPTIONS:
+        for name in (o.name, o.name + "_file") if o.secret else (o.name,):
+            value = getattr(args, name, None)
+            if value is not None:
+                layer.append((name, value, "--" + name.replace("_", "-"), isinstance(value, str)))
+    return layer
+
+
+def _apply(values: dict[str, Any], sources: dict[str, str], layer: _Layer) -> None:
+    seen: dict[str, str] = {}
+    for key, raw, source, is_text in layer:
+        name, from_file = key, False
+        if key.endswith("_file") and key[: -len("_file")] in SECRET_NAMES:
+            name, from_file = key[: -len("_file")], True
+        option = BY_NAME.get(name)
+        if option is None:
+            raise ConfigError(key, source, f"unknown option; known options: {', '.join(BY_NAME)}")
+        if name in seen:
+            raise ConfigError(
+                key, source, f"also given as {seen[name]}: give the value or the file, not both"
+            )
+        seen[name] = source
+        if from_file:
+            values[name] = _convert(option, _read_secret(key, raw, source), source, is_text=True)
+        else:
+            values[name] = _convert(option, raw, source, is_text)
+        sources[name] = source
+
+
+def _read_secret(key: str, path: object, source: str) -> str:
+    if not isinstance(path, str):
+        raise ConfigError(key, source, "expected a file path (a string)")
+    try:
+        return Path(path).read_text().rstrip("\r\n")
+    except OSError as exc:
+        raise ConfigError(key, source, f"cannot read {path}: {exc.strerror}") from None
+
+
+def _convert(option: Option, raw: Any, source: str, is_text: bool) -> Any:
+    """The typed value of `raw`, or ConfigError saying what was expected."""
+    value = _coerce(option, raw, is_text)
+    if value is None or not _in_range(option, value):
+        shown = "***" if option.secret else repr(raw)
+        raise ConfigError(option.name, source, f"{shown} is not valid: expected {option.expected()}")
+    if option.check is not None and value:
+        try:
+            option.check(value)
+        except ValueError as exc:
+            raise ConfigError(option.name, source, f"{raw!r} is not valid: {exc}") from None
+    return value
+
+
+def _coerce(option: Option, raw: Any, is_text: bool) -> Any:
+    if option.type is list:
+        value = [part.strip() for part in raw.split(",") if part.strip()] if is_text else raw
+        ok = isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)
+        return value if ok else None
+    if is_text and option.type is not str:
+        return _parse_text(option.type, raw)
+    if option.type is float and isinstance(raw, int) and not isinstance(raw, bool):
+        return float(raw)
+    return raw if type(raw) is option.type else None
+
+
+def _in_range(option: Option, value: Any) -> bool:
+    if option.choices and value not in option.choices:
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return (option.lo is None or value >= option.lo) and (option.hi is None or value <= option.hi)
+    return True
+
+
+def _parse_text(kind: type, text: str) -> Any:
+    text = text.strip()
+    if kind is bool:
+        return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
+            text.lower()
+        )
+    try:
+        return kind(text)
+    except ValueError:
+        return None

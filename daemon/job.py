@@ -1,0 +1,233 @@
+"""What a job is: its spec (what the user asked for), its state, and what the pool knows of it.
+
+These are plain data: the queue stores them, the server sends them as msgpack maps, `poolctl`
+prints them. `JobSpec.from_dict` is the one place a spec from outside is validated.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from daemon import keys
+from daemon.errors import InvalidJob
+
+MAX_ARGV_BYTES = 256 * 1024
+MAX_ATTEMPTS_LIMIT = 100
+
+
+class JobState(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    DEAD = "dead"  # dead-lettered: lost or crashed on max_attempts attempts
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (JobState.QUEUED, JobState.RUNNING)
+
+
+TERMINAL_STATES = frozenset(s for s in JobState if s.terminal)
+_B36 = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def _base36(n: int) -> str:
+    out = ""
+    while n:
+        n, r = divmod(n, 36)
+        out = _B36[r] + out
+    return out or "0"
+
+
+def new_job_id(queue: str) -> str:
+    """`QUEUE.` + milliseconds in base 36 + 5 random base-36 digits: short, sortable, unique enough
+    (the enqueue script refuses an id that exists, and the caller draws again)."""
+    rand = "".join(secrets.choice(_B36) for _ in range(5))
+    return f"{queue}.{_base36(time.time_ns() // 1_000_000)}{rand}"
+
+
+def check_queue_name(name: object, field_name: str = "queue") -> str:
+    if not isinstance(name, str) or keys.QUEUE_NAME.fullmatch(name) is None:
+        raise InvalidJob(field_name, f"{name!r} is not a queue name (1-64 of A-Z a-z 0-9 _ -)")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What a user submits. `argv` runs as a process (no shell) with `env` added to its environment."""
+
+    argv: tuple[str, ...]
+    queue: str = "default"
+    name: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    gpus: int = 0
+    timeout: float | None = None  # seconds of run time before the attempt is stopped
+    max_attempts: int = 3  # attempts lost to dead workers before the job is dead-lettered
+    retries: int = 0  # extra attempts after a non-zero exit
+    user: str = ""  # set by the server from the authenticated connection, never by the client
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "argv": list(self.argv),
+            "queue": self.queue,
+            "name": self.name,
+            "env": dict(self.env),
+            "cwd": self.cwd,
+            "gpus": self.gpus,
+            "timeout": self.timeout,
+            "max_attempts": self.max_attempts,
+            "retries": self.retries,
+            "user": self.user,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
+        """Validate a spec from outside; raises InvalidJob naming the field and what it must be."""
+        unknown = set(data) - set(cls.__slots__)
+        if unknown:
+            raise InvalidJob(sorted(unknown)[0], "unknown field")
+        argv = data.get("argv")
+        if not isinstance(argv, list | tuple) or not argv or not all(isinstance(a, str) for a in argv):
+            raise InvalidJob("argv", "must be a non-empty list of strings (the command to run)")
+        if sum(len(a) for a in argv) > MAX_ARGV_BYTES:
+            raise InvalidJob("argv", f"is longer than {MAX_ARGV_BYTES} bytes")
+        env = data.get("env") or {}
+        if not isinstance(env, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) and k and "=" not in k for k, v in env.items()
+        ):
+            raise InvalidJob("env", "must map variable names (without '=') to string values")
+        return cls(
+            argv=tuple(argv),
+            queue=check_queue_name(data.get("queue", "default")),
+            name=_opt_str(data, "name") or "",
+            env=dict(env),
+            cwd=_opt_str(data, "cwd"),
+            gpus=_int(data, "gpus", 0, 0, 1024),
+            timeout=_opt_positive(data, "timeout"),
+            max_attempts=_int(data, "max_attempts", 3, 1, MAX_ATTEMPTS_LIMIT),
+            retries=_int(data, "retries", 0, 0, MAX_ATTEMPTS_LIMIT),
+            user=_opt_str(data, "user") or "",
+        )
+
+
+def _opt_str(data: Mapping[str, Any], name: str) -> str | None:
+    value = data.get(name)
+    if value is not None and not isinstance(value, str):
+        raise InvalidJob(name, f"must be a string, not {type(value).__name__}")
+    return value
+
+
+def _int(data: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+    value = data.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidJob(name, f"must be an integer from {lo} to {hi}, not {value!r}")
+    return value
+
+
+def _opt_positive(data: Mapping[str, Any], name: str) -> float | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise InvalidJob(name, f"must be a positive number of seconds, not {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A worker's right to run one attempt of a job. `attempt` is the fencing token: every write the
+    worker makes for this job carries it and is refused once it is no longer the current attempt."""
+
+    job_id: str
+    attempt: int
+    worker: str
+    spec: JobSpec
+
+    @property
+    def queue(self) -> str:
+        return self.spec.queue
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How an attempt ended, as the worker reports it through the fenced `complete`."""
+
+    state: JobState  # SUCCEEDED, FAILED or CANCELLED
+    exit_code: int | None = None
+    detail: str = ""  # e.g. "killed by signal 9", "timed out after 60 s"
+    result: Mapping[str, Any] = field(default_factory=dict)  # peak RSS, output tail, artifacts…
+
+    def __post_init__(self) -> None:
+        if self.state not in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
+            raise ValueError(f"an attempt cannot end as {self.state}")
+
+
+class RenewStatus(enum.StrEnum):
+    OK = "ok"
+    LOST = "lost"  # the lease was reclaimed (or the job ended): stop the process now
+    CANCEL = "cancel"  # the lease holds but the user cancelled: stop the process, complete CANCELLED
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    attempt: int
+    worker: str
+    started_at: float
+    ended_at: float | None
+    how: str  # running, succeeded, failed, cancelled, lost
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "attempt": self.attempt,
+            "worker": self.worker,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "how": self.how,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class JobInfo:
+    """Everything the pool knows of one job, for `poolctl show` and `ls`."""
+
+    id: str
+    state: JobState
+    spec: JobSpec
+    seq: int
+    attempt: int
+    worker: str
+    enqueued_at: float
+    started_at: float | None
+    ended_at: float | None
+    exit_code: int | None
+    detail: str
+    cancel_requested: bool
+    attempts: tuple[Attempt, ...] = ()
+    result: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "state": str(self.state),
+            "spec": self.spec.to_dict(),
+            "seq": self.seq,
+            "attempt": self.attempt,
+            "worker": self.worker,
+            "enqueued_at": self.enqueued_at,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "exit_code": self.exit_code,
+            "detail": self.detail,
+            "cancel_requested": self.cancel_requested,
+            "attempts": [a.to_dict() for a in self.attempts],
+            "result": dict(self.result),
+        }

@@ -1,0 +1,96 @@
+"""Every Redis key gpupool uses, named in one place.
+
+Layout (DESIGN.md §3): keys of one queue share the hash tag ``{q:NAME}``, so a queue, its jobs and
+the Lua scripts that touch them live in one Redis Cluster slot; pool-wide keys carry ``{pool}``.
+A job id is ``QUEUE.SUFFIX``, so the id alone names its queue and therefore all of its keys.
+
+Per queue (``gp:{q:NAME}:…``):
+  stream        Redis Stream of entries ``job=<id>`` in enqueue order (plus ``wake=1`` markers the
+                reaper adds to wake blocked workers); consumer group ``workers``. An entry stays in
+                the group's pending list while its job runs and is deleted when the job ends.
+  retry         ZSET id -> enqueue seq: reclaimed jobs, claimed before any entry of the stream.
+  leases        ZSET id -> lease deadline (Redis server time, ms) of every running attempt.
+  jobs          ZSET id -> enqueue seq: index of the queue's jobs for listing.
+  seq           counter giving each job its enqueue sequence number.
+  events        capped Stream of terminal transitions ``job=<id> state=<state>``; `wait` reads it.
+  job:ID        HASH: the job record (state, attempt, worker, timestamps, spec, outcome).
+  job:ID:attempts  LIST of JSON objects, one per attempt (worker, start, end, how it ended).
+  job:ID:log    capped Stream of the job's output chunks.
+  idem:KEY      the job id an idempotency key was first used for.
+Pool-wide (``gp:{pool}:…``):
+  queues        SET of queue names that ever had a job.
+  workers       HASH worker id -> registration (msgpack).
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "gp"
+GROUP = "workers"
+RECLAIMED_CONSUMER = "reclaimed"
+
+QUEUE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_JOB_ID = re.compile(r"([A-Za-z0-9_-]{1,64})\.([0-9a-z]{8,32})")
+
+
+def queue_prefix(queue: str) -> str:
+    """The prefix every key of `queue` starts with; scripts derive job keys from it."""
+    return f"{PREFIX}:{{q:{queue}}}:"
+
+
+def stream(queue: str) -> str:
+    return queue_prefix(queue) + "stream"
+
+
+def retry(queue: str) -> str:
+    return queue_prefix(queue) + "retry"
+
+
+def leases(queue: str) -> str:
+    return queue_prefix(queue) + "leases"
+
+
+def jobs(queue: str) -> str:
+    return queue_prefix(queue) + "jobs"
+
+
+def seq(queue: str) -> str:
+    return queue_prefix(queue) + "seq"
+
+
+def events(queue: str) -> str:
+    return queue_prefix(queue) + "events"
+
+
+def job(job_id: str) -> str:
+    return queue_prefix(queue_of(job_id)) + "job:" + job_id
+
+
+def attempts(job_id: str) -> str:
+    return job(job_id) + ":attempts"
+
+
+def log(job_id: str) -> str:
+    return job(job_id) + ":log"
+
+
+def idempotency(queue: str, key: str) -> str:
+    return queue_prefix(queue) + "idem:" + key
+
+
+POOL_PREFIX = f"{PREFIX}:{{pool}}:"
+QUEUES = POOL_PREFIX + "queues"
+WORKERS = POOL_PREFIX + "workers"
+
+
+def is_job_id(text: str) -> bool:
+    return _JOB_ID.fullmatch(text) is not None
+
+
+def queue_of(job_id: str) -> str:
+    """The queue a job id belongs to. Raises ValueError for something that is not a job id."""
+    m = _JOB_ID.fullmatch(job_id)
+    if m is None:
+        raise ValueError(f"{job_id!r} is not a job id (expected QUEUE.ID, e.g. default.0mzk4g8x1a2b)")
+    return m.group(1)

@@ -1,0 +1,41 @@
+"""Log set-up: human lines by default, one JSON object per line with ``--log-format json``."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import orjson
+
+# Extra fields a log call may carry (logger.info(..., extra={"job": id})) and JSON lines keep.
+CONTEXT_FIELDS = ("job", "worker", "queue", "attempt", "user", "peer")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        data: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "component": record.name,
+            "message": record.getMessage(),
+        }
+        for name in CONTEXT_FIELDS:
+            if (value := getattr(record, name, None)) is not None:
+                data[name] = value
+        if record.exc_info:
+            data["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(data, default=str).decode()
+
+
+def setup(fmt: str = "text", level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        formatter: logging.Formatter = JsonFormatter()
+        formatter.converter = __import__("time").gmtime
+    else:
+        formatter = logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S")
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

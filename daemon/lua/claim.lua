@@ -1,0 +1,68 @@
+-- claim: hand the next job of one queue to a worker, as a lease.
+-- Guarantees (atomic, so under any number of concurrent claimers):
+--  * one holder: a job is popped from `retry` or delivered by the consumer group, each of which
+--    happens once, and it becomes running with attempt+1 under this worker, with a lease deadline;
+--  * order: reclaimed jobs (lowest enqueue seq first) go before any job not yet started; stream
+--    entries go strictly in enqueue order. Head of line: when the next job needs more GPUs than
+--    the claimer has free, nothing is claimed and that job waits for a worker that has them;
+--  * the attempt number rises on every claim: it is the lease's fencing token;
+--  * cancelled jobs and wake markers met on the way are acknowledged and deleted, never run.
+-- KEYS: 1 stream, 2 retry, 3 leases
+-- ARGV: 1 queue key prefix, 2 group, 3 consumer (worker id), 4 GPUs free, 5 lease duration (ms)
+-- Returns {'claimed', id, attempt, spec} | {'empty', cursor} | {'blocked', cursor}: cursor is the
+-- stream id to wait after (XREAD BLOCK) before the next claim can find anything new.
+local stream, retry, leases = KEYS[1], KEYS[2], KEYS[3]
+local prefix, group, consumer = ARGV[1], ARGV[2], ARGV[3]
+local gpus_free, lease_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
+local now = now_ms()
+
+local function fits(jobkey)
+  return (tonumber(redis.call('HGET', jobkey, 'gpus')) or 0) <= gpus_free
+end
+
+local function newest()
+  local top = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
+  return top and top[1] or '0-0'
+end
+
+local function start(id, jobkey)
+  local attempt = redis.call('HINCRBY', jobkey, 'attempt', 1)
+  redis.call('HSET', jobkey, 'state', 'running', 'worker', consumer, 'started_at', now)
+  redis.call('ZADD', leases, now + lease_ms, id)
+  redis.call('RPUSH', jobkey .. ':attempts',
+    cjson.encode({attempt = attempt, worker = consumer, started_at = now, how = 'running'}))
+  return {'claimed', id, attempt, redis.call('HGET', jobkey, 'spec')}
+end
+
+local reclaimed = redis.call('ZRANGE', retry, 0, 0)[1]
+if reclaimed then
+  local jobkey = prefix .. 'job:' .. reclaimed
+  if not fits(jobkey) then return {'blocked', newest()} end
+  redis.call('ZREM', retry, reclaimed)
+  redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
+  return start(reclaimed, jobkey)
+end
+
+if redis.call('EXISTS', stream) == 0 then return {'empty', '0-0'} end
+local last = '0-0'
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+  local fields = {}
+  for i = 1, #g, 2 do fields[g[i]] = g[i + 1] end
+  if fields['name'] == group then last = fields['last-delivered-id'] end
+end
+
+-- Bounded: a long run of dropped entries ends this call; the caller claims again at once.
+for _ = 1, 100 do
+  local nxt = redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', 1)[1]
+  if not nxt then return {'empty', last} end
+  local entry, fields = nxt[1], nxt[2]
+  local id = fields[1] == 'job' and fields[2] or nil
+  local jobkey = id and (prefix .. 'job:' .. id)
+  local state = jobkey and redis.call('HGET', jobkey, 'state')
+  if state == 'queued' and not fits(jobkey) then return {'blocked', newest()} end
+  redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', stream, '>')
+  if state == 'queued' then return start(id, jobkey) end
+  drop_entry(stream, group, entry)
+  last = entry
+end
+return {'empty', last}

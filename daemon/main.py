@@ -1,0 +1,84 @@
+"""`poold`: the pool daemon. Server mode by default, worker mode with --worker.
+
+Shutdown is two-phase: the first SIGINT/SIGTERM asks the daemon to stop (drain, then tidy up);
+a second one cancels what is left at once. Either way the embedded redis-server is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import uvloop
+
+from daemon import config as config_mod
+from daemon import logs
+from daemon.errors import ConfigError, GpupoolError
+from daemon.server import PoolServer
+
+log = logging.getLogger("poold")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="poold", description="gpupool daemon: the pool server, or a worker.")
+    p.add_argument("--worker", action="store_true", help="run as a worker on this machine's GPUs")
+    p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
+    config_mod.add_flags(p)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        config = config_mod.load(args)
+    except ConfigError as exc:
+        print(f"poold: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        for name, value in config.shown().items():
+            print(f"{name} = {value!r}  # {config.sources[name]}")
+        return 0
+    logs.setup(config.log_format, config.log_level)
+    if args.worker:
+        log.error("worker mode is not built yet in this version")
+        return 2
+    try:
+        return uvloop.run(_serve(config))
+    except GpupoolError as exc:
+        log.error("%s", exc)
+        return 1
+
+
+async def _serve(config: config_mod.Config) -> int:
+    stop = asyncio.Event()
+    main_task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("%s again: stopping now", sig.name)
+            if main_task is not None:
+                main_task.cancel()
+        else:
+            log.info("%s: stopping (send it again to stop at once)", sig.name)
+            stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    server = PoolServer(config)
+    try:
+        await server.start()
+        await stop.wait()
+    except asyncio.CancelledError:
+        pass
+    finally:
+        await server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

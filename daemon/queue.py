@@ -1,0 +1,323 @@
+"""The job queue on Redis Streams: enqueue, claim, renew, complete, cancel, reclaim, and reads.
+
+Every state change is one Lua script (daemon/lua/, each saying what it guarantees), so a change
+either happens whole or not at all, under any number of concurrent clients and workers. Keys are
+named in daemon/keys.py. Times stored in Redis are Redis server time in milliseconds; this module
+hands out seconds (floats).
+
+Work wakes workers without polling: `claim` returns a cursor per queue, and `wait_for_work`
+blocks (XREAD BLOCK) until an entry newer than the cursors is added to one of the streams.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
+
+import msgpack
+import orjson
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from daemon import keys
+from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
+from daemon.job import Attempt, JobInfo, JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id
+from daemon.scripts import Scripts
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RETENTION = 7 * 24 * 3600
+RECLAIM_BATCH = 500
+MAX_IDEMPOTENCY_KEY = 200
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _seconds(ms: bytes | None) -> float | None:
+    return int(ms) / 1000 if ms else None
+
+
+def job_queue_of(job_id: str) -> str:
+    """The queue of a job id, or InvalidJob naming the id (ids come from users)."""
+    try:
+        return keys.queue_of(job_id)
+    except ValueError as exc:
+        raise InvalidJob("id", str(exc)) from None
+
+
+class JobQueue:
+    """All queue operations of one pool, over one Redis client (a connection pool)."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        lease_seconds: float = 300.0,
+        retention_seconds: int = DEFAULT_RETENTION,
+    ) -> None:
+        self.redis = redis
+        self.lease_ms = max(1, round(lease_seconds * 1000))
+        self.retention = retention_seconds
+        self.scripts = Scripts(redis)
+        self._cursors: dict[str, str] = {}
+        self._known_queues: set[str] = set()
+
+    # -- submit ---------------------------------------------------------------------------------
+
+    async def enqueue(self, spec: JobSpec, idempotency_key: str | None = None) -> tuple[str, bool]:
+        """Add a job at the tail of its queue. Returns (job id, created); `created` is False when the
+        idempotency key was used before, and the id is then that first job's."""
+        if idempotency_key is not None and not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY:
+            raise InvalidJob("idempotency key", f"must be 1 to {MAX_IDEMPOTENCY_KEY} characters")
+        await self._register_queue(spec.queue)
+        q = spec.queue
+        packed = msgpack.packb(spec.to_dict())
+        while True:
+            job_id = new_job_id(q)
+            job_keys = [keys.stream(q), keys.jobs(q), keys.seq(q), keys.job(job_id)]
+            if idempotency_key is not None:
+                job_keys.append(keys.idempotency(q, idempotency_key))
+            try:
+                got, created = await self.scripts.enqueue(
+                    keys=job_keys,
+                    args=[keys.GROUP, job_id, packed, spec.gpus, spec.max_attempts, spec.retries],
+                )
+            except ResponseError as exc:
+                if str(exc).startswith("ID_TAKEN"):
+                    continue  # two ids drawn in the same millisecond collided: draw again
+                raise
+            return _s(got), bool(created)
+
+    async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[str]:
+        """Enqueue several jobs in one round trip (a pipeline of enqueue scripts), in order."""
+        for q in {s.queue for s in specs}:
+            await self._register_queue(q)
+        ids = [new_job_id(s.queue) for s in specs]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for spec, job_id in zip(specs, ids, strict=True):
+                q = spec.queue
+                await self.scripts.enqueue(
+                    keys=[keys.stream(q), keys.jobs(q), keys.seq(q), keys.job(job_id)],
+                    args=[
+                        keys.GROUP,
+                        job_id,
+                        msgpack.packb(spec.to_dict()),
+                        spec.gpus,
+                        spec.max_attempts,
+                        spec.retries,
+                    ],
+                    client=pipe,
+                )
+            replies = await pipe.execute(raise_on_error=False)
+        out = []
+        for spec, reply in zip(specs, replies, strict=True):
+            if isinstance(reply, ResponseError):  # an id collision: rare enough to redo alone
+                out.append((await self.enqueue(spec))[0])
+            else:
+                out.append(_s(reply[0]))
+        return out
+
+    async def _register_queue(self, queue: str) -> None:
+        # The pool-wide queue set has its own hash tag, so it cannot be in the enqueue script.
+        # Adding it first means a listed queue may be empty, never that a queue with jobs is unlisted.
+        if queue not in self._known_queues:
+            await self.redis.sadd(keys.QUEUES, queue)
+            self._known_queues.add(queue)
+
+    # -- work -----------------------------------------------------------------------------------
+
+    async def claim(self, worker: str, queues: Sequence[str], gpus_free: int = 0) -> Lease | None:
+        """The next job for `worker`, trying `queues` in priority order; None when none has work
+        this worker can take. Never blocks: see `wait_for_work`."""
+        for q in queues:
+            reply = await self.scripts.claim(
+                keys=[keys.stream(q), keys.retry(q), keys.leases(q)],
+                args=[keys.queue_prefix(q), keys.GROUP, worker, gpus_free, self.lease_ms],
+            )
+            if reply[0] == b"claimed":
+                _, job_id, attempt, spec = reply
+                return Lease(_s(job_id), int(attempt), worker, JobSpec.from_dict(msgpack.unpackb(spec)))
+            self._cursors[q] = _s(reply[1])
+        return None
+
+    async def wait_for_work(self, queues: Sequence[str], block: float) -> bool:
+        """Block until one of `queues` gets an entry newer than what the last `claim` saw, or until
+        `block` seconds pass. True when woken by an entry. A blocking read, not polling."""
+        streams = {keys.stream(q): self._cursors.get(q, "0-0") for q in queues}
+        got = await self.redis.xread(streams, count=1, block=max(1, round(block * 1000)))  # type: ignore[arg-type]
+        return bool(got)
+
+    async def renew(self, worker: str, leases: Iterable[Lease]) -> dict[str, RenewStatus]:
+        """Extend all of a worker's leases in one round trip (one script call per queue, pipelined).
+        A lease that was reclaimed answers LOST and is not taken back."""
+        by_queue: dict[str, list[Lease]] = {}
+        for lease in leases:
+            by_queue.setdefault(lease.queue, []).append(lease)
+        if not by_queue:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for q, held in by_queue.items():
+                args: list[Any] = [keys.queue_prefix(q), worker, self.lease_ms]
+                for lease in held:
+                    args += [lease.job_id, lease.attempt]
+                await self.scripts.renew(keys=[keys.leases(q)], args=args, client=pipe)
+            replies = await pipe.execute()
+        out: dict[str, RenewStatus] = {}
+        for held, answers in zip(by_queue.values(), replies, strict=True):
+            for lease, answer in zip(held, answers, strict=True):
+                out[lease.job_id] = RenewStatus(_s(answer))
+        return out
+
+    async def complete(self, lease: Lease, outcome: Outcome) -> JobState:
+        """Record how an attempt ended. Returns the job's state afterwards (QUEUED when a failed job
+        goes back for a retry). Raises StaleAttempt, changing nothing, when `lease` is no longer the
+        job's current attempt (it was reclaimed, or already completed)."""
+        q = lease.queue
+        reply = await self.scripts.complete(
+            keys=[keys.stream(q), keys.leases(q), keys.events(q), keys.retry(q)],
+            args=[
+                keys.queue_prefix(q),
+                keys.GROUP,
+                lease.worker,
+                lease.job_id,
+                lease.attempt,
+                str(outcome.state),
+                "" if outcome.exit_code is None else outcome.exit_code,
+                outcome.detail,
+                msgpack.packb(dict(outcome.result)),
+                self.retention,
+            ],
+        )
+        if reply[0] == b"stale":
+            raise StaleAttempt(
+                lease.job_id, lease.attempt, f"the job is {_s(reply[1])} at attempt {_s(reply[2])}"
+            )
+        return JobState.QUEUED if reply[0] == b"retry" else outcome.state
+
+    async def cancel(self, job_id: str) -> str:
+        """Cancel a job: 'cancelled' (it was queued and will never start), 'cancelling' (it runs; its
+        worker stops it), or the terminal state it already had. Raises JobNotFound."""
+        q = job_queue_of(job_id)
+        state = _s(
+            await self.scripts.cancel(
+                keys=[keys.stream(q), keys.retry(q), keys.events(q)],
+                args=[keys.queue_prefix(q), keys.GROUP, job_id, self.retention],
+            )
+        )
+        if state == "missing":
+            raise JobNotFound(job_id)
+        return state
+
+    async def reclaim(self, queues: Iterable[str] | None = None) -> list[tuple[str, JobState]]:
+        """Take back every attempt whose lease deadline passed: its job goes to the front of its
+        queue (or to cancelled / dead). Returns (job id, new state) for each."""
+        out: list[tuple[str, JobState]] = []
+        for q in await self.queues() if queues is None else queues:
+            while True:
+                reply = await self.scripts.reclaim(
+                    keys=[keys.stream(q), keys.retry(q), keys.leases(q), keys.events(q)],
+                    args=[keys.queue_prefix(q), keys.GROUP, RECLAIM_BATCH, self.retention],
+                )
+                pairs = [(_s(reply[i]), JobState(_s(reply[i + 1]))) for i in range(0, len(reply), 2)]
+                out += pairs
+                if len(pairs) < RECLAIM_BATCH:
+                    break
+        for job_id, state in out:
+            log.warning("job %s: lease expired, now %s", job_id, state)
+        return out
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    async def queues(self) -> list[str]:
+        return sorted(_s(q) for q in await self.redis.smembers(keys.QUEUES))
+
+    async def get(self, job_id: str) -> JobInfo:
+        """Everything known of a job, with its attempt history. Raises JobNotFound."""
+        job_queue_of(job_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.job(job_id))
+            pipe.lrange(keys.attempts(job_id), 0, -1)
+            record, history = await pipe.execute()
+        if not record:
+            raise JobNotFound(job_id)
+        return _job_info(record, history)
+
+    async def list_jobs(
+        self, queue: str | None = None, *, include_finished: bool = False, limit: int = 1000
+    ) -> list[JobInfo]:
+        """Jobs in enqueue order: the queued and running ones, or with `include_finished` the newest
+        `limit` jobs still retained."""
+        out: list[JobInfo] = []
+        for q in [queue] if queue else await self.queues():
+            if include_finished:
+                newest = cast(list[bytes], await self.redis.zrange(keys.jobs(q), -limit, -1))
+                ids = [_s(i) for i in newest]
+            else:
+                ids = await self._active_ids(q, limit)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for job_id in ids:
+                    pipe.hgetall(keys.job(job_id))
+                records = await pipe.execute()
+            stale = [i for i, r in zip(ids, records, strict=True) if not r]
+            if stale:  # records past retention: drop them from the index too
+                await self.redis.zrem(keys.jobs(q), *stale)
+            out += [_job_info(r, []) for r in records if r]
+        out.sort(key=lambda j: (j.enqueued_at, j.seq))
+        return out[-limit:]
+
+    async def _active_ids(self, queue: str, limit: int) -> list[str]:
+        """Running (leases), reclaimed (retry) and never-delivered stream entries of one queue."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrange(keys.leases(queue), 0, -1)
+            pipe.zrange(keys.retry(queue), 0, -1)
+            pipe.xrange(keys.stream(queue), "-", "+", count=limit)
+            running, retry, entries = await pipe.execute()
+        pending = {_s(e[1][b"job"]) for e in entries if b"job" in e[1]}
+        return list(dict.fromkeys([_s(i) for i in running + retry] + sorted(pending)))
+
+    async def depth(self, queue: str) -> int:
+        """Jobs waiting in `queue`: reclaimed ones plus stream entries not yet delivered."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(keys.retry(queue))
+            pipe.xlen(keys.stream(queue))
+            pipe.xpending(keys.stream(queue), keys.GROUP)
+            try:
+                retry, length, pending = await pipe.execute()
+            except ResponseError:  # no stream or group yet: nothing was ever enqueued
+                return 0
+        return int(retry) + int(length) - int(pending["pending"])
+
+
+def _job_info(record: dict[bytes, bytes], history: list[bytes]) -> JobInfo:
+    get = record.get
+    exit_code = get(b"exit_code")
+    return JobInfo(
+        id=_s(record[b"id"]),
+        state=JobState(_s(record[b"state"])),
+        spec=JobSpec.from_dict(msgpack.unpackb(record[b"spec"])),
+        seq=int(record[b"seq"]),
+        attempt=int(record[b"attempt"]),
+        worker=_s(get(b"worker", b"")),
+        enqueued_at=int(record[b"enqueued_at"]) / 1000,
+        started_at=_seconds(get(b"started_at")),
+        ended_at=_seconds(get(b"ended_at")),
+        exit_code=int(exit_code) if exit_code else None,
+        detail=_s(get(b"detail", b"")),
+        cancel_requested=get(b"cancel") == b"1",
+        attempts=tuple(_attempt(orjson.loads(h)) for h in history),
+        result=msgpack.unpackb(get(b"result")) if get(b"result") else {},
+    )
+
+
+def _attempt(data: dict[str, Any]) -> Attempt:
+    ended = data.get("ended_at")
+    return Attempt(
+        attempt=int(data["attempt"]),
+        worker=str(data["worker"]),
+        started_at=data["started_at"] / 1000,
+        ended_at=ended / 1000 if ended else None,
+        how=str(data["how"]),
+    )

@@ -1,0 +1,28 @@
+"""The reaper (server side): takes back attempts whose lease went silent.
+
+A lease lives `worker_healthy_response_period` past its worker's last renewal, judged by Redis
+server time inside the reclaim script, so clocks of different machines are never compared. A
+reclaimed attempt's job goes to the front of its queue with attempt+1, which fences the old holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from redis.exceptions import RedisError
+
+from daemon.queue import JobQueue
+
+log = logging.getLogger(__name__)
+
+
+async def run(queue: JobQueue, interval: float) -> None:
+    """Reclaim expired leases every `interval` seconds until cancelled. Redis errors are logged and
+    retried on the next pass: a reaper that stops would leave dead workers' jobs stuck."""
+    while True:
+        try:
+            await queue.reclaim()
+        except RedisError as exc:
+            log.warning("reaper pass failed (%s); retrying in %.1f s", exc, interval)
+        await asyncio.sleep(interval)

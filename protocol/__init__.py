@@ -1,0 +1,1 @@
+"""gpupool wire protocol, sans-IO: bytes in, events out (see docs/PROTOCOL.md)."""
