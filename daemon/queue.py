@@ -30,6 +30,22 @@ log = logging.getLogger(__name__)
 DEFAULT_RETENTION = 7 * 24 * 3600
 RECLAIM_BATCH = 500
 MAX_IDEMPOTENCY_KEY = 200
+LOG_CAP = 5000  # log stream entries kept per job; a worker sends chunks of up to 64 KiB
+
+
+Entries = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+async def xread(
+    redis: Redis, streams: dict[str, str], *, block: float, count: int | None = None
+) -> list[tuple[str, Entries]]:
+    """XREAD BLOCK with the reply typed: [(stream name, [(entry id, fields)])]; [] on timeout."""
+    got = await redis.xread(streams, count=count, block=max(1, round(block * 1000)))  # type: ignore[arg-type]
+    return [(_s(name), entries) for name, entries in cast(list[tuple[bytes, Entries]], got or [])]
+
+
+async def xrange(redis: Redis, stream: str, start: str, count: int | None = None) -> Entries:
+    return cast(Entries, await redis.xrange(stream, start, "+", count=count))
 
 
 def _s(value: bytes | str) -> str:
@@ -147,8 +163,7 @@ class JobQueue:
         """Block until one of `queues` gets an entry newer than what the last `claim` saw, or until
         `block` seconds pass. True when woken by an entry. A blocking read, not polling."""
         streams = {keys.stream(q): self._cursors.get(q, "0-0") for q in queues}
-        got = await self.redis.xread(streams, count=1, block=max(1, round(block * 1000)))  # type: ignore[arg-type]
-        return bool(got)
+        return bool(await xread(self.redis, streams, count=1, block=block))
 
     async def renew(self, worker: str, leases: Iterable[Lease]) -> dict[str, RenewStatus]:
         """Extend all of a worker's leases in one round trip (one script call per queue, pipelined).
@@ -228,6 +243,35 @@ class JobQueue:
         for job_id, state in out:
             log.warning("job %s: lease expired, now %s", job_id, state)
         return out
+
+    async def append_log(self, lease: Lease, chunks: Sequence[bytes]) -> None:
+        """Append output of an attempt to its job's log (capped at LOG_CAP entries). Raises
+        StaleAttempt, writing nothing, when the attempt is no longer current."""
+        answer = await self.scripts.log(
+            keys=[keys.job(lease.job_id), keys.log(lease.job_id)],
+            args=[lease.worker, lease.attempt, LOG_CAP, *chunks],
+        )
+        if answer == b"stale":
+            raise StaleAttempt(lease.job_id, lease.attempt, "its log is closed to it")
+
+    async def read_log(
+        self, job_id: str, after: str = "0-0", *, count: int = 200, block: float | None = None
+    ) -> list[tuple[str, bytes]]:
+        """Log chunks after the entry id `after`, oldest first: (entry id, bytes). With `block`,
+        waits up to that many seconds for the first new chunk (a blocking read)."""
+        job_queue_of(job_id)
+        stream = keys.log(job_id)
+        if block is None:
+            entries = await xrange(self.redis, stream, f"({after}" if after != "0-0" else "-", count)
+        else:
+            got = await xread(self.redis, {stream: after}, count=count, block=block)
+            entries = got[0][1] if got else []
+        return [(_s(entry_id), fields[b"d"]) for entry_id, fields in entries]
+
+    async def last_event_id(self, queue: str) -> str:
+        """The id of the newest terminal event of `queue` (to wait for events after it)."""
+        newest = cast(Entries, await self.redis.xrevrange(keys.events(queue), "+", "-", count=1))
+        return _s(newest[0][0]) if newest else "0-0"
 
     # -- reads ----------------------------------------------------------------------------------
 

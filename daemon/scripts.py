@@ -11,7 +11,7 @@ from importlib import resources
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-NAMES = ("enqueue", "claim", "renew", "complete", "cancel", "reclaim")
+NAMES = ("enqueue", "claim", "renew", "complete", "cancel", "reclaim", "log")
 
 
 def source(name: str) -> str:
@@ -30,3 +30,4 @@ class Scripts:
         self.complete: AsyncScript = redis.register_script(source("complete"))
         self.cancel: AsyncScript = redis.register_script(source("cancel"))
         self.reclaim: AsyncScript = redis.register_script(source("reclaim"))
+        self.log: AsyncScript = redis.register_script(source("log"))

@@ -1,0 +1,69 @@
+"""Terminal-state notifications for `poolctl wait` and friends, from one blocking read.
+
+One task per server reads the `events` streams of every queue with XREAD BLOCK (no polling) and
+wakes the waiters of each job that ended. A waiter registers first and checks the job's state
+second, so an event between the two cannot be missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from redis.exceptions import RedisError
+
+from daemon import keys
+from daemon.queue import JobQueue, xread
+
+log = logging.getLogger(__name__)
+
+
+class JobEvents:
+    def __init__(self, queue: JobQueue, block_seconds: float) -> None:
+        self.queue = queue
+        self.block = block_seconds
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._cursors: dict[str, str] = {}
+
+    @contextlib.asynccontextmanager
+    async def watching(self, job_ids: list[str]) -> AsyncIterator[asyncio.Event]:
+        """An event set whenever one of `job_ids` reaches a terminal state (clear it to rearm)."""
+        event = asyncio.Event()
+        for job_id in job_ids:
+            self._waiters.setdefault(job_id, set()).add(event)
+        try:
+            yield event
+        finally:
+            for job_id in job_ids:
+                waiters = self._waiters.get(job_id)
+                if waiters is not None:
+                    waiters.discard(event)
+                    if not waiters:
+                        del self._waiters[job_id]
+
+    async def run(self) -> None:
+        """Read terminal events until cancelled. New queues are picked up on the next pass, which
+        comes at least every `block_seconds`."""
+        while True:
+            try:
+                await self._pass()
+            except RedisError as exc:
+                log.warning("reading job events failed (%s); retrying", exc)
+                await asyncio.sleep(1)
+
+    async def _pass(self) -> None:
+        for q in await self.queue.queues():
+            if q not in self._cursors:
+                self._cursors[q] = await self.queue.last_event_id(q)
+        if not self._cursors:
+            await asyncio.sleep(self.block)
+            return
+        streams = {keys.events(q): cursor for q, cursor in self._cursors.items()}
+        for stream, entries in await xread(self.queue.redis, streams, block=self.block):
+            q = stream.split("{q:", 1)[1].split("}", 1)[0]
+            for entry_id, fields in entries:
+                self._cursors[q] = entry_id.decode()
+                for event in self._waiters.get(fields[b"job"].decode(), ()):
+                    event.set()

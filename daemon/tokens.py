@@ -1,0 +1,115 @@
+"""Who may talk to the server, and how poolctl finds its server and token.
+
+Server side: a tokens file of ``user = "token"`` lines (TOML), readable by its owner only (0600).
+Client side: ``GPUPOOL_TOKEN``, else the file ``gpupool/token`` under ``$XDG_CONFIG_HOME`` (default
+``~/.config``); the user is ``GPUPOOL_USER`` or the login name. The server address is ``GPUPOOL_SERVER``,
+else the file ``gpupool/server`` there, which a single-machine pool writes when it starts, so poolctl
+works on that machine with no set-up at all.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import secrets
+import stat
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+
+from daemon.errors import GpupoolError
+
+TOKEN_BYTES = 32
+
+
+class TokenError(GpupoolError):
+    code = "bad_tokens"
+
+
+def client_dir(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    base = env.get("XDG_CONFIG_HOME") or str(Path(env.get("HOME") or Path.home()) / ".config")
+    return Path(base) / "gpupool"
+
+
+def local_user(env: Mapping[str, str] | None = None) -> str:
+    env = os.environ if env is None else env
+    return env.get("GPUPOOL_USER") or getpass.getuser()
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    tmp.replace(path)
+
+
+def client_token(env: Mapping[str, str] | None = None) -> str | None:
+    env = os.environ if env is None else env
+    if token := env.get("GPUPOOL_TOKEN"):
+        return token.strip()
+    path = client_dir(env) / "token"
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def client_server(env: Mapping[str, str] | None = None) -> str | None:
+    env = os.environ if env is None else env
+    if server := env.get("GPUPOOL_SERVER"):
+        return server.strip()
+    try:
+        return (client_dir(env) / "server").read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def publish_local_server(address: str, env: Mapping[str, str] | None = None) -> None:
+    """Tell poolctl on this machine where the single-machine pool listens."""
+    _write_private(client_dir(env) / "server", address + "\n")
+
+
+def ensure_local_token(data_dir: Path, env: Mapping[str, str] | None = None) -> Path:
+    """Single-machine pools: make sure the local user has a token that the server accepts and that
+    poolctl finds (the client file; kept if there is one). Returns the server's tokens file."""
+    token = client_token(env)
+    if token is None:
+        token = secrets.token_urlsafe(TOKEN_BYTES)
+        _write_private(client_dir(env) / "token", token + "\n")
+    path = data_dir / "tokens.toml"
+    tokens = dict(read_tokens(path)) if path.exists() else {}
+    user = local_user(env)
+    if tokens.get(user) != token.encode():
+        tokens[user] = token.encode()
+        _write_private(path, "".join(f'"{u}" = "{t.decode()}"\n' for u, t in sorted(tokens.items())))
+    return path
+
+
+def read_tokens(path: Path) -> dict[str, bytes]:
+    """The server's user -> token map. Refuses a file others can read: tokens are passwords."""
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text()
+    except OSError as exc:
+        raise TokenError(f"cannot read the tokens file {path}: {exc.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise TokenError(
+            f"tokens file {path} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 it"
+        )
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise TokenError(
+            f'tokens file {path} is not valid TOML ({exc}); expected lines of user = "token"'
+        ) from None
+    tokens: dict[str, bytes] = {}
+    for user, token in data.items():
+        if not isinstance(token, str) or len(token) < 16:
+            raise TokenError(
+                f"tokens file {path}: the token of {user!r} must be a string of 16 or more characters"
+            )
+        tokens[user] = token.encode()
+    return tokens
