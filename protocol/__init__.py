@@ -1,1 +1,104 @@
-"""gpupool wire protocol, sans-IO: bytes in, events out (see docs/PROTOCOL.md)."""
+"""gpupool wire protocol, sans-IO: bytes in, events out (see docs/PROTOCOL.md).
+
+The daemon and ``poolctl`` use :class:`ServerConnection` and :class:`ClientConnection`; they feed
+them bytes, pull events, and write the bytes the connections return. Nothing here does I/O.
+"""
+
+from protocol.client import ClientConnection
+from protocol.connection import (
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_MAX_IN_FLIGHT,
+    State,
+)
+from protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
+from protocol.events import (
+    NEED_DATA,
+    Authenticated,
+    CancelRequested,
+    ConnectionClosed,
+    ConnectionFailed,
+    Event,
+    GoodbyeReceived,
+    NeedData,
+    PongReceived,
+    ReplyReceived,
+    RequestFailed,
+    RequestReceived,
+)
+from protocol.frames import DEFAULT_MAX_FRAME_SIZE, HEADER_SIZE, PROTOCOL_VERSION
+from protocol.messages import (
+    CancelJobs,
+    Cancelled,
+    Enqueue,
+    EnqueueBatch,
+    Enqueued,
+    EnqueuedBatch,
+    FollowLogs,
+    JobDetail,
+    JobList,
+    ListJobs,
+    ListWorkers,
+    LogChunk,
+    LogEnd,
+    Ping,
+    Pong,
+    Reply,
+    Request,
+    ShowJob,
+    StreamItem,
+    Waited,
+    WaitJobs,
+    WorkerList,
+)
+from protocol.server import ServerConnection
+
+__all__ = [
+    "DEFAULT_HANDSHAKE_TIMEOUT",
+    "DEFAULT_IDLE_TIMEOUT",
+    "DEFAULT_MAX_FRAME_SIZE",
+    "DEFAULT_MAX_IN_FLIGHT",
+    "HEADER_SIZE",
+    "NEED_DATA",
+    "PROTOCOL_VERSION",
+    "Authenticated",
+    "CancelJobs",
+    "CancelRequested",
+    "Cancelled",
+    "ClientConnection",
+    "ConnectionClosed",
+    "ConnectionFailed",
+    "Enqueue",
+    "EnqueueBatch",
+    "Enqueued",
+    "EnqueuedBatch",
+    "ErrorCode",
+    "Event",
+    "FollowLogs",
+    "GoodbyeReceived",
+    "JobDetail",
+    "JobList",
+    "ListJobs",
+    "ListWorkers",
+    "LocalProtocolError",
+    "LogChunk",
+    "LogEnd",
+    "NeedData",
+    "Ping",
+    "Pong",
+    "PongReceived",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "Reply",
+    "ReplyReceived",
+    "Request",
+    "RequestFailed",
+    "RequestReceived",
+    "ServerConnection",
+    "ShowJob",
+    "State",
+    "StreamItem",
+    "WaitJobs",
+    "Waited",
+    "WorkerList",
+]

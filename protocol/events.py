@@ -1,0 +1,134 @@
+"""Events: what :meth:`Connection.next_event` tells its owner about the bytes it was fed.
+
+Each is a frozen dataclass; dispatch on the class with ``match``. :data:`NEED_DATA` is not an
+event but the answer "nothing more until you call ``receive_data`` again".
+"""
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Final, Literal, TypeAlias
+
+from protocol.messages import Reply, Request, StreamItem
+
+__all__ = [
+    "NEED_DATA",
+    "Authenticated",
+    "CancelRequested",
+    "ConnectionClosed",
+    "ConnectionFailed",
+    "Event",
+    "GoodbyeReceived",
+    "NeedData",
+    "PongReceived",
+    "ReplyReceived",
+    "RequestFailed",
+    "RequestReceived",
+]
+
+
+class _Sentinel(Enum):
+    NEED_DATA = "NEED_DATA"
+
+    def __repr__(self) -> str:
+        return self.value
+
+
+NEED_DATA: Final = _Sentinel.NEED_DATA
+NeedData: TypeAlias = Literal[_Sentinel.NEED_DATA]
+
+
+@dataclass(frozen=True, slots=True)
+class Authenticated:
+    """The handshake finished; both sides may now exchange requests.
+
+    On the server, ``peer`` is the client's self-description from HELLO; on the client it is the
+    server's name from WELCOME. The limits are the server's: the largest payload it accepts and
+    how many requests one connection may have in flight.
+    """
+
+    user: str
+    peer: str
+    max_frame_size: int
+    max_in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestReceived:
+    """Server: a request to carry out; finish it with ``reply`` or ``error`` on ``request_id``."""
+
+    request_id: int
+    message: Request
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequested:
+    """Server: the client no longer wants this request; stop it and still send a final frame."""
+
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyReceived:
+    """Client: an answer; ``final`` False for a STREAM item, True for the REPLY that ends it."""
+
+    request_id: int
+    message: Reply | StreamItem
+    final: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """Client: the server ended this request with an error; the connection stays open.
+
+    ``code`` is an :class:`~protocol.errors.ErrorCode` member when known, else the raw number.
+    """
+
+    request_id: int
+    code: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class PongReceived:
+    """The answer to our PING frame, carrying the value we sent."""
+
+    value: int
+
+
+@dataclass(frozen=True, slots=True)
+class GoodbyeReceived:
+    """The peer will start no new requests; in-flight ones still finish."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionFailed:
+    """The connection is dead because of a protocol error.
+
+    ``by_peer`` False: the peer broke the protocol; an ERROR frame for it waits in
+    ``data_to_send()``: write it, then close the transport. ``by_peer`` True: the peer sent a
+    fatal ERROR frame (for example AUTH_FAILED or IDLE_TIMEOUT); just close.
+    """
+
+    code: int
+    message: str
+    by_peer: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionClosed:
+    """The connection is over (end of input, or already failed); every later call returns this."""
+
+
+Event: TypeAlias = (
+    Authenticated
+    | RequestReceived
+    | CancelRequested
+    | ReplyReceived
+    | RequestFailed
+    | PongReceived
+    | GoodbyeReceived
+    | ConnectionFailed
+    | ConnectionClosed
+)

@@ -1,0 +1,405 @@
+"""Messages: one frozen, slotted dataclass per payload, and their strict msgpack (de)coding.
+
+Handshake, ERROR and GOODBYE frames carry one fixed message type each. REQUEST, REPLY and STREAM
+frames carry a map whose ``"op"`` string names the message; decoding dispatches on it. Every field
+is required (``None`` is sent as nil where the type allows it); keys a receiver does not know are
+ignored, which is how later versions can add fields. A field of the wrong type is a BAD_PAYLOAD
+protocol error naming the field: types are checked here, meaning (is that job id real? is the
+spec valid?) is the daemon's business.
+
+Job specs, jobs and workers are ``dict[str, Any]`` here; the daemon owns their schema.
+"""
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Final, TypeAlias
+
+from protocol.checks import bad_field, build, schema
+from protocol.errors import ErrorCode, RemoteProtocolError
+from protocol.frames import FrameType, pack_payload, unpack_payload
+
+__all__ = [
+    "NONCE_SIZE",
+    "Auth",
+    "CancelJobs",
+    "Cancelled",
+    "Challenge",
+    "Enqueue",
+    "EnqueueBatch",
+    "Enqueued",
+    "EnqueuedBatch",
+    "ErrorMessage",
+    "FollowLogs",
+    "Goodbye",
+    "Hello",
+    "JobDetail",
+    "JobList",
+    "ListJobs",
+    "ListWorkers",
+    "LogChunk",
+    "LogEnd",
+    "Message",
+    "Ping",
+    "Pong",
+    "Reply",
+    "Request",
+    "ShowJob",
+    "StreamItem",
+    "WaitJobs",
+    "Waited",
+    "Welcome",
+    "WorkerList",
+    "decode_message",
+    "encode_message",
+    "reply_type",
+    "stream_type",
+]
+
+NONCE_SIZE: Final = 32
+MAC_SIZE: Final = 32  # HMAC-SHA256
+MAX_USER_BYTES: Final = 255
+
+
+# -- handshake and control -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Client → server, first frame: the versions it speaks, who it is, its half of the nonce."""
+
+    FRAME: ClassVar = FrameType.HELLO
+    versions: list[int]
+    user: str
+    client_nonce: bytes
+    client: str
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """Server → client: the chosen version and the server's half of the nonce."""
+
+    FRAME: ClassVar = FrameType.CHALLENGE
+    version: int
+    server_nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    """Client → server: proof of the token (empty when the client has no token)."""
+
+    FRAME: ClassVar = FrameType.AUTH
+    mac: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """Server → client: authenticated; the limits to respect; proof the server knows the token."""
+
+    FRAME: ClassVar = FrameType.WELCOME
+    user: str
+    server: str
+    max_frame_size: int
+    max_in_flight: int
+    server_mac: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorMessage:
+    """The payload of an ERROR frame: an ErrorCode number and a sentence for a human."""
+
+    FRAME: ClassVar = FrameType.ERROR
+    code: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Goodbye:
+    """Either side: no new requests from me; in-flight ones still finish."""
+
+    FRAME: ClassVar = FrameType.GOODBYE
+    reason: str
+
+
+# -- requests ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueue:
+    """Submit one job; the same idempotency key always yields the same job id."""
+
+    OP: ClassVar = "enqueue"
+    spec: dict[str, Any]
+    idempotency_key: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueBatch:
+    """Submit several jobs at once, in order."""
+
+    OP: ClassVar = "enqueue_batch"
+    specs: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class ListJobs:
+    """List jobs, optionally filtered by queue and state."""
+
+    OP: ClassVar = "list_jobs"
+    queue: str | None
+    state: str | None
+    include_finished: bool
+    limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShowJob:
+    """Everything known about one job."""
+
+    OP: ClassVar = "show_job"
+    job_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CancelJobs:
+    """Cancel jobs by id."""
+
+    OP: ClassVar = "cancel_jobs"
+    job_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class WaitJobs:
+    """Wait until every job is terminal, or ``timeout`` seconds pass (None: no limit)."""
+
+    OP: ClassVar = "wait_jobs"
+    job_ids: list[str]
+    timeout: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class FollowLogs:
+    """Stream a job's log from ``offset`` (opaque, "" = start); with ``follow``, until it ends."""
+
+    OP: ClassVar = "follow_logs"
+    job_id: str
+    follow: bool
+    offset: str
+
+
+@dataclass(frozen=True, slots=True)
+class ListWorkers:
+    """List workers and their slots."""
+
+    OP: ClassVar = "list_workers"
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """An application-level round trip (the PING frame is the transport-level one)."""
+
+    OP: ClassVar = "ping"
+
+
+# -- replies and stream items ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    """Reply to Enqueue; ``created`` is False when the idempotency key matched an earlier job."""
+
+    OP: ClassVar = "enqueued"
+    job_id: str
+    created: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueuedBatch:
+    """Reply to EnqueueBatch: the job ids, in the order of the specs."""
+
+    OP: ClassVar = "enqueued_batch"
+    job_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class JobList:
+    """Reply to ListJobs."""
+
+    OP: ClassVar = "job_list"
+    jobs: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class JobDetail:
+    """Reply to ShowJob."""
+
+    OP: ClassVar = "job_detail"
+    job: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    """Reply to CancelJobs: job id → its state after the cancel."""
+
+    OP: ClassVar = "cancelled"
+    states: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Waited:
+    """Reply to WaitJobs: the jobs as they are now, and whether the timeout cut the wait short."""
+
+    OP: ClassVar = "waited"
+    jobs: list[dict[str, Any]]
+    timed_out: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LogChunk:
+    """STREAM item of FollowLogs: log bytes, and the offset to resume after them."""
+
+    OP: ClassVar = "log_chunk"
+    data: bytes
+    offset: str
+
+
+@dataclass(frozen=True, slots=True)
+class LogEnd:
+    """Final reply of FollowLogs: the job's state when the log ended (exit code if it has one)."""
+
+    OP: ClassVar = "log_end"
+    state: str
+    exit_code: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerList:
+    """Reply to ListWorkers."""
+
+    OP: ClassVar = "worker_list"
+    workers: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    """Reply to Ping: the server's clock (Unix seconds)."""
+
+    OP: ClassVar = "pong"
+    server_time: float
+
+
+Request: TypeAlias = (
+    Enqueue | EnqueueBatch | ListJobs | ShowJob | CancelJobs | WaitJobs | FollowLogs | ListWorkers | Ping
+)
+Reply: TypeAlias = (
+    Enqueued | EnqueuedBatch | JobList | JobDetail | Cancelled | Waited | LogEnd | WorkerList | Pong
+)
+StreamItem: TypeAlias = LogChunk
+Control: TypeAlias = Hello | Challenge | Auth | Welcome | ErrorMessage | Goodbye
+Message: TypeAlias = Control | Request | Reply | StreamItem
+
+# Which reply ends each request, and which item (if any) it may stream before that.
+_REPLY_FOR: Final[dict[type[Any], type[Any]]] = {
+    Enqueue: Enqueued,
+    EnqueueBatch: EnqueuedBatch,
+    ListJobs: JobList,
+    ShowJob: JobDetail,
+    CancelJobs: Cancelled,
+    WaitJobs: Waited,
+    FollowLogs: LogEnd,
+    ListWorkers: WorkerList,
+    Ping: Pong,
+}
+_STREAM_FOR: Final[dict[type[Any], type[Any]]] = {FollowLogs: LogChunk}
+
+_BY_OP: Final[dict[FrameType, dict[str, type[Any]]]] = {
+    FrameType.REQUEST: {cls.OP: cls for cls in _REPLY_FOR},
+    FrameType.REPLY: {cls.OP: cls for cls in _REPLY_FOR.values()},
+    FrameType.STREAM: {cls.OP: cls for cls in _STREAM_FOR.values()},
+}
+_CONTROL: Final[dict[FrameType, type[Any]]] = {
+    cls.FRAME: cls for cls in (Hello, Challenge, Auth, Welcome, ErrorMessage, Goodbye)
+}
+
+
+# Every field of every message has a checker: fail at import, not on the first message received.
+for _cls in (*_CONTROL.values(), *_REPLY_FOR, *_REPLY_FOR.values(), *_STREAM_FOR.values()):
+    schema(_cls)
+
+
+def reply_type(request: type[Any]) -> type[Any]:
+    """The reply class that finishes a request of class ``request``."""
+    return _REPLY_FOR[request]
+
+
+def stream_type(request: type[Any]) -> type[Any] | None:
+    """The STREAM item class a request of class ``request`` may produce, or None."""
+    return _STREAM_FOR.get(request)
+
+
+def _validate_control(message: Any) -> None:
+    """Checks on handshake values that HMAC and limits rely on (lengths, ranges)."""
+    problem: str | None = None
+    match message:
+        case Hello(versions=versions, user=user, client_nonce=nonce):
+            if not versions or not all(0 < v < 256 for v in versions):
+                problem = "Hello.versions must list protocol versions between 1 and 255"
+            elif not user or len(user.encode()) > MAX_USER_BYTES:
+                problem = f"Hello.user must be 1 to {MAX_USER_BYTES} bytes of UTF-8"
+            elif len(nonce) != NONCE_SIZE:
+                problem = f"Hello.client_nonce must be {NONCE_SIZE} bytes, not {len(nonce)}"
+        case Challenge(server_nonce=nonce) if len(nonce) != NONCE_SIZE:
+            problem = f"Challenge.server_nonce must be {NONCE_SIZE} bytes, not {len(nonce)}"
+        case Auth(mac=mac) | Welcome(server_mac=mac) if len(mac) not in {0, MAC_SIZE}:
+            problem = f"a MAC must be {MAC_SIZE} bytes (or empty in open mode), not {len(mac)}"
+        case Welcome(max_frame_size=size, max_in_flight=in_flight) if size < 1024 or in_flight < 1:
+            problem = "Welcome.max_frame_size must be at least 1024 and max_in_flight at least 1"
+        case _:
+            pass
+    if problem is not None:
+        raise RemoteProtocolError(
+            ErrorCode.BAD_PAYLOAD, f"{problem[0].upper()}{problem[1:]}; fix the sender."
+        )
+
+
+# -- public coding -----------------------------------------------------------------------------------
+
+
+def encode_message(message: Message) -> tuple[FrameType, bytes]:
+    """Return the frame type that carries ``message`` and its msgpack payload."""
+    body: dict[str, Any] = {f.name: getattr(message, f.name) for f in fields(message)}
+    cls: type[Any] = type(message)
+    if cls in _CONTROL.values():
+        return cls.FRAME, pack_payload(body)
+    frame_type = (
+        FrameType.STREAM
+        if cls in _STREAM_FOR.values()
+        else (FrameType.REQUEST if cls in _REPLY_FOR else FrameType.REPLY)
+    )
+    return frame_type, pack_payload({"op": cls.OP, **body})
+
+
+def decode_message(frame_type: FrameType, payload: bytes) -> Message:
+    """Decode the payload of a frame of ``frame_type``; raise RemoteProtocolError if it is invalid.
+
+    Only frame types that carry a message are accepted: not CANCEL, PING or PONG (their payload is
+    an empty map; check it with :func:`protocol.frames.unpack_payload`).
+    """
+    body = unpack_payload(payload)
+    control = _CONTROL.get(frame_type)
+    if control is not None:
+        message = build(control, body)
+        _validate_control(message)
+        return message  # type: ignore[no-any-return]
+    by_op = _BY_OP.get(frame_type)
+    if by_op is None:
+        raise ValueError(f"{frame_type.name} frames carry no message")  # a caller bug, not the peer's
+    op = body.get("op")
+    if type(op) is not str:
+        raise bad_field(f"{frame_type.name}.op", "a string naming the operation", op)
+    cls = by_op.get(op)
+    if cls is None:
+        raise RemoteProtocolError(
+            ErrorCode.UNKNOWN_OP,
+            f"Op {op[:64]!r} is not a known {frame_type.name} (known: {', '.join(sorted(by_op))}); "
+            "the peer may be newer than this side, so upgrade it.",
+        )
+    return build(cls, body)  # type: ignore[no-any-return]
