@@ -123,6 +123,20 @@ OPTIONS: tuple[Option, ...] = (
         "seconds between heartbeats; 0 means a tenth of worker_healthy_response_period",
         lo=0,
     ),
+    Option(
+        "drain_timeout",
+        float,
+        60.0,
+        "seconds a stopping worker lets running jobs finish before it stops them and hands them back",
+        lo=0,
+    ),
+    Option(
+        "kill_grace",
+        float,
+        10.0,
+        "seconds between SIGTERM and SIGKILL when a job is stopped (cancel, timeout, drain)",
+        lo=0,
+    ),
     Option("job_retention", float, 7 * 24 * 3600.0, "seconds finished jobs are kept", lo=60),
     Option("queues", list, ["default"], "queues a worker serves, in priority order"),
     Option(
@@ -141,6 +155,17 @@ OPTIONS: tuple[Option, ...] = (
         f"{SERVER_METRICS_PORT} for the server, {WORKER_METRICS_PORT} for a worker)",
         check=_host_port,
     ),
+    Option("max_connections", int, 1000, "client connections the server accepts at once", lo=1, hi=1_000_000),
+    Option(
+        "max_frame_size",
+        int,
+        16 * 1024 * 1024,
+        "largest protocol frame payload (bytes) the server accepts",
+        lo=4096,
+        hi=1024**3,
+    ),
+    Option("handshake_timeout", float, 10.0, "seconds a client has to authenticate after connecting", lo=0.1),
+    Option("idle_timeout", float, 300.0, "seconds an idle client connection stays open", lo=0.1),
     Option("tokens_file", str, "", 'file of `user = "token"` lines (mode 0600) the server accepts'),
     Option("tls_cert", str, "", "server TLS certificate (PEM); with tls_key, enables TLS"),
     Option("tls_key", str, "", "server TLS private key (PEM)", secret=False),
@@ -177,11 +202,17 @@ class Config:
     worker_healthy_response_period: float
     redis_result_queue_polling_interval: float
     heartbeat_interval: float
+    drain_timeout: float
+    kill_grace: float
     job_retention: float
     queues: list[str]
     data_dir: str
     listen: str
     metrics_listen: str
+    max_connections: int
+    max_frame_size: int
+    handshake_timeout: float
+    idle_timeout: float
     tokens_file: str
     tls_cert: str
     tls_key: str

@@ -183,7 +183,7 @@ class Attempt:
     worker: str
     started_at: float
     ended_at: float | None
-    how: str  # running, succeeded, failed, cancelled, lost
+    how: str  # running, succeeded, failed, cancelled, lost, released (handed back by a draining worker)
 
     def to_dict(self) -> dict[str, Any]:
         return {

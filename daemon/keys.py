@@ -19,7 +19,9 @@ Per queue (``gp:{q:NAME}:…``):
   idem:KEY      the job id an idempotency key was first used for.
 Pool-wide (``gp:{pool}:…``):
   queues        SET of queue names that ever had a job.
-  workers       HASH worker id -> registration (msgpack).
+  workers       HASH worker id -> registration (msgpack): host, pid, slots, GPUs, queues, state.
+  workers:seen  ZSET worker id -> time of its last heartbeat (Redis server time, ms); a worker
+                silent for longer than its registered healthy period is shown as dead.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def idempotency(queue: str, key: str) -> str:
 POOL_PREFIX = f"{PREFIX}:{{pool}}:"
 QUEUES = POOL_PREFIX + "queues"
 WORKERS = POOL_PREFIX + "workers"
+WORKERS_SEEN = POOL_PREFIX + "workers:seen"
 
 
 def is_job_id(text: str) -> bool:

@@ -12,7 +12,7 @@ blocks (XREAD BLOCK) until an entry newer than the cursors is added to one of th
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import msgpack
@@ -23,7 +23,7 @@ from redis.exceptions import ResponseError
 from daemon import keys
 from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
 from daemon.job import Attempt, JobInfo, JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id
-from daemon.scripts import Scripts
+from daemon.scripts import ScriptBatch, Scripts
 
 log = logging.getLogger(__name__)
 
@@ -145,13 +145,16 @@ class JobQueue:
 
     # -- work -----------------------------------------------------------------------------------
 
-    async def claim(self, worker: str, queues: Sequence[str], gpus_free: int = 0) -> Lease | None:
+    async def claim(
+        self, worker: str, queues: Sequence[str], gpus_free: int = 0, default_gpus: int = 0
+    ) -> Lease | None:
         """The next job for `worker`, trying `queues` in priority order; None when none has work
-        this worker can take. Never blocks: see `wait_for_work`."""
+        this worker can take. A job asking for 0 GPUs needs `default_gpus` free (a worker's share
+        per slot). Never blocks: see `wait_for_work`."""
         for q in queues:
             reply = await self.scripts.claim(
                 keys=[keys.stream(q), keys.retry(q), keys.leases(q)],
-                args=[keys.queue_prefix(q), keys.GROUP, worker, gpus_free, self.lease_ms],
+                args=[keys.queue_prefix(q), keys.GROUP, worker, gpus_free, self.lease_ms, default_gpus],
             )
             if reply[0] == b"claimed":
                 _, job_id, attempt, spec = reply
@@ -168,23 +171,34 @@ class JobQueue:
     async def renew(self, worker: str, leases: Iterable[Lease]) -> dict[str, RenewStatus]:
         """Extend all of a worker's leases in one round trip (one script call per queue, pipelined).
         A lease that was reclaimed answers LOST and is not taken back."""
+        batch = ScriptBatch(self.redis)
+        answers = self.add_renewals(batch, worker, leases)
+        return answers(await batch.execute())
+
+    def add_renewals(
+        self, batch: ScriptBatch, worker: str, leases: Iterable[Lease]
+    ) -> Callable[[Sequence[Any]], dict[str, RenewStatus]]:
+        """Add the renewals of `renew` to `batch` (so a heartbeat can send them in the same round
+        trip as other calls); returns the function that reads their answers from the batch's
+        replies once it has run."""
         by_queue: dict[str, list[Lease]] = {}
         for lease in leases:
             by_queue.setdefault(lease.queue, []).append(lease)
-        if not by_queue:
-            return {}
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for q, held in by_queue.items():
-                args: list[Any] = [keys.queue_prefix(q), worker, self.lease_ms]
-                for lease in held:
-                    args += [lease.job_id, lease.attempt]
-                await self.scripts.renew(keys=[keys.leases(q)], args=args, client=pipe)
-            replies = await pipe.execute()
-        out: dict[str, RenewStatus] = {}
-        for held, answers in zip(by_queue.values(), replies, strict=True):
-            for lease, answer in zip(held, answers, strict=True):
-                out[lease.job_id] = RenewStatus(_s(answer))
-        return out
+        calls: list[tuple[int, list[Lease]]] = []
+        for q, held in by_queue.items():
+            args: list[Any] = [keys.queue_prefix(q), worker, self.lease_ms]
+            for lease in held:
+                args += [lease.job_id, lease.attempt]
+            calls.append((batch.add(self.scripts.renew, [keys.leases(q)], args), held))
+
+        def answers(replies: Sequence[Any]) -> dict[str, RenewStatus]:
+            out: dict[str, RenewStatus] = {}
+            for index, held in calls:
+                for lease, answer in zip(held, replies[index], strict=True):
+                    out[lease.job_id] = RenewStatus(_s(answer))
+            return out
+
+        return answers
 
     async def complete(self, lease: Lease, outcome: Outcome) -> JobState:
         """Record how an attempt ended. Returns the job's state afterwards (QUEUED when a failed job
@@ -211,6 +225,29 @@ class JobQueue:
                 lease.job_id, lease.attempt, f"the job is {_s(reply[1])} at attempt {_s(reply[2])}"
             )
         return JobState.QUEUED if reply[0] == b"retry" else outcome.state
+
+    async def release(self, lease: Lease) -> JobState:
+        """Hand an attempt back that this worker stopped before its job finished (a drain): the job
+        goes to the front of its queue and is claimed next with attempt+1; a hand-back does not
+        count towards max_attempts. Returns QUEUED, or CANCELLED when the user cancelled it
+        meanwhile. Raises StaleAttempt, changing nothing, when `lease` is no longer current."""
+        q = lease.queue
+        reply = await self.scripts.release(
+            keys=[keys.stream(q), keys.retry(q), keys.leases(q), keys.events(q)],
+            args=[
+                keys.queue_prefix(q),
+                keys.GROUP,
+                lease.worker,
+                lease.job_id,
+                lease.attempt,
+                self.retention,
+            ],
+        )
+        if reply[0] == b"stale":
+            raise StaleAttempt(
+                lease.job_id, lease.attempt, f"the job is {_s(reply[1])} at attempt {_s(reply[2])}"
+            )
+        return JobState(_s(reply[0]))
 
     async def cancel(self, job_id: str) -> str:
         """Cancel a job: 'cancelled' (it was queued and will never start), 'cancelling' (it runs; its

@@ -33,10 +33,12 @@ end
 -- Move a job to a terminal state: the record, the stream entry, an event for waiters, and the
 -- retention countdown of every key of the job.
 local function finish(stream, group, events, jobkey, id, state, now, retention)
-  local j = redis.call('HMGET', jobkey, 'entry', 'idem')
+  local j = redis.call('HMGET', jobkey, 'entry', 'idem', 'enqueued_at', 'started_at')
   drop_entry(stream, group, j[1])
   redis.call('HSET', jobkey, 'state', state, 'ended_at', now)
-  redis.call('XADD', events, 'MAXLEN', '~', 10000, '*', 'job', id, 'state', state)
+  -- the times ride along so that whoever reads events (metrics) needs no second round trip
+  redis.call('XADD', events, 'MAXLEN', '~', 10000, '*', 'job', id, 'state', state,
+    'enqueued_at', j[3] or '', 'started_at', j[4] or '', 'ended_at', now)
   for _, k in ipairs({jobkey, jobkey .. ':attempts', jobkey .. ':log'}) do
     redis.call('EXPIRE', k, retention)
   end

@@ -4,20 +4,25 @@
 --    happens once, and it becomes running with attempt+1 under this worker, with a lease deadline;
 --  * order: reclaimed jobs (lowest enqueue seq first) go before any job not yet started; stream
 --    entries go strictly in enqueue order. Head of line: when the next job needs more GPUs than
---    the claimer has free, nothing is claimed and that job waits for a worker that has them;
+--    the claimer has free, nothing is claimed and that job waits for a worker that has them. A
+--    job asking for 0 GPUs needs the claimer's default (its slot's share of the worker's GPUs);
 --  * the attempt number rises on every claim: it is the lease's fencing token;
 --  * cancelled jobs and wake markers met on the way are acknowledged and deleted, never run.
 -- KEYS: 1 stream, 2 retry, 3 leases
--- ARGV: 1 queue key prefix, 2 group, 3 consumer (worker id), 4 GPUs free, 5 lease duration (ms)
+-- ARGV: 1 queue key prefix, 2 group, 3 consumer (worker id), 4 GPUs free, 5 lease duration (ms),
+--       6 GPUs a job asking for 0 gets (optional, default 0)
 -- Returns {'claimed', id, attempt, spec} | {'empty', cursor} | {'blocked', cursor}: cursor is the
 -- stream id to wait after (XREAD BLOCK) before the next claim can find anything new.
 local stream, retry, leases = KEYS[1], KEYS[2], KEYS[3]
 local prefix, group, consumer = ARGV[1], ARGV[2], ARGV[3]
 local gpus_free, lease_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
+local default_gpus = tonumber(ARGV[6]) or 0
 local now = now_ms()
 
 local function fits(jobkey)
-  return (tonumber(redis.call('HGET', jobkey, 'gpus')) or 0) <= gpus_free
+  local want = tonumber(redis.call('HGET', jobkey, 'gpus')) or 0
+  if want == 0 then want = default_gpus end
+  return want <= gpus_free
 end
 
 local function newest()

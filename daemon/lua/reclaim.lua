@@ -3,7 +3,8 @@
 -- never reclaimed however long it runs. Each taken attempt is closed as 'lost' in the history and
 -- its job goes back to the front of the queue (`retry`, claimed before any job not yet started,
 -- with attempt+1 at that claim, which fences the old holder out), or, when the user cancelled
--- it, becomes cancelled; or, after max_attempts attempts, dead (dead-letter). Entries stay pending
+-- it, becomes cancelled; or, after max_attempts lost attempts (attempts a draining worker handed
+-- back with release.lua do not count), dead (dead-letter). Entries stay pending
 -- until the job ends, so nothing a reclaimed job needs is ever trimmed.
 -- KEYS: 1 stream, 2 retry, 3 leases, 4 events
 -- ARGV: 1 queue key prefix, 2 group, 3 most to take in one call, 4 retention (s)
@@ -16,13 +17,13 @@ local requeued = false
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, limit)) do
   redis.call('ZREM', leases, id)
   local jobkey = prefix .. 'job:' .. id
-  local j = redis.call('HMGET', jobkey, 'state', 'attempt', 'max_attempts', 'cancel')
+  local j = redis.call('HMGET', jobkey, 'state', 'attempt', 'max_attempts', 'cancel', 'handbacks')
   if j[1] == 'running' then
     close_attempt(jobkey, 'lost', now)
     local state
     if j[4] == '1' then
       state = 'cancelled'
-    elseif tonumber(j[2]) >= tonumber(j[3]) then
+    elseif tonumber(j[2]) - (tonumber(j[5]) or 0) >= tonumber(j[3]) then  -- hand-backs are not losses
       state = 'dead'
       redis.call('HSET', jobkey, 'detail', 'lost ' .. j[2] .. ' attempts (max_attempts)')
     else

@@ -1,0 +1,123 @@
+"""Heartbeats: ONE Redis round trip per interval says a worker is alive and keeps all its leases.
+
+Every `interval` seconds the worker sends one pipelined batch (scripts.ScriptBatch): heartbeat.lua
+(its registration and last-seen time, by Redis's clock) and one renew.lua call per queue in which
+it runs jobs, each renewal fenced by the attempt number. The cost does not grow with the number of
+running jobs beyond one script call per queue. The answers decide each running attempt's fate:
+
+- OK: the lease is extended by the lease length, from Redis's clock;
+- LOST: the lease was reclaimed (this worker was presumed dead) or the job ended: the target kills
+  the attempt's process group at once and records nothing, since the attempt is not its own any more;
+- CANCEL: the user cancelled: the target stops the job and records it as cancelled.
+
+Self-fencing. A lease outlives its last renewal by the lease length, measured from the moment
+Redis ran the renewal, which is after the worker sent it. So when renewals keep failing (Redis
+unreachable, a network split), the worker's leases cannot have expired before `lease` seconds have
+passed since the last successful renewal was *sent*, by the worker's monotonic clock. At that point
+minus a margin (one interval), the worker kills all its jobs on its own, before the reaper can hand
+them to another worker: one live execution at a time holds through a partition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from redis.exceptions import RedisError
+
+from daemon.job import Lease, RenewStatus
+from daemon.queue import JobQueue
+from daemon.registry import Registration, add_heartbeat
+from daemon.scripts import ScriptBatch
+
+log = logging.getLogger(__name__)
+
+
+class HeartbeatTarget(Protocol):
+    """What a heartbeat needs from its worker."""
+
+    def registration(self) -> Registration: ...
+
+    def leases(self) -> Sequence[Lease]: ...
+
+    def renewed(self, statuses: Mapping[str, RenewStatus]) -> None: ...
+
+    def fence(self, reason: str) -> None: ...
+
+
+class Heartbeat:
+    """`beat()` is one heartbeat; `run()` beats every `interval` seconds until cancelled."""
+
+    def __init__(self, queue: JobQueue, target: HeartbeatTarget, interval: float) -> None:
+        self.queue = queue
+        self.target = target
+        self.interval = interval
+        self.lease = queue.lease_ms / 1000
+        self.margin = min(interval, self.lease / 3)
+        self.round_trip = 0.0  # seconds the last successful heartbeat took
+        self._failing_since: float | None = None
+        self._fence_timer: asyncio.TimerHandle | None = None
+
+    async def beat(self) -> dict[str, RenewStatus]:
+        """Refresh the registration and renew every lease in one round trip; the renewals'
+        answers by job id. Raises RedisError (or TimeoutError) when Redis does not answer."""
+        registration = self.target.registration()
+        batch = ScriptBatch(self.queue.redis)
+        add_heartbeat(batch, self.queue.scripts, registration)
+        answers = self.queue.add_renewals(batch, registration.id, self.target.leases())
+        return answers(await batch.execute())
+
+    async def beat_and_apply(self) -> bool:
+        """One heartbeat, its answers handed to the target, failures logged (once per outage).
+        True when Redis answered."""
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        try:
+            # A beat that hangs (a half-open connection) counts as failed, and the next one retries.
+            async with asyncio.timeout(max(self.interval, 1.0)):
+                statuses = await self.beat()
+        except (RedisError, TimeoutError, OSError) as exc:
+            if self._failing_since is None:
+                self._failing_since = sent
+                log.warning(
+                    "heartbeat failed (%s); jobs are killed if Redis stays unreachable for %.1f s",
+                    str(exc) or type(exc).__name__,
+                    self.lease - self.margin,
+                )
+            return False
+        self.round_trip = loop.time() - sent
+        if self._failing_since is not None:
+            log.info("heartbeat: Redis answers again after %.1f s", sent - self._failing_since)
+            self._failing_since = None
+        self._arm_fence(sent)
+        self.target.renewed(statuses)
+        return True
+
+    def _arm_fence(self, sent: float) -> None:
+        """(Re)schedule the self-fence for `lease - margin` after the last good renewal's send."""
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._fence_timer = loop.call_at(sent + self.lease - self.margin, self._fence)
+
+    def _fence(self) -> None:
+        self._fence_timer = None
+        self.target.fence(
+            f"no lease renewal for {self.lease - self.margin:.1f} s (Redis unreachable): the leases "
+            "may pass to another worker"
+        )
+
+    async def run(self) -> None:
+        """Beat every `interval` seconds (measured from each beat's start) until cancelled."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                started = loop.time()
+                await self.beat_and_apply()
+                await asyncio.sleep(max(0.0, started + self.interval - loop.time()))
+        finally:
+            if self._fence_timer is not None:
+                self._fence_timer.cancel()
+                self._fence_timer = None

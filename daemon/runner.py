@@ -1,0 +1,358 @@
+"""One attempt of a job as processes: start it, stream its output, stop it, make sure it is gone.
+
+The job's argv runs without a shell, in a new session (so its process group is its own and one
+`killpg` reaches every process it starts), with PR_SET_PDEATHSIG=SIGKILL on Linux so the kernel
+kills it if the worker dies (procguard.py kills the rest of its group then). Its directory is the
+spec's `cwd`, or a scratch directory under the worker's data directory, removed afterwards.
+
+Output (stdout and stderr merged) streams to the job's log as it comes (joblog.py); a refused
+log write means the attempt is no longer this worker's, and the job is killed at once.
+
+Stopping: a cancel, a timeout or a drain sends SIGTERM to the whole process group and SIGKILL
+after `kill_grace`; a lost lease sends SIGKILL at once. When the first process has ended, every
+process left in the job's session or seen among its descendants is SIGKILLed, and where NVML
+answers, a GPU on which a process of the job still holds memory is reported dirty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import enum
+import functools
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from daemon.aio import cancel_and_wait
+from daemon.gpus import GpuInfo, GpuProbe, GpuProbeError, visible_devices
+from daemon.job import JobState, Lease, Outcome
+from daemon.joblog import JobOutput
+from daemon.procguard import OrphanGuard
+from daemon.queue import JobQueue
+
+log = logging.getLogger(__name__)
+
+SAMPLE_SECONDS = 0.5  # RSS sampling period
+TAIL_LINES = 20  # lines of output kept in the outcome
+GPU_SETTLE_SECONDS = 3.0  # how long a GPU may take to free a dead process's memory
+PR_SET_PDEATHSIG = 1
+
+
+class Ending(enum.StrEnum):
+    """Why the job's processes ended, which decides what is recorded."""
+
+    EXITED = "exited"  # by itself: SUCCEEDED on 0, FAILED otherwise
+    CANCELLED = "cancelled"  # the user cancelled: CANCELLED
+    TIMED_OUT = "timed out"  # spec.timeout passed: FAILED
+    HANDED_BACK = "handed back"  # the worker stopped it (drain): the attempt goes back to the queue
+    LOST = "lost"  # the lease is gone: killed at once, nothing recorded (it is not ours any more)
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    ending: Ending
+    outcome: Outcome | None  # what to complete the attempt with; None for HANDED_BACK and LOST
+    dirty_gpus: Mapping[str, str] = field(default_factory=dict)  # GPU uuid -> why
+
+
+def _load_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+# Resolved before any fork: the child must only make the call.
+_PRCTL = _load_prctl()
+
+
+def _die_with(parent: int) -> None:
+    """preexec_fn of every job: the kernel SIGKILLs the job when the worker (its parent) dies."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the worker died before the prctl: no signal will ever come
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def job_env(base: Mapping[str, str], lease: Lease, gpus: Sequence[GpuInfo]) -> dict[str, str]:
+    """The job's environment: the worker's (less its GPUPOOL_* settings, which may hold secrets),
+    then the spec's, then the pool's variables, which the spec cannot override."""
+    env = {k: v for k, v in base.items() if not k.startswith("GPUPOOL_")}
+    env.update(lease.spec.env)
+    env.update(
+        GPUPOOL_JOB_ID=lease.job_id,
+        GPUPOOL_ATTEMPT=str(lease.attempt),
+        GPUPOOL_QUEUE=lease.queue,
+        GPUPOOL_WORKER=lease.worker,
+        CUDA_VISIBLE_DEVICES=visible_devices(gpus),
+    )
+    return env
+
+
+def describe_exit(returncode: int) -> tuple[int, str]:
+    """(exit code as a shell reports it, words): a signal N becomes 128+N."""
+    if returncode >= 0:
+        return returncode, f"exited with status {returncode}"
+    sig = -returncode
+    try:
+        name = f" ({signal.Signals(sig).name})"
+    except ValueError:
+        name = ""
+    return 128 + sig, f"killed by signal {sig}{name}"
+
+
+class JobRun:
+    """One attempt. `run()` once; `cancel()`, `hand_back()` and `lose()` may come at any time."""
+
+    def __init__(
+        self,
+        queue: JobQueue,
+        lease: Lease,
+        *,
+        data_dir: Path,
+        gpus: Sequence[GpuInfo] = (),
+        env: Mapping[str, str] | None = None,
+        kill_grace: float = 10.0,
+        probe: GpuProbe | None = None,
+        guard: OrphanGuard | None = None,
+    ) -> None:
+        self.queue = queue
+        self.lease = lease
+        self.gpus = tuple(gpus)
+        self.kill_grace = kill_grace
+        self.probe = probe
+        self.guard = guard
+        self.scratch = data_dir / "jobs" / f"{lease.job_id}.{lease.attempt}"
+        self._env = job_env(os.environ if env is None else env, lease, self.gpus)
+        self.ending: Ending | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._killer: asyncio.Task[None] | None = None
+        self.output = JobOutput(queue, lease, self.lose)
+        self._descendants: dict[int, float] = {}  # pid -> create time, of every process seen
+        self._peak_rss = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # -- stopping ---------------------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """The user cancelled: SIGTERM, SIGKILL after the grace; recorded as CANCELLED."""
+        self._stop(Ending.CANCELLED, "cancelled")
+
+    def hand_back(self, now: bool = False) -> None:
+        """The worker is stopping: stop the job (at once with `now`) so the attempt can go back."""
+        self._stop(Ending.HANDED_BACK, "the worker is stopping", now=now)
+
+    def lose(self, why: str) -> None:
+        """The attempt is no longer this worker's: SIGKILL at once, record nothing (its log
+        included: the fenced writes would be refused, or Redis is out of reach)."""
+        self._stop(Ending.LOST, why, now=True)
+        self.output.closed = True
+
+    def _stop(self, ending: Ending, why: str, now: bool = False) -> None:
+        first = self.ending is None
+        if first or ending is Ending.LOST:
+            self.ending = ending
+        if self._proc is None or self._proc.returncode is not None:
+            return  # not started yet (run() applies the ending) or already ended
+        if now:
+            self.output.note(f"{why}: killing the job now")
+            self._signal(signal.SIGKILL)
+        elif first:
+            self.output.note(f"{why}: stopping the job (SIGTERM, then SIGKILL after {self.kill_grace:g} s)")
+            self._killer = asyncio.create_task(self._terminate(), name=f"stop {self.lease.job_id}")
+
+    async def _terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+        await asyncio.sleep(self.kill_grace)
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self._proc is not None:
+            # The first process leads the group (new session), so its pid is the group id.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._proc.pid, sig)
+
+    def _timeout(self) -> None:
+        self._stop(Ending.TIMED_OUT, f"timed out after {self.lease.spec.timeout:g} s")
+
+    # -- running ----------------------------------------------------------------------------------
+
+    async def run(self) -> RunResult:
+        """Run the attempt to its end and say how it ended. If cancelled itself, the job's
+        processes are killed before the CancelledError goes on."""
+        spec = self.lease.spec
+        started = time.time()
+        cwd = Path(spec.cwd) if spec.cwd else self.scratch
+        try:
+            if not spec.cwd:
+                await asyncio.to_thread(self.scratch.mkdir, parents=True, exist_ok=True)
+            self._proc = await asyncio.create_subprocess_exec(
+                *spec.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                cwd=cwd,
+                env=self._env,
+                start_new_session=True,
+                preexec_fn=functools.partial(_die_with, os.getpid()),
+            )
+        except OSError as exc:
+            detail = f"cannot start {spec.argv[0]!r} in {cwd}: {exc.strerror or exc}"
+            self.output.note(detail)
+            await self.output.flush()
+            await self._remove_scratch()
+            return RunResult(Ending.EXITED, self._outcome(None, detail, started))
+        pgid = self._proc.pid
+        if self.guard is not None:
+            self.guard.watch(pgid)
+        if self.ending is not None:  # stopped while it was being started
+            self._stop(self.ending, "stopped before it started", now=self.ending is not Ending.CANCELLED)
+        return await self._supervise(pgid, started)
+
+    async def _supervise(self, pgid: int, started: float) -> RunResult:
+        assert self._proc is not None
+        assert self._proc.stdout is not None
+        loop = asyncio.get_running_loop()
+        pump = asyncio.create_task(self.output.pump(self._proc.stdout), name=f"output {self.lease.job_id}")
+        sampler = asyncio.create_task(self._sample(pgid), name=f"rss {self.lease.job_id}")
+        timer = loop.call_later(self.lease.spec.timeout, self._timeout) if self.lease.spec.timeout else None
+        try:
+            returncode = await self._proc.wait()
+        finally:
+            if timer is not None:
+                timer.cancel()
+            await cancel_and_wait(sampler)
+            if self._killer is not None:
+                await cancel_and_wait(self._killer)
+            leftovers = await asyncio.to_thread(_kill_leftovers, pgid, dict(self._descendants))
+            if self.guard is not None:
+                self.guard.forget(pgid)
+            await self.output.finish(pump)
+        if leftovers:
+            log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(leftovers))
+        dirty = await self._check_gpus(pgid)
+        await self._remove_scratch()
+        return RunResult(self.ending or Ending.EXITED, self._outcome(returncode, "", started), dirty)
+
+    def _outcome(self, returncode: int | None, detail: str, started: float) -> Outcome | None:
+        ending = self.ending or Ending.EXITED
+        if ending in (Ending.HANDED_BACK, Ending.LOST):
+            return None
+        code, how = describe_exit(returncode) if returncode is not None else (None, detail)
+        result: dict[str, Any] = {
+            "peak_rss": self._peak_rss,
+            "started_at": started,
+            "ended_at": time.time(),
+            "gpus": [g.uuid for g in self.gpus],
+            "tail": self.output.tail(TAIL_LINES),
+        }
+        if returncode is not None and returncode < 0:
+            result["signal"] = -returncode
+        if ending is Ending.CANCELLED:
+            return Outcome(JobState.CANCELLED, code, f"cancelled; {how}", result)
+        if ending is Ending.TIMED_OUT:
+            return Outcome(
+                JobState.FAILED, code, f"timed out after {self.lease.spec.timeout:g} s; {how}", result
+            )
+        state = JobState.SUCCEEDED if returncode == 0 else JobState.FAILED
+        return Outcome(state, code, "" if returncode == 0 else how, result)
+
+    async def _sample(self, pgid: int) -> None:
+        """Peak RSS of the job's process tree, and every descendant's pid (to find, at the end,
+        any that left the session). Sampled: a kernel high-water mark per tree does not exist."""
+        while True:
+            rss, seen = await asyncio.to_thread(_tree, pgid)
+            self._peak_rss = max(self._peak_rss, rss)
+            self._descendants.update(seen)
+            await asyncio.sleep(SAMPLE_SECONDS)
+
+    async def _remove_scratch(self) -> None:
+        if not self.lease.spec.cwd:
+            await asyncio.to_thread(shutil.rmtree, self.scratch, ignore_errors=True)
+
+    # -- GPUs -------------------------------------------------------------------------------------
+
+    async def _check_gpus(self, pgid: int) -> dict[str, str]:
+        """GPUs on which a process of the job still holds memory, after a short settling time."""
+        if not self.gpus or self.probe is None:
+            return {}
+        ours = set(self._descendants) | {pgid}
+        deadline = time.monotonic() + GPU_SETTLE_SECONDS
+        while True:
+            dirty = await asyncio.to_thread(_dirty_gpus, self.probe, self.gpus, ours, pgid)
+            if not dirty or time.monotonic() > deadline:
+                return dirty
+            # The driver frees a dead process's memory a moment after the process is reaped.
+            await asyncio.sleep(0.25)
+
+
+def _tree(pgid: int) -> tuple[int, dict[int, float]]:
+    """RSS of the job's first process and its descendants, and their pids with creation times."""
+    try:
+        root = psutil.Process(pgid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0, {}
+    rss, seen = 0, {}
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            rss += p.memory_info().rss
+            seen[p.pid] = p.create_time()
+    return rss, seen
+
+
+def _kill_leftovers(pgid: int, descendants: Mapping[int, float]) -> list[int]:
+    """SIGKILL what is left of a job: its group, any process of its session (one that changed its
+    group), any descendant seen while it ran that moved to a session of its own. Waits until they
+    are gone. Returns the pids that were left."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    left = []
+    for p in psutil.process_iter(["create_time", "status"]):
+        try:
+            ours = os.getsid(p.pid) == pgid
+        except OSError:
+            continue
+        if not ours and descendants.get(p.pid) != p.info["create_time"]:
+            continue
+        if p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue  # already dead, waiting for its parent (or init) to reap it
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+            left.append(p)
+    psutil.wait_procs(left, timeout=5)
+    return [p.pid for p in left]
+
+
+def _dirty_gpus(probe: GpuProbe, gpus: Sequence[GpuInfo], ours: set[int], sid: int) -> dict[str, str]:
+    dirty = {}
+    for g in gpus:
+        try:
+            pids = probe.compute_pids(g.uuid)
+        except GpuProbeError as exc:
+            dirty[g.uuid] = f"cannot check it after the job: {exc}"
+            continue
+        held = sorted(pid for pid in pids if pid in ours or _session(pid) == sid)
+        if held:
+            dirty[g.uuid] = f"processes {held} of the job still hold memory on it"
+    return dirty
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
