@@ -1,5 +1,6 @@
 """`python -m bench` (make bench): run every benchmark in turn."""
 
-from bench import queue_rates
+from bench import protocol_rtt, queue_rates
 
 queue_rates.main([])
+protocol_rtt.main([])

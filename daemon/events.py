@@ -10,22 +10,44 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
 from daemon import keys
+from daemon.job import JobState
 from daemon.queue import JobQueue, xread
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class Terminal:
+    """A job reached a terminal state; times are Redis server time in seconds (None: never ran)."""
+
+    queue: str
+    job_id: str
+    state: JobState
+    enqueued_at: float | None
+    started_at: float | None
+    ended_at: float | None
+
+
+def _seconds(value: bytes | None) -> float | None:
+    return int(value) / 1000 if value else None
+
+
 class JobEvents:
-    def __init__(self, queue: JobQueue, block_seconds: float) -> None:
+    def __init__(
+        self, queue: JobQueue, block_seconds: float, on_terminal: Callable[[Terminal], None] | None = None
+    ) -> None:
         self.queue = queue
+        self.on_terminal = on_terminal
         self.block = block_seconds
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._cursors: dict[str, str] = {}
+        self._started = False
 
     @contextlib.asynccontextmanager
     async def watching(self, job_ids: list[str]) -> AsyncIterator[asyncio.Event]:
@@ -56,7 +78,10 @@ class JobEvents:
     async def _pass(self) -> None:
         for q in await self.queue.queues():
             if q not in self._cursors:
-                self._cursors[q] = await self.queue.last_event_id(q)
+                # Queues there at start: from their newest event (history is not news). A queue that
+                # appears later: from its first event, which may predate our noticing the queue.
+                self._cursors[q] = await self.queue.last_event_id(q) if not self._started else "0-0"
+        self._started = True
         if not self._cursors:
             await asyncio.sleep(self.block)
             return
@@ -65,5 +90,17 @@ class JobEvents:
             q = stream.split("{q:", 1)[1].split("}", 1)[0]
             for entry_id, fields in entries:
                 self._cursors[q] = entry_id.decode()
-                for event in self._waiters.get(fields[b"job"].decode(), ()):
+                job_id = fields[b"job"].decode()
+                for event in self._waiters.get(job_id, ()):
                     event.set()
+                if self.on_terminal is not None:
+                    self.on_terminal(
+                        Terminal(
+                            q,
+                            job_id,
+                            JobState(fields[b"state"].decode()),
+                            _seconds(fields.get(b"enqueued_at")),
+                            _seconds(fields.get(b"started_at")),
+                            _seconds(fields.get(b"ended_at")),
+                        )
+                    )

@@ -19,6 +19,7 @@ from daemon import config as config_mod
 from daemon import logs
 from daemon.errors import ConfigError, GpupoolError
 from daemon.server import PoolServer
+from daemon.worker import run_worker
 
 log = logging.getLogger("poold")
 
@@ -43,11 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name} = {value!r}  # {config.sources[name]}")
         return 0
     logs.setup(config.log_format, config.log_level)
-    if args.worker:
-        log.error("worker mode is not built yet in this version")
-        return 2
     try:
-        return uvloop.run(_serve(config))
+        return uvloop.run(run_worker(config) if args.worker else _serve(config))
     except GpupoolError as exc:
         log.error("%s", exc)
         return 1
@@ -57,24 +55,28 @@ async def _serve(config: config_mod.Config) -> int:
     stop = asyncio.Event()
     main_task = asyncio.current_task()
     loop = asyncio.get_running_loop()
+    server = PoolServer(config)
+    started = False
 
     def on_signal(sig: signal.Signals) -> None:
-        if stop.is_set():
-            log.warning("%s again: stopping now", sig.name)
-            if main_task is not None:
-                main_task.cancel()
-        else:
-            log.info("%s: stopping (send it again to stop at once)", sig.name)
+        if not stop.is_set():
+            log.info("%s: stopping; running jobs may finish (send it again to stop at once)", sig.name)
             stop.set()
+        elif started:
+            log.warning("%s again: stopping jobs now and handing them back", sig.name)
+            server.force()
+        if not started and main_task is not None:
+            main_task.cancel()  # still starting (e.g. waiting for Redis): give up at once
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    server = PoolServer(config)
     try:
         await server.start()
+        started = True
         await stop.wait()
     except asyncio.CancelledError:
-        pass
+        if not stop.is_set():
+            raise
     finally:
         await server.stop()
     return 0

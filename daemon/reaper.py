@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
+from daemon.job import JobState
 from daemon.queue import JobQueue
 
 log = logging.getLogger(__name__)
 
 
-async def run(queue: JobQueue, interval: float) -> None:
+async def run(
+    queue: JobQueue, interval: float, on_reclaimed: Callable[[str, JobState], None] | None = None
+) -> None:
     """Reclaim expired leases every `interval` seconds until cancelled. Redis errors are logged and
     retried on the next pass: a reaper that stops would leave dead workers' jobs stuck."""
     while True:
         try:
-            await queue.reclaim()
+            for job_id, state in await queue.reclaim():
+                if on_reclaimed is not None:
+                    on_reclaimed(job_id, state)
         except RedisError as exc:
             log.warning("reaper pass failed (%s); retrying in %.1f s", exc, interval)
         await asyncio.sleep(interval)

@@ -1,15 +1,24 @@
-"""Server mode: the pool's Redis, the reaper, and (with the wire protocol) the client listener."""
+"""Server mode: the pool's Redis, the reaper, terminal events, and the client listener."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
-from daemon import reaper
+from daemon import keys, notify, reaper, registry, tokens
 from daemon.config import Config
+from daemon.events import JobEvents, Terminal
+from daemon.handlers import Handlers
+from daemon.job import JobState
+from daemon.listener import Listener, ListenerError, is_loopback, tls_context
+from daemon.metrics import MetricsServer, ServerMetrics, metrics_address, serve_metrics
 from daemon.queue import JobQueue
 from daemon.redis_client import PoolRedis
+from daemon.session import Limits
+from daemon.tasks import TaskSet
+from daemon.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -21,29 +30,115 @@ class PoolServer:
         self.config = config
         self.redis = PoolRedis(config)
         self.queue: JobQueue | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.listener: Listener | None = None
+        self.metrics = ServerMetrics()
+        self.metrics_server: MetricsServer | None = None
+        self.local: Worker | None = None  # the slots a single-machine pool runs itself
+        self._tasks = TaskSet()
+
+    def _tokens(self) -> Mapping[str, bytes] | None:
+        c = self.config
+        if c.tokens_file:
+            return tokens.read_tokens(Path(c.tokens_file))
+        if c.embedded:  # a single-machine pool authenticates its local user with no set-up
+            return tokens.read_tokens(tokens.ensure_local_token(c.data_path()))
+        return None  # open mode; Listener allows it on loopback only
 
     async def start(self) -> None:
-        client = await self.redis.start()
         c = self.config
+        if bool(c.tls_cert) != bool(c.tls_key):
+            raise ListenerError("tls_cert and tls_key go together: give both, or neither")
+        known_tokens = self._tokens()
+        host, port = c.listen_address()
+        if known_tokens is None and not is_loopback(host):  # refuse before starting anything
+            raise ListenerError(
+                f"refusing to listen on {c.listen} without authentication: set tokens_file "
+                '(lines of user = "token"), or listen on 127.0.0.1'
+            )
+        client = await self.redis.start()
         self.queue = JobQueue(
             client, lease_seconds=c.worker_healthy_response_period, retention_seconds=int(c.job_retention)
         )
-        interval = min(c.worker_healthy_response_period / 4, 5.0)
-        self._spawn(reaper.run(self.queue, interval), "reaper")
-        where = "embedded, data in " + str(c.data_path()) if self.redis.embedded else c.worker_mode
-        log.info("gpupool server ready: Redis on %s (%s)", self.redis.address, where)
+        events = JobEvents(self.queue, c.redis_result_queue_polling_interval / 1000, self._finished)
+        self._tasks.spawn(events.run(), "job-events")
+        reap_every = min(c.worker_healthy_response_period / 4, 5.0)
+        self._tasks.spawn(reaper.run(self.queue, reap_every, self._reclaimed), "reaper")
+        self.listener = Listener(
+            Handlers(self.queue, events, self.list_workers, self.metrics),
+            known_tokens,
+            host,
+            port,
+            tls=tls_context(c.tls_cert, c.tls_key) if c.tls_cert else None,
+            limits=Limits(
+                max_frame_size=c.max_frame_size,
+                handshake_timeout=c.handshake_timeout,
+                idle_timeout=c.idle_timeout,
+                max_connections=c.max_connections,
+            ),
+            metrics=self.metrics,
+        )
+        await self.listener.start()
+        self.metrics.watch(self.queue, self.list_workers)
+        mhost, mport = metrics_address(c, worker=False)
+        try:
+            self.metrics_server = await serve_metrics(
+                self.metrics.registry, mhost, mport, before_scrape=self.metrics.refresh
+            )
+        except OSError as exc:
+            raise ListenerError(
+                f"cannot serve metrics on {mhost}:{mport} ({exc.strerror}): "
+                "set metrics_listen to a free HOST:PORT"
+            ) from None
+        if c.embedded and c.worker_local_processors > 0:
+            self.local = Worker.from_config(self.queue, c, slots=c.worker_local_processors)
+            await self.local.start()
+        if c.embedded:
+            tokens.publish_local_server(self.listener.address)
+        where = f"embedded, data in {c.data_path()}" if self.redis.embedded else c.worker_mode
+        log.info(
+            "gpupool server ready on %s: Redis on %s (%s), metrics on %s:%d",
+            self.listener.address,
+            self.redis.address,
+            where,
+            mhost,
+            self.metrics_server.port,
+        )
+        if (interval := notify.watchdog_interval()) is not None:
+            self._tasks.spawn(notify.watchdog(interval), "watchdog")
+        notify.ready(f"serving on {self.listener.address}")
 
-    def _spawn(self, coro: object, name: str) -> None:
-        task: asyncio.Task[None] = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _finished(self, event: Terminal) -> None:
+        wait = run = None
+        if event.started_at is not None:
+            wait = event.started_at - (event.enqueued_at or event.started_at)
+            run = (event.ended_at or event.started_at) - event.started_at
+        self.metrics.job_finished(event.queue, event.state, wait, run)
+
+    def _reclaimed(self, job_id: str, state: JobState) -> None:
+        self.metrics.attempts_reclaimed(keys.queue_of(job_id))
+
+    async def list_workers(self) -> list[dict[str, Any]]:
+        assert self.queue is not None
+        return await registry.list_workers(self.queue.redis)
+
+    def force(self) -> None:
+        """A second stop signal: local jobs are stopped and handed back now, not drained."""
+        if self.local is not None:
+            self.local.force()
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        """Drain the local slots, close the metrics and the listener, stop the background tasks, then
+        Redis. Safe to call twice."""
+        notify.stopping("stopping")
+        if self.local is not None:
+            await self.local.stop()
+            self.local = None
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
+            self.metrics_server = None
+        if self.listener is not None:
+            await self.listener.stop()
+            self.listener = None
+        await self._tasks.stop()
         await self.redis.stop()
         log.info("gpupool server stopped")

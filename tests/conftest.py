@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 
 from daemon.embedded_redis import EmbeddedRedis
 from daemon.queue import JobQueue
+from tests.pool import Pool, running_pool
 from tests.s3server import S3Server
 
 
@@ -54,3 +55,9 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+async def pool(redis_server: EmbeddedRedis, tmp_path: Path) -> AsyncIterator[Pool]:
+    async with running_pool(redis_server, tmp_path) as p:
+        yield p

@@ -16,7 +16,17 @@ from daemon.embedded_redis import _is_redis_process
 
 def start_poold(data_dir: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "daemon.main", "--data-dir", str(data_dir), "--listen", "127.0.0.1:0"],
+        [
+            sys.executable,
+            "-m",
+            "daemon.main",
+            "--data-dir",
+            str(data_dir),
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -27,7 +37,7 @@ def wait_ready(proc: subprocess.Popen[str]) -> str:
     lines = []
     for line in proc.stderr:
         lines.append(line)
-        if "ready" in line:
+        if "server ready on" in line:
             return line
     raise AssertionError("poold exited before it was ready:\n" + "".join(lines))
 

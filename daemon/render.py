@@ -1,0 +1,151 @@
+"""How poolctl prints: rich tables on a terminal, plain aligned text otherwise, JSON on request."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+STATE_STYLE = {
+    "queued": "yellow",
+    "running": "cyan",
+    "succeeded": "green",
+    "failed": "red",
+    "cancelled": "magenta",
+    "dead": "bold red",
+    "healthy": "green",
+    "draining": "yellow",
+}
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], state_col: int | None = None) -> None:
+    console = Console()
+    if console.is_terminal:
+        table = Table(*headers, box=None, header_style="bold", pad_edge=False)
+        for row in rows:
+            cells = list(row)
+            if state_col is not None and (style := STATE_STYLE.get(cells[state_col])):
+                cells[state_col] = f"[{style}]{cells[state_col]}[/]"
+            table.add_row(*cells)
+        console.print(table)
+        return
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    for line in [headers, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+
+
+def _json_lines(items: Sequence[dict[str, Any]]) -> None:
+    for item in items:
+        sys.stdout.write(orjson.dumps(item).decode() + "\n")
+
+
+def jobs(items: Sequence[dict[str, Any]], *, as_json: bool) -> None:
+    if as_json:
+        _json_lines(items)
+        return
+    now = time.time()
+    rows = []
+    for j in items:
+        started, ended = j["started_at"], j["ended_at"]
+        waited = (started or (None if ended else now)) and ((started or now) - j["enqueued_at"])
+        ran = started and ((ended or now) - started)
+        rows.append(
+            [
+                j["id"],
+                j["spec"]["name"] or " ".join(j["spec"]["argv"])[:30],
+                j["spec"]["user"],
+                j["spec"]["queue"],
+                j["state"],
+                str(j["attempt"]),
+                j["worker"] or "-",
+                duration(waited),
+                duration(ran),
+            ]
+        )
+    _table(["ID", "NAME", "USER", "QUEUE", "STATE", "ATTEMPT", "WORKER", "WAITED", "RAN"], rows, state_col=4)
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def job(j: dict[str, Any], *, as_json: bool) -> None:
+    if as_json:
+        _json_lines([j])
+        return
+    spec = j["spec"]
+    lines = [
+        ("id", j["id"]),
+        ("state", j["state"] + (" (cancel requested)" if j["cancel_requested"] else "")),
+        ("pending", j.get("pending_reason")),
+        ("name", spec["name"] or None),
+        ("user", spec["user"]),
+        ("queue", spec["queue"]),
+        ("command", " ".join(spec["argv"])),
+        ("gpus", str(spec["gpus"])),
+        ("cwd", spec["cwd"]),
+        ("env", " ".join(f"{k}={v}" for k, v in spec["env"].items()) or None),
+        ("timeout", f"{spec['timeout']:g} s" if spec["timeout"] else None),
+        (
+            "attempt",
+            f"{j['attempt']} (max {spec['max_attempts']} lost, {spec['retries']} retries on failure)",
+        ),
+        ("worker", j["worker"] or None),
+        ("enqueued", _when(j["enqueued_at"])),
+        ("started", _when(j["started_at"])),
+        ("ended", _when(j["ended_at"])),
+        ("exit code", None if j["exit_code"] is None else str(j["exit_code"])),
+        ("detail", j["detail"] or None),
+    ]
+    for key, value in lines:
+        if value is not None:
+            print(f"{key + ':':<11}{value}")
+    if j["attempts"]:
+        print("attempts:")
+        for a in j["attempts"]:
+            ran = duration((a["ended_at"] or time.time()) - a["started_at"])
+            started = _when(a["started_at"])
+            print(f"  #{a['attempt']}  {a['how']:<10} on {a['worker']}  started {started}  ran {ran}")
+
+
+def workers(items: Sequence[dict[str, Any]], *, as_json: bool) -> None:
+    if as_json:
+        _json_lines(items)
+        return
+    if not items:
+        print("no workers have registered with this pool")
+        return
+    rows = []
+    for w in items:
+        gpus = w.get("gpus") or []
+        gpu_text = ", ".join(str(g.get("name", "?")) for g in gpus) if gpus else "cpu only"
+        rows.append(
+            [
+                w.get("id", "?"),
+                w.get("host", "?"),
+                w.get("health", "?"),
+                f"{w.get('slots_busy', 0)}/{w.get('slots', 0)}",
+                gpu_text,
+                duration(w.get("last_heartbeat_age")) + " ago",
+                str(w.get("version", "")),
+            ]
+        )
+    _table(["WORKER", "HOST", "STATE", "SLOTS", "GPUS", "HEARTBEAT", "VERSION"], rows, state_col=2)

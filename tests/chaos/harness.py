@@ -1,0 +1,225 @@
+"""The chaos harness: a real pool (redis-server, a `poold` server process, `poold --worker`
+processes), real faults, and a ledger that every job writes to.
+
+Each job is a tiny shell command that appends `job attempt worker start|end nanoseconds` to the
+ledger (one short O_APPEND write per line, atomic between processes). Faults are real: SIGKILL and
+SIGSTOP/SIGCONT of worker processes, kill -9 and restart of redis-server on its AOF, SIGTERM and
+restart of the server process. Submissions use idempotency keys and retry across server restarts,
+as a careful client would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from daemon.client import ClientError, PoolClient
+from daemon.embedded_redis import EmbeddedRedis, free_port
+from protocol import Enqueue, Enqueued
+
+JOB_SECONDS = 0.2
+
+
+def job_command(ledger: Path) -> list[str]:
+    fields = '"$GPUPOOL_JOB_ID" "$GPUPOOL_ATTEMPT" "$GPUPOOL_WORKER" "$1" "$(date +%s%N)"'
+    line = f'printf "%s %s %s %s %s\\n" {fields} >> {ledger}'
+    script = f"set -- start; {line}; sleep {JOB_SECONDS}; set -- end; {line}"
+    return ["sh", "-c", script]
+
+
+@dataclass
+class WorkerProc:
+    name: str
+    proc: subprocess.Popen[bytes]
+    killed_at: float | None = None  # time.time() of a SIGKILL: its jobs died with it (PDEATHSIG)
+
+
+@dataclass
+class Faults:
+    worker_kill: int = 0
+    worker_stop: int = 0
+    redis_restart: int = 0
+    server_restart: int = 0
+    idempotency_storm: int = 0
+    log: list[tuple[float, str]] = field(default_factory=list)
+
+    def note(self, what: str) -> None:
+        self.log.append((time.time(), what))
+
+
+class Cluster:
+    def __init__(self, tmp: Path, redis: EmbeddedRedis, *, lease: float, slots: int = 2) -> None:
+        self.tmp = tmp
+        self.redis = redis
+        self.lease = lease
+        self.slots = slots
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.token = secrets.token_urlsafe(24)
+        self.tokens_file = tmp / "tokens.toml"
+        self.tokens_file.write_text(f'chaos = "{self.token}"\n')
+        self.tokens_file.chmod(0o600)
+        self.ledger = tmp / "ledger.txt"
+        self.ledger.touch()
+        self.server: subprocess.Popen[bytes] | None = None
+        self.workers: list[WorkerProc] = []
+        self.faults = Faults()
+        self._count = 0
+
+    def _env(self) -> dict[str, str]:
+        return dict(
+            os.environ,
+            XDG_CONFIG_HOME=str(self.tmp / "xdg"),
+            GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=self.redis.password,
+        )
+
+    def _common(self) -> list[str]:
+        return [
+            "--worker-mode",
+            "multinode",
+            "--redis-port",
+            str(self.redis.port),
+            "--worker-healthy-response-period",
+            str(self.lease),
+            "--heartbeat-interval",
+            str(self.lease / 8),
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--log-level",
+            "warning",
+        ]
+
+    def _spawn(self, argv: list[str], log_name: str) -> subprocess.Popen[bytes]:
+        with open(self.tmp / log_name, "ab") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "daemon.main", *argv], env=self._env(), stdout=log, stderr=log
+            )
+
+    async def start_server(self) -> None:
+        self.server = self._spawn(
+            [
+                *self._common(),
+                "--listen",
+                self.address,
+                "--tokens-file",
+                str(self.tokens_file),
+                "--data-dir",
+                str(self.tmp / "server"),
+            ],
+            "server.log",
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                writer.close()
+                await writer.wait_closed()
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the server did not start; see server.log")
+
+    async def restart_server(self) -> None:
+        assert self.server is not None
+        self.faults.server_restart += 1
+        self.faults.note("server restart")
+        self.server.terminate()
+        await asyncio.to_thread(self.server.wait, 30)
+        await self.start_server()
+
+    def start_worker(self) -> WorkerProc:
+        self._count += 1
+        name = f"w{self._count}"
+        proc = self._spawn(
+            [
+                "--worker",
+                *self._common(),
+                "--worker-remote-processors",
+                str(self.slots),
+                "--data-dir",
+                str(self.tmp / name),
+                "--drain-timeout",
+                "30",
+            ],
+            f"{name}.log",
+        )
+        worker = WorkerProc(name, proc)
+        self.workers.append(worker)
+        return worker
+
+    def kill_worker(self, worker: WorkerProc) -> None:
+        self.faults.worker_kill += 1
+        self.faults.note(f"SIGKILL {worker.name}")
+        worker.proc.kill()
+        worker.proc.wait(10)
+        worker.killed_at = time.time()
+
+    async def stop_worker_for(self, worker: WorkerProc, seconds: float) -> None:
+        """SIGSTOP longer than the lease, then SIGCONT: the zombie comes back to stale leases."""
+        self.faults.worker_stop += 1
+        self.faults.note(f"SIGSTOP {worker.name} for {seconds:g} s")
+        worker.proc.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(seconds)
+        worker.proc.send_signal(signal.SIGCONT)
+
+    async def restart_redis(self) -> None:
+        self.faults.redis_restart += 1
+        self.faults.note("redis kill -9 + restart")
+        await asyncio.to_thread(self.redis.kill)
+        await asyncio.to_thread(self.redis.start)
+
+    async def stop_all(self) -> None:
+        for worker in self.workers:
+            if worker.proc.poll() is None:
+                worker.proc.send_signal(signal.SIGCONT)
+                worker.proc.terminate()
+        for worker in self.workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(worker.proc.wait, 40)
+            if worker.proc.poll() is None:
+                worker.proc.kill()
+                worker.proc.wait(5)
+        if self.server is not None:
+            self.server.terminate()
+            await asyncio.to_thread(self.server.wait, 30)
+
+    def client(self) -> PoolClient:
+        return PoolClient(self.address, "chaos", self.token)
+
+
+class Submitter:
+    """Submits jobs with idempotency keys, retrying through server restarts; records every id it
+    was given (the jobs the pool must not lose)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.ids: dict[str, str] = {}  # idempotency key -> job id
+        self._client: PoolClient | None = None
+
+    async def submit(self, key: str, spec: dict[str, object]) -> str:
+        for _ in range(200):
+            try:
+                if self._client is None:
+                    self._client = self.cluster.client()
+                    await self._client.connect()
+                reply = await self._client.call(Enqueue(spec, key), Enqueued)
+            except ClientError:
+                await self.close()
+                await asyncio.sleep(0.1)
+                continue
+            self.ids[key] = reply.job_id
+            return reply.job_id
+        raise AssertionError(f"could not submit {key} in 200 tries")
+
+    async def close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.close()
+            self._client = None

@@ -1,0 +1,108 @@
+"""Chaos: real worker processes, a real redis-server and a real server process, with faults of
+every kind injected while jobs flow; then the checker verifies every guarantee (docs/GUARANTEES.md).
+
+The small variant runs in `make test`; the large one (`-m slow`) is what `make chaos` runs."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+from daemon.embedded_redis import EmbeddedRedis
+from daemon.queue import JobQueue
+from tests.chaos.checker import Verdict, check
+from tests.chaos.harness import Cluster, Submitter, job_command
+
+
+async def run_chaos(
+    tmp: Path, redis_server: EmbeddedRedis, *, jobs: int, workers: int, rounds: int, lease: float, seed: int
+) -> tuple[Verdict, Cluster]:
+    rng = random.Random(seed)
+    cluster = Cluster(tmp, redis_server, lease=lease)
+    await cluster.start_server()
+    for _ in range(workers):
+        cluster.start_worker()
+    submitter = Submitter(cluster)
+    spec = {"argv": job_command(cluster.ledger), "max_attempts": 10}
+    try:
+
+        async def submit_all() -> None:
+            for i in range(jobs):
+                await submitter.submit(f"job-{i}", spec)
+                if i % 10 == 0:
+                    await asyncio.sleep(0.05)  # a steady flow, so faults land mid-stream
+
+        async def storm() -> None:
+            # the same idempotency key from many clients at once: one job
+            cluster.faults.idempotency_storm += 1
+            cluster.faults.note("idempotency storm")
+            others = [Submitter(cluster) for _ in range(12)]
+            got = await asyncio.gather(*(s.submit("storm", spec) for s in others))
+            for s in others:
+                await s.close()
+            assert len(set(got)) == 1, got
+            submitter.ids["storm"] = got[0]
+
+        async def faults() -> None:
+            kinds = ["kill", "stop", "redis", "server"]
+            for r in range(rounds):
+                await asyncio.sleep(rng.uniform(0.5, 1.5))
+                kind = kinds[r % len(kinds)] if r < len(kinds) else rng.choice(kinds)
+                alive = [w for w in cluster.workers if w.proc.poll() is None and w.killed_at is None]
+                if kind == "kill" and alive:
+                    cluster.kill_worker(rng.choice(alive))
+                    cluster.start_worker()
+                elif kind == "stop" and alive:
+                    await cluster.stop_worker_for(rng.choice(alive), lease * 2)
+                elif kind == "redis":
+                    await cluster.restart_redis()
+                else:
+                    await cluster.restart_server()
+
+        await asyncio.gather(submit_all(), storm(), faults())
+        client = redis_server.client()
+        try:
+            verdict = await check(cluster, JobQueue(client), list(submitter.ids.values()))
+        finally:
+            await client.aclose()
+    finally:
+        await submitter.close()
+        await cluster.stop_all()
+    return verdict, cluster
+
+
+def report(verdict: Verdict, cluster: Cluster) -> str:
+    f = cluster.faults
+    return (
+        f"jobs {verdict.jobs}, attempts run {verdict.attempts_run}, reclaimed jobs {verdict.reclaimed_jobs}; "
+        f"faults: worker SIGKILL {f.worker_kill}, worker SIGSTOP {f.worker_stop}, redis restart "
+        f"{f.redis_restart}, server restart {f.server_restart}, idempotency storm {f.idempotency_storm}; "
+        f"lost {verdict.lost}, unexpected {verdict.unexpected}, not succeeded {verdict.not_succeeded}, "
+        f"results not once {verdict.results_not_once}, overlaps {verdict.overlaps}, "
+        f"unknown ends {verdict.unknown_ends}, FIFO violations {verdict.fifo_violations}"
+    )
+
+
+async def test_chaos_small(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
+    verdict, cluster = await run_chaos(
+        tmp_path, redis_server, jobs=120, workers=3, rounds=4, lease=1.5, seed=7
+    )
+    print(report(verdict, cluster))
+    assert verdict.ok, report(verdict, cluster) + "\n" + "\n".join(verdict.problems[:20])
+    assert cluster.faults.worker_kill
+    assert cluster.faults.worker_stop
+    assert cluster.faults.redis_restart
+    assert cluster.faults.server_restart
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_chaos_large(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
+    verdict, cluster = await run_chaos(
+        tmp_path, redis_server, jobs=2000, workers=4, rounds=40, lease=1.5, seed=11
+    )
+    print(report(verdict, cluster))
+    assert verdict.ok, report(verdict, cluster) + "\n" + "\n".join(verdict.problems[:20])
