@@ -21,8 +21,9 @@ them to another worker: one live execution at a time holds through a partition.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from redis.exceptions import RedisError
@@ -59,6 +60,29 @@ class Heartbeat:
         self.round_trip = 0.0  # seconds the last successful heartbeat took
         self._failing_since: float | None = None
         self._fence_timer: asyncio.TimerHandle | None = None
+        self._poked = asyncio.Event()
+        # Told each beat's round trip (seconds), or None for a failed beat: the worker's metrics.
+        self.observer: Callable[[float | None], None] | None = None
+
+    def poke(self) -> None:
+        """Beat now rather than at the next interval (news is waiting, e.g. a cancel)."""
+        self._poked.set()
+
+    async def listen_for_pokes(self, channel: str) -> None:
+        """Subscribe to `channel` and beat at once on every message, until cancelled. Best effort:
+        while the subscription is down (Redis restarting), the regular beats carry the news."""
+        while True:
+            pubsub = self.queue.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                async for _ in pubsub.listen():
+                    self.poke()
+            except (RedisError, OSError) as exc:
+                log.debug("pokes on %s interrupted (%s); resubscribing", channel, exc)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await asyncio.sleep(self.interval)
 
     async def beat(self) -> dict[str, RenewStatus]:
         """Refresh the registration and renew every lease in one round trip; the renewals'
@@ -79,6 +103,8 @@ class Heartbeat:
             async with asyncio.timeout(max(self.interval, 1.0)):
                 statuses = await self.beat()
         except (RedisError, TimeoutError, OSError) as exc:
+            if self.observer is not None:
+                self.observer(None)
             if self._failing_since is None:
                 self._failing_since = sent
                 log.warning(
@@ -88,6 +114,8 @@ class Heartbeat:
                 )
             return False
         self.round_trip = loop.time() - sent
+        if self.observer is not None:
+            self.observer(self.round_trip)
         if self._failing_since is not None:
             log.info("heartbeat: Redis answers again after %.1f s", sent - self._failing_since)
             self._failing_since = None
@@ -115,8 +143,11 @@ class Heartbeat:
         try:
             while True:
                 started = loop.time()
+                self._poked.clear()
                 await self.beat_and_apply()
-                await asyncio.sleep(max(0.0, started + self.interval - loop.time()))
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, started + self.interval - loop.time())):
+                        await self._poked.wait()
         finally:
             if self._fence_timer is not None:
                 self._fence_timer.cancel()

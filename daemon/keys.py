@@ -22,6 +22,9 @@ Pool-wide (``gp:{pool}:…``):
   workers       HASH worker id -> registration (msgpack): host, pid, slots, GPUs, queues, state.
   workers:seen  ZSET worker id -> time of its last heartbeat (Redis server time, ms); a worker
                 silent for longer than its registered healthy period is shown as dead.
+Pub/sub channels (not keys: no slot, so they work the same on Redis Cluster):
+  gp:worker:ID  a nudge to worker ID to heartbeat now (a job of its was cancelled); best effort,
+                the next regular heartbeat brings the same news.
 """
 
 from __future__ import annotations
@@ -85,6 +88,10 @@ POOL_PREFIX = f"{PREFIX}:{{pool}}:"
 QUEUES = POOL_PREFIX + "queues"
 WORKERS = POOL_PREFIX + "workers"
 WORKERS_SEEN = POOL_PREFIX + "workers:seen"
+
+
+def worker_channel(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}"
 
 
 def is_job_id(text: str) -> bool:

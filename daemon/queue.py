@@ -261,6 +261,12 @@ class JobQueue:
         )
         if state == "missing":
             raise JobNotFound(job_id)
+        if state == "cancelling":
+            # Nudge the job's worker so it stops the job now rather than at its next heartbeat;
+            # if the nudge is lost, that heartbeat (renew answers CANCEL) does the same.
+            worker = await self.redis.hget(keys.job(job_id), "worker")
+            if worker:
+                await self.redis.publish(keys.worker_channel(_s(worker)), job_id)
         return state
 
     async def reclaim(self, queues: Iterable[str] | None = None) -> list[tuple[str, JobState]]:

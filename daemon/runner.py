@@ -38,6 +38,7 @@ from daemon.aio import cancel_and_wait
 from daemon.gpus import GpuInfo, GpuProbe, GpuProbeError, visible_devices
 from daemon.job import JobState, Lease, Outcome
 from daemon.joblog import JobOutput
+from daemon.notify import NOTIFY_ENV
 from daemon.procguard import OrphanGuard
 from daemon.queue import JobQueue
 
@@ -85,9 +86,10 @@ def _die_with(parent: int) -> None:
 
 
 def job_env(base: Mapping[str, str], lease: Lease, gpus: Sequence[GpuInfo]) -> dict[str, str]:
-    """The job's environment: the worker's (less its GPUPOOL_* settings, which may hold secrets),
-    then the spec's, then the pool's variables, which the spec cannot override."""
-    env = {k: v for k, v in base.items() if not k.startswith("GPUPOOL_")}
+    """The job's environment: the worker's (less its GPUPOOL_* settings, which may hold secrets, and
+    systemd's notify variables, so a job can never speak for the daemon), then the spec's, then the
+    pool's variables, which the spec cannot override."""
+    env = {k: v for k, v in base.items() if not k.startswith("GPUPOOL_") and k not in NOTIFY_ENV}
     env.update(lease.spec.env)
     env.update(
         GPUPOOL_JOB_ID=lease.job_id,

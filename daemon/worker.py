@@ -28,13 +28,14 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 
-from daemon import registry
+from daemon import keys, notify, registry
 from daemon.aio import cancel_and_wait
 from daemon.config import Config
 from daemon.errors import GpupoolError, RedisUnavailable, StaleAttempt
 from daemon.gpus import GpuAllocator, GpuInfo, GpuProbe, GpuProbeError, NotEnoughGpus, Nvml, discover
 from daemon.heartbeat import Heartbeat
 from daemon.job import JobState, Lease, RenewStatus
+from daemon.metrics import WorkerMetrics, metrics_address, serve_metrics
 from daemon.procguard import OrphanGuard
 from daemon.queue import JobQueue
 from daemon.redis_client import PoolRedis
@@ -85,6 +86,7 @@ class Worker:
             id=self.id, slots=slots, queues=self.queues, healthy_period=queue.lease_ms / 1000
         )
         self._guard = OrphanGuard()
+        self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known
         self._nvml: Nvml | None = None
         # Running attempts by (job id, attempt): a job reclaimed from under this worker can be
         # claimed by it again while the old attempt is still being killed.
@@ -126,12 +128,15 @@ class Worker:
             gpus, self._nvml = await asyncio.to_thread(discover)
             self.allocator = GpuAllocator(gpus, self.slots)
             self.probe = self.probe or self._nvml
+        self.metrics = WorkerMetrics(self.allocator.gpus)
+        self.heartbeat.observer = self._observe_heartbeat
         self._registration.started_at = time.time()
         await self._guard.start()
         if not await self.heartbeat.beat_and_apply():
             await self._guard.stop()
             raise RedisUnavailable(f"worker {self.id} cannot register: Redis does not answer")
         self._spawn(self.heartbeat.run(), "heartbeat")
+        self._spawn(self.heartbeat.listen_for_pokes(keys.worker_channel(self.id)), "cancel nudges")
         self._dispatcher = self._spawn(self._dispatch(), "dispatcher")
         gpus = self.allocator.gpus
         log.info(
@@ -405,6 +410,19 @@ class Worker:
                 self.allocator.unquarantine(uuid)
                 self._wake.set()
 
+    # -- metrics ----------------------------------------------------------------------------------
+
+    def _observe_heartbeat(self, round_trip: float | None) -> None:
+        if round_trip is None:
+            self.metrics.heartbeat_failed()
+        else:
+            self.metrics.heartbeat(round_trip)
+
+    async def sample_metrics(self) -> None:
+        """Before each scrape: the slots and quarantined GPUs as they are now."""
+        self.metrics.set_slots(len(self._runs), self.slots)
+        self.metrics.set_quarantined(self.allocator.quarantined)
+
     # -- heartbeat target -------------------------------------------------------------------------
 
     def registration(self) -> Registration:
@@ -488,8 +506,27 @@ async def run_worker(config: Config) -> int:
         )
         worker = Worker.from_config(queue, config)
         await worker.start()
+        host, port = metrics_address(config, worker=True)
+        try:
+            metrics_server = await serve_metrics(
+                worker.metrics.registry, host, port, before_scrape=worker.sample_metrics
+            )
+        except OSError as exc:
+            await worker.stop(drain_timeout=0)
+            raise GpupoolError(
+                f"cannot serve metrics on {host}:{port} ({exc.strerror}): "
+                "set metrics_listen to a free HOST:PORT"
+            ) from None
+        watchdog = None
+        if (interval := notify.watchdog_interval()) is not None:
+            watchdog = asyncio.ensure_future(notify.watchdog(interval))
+        notify.ready(f"worker {worker.id}: {worker.slots} slots, queues {', '.join(worker.queues)}")
         await stop.wait()
+        notify.stopping(f"draining {len(worker.running)} running jobs")
         await worker.stop()
+        await metrics_server.close()
+        if watchdog is not None:
+            await cancel_and_wait(watchdog)
     except GpupoolError as exc:
         log.error("%s", exc)
         return 1

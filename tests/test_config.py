@@ -136,3 +136,11 @@ def test_poold_print_config_masks_secrets(tmp_path: Path) -> None:
     assert "hunter2-secret" not in out.stdout + out.stderr
     assert "main_server_redis_password = '********'  # GPUPOOL_MAIN_SERVER_REDIS_PASSWORD" in out.stdout
     assert "redis_port = 6380  # --redis-port" in out.stdout
+
+
+def test_readme_documents_every_option() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    missing = [
+        o.name for o in config.OPTIONS if f"| `{o.name}`" not in readme and f"`{o.name}`, " not in readme
+    ]
+    assert missing == [], f"README.md's configuration table lacks {missing}"

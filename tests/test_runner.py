@@ -13,7 +13,7 @@ from daemon import keys
 from daemon.job import JobSpec, JobState, Lease
 from daemon.queue import JobQueue
 from daemon.runner import Ending, JobRun, RunResult
-from tests.workers import alive, fake_gpus, wait_dead, wait_file
+from tests.workers import alive, fake_gpus, sh, wait_dead, wait_file
 
 
 async def claimed(queue: JobQueue, spec: JobSpec, worker: str = "w1") -> Lease:
@@ -21,10 +21,6 @@ async def claimed(queue: JobQueue, spec: JobSpec, worker: str = "w1") -> Lease:
     lease = await queue.claim(worker, [spec.queue], gpus_free=8)
     assert lease is not None
     return lease
-
-
-def sh(script: str, **kw: object) -> JobSpec:
-    return JobSpec(argv=("sh", "-c", script), **kw)  # type: ignore[arg-type]
 
 
 async def test_environment_directory_and_outcome(queue: JobQueue, tmp_path: Path) -> None:

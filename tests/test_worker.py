@@ -13,14 +13,10 @@ from redis.asyncio import Redis
 
 from daemon import keys
 from daemon.embedded_redis import EmbeddedRedis
-from daemon.job import JobSpec, JobState
+from daemon.job import JobState
 from daemon.queue import JobQueue
 from daemon.registry import list_workers
-from tests.workers import alive, running_worker, wait_dead, wait_file, wait_state, wait_until
-
-
-def sh(script: str, **kw: object) -> JobSpec:
-    return JobSpec(argv=("sh", "-c", script), **kw)  # type: ignore[arg-type]
+from tests.workers import alive, running_worker, sh, wait_dead, wait_file, wait_state, wait_until
 
 
 async def test_fifo_start_order_across_two_workers_with_two_slots(
@@ -58,6 +54,20 @@ async def test_cancel_through_the_queue_kills_grandchildren(queue: JobQueue, tmp
         info = await wait_state(queue, job_id, JobState.CANCELLED)
         await wait_dead(pids)
     assert info.detail.startswith("cancelled")
+    assert [a.how for a in info.attempts] == ["cancelled"]
+
+
+async def test_cancel_reaches_the_worker_without_waiting_for_its_heartbeat(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    # Heartbeats every 10 minutes: only the cancel nudge (pub/sub) can stop the job within the
+    # test's bound. The lease is long enough that nothing else intervenes.
+    lease_queue = JobQueue(queue.redis, lease_seconds=3600)
+    job_id, _ = await lease_queue.enqueue(sh("echo started > started; sleep 300", cwd=str(tmp_path)))
+    async with running_worker(lease_queue, tmp_path / "w", heartbeat_seconds=600):
+        await wait_file(tmp_path / "started")
+        assert await lease_queue.cancel(job_id) == "cancelling"
+        info = await wait_state(lease_queue, job_id, JobState.CANCELLED, timeout=60)
     assert [a.how for a in info.attempts] == ["cancelled"]
 
 
@@ -126,17 +136,14 @@ async def test_a_sigkilled_worker_process_leaves_no_orphans(
         "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD": redis_server.password,
         "GPUPOOL_DATA_DIR": str(tmp_path / "data"),
         "GPUPOOL_WORKER_HEALTHY_RESPONSE_PERIOD": "5",
+        "GPUPOOL_METRICS_LISTEN": "127.0.0.1:0",
     }
-    code = (
-        "import sys, uvloop; from daemon import config, logs; from daemon.worker import run_worker; "
-        "logs.setup(); sys.exit(uvloop.run(run_worker(config.load())))"
-    )
     job_id, _ = await queue.enqueue(
         sh('sleep 300 & echo "$$ $!" > pids.tmp; mv pids.tmp pids; exec sleep 300', cwd=str(tmp_path))
     )
     with (
         open(tmp_path / "worker.log", "wb") as log,
-        subprocess.Popen([sys.executable, "-c", code], env=env, stderr=log) as proc,
+        subprocess.Popen([sys.executable, "-m", "daemon.main", "--worker"], env=env, stderr=log) as proc,
     ):
         try:
             pids = [int(p) for p in (await wait_file(tmp_path / "pids"))[0].split()]
@@ -157,12 +164,11 @@ async def test_worker_process_drains_on_sigterm(
         "GPUPOOL_REDIS_PORT": str(redis_server.port),
         "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD": redis_server.password,
         "GPUPOOL_DATA_DIR": str(tmp_path / "data"),
+        "GPUPOOL_METRICS_LISTEN": "127.0.0.1:0",
     }
-    code = "import sys, uvloop; from daemon import config; from daemon.worker import run_worker; " + (
-        "sys.exit(uvloop.run(run_worker(config.load())))"
-    )
     job_id, _ = await queue.enqueue(sh("echo started > started; sleep 0.5", cwd=str(tmp_path)))
-    with subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.DEVNULL) as proc:
+    argv = [sys.executable, "-m", "daemon.main", "--worker"]  # `poold --worker`, as the unit runs it
+    with subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL) as proc:
         await wait_file(tmp_path / "started")
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 30) == 0

@@ -12,9 +12,14 @@ from typing import Any
 import psutil
 
 from daemon.gpus import GpuInfo
-from daemon.job import JobInfo, JobState
+from daemon.job import JobInfo, JobSpec, JobState
 from daemon.queue import JobQueue
 from daemon.worker import Worker
+
+
+def sh(script: str, **kw: object) -> JobSpec:
+    """A job that runs `script` with sh."""
+    return JobSpec(argv=("sh", "-c", script), **kw)  # type: ignore[arg-type]
 
 
 def fake_gpus(n: int) -> list[GpuInfo]:
