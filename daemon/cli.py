@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ import orjson
 from daemon import render, tokens
 from daemon.client import AuthFailed, ClientError, PoolClient, ServerUnreachable, parse_address
 from daemon.config import SERVER_PORT
+from daemon.job import FULL_SHA
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -66,6 +68,14 @@ def parser() -> argparse.ArgumentParser:
         "--env", action="append", default=[], metavar="K=V", help="environment variable (repeatable)"
     )
     e.add_argument("--cwd", help="working directory on the worker (default: a fresh scratch directory)")
+    e.add_argument(
+        "--git",
+        nargs="?",
+        const="",
+        metavar="REPO",
+        help="run in a checkout of REPO (default: this checkout's origin, at its exact HEAD commit)",
+    )
+    e.add_argument("--ref", help="with --git: the branch, tag or commit to run (default: HEAD)")
     e.add_argument("--timeout", type=float, metavar="SECONDS", help="stop the job after this long")
     e.add_argument("--retries", type=int, default=0, help="extra attempts after a non-zero exit")
     e.add_argument(
@@ -193,7 +203,44 @@ def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
         "max_attempts": args.max_attempts,
         "cwd": str(Path(args.cwd).resolve()) if args.cwd else None,
     }
+    if args.git is not None:
+        spec["git"] = git_source(args.git, args.ref)
+    elif args.ref:
+        raise UsageError("--ref goes with --git")
     return Enqueue(spec, args.key)
+
+
+def git_source(repo: str, ref: str | None, cwd: Path | None = None) -> dict[str, str]:
+    """What `--git [REPO] [--ref REF]` names. Without REPO: this checkout's origin (or its path, for a
+    pool on this machine) at the exact commit HEAD (or REF) is now, so later commits change nothing."""
+    if repo:
+        return (
+            {"repo": repo, "commit": ref}
+            if ref and FULL_SHA.fullmatch(ref)
+            else {"repo": repo, "ref": ref or "HEAD"}
+        )
+
+    def run(*argv: str) -> str:
+        out = subprocess.run(["git", *argv], cwd=cwd, capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            raise UsageError(f"--git without a repository needs a git checkout here: {out.stderr.strip()}")
+        return out.stdout.strip()
+
+    top = run("rev-parse", "--show-toplevel")
+    commit = run("rev-parse", "--verify", f"{ref or 'HEAD'}^{{commit}}")
+    remotes = run("remote").split()
+    source = run("remote", "get-url", "origin") if "origin" in remotes else top
+    if run("status", "--porcelain", "--untracked-files=no"):
+        print(
+            "poolctl: uncommitted changes are not part of the job: it runs commit " + commit[:12],
+            file=sys.stderr,
+        )
+    if "origin" in remotes and not run("branch", "-r", "--contains", commit):
+        print(
+            f"poolctl: commit {commit[:12]} is on no branch of origin: push it, or no worker can fetch it",
+            file=sys.stderr,
+        )
+    return {"repo": source, "commit": commit}
 
 
 async def _enqueue(client: PoolClient, request: Enqueue | EnqueueBatch, as_json: bool) -> int:

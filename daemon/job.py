@@ -7,6 +7,7 @@ prints them. `JobSpec.from_dict` is the one place a spec from outside is validat
 from __future__ import annotations
 
 import enum
+import re
 import secrets
 import time
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from daemon import keys
 from daemon.errors import InvalidJob
 
 MAX_ARGV_BYTES = 256 * 1024
+FULL_SHA = re.compile(r"[0-9a-f]{40}")
 MAX_ATTEMPTS_LIMIT = 100
 
 
@@ -72,6 +74,7 @@ class JobSpec:
     max_attempts: int = 3  # attempts lost to dead workers before the job is dead-lettered
     retries: int = 0  # extra attempts after a non-zero exit
     user: str = ""  # set by the server from the authenticated connection, never by the client
+    git: Mapping[str, str] | None = None  # {"repo": URL or path, "commit": sha, or "ref": name}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -85,6 +88,7 @@ class JobSpec:
             "max_attempts": self.max_attempts,
             "retries": self.retries,
             "user": self.user,
+            "git": dict(self.git) if self.git is not None else None,
         }
 
     @classmethod
@@ -114,7 +118,27 @@ class JobSpec:
             max_attempts=_int(data, "max_attempts", 3, 1, MAX_ATTEMPTS_LIMIT),
             retries=_int(data, "retries", 0, 0, MAX_ATTEMPTS_LIMIT),
             user=_opt_str(data, "user") or "",
+            git=_git(data.get("git"), data.get("cwd")),
         )
+
+
+def _git(value: object, cwd: object) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not isinstance(value.get("repo"), str) or not value["repo"]:
+        raise InvalidJob("git", 'must be a map with "repo" and a "commit" or a "ref"')
+    unknown = set(value) - {"repo", "commit", "ref"}
+    if unknown or not all(isinstance(v, str) for v in value.values()):
+        raise InvalidJob(
+            "git", f'takes string values for "repo", "commit" and "ref" only, not {sorted(unknown)}'
+        )
+    if "commit" in value and not FULL_SHA.fullmatch(value["commit"]):
+        raise InvalidJob("git", f"commit {value['commit']!r} is not a full 40-digit commit id")
+    if "commit" not in value and "ref" not in value:
+        raise InvalidJob("git", 'needs a "commit" or a "ref"')
+    if cwd is not None:
+        raise InvalidJob("cwd", "cannot be combined with git: the job runs in its checkout")
+    return dict(value)
 
 
 def _opt_str(data: Mapping[str, Any], name: str) -> str | None:

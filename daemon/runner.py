@@ -34,7 +34,9 @@ from typing import Any
 
 import psutil
 
+from daemon import gitsync
 from daemon.aio import cancel_and_wait
+from daemon.gitsync import GitError
 from daemon.gpus import GpuInfo, GpuProbe, GpuProbeError, visible_devices
 from daemon.job import JobState, Lease, Outcome
 from daemon.joblog import JobOutput
@@ -134,6 +136,7 @@ class JobRun:
         self.kill_grace = kill_grace
         self.probe = probe
         self.guard = guard
+        self.data_dir = data_dir
         self.scratch = data_dir / "jobs" / f"{lease.job_id}.{lease.attempt}"
         self._env = job_env(os.environ if env is None else env, lease, self.gpus)
         self.ending: Ending | None = None
@@ -201,6 +204,8 @@ class JobRun:
         try:
             if not spec.cwd:
                 await asyncio.to_thread(self.scratch.mkdir, parents=True, exist_ok=True)
+            if spec.git is not None:
+                await self._checkout(spec.git)
             self._proc = await asyncio.create_subprocess_exec(
                 *spec.argv,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -211,8 +216,12 @@ class JobRun:
                 start_new_session=True,
                 preexec_fn=functools.partial(_die_with, os.getpid()),
             )
-        except OSError as exc:
-            detail = f"cannot start {spec.argv[0]!r} in {cwd}: {exc.strerror or exc}"
+        except (OSError, GitError) as exc:
+            detail = (
+                str(exc)
+                if isinstance(exc, GitError)
+                else f"cannot start {spec.argv[0]!r} in {cwd}: {exc.strerror or exc}"
+            )
             self.output.note(detail)
             await self.output.flush()
             await self._remove_scratch()
@@ -223,6 +232,12 @@ class JobRun:
         if self.ending is not None:  # stopped while it was being started
             self._stop(self.ending, "stopped before it started", now=self.ending is not Ending.CANCELLED)
         return await self._supervise(pgid, started)
+
+    async def _checkout(self, source: Mapping[str, str]) -> None:
+        """The job's code: its repository at the exact commit, in the (empty) scratch directory."""
+        rev = source.get("commit") or source["ref"]
+        commit = await gitsync.checkout(self.data_dir / "git", source["repo"], rev, self.scratch)
+        self.output.note(f"git: {source['repo']} at {commit}")
 
     async def _supervise(self, pgid: int, started: float) -> RunResult:
         assert self._proc is not None
