@@ -126,6 +126,19 @@ def job(j: dict[str, Any], *, as_json: bool) -> None:
             print(f"  #{a['attempt']}  {a['how']:<10} on {a['worker']}  started {started}  ran {ran}")
 
 
+def _gpus(gpus: Sequence[dict[str, Any]]) -> str:
+    """`2x NVIDIA H100 (80 GiB), 1 busy`: the kinds of GPUs, and how many run a job now."""
+    if not gpus:
+        return "cpu only"
+    kinds: dict[str, int] = {}
+    for g in gpus:
+        label = f"{g.get('name', '?')} ({int(g.get('memory', 0)) / 2**30:.0f} GiB)"
+        kinds[label] = kinds.get(label, 0) + 1
+    text = ", ".join(f"{n}x {label}" for label, n in kinds.items())
+    busy = sum(1 for g in gpus if g.get("job"))
+    return text + (f", {busy} busy" if busy else "")
+
+
 def workers(items: Sequence[dict[str, Any]], *, as_json: bool) -> None:
     if as_json:
         _json_lines(items)
@@ -136,16 +149,19 @@ def workers(items: Sequence[dict[str, Any]], *, as_json: bool) -> None:
     rows = []
     for w in items:
         gpus = w.get("gpus") or []
-        gpu_text = ", ".join(str(g.get("name", "?")) for g in gpus) if gpus else "cpu only"
+        quarantined = [g for g in gpus if g.get("quarantined")]
         rows.append(
             [
                 w.get("id", "?"),
                 w.get("host", "?"),
                 w.get("health", "?"),
-                f"{w.get('slots_busy', 0)}/{w.get('slots', 0)}",
-                gpu_text,
+                f"{w.get('running', 0)}/{w.get('slots', 0)}",
+                _gpus(gpus),
+                ", ".join(f"GPU {g.get('index')}: {g['quarantined']}" for g in quarantined) or "-",
                 duration(w.get("last_heartbeat_age")) + " ago",
                 str(w.get("version", "")),
             ]
         )
-    _table(["WORKER", "HOST", "STATE", "SLOTS", "GPUS", "HEARTBEAT", "VERSION"], rows, state_col=2)
+    _table(
+        ["WORKER", "HOST", "STATE", "SLOTS", "GPUS", "QUARANTINED", "HEARTBEAT", "VERSION"], rows, state_col=2
+    )

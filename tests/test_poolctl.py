@@ -173,3 +173,33 @@ def test_non_loopback_listener_without_tokens_refuses_to_start(
     assert out.returncode == 1
     assert "refusing to listen on 0.0.0.0:0 without authentication" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+async def test_workers_shows_a_live_worker_and_its_busy_slot(pool: Pool, tmp_path: Path) -> None:
+    from tests.workers import running_worker, sh, wait_file
+
+    await pool.queue.enqueue(sh("echo started > started; sleep 30", cwd=str(tmp_path)))
+    async with running_worker(pool.queue, tmp_path / "w", slots=2) as worker:
+        await wait_file(tmp_path / "started")
+        for _ in range(50):  # the busy slot shows from the worker's next heartbeat on
+            code, out, _ = await poolctl(pool.env(), "workers")
+            if " 1/2 " in out:
+                break
+        assert code == 0
+        header, row = out.splitlines()
+        assert header.split() == [
+            "WORKER",
+            "HOST",
+            "STATE",
+            "SLOTS",
+            "GPUS",
+            "QUARANTINED",
+            "HEARTBEAT",
+            "VERSION",
+        ]
+        assert row.split()[:4] == [worker.id, worker.id.rsplit("-", 2)[0], "healthy", "1/2"]
+        assert "cpu only" in row
+        code, out, _ = await poolctl(pool.env(), "workers", "--json")
+        assert orjson.loads(out)["id"] == worker.id
+        code, out, _ = await poolctl(pool.env(), "health")
+        assert "1 healthy worker" in out

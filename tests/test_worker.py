@@ -25,7 +25,7 @@ async def test_fifo_start_order_across_two_workers_with_two_slots(
     order = tmp_path / "order"
     clients = [redis_server.client() for _ in range(2)]  # separate workers, separate connections
     queues = [JobQueue(c, lease_seconds=30) for c in clients]
-    ids = await queue.enqueue_many([sh(f"echo $GPUPOOL_JOB_ID >> {order}") for _ in range(40)])
+    ids = await queue.enqueue_many([sh(f"echo $GPUPOOL_JOB_ID >> {order}") for _ in range(100)])
     async with (
         running_worker(queues[0], tmp_path / "w1", slots=2),
         running_worker(queues[1], tmp_path / "w2", slots=2),
