@@ -37,6 +37,8 @@ chaos: $(STAMP)
 	$(BIN)/python -m pytest -m slow tests/chaos $(PYTEST_ARGS)
 
 bench: $(STAMP)
+	# The peers (Celery, RQ, SAQ, Dramatiq) are the bench extra, in one resolver run with the rest.
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,dev,bench]'
 	$(BIN)/python -m bench $(ARGS)
 
 clean:

@@ -33,3 +33,35 @@ def save(name: str, data: dict[str, Any]) -> Path:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def percentile(values: list[float], p: float) -> float:
+    """The nearest-rank percentile of `values` (p in 0..100)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def summary_ms(seconds: list[float]) -> dict[str, float]:
+    """p50/p90/p99/max of a list of durations in seconds, as milliseconds."""
+    if not seconds:
+        return {"n": 0, "p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "max": float("nan")}
+    ms = [s * 1000 for s in seconds]
+    return {
+        "n": len(ms),
+        "p50": percentile(ms, 50),
+        "p90": percentile(ms, 90),
+        "p99": percentile(ms, 99),
+        "max": max(ms),
+    }
+
+
+def bench_env(tmp: str, **extra: str) -> dict[str, str]:
+    """Configuration for a bench PoolServer: its own data dir, listener and metrics on free ports."""
+    os.environ["XDG_CONFIG_HOME"] = str(Path(tmp) / "xdg")  # the bench's own token and address
+    return {
+        "GPUPOOL_DATA_DIR": tmp,
+        "GPUPOOL_LISTEN": "127.0.0.1:0",
+        "GPUPOOL_METRICS_LISTEN": "127.0.0.1:0",
+        "GPUPOOL_LOG_LEVEL": "warning",
+        **extra,
+    }

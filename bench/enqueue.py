@@ -1,0 +1,74 @@
+"""Client-side submit rate through the real PoolClient over TCP: Enqueue one at a time (each awaited
+before the next), and EnqueueBatch in batches of `--batch`. A real PoolServer with embedded Redis
+and no local slots (nothing is claimed meanwhile), all in this process."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from typing import Any
+
+import uvloop
+from rich.console import Console
+from rich.table import Table
+
+from bench.common import bench_env, machine, save
+from daemon import config, tokens
+from daemon.client import PoolClient
+from daemon.job import JobSpec
+from daemon.server import PoolServer
+from protocol import Enqueue, EnqueueBatch, Enqueued, EnqueuedBatch
+
+
+async def measure(jobs: int, batch: int) -> dict[str, Any]:
+    spec = JobSpec(argv=("true",), queue="bench").to_dict()
+    del spec["user"]
+    with tempfile.TemporaryDirectory() as tmp:
+        server = PoolServer(config.load(None, env=bench_env(tmp, GPUPOOL_WORKER_LOCAL_PROCESSORS="0")))
+        await server.start()
+        try:
+            assert server.listener is not None
+            assert server.queue is not None
+            version = (await server.queue.redis.info("server"))["redis_version"]
+            async with PoolClient(server.listener.address, tokens.local_user(), tokens.client_token()) as c:
+                for _ in range(100):  # warm up
+                    await c.call(Enqueue(spec, None), Enqueued)
+                t0 = time.perf_counter()
+                for _ in range(jobs):
+                    await c.call(Enqueue(spec, None), Enqueued)
+                one = jobs / (time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for start in range(0, jobs * 5, batch):
+                    reply = await c.call(EnqueueBatch([spec] * min(batch, jobs * 5 - start)), EnqueuedBatch)
+                    assert reply.job_ids
+                batched = jobs * 5 / (time.perf_counter() - t0)
+        finally:
+            await server.stop()
+    return {
+        "machine": machine(str(version)),
+        "jobs": jobs,
+        "batch": batch,
+        "one_at_a_time_per_s": one,
+        "batched_per_s": batched,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--jobs", type=int, default=2000, help="one-at-a-time jobs (5x that batched)")
+    p.add_argument("--batch", type=int, default=100)
+    p.add_argument("--quick", action="store_true", help="1000 jobs")
+    args = p.parse_args(argv)
+    result = uvloop.run(measure(1000 if args.quick else args.jobs, args.batch))
+    t = Table(title="submit rate through PoolClient (TCP, auth'd session)")
+    t.add_column("mode")
+    t.add_column("jobs/s", justify="right")
+    t.add_row("Enqueue, one at a time", f"{result['one_at_a_time_per_s']:,.0f}")
+    t.add_row(f"EnqueueBatch of {args.batch}", f"{result['batched_per_s']:,.0f}")
+    Console().print(t)
+    print(f"wrote {save('enqueue', result)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Latency on an idle pool: enqueue -> start and enqueue -> completion recorded, p50/p90/p99/max.
+
+One process runs an embedded Redis, a real PoolServer (listener and metrics on port 0) and the
+executor; jobs are submitted one at a time, `--gap` apart, through the real PoolClient (Enqueue
+over TCP). Two executors, one after the other, on the same pool:
+
+- `noop`: the queue alone. A bench-only in-process executor drives `JobQueue.claim` /
+  `wait_for_work` / `complete` directly (no process): "start" is the moment `claim` returned the
+  job, "completed" the moment `complete` returned.
+- `command` (`true`): a real `Worker` (2 slots, no GPUs) in this process. "claimed" is when its
+  `claim` returned, "process started" when `asyncio.create_subprocess_exec` returned in the runner
+  (the child has exec'd), "completed" when its `complete` returned. The timestamps come from
+  wrappers the bench puts around the queue's methods and the runner's spawn call (instrumentation
+  only; the daemon code path is unchanged).
+
+All times are this process's `time.perf_counter()`, so sub-millisecond and on one clock (the
+job record's `started_at` is Redis time in whole milliseconds: too coarse for a 2 ms target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import uvloop
+from rich.console import Console
+from rich.table import Table
+
+from bench.common import bench_env, machine, save, summary_ms
+from daemon import config, tokens
+from daemon.client import PoolClient
+from daemon.job import JobSpec, JobState, Lease, Outcome
+from daemon.queue import JobQueue
+from daemon.server import PoolServer
+from daemon.worker import Worker
+from protocol import Enqueue, Enqueued
+
+DONE = Outcome(JobState.SUCCEEDED, exit_code=0)
+QUEUE = "default"
+
+
+async def submit(client: PoolClient, jobs: int, gap: float, spec: dict[str, Any]) -> dict[str, float]:
+    submitted: dict[str, float] = {}
+    for _ in range(jobs):
+        t0 = time.perf_counter()
+        reply = await client.call(Enqueue(spec, None), Enqueued)
+        submitted[reply.job_id] = t0
+        await asyncio.sleep(gap)
+    return submitted
+
+
+async def wait_all(done: dict[str, float], ids: dict[str, float], limit: float) -> None:
+    deadline = time.monotonic() + limit
+    while any(i not in done for i in ids) and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded
+        await asyncio.sleep(0.02)
+
+
+async def noop_executor(queue: JobQueue, started: dict[str, float], done: dict[str, float]) -> None:
+    """The bench's no-op executor: claim, record, complete; block on the stream when idle."""
+    while True:
+        lease = await queue.claim("bench-noop", [QUEUE])
+        if lease is None:
+            await queue.wait_for_work([QUEUE], 5.0)
+            continue
+        started[lease.job_id] = time.perf_counter()
+        await queue.complete(lease, DONE)
+        done[lease.job_id] = time.perf_counter()
+
+
+def deltas(submitted: dict[str, float], at: dict[str, float]) -> list[float]:
+    return [at[j] - t0 for j, t0 in submitted.items() if j in at]
+
+
+async def run_noop(server: PoolServer, client: PoolClient, jobs: int, gap: float) -> dict[str, Any]:
+    assert server.queue is not None
+    queue = JobQueue(server.queue.redis)
+    started: dict[str, float] = {}
+    done: dict[str, float] = {}
+    task = asyncio.create_task(noop_executor(queue, started, done))
+    try:
+        await asyncio.sleep(0.2)  # the executor is blocked on the stream: the pool is idle
+        spec = JobSpec(argv=("true",), queue=QUEUE).to_dict()
+        del spec["user"]
+        submitted = await submit(client, jobs, gap, spec)
+        await wait_all(done, submitted, 30)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    return {
+        "enqueue_to_start_ms": summary_ms(deltas(submitted, started)),
+        "enqueue_to_completed_ms": summary_ms(deltas(submitted, done)),
+    }
+
+
+def timed(
+    method: Callable[..., Awaitable[Any]],
+    key: Callable[[Any, tuple[Any, ...]], str | None],
+    at: dict[str, float],
+) -> Callable[..., Awaitable[Any]]:
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = await method(*args, **kwargs)
+        if (k := key(result, args)) is not None:
+            at[k] = time.perf_counter()
+        return result
+
+    return wrapper
+
+
+async def run_command(
+    server: PoolServer, client: PoolClient, jobs: int, gap: float, tmp: Path
+) -> dict[str, Any]:
+    assert server.queue is not None
+    queue = JobQueue(server.queue.redis)
+    claimed: dict[str, float] = {}
+    spawned: dict[str, float] = {}
+    done: dict[str, float] = {}
+    queue.claim = timed(  # type: ignore[method-assign,assignment]
+        queue.claim, lambda lease, _: lease.job_id if lease is not None else None, claimed
+    )
+    queue.complete = timed(  # type: ignore[method-assign,assignment]
+        queue.complete, lambda _, args: args[0].job_id if isinstance(args[0], Lease) else None, done
+    )
+    real_spawn = asyncio.create_subprocess_exec
+
+    async def spawn(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        proc = await real_spawn(*args, **kwargs)
+        env = kwargs.get("env") or {}
+        if "GPUPOOL_JOB_ID" in env:
+            spawned[env["GPUPOOL_JOB_ID"]] = time.perf_counter()
+        return proc
+
+    worker = Worker(queue, data_dir=tmp / "worker", slots=2, queues=[QUEUE], gpus=[])
+    asyncio.create_subprocess_exec = spawn
+    try:
+        await worker.start()
+        await asyncio.sleep(0.2)
+        spec = JobSpec(argv=("true",), queue=QUEUE).to_dict()
+        del spec["user"]
+        submitted = await submit(client, jobs, gap, spec)
+        await wait_all(done, submitted, 60)
+    finally:
+        asyncio.create_subprocess_exec = real_spawn
+        await worker.stop(drain_timeout=5)
+    spawn_cost = [spawned[j] - claimed[j] for j in submitted if j in spawned and j in claimed]
+    return {
+        "enqueue_to_claimed_ms": summary_ms(deltas(submitted, claimed)),
+        "enqueue_to_process_started_ms": summary_ms(deltas(submitted, spawned)),
+        "enqueue_to_completed_ms": summary_ms(deltas(submitted, done)),
+        "claimed_to_process_started_ms": summary_ms(spawn_cost),
+    }
+
+
+async def measure(jobs: int, gap: float, command_gap: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = config.load(None, env=bench_env(tmp, GPUPOOL_WORKER_LOCAL_PROCESSORS="0"))
+        server = PoolServer(cfg)
+        await server.start()
+        try:
+            assert server.listener is not None
+            assert server.queue is not None
+            version = (await server.queue.redis.info("server"))["redis_version"]
+            client = PoolClient(server.listener.address, tokens.local_user(), tokens.client_token())
+            async with client:
+                noop = await run_noop(server, client, jobs, gap)
+                command = await run_command(server, client, jobs, command_gap, Path(tmp))
+        finally:
+            await server.stop()
+    return {
+        "machine": machine(str(version)),
+        "jobs": jobs,
+        "gap_s": gap,
+        "command_gap_s": command_gap,
+        "noop": noop,
+        "command": command,
+    }
+
+
+def table(result: dict[str, Any]) -> Table:
+    t = Table(
+        title=f"idle-pool latency (ms), {result['jobs']} jobs {result['gap_s'] * 1000:.0f} ms apart "
+        f"(command jobs {result['command_gap_s'] * 1000:.0f} ms apart)"
+    )
+    for col in ("executor", "interval", "p50", "p90", "p99", "max", "n"):
+        t.add_column(col, justify="left" if col in ("executor", "interval") else "right")
+    for executor in ("noop", "command"):
+        for interval, s in result[executor].items():
+            t.add_row(
+                executor,
+                interval.removesuffix("_ms").replace("_", " "),
+                *(f"{s[k]:.2f}" for k in ("p50", "p90", "p99", "max")),
+                str(s["n"]),
+            )
+    return t
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--jobs", type=int, default=300)
+    p.add_argument("--gap", type=float, default=0.010, help="seconds between submissions")
+    p.add_argument(
+        "--command-gap",
+        type=float,
+        default=0.050,
+        help="seconds between command-job submissions: at 10 ms one worker falls behind (~60 jobs/s), "
+        "and the pool is no longer idle",
+    )
+    p.add_argument("--quick", action="store_true", help="100 jobs")
+    args = p.parse_args(argv)
+    result = uvloop.run(measure(100 if args.quick else args.jobs, args.gap, args.command_gap))
+    Console().print(table(result))
+    print(f"wrote {save('latency', result)}")
+
+
+if __name__ == "__main__":
+    main()

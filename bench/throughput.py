@@ -1,0 +1,228 @@
+"""Drain throughput: N jobs pre-queued, drained by 1 and by 2 worker processes; with the raw ceilings.
+
+Against one embedded redis-server started for the run:
+
+- `noop` workers: `python -m bench.noop_worker` processes (claim -> complete, 2 loops each, no
+  process run). jobs/s = N / (last complete - first claim) over all workers.
+- `true` command jobs: real `poold --worker --worker-mode multinode` processes (2 slots each).
+  jobs/s = N / (last ended_at - first started_at), from the job records (Redis time, ms).
+- ceiling, spawn: a bare uvloop loop running `true` (create_subprocess_exec + wait), 2 at a time.
+- ceiling, Redis Streams: a bare redis-py asyncio loop of XADD -> XREADGROUP -> XACK, one message
+  at a time, and batched (100 XADDs pipelined, one XREADGROUP COUNT 100, one XACK of 100 ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import uvloop
+from redis.asyncio import Redis
+from rich.console import Console
+from rich.table import Table
+
+from bench.common import machine, save
+from daemon import keys
+from daemon.embedded_redis import EmbeddedRedis, free_port
+from daemon.job import JobSpec
+from daemon.queue import JobQueue
+from storage.s3 import S3Store
+from tests.s3server import S3Server
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def prequeue(queue: JobQueue, name: str, jobs: int) -> list[str]:
+    spec = JobSpec(argv=("true",), queue=name)
+    ids: list[str] = []
+    for start in range(0, jobs, 500):
+        ids += await queue.enqueue_many([spec] * min(500, jobs - start))
+    return ids
+
+
+def noop_drain(server: EmbeddedRedis, name: str, workers: int) -> dict[str, float]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "bench.noop_worker", str(server.port), server.password, name, "2"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+            text=True,
+        )
+        for _ in range(workers)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            assert p.stdout.readline().strip() == "ready"
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = [orjson.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    done = sum(r["done"] for r in results)
+    span = max(r["last"] for r in results) - min(r["first"] for r in results)
+    return {"jobs": done, "seconds": span, "jobs_per_s": done / span}
+
+
+async def command_drain(  # noqa: PLR0917
+    server: EmbeddedRedis, queue: JobQueue, name: str, jobs: int, workers: int, tmp: Path, s3: S3Server
+) -> dict[str, float]:
+    ids = await prequeue(queue, name, jobs)
+    env = {
+        **os.environ,
+        "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD": server.password,
+        # A multinode worker refuses to start without its object store.
+        "GPUPOOL_MAIN_SERVER_MINIO_ADDRESS": f"127.0.0.1:{s3.port}",
+        "GPUPOOL_MAIN_SERVER_MINIO_ACCESS_KEY_ID": s3.access_key,
+        "GPUPOOL_MAIN_SERVER_MINIO_SECRET_ACCESS_KEY": s3.secret_key,
+    }
+    procs = []
+    for i in range(workers):
+        data = tmp / f"worker-{name}-{i}"
+        argv = [sys.executable, "-m", "daemon.main", "--worker", "--worker-mode", "multinode"]
+        argv += ["--redis-ip", "127.0.0.1", "--redis-port", str(server.port), "--queues", name]
+        argv += ["--metrics-listen", "127.0.0.1:0", "--data-dir", str(data), "--log-level", "warning"]
+        log = open(tmp / f"worker-{name}-{i}.log", "wb")  # noqa: SIM115, ASYNC230 - closed below
+        procs.append(
+            (
+                subprocess.Popen(  # noqa: ASYNC220 - a fast fork
+                    argv,
+                    env=env,
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=log,
+                ),
+                log,
+            )
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if await queue.depth(name) == 0 and not await queue.redis.zcard(keys.leases(name)):
+                break
+            await asyncio.sleep(0.2)
+        infos = [await queue.get(j) for j in ids]
+    finally:
+        for p, log in procs:
+            p.terminate()
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            log.close()
+    starts = [i.started_at for i in infos if i.started_at is not None]
+    ends = [i.ended_at for i in infos if i.ended_at is not None]
+    if not ends:
+        raise RuntimeError(
+            f"no job finished; worker log: {(tmp / f'worker-{name}-0.log').read_text()[-1000:]}"
+        )
+    span = max(ends) - min(starts)
+    return {"jobs": len(ends), "seconds": span, "jobs_per_s": len(ends) / span}
+
+
+async def spawn_ceiling(jobs: int, concurrency: int) -> dict[str, float]:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one() -> None:
+        async with sem:
+            proc = await asyncio.create_subprocess_exec(
+                "true", stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE
+            )
+            await proc.communicate()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(jobs)))
+    span = time.perf_counter() - t0
+    return {"jobs": jobs, "seconds": span, "jobs_per_s": jobs / span}
+
+
+async def streams_ceiling(redis: Redis, messages: int, batch: int) -> dict[str, float]:
+    stream, group = f"ceiling-{batch}", "g"
+    await redis.xgroup_create(stream, group, id="0", mkstream=True)
+    t0 = time.perf_counter()
+    for _ in range(0, messages, batch):
+        if batch == 1:
+            await redis.xadd(stream, {"job": "x"})
+        else:
+            async with redis.pipeline(transaction=False) as pipe:
+                for _ in range(batch):
+                    pipe.xadd(stream, {"job": "x"})
+                await pipe.execute()
+        got: Any = await redis.xreadgroup(group, "c", {stream: ">"}, count=batch)
+        await redis.xack(stream, group, *[entry_id for entry_id, _ in got[0][1]])
+    span = time.perf_counter() - t0
+    return {"jobs": messages, "seconds": span, "jobs_per_s": messages / span}
+
+
+async def measure(jobs: int, command_jobs: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        server = EmbeddedRedis(tmp, port=free_port())
+        server.start()
+        try:
+            redis = server.client()
+            version = (await redis.info("server"))["redis_version"]
+            queue = JobQueue(redis)
+            for workers in (1, 2):
+                name = f"noop{workers}"
+                await prequeue(queue, name, jobs)
+                out[f"noop_{workers}_worker"] = await asyncio.to_thread(noop_drain, server, name, workers)
+            (tmp / "s3").mkdir()
+            s3 = S3Server(tmp / "s3")  # SeaweedFS, as the tests use: the workers' object store
+            await asyncio.to_thread(s3.start)
+            try:
+                store = S3Store(f"127.0.0.1:{s3.port}", "gpupool", s3.access_key, s3.secret_key)
+                await store.open()
+                await store.ensure_bucket()
+                await store.close()
+                for workers in (1, 2):
+                    out[f"true_{workers}_worker"] = await command_drain(
+                        server, queue, f"cmd{workers}", command_jobs, workers, tmp, s3
+                    )
+            finally:
+                await asyncio.to_thread(s3.stop)
+            out["ceiling_spawn_true"] = await spawn_ceiling(command_jobs, 2)
+            out["ceiling_streams_unbatched"] = await streams_ceiling(redis, jobs, 1)
+            out["ceiling_streams_batch100"] = await streams_ceiling(redis, jobs * 5, 100)
+            await redis.aclose()
+        finally:
+            server.stop()
+    return {"machine": machine(str(version)), "jobs": jobs, "command_jobs": command_jobs, "rates": out}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--jobs", type=int, default=5000, help="no-op jobs (and ceiling messages)")
+    p.add_argument("--command-jobs", type=int, default=1000)
+    p.add_argument("--quick", action="store_true", help="2000 no-op, 300 command jobs")
+    args = p.parse_args(argv)
+    jobs, command_jobs = (2000, 300) if args.quick else (args.jobs, args.command_jobs)
+    result = uvloop.run(measure(jobs, command_jobs))
+    t = Table(title="drain throughput, pre-queued jobs, embedded Redis")
+    t.add_column("what")
+    t.add_column("jobs", justify="right")
+    t.add_column("jobs/s", justify="right")
+    for name, r in result["rates"].items():
+        t.add_row(name, str(r["jobs"]), f"{r['jobs_per_s']:,.0f}")
+    Console().print(t)
+    print(f"wrote {save('throughput', result)}")
+
+
+if __name__ == "__main__":
+    main()
