@@ -1,4 +1,4 @@
-"""Small asyncio helpers the worker needs.
+"""Small asyncio helpers: reliable cancellation, and background tasks owned by whoever starts them.
 
 `cancel_and_wait` exists because a cancellation can be lost on Python 3.11: `asyncio.wait_for`,
 which redis-py uses while it connects and reads, returns the result instead of raising
@@ -10,7 +10,11 @@ blocking XREAD; cancelling again until it has ended is what makes stopping it re
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Coroutine
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 RECANCEL_SECONDS = 0.05
 
@@ -21,3 +25,25 @@ async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
     while not task.done():
         task.cancel()
         await asyncio.wait({task}, timeout=RECANCEL_SECONDS)
+
+
+class TaskSet:
+    """Background tasks spawned into a set, logged if they die, cancelled and awaited on stop."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("background task %s died: %r", task.get_name(), exc, exc_info=exc)
+
+    async def stop(self) -> None:
+        """Cancel every task and wait until all have ended (see `cancel_and_wait`)."""
+        await asyncio.gather(*(cancel_and_wait(task) for task in list(self._tasks)))

@@ -18,10 +18,11 @@ from typing import Any
 
 import orjson
 
-from daemon import render, tokens
+from daemon import render, tokens, transfer
 from daemon.client import AuthFailed, ClientError, PoolClient, ServerUnreachable, parse_address
 from daemon.config import SERVER_PORT
-from daemon.job import FULL_SHA
+from daemon.errors import GpupoolError
+from daemon.job import FULL_SHA, TERMINAL_STATES
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -42,6 +43,7 @@ from protocol import (
     WaitJobs,
     WorkerList,
 )
+from storage.base import StorageError
 
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH, EXIT_NOT_FOUND, EXIT_TIMEOUT = 1, 2, 3, 4, 5, 124
 
@@ -76,6 +78,19 @@ def parser() -> argparse.ArgumentParser:
         help="run in a checkout of REPO (default: this checkout's origin, at its exact HEAD commit)",
     )
     e.add_argument("--ref", help="with --git: the branch, tag or commit to run (default: HEAD)")
+    e.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME_OR_PATH[:DEST]",
+        help="a dataset (a `put` name, or a local file or directory, uploaded first) placed at DEST "
+        "in the job's directory (repeatable)",
+    )
+    e.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="run in a snapshot of this git working tree as it is now, uncommitted changes included",
+    )
     e.add_argument("--timeout", type=float, metavar="SECONDS", help="stop the job after this long")
     e.add_argument("--retries", type=int, default=0, help="extra attempts after a non-zero exit")
     e.add_argument(
@@ -111,6 +126,14 @@ def parser() -> argparse.ArgumentParser:
     workers = sub.add_parser("workers", help="the pool's workers")
     workers.add_argument("--json", action="store_true")
 
+    put = sub.add_parser("put", help="upload a file or directory as a dataset (skipped if already stored)")
+    put.add_argument("path", metavar="PATH")
+    put.add_argument("--name", help="a name to use it by: poolctl enqueue --input NAME")
+
+    get = sub.add_parser("get", help="download a finished job's artifacts and log")
+    get.add_argument("job")
+    get.add_argument("dest", nargs="?", metavar="DEST", help="directory (default: ./JOB)")
+
     sub.add_parser("health", help="exit 0 when the server and its Redis answer (for scripts and probes)")
     return p
 
@@ -132,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"poolctl: {exc}", file=sys.stderr)
         codes: dict[int, int] = {ErrorCode.NOT_FOUND: EXIT_NOT_FOUND, ErrorCode.INVALID_ARGUMENT: EXIT_USAGE}
         return codes.get(exc.error_code, EXIT_FAILED)
+    except (GpupoolError, StorageError) as exc:  # a transfer failed: the store's or our sentence
+        print(f"poolctl: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `poolctl logs JOB | head`
@@ -139,19 +165,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-async def _run(args: argparse.Namespace) -> int:
-    if args.command == "enqueue":
-        request = _enqueue_request(args)  # validate before connecting
-    address = args.server or tokens.client_server() or f"127.0.0.1:{SERVER_PORT}"
+def _address(args: argparse.Namespace) -> str:
+    address: str = args.server or tokens.client_server() or f"127.0.0.1:{SERVER_PORT}"
     try:
         parse_address(address)
     except ClientError as exc:
         raise UsageError(str(exc)) from None
+    return address
+
+
+async def _run(args: argparse.Namespace) -> int:
+    if args.command == "enqueue":
+        request = _enqueue_request(args)  # validate before connecting
+    address = _address(args)
     tls_ca = args.tls_ca or os.environ.get("GPUPOOL_TLS_CA")
     async with PoolClient(address, tokens.local_user(), tokens.client_token(), tls_ca=tls_ca) as client:
         match args.command:
             case "enqueue":
-                return await _enqueue(client, request, args.json)
+                return await _enqueue(client, request, args)
+            case "put":
+                return await _put(client, args)
+            case "get":
+                return await _get(client, args)
             case "ls":
                 reply = await client.call(ListJobs(args.queue, args.state, args.all, args.limit), JobList)
                 render.jobs(reply.jobs, as_json=args.json)
@@ -175,6 +210,8 @@ async def _run(args: argparse.Namespace) -> int:
 
 def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
     if args.from_file:
+        if args.input or args.snapshot:
+            raise UsageError("--input and --snapshot go with one job, not --from-file")
         try:
             lines = Path(args.from_file).read_bytes().splitlines()
             specs = [orjson.loads(line) for line in lines if line.strip()]
@@ -183,6 +220,10 @@ def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
         if not all(isinstance(s, dict) for s in specs):
             raise UsageError(f"{args.from_file}: each line must be a JSON object (a job spec)")
         return EnqueueBatch(specs)
+    return Enqueue(_spec(args), args.key)
+
+
+def _spec(args: argparse.Namespace) -> dict[str, Any]:
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
         raise UsageError("nothing to run: give the command after --, e.g. poolctl enqueue -- python train.py")
@@ -203,11 +244,46 @@ def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
         "max_attempts": args.max_attempts,
         "cwd": str(Path(args.cwd).resolve()) if args.cwd else None,
     }
+    if args.snapshot and (args.git is not None or args.cwd):
+        raise UsageError("--snapshot cannot be combined with --git or --cwd: the job runs in the snapshot")
+    if args.input and args.cwd:
+        raise UsageError("--input cannot be combined with --cwd: inputs go in the job's own directory")
     if args.git is not None:
         spec["git"] = git_source(args.git, args.ref)
     elif args.ref:
         raise UsageError("--ref goes with --git")
-    return Enqueue(spec, args.key)
+    return spec
+
+
+async def _put(client: PoolClient, args: argparse.Namespace) -> int:
+    ref, sent = await transfer.put(client, Path(args.path), args.name)
+    note = "" if sent else "\t(already stored)"
+    print(f"{ref.name or ref.sha256}\tsha256:{ref.sha256}\t{ref.size} bytes\t{ref.kind}{note}")
+    return 0
+
+
+async def _get(client: PoolClient, args: argparse.Namespace) -> int:
+    job = (await client.call(ShowJob(args.job), JobDetail)).job
+    if job["state"] not in TERMINAL_STATES:
+        print(f"poolctl: job {args.job} has not finished ({job['state']}): no artifacts yet", file=sys.stderr)
+        return EXIT_FAILED
+    written = await transfer.get_artifacts(client, job, Path(args.dest or args.job))
+    for path, size in written:
+        print(f"{path}\t{size}")
+    if not written:
+        print(f"poolctl: job {args.job} has no artifacts", file=sys.stderr)
+    return 0
+
+
+async def _attach_data(client: PoolClient, spec: dict[str, Any], args: argparse.Namespace) -> None:
+    """Upload what --input and --snapshot name, and record them in the spec."""
+    try:
+        if args.snapshot:
+            spec["snapshot"] = await transfer.upload_snapshot(client, Path.cwd())
+        if args.input:
+            spec["inputs"] = [await transfer.resolve_input(client, text) for text in args.input]
+    except transfer.TransferError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def git_source(repo: str, ref: str | None, cwd: Path | None = None) -> dict[str, str]:
@@ -243,12 +319,14 @@ def git_source(repo: str, ref: str | None, cwd: Path | None = None) -> dict[str,
     return {"repo": source, "commit": commit}
 
 
-async def _enqueue(client: PoolClient, request: Enqueue | EnqueueBatch, as_json: bool) -> int:
+async def _enqueue(client: PoolClient, request: Enqueue | EnqueueBatch, args: argparse.Namespace) -> int:
+    as_json = args.json
     if isinstance(request, EnqueueBatch):
         ids = (await client.call(request, EnqueuedBatch)).job_ids
         for job_id in ids:
             print(orjson.dumps({"id": job_id}).decode() if as_json else job_id)
         return 0
+    await _attach_data(client, request.spec, args)
     reply = await client.call(request, Enqueued)
     print(orjson.dumps({"id": reply.job_id, "created": reply.created}).decode() if as_json else reply.job_id)
     return 0

@@ -102,6 +102,13 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("worker_remote_processors", int, 2, "slots per worker", lo=1, hi=4096),
     Option(
+        "worker_cache_bytes",
+        int,
+        50 * 1024**3,
+        "bytes of datasets a worker keeps in its content-addressed cache (LRU-evicted beyond)",
+        lo=0,
+    ),
+    Option(
         "worker_healthy_response_period",
         float,
         300.0,
@@ -199,6 +206,7 @@ class Config:
     local_minio_port: int
     worker_local_processors: int
     worker_remote_processors: int
+    worker_cache_bytes: int
     worker_healthy_response_period: float
     redis_result_queue_polling_interval: float
     heartbeat_interval: float

@@ -16,6 +16,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from daemon.datadesk import BadDataRequest, DataDesk, DataNotFound
 from daemon.errors import GpupoolError, InvalidJob, JobNotFound
 from daemon.events import JobEvents
 from daemon.job import JobInfo, JobSpec, JobState
@@ -29,6 +30,7 @@ from protocol import (
     Enqueued,
     EnqueuedBatch,
     ErrorCode,
+    FinishUpload,
     FollowLogs,
     JobDetail,
     JobList,
@@ -38,14 +40,18 @@ from protocol import (
     LogEnd,
     Ping,
     Pong,
+    PrepareDownload,
+    PrepareUpload,
     Reply,
     Request,
+    ResolveName,
     ShowJob,
     StreamItem,
     Waited,
     WaitJobs,
     WorkerList,
 )
+from storage.base import ObjectStore, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -67,27 +73,38 @@ class RequestError(Exception):
 
 
 def _error_for(exc: GpupoolError) -> RequestError:
-    if isinstance(exc, JobNotFound):
+    if isinstance(exc, JobNotFound | DataNotFound):
         return RequestError(ErrorCode.NOT_FOUND, exc.message)
-    if isinstance(exc, InvalidJob):
+    if isinstance(exc, InvalidJob | BadDataRequest):
         return RequestError(ErrorCode.INVALID_ARGUMENT, exc.message)
     return RequestError(ErrorCode.INTERNAL, exc.message)
 
 
 class Handlers:
     def __init__(
-        self, queue: JobQueue, events: JobEvents, workers: WorkerLister, metrics: ServerMetrics | None = None
+        self,
+        queue: JobQueue,
+        events: JobEvents,
+        workers: WorkerLister,
+        metrics: ServerMetrics | None = None,
+        store: ObjectStore | None = None,
     ) -> None:
         self.queue = queue
         self.events = events
         self.workers = workers
         self.metrics = metrics
+        self.data = DataDesk(store) if store is not None else None
 
     async def handle(self, request: Request, user: str, send: SendStream) -> Reply:
         try:
             return await self._dispatch(request, user, send)
         except GpupoolError as exc:
             raise _error_for(exc) from None
+        except StorageError as exc:
+            log.warning("request %s failed: object store (%s)", type(request).__name__, exc)
+            raise RequestError(
+                ErrorCode.UNAVAILABLE, f"the pool's object store failed: {exc.message}"
+            ) from None
         except RedisError as exc:
             log.warning("request %s failed: Redis unavailable (%s)", type(request).__name__, exc)
             raise RequestError(
@@ -115,7 +132,22 @@ class Handlers:
                 return WorkerList(await self.workers())
             case Ping():
                 return Pong(time.time())
+            case PrepareUpload() | FinishUpload() | ResolveName() | PrepareDownload():
+                return await self._data(request)
         raise RequestError(ErrorCode.UNKNOWN_OP, f"this server does not handle {type(request).__name__}")
+
+    async def _data(self, request: PrepareUpload | FinishUpload | ResolveName | PrepareDownload) -> Reply:
+        if self.data is None:
+            raise RequestError(ErrorCode.UNAVAILABLE, "this server has no object store for datasets")
+        match request:
+            case PrepareUpload(sha256=sha256, size=size):
+                return await self.data.prepare_upload(sha256, size)
+            case FinishUpload(sha256=sha256, kind=kind, name=name):
+                return await self.data.finish_upload(sha256, kind, name)
+            case ResolveName(name=name):
+                return await self.data.resolve(name)
+            case PrepareDownload(key=key):
+                return await self.data.prepare_download(key)
 
     async def _enqueue(self, spec: dict[str, Any], key: str | None, user: str) -> Enqueued:
         job_spec = _spec(spec, user)

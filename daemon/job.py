@@ -20,6 +20,9 @@ from daemon.errors import InvalidJob
 MAX_ARGV_BYTES = 256 * 1024
 FULL_SHA = re.compile(r"[0-9a-f]{40}")
 MAX_ATTEMPTS_LIMIT = 100
+MAX_INPUTS = 256
+SHA256 = re.compile(r"[0-9a-f]{64}")
+INPUT_KINDS = ("file", "dir")
 
 
 class JobState(enum.StrEnum):
@@ -75,6 +78,10 @@ class JobSpec:
     retries: int = 0  # extra attempts after a non-zero exit
     user: str = ""  # set by the server from the authenticated connection, never by the client
     git: Mapping[str, str] | None = None  # {"repo": URL or path, "commit": sha, or "ref": name}
+    # Datasets placed in the job's directory before it starts: {"sha256", "dest", "kind": file|dir}.
+    inputs: tuple[Mapping[str, str], ...] = ()
+    # The researcher's working tree as it was at enqueue: {"sha256", "commit", "dirty": bool}.
+    snapshot: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -89,6 +96,8 @@ class JobSpec:
             "retries": self.retries,
             "user": self.user,
             "git": dict(self.git) if self.git is not None else None,
+            "inputs": [dict(i) for i in self.inputs],
+            "snapshot": dict(self.snapshot) if self.snapshot is not None else None,
         }
 
     @classmethod
@@ -119,6 +128,8 @@ class JobSpec:
             retries=_int(data, "retries", 0, 0, MAX_ATTEMPTS_LIMIT),
             user=_opt_str(data, "user") or "",
             git=_git(data.get("git"), data.get("cwd")),
+            inputs=_inputs(data.get("inputs"), data.get("cwd")),
+            snapshot=_snapshot(data.get("snapshot"), data.get("cwd"), data.get("git")),
         )
 
 
@@ -138,6 +149,56 @@ def _git(value: object, cwd: object) -> dict[str, str] | None:
         raise InvalidJob("git", 'needs a "commit" or a "ref"')
     if cwd is not None:
         raise InvalidJob("cwd", "cannot be combined with git: the job runs in its checkout")
+    return dict(value)
+
+
+def check_dest(dest: object) -> str:
+    """A place inside the job's directory: a relative path without `..`, `.` or empty segments."""
+    if not isinstance(dest, str) or not dest or dest.startswith("/") or "\x00" in dest or "\\" in dest:
+        raise InvalidJob("inputs", f"dest {dest!r} must be a relative path inside the job's directory")
+    if any(part in {"", ".", ".."} for part in dest.split("/")):
+        raise InvalidJob("inputs", f"dest {dest!r} must not contain '..', '.' or empty segments")
+    return dest
+
+
+def _inputs(value: object, cwd: object) -> tuple[dict[str, str], ...]:
+    if value is None or value == []:
+        return ()
+    if not isinstance(value, list | tuple) or len(value) > MAX_INPUTS:
+        raise InvalidJob("inputs", f"must be a list of at most {MAX_INPUTS} maps")
+    out: list[dict[str, str]] = []
+    for item in value:
+        if not isinstance(item, Mapping) or set(item) != {"sha256", "dest", "kind"}:
+            raise InvalidJob("inputs", 'each input is a map of exactly "sha256", "dest" and "kind"')
+        if not isinstance(item["sha256"], str) or not SHA256.fullmatch(item["sha256"]):
+            raise InvalidJob("inputs", f"sha256 {item['sha256']!r} is not 64 lowercase hex digits")
+        if item["kind"] not in INPUT_KINDS:
+            raise InvalidJob("inputs", f"kind {item['kind']!r} must be one of {', '.join(INPUT_KINDS)}")
+        out.append({"sha256": item["sha256"], "dest": check_dest(item["dest"]), "kind": item["kind"]})
+    dests = [i["dest"] for i in out]
+    if len(set(dests)) != len(dests):
+        raise InvalidJob("inputs", "two inputs have the same dest")
+    if cwd is not None:
+        raise InvalidJob("cwd", "cannot be combined with inputs: they are placed in the job's own directory")
+    return tuple(out)
+
+
+def _snapshot(value: object, cwd: object, git: object) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, Mapping)
+        or set(value) != {"sha256", "commit", "dirty"}
+        or not isinstance(value["sha256"], str)
+        or not SHA256.fullmatch(value["sha256"])
+        or not isinstance(value["commit"], str)
+        or not isinstance(value["dirty"], bool)
+    ):
+        raise InvalidJob(
+            "snapshot", 'must be a map of "sha256" (64 hex digits), "commit" (str), "dirty" (bool)'
+        )
+    if cwd is not None or git is not None:
+        raise InvalidJob("snapshot", "cannot be combined with cwd or git: the job runs in the snapshot")
     return dict(value)
 
 

@@ -83,6 +83,42 @@ def jobs(items: Sequence[dict[str, Any]], *, as_json: bool) -> None:
     _table(["ID", "NAME", "USER", "QUEUE", "STATE", "ATTEMPT", "WORKER", "WAITED", "RAN"], rows, state_col=4)
 
 
+def size(n: int) -> str:
+    """Bytes for humans: 512 B, 1.5 KiB, 3.2 GiB."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _data_lines(spec: dict[str, Any]) -> list[tuple[str, str | None]]:
+    snap = spec.get("snapshot")
+    inputs = spec.get("inputs") or []
+    return [
+        (
+            "snapshot",
+            snap
+            and f"{snap['sha256'][:12]} of commit {snap['commit'][:12] or '(none)'}"
+            + (" + uncommitted changes" if snap["dirty"] else ""),
+        ),
+        ("inputs", ", ".join(f"{i['dest']} ({i['kind']} {i['sha256'][:12]})" for i in inputs) or None),
+    ]
+
+
+def _artifacts(result: dict[str, Any]) -> None:
+    items = result.get("artifacts") or []
+    if items or result.get("log"):
+        print("artifacts:")
+        for a in items:
+            print(f"  {size(a['size']):>10}  {a['name']}")
+        if result.get("log"):
+            print(f"  {size(result['log']['size']):>10}  (log)")
+    for error in result.get("artifact_errors") or []:
+        print(f"  not uploaded: {error}")
+
+
 def _when(ts: float | None) -> str:
     return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
@@ -103,6 +139,7 @@ def job(j: dict[str, Any], *, as_json: bool) -> None:
         ("gpus", str(spec["gpus"])),
         ("cwd", spec["cwd"]),
         ("env", " ".join(f"{k}={v}" for k, v in spec["env"].items()) or None),
+        *_data_lines(spec),
         ("timeout", f"{spec['timeout']:g} s" if spec["timeout"] else None),
         (
             "attempt",
@@ -124,6 +161,7 @@ def job(j: dict[str, Any], *, as_json: bool) -> None:
             ran = duration((a["ended_at"] or time.time()) - a["started_at"])
             started = _when(a["started_at"])
             print(f"  #{a['attempt']}  {a['how']:<10} on {a['worker']}  started {started}  ran {ran}")
+    _artifacts(j.get("result") or {})
 
 
 def _gpus(gpus: Sequence[dict[str, Any]]) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import enum
 import functools
 import logging
@@ -34,15 +35,17 @@ from typing import Any
 
 import psutil
 
-from daemon import gitsync
+from daemon import gitsync, jobdata
 from daemon.aio import cancel_and_wait
-from daemon.gitsync import GitError
+from daemon.errors import GpupoolError
 from daemon.gpus import GpuInfo, GpuProbe, GpuProbeError, visible_devices
 from daemon.job import JobState, Lease, Outcome
 from daemon.joblog import JobOutput
 from daemon.notify import NOTIFY_ENV
 from daemon.procguard import OrphanGuard
 from daemon.queue import JobQueue
+from storage.base import ObjectStore
+from storage.cache import ObjectCache
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +132,14 @@ class JobRun:
         kill_grace: float = 10.0,
         probe: GpuProbe | None = None,
         guard: OrphanGuard | None = None,
+        store: ObjectStore | None = None,
+        cache: ObjectCache | None = None,
     ) -> None:
+        """`store` receives the artifacts; `cache` fetches the snapshot and inputs (None: a
+        worker without an object store; jobs with data then fail saying so)."""
         self.queue = queue
+        self.store = store
+        self.cache = cache
         self.lease = lease
         self.gpus = tuple(gpus)
         self.kill_grace = kill_grace
@@ -138,7 +147,9 @@ class JobRun:
         self.guard = guard
         self.data_dir = data_dir
         self.scratch = data_dir / "jobs" / f"{lease.job_id}.{lease.attempt}"
+        self.output_dir = data_dir / "jobs" / f"{lease.job_id}.{lease.attempt}.out"
         self._env = job_env(os.environ if env is None else env, lease, self.gpus)
+        self._env["GPUPOOL_OUTPUT"] = str(self.output_dir)
         self.ending: Ending | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._killer: asyncio.Task[None] | None = None
@@ -204,8 +215,10 @@ class JobRun:
         try:
             if not spec.cwd:
                 await asyncio.to_thread(self.scratch.mkdir, parents=True, exist_ok=True)
+            await asyncio.to_thread(self.output_dir.mkdir, parents=True, exist_ok=True)
             if spec.git is not None:
                 await self._checkout(spec.git)
+            await jobdata.prepare(self.cache, spec, cwd, self.output.note)
             self._proc = await asyncio.create_subprocess_exec(
                 *spec.argv,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -216,10 +229,10 @@ class JobRun:
                 start_new_session=True,
                 preexec_fn=functools.partial(_die_with, os.getpid()),
             )
-        except (OSError, GitError) as exc:
+        except (OSError, GpupoolError) as exc:
             detail = (
                 str(exc)
-                if isinstance(exc, GitError)
+                if isinstance(exc, GpupoolError)
                 else f"cannot start {spec.argv[0]!r} in {cwd}: {exc.strerror or exc}"
             )
             self.output.note(detail)
@@ -261,8 +274,13 @@ class JobRun:
         if leftovers:
             log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(leftovers))
         dirty = await self._check_gpus(pgid)
+        outcome = self._outcome(returncode, "", started)
+        if outcome is not None and self.store is not None:
+            # Uploaded before the fenced complete, under this attempt's own prefix (jobdata.py).
+            uploaded = await jobdata.upload_artifacts(self.store, self.queue, self.lease, self.output_dir)
+            outcome = dataclasses.replace(outcome, result={**outcome.result, **uploaded})
         await self._remove_scratch()
-        return RunResult(self.ending or Ending.EXITED, self._outcome(returncode, "", started), dirty)
+        return RunResult(self.ending or Ending.EXITED, outcome, dirty)
 
     def _outcome(self, returncode: int | None, detail: str, started: float) -> Outcome | None:
         ending = self.ending or Ending.EXITED
@@ -297,6 +315,7 @@ class JobRun:
             await asyncio.sleep(SAMPLE_SECONDS)
 
     async def _remove_scratch(self) -> None:
+        await asyncio.to_thread(shutil.rmtree, self.output_dir, ignore_errors=True)
         if not self.lease.spec.cwd:
             await asyncio.to_thread(shutil.rmtree, self.scratch, ignore_errors=True)
 

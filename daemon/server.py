@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import keys, notify, reaper, registry, tokens
+from daemon.aio import TaskSet
 from daemon.config import Config
 from daemon.events import JobEvents, Terminal
 from daemon.handlers import Handlers
@@ -17,7 +18,7 @@ from daemon.metrics import MetricsServer, ServerMetrics, metrics_address, serve_
 from daemon.queue import JobQueue
 from daemon.redis_client import PoolRedis
 from daemon.session import Limits
-from daemon.tasks import TaskSet
+from daemon.store import make_store
 from daemon.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class PoolServer:
         self.metrics = ServerMetrics()
         self.metrics_server: MetricsServer | None = None
         self.local: Worker | None = None  # the slots a single-machine pool runs itself
+        self.store = make_store(config)  # opened at start; presigns and records, carries no bytes
         self._tasks = TaskSet()
 
     def _tokens(self) -> Mapping[str, bytes] | None:
@@ -55,6 +57,7 @@ class PoolServer:
                 f"refusing to listen on {c.listen} without authentication: set tokens_file "
                 '(lines of user = "token"), or listen on 127.0.0.1'
             )
+        await self.store.open()
         client = await self.redis.start()
         self.queue = JobQueue(
             client, lease_seconds=c.worker_healthy_response_period, retention_seconds=int(c.job_retention)
@@ -64,7 +67,7 @@ class PoolServer:
         reap_every = min(c.worker_healthy_response_period / 4, 5.0)
         self._tasks.spawn(reaper.run(self.queue, reap_every, self._reclaimed), "reaper")
         self.listener = Listener(
-            Handlers(self.queue, events, self.list_workers, self.metrics),
+            Handlers(self.queue, events, self.list_workers, self.metrics, self.store),
             known_tokens,
             host,
             port,
@@ -90,7 +93,7 @@ class PoolServer:
                 "set metrics_listen to a free HOST:PORT"
             ) from None
         if c.embedded and c.worker_local_processors > 0:
-            self.local = Worker.from_config(self.queue, c, slots=c.worker_local_processors)
+            self.local = Worker.from_config(self.queue, c, slots=c.worker_local_processors, store=self.store)
             await self.local.start()
         if c.embedded:
             tokens.publish_local_server(self.listener.address)
@@ -141,4 +144,5 @@ class PoolServer:
             self.listener = None
         await self._tasks.stop()
         await self.redis.stop()
+        await self.store.close()
         log.info("gpupool server stopped")

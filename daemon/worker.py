@@ -41,6 +41,9 @@ from daemon.queue import JobQueue
 from daemon.redis_client import PoolRedis
 from daemon.registry import Registration
 from daemon.runner import Ending, JobRun, RunResult
+from daemon.store import open_worker_store
+from storage.base import ObjectStore
+from storage.cache import ObjectCache
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +67,13 @@ class Worker:
         probe: GpuProbe | None = None,
         worker_id: str | None = None,
         env: Mapping[str, str] | None = None,
+        store: ObjectStore | None = None,
+        cache_bytes: int = 50 * 1024**3,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
         (the seam) and optionally a probe. `env` is the base of every job's environment (default:
-        this process's)."""
+        this process's). `store` (open, owned by the caller) holds datasets and artifacts; the worker
+        caches what it fetches from it under `data_dir/cache`, up to `cache_bytes`."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         self.queue = queue
@@ -78,6 +84,8 @@ class Worker:
         self.kill_grace = kill_grace
         self.id = worker_id or registry.new_worker_id()
         self.env = env
+        self.store = store
+        self.cache = ObjectCache(self.data_dir / "cache", store, cache_bytes) if store is not None else None
         self._given_gpus = gpus
         self.probe = probe
         self.allocator = GpuAllocator(gpus or [], slots)
@@ -106,9 +114,16 @@ class Worker:
 
     @classmethod
     def from_config(
-        cls, queue: JobQueue, config: Config, *, slots: int | None = None, data_dir: Path | None = None
+        cls,
+        queue: JobQueue,
+        config: Config,
+        *,
+        slots: int | None = None,
+        data_dir: Path | None = None,
+        store: ObjectStore | None = None,
     ) -> Worker:
-        """A worker with the configuration's queues, timings and (default) remote slot count."""
+        """A worker with the configuration's queues, timings, cache size and (default) remote slot
+        count, on `store` (opened by the caller)."""
         return cls(
             queue,
             data_dir=data_dir or config.data_path() / "worker",
@@ -117,6 +132,8 @@ class Worker:
             heartbeat_seconds=config.heartbeat_seconds,
             drain_timeout=config.drain_timeout,
             kill_grace=config.kill_grace,
+            store=store,
+            cache_bytes=config.worker_cache_bytes,
         )
 
     # -- life cycle -------------------------------------------------------------------------------
@@ -231,6 +248,8 @@ class Worker:
         except RedisError as exc:
             log.warning("could not unregister worker %s (%s); it will show as dead", self.id, exc)
         await self._guard.stop()
+        if self.cache is not None:
+            await self.cache.close()
         if self._nvml is not None:
             await asyncio.to_thread(self._nvml.close)
             self._nvml = None
@@ -302,6 +321,8 @@ class Worker:
                 kill_grace=self.kill_grace,
                 probe=self.probe,
                 guard=self._guard,
+                store=self.store,
+                cache=self.cache,
             )
             self._runs[_key(lease)] = run
             self._slot_of[_key(lease)] = slot
@@ -485,6 +506,7 @@ async def run_worker(config: Config) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     worker: Worker | None = None
+    store: ObjectStore | None = None
 
     def on_signal(sig: signal.Signals) -> None:
         if stop.is_set():
@@ -504,7 +526,8 @@ async def run_worker(config: Config) -> int:
             lease_seconds=config.worker_healthy_response_period,
             retention_seconds=int(config.job_retention),
         )
-        worker = Worker.from_config(queue, config)
+        store = await open_worker_store(config)
+        worker = Worker.from_config(queue, config, store=store)
         await worker.start()
         host, port = metrics_address(config, worker=True)
         try:
@@ -534,4 +557,6 @@ async def run_worker(config: Config) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         await pool_redis.stop()
+        if store is not None:
+            await store.close()
     return 0

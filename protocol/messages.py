@@ -23,11 +23,13 @@ __all__ = [
     "CancelJobs",
     "Cancelled",
     "Challenge",
+    "DownloadTicket",
     "Enqueue",
     "EnqueueBatch",
     "Enqueued",
     "EnqueuedBatch",
     "ErrorMessage",
+    "FinishUpload",
     "FollowLogs",
     "Goodbye",
     "Hello",
@@ -38,12 +40,17 @@ __all__ = [
     "LogChunk",
     "LogEnd",
     "Message",
+    "ObjectRef",
     "Ping",
     "Pong",
+    "PrepareDownload",
+    "PrepareUpload",
     "Reply",
     "Request",
+    "ResolveName",
     "ShowJob",
     "StreamItem",
+    "UploadTicket",
     "WaitJobs",
     "Waited",
     "Welcome",
@@ -199,6 +206,46 @@ class Ping:
     OP: ClassVar = "ping"
 
 
+@dataclass(frozen=True, slots=True)
+class PrepareUpload:
+    """Ask to store a content-addressed object of ``size`` bytes hashing to ``sha256``.
+
+    The server authorises and hands out where to send the bytes (UploadTicket); the bytes never
+    pass through it.
+    """
+
+    OP: ClassVar = "prepare_upload"
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class FinishUpload:
+    """The bytes of ``sha256`` are stored: the server checks the object and records it, under
+    ``name`` too when one is given. ``kind`` is ``file`` or ``dir`` (a tar of a directory)."""
+
+    OP: ClassVar = "finish_upload"
+    sha256: str
+    kind: str
+    name: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ResolveName:
+    """What the dataset ``name`` (from FinishUpload) is."""
+
+    OP: ClassVar = "resolve_name"
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareDownload:
+    """Ask where to fetch the object ``key`` (a dataset or an artifact) from."""
+
+    OP: ClassVar = "prepare_download"
+    key: str
+
+
 # -- replies and stream items ------------------------------------------------------------------------
 
 
@@ -286,11 +333,71 @@ class Pong:
     server_time: float
 
 
+@dataclass(frozen=True, slots=True)
+class UploadTicket:
+    """Reply to PrepareUpload. ``exists``: the object is already stored, send nothing. Otherwise
+    either ``url`` (a presigned PUT; send header ``x-amz-meta-sha256: <sha256>``) or
+    ``local_store`` (the directory of a local store on the server's machine) is set."""
+
+    OP: ClassVar = "upload_ticket"
+    key: str
+    exists: bool
+    url: str | None
+    local_store: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRef:
+    """Reply to FinishUpload and ResolveName: a stored object and the name it goes by."""
+
+    OP: ClassVar = "object_ref"
+    name: str | None
+    sha256: str
+    size: int
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class DownloadTicket:
+    """Reply to PrepareDownload: the object's size and sha256 (to verify what arrives), and
+    either a presigned GET ``url`` or the ``local_store`` directory to read it from."""
+
+    OP: ClassVar = "download_ticket"
+    key: str
+    size: int
+    sha256: str | None
+    url: str | None
+    local_store: str | None
+
+
 Request: TypeAlias = (
-    Enqueue | EnqueueBatch | ListJobs | ShowJob | CancelJobs | WaitJobs | FollowLogs | ListWorkers | Ping
+    Enqueue
+    | EnqueueBatch
+    | ListJobs
+    | ShowJob
+    | CancelJobs
+    | WaitJobs
+    | FollowLogs
+    | ListWorkers
+    | Ping
+    | PrepareUpload
+    | FinishUpload
+    | ResolveName
+    | PrepareDownload
 )
 Reply: TypeAlias = (
-    Enqueued | EnqueuedBatch | JobList | JobDetail | Cancelled | Waited | LogEnd | WorkerList | Pong
+    Enqueued
+    | EnqueuedBatch
+    | JobList
+    | JobDetail
+    | Cancelled
+    | Waited
+    | LogEnd
+    | WorkerList
+    | Pong
+    | UploadTicket
+    | ObjectRef
+    | DownloadTicket
 )
 StreamItem: TypeAlias = LogChunk
 Control: TypeAlias = Hello | Challenge | Auth | Welcome | ErrorMessage | Goodbye
@@ -307,6 +414,10 @@ _REPLY_FOR: Final[dict[type[Any], type[Any]]] = {
     FollowLogs: LogEnd,
     ListWorkers: WorkerList,
     Ping: Pong,
+    PrepareUpload: UploadTicket,
+    FinishUpload: ObjectRef,
+    ResolveName: ObjectRef,
+    PrepareDownload: DownloadTicket,
 }
 _STREAM_FOR: Final[dict[type[Any], type[Any]]] = {FollowLogs: LogChunk}
 

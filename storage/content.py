@@ -23,7 +23,7 @@ import os
 import posixpath
 import stat
 import tarfile
-from collections.abc import AsyncIterator, Generator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterable, Iterator
 from pathlib import Path
 
 from storage.base import StorageError
@@ -99,7 +99,24 @@ def pack_tree(root: Path) -> Generator[bytes, None, None]:
     root = Path(root)
     if not root.is_dir():
         raise StorageError(f"{root} is not a directory")
-    for path in _walk(root):
+    return _pack(root, _walk(root))
+
+
+def pack_files(root: Path, names: Iterable[str]) -> Generator[bytes, None, None]:
+    """Like `pack_tree`, but only the files and symlinks `names` (relative POSIX paths under
+    `root`, e.g. what `git ls-files` lists), in sorted order. Names that are missing or are
+    directories are skipped. Blocking."""
+    root = Path(root)
+    paths = []
+    for name in sorted(set(names)):
+        path = root / name
+        if path.is_symlink() or path.is_file():
+            paths.append(path)
+    return _pack(root, iter(paths))
+
+
+def _pack(root: Path, paths: Iterator[Path]) -> Generator[bytes, None, None]:
+    for path in paths:
         name = path.relative_to(root).as_posix()
         info = _info(path, name)
         if info is None:
@@ -122,7 +139,12 @@ def pack_tree(root: Path) -> Generator[bytes, None, None]:
 
 async def pack_tree_async(root: Path) -> AsyncIterator[bytes]:
     """`pack_tree` with the file reads in a worker thread, for `ObjectStore.put_stream`."""
-    gen = pack_tree(root)
+    async for chunk in iterate_in_thread(pack_tree(root)):
+        yield chunk
+
+
+async def iterate_in_thread(gen: Generator[bytes, None, None]) -> AsyncIterator[bytes]:
+    """Drive a blocking chunk generator (`pack_tree`, `pack_files`) from a worker thread."""
     done = object()
     try:
         while (chunk := await asyncio.to_thread(next, gen, done)) is not done:
@@ -134,9 +156,14 @@ async def pack_tree_async(root: Path) -> AsyncIterator[bytes]:
 
 def tree_sha256(root: Path) -> tuple[str, int]:
     """(sha256, size) of the packed tree: its content address, without storing the tar."""
+    return stream_sha256(pack_tree(root))
+
+
+def stream_sha256(chunks: Iterable[bytes]) -> tuple[str, int]:
+    """(sha256, size) of a chunk stream (blocking)."""
     h = hashlib.sha256()
     size = 0
-    for chunk in pack_tree(root):
+    for chunk in chunks:
         h.update(chunk)
         size += len(chunk)
     return h.hexdigest(), size

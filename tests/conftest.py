@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from redis.asyncio import Redis
 
 from daemon.embedded_redis import EmbeddedRedis
 from daemon.queue import JobQueue
+from storage.s3 import S3Store
 from tests.pool import Pool, running_pool
 from tests.s3server import S3Server
 
@@ -55,6 +57,22 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+async def s3_env(s3_server: S3Server) -> dict[str, str]:
+    """GPUPOOL_* variables pointing a multinode `poold` at a fresh bucket of the session's S3
+    endpoint: a worker refuses to start without its bucket."""
+    bucket = f"w-{secrets.token_hex(6)}"
+    address = s3_server.endpoint.removeprefix("http://")
+    async with S3Store(address, bucket, s3_server.access_key, s3_server.secret_key) as store:
+        await store.ensure_bucket()
+    return {
+        "GPUPOOL_MAIN_SERVER_MINIO_ADDRESS": address,
+        "GPUPOOL_MAIN_SERVER_MINIO_BUCKET": bucket,
+        "GPUPOOL_MAIN_SERVER_MINIO_ACCESS_KEY_ID": s3_server.access_key,
+        "GPUPOOL_MAIN_SERVER_MINIO_SECRET_ACCESS_KEY": s3_server.secret_key,
+    }
 
 
 @pytest.fixture

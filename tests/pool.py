@@ -14,6 +14,7 @@ from daemon.client import PoolClient
 from daemon.embedded_redis import EmbeddedRedis
 from daemon.queue import JobQueue
 from daemon.server import PoolServer
+from storage.base import ObjectStore
 
 USERS = ("alice", "bob")
 
@@ -71,9 +72,15 @@ def pool_config(redis_server: EmbeddedRedis, tmp: Path, **overrides: Any) -> con
 
 
 @asynccontextmanager
-async def running_pool(redis_server: EmbeddedRedis, tmp: Path, **overrides: Any) -> AsyncIterator[Pool]:
+async def running_pool(
+    redis_server: EmbeddedRedis, tmp: Path, store: ObjectStore | None = None, **overrides: Any
+) -> AsyncIterator[Pool]:
+    """A started server; `store` replaces the one its configuration names (the server opens and
+    closes it)."""
     cfg = pool_config(redis_server, tmp, **overrides)
     server = PoolServer(cfg)
+    if store is not None:
+        server.store = store
     await server.start()
     try:
         assert server.listener is not None

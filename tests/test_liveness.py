@@ -24,8 +24,10 @@ LEASE = 1.5
 
 
 @contextmanager
-def worker_process(redis_server: EmbeddedRedis, data_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
-    env = dict(os.environ, GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password)
+def worker_process(
+    redis_server: EmbeddedRedis, data_dir: Path, s3_env: dict[str, str]
+) -> Iterator[subprocess.Popen[bytes]]:
+    env = dict(os.environ, GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password, **s3_env)
     argv = [
         sys.executable,
         "-m",
@@ -75,13 +77,13 @@ async def terminal_events(queue: JobQueue, job_id: str) -> int:
 
 
 async def test_long_job_with_heartbeats_is_never_reclaimed(
-    redis_server: EmbeddedRedis, tmp_path: Path
+    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
 ) -> None:
     queue = JobQueue(redis_server.client(), lease_seconds=LEASE)
     job_id, _ = await queue.enqueue(sh(f"sleep {LEASE * 4}"))  # four lease lengths
     done = asyncio.Event()
     reaper = asyncio.create_task(reap_until(queue, done))
-    with worker_process(redis_server, tmp_path / "w1"):
+    with worker_process(redis_server, tmp_path / "w1", s3_env):
         info = await wait_state(queue, job_id, JobState.SUCCEEDED, timeout=60)
     done.set()
     await reaper
@@ -90,18 +92,18 @@ async def test_long_job_with_heartbeats_is_never_reclaimed(
 
 
 async def test_frozen_worker_is_reclaimed_and_its_zombie_result_refused(
-    redis_server: EmbeddedRedis, tmp_path: Path
+    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
 ) -> None:
     queue = JobQueue(redis_server.client(), lease_seconds=LEASE)
     marker = tmp_path / "attempts"
     job_id, _ = await queue.enqueue(sh(f'echo "$GPUPOOL_ATTEMPT" >> {marker}; sleep 2'))
     done = asyncio.Event()
     reaper = asyncio.create_task(reap_until(queue, done))
-    with worker_process(redis_server, tmp_path / "w1") as zombie:
+    with worker_process(redis_server, tmp_path / "w1", s3_env) as zombie:
         await wait_file(marker)
         zombie.send_signal(signal.SIGSTOP)  # frozen: no heartbeats; its job runs on and ends
         await wait_state(queue, job_id, JobState.QUEUED, timeout=30)  # the lease expired: reclaimed
-        with worker_process(redis_server, tmp_path / "w2"):
+        with worker_process(redis_server, tmp_path / "w2", s3_env):
             await wait_file(marker, lines=2)
             zombie.send_signal(signal.SIGCONT)  # it wakes and tries to record attempt 1's result
             info = await wait_state(queue, job_id, JobState.SUCCEEDED, timeout=60)
@@ -117,7 +119,7 @@ async def test_frozen_worker_is_reclaimed_and_its_zombie_result_refused(
 
 
 async def test_a_job_that_kills_its_worker_ends_in_dead_letter(
-    redis_server: EmbeddedRedis, tmp_path: Path
+    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
 ) -> None:
     queue = JobQueue(redis_server.client(), lease_seconds=LEASE)
     poison, _ = await queue.enqueue(sh("kill -9 $PPID; sleep 60", max_attempts=2))
@@ -126,7 +128,7 @@ async def test_a_job_that_kills_its_worker_ends_in_dead_letter(
     reaper = asyncio.create_task(reap_until(queue, done))
     restarts = 0
     for _ in range(6):  # a supervisor (systemd's Restart=on-failure) restarting the worker
-        with worker_process(redis_server, tmp_path / f"w{restarts}") as proc:
+        with worker_process(redis_server, tmp_path / f"w{restarts}", s3_env) as proc:
             while proc.poll() is None and not (await queue.get(healthy)).state.terminal:
                 await asyncio.sleep(0.1)
         restarts += 1

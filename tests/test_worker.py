@@ -126,7 +126,7 @@ async def test_a_second_stop_kills_at_once_and_still_hands_back(queue: JobQueue,
 
 
 async def test_a_sigkilled_worker_process_leaves_no_orphans(
-    redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path
+    redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path, s3_env: dict[str, str]
 ) -> None:
     # Started as a user starts `poold --worker`: its own process, configured by GPUPOOL_* variables.
     env = {
@@ -137,6 +137,7 @@ async def test_a_sigkilled_worker_process_leaves_no_orphans(
         "GPUPOOL_DATA_DIR": str(tmp_path / "data"),
         "GPUPOOL_WORKER_HEALTHY_RESPONSE_PERIOD": "5",
         "GPUPOOL_METRICS_LISTEN": "127.0.0.1:0",
+        **s3_env,
     }
     job_id, _ = await queue.enqueue(
         sh('sleep 300 & echo "$$ $!" > pids.tmp; mv pids.tmp pids; exec sleep 300', cwd=str(tmp_path))
@@ -156,7 +157,7 @@ async def test_a_sigkilled_worker_process_leaves_no_orphans(
 
 
 async def test_worker_process_drains_on_sigterm(
-    redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path
+    redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path, s3_env: dict[str, str]
 ) -> None:
     env = {
         **os.environ,
@@ -165,6 +166,7 @@ async def test_worker_process_drains_on_sigterm(
         "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD": redis_server.password,
         "GPUPOOL_DATA_DIR": str(tmp_path / "data"),
         "GPUPOOL_METRICS_LISTEN": "127.0.0.1:0",
+        **s3_env,
     }
     job_id, _ = await queue.enqueue(sh("echo started > started; sleep 0.5", cwd=str(tmp_path)))
     argv = [sys.executable, "-m", "daemon.main", "--worker"]  # `poold --worker`, as the unit runs it

@@ -56,8 +56,17 @@ class Faults:
 
 
 class Cluster:
-    def __init__(self, tmp: Path, redis: EmbeddedRedis, *, lease: float, slots: int = 2) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        redis: EmbeddedRedis,
+        *,
+        lease: float,
+        slots: int = 2,
+        s3_env: dict[str, str] | None = None,
+    ) -> None:
         self.tmp = tmp
+        self.s3_env = s3_env or {}  # a worker needs its bucket
         self.redis = redis
         self.lease = lease
         self.slots = slots
@@ -79,6 +88,7 @@ class Cluster:
             os.environ,
             XDG_CONFIG_HOME=str(self.tmp / "xdg"),
             GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=self.redis.password,
+            **self.s3_env,
         )
 
     def _common(self) -> list[str]:

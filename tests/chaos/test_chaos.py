@@ -18,10 +18,18 @@ from tests.chaos.harness import Cluster, Submitter, job_command
 
 
 async def run_chaos(
-    tmp: Path, redis_server: EmbeddedRedis, *, jobs: int, workers: int, rounds: int, lease: float, seed: int
+    tmp: Path,
+    redis_server: EmbeddedRedis,
+    s3_env: dict[str, str],
+    *,
+    jobs: int,
+    workers: int,
+    rounds: int,
+    lease: float,
+    seed: int,
 ) -> tuple[Verdict, Cluster]:
     rng = random.Random(seed)
-    cluster = Cluster(tmp, redis_server, lease=lease)
+    cluster = Cluster(tmp, redis_server, lease=lease, s3_env=s3_env)
     await cluster.start_server()
     for _ in range(workers):
         cluster.start_worker()
@@ -86,9 +94,9 @@ def report(verdict: Verdict, cluster: Cluster) -> str:
     )
 
 
-async def test_chaos_small(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
+async def test_chaos_small(tmp_path: Path, redis_server: EmbeddedRedis, s3_env: dict[str, str]) -> None:
     verdict, cluster = await run_chaos(
-        tmp_path, redis_server, jobs=120, workers=3, rounds=4, lease=1.5, seed=7
+        tmp_path, redis_server, s3_env, jobs=120, workers=3, rounds=4, lease=1.5, seed=7
     )
     print(report(verdict, cluster))
     assert verdict.ok, report(verdict, cluster) + "\n" + "\n".join(verdict.problems[:20])
@@ -100,9 +108,9 @@ async def test_chaos_small(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-async def test_chaos_large(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
+async def test_chaos_large(tmp_path: Path, redis_server: EmbeddedRedis, s3_env: dict[str, str]) -> None:
     verdict, cluster = await run_chaos(
-        tmp_path, redis_server, jobs=2000, workers=4, rounds=40, lease=1.5, seed=11
+        tmp_path, redis_server, s3_env, jobs=2000, workers=4, rounds=40, lease=1.5, seed=11
     )
     print(report(verdict, cluster))
     assert verdict.ok, report(verdict, cluster) + "\n" + "\n".join(verdict.problems[:20])

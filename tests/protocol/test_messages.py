@@ -47,6 +47,15 @@ EVERY_MESSAGE: list[m.Message] = [
     m.LogEnd("lost", None),
     m.WorkerList([{"name": "gpu-01", "slots": 2}]),
     m.Pong(1712345678.25),
+    m.PrepareUpload("ab" * 32, 0),
+    m.FinishUpload("ab" * 32, "dir", "imagenet"),
+    m.FinishUpload("ab" * 32, "file", None),
+    m.ResolveName("imagenet"),
+    m.PrepareDownload("artifacts/default.1/1/log"),
+    m.UploadTicket("sha256/ab/" + "ab" * 32, exists=True, url=None, local_store=None),
+    m.UploadTicket("k", exists=False, url="http://s3/b/k?X-Amz-Signature=1", local_store=None),
+    m.ObjectRef("imagenet", "ab" * 32, 1024, "dir"),
+    m.DownloadTicket("k", 5, None, None, "/var/lib/gpupool/store"),
 ]
 
 
@@ -59,7 +68,7 @@ def test_round_trip(message: m.Message) -> None:
 def test_every_message_class_is_covered() -> None:
     defined = {cls for cls in vars(m).values() if dataclasses.is_dataclass(cls) and isinstance(cls, type)}
     assert {type(message) for message in EVERY_MESSAGE} == defined
-    assert len(defined) == 6 + 9 + 9 + 1  # control, requests, replies, stream items
+    assert len(defined) == 6 + 13 + 12 + 1  # control, requests, replies, stream items
 
 
 def test_frame_types() -> None:

@@ -1,0 +1,117 @@
+"""A job's data on the worker: its snapshot and inputs before it starts, its artifacts after it ends.
+
+Before: the code snapshot (a deterministic tar, `poolctl enqueue --snapshot`) is unpacked as the
+job's directory, then each input is placed at its `dest` in that directory: a file as a hard link
+to the worker's cache entry (read-only; a copy across filesystems), a directory unpacked from its
+tar. Everything comes through `storage.cache.ObjectCache`, so an object already on this worker is
+not downloaded again, and two jobs wanting one object at once share one download.
+
+After: every regular file under the job's `$GPUPOOL_OUTPUT`, and the attempt's full log, are
+uploaded under `artifacts/<job>/<attempt>/` (`daemon.store.artifact_prefix`) and described in the
+outcome's `result`, which only the fenced `complete` can record. A zombie attempt therefore
+uploads under its own attempt number, and its outcome (with its keys) is refused: the committed
+attempt's artifacts are never replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from daemon.errors import GpupoolError
+from daemon.job import JobSpec, Lease
+from daemon.queue import JobQueue
+from daemon.store import artifact_prefix
+from storage.base import InvalidKey, ObjectStore, StorageError
+from storage.cache import ObjectCache
+from storage.content import unpack_tar
+
+log = logging.getLogger(__name__)
+
+LOG_PAGE = 1000
+
+
+class DataError(GpupoolError):
+    """The job's data could not be put in place; the attempt fails with this sentence."""
+
+    code = "job_data"
+
+
+async def prepare(
+    cache: ObjectCache | None, spec: JobSpec, workdir: Path, note: Callable[[str], None]
+) -> None:
+    """Unpack the snapshot into `workdir` (empty), then place the inputs in it."""
+    if spec.snapshot is None and not spec.inputs:
+        return
+    if cache is None:
+        raise DataError("this worker has no object store, so it cannot fetch the job's snapshot or inputs")
+    try:
+        if spec.snapshot is not None:
+            sha = spec.snapshot["sha256"]
+            async with cache.use(sha) as tar:
+                await asyncio.to_thread(unpack_tar, tar, workdir)
+            dirty = " with uncommitted changes" if spec.snapshot.get("dirty") else ""
+            note(f"snapshot {sha[:12]} of commit {spec.snapshot.get('commit', '')[:12]}{dirty}")
+        for item in spec.inputs:
+            dest = workdir / item["dest"]
+            if await asyncio.to_thread(os.path.lexists, dest):
+                raise DataError(f"input {item['dest']!r} would replace a file already in the job's directory")
+            if item["kind"] == "file":
+                await cache.place(item["sha256"], dest)
+            else:
+                async with cache.use(item["sha256"]) as tar:
+                    await asyncio.to_thread(unpack_tar, tar, dest)
+            note(f"input {item['sha256'][:12]} at {item['dest']}")
+    except StorageError as exc:
+        raise DataError(f"cannot fetch the job's data: {exc.message}") from None
+
+
+def _files(root: Path) -> list[tuple[str, Path]]:
+    """Regular files under root (symlinks are not followed: a job cannot export the worker's files)."""
+    out: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            if path.is_file() and not path.is_symlink():
+                out.append((path.relative_to(root).as_posix(), path))
+    return out
+
+
+async def full_log(queue: JobQueue, job_id: str) -> bytes:
+    """The job's whole log as stored (every attempt's output, in order)."""
+    parts: list[bytes] = []
+    after = "0-0"
+    while chunks := await queue.read_log(job_id, after, count=LOG_PAGE):
+        parts.extend(data for _, data in chunks)
+        after = chunks[-1][0]
+    return b"".join(parts)
+
+
+async def upload_artifacts(store: ObjectStore, queue: JobQueue, lease: Lease, output: Path) -> dict[str, Any]:
+    """Upload the attempt's outputs and log; the `result` entries that describe them."""
+    prefix = artifact_prefix(lease.job_id, lease.attempt)
+    artifacts: list[dict[str, Any]] = []
+    errors: list[str] = []
+    files = await asyncio.to_thread(_files, output)
+    for name, path in files:
+        try:
+            info = await store.put_file(prefix + "out/" + name, path)
+        except (InvalidKey, StorageError, OSError) as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        artifacts.append({"name": name, "size": info.size, "key": info.key, "sha256": info.sha256})
+    result: dict[str, Any] = {"artifacts": artifacts}
+    try:
+        info = await store.put_bytes(prefix + "log", await full_log(queue, lease.job_id))
+        result["log"] = {"size": info.size, "key": info.key, "sha256": info.sha256}
+    except StorageError as exc:
+        errors.append(f"log: {exc}")
+    if errors:
+        result["artifact_errors"] = errors
+        log.warning("job %s attempt %d: %d artifacts not uploaded", lease.job_id, lease.attempt, len(errors))
+    return result

@@ -1,0 +1,62 @@
+"""The pool's object store, built from the configuration, and the few key names the daemon uses.
+
+Single machine (`worker_mode = singlenode`): a `LocalStore` under the data directory, shared by the
+server, its local slots and `poolctl` on the same machine. Multi-node: an `S3Store` on
+`main_server_minio_*`. The server only opens it (no network: it presigns URLs and heads objects on
+request); a worker also waits for the bucket at start (`main_server_minio_bucket_ping_timeout`) and
+refuses to run without it, naming the endpoint and bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from daemon.config import Config
+from daemon.errors import GpupoolError
+from storage.base import ObjectStore, StorageError
+from storage.local import LocalStore
+from storage.s3 import S3Store
+
+log = logging.getLogger(__name__)
+
+# A dataset name (`poolctl put --name`): one path segment of safe characters.
+DATASET_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+
+
+def make_store(config: Config) -> ObjectStore:
+    """The store `config` names (not yet opened)."""
+    if config.embedded:
+        return LocalStore(config.data_path() / "store")
+    return S3Store(
+        config.main_server_minio_address,
+        config.main_server_minio_bucket,
+        config.main_server_minio_access_key_id,
+        config.main_server_minio_secret_access_key,
+    )
+
+
+async def open_worker_store(config: Config) -> ObjectStore:
+    """Open the store for a worker; on S3, wait for the bucket. Raises GpupoolError with the
+    store's own sentence (endpoint, bucket, reason) when it is not there in time."""
+    store = make_store(config)
+    try:
+        await store.open()
+        if isinstance(store, S3Store):
+            await store.wait_for_bucket(config.main_server_minio_bucket_ping_timeout)
+    except StorageError as exc:
+        await store.close()
+        raise GpupoolError(f"the worker cannot start without its object store: {exc.message}") from None
+    log.info("object store: %s", store.location)
+    return store
+
+
+def name_key(name: str) -> str:
+    """Where the record of the dataset `name` lives (a small JSON object: sha256, size, kind)."""
+    return f"names/{name}.json"
+
+
+def artifact_prefix(job_id: str, attempt: int) -> str:
+    """Every object an attempt uploads is under this prefix: a zombie attempt writes under its own
+    attempt number and can never replace what the committed attempt's outcome points to."""
+    return f"artifacts/{job_id}/{attempt}/"
