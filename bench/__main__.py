@@ -10,7 +10,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from bench import enqueue, latency, peers, protocol_rtt, queue_rates, throughput
+from bench import enqueue, latency, peers, protocol_rtt, queue_rates, scale, throughput
 from bench.common import RESULTS
 
 
@@ -80,6 +80,7 @@ def main(argv: list[str]) -> None:
     throughput.main(quick)
     enqueue.main(quick)
     peers.main(quick)
+    scale.main(["--quick"] if quick else ["--workers", "100,1000", "--jobs", "50000", "--seconds", "10"])
     Console().print(summary())
 
 
