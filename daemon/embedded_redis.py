@@ -81,6 +81,14 @@ def _port_free(port: int) -> bool:
         return True
 
 
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"  # a zombie is dead, only not yet reaped
+
+
 def _is_redis_process(pid: int) -> bool:
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -131,7 +139,17 @@ class EmbeddedRedis:
         """Adopt the redis-server this directory's last owner left running, or start one; return once
         it answers PING (after loading its AOF)."""
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        owner = self._recorded().get("owner")
+        if isinstance(owner, int) and owner != os.getpid() and _alive(owner) and self._adopt():
+            # Its owner still runs: this directory's pool is up. Adopting would take its Redis
+            # away from it on our way out.
+            self.pid, self.adopted = None, False
+            raise EmbeddedRedisError(
+                f"a pool already runs on {self.dir.parent} (process {owner}, Redis on port {self.port}); "
+                "stop it first, or give this one another --data-dir"
+            )
         if self._adopt():
+            self._record()
             log.info("adopted the running redis-server (pid %d) on %s:%d", self.pid, self.host, self.port)
             return
         binary = self.binary or find_binary()
@@ -157,7 +175,7 @@ class EmbeddedRedis:
         )
         self.pid = self._proc.pid
         self.adopted = False
-        self.state_file.write_text(json.dumps({"pid": self.pid, "port": self.port}))
+        self._record()
         self._wait_ready(timeout)
         log.info(
             "redis-server (pid %d) listening on %s:%d, AOF appendfsync %s",
@@ -173,6 +191,10 @@ class EmbeddedRedis:
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
+
+    def _record(self) -> None:
+        """Who runs this directory's redis-server now: its pid and port, and our pid as its owner."""
+        self.state_file.write_text(json.dumps({"pid": self.pid, "port": self.port, "owner": os.getpid()}))
 
     def _adopt(self) -> bool:
         state = self._recorded()

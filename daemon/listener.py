@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import logging
+import os
 import ssl
 from collections.abc import Mapping
 
@@ -81,7 +83,11 @@ class Listener:
         try:
             self._server = await asyncio.start_server(self._accept, self.host, self.port, ssl=self.tls)
         except OSError as exc:
-            raise ListenerError(f"cannot listen on {self.address}: {exc.strerror}") from None
+            hint = " (is a pool already running here?)" if exc.errno == errno.EADDRINUSE else ""
+            raise ListenerError(
+                f"cannot listen on {self.address}: {os.strerror(exc.errno or 0).lower()}{hint}; "
+                "choose another address with --listen HOST:PORT"
+            ) from None
         self.port = self._server.sockets[0].getsockname()[1]
         log.info(
             "listening for clients on %s%s%s",

@@ -78,3 +78,37 @@ def test_after_a_crash_the_next_poold_adopts_the_left_redis(tmp_path: Path) -> N
         time.sleep(0.05)
     assert not _is_redis_process(pid)
     assert os.path.exists(tmp_path / "redis" / "appendonly.aof")
+
+
+def test_a_second_poold_on_the_same_data_dir_refuses_and_leaves_the_first_alone(tmp_path: Path) -> None:
+    with start_poold(tmp_path) as first:
+        try:
+            wait_ready(first)
+            pid = redis_pid(tmp_path)
+            env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "xdg2"))
+            second = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "daemon.main",
+                    "--data-dir",
+                    str(tmp_path),
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--metrics-listen",
+                    "127.0.0.1:0",
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=60,
+                check=False,
+            )
+            assert second.returncode == 1
+            assert f"a pool already runs on {tmp_path}" in second.stderr
+            assert "Traceback" not in second.stderr
+            assert _is_redis_process(pid)  # the first pool's Redis was not touched
+            assert redis_pid(tmp_path) == pid
+        finally:
+            first.send_signal(signal.SIGTERM)
+            assert first.wait(30) == 0

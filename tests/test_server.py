@@ -155,3 +155,20 @@ async def test_wrong_token_and_unknown_user_get_the_same_refusal(pool: Pool) -> 
     assert messages[0] == messages[1]
     async with pool.client("bob") as ok:  # the server is unaffected
         assert isinstance(await ok.call(Ping(), Pong), Pong)
+
+
+async def test_a_second_server_on_a_taken_port_says_so(pool: Pool) -> None:
+    import dataclasses
+
+    from daemon.listener import ListenerError
+    from daemon.server import PoolServer
+
+    taken = dataclasses.replace(pool.server.config, listen=pool.address)
+    second = PoolServer(taken)
+    with pytest.raises(ListenerError) as err:
+        await second.start()
+    await second.stop()
+    assert str(err.value) == (
+        f"cannot listen on {pool.address}: address already in use (is a pool already running here?); "
+        "choose another address with --listen HOST:PORT"
+    )
