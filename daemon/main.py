@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Protocol
 
 import uvloop
 
@@ -19,7 +20,7 @@ from daemon import config as config_mod
 from daemon import logs
 from daemon.errors import ConfigError, GpupoolError
 from daemon.server import PoolServer
-from daemon.worker import run_worker
+from daemon.worker import WorkerDaemon
 
 log = logging.getLogger("poold")
 
@@ -45,17 +46,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     logs.setup(config.log_format, config.log_level)
     try:
-        return uvloop.run(run_worker(config) if args.worker else _serve(config))
+        return uvloop.run(_run(WorkerDaemon(config) if args.worker else PoolServer(config)))
     except GpupoolError as exc:
         log.error("%s", exc)
         return 1
 
 
-async def _serve(config: config_mod.Config) -> int:
+class Daemon(Protocol):
+    """What main drives: the server (PoolServer) or a worker (WorkerDaemon)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def force(self) -> None: ...
+
+
+async def _run(daemon: Daemon) -> int:
+    """Start `daemon`, wait for SIGINT/SIGTERM, stop it. While starting, a signal gives up at once;
+    once started, the first asks for a graceful stop (running jobs may finish) and a second makes
+    the daemon stop its jobs now (`force`). `stop()` always runs, so nothing is left behind."""
     stop = asyncio.Event()
     main_task = asyncio.current_task()
     loop = asyncio.get_running_loop()
-    server = PoolServer(config)
     started = False
 
     def on_signal(sig: signal.Signals) -> None:
@@ -64,21 +77,23 @@ async def _serve(config: config_mod.Config) -> int:
             stop.set()
         elif started:
             log.warning("%s again: stopping jobs now and handing them back", sig.name)
-            server.force()
+            daemon.force()
         if not started and main_task is not None:
             main_task.cancel()  # still starting (e.g. waiting for Redis): give up at once
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     try:
-        await server.start()
+        await daemon.start()
         started = True
         await stop.wait()
     except asyncio.CancelledError:
         if not stop.is_set():
             raise
     finally:
-        await server.stop()
+        await daemon.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
     return 0
 
 

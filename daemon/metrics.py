@@ -38,6 +38,7 @@ from redis.exceptions import RedisError
 
 from daemon.aio import cancel_and_wait
 from daemon.config import SERVER_METRICS_PORT, WORKER_METRICS_PORT, Config
+from daemon.errors import GpupoolError
 from daemon.job import TERMINAL_STATES, JobState
 from daemon.registry import DEAD, DRAINING, HEALTHY, version
 from protocol.errors import ErrorCode
@@ -554,3 +555,17 @@ async def serve_metrics(
     server = MetricsServer(registry, before_scrape)
     await server.start(host, port)
     return server
+
+
+async def serve_for(
+    registry: CollectorRegistry, config: Config, *, worker: bool, before_scrape: Callable[[], Awaitable[None]]
+) -> MetricsServer:
+    """Serve a daemon's metrics on its configured address; a taken port is a GpupoolError that says
+    which option to change."""
+    host, port = metrics_address(config, worker=worker)
+    try:
+        return await serve_metrics(registry, host, port, before_scrape=before_scrape)
+    except OSError as exc:
+        raise GpupoolError(
+            f"cannot serve metrics on {host}:{port} ({exc.strerror}): set metrics_listen to a free HOST:PORT"
+        ) from None

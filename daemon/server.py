@@ -14,7 +14,7 @@ from daemon.events import JobEvents, Terminal
 from daemon.handlers import Handlers
 from daemon.job import JobState
 from daemon.listener import Listener, ListenerError, is_loopback, tls_context
-from daemon.metrics import MetricsServer, ServerMetrics, metrics_address, serve_metrics
+from daemon.metrics import MetricsServer, ServerMetrics, serve_for
 from daemon.queue import JobQueue
 from daemon.redis_client import PoolRedis
 from daemon.session import Limits
@@ -82,16 +82,9 @@ class PoolServer:
         )
         await self.listener.start()
         self.metrics.watch(self.queue, self.list_workers)
-        mhost, mport = metrics_address(c, worker=False)
-        try:
-            self.metrics_server = await serve_metrics(
-                self.metrics.registry, mhost, mport, before_scrape=self.metrics.refresh
-            )
-        except OSError as exc:
-            raise ListenerError(
-                f"cannot serve metrics on {mhost}:{mport} ({exc.strerror}): "
-                "set metrics_listen to a free HOST:PORT"
-            ) from None
+        self.metrics_server = await serve_for(
+            self.metrics.registry, c, worker=False, before_scrape=self.metrics.refresh
+        )
         if c.embedded and c.worker_local_processors > 0:
             self.local = Worker.from_config(self.queue, c, slots=c.worker_local_processors, store=self.store)
             await self.local.start()
@@ -103,7 +96,7 @@ class PoolServer:
             self.listener.address,
             self.redis.address,
             where,
-            mhost,
+            self.metrics_server.host,
             self.metrics_server.port,
         )
         if (interval := notify.watchdog_interval()) is not None:

@@ -13,7 +13,7 @@ jobs finish for up to `drain_timeout` seconds; then it stops the rest (SIGTERM, 
 `kill_grace`) and hands their attempts back to the front of their queues (`JobQueue.release`), so
 another worker takes them first. `force()` (a second signal) cuts the wait short and kills at
 once; the attempts are still handed back. `stop()` is safe to call twice. A Worker installs no
-signal handler: `run_worker` (worker mode) does, and the server running local slots has its own.
+signal handler: `main` does, for `WorkerDaemon` (worker mode) and the server running local slots.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -29,13 +28,13 @@ from pathlib import Path
 from redis.exceptions import RedisError
 
 from daemon import keys, notify, registry
-from daemon.aio import cancel_and_wait
+from daemon.aio import TaskSet, cancel_and_wait
 from daemon.config import Config
 from daemon.errors import GpupoolError, RedisUnavailable, StaleAttempt
 from daemon.gpus import GpuAllocator, GpuInfo, GpuProbe, GpuProbeError, NotEnoughGpus, Nvml, discover
 from daemon.heartbeat import Heartbeat
 from daemon.job import JobState, Lease, RenewStatus
-from daemon.metrics import WorkerMetrics, metrics_address, serve_metrics
+from daemon.metrics import MetricsServer, WorkerMetrics, serve_for
 from daemon.procguard import OrphanGuard
 from daemon.queue import JobQueue
 from daemon.redis_client import PoolRedis
@@ -492,71 +491,56 @@ def _holder(lease: Lease) -> str:
     return f"{lease.job_id}#{lease.attempt}"
 
 
-async def run_worker(config: Config) -> int:
-    """Worker mode (`poold --worker`): connect to the pool's Redis, run a Worker until SIGTERM or
-    SIGINT (the first drains, a second stops at once; attempts are handed back either way).
-    Returns the exit status: 0 after a clean stop, 1 when the worker could not start."""
-    if config.embedded:
-        log.error(
-            "worker mode needs worker_mode = multinode and the pool's Redis (redis_ip, redis_port, "
-            "main_server_redis_password); in singlenode mode the server runs its own slots"
-        )
-        return 2
-    pool_redis = PoolRedis(config)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    worker: Worker | None = None
-    store: ObjectStore | None = None
+class WorkerDaemon:
+    """Worker mode (`poold --worker`): the pool's Redis, the object store, a Worker, its metrics,
+    readiness and watchdog. `main` drives it like the server: `start()`, then on the first signal
+    `stop()` (drain), on a second `force()` (stop jobs now; attempts are still handed back)."""
 
-    def on_signal(sig: signal.Signals) -> None:
-        if stop.is_set():
-            log.warning("%s again: stopping jobs now and handing them back", sig.name)
-            if worker is not None:
-                worker.force()
-        else:
-            log.info("%s: draining (send it again to stop at once)", sig.name)
-            stop.set()
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.redis = PoolRedis(config)
+        self.worker: Worker | None = None
+        self.store: ObjectStore | None = None
+        self.metrics_server: MetricsServer | None = None
+        self._tasks = TaskSet()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
-        client = await pool_redis.start()
-        queue = JobQueue(
-            client,
-            lease_seconds=config.worker_healthy_response_period,
-            retention_seconds=int(config.job_retention),
-        )
-        store = await open_worker_store(config)
-        worker = Worker.from_config(queue, config, store=store)
-        await worker.start()
-        host, port = metrics_address(config, worker=True)
-        try:
-            metrics_server = await serve_metrics(
-                worker.metrics.registry, host, port, before_scrape=worker.sample_metrics
-            )
-        except OSError as exc:
-            await worker.stop(drain_timeout=0)
+    async def start(self) -> None:
+        c = self.config
+        if c.embedded:
             raise GpupoolError(
-                f"cannot serve metrics on {host}:{port} ({exc.strerror}): "
-                "set metrics_listen to a free HOST:PORT"
-            ) from None
-        watchdog = None
+                "worker mode needs worker_mode = multinode and the pool's Redis (redis_ip, redis_port, "
+                "main_server_redis_password); in singlenode mode the server runs its own slots"
+            )
+        client = await self.redis.start()
+        queue = JobQueue(
+            client, lease_seconds=c.worker_healthy_response_period, retention_seconds=int(c.job_retention)
+        )
+        self.store = await open_worker_store(c)
+        self.worker = Worker.from_config(queue, c, store=self.store)
+        await self.worker.start()
+        self.metrics_server = await serve_for(
+            self.worker.metrics.registry, c, worker=True, before_scrape=self.worker.sample_metrics
+        )
         if (interval := notify.watchdog_interval()) is not None:
-            watchdog = asyncio.ensure_future(notify.watchdog(interval))
-        notify.ready(f"worker {worker.id}: {worker.slots} slots, queues {', '.join(worker.queues)}")
-        await stop.wait()
-        notify.stopping(f"draining {len(worker.running)} running jobs")
-        await worker.stop()
-        await metrics_server.close()
-        if watchdog is not None:
-            await cancel_and_wait(watchdog)
-    except GpupoolError as exc:
-        log.error("%s", exc)
-        return 1
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        await pool_redis.stop()
-        if store is not None:
-            await store.close()
-    return 0
+            self._tasks.spawn(notify.watchdog(interval), "watchdog")
+        w = self.worker
+        notify.ready(f"worker {w.id}: {w.slots} slots, queues {', '.join(w.queues)}")
+
+    def force(self) -> None:
+        if self.worker is not None:
+            self.worker.force()
+
+    async def stop(self) -> None:
+        """Drain the worker, then close what start() opened, in reverse order. Safe to call twice."""
+        if self.worker is not None:
+            notify.stopping(f"draining {len(self.worker.running)} running jobs")
+            await self.worker.stop()
+            self.worker = None
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
+            self.metrics_server = None
+        await self._tasks.stop()
+        if self.store is not None:
+            await self.store.close()
+            self.store = None
+        await self.redis.stop()
