@@ -70,6 +70,15 @@ async def prepare(
         raise DataError(f"cannot fetch the job's data: {exc.message}") from None
 
 
+def has_entries(root: Path) -> bool:
+    """Whether `root` holds anything (one directory read; most jobs leave it empty)."""
+    try:
+        with os.scandir(root) as entries:
+            return next(entries, None) is not None
+    except FileNotFoundError:
+        return False
+
+
 def _files(root: Path) -> list[tuple[str, Path]]:
     """Regular files under root (symlinks are not followed: a job cannot export the worker's files)."""
     out: list[tuple[str, Path]] = []
@@ -92,12 +101,16 @@ async def full_log(queue: JobQueue, job_id: str) -> bytes:
     return b"".join(parts)
 
 
-async def upload_artifacts(store: ObjectStore, queue: JobQueue, lease: Lease, output: Path) -> dict[str, Any]:
-    """Upload the attempt's outputs and log; the `result` entries that describe them."""
+async def upload_artifacts(
+    store: ObjectStore, queue: JobQueue, lease: Lease, output: Path, *, logged: bool = True
+) -> dict[str, Any]:
+    """Upload the attempt's outputs and the job's log (when there is any: `logged=False` says this
+    attempt wrote none, so a first attempt's log is known to be empty without reading it); the
+    `result` entries that describe them."""
     prefix = artifact_prefix(lease.job_id, lease.attempt)
     artifacts: list[dict[str, Any]] = []
     errors: list[str] = []
-    files = await asyncio.to_thread(_files, output)
+    files = await asyncio.to_thread(_files, output) if has_entries(output) else []
     for name, path in files:
         try:
             info = await store.put_file(prefix + "out/" + name, path)
@@ -107,8 +120,9 @@ async def upload_artifacts(store: ObjectStore, queue: JobQueue, lease: Lease, ou
         artifacts.append({"name": name, "size": info.size, "key": info.key, "sha256": info.sha256})
     result: dict[str, Any] = {"artifacts": artifacts}
     try:
-        info = await store.put_bytes(prefix + "log", await full_log(queue, lease.job_id))
-        result["log"] = {"size": info.size, "key": info.key, "sha256": info.sha256}
+        if (logged or lease.attempt > 1) and (text := await full_log(queue, lease.job_id)):
+            info = await store.put_bytes(prefix + "log", text)
+            result["log"] = {"size": info.size, "key": info.key, "sha256": info.sha256}
     except StorageError as exc:
         errors.append(f"log: {exc}")
     if errors:

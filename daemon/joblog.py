@@ -49,6 +49,7 @@ class JobOutput:
         self._retry_at = 0.0
         self._dropped = 0
         self._down = False
+        self.written = False  # anything (output or a note) went into the log from this attempt
 
     def tail(self, lines: int) -> list[str]:
         """The last `lines` lines of the job's own output (not the pool's notes)."""
@@ -59,6 +60,7 @@ class JobOutput:
         self._append(f"[gpupool] {text}\n".encode())
 
     def _append(self, data: bytes) -> None:
+        self.written = True
         if not self._buf:
             self._due = time.monotonic() + FLUSH_SECONDS
         self._buf += data

@@ -1,12 +1,15 @@
 """The orphan guard: a tiny helper process that kills a worker's jobs if the worker dies.
 
-Each job's first process gets PR_SET_PDEATHSIG (see runner.py), so the kernel kills it when the
-worker dies, however it dies. That signal is not inherited: a shell's background children or a
-training script's data-loader processes would run on as orphans, holding GPUs no one will ever
-hand out. The guard closes that gap. The worker tells it each job's process group as the job
-starts and after its processes are gone (`+PGID` / `-PGID` lines on the guard's stdin). When the
-guard's stdin reaches end of file, because the worker exited and the kernel closed its end of the
-pipe (SIGKILL included), the guard SIGKILLs every group still listed, then exits.
+A job's processes would otherwise outlive a killed worker as orphans (a shell's background
+children, a training script's data-loader processes), holding GPUs no one will ever hand out. The
+worker tells the guard each job's process group as the job starts and after its processes are
+gone (`+PGID` / `-PGID` lines on the guard's stdin). When the guard's stdin reaches end of file,
+because the worker exited and the kernel closed its end of the pipe (SIGKILL included), the guard
+SIGKILLs every group still listed, then every process whose environment carries this worker's
+`GPUPOOL_WORKER=ID` (runner.job_env sets it): that covers a job the worker started but died
+before announcing, and descendants that moved to a group of their own. Then it exits. (A kernel
+death signal, PR_SET_PDEATHSIG, would need a preexec_fn and so a full fork of the worker per job:
+see spawn.py.)
 
 The guard runs in its own session, so a Ctrl-C or a SIGTERM meant for the worker does not stop it
 first: it leaves when the worker has left, never before. It has no death signal of its own for the
@@ -22,7 +25,8 @@ import sys
 log = logging.getLogger(__name__)
 
 GUARD_SOURCE = r"""
-import os, signal
+import os, signal, sys
+mark = sys.argv[1].encode()
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 groups, buf = set(), b""
@@ -41,13 +45,30 @@ for group in groups:
         os.killpg(group, signal.SIGKILL)
     except OSError:
         pass
+for _ in range(3):  # again, for any that forked while the last pass ran
+    marked = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
+            os.kill(int(name), signal.SIGKILL)
+            marked += 1
+        except OSError:
+            pass
+    if not marked:
+        break
 """
 
 
 class OrphanGuard:
-    """The worker's side of the guard. `start()` once, `watch`/`forget` per job, `stop()` at the end."""
+    """The worker's side of the guard. `start()` once, `watch`/`forget` per job, `stop()` at the end.
+    `mark` is the environment entry every job of this worker carries (`GPUPOOL_WORKER=ID`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
         self._proc: asyncio.subprocess.Process | None = None
         self._broken = False
 
@@ -57,6 +78,7 @@ class OrphanGuard:
             "-I",
             "-c",
             GUARD_SOURCE,
+            self.mark,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.DEVNULL,
             start_new_session=True,

@@ -23,7 +23,7 @@ from redis.exceptions import ResponseError
 from daemon import keys
 from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
 from daemon.job import Attempt, JobInfo, JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id
-from daemon.scripts import ScriptBatch, Scripts
+from daemon.scripts import Pipeliner, ScriptBatch, Scripts
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ class JobQueue:
         self.lease_ms = max(1, round(lease_seconds * 1000))
         self.retention = retention_seconds
         self.scripts = Scripts(redis)
+        # Script calls made in one event-loop turn share a round trip (scripts.Pipeliner).
+        self._call = Pipeliner(redis)
         self._cursors: dict[str, str] = {}
         self._known_queues: set[str] = set()
 
@@ -97,9 +99,10 @@ class JobQueue:
             if idempotency_key is not None:
                 job_keys.append(keys.idempotency(q, idempotency_key))
             try:
-                got, created = await self.scripts.enqueue(
-                    keys=job_keys,
-                    args=[keys.GROUP, job_id, packed, spec.gpus, spec.max_attempts, spec.retries],
+                got, created = await self._call(
+                    self.scripts.enqueue,
+                    job_keys,
+                    [keys.GROUP, job_id, packed, spec.gpus, spec.max_attempts, spec.retries],
                 )
             except ResponseError as exc:
                 if str(exc).startswith("ID_TAKEN"):
@@ -112,22 +115,15 @@ class JobQueue:
         for q in {s.queue for s in specs}:
             await self._register_queue(q)
         ids = [new_job_id(s.queue) for s in specs]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for spec, job_id in zip(specs, ids, strict=True):
-                q = spec.queue
-                await self.scripts.enqueue(
-                    keys=[keys.stream(q), keys.jobs(q), keys.seq(q), keys.job(job_id)],
-                    args=[
-                        keys.GROUP,
-                        job_id,
-                        msgpack.packb(spec.to_dict()),
-                        spec.gpus,
-                        spec.max_attempts,
-                        spec.retries,
-                    ],
-                    client=pipe,
-                )
-            replies = await pipe.execute(raise_on_error=False)
+        batch = ScriptBatch(self.redis)
+        for spec, job_id in zip(specs, ids, strict=True):
+            q, packed = spec.queue, msgpack.packb(spec.to_dict())
+            batch.add(
+                self.scripts.enqueue,
+                [keys.stream(q), keys.jobs(q), keys.seq(q), keys.job(job_id)],
+                [keys.GROUP, job_id, packed, spec.gpus, spec.max_attempts, spec.retries],
+            )
+        replies = await batch.execute_each()
         out = []
         for spec, reply in zip(specs, replies, strict=True):
             if isinstance(reply, ResponseError):  # an id collision: rare enough to redo alone
@@ -151,16 +147,41 @@ class JobQueue:
         """The next job for `worker`, trying `queues` in priority order; None when none has work
         this worker can take. A job asking for 0 GPUs needs `default_gpus` free (a worker's share
         per slot). Never blocks: see `wait_for_work`."""
+        leases = await self.claim_many(worker, queues, 1, gpus_free, default_gpus)
+        return leases[0] if leases else None
+
+    async def claim_many(
+        self, worker: str, queues: Sequence[str], count: int, gpus_free: int = 0, default_gpus: int = 0
+    ) -> list[Lease]:
+        """Up to `count` next jobs for `worker` (a worker with that many free slots), in queue
+        priority order then each queue's order, one script call per queue tried; GPUs as in
+        `claim`, the ones a claimed job takes counted out for the next. [] when none has work."""
+        leases: list[Lease] = []
         for q in queues:
-            reply = await self.scripts.claim(
-                keys=[keys.stream(q), keys.retry(q), keys.leases(q)],
-                args=[keys.queue_prefix(q), keys.GROUP, worker, gpus_free, self.lease_ms, default_gpus],
+            if len(leases) >= count:
+                break
+            reply = await self._call(
+                self.scripts.claim,
+                [keys.stream(q), keys.retry(q), keys.leases(q)],
+                [
+                    keys.queue_prefix(q),
+                    keys.GROUP,
+                    worker,
+                    gpus_free,
+                    self.lease_ms,
+                    default_gpus,
+                    count - len(leases),
+                ],
             )
-            if reply[0] == b"claimed":
-                _, job_id, attempt, spec = reply
-                return Lease(_s(job_id), int(attempt), worker, JobSpec.from_dict(msgpack.unpackb(spec)))
-            self._cursors[q] = _s(reply[1])
-        return None
+            status, cursor, *claimed = reply
+            for i in range(0, len(claimed), 3):
+                job_id, attempt, spec = claimed[i : i + 3]
+                lease = Lease(_s(job_id), int(attempt), worker, JobSpec.from_dict(msgpack.unpackb(spec)))
+                gpus_free -= lease.spec.gpus or default_gpus
+                leases.append(lease)
+            if status != b"claimed":
+                self._cursors[q] = _s(cursor)
+        return leases
 
     async def wait_for_work(self, queues: Sequence[str], block: float) -> bool:
         """Block until one of `queues` gets an entry newer than what the last `claim` saw, or until
@@ -205,9 +226,10 @@ class JobQueue:
         goes back for a retry). Raises StaleAttempt, changing nothing, when `lease` is no longer the
         job's current attempt (it was reclaimed, or already completed)."""
         q = lease.queue
-        reply = await self.scripts.complete(
-            keys=[keys.stream(q), keys.leases(q), keys.events(q), keys.retry(q)],
-            args=[
+        reply = await self._call(
+            self.scripts.complete,
+            [keys.stream(q), keys.leases(q), keys.events(q), keys.retry(q)],
+            [
                 keys.queue_prefix(q),
                 keys.GROUP,
                 lease.worker,
@@ -232,9 +254,10 @@ class JobQueue:
         count towards max_attempts. Returns QUEUED, or CANCELLED when the user cancelled it
         meanwhile. Raises StaleAttempt, changing nothing, when `lease` is no longer current."""
         q = lease.queue
-        reply = await self.scripts.release(
-            keys=[keys.stream(q), keys.retry(q), keys.leases(q), keys.events(q)],
-            args=[
+        reply = await self._call(
+            self.scripts.release,
+            [keys.stream(q), keys.retry(q), keys.leases(q), keys.events(q)],
+            [
                 keys.queue_prefix(q),
                 keys.GROUP,
                 lease.worker,
@@ -254,9 +277,10 @@ class JobQueue:
         worker stops it), or the terminal state it already had. Raises JobNotFound."""
         q = job_queue_of(job_id)
         state = _s(
-            await self.scripts.cancel(
-                keys=[keys.stream(q), keys.retry(q), keys.events(q)],
-                args=[keys.queue_prefix(q), keys.GROUP, job_id, self.retention],
+            await self._call(
+                self.scripts.cancel,
+                [keys.stream(q), keys.retry(q), keys.events(q)],
+                [keys.queue_prefix(q), keys.GROUP, job_id, self.retention],
             )
         )
         if state == "missing":
@@ -290,9 +314,10 @@ class JobQueue:
     async def append_log(self, lease: Lease, chunks: Sequence[bytes]) -> None:
         """Append output of an attempt to its job's log (capped at LOG_CAP entries). Raises
         StaleAttempt, writing nothing, when the attempt is no longer current."""
-        answer = await self.scripts.log(
-            keys=[keys.job(lease.job_id), keys.log(lease.job_id)],
-            args=[lease.worker, lease.attempt, LOG_CAP, *chunks],
+        answer = await self._call(
+            self.scripts.log,
+            [keys.job(lease.job_id), keys.log(lease.job_id)],
+            [lease.worker, lease.attempt, LOG_CAP, *chunks],
         )
         if answer == b"stale":
             raise StaleAttempt(lease.job_id, lease.attempt, "its log is closed to it")

@@ -7,10 +7,17 @@ and fall back to loading the script on NOSCRIPT, so they survive a Redis restart
 Redis `SCRIPT EXISTS` before every pipeline, a second round trip; a batch sends EVALSHA straight
 away and only on a NOSCRIPT answer (Redis restarted or flushed its script cache) loads the
 missing scripts and re-sends the calls that were refused, which therefore never ran.
+
+`Pipeliner` batches without being asked (auto-pipelining, as ioredis and node-redis offer): script
+calls made in the same turn of the event loop go out as one ScriptBatch. A worker whose attempt
+ends completes it and claims the next job for the freed slot in the same turn, so the two share a
+round trip; so do the completes of attempts that end together. No call waits for a timer: the
+batch leaves at the end of the turn in which its first call was made.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
@@ -60,6 +67,15 @@ class ScriptBatch:
 
     async def execute(self) -> list[Any]:
         """Run every call; the replies in order. Raises the first error a call answered with."""
+        replies = await self.execute_each()
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    async def execute_each(self) -> list[Any]:
+        """Run every call; the replies in order, a call's error (an exception) in its place.
+        Raises when Redis could not be asked at all (a connection error)."""
         if not self._calls:
             return []
         replies = await self._send(self._calls)
@@ -69,9 +85,6 @@ class ScriptBatch:
                 script.sha = await self.redis.script_load(script.script)
             for i, reply in zip(refused, await self._send([self._calls[i] for i in refused]), strict=True):
                 replies[i] = reply
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
         return replies
 
     async def _send(self, calls: Sequence[tuple[AsyncScript, Sequence[Any], Sequence[Any]]]) -> list[Any]:
@@ -79,3 +92,55 @@ class ScriptBatch:
             for script, keys, args in calls:
                 pipe.evalsha(script.sha, len(keys), *keys, *args)
             return list(await pipe.execute(raise_on_error=False))
+
+
+Call = tuple[AsyncScript, Sequence[Any], Sequence[Any], "asyncio.Future[Any]"]
+
+
+class Pipeliner:
+    """`await pipeliner(script, keys, args)`: one script call, sent with the others made in the
+    same event-loop turn (see the module doc). A call's error is raised to its caller alone; a
+    connection error to every caller of its batch. A caller that is cancelled while its batch is
+    in flight cannot unsend its call, as with any Redis command."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self._pending: list[Call] = []
+        self._in_flight: set[asyncio.Task[None]] = set()
+
+    async def __call__(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        if not self._pending:
+            loop.call_soon(self._send_pending)
+        future: asyncio.Future[Any] = loop.create_future()
+        self._pending.append((script, keys, args, future))
+        return await future
+
+    def _send_pending(self) -> None:
+        calls, self._pending = self._pending, []
+        task = asyncio.ensure_future(self._send(calls))
+        self._in_flight.add(task)  # owned here until it has answered every caller
+        task.add_done_callback(self._in_flight.discard)
+
+    async def _send(self, calls: list[Call]) -> None:
+        batch = ScriptBatch(self.redis)
+        for script, keys, args, _ in calls:
+            batch.add(script, keys, args)
+        try:
+            replies = await batch.execute_each()
+        except asyncio.CancelledError:  # the loop is shutting down
+            for *_, future in calls:
+                future.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the callers, who raise it
+            for *_, future in calls:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (*_, future), reply in zip(calls, replies, strict=True):
+            if future.done():  # its caller was cancelled
+                continue
+            if isinstance(reply, Exception):
+                future.set_exception(reply)
+            else:
+                future.set_result(reply)

@@ -1,11 +1,12 @@
 """Worker mode: claim jobs FIFO from the pool's queues and run each on its own slot and GPUs.
 
-A `Worker` has `slots` slots. One dispatcher task claims while a slot is free: `JobQueue.claim`
+A `Worker` has `slots` slots. One dispatcher task claims while a slot is free: `JobQueue.claim_many`
 tries the queues in priority order, and when nothing is claimable the dispatcher blocks on
 `JobQueue.wait_for_work` (XREAD BLOCK on the streams, never sleep-polling) until an entry arrives,
-or until one of its own jobs ends and gives back GPUs the queue's head job was waiting for. Claims
-are made one at a time, so the count of free GPUs a claim is made with still holds when the job is
-given its GPUs (gpus.GpuAllocator). Each attempt runs as a `runner.JobRun` in a task of its own;
+or until one of its own jobs ends and gives back GPUs the queue's head job was waiting for. One
+claim takes as many jobs as there are free slots, and only one claim is in flight at a time, so
+the free GPUs it was sized by (each claimed job's taken out for the next) are still free when the
+jobs are given theirs (gpus.GpuAllocator). Each attempt runs as a `runner.JobRun` in a task of its own;
 the heartbeat (heartbeat.py) renews every lease in one round trip and relays LOST and CANCEL.
 
 Stopping is two-phase (as in SAQ and uvicorn). `stop()` first stops claiming and lets running
@@ -21,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -39,12 +42,15 @@ from daemon.procguard import OrphanGuard
 from daemon.queue import JobQueue
 from daemon.redis_client import PoolRedis
 from daemon.registry import Registration
-from daemon.runner import Ending, JobRun, RunResult
+from daemon.runner import Ending, JobRun, Run, RunResult
 from daemon.store import open_worker_store
 from storage.base import ObjectStore
 from storage.cache import ObjectCache
 
 log = logging.getLogger(__name__)
+
+# An attempt's executor, given its GPUs and slot.
+RunFactory = Callable[[Lease, tuple[GpuInfo, ...], int], Run]
 
 WAIT_BLOCK = 5.0  # longest blocking read for work before claiming again (a safety net only)
 
@@ -68,11 +74,14 @@ class Worker:
         env: Mapping[str, str] | None = None,
         store: ObjectStore | None = None,
         cache_bytes: int = 50 * 1024**3,
+        make_run: RunFactory | None = None,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
         (the seam) and optionally a probe. `env` is the base of every job's environment (default:
         this process's). `store` (open, owned by the caller) holds datasets and artifacts; the worker
-        caches what it fetches from it under `data_dir/cache`, up to `cache_bytes`."""
+        caches what it fetches from it under `data_dir/cache`, up to `cache_bytes`. `make_run` replaces
+        the runner (JobRun) with another executor: a benchmark's no-op one measures the queue and
+        this dispatcher without processes."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         self.queue = queue
@@ -82,9 +91,11 @@ class Worker:
         self.drain_timeout = drain_timeout
         self.kill_grace = kill_grace
         self.id = worker_id or registry.new_worker_id()
-        self.env = env
+        # Copied once: os.environ decodes every variable on each read, and every job starts from it.
+        self.env = dict(os.environ) if env is None else env
         self.store = store
         self.cache = ObjectCache(self.data_dir / "cache", store, cache_bytes) if store is not None else None
+        self._make_run = make_run or self._job_run
         self._given_gpus = gpus
         self.probe = probe
         self.allocator = GpuAllocator(gpus or [], slots)
@@ -92,12 +103,12 @@ class Worker:
         self._registration = Registration(
             id=self.id, slots=slots, queues=self.queues, healthy_period=queue.lease_ms / 1000
         )
-        self._guard = OrphanGuard()
+        self._guard = OrphanGuard(f"GPUPOOL_WORKER={self.id}")
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known
         self._nvml: Nvml | None = None
         # Running attempts by (job id, attempt): a job reclaimed from under this worker can be
         # claimed by it again while the old attempt is still being killed.
-        self._runs: dict[tuple[str, int], JobRun] = {}
+        self._runs: dict[tuple[str, int], Run] = {}
         self._slot_of: dict[tuple[str, int], int] = {}
         self._leases: dict[str, Lease] = {}  # job id -> newest lease, renewed until its end is recorded
         self._tasks: set[asyncio.Task[None]] = set()  # one per attempt
@@ -145,6 +156,8 @@ class Worker:
             self.allocator = GpuAllocator(gpus, self.slots)
             self.probe = self.probe or self._nvml
         self.metrics = WorkerMetrics(self.allocator.gpus)
+        # The slots' scratch directories as a worker that died may have left them (runner.py).
+        await asyncio.to_thread(shutil.rmtree, self.data_dir / "slots", ignore_errors=True)
         self.heartbeat.observer = self._observe_heartbeat
         self._registration.started_at = time.time()
         await self._guard.start()
@@ -267,10 +280,14 @@ class Worker:
             # Cleared before the claim: GPUs freed while it is in flight still wake the wait below.
             self._wake.clear()
             try:
-                lease = await self.queue.claim(
-                    self.id, self.queues, self.allocator.free_count(), self.allocator.share
+                leases = await self.queue.claim_many(
+                    self.id,
+                    self.queues,
+                    self.slots - len(self._runs),
+                    self.allocator.free_count(),
+                    self.allocator.share,
                 )
-                if lease is None:
+                if not leases:
                     await self._wait_for_work()
                     continue
             except RedisError as exc:
@@ -282,10 +299,11 @@ class Worker:
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.1
-            if self.draining():  # the drain began during the claim: the job goes back first
-                await self._give_back(lease)
-            else:
-                self._launch(lease)
+            for lease in leases:
+                if self.draining():  # the drain began during the claim: the job goes back first
+                    await self._give_back(lease)
+                else:
+                    self._launch(lease)
 
     async def _wait_for_work(self) -> None:
         """Block until a queue gets a new entry, or `_wake` is set (whichever comes first)."""
@@ -311,18 +329,7 @@ class Worker:
             log.error("%s; handing the attempt back", exc)
             task = asyncio.ensure_future(self._give_back(lease))
         else:
-            run = JobRun(
-                self.queue,
-                lease,
-                data_dir=self.data_dir,
-                gpus=gpus,
-                env=self.env,
-                kill_grace=self.kill_grace,
-                probe=self.probe,
-                guard=self._guard,
-                store=self.store,
-                cache=self.cache,
-            )
+            run = self._make_run(lease, gpus, slot)
             self._runs[_key(lease)] = run
             self._slot_of[_key(lease)] = slot
             self._leases[lease.job_id] = lease
@@ -330,6 +337,21 @@ class Worker:
         task.set_name(f"job {lease.job_id}")
         self._tasks.add(task)
         task.add_done_callback(self._attempt_done)
+
+    def _job_run(self, lease: Lease, gpus: tuple[GpuInfo, ...], slot: int) -> Run:
+        return JobRun(
+            self.queue,
+            lease,
+            data_dir=self.data_dir,
+            gpus=gpus,
+            env=self.env,
+            kill_grace=self.kill_grace,
+            probe=self.probe,
+            guard=self._guard,
+            store=self.store,
+            cache=self.cache,
+            slot=slot,
+        )
 
     def _attempt_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -350,7 +372,7 @@ class Worker:
 
     # -- one attempt ------------------------------------------------------------------------------
 
-    async def _attempt(self, run: JobRun, slot: int) -> None:
+    async def _attempt(self, run: Run, slot: int) -> None:
         lease = run.lease
         gpus = ", ".join(str(g.index) for g in run.gpus) or "none"
         log.info("job %s attempt %d: starting on slot %d, GPUs %s", lease.job_id, lease.attempt, slot, gpus)

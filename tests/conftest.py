@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
@@ -27,7 +28,10 @@ from tests.s3server import S3Server
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], Any]]:
-    # uvloop is what poold runs on; test on it too.
+    # uvloop is what poold runs on; test on it too. Process spawning does not depend on the loop:
+    # its tests run on both.
+    if getattr(getattr(item, "module", None), "__name__", "").endswith("test_spawn"):
+        return {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
     return {"uvloop": uvloop.new_event_loop}
 
 

@@ -144,6 +144,19 @@ async def test_local_inputs_reach_the_job_at_dest(data_pool: Pool, tmp_path: Pat
     assert (tmp_path / "got" / "seen").read_text() == "from a dir\na file\n"
 
 
+async def test_the_log_is_archived_when_there_is_one(data_pool: Pool, tmp_path: Path) -> None:
+    silent, _ = await data_pool.queue.enqueue(JobSpec(argv=("true",)))
+    loud, _ = await data_pool.queue.enqueue(JobSpec(argv=("echo", "hello")))
+    async with worker(data_pool, tmp_path):
+        quiet = await wait_state(data_pool.queue, silent, JobState.SUCCEEDED, JobState.FAILED)
+        said = await wait_state(data_pool.queue, loud, JobState.SUCCEEDED, JobState.FAILED)
+    assert "log" not in quiet.result  # nothing to archive, and no object for it
+    assert quiet.result["artifacts"] == []
+    assert said.result["log"]["size"] == len(b"hello\n")
+    await ok(data_pool.env(), "get", loud, str(tmp_path / "got"))
+    assert (tmp_path / "got" / f"{loud}.log").read_bytes() == b"hello\n"
+
+
 def git(repo: Path, *argv: str) -> None:
     subprocess.run(
         ["git", "-c", "user.name=t", "-c", "user.email=t@t", *argv], cwd=repo, check=True, capture_output=True

@@ -109,6 +109,65 @@ async def test_every_job_claimed_once_under_concurrent_claimers(
     assert await queue.depth("default") == 0
 
 
+async def test_claim_many_takes_reclaimed_then_stream_order_across_queues(
+    queue: JobQueue, redis: Redis
+) -> None:
+    a, b, c, d = [(await queue.enqueue(spec(i)))[0] for i in range(4)]
+    dropped, _ = await queue.enqueue(spec())
+    e, _ = await queue.enqueue(spec())
+    low, _ = await queue.enqueue(spec(queue="low"))
+    lease_b = await claim(queue, "dead-worker")  # a
+    assert lease_b.job_id == a
+    await expire(queue, redis, lease_b)
+    await queue.cancel(dropped)
+    first = await queue.claim_many("w1", ["default", "low"], 3)
+    assert [(x.job_id, x.attempt) for x in first] == [(a, 2), (b, 1), (c, 1)]
+    # a cancelled entry on the way is dropped, not counted; the rest of the queue, then the next
+    rest = await queue.claim_many("w2", ["default", "low"], 10)
+    assert [x.job_id for x in rest] == [d, e, low]
+    assert {x.worker for x in rest} == {"w2"}
+    assert (await queue.get(dropped)).state is JobState.CANCELLED
+    assert await queue.claim_many("w2", ["default", "low"], 10) == []
+
+
+async def test_claim_many_counts_out_the_gpus_of_what_it_claims(queue: JobQueue) -> None:
+    two, _ = await queue.enqueue(spec(gpus=2))
+    share, _ = await queue.enqueue(spec())  # asks for none: gets the slot's share (1 here)
+    too_big, _ = await queue.enqueue(spec(gpus=2))
+    after, _ = await queue.enqueue(spec())
+    got = await queue.claim_many("w1", ["default"], 4, gpus_free=4, default_gpus=1)
+    # 2 + 1 of 4 GPUs are taken: the next job needs 2, so it waits at the head, and so does `after`
+    assert [x.job_id for x in got] == [two, share]
+    assert (await queue.get(too_big)).state is JobState.QUEUED
+    assert [x.job_id for x in await queue.claim_many("w2", ["default"], 4, 3, 1)] == [too_big, after]
+
+
+async def test_every_job_claimed_once_by_concurrent_batch_claimers(
+    queue: JobQueue, redis_server: EmbeddedRedis
+) -> None:
+    total = 2000
+    ids = set(await queue.enqueue_many([spec(i) for i in range(total)]))
+    claims: list[tuple[str, str]] = []
+
+    async def consumer(name: str, q: JobQueue, batch: int) -> None:
+        while leases := await q.claim_many(name, ["default"], batch):
+            claims.extend((lease.job_id, name) for lease in leases)
+            await asyncio.gather(*(q.complete(lease, OK) for lease in leases))
+
+    clients = [redis_server.client() for _ in range(3)]
+    shared = JobQueue(clients[0])  # several claimers on one JobQueue: their calls share pipelines
+    queues = [shared, shared, JobQueue(clients[1]), JobQueue(clients[2])]
+    await asyncio.gather(*(consumer(f"c{i}", q, 1 + i * 3) for i, q in enumerate(queues)))
+    for client in clients:
+        await client.aclose()
+    claimed_ids = [job_id for job_id, _ in claims]
+    assert len(claimed_ids) == total
+    assert set(claimed_ids) == ids
+    assert len({name for _, name in claims}) > 1
+    assert await queue.depth("default") == 0
+    assert [(await queue.get(job_id)).attempt for job_id in sorted(ids)[:50]] == [1] * 50
+
+
 async def test_stale_attempt_cannot_complete_and_results_are_recorded_once(
     queue: JobQueue, redis: Redis
 ) -> None:

@@ -28,7 +28,7 @@ async def test_environment_directory_and_outcome(queue: JobQueue, tmp_path: Path
     lease = await claimed(
         queue,
         sh(
-            f'env > {out}; pwd >> {out}; echo "line $$"; exit 3',
+            f'env > {out}; pwd >> {out}; echo "line $$"; mkdir left; touch left/x; exit 3',
             env={"MY_VAR": "mine", "GPUPOOL_JOB_ID": "forged", "CUDA_VISIBLE_DEVICES": "forged"},
         ),
     )
@@ -47,8 +47,8 @@ async def test_environment_directory_and_outcome(queue: JobQueue, tmp_path: Path
     assert env["KEEP"] == "1"
     assert "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD" not in env  # the worker's settings stay its own
     scratch = out.read_text().splitlines()[-1]
-    assert scratch == str(tmp_path / "data" / "jobs" / f"{lease.job_id}.1")
-    assert not Path(scratch).exists()  # removed after the attempt
+    assert scratch == str(tmp_path / "data" / "slots" / "0" / "work")  # the slot's scratch directory
+    assert not Path(scratch).exists() or not any(Path(scratch).iterdir())  # emptied after the attempt
 
     assert result.ending is Ending.EXITED
     assert result.outcome is not None

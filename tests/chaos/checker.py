@@ -135,7 +135,8 @@ async def check_results_once(v: Verdict, queue: JobQueue, infos: dict[str, JobIn
 
 def check_overlaps(v: Verdict, spans: list[Span], killed: dict[int, float]) -> None:
     """No two attempts of one job ran at the same time. An attempt with no end in the ledger died
-    with its SIGKILLed worker (PDEATHSIG); one whose worker was not killed is an unknown end."""
+    with its SIGKILLed worker (its orphan guard kills them within ms, long before the lease could
+    expire); one whose worker was not killed is an unknown end."""
     by_job: dict[str, list[Span]] = defaultdict(list)
     for span in spans:
         if span.end is None:

@@ -39,7 +39,7 @@ def job_command(ledger: Path) -> list[str]:
 class WorkerProc:
     name: str
     proc: subprocess.Popen[bytes]
-    killed_at: float | None = None  # time.time() of a SIGKILL: its jobs died with it (PDEATHSIG)
+    killed_at: float | None = None  # time.time() of a SIGKILL: its jobs died with it (orphan guard)
 
 
 @dataclass
