@@ -4,14 +4,14 @@ One process runs an embedded Redis, a real PoolServer (listener and metrics on p
 executor; jobs are submitted one at a time, `--gap` apart, through the real PoolClient (Enqueue
 over TCP). Two executors, one after the other, on the same pool:
 
-- `noop`: the queue alone. A bench-only in-process executor drives `JobQueue.claim` /
-  `wait_for_work` / `complete` directly (no process): "start" is the moment `claim` returned the
-  job, "completed" the moment `complete` returned.
+- `noop`: the queue alone. A real `Worker` (2 slots) with the bench's no-op executor
+  (bench/noop.py: no process): "start" is the moment the attempt began (its lease claimed and
+  handed to a slot), "completed" the moment `complete` returned.
 - `command` (`true`): a real `Worker` (2 slots, no GPUs) in this process. "claimed" is when its
-  `claim` returned, "process started" when `asyncio.create_subprocess_exec` returned in the runner
-  (the child has exec'd), "completed" when its `complete` returned. The timestamps come from
-  wrappers the bench puts around the queue's methods and the runner's spawn call (instrumentation
-  only; the daemon code path is unchanged).
+  `claim_many` returned, "process started" when `spawn` returned in the runner (the child has
+  exec'd), "completed" when its `complete` returned. The timestamps come from wrappers the bench
+  puts around the queue's methods and the runner's spawn call (instrumentation only; the daemon
+  code path is unchanged).
 
 All times are this process's `time.perf_counter()`, so sub-millisecond and on one clock (the
 job record's `started_at` is Redis time in whole milliseconds: too coarse for a 2 ms target).
@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +32,15 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import bench_env, machine, save, summary_ms
-from daemon import config, tokens
+from bench.noop import noop_worker, record_completions
+from daemon import config, spawn, tokens
 from daemon.client import PoolClient
-from daemon.job import JobSpec, JobState, Lease, Outcome
+from daemon.job import JobSpec, Lease
 from daemon.queue import JobQueue
 from daemon.server import PoolServer
 from daemon.worker import Worker
 from protocol import Enqueue, Enqueued
 
-DONE = Outcome(JobState.SUCCEEDED, exit_code=0)
 QUEUE = "default"
 
 
@@ -61,56 +60,32 @@ async def wait_all(done: dict[str, float], ids: dict[str, float], limit: float) 
         await asyncio.sleep(0.02)
 
 
-async def noop_executor(queue: JobQueue, started: dict[str, float], done: dict[str, float]) -> None:
-    """The bench's no-op executor: claim, record, complete; block on the stream when idle."""
-    while True:
-        lease = await queue.claim("bench-noop", [QUEUE])
-        if lease is None:
-            await queue.wait_for_work([QUEUE], 5.0)
-            continue
-        started[lease.job_id] = time.perf_counter()
-        await queue.complete(lease, DONE)
-        done[lease.job_id] = time.perf_counter()
-
-
 def deltas(submitted: dict[str, float], at: dict[str, float]) -> list[float]:
     return [at[j] - t0 for j, t0 in submitted.items() if j in at]
 
 
-async def run_noop(server: PoolServer, client: PoolClient, jobs: int, gap: float) -> dict[str, Any]:
+async def run_noop(
+    server: PoolServer, client: PoolClient, jobs: int, gap: float, tmp: Path
+) -> dict[str, Any]:
     assert server.queue is not None
     queue = JobQueue(server.queue.redis)
     started: dict[str, float] = {}
     done: dict[str, float] = {}
-    task = asyncio.create_task(noop_executor(queue, started, done))
+    record_completions(queue, done)
+    worker = noop_worker(queue, tmp / "noop-worker", QUEUE, 2, started)
+    await worker.start()
     try:
-        await asyncio.sleep(0.2)  # the executor is blocked on the stream: the pool is idle
+        await asyncio.sleep(0.2)  # the worker is blocked on the stream: the pool is idle
         spec = JobSpec(argv=("true",), queue=QUEUE).to_dict()
         del spec["user"]
         submitted = await submit(client, jobs, gap, spec)
         await wait_all(done, submitted, 30)
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await worker.stop(drain_timeout=5)
     return {
         "enqueue_to_start_ms": summary_ms(deltas(submitted, started)),
         "enqueue_to_completed_ms": summary_ms(deltas(submitted, done)),
     }
-
-
-def timed(
-    method: Callable[..., Awaitable[Any]],
-    key: Callable[[Any, tuple[Any, ...]], str | None],
-    at: dict[str, float],
-) -> Callable[..., Awaitable[Any]]:
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        result = await method(*args, **kwargs)
-        if (k := key(result, args)) is not None:
-            at[k] = time.perf_counter()
-        return result
-
-    return wrapper
 
 
 async def run_command(
@@ -121,23 +96,26 @@ async def run_command(
     claimed: dict[str, float] = {}
     spawned: dict[str, float] = {}
     done: dict[str, float] = {}
-    queue.claim = timed(  # type: ignore[method-assign,assignment]
-        queue.claim, lambda lease, _: lease.job_id if lease is not None else None, claimed
-    )
-    queue.complete = timed(  # type: ignore[method-assign,assignment]
-        queue.complete, lambda _, args: args[0].job_id if isinstance(args[0], Lease) else None, done
-    )
-    real_spawn = asyncio.create_subprocess_exec
+    claim_many = queue.claim_many
 
-    async def spawn(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
-        proc = await real_spawn(*args, **kwargs)
-        env = kwargs.get("env") or {}
+    async def claim_timed(*args: Any, **kwargs: Any) -> list[Lease]:
+        leases = await claim_many(*args, **kwargs)
+        for lease in leases:
+            claimed[lease.job_id] = time.perf_counter()
+        return leases
+
+    queue.claim_many = claim_timed  # type: ignore[method-assign]
+    record_completions(queue, done)
+    real_spawn = spawn.start
+
+    async def timed_spawn(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str]) -> spawn.Child:
+        child = await real_spawn(argv, cwd=cwd, env=env)
         if "GPUPOOL_JOB_ID" in env:
             spawned[env["GPUPOOL_JOB_ID"]] = time.perf_counter()
-        return proc
+        return child
 
     worker = Worker(queue, data_dir=tmp / "worker", slots=2, queues=[QUEUE], gpus=[])
-    asyncio.create_subprocess_exec = spawn
+    spawn.start = timed_spawn
     try:
         await worker.start()
         await asyncio.sleep(0.2)
@@ -146,7 +124,7 @@ async def run_command(
         submitted = await submit(client, jobs, gap, spec)
         await wait_all(done, submitted, 60)
     finally:
-        asyncio.create_subprocess_exec = real_spawn
+        spawn.start = real_spawn
         await worker.stop(drain_timeout=5)
     spawn_cost = [spawned[j] - claimed[j] for j in submitted if j in spawned and j in claimed]
     return {
@@ -168,7 +146,7 @@ async def measure(jobs: int, gap: float, command_gap: float) -> dict[str, Any]:
             version = (await server.queue.redis.info("server"))["redis_version"]
             client = PoolClient(server.listener.address, tokens.local_user(), tokens.client_token())
             async with client:
-                noop = await run_noop(server, client, jobs, gap)
+                noop = await run_noop(server, client, jobs, gap, Path(tmp))
                 command = await run_command(server, client, jobs, command_gap, Path(tmp))
         finally:
             await server.stop()

@@ -1,25 +1,28 @@
 """A bench-only no-op worker process: `python -m bench.noop_worker PORT PASSWORD QUEUE SLOTS`.
 
-Connects, prints `ready`, waits for a line on stdin, then drains QUEUE with SLOTS concurrent
-claim -> complete loops (no process is run: the queue's share of a job) until `claim` finds
-nothing, and prints `{"first": t, "last": t, "done": n}` (time.time()). Used by throughput.py.
-A daemon hook (an executor seam in Worker) would let this go through Worker's own dispatcher.
+Connects, prints `ready`, waits for a line on stdin, then starts a real `Worker` with SLOTS slots
+and the no-op executor (bench/noop.py) on QUEUE, lets it drain the queue, and prints
+`{"first": t, "last": t, "done": n}` (time.time() of the first start and of the last completion
+recorded). Used by throughput.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import orjson
 import uvloop
 from redis.asyncio import Redis
 
-from daemon.job import JobState, Outcome
+from bench.noop import noop_worker, record_completions
+from daemon import keys
 from daemon.queue import JobQueue
 
-DONE = Outcome(JobState.SUCCEEDED, exit_code=0)
+IDLE_SECONDS = 0.5  # the queue is drained: nothing queued or running for this long
 
 
 async def drain(port: int, password: str, queue_name: str, slots: int) -> None:
@@ -28,17 +31,23 @@ async def drain(port: int, password: str, queue_name: str, slots: int) -> None:
     await redis.ping()
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    times: list[float] = []
-
-    async def loop(name: str) -> None:
-        while (lease := await queue.claim(name, [queue_name])) is not None:
-            if not times:
-                times.append(time.time())
-            await queue.complete(lease, DONE)
-            times.append(time.time())
-
-    await asyncio.gather(*(loop(f"noop-{i}") for i in range(slots)))
-    print(orjson.dumps({"first": times[0], "last": times[-1], "done": len(times) - 1}).decode(), flush=True)
+    name = queue_name
+    started: dict[str, float] = {}
+    done: dict[str, float] = {}
+    record_completions(queue, done)
+    # time.time() = perf_counter() + offset, so that processes can be compared
+    offset = time.time() - time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        worker = noop_worker(queue, Path(tmp), queue_name, slots, started)
+        await worker.start()
+        idle_since = None
+        while idle_since is None or time.monotonic() - idle_since < IDLE_SECONDS:
+            await asyncio.sleep(0.05)
+            busy = worker.running or await queue.depth(queue_name) or await redis.zcard(keys.leases(name))
+            idle_since = None if busy else (idle_since or time.monotonic())
+        await worker.stop(drain_timeout=0)
+    result = {"first": min(started.values()) + offset, "last": max(done.values()) + offset, "done": len(done)}
+    print(orjson.dumps(result).decode(), flush=True)
     await redis.aclose()
 
 

@@ -1,0 +1,65 @@
+"""The bench's no-op executor: a real `Worker` (dispatcher, claims, heartbeat, completes) whose
+attempts run no process and succeed at once. It measures the queue and the dispatch path alone."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from daemon.gpus import GpuInfo
+from daemon.job import JobState, Lease, Outcome
+from daemon.queue import JobQueue
+from daemon.runner import Ending, RunResult
+from daemon.worker import Worker
+
+DONE = RunResult(Ending.EXITED, Outcome(JobState.SUCCEEDED, exit_code=0))
+
+
+class NoopRun:
+    """One attempt that does nothing; `started` gets its start time (perf_counter) by job id."""
+
+    def __init__(self, lease: Lease, gpus: tuple[GpuInfo, ...], started: dict[str, float]) -> None:
+        self.lease = lease
+        self.gpus = gpus
+        self._started = started
+
+    async def run(self) -> RunResult:
+        self._started[self.lease.job_id] = time.perf_counter()
+        return DONE
+
+    def cancel(self) -> None:
+        pass
+
+    def hand_back(self, now: bool = False) -> None:
+        pass
+
+    def lose(self, why: str) -> None:
+        pass
+
+
+def record_completions(queue: JobQueue, done: dict[str, float]) -> None:
+    """Instrument `queue` so that `done` gets the time (perf_counter) each `complete` returned."""
+    complete: Callable[..., Awaitable[Any]] = queue.complete
+
+    async def timed(lease: Lease, *args: Any, **kwargs: Any) -> Any:
+        result = await complete(lease, *args, **kwargs)
+        done[lease.job_id] = time.perf_counter()
+        return result
+
+    queue.complete = timed  # type: ignore[method-assign]
+
+
+def noop_worker(
+    queue: JobQueue, data_dir: Path, queue_name: str, slots: int, started: dict[str, float]
+) -> Worker:
+    """A Worker on `queue_name` with `slots` slots, no GPUs, and the no-op executor."""
+    return Worker(
+        queue,
+        data_dir=data_dir,
+        slots=slots,
+        queues=[queue_name],
+        gpus=[],
+        make_run=lambda lease, gpus, _slot: NoopRun(lease, gpus, started),
+    )
