@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RETENTION = 7 * 24 * 3600
 RECLAIM_BATCH = 500
+ENQUEUE_CHUNK = 100  # jobs per enqueue_many script call: a few ms of Redis time at most
 MAX_IDEMPOTENCY_KEY = 200
 LOG_CAP = 5000  # log stream entries kept per job; a worker sends chunks of up to 64 KiB
 
@@ -111,26 +112,26 @@ class JobQueue:
             return _s(got), bool(created)
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[str]:
-        """Enqueue several jobs in one round trip (a pipeline of enqueue scripts), in order."""
+        """Enqueue several jobs in one round trip, in order: one script call per run of up to
+        ENQUEUE_CHUNK jobs of one queue, the calls pipelined."""
         for q in {s.queue for s in specs}:
             await self._register_queue(q)
-        ids = [new_job_id(s.queue) for s in specs]
-        batch = ScriptBatch(self.redis)
-        for spec, job_id in zip(specs, ids, strict=True):
-            q, packed = spec.queue, msgpack.packb(spec.to_dict())
-            batch.add(
-                self.scripts.enqueue,
-                [keys.stream(q), keys.jobs(q), keys.seq(q), keys.job(job_id)],
-                [keys.GROUP, job_id, packed, spec.gpus, spec.max_attempts, spec.retries],
-            )
-        replies = await batch.execute_each()
-        out = []
-        for spec, reply in zip(specs, replies, strict=True):
-            if isinstance(reply, ResponseError):  # an id collision: rare enough to redo alone
-                out.append((await self.enqueue(spec))[0])
+        chunks: list[list[JobSpec]] = []
+        for spec in specs:
+            if chunks and chunks[-1][0].queue == spec.queue and len(chunks[-1]) < ENQUEUE_CHUNK:
+                chunks[-1].append(spec)
             else:
-                out.append(_s(reply[0]))
-        return out
+                chunks.append([spec])
+        batch = ScriptBatch(self.redis)
+        for chunk in chunks:
+            q = chunk[0].queue
+            ids = [new_job_id(q) for _ in chunk]
+            args: list[Any] = [keys.GROUP, keys.queue_prefix(q)]
+            for spec, job_id in zip(chunk, ids, strict=True):
+                args += [job_id, msgpack.packb(spec.to_dict()), spec.gpus, spec.max_attempts, spec.retries]
+            job_keys = [keys.job(job_id) for job_id in ids]
+            batch.add(self.scripts.enqueue_many, [keys.stream(q), keys.jobs(q), keys.seq(q), *job_keys], args)
+        return [_s(job_id) for reply in await batch.execute() for job_id in reply]
 
     async def _register_queue(self, queue: str) -> None:
         # The pool-wide queue set has its own hash tag, so it cannot be in the enqueue script.

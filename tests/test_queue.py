@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from daemon import keys
 from daemon.embedded_redis import EmbeddedRedis
 from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
-from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus
+from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id
 from daemon.queue import JobQueue
 
 OK = Outcome(JobState.SUCCEEDED, exit_code=0)
@@ -107,6 +107,26 @@ async def test_every_job_claimed_once_under_concurrent_claimers(
     assert set(claimed_ids) == ids
     assert len({name for _, name in claims}) > 1  # they really competed
     assert await queue.depth("default") == 0
+
+
+async def test_enqueue_many_keeps_order_per_queue_even_when_an_id_collides(
+    queue: JobQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    taken, _ = await queue.enqueue(spec(0, queue="a"))
+    draws = iter([taken])  # the batch's first id is one that exists (two drawn in one ms)
+    monkeypatch.setattr("daemon.queue.new_job_id", lambda q: next(draws, None) or new_job_id(q))
+    mixed = [spec(i, queue="a" if i % 3 else "b") for i in range(1, 251)]  # chunks of 100 and runs
+    ids = await queue.enqueue_many(mixed)
+    assert len(set(ids)) == 250
+    assert taken not in ids
+    assert ids[0] == taken + "z1"  # made unique where it was drawn, so the batch kept its order
+    assert (await queue.get(taken)).spec.argv == ("echo", "0")  # untouched
+    assert (await queue.claim("w0", ["a"])).job_id == taken  # type: ignore[union-attr]
+    for name in ("a", "b"):
+        want = [i for i, s in zip(ids, mixed, strict=True) if s.queue == name]
+        got = await queue.claim_many("w1", [name], 300)
+        assert [lease.job_id for lease in got] == want
+        assert [lease.spec.argv for lease in got] == [s.argv for s in mixed if s.queue == name]
 
 
 async def test_claim_many_takes_reclaimed_then_stream_order_across_queues(

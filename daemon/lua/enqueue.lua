@@ -12,17 +12,9 @@ if idem then
   if existing then return {existing, 0} end
 end
 if redis.call('EXISTS', jobkey) == 1 then return redis.error_reply('ID_TAKEN job id exists') end
-if redis.call('EXISTS', stream) == 0 then
-  redis.call('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
-end
-local seq = redis.call('INCR', seqkey)
-local entry = redis.call('XADD', stream, '*', 'job', id)
-redis.call('HSET', jobkey, 'id', id, 'state', 'queued', 'seq', seq, 'attempt', 0, 'spec', ARGV[3],
-  'gpus', ARGV[4], 'max_attempts', ARGV[5], 'retries', ARGV[6], 'failures', 0,
-  'enqueued_at', now_ms(), 'entry', entry)
+add_job(stream, index, seqkey, jobkey, group, id, ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 if idem then
   redis.call('SET', idem, id)
   redis.call('HSET', jobkey, 'idem', idem)
 end
-redis.call('ZADD', index, seq, id)
 return {id, 1}
