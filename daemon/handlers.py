@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -162,8 +163,8 @@ class Handlers:
         job_specs = [_spec(s, user) for s in specs]
         ids = await self.queue.enqueue_many(job_specs)
         if self.metrics is not None:
-            for job_spec in job_specs:
-                self.metrics.job_enqueued(job_spec.queue)
+            for q, count in Counter(s.queue for s in job_specs).items():
+                self.metrics.job_enqueued(q, count)
         return EnqueuedBatch(ids)
 
     async def _list(

@@ -59,17 +59,21 @@ local function wake(stream)
   redis.call('XADD', stream, '*', 'wake', '1')
 end
 
--- Add a job at the tail of its queue: record, stream entry and index entry (the caller has made
--- sure its id is free). Returns the job's sequence number in its queue.
-local function add_job(stream, index, seqkey, jobkey, group, id, spec, gpus, max_attempts, retries)
+-- Take `n` sequence numbers of a queue, creating its stream and consumer group the first time.
+-- Returns the first of them.
+local function reserve(stream, seqkey, group, n)
   if redis.call('EXISTS', stream) == 0 then
     redis.call('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
   end
-  local seq = redis.call('INCR', seqkey)
+  return redis.call('INCRBY', seqkey, n) - n + 1
+end
+
+-- Add a job at the tail of its queue with sequence number `seq` (from reserve): record, stream
+-- entry and index entry. The caller has made sure its id is free.
+local function add_job(stream, index, jobkey, id, seq, now, spec, gpus, max_attempts, retries)
   local entry = redis.call('XADD', stream, '*', 'job', id)
   redis.call('HSET', jobkey, 'id', id, 'state', 'queued', 'seq', seq, 'attempt', 0, 'spec', spec,
     'gpus', gpus, 'max_attempts', max_attempts, 'retries', retries, 'failures', 0,
-    'enqueued_at', now_ms(), 'entry', entry)
+    'enqueued_at', now, 'entry', entry)
   redis.call('ZADD', index, seq, id)
-  return seq
 end

@@ -12,7 +12,8 @@ if idem then
   if existing then return {existing, 0} end
 end
 if redis.call('EXISTS', jobkey) == 1 then return redis.error_reply('ID_TAKEN job id exists') end
-add_job(stream, index, seqkey, jobkey, group, id, ARGV[3], ARGV[4], ARGV[5], ARGV[6])
+local seq = reserve(stream, seqkey, group, 1)
+add_job(stream, index, jobkey, id, seq, now_ms(), ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 if idem then
   redis.call('SET', idem, id)
   redis.call('HSET', jobkey, 'idem', idem)

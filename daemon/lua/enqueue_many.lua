@@ -8,16 +8,18 @@
 --       max attempts, retries
 -- Returns the jobs' ids, in order.
 local stream, index, seqkey, group, prefix = KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2]
-local ids = {}
-for i = 1, #KEYS - 3 do
+local n, now, ids = #KEYS - 3, now_ms(), {}
+local first = reserve(stream, seqkey, group, n)
+for i = 1, n do
   local a = 3 + (i - 1) * 5
-  local id, jobkey, n = ARGV[a], KEYS[3 + i], 0
+  local id, jobkey, k = ARGV[a], KEYS[3 + i], 0
   while redis.call('EXISTS', jobkey) == 1 do
-    n = n + 1
-    id = ARGV[a] .. 'z' .. n
+    k = k + 1
+    id = ARGV[a] .. 'z' .. k
     jobkey = prefix .. 'job:' .. id
   end
-  add_job(stream, index, seqkey, jobkey, group, id, ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4])
+  add_job(stream, index, jobkey, id, first + i - 1, now,
+    ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4])
   ids[i] = id
 end
 return ids
