@@ -18,7 +18,7 @@ from typing import Any, cast
 import msgpack
 import orjson
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from daemon import keys
 from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
@@ -161,19 +161,26 @@ class JobQueue:
         for q in queues:
             if len(leases) >= count:
                 break
-            reply = await self._call(
-                self.scripts.claim,
-                [keys.stream(q), keys.retry(q), keys.leases(q)],
-                [
-                    keys.queue_prefix(q),
-                    keys.GROUP,
-                    worker,
-                    gpus_free,
-                    self.lease_ms,
-                    default_gpus,
-                    count - len(leases),
-                ],
-            )
+            try:
+                reply = await self._call(
+                    self.scripts.claim,
+                    [keys.stream(q), keys.retry(q), keys.leases(q)],
+                    [
+                        keys.queue_prefix(q),
+                        keys.GROUP,
+                        worker,
+                        gpus_free,
+                        self.lease_ms,
+                        default_gpus,
+                        count - len(leases),
+                    ],
+                )
+            except RedisError:
+                if not leases:
+                    raise
+                # Claimed jobs are this worker's now: hand them out rather than strand them.
+                log.warning("claiming from queue %s failed; running the %d jobs claimed", q, len(leases))
+                break
             status, cursor, *claimed = reply
             for i in range(0, len(claimed), 3):
                 job_id, attempt, spec = claimed[i : i + 3]

@@ -3,10 +3,8 @@
 The job's argv runs without a shell, in a new session (so its process group is its own and one
 `killpg` reaches every process it starts), started with vfork (spawn.py); if the worker dies,
 procguard.py kills its jobs. Its directory is the spec's `cwd`, or its slot's scratch directory
-under the worker's data directory (`slots/N/work`, next to `slots/N/out`, the GPUPOOL_OUTPUT
-directory), emptied when the job ends (and all of `slots/` when a worker starts). Reusing them
-per slot saves creating and removing two directories per job, a measurable share of a short job
-on overlay filesystems.
+`work` (next to `out`, the GPUPOOL_OUTPUT directory): empty when the job starts, emptied when it
+ends (scratch.py).
 
 Output (stdout and stderr merged) streams to the job's log as it comes (joblog.py); a refused
 log write means the attempt is no longer this worker's, and the job is killed at once.
@@ -25,7 +23,6 @@ import dataclasses
 import enum
 import logging
 import os
-import shutil
 import signal
 import time
 from collections.abc import Mapping, Sequence
@@ -35,7 +32,7 @@ from typing import Any, Protocol
 
 import psutil
 
-from daemon import gitsync, jobdata, spawn
+from daemon import gitsync, jobdata, scratch, spawn
 from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
 from daemon.gpus import GpuInfo, GpuProbe, GpuProbeError, visible_devices
@@ -128,9 +125,10 @@ class JobRun:
         guard: OrphanGuard | None = None,
         store: ObjectStore | None = None,
         cache: ObjectCache | None = None,
-        slot: int = 0,
+        slot_dir: Path | None = None,
     ) -> None:
-        """`slot` (the worker's slot it runs on) names its scratch directories. `store` receives
+        """`slot_dir` holds the scratch directories of the slot it runs on (scratch.py; default
+        `data_dir/slot`). `store` receives
         the artifacts; `cache` fetches the snapshot and inputs (None: a worker without an object
         store; jobs with data then fail saying so)."""
         self.queue = queue
@@ -142,8 +140,9 @@ class JobRun:
         self.probe = probe
         self.guard = guard
         self.data_dir = data_dir
-        self.scratch = data_dir / "slots" / str(slot) / "work"
-        self.output_dir = data_dir / "slots" / str(slot) / "out"
+        slot_dir = slot_dir or data_dir / "slot"
+        self.scratch = slot_dir / "work"
+        self.output_dir = slot_dir / "out"
         self._env = job_env(os.environ if env is None else env, lease, self.gpus)
         self._env["GPUPOOL_OUTPUT"] = str(self.output_dir)
         self.ending: Ending | None = None
@@ -204,15 +203,19 @@ class JobRun:
 
     async def run(self) -> RunResult:
         """Run the attempt to its end and say how it ended. If cancelled itself, the job's
-        processes are killed before the CancelledError goes on."""
+        processes are killed before the CancelledError goes on. The slot's scratch directories
+        are emptied afterwards, however it ended."""
+        try:
+            return await self._run()
+        finally:
+            await self._clear_scratch()
+
+    async def _run(self) -> RunResult:
         spec = self.lease.spec
         started = time.time()
         cwd = Path(spec.cwd) if spec.cwd else self.scratch
         try:
-            # mkdir on the worker's own disk (mostly finding the directory there): cheaper inline
-            # than a hop to a thread. What a worker that died left there, Worker.start removed.
-            for path in self._scratch_dirs():
-                path.mkdir(parents=True, exist_ok=True)
+            await self._reset_scratch()
             if spec.git is not None:
                 await self._checkout(spec.git)
             await jobdata.prepare(self.cache, spec, cwd, self.output.note)
@@ -225,7 +228,6 @@ class JobRun:
             )
             self.output.note(detail)
             await self.output.flush()
-            await self._clear_scratch()
             return RunResult(Ending.EXITED, self._outcome(None, detail, started))
         pgid = self._proc.pid
         if self.guard is not None:
@@ -256,12 +258,16 @@ class JobRun:
             if self._killer is not None:
                 await cancel_and_wait(self._killer)
             leftovers = _leftovers(pgid, self._descendants)
-            if leftovers:
-                await asyncio.to_thread(psutil.wait_procs, leftovers, timeout=5)
-            if self.guard is not None:
-                self.guard.forget(pgid)
-            await self.output.finish(pump)
-            self._proc.close()
+            try:
+                if leftovers:
+                    await asyncio.to_thread(psutil.wait_procs, leftovers, timeout=5)
+            finally:
+                if self.guard is not None:
+                    self.guard.forget(pgid)
+                try:
+                    await self.output.finish(pump)
+                finally:
+                    self._proc.close()
         if leftovers:
             log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(leftovers))
         dirty = await self._check_gpus(pgid)
@@ -272,7 +278,6 @@ class JobRun:
                 self.store, self.queue, self.lease, self.output_dir, logged=self.output.written
             )
             outcome = dataclasses.replace(outcome, result={**outcome.result, **uploaded})
-        await self._clear_scratch()
         return RunResult(self.ending or Ending.EXITED, outcome, dirty)
 
     def _outcome(self, returncode: int | None, detail: str, started: float) -> Outcome | None:
@@ -311,12 +316,20 @@ class JobRun:
     def _scratch_dirs(self) -> tuple[Path, ...]:
         return (self.output_dir,) if self.lease.spec.cwd else (self.output_dir, self.scratch)
 
-    async def _clear_scratch(self) -> None:
-        """Empty the slot's directories: most jobs leave them empty (one directory read); removing
-        what a job left there may take seconds, so in a thread."""
+    async def _reset_scratch(self) -> None:
+        """Empty, real directories for the job, whatever the slot's last job left."""
+        await self._clear_scratch()
         for path in self._scratch_dirs():
-            if jobdata.has_entries(path):
-                await asyncio.to_thread(shutil.rmtree, path, ignore_errors=True)
+            # mkdir on the worker's own disk (mostly finding the directory there): cheaper inline
+            # than a hop to a thread.
+            path.mkdir(parents=True, exist_ok=True)
+
+    async def _clear_scratch(self) -> None:
+        """Empty the slot's directories: most jobs leave them empty (an lstat and a directory
+        read); removing what a job left there may take seconds, so in a thread."""
+        for path in self._scratch_dirs():
+            if scratch.needs_reset(path):
+                await asyncio.to_thread(scratch.remove, path)
 
     # -- GPUs -------------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ batch leaves at the end of the turn in which its first call was made.
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
@@ -137,7 +138,8 @@ class Pipeliner:
         return await future
 
     def _send_pending(self) -> None:
-        calls, self._pending = self._pending, []
+        # A caller cancelled before its batch left: its call is dropped, never sent.
+        calls, self._pending = [c for c in self._pending if not c[3].done()], []
         # Batches of at most MAX_BATCH calls, each on its own connection: a caller waits for its
         # batch's replies to be read, so a huge batch would make every caller in it wait long.
         for start in range(0, len(calls), MAX_BATCH):
@@ -157,8 +159,8 @@ class Pipeliner:
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the callers, who raise it
             for *_, future in calls:
-                if not future.done():
-                    future.set_exception(exc)
+                if not future.done():  # a copy each: one object raised in many tasks tangles them
+                    future.set_exception(copy.copy(exc))
             return
         for (*_, future), reply in zip(calls, replies, strict=True):
             if future.done():  # its caller was cancelled

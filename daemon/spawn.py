@@ -5,18 +5,21 @@ when a `preexec_fn` is given, and a fork copies the page tables of a process tha
 hundreds of MB: on a 300 MB parent that is ~20 ms per job, against ~1 ms for an exec. Here the
 process is started by `subprocess.Popen` without `preexec_fn`, which CPython does with vfork, in a
 new session (its own process group, so one `killpg` reaches all it starts). Its end is watched
-with a pidfd registered with the running loop (Linux >= 5.3), its output read through the loop's
-pipe transport: no thread per process, no SIGCHLD handler, nothing the loop must support beyond
-`add_reader` and `connect_read_pipe`. A job's processes outliving a killed worker are
+with a pidfd registered with the running loop (Linux >= 5.3; where there is none, or a seccomp
+filter refuses it, a thread per process waits instead), its output read through the loop's pipe
+transport: no SIGCHLD handler, nothing the loop must support beyond `add_reader` and
+`connect_read_pipe`. A job's processes outliving a killed worker are
 procguard.py's to kill.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -40,15 +43,26 @@ class Child:
         self._pidfd = pidfd
         self._loop = asyncio.get_running_loop()
         self._ended: asyncio.Future[int] = self._loop.create_future()
-        self._loop.add_reader(pidfd, self._exited)
+        if pidfd >= 0:
+            self._loop.add_reader(pidfd, self._exited)
+        else:
+            threading.Thread(target=self._wait_in_thread, name=f"wait {popen.pid}", daemon=True).start()
 
     def _exited(self) -> None:
         """The pidfd is readable: the process has ended, so reaping it does not block."""
         self._loop.remove_reader(self._pidfd)
         os.close(self._pidfd)
-        self.returncode = self._popen.wait()
+        self._ended_with(self._popen.wait())
+
+    def _wait_in_thread(self) -> None:
+        code = self._popen.wait()
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+            self._loop.call_soon_threadsafe(self._ended_with, code)
+
+    def _ended_with(self, code: int) -> None:
+        self.returncode = code
         if not self._ended.done():
-            self._ended.set_result(self.returncode)
+            self._ended.set_result(code)
 
     async def wait(self) -> int:
         """The exit status (-N: killed by signal N). Cancelling the wait leaves the watch in place."""
@@ -74,7 +88,8 @@ async def start(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str]) -> Ch
     assert popen.stdout is not None
     pidfd = -1
     try:
-        pidfd = os.pidfd_open(popen.pid)
+        with contextlib.suppress(OSError):  # none: Child waits in a thread
+            pidfd = os.pidfd_open(popen.pid)
         reader = asyncio.StreamReader()
         loop = asyncio.get_running_loop()
         pipe, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), popen.stdout)

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -43,6 +42,7 @@ from daemon.queue import JobQueue
 from daemon.redis_client import PoolRedis
 from daemon.registry import Registration
 from daemon.runner import Ending, JobRun, Run, RunResult
+from daemon.scratch import SlotDirs
 from daemon.store import open_worker_store
 from storage.base import ObjectStore
 from storage.cache import ObjectCache
@@ -103,6 +103,7 @@ class Worker:
         self._registration = Registration(
             id=self.id, slots=slots, queues=self.queues, healthy_period=queue.lease_ms / 1000
         )
+        self._slot_dirs = SlotDirs(self.data_dir / "slots", self.id)
         self._guard = OrphanGuard(f"GPUPOOL_WORKER={self.id}")
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known
         self._nvml: Nvml | None = None
@@ -156,13 +157,13 @@ class Worker:
             self.allocator = GpuAllocator(gpus, self.slots)
             self.probe = self.probe or self._nvml
         self.metrics = WorkerMetrics(self.allocator.gpus)
-        # The slots' scratch directories as a worker that died may have left them (runner.py).
-        await asyncio.to_thread(shutil.rmtree, self.data_dir / "slots", ignore_errors=True)
+        await asyncio.to_thread(self._slot_dirs.open)
         self.heartbeat.observer = self._observe_heartbeat
         self._registration.started_at = time.time()
         await self._guard.start()
         if not await self.heartbeat.beat_and_apply():
             await self._guard.stop()
+            await asyncio.to_thread(self._slot_dirs.close)
             raise RedisUnavailable(f"worker {self.id} cannot register: Redis does not answer")
         self._spawn(self.heartbeat.run(), "heartbeat")
         self._spawn(self.heartbeat.listen_for_pokes(keys.worker_channel(self.id)), "cancel nudges")
@@ -260,6 +261,7 @@ class Worker:
         except RedisError as exc:
             log.warning("could not unregister worker %s (%s); it will show as dead", self.id, exc)
         await self._guard.stop()
+        await asyncio.to_thread(self._slot_dirs.close)
         if self.cache is not None:
             await self.cache.close()
         if self._nvml is not None:
@@ -299,10 +301,13 @@ class Worker:
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.1
-            for lease in leases:
-                if self.draining():  # the drain began during the claim: the job goes back first
+            if self.draining():  # the drain began during the claim: the jobs go back first
+                for lease in leases:  # renewed by the heartbeat until each is given back
+                    self._leases[lease.job_id] = lease
+                for lease in leases:
                     await self._give_back(lease)
-                else:
+            else:
+                for lease in leases:
                     self._launch(lease)
 
     async def _wait_for_work(self) -> None:
@@ -350,7 +355,7 @@ class Worker:
             guard=self._guard,
             store=self.store,
             cache=self.cache,
-            slot=slot,
+            slot_dir=self._slot_dirs.slot(slot),
         )
 
     def _attempt_done(self, task: asyncio.Task[None]) -> None:

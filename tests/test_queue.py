@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from daemon import keys
 from daemon.embedded_redis import EmbeddedRedis
@@ -148,6 +149,27 @@ async def test_claim_many_takes_reclaimed_then_stream_order_across_queues(
     assert {x.worker for x in rest} == {"w2"}
     assert (await queue.get(dropped)).state is JobState.CANCELLED
     assert await queue.claim_many("w2", ["default", "low"], 10) == []
+
+
+async def test_claim_many_keeps_what_it_claimed_when_a_later_queue_fails(
+    queue: JobQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, _ = await queue.enqueue(spec(queue="first"))
+    await queue.enqueue(spec(queue="second"))
+    call, calls = queue._call, [0]
+
+    async def second_call_fails(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RedisConnectionError("connection lost")
+        return await call(*args)
+
+    monkeypatch.setattr(queue, "_call", second_call_fails)
+    got = await queue.claim_many("w1", ["first", "second"], 2)
+    assert [lease.job_id for lease in got] == [first]  # handed out, not stranded as running
+    calls[0] = 1
+    with pytest.raises(RedisConnectionError):  # nothing claimed: the caller hears of it
+        await queue.claim_many("w1", ["second"], 1)
 
 
 async def test_claim_many_counts_out_the_gpus_of_what_it_claims(queue: JobQueue) -> None:

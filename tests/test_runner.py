@@ -47,7 +47,7 @@ async def test_environment_directory_and_outcome(queue: JobQueue, tmp_path: Path
     assert env["KEEP"] == "1"
     assert "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD" not in env  # the worker's settings stay its own
     scratch = out.read_text().splitlines()[-1]
-    assert scratch == str(tmp_path / "data" / "slots" / "0" / "work")  # the slot's scratch directory
+    assert scratch == str(tmp_path / "data" / "slot" / "work")  # the slot's scratch directory
     assert not Path(scratch).exists() or not any(Path(scratch).iterdir())  # emptied after the attempt
 
     assert result.ending is Ending.EXITED

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from daemon.spawn import start
-from tests.workers import alive
 
 
 def open_fds() -> int:
@@ -40,7 +39,21 @@ async def test_a_signal_is_a_negative_status_and_wait_survives_a_cancelled_waite
     os.killpg(child.pid, signal.SIGKILL)
     assert await asyncio.wait_for(child.wait(), 10) == -signal.SIGKILL
     child.close()
-    assert not alive(child.pid)  # reaped: no zombie left behind
+    with pytest.raises(ChildProcessError):  # reaped: no zombie left behind
+        os.waitpid(child.pid, os.WNOHANG)
+
+
+async def test_without_pidfds_a_thread_waits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(pid: int) -> int:
+        raise PermissionError(1, "pidfd_open refused by a seccomp filter")
+
+    monkeypatch.setattr(os, "pidfd_open", refused)
+    child = await start(["sh", "-c", "echo hi; exit 7"], cwd=tmp_path, env={"PATH": os.environ["PATH"]})
+    assert await child.stdout.read() == b"hi\n"
+    assert await asyncio.wait_for(child.wait(), 10) == 7
+    child.close()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child.pid, os.WNOHANG)
 
 
 async def test_a_program_that_cannot_start_raises_oserror_and_leaks_nothing(tmp_path: Path) -> None:

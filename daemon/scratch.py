@@ -1,0 +1,107 @@
+"""Scratch directories: each slot of a worker has one (`work`, a job's default cwd, and `out`,
+its GPUPOOL_OUTPUT), reset before each job and emptied after it.
+
+Reusing a slot's directories saves creating and removing two directories per job (a measurable
+share of a short job on overlay filesystems); the reset makes that safe: a job always starts in
+empty, real directories whatever the last one left (files, read-only trees, a symlink in place of
+a directory). The directories live under `slots/WORKER-ID/N` in the worker's data directory, so
+two workers sharing a data directory (the server's local slots and a `poold --worker`) never share
+a slot. A worker holds `slots/WORKER-ID.lock` (flock) while it runs; at start it removes the
+directories of workers whose lock nobody holds any more (they died or stopped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import stat
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def needs_reset(path: Path) -> bool:
+    """Whether `path` is anything but an empty directory or nothing (one lstat, one read)."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        return True
+    with os.scandir(path) as entries:
+        return next(entries, None) is not None
+
+
+def remove(path: Path) -> None:
+    """Remove `path` whatever it is, read-only trees included; what cannot be removed is moved
+    aside (`NAME.stale-NS`) so that `path` itself is free. Blocking: run it in a thread."""
+
+    def writable_and_retry(func: object, p: str, _exc: object) -> None:
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(p), 0o700)
+            if not os.path.islink(p) and os.path.isdir(p):
+                os.chmod(p, 0o700)
+            func(p)  # type: ignore[operator]
+
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path, onerror=writable_and_retry)
+    if os.path.lexists(path):
+        with contextlib.suppress(OSError):
+            path.rename(path.with_name(f"{path.name}.stale-{time.time_ns()}"))
+
+
+class SlotDirs:
+    """This worker's part of `root` (`data_dir/slots`): `open()` at start, `close()` at the end."""
+
+    def __init__(self, root: Path, worker_id: str) -> None:
+        self.root = root
+        self.dir = root / worker_id
+        self._lock: int | None = None
+
+    def slot(self, n: int) -> Path:
+        return self.dir / str(n)
+
+    def open(self) -> None:
+        """Take this worker's lock, then remove what dead workers left. Blocking (a thread)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with _locked(self.root / ".lock", blocking=True):  # one worker at a time does this
+            self._lock = os.open(self.root / f"{self.dir.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            for entry in list(self.root.iterdir()):
+                if entry.name.startswith(".") or entry.suffix == ".lock" or entry == self.dir:
+                    continue
+                lock = entry.with_name(entry.name + ".lock")
+                if lock.exists():
+                    with _locked(lock, blocking=False) as free:
+                        if not free:
+                            continue  # a live worker's
+                        remove(entry)
+                        lock.unlink(missing_ok=True)
+                else:
+                    remove(entry)  # no lock: left by a worker of an older layout, or moved aside
+
+    def close(self) -> None:
+        """Remove this worker's directories and give its lock up. Blocking (a thread)."""
+        remove(self.dir)
+        if self._lock is not None:
+            (self.root / f"{self.dir.name}.lock").unlink(missing_ok=True)
+            os.close(self._lock)
+            self._lock = None
+
+
+@contextlib.contextmanager
+def _locked(path: Path, *, blocking: bool) -> Iterator[bool]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
