@@ -23,6 +23,35 @@ from pathlib import Path
 from daemon.embedded_redis import free_port
 
 
+class PortTaken(RuntimeError):
+    """weed found one of its ports taken."""
+
+
+GRPC_OFFSET = 10_000  # weed serves gRPC on each service's port + 10 000, and checks none collide
+
+
+def weed_ports(n: int) -> list[int]:
+    """`n` ports for weed's services such that each port and port + GRPC_OFFSET are free and no
+    port is another's gRPC port (weed refuses to start otherwise: "reserved for gRPC")."""
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port()
+        grpc = p + GRPC_OFFSET
+        taken = {q for port in ports for q in (port, port + GRPC_OFFSET)}
+        if grpc <= 65535 and p not in taken and grpc not in taken and _bindable(grpc):
+            ports.append(p)
+    return ports
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def weed_binary() -> str:
     here = Path(sys.executable).parent / "weed"
     found = str(here) if here.exists() else shutil.which("weed")
@@ -44,7 +73,20 @@ class S3Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60.0) -> None:
-        ports = [free_port() for _ in range(5)]
+        """Start weed; again on fresh ports if one it was given was taken meanwhile (a race with
+        any other process on the machine), up to three times."""
+        for attempt in range(3):
+            try:
+                self._start(timeout)
+                return
+            except PortTaken:
+                self._proc = None
+                self._log.close()
+                if attempt == 2:
+                    raise
+
+    def _start(self, timeout: float) -> None:
+        ports = weed_ports(5)
         self.port = ports[0]
         env = dict(os.environ, AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key)
         self._log = open(self.dir / "weed.log", "wb")  # noqa: SIM115 - closed in stop()
@@ -73,7 +115,13 @@ class S3Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {self._proc.returncode}; see {self.dir / 'weed.log'}")
+                self._log.flush()
+                why = (
+                    PortTaken
+                    if b"Port allocation failed" in (self.dir / "weed.log").read_bytes()
+                    else RuntimeError
+                )
+                raise why(f"weed exited with {self._proc.returncode}; see {self.dir / 'weed.log'}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
                     pass
