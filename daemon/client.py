@@ -24,6 +24,7 @@ from protocol import (
     ConnectionFailed,
     ErrorCode,
     GoodbyeReceived,
+    LocalProtocolError,
     PongReceived,
     Reply,
     ReplyReceived,
@@ -163,7 +164,15 @@ class PoolClient:
             raise self._closed
         assert self._writer is not None
         async with self._slots:
-            rid, data = self.conn.request(request)
+            try:
+                rid, data = self.conn.request(request)
+            except LocalProtocolError as exc:
+                if exc.code is not ErrorCode.SHUTTING_DOWN:
+                    raise
+                # The server said goodbye (it is restarting or stopping) before this request left.
+                raise ServerUnreachable(
+                    f"the server at {self.address} is closing this connection; connect again"
+                ) from None
             q: asyncio.Queue[_Item] = asyncio.Queue()
             self._pending[rid] = q
             self._writer.write(data)

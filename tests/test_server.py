@@ -172,3 +172,22 @@ async def test_a_second_server_on_a_taken_port_says_so(pool: Pool) -> None:
         f"cannot listen on {pool.address}: address already in use (is a pool already running here?); "
         "choose another address with --listen HOST:PORT"
     )
+
+
+async def test_a_request_after_the_servers_goodbye_is_a_clear_client_error(pool: Pool) -> None:
+    # A request in flight keeps the stopping server's connection open (the drain): the client has
+    # heard GOODBYE but is still connected, and a new request must say so, not raise a protocol bug.
+    async with pool.client() as c:
+        queued = await c.call(Enqueue(job("sleep", "300"), None), Enqueued)
+        waiting = asyncio.ensure_future(c.call(WaitJobs([queued.job_id], None), Waited))
+        await asyncio.sleep(0.1)
+        assert pool.server.listener is not None
+        stopping = asyncio.ensure_future(pool.server.listener.stop(grace=5))
+        for _ in range(200):  # bounded: until the GOODBYE has arrived
+            if c.conn.state.name == "CLOSING":
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(ClientError, match="closing this connection; connect again"):
+            await c.call(Ping(), Pong)
+        waiting.cancel()
+        await asyncio.gather(waiting, stopping, return_exceptions=True)
