@@ -30,8 +30,11 @@ async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
 class TaskSet:
     """Background tasks spawned into a set, logged if they die, cancelled and awaited on stop."""
 
-    def __init__(self) -> None:
+    def __init__(self, died: str = "background task %s died", level: int = logging.ERROR) -> None:
+        """`died` (with the task's name for %s) is logged at `level` when a task fails."""
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._died = died
+        self._level = level
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -42,7 +45,7 @@ class TaskSet:
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
-            log.error("background task %s died: %r", task.get_name(), exc, exc_info=exc)
+            log.log(self._level, self._died + ": %r", task.get_name(), exc, exc_info=exc)
 
     async def stop(self) -> None:
         """Cancel every task and wait until all have ended (see `cancel_and_wait`)."""

@@ -72,7 +72,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -156,7 +156,7 @@ class EmbeddedRedis:
         binary_version(binary)
         if not self.port:
             recorded = self._recorded().get("port")
-            self.port = recorded if isinstance(recorded, int) and _port_free(recorded) else free_port()
+            self.port = recorded if isinstance(recorded, int) and port_free(recorded) else free_port()
         conf = self.dir / "redis.conf"
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -57,6 +57,14 @@ def _seconds(ms: bytes | None) -> float | None:
     return int(ms) / 1000 if ms else None
 
 
+def _raise_if_stale(lease: Lease, reply: Sequence[Any]) -> None:
+    """A fenced script's `{'stale', state, attempt}` answer: the attempt is no longer current."""
+    if reply[0] == b"stale":
+        raise StaleAttempt(
+            lease.job_id, lease.attempt, f"the job is {_s(reply[1])} at attempt {_s(reply[2])}"
+        )
+
+
 def job_queue_of(job_id: str) -> str:
     """The queue of a job id, or InvalidJob naming the id (ids come from users)."""
     try:
@@ -250,10 +258,7 @@ class JobQueue:
                 self.retention,
             ],
         )
-        if reply[0] == b"stale":
-            raise StaleAttempt(
-                lease.job_id, lease.attempt, f"the job is {_s(reply[1])} at attempt {_s(reply[2])}"
-            )
+        _raise_if_stale(lease, reply)
         return JobState.QUEUED if reply[0] == b"retry" else outcome.state
 
     async def release(self, lease: Lease) -> JobState:
@@ -274,10 +279,7 @@ class JobQueue:
                 self.retention,
             ],
         )
-        if reply[0] == b"stale":
-            raise StaleAttempt(
-                lease.job_id, lease.attempt, f"the job is {_s(reply[1])} at attempt {_s(reply[2])}"
-            )
+        _raise_if_stale(lease, reply)
         return JobState(_s(reply[0]))
 
     async def cancel(self, job_id: str) -> str:

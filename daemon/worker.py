@@ -24,8 +24,9 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -113,7 +114,8 @@ class Worker:
         self._slot_of: dict[tuple[str, int], int] = {}
         self._leases: dict[str, Lease] = {}  # job id -> newest lease, renewed until its end is recorded
         self._tasks: set[asyncio.Task[None]] = set()  # one per attempt
-        self._background: set[asyncio.Task[None]] = set()  # heartbeat, dispatcher
+        # heartbeat, cancel nudges, dispatcher, quarantine checks
+        self._background = TaskSet("%s failed: the worker no longer works as it should", logging.CRITICAL)
         self._dispatcher: asyncio.Task[None] | None = None
         self._slot_freed = asyncio.Event()
         self._wake = asyncio.Event()  # GPUs came back, or the drain began: claim again
@@ -177,17 +179,9 @@ class Worker:
             f"{len(gpus)} GPUs ({self.allocator.share} per slot)" if gpus else "CPU only",
         )
 
-    def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
-        task = asyncio.ensure_future(coro)
-        task.set_name(f"{name} {self.id}")
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = self._background.spawn(coro, f"{name} {self.id}")
         return task
-
-    def _background_done(self, task: asyncio.Task[None]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.critical("%s failed: the worker no longer works as it should", task.get_name(), exc_info=exc)
 
     async def stop(self, drain_timeout: float | None = None) -> None:
         """Phase 1: stop claiming, let running jobs finish for up to `drain_timeout` seconds (the
@@ -254,8 +248,7 @@ class Worker:
             await asyncio.wait(set(self._tasks))
 
     async def _shutdown(self) -> None:
-        for task in list(self._background):
-            await cancel_and_wait(task)
+        await self._background.stop()
         try:
             await registry.unregister(self.queue.redis, self.id)
         except RedisError as exc:

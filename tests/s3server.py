@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from daemon.embedded_redis import free_port
+from daemon.embedded_redis import free_port, port_free
 
 
 class PortTaken(RuntimeError):
@@ -38,18 +38,9 @@ def weed_ports(n: int) -> list[int]:
         p = free_port()
         grpc = p + GRPC_OFFSET
         taken = {q for port in ports for q in (port, port + GRPC_OFFSET)}
-        if grpc <= 65535 and p not in taken and grpc not in taken and _bindable(grpc):
+        if grpc <= 65535 and p not in taken and grpc not in taken and port_free(grpc):
             ports.append(p)
     return ports
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def weed_binary() -> str:
