@@ -253,13 +253,15 @@ async def test_renew_after_reclaim_answers_lost_and_does_not_take_the_lease_back
 
 
 async def test_renewed_lease_is_never_reclaimed_but_a_silent_one_is(redis: Redis) -> None:
-    queue = JobQueue(redis, lease_seconds=0.3)
+    # Leases of 2 s renewed every ~50 ms: the renewals keep a margin of seconds, so a loaded
+    # machine stalling this loop for a while does not let the living lease lapse.
+    queue = JobQueue(redis, lease_seconds=2.0)
     await queue.enqueue(spec(1))
     await queue.enqueue(spec(2))
     alive = await claim(queue, "alive")
     silent = await claim(queue, "silent")
     reclaimed: list[tuple[str, JobState]] = []
-    deadline = time.monotonic() + 1.5  # five lease lengths
+    deadline = time.monotonic() + 2.6  # past the silent lease's deadline
     while time.monotonic() < deadline:
         assert (await queue.renew("alive", [alive]))[alive.job_id] is RenewStatus.OK
         reclaimed += await queue.reclaim()
