@@ -21,10 +21,12 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import redis as redis_sync
 from redis.asyncio import Redis
 
+from daemon import redis_conn
 from daemon.errors import GpupoolError
 
 log = logging.getLogger(__name__)
@@ -132,8 +134,9 @@ class EmbeddedRedis:
                 f.write(secrets.token_urlsafe(32))
         return path.read_text().strip()
 
-    def client(self, **kwargs: object) -> Redis:
-        return Redis(host=self.host, port=self.port, password=self.password, **kwargs)  # type: ignore[arg-type]
+    def client(self, **kwargs: Any) -> Redis:
+        """A client of this server, with the pool's timeouts and retries (redis_conn.connect)."""
+        return redis_conn.connect(self.host, self.port, password=self.password, **kwargs)
 
     def start(self, timeout: float = 60.0) -> None:
         """Adopt the redis-server this directory's last owner left running, or start one; return once

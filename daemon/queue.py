@@ -23,6 +23,7 @@ from redis.exceptions import RedisError, ResponseError
 from daemon import keys
 from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
 from daemon.job import Attempt, JobInfo, JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id
+from daemon.redis_conn import block_limit
 from daemon.scripts import Pipeliner, ScriptBatch, Scripts
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,9 @@ Entries = list[tuple[bytes, dict[bytes, bytes]]]
 async def xread(
     redis: Redis, streams: dict[str, str], *, block: float, count: int | None = None
 ) -> list[tuple[str, Entries]]:
-    """XREAD BLOCK with the reply typed: [(stream name, [(entry id, fields)])]; [] on timeout."""
+    """XREAD BLOCK with the reply typed: [(stream name, [(entry id, fields)])]; [] on timeout. It
+    blocks for at most `redis_conn.block_limit`, however long `block` asks: callers loop anyway."""
+    block = min(block, block_limit(redis))
     got = await redis.xread(streams, count=count, block=max(1, round(block * 1000)))  # type: ignore[arg-type]
     return [(_s(name), entries) for name, entries in cast(list[tuple[bytes, Entries]], got or [])]
 

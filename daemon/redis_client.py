@@ -8,6 +8,7 @@ import logging
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from daemon import redis_conn
 from daemon.config import Config
 from daemon.embedded_redis import EmbeddedRedis
 from daemon.errors import RedisUnavailable
@@ -22,6 +23,7 @@ class PoolRedis:
         self.config = config
         self.embedded: EmbeddedRedis | None = None
         self.client: Redis | None = None
+        self.watch = redis_conn.RunIdWatch()  # which redis-server answers (a restart changes it)
 
     @property
     def address(self) -> str:
@@ -34,14 +36,15 @@ class PoolRedis:
         if c.embedded:
             self.embedded = EmbeddedRedis(c.data_path(), appendfsync=c.redis_appendfsync)
             await asyncio.to_thread(self.embedded.start)
-            self.client = self.embedded.client()
+            self.client = self.embedded.client(watch=self.watch)
         else:
-            self.client = Redis(
-                host=c.redis_ip,
-                port=c.redis_port,
+            self.client = redis_conn.connect(
+                c.redis_ip,
+                c.redis_port,
                 db=c.redis_db,
                 username=c.redis_username or None,
                 password=c.main_server_redis_password or None,
+                watch=self.watch,
             )
         try:
             await self.client.ping()

@@ -282,6 +282,7 @@ class Worker:
                     self.allocator.free_count(),
                     self.allocator.share,
                 )
+                backoff = 0.1  # Redis answered: the next failure starts the back-off afresh
                 if not leases:
                     await self._wait_for_work()
                     continue
@@ -293,7 +294,6 @@ class Worker:
                         await self._wake.wait()
                 backoff = min(backoff * 2, 5.0)
                 continue
-            backoff = 0.1
             if self.draining():  # the drain began during the claim: the jobs go back first
                 for lease in leases:  # renewed by the heartbeat until each is given back
                     self._leases[lease.job_id] = lease
