@@ -42,6 +42,14 @@ class TaskSet:
         task.add_done_callback(self._done)
         return task
 
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    @property
+    def tasks(self) -> frozenset[asyncio.Task[Any]]:
+        """The tasks running now (a copy: to wait for)."""
+        return frozenset(self._tasks)
+
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:

@@ -145,6 +145,20 @@ OPTIONS: tuple[Option, ...] = (
         lo=0,
     ),
     Option("job_retention", float, 7 * 24 * 3600.0, "seconds finished jobs are kept", lo=60),
+    Option(
+        "job_log_max_bytes",
+        int,
+        16 * 2**20,
+        "bytes of output a job's log keeps: its first quarter, then the newest (a line marks the gap)",
+        lo=64 * 1024,
+    ),
+    Option(
+        "dead_worker_retention",
+        float,
+        24 * 3600.0,
+        "seconds a worker that stopped beating (crashed) stays listed, as dead, before it is forgotten",
+        lo=60,
+    ),
     Option("queues", list, ["default"], "queues a worker serves, in priority order"),
     Option(
         "data_dir",
@@ -213,6 +227,8 @@ class Config:
     drain_timeout: float
     kill_grace: float
     job_retention: float
+    job_log_max_bytes: int
+    dead_worker_retention: float
     queues: list[str]
     data_dir: str
     listen: str

@@ -152,7 +152,7 @@ class Handlers:
 
     async def _enqueue(self, spec: dict[str, Any], key: str | None, user: str) -> Enqueued:
         job_spec = _spec(spec, user)
-        job_id, created = await self.queue.enqueue(job_spec, None if key is None else f"{user}:{key}")
+        job_id, created = await self.queue.enqueue(job_spec, key)
         if created and self.metrics is not None:
             self.metrics.job_enqueued(job_spec.queue)
         return Enqueued(job_id, created)

@@ -2,20 +2,21 @@
 
 Every `interval` seconds the worker sends one pipelined batch (scripts.ScriptBatch): heartbeat.lua
 (its registration and last-seen time, by Redis's clock) and one renew.lua call per queue in which
-it runs jobs, each renewal fenced by the attempt number. The cost does not grow with the number of
-running jobs beyond one script call per queue. The answers decide each running attempt's fate:
+it runs jobs, each renewal fenced by the lease. The cost does not grow with the number of running
+jobs beyond one script call per queue. The answers, keyed by lease id, decide each attempt's fate:
 
-- OK: the lease is extended by the lease length, from Redis's clock;
+- OK: the lease is extended by the lease length, from Redis's clock; the worker moves the
+  attempt's self-fence deadline to the time this beat was *sent* plus the lease, less `margin`
+  (held.py says why the send time);
 - LOST: the lease was reclaimed (this worker was presumed dead) or the job ended: the target kills
   the attempt's process group at once and records nothing, since the attempt is not its own any more;
 - CANCEL: the user cancelled: the target stops the job and records it as cancelled.
 
-Self-fencing. A lease outlives its last renewal by the lease length, measured from the moment
-Redis ran the renewal, which is after the worker sent it. So when renewals keep failing (Redis
-unreachable, a network split), the worker's leases cannot have expired before `lease` seconds have
-passed since the last successful renewal was *sent*, by the worker's monotonic clock. At that point
-minus a margin (one interval), the worker kills all its jobs on its own, before the reaper can hand
-them to another worker: one live execution at a time holds through a partition.
+A beat that fails moves no deadline, so an attempt whose renewals keep failing (Redis unreachable,
+a network split, Redis at its memory limit) dies at its own deadline, before the reaper can hand
+it to another worker: one live execution at a time holds through all of these. `healthy` is set
+while beats succeed: a worker claims nothing while it is clear, since it could not renew what it
+claimed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
+from daemon.held import boottime
 from daemon.job import Lease, RenewStatus
 from daemon.queue import JobQueue
 from daemon.registry import Registration, add_heartbeat
@@ -43,9 +45,8 @@ class HeartbeatTarget(Protocol):
 
     def leases(self) -> Sequence[Lease]: ...
 
-    def renewed(self, statuses: Mapping[str, RenewStatus]) -> None: ...
-
-    def fence(self, reason: str) -> None: ...
+    def renewed(self, statuses: Mapping[str, RenewStatus], until: float) -> None:
+        """The answers of one beat by lease id; the OK ones hold until `until` (boottime)."""
 
 
 class Heartbeat:
@@ -58,8 +59,8 @@ class Heartbeat:
         self.lease = queue.lease_ms / 1000
         self.margin = min(interval, self.lease / 3)
         self.round_trip = 0.0  # seconds the last successful heartbeat took
+        self.healthy = asyncio.Event()  # set while beats succeed
         self._failing_since: float | None = None
-        self._fence_timer: asyncio.TimerHandle | None = None
         self._poked = asyncio.Event()
         # Told each beat's round trip (seconds), or None for a failed beat: the worker's metrics.
         self.observer: Callable[[float | None], None] | None = None
@@ -86,7 +87,7 @@ class Heartbeat:
 
     async def beat(self) -> dict[str, RenewStatus]:
         """Refresh the registration and renew every lease in one round trip; the renewals'
-        answers by job id. Raises RedisError (or TimeoutError) when Redis does not answer."""
+        answers by lease id. Raises RedisError (or TimeoutError) when Redis does not answer."""
         registration = self.target.registration()
         batch = ScriptBatch(self.queue.redis)
         add_heartbeat(batch, self.queue.scripts, registration)
@@ -97,58 +98,42 @@ class Heartbeat:
         """One heartbeat, its answers handed to the target, failures logged (once per outage).
         True when Redis answered."""
         loop = asyncio.get_running_loop()
-        sent = loop.time()
+        started, sent = loop.time(), boottime()
         try:
             # A beat that hangs (a half-open connection) counts as failed, and the next one retries.
             async with asyncio.timeout(max(self.interval, 1.0)):
                 statuses = await self.beat()
         except (RedisError, TimeoutError, OSError) as exc:
+            self.healthy.clear()
             if self.observer is not None:
                 self.observer(None)
             if self._failing_since is None:
-                self._failing_since = sent
+                self._failing_since = started
                 log.warning(
-                    "heartbeat failed (%s); jobs are killed if Redis stays unreachable for %.1f s",
+                    "heartbeat failed (%s); no new jobs until it works, and running ones are killed if "
+                    "their leases go %.1f s without a renewal",
                     str(exc) or type(exc).__name__,
                     self.lease - self.margin,
                 )
             return False
-        self.round_trip = loop.time() - sent
+        self.round_trip = loop.time() - started
         if self.observer is not None:
             self.observer(self.round_trip)
         if self._failing_since is not None:
-            log.info("heartbeat: Redis answers again after %.1f s", sent - self._failing_since)
+            log.info("heartbeat: Redis answers again after %.1f s", started - self._failing_since)
             self._failing_since = None
-        self._arm_fence(sent)
-        self.target.renewed(statuses)
+        self.target.renewed(statuses, sent + self.lease - self.margin)
+        self.healthy.set()
         return True
 
-    def _arm_fence(self, sent: float) -> None:
-        """(Re)schedule the self-fence for `lease - margin` after the last good renewal's send."""
-        if self._fence_timer is not None:
-            self._fence_timer.cancel()
-        loop = asyncio.get_running_loop()
-        self._fence_timer = loop.call_at(sent + self.lease - self.margin, self._fence)
-
-    def _fence(self) -> None:
-        self._fence_timer = None
-        self.target.fence(
-            f"no lease renewal for {self.lease - self.margin:.1f} s (Redis unreachable): the leases "
-            "may pass to another worker"
-        )
-
     async def run(self) -> None:
-        """Beat every `interval` seconds (measured from each beat's start) until cancelled."""
+        """Beat every `interval` seconds (measured from each beat's start) until cancelled; at once
+        when poked."""
         loop = asyncio.get_running_loop()
-        try:
-            while True:
-                started = loop.time()
-                self._poked.clear()
-                await self.beat_and_apply()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(max(0.0, started + self.interval - loop.time())):
-                        await self._poked.wait()
-        finally:
-            if self._fence_timer is not None:
-                self._fence_timer.cancel()
-                self._fence_timer = None
+        while True:
+            started = loop.time()
+            self._poked.clear()
+            await self.beat_and_apply()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, started + self.interval - loop.time())):
+                    await self._poked.wait()

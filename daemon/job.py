@@ -231,13 +231,16 @@ def _opt_positive(data: Mapping[str, Any], name: str) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """A worker's right to run one attempt of a job. `attempt` is the fencing token: every write the
-    worker makes for this job carries it and is refused once it is no longer the current attempt."""
+    """A worker's right to run one attempt of a job. `id` is the fencing token: every write the
+    worker makes for this attempt carries it (with `attempt`) and is refused once it is no longer
+    the job's current lease. Unlike the attempt number, a lease id never repeats, not even when
+    Redis loses its last writes and a claim it forgot is made again: `WORKER/REQUEST.INDEX`."""
 
     job_id: str
     attempt: int
     worker: str
     spec: JobSpec
+    id: str
 
     @property
     def queue(self) -> str:

@@ -18,9 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from daemon.errors import GpupoolError
 from daemon.job import JobSpec, Lease
@@ -91,14 +93,29 @@ def _files(root: Path) -> list[tuple[str, Path]]:
     return out
 
 
-async def full_log(queue: JobQueue, job_id: str) -> bytes:
-    """The job's whole log as stored (every attempt's output, in order)."""
-    parts: list[bytes] = []
+async def log_pages(queue: JobQueue, job_id: str) -> AsyncIterator[bytes]:
+    """The job's log as stored (every attempt's output, in order), a page of entries at a time:
+    never more of it in memory than one page (LOG_PAGE chunks of at most 64 KiB)."""
     after = "0-0"
     while chunks := await queue.read_log(job_id, after, count=LOG_PAGE):
-        parts.extend(data for _, data in chunks)
+        yield b"".join(data for _, data in chunks)
         after = chunks[-1][0]
-    return b"".join(parts)
+
+
+async def _upload_log(store: ObjectStore, queue: JobQueue, job_id: str, key: str) -> dict[str, Any] | None:
+    """Stream the job's log to `key`; its description, or None when it is empty."""
+    pages = log_pages(queue, job_id)
+    first = await anext(pages, b"")
+    if not first:
+        return None
+
+    async def everything() -> AsyncIterator[bytes]:
+        yield first
+        async for page in pages:
+            yield page
+
+    info = await store.put_stream(key, everything())
+    return {"size": info.size, "key": info.key, "sha256": info.sha256}
 
 
 async def upload_artifacts(
@@ -120,10 +137,11 @@ async def upload_artifacts(
         artifacts.append({"name": name, "size": info.size, "key": info.key, "sha256": info.sha256})
     result: dict[str, Any] = {"artifacts": artifacts}
     try:
-        if (logged or lease.attempt > 1) and (text := await full_log(queue, lease.job_id)):
-            info = await store.put_bytes(prefix + "log", text)
-            result["log"] = {"size": info.size, "key": info.key, "sha256": info.sha256}
-    except StorageError as exc:
+        if (logged or lease.attempt > 1) and (
+            described := await _upload_log(store, queue, lease.job_id, prefix + "log")
+        ):
+            result["log"] = described
+    except (StorageError, RedisError) as exc:  # the outcome matters more than its log's copy
         errors.append(f"log: {exc}")
     if errors:
         result["artifact_errors"] = errors

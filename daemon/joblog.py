@@ -44,6 +44,8 @@ class JobOutput:
         self.on_refused = on_refused
         self.closed = False  # no more sending: the attempt is not this worker's any more
         self._buf = bytearray()
+        self._calls = 0  # append_log calls numbered (log.lua writes a call that comes twice once)
+        self._unsent: tuple[int, list[bytes]] | None = None  # a numbered call not yet answered
         self._tail = bytearray()
         self._due = 0.0
         self._retry_at = 0.0
@@ -69,13 +71,16 @@ class JobOutput:
             del self._buf[:cut]
             self._dropped += cut
 
+    def _pending(self) -> bool:
+        return bool(self._buf) or self._unsent is not None
+
     async def pump(self, reader: asyncio.StreamReader) -> None:
         """Read the job's output until end of file, sending it as it comes."""
         eof = False
-        while not eof or self._buf:
+        while not eof or self._pending():
             now = time.monotonic()
             wait: float | None = None
-            if self._buf:
+            if self._pending():
                 ready = max(self._retry_at, now if len(self._buf) >= CHUNK else self._due)
                 if eof or ready <= now:
                     await asyncio.sleep(max(0.0, self._retry_at - now))
@@ -95,9 +100,11 @@ class JobOutput:
             del self._tail[:-TAIL_BYTES]
 
     async def flush(self) -> None:
-        """Send what is buffered (one script call per 16 chunks); keep it if Redis is down."""
+        """Send what is buffered (one script call per 16 chunks); keep it if Redis is down. A call
+        that got no answer is sent again as it was, with its number, before anything newer."""
         if self.closed:
             self._buf.clear()
+            self._unsent = None
             return
         if self._dropped:
             self._buf[:0] = (
@@ -105,15 +112,19 @@ class JobOutput:
             )
             self._dropped = 0
         try:
-            while self._buf:
-                batch = bytes(self._buf[: CHUNKS_PER_CALL * CHUNK])
-                await self.queue.append_log(
-                    self.lease, [batch[i : i + CHUNK] for i in range(0, len(batch), CHUNK)]
-                )
-                del self._buf[: len(batch)]
+            while self._pending():
+                if self._unsent is None:
+                    batch = bytes(self._buf[: CHUNKS_PER_CALL * CHUNK])
+                    del self._buf[: len(batch)]
+                    self._calls += 1
+                    self._unsent = (self._calls, [batch[i : i + CHUNK] for i in range(0, len(batch), CHUNK)])
+                number, chunks = self._unsent
+                await self.queue.append_log(self.lease, number, chunks)
+                self._unsent = None
         except StaleAttempt:
             self.closed = True
             self._buf.clear()
+            self._unsent = None
             self.on_refused("its log was refused: the attempt is no longer current")
         except RedisError as exc:
             if not self._down:
@@ -132,11 +143,16 @@ class JobOutput:
         job = self.lease.job_id
         if not done:
             await cancel_and_wait(pump)
-            if self._buf and not self.closed:
-                log.warning("job %s: the last %d bytes of output could not be sent", job, len(self._buf))
-            elif not self._buf:
+            if self._pending() and not self.closed:
+                log.warning(
+                    "job %s: the last %d bytes of output could not be sent", job, self._unsent_bytes()
+                )
+            elif not self._pending():
                 log.warning("job %s: its output pipe is still open; not waiting for it", job)
         elif (exc := pump.exception()) is not None:
             log.error("job %s: reading its output failed", job, exc_info=exc)
-        if self._buf and not self._down:
+        if self._pending() and not self._down:
             await self.flush()
+
+    def _unsent_bytes(self) -> int:
+        return len(self._buf) + (sum(map(len, self._unsent[1])) if self._unsent is not None else 0)

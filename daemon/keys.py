@@ -5,18 +5,29 @@ the Lua scripts that touch them live in one Redis Cluster slot; pool-wide keys c
 A job id is ``QUEUE.SUFFIX``, so the id alone names its queue and therefore all of its keys.
 
 Per queue (``gp:{q:NAME}:…``):
-  stream        Redis Stream of entries ``job=<id>`` in enqueue order (plus ``wake=1`` markers the
-                reaper adds to wake blocked workers); consumer group ``workers``. An entry stays in
-                the group's pending list while its job runs and is deleted when the job ends.
-  retry         ZSET id -> enqueue seq: reclaimed jobs, claimed before any entry of the stream.
+  stream        Redis Stream of entries ``job=<id>`` in enqueue order; consumer group ``workers``. An
+                entry stays in the group's pending list while its job runs and is deleted when the
+                job ends.
+  retry         ZSET id -> enqueue seq: the front of the queue, claimed before any entry of the
+                stream: jobs reclaimed, handed back, retried after a failure, or passed over by
+                a worker too small for them.
+  wake          capped Stream of ``w=1`` entries, one per job put at the front: workers block on it
+                (XREAD) beside the stream, since a ZSET cannot wake them.
   leases        ZSET id -> lease deadline (Redis server time, ms) of every running attempt.
   jobs          ZSET id -> enqueue seq: index of the queue's jobs for listing.
+  ended         ZSET id -> end time (ms) of finished jobs: past retention, a job leaves `jobs` and
+                `ended` as later ones finish, so the index stays the size of the retention window.
+  claims:WORKER the worker's claim memo (its newest request number and the jobs it got), for one
+                lease: a claim sent again after its reply was lost answers the same jobs.
   seq           counter giving each job its enqueue sequence number.
   events        capped Stream of terminal transitions ``job=<id> state=<state>``; `wait` reads it.
   job:ID        HASH: the job record (state, attempt, worker, timestamps, spec, outcome).
   job:ID:attempts  LIST of JSON objects, one per attempt (worker, start, end, how it ended).
-  job:ID:log    capped Stream of the job's output chunks.
-  idem:KEY      the job id an idempotency key was first used for.
+  job:ID:log    Stream of the job's output chunks, bounded in bytes (head and tail kept, log.lua).
+  idem:KEY      the job id an idempotency key (``len(user):user:key``) was first used for; it expires
+                with the job's record, `job_retention` after the job ends.
+  batch:ID      the ids an enqueue_many call gave, for ten minutes, so that the call sent again
+                answers them rather than adding its jobs twice.
 Pool-wide (``gp:{pool}:…``):
   queues        SET of queue names that ever had a job.
   workers       HASH worker id -> registration (msgpack): host, pid, slots, GPUs, queues, state.
@@ -60,6 +71,22 @@ def jobs(queue: str) -> str:
     return queue_prefix(queue) + "jobs"
 
 
+def ended(queue: str) -> str:
+    return queue_prefix(queue) + "ended"
+
+
+def wake(queue: str) -> str:
+    return queue_prefix(queue) + "wake"
+
+
+def claims(queue: str, worker: str) -> str:
+    return queue_prefix(queue) + "claims:" + worker
+
+
+def batch(queue: str, batch_id: str) -> str:
+    return queue_prefix(queue) + "batch:" + batch_id
+
+
 def seq(queue: str) -> str:
     return queue_prefix(queue) + "seq"
 
@@ -80,8 +107,10 @@ def log(job_id: str) -> str:
     return job(job_id) + ":log"
 
 
-def idempotency(queue: str, key: str) -> str:
-    return queue_prefix(queue) + "idem:" + key
+def idempotency(queue: str, user: str, key: str) -> str:
+    """The key of `user`'s idempotency key: the user's name goes first with its length, so no pair
+    of (user, key) can name another's (``a:b`` + ``c`` and ``a`` + ``b:c`` differ)."""
+    return f"{queue_prefix(queue)}idem:{len(user)}:{user}:{key}"
 
 
 POOL_PREFIX = f"{PREFIX}:{{pool}}:"

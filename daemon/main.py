@@ -20,7 +20,7 @@ from daemon import config as config_mod
 from daemon import logs
 from daemon.errors import ConfigError, GpupoolError
 from daemon.server import PoolServer
-from daemon.worker import WorkerDaemon
+from daemon.worker_daemon import WorkerDaemon
 
 log = logging.getLogger("poold")
 

@@ -1,19 +1,30 @@
-"""The orphan guard: a tiny helper process that kills a worker's jobs if the worker dies.
+"""The orphan guard: a tiny helper process that kills a worker's jobs when the worker cannot.
 
-A job's processes would otherwise outlive a killed worker as orphans (a shell's background
-children, a training script's data-loader processes), holding GPUs no one will ever hand out. The
-worker tells the guard each job's process group as the job starts and after its processes are
-gone (`+PGID` / `-PGID` lines on the guard's stdin). When the guard's stdin reaches end of file,
-because the worker exited and the kernel closed its end of the pipe (SIGKILL included), the guard
-SIGKILLs every group still listed, then every process whose environment carries this worker's
-`GPUPOOL_WORKER=ID` (runner.job_env sets it): that covers a job the worker started but died
-before announcing, and descendants that moved to a group of their own. Then it exits. (A kernel
-death signal, PR_SET_PDEATHSIG, would need a preexec_fn and so a full fork of the worker per job:
-see spawn.py.)
+It covers two cases the worker itself cannot.
 
-The guard runs in its own session, so a Ctrl-C or a SIGTERM meant for the worker does not stop it
-first: it leaves when the worker has left, never before. It has no death signal of its own for the
-same reason. The pipe is close-on-exec in the worker, so no job inherits it and keeps it open.
+The worker dies. A job's processes would otherwise outlive a killed worker as orphans (a shell's
+background children, a training script's data-loader processes), holding GPUs no one will ever
+hand out. When the guard's stdin reaches end of file, because the worker exited and the kernel
+closed its end of the pipe (SIGKILL included), the guard SIGKILLs every group still listed, then
+every process whose environment carries this worker's `GPUPOOL_WORKER=ID` (runner.job_env sets
+it): that covers a job the worker started but died before announcing, and descendants that moved
+to a group of their own. Then it exits. (A kernel death signal, PR_SET_PDEATHSIG, would need a
+preexec_fn and so a full fork of the worker per job: see spawn.py.)
+
+The worker is frozen (SIGSTOP, a debugger, a VM paused under it). Its leases then expire in Redis
+and its jobs start elsewhere, while the frozen worker's processes would run on beside them. So the
+guard holds, for each lease, the deadline the worker last knew it good until (held.py: by
+CLOCK_BOOTTIME, which counts suspended time too), and SIGKILLs the lease's process group, and its
+session, once that deadline passes; the worker kills at the same moment when it is alive to. The
+guard wakes at least every CHECK_SECONDS while it holds deadlines, because its waits run on the
+monotonic clock, which stops while the machine is suspended.
+
+The worker speaks in lines on the guard's stdin: `+PGID LEASE` (watch a job's group, run under
+LEASE), `-PGID` (its processes are gone), `d LEASE DEADLINE` (the lease holds until DEADLINE,
+seconds of CLOCK_BOOTTIME), `x LEASE` (the attempt has ended). The guard runs in its own session,
+so a Ctrl-C or a SIGTERM meant for the worker does not stop it first, and a SIGSTOP of the worker
+does not freeze it: it leaves when the worker has left, never before. It has no death signal of its
+own for the same reason. The pipe is close-on-exec in the worker, so no job inherits it.
 """
 
 from __future__ import annotations
@@ -24,27 +35,53 @@ import sys
 
 log = logging.getLogger(__name__)
 
+CHECK_SECONDS = 0.5
+
 GUARD_SOURCE = r"""
-import os, signal, sys
-mark = sys.argv[1].encode()
+import os, select, signal, sys, time
+mark, check = sys.argv[1].encode(), float(sys.argv[2])
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-groups, buf = set(), b""
+groups, deadlines, buf = {}, {}, b""
+
+def kill_group(group):
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+    for name in os.listdir("/proc"):  # what left the group but not the session
+        try:
+            if name.isdigit() and os.getsid(int(name)) == group:
+                os.kill(int(name), signal.SIGKILL)
+        except OSError:
+            pass
+
 while True:
+    now = time.clock_gettime(time.CLOCK_BOOTTIME)
+    for group, lease in list(groups.items()):
+        if deadlines.get(lease, now + 1) <= now:
+            kill_group(group)
+            del groups[group]
+    due = [deadlines[lease] for lease in groups.values() if lease in deadlines]
+    timeout = min(check, max(0.0, min(due) - now)) if due else None
+    if not select.select([0], [], [], timeout)[0]:
+        continue
     data = os.read(0, 4096)
     if not data:
         break
     *lines, buf = (buf + data).split(b"\n")
     for line in lines:
+        word = line.split()
         if line[:1] == b"+":
-            groups.add(int(line[1:]))
+            groups[int(word[0][1:])] = word[1] if len(word) > 1 else b""
         elif line[:1] == b"-":
-            groups.discard(int(line[1:]))
+            groups.pop(int(line[1:]), None)
+        elif line[:1] == b"d":
+            deadlines[word[1]] = float(word[2])
+        elif line[:1] == b"x":
+            deadlines.pop(word[1], None)
 for group in groups:
-    try:
-        os.killpg(group, signal.SIGKILL)
-    except OSError:
-        pass
+    kill_group(group)
 for _ in range(3):  # again, for any that forked while the last pass ran
     marked = 0
     for name in os.listdir("/proc"):
@@ -64,7 +101,8 @@ for _ in range(3):  # again, for any that forked while the last pass ran
 
 
 class OrphanGuard:
-    """The worker's side of the guard. `start()` once, `watch`/`forget` per job, `stop()` at the end.
+    """The worker's side of the guard. `start()` once; `hold`/`drop` per lease, `watch`/`forget` per
+    job's process group; `stop()` at the end.
     `mark` is the environment entry every job of this worker carries (`GPUPOOL_WORKER=ID`)."""
 
     def __init__(self, mark: str) -> None:
@@ -79,18 +117,28 @@ class OrphanGuard:
             "-c",
             GUARD_SOURCE,
             self.mark,
+            str(CHECK_SECONDS),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.DEVNULL,
             start_new_session=True,
         )
 
-    def watch(self, pgid: int) -> None:
-        """Kill process group `pgid` if the worker dies before `forget(pgid)`."""
-        self._send(f"+{pgid}\n")
+    def watch(self, pgid: int, lease: str = "") -> None:
+        """Kill process group `pgid` if the worker dies before `forget(pgid)`, or once the deadline
+        of `lease` (see `hold`) passes."""
+        self._send(f"+{pgid} {lease}\n")
 
     def forget(self, pgid: int) -> None:
         """The group's processes are gone: the id may be reused by someone else's group."""
         self._send(f"-{pgid}\n")
+
+    def hold(self, lease: str, deadline: float) -> None:
+        """`lease` holds until `deadline` (CLOCK_BOOTTIME seconds); its group dies then."""
+        self._send(f"d {lease} {deadline:.3f}\n")
+
+    def drop(self, lease: str) -> None:
+        """The attempt of `lease` has ended: no deadline to keep for it."""
+        self._send(f"x {lease}\n")
 
     def _send(self, line: str) -> None:
         if self._proc is None or self._proc.stdin is None or self._broken:

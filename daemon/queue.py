@@ -11,7 +11,9 @@ blocks (XREAD BLOCK) until an entry newer than the cursors is added to one of th
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import secrets
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
@@ -21,9 +23,10 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from daemon import keys
+from daemon.config import Config
 from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
 from daemon.job import Attempt, JobInfo, JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id
-from daemon.redis_conn import block_limit
+from daemon.redis_conn import RunIdWatch, block_limit
 from daemon.scripts import Pipeliner, ScriptBatch, Scripts
 
 log = logging.getLogger(__name__)
@@ -32,7 +35,8 @@ DEFAULT_RETENTION = 7 * 24 * 3600
 RECLAIM_BATCH = 500
 ENQUEUE_CHUNK = 100  # jobs per enqueue_many script call: a few ms of Redis time at most
 MAX_IDEMPOTENCY_KEY = 200
-LOG_CAP = 5000  # log stream entries kept per job; a worker sends chunks of up to 64 KiB
+DEFAULT_LOG_MAX_BYTES = 16 * 2**20  # per job: the first quarter is kept for good, then the newest
+LOG_GAP = "[gpupool] {} bytes of output dropped here: a log keeps its first {} and its last {}\n"
 
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
@@ -60,6 +64,18 @@ def _seconds(ms: bytes | None) -> float | None:
     return int(ms) / 1000 if ms else None
 
 
+def unanswered(exc: BaseException) -> bool:
+    """Whether a failed call may have run in Redis with only its reply lost: a broken connection, a
+    timeout or a cancellation may hide a run; an error Redis answered with (ResponseError, such
+    as a refusal at maxmemory) means the call had no effect."""
+    return not isinstance(exc, ResponseError)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Redis refused a write at its maxmemory (directly, or inside a script)."""
+    return isinstance(exc, ResponseError) and "OOM" in str(exc)
+
+
 def _raise_if_stale(lease: Lease, reply: Sequence[Any]) -> None:
     """A fenced script's `{'stale', state, attempt}` answer: the attempt is no longer current."""
     if reply[0] == b"stale":
@@ -85,31 +101,52 @@ class JobQueue:
         *,
         lease_seconds: float = 300.0,
         retention_seconds: int = DEFAULT_RETENTION,
+        log_max_bytes: int = DEFAULT_LOG_MAX_BYTES,
+        watch: RunIdWatch | None = None,
     ) -> None:
+        """`watch` is the run-id watch of `redis`'s connections (redis_conn.connect), for whoever
+        holds leases through this queue to see when Redis restarts."""
         self.redis = redis
+        self.watch = watch
         self.lease_ms = max(1, round(lease_seconds * 1000))
         self.retention = retention_seconds
+        self.log_head = log_max_bytes // 4
+        self.log_tail = log_max_bytes - self.log_head
         self.scripts = Scripts(redis)
         # Script calls made in one event-loop turn share a round trip (scripts.Pipeliner).
         self._call = Pipeliner(redis)
-        self._cursors: dict[str, str] = {}
-        self._known_queues: set[str] = set()
+        self._cursors: dict[str, tuple[str, str]] = {}  # queue -> (stream, wake) ids to wait after
+        # Claim requests, numbered per worker (claim.lua's memo); a request whose reply never came
+        # is sent again, with its number, before any new one: (queue, number) by worker.
+        self._requests: dict[str, int] = {}
+        self._unanswered: dict[str, tuple[str, int]] = {}
+
+    @classmethod
+    def from_config(cls, redis: Redis, config: Config, *, watch: RunIdWatch | None = None) -> JobQueue:
+        return cls(
+            redis,
+            lease_seconds=config.worker_healthy_response_period,
+            retention_seconds=int(config.job_retention),
+            log_max_bytes=config.job_log_max_bytes,
+            watch=watch,
+        )
 
     # -- submit ---------------------------------------------------------------------------------
 
     async def enqueue(self, spec: JobSpec, idempotency_key: str | None = None) -> tuple[str, bool]:
         """Add a job at the tail of its queue. Returns (job id, created); `created` is False when the
-        idempotency key was used before, and the id is then that first job's."""
+        idempotency key was used before by the same user (`spec.user`), and the id is then that
+        first job's."""
         if idempotency_key is not None and not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY:
             raise InvalidJob("idempotency key", f"must be 1 to {MAX_IDEMPOTENCY_KEY} characters")
-        await self._register_queue(spec.queue)
         q = spec.queue
         packed = msgpack.packb(spec.to_dict())
         while True:
             job_id = new_job_id(q)
             job_keys = [keys.stream(q), keys.jobs(q), keys.seq(q), keys.job(job_id)]
             if idempotency_key is not None:
-                job_keys.append(keys.idempotency(q, idempotency_key))
+                job_keys.append(keys.idempotency(q, spec.user, idempotency_key))
+            listed = self._list_queues([q])
             try:
                 got, created = await self._call(
                     self.scripts.enqueue,
@@ -120,19 +157,20 @@ class JobQueue:
                 if str(exc).startswith("ID_TAKEN"):
                     continue  # two ids drawn in the same millisecond collided: draw again
                 raise
+            finally:
+                await self._listed(listed, [q])
             return _s(got), bool(created)
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[str]:
         """Enqueue several jobs in one round trip, in order: one script call per run of up to
         ENQUEUE_CHUNK jobs of one queue, the calls pipelined."""
-        for q in {s.queue for s in specs}:
-            await self._register_queue(q)
         chunks: list[list[JobSpec]] = []
         for spec in specs:
             if chunks and chunks[-1][0].queue == spec.queue and len(chunks[-1]) < ENQUEUE_CHUNK:
                 chunks[-1].append(spec)
             else:
                 chunks.append([spec])
+        listed = self._list_queues(sorted({s.queue for s in specs}))
         batch = ScriptBatch(self.redis)
         for chunk in chunks:
             q = chunk[0].queue
@@ -140,77 +178,146 @@ class JobQueue:
             args: list[Any] = [keys.GROUP, keys.queue_prefix(q)]
             for spec, job_id in zip(chunk, ids, strict=True):
                 args += [job_id, msgpack.packb(spec.to_dict()), spec.gpus, spec.max_attempts, spec.retries]
-            job_keys = [keys.job(job_id) for job_id in ids]
+            job_keys = [keys.batch(q, secrets.token_hex(8)), *(keys.job(job_id) for job_id in ids)]
             batch.add(self.scripts.enqueue_many, [keys.stream(q), keys.jobs(q), keys.seq(q), *job_keys], args)
-        return [_s(job_id) for reply in await batch.execute() for job_id in reply]
+        try:
+            return [_s(job_id) for reply in await batch.execute() for job_id in reply]
+        finally:
+            await self._listed(listed, sorted({s.queue for s in specs}))
 
-    async def _register_queue(self, queue: str) -> None:
-        # The pool-wide queue set has its own hash tag, so it cannot be in the enqueue script.
-        # Adding it first means a listed queue may be empty, never that a queue with jobs is unlisted.
-        if queue not in self._known_queues:
-            await self.redis.sadd(keys.QUEUES, queue)
-            self._known_queues.add(queue)
+    def _list_queues(self, queues: Sequence[str]) -> asyncio.Future[Any]:
+        """Name `queues` in the pool-wide queue set, in the round trip of the enqueue that follows
+        (the set has a hash tag of its own, so the enqueue script cannot write it). Every enqueue
+        does, so a write to the set that was lost is made good by the next one."""
+        return self._call.submit(self.scripts.add_queue, [keys.QUEUES], list(queues))
+
+    @staticmethod
+    async def _listed(sent: asyncio.Future[Any], queues: Sequence[str]) -> None:
+        """A job enqueued while its queue could not be listed stays enqueued: the next enqueue, or a
+        heartbeat of a worker that serves the queue, lists it."""
+        try:
+            await sent
+        except RedisError as exc:
+            log.warning("could not name queues %s in the pool's queue set (%s)", ", ".join(queues), exc)
 
     # -- work -----------------------------------------------------------------------------------
 
     async def claim(
-        self, worker: str, queues: Sequence[str], gpus_free: int = 0, default_gpus: int = 0
+        self,
+        worker: str,
+        queues: Sequence[str],
+        gpus_free: int = 0,
+        default_gpus: int = 0,
+        *,
+        gpus_total: int | None = None,
     ) -> Lease | None:
         """The next job for `worker`, trying `queues` in priority order; None when none has work
-        this worker can take. A job asking for 0 GPUs needs `default_gpus` free (a worker's share
-        per slot). Never blocks: see `wait_for_work`."""
-        leases = await self.claim_many(worker, queues, 1, gpus_free, default_gpus)
+        this worker can take. Never blocks: see `wait_for_work`. The GPU arguments are those of
+        `claim_many`."""
+        leases = await self.claim_many(worker, queues, 1, gpus_free, default_gpus, gpus_total=gpus_total)
         return leases[0] if leases else None
 
     async def claim_many(
-        self, worker: str, queues: Sequence[str], count: int, gpus_free: int = 0, default_gpus: int = 0
+        self,
+        worker: str,
+        queues: Sequence[str],
+        count: int,
+        gpus_free: int = 0,
+        default_gpus: int = 0,
+        *,
+        gpus_total: int | None = None,
     ) -> list[Lease]:
         """Up to `count` next jobs for `worker` (a worker with that many free slots), in queue
-        priority order then each queue's order, one script call per queue tried; GPUs as in
-        `claim`, the ones a claimed job takes counted out for the next. [] when none has work."""
+        priority order then each queue's order, one script call per queue tried. A job asking for
+        0 GPUs needs `default_gpus` free (a worker's share per slot); a job needing more than
+        `gpus_free` blocks its queue here (head of line), unless it needs more than `gpus_total`
+        (the worker's GPUs in all, default `gpus_free`), which this worker could never give it: it
+        is passed over. The GPUs a claimed job takes are counted out for the next. [] when none
+        has work.
+
+        Each script call is a numbered request (claim.lua): one whose reply never came (a broken
+        connection, a timeout, the caller cancelled) is sent again, first, by the worker's next
+        claim (or by `settle_claims`), and answers the jobs it claimed rather than stranding them."""
+        total = gpus_free if gpus_total is None else gpus_total
+        todo: list[tuple[str, int]] = []
+        if (pending := self._unanswered.pop(worker, None)) is not None:
+            todo.append(pending)
         leases: list[Lease] = []
-        for q in queues:
-            if len(leases) >= count:
+        for q in [*[p[0] for p in todo], *queues]:
+            if len(leases) >= count and not todo:
                 break
+            request = todo.pop()[1] if todo else self._next_request(worker)
             try:
-                reply = await self._call(
-                    self.scripts.claim,
-                    [keys.stream(q), keys.retry(q), keys.leases(q)],
-                    [
-                        keys.queue_prefix(q),
-                        keys.GROUP,
-                        worker,
-                        gpus_free,
-                        self.lease_ms,
-                        default_gpus,
-                        count - len(leases),
-                    ],
+                status, cursors, got = await self._claim_call(
+                    worker, q, request, count - len(leases), (gpus_free, default_gpus, total)
                 )
-            except RedisError:
-                if not leases:
+            except (RedisError, asyncio.CancelledError) as exc:
+                if unanswered(exc):
+                    self._unanswered[worker] = (q, request)
+                if not leases or isinstance(exc, asyncio.CancelledError):
                     raise
                 # Claimed jobs are this worker's now: hand them out rather than strand them.
                 log.warning("claiming from queue %s failed; running the %d jobs claimed", q, len(leases))
                 break
-            status, cursor, *claimed = reply
-            for i in range(0, len(claimed), 3):
-                job_id, attempt, spec = claimed[i : i + 3]
-                lease = Lease(_s(job_id), int(attempt), worker, JobSpec.from_dict(msgpack.unpackb(spec)))
+            for lease in got:
                 gpus_free -= lease.spec.gpus or default_gpus
-                leases.append(lease)
+            leases += got
             if status != b"claimed":
-                self._cursors[q] = _s(cursor)
+                self._cursors[q] = cursors
         return leases
 
+    async def settle_claims(self, worker: str) -> list[Lease]:
+        """The jobs of `worker`'s claim whose reply never came, if one did not: the request is sent
+        again asking for nothing, so it answers what its first run claimed, or, if it never ran,
+        makes sure it never will (a later copy of it claims nothing). [] when nothing was unanswered.
+        A worker that stops calls this, to hand such jobs back at once."""
+        pending = self._unanswered.pop(worker, None)
+        if pending is None:
+            return []
+        q, request = pending
+        try:
+            _, _, leases = await self._claim_call(worker, q, request, 0, (0, 0, 0))
+        except (RedisError, asyncio.CancelledError) as exc:
+            if unanswered(exc):
+                self._unanswered[worker] = pending
+            raise
+        return leases
+
+    def _next_request(self, worker: str) -> int:
+        self._requests[worker] = number = self._requests.get(worker, 0) + 1
+        return number
+
+    async def _claim_call(
+        self, worker: str, q: str, request: int, count: int, gpus: tuple[int, int, int]
+    ) -> tuple[bytes, tuple[str, str], list[Lease]]:
+        """One claim.lua call; `gpus` is (free, default per job, total)."""
+        free, default, total = gpus
+        status, stream_cursor, wake_cursor, *claimed = await self._call(
+            self.scripts.claim,
+            [keys.stream(q), keys.retry(q), keys.leases(q), keys.claims(q, worker)],
+            [keys.queue_prefix(q), keys.GROUP, worker, free, self.lease_ms, default, count, total, request],
+        )
+        leases = [
+            Lease(_s(job_id), int(attempt), worker, JobSpec.from_dict(msgpack.unpackb(spec)), _s(lease_id))
+            for job_id, attempt, lease_id, spec in (claimed[i : i + 4] for i in range(0, len(claimed), 4))
+        ]
+        return status, (_s(stream_cursor), _s(wake_cursor)), leases
+
     async def wait_for_work(self, queues: Sequence[str], block: float) -> bool:
-        """Block until one of `queues` gets an entry newer than what the last `claim` saw, or until
-        `block` seconds pass. True when woken by an entry. A blocking read, not polling."""
-        streams = {keys.stream(q): self._cursors.get(q, "0-0") for q in queues}
+        """Block until one of `queues` gets an entry newer than what the last `claim` saw, or a job
+        put at its front, or until `block` seconds pass. True when woken by an entry. A blocking
+        read, not polling."""
+        streams: dict[str, str] = {}
+        for q in queues:
+            stream_cursor, wake_cursor = self._cursors.get(q, ("0-0", "0-0"))
+            streams[keys.stream(q)] = stream_cursor
+            streams[keys.wake(q)] = wake_cursor
         return bool(await xread(self.redis, streams, count=1, block=block))
 
     async def renew(self, worker: str, leases: Iterable[Lease]) -> dict[str, RenewStatus]:
         """Extend all of a worker's leases in one round trip (one script call per queue, pipelined).
-        A lease that was reclaimed answers LOST and is not taken back."""
+        The answers are keyed by lease id. A lease that was reclaimed answers LOST and is not
+        taken back."""
         batch = ScriptBatch(self.redis)
         answers = self.add_renewals(batch, worker, leases)
         return answers(await batch.execute())
@@ -219,8 +326,9 @@ class JobQueue:
         self, batch: ScriptBatch, worker: str, leases: Iterable[Lease]
     ) -> Callable[[Sequence[Any]], dict[str, RenewStatus]]:
         """Add the renewals of `renew` to `batch` (so a heartbeat can send them in the same round
-        trip as other calls); returns the function that reads their answers from the batch's
-        replies once it has run."""
+        trip as other calls); returns the function that reads their answers, by lease id, from the
+        batch's replies once it has run. Answers are keyed by lease, never by job: an answer
+        for one attempt can never be taken for another attempt of the same job."""
         by_queue: dict[str, list[Lease]] = {}
         for lease in leases:
             by_queue.setdefault(lease.queue, []).append(lease)
@@ -228,14 +336,14 @@ class JobQueue:
         for q, held in by_queue.items():
             args: list[Any] = [keys.queue_prefix(q), worker, self.lease_ms]
             for lease in held:
-                args += [lease.job_id, lease.attempt]
+                args += [lease.job_id, lease.attempt, lease.id]
             calls.append((batch.add(self.scripts.renew, [keys.leases(q)], args), held))
 
         def answers(replies: Sequence[Any]) -> dict[str, RenewStatus]:
             out: dict[str, RenewStatus] = {}
             for index, held in calls:
                 for lease, answer in zip(held, replies[index], strict=True):
-                    out[lease.job_id] = RenewStatus(_s(answer))
+                    out[lease.id] = RenewStatus(_s(answer))
             return out
 
         return answers
@@ -243,7 +351,8 @@ class JobQueue:
     async def complete(self, lease: Lease, outcome: Outcome) -> JobState:
         """Record how an attempt ended. Returns the job's state afterwards (QUEUED when a failed job
         goes back for a retry). Raises StaleAttempt, changing nothing, when `lease` is no longer the
-        job's current attempt (it was reclaimed, or already completed)."""
+        job's current one (it was reclaimed, or ended otherwise). The same call made again (its
+        reply was lost) answers as the first did."""
         q = lease.queue
         reply = await self._call(
             self.scripts.complete,
@@ -254,6 +363,7 @@ class JobQueue:
                 lease.worker,
                 lease.job_id,
                 lease.attempt,
+                lease.id,
                 str(outcome.state),
                 "" if outcome.exit_code is None else outcome.exit_code,
                 outcome.detail,
@@ -262,7 +372,7 @@ class JobQueue:
             ],
         )
         _raise_if_stale(lease, reply)
-        return JobState.QUEUED if reply[0] == b"retry" else outcome.state
+        return JobState(_s(reply[0]))
 
     async def release(self, lease: Lease) -> JobState:
         """Hand an attempt back that this worker stopped before its job finished (a drain): the job
@@ -279,6 +389,7 @@ class JobQueue:
                 lease.worker,
                 lease.job_id,
                 lease.attempt,
+                lease.id,
                 self.retention,
             ],
         )
@@ -308,29 +419,37 @@ class JobQueue:
 
     async def reclaim(self, queues: Iterable[str] | None = None) -> list[tuple[str, JobState]]:
         """Take back every attempt whose lease deadline passed: its job goes to the front of its
-        queue (or to cancelled / dead). Returns (job id, new state) for each."""
+        queue (or to cancelled / dead). Returns (job id, new state) for each. One round trip for
+        all queues (a script call per queue, pipelined), more only while a queue has more than
+        RECLAIM_BATCH to take."""
         out: list[tuple[str, JobState]] = []
-        for q in await self.queues() if queues is None else queues:
-            while True:
-                reply = await self.scripts.reclaim(
-                    keys=[keys.stream(q), keys.retry(q), keys.leases(q), keys.events(q)],
-                    args=[keys.queue_prefix(q), keys.GROUP, RECLAIM_BATCH, self.retention],
+        todo = await self.queues() if queues is None else list(queues)
+        while todo:
+            batch = ScriptBatch(self.redis)
+            for q in todo:
+                batch.add(
+                    self.scripts.reclaim,
+                    [keys.stream(q), keys.retry(q), keys.leases(q), keys.events(q)],
+                    [keys.queue_prefix(q), keys.GROUP, RECLAIM_BATCH, self.retention],
                 )
-                pairs = [(_s(reply[i]), JobState(_s(reply[i + 1]))) for i in range(0, len(reply), 2)]
-                out += pairs
-                if len(pairs) < RECLAIM_BATCH:
-                    break
+            more = []
+            for q, reply in zip(todo, await batch.execute(), strict=True):
+                out += [(_s(reply[i]), JobState(_s(reply[i + 1]))) for i in range(0, len(reply), 2)]
+                if len(reply) >= 2 * RECLAIM_BATCH:
+                    more.append(q)
+            todo = more
         for job_id, state in out:
             log.warning("job %s: lease expired, now %s", job_id, state)
         return out
 
-    async def append_log(self, lease: Lease, chunks: Sequence[bytes]) -> None:
-        """Append output of an attempt to its job's log (capped at LOG_CAP entries). Raises
-        StaleAttempt, writing nothing, when the attempt is no longer current."""
+    async def append_log(self, lease: Lease, number: int, chunks: Sequence[bytes]) -> None:
+        """Append output of an attempt to its job's log, as the attempt's call `number` (1, 2, ...:
+        a call sent again with its number is written once). Raises StaleAttempt, writing nothing,
+        when the attempt is no longer current."""
         answer = await self._call(
             self.scripts.log,
             [keys.job(lease.job_id), keys.log(lease.job_id)],
-            [lease.worker, lease.attempt, LOG_CAP, *chunks],
+            [lease.worker, lease.attempt, lease.id, number, self.log_head, self.log_tail, *chunks],
         )
         if answer == b"stale":
             raise StaleAttempt(lease.job_id, lease.attempt, "its log is closed to it")
@@ -339,7 +458,8 @@ class JobQueue:
         self, job_id: str, after: str = "0-0", *, count: int = 200, block: float | None = None
     ) -> list[tuple[str, bytes]]:
         """Log chunks after the entry id `after`, oldest first: (entry id, bytes). With `block`,
-        waits up to that many seconds for the first new chunk (a blocking read)."""
+        waits up to that many seconds for the first new chunk (a blocking read). Where output was
+        dropped to keep the log within its bound, a line says how much (log.lua)."""
         job_queue_of(job_id)
         stream = keys.log(job_id)
         if block is None:
@@ -347,7 +467,15 @@ class JobQueue:
         else:
             got = await xread(self.redis, {stream: after}, count=count, block=block)
             entries = got[0][1] if got else []
-        return [(_s(entry_id), fields[b"d"]) for entry_id, fields in entries]
+        out = []
+        for entry_id, fields in entries:
+            data = fields.get(b"d", b"")
+            if b"gap" in fields:  # where the head ends: say what was dropped after it, if anything
+                dropped = int(await self.redis.hget(keys.job(job_id), "log_dropped") or 0)
+                gap = LOG_GAP.format(dropped, _size(self.log_head), _size(self.log_tail))
+                data = gap.encode() if dropped else b""
+            out.append((_s(entry_id), data))
+        return out
 
     async def last_event_id(self, queue: str) -> str:
         """The id of the newest terminal event of `queue` (to wait for events after it)."""
@@ -394,14 +522,20 @@ class JobQueue:
         return out[-limit:]
 
     async def _active_ids(self, queue: str, limit: int) -> list[str]:
-        """Running (leases), reclaimed (retry) and never-delivered stream entries of one queue."""
+        """Running (leases) and front (retry) jobs of one queue, then up to `limit` of its stream
+        entries not yet delivered, read from the consumer group's last delivered id on."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrange(keys.leases(queue), 0, -1)
             pipe.zrange(keys.retry(queue), 0, -1)
-            pipe.xrange(keys.stream(queue), "-", "+", count=limit)
-            running, retry, entries = await pipe.execute()
-        pending = {_s(e[1][b"job"]) for e in entries if b"job" in e[1]}
-        return list(dict.fromkeys([_s(i) for i in running + retry] + sorted(pending)))
+            pipe.xinfo_groups(keys.stream(queue))
+            try:
+                running, retry, groups = await pipe.execute()
+            except ResponseError:  # no stream yet: nothing was ever enqueued
+                return []
+        last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == keys.GROUP), b"0-0")
+        entries = await xrange(self.redis, keys.stream(queue), f"({_s(last)}", limit)
+        waiting = [_s(e[1][b"job"]) for e in entries if b"job" in e[1]]
+        return list(dict.fromkeys([_s(i) for i in running + retry] + waiting))
 
     async def depth(self, queue: str) -> int:
         """Jobs waiting in `queue`: reclaimed ones plus stream entries not yet delivered."""
@@ -414,6 +548,10 @@ class JobQueue:
             except ResponseError:  # no stream or group yet: nothing was ever enqueued
                 return 0
         return int(retry) + int(length) - int(pending["pending"])
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:g} MiB" if n >= 2**20 else f"{n / 1024:g} KiB"
 
 
 def _job_info(record: dict[bytes, bytes], history: list[bytes]) -> JobInfo:

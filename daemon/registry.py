@@ -86,9 +86,15 @@ def add_heartbeat(batch: ScriptBatch, scripts: Scripts, registration: Registrati
     """Add the registration refresh (heartbeat.lua) to `batch`; returns its reply's index."""
     return batch.add(
         scripts.heartbeat,
-        [keys.WORKERS, keys.WORKERS_SEEN],
-        [registration.id, msgpack.packb(registration.to_dict())],
+        [keys.WORKERS, keys.WORKERS_SEEN, keys.QUEUES],
+        [registration.id, msgpack.packb(registration.to_dict()), *registration.queues],
     )
+
+
+async def prune(redis: Redis, scripts: Scripts, retention: float) -> list[str]:
+    """Forget the workers silent for longer than `retention` seconds (prune_workers.lua); their ids."""
+    gone = await scripts.prune_workers(keys=[keys.WORKERS, keys.WORKERS_SEEN], args=[round(retention * 1000)])
+    return [_s(w) for w in gone]
 
 
 async def unregister(redis: Redis, worker_id: str) -> None:

@@ -67,6 +67,7 @@ class RunResult:
     ending: Ending
     outcome: Outcome | None  # what to complete the attempt with; None for HANDED_BACK and LOST
     dirty_gpus: Mapping[str, str] = field(default_factory=dict)  # GPU uuid -> why
+    killed_by: int | None = None  # the signal that ended the job's first process, if one did
 
 
 class Run(Protocol):
@@ -90,6 +91,7 @@ def job_env(base: Mapping[str, str], lease: Lease, gpus: Sequence[GpuInfo]) -> d
     env.update(
         GPUPOOL_JOB_ID=lease.job_id,
         GPUPOOL_ATTEMPT=str(lease.attempt),
+        GPUPOOL_ATTEMPT_ID=lease.id,
         GPUPOOL_QUEUE=lease.queue,
         GPUPOOL_WORKER=lease.worker,
         CUDA_VISIBLE_DEVICES=visible_devices(gpus),
@@ -168,16 +170,25 @@ class JobRun:
 
     def lose(self, why: str) -> None:
         """The attempt is no longer this worker's: SIGKILL at once, record nothing (its log
-        included: the fenced writes would be refused, or Redis is out of reach)."""
+        included: the fenced writes would be refused, or Redis is out of reach). Once the job's
+        process has ended this changes nothing: how it ended is its outcome, which the fenced
+        complete then accepts or refuses."""
+        if self._ended():
+            return
         self._stop(Ending.LOST, why, now=True)
         self.output.closed = True
 
+    def _ended(self) -> bool:
+        return self._proc is not None and self._proc.returncode is not None
+
     def _stop(self, ending: Ending, why: str, now: bool = False) -> None:
+        if self._ended():
+            return  # how it ended is decided
         first = self.ending is None
         if first or ending is Ending.LOST:
             self.ending = ending
-        if self._proc is None or self._proc.returncode is not None:
-            return  # not started yet (run() applies the ending) or already ended
+        if self._proc is None:
+            return  # not started yet: run() applies the ending
         if now:
             self.output.note(f"{why}: killing the job now")
             self._signal(signal.SIGKILL)
@@ -231,7 +242,7 @@ class JobRun:
             return RunResult(Ending.EXITED, self._outcome(None, detail, started))
         pgid = self._proc.pid
         if self.guard is not None:
-            self.guard.watch(pgid)
+            self.guard.watch(pgid, self.lease.id)
         if self.ending is not None:  # stopped while it was being started
             self._stop(self.ending, "stopped before it started", now=self.ending is not Ending.CANCELLED)
         return await self._supervise(pgid, started)
@@ -278,7 +289,8 @@ class JobRun:
                 self.store, self.queue, self.lease, self.output_dir, logged=self.output.written
             )
             outcome = dataclasses.replace(outcome, result={**outcome.result, **uploaded})
-        return RunResult(self.ending or Ending.EXITED, outcome, dirty)
+        killed_by = -returncode if returncode < 0 else None
+        return RunResult(self.ending or Ending.EXITED, outcome, dirty, killed_by)
 
     def _outcome(self, returncode: int | None, detail: str, started: float) -> Outcome | None:
         ending = self.ending or Ending.EXITED

@@ -39,6 +39,8 @@ NAMES = (
     "log",
     "release",
     "heartbeat",
+    "add_queue",
+    "prune_workers",
 )
 
 
@@ -62,6 +64,8 @@ class Scripts:
         self.log: AsyncScript = redis.register_script(source("log"))
         self.release: AsyncScript = redis.register_script(source("release"))
         self.heartbeat: AsyncScript = redis.register_script(source("heartbeat"))
+        self.add_queue: AsyncScript = redis.register_script(source("add_queue"))
+        self.prune_workers: AsyncScript = redis.register_script(source("prune_workers"))
 
 
 class ScriptBatch:
@@ -130,12 +134,16 @@ class Pipeliner:
         self._in_flight: set[asyncio.Task[None]] = set()
 
     async def __call__(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        return await self.submit(script, keys, args)
+
+    def submit(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> asyncio.Future[Any]:
+        """Queue one call for this turn's batch; its reply, or its error, comes in the future."""
         loop = asyncio.get_running_loop()
         if not self._pending:
             loop.call_soon(self._send_pending)
         future: asyncio.Future[Any] = loop.create_future()
         self._pending.append((script, keys, args, future))
-        return await future
+        return future
 
     def _send_pending(self) -> None:
         # A caller cancelled before its batch left: its call is dropped, never sent.

@@ -59,13 +59,13 @@ class PoolServer:
             )
         await self.store.open()
         client = await self.redis.start()
-        self.queue = JobQueue(
-            client, lease_seconds=c.worker_healthy_response_period, retention_seconds=int(c.job_retention)
-        )
+        self.queue = JobQueue.from_config(client, c, watch=self.redis.watch)
         events = JobEvents(self.queue, c.redis_result_queue_polling_interval / 1000, self._finished)
         self._tasks.spawn(events.run(), "job-events")
         reap_every = min(c.worker_healthy_response_period / 4, 5.0)
-        self._tasks.spawn(reaper.run(self.queue, reap_every, self._reclaimed), "reaper")
+        self._tasks.spawn(
+            reaper.run(self.queue, reap_every, self._reclaimed, c.dead_worker_retention), "reaper"
+        )
         self.listener = Listener(
             Handlers(self.queue, events, self.list_workers, self.metrics, self.store),
             known_tokens,

@@ -6,8 +6,18 @@ tries the queues in priority order, and when nothing is claimable the dispatcher
 or until one of its own jobs ends and gives back GPUs the queue's head job was waiting for. One
 claim takes as many jobs as there are free slots, and only one claim is in flight at a time, so
 the free GPUs it was sized by (each claimed job's taken out for the next) are still free when the
-jobs are given theirs (gpus.GpuAllocator). Each attempt runs as a `runner.JobRun` in a task of its own;
-the heartbeat (heartbeat.py) renews every lease in one round trip and relays LOST and CANCEL.
+jobs are given theirs (gpus.GpuAllocator).
+
+Every attempt the worker holds is one `held.HeldAttempt`, in one map keyed by lease id, from its
+claim until its end is recorded; it runs as a `runner.JobRun` in a task of its own. The heartbeat
+(heartbeat.py) renews every held lease in one round trip, and its answers, by lease, move each
+attempt's self-fence deadline or end the attempt (LOST, CANCEL). The fence task kills an attempt
+whose deadline passes; the orphan guard (procguard.py) holds the same deadlines, for when this
+process is frozen. Claims wait while the heartbeat fails (what is claimed then could not be
+renewed), and for a heartbeat interval after Redis restarts or fails over (redis_conn.RunIdWatch):
+Redis may have forgotten claims of other workers, whose attempts then run on until those workers
+re-validate their leases, which each does at once when it sees the restart, and at the latest at
+its next heartbeat.
 
 Stopping is two-phase (as in SAQ and uvicorn). `stop()` first stops claiming and lets running
 jobs finish for up to `drain_timeout` seconds; then it stops the rest (SIGTERM, SIGKILL after
@@ -24,27 +34,26 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from redis.exceptions import RedisError
 
-from daemon import keys, notify, registry
+from daemon import keys, registry
 from daemon.aio import TaskSet, cancel_and_wait
 from daemon.config import Config
-from daemon.errors import GpupoolError, RedisUnavailable, StaleAttempt
+from daemon.errors import RedisUnavailable, StaleAttempt
 from daemon.gpus import GpuAllocator, GpuInfo, GpuProbe, GpuProbeError, NotEnoughGpus, Nvml, discover
 from daemon.heartbeat import Heartbeat
+from daemon.held import HeldAttempt, Phase, boottime
 from daemon.job import JobState, Lease, RenewStatus
-from daemon.metrics import MetricsServer, WorkerMetrics, serve_for
+from daemon.metrics import WorkerMetrics
 from daemon.procguard import OrphanGuard
 from daemon.queue import JobQueue
-from daemon.redis_client import PoolRedis
 from daemon.registry import Registration
 from daemon.runner import Ending, JobRun, Run, RunResult
 from daemon.scratch import SlotDirs
-from daemon.store import open_worker_store
 from storage.base import ObjectStore
 from storage.cache import ObjectCache
 
@@ -54,6 +63,8 @@ log = logging.getLogger(__name__)
 RunFactory = Callable[[Lease, tuple[GpuInfo, ...], int], Run]
 
 WAIT_BLOCK = 5.0  # longest blocking read for work before claiming again (a safety net only)
+FENCE_CHECK = 0.5  # the fence's waits run on the monotonic clock: after a suspend, look again soon
+RECORD_RETRY = 1.0  # longest pause between tries to record an outcome while Redis does not answer
 
 
 class Worker:
@@ -108,17 +119,15 @@ class Worker:
         self._guard = OrphanGuard(f"GPUPOOL_WORKER={self.id}")
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known
         self._nvml: Nvml | None = None
-        # Running attempts by (job id, attempt): a job reclaimed from under this worker can be
-        # claimed by it again while the old attempt is still being killed.
-        self._runs: dict[tuple[str, int], Run] = {}
-        self._slot_of: dict[tuple[str, int], int] = {}
-        self._leases: dict[str, Lease] = {}  # job id -> newest lease, renewed until its end is recorded
-        self._tasks: set[asyncio.Task[None]] = set()  # one per attempt
-        # heartbeat, cancel nudges, dispatcher, quarantine checks
+        self._held: dict[str, HeldAttempt] = {}  # every attempt this worker holds, by lease id
+        self._attempts = TaskSet("%s failed in the worker; its lease will expire")  # one per attempt
+        # heartbeat, cancel nudges, dispatcher, fence, restart watch, quarantine checks
         self._background = TaskSet("%s failed: the worker no longer works as it should", logging.CRITICAL)
         self._dispatcher: asyncio.Task[None] | None = None
         self._slot_freed = asyncio.Event()
         self._wake = asyncio.Event()  # GPUs came back, or the drain began: claim again
+        self._deadlines = asyncio.Event()  # an attempt was added or its deadline moved: the fence looks
+        self._claims_paused_until = 0.0  # boottime(): Redis restarted, wait before claiming
         self._draining = False
         self._handing_back = False
         self._forced = asyncio.Event()
@@ -153,22 +162,29 @@ class Worker:
 
     async def start(self) -> None:
         """Find the GPUs, register (raises RedisUnavailable when Redis does not answer), then
-        start the heartbeat and the dispatcher."""
+        start the heartbeat, the fence and the dispatcher. On failure nothing is left running."""
         if self._given_gpus is None:
             gpus, self._nvml = await asyncio.to_thread(discover)
             self.allocator = GpuAllocator(gpus, self.slots)
             self.probe = self.probe or self._nvml
         self.metrics = WorkerMetrics(self.allocator.gpus)
-        await asyncio.to_thread(self._slot_dirs.open)
         self.heartbeat.observer = self._observe_heartbeat
         self._registration.started_at = time.time()
+        await asyncio.to_thread(self._slot_dirs.open)
         await self._guard.start()
-        if not await self.heartbeat.beat_and_apply():
+        try:
+            if not await self.heartbeat.beat_and_apply():
+                raise RedisUnavailable(f"worker {self.id} cannot register: Redis does not answer")
+        except BaseException:
             await self._guard.stop()
             await asyncio.to_thread(self._slot_dirs.close)
-            raise RedisUnavailable(f"worker {self.id} cannot register: Redis does not answer")
+            await self._close_nvml()
+            raise
         self._spawn(self.heartbeat.run(), "heartbeat")
         self._spawn(self.heartbeat.listen_for_pokes(keys.worker_channel(self.id)), "cancel nudges")
+        self._spawn(self._fence(), "fence")
+        if self.queue.watch is not None:
+            self._spawn(self._watch_restarts(), "restart watch")
         self._dispatcher = self._spawn(self._dispatch(), "dispatcher")
         gpus = self.allocator.gpus
         log.info(
@@ -199,7 +215,7 @@ class Worker:
             await self._hand_back_the_rest()
             await self._shutdown()
         except asyncio.CancelledError:
-            for run in self._runs.values():
+            for run in self._runs():
                 run.lose("the worker was stopped at once")
             raise
         finally:
@@ -209,7 +225,7 @@ class Worker:
         """End the drain now; stop jobs with SIGKILL instead of SIGTERM (a second signal)."""
         self._forced.set()
         if self._handing_back:
-            for run in self._runs.values():
+            for run in self._runs():
                 run.hand_back(now=True)
 
     async def _drain(self, grace: float) -> None:
@@ -222,30 +238,46 @@ class Worker:
             done, _ = await asyncio.wait({self._dispatcher}, timeout=10)
             if not done:
                 await cancel_and_wait(self._dispatcher)
-        if not self._tasks:
+        await self._settle_claims()
+        if not self._attempts:
             return
-        log.info("draining: waiting up to %g s for %d running jobs", grace, len(self._tasks))
+        log.info("draining: waiting up to %g s for %d running jobs", grace, len(self._attempts))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         forced = asyncio.ensure_future(self._forced.wait())
         try:
-            while self._tasks and not self._forced.is_set() and loop.time() < deadline:
+            while self._attempts and not self._forced.is_set() and loop.time() < deadline:
                 await asyncio.wait(
-                    {*self._tasks, forced},
+                    {*self._attempts.tasks, forced},
                     timeout=deadline - loop.time(),
                     return_when=asyncio.FIRST_COMPLETED,
                 )
         finally:
             forced.cancel()
 
+    async def _settle_claims(self) -> None:
+        """A claim whose reply never came (the dispatcher was cancelled in it, or Redis went away):
+        ask again for what it got, and give that back at once, rather than leave those jobs to
+        wait for their leases to expire."""
+        try:
+            leases = await self.queue.settle_claims(self.id)
+        except RedisError as exc:
+            log.warning(
+                "could not learn what an unanswered claim got (%s); its jobs wait for their leases", exc
+            )
+            return
+        if leases:
+            self._give_back(leases, boottime())
+
     async def _hand_back_the_rest(self) -> None:
         self._handing_back = True
-        if self._runs:
-            log.info("stopping %d running jobs; their attempts go back to the queue", len(self._runs))
-        for run in self._runs.values():
+        running = self._runs()
+        if running:
+            log.info("stopping %d running jobs; their attempts go back to the queue", len(running))
+        for run in running:
             run.hand_back(now=self._forced.is_set())
-        if self._tasks:
-            await asyncio.wait(set(self._tasks))
+        if self._attempts:
+            await asyncio.wait(self._attempts.tasks)
 
     async def _shutdown(self) -> None:
         await self._background.stop()
@@ -257,51 +289,98 @@ class Worker:
         await asyncio.to_thread(self._slot_dirs.close)
         if self.cache is not None:
             await self.cache.close()
+        await self._close_nvml()
+        log.info("worker %s stopped", self.id)
+
+    async def _close_nvml(self) -> None:
         if self._nvml is not None:
             await asyncio.to_thread(self._nvml.close)
             self._nvml = None
-        log.info("worker %s stopped", self.id)
 
     # -- claiming ---------------------------------------------------------------------------------
 
     async def _dispatch(self) -> None:
         backoff = 0.1
         while not self._draining:
-            if len(self._runs) >= self.slots:
+            if self._busy() >= self.slots:
                 self._slot_freed.clear()
-                if len(self._runs) >= self.slots:
+                if self._busy() >= self.slots:
                     await self._slot_freed.wait()
                 continue
+            await self._until_claims_may_go()
+            if self.draining():
+                break
             # Cleared before the claim: GPUs freed while it is in flight still wake the wait below.
             self._wake.clear()
             try:
-                leases = await self.queue.claim_many(
-                    self.id,
-                    self.queues,
-                    self.slots - len(self._runs),
-                    self.allocator.free_count(),
-                    self.allocator.share,
-                )
+                claimed = await self._claim()
                 backoff = 0.1  # Redis answered: the next failure starts the back-off afresh
-                if not leases:
+                if not claimed:
                     await self._wait_for_work()
-                    continue
             except RedisError as exc:
                 log.warning("claiming failed (%s); retrying in %.1f s", exc, backoff)
                 # A back-off between retries (not a poll for work) that the drain cuts short.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(backoff):
-                        await self._wake.wait()
+                await self._woken_or(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    async def _until_claims_may_go(self) -> None:
+        """No claim while the heartbeat fails (nothing claimed could be renewed), nor in the pause
+        after a Redis restart (see the module doc)."""
+        while not self._draining:
+            if not self.heartbeat.healthy.is_set():
+                waits = {asyncio.ensure_future(e.wait()) for e in (self.heartbeat.healthy, self._wake)}
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+                self._wake.clear()
                 continue
-            if self.draining():  # the drain began during the claim: the jobs go back first
-                for lease in leases:  # renewed by the heartbeat until each is given back
-                    self._leases[lease.job_id] = lease
-                for lease in leases:
-                    await self._give_back(lease)
-            else:
-                for lease in leases:
-                    self._launch(lease)
+            pause = self._claims_paused_until - boottime()
+            if pause <= 0:
+                return
+            await self._woken_or(pause)
+            self._wake.clear()
+
+    async def _woken_or(self, seconds: float) -> None:
+        """Wait `seconds`, or less if `_wake` is set meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
+
+    async def _claim(self) -> bool:
+        """One claim for every free slot; the jobs claimed are started (or given back, when the
+        drain began meanwhile). True when anything was claimed."""
+        watch = self.queue.watch
+        generation = watch.generation if watch is not None else 0
+        sent = boottime()
+        leases = await self.queue.claim_many(
+            self.id,
+            self.queues,
+            self.slots - self._busy(),
+            self.allocator.free_count(),
+            self.allocator.share,
+            gpus_total=len(self.allocator.gpus),
+        )
+        if not leases:
+            return False
+        deadline = sent + self.heartbeat.lease - self.heartbeat.margin
+        if self.draining():  # the drain began during the claim: the jobs go back first
+            self._give_back(leases, deadline)
+            return True
+        if watch is not None and watch.generation != generation:
+            # Claimed from a Redis that had just restarted: the pause is for these too. Held (and
+            # renewed) meanwhile, so they are not lost; started after it, while still valid.
+            held = [self._hold(lease, deadline) for lease in leases]
+            self._restarted()
+            await self._until_claims_may_go()
+            leases = [h.lease for h in held if self._held.pop(h.lease.id, None) is h and not h.expired()]
+            if self.draining():
+                self._give_back(leases, deadline)
+                return True
+        for lease in leases:
+            self._launch(lease, deadline)
+        return True
 
     async def _wait_for_work(self) -> None:
         """Block until a queue gets a new entry, or `_wake` is set (whichever comes first)."""
@@ -316,25 +395,43 @@ class Worker:
         if not read.cancelled() and (exc := read.exception()) is not None:
             raise exc
 
-    def _launch(self, lease: Lease) -> None:
-        for (job_id, _), old in self._runs.items():
-            if job_id == lease.job_id:  # a newer attempt exists, so this one was reclaimed
-                old.lose("the job was reclaimed from this attempt")
-        slot = min(set(range(self.slots)) - set(self._slot_of.values()))
+    async def _watch_restarts(self) -> None:
+        """Redis restarted or failed over: re-validate every lease now, and pause claims."""
+        watch = self.queue.watch
+        assert watch is not None
+        while True:
+            await watch.changed.wait()
+            watch.changed.clear()
+            self._restarted()
+
+    def _restarted(self) -> None:
+        self._claims_paused_until = max(
+            self._claims_paused_until, boottime() + self.heartbeat.interval + self.heartbeat.margin
+        )
+        self.heartbeat.poke()
+
+    def _hold(self, lease: Lease, deadline: float) -> HeldAttempt:
+        held = HeldAttempt(lease, deadline)
+        self._held[lease.id] = held
+        self._deadlines.set()
+        return held
+
+    def _launch(self, lease: Lease, deadline: float) -> None:
+        for other in self._held.values():
+            if other.lease.job_id == lease.job_id and other.run is not None:
+                # a newer lease of the job exists, so this one was reclaimed
+                other.run.lose("the job was reclaimed from this attempt")
+        slot = min(set(range(self.slots)) - {h.slot for h in self._held.values()})
         try:
-            gpus = self.allocator.allocate(_holder(lease), lease.spec.gpus, slot)
+            gpus = self.allocator.allocate(lease.id, lease.spec.gpus, slot)
         except NotEnoughGpus as exc:  # claims are sized by free GPUs, so this is a bug: say so
             log.error("%s; handing the attempt back", exc)
-            task = asyncio.ensure_future(self._give_back(lease))
-        else:
-            run = self._make_run(lease, gpus, slot)
-            self._runs[_key(lease)] = run
-            self._slot_of[_key(lease)] = slot
-            self._leases[lease.job_id] = lease
-            task = asyncio.ensure_future(self._attempt(run, slot))
-        task.set_name(f"job {lease.job_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._attempt_done)
+            self._give_back([lease], deadline)
+            return
+        held = self._hold(lease, deadline)
+        held.run, held.slot, held.phase = self._make_run(lease, gpus, slot), slot, Phase.RUNNING
+        self._guard.hold(lease.id, deadline)
+        held.task = self._attempts.spawn(self._attempt(held), f"job {lease.job_id}")
 
     def _job_run(self, lease: Lease, gpus: tuple[GpuInfo, ...], slot: int) -> Run:
         return JobRun(
@@ -351,92 +448,109 @@ class Worker:
             slot_dir=self._slot_dirs.slot(slot),
         )
 
-    def _attempt_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.error("%s failed in the worker; its lease will expire", task.get_name(), exc_info=exc)
+    def _give_back(self, leases: Iterable[Lease], deadline: float) -> None:
+        """Hand back attempts that never ran (held, so renewed, until the hand-back is recorded)."""
+        for lease in leases:
+            held = self._hold(lease, deadline)
+            held.phase = Phase.ENDING
+            held.task = self._attempts.spawn(self._release(held), f"hand back {lease.job_id}")
 
-    async def _give_back(self, lease: Lease) -> None:
-        """Hand back an attempt that never ran (the heartbeat renews it meanwhile)."""
-        self._leases[lease.job_id] = lease
+    async def _release(self, held: HeldAttempt) -> None:
+        lease = held.lease
         try:
-            await self._record(lease, "hand back", lambda: self.queue.release(lease))
+            await self._record(held, "hand back", lambda: self.queue.release(lease))
         finally:
-            self._drop_lease(lease)
+            self._drop(held)
 
-    def _drop_lease(self, lease: Lease) -> None:
-        if self._leases.get(lease.job_id) is lease:  # not a newer attempt's
-            del self._leases[lease.job_id]
+    def _drop(self, held: HeldAttempt) -> None:
+        """The attempt's end is recorded (or given up on): no more renewals, no more deadline."""
+        if self._held.get(held.lease.id) is held:
+            del self._held[held.lease.id]
+        self._guard.drop(held.lease.id)
 
     # -- one attempt ------------------------------------------------------------------------------
 
-    async def _attempt(self, run: Run, slot: int) -> None:
-        lease = run.lease
+    async def _attempt(self, held: HeldAttempt) -> None:
+        lease, run = held.lease, held.run
+        assert run is not None
         gpus = ", ".join(str(g.index) for g in run.gpus) or "none"
-        log.info("job %s attempt %d: starting on slot %d, GPUs %s", lease.job_id, lease.attempt, slot, gpus)
+        log.info(
+            "job %s attempt %d: starting on slot %d, GPUs %s", lease.job_id, lease.attempt, held.slot, gpus
+        )
         result: RunResult | None = None
         try:
-            result = await run.run()
+            try:
+                result = await run.run()
+            finally:
+                held.phase = Phase.ENDING
+                self._free(held, result)
+            if result.killed_by is not None and result.ending is not Ending.LOST and held.expired():
+                # Killed by a signal after the fence deadline: maybe by the fence itself (the orphan
+                # guard, while this worker was frozen). Not the job's outcome: the lease decides.
+                result = RunResult(Ending.LOST, None, result.dirty_gpus, result.killed_by)
+            await self._report(held, result)
         finally:
-            self._free(lease, result)
-        try:
-            await self._report(lease, result)
-        finally:
-            self._drop_lease(lease)
+            self._drop(held)
 
-    def _free(self, lease: Lease, result: RunResult | None) -> None:
+    def _free(self, held: HeldAttempt, result: RunResult | None) -> None:
         """Give the attempt's slot and GPUs back (the dirty ones into quarantine)."""
-        if result is None:  # the runner failed: no renewals, so the lease expires and it reruns
-            self._drop_lease(lease)
-        else:
+        if result is not None:
             for uuid, why in result.dirty_gpus.items():
-                self.allocator.quarantine(uuid, f"after job {lease.job_id}: {why}")
-        self.allocator.release(_holder(lease))
-        self._runs.pop(_key(lease), None)
-        self._slot_of.pop(_key(lease), None)
+                self.allocator.quarantine(uuid, f"after job {held.lease.job_id}: {why}")
+        self.allocator.release(held.lease.id)
+        held.slot = None
         self._slot_freed.set()
         if self.allocator.gpus:
             self._wake.set()  # the head of a queue may have been waiting for these GPUs
             if self.allocator.quarantined and self.probe is not None:
                 self._spawn(self._recheck_quarantine(), "quarantine check")
 
-    async def _report(self, lease: Lease, result: RunResult) -> None:
-        job = lease.job_id
+    async def _report(self, held: HeldAttempt, result: RunResult) -> None:
+        lease = held.lease
+        job, n = lease.job_id, lease.attempt
         if result.ending is Ending.LOST:
-            log.warning(
-                "job %s attempt %d: lease lost; the job was killed, nothing recorded", job, lease.attempt
-            )
+            log.warning("job %s attempt %d: killed, nothing recorded: the lease was lost", job, n)
         elif result.outcome is None:
-            state = await self._record(lease, "hand back", lambda: self.queue.release(lease))
-            log.info("job %s attempt %d: handed back (%s)", job, lease.attempt, state)
+            state = await self._record(held, "hand back", lambda: self.queue.release(lease))
+            if state is not None:
+                log.info("job %s attempt %d: handed back (%s)", job, n, state)
         else:
             outcome = result.outcome
             state = await self._record(
-                lease, "record the outcome", lambda: self.queue.complete(lease, outcome)
+                held, "record the outcome", lambda: self.queue.complete(lease, outcome)
             )
-            log.info("job %s attempt %d: %s %s", job, lease.attempt, state or outcome.state, outcome.detail)
+            how = f"{outcome.state}{' (' + outcome.detail + ')' if outcome.detail else ''}"
+            if state is None:
+                log.warning("job %s attempt %d: ended %s, but that outcome was not recorded", job, n, how)
+            elif state is JobState.QUEUED:
+                log.info("job %s attempt %d: %s; queued again for a retry", job, n, how)
+            else:
+                log.info("job %s attempt %d: %s", job, n, how)
 
     async def _record(
-        self, lease: Lease, what: str, call: Callable[[], Awaitable[JobState]]
+        self, held: HeldAttempt, what: str, call: Callable[[], Awaitable[JobState]]
     ) -> JobState | None:
-        """Run a fenced write, retrying while Redis is unreachable, for as long as the lease could
-        still hold (the heartbeat keeps renewing it meanwhile). None when it could not be made."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.heartbeat.lease
-        delay = 0.2
+        """Run a fenced write, retrying while Redis does not answer, until it does: then the
+        script decides whether the write counts (StaleAttempt: the lease had passed on). The
+        heartbeat keeps renewing the lease meanwhile. Gives up only when the worker is forced to
+        stop. None when the write was not made."""
+        job = held.lease.job_id
+        delay, said = 0.1, False
         while True:
             try:
                 return await call()
             except StaleAttempt as exc:
-                log.warning("job %s: could not %s: %s", lease.job_id, what, exc)
+                log.warning("job %s: could not %s: %s", job, what, exc)
                 return None
             except RedisError as exc:
-                if loop.time() + delay > deadline or self._forced.is_set():
-                    log.error("job %s: could not %s (%s); its lease will expire", lease.job_id, what, exc)
+                if self._forced.is_set():
+                    log.error("job %s: could not %s (%s); its lease will expire", job, what, exc)
                     return None
-                log.warning("job %s: could not %s (%s); retrying", lease.job_id, what, exc)
+                if not said:
+                    log.warning("job %s: could not %s yet (%s); trying until Redis answers", job, what, exc)
+                    said = True
                 await asyncio.sleep(delay)  # a back-off between retries
-                delay = min(delay * 2, 5.0)
+                delay = min(delay * 2, RECORD_RETRY)
 
     async def _recheck_quarantine(self) -> None:
         """A quarantined GPU no process holds memory on any more is clean: back into use."""
@@ -450,6 +564,33 @@ class Worker:
                 self.allocator.unquarantine(uuid)
                 self._wake.set()
 
+    # -- the self-fence ---------------------------------------------------------------------------
+
+    async def _fence(self) -> None:
+        """Kill every running attempt whose deadline passes (held.py): its lease may be another
+        worker's by then. An attempt whose processes have ended is never touched: its outcome is
+        still offered, and the fenced complete decides."""
+        while True:
+            self._deadlines.clear()
+            now = boottime()
+            running = [h for h in self._held.values() if h.phase is Phase.RUNNING and not h.fenced]
+            due = [h for h in running if h.deadline <= now]
+            if due:
+                reason = (
+                    f"no lease renewal for {self.heartbeat.lease - self.heartbeat.margin:.1f} s: "
+                    "the lease may have passed to another worker"
+                )
+                log.error("killing %d running jobs: %s", len(due), reason)
+                for h in due:
+                    assert h.run is not None
+                    h.run.lose(reason)
+                    h.fenced = True
+            left = [h.deadline - now for h in running if h not in due]
+            timeout = min(FENCE_CHECK, max(0.0, min(left))) if left else None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._deadlines.wait()
+
     # -- metrics ----------------------------------------------------------------------------------
 
     def _observe_heartbeat(self, round_trip: float | None) -> None:
@@ -460,37 +601,44 @@ class Worker:
 
     async def sample_metrics(self) -> None:
         """Before each scrape: the slots and quarantined GPUs as they are now."""
-        self.metrics.set_slots(len(self._runs), self.slots)
+        self.metrics.set_slots(self._busy(), self.slots)
         self.metrics.set_quarantined(self.allocator.quarantined)
 
     # -- heartbeat target -------------------------------------------------------------------------
 
     def registration(self) -> Registration:
-        self._registration.running = len(self._runs)
+        self._registration.running = self._busy()
         self._registration.gpus = self.allocator.describe()
         return self._registration
 
     def leases(self) -> Sequence[Lease]:
-        return list(self._leases.values())
+        return [h.lease for h in self._held.values()]
 
-    def renewed(self, statuses: Mapping[str, RenewStatus]) -> None:
-        for job_id, status in statuses.items():
-            lease = self._leases.get(job_id)
-            run = self._runs.get(_key(lease)) if lease is not None else None
-            if run is None:
-                continue
+    def renewed(self, statuses: Mapping[str, RenewStatus], until: float) -> None:
+        for lease_id, status in statuses.items():
+            held = self._held.get(lease_id)
+            if held is None:
+                continue  # ended meanwhile
             if status is RenewStatus.LOST:
-                run.lose("the lease was lost (this worker was presumed dead, or the job ended)")
-            elif status is RenewStatus.CANCEL:
-                run.cancel()
-
-    def fence(self, reason: str) -> None:
-        if self._runs:
-            log.error("killing %d running jobs: %s", len(self._runs), reason)
-        for run in self._runs.values():
-            run.lose(reason)
+                if held.run is not None:
+                    held.run.lose("the lease was lost (this worker was presumed dead, or the job ended)")
+                elif held.phase is Phase.CLAIMED:
+                    del self._held[lease_id]  # never started, and now never will
+                continue
+            if held.renewed(until):
+                self._guard.hold(lease_id, until)
+                self._deadlines.set()
+            if status is RenewStatus.CANCEL and held.run is not None:
+                held.run.cancel()
 
     # -- reads ------------------------------------------------------------------------------------
+
+    def _busy(self) -> int:
+        """Slots taken: attempts that hold one (from their start until their processes are gone)."""
+        return sum(1 for h in self._held.values() if h.slot is not None)
+
+    def _runs(self) -> list[Run]:
+        return [h.run for h in self._held.values() if h.run is not None and h.phase is Phase.RUNNING]
 
     def draining(self) -> bool:
         """True once `stop()` began: no more jobs are claimed."""
@@ -499,68 +647,4 @@ class Worker:
     @property
     def running(self) -> dict[str, Lease]:
         """The attempts running now, by job id."""
-        return {job_id: run.lease for (job_id, _), run in self._runs.items()}
-
-
-def _key(lease: Lease) -> tuple[str, int]:
-    return lease.job_id, lease.attempt
-
-
-def _holder(lease: Lease) -> str:
-    """The attempt as a GPU holder: two attempts of one job never share a GPU either."""
-    return f"{lease.job_id}#{lease.attempt}"
-
-
-class WorkerDaemon:
-    """Worker mode (`poold --worker`): the pool's Redis, the object store, a Worker, its metrics,
-    readiness and watchdog. `main` drives it like the server: `start()`, then on the first signal
-    `stop()` (drain), on a second `force()` (stop jobs now; attempts are still handed back)."""
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.redis = PoolRedis(config)
-        self.worker: Worker | None = None
-        self.store: ObjectStore | None = None
-        self.metrics_server: MetricsServer | None = None
-        self._tasks = TaskSet()
-
-    async def start(self) -> None:
-        c = self.config
-        if c.embedded:
-            raise GpupoolError(
-                "worker mode needs worker_mode = multinode and the pool's Redis (redis_ip, redis_port, "
-                "main_server_redis_password); in singlenode mode the server runs its own slots"
-            )
-        client = await self.redis.start()
-        queue = JobQueue(
-            client, lease_seconds=c.worker_healthy_response_period, retention_seconds=int(c.job_retention)
-        )
-        self.store = await open_worker_store(c)
-        self.worker = Worker.from_config(queue, c, store=self.store)
-        await self.worker.start()
-        self.metrics_server = await serve_for(
-            self.worker.metrics.registry, c, worker=True, before_scrape=self.worker.sample_metrics
-        )
-        if (interval := notify.watchdog_interval()) is not None:
-            self._tasks.spawn(notify.watchdog(interval), "watchdog")
-        w = self.worker
-        notify.ready(f"worker {w.id}: {w.slots} slots, queues {', '.join(w.queues)}")
-
-    def force(self) -> None:
-        if self.worker is not None:
-            self.worker.force()
-
-    async def stop(self) -> None:
-        """Drain the worker, then close what start() opened, in reverse order. Safe to call twice."""
-        if self.worker is not None:
-            notify.stopping(f"draining {len(self.worker.running)} running jobs")
-            await self.worker.stop()
-            self.worker = None
-        if self.metrics_server is not None:
-            await self.metrics_server.close()
-            self.metrics_server = None
-        await self._tasks.stop()
-        if self.store is not None:
-            await self.store.close()
-            self.store = None
-        await self.redis.stop()
+        return {h.lease.job_id: h.lease for h in self._held.values() if h.phase is Phase.RUNNING}

@@ -36,7 +36,6 @@ class Target:
         self.reg = Registration(id=worker, slots=len(leases), queues=["default"], healthy_period=30)
         self.held = list(leases)
         self.statuses: list[Mapping[str, RenewStatus]] = []
-        self.fenced: list[str] = []
 
     def registration(self) -> Registration:
         return self.reg
@@ -44,15 +43,20 @@ class Target:
     def leases(self) -> Sequence[Lease]:
         return self.held
 
-    def renewed(self, statuses: Mapping[str, RenewStatus]) -> None:
+    def renewed(self, statuses: Mapping[str, RenewStatus], until: float) -> None:
         self.statuses.append(statuses)
 
-    def fence(self, reason: str) -> None:
-        self.fenced.append(reason)
 
-
-# What heartbeat.lua and renew.lua call inside Redis: commandstats counts those calls too.
-IN_SCRIPTS = {"cmdstat_time", "cmdstat_hset", "cmdstat_zadd", "cmdstat_hmget", "cmdstat_zscore"}
+# What heartbeat.lua and renew.lua call inside Redis: commandstats counts those calls too (SADD:
+# the heartbeat names the worker's queues in the pool's queue set).
+IN_SCRIPTS = {
+    "cmdstat_time",
+    "cmdstat_hset",
+    "cmdstat_zadd",
+    "cmdstat_hmget",
+    "cmdstat_zscore",
+    "cmdstat_sadd",
+}
 
 
 async def commands(redis: Redis) -> dict[str, int]:
@@ -124,9 +128,9 @@ async def test_heartbeat_survives_a_flushed_script_cache(redis: Redis) -> None:
     lease = await queue.claim("w1", ["default"])
     assert lease is not None
     beat = Heartbeat(queue, Target("w1", [lease]), interval=1.0)
-    assert await beat.beat() == {lease.job_id: RenewStatus.OK}
+    assert await beat.beat() == {lease.id: RenewStatus.OK}
     await redis.script_flush()  # as after a Redis restart
-    assert await beat.beat() == {lease.job_id: RenewStatus.OK}
+    assert await beat.beat() == {lease.id: RenewStatus.OK}
 
 
 @pytest.mark.parametrize("slots", [1, 2])

@@ -87,11 +87,11 @@ async def test_logs_follow_prints_live_output_and_exits_with_the_job_code(pool: 
     job_id = out.strip()
     lease = await pool.queue.claim("stand-in", ["default"])
     assert lease is not None
-    await pool.queue.append_log(lease, [b"hi\n"])
+    await pool.queue.append_log(lease, 1, [b"hi\n"])
     follower = asyncio.create_task(poolctl(env, "logs", "-f", job_id))
     await asyncio.sleep(0.5)
     assert not follower.done()
-    await pool.queue.append_log(lease, [b"bye\n"])
+    await pool.queue.append_log(lease, 2, [b"bye\n"])
     await pool.queue.complete(lease, Outcome(JobState.FAILED, exit_code=7))
     code, out, _ = await follower
     assert (code, out) == (7, "hi\nbye\n")

@@ -119,7 +119,7 @@ async def test_follow_logs_streams_live_and_ends_with_the_exit_code(pool: Pool) 
         job_id = (await c.call(Enqueue(job("train"), None), Enqueued)).job_id
         lease = await pool.queue.claim("stand-in", ["default"])
         assert lease is not None
-        await pool.queue.append_log(lease, [b"epoch 1\n"])
+        await pool.queue.append_log(lease, 1, [b"epoch 1\n"])
         chunks: list[bytes] = []
         got_first = asyncio.Event()
 
@@ -135,7 +135,7 @@ async def test_follow_logs_streams_live_and_ends_with_the_exit_code(pool: Pool) 
         follower = asyncio.create_task(follow())
         await asyncio.wait_for(got_first.wait(), 10)
         assert chunks == [b"epoch 1\n"]  # seen while the job still runs
-        await pool.queue.append_log(lease, [b"epoch 2\n"])
+        await pool.queue.append_log(lease, 2, [b"epoch 2\n"])
         await pool.queue.complete(lease, Outcome(JobState.FAILED, exit_code=3))
         end = await asyncio.wait_for(follower, 10)
     assert chunks == [b"epoch 1\n", b"epoch 2\n"]

@@ -2,6 +2,7 @@
 -- its entry deleted, so no claim can deliver it). A running job is flagged: its worker learns it
 -- on its next renew, stops the process and completes the attempt as cancelled; if that worker is
 -- dead, the reaper cancels the job instead of requeueing it. A finished job is left as it is.
+-- Safe to run twice (the second run finds the state the first left).
 -- KEYS: 1 stream, 2 retry, 3 events
 -- ARGV: 1 queue key prefix, 2 group, 3 job id, 4 retention (s)
 -- Returns the job's state afterwards: 'cancelled' | 'cancelling' | the terminal state | 'missing'.
@@ -12,7 +13,7 @@ local state = redis.call('HGET', jobkey, 'state')
 if not state then return 'missing' end
 if state == 'queued' then
   redis.call('ZREM', retry, id)
-  finish(stream, group, events, jobkey, id, 'cancelled', now_ms(), tonumber(ARGV[4]))
+  finish(prefix, stream, group, events, id, 'cancelled', now_ms(), tonumber(ARGV[4]))
   return 'cancelled'
 end
 if state == 'running' then

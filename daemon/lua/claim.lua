@@ -1,27 +1,70 @@
 -- claim: hand up to N next jobs of one queue to a worker, as leases.
 -- Guarantees (atomic, so under any number of concurrent claimers):
 --  * one holder: a job is popped from `retry` or delivered by the consumer group, each of which
---    happens once, and it becomes running with attempt+1 under this worker, with a lease deadline;
---  * order: reclaimed jobs (lowest enqueue seq first) go before any job not yet started; stream
---    entries go strictly in enqueue order. Head of line: when the next job needs more GPUs than
---    the claimer has free (less what this call already handed out), claiming stops there and that
---    job waits for a worker that has them. A job asking for 0 GPUs needs the claimer's default
---    (its slot's share of the worker's GPUs);
---  * the attempt number rises on every claim: it is the lease's fencing token;
---  * cancelled jobs and wake markers met on the way are acknowledged and deleted, never run.
--- KEYS: 1 stream, 2 retry, 3 leases
+--    happens once, and it becomes running with attempt+1 under this worker, with a lease deadline
+--    and a lease id that no other claim ever gets (the worker's id, its request number, an index);
+--  * order: jobs at the front (`retry`: reclaimed, handed back, passed over) go before any job not
+--    yet started, lowest enqueue seq first; stream entries go strictly in enqueue order. Head of
+--    line: when the next job needs more GPUs than the claimer has free (less what this call
+--    already handed out), claiming stops there and that job waits for them. A job that needs more
+--    GPUs than the claimer has at all can never run there and never blocks it: it is passed over
+--    (moved from the stream to the front, still queued) for a worker that can hold it. A job
+--    asking for 0 GPUs needs the claimer's default (its slot's share of the worker's GPUs);
+--  * the attempt number rises on every claim;
+--  * once per request: the worker numbers its claims; a request it sends again (its reply was
+--    lost) answers the same leases without claiming more, and an older request arriving late
+--    claims nothing (the worker's memo, one small key per worker and queue, lives one lease);
+--  * at maxmemory the claim is refused whole: its first write is the memo (see _lib.lua);
+--  * cancelled jobs met on the way are acknowledged and deleted, never run.
+-- KEYS: 1 stream, 2 retry, 3 leases, 4 the worker's claim memo
 -- ARGV: 1 queue key prefix, 2 group, 3 consumer (worker id), 4 GPUs free, 5 lease duration (ms),
---       6 GPUs a job asking for 0 gets (optional, default 0), 7 most jobs to claim (default 1)
--- Returns {status, cursor, id, attempt, spec, id, attempt, spec, ...}: the claimed jobs, and why
--- claiming stopped: 'claimed' (N jobs), 'empty' (nothing more) or 'blocked' (the next job needs
--- more GPUs). cursor is the stream id to wait after (XREAD BLOCK) before a claim can find more.
-local stream, retry, leases = KEYS[1], KEYS[2], KEYS[3]
+--       6 GPUs a job asking for 0 gets, 7 most jobs to claim, 8 GPUs the worker has in all,
+--       9 request number (rises with every new request of this worker)
+-- Returns {status, stream cursor, wake cursor, id, attempt, lease, spec, id, attempt, lease, spec,
+-- ...}: the claimed jobs, and why claiming stopped: 'claimed' (N jobs, or a request answered
+-- again), 'empty' (nothing more) or 'blocked' (the next job needs more GPUs than are free). The
+-- cursors are the stream ids to wait after (XREAD BLOCK on the stream and the `wake` stream)
+-- before a claim can find more.
+local stream, retry, leases, memo = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, group, consumer = ARGV[1], ARGV[2], ARGV[3]
 local gpus_free, lease_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
-local default_gpus = tonumber(ARGV[6]) or 0
-local wanted = tonumber(ARGV[7]) or 1
+local default_gpus, wanted, gpus_total = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local request = tonumber(ARGV[9])
 local now = now_ms()
-local claimed = {}
+local claimed, ids = {}, {}
+
+local function lease_of(i)
+  return consumer .. '/' .. request .. '.' .. i
+end
+
+local function reply(status, cursor)
+  local top = redis.call('XREVRANGE', prefix .. 'wake', '+', '-', 'COUNT', 1)[1]
+  local out = {status, cursor, top and top[1] or '0-0'}
+  for _, v in ipairs(claimed) do out[#out + 1] = v end
+  return out
+end
+
+local function add(id, jobkey)
+  local j = redis.call('HMGET', jobkey, 'attempt', 'lease', 'spec')
+  for _, v in ipairs({id, j[1], j[2], j[3]}) do claimed[#claimed + 1] = v end
+end
+
+-- The same request again: answer the leases it got that are still this worker's.
+local seen = redis.call('HMGET', memo, 'request', 'jobs')
+if seen[1] and tonumber(seen[1]) >= request then
+  if tonumber(seen[1]) == request then
+    local i = 0
+    for id in string.gmatch(seen[2], '%S+') do
+      i = i + 1
+      local jobkey = prefix .. 'job:' .. id
+      local j = redis.call('HMGET', jobkey, 'state', 'worker', 'lease')
+      if j[1] == 'running' and j[2] == consumer and j[3] == lease_of(i) then add(id, jobkey) end
+    end
+  end
+  return reply('claimed', '0-0')
+end
+redis.call('HSET', memo, 'request', request, 'jobs', '')
+redis.call('PEXPIRE', memo, lease_ms)
 
 local function need(jobkey)
   local want = tonumber(redis.call('HGET', jobkey, 'gpus')) or 0
@@ -36,31 +79,40 @@ end
 
 local function start(id, jobkey, gpus)
   gpus_free = gpus_free - gpus
+  ids[#ids + 1] = id
+  local lease = lease_of(#ids)
   local attempt = redis.call('HINCRBY', jobkey, 'attempt', 1)
-  redis.call('HSET', jobkey, 'state', 'running', 'worker', consumer, 'started_at', now)
+  redis.call('HSET', jobkey, 'state', 'running', 'worker', consumer, 'started_at', now, 'lease', lease,
+    'log_n', 0)
   redis.call('ZADD', leases, now + lease_ms, id)
   redis.call('RPUSH', jobkey .. ':attempts',
     cjson.encode({attempt = attempt, worker = consumer, started_at = now, how = 'running'}))
-  for _, v in ipairs({id, attempt, redis.call('HGET', jobkey, 'spec')}) do claimed[#claimed + 1] = v end
+  add(id, jobkey)
 end
 
 local function stop(status, cursor)
-  local reply = {status, cursor}
-  for _, v in ipairs(claimed) do reply[#reply + 1] = v end
-  return reply
+  redis.call('HSET', memo, 'jobs', table.concat(ids, ' '))
+  return reply(status, cursor)
 end
 
-while #claimed < wanted * 3 do
-  local reclaimed = redis.call('ZRANGE', retry, 0, 0)[1]
-  if not reclaimed then break end
-  local jobkey = prefix .. 'job:' .. reclaimed
+-- The front, lowest seq first; passing over the jobs too big for this worker (a bounded scan).
+local rank, passed = 0, 0
+while #ids < wanted and passed < 100 do
+  local front = redis.call('ZRANGE', retry, rank, rank)[1]
+  if not front then break end
+  local jobkey = prefix .. 'job:' .. front
   local gpus = need(jobkey)
-  if gpus > gpus_free then return stop('blocked', newest()) end
-  redis.call('ZREM', retry, reclaimed)
-  redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
-  start(reclaimed, jobkey, gpus)
+  if gpus > gpus_total then
+    rank, passed = rank + 1, passed + 1
+  elseif gpus > gpus_free then
+    return stop('blocked', newest())
+  else
+    redis.call('ZREM', retry, front)
+    redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
+    start(front, jobkey, gpus)
+  end
 end
-if #claimed == wanted * 3 then return stop('claimed', '0-0') end
+if #ids == wanted then return stop('claimed', '0-0') end
 
 if redis.call('EXISTS', stream) == 0 then return stop('empty', '0-0') end
 local last = '0-0'
@@ -70,9 +122,9 @@ for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
   if fields['name'] == group then last = fields['last-delivered-id'] end
 end
 
--- Bounded: a long run of dropped entries ends this call; the caller claims again at once.
+-- Bounded: a long run of dropped or passed-over entries ends this call; the caller claims again.
 for _ = 1, 100 + wanted do
-  if #claimed == wanted * 3 then return stop('claimed', last) end
+  if #ids == wanted then return stop('claimed', last) end
   local nxt = redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', 1)[1]
   if not nxt then return stop('empty', last) end
   local entry, fields = nxt[1], nxt[2]
@@ -80,9 +132,16 @@ for _ = 1, 100 + wanted do
   local jobkey = id and (prefix .. 'job:' .. id)
   local state = jobkey and redis.call('HGET', jobkey, 'state')
   local gpus = state == 'queued' and need(jobkey) or 0
-  if gpus > gpus_free then return stop('blocked', newest()) end
+  if gpus > gpus_free and gpus <= gpus_total then return stop('blocked', newest()) end
   redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', stream, '>')
-  if state == 'queued' then start(id, jobkey, gpus) else drop_entry(stream, group, entry) end
+  if state ~= 'queued' then
+    drop_entry(stream, group, entry)
+  elseif gpus > gpus_total then
+    to_front(prefix, stream, group, retry, id)  -- passed over: queued at the front for a bigger worker
+    wake(prefix)
+  else
+    start(id, jobkey, gpus)
+  end
   last = entry
 end
-return stop(#claimed > 0 and 'claimed' or 'empty', last)
+return stop(#ids > 0 and 'claimed' or 'empty', last)

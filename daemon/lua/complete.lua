@@ -1,29 +1,37 @@
 -- complete: record how an attempt ended, exactly once.
--- Guarantees: the outcome is written only when ARGV's attempt is the job's current attempt and the
--- job is running under this worker (the fencing token); otherwise nothing changes and the answer
--- is {'stale', state, attempt}. When accepted, the lease, the stream entry (acked and deleted),
--- the job's state and its history change together, and a terminal event goes to `events`. A
--- failed attempt with retries left goes back to the front of the queue instead ({'retry'}).
+-- Guarantees: the outcome is written only when ARGV's lease is the job's current one (the job is
+-- running this attempt under this worker with this lease id: the fencing token); otherwise
+-- nothing changes and the answer is {'stale', state, attempt}. When accepted, the lease, the stream
+-- entry (acked and deleted), the job's state and its history change together, and a terminal event
+-- goes to `events`. A failed attempt with retries left goes back to the front of the queue instead
+-- (queued); retries are counted in `failures`, apart from losses. The same call again (its reply
+-- was lost), or any later complete of this lease, answers as the first did and changes nothing. At maxmemory it still runs (its first
+-- write is a deletion): recording outcomes is how the pool frees memory.
 -- KEYS: 1 stream, 2 leases, 3 events, 4 retry
--- ARGV: 1 queue key prefix, 2 group, 3 consumer, 4 job id, 5 attempt, 6 state, 7 exit code ('' if
---       none), 8 detail, 9 result (msgpack, opaque here), 10 retention (s)
+-- ARGV: 1 queue key prefix, 2 group, 3 consumer, 4 job id, 5 attempt, 6 lease id, 7 state,
+--       8 exit code ('' if none), 9 detail, 10 result (msgpack, opaque here), 11 retention (s)
+-- Returns {state afterwards} (the outcome's, or 'queued' for a retry) | {'stale', state, attempt}.
 local stream, leases, events, retry = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, group, consumer, id = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local attempt, state = ARGV[5], ARGV[6]
+local attempt, lease, state = ARGV[5], ARGV[6], ARGV[7]
 local jobkey = prefix .. 'job:' .. id
-local j = redis.call('HMGET', jobkey, 'state', 'attempt', 'worker', 'failures', 'retries', 'cancel')
-if j[1] ~= 'running' or j[2] ~= attempt or j[3] ~= consumer then
+local j = redis.call('HMGET', jobkey, 'state', 'attempt', 'worker', 'lease', 'failures', 'retries', 'cancel',
+  'ended_by', 'ended_as')
+if j[8] == lease then return {j[9]} end  -- this lease ended already: as it did then
+if not holds(j, attempt, consumer, lease) then
   return {'stale', j[1] or 'missing', j[2] or '0'}
 end
 local now = now_ms()
 redis.call('ZREM', leases, id)
-redis.call('HSET', jobkey, 'exit_code', ARGV[7], 'detail', ARGV[8], 'result', ARGV[9])
+redis.call('HSET', jobkey, 'exit_code', ARGV[8], 'detail', ARGV[9], 'result', ARGV[10])
 close_attempt(jobkey, state, now)
-if state == 'failed' and j[6] ~= '1' and tonumber(j[4]) < tonumber(j[5]) then
+local after = state
+if state == 'failed' and j[7] ~= '1' and tonumber(j[5]) < tonumber(j[6]) then
   redis.call('HINCRBY', jobkey, 'failures', 1)
-  requeue(stream, group, retry, jobkey, id)
-  wake(stream)
-  return {'retry'}
+  requeue(prefix, stream, group, retry, id)
+  after = 'queued'
+else
+  finish(prefix, stream, group, events, id, state, now, tonumber(ARGV[11]))
 end
-finish(stream, group, events, jobkey, id, state, now, tonumber(ARGV[10]))
-return {'ok'}
+redis.call('HSET', jobkey, 'ended_by', lease, 'ended_as', after)
+return {after}

@@ -1,11 +1,13 @@
 -- reclaim: take back the attempts whose lease deadline (Redis server time) has passed.
 -- Guarantees: only a lease past its deadline is taken, so a job whose worker keeps renewing is
 -- never reclaimed however long it runs. Each taken attempt is closed as 'lost' in the history and
--- its job goes back to the front of the queue (`retry`, claimed before any job not yet started,
--- with attempt+1 at that claim, which fences the old holder out), or, when the user cancelled
--- it, becomes cancelled; or, after max_attempts lost attempts (attempts a draining worker handed
--- back with release.lua do not count), dead (dead-letter). Entries stay pending
--- until the job ends, so nothing a reclaimed job needs is ever trimmed.
+-- counted in `losses`; its job goes back to the front of the queue (`retry`, claimed before any
+-- job not yet started, with attempt+1 and a new lease id at that claim, which fences the old
+-- holder out), or, when the user cancelled it, becomes cancelled; or, once `losses` reaches
+-- max_attempts, dead (dead-letter). Losses alone count: attempts that failed and were retried
+-- (`failures`) and attempts a draining worker handed back (`handbacks`) do not. Entries stay
+-- pending until the job ends, so nothing a reclaimed job needs is ever trimmed. Safe to run twice
+-- (a lease taken is gone); at maxmemory it still runs (its first write is a deletion).
 -- KEYS: 1 stream, 2 retry, 3 leases, 4 events
 -- ARGV: 1 queue key prefix, 2 group, 3 most to take in one call, 4 retention (s)
 -- Returns a flat list: job id, new state, job id, new state, ...
@@ -13,28 +15,26 @@ local stream, retry, leases, events = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, group, limit, retention = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local now = now_ms()
 local out = {}
-local requeued = false
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, limit)) do
   redis.call('ZREM', leases, id)
   local jobkey = prefix .. 'job:' .. id
-  local j = redis.call('HMGET', jobkey, 'state', 'attempt', 'max_attempts', 'cancel', 'handbacks')
+  local j = redis.call('HMGET', jobkey, 'state', 'max_attempts', 'cancel')
   if j[1] == 'running' then
     close_attempt(jobkey, 'lost', now)
+    local losses = redis.call('HINCRBY', jobkey, 'losses', 1)
     local state
-    if j[4] == '1' then
+    if j[3] == '1' then
       state = 'cancelled'
-    elseif tonumber(j[2]) - (tonumber(j[5]) or 0) >= tonumber(j[3]) then  -- hand-backs are not losses
+    elseif losses >= tonumber(j[2]) then
       state = 'dead'
-      redis.call('HSET', jobkey, 'detail', 'lost ' .. j[2] .. ' attempts (max_attempts)')
+      redis.call('HSET', jobkey, 'detail', 'lost ' .. losses .. ' attempts (max_attempts)')
     else
       state = 'queued'
-      requeue(stream, group, retry, jobkey, id)
-      requeued = true
+      requeue(prefix, stream, group, retry, id)
     end
-    if state ~= 'queued' then finish(stream, group, events, jobkey, id, state, now, retention) end
+    if state ~= 'queued' then finish(prefix, stream, group, events, id, state, now, retention) end
     out[#out + 1] = id
     out[#out + 1] = state
   end
 end
-if requeued then wake(stream) end
 return out
