@@ -20,7 +20,7 @@ from typing import Any, cast
 import msgpack
 import orjson
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from daemon import keys
 from daemon.config import Config
@@ -73,7 +73,7 @@ def unanswered(exc: BaseException) -> bool:
 
 def out_of_memory(exc: BaseException) -> bool:
     """Redis refused a write at its maxmemory (directly, or inside a script)."""
-    return isinstance(exc, ResponseError) and "OOM" in str(exc)
+    return isinstance(exc, OutOfMemoryError) or (isinstance(exc, ResponseError) and "OOM" in str(exc))
 
 
 def _raise_if_stale(lease: Lease, reply: Sequence[Any]) -> None:

@@ -47,6 +47,15 @@ class PoolServer:
         return None  # open mode; Listener allows it on loopback only
 
     async def start(self) -> None:
+        """Bring the pool up. If any part fails to start, what did start is stopped again before
+        the error goes on: a failed start leaves no task, socket or process behind."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         c = self.config
         if bool(c.tls_cert) != bool(c.tls_key):
             raise ListenerError("tls_cert and tls_key go together: give both, or neither")
@@ -86,8 +95,9 @@ class PoolServer:
             self.metrics.registry, c, worker=False, before_scrape=self.metrics.refresh
         )
         if c.embedded and c.worker_local_processors > 0:
-            self.local = Worker.from_config(self.queue, c, slots=c.worker_local_processors, store=self.store)
-            await self.local.start()
+            local = Worker.from_config(self.queue, c, slots=c.worker_local_processors, store=self.store)
+            await local.start()  # leaves nothing running if it fails
+            self.local = local
         if c.embedded:
             tokens.publish_local_server(self.listener.address)
         where = f"embedded, data in {c.data_path()}" if self.redis.embedded else c.worker_mode

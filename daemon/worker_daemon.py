@@ -29,6 +29,14 @@ class WorkerDaemon:
         self._tasks = TaskSet()
 
     async def start(self) -> None:
+        """Start everything; on a failure, stop what did start before the error goes on."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         c = self.config
         if c.embedded:
             raise GpupoolError(

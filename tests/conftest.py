@@ -9,8 +9,12 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import os
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,7 @@ import pytest
 import uvloop
 from redis.asyncio import Redis
 
+from daemon.aio import cancel_and_wait
 from daemon.embedded_redis import EmbeddedRedis
 from daemon.queue import JobQueue
 from storage.s3 import S3Store
@@ -33,6 +38,68 @@ def pytest_asyncio_loop_factories(
     if getattr(getattr(item, "module", None), "__name__", "").endswith("test_spawn"):
         return {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
     return {"uvloop": uvloop.new_event_loop}
+
+
+# -- no test may hang the suite --------------------------------------------------------------------
+# pytest-timeout fails a test that runs too long, but a failure can still hang in its teardown: a
+# test that fails half-way may leave servers or sockets open, and uvloop's loop.close() then waits
+# in uv_run for ever (a `make test` once sat there until CI's limit). Two bounds, so that cannot be:
+# `_nothing_left_running` cancels, within a bound, the tasks a test left behind; and the watchdog
+# below ends the whole run, with every thread's stack, if one test, teardown included, outlives
+# its timeout by TEARDOWN_GRACE.
+
+TEARDOWN_GRACE = float(os.environ.get("GPUPOOL_TEST_TEARDOWN_GRACE", "60"))
+LEFTOVER_TASKS_SECONDS = 10.0
+
+
+def _timeout_of(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    return float(item.config.getini("timeout") or 120)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None]:
+    limit = _timeout_of(item) + TEARDOWN_GRACE
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(limit):
+            return
+        capture = item.config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:
+            capture.suspend_global_capture(in_=True)  # what follows must reach the real stderr
+        sys.stderr.write(
+            f"\n{item.nodeid} has not ended {limit:g} s after it began (teardown included): stopping\n"
+        )
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="test watchdog", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+@pytest.fixture(autouse=True)
+async def _nothing_left_running() -> AsyncIterator[None]:
+    """After each test: cancel, within a bound, every task it left running (a failed test's
+    servers, readers, loops), so that closing its event loop cannot wait on them."""
+    yield
+    current = asyncio.current_task()
+    left = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    if left:
+        try:
+            async with asyncio.timeout(LEFTOVER_TASKS_SECONDS):
+                await asyncio.gather(*(cancel_and_wait(t) for t in left), return_exceptions=True)
+        except TimeoutError:
+            names = ", ".join(t.get_name() for t in left if not t.done())
+            pytest.fail(
+                f"tasks still running {LEFTOVER_TASKS_SECONDS:g} s after they were cancelled: {names}"
+            )
 
 
 @pytest.fixture

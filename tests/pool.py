@@ -60,6 +60,7 @@ def pool_config(redis_server: EmbeddedRedis, tmp: Path, **overrides: Any) -> con
         "redis_port": redis_server.port,
         "main_server_redis_password": redis_server.password,
         "listen": "127.0.0.1:0",
+        "metrics_listen": "127.0.0.1:0",
         "tokens_file": str(tokens_file),
         "data_dir": str(tmp / "data"),
         "redis_result_queue_polling_interval": 50.0,
