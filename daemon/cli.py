@@ -65,6 +65,11 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("enqueue", help="queue a job: poolctl enqueue [options] -- CMD [ARG...]")
     e.add_argument("--queue", "-q", default="default")
     e.add_argument("--gpus", type=int, default=0, help="GPUs the job needs")
+    e.add_argument(
+        "--wait-for-worker",
+        action="store_true",
+        help="queue a --gpus job even if no worker in the pool has that many GPUs yet",
+    )
     e.add_argument("--name", default="")
     e.add_argument(
         "--env", action="append", default=[], metavar="K=V", help="environment variable (repeatable)"
@@ -239,6 +244,7 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         "name": args.name,
         "env": env,
         "gpus": args.gpus,
+        "wait_for_worker": args.wait_for_worker,
         "timeout": args.timeout,
         "retries": args.retries,
         "max_attempts": args.max_attempts,

@@ -119,7 +119,8 @@ OPTIONS: tuple[Option, ...] = (
         "redis_result_queue_polling_interval",
         float,
         100.0,
-        "ms: the longest the server may take to see a result",
+        "ms: the longest the server may take to see a result (a blocking read sees it at once; one "
+        "in a queue new to the server, within a second at most)",
         lo=1,
         hi=60_000,
     ),

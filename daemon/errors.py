@@ -37,6 +37,25 @@ class InvalidJob(GpupoolError):
         self.field = field
 
 
+class NoWorkerFits(GpupoolError):
+    """A job asks for more GPUs than any worker of the pool that serves its queue has."""
+
+    code = "no_worker_fits"
+
+    def __init__(self, gpus: int, queue: str, largest: int | None) -> None:
+        have = (
+            f"no worker serving queue {queue!r} has joined the pool"
+            if largest is None
+            else f"the largest worker serving queue {queue!r} has {largest}"
+        )
+        super().__init__(
+            f"needs {gpus} GPU{'s' if gpus != 1 else ''}; {have}. Enqueue it with --wait-for-worker "
+            "to keep it queued until such a worker joins (the jobs behind it run meanwhile)"
+        )
+        self.gpus = gpus
+        self.largest = largest
+
+
 class JobNotFound(GpupoolError):
     code = "not_found"
 

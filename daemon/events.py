@@ -1,8 +1,12 @@
 """Terminal-state notifications for `poolctl wait` and friends, from one blocking read.
 
 One task per server reads the `events` streams of every queue with XREAD BLOCK (no polling) and
-wakes the waiters of each job that ended. A waiter registers first and checks the job's state
-second, so an event between the two cannot be missed.
+wakes the waiters of each job that ended. The pool's queue set is read again at most every
+`refresh` seconds (and the read blocks for no longer), so an idle server costs Redis one SMEMBERS
+and one XREAD a second whatever the number of queues. Its cursors start where the events stood
+when the server started (`prime`, before any client can ask), so nothing that ends after that is
+skipped. Events are a wake-up, not the truth: a waiter checks the job's state after registering,
+and again every so often (handlers.py), so a lost or unseen event can delay an answer, never hang it.
 """
 
 from __future__ import annotations
@@ -40,14 +44,14 @@ def _seconds(value: bytes | None) -> float | None:
 
 class JobEvents:
     def __init__(
-        self, queue: JobQueue, block_seconds: float, on_terminal: Callable[[Terminal], None] | None = None
+        self, queue: JobQueue, refresh_seconds: float, on_terminal: Callable[[Terminal], None] | None = None
     ) -> None:
         self.queue = queue
         self.on_terminal = on_terminal
-        self.block = block_seconds
+        self.refresh = refresh_seconds
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._cursors: dict[str, str] = {}
-        self._started = False
+        self._refreshed = float("-inf")
 
     @contextlib.asynccontextmanager
     async def watching(self, job_ids: list[str]) -> AsyncIterator[asyncio.Event]:
@@ -65,9 +69,14 @@ class JobEvents:
                     if not waiters:
                         del self._waiters[job_id]
 
+    async def prime(self) -> None:
+        """Start every known queue's cursor at its newest event: history is not news."""
+        for q in await self.queue.queues():
+            self._cursors[q] = await self.queue.last_event_id(q)
+        self._refreshed = asyncio.get_running_loop().time()
+
     async def run(self) -> None:
-        """Read terminal events until cancelled. New queues are picked up on the next pass, which
-        comes at least every `block_seconds`."""
+        """Read terminal events until cancelled."""
         while True:
             try:
                 await self._pass()
@@ -76,17 +85,17 @@ class JobEvents:
                 await asyncio.sleep(1)
 
     async def _pass(self) -> None:
-        for q in await self.queue.queues():
-            if q not in self._cursors:
-                # Queues there at start: from their newest event (history is not news). A queue that
-                # appears later: from its first event, which may predate our noticing the queue.
-                self._cursors[q] = await self.queue.last_event_id(q) if not self._started else "0-0"
-        self._started = True
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._refreshed >= self.refresh:
+            for q in await self.queue.queues():
+                # a queue that appears later: from its first event, which may predate our noticing it
+                self._cursors.setdefault(q, "0-0")
+            self._refreshed = loop.time()
         if not self._cursors:
-            await asyncio.sleep(self.block)
+            await asyncio.sleep(self.refresh)
             return
         streams = {keys.events(q): cursor for q, cursor in self._cursors.items()}
-        for stream, entries in await xread(self.queue.redis, streams, block=self.block):
+        for stream, entries in await xread(self.queue.redis, streams, block=self.refresh):
             q = stream.split("{q:", 1)[1].split("}", 1)[0]
             for entry_id, fields in entries:
                 self._cursors[q] = entry_id.decode()

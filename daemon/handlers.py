@@ -18,7 +18,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from daemon.datadesk import BadDataRequest, DataDesk, DataNotFound
-from daemon.errors import GpupoolError, InvalidJob, JobNotFound
+from daemon.errors import GpupoolError, InvalidJob, JobNotFound, NoWorkerFits
 from daemon.events import JobEvents
 from daemon.job import JobInfo, JobSpec, JobState
 from daemon.metrics import ServerMetrics
@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 10_000
 MAX_LIST = 10_000
 LOG_BLOCK_SECONDS = 1.0
+WAIT_RECHECK = 2.0  # seconds between looks at the state of jobs a `wait` waits for
 
 SendStream = Callable[[StreamItem], Awaitable[None]]
 WorkerLister = Callable[[], Awaitable[list[dict[str, Any]]]]
@@ -76,7 +77,7 @@ class RequestError(Exception):
 def _error_for(exc: GpupoolError) -> RequestError:
     if isinstance(exc, JobNotFound | DataNotFound):
         return RequestError(ErrorCode.NOT_FOUND, exc.message)
-    if isinstance(exc, InvalidJob | BadDataRequest):
+    if isinstance(exc, InvalidJob | BadDataRequest | NoWorkerFits):
         return RequestError(ErrorCode.INVALID_ARGUMENT, exc.message)
     return RequestError(ErrorCode.INTERNAL, exc.message)
 
@@ -152,6 +153,7 @@ class Handlers:
 
     async def _enqueue(self, spec: dict[str, Any], key: str | None, user: str) -> Enqueued:
         job_spec = _spec(spec, user)
+        await self._check_fits([job_spec])
         job_id, created = await self.queue.enqueue(job_spec, key)
         if created and self.metrics is not None:
             self.metrics.job_enqueued(job_spec.queue)
@@ -161,11 +163,26 @@ class Handlers:
         if len(specs) > MAX_BATCH:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"a batch holds at most {MAX_BATCH} jobs")
         job_specs = [_spec(s, user) for s in specs]
+        await self._check_fits(job_specs)
         ids = await self.queue.enqueue_many(job_specs)
         if self.metrics is not None:
             for q, count in Counter(s.queue for s in job_specs).items():
                 self.metrics.job_enqueued(q, count)
         return EnqueuedBatch(ids)
+
+    async def _check_fits(self, specs: list[JobSpec]) -> None:
+        """Refuse a job that asks for more GPUs than every registered worker serving its queue has
+        (dead ones included: they may come back), unless it asks to wait for such a worker. Such a
+        job would never start; queued anyway, workers pass it over (claim.lua)."""
+        wanting = [s for s in specs if s.gpus and not s.wait_for_worker]
+        if not wanting:
+            return
+        workers = await self.workers()
+        for spec in wanting:
+            sizes = [len(w.get("gpus", ())) for w in workers if spec.queue in w.get("queues", ())]
+            largest = max(sizes) if sizes else None
+            if spec.gpus > (largest or 0):
+                raise NoWorkerFits(spec.gpus, spec.queue, largest)
 
     async def _list(
         self, q: str | None, state: str | None, everything: bool, limit: int
@@ -190,7 +207,10 @@ class Handlers:
         ahead = sum(1 for j in queued if j.state is JobState.QUEUED and j.seq < info.seq)
         workers = [w for w in await self.workers() if w.get("health") == "healthy"]
         if info.spec.gpus and not any(len(w.get("gpus", ())) >= info.spec.gpus for w in workers):
-            return f"needs {info.spec.gpus} GPUs, and no live worker has that many"
+            return (
+                f"needs {info.spec.gpus} GPUs, and no live worker has that many: the jobs behind it "
+                "run meanwhile, and it starts when such a worker joins"
+            )
         if not any(info.spec.queue in w.get("queues", ()) for w in workers):
             return f"no live worker serves queue {info.spec.queue!r}"
         return f"{ahead} job(s) ahead of it in queue {info.spec.queue!r}" if ahead else "next to start"
@@ -215,8 +235,11 @@ class Handlers:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return Waited([j.to_dict() for j in jobs], timed_out=True)
+                # Woken by an event, and in any case every WAIT_RECHECK: an event may be lost.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), left)
+                    await asyncio.wait_for(
+                        changed.wait(), WAIT_RECHECK if left is None else min(left, WAIT_RECHECK)
+                    )
 
     async def _logs(self, job_id: str, follow: bool, offset: str, send: SendStream) -> LogEnd:
         info = await self.queue.get(job_id)  # NOT_FOUND before anything is streamed

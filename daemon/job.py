@@ -75,6 +75,8 @@ class JobSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: str | None = None
     gpus: int = 0
+    # Queue it even if no worker of the pool has `gpus` GPUs (the server refuses it otherwise).
+    wait_for_worker: bool = False
     timeout: float | None = None  # seconds of run time before the attempt is stopped
     max_attempts: int = 3  # attempts lost to dead workers before the job is dead-lettered
     retries: int = 0  # extra attempts after a non-zero exit
@@ -93,6 +95,7 @@ class JobSpec:
             "env": dict(self.env),
             "cwd": self.cwd,
             "gpus": self.gpus,
+            "wait_for_worker": self.wait_for_worker,
             "timeout": self.timeout,
             "max_attempts": self.max_attempts,
             "retries": self.retries,
@@ -125,6 +128,7 @@ class JobSpec:
             env=dict(env),
             cwd=_opt_str(data, "cwd"),
             gpus=_int(data, "gpus", 0, 0, 1024),
+            wait_for_worker=_bool(data, "wait_for_worker"),
             timeout=_opt_positive(data, "timeout"),
             max_attempts=_int(data, "max_attempts", 3, 1, MAX_ATTEMPTS_LIMIT),
             retries=_int(data, "retries", 0, 0, MAX_ATTEMPTS_LIMIT),
@@ -208,6 +212,13 @@ def _opt_str(data: Mapping[str, Any], name: str) -> str | None:
     value = data.get(name)
     if value is not None and not isinstance(value, str):
         raise InvalidJob(name, f"must be a string, not {type(value).__name__}")
+    return value
+
+
+def _bool(data: Mapping[str, Any], name: str) -> bool:
+    value = data.get(name, False)
+    if not isinstance(value, bool):
+        raise InvalidJob(name, f"must be true or false, not {value!r}")
     return value
 
 

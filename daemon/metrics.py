@@ -128,7 +128,7 @@ class DepthSource(Protocol):
 
     async def queues(self) -> list[str]: ...
 
-    async def depth(self, queue: str) -> int: ...
+    async def depths(self, queues: Sequence[str]) -> dict[str, int]: ...
 
 
 WorkersSource = Callable[[], Awaitable[Sequence[Mapping[str, Any]]]]
@@ -321,7 +321,7 @@ class ServerMetrics:
                     sent = time.perf_counter()
                     queues = await source.queues()
                     self.redis_roundtrip(time.perf_counter() - sent)
-                    self.set_queue_depths({q: await source.depth(q) for q in queues})
+                    self.set_queue_depths(await source.depths(queues))
                 if workers is not None:
                     self.set_workers(await workers())
         except (RedisError, OSError, TimeoutError) as exc:

@@ -538,16 +538,25 @@ class JobQueue:
         return list(dict.fromkeys([_s(i) for i in running + retry] + waiting))
 
     async def depth(self, queue: str) -> int:
-        """Jobs waiting in `queue`: reclaimed ones plus stream entries not yet delivered."""
+        """Jobs waiting in `queue`: those at its front plus stream entries not yet delivered."""
+        return (await self.depths([queue]))[queue]
+
+    async def depths(self, queues: Sequence[str]) -> dict[str, int]:
+        """`depth` of each of `queues`, in one round trip whatever their number."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zcard(keys.retry(queue))
-            pipe.xlen(keys.stream(queue))
-            pipe.xpending(keys.stream(queue), keys.GROUP)
-            try:
-                retry, length, pending = await pipe.execute()
-            except ResponseError:  # no stream or group yet: nothing was ever enqueued
-                return 0
-        return int(retry) + int(length) - int(pending["pending"])
+            for q in queues:
+                pipe.zcard(keys.retry(q))
+                pipe.xlen(keys.stream(q))
+                pipe.xpending(keys.stream(q), keys.GROUP)
+            replies = await pipe.execute(raise_on_error=False)
+        out = {}
+        for i, q in enumerate(queues):
+            retry, length, pending = replies[3 * i : 3 * i + 3]
+            # no stream or group yet (an error in its place): nothing was ever enqueued
+            out[q] = (
+                0 if isinstance(pending, Exception) else int(retry) + int(length) - int(pending["pending"])
+            )
+        return out
 
 
 def _size(n: int) -> str:

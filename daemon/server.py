@@ -23,6 +23,8 @@ from daemon.worker import Worker
 
 log = logging.getLogger(__name__)
 
+QUEUE_SET_REFRESH = 1.0  # seconds: the events reader reads the pool's queue set no more often
+
 
 class PoolServer:
     """`start()` brings the pool up; `stop()` takes it down in reverse order and is safe to call twice."""
@@ -69,7 +71,11 @@ class PoolServer:
         await self.store.open()
         client = await self.redis.start()
         self.queue = JobQueue.from_config(client, c, watch=self.redis.watch)
-        events = JobEvents(self.queue, c.redis_result_queue_polling_interval / 1000, self._finished)
+        # Results are read by a blocking read, seen at once; the queue set is read again every
+        # second at most often (a result in a queue new to this server is seen within that).
+        refresh = max(c.redis_result_queue_polling_interval / 1000, QUEUE_SET_REFRESH)
+        events = JobEvents(self.queue, refresh, self._finished)
+        await events.prime()  # before the listener: a `wait` must not start before its cursors
         self._tasks.spawn(events.run(), "job-events")
         reap_every = min(c.worker_healthy_response_period / 4, 5.0)
         self._tasks.spawn(
