@@ -49,10 +49,12 @@ class Pool:
         }
 
 
-def pool_config(redis_server: EmbeddedRedis, tmp: Path, **overrides: Any) -> config.Config:
-    tokens = {u: secrets.token_urlsafe(24) for u in USERS}
+def pool_config(
+    redis_server: EmbeddedRedis, tmp: Path, users: tuple[str, ...] = USERS, **overrides: Any
+) -> config.Config:
+    tokens = {u: secrets.token_urlsafe(24) for u in users}
     tokens_file = tmp / "tokens.toml"
-    tokens_file.write_text("".join(f'{u} = "{t}"\n' for u, t in tokens.items()))
+    tokens_file.write_text("".join(f'"{u}" = "{t}"\n' for u, t in tokens.items()))
     tokens_file.chmod(0o600)
     values = {
         "worker_mode": "multinode",
@@ -74,11 +76,15 @@ def pool_config(redis_server: EmbeddedRedis, tmp: Path, **overrides: Any) -> con
 
 @asynccontextmanager
 async def running_pool(
-    redis_server: EmbeddedRedis, tmp: Path, store: ObjectStore | None = None, **overrides: Any
+    redis_server: EmbeddedRedis,
+    tmp: Path,
+    store: ObjectStore | None = None,
+    users: tuple[str, ...] = USERS,
+    **overrides: Any,
 ) -> AsyncIterator[Pool]:
-    """A started server; `store` replaces the one its configuration names (the server opens and
-    closes it)."""
-    cfg = pool_config(redis_server, tmp, **overrides)
+    """A started server with a token for each of `users`; `store` replaces the one its
+    configuration names (the server opens and closes it)."""
+    cfg = pool_config(redis_server, tmp, users, **overrides)
     server = PoolServer(cfg)
     if store is not None:
         server.store = store
