@@ -22,6 +22,7 @@ class Link:
     server: asyncio.StreamWriter
     held: bytearray = field(default_factory=bytearray)
     holding: bool = False
+    upheld: bytearray | None = None  # requests held back on their way to the server
     replies: asyncio.Queue[tuple[float, bytes]] = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -33,6 +34,7 @@ class Proxy:
         self.links: list[Link] = []
         self.delay_seconds = 0.0
         self._holding = False
+        self._trigger: Callable[[bytes], bool] | None = None
         self._server: asyncio.Server | None = None
 
     async def start(self) -> int:
@@ -52,11 +54,24 @@ class Proxy:
 
     # -- faults -------------------------------------------------------------------------------------
 
-    def hold(self) -> None:
-        """From now on no reply reaches its client (new connections too) until `release`."""
-        self._holding = True
+    def hold(self, new_connections: bool = True) -> None:
+        """From now on no reply reaches its client until `release`: on the open connections, and
+        on new ones too unless `new_connections` is False."""
+        self._holding = new_connections
         for link in self.links:
             link.holding = True
+
+    def hold_request(self, request: Callable[[bytes], bool]) -> None:
+        """Hold back, on its way to the server, the next request that `request` matches (say, one
+        naming a script's SHA), and what its connection sends after it, until `send_held`: the
+        request is sent, as the client saw it, but reaches the server late."""
+        self._trigger = request
+
+    def send_held(self) -> None:
+        for link in self.links:
+            if link.upheld is not None:
+                data, link.upheld = bytes(link.upheld), None
+                link.server.write(data)
 
     def release(self, keep: Callable[[bytes], bool] = lambda held: False) -> None:
         """Let the held replies through, except on the connections whose held bytes `keep` says to
@@ -102,7 +117,12 @@ class Proxy:
     async def _up(self, link: Link, reader: asyncio.StreamReader) -> None:
         with contextlib.suppress(OSError):
             while data := await reader.read(65536):
-                link.server.write(data)
+                if self._trigger is not None and self._trigger(data):
+                    self._trigger, link.upheld = None, bytearray()
+                if link.upheld is not None:
+                    link.upheld += data
+                else:
+                    link.server.write(data)
         await self._close(link)
 
     async def _down(self, link: Link, reader: asyncio.StreamReader) -> None:

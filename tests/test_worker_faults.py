@@ -10,10 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from daemon import keys
 from daemon.embedded_redis import EmbeddedRedis
 from daemon.job import JobState
 from daemon.queue import JobQueue
-from tests.workers import running_worker, sh, wait_state
+from daemon.redis_conn import RunIdWatch, connect
+from tests.faults import aof_copy, memory_full, roll_back
+from tests.proxy import Proxy
+from tests.workers import running_worker, sh, wait_dead, wait_file, wait_state, wait_until
 
 
 async def test_an_idle_worker_keeps_waiting_without_timeouts(
@@ -28,9 +32,114 @@ async def test_an_idle_worker_keeps_waiting_without_timeouts(
     try:
         with caplog.at_level(logging.WARNING):
             async with running_worker(queue, tmp_path / "w"):
-                await asyncio.sleep(3.5)  # > 11 socket timeouts (redis-py's retries included)
+                await asyncio.sleep(6)  # > 11 socket timeouts and the back-off of redis-py's retries
                 job_id, _ = await queue.enqueue(sh("true"))
                 await wait_state(queue, job_id, JobState.SUCCEEDED, timeout=10)
     finally:
         await client.aclose()
     assert not [r for r in caplog.records if "failed" in r.getMessage()], caplog.text
+
+
+async def test_a_worker_that_cannot_renew_claims_nothing(
+    redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path
+) -> None:
+    """Item 2: with Redis at maxmemory its heartbeats were refused but its claims were not: the
+    worker fenced its running job, then claimed the next one, which ran unrenewed and unfenced
+    until the reaper gave it to another worker while it still ran. Now a worker claims nothing
+    while it cannot renew, and what it runs dies at its lease's deadline."""
+    short = JobQueue(queue.redis, lease_seconds=1.5)
+    await short.enqueue(sh(f"echo $$ > {tmp_path / 'a'}; exec sleep 60"))
+    behind, _ = await short.enqueue(sh(f"echo $$ > {tmp_path / 'b'}; exec sleep 60"))
+    async with running_worker(short, tmp_path / "w", slots=1):
+        first = int((await wait_file(tmp_path / "a"))[0])
+        async with memory_full(redis_server):
+            await wait_dead([first], timeout=10)  # fenced: no renewal for a lease, less a margin
+            await asyncio.sleep(3)  # two leases: time enough to claim, were it going to
+            assert not (tmp_path / "b").exists()
+        await wait_file(tmp_path / "b")  # Redis has room again: the next job runs
+        assert (await short.get(behind)).attempt == 1
+
+
+async def test_a_late_lost_answer_for_one_attempt_leaves_the_next_attempt_alone(
+    redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path
+) -> None:
+    """Item 3: renewal answers were keyed by job id, so a LOST meant for attempt 1, arriving late,
+    killed attempt 2 of the same job on the same worker, which then stayed `running` in Redis
+    with a lease nobody renewed. The reply is held back for real, in a proxy, until attempt 2
+    runs."""
+    marker = tmp_path / "attempts"
+    script = (
+        f'echo "$GPUPOOL_ATTEMPT" >> {marker}; if [ "$GPUPOOL_ATTEMPT" = 1 ]; then exec sleep 60; fi; sleep 1'
+    )
+    job_id, _ = await queue.enqueue(sh(script))
+    proxy = Proxy(redis_server.port)
+    await proxy.start()
+    client = connect("127.0.0.1", proxy.port, password=redis_server.password)
+    through = JobQueue(client, lease_seconds=60)
+    try:
+        async with running_worker(through, tmp_path / "w", slots=2, heartbeat_seconds=30) as worker:
+            await wait_file(marker)
+            renew = through.scripts.renew.sha.encode()
+            proxy.hold_request(lambda request: renew in request)
+            worker.heartbeat.poke()  # a renewal of attempt 1, held back on its way
+            await wait_until(lambda: _upheld(proxy), what="the renewal to be held")
+            await queue.redis.zadd(keys.leases("default"), {job_id: 0})
+            assert await queue.reclaim(["default"]) == [(job_id, JobState.QUEUED)]
+            await wait_file(marker, lines=2)  # the worker claimed the job again: attempt 2 runs
+            proxy.send_held()  # the renewal arrives now, and its answer for attempt 1 is LOST
+            info = await wait_state(queue, job_id, JobState.SUCCEEDED, timeout=20)
+    finally:
+        await client.aclose()
+        await proxy.stop()
+    assert [(a.attempt, a.how) for a in info.attempts] == [(1, "lost"), (2, "succeeded")]
+
+
+async def _upheld(proxy: Proxy) -> bool:
+    return any(link.upheld for link in proxy.links)
+
+
+async def test_a_redis_restart_makes_the_worker_revalidate_its_leases_at_once(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """Item 4: after Redis restarted having lost its last writes (here: from an AOF copied before
+    the claim), a worker ran on an attempt Redis no longer knew of until its next heartbeat, a
+    tenth of a lease later, while any worker could claim the job again. Now it notices the new
+    Redis (its run id) on reconnecting and re-validates its leases at once."""
+    watch = RunIdWatch()
+    client = redis_server.client(watch=watch)
+    queue = JobQueue(client, lease_seconds=120, watch=watch)
+    await queue.enqueue(sh(f"echo $$ > {tmp_path / 'pid'}; exec sleep 120"))
+    before = aof_copy(redis_server)
+    try:
+        async with running_worker(queue, tmp_path / "w", heartbeat_seconds=30):
+            pid = int((await wait_file(tmp_path / "pid"))[0])
+            roll_back(redis_server, before)  # the claim is forgotten
+            await wait_dead([pid], timeout=10)  # not 30 s later, at the next heartbeat
+    finally:
+        await client.aclose()
+
+
+async def test_an_outcome_reached_while_redis_is_away_is_recorded_when_it_returns(
+    redis_server: EmbeddedRedis, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Item 9: when Redis was away longer than the self-fence, the worker logged "killing 2 running
+    jobs" even for jobs that had exited 0, gave up recording, and the job ran again. An attempt
+    whose process ended offers its outcome until Redis answers; the fenced complete decides."""
+    client = redis_server.client()
+    queue = JobQueue(client, lease_seconds=1.5)
+    job_id, _ = await queue.enqueue(sh(f"touch {tmp_path / 'started'}; sleep 0.5; touch {tmp_path / 'done'}"))
+    try:
+        with caplog.at_level(logging.INFO):
+            async with running_worker(queue, tmp_path / "w"):
+                await wait_file(tmp_path / "started", lines=0)
+                redis_server.kill()
+                try:
+                    await wait_file(tmp_path / "done", lines=0)
+                    await asyncio.sleep(8)  # past the lease, and past redis-py's own retries
+                finally:
+                    redis_server.start()
+                info = await wait_state(queue, job_id, JobState.SUCCEEDED, timeout=20)
+    finally:
+        await client.aclose()
+    assert [a.how for a in info.attempts] == ["succeeded"]
+    assert "killing" not in caplog.text
