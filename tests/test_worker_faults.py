@@ -32,12 +32,18 @@ async def test_an_idle_worker_keeps_waiting_without_timeouts(
     try:
         with caplog.at_level(logging.WARNING):
             async with running_worker(queue, tmp_path / "w"):
-                await asyncio.sleep(6)  # > 11 socket timeouts and the back-off of redis-py's retries
+                await asyncio.sleep(3)  # many socket timeouts over
                 job_id, _ = await queue.enqueue(sh("true"))
                 await wait_state(queue, job_id, JobState.SUCCEEDED, timeout=10)
     finally:
         await client.aclose()
     assert not [r for r in caplog.records if "failed" in r.getMessage()], caplog.text
+    # and the wait itself, however long it is asked to block, ends before the socket timeout
+    client = redis_server.client(socket_timeout=0.2)
+    try:
+        assert await JobQueue(client).wait_for_work(["default"], block=5) is False
+    finally:
+        await client.aclose()
 
 
 async def test_a_worker_that_cannot_renew_claims_nothing(
