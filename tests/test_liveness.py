@@ -18,7 +18,7 @@ from daemon import keys
 from daemon.embedded_redis import EmbeddedRedis
 from daemon.job import JobState
 from daemon.queue import JobQueue, xrange
-from tests.workers import sh, wait_file, wait_state
+from tests.workers import sh, wait_dead, wait_file, wait_state
 
 LEASE = 1.5
 
@@ -141,4 +141,28 @@ async def test_a_job_that_kills_its_worker_ends_in_dead_letter(
     assert [a.how for a in info.attempts] == ["lost", "lost"]
     assert (await queue.get(healthy)).state is JobState.SUCCEEDED  # and the pool went on
     assert restarts >= 2
+    await queue.redis.aclose()
+
+
+async def test_a_frozen_workers_job_dies_at_its_lease_deadline_and_is_not_recorded(
+    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
+) -> None:
+    """Issue 12 item 10: a SIGSTOPped worker's job ran on beside its next attempt elsewhere. Its
+    orphan guard, not frozen with it, holds each lease's deadline and kills the job when it
+    passes; the worker, woken, does not take that kill for the job's outcome."""
+    queue = JobQueue(redis_server.client(), lease_seconds=LEASE)
+    job_id, _ = await queue.enqueue(sh(f"echo $$ > {tmp_path / 'pid'}; exec sleep 60"))
+    with worker_process(redis_server, tmp_path / "w1", s3_env) as frozen:
+        pid = int((await wait_file(tmp_path / "pid"))[0])
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            await wait_dead([pid], timeout=LEASE * 3)  # at the deadline, the worker still frozen
+            assert frozen.poll() is None
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        await asyncio.sleep(LEASE)  # awake: it would record a "killed by signal 9" now, were it to
+        info = await queue.get(job_id)
+        assert info.state is JobState.RUNNING, info.detail  # nothing recorded: the lease decides
+        await queue.redis.zadd(keys.leases("default"), {job_id: 0})
+        assert await queue.reclaim(["default"]) == [(job_id, JobState.QUEUED)]
     await queue.redis.aclose()
