@@ -314,6 +314,7 @@ class JobInfo:
     cancel_requested: bool
     attempts: tuple[Attempt, ...] = ()
     result: Mapping[str, Any] = field(default_factory=dict)
+    lease: str = ""  # the current (or last) attempt's lease id, GPUPOOL_ATTEMPT_ID in its job
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -331,4 +332,5 @@ class JobInfo:
             "cancel_requested": self.cancel_requested,
             "attempts": [a.to_dict() for a in self.attempts],
             "result": dict(self.result),
+            "lease": self.lease,
         }

@@ -581,6 +581,7 @@ def _job_info(record: dict[bytes, bytes], history: list[bytes]) -> JobInfo:
         cancel_requested=get(b"cancel") == b"1",
         attempts=tuple(_attempt(orjson.loads(h)) for h in history),
         result=msgpack.unpackb(get(b"result")) if get(b"result") else {},
+        lease=_s(get(b"lease", b"")),
     )
 
 

@@ -15,28 +15,37 @@ from pathlib import Path
 from typing import cast
 
 from daemon import keys
+from daemon.errors import JobNotFound
 from daemon.job import JobInfo
 from daemon.queue import JobQueue, xrange
-from tests.chaos.harness import Cluster
+from tests.chaos.harness import TICK, Cluster
+
+SLACK = 0.05  # seconds a tick may come late on a busy machine
 
 
 @dataclass
 class Span:
+    """One attempt's life as its job wrote it: keyed by its lease id, which never repeats."""
+
     job: str
     attempt: int
+    lease: str
     worker: str
     start: float
     end: float | None = None
+    last_seen: float = 0.0  # its last line (a tick, at most TICK apart while it lives)
 
 
 @dataclass
 class Verdict:
     jobs: int = 0
     lost: int = 0
+    rolled_back: int = 0  # ids whose submission Redis lost with its last writes (documented)
     unexpected: int = 0
     not_succeeded: int = 0
     results_not_once: int = 0
     overlaps: int = 0
+    guard_kills: int = 0  # attempts killed while running, not by a worker's SIGKILL
     unknown_ends: int = 0
     fifo_violations: int = 0
     reclaimed_jobs: int = 0
@@ -56,48 +65,74 @@ class Verdict:
         )
 
 
-def read_ledger(path: Path) -> dict[tuple[str, int], Span]:
-    spans: dict[tuple[str, int], Span] = {}
+def read_ledger(path: Path) -> dict[str, Span]:
+    spans: dict[str, Span] = {}
     for line in path.read_text().splitlines():
         parts = line.split()
-        if len(parts) != 5:
+        if len(parts) != 6:
             continue
-        job, attempt, worker, what, ns = parts
-        key = (job, int(attempt))
+        job, attempt, lease, worker, what, micros = parts
+        at = int(micros) / 1e6
         if what == "start":
-            spans[key] = Span(job, int(attempt), worker, int(ns) / 1e9)
-        elif key in spans:
-            spans[key].end = int(ns) / 1e9
+            spans[lease] = Span(job, int(attempt), lease, worker, at, last_seen=at)
+        elif lease in spans:
+            spans[lease].last_seen = at
+            if what == "end":
+                spans[lease].end = at
     return spans
 
 
-async def drain(queue: JobQueue, ids: list[str], limit: float) -> dict[str, JobInfo]:
-    """Wait until every id is terminal (or `limit` seconds pass); the final records."""
+async def drain(queue: JobQueue, ids: list[str], limit: float) -> dict[str, JobInfo | None]:
+    """Wait until every id is terminal or gone (or `limit` seconds pass); the final records."""
     deadline = time.monotonic() + limit
     while True:
-        infos = {i: await queue.get(i) for i in ids}
-        if all(info.state.terminal for info in infos.values()) or time.monotonic() > deadline:
+        infos: dict[str, JobInfo | None] = {}
+        for i in ids:
+            try:
+                infos[i] = await queue.get(i)
+            except JobNotFound:
+                infos[i] = None
+        if all(info is None or info.state.terminal for info in infos.values()) or time.monotonic() > deadline:
             return infos
         await asyncio.sleep(0.25)
 
 
-async def check(cluster: Cluster, queue: JobQueue, ids: list[str], limit: float = 120) -> Verdict:
-    v = Verdict(jobs=len(ids))
-    infos = await drain(queue, ids, limit)
-    check_terminal(v, infos)
-    await check_unexpected(v, queue, set(ids))
-    await check_results_once(v, queue, infos)
+async def check(cluster: Cluster, queue: JobQueue, acked: dict[str, float], limit: float = 120) -> Verdict:
+    """`acked`: every job id a client was given, with when it was given."""
+    v = Verdict(jobs=len(acked))
+    for when, what in cluster.faults.log:
+        v.problems.append(f"fault at {when:.3f}: {what}")
+    infos = await drain(queue, list(acked), limit)
+    found = check_terminal(v, infos, acked, cluster.faults.rollbacks)
+    await check_unexpected(v, queue, set(acked))
+    await check_results_once(v, queue, found)
     spans = read_ledger(cluster.ledger)
     v.attempts_run = len(spans)
     killed = {w.proc.pid: w.killed_at for w in cluster.workers if w.killed_at}
     check_overlaps(v, list(spans.values()), killed)
-    check_fifo(v, list(infos.values()))
+    check_ends(v, found, spans)
+    check_fifo(v, list(found.values()))
     return v
 
 
-def check_terminal(v: Verdict, infos: dict[str, JobInfo]) -> None:
-    """lost = 0: every id a client was given reached a terminal state (and, here, success)."""
+def check_terminal(
+    v: Verdict,
+    infos: dict[str, JobInfo | None],
+    acked: dict[str, float],
+    rollbacks: list[tuple[float, float]],
+) -> dict[str, JobInfo]:
+    """lost = 0: every id a client was given reached a terminal state (and, here, success), but
+    those submitted while Redis was writing what a rollback then took away. The jobs found."""
+    found: dict[str, JobInfo] = {}
     for job_id, info in infos.items():
+        if info is None:
+            if any(copied - 1 <= acked[job_id] <= killed for copied, killed in rollbacks):
+                v.rolled_back += 1
+            else:
+                v.lost += 1
+                v.problems.append(f"{job_id} vanished")
+            continue
+        found[job_id] = info
         if not info.state.terminal:
             v.lost += 1
             v.problems.append(f"{job_id} never ended: {info.state}")
@@ -106,6 +141,7 @@ def check_terminal(v: Verdict, infos: dict[str, JobInfo]) -> None:
             v.problems.append(f"{job_id} ended {info.state}: {info.detail}")
         if len(info.attempts) > 1:
             v.reclaimed_jobs += 1
+    return found
 
 
 async def check_unexpected(v: Verdict, queue: JobQueue, known: set[str]) -> None:
@@ -115,7 +151,10 @@ async def check_unexpected(v: Verdict, queue: JobQueue, known: set[str]) -> None
         for job_id in (m.decode() for m in members):
             if job_id not in known:
                 v.unexpected += 1
-                v.problems.append(f"{job_id} is in the pool but no client was given it")
+                idem, enqueued = await queue.redis.hmget(keys.job(job_id), ["idem", "enqueued_at"])
+                v.problems.append(
+                    f"{job_id} is in the pool but no client was given it (key {idem!r}, enqueued at {enqueued!r})"
+                )
 
 
 async def check_results_once(v: Verdict, queue: JobQueue, infos: dict[str, JobInfo]) -> None:
@@ -134,20 +173,16 @@ async def check_results_once(v: Verdict, queue: JobQueue, infos: dict[str, JobIn
 
 
 def check_overlaps(v: Verdict, spans: list[Span], killed: dict[int, float]) -> None:
-    """No two attempts of one job ran at the same time. An attempt with no end in the ledger died
-    with its SIGKILLed worker (its orphan guard kills them within ms, long before the lease could
-    expire); one whose worker was not killed is an unknown end."""
+    """No two attempts of one job ran at the same time. An attempt killed before its end (no `end`
+    line) was alive until its last line, and at most until TICK (plus scheduling slack) after it;
+    one whose worker was SIGKILLed died then (its orphan guard kills within ms)."""
     by_job: dict[str, list[Span]] = defaultdict(list)
     for span in spans:
         if span.end is None:
             died = killed.get(_pid_of(span.worker))
             if died is None:
-                v.unknown_ends += 1
-                v.problems.append(
-                    f"{span.job} attempt {span.attempt} on {span.worker}: no end, worker not killed"
-                )
-                continue
-            span.end = died
+                v.guard_kills += 1  # killed while running: by its worker's fence, or its guard
+            span.end = min(died, span.last_seen + TICK + SLACK) if died else span.last_seen + TICK + SLACK
         by_job[span.job].append(span)
     for job_id, job_spans in by_job.items():
         job_spans.sort(key=lambda s: s.start)
@@ -155,8 +190,18 @@ def check_overlaps(v: Verdict, spans: list[Span], killed: dict[int, float]) -> N
             if a.end is not None and b.start < a.end:
                 v.overlaps += 1
                 v.problems.append(
-                    f"{job_id}: attempt {a.attempt} ({a.start:.3f}-{a.end:.3f}) overlaps attempt {b.attempt}"
+                    f"{job_id}: attempt {a.attempt} ({a.start:.3f}-{a.end:.3f}, {a.lease}) overlaps "
+                    f"attempt {b.attempt} ({b.start:.3f}, {b.lease})"
                 )
+
+
+def check_ends(v: Verdict, infos: dict[str, JobInfo], spans: dict[str, Span]) -> None:
+    """unknown ends = 0: every recorded outcome comes from an attempt whose process ran to its end."""
+    for job_id, info in infos.items():
+        span = spans.get(info.lease)
+        if info.state == "succeeded" and (span is None or span.end is None or span.job != job_id):
+            v.unknown_ends += 1
+            v.problems.append(f"{job_id}: succeeded by lease {info.lease}, which never ran to its end")
 
 
 def check_fifo(v: Verdict, infos: list[JobInfo]) -> None:

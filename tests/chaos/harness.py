@@ -1,11 +1,16 @@
 """The chaos harness: a real pool (redis-server, a `poold` server process, `poold --worker`
 processes), real faults, and a ledger that every job writes to.
 
-Each job is a tiny shell command that appends `job attempt worker start|end nanoseconds` to the
-ledger (one short O_APPEND write per line, atomic between processes). Faults are real: SIGKILL and
-SIGSTOP/SIGCONT of worker processes, kill -9 and restart of redis-server on its AOF, SIGTERM and
-restart of the server process. Submissions use idempotency keys and retry across server restarts,
-as a careful client would.
+Each job is a tiny bash command that appends `job attempt attempt-id worker start|tick|end
+microseconds` lines to the ledger (one short O_APPEND write per line, atomic between processes):
+`start`, then a `tick` every TICK seconds while it runs, then `end`. A job killed before its end
+leaves its last tick as the last sign it was alive. Most jobs run JOB_SECONDS; every LONG_EVERY-th
+runs LONG_SECONDS, longer than the two leases a frozen worker stays frozen, so that its orphan
+guard has to kill it. Faults are real: SIGKILL and SIGSTOP/SIGCONT of worker processes, kill -9
+and restart of redis-server on its AOF, the same restart from an older copy of the AOF (Redis
+loses its last writes), Redis at its maxmemory, replies to one worker delayed by a proxy (stale
+replies), SIGTERM and restart of the server process. Submissions use idempotency keys and retry
+across server restarts, as a careful client would.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import secrets
 import signal
 import subprocess
@@ -24,15 +30,24 @@ from pathlib import Path
 from daemon.client import ClientError, PoolClient
 from daemon.embedded_redis import EmbeddedRedis, free_port
 from protocol import Enqueue, Enqueued
+from tests.faults import aof_copy, memory_full, roll_back
+from tests.proxy import Proxy
 
 JOB_SECONDS = 0.2
+LONG_SECONDS = 4.0
+LONG_EVERY = 15
+TICK = 0.05
 
 
-def job_command(ledger: Path) -> list[str]:
-    fields = '"$GPUPOOL_JOB_ID" "$GPUPOOL_ATTEMPT" "$GPUPOOL_WORKER" "$1" "$(date +%s%N)"'
-    line = f'printf "%s %s %s %s %s\\n" {fields} >> {ledger}'
-    script = f"set -- start; {line}; sleep {JOB_SECONDS}; set -- end; {line}"
-    return ["sh", "-c", script]
+def job_command(ledger: Path, seconds: float) -> list[str]:
+    """A job of `seconds` that writes its life to `ledger` (EPOCHREALTIME: no process per line)."""
+    fields = '"$GPUPOOL_JOB_ID" "$GPUPOOL_ATTEMPT" "$GPUPOOL_ATTEMPT_ID" "$GPUPOOL_WORKER" "$1"'
+    fields += ' "${EPOCHREALTIME/./}"'
+    script = (
+        f'l() {{ printf "%s %s %s %s %s %s\\n" {fields} >> {ledger}; }}; '
+        f"l start; for ((i = 0; i < {round(seconds / TICK)}; i++)); do sleep {TICK}; l tick; done; l end"
+    )
+    return ["bash", "-c", script]
 
 
 @dataclass
@@ -47,9 +62,14 @@ class Faults:
     worker_kill: int = 0
     worker_stop: int = 0
     redis_restart: int = 0
+    redis_rollback: int = 0
+    redis_full: int = 0
+    stale_replies: int = 0
     server_restart: int = 0
     idempotency_storm: int = 0
     log: list[tuple[float, str]] = field(default_factory=list)
+    # (copied at, killed at): what was written to Redis in between was lost
+    rollbacks: list[tuple[float, float]] = field(default_factory=list)
 
     def note(self, what: str) -> None:
         self.log.append((time.time(), what))
@@ -82,6 +102,7 @@ class Cluster:
         self.workers: list[WorkerProc] = []
         self.faults = Faults()
         self._count = 0
+        self.proxy = Proxy(redis.port)  # the first worker reaches Redis through it
 
     def _env(self) -> dict[str, str]:
         return dict(
@@ -91,12 +112,12 @@ class Cluster:
             **self.s3_env,
         )
 
-    def _common(self) -> list[str]:
+    def _common(self, redis_port: int | None = None) -> list[str]:
         return [
             "--worker-mode",
             "multinode",
             "--redis-port",
-            str(self.redis.port),
+            str(redis_port or self.redis.port),
             "--worker-healthy-response-period",
             str(self.lease),
             "--heartbeat-interval",
@@ -150,7 +171,7 @@ class Cluster:
         proc = self._spawn(
             [
                 "--worker",
-                *self._common(),
+                *self._common(self.proxy.port if self._count == 1 else None),
                 "--worker-remote-processors",
                 str(self.slots),
                 "--data-dir",
@@ -179,11 +200,54 @@ class Cluster:
         await asyncio.sleep(seconds)
         worker.proc.send_signal(signal.SIGCONT)
 
+    async def inject(self, kind: str, rng: random.Random) -> None:
+        """One fault of `kind` (test_chaos.KINDS), its details drawn from `rng`."""
+        alive = [w for w in self.workers if w.proc.poll() is None and w.killed_at is None]
+        if kind == "kill" and alive[1:]:  # w1 (behind the proxy) stays, for "stale"
+            self.kill_worker(rng.choice(alive[1:]))
+            self.start_worker()
+        elif kind == "stop" and alive:
+            await self.stop_worker_for(rng.choice(alive), self.lease * 2)
+        elif kind == "redis":
+            await self.restart_redis()
+        elif kind == "rollback":
+            await self.roll_back_redis(rng.uniform(0.2, 1.0))
+        elif kind == "full":
+            await self.fill_redis_for(self.lease * 2)
+        elif kind == "stale":
+            await self.delay_replies_for(rng.uniform(0.3, 1.5), self.lease * 2)
+        elif kind == "server":
+            await self.restart_server()
+
     async def restart_redis(self) -> None:
         self.faults.redis_restart += 1
         self.faults.note("redis kill -9 + restart")
         await asyncio.to_thread(self.redis.kill)
         await asyncio.to_thread(self.redis.start)
+
+    async def roll_back_redis(self, after: float) -> None:
+        """Copy the AOF, let `after` seconds of writes happen, then restart Redis from the copy."""
+        self.faults.redis_rollback += 1
+        copied = time.time()
+        copy = await asyncio.to_thread(aof_copy, self.redis)
+        await asyncio.sleep(after)
+        self.faults.note(f"redis rolled back {after:.2f} s")
+        self.faults.rollbacks.append((copied, time.time()))
+        await asyncio.to_thread(roll_back, self.redis, copy)
+
+    async def fill_redis_for(self, seconds: float) -> None:
+        self.faults.redis_full += 1
+        self.faults.note(f"redis at maxmemory for {seconds:g} s")
+        async with memory_full(self.redis):
+            await asyncio.sleep(seconds)
+
+    async def delay_replies_for(self, delay: float, seconds: float) -> None:
+        """Replies from Redis to the first worker come `delay` late for a while."""
+        self.faults.stale_replies += 1
+        self.faults.note(f"replies to w1 {delay:g} s late for {seconds:g} s")
+        self.proxy.delay(delay)
+        await asyncio.sleep(seconds)
+        self.proxy.delay(0)
 
     async def stop_all(self) -> None:
         for worker in self.workers:
@@ -199,6 +263,7 @@ class Cluster:
         if self.server is not None:
             self.server.terminate()
             await asyncio.to_thread(self.server.wait, 30)
+        await self.proxy.stop()
 
     def client(self) -> PoolClient:
         return PoolClient(self.address, "chaos", self.token)
@@ -211,6 +276,7 @@ class Submitter:
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.ids: dict[str, str] = {}  # idempotency key -> job id
+        self.acked: dict[str, float] = {}  # job id -> when the pool said it had it
         self._client: PoolClient | None = None
 
     async def submit(self, key: str, spec: dict[str, object]) -> str:
@@ -225,6 +291,7 @@ class Submitter:
                 await asyncio.sleep(0.1)
                 continue
             self.ids[key] = reply.job_id
+            self.acked.setdefault(reply.job_id, time.time())
             return reply.job_id
         raise AssertionError(f"could not submit {key} in 200 tries")
 

@@ -14,7 +14,9 @@ import pytest
 from daemon.embedded_redis import EmbeddedRedis
 from daemon.queue import JobQueue
 from tests.chaos.checker import Verdict, check
-from tests.chaos.harness import Cluster, Submitter, job_command
+from tests.chaos.harness import JOB_SECONDS, LONG_EVERY, LONG_SECONDS, Cluster, Submitter, job_command
+
+KINDS = ["kill", "stop", "redis", "server", "rollback", "full", "stale"]  # harness.Cluster.inject
 
 
 async def run_chaos(
@@ -30,16 +32,18 @@ async def run_chaos(
 ) -> tuple[Verdict, Cluster]:
     rng = random.Random(seed)
     cluster = Cluster(tmp, redis_server, lease=lease, s3_env=s3_env)
+    await cluster.proxy.start()
     await cluster.start_server()
     for _ in range(workers):
         cluster.start_worker()
     submitter = Submitter(cluster)
-    spec = {"argv": job_command(cluster.ledger), "max_attempts": 10}
+    spec = {"argv": job_command(cluster.ledger, JOB_SECONDS), "max_attempts": 10}
+    long_spec = {"argv": job_command(cluster.ledger, LONG_SECONDS), "max_attempts": 10}
     try:
 
         async def submit_all() -> None:
             for i in range(jobs):
-                await submitter.submit(f"job-{i}", spec)
+                await submitter.submit(f"job-{i}", long_spec if i % LONG_EVERY == 0 else spec)
                 if i % 10 == 0:
                     await asyncio.sleep(0.05)  # a steady flow, so faults land mid-stream
 
@@ -53,27 +57,17 @@ async def run_chaos(
                 await s.close()
             assert len(set(got)) == 1, got
             submitter.ids["storm"] = got[0]
+            submitter.acked.setdefault(got[0], min(s.acked[got[0]] for s in others))
 
         async def faults() -> None:
-            kinds = ["kill", "stop", "redis", "server"]
             for r in range(rounds):
                 await asyncio.sleep(rng.uniform(0.5, 1.5))
-                kind = kinds[r % len(kinds)] if r < len(kinds) else rng.choice(kinds)
-                alive = [w for w in cluster.workers if w.proc.poll() is None and w.killed_at is None]
-                if kind == "kill" and alive:
-                    cluster.kill_worker(rng.choice(alive))
-                    cluster.start_worker()
-                elif kind == "stop" and alive:
-                    await cluster.stop_worker_for(rng.choice(alive), lease * 2)
-                elif kind == "redis":
-                    await cluster.restart_redis()
-                else:
-                    await cluster.restart_server()
+                await cluster.inject(KINDS[r % len(KINDS)] if r < len(KINDS) else rng.choice(KINDS), rng)
 
         await asyncio.gather(submit_all(), storm(), faults())
         client = redis_server.client()
         try:
-            verdict = await check(cluster, JobQueue(client), list(submitter.ids.values()))
+            verdict = await check(cluster, JobQueue(client), submitter.acked)
         finally:
             await client.aclose()
     finally:
@@ -87,23 +81,25 @@ def report(verdict: Verdict, cluster: Cluster) -> str:
     return (
         f"jobs {verdict.jobs}, attempts run {verdict.attempts_run}, reclaimed jobs {verdict.reclaimed_jobs}; "
         f"faults: worker SIGKILL {f.worker_kill}, worker SIGSTOP {f.worker_stop}, redis restart "
-        f"{f.redis_restart}, server restart {f.server_restart}, idempotency storm {f.idempotency_storm}; "
-        f"lost {verdict.lost}, unexpected {verdict.unexpected}, not succeeded {verdict.not_succeeded}, "
-        f"results not once {verdict.results_not_once}, overlaps {verdict.overlaps}, "
-        f"unknown ends {verdict.unknown_ends}, FIFO violations {verdict.fifo_violations}"
+        f"{f.redis_restart}, redis rollback {f.redis_rollback}, redis full {f.redis_full}, stale replies "
+        f"{f.stale_replies}, server restart {f.server_restart}, idempotency storm {f.idempotency_storm}; "
+        f"lost {verdict.lost} (and {verdict.rolled_back} rolled back with Redis's lost writes, as "
+        f"documented), unexpected {verdict.unexpected}, not succeeded {verdict.not_succeeded}, "
+        f"results not once {verdict.results_not_once}, overlaps {verdict.overlaps} (of them frozen "
+        f"workers' jobs killed by their guard: {verdict.guard_kills}), outcomes from attempts that never "
+        f"ended {verdict.unknown_ends}, FIFO violations {verdict.fifo_violations}"
     )
 
 
 async def test_chaos_small(tmp_path: Path, redis_server: EmbeddedRedis, s3_env: dict[str, str]) -> None:
     verdict, cluster = await run_chaos(
-        tmp_path, redis_server, s3_env, jobs=120, workers=3, rounds=4, lease=1.5, seed=7
+        tmp_path, redis_server, s3_env, jobs=120, workers=3, rounds=len(KINDS), lease=1.5, seed=7
     )
     print(report(verdict, cluster))
     assert verdict.ok, report(verdict, cluster) + "\n" + "\n".join(verdict.problems[:20])
-    assert cluster.faults.worker_kill
-    assert cluster.faults.worker_stop
-    assert cluster.faults.redis_restart
-    assert cluster.faults.server_restart
+    f = cluster.faults
+    assert all((f.worker_kill, f.worker_stop, f.redis_restart, f.server_restart))
+    assert all((f.redis_rollback, f.redis_full, f.stale_replies))
 
 
 @pytest.mark.slow
