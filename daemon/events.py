@@ -21,7 +21,8 @@ from redis.exceptions import RedisError
 
 from daemon import keys
 from daemon.job import JobState
-from daemon.queue import JobQueue, xread
+from daemon.queue import JobQueue
+from daemon.queue_reads import xread
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from daemon.errors import GpupoolError, InvalidJob, JobNotFound, NoWorkerFits
 from daemon.events import JobEvents
 from daemon.job import JobInfo, JobSpec, JobState
 from daemon.metrics import ServerMetrics
-from daemon.queue import JobQueue
+from daemon.queue import JobQueue, out_of_memory
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -108,6 +108,13 @@ class Handlers:
                 ErrorCode.UNAVAILABLE, f"the pool's object store failed: {exc.message}"
             ) from None
         except RedisError as exc:
+            if out_of_memory(exc):
+                log.warning("request %s refused: Redis is at its maxmemory", type(request).__name__)
+                raise RequestError(
+                    ErrorCode.UNAVAILABLE,
+                    "the pool's Redis is full (maxmemory reached): nothing new is taken until it has "
+                    "room; retry later, and tell the pool's admin",
+                ) from None
             log.warning("request %s failed: Redis unavailable (%s)", type(request).__name__, exc)
             raise RequestError(
                 ErrorCode.UNAVAILABLE, "the pool's Redis is unreachable right now; retry in a moment"

@@ -19,12 +19,20 @@ goes on while the machine is suspended: a suspended worker's leases expire in Re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
+import logging
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from daemon.job import Lease
+from daemon.job import Lease, RenewStatus
+from daemon.procguard import OrphanGuard
 from daemon.runner import Run
+
+log = logging.getLogger(__name__)
+
+FENCE_CHECK = 0.5  # the fence's waits run on the monotonic clock: after a suspend, look again soon
 
 
 def boottime() -> float:
@@ -59,3 +67,76 @@ class HeldAttempt:
             return False
         self.deadline = until
         return True
+
+
+class Holdings:
+    """Every attempt a worker holds, by lease id; the answers of its renewals applied to them; and
+    the fence, which kills each running attempt whose deadline passes. The orphan guard is told
+    every deadline as it moves, so it can do the same for a frozen worker."""
+
+    def __init__(self, guard: OrphanGuard) -> None:
+        self.guard = guard
+        self._by_lease: dict[str, HeldAttempt] = {}
+        self._moved = asyncio.Event()  # an attempt was added or its deadline moved: the fence looks
+
+    def __iter__(self) -> Iterator[HeldAttempt]:
+        return iter(list(self._by_lease.values()))
+
+    def hold(self, lease: Lease, deadline: float) -> HeldAttempt:
+        held = self._by_lease[lease.id] = HeldAttempt(lease, deadline)
+        self._moved.set()
+        return held
+
+    def holds(self, held: HeldAttempt) -> bool:
+        return self._by_lease.get(held.lease.id) is held
+
+    def started(self, held: HeldAttempt, run: Run, slot: int) -> None:
+        """Its processes may start now: from here the fence (and the guard) watch its deadline."""
+        held.run, held.slot, held.phase = run, slot, Phase.RUNNING
+        self.guard.hold(held.lease.id, held.deadline)
+        self._moved.set()
+
+    def drop(self, held: HeldAttempt) -> None:
+        """Its end is recorded (or given up on): no more renewals, no more deadline."""
+        if self.holds(held):
+            del self._by_lease[held.lease.id]
+        self.guard.drop(held.lease.id)
+
+    def renewed(self, statuses: Mapping[str, RenewStatus], until: float) -> None:
+        """One heartbeat's answers, by lease id (heartbeat.py); the OK ones hold until `until`."""
+        for lease_id, status in statuses.items():
+            held = self._by_lease.get(lease_id)
+            if held is None:
+                continue  # ended meanwhile
+            if status is RenewStatus.LOST:
+                if held.run is not None:
+                    held.run.lose("the lease was lost (this worker was presumed dead, or the job ended)")
+                elif held.phase is Phase.CLAIMED:
+                    del self._by_lease[lease_id]  # never started, and now never will
+                continue
+            if held.renewed(until):
+                self.guard.hold(lease_id, until)
+                self._moved.set()
+            if status is RenewStatus.CANCEL and held.run is not None:
+                held.run.cancel()
+
+    async def fence(self, reason: str) -> None:
+        """Kill every running attempt whose deadline passes, until cancelled: its lease may be
+        another worker's by then. An attempt whose processes have ended is never touched: its
+        outcome is still offered, and the fenced complete decides."""
+        while True:
+            self._moved.clear()
+            now = boottime()
+            running = [h for h in self if h.phase is Phase.RUNNING and not h.fenced]
+            due = [h for h in running if h.deadline <= now]
+            if due:
+                log.error("killing %d running jobs: %s", len(due), reason)
+            for h in due:
+                assert h.run is not None
+                h.run.lose(reason)
+                h.fenced = True
+            left = [h.deadline - now for h in running if not h.fenced]
+            timeout = min(FENCE_CHECK, max(0.0, min(left))) if left else None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._moved.wait()

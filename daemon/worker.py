@@ -46,7 +46,7 @@ from daemon.config import Config
 from daemon.errors import RedisUnavailable, StaleAttempt
 from daemon.gpus import GpuAllocator, GpuInfo, GpuProbe, GpuProbeError, NotEnoughGpus, Nvml, discover
 from daemon.heartbeat import Heartbeat
-from daemon.held import HeldAttempt, Phase, boottime
+from daemon.held import HeldAttempt, Holdings, Phase, boottime
 from daemon.job import JobState, Lease, RenewStatus
 from daemon.metrics import WorkerMetrics
 from daemon.procguard import OrphanGuard
@@ -63,7 +63,6 @@ log = logging.getLogger(__name__)
 RunFactory = Callable[[Lease, tuple[GpuInfo, ...], int], Run]
 
 WAIT_BLOCK = 5.0  # longest blocking read for work before claiming again (a safety net only)
-FENCE_CHECK = 0.5  # the fence's waits run on the monotonic clock: after a suspend, look again soon
 RECORD_RETRY = 1.0  # longest pause between tries to record an outcome while Redis does not answer
 
 
@@ -119,14 +118,13 @@ class Worker:
         self._guard = OrphanGuard(f"GPUPOOL_WORKER={self.id}")
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known
         self._nvml: Nvml | None = None
-        self._held: dict[str, HeldAttempt] = {}  # every attempt this worker holds, by lease id
+        self._held = Holdings(self._guard)  # every attempt this worker holds, by lease id
         self._attempts = TaskSet("%s failed in the worker; its lease will expire")  # one per attempt
         # heartbeat, cancel nudges, dispatcher, fence, restart watch, quarantine checks
         self._background = TaskSet("%s failed: the worker no longer works as it should", logging.CRITICAL)
         self._dispatcher: asyncio.Task[None] | None = None
         self._slot_freed = asyncio.Event()
         self._wake = asyncio.Event()  # GPUs came back, or the drain began: claim again
-        self._deadlines = asyncio.Event()  # an attempt was added or its deadline moved: the fence looks
         self._claims_paused_until = 0.0  # boottime(): Redis restarted, wait before claiming
         self._draining = False
         self._handing_back = False
@@ -182,7 +180,11 @@ class Worker:
             raise
         self._spawn(self.heartbeat.run(), "heartbeat")
         self._spawn(self.heartbeat.listen_for_pokes(keys.worker_channel(self.id)), "cancel nudges")
-        self._spawn(self._fence(), "fence")
+        fence = (
+            f"no lease renewal for {self.heartbeat.lease - self.heartbeat.margin:.1f} s: the lease "
+            "may have passed to another worker"
+        )
+        self._spawn(self._held.fence(fence), "fence")
         if self.queue.watch is not None:
             self._spawn(self._watch_restarts(), "restart watch")
         self._dispatcher = self._spawn(self._dispatch(), "dispatcher")
@@ -371,10 +373,13 @@ class Worker:
         if watch is not None and watch.generation != generation:
             # Claimed from a Redis that had just restarted: the pause is for these too. Held (and
             # renewed) meanwhile, so they are not lost; started after it, while still valid.
-            held = [self._hold(lease, deadline) for lease in leases]
+            held = [self._held.hold(lease, deadline) for lease in leases]
             self._restarted()
             await self._until_claims_may_go()
-            leases = [h.lease for h in held if self._held.pop(h.lease.id, None) is h and not h.expired()]
+            still = [h for h in held if self._held.holds(h) and not h.expired()]
+            for h in held:
+                self._held.drop(h)
+            leases = [h.lease for h in still]
             if self.draining():
                 self._give_back(leases, deadline)
                 return True
@@ -410,27 +415,20 @@ class Worker:
         )
         self.heartbeat.poke()
 
-    def _hold(self, lease: Lease, deadline: float) -> HeldAttempt:
-        held = HeldAttempt(lease, deadline)
-        self._held[lease.id] = held
-        self._deadlines.set()
-        return held
-
     def _launch(self, lease: Lease, deadline: float) -> None:
-        for other in self._held.values():
+        for other in self._held:
             if other.lease.job_id == lease.job_id and other.run is not None:
                 # a newer lease of the job exists, so this one was reclaimed
                 other.run.lose("the job was reclaimed from this attempt")
-        slot = min(set(range(self.slots)) - {h.slot for h in self._held.values()})
+        slot = min(set(range(self.slots)) - {h.slot for h in self._held})
         try:
             gpus = self.allocator.allocate(lease.id, lease.spec.gpus, slot)
         except NotEnoughGpus as exc:  # claims are sized by free GPUs, so this is a bug: say so
             log.error("%s; handing the attempt back", exc)
             self._give_back([lease], deadline)
             return
-        held = self._hold(lease, deadline)
-        held.run, held.slot, held.phase = self._make_run(lease, gpus, slot), slot, Phase.RUNNING
-        self._guard.hold(lease.id, deadline)
+        held = self._held.hold(lease, deadline)
+        self._held.started(held, self._make_run(lease, gpus, slot), slot)
         held.task = self._attempts.spawn(self._attempt(held), f"job {lease.job_id}")
 
     def _job_run(self, lease: Lease, gpus: tuple[GpuInfo, ...], slot: int) -> Run:
@@ -451,7 +449,7 @@ class Worker:
     def _give_back(self, leases: Iterable[Lease], deadline: float) -> None:
         """Hand back attempts that never ran (held, so renewed, until the hand-back is recorded)."""
         for lease in leases:
-            held = self._hold(lease, deadline)
+            held = self._held.hold(lease, deadline)
             held.phase = Phase.ENDING
             held.task = self._attempts.spawn(self._release(held), f"hand back {lease.job_id}")
 
@@ -460,13 +458,7 @@ class Worker:
         try:
             await self._record(held, "hand back", lambda: self.queue.release(lease))
         finally:
-            self._drop(held)
-
-    def _drop(self, held: HeldAttempt) -> None:
-        """The attempt's end is recorded (or given up on): no more renewals, no more deadline."""
-        if self._held.get(held.lease.id) is held:
-            del self._held[held.lease.id]
-        self._guard.drop(held.lease.id)
+            self._held.drop(held)
 
     # -- one attempt ------------------------------------------------------------------------------
 
@@ -490,7 +482,7 @@ class Worker:
                 result = RunResult(Ending.LOST, None, result.dirty_gpus, result.killed_by)
             await self._report(held, result)
         finally:
-            self._drop(held)
+            self._held.drop(held)
 
     def _free(self, held: HeldAttempt, result: RunResult | None) -> None:
         """Give the attempt's slot and GPUs back (the dirty ones into quarantine)."""
@@ -564,33 +556,6 @@ class Worker:
                 self.allocator.unquarantine(uuid)
                 self._wake.set()
 
-    # -- the self-fence ---------------------------------------------------------------------------
-
-    async def _fence(self) -> None:
-        """Kill every running attempt whose deadline passes (held.py): its lease may be another
-        worker's by then. An attempt whose processes have ended is never touched: its outcome is
-        still offered, and the fenced complete decides."""
-        while True:
-            self._deadlines.clear()
-            now = boottime()
-            running = [h for h in self._held.values() if h.phase is Phase.RUNNING and not h.fenced]
-            due = [h for h in running if h.deadline <= now]
-            if due:
-                reason = (
-                    f"no lease renewal for {self.heartbeat.lease - self.heartbeat.margin:.1f} s: "
-                    "the lease may have passed to another worker"
-                )
-                log.error("killing %d running jobs: %s", len(due), reason)
-                for h in due:
-                    assert h.run is not None
-                    h.run.lose(reason)
-                    h.fenced = True
-            left = [h.deadline - now for h in running if h not in due]
-            timeout = min(FENCE_CHECK, max(0.0, min(left))) if left else None
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await self._deadlines.wait()
-
     # -- metrics ----------------------------------------------------------------------------------
 
     def _observe_heartbeat(self, round_trip: float | None) -> None:
@@ -612,33 +577,19 @@ class Worker:
         return self._registration
 
     def leases(self) -> Sequence[Lease]:
-        return [h.lease for h in self._held.values()]
+        return [h.lease for h in self._held]
 
     def renewed(self, statuses: Mapping[str, RenewStatus], until: float) -> None:
-        for lease_id, status in statuses.items():
-            held = self._held.get(lease_id)
-            if held is None:
-                continue  # ended meanwhile
-            if status is RenewStatus.LOST:
-                if held.run is not None:
-                    held.run.lose("the lease was lost (this worker was presumed dead, or the job ended)")
-                elif held.phase is Phase.CLAIMED:
-                    del self._held[lease_id]  # never started, and now never will
-                continue
-            if held.renewed(until):
-                self._guard.hold(lease_id, until)
-                self._deadlines.set()
-            if status is RenewStatus.CANCEL and held.run is not None:
-                held.run.cancel()
+        self._held.renewed(statuses, until)
 
     # -- reads ------------------------------------------------------------------------------------
 
     def _busy(self) -> int:
         """Slots taken: attempts that hold one (from their start until their processes are gone)."""
-        return sum(1 for h in self._held.values() if h.slot is not None)
+        return sum(1 for h in self._held if h.slot is not None)
 
     def _runs(self) -> list[Run]:
-        return [h.run for h in self._held.values() if h.run is not None and h.phase is Phase.RUNNING]
+        return [h.run for h in self._held if h.run is not None and h.phase is Phase.RUNNING]
 
     def draining(self) -> bool:
         """True once `stop()` began: no more jobs are claimed."""
@@ -647,4 +598,4 @@ class Worker:
     @property
     def running(self) -> dict[str, Lease]:
         """The attempts running now, by job id."""
-        return {h.lease.job_id: h.lease for h in self._held.values() if h.phase is Phase.RUNNING}
+        return {h.lease.job_id: h.lease for h in self._held if h.phase is Phase.RUNNING}

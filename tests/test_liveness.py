@@ -17,7 +17,8 @@ from pathlib import Path
 from daemon import keys
 from daemon.embedded_redis import EmbeddedRedis
 from daemon.job import JobState
-from daemon.queue import JobQueue, xrange
+from daemon.queue import JobQueue
+from daemon.queue_reads import xrange
 from tests.workers import sh, wait_dead, wait_file, wait_state
 
 LEASE = 1.5

@@ -64,6 +64,7 @@ def test_an_outcome_from_an_attempt_that_never_ended_is_caught() -> None:
 def test_only_submissions_a_rollback_took_away_may_vanish() -> None:
     v = Verdict()
     found = check_terminal(v, {"a": None, "b": None}, {"a": 10.5, "b": 20.0}, rollbacks=[(10.0, 11.0)])
+    # b was acknowledged long after the rollback: losing it breaks the promise
     assert (found, v.rolled_back, v.lost) == ({}, 1, 1)
 
 
