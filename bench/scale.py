@@ -9,6 +9,10 @@ Reported per pool size: Redis commands/s (INFO stats), redis-server CPU share (p
 reaper's pass time, Redis memory per queued job (INFO memory before and after filling the queue),
 and claim latency at that depth. The client side is one Python process: at 1 000 workers it is the
 limit, not Redis; the Redis CPU share shows how much headroom the server has.
+
+Then what many queues cost the server: with 1 and 100 queues, the reaper's pass and the metrics'
+depth reading (one pipelined round trip for all queues), side by side with the same calls made one
+queue at a time in the same run, and the idle events reader's Redis commands per second.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import machine, save, summary_ms
+from daemon.aio import cancel_and_wait
 from daemon.embedded_redis import EmbeddedRedis
+from daemon.events import JobEvents
 from daemon.job import JobSpec, JobState, Lease, Outcome
 from daemon.queue import JobQueue
 from daemon.registry import Registration, add_heartbeat, new_worker_id
@@ -120,6 +126,50 @@ async def point(
     }
 
 
+async def _timed(call: Any, runs: int = 20) -> dict[str, float]:
+    took = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        await call()
+        took.append(time.perf_counter() - t0)
+    return summary_ms(took)
+
+
+async def queues_point(server: EmbeddedRedis, n: int, idle_seconds: float = 3.0) -> dict[str, Any]:
+    client = server.client()
+    await client.flushall()
+    queue = JobQueue(client, lease_seconds=30)
+    names = [f"q{i}" for i in range(n)]
+    await queue.enqueue_many([JobSpec(argv=("true",), queue=q) for q in names])
+
+    async def one_by_one_reclaim() -> None:
+        for q in names:
+            await queue.reclaim([q])
+
+    async def one_by_one_depth() -> None:
+        for q in names:
+            await queue.depth(q)
+
+    out: dict[str, Any] = {
+        "queues": n,
+        "reaper_pass_ms": await _timed(lambda: queue.reclaim(names)),
+        "reaper_one_by_one_ms": await _timed(one_by_one_reclaim),
+        "depths_ms": await _timed(lambda: queue.depths(names)),
+        "depths_one_by_one_ms": await _timed(one_by_one_depth),
+    }
+    events = JobEvents(queue, 1.0)
+    await events.prime()
+    before = await client.info("commandstats")
+    reader = asyncio.create_task(events.run())
+    await asyncio.sleep(idle_seconds)
+    await cancel_and_wait(reader)
+    after = await client.info("commandstats")
+    calls = sum(int(after[k]["calls"]) - int(before.get(k, {"calls": 0})["calls"]) for k in after)
+    out["idle_events_reader_commands_per_s"] = (calls - 1) / idle_seconds  # less the INFO itself
+    await client.aclose()
+    return out
+
+
 async def measure(
     sizes: list[int], jobs: int, seconds: float, heartbeat: float, job_seconds: float
 ) -> dict[str, Any]:
@@ -136,6 +186,7 @@ async def measure(
                 )
                 for n in sizes
             ]
+            queues = [await queues_point(server, n) for n in (1, 100)]
         finally:
             server.stop()
     return {
@@ -143,6 +194,7 @@ async def measure(
         "heartbeat_s": heartbeat,
         "job_seconds": job_seconds,
         "points": points,
+        "queues": queues,
     }
 
 
@@ -183,7 +235,28 @@ def main(argv: list[str] | None = None) -> None:
             f"{pt['reaper_pass_ms']['p50']:.2f}",
             f"{pt['jobs_done']:,}",
         )
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    many = Table(title="many queues: server calls over all queues (median ms) and the idle events reader")
+    for column in (
+        "queues",
+        "reaper pass",
+        "one queue at a time",
+        "depths",
+        "one queue at a time",
+        "reader cmd/s",
+    ):
+        many.add_column(column, justify="right")
+    for q in result["queues"]:
+        many.add_row(
+            str(q["queues"]),
+            f"{q['reaper_pass_ms']['p50']:.2f}",
+            f"{q['reaper_one_by_one_ms']['p50']:.2f}",
+            f"{q['depths_ms']['p50']:.2f}",
+            f"{q['depths_one_by_one_ms']['p50']:.2f}",
+            f"{q['idle_events_reader_commands_per_s']:.1f}",
+        )
+    console.print(many)
     print(f"wrote {save('scale', result)}")
 
 
