@@ -24,9 +24,11 @@ class NoopRun:
         self.lease = lease
         self.gpus = gpus
         self._started = started
+        self.exited = False
 
     async def run(self) -> RunResult:
         self._started[self.lease.job_id] = time.perf_counter()
+        self.exited = True
         return DONE
 
     def cancel(self) -> None:

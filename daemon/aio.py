@@ -55,6 +55,11 @@ class TaskSet:
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.log(self._level, self._died + ": %r", task.get_name(), exc, exc_info=exc)
 
+    def cancel(self) -> None:
+        """Cancel every task without waiting (for a caller that is itself being cancelled)."""
+        for task in self._tasks:
+            task.cancel()
+
     async def stop(self) -> None:
         """Cancel every task and wait until all have ended (see `cancel_and_wait`)."""
         await asyncio.gather(*(cancel_and_wait(task) for task in list(self._tasks)))

@@ -38,6 +38,16 @@ from daemon.scripts import ScriptBatch
 log = logging.getLogger(__name__)
 
 
+class Refused(RedisError):
+    """Redis refused the registration (at its memory limit, say); the renewals' answers, by
+    lease id, when they went through all the same."""
+
+    def __init__(self, error: BaseException, statuses: dict[str, RenewStatus] | None) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.statuses = statuses
+
+
 class HeartbeatTarget(Protocol):
     """What a heartbeat needs from its worker."""
 
@@ -87,34 +97,42 @@ class Heartbeat:
 
     async def beat(self) -> dict[str, RenewStatus]:
         """Refresh the registration and renew every lease in one round trip; the renewals'
-        answers by lease id. Raises RedisError (or TimeoutError) when Redis does not answer."""
+        answers by lease id. Raises RedisError (or TimeoutError) when Redis does not answer, or
+        refuses the registration (`Refused`, carrying the renewals' answers when those went
+        through, as at Redis's memory limit)."""
         registration = self.target.registration()
         batch = ScriptBatch(self.queue.redis)
-        add_heartbeat(batch, self.queue.scripts, registration)
+        registered = add_heartbeat(batch, self.queue.scripts, registration)
         answers = self.queue.add_renewals(batch, registration.id, self.target.leases())
-        return answers(await batch.execute())
+        replies = await batch.execute_each()
+        renewals = [r for i, r in enumerate(replies) if i != registered]
+        statuses = None if any(isinstance(r, Exception) for r in renewals) else answers(replies)
+        if isinstance(replies[registered], Exception):
+            raise Refused(replies[registered], statuses)
+        if statuses is None:
+            raise next(r for r in renewals if isinstance(r, Exception))
+        return statuses
 
     async def beat_and_apply(self) -> bool:
         """One heartbeat, its answers handed to the target, failures logged (once per outage).
-        True when Redis answered."""
+        True when Redis answered it all: only then may the worker claim."""
         loop = asyncio.get_running_loop()
         started, sent = loop.time(), boottime()
         try:
             # A beat that hangs (a half-open connection) counts as failed, and the next one retries.
             async with asyncio.timeout(max(self.interval, 1.0)):
                 statuses = await self.beat()
+        except Refused as exc:
+            if exc.statuses is not None:  # the leases were renewed all the same
+                self.target.renewed(exc.statuses, sent + self.lease - self.margin)
+            self._failed(started, exc.error)
+            return False
         except (RedisError, TimeoutError, OSError) as exc:
-            self.healthy.clear()
-            if self.observer is not None:
-                self.observer(None)
-            if self._failing_since is None:
-                self._failing_since = started
-                log.warning(
-                    "heartbeat failed (%s); no new jobs until it works, and running ones are killed if "
-                    "their leases go %.1f s without a renewal",
-                    str(exc) or type(exc).__name__,
-                    self.lease - self.margin,
-                )
+            self._failed(started, exc)
+            return False
+        except Exception as exc:  # a bug here must not end the heartbeat for good: logged, retried
+            log.exception("heartbeat failed unexpectedly")
+            self._failed(started, exc)
             return False
         self.round_trip = loop.time() - started
         if self.observer is not None:
@@ -126,14 +144,30 @@ class Heartbeat:
         self.healthy.set()
         return True
 
+    def _failed(self, started: float, exc: BaseException) -> None:
+        self.healthy.clear()
+        if self.observer is not None:
+            self.observer(None)
+        if self._failing_since is None:
+            self._failing_since = started
+            log.warning(
+                "heartbeat failed (%s); no new jobs until it works, and running ones are killed if "
+                "their leases go %.1f s without a renewal",
+                str(exc) or type(exc).__name__,
+                self.lease - self.margin,
+            )
+
     async def run(self) -> None:
         """Beat every `interval` seconds (measured from each beat's start) until cancelled; at once
         when poked."""
         loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            self._poked.clear()
-            await self.beat_and_apply()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, started + self.interval - loop.time())):
-                    await self._poked.wait()
+        try:
+            while True:
+                started = loop.time()
+                self._poked.clear()
+                await self.beat_and_apply()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, started + self.interval - loop.time())):
+                        await self._poked.wait()
+        finally:
+            self.healthy.clear()  # no beats any more: nothing may be claimed

@@ -112,8 +112,10 @@ class Holdings:
                 if held.run is not None:
                     held.run.lose("the lease was lost (this worker was presumed dead, or the job ended)")
                 elif held.phase is Phase.CLAIMED:
-                    del self._by_lease[lease_id]  # never started, and now never will
+                    self.drop(held)  # never started, and now never will
                 continue
+            if held.run is not None and held.run.exited:
+                continue  # its processes are gone: its deadline stays where the end found it
             if held.renewed(until):
                 self.guard.hold(lease_id, until)
                 self._moved.set()

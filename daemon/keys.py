@@ -9,8 +9,10 @@ Per queue (``gp:{q:NAME}:…``):
                 entry stays in the group's pending list while its job runs and is deleted when the
                 job ends.
   retry         ZSET id -> enqueue seq: the front of the queue, claimed before any entry of the
-                stream: jobs reclaimed, handed back, retried after a failure, or passed over by
-                a worker too small for them.
+                stream: jobs reclaimed, handed back, or retried after a failure.
+  parked        ZSET id -> GPUs needed * 2**32 + enqueue seq: queued jobs passed over by workers too
+                small for them; a claimer looks only at those it can hold, and takes the oldest of
+                them and `retry`'s head first.
   wake          capped Stream of ``w=1`` entries, one per job put at the front: workers block on it
                 (XREAD) beside the stream, since a ZSET cannot wake them.
   leases        ZSET id -> lease deadline (Redis server time, ms) of every running attempt.
@@ -73,6 +75,10 @@ def jobs(queue: str) -> str:
 
 def ended(queue: str) -> str:
     return queue_prefix(queue) + "ended"
+
+
+def parked(queue: str) -> str:
+    return queue_prefix(queue) + "parked"
 
 
 def wake(queue: str) -> str:

@@ -101,14 +101,23 @@ for _ in range(3):  # again, for any that forked while the last pass ran
 
 
 class OrphanGuard:
-    """The worker's side of the guard. `start()` once; `hold`/`drop` per lease, `watch`/`forget` per
-    job's process group; `stop()` at the end.
-    `mark` is the environment entry every job of this worker carries (`GPUPOOL_WORKER=ID`)."""
+    """The worker's side of the guard. `start()` once and `watch_over()` in a task of its own;
+    `hold`/`drop` per lease, `watch`/`forget` per job's process group; `stop()` at the end.
+    `mark` is the environment entry every job of this worker carries (`GPUPOOL_WORKER=ID`).
+
+    It keeps what it told the guard (the groups and deadlines it holds), so that a guard that
+    died (killed by hand, the OOM killer) is started again by `watch_over` and told it all anew."""
 
     def __init__(self, mark: str) -> None:
         self.mark = mark
         self._proc: asyncio.subprocess.Process | None = None
-        self._broken = False
+        self._groups: dict[int, str] = {}  # pgid -> lease
+        self._deadlines: dict[str, float] = {}  # lease -> deadline
+        self._stopping = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
     async def start(self) -> None:
         self._proc = await asyncio.create_subprocess_exec(
@@ -123,36 +132,57 @@ class OrphanGuard:
             start_new_session=True,
         )
 
+    async def watch_over(self) -> None:
+        """Until cancelled: when the guard process ends before `stop()`, start a new one and tell
+        it every group and deadline held; a worker without its guard would leave its jobs behind
+        if it died, and a frozen one would not have them stopped."""
+        while (proc := self._proc) is not None:
+            await proc.wait()
+            if self._stopping or self._proc is not proc:
+                return
+            log.critical(
+                "the orphan guard (pid %d) ended with status %s; starting a new one",
+                proc.pid,
+                proc.returncode,
+            )
+            await self.start()
+            for lease, deadline in self._deadlines.items():
+                self._send(f"d {lease} {deadline:.3f}\n")
+            for pgid, lease in self._groups.items():
+                self._send(f"+{pgid} {lease}\n")
+
     def watch(self, pgid: int, lease: str = "") -> None:
         """Kill process group `pgid` if the worker dies before `forget(pgid)`, or once the deadline
         of `lease` (see `hold`) passes."""
+        self._groups[pgid] = lease
         self._send(f"+{pgid} {lease}\n")
 
     def forget(self, pgid: int) -> None:
         """The group's processes are gone: the id may be reused by someone else's group."""
+        self._groups.pop(pgid, None)
         self._send(f"-{pgid}\n")
 
     def hold(self, lease: str, deadline: float) -> None:
         """`lease` holds until `deadline` (CLOCK_BOOTTIME seconds); its group dies then."""
+        self._deadlines[lease] = deadline
         self._send(f"d {lease} {deadline:.3f}\n")
 
     def drop(self, lease: str) -> None:
         """The attempt of `lease` has ended: no deadline to keep for it."""
+        self._deadlines.pop(lease, None)
         self._send(f"x {lease}\n")
 
     def _send(self, line: str) -> None:
-        if self._proc is None or self._proc.stdin is None or self._broken:
-            return
-        try:
-            # A few bytes into a pipe the guard keeps reading: never blocks for long enough to
-            # matter, so no drain() and the callers stay synchronous.
-            self._proc.stdin.write(line.encode())
-        except (BrokenPipeError, ConnectionResetError, RuntimeError) as exc:
-            self._broken = True
-            log.error("the orphan guard is gone (%s): a killed worker may leave job processes behind", exc)
+        proc = self._proc
+        if proc is None or proc.stdin is None or proc.returncode is not None or proc.stdin.is_closing():
+            return  # gone: watch_over starts a new one and tells it everything
+        # A few bytes into a pipe the guard keeps reading: never blocks for long enough to matter,
+        # so no drain() and the callers stay synchronous.
+        proc.stdin.write(line.encode())
 
     async def stop(self) -> None:
         """Close the guard's stdin (it kills any group still listed) and wait for it. Safe twice."""
+        self._stopping = True
         proc, self._proc = self._proc, None
         if proc is None:
             return

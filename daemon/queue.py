@@ -48,6 +48,16 @@ def unanswered(exc: BaseException) -> bool:
     return not isinstance(exc, ResponseError)
 
 
+def transient(exc: BaseException) -> bool:
+    """Worth trying again: Redis did not answer, or answered that it cannot now (full, loading,
+    busy with a script, a replica). Any other error a script answers with is its last word."""
+    if not isinstance(exc, ResponseError):
+        return True
+    return out_of_memory(exc) or str(exc).startswith(
+        ("BUSY", "LOADING", "READONLY", "TRYAGAIN", "MASTERDOWN")
+    )
+
+
 def out_of_memory(exc: BaseException) -> bool:
     """Redis refused a write at its maxmemory (directly, or inside a script)."""
     return isinstance(exc, OutOfMemoryError) or (isinstance(exc, ResponseError) and "OOM" in str(exc))
@@ -89,6 +99,7 @@ class JobQueue(QueueReads):
         # is sent again, with its number, before any new one: (queue, number) by worker.
         self._requests: dict[str, int] = {}
         self._unanswered: dict[str, tuple[str, int]] = {}
+        self._stranded: dict[str, list[Lease]] = {}  # claimed by a claim_many cancelled midway
 
     @classmethod
     def from_config(cls, redis: Redis, config: Config, *, watch: RunIdWatch | None = None) -> JobQueue:
@@ -139,6 +150,8 @@ class JobQueue(QueueReads):
                 chunks[-1].append(spec)
             else:
                 chunks.append([spec])
+        if not specs:
+            return []
         listed = self._list_queues(sorted({s.queue for s in specs}))
         batch = ScriptBatch(self.redis)
         for chunk in chunks:
@@ -223,6 +236,8 @@ class JobQueue(QueueReads):
             except (RedisError, asyncio.CancelledError) as exc:
                 if unanswered(exc):
                     self._unanswered[worker] = (q, request)
+                if isinstance(exc, asyncio.CancelledError):
+                    self._stranded.setdefault(worker, []).extend(leases)  # for settle_claims
                 if not leases or isinstance(exc, asyncio.CancelledError):
                     raise
                 # Claimed jobs are this worker's now: hand them out rather than strand them.
@@ -236,21 +251,24 @@ class JobQueue(QueueReads):
         return leases
 
     async def settle_claims(self, worker: str) -> list[Lease]:
-        """The jobs of `worker`'s claim whose reply never came, if one did not: the request is sent
-        again asking for nothing, so it answers what its first run claimed, or, if it never ran,
-        makes sure it never will (a later copy of it claims nothing). [] when nothing was unanswered.
-        A worker that stops calls this, to hand such jobs back at once."""
+        """The jobs of `worker`'s claims that it never got: those of a request whose reply never
+        came (sent again asking for nothing, it answers what its first run claimed, or, if it
+        never ran, makes sure it never will: a later copy claims nothing), and those claimed from
+        other queues by a `claim_many` cancelled before it returned. A worker that stops calls
+        this, to hand such jobs back at once."""
+        leases = self._stranded.pop(worker, [])
         pending = self._unanswered.pop(worker, None)
         if pending is None:
-            return []
+            return leases
         q, request = pending
         try:
-            _, _, leases = await self._claim_call(worker, q, request, 0, (0, 0, 0))
+            _, _, got = await self._claim_call(worker, q, request, 0, (0, 0, 0))
         except (RedisError, asyncio.CancelledError) as exc:
             if unanswered(exc):
                 self._unanswered[worker] = pending
+            self._stranded.setdefault(worker, []).extend(leases)
             raise
-        return leases
+        return leases + got
 
     def _next_request(self, worker: str) -> int:
         self._requests[worker] = number = self._requests.get(worker, 0) + 1
@@ -263,14 +281,30 @@ class JobQueue(QueueReads):
         free, default, total = gpus
         status, stream_cursor, wake_cursor, *claimed = await self._call(
             self.scripts.claim,
-            [keys.stream(q), keys.retry(q), keys.leases(q), keys.claims(q, worker)],
+            [keys.stream(q), keys.retry(q), keys.leases(q), keys.claims(q, worker), keys.parked(q)],
             [keys.queue_prefix(q), keys.GROUP, worker, free, self.lease_ms, default, count, total, request],
         )
-        leases = [
-            Lease(_s(job_id), int(attempt), worker, JobSpec.from_dict(msgpack.unpackb(spec)), _s(lease_id))
-            for job_id, attempt, lease_id, spec in (claimed[i : i + 4] for i in range(0, len(claimed), 4))
-        ]
+        leases = []
+        for job_id, attempt, lease_id, packed in (claimed[i : i + 4] for i in range(0, len(claimed), 4)):
+            try:
+                spec = JobSpec.from_dict(msgpack.unpackb(packed))
+            except (InvalidJob, ValueError) as exc:  # a spec from a newer gpupool, say
+                await self._unreadable(
+                    Lease(_s(job_id), int(attempt), worker, JobSpec(("?",), q), _s(lease_id)), exc
+                )
+                continue
+            leases.append(Lease(_s(job_id), int(attempt), worker, spec, _s(lease_id)))
         return status, (_s(stream_cursor), _s(wake_cursor)), leases
+
+    async def _unreadable(self, lease: Lease, exc: Exception) -> None:
+        """A claimed job whose spec this worker cannot read: it fails, saying why, rather than go
+        round every worker for ever (or be stranded under this one)."""
+        detail = f"a worker could not read the job's spec ({exc}); was it submitted to a newer gpupool?"
+        log.error("job %s: %s", lease.job_id, detail)
+        try:
+            await self.complete(lease, Outcome(JobState.FAILED, None, detail))
+        except (RedisError, StaleAttempt) as err:
+            log.warning("job %s: could not record that (%s); its lease will expire", lease.job_id, err)
 
     async def wait_for_work(self, queues: Sequence[str], block: float) -> bool:
         """Block until one of `queues` gets an entry newer than what the last `claim` saw, or a job
@@ -402,9 +436,9 @@ class JobQueue(QueueReads):
                     [keys.queue_prefix(q), keys.GROUP, RECLAIM_BATCH, self.retention],
                 )
             more = []
-            for q, reply in zip(todo, await batch.execute(), strict=True):
-                out += [(_s(reply[i]), JobState(_s(reply[i + 1]))) for i in range(0, len(reply), 2)]
-                if len(reply) >= 2 * RECLAIM_BATCH:
+            for q, (taken, *pairs) in zip(todo, await batch.execute(), strict=True):
+                out += [(_s(pairs[i]), JobState(_s(pairs[i + 1]))) for i in range(0, len(pairs), 2)]
+                if taken >= RECLAIM_BATCH:
                     more.append(q)
             todo = more
         for job_id, state in out:

@@ -1,7 +1,8 @@
 """What the pool knows of its jobs, read-only: records, listings, depths, logs, events.
 
 `QueueReads` is the reading half of `queue.JobQueue` (which adds every state change): a mixin
-over the same Redis client. Nothing here writes, so nothing here needs a script.
+over the same Redis client. Nothing here changes a job, so nothing here needs a script; the one
+write is `list_jobs` dropping index entries whose records have expired.
 """
 
 from __future__ import annotations
@@ -129,23 +130,32 @@ class QueueReads:
         return out[-limit:]
 
     async def _active_ids(self, queue: str, limit: int) -> list[str]:
-        """Running (leases) and front (retry) jobs of one queue, then up to `limit` of its stream
-        entries not yet delivered, read from the consumer group's last delivered id on."""
+        """Running (leases), front (retry) and parked jobs of one queue, then up to `limit` of its
+        stream entries not yet delivered, read from the consumer group's last delivered id on."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrange(keys.leases(queue), 0, -1)
             pipe.zrange(keys.retry(queue), 0, -1)
+            pipe.zrange(keys.parked(queue), 0, -1)
             pipe.xinfo_groups(keys.stream(queue))
             try:
-                running, retry, groups = await pipe.execute()
+                running, retry, parked, groups = await pipe.execute()
             except ResponseError:  # no stream yet: nothing was ever enqueued
                 return []
         last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == keys.GROUP), b"0-0")
         entries = await xrange(self.redis, keys.stream(queue), f"({_s(last)}", limit)
         waiting = [_s(e[1][b"job"]) for e in entries if b"job" in e[1]]
-        return list(dict.fromkeys([_s(i) for i in running + retry] + waiting))
+        return list(dict.fromkeys([_s(i) for i in running + retry + parked] + waiting))
+
+    async def leases_held(self, queues: Sequence[str]) -> int:
+        """Running attempts (leases) in `queues`, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for q in queues:
+                pipe.zcard(keys.leases(q))
+            return sum(int(n) for n in await pipe.execute())
 
     async def depth(self, queue: str) -> int:
-        """Jobs waiting in `queue`: those at its front plus stream entries not yet delivered."""
+        """Jobs waiting in `queue`: those at its front, those parked, and stream entries not yet
+        delivered (the others are pending: running, or at the front or parked)."""
         return (await self.depths([queue]))[queue]
 
     async def depths(self, queues: Sequence[str]) -> dict[str, int]:
@@ -153,16 +163,20 @@ class QueueReads:
         async with self.redis.pipeline(transaction=False) as pipe:
             for q in queues:
                 pipe.zcard(keys.retry(q))
+                pipe.zcard(keys.parked(q))
                 pipe.xlen(keys.stream(q))
                 pipe.xpending(keys.stream(q), keys.GROUP)
             replies = await pipe.execute(raise_on_error=False)
         out = {}
         for i, q in enumerate(queues):
-            retry, length, pending = replies[3 * i : 3 * i + 3]
+            retry, parked, length, pending = replies[4 * i : 4 * i + 4]
             # no stream or group yet (an error in its place): nothing was ever enqueued
-            out[q] = (
-                0 if isinstance(pending, Exception) else int(retry) + int(length) - int(pending["pending"])
+            waiting = (
+                int(retry) + int(parked) + int(length) - int(pending["pending"])
+                if not isinstance(pending, Exception)
+                else 0
             )
+            out[q] = waiting
         return out
 
 

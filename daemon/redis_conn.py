@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from redis.asyncio import Redis
@@ -51,23 +52,30 @@ class RunIdWatch:
         self.run_id: str | None = None
         self.generation = 0
         self.changed = asyncio.Event()
+        self._uptime = (float("inf"), 0.0)  # (Redis's uptime, time.monotonic()) when last seen
 
-    def saw(self, run_id: str) -> None:
+    def saw(self, run_id: str, uptime: float = float("inf")) -> None:
         if self.run_id is not None and run_id != self.run_id:
             self.generation += 1
             self.changed.set()
             log.warning("Redis restarted or failed over (run id %s, was %s)", run_id[:8], self.run_id[:8])
         self.run_id = run_id
+        self._uptime = (uptime, time.monotonic())
+
+    def age(self) -> float:
+        """Seconds since the redis-server answering now started: a process that starts just after
+        a restart has seen no change of run id, but may have to act as if it had."""
+        uptime, seen = self._uptime
+        return uptime + (time.monotonic() - seen)
 
     async def on_connect(self, connection: AbstractConnection) -> None:
         await connection.on_connect()
         await connection.send_command("INFO", "server")
         info = await connection.read_response()
         text = info.decode() if isinstance(info, bytes) else str(info)
-        for line in text.splitlines():
-            if line.startswith("run_id:"):
-                self.saw(line.split(":", 1)[1].strip())
-                return
+        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+        if "run_id" in fields:
+            self.saw(fields["run_id"].strip(), float(fields.get("uptime_in_seconds", "inf")))
 
 
 def connect(

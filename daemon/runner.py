@@ -76,6 +76,10 @@ class Run(Protocol):
     lease: Lease
     gpus: tuple[GpuInfo, ...]
 
+    @property
+    def exited(self) -> bool:
+        """The job's first process has ended (known as soon as the loop sees it)."""
+
     async def run(self) -> RunResult: ...
     def cancel(self) -> None: ...
     def hand_back(self, now: bool = False) -> None: ...
@@ -181,6 +185,10 @@ class JobRun:
     def _ended(self) -> bool:
         return self._proc is not None and self._proc.returncode is not None
 
+    @property
+    def exited(self) -> bool:
+        return self._ended()
+
     def _stop(self, ending: Ending, why: str, now: bool = False) -> None:
         if self._ended():
             return  # how it ended is decided
@@ -230,6 +238,8 @@ class JobRun:
             if spec.git is not None:
                 await self._checkout(spec.git)
             await jobdata.prepare(self.cache, spec, cwd, self.output.note)
+            if self.ending is Ending.LOST:  # lost while its data came: it must not start at all
+                return RunResult(Ending.LOST, None)
             self._proc = await spawn.start(spec.argv, cwd=cwd, env=self._env)
         except (OSError, GpupoolError) as exc:
             detail = (

@@ -50,7 +50,7 @@ from daemon.held import HeldAttempt, Holdings, Phase, boottime
 from daemon.job import JobState, Lease, RenewStatus
 from daemon.metrics import WorkerMetrics
 from daemon.procguard import OrphanGuard
-from daemon.queue import JobQueue
+from daemon.queue import JobQueue, transient
 from daemon.registry import Registration
 from daemon.runner import Ending, JobRun, Run, RunResult
 from daemon.scratch import SlotDirs
@@ -173,11 +173,13 @@ class Worker:
         try:
             if not await self.heartbeat.beat_and_apply():
                 raise RedisUnavailable(f"worker {self.id} cannot register: Redis does not answer")
+            await self._if_redis_just_restarted()
         except BaseException:
             await self._guard.stop()
             await asyncio.to_thread(self._slot_dirs.close)
             await self._close_nvml()
             raise
+        self._spawn(self._guard.watch_over(), "orphan guard watch")
         self._spawn(self.heartbeat.run(), "heartbeat")
         self._spawn(self.heartbeat.listen_for_pokes(keys.worker_channel(self.id)), "cancel nudges")
         fence = (
@@ -219,6 +221,7 @@ class Worker:
         except asyncio.CancelledError:
             for run in self._runs():
                 run.lose("the worker was stopped at once")
+            self._background.cancel()  # no more beats or claims: the leases are left to expire
             raise
         finally:
             self._stopped.set()
@@ -319,8 +322,11 @@ class Worker:
                 backoff = 0.1  # Redis answered: the next failure starts the back-off afresh
                 if not claimed:
                     await self._wait_for_work()
-            except RedisError as exc:
-                log.warning("claiming failed (%s); retrying in %.1f s", exc, backoff)
+            except Exception as exc:  # logged and retried: a dispatcher that dies never claims again
+                if isinstance(exc, RedisError):
+                    log.warning("claiming failed (%s); retrying in %.1f s", exc, backoff)
+                else:
+                    log.exception("claiming failed unexpectedly; retrying in %.1f s", backoff)
                 # A back-off between retries (not a poll for work) that the drain cuts short.
                 await self._woken_or(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -379,10 +385,12 @@ class Worker:
             still = [h for h in held if self._held.holds(h) and not h.expired()]
             for h in held:
                 self._held.drop(h)
-            leases = [h.lease for h in still]
             if self.draining():
-                self._give_back(leases, deadline)
+                self._give_back([h.lease for h in still], deadline)
                 return True
+            for h in still:
+                self._launch(h.lease, h.deadline)  # as renewed while it waited
+            return True
         for lease in leases:
             self._launch(lease, deadline)
         return True
@@ -408,6 +416,15 @@ class Worker:
             await watch.changed.wait()
             watch.changed.clear()
             self._restarted()
+
+    async def _if_redis_just_restarted(self) -> None:
+        """A worker starting just after Redis restarted has seen no change of run id, yet the
+        leases Redis came back with may be held by workers that do not know yet: it pauses as
+        one that saw the restart would, while such leases exist."""
+        watch = self.queue.watch
+        young = self.heartbeat.interval + self.heartbeat.margin - (watch.age() if watch else float("inf"))
+        if young > 0 and await self.queue.leases_held(self.queues):
+            self._claims_paused_until = boottime() + young
 
     def _restarted(self) -> None:
         self._claims_paused_until = max(
@@ -535,7 +552,7 @@ class Worker:
                 log.warning("job %s: could not %s: %s", job, what, exc)
                 return None
             except RedisError as exc:
-                if self._forced.is_set():
+                if self._forced.is_set() or not transient(exc):
                     log.error("job %s: could not %s (%s); its lease will expire", job, what, exc)
                     return None
                 if not said:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import subprocess
 from pathlib import Path
 
 from daemon.procguard import OrphanGuard
-from tests.workers import alive, wait_dead
+from tests.workers import alive, wait_dead, wait_until
 
 
 def start(env: dict[str, str], *, new_session: bool = True) -> subprocess.Popen[bytes]:
@@ -47,3 +49,30 @@ async def test_a_forgotten_group_is_left_alone(tmp_path: Path) -> None:
     finally:
         done.kill()
         done.wait()
+
+
+async def test_a_guard_that_dies_is_started_again_and_told_everything() -> None:
+    """A guard killed by hand (or by the OOM killer) left its worker unguarded for good: its
+    watcher starts a new one and tells it the groups it watches."""
+    guard = OrphanGuard("GPUPOOL_WORKER=w-guard-test-4")
+    await guard.start()
+    watcher = asyncio.create_task(guard.watch_over())
+    job = start({})
+    guard.watch(job.pid)
+    first = guard.pid
+    assert first is not None
+    try:
+        os.kill(first, signal.SIGKILL)
+        await wait_until(lambda: _replaced(guard, first), what="a new guard")
+        await asyncio.sleep(0.2)  # it has read what it was told
+        await guard.stop()  # end of file: the new guard kills what it watches
+        job.wait(10)
+        await wait_dead([job.pid])
+    finally:
+        watcher.cancel()
+        job.kill()
+        job.wait()
+
+
+async def _replaced(guard: OrphanGuard, old: int) -> bool:
+    return guard.pid not in (None, old)

@@ -57,34 +57,60 @@ async def test_a_job_too_big_for_a_worker_is_passed_over_not_waited_for(queue: J
     assert await queue.depth("default") == 0
 
 
+async def test_many_passed_over_jobs_do_not_hold_up_a_retried_one(queue: JobQueue) -> None:
+    """Item 1 (a review's follow-up): passed-over jobs sat at the front among retried ones, and a
+    claim looked at no more than 100 of them, so a retried job behind 100 big ones never ran."""
+    await queue.enqueue_many([spec(i, gpus=16, wait_for_worker=True) for i in range(150)])
+    retried, _ = await queue.enqueue(spec(retries=1))
+    got = [await queue.claim("cpu-worker", ["default"]) for _ in range(2)]  # a bounded pass each
+    first = next(lease for lease in got if lease is not None)  # the 150 passed over on the way
+    assert first.job_id == retried
+    assert await queue.complete(first, FAILED) is JobState.QUEUED  # back at the front
+    again = await claim(queue, "cpu-worker")
+    assert (again.job_id, again.attempt) == (retried, 2)
+    assert await queue.depth("default") == 150
+    assert (await claim(queue, "big", gpus=16)).spec.argv == ("echo", "0")  # the oldest of them
+    # among parked jobs of different sizes, the oldest a worker can hold goes first
+    eight, _ = await queue.enqueue(spec(gpus=8))
+    four, _ = await queue.enqueue(spec(gpus=4))
+    await queue.claim("cpu-worker", ["default"])  # parks both
+    assert (await claim(queue, "eight-gpus", gpus=8)).job_id == eight
+    assert (await claim(queue, "eight-gpus", gpus=8)).job_id == four
+
+
 async def test_at_maxmemory_nothing_is_granted_and_endings_still_go_through(
     redis_server: EmbeddedRedis, queue: JobQueue
 ) -> None:
     """Item 2: with Redis at maxmemory, renewals and heartbeats were refused but claims were not,
-    so a worker that could not renew kept taking jobs. Now what grants or extends (claim, renew,
-    heartbeat, enqueue, log) is refused whole, and what ends or takes back (complete, reclaim)
-    still works: that is how memory comes back."""
+    so a worker that could not renew kept taking jobs. Now what grants or adds (claim, enqueue,
+    log, heartbeat) is refused whole, and what ends, takes back or only extends (complete,
+    reclaim, renew, cancel) still works: running jobs keep their leases, and ending jobs is how
+    memory comes back."""
     running, _ = await queue.enqueue(spec(1))
-    waiting, _ = await queue.enqueue(spec(2))
+    lost_job, _ = await queue.enqueue(spec(2))
+    cancelled, _ = await queue.enqueue(spec(3))
     lease = await claim(queue)
     lost = await claim(queue, "w2")
+    doomed = await claim(queue, "w3")
     await queue.redis.zadd(keys.leases("default"), {lost.job_id: 0})  # its worker went silent
     async with memory_full(redis_server):
         for refused in (
-            queue.claim("w3", ["default"]),
-            queue.renew("w1", [lease]),
-            queue.enqueue(spec(3)),
-            queue.append_log(lease, 1, [b"output\n"]),
-            _heartbeat(queue, "w1"),
+            lambda: queue.claim("w4", ["default"]),
+            lambda: queue.enqueue(spec(4)),
+            lambda: queue.append_log(lease, 1, [b"output\n"]),
+            lambda: _heartbeat(queue, "w1"),
         ):
             with pytest.raises(RedisError) as exc:
-                await refused
+                await refused()
             assert out_of_memory(exc.value), exc.value
-        assert await queue.reclaim() == [(waiting, JobState.QUEUED)]
+        assert await queue.renew("w1", [lease]) == {lease.id: RenewStatus.OK}
+        assert await queue.cancel(doomed.job_id) == "cancelling"
+        assert await queue.reclaim() == [(lost_job, JobState.QUEUED)]
         assert await queue.complete(lease, OK) is JobState.SUCCEEDED
     # nothing a refused call would have written is there
-    assert (await queue.get(waiting)).attempt == 1
+    assert (await queue.get(lost_job)).attempt == 1
     assert (await queue.get(running)).state is JobState.SUCCEEDED
+    assert (await queue.get(cancelled)).cancel_requested
     assert await queue.read_log(running) == []
 
 
@@ -159,6 +185,7 @@ async def test_a_claim_cancelled_in_flight_is_settled_and_a_late_copy_claims_not
             keys.retry("default"),
             keys.leases("default"),
             keys.claims("default", "w1"),
+            keys.parked("default"),
         ],
         args=[keys.queue_prefix("default"), keys.GROUP, "w1", 0, 30000, 0, 1, 0, 1],
     )

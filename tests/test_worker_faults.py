@@ -17,7 +17,7 @@ from daemon.queue import JobQueue
 from daemon.redis_conn import RunIdWatch, connect
 from tests.faults import aof_copy, memory_full, roll_back
 from tests.proxy import Proxy
-from tests.workers import running_worker, sh, wait_dead, wait_file, wait_state, wait_until
+from tests.workers import alive, running_worker, sh, wait_dead, wait_file, wait_state, wait_until
 
 
 async def test_an_idle_worker_keeps_waiting_without_timeouts(
@@ -46,24 +46,28 @@ async def test_an_idle_worker_keeps_waiting_without_timeouts(
         await client.aclose()
 
 
-async def test_a_worker_that_cannot_renew_claims_nothing(
+async def test_at_maxmemory_a_worker_claims_nothing_and_keeps_what_it_runs(
     redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path
 ) -> None:
     """Item 2: with Redis at maxmemory its heartbeats were refused but its claims were not: the
     worker fenced its running job, then claimed the next one, which ran unrenewed and unfenced
-    until the reaper gave it to another worker while it still ran. Now a worker claims nothing
-    while it cannot renew, and what it runs dies at its lease's deadline."""
+    until the reaper gave it to another worker while it still ran. Now a worker whose heartbeat is
+    refused claims nothing, and its running jobs keep their leases (renewing takes no memory)."""
     short = JobQueue(queue.redis, lease_seconds=1.5)
     await short.enqueue(sh(f"echo $$ > {tmp_path / 'a'}; exec sleep 60"))
+    ending, _ = await short.enqueue(sh(f"touch {tmp_path / 'c'}; sleep 1"))  # frees a slot at maxmemory
     behind, _ = await short.enqueue(sh(f"echo $$ > {tmp_path / 'b'}; exec sleep 60"))
-    async with running_worker(short, tmp_path / "w", slots=1):
+    async with running_worker(short, tmp_path / "w", slots=2):
         first = int((await wait_file(tmp_path / "a"))[0])
+        await wait_file(tmp_path / "c", lines=0)
         async with memory_full(redis_server):
-            await wait_dead([first], timeout=10)  # fenced: no renewal for a lease, less a margin
-            await asyncio.sleep(3)  # two leases: time enough to claim, were it going to
+            await wait_state(short, ending, JobState.SUCCEEDED)  # an outcome goes through
+            await asyncio.sleep(3)  # two leases: time enough to claim, or to lose a lease
             assert not (tmp_path / "b").exists()
+            assert alive(first)
         await wait_file(tmp_path / "b")  # Redis has room again: the next job runs
         assert (await short.get(behind)).attempt == 1
+        assert alive(first)
 
 
 async def test_a_late_lost_answer_for_one_attempt_leaves_the_next_attempt_alone(

@@ -14,11 +14,12 @@
 -- * Memory. With `maxmemory` reached (the pool's Redis runs `noeviction`), Redis refuses a script's
 --   first write command if that command may allocate, and lets every later write of a script that
 --   has already written go through (a script is never cut in half). The first write therefore
---   decides, and is chosen on purpose: scripts that grant or extend something (claim, renew,
---   heartbeat, enqueue, log) write an allocating command first and are refused whole, so at the
---   memory limit no lease is handed out that could not be renewed; scripts that end or take back
---   attempts (complete, release, reclaim) start with a deletion and go on working, which is how the
---   pool gets its memory back.
+--   decides, and is chosen on purpose: scripts that grant or add something (claim, enqueue, log,
+--   heartbeat) write an allocating command first and are refused whole, so at the memory limit no
+--   new lease, job or output is taken in; scripts that end, take back or only extend (complete,
+--   release, reclaim, cancel, renew) start with a deletion and go on working: running jobs keep
+--   their leases, and ending jobs is how the pool gets its memory back. A worker whose heartbeat
+--   is refused claims nothing (worker.py).
 
 -- Redis server time in ms: leases are judged by this one clock, never by the workers' clocks.
 local function now_ms()

@@ -2,7 +2,8 @@
 -- its entry deleted, so no claim can deliver it). A running job is flagged: its worker learns it
 -- on its next renew, stops the process and completes the attempt as cancelled; if that worker is
 -- dead, the reaper cancels the job instead of requeueing it. A finished job is left as it is.
--- Safe to run twice (the second run finds the state the first left).
+-- Safe to run twice (the second run finds the state the first left). At maxmemory it still runs:
+-- its first write is a deletion, and stopping jobs is how memory comes back.
 -- KEYS: 1 stream, 2 retry, 3 events
 -- ARGV: 1 queue key prefix, 2 group, 3 job id, 4 retention (s)
 -- Returns the job's state afterwards: 'cancelled' | 'cancelling' | the terminal state | 'missing'.
@@ -13,10 +14,12 @@ local state = redis.call('HGET', jobkey, 'state')
 if not state then return 'missing' end
 if state == 'queued' then
   redis.call('ZREM', retry, id)
+  redis.call('ZREM', prefix .. 'parked', id)
   finish(prefix, stream, group, events, id, 'cancelled', now_ms(), tonumber(ARGV[4]))
   return 'cancelled'
 end
 if state == 'running' then
+  redis.call('ZREM', retry, id)  -- a no-op, written first: at maxmemory a cancel still goes through
   redis.call('HSET', jobkey, 'cancel', '1')
   return 'cancelling'
 end

@@ -3,20 +3,22 @@
 --  * one holder: a job is popped from `retry` or delivered by the consumer group, each of which
 --    happens once, and it becomes running with attempt+1 under this worker, with a lease deadline
 --    and a lease id that no other claim ever gets (the worker's id, its request number, an index);
---  * order: jobs at the front (`retry`: reclaimed, handed back, passed over) go before any job not
---    yet started, lowest enqueue seq first; stream entries go strictly in enqueue order. Head of
---    line: when the next job needs more GPUs than the claimer has free (less what this call
---    already handed out), claiming stops there and that job waits for them. A job that needs more
---    GPUs than the claimer has at all can never run there and never blocks it: it is passed over
---    (moved from the stream to the front, still queued) for a worker that can hold it. A job
---    asking for 0 GPUs needs the claimer's default (its slot's share of the worker's GPUs);
+--  * order: jobs at the front (`retry`: reclaimed, handed back, retried; and the `parked` jobs this
+--    worker can hold) go before any job not yet started, lowest enqueue seq first; stream entries
+--    go strictly in enqueue order. Head of line: when the next job needs more GPUs than the claimer
+--    has free (less what this call already handed out), claiming stops there and that job waits
+--    for them. A job that needs more GPUs than the claimer has at all can never run there and
+--    never blocks it: it is passed over, still queued, into `parked`, where only workers big
+--    enough look, oldest first. A job asking for 0 GPUs needs the claimer's default (its slot's
+--    share of the worker's GPUs);
 --  * the attempt number rises on every claim;
 --  * once per request: the worker numbers its claims; a request it sends again (its reply was
---    lost) answers the same leases without claiming more, and an older request arriving late
---    claims nothing (the worker's memo, one small key per worker and queue, lives one lease);
+--    lost) answers the same leases, still unexpired and renewed from now, without claiming more,
+--    and an older request arriving late claims nothing (the worker's memo, one small key per
+--    worker and queue, lives one lease);
 --  * at maxmemory the claim is refused whole: its first write is the memo (see _lib.lua);
 --  * cancelled jobs met on the way are acknowledged and deleted, never run.
--- KEYS: 1 stream, 2 retry, 3 leases, 4 the worker's claim memo
+-- KEYS: 1 stream, 2 retry, 3 leases, 4 the worker's claim memo, 5 parked
 -- ARGV: 1 queue key prefix, 2 group, 3 consumer (worker id), 4 GPUs free, 5 lease duration (ms),
 --       6 GPUs a job asking for 0 gets, 7 most jobs to claim, 8 GPUs the worker has in all,
 --       9 request number (rises with every new request of this worker)
@@ -25,7 +27,7 @@
 -- again), 'empty' (nothing more) or 'blocked' (the next job needs more GPUs than are free). The
 -- cursors are the stream ids to wait after (XREAD BLOCK on the stream and the `wake` stream)
 -- before a claim can find more.
-local stream, retry, leases, memo = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local stream, retry, leases, memo, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local prefix, group, consumer = ARGV[1], ARGV[2], ARGV[3]
 local gpus_free, lease_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
 local default_gpus, wanted, gpus_total = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -49,7 +51,8 @@ local function add(id, jobkey)
   for _, v in ipairs({id, j[1], j[2], j[3]}) do claimed[#claimed + 1] = v end
 end
 
--- The same request again: answer the leases it got that are still this worker's.
+-- The same request again: answer the leases it got that are still this worker's and unexpired,
+-- each renewed from now (the worker counts its deadline from this call).
 local seen = redis.call('HMGET', memo, 'request', 'jobs')
 if seen[1] and tonumber(seen[1]) >= request then
   if tonumber(seen[1]) == request then
@@ -58,7 +61,11 @@ if seen[1] and tonumber(seen[1]) >= request then
       i = i + 1
       local jobkey = prefix .. 'job:' .. id
       local j = redis.call('HMGET', jobkey, 'state', 'worker', 'lease')
-      if j[1] == 'running' and j[2] == consumer and j[3] == lease_of(i) then add(id, jobkey) end
+      local until_ms = tonumber(redis.call('ZSCORE', leases, id))
+      if j[1] == 'running' and j[2] == consumer and j[3] == lease_of(i) and until_ms and until_ms > now then
+        redis.call('ZADD', leases, 'XX', now + lease_ms, id)
+        add(id, jobkey)
+      end
     end
   end
   return reply('claimed', '0-0')
@@ -95,21 +102,50 @@ local function stop(status, cursor)
   return reply(status, cursor)
 end
 
--- The front, lowest seq first; passing over the jobs too big for this worker (a bounded scan).
-local rank, passed = 0, 0
-while #ids < wanted and passed < 100 do
-  local front = redis.call('ZRANGE', retry, rank, rank)[1]
-  if not front then break end
-  local jobkey = prefix .. 'job:' .. front
-  local gpus = need(jobkey)
-  if gpus > gpus_total then
-    rank, passed = rank + 1, passed + 1
-  elseif gpus > gpus_free then
-    return stop('blocked', newest())
+-- Pass a job over for a worker big enough for it: queued, in `parked`, scored GPUs * SEQ + seq,
+-- so that a claimer finds the oldest job it can hold with one look per GPU count present.
+local SEQ = 4294967296
+local function park(id, gpus)
+  local seq = tonumber(redis.call('HGET', prefix .. 'job:' .. id, 'seq'))
+  redis.call('ZADD', parked, gpus * SEQ + seq, id)
+  wake(prefix)
+end
+
+-- The oldest parked job this worker can hold, and its seq (nil when there is none).
+local function oldest_parked()
+  local best, best_seq, from = nil, nil, '-inf'
+  local upto = '(' .. string.format('%d', (gpus_total + 1) * SEQ)
+  while true do
+    local p = redis.call('ZRANGEBYSCORE', parked, from, upto, 'WITHSCORES', 'LIMIT', 0, 1)
+    if not p[1] then return best, best_seq end
+    local score = tonumber(p[2])
+    local g = math.floor(score / SEQ)
+    if not best_seq or score - g * SEQ < best_seq then best, best_seq = p[1], score - g * SEQ end
+    from = string.format('%d', (g + 1) * SEQ)  -- the next GPU count present
+  end
+end
+
+-- The front: `retry` (lowest seq first) and the parked jobs this worker can hold, the older first.
+local moved = 0
+while #ids < wanted do
+  local r = redis.call('ZRANGE', retry, 0, 0, 'WITHSCORES')
+  local too_big = r[1] and need(prefix .. 'job:' .. r[1]) > gpus_total
+  if too_big and moved < 100 then
+    redis.call('ZREM', retry, r[1])  -- too big for this worker: parked (its entry stays pending)
+    park(r[1], need(prefix .. 'job:' .. r[1]))
+    moved = moved + 1
   else
-    redis.call('ZREM', retry, front)
+    if too_big then r = {} end  -- enough moved for one call: the rest wait for the next
+    local p, p_seq = oldest_parked()
+    local pick, from = r[1], retry
+    if p and (not pick or p_seq < tonumber(r[2])) then pick, from = p, parked end
+    if not pick then break end
+    local jobkey = prefix .. 'job:' .. pick
+    local gpus = need(jobkey)
+    if gpus > gpus_free then return stop('blocked', newest()) end
+    redis.call('ZREM', from, pick)
     redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
-    start(front, jobkey, gpus)
+    start(pick, jobkey, gpus)
   end
 end
 if #ids == wanted then return stop('claimed', '0-0') end
@@ -137,11 +173,11 @@ for _ = 1, 100 + wanted do
   if state ~= 'queued' then
     drop_entry(stream, group, entry)
   elseif gpus > gpus_total then
-    to_front(prefix, stream, group, retry, id)  -- passed over: queued at the front for a bigger worker
-    wake(prefix)
+    redis.call('XCLAIM', stream, group, 'reclaimed', 0, entry, 'JUSTID')  -- pending, never trimmed
+    park(id, gpus)
   else
     start(id, jobkey, gpus)
   end
   last = entry
 end
-return stop(#ids > 0 and 'claimed' or 'empty', last)
+return stop('claimed', last)  -- cut short, not empty: the caller asks again at once

@@ -6,8 +6,9 @@
 -- in bytes (each entry counted with ENTRY_COST for its own keeping): the first `head` bytes stay
 -- for good; past them only the newest `tail` bytes are kept, the oldest entries after the head
 -- deleted as new ones come, and the bytes deleted counted in `log_dropped`. Where the head ends,
--- an entry `gap=1` (`log_head`) marks the place: readers show there how much was dropped, if any. At maxmemory refused whole (its first write,
--- the call number, allocates): the worker keeps the output until Redis takes it.
+-- an entry `gap=1` (`log_head`) marks the place: readers show there how much was dropped, if
+-- any. At maxmemory refused whole (its first write, the call number, allocates): the worker keeps
+-- the output until Redis takes it.
 -- KEYS: 1 job hash, 2 log stream
 -- ARGV: 1 consumer, 2 attempt, 3 lease id, 4 call number, 5 head bytes, 6 tail bytes, 7.. chunks
 local ENTRY_COST = 64
@@ -31,7 +32,9 @@ for i = 7, #ARGV do
     tbytes = tbytes + cost
   end
 end
-while head ~= '' and tbytes > tail_max do
+local deleted = 0  -- bounded per call: a flood of tiny entries is trimmed over several calls
+while head ~= '' and tbytes > tail_max and deleted < 1000 do
+  deleted = deleted + 1
   local oldest = redis.call('XRANGE', stream, '(' .. head, '+', 'COUNT', 1)[1]
   if not oldest then break end
   local size = 0

@@ -10,12 +10,14 @@
 -- (a lease taken is gone); at maxmemory it still runs (its first write is a deletion).
 -- KEYS: 1 stream, 2 retry, 3 leases, 4 events
 -- ARGV: 1 queue key prefix, 2 group, 3 most to take in one call, 4 retention (s)
--- Returns a flat list: job id, new state, job id, new state, ...
+-- Returns a flat list: how many leases it took (up to the limit), then job id, new state, job id,
+-- new state, ... for those whose job was running.
 local stream, retry, leases, events = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, group, limit, retention = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local now = now_ms()
-local out = {}
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, limit)) do
+local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, limit)
+local out = {#expired}
+for _, id in ipairs(expired) do
   redis.call('ZREM', leases, id)
   local jobkey = prefix .. 'job:' .. id
   local j = redis.call('HMGET', jobkey, 'state', 'max_attempts', 'cancel')

@@ -3,7 +3,9 @@
 -- (job running, same attempt, same worker, same lease id, lease present). A lease that was
 -- reclaimed, or a job that ended, is never taken back: its answer is 'lost' and nothing changes.
 -- 'cancel' means the lease holds but the user asked to stop the job. Safe to run twice (a renewal
--- again only moves the deadline again); at maxmemory refused whole (its first write allocates).
+-- again only moves the deadline again). At maxmemory it still runs: moving the deadline of a lease
+-- that exists takes no memory, so running jobs keep their leases while nothing new is granted
+-- (its first write is a deletion of nothing, on purpose: see _lib.lua).
 -- KEYS: 1 leases
 -- ARGV: 1 queue key prefix, 2 consumer, 3 lease duration (ms), then triples of job id, attempt,
 --       lease id
@@ -12,6 +14,7 @@ local leases = KEYS[1]
 local prefix, consumer, lease_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local deadline = now_ms() + lease_ms
 local out = {}
+redis.call('ZREM', leases, '')  -- no lease is named '': a write that frees, so the ones below pass
 for i = 4, #ARGV, 3 do
   local id, attempt, lease = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local j = redis.call('HMGET', prefix .. 'job:' .. id, 'state', 'attempt', 'worker', 'lease', 'cancel')
