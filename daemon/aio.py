@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,17 @@ async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
     while not task.done():
         task.cancel()
         await asyncio.wait({task}, timeout=RECANCEL_SECONDS)
+
+
+async def start_or_undo(start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]) -> None:
+    """`await start()`; if it fails (or is cancelled) part-way, `await stop()` before the error goes
+    on, so that a failed start leaves no task, socket or process behind. `stop` must cope with a
+    start that got anywhere."""
+    try:
+        await start()
+    except BaseException:
+        await stop()
+        raise
 
 
 class TaskSet:

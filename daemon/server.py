@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import keys, notify, reaper, registry, tokens
-from daemon.aio import TaskSet
+from daemon.aio import TaskSet, start_or_undo
 from daemon.config import Config
 from daemon.events import JobEvents, Terminal
 from daemon.handlers import Handlers
@@ -49,13 +49,8 @@ class PoolServer:
         return None  # open mode; Listener allows it on loopback only
 
     async def start(self) -> None:
-        """Bring the pool up. If any part fails to start, what did start is stopped again before
-        the error goes on: a failed start leaves no task, socket or process behind."""
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop()
-            raise
+        """Start everything; a failed start stops what did start (aio.start_or_undo)."""
+        await start_or_undo(self._start, self.stop)
 
     async def _start(self) -> None:
         c = self.config

@@ -4,7 +4,7 @@ metrics endpoint, readiness and the systemd watchdog."""
 from __future__ import annotations
 
 from daemon import notify
-from daemon.aio import TaskSet
+from daemon.aio import TaskSet, start_or_undo
 from daemon.config import Config
 from daemon.errors import GpupoolError
 from daemon.metrics import MetricsServer, serve_for
@@ -29,12 +29,8 @@ class WorkerDaemon:
         self._tasks = TaskSet()
 
     async def start(self) -> None:
-        """Start everything; on a failure, stop what did start before the error goes on."""
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop()
-            raise
+        """Start everything; a failed start stops what did start (aio.start_or_undo)."""
+        await start_or_undo(self._start, self.stop)
 
     async def _start(self) -> None:
         c = self.config

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -28,6 +27,7 @@ from protocol import (
     WaitJobs,
 )
 from tests.pool import Pool, running_pool
+from tests.test_scripts import counting_pipelines
 from tests.workers import fake_gpus, running_worker
 
 
@@ -110,14 +110,7 @@ async def test_the_reaper_and_the_metrics_take_one_round_trip_for_all_queues(red
     names = [f"q{i}" for i in range(100)]
     await queue.enqueue_many([JobSpec(argv=("true",), queue=q) for q in names])
     await queue.reclaim(names[:2])  # the script loaded
-    sent: list[Any] = []
-    pipeline = redis.pipeline
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        sent.append(1)
-        return pipeline(*args, **kwargs)
-
-    redis.pipeline = counted  # type: ignore[method-assign]
+    sent = counting_pipelines(redis)
     assert await queue.reclaim(names) == []
     assert await queue.depths(names) == dict.fromkeys(names, 1)
     assert len(sent) == 2
