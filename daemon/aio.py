@@ -10,6 +10,7 @@ blocking XREAD; cancelling again until it has ended is what makes stopping it re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -25,6 +26,13 @@ async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
     while not task.done():
         task.cancel()
         await asyncio.wait({task}, timeout=RECANCEL_SECONDS)
+
+
+async def woken_or(event: asyncio.Event, seconds: float) -> None:
+    """Wait `seconds`, or less if `event` is set meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
 
 
 async def start_or_undo(start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]) -> None:

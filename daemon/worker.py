@@ -13,11 +13,8 @@ claim until its end is recorded; it runs as a `runner.JobRun` in a task of its o
 (heartbeat.py) renews every held lease in one round trip, and its answers, by lease, move each
 attempt's self-fence deadline or end the attempt (LOST, CANCEL). The fence task kills an attempt
 whose deadline passes; the orphan guard (procguard.py) holds the same deadlines, for when this
-process is frozen. Claims wait while the heartbeat fails (what is claimed then could not be
-renewed), and for a heartbeat interval after Redis restarts or fails over (redis_conn.RunIdWatch):
-Redis may have forgotten claims of other workers, whose attempts then run on until those workers
-re-validate their leases, which each does at once when it sees the restart, and at the latest at
-its next heartbeat.
+process is frozen. Claims wait while the heartbeat fails, and for a while after Redis restarts
+(claim_gate.py says why).
 
 Stopping is two-phase (as in SAQ and uvicorn). `stop()` first stops claiming and lets running
 jobs finish for up to `drain_timeout` seconds; then it stops the rest (SIGTERM, SIGKILL after
@@ -30,7 +27,6 @@ signal handler: `main` does, for `WorkerDaemon` (worker mode) and the server run
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -41,7 +37,8 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from daemon import keys, registry
-from daemon.aio import TaskSet, cancel_and_wait
+from daemon.aio import TaskSet, cancel_and_wait, woken_or
+from daemon.claim_gate import ClaimGate
 from daemon.config import Config
 from daemon.errors import RedisUnavailable, StaleAttempt
 from daemon.gpus import GpuAllocator, GpuInfo, GpuProbe, GpuProbeError, NotEnoughGpus, Nvml, discover
@@ -125,7 +122,7 @@ class Worker:
         self._dispatcher: asyncio.Task[None] | None = None
         self._slot_freed = asyncio.Event()
         self._wake = asyncio.Event()  # GPUs came back, or the drain began: claim again
-        self._claims_paused_until = 0.0  # boottime(): Redis restarted, wait before claiming
+        self._gate = ClaimGate(queue, self.heartbeat, self.queues)
         self._draining = False
         self._handing_back = False
         self._forced = asyncio.Event()
@@ -173,7 +170,7 @@ class Worker:
         try:
             if not await self.heartbeat.beat_and_apply():
                 raise RedisUnavailable(f"worker {self.id} cannot register: Redis does not answer")
-            await self._if_redis_just_restarted()
+            await self._gate.at_start()
         except BaseException:
             await self._guard.stop()
             await asyncio.to_thread(self._slot_dirs.close)
@@ -188,7 +185,7 @@ class Worker:
         )
         self._spawn(self._held.fence(fence), "fence")
         if self.queue.watch is not None:
-            self._spawn(self._watch_restarts(), "restart watch")
+            self._spawn(self._gate.watch(), "restart watch")
         self._dispatcher = self._spawn(self._dispatch(), "dispatcher")
         gpus = self.allocator.gpus
         log.info(
@@ -312,7 +309,7 @@ class Worker:
                 if self._busy() >= self.slots:
                     await self._slot_freed.wait()
                 continue
-            await self._until_claims_may_go()
+            await self._gate.opened(self._wake, self.draining)
             if self.draining():
                 break
             # Cleared before the claim: GPUs freed while it is in flight still wake the wait below.
@@ -328,33 +325,8 @@ class Worker:
                 else:
                     log.exception("claiming failed unexpectedly; retrying in %.1f s", backoff)
                 # A back-off between retries (not a poll for work) that the drain cuts short.
-                await self._woken_or(backoff)
+                await woken_or(self._wake, backoff)
                 backoff = min(backoff * 2, 5.0)
-
-    async def _until_claims_may_go(self) -> None:
-        """No claim while the heartbeat fails (nothing claimed could be renewed), nor in the pause
-        after a Redis restart (see the module doc)."""
-        while not self._draining:
-            if not self.heartbeat.healthy.is_set():
-                waits = {asyncio.ensure_future(e.wait()) for e in (self.heartbeat.healthy, self._wake)}
-                try:
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for w in waits:
-                        w.cancel()
-                self._wake.clear()
-                continue
-            pause = self._claims_paused_until - boottime()
-            if pause <= 0:
-                return
-            await self._woken_or(pause)
-            self._wake.clear()
-
-    async def _woken_or(self, seconds: float) -> None:
-        """Wait `seconds`, or less if `_wake` is set meanwhile."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self._wake.wait()
 
     async def _claim(self) -> bool:
         """One claim for every free slot; the jobs claimed are started (or given back, when the
@@ -380,8 +352,8 @@ class Worker:
             # Claimed from a Redis that had just restarted: the pause is for these too. Held (and
             # renewed) meanwhile, so they are not lost; started after it, while still valid.
             held = [self._held.hold(lease, deadline) for lease in leases]
-            self._restarted()
-            await self._until_claims_may_go()
+            self._gate.restarted()
+            await self._gate.opened(self._wake, self.draining)
             still = [h for h in held if self._held.holds(h) and not h.expired()]
             for h in held:
                 self._held.drop(h)
@@ -407,30 +379,6 @@ class Worker:
             await cancel_and_wait(woken)
         if not read.cancelled() and (exc := read.exception()) is not None:
             raise exc
-
-    async def _watch_restarts(self) -> None:
-        """Redis restarted or failed over: re-validate every lease now, and pause claims."""
-        watch = self.queue.watch
-        assert watch is not None
-        while True:
-            await watch.changed.wait()
-            watch.changed.clear()
-            self._restarted()
-
-    async def _if_redis_just_restarted(self) -> None:
-        """A worker starting just after Redis restarted has seen no change of run id, yet the
-        leases Redis came back with may be held by workers that do not know yet: it pauses as
-        one that saw the restart would, while such leases exist."""
-        watch = self.queue.watch
-        young = self.heartbeat.interval + self.heartbeat.margin - (watch.age() if watch else float("inf"))
-        if young > 0 and await self.queue.leases_held(self.queues):
-            self._claims_paused_until = boottime() + young
-
-    def _restarted(self) -> None:
-        self._claims_paused_until = max(
-            self._claims_paused_until, boottime() + self.heartbeat.interval + self.heartbeat.margin
-        )
-        self.heartbeat.poke()
 
     def _launch(self, lease: Lease, deadline: float) -> None:
         for other in self._held:
