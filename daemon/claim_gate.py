@@ -1,10 +1,13 @@
 """When a worker may claim: while its heartbeat succeeds, and not in the pause after Redis restarts.
 
 A worker claims nothing while its heartbeats fail (what it claimed might not be renewed), and
-nothing for a heartbeat interval plus a margin after Redis restarts or fails over
-(redis_conn.RunIdWatch): such a Redis may have forgotten claims of other workers, whose attempts
-then run on until those workers re-validate their leases, which each does at once when it sees
-the restart (the gate pokes its heartbeat), and at the latest at its next heartbeat. A worker that
+nothing for a while after Redis restarts or fails over (redis_conn.RunIdWatch): such a Redis may
+have forgotten claims of other workers, whose attempts then run on until those workers
+re-validate their leases. Each does at once when it sees the restart (the gate pokes its
+heartbeat), and at the latest with its next heartbeat, which may take its whole timeout to get
+through (reconnecting, with back-off, to a Redis that is still loading): the pause is a heartbeat
+interval plus a beat's timeout plus the margin, counted from when this worker saw the restart,
+which is never before the restart itself. A worker that
 starts on a Redis younger than that pause, holding leases, waits out the rest of it too.
 """
 
@@ -28,7 +31,7 @@ class ClaimGate:
 
     @property
     def pause(self) -> float:
-        return self.heartbeat.interval + self.heartbeat.margin
+        return self.heartbeat.interval + self.heartbeat.timeout + self.heartbeat.margin
 
     def restarted(self) -> None:
         """Redis restarted: re-validate every lease now, and claim nothing for a while."""

@@ -68,6 +68,7 @@ class Heartbeat:
         self.interval = interval
         self.lease = queue.lease_ms / 1000
         self.margin = min(interval, self.lease / 3)
+        self.timeout = max(interval, 1.0)  # a beat that takes longer (a half-open connection) failed
         self.round_trip = 0.0  # seconds the last successful heartbeat took
         self.healthy = asyncio.Event()  # set while beats succeed
         self._failing_since: float | None = None
@@ -120,7 +121,7 @@ class Heartbeat:
         started, sent = loop.time(), boottime()
         try:
             # A beat that hangs (a half-open connection) counts as failed, and the next one retries.
-            async with asyncio.timeout(max(self.interval, 1.0)):
+            async with asyncio.timeout(self.timeout):
                 statuses = await self.beat()
         except Refused as exc:
             if exc.statuses is not None:  # the leases were renewed all the same
