@@ -20,9 +20,9 @@ from rich.table import Table
 
 from bench.common import bench_env, machine, save
 from daemon import config, tokens
-from daemon.client import PoolClient
+from daemon.ctl.pool_client import PoolClient
 from daemon.job import JobSpec
-from daemon.server import PoolServer
+from daemon.server.service import PoolServer
 from protocol import Enqueue, EnqueueBatch, Enqueued, EnqueuedBatch
 
 

@@ -33,12 +33,13 @@ from rich.table import Table
 
 from bench.common import bench_env, machine, save, summary_ms
 from bench.noop import noop_worker, record_completions
-from daemon import config, spawn, tokens
-from daemon.client import PoolClient
+from daemon import config, tokens
+from daemon.ctl.pool_client import PoolClient
 from daemon.job import JobSpec, Lease
-from daemon.queue import JobQueue
-from daemon.server import PoolServer
-from daemon.worker import Worker
+from daemon.queue.job_queue import JobQueue
+from daemon.server.service import PoolServer
+from daemon.worker import spawn
+from daemon.worker.dispatcher import Worker
 from protocol import Enqueue, Enqueued
 
 QUEUE = "default"

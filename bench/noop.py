@@ -8,11 +8,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from daemon.gpus import GpuInfo
 from daemon.job import JobState, Lease, Outcome
-from daemon.queue import JobQueue
-from daemon.runner import Ending, RunResult
-from daemon.worker import Worker
+from daemon.queue.job_queue import JobQueue
+from daemon.worker.dispatcher import Worker
+from daemon.worker.gpus import GpuInfo
+from daemon.worker.runner import Ending, RunResult
 
 DONE = RunResult(Ending.EXITED, Outcome(JobState.SUCCEEDED, exit_code=0))
 

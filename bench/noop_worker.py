@@ -19,8 +19,8 @@ import uvloop
 from redis.asyncio import Redis
 
 from bench.noop import noop_worker, record_completions
-from daemon import keys
-from daemon.queue import JobQueue
+from daemon.queue import keys
+from daemon.queue.job_queue import JobQueue
 
 IDLE_SECONDS = 0.5  # the queue is drained: nothing queued or running for this long
 

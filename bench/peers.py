@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import machine, save, summary_ms
-from daemon.embedded_redis import EmbeddedRedis, free_port
+from daemon.queue.embedded_redis import EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

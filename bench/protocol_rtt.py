@@ -20,8 +20,8 @@ from rich.table import Table
 
 from bench.common import machine, save
 from daemon import config, tokens
-from daemon.client import PoolClient
-from daemon.server import PoolServer
+from daemon.ctl.pool_client import PoolClient
+from daemon.server.service import PoolServer
 from protocol import Ping, Pong
 
 

@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import machine, median, save
-from daemon.embedded_redis import EmbeddedRedis
 from daemon.job import JobSpec, JobState, Outcome
-from daemon.queue import JobQueue
+from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.queue.job_queue import JobQueue
 
 DONE = Outcome(JobState.SUCCEEDED, exit_code=0)
 

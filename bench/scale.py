@@ -33,12 +33,12 @@ from rich.table import Table
 
 from bench.common import machine, save, summary_ms
 from daemon.aio import cancel_and_wait
-from daemon.embedded_redis import EmbeddedRedis
-from daemon.events import JobEvents
 from daemon.job import JobSpec, JobState, Lease, Outcome
-from daemon.queue import JobQueue
-from daemon.registry import Registration, add_heartbeat, new_worker_id
-from daemon.scripts import ScriptBatch
+from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.queue.job_queue import JobQueue
+from daemon.queue.registry import Registration, add_heartbeat, new_worker_id
+from daemon.queue.scripts import ScriptBatch
+from daemon.queue.terminal_events import JobEvents
 
 DONE = Outcome(JobState.SUCCEEDED, exit_code=0)
 

@@ -33,12 +33,12 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import machine, save
-from daemon import keys
-from daemon.embedded_redis import EmbeddedRedis, free_port
 from daemon.job import JobSpec
-from daemon.queue import JobQueue
+from daemon.queue import keys
+from daemon.queue.embedded_redis import EmbeddedRedis, free_port
+from daemon.queue.job_queue import JobQueue
 from storage.s3 import S3Store
-from tests.s3server import S3Server
+from tests.support.s3server import S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPS = ("asyncio", "uvloop")

@@ -30,7 +30,7 @@ from rich.table import Table
 
 from bench.common import machine, median, save
 from storage.s3 import MiB, S3Store
-from tests.s3server import S3Server
+from tests.support.s3server import S3Server
 
 BUCKET = "bench"
 

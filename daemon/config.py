@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from daemon.address import parse_host_port
 from daemon.errors import ConfigError
 
 ENV_PREFIX = "GPUPOOL_"
@@ -29,13 +30,6 @@ DEFAULT_CONFIG_FILE = Path("/etc/gpupool/pool.toml")
 SERVER_PORT = 7420
 SERVER_METRICS_PORT = 9420
 WORKER_METRICS_PORT = 9421
-
-
-def _host_port(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:7420 or [::1]:7420")
-    return host.strip("[]"), int(port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +78,11 @@ OPTIONS: tuple[Option, ...] = (
         choices=("always", "everysec"),
     ),
     Option(
-        "main_server_minio_address", str, "127.0.0.1:9000", "MinIO/S3 endpoint HOST:PORT", check=_host_port
+        "main_server_minio_address",
+        str,
+        "127.0.0.1:9000",
+        "MinIO/S3 endpoint HOST:PORT",
+        check=parse_host_port,
     ),
     Option("main_server_minio_access_key_id", str, "", "S3 access key id", secret=True),
     Option("main_server_minio_secret_access_key", str, "", "S3 secret key", secret=True),
@@ -168,14 +166,16 @@ OPTIONS: tuple[Option, ...] = (
         "where the embedded Redis, the local store and state live "
         "(default: $XDG_DATA_HOME/gpupool, or $STATE_DIRECTORY under systemd)",
     ),
-    Option("listen", str, f"127.0.0.1:{SERVER_PORT}", "HOST:PORT of the wire protocol", check=_host_port),
+    Option(
+        "listen", str, f"127.0.0.1:{SERVER_PORT}", "HOST:PORT of the wire protocol", check=parse_host_port
+    ),
     Option(
         "metrics_listen",
         str,
         "",
         "HOST:PORT of the Prometheus metrics (default: 127.0.0.1:"
         f"{SERVER_METRICS_PORT} for the server, {WORKER_METRICS_PORT} for a worker)",
-        check=_host_port,
+        check=parse_host_port,
     ),
     Option("max_connections", int, 1000, "client connections the server accepts at once", lo=1, hi=1_000_000),
     Option(
@@ -256,7 +256,7 @@ class Config:
         return min(self.heartbeat_interval or period / 10, period / 3)
 
     def listen_address(self) -> tuple[str, int]:
-        return _host_port(self.listen)
+        return parse_host_port(self.listen)
 
     def data_path(self) -> Path:
         if self.data_dir:

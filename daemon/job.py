@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon import keys
 from daemon.errors import InvalidJob
+from daemon.queue import keys
 
 MAX_ARGV_BYTES = 256 * 1024
 FULL_SHA = re.compile(r"[0-9a-f]{40}")

@@ -17,10 +17,10 @@ from typing import Protocol
 import uvloop
 
 from daemon import config as config_mod
-from daemon import logs
+from daemon import log_setup
 from daemon.errors import ConfigError, GpupoolError
-from daemon.server import PoolServer
-from daemon.worker_daemon import WorkerDaemon
+from daemon.server.service import PoolServer
+from daemon.worker.service import WorkerDaemon
 
 log = logging.getLogger("poold")
 
@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, value in config.shown().items():
             print(f"{name} = {value!r}  # {config.sources[name]}")
         return 0
-    logs.setup(config.log_format, config.log_level)
+    log_setup.setup(config.log_format, config.log_level)
     try:
         return uvloop.run(_run(WorkerDaemon(config) if args.worker else PoolServer(config)))
     except GpupoolError as exc:

@@ -23,11 +23,11 @@ import uvloop
 from redis.asyncio import Redis
 
 from daemon.aio import cancel_and_wait
-from daemon.embedded_redis import EmbeddedRedis
-from daemon.queue import JobQueue
+from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.queue.job_queue import JobQueue
 from storage.s3 import S3Store
-from tests.pool import Pool, running_pool
-from tests.s3server import S3Server
+from tests.support.pool import Pool, running_pool
+from tests.support.s3server import S3Server
 
 
 def pytest_asyncio_loop_factories(

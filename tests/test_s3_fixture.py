@@ -7,7 +7,7 @@ from aiobotocore.session import get_session
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from tests.s3server import S3Server
+from tests.support.s3server import S3Server
 
 
 def client(server: S3Server, secret: str):  # type: ignore[no-untyped-def]

@@ -9,12 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.paths import ROOT
 
 FAILING_START = """
 import socket
 
-from tests.pool import running_pool
+from tests.support.pool import running_pool
 
 
 async def test_a_pool_whose_metrics_port_is_taken(redis_server, tmp_path):

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
-from daemon import keys
 from daemon.errors import JobNotFound
 from daemon.job import JobInfo
-from daemon.queue import JobQueue
-from daemon.queue_reads import xrange
+from daemon.queue import keys
+from daemon.queue.job_queue import JobQueue
+from daemon.queue.reads import xrange
 from tests.chaos.harness import TICK, Cluster
 
 SLACK = 0.05  # seconds a tick may come late on a busy machine

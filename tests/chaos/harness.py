@@ -27,11 +27,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from daemon.client import ClientError, PoolClient
-from daemon.embedded_redis import EmbeddedRedis, free_port
+from daemon.ctl.pool_client import ClientError, PoolClient
+from daemon.queue.embedded_redis import EmbeddedRedis, free_port
 from protocol import Enqueue, Enqueued
-from tests.faults import aof_copy, memory_full, roll_back
-from tests.proxy import Proxy
+from tests.support.faults import aof_copy, memory_full, roll_back
+from tests.support.proxy import Proxy
 
 JOB_SECONDS = 0.2
 LONG_SECONDS = 4.0

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.embedded_redis import EmbeddedRedis
-from daemon.queue import JobQueue
+from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.queue.job_queue import JobQueue
 from tests.chaos.checker import Verdict, check
 from tests.chaos.harness import JOB_SECONDS, LONG_EVERY, LONG_SECONDS, Cluster, Submitter, job_command
 

@@ -18,7 +18,7 @@ import pytest
 from storage.base import ObjectStore
 from storage.local import LocalStore
 from storage.s3 import MiB, S3Store
-from tests.s3server import S3Server
+from tests.support.s3server import S3Server
 
 PART = 5 * MiB  # S3's minimum part size: multipart paths are exercised with small files
 

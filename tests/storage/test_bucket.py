@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from daemon.embedded_redis import free_port
+from daemon.queue.embedded_redis import free_port
 from storage.base import BucketUnavailable
 from storage.s3 import S3Store
-from tests.s3server import S3Server
 from tests.storage.conftest import s3_store
+from tests.support.s3server import S3Server
 
 
 async def test_missing_bucket_fails_with_clear_message(s3_server: S3Server) -> None:

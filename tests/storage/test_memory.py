@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from storage.s3 import MiB
-from tests.s3server import S3Server
+from tests.support.paths import ROOT
+from tests.support.s3server import S3Server
 
-ROOT = Path(__file__).resolve().parents[2]
 PART = 8 * MiB
 CONCURRENCY = 4
 

@@ -1,0 +1,15 @@
+"""HOST:PORT, parsed in one place: the server's listen address, metrics ports, poolctl's --server."""
+
+from __future__ import annotations
+
+EXAMPLE = "expected HOST:PORT, e.g. 127.0.0.1:7420 or [::1]:7420"
+
+
+def parse_host_port(text: str, *, default_host: str | None = None) -> tuple[str, int]:
+    """`text` as (host, port); an IPv6 host may be bracketed. With `default_host`, ":PORT" is allowed
+    and means that host. Raises ValueError saying what was expected."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]") or (default_host or "")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(EXAMPLE)
+    return host, int(port)

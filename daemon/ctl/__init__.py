@@ -1,0 +1,1 @@
+"""poolctl: the command line, its client of the pool server, rendering and data transfers."""

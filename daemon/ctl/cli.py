@@ -1,0 +1,385 @@
+"""`poolctl`: the researcher's command line. It parses, calls the server, prints; nothing more.
+
+Exit status: 0 success; 1 a job failed or the request failed; 2 bad usage or input; 3 server
+unreachable; 4 authentication refused; 5 unknown job; 124 `wait` timed out; `logs -f` exits with
+the job's own exit code; `health` exits 0 only when the server and its Redis answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from daemon import tokens
+from daemon.config import SERVER_PORT
+from daemon.ctl import render, transfer
+from daemon.ctl.pool_client import AuthFailed, ClientError, PoolClient, ServerUnreachable, parse_address
+from daemon.errors import GpupoolError
+from daemon.job import FULL_SHA, TERMINAL_STATES
+from protocol import (
+    CancelJobs,
+    Cancelled,
+    Enqueue,
+    EnqueueBatch,
+    Enqueued,
+    EnqueuedBatch,
+    ErrorCode,
+    FollowLogs,
+    JobDetail,
+    JobList,
+    ListJobs,
+    ListWorkers,
+    LogChunk,
+    LogEnd,
+    ShowJob,
+    Waited,
+    WaitJobs,
+    WorkerList,
+)
+from storage.base import StorageError
+
+EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH, EXIT_NOT_FOUND, EXIT_TIMEOUT = 1, 2, 3, 4, 5, 124
+
+
+class UsageError(Exception):
+    pass
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="poolctl", description="Queue and follow jobs on a gpupool pool.")
+    p.add_argument(
+        "--server", metavar="HOST:PORT", help="pool server (default: GPUPOOL_SERVER, or the local pool)"
+    )
+    p.add_argument(
+        "--tls-ca", metavar="FILE", help="CA certificate to verify a TLS server (or GPUPOOL_TLS_CA)"
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    e = sub.add_parser("enqueue", help="queue a job: poolctl enqueue [options] -- CMD [ARG...]")
+    e.add_argument("--queue", "-q", default="default")
+    e.add_argument("--gpus", type=int, default=0, help="GPUs the job needs")
+    e.add_argument(
+        "--wait-for-worker",
+        action="store_true",
+        help="queue a --gpus job even if no worker in the pool has that many GPUs yet",
+    )
+    e.add_argument("--name", default="")
+    e.add_argument(
+        "--env", action="append", default=[], metavar="K=V", help="environment variable (repeatable)"
+    )
+    e.add_argument("--cwd", help="working directory on the worker (default: a fresh scratch directory)")
+    e.add_argument(
+        "--git",
+        nargs="?",
+        const="",
+        metavar="REPO",
+        help="run in a checkout of REPO (default: this checkout's origin, at its exact HEAD commit)",
+    )
+    e.add_argument("--ref", help="with --git: the branch, tag or commit to run (default: HEAD)")
+    e.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME_OR_PATH[:DEST]",
+        help="a dataset (a `put` name, or a local file or directory, uploaded first) placed at DEST "
+        "in the job's directory (repeatable)",
+    )
+    e.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="run in a snapshot of this git working tree as it is now, uncommitted changes included",
+    )
+    e.add_argument("--timeout", type=float, metavar="SECONDS", help="stop the job after this long")
+    e.add_argument("--retries", type=int, default=0, help="extra attempts after a non-zero exit")
+    e.add_argument(
+        "--max-attempts", type=int, default=3, help="attempts lost to dead workers before giving up"
+    )
+    e.add_argument("--key", metavar="IDEMPOTENCY_KEY", help="same key, same job: safe to retry")
+    e.add_argument("--from-file", metavar="JOBS.jsonl", help="queue one job per JSON line (a job spec each)")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+
+    ls = sub.add_parser("ls", help="list queued and running jobs (like squeue)")
+    ls.add_argument("--queue", "-q")
+    ls.add_argument("--state", "-s")
+    ls.add_argument("--all", "-a", action="store_true", help="include finished jobs")
+    ls.add_argument("--limit", type=int, default=1000)
+    ls.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    show = sub.add_parser("show", help="everything known about a job")
+    show.add_argument("job")
+    show.add_argument("--json", action="store_true")
+
+    logs = sub.add_parser("logs", help="a job's output; -f follows it live and exits with the job's code")
+    logs.add_argument("job")
+    logs.add_argument("-f", "--follow", action="store_true")
+
+    cancel = sub.add_parser("cancel", help="cancel jobs")
+    cancel.add_argument("jobs", nargs="+", metavar="JOB")
+
+    wait = sub.add_parser("wait", help="wait for jobs to end; exit 0 only if all succeeded")
+    wait.add_argument("jobs", nargs="+", metavar="JOB")
+    wait.add_argument("--timeout", type=float, metavar="SECONDS")
+
+    workers = sub.add_parser("workers", help="the pool's workers")
+    workers.add_argument("--json", action="store_true")
+
+    put = sub.add_parser("put", help="upload a file or directory as a dataset (skipped if already stored)")
+    put.add_argument("path", metavar="PATH")
+    put.add_argument("--name", help="a name to use it by: poolctl enqueue --input NAME")
+
+    get = sub.add_parser("get", help="download a finished job's artifacts and log")
+    get.add_argument("job")
+    get.add_argument("dest", nargs="?", metavar="DEST", help="directory (default: ./JOB)")
+
+    sub.add_parser("health", help="exit 0 when the server and its Redis answer (for scripts and probes)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return asyncio.run(_run(args))
+    except UsageError as exc:
+        print(f"poolctl: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ServerUnreachable as exc:
+        print(f"poolctl: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except AuthFailed as exc:
+        print(f"poolctl: {exc}", file=sys.stderr)
+        return EXIT_AUTH
+    except ClientError as exc:
+        print(f"poolctl: {exc}", file=sys.stderr)
+        codes: dict[int, int] = {ErrorCode.NOT_FOUND: EXIT_NOT_FOUND, ErrorCode.INVALID_ARGUMENT: EXIT_USAGE}
+        return codes.get(exc.error_code, EXIT_FAILED)
+    except (GpupoolError, StorageError) as exc:  # a transfer failed: the store's or our sentence
+        print(f"poolctl: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `poolctl logs JOB | head`
+        sys.stderr.close()
+        return 0
+
+
+def _address(args: argparse.Namespace) -> str:
+    address: str = args.server or tokens.client_server() or f"127.0.0.1:{SERVER_PORT}"
+    try:
+        parse_address(address)
+    except ClientError as exc:
+        raise UsageError(str(exc)) from None
+    return address
+
+
+async def _run(args: argparse.Namespace) -> int:
+    if args.command == "enqueue":
+        request = _enqueue_request(args)  # validate before connecting
+    address = _address(args)
+    tls_ca = args.tls_ca or os.environ.get("GPUPOOL_TLS_CA")
+    async with PoolClient(address, tokens.local_user(), tokens.client_token(), tls_ca=tls_ca) as client:
+        match args.command:
+            case "enqueue":
+                return await _enqueue(client, request, args)
+            case "put":
+                return await _put(client, args)
+            case "get":
+                return await _get(client, args)
+            case "ls":
+                reply = await client.call(ListJobs(args.queue, args.state, args.all, args.limit), JobList)
+                render.jobs(reply.jobs, as_json=args.json)
+            case "show":
+                detail = await client.call(ShowJob(args.job), JobDetail)
+                render.job(detail.job, as_json=args.json)
+            case "logs":
+                return await _logs(client, args.job, args.follow)
+            case "cancel":
+                return await _cancel(client, args.jobs)
+            case "wait":
+                return await _wait(client, args.jobs, args.timeout)
+            case "workers":
+                render.workers((await client.call(ListWorkers(), WorkerList)).workers, as_json=args.json)
+            case "health":
+                workers = (await client.call(ListWorkers(), WorkerList)).workers  # a round trip to Redis too
+                healthy = sum(1 for w in workers if w.get("health") == "healthy")
+                print(f"ok: server {address} answers, {healthy} healthy worker(s)")
+    return 0
+
+
+def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
+    if args.from_file:
+        if args.input or args.snapshot:
+            raise UsageError("--input and --snapshot go with one job, not --from-file")
+        try:
+            lines = Path(args.from_file).read_bytes().splitlines()
+            specs = [orjson.loads(line) for line in lines if line.strip()]
+        except (OSError, orjson.JSONDecodeError) as exc:
+            raise UsageError(f"cannot read jobs from {args.from_file}: {exc}") from None
+        if not all(isinstance(s, dict) for s in specs):
+            raise UsageError(f"{args.from_file}: each line must be a JSON object (a job spec)")
+        return EnqueueBatch(specs)
+    return Enqueue(_spec(args), args.key)
+
+
+def _spec(args: argparse.Namespace) -> dict[str, Any]:
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not argv:
+        raise UsageError("nothing to run: give the command after --, e.g. poolctl enqueue -- python train.py")
+    env = {}
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise UsageError(f"--env {item!r}: expected NAME=VALUE")
+        env[name] = value
+    spec: dict[str, Any] = {
+        "argv": argv,
+        "queue": args.queue,
+        "name": args.name,
+        "env": env,
+        "gpus": args.gpus,
+        "wait_for_worker": args.wait_for_worker,
+        "timeout": args.timeout,
+        "retries": args.retries,
+        "max_attempts": args.max_attempts,
+        "cwd": str(Path(args.cwd).resolve()) if args.cwd else None,
+    }
+    if args.snapshot and (args.git is not None or args.cwd):
+        raise UsageError("--snapshot cannot be combined with --git or --cwd: the job runs in the snapshot")
+    if args.input and args.cwd:
+        raise UsageError("--input cannot be combined with --cwd: inputs go in the job's own directory")
+    if args.git is not None:
+        spec["git"] = git_source(args.git, args.ref)
+    elif args.ref:
+        raise UsageError("--ref goes with --git")
+    return spec
+
+
+async def _put(client: PoolClient, args: argparse.Namespace) -> int:
+    ref, sent = await transfer.put(client, Path(args.path), args.name)
+    note = "" if sent else "\t(already stored)"
+    print(f"{ref.name or ref.sha256}\tsha256:{ref.sha256}\t{ref.size} bytes\t{ref.kind}{note}")
+    return 0
+
+
+async def _get(client: PoolClient, args: argparse.Namespace) -> int:
+    job = (await client.call(ShowJob(args.job), JobDetail)).job
+    if job["state"] not in TERMINAL_STATES:
+        print(f"poolctl: job {args.job} has not finished ({job['state']}): no artifacts yet", file=sys.stderr)
+        return EXIT_FAILED
+    written = await transfer.get_artifacts(client, job, Path(args.dest or args.job))
+    for path, size in written:
+        print(f"{path}\t{size}")
+    if not written:
+        print(f"poolctl: job {args.job} has no artifacts", file=sys.stderr)
+    return 0
+
+
+async def _attach_data(client: PoolClient, spec: dict[str, Any], args: argparse.Namespace) -> None:
+    """Upload what --input and --snapshot name, and record them in the spec."""
+    try:
+        if args.snapshot:
+            spec["snapshot"] = await transfer.upload_snapshot(client, Path.cwd())
+        if args.input:
+            spec["inputs"] = [await transfer.resolve_input(client, text) for text in args.input]
+    except transfer.TransferError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def git_source(repo: str, ref: str | None, cwd: Path | None = None) -> dict[str, str]:
+    """What `--git [REPO] [--ref REF]` names. Without REPO: this checkout's origin (or its path, for a
+    pool on this machine) at the exact commit HEAD (or REF) is now, so later commits change nothing."""
+    if repo:
+        return (
+            {"repo": repo, "commit": ref}
+            if ref and FULL_SHA.fullmatch(ref)
+            else {"repo": repo, "ref": ref or "HEAD"}
+        )
+
+    def run(*argv: str) -> str:
+        out = subprocess.run(["git", *argv], cwd=cwd, capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            raise UsageError(f"--git without a repository needs a git checkout here: {out.stderr.strip()}")
+        return out.stdout.strip()
+
+    top = run("rev-parse", "--show-toplevel")
+    commit = run("rev-parse", "--verify", f"{ref or 'HEAD'}^{{commit}}")
+    remotes = run("remote").split()
+    source = run("remote", "get-url", "origin") if "origin" in remotes else top
+    if run("status", "--porcelain", "--untracked-files=no"):
+        print(
+            "poolctl: uncommitted changes are not part of the job: it runs commit " + commit[:12],
+            file=sys.stderr,
+        )
+    if "origin" in remotes and not run("branch", "-r", "--contains", commit):
+        print(
+            f"poolctl: commit {commit[:12]} is on no branch of origin: push it, or no worker can fetch it",
+            file=sys.stderr,
+        )
+    return {"repo": source, "commit": commit}
+
+
+async def _enqueue(client: PoolClient, request: Enqueue | EnqueueBatch, args: argparse.Namespace) -> int:
+    as_json = args.json
+    if isinstance(request, EnqueueBatch):
+        ids = (await client.call(request, EnqueuedBatch)).job_ids
+        for job_id in ids:
+            print(orjson.dumps({"id": job_id}).decode() if as_json else job_id)
+        return 0
+    await _attach_data(client, request.spec, args)
+    reply = await client.call(request, Enqueued)
+    print(orjson.dumps({"id": reply.job_id, "created": reply.created}).decode() if as_json else reply.job_id)
+    return 0
+
+
+async def _logs(client: PoolClient, job_id: str, follow: bool) -> int:
+    out = sys.stdout.buffer
+    end: LogEnd | None = None
+    async for item in client.stream(FollowLogs(job_id, follow, "")):
+        if isinstance(item, LogChunk):
+            out.write(item.data)
+            out.flush()
+        elif isinstance(item, LogEnd):
+            end = item
+    if not follow or end is None:
+        return 0
+    if end.exit_code is not None:
+        return end.exit_code
+    return 0 if end.state == "succeeded" else EXIT_FAILED
+
+
+async def _cancel(client: PoolClient, job_ids: list[str]) -> int:
+    states = (await client.call(CancelJobs(job_ids), Cancelled)).states
+    status = 0
+    for job_id in job_ids:
+        state = states.get(job_id, "not_found")
+        if state == "not_found":
+            print(f"poolctl: no job {job_id!r} in this pool", file=sys.stderr)
+            status = EXIT_NOT_FOUND
+        else:
+            print(f"{job_id}\t{state}")
+    return status
+
+
+async def _wait(client: PoolClient, job_ids: list[str], limit: float | None) -> int:
+    reply = await client.call(WaitJobs(job_ids, limit), Waited)
+    for job in reply.jobs:
+        print(
+            f"{job['id']}\t{job['state']}"
+            + (f"\texit {job['exit_code']}" if job["exit_code"] is not None else "")
+        )
+    if reply.timed_out:
+        print(f"poolctl: timed out after {limit:g} s", file=sys.stderr)
+        return EXIT_TIMEOUT
+    return 0 if all(job["state"] == "succeeded" for job in reply.jobs) else EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""The async client of the pool server: one connection, many concurrent requests.
+
+`PoolClient.connect()` opens the connection and authenticates; `call()` sends a request and returns
+its reply; `stream()` yields a streaming request's items and then its final reply. A reader task
+feeds the sans-IO `protocol.ClientConnection` and routes events to the request they belong to; a
+semaphore keeps the requests in flight within the server's limit, so callers may pipeline freely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from daemon.address import parse_host_port
+from daemon.errors import GpupoolError
+from protocol import (
+    NEED_DATA,
+    Authenticated,
+    ClientConnection,
+    ConnectionClosed,
+    ConnectionFailed,
+    ErrorCode,
+    GoodbyeReceived,
+    LocalProtocolError,
+    PongReceived,
+    Reply,
+    ReplyReceived,
+    Request,
+    RequestFailed,
+    StreamItem,
+)
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=Reply)
+_Item = ReplyReceived | RequestFailed | ConnectionFailed | ConnectionClosed
+
+
+class ClientError(GpupoolError):
+    """A request or the connection failed; `code` is the protocol's error code (0: no connection)."""
+
+    code = "client"
+
+    def __init__(self, message: str, error_code: int = 0) -> None:
+        super().__init__(message)
+        self.error_code = error_code
+
+
+class ServerUnreachable(ClientError):
+    pass
+
+
+class AuthFailed(ClientError):
+    pass
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    try:
+        return parse_host_port(address, default_host="127.0.0.1")
+    except ValueError as exc:
+        raise ClientError(f"{address!r} is not a server address; {exc}") from None
+
+
+class PoolClient:
+    def __init__(self, address: str, user: str, token: str | None, *, tls_ca: str | None = None) -> None:
+        self.address = address
+        self.host, self.port = parse_address(address)
+        self.user = user
+        self.conn = ClientConnection(user, token.encode() if token else None, client_name="poolctl")
+        self.tls_ca = tls_ca
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Queue[_Item]] = {}
+        self._slots = asyncio.Semaphore(1)
+        self._closed: ClientError | None = None
+
+    async def __aenter__(self) -> PoolClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self, handshake_seconds: float = 10.0) -> None:
+        ctx = ssl.create_default_context(cafile=self.tls_ca) if self.tls_ca else None
+        try:
+            self._reader, self._writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port, ssl=ctx), handshake_seconds
+            )
+        except (OSError, TimeoutError) as exc:
+            reason = getattr(exc, "strerror", None) or type(exc).__name__
+            raise ServerUnreachable(
+                f"cannot reach the pool server at {self.address} ({reason}). Start one with `make run` "
+                "(or `poold`), or point poolctl at yours with --server HOST:PORT or GPUPOOL_SERVER."
+            ) from None
+        self._writer.write(self.conn.start())  # type: ignore[union-attr]
+        try:
+            hello = await asyncio.wait_for(self._handshake(), handshake_seconds)
+        except TimeoutError:
+            await self.close()
+            raise ServerUnreachable(f"the server at {self.address} did not finish the handshake") from None
+        self._slots = asyncio.Semaphore(hello.max_in_flight)
+        self._reader_task = asyncio.create_task(self._read_loop(), name="poolctl-reader")
+
+    async def _handshake(self) -> Authenticated:
+        assert self._reader is not None
+        assert self._writer is not None
+        while True:
+            data = await self._reader.read(65536)
+            self.conn.receive_data(data)
+            while (event := self.conn.next_event()) is not NEED_DATA:
+                self._writer.write(self.conn.data_to_send())
+                match event:
+                    case Authenticated():
+                        return event
+                    case ConnectionFailed(code=code, message=message):
+                        if code == ErrorCode.AUTH_FAILED:
+                            raise AuthFailed(
+                                f"the server at {self.address} refused user {self.user!r}: {message} "
+                                "Check GPUPOOL_TOKEN or ~/.config/gpupool/token.",
+                                code,
+                            )
+                        raise ClientError(f"the server refused the connection: {message}", code)
+                    case ConnectionClosed():
+                        raise ServerUnreachable(f"the server at {self.address} closed the connection")
+            self._writer.write(self.conn.data_to_send())
+
+    async def _read_loop(self) -> None:
+        assert self._reader is not None
+        assert self._writer is not None
+        try:
+            while True:
+                data = await self._reader.read(256 * 1024)
+                self.conn.receive_data(data)
+                while (event := self.conn.next_event()) is not NEED_DATA:
+                    self._writer.write(self.conn.data_to_send())
+                    match event:
+                        case ReplyReceived(request_id=rid) | RequestFailed(request_id=rid):
+                            if (q := self._pending.get(rid)) is not None:
+                                q.put_nowait(event)
+                        case ConnectionFailed() | ConnectionClosed():
+                            self._fail(event)
+                            return
+                        case GoodbyeReceived() | PongReceived() | Authenticated():
+                            pass
+        except (ConnectionError, OSError):
+            self._fail(ConnectionClosed())
+
+    def _fail(self, event: ConnectionFailed | ConnectionClosed) -> None:
+        if isinstance(event, ConnectionFailed):
+            self._closed = ClientError(f"the server closed the connection: {event.message}", event.code)
+        else:
+            self._closed = ServerUnreachable(f"the connection to {self.address} was closed")
+        for q in self._pending.values():
+            q.put_nowait(event)
+
+    async def stream(self, request: Request) -> AsyncIterator[Reply | StreamItem]:
+        """Send `request`; yield each streamed item, then the final reply. Raises ClientError."""
+        if self._closed is not None:
+            raise self._closed
+        assert self._writer is not None
+        async with self._slots:
+            try:
+                rid, data = self.conn.request(request)
+            except LocalProtocolError as exc:
+                if exc.code is not ErrorCode.SHUTTING_DOWN:
+                    raise
+                # The server said goodbye (it is restarting or stopping) before this request left.
+                raise ServerUnreachable(
+                    f"the server at {self.address} is closing this connection; connect again"
+                ) from None
+            q: asyncio.Queue[_Item] = asyncio.Queue()
+            self._pending[rid] = q
+            self._writer.write(data)
+            try:
+                await self._writer.drain()
+                while True:
+                    match await q.get():
+                        case ReplyReceived(message=message, final=final):
+                            yield message
+                            if final:
+                                return
+                        case RequestFailed(code=code, message=message):
+                            raise ClientError(message, code)
+                        case _:
+                            raise self._closed or ClientError("the connection closed")
+            finally:
+                del self._pending[rid]
+                if rid in self.conn.in_flight and not self._writer.is_closing():
+                    self._writer.write(self.conn.cancel(rid))
+
+    async def call(self, request: Request, reply_type: type[R]) -> R:
+        """Send `request` and return its final reply, checked to be a `reply_type`."""
+        last: Any = None
+        async for last in self.stream(request):  # noqa: B007 - only the final reply matters
+            pass
+        if not isinstance(last, reply_type):
+            raise ClientError(f"unexpected reply {type(last).__name__} to {type(request).__name__}")
+        return last
+
+    async def close(self) -> None:
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader_task
+            self._reader_task = None
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(ConnectionError, OSError):
+                await self._writer.wait_closed()
+            self._writer = None

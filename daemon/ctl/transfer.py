@@ -1,0 +1,294 @@
+"""poolctl's side of data transfers: content-address, ask the server, move the bytes directly.
+
+The server never carries dataset or artifact bytes (see daemon/server/data_desk.py for why). For an upload
+poolctl hashes the source (a file, a directory packed as a deterministic tar, or a git working
+tree), asks `PrepareUpload`, and then either skips (already stored), PUTs the bytes to the
+presigned URL with the signed `x-amz-meta-sha256` header, or, on a single-machine pool, writes
+them into the local store's directory itself; then `FinishUpload` has the server check and record
+the object. A download asks `PrepareDownload` and GETs the presigned URL (or reads the local
+store), verifying the sha256 before the file appears at its destination.
+
+Progress bars (bytes, rate, ETA) are drawn on stderr only when it is a terminal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from daemon.ctl.pool_client import ClientError, PoolClient
+from daemon.errors import GpupoolError
+from protocol import (
+    DownloadTicket,
+    FinishUpload,
+    ObjectRef,
+    PrepareDownload,
+    PrepareUpload,
+    ResolveName,
+    UploadTicket,
+)
+from storage.base import SHA256_META
+from storage.content import CHUNK, iterate_in_thread, pack_files, pack_tree, sha256_file, stream_sha256
+from storage.local import LocalStore
+
+Advance = Callable[[int], None]
+
+
+class TransferError(GpupoolError):
+    code = "transfer"
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Bytes to upload, content-addressed: a file, or a deterministic tar of files under `path`."""
+
+    kind: str  # "file" or "dir"
+    path: Path
+    sha256: str
+    size: int
+    names: tuple[str, ...] | None = None  # for a snapshot: only these files under `path`
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        if self.kind == "file":
+            return _read_file(self.path)
+        if self.names is not None:
+            return iterate_in_thread(pack_files(self.path, self.names))
+        return iterate_in_thread(pack_tree(self.path))
+
+
+async def _read_file(path: Path) -> AsyncIterator[bytes]:
+    f = await asyncio.to_thread(open, path, "rb")
+    try:
+        while chunk := await asyncio.to_thread(f.read, CHUNK):
+            yield chunk
+    finally:
+        f.close()
+
+
+def _describe(path: Path) -> Source:
+    if path.is_dir():
+        sha, size = stream_sha256(pack_tree(path))
+        return Source("dir", path, sha, size)
+    if not path.is_file():
+        raise TransferError(f"{path}: no such file or directory")
+    return Source("file", path, sha256_file(path), path.stat().st_size)
+
+
+async def describe(path: Path) -> Source:
+    """Hash a file or a directory (as its tar) without storing anything."""
+    return await asyncio.to_thread(_describe, path)
+
+
+# -- snapshots ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    source: Source
+    commit: str
+    dirty: bool
+
+
+def _git(cwd: Path, *argv: str) -> str:
+    out = subprocess.run(["git", *argv], cwd=cwd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise TransferError(f"--snapshot needs a git checkout here: git {argv[0]}: {out.stderr.strip()}")
+    return out.stdout
+
+
+async def snapshot(cwd: Path) -> Snapshot:
+    """The working tree as it is: committed, modified and untracked-but-not-ignored files."""
+    return await asyncio.to_thread(_snapshot, cwd)
+
+
+def _snapshot(cwd: Path) -> Snapshot:
+    top = Path(_git(cwd, "rev-parse", "--show-toplevel").strip())
+    head = subprocess.run(
+        ["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=top, capture_output=True, text=True, check=False
+    )
+    commit = head.stdout.strip() if head.returncode == 0 else ""
+    names = tuple(n for n in _git(top, "ls-files", "-co", "--exclude-standard", "-z").split("\0") if n)
+    dirty = bool(_git(top, "status", "--porcelain").strip())
+    sha, size = stream_sha256(pack_files(top, names))
+    return Snapshot(Source("dir", top, sha, size, names), commit, dirty)
+
+
+# -- progress ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def progress(description: str, total: int) -> Iterator[Advance]:
+    """An `advance(nbytes)` callable drawing a bar on a terminal, doing nothing otherwise."""
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield lambda n: None
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+async def _counted(chunks: AsyncIterator[bytes], advance: Advance) -> AsyncIterator[bytes]:
+    async for chunk in chunks:
+        advance(len(chunk))
+        yield chunk
+
+
+# -- upload and download -----------------------------------------------------------------------
+
+
+async def upload(client: PoolClient, source: Source, name: str | None, label: str) -> tuple[ObjectRef, bool]:
+    """Store `source` (unless the pool has it already) and record it. Returns the object and
+    whether bytes were sent."""
+    ticket = await client.call(PrepareUpload(source.sha256, source.size), UploadTicket)
+    sent = not ticket.exists
+    if sent:
+        with progress(f"put {label}", source.size) as advance:
+            chunks = _counted(source.chunks(), advance)
+            if ticket.url is not None:
+                await _put_url(ticket.url, source, chunks)
+            elif ticket.local_store is not None:
+                async with LocalStore(Path(ticket.local_store)) as store:
+                    await store.put_stream(ticket.key, chunks, sha256=source.sha256)
+            else:
+                raise ClientError("the server gave no place to upload to")
+    ref = await client.call(FinishUpload(source.sha256, source.kind, name), ObjectRef)
+    return ref, sent
+
+
+async def _put_url(url: str, source: Source, chunks: AsyncIterator[bytes]) -> None:
+    # An explicit Content-Length: S3 refuses chunked transfer encoding on a presigned PUT.
+    headers = {f"x-amz-meta-{SHA256_META}": source.sha256, "Content-Length": str(source.size)}
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.put(url, data=chunks, headers=headers) as response,
+    ):
+        if response.status >= 300:
+            text = (await response.text())[:300]
+            raise TransferError(f"the object store refused the upload: HTTP {response.status}: {text}")
+
+
+async def download(client: PoolClient, key: str, dest: Path, label: str) -> int:
+    """Fetch `key` to `dest` (verified, atomic). Returns its size."""
+    ticket = await client.call(PrepareDownload(key), DownloadTicket)
+    with progress(f"get {label}", ticket.size) as advance:
+        if ticket.local_store is not None:
+            async with LocalStore(Path(ticket.local_store)) as store:
+                await store.get_file(key, dest)
+            advance(ticket.size)
+        elif ticket.url is not None:
+            await _get_url(ticket, dest, advance)
+        else:
+            raise ClientError("the server gave no place to download from")
+    return ticket.size
+
+
+async def _get_url(ticket: DownloadTicket, dest: Path, advance: Advance) -> None:
+    assert ticket.url is not None
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    tmp = Path(name)
+    h = hashlib.sha256()
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            async with aiohttp.ClientSession(timeout=timeout) as session, session.get(ticket.url) as response:
+                if response.status != 200:
+                    raise TransferError(f"the object store refused the download: HTTP {response.status}")
+                async for chunk in response.content.iter_chunked(CHUNK):
+                    h.update(chunk)
+                    await asyncio.to_thread(f.write, chunk)
+                    advance(len(chunk))
+        if ticket.sha256 is not None and h.hexdigest() != ticket.sha256:
+            raise TransferError(
+                f"{ticket.key} arrived with sha256 {h.hexdigest()}, expected {ticket.sha256}: not saved"
+            )
+        os.replace(tmp, dest)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+# -- what poolctl's commands do ----------------------------------------------------------------
+
+
+def split_input(text: str) -> tuple[str, str | None, bool]:
+    """`NAME_OR_PATH[:DEST]` as (name or path, DEST, whether it is a local path). An existing path
+    is taken whole; otherwise the last `:` parts DEST off."""
+    if os.path.exists(text):
+        return text, None, True
+    head, sep, tail = text.rpartition(":")
+    what, dest = (head, tail or None) if sep and head else (text, None)
+    return what, dest, os.path.exists(what)
+
+
+async def put(client: PoolClient, path: Path, name: str | None) -> tuple[ObjectRef, bool]:
+    """`poolctl put`: upload a file or a directory (as its tar) content-addressed."""
+    source = await describe(path)
+    return await upload(client, source, name, path.name or str(path))
+
+
+async def resolve_input(client: PoolClient, text: str) -> dict[str, str]:
+    """An `--input` as the job spec's `inputs` entry; a local path is uploaded first."""
+    what, dest, local = await asyncio.to_thread(split_input, text)
+    if local:
+        ref, _ = await put(client, Path(what), None)
+        default = Path(what).name or what
+    else:
+        ref = await client.call(ResolveName(what), ObjectRef)
+        default = what
+    return {"sha256": ref.sha256, "dest": dest or default, "kind": ref.kind}
+
+
+async def upload_snapshot(client: PoolClient, cwd: Path) -> dict[str, object]:
+    """`--snapshot`: pack and upload the working tree; the job spec's `snapshot` entry."""
+    snap = await snapshot(cwd)
+    await upload(client, snap.source, None, "snapshot")
+    return {"sha256": snap.source.sha256, "commit": snap.commit, "dirty": snap.dirty}
+
+
+def _safe_name(name: str) -> bool:
+    return bool(name) and not name.startswith("/") and not any(p in {"", ".", ".."} for p in name.split("/"))
+
+
+async def get_artifacts(client: PoolClient, job: dict[str, Any], dest: Path) -> list[tuple[str, int]]:
+    """`poolctl get`: the committed attempt's artifacts under `dest`, and its log as
+    `dest/<job>.log`. Returns (path written, size) pairs."""
+    result = job.get("result") or {}
+    wanted = [
+        (a["key"], dest / a["name"], a["name"]) for a in result.get("artifacts", []) if _safe_name(a["name"])
+    ]
+    if result.get("log"):
+        wanted.append((result["log"]["key"], dest / f"{job['id']}.log", "log"))
+    written = []
+    for key, path, label in wanted:
+        size = await download(client, key, path, label)
+        written.append((str(path), size))
+    return written

@@ -1,0 +1,100 @@
+"""How gpupool talks to Redis: one client factory, and a watch on which Redis answers.
+
+Every client the daemon makes comes from `connect`, so timeouts and retries are set in one place:
+
+- A command that gets no reply within SOCKET_TIMEOUT fails with TimeoutError (redis-py 8's own
+  default, made explicit). A blocking read (XREAD BLOCK) must therefore block for less than that:
+  `block_limit` says how long it may, and `queue.xread` keeps to it. A worker whose XREAD blocked
+  for the whole socket timeout timed out on a healthy, idle Redis, and redis-py's retries made
+  that one failure a minute long.
+- redis-py re-sends a command whose connection broke or timed out, on a fresh connection, up to
+  RETRIES times. The first copy may have run (only its reply was lost), so every script is written
+  to be run twice with no second effect (daemon/queue/lua/_lib.lua says how each one manages it).
+- `RunIdWatch`: every new connection asks Redis for its run id (INFO server), which changes
+  whenever the redis-server process does: a restart, or a replica taking over. Such a Redis may
+  have lost its last writes, leases among them, so whoever holds leases re-validates them at once
+  (the worker's heartbeat does, on `RunIdWatch.changed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+
+log = logging.getLogger(__name__)
+
+SOCKET_TIMEOUT = 5.0  # seconds a command may wait for its reply
+CONNECT_TIMEOUT = 5.0
+RETRIES = 3  # re-sends of a command whose connection failed (each on a fresh connection)
+
+
+def block_limit(redis: Redis) -> float:
+    """The longest a blocking command may block on `redis`: half its socket timeout, so the reply
+    comes well before the client would give up waiting for it."""
+    timeout = redis.connection_pool.connection_kwargs.get("socket_timeout")
+    return float("inf") if timeout is None else float(timeout) / 2
+
+
+class RunIdWatch:
+    """Remembers the run id of the Redis behind a client; `changed` fires when another one answers.
+
+    `generation` counts the changes, so a caller can tell whether one happened during a call: read
+    it before, compare after."""
+
+    def __init__(self) -> None:
+        self.run_id: str | None = None
+        self.generation = 0
+        self.changed = asyncio.Event()
+        self._uptime = (float("inf"), 0.0)  # (Redis's uptime, time.monotonic()) when last seen
+
+    def saw(self, run_id: str, uptime: float = float("inf")) -> None:
+        if self.run_id is not None and run_id != self.run_id:
+            self.generation += 1
+            self.changed.set()
+            log.warning("Redis restarted or failed over (run id %s, was %s)", run_id[:8], self.run_id[:8])
+        self.run_id = run_id
+        self._uptime = (uptime, time.monotonic())
+
+    def age(self) -> float:
+        """Seconds since the redis-server answering now started: a process that starts just after
+        a restart has seen no change of run id, but may have to act as if it had."""
+        uptime, seen = self._uptime
+        return uptime + (time.monotonic() - seen)
+
+    async def on_connect(self, connection: AbstractConnection) -> None:
+        await connection.on_connect()
+        await connection.send_command("INFO", "server")
+        info = await connection.read_response()
+        text = info.decode() if isinstance(info, bytes) else str(info)
+        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+        if "run_id" in fields:
+            self.saw(fields["run_id"].strip(), float(fields.get("uptime_in_seconds", "inf")))
+
+
+def connect(
+    host: str,
+    port: int,
+    *,
+    password: str | None = None,
+    username: str | None = None,
+    db: int = 0,
+    watch: RunIdWatch | None = None,
+    **kwargs: Any,
+) -> Redis:
+    """A client (a connection pool) with the pool's timeouts and retries; `watch` is told the run
+    id of every connection it opens."""
+    options: dict[str, Any] = {
+        "socket_timeout": SOCKET_TIMEOUT,
+        "socket_connect_timeout": CONNECT_TIMEOUT,
+        "retry": Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.5), RETRIES),
+        "redis_connect_func": watch.on_connect if watch is not None else None,
+        **kwargs,  # a test's shorter timeout, say
+    }
+    return Redis(host=host, port=port, db=db, username=username, password=password, **options)

@@ -1,0 +1,122 @@
+-- Helpers shared by every script; daemon/queue/scripts.py prepends this file to each one at load time.
+-- Every key derived here comes from a queue's key prefix, so it carries that queue's hash tag and
+-- lives in the same Redis Cluster slot as the script's declared KEYS.
+--
+-- Two rules every script keeps:
+--
+-- * Run twice, act once. A script call can reach Redis twice: redis-py re-sends a command whose
+--   connection broke before the reply came, and so does a worker that never heard back. Each
+--   script either has no second effect by nature (renew, reclaim, cancel, heartbeat) or recognises
+--   its own earlier run and answers as it did then: claim by the worker's request number (claim.lua),
+--   complete and release by the lease (`ended_by`), log by the call's number (`log_n`), enqueue by
+--   the job id and spec, enqueue_many by its batch key.
+--
+-- * Memory. With `maxmemory` reached (the pool's Redis runs `noeviction`), Redis refuses a script's
+--   first write command if that command may allocate, and lets every later write of a script that
+--   has already written go through (a script is never cut in half). The first write therefore
+--   decides, and is chosen on purpose: scripts that grant or add something (claim, enqueue, log,
+--   heartbeat) write an allocating command first and are refused whole, so at the memory limit no
+--   new lease, job or output is taken in; scripts that end, take back or only extend (complete,
+--   release, reclaim, cancel, renew) start with a deletion and go on working: running jobs keep
+--   their leases, and ending jobs is how the pool gets its memory back. A worker whose heartbeat
+--   is refused claims nothing (worker.py).
+
+-- Redis server time in ms: leases are judged by this one clock, never by the workers' clocks.
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Close the newest attempt in a job's history, if it is still open.
+local function close_attempt(jobkey, how, now)
+  local hist = jobkey .. ':attempts'
+  local last = redis.call('LINDEX', hist, -1)
+  if last then
+    local a = cjson.decode(last)
+    if a.how == 'running' then
+      a.how = how
+      a.ended_at = now
+      redis.call('LSET', hist, -1, cjson.encode(a))
+    end
+  end
+end
+
+-- Drop a job's stream entry: acknowledged (out of the pending list) and deleted.
+local function drop_entry(stream, group, entry)
+  if entry then
+    redis.call('XACK', stream, group, entry)
+    redis.call('XDEL', stream, entry)
+  end
+end
+
+-- The fence every write for an attempt passes: the job runs this attempt, under this worker, on
+-- this lease. `j` holds the job's 'state', 'attempt', 'worker', 'lease' fields, in that order.
+local function holds(j, attempt, consumer, lease)
+  return j[1] == 'running' and j[2] == attempt and j[3] == consumer and j[4] == lease
+end
+
+-- How many finished jobs of a queue to forget per job that finishes, once past retention: the
+-- index stays bounded by the jobs of the last `retention` seconds at a constant cost per finish.
+local TRIM_PER_FINISH = 8
+
+-- Move a job to a terminal state: the record, the stream entry, an event for waiters, and the
+-- retention countdown of every key of the job; the queue's index forgets jobs past retention.
+local function finish(prefix, stream, group, events, id, state, now, retention)
+  local jobkey = prefix .. 'job:' .. id
+  local j = redis.call('HMGET', jobkey, 'entry', 'idem', 'enqueued_at', 'started_at')
+  drop_entry(stream, group, j[1])
+  redis.call('HSET', jobkey, 'state', state, 'ended_at', now)
+  -- the times ride along so that whoever reads events (metrics) needs no second round trip
+  redis.call('XADD', events, 'MAXLEN', '~', 10000, '*', 'job', id, 'state', state,
+    'enqueued_at', j[3] or '', 'started_at', j[4] or '', 'ended_at', now)
+  for _, k in ipairs({jobkey, jobkey .. ':attempts', jobkey .. ':log'}) do
+    redis.call('EXPIRE', k, retention)
+  end
+  if j[2] then redis.call('EXPIRE', j[2], retention) end
+  local ended, index = prefix .. 'ended', prefix .. 'jobs'
+  redis.call('ZADD', ended, now, id)
+  local old = redis.call('ZRANGEBYSCORE', ended, '-inf', now - retention * 1000, 'LIMIT', 0, TRIM_PER_FINISH)
+  if #old > 0 then
+    redis.call('ZREM', ended, unpack(old))
+    redis.call('ZREM', index, unpack(old))
+  end
+end
+
+-- Wake workers blocked on the queue (XREAD on its `wake` stream): something went to `retry`.
+local function wake(prefix)
+  redis.call('XADD', prefix .. 'wake', 'MAXLEN', '~', 100, '*', 'w', '1')
+end
+
+-- Put a job at the front of its queue: `retry` is served before the stream, in enqueue order; its
+-- entry stays pending (owned by the 'reclaimed' consumer) so it is never trimmed.
+local function to_front(prefix, stream, group, retry, id)
+  local j = redis.call('HMGET', prefix .. 'job:' .. id, 'seq', 'entry')
+  redis.call('ZADD', retry, j[1], id)
+  redis.call('XCLAIM', stream, group, 'reclaimed', 0, j[2], 'JUSTID')
+end
+
+-- Put a started job back at the front of its queue, to be claimed again with attempt+1.
+local function requeue(prefix, stream, group, retry, id)
+  redis.call('HSET', prefix .. 'job:' .. id, 'state', 'queued', 'worker', '')
+  to_front(prefix, stream, group, retry, id)
+  wake(prefix)
+end
+
+-- Take `n` sequence numbers of a queue, creating its stream and consumer group the first time.
+-- Returns the first of them.
+local function reserve(stream, seqkey, group, n)
+  if redis.call('EXISTS', stream) == 0 then
+    redis.call('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
+  end
+  return redis.call('INCRBY', seqkey, n) - n + 1
+end
+
+-- Add a job at the tail of its queue with sequence number `seq` (from reserve): record, stream
+-- entry and index entry. The caller has made sure its id is free.
+local function add_job(stream, index, jobkey, id, seq, now, spec, gpus, max_attempts, retries)
+  local entry = redis.call('XADD', stream, '*', 'job', id)
+  redis.call('HSET', jobkey, 'id', id, 'state', 'queued', 'seq', seq, 'attempt', 0, 'spec', spec,
+    'gpus', gpus, 'max_attempts', max_attempts, 'retries', retries, 'failures', 0, 'losses', 0,
+    'enqueued_at', now, 'entry', entry)
+  redis.call('ZADD', index, seq, id)
+end

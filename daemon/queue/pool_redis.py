@@ -1,0 +1,64 @@
+"""The pool's Redis: the embedded one (singlenode) or the configured one (multinode)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from daemon.config import Config
+from daemon.errors import RedisUnavailable
+from daemon.queue import connection
+from daemon.queue.embedded_redis import EmbeddedRedis
+
+log = logging.getLogger(__name__)
+
+
+class PoolRedis:
+    """Owns the Redis connection pool, and in singlenode mode the redis-server process too."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.embedded: EmbeddedRedis | None = None
+        self.client: Redis | None = None
+        self.watch = connection.RunIdWatch()  # which redis-server answers (a restart changes it)
+
+    @property
+    def address(self) -> str:
+        if self.embedded is not None:
+            return f"{self.embedded.host}:{self.embedded.port}"
+        return f"{self.config.redis_ip}:{self.config.redis_port}"
+
+    async def start(self) -> Redis:
+        c = self.config
+        if c.embedded:
+            self.embedded = EmbeddedRedis(c.data_path(), appendfsync=c.redis_appendfsync)
+            await asyncio.to_thread(self.embedded.start)
+            self.client = self.embedded.client(watch=self.watch)
+        else:
+            self.client = connection.connect(
+                c.redis_ip,
+                c.redis_port,
+                db=c.redis_db,
+                username=c.redis_username or None,
+                password=c.main_server_redis_password or None,
+                watch=self.watch,
+            )
+        try:
+            await self.client.ping()
+        except RedisError as exc:
+            raise RedisUnavailable(
+                f"cannot reach Redis at {self.address} ({exc}); check redis_ip, redis_port and the password"
+            ) from None
+        return self.client
+
+    async def stop(self) -> None:
+        """Close the connections, then stop the embedded redis-server. Safe to call twice."""
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+        if self.embedded is not None:
+            await asyncio.to_thread(self.embedded.stop)
+            self.embedded = None

@@ -1,0 +1,217 @@
+"""What the pool knows of its jobs, read-only: records, listings, depths, logs, events.
+
+`QueueReads` is the reading half of `queue.JobQueue` (which adds every state change): a mixin
+over the same Redis client. Nothing here changes a job, so nothing here needs a script; the one
+write is `list_jobs` dropping index entries whose records have expired.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import msgpack
+import orjson
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from daemon.errors import InvalidJob, JobNotFound
+from daemon.job import Attempt, JobInfo, JobSpec, JobState
+from daemon.queue import keys
+from daemon.queue.connection import block_limit
+
+LOG_GAP = "[gpupool] {} bytes of output dropped here: a log keeps its first {} and its last {}\n"
+
+Entries = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+async def xread(
+    redis: Redis, streams: dict[str, str], *, block: float, count: int | None = None
+) -> list[tuple[str, Entries]]:
+    """XREAD BLOCK with the reply typed: [(stream name, [(entry id, fields)])]; [] on timeout. It
+    blocks for at most `redis_conn.block_limit`, however long `block` asks: callers loop anyway."""
+    block = min(block, block_limit(redis))
+    got = await redis.xread(streams, count=count, block=max(1, round(block * 1000)))  # type: ignore[arg-type]
+    return [(_s(name), entries) for name, entries in cast(list[tuple[bytes, Entries]], got or [])]
+
+
+async def xrange(redis: Redis, stream: str, start: str, count: int | None = None) -> Entries:
+    return cast(Entries, await redis.xrange(stream, start, "+", count=count))
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _seconds(ms: bytes | None) -> float | None:
+    return int(ms) / 1000 if ms else None
+
+
+def job_queue_of(job_id: str) -> str:
+    """The queue of a job id, or InvalidJob naming the id (ids come from users)."""
+    try:
+        return keys.queue_of(job_id)
+    except ValueError as exc:
+        raise InvalidJob("id", str(exc)) from None
+
+
+class QueueReads:
+    """Reads of the queue's keys (daemon/queue/keys.py); `JobQueue` is one."""
+
+    redis: Redis
+    log_head: int
+    log_tail: int
+
+    async def read_log(
+        self, job_id: str, after: str = "0-0", *, count: int = 200, block: float | None = None
+    ) -> list[tuple[str, bytes]]:
+        """Log chunks after the entry id `after`, oldest first: (entry id, bytes). With `block`,
+        waits up to that many seconds for the first new chunk (a blocking read). Where output was
+        dropped to keep the log within its bound, a line says how much (log.lua)."""
+        job_queue_of(job_id)
+        stream = keys.log(job_id)
+        if block is None:
+            entries = await xrange(self.redis, stream, f"({after}" if after != "0-0" else "-", count)
+        else:
+            got = await xread(self.redis, {stream: after}, count=count, block=block)
+            entries = got[0][1] if got else []
+        out = []
+        for entry_id, fields in entries:
+            data = fields.get(b"d", b"")
+            if b"gap" in fields:  # where the head ends: say what was dropped after it, if anything
+                dropped = int(await self.redis.hget(keys.job(job_id), "log_dropped") or 0)
+                gap = LOG_GAP.format(dropped, _size(self.log_head), _size(self.log_tail))
+                data = gap.encode() if dropped else b""
+            out.append((_s(entry_id), data))
+        return out
+
+    async def last_event_id(self, queue: str) -> str:
+        """The id of the newest terminal event of `queue` (to wait for events after it)."""
+        newest = cast(Entries, await self.redis.xrevrange(keys.events(queue), "+", "-", count=1))
+        return _s(newest[0][0]) if newest else "0-0"
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    async def queues(self) -> list[str]:
+        return sorted(_s(q) for q in await self.redis.smembers(keys.QUEUES))
+
+    async def get(self, job_id: str) -> JobInfo:
+        """Everything known of a job, with its attempt history. Raises JobNotFound."""
+        job_queue_of(job_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.job(job_id))
+            pipe.lrange(keys.attempts(job_id), 0, -1)
+            record, history = await pipe.execute()
+        if not record:
+            raise JobNotFound(job_id)
+        return _job_info(record, history)
+
+    async def list_jobs(
+        self, queue: str | None = None, *, include_finished: bool = False, limit: int = 1000
+    ) -> list[JobInfo]:
+        """Jobs in enqueue order: the queued and running ones, or with `include_finished` the newest
+        `limit` jobs still retained."""
+        out: list[JobInfo] = []
+        for q in [queue] if queue else await self.queues():
+            if include_finished:
+                newest = cast(list[bytes], await self.redis.zrange(keys.jobs(q), -limit, -1))
+                ids = [_s(i) for i in newest]
+            else:
+                ids = await self._active_ids(q, limit)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for job_id in ids:
+                    pipe.hgetall(keys.job(job_id))
+                records = await pipe.execute()
+            stale = [i for i, r in zip(ids, records, strict=True) if not r]
+            if stale:  # records past retention: drop them from the index too
+                await self.redis.zrem(keys.jobs(q), *stale)
+            out += [_job_info(r, []) for r in records if r]
+        out.sort(key=lambda j: (j.enqueued_at, j.seq))
+        return out[-limit:]
+
+    async def _active_ids(self, queue: str, limit: int) -> list[str]:
+        """Running (leases), front (retry) and parked jobs of one queue, then up to `limit` of its
+        stream entries not yet delivered, read from the consumer group's last delivered id on."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrange(keys.leases(queue), 0, -1)
+            pipe.zrange(keys.retry(queue), 0, -1)
+            pipe.zrange(keys.parked(queue), 0, -1)
+            pipe.xinfo_groups(keys.stream(queue))
+            try:
+                running, retry, parked, groups = await pipe.execute()
+            except ResponseError:  # no stream yet: nothing was ever enqueued
+                return []
+        last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == keys.GROUP), b"0-0")
+        entries = await xrange(self.redis, keys.stream(queue), f"({_s(last)}", limit)
+        waiting = [_s(e[1][b"job"]) for e in entries if b"job" in e[1]]
+        return list(dict.fromkeys([_s(i) for i in running + retry + parked] + waiting))
+
+    async def leases_held(self, queues: Sequence[str]) -> int:
+        """Running attempts (leases) in `queues`, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for q in queues:
+                pipe.zcard(keys.leases(q))
+            return sum(int(n) for n in await pipe.execute())
+
+    async def depth(self, queue: str) -> int:
+        """Jobs waiting in `queue`: those at its front, those parked, and stream entries not yet
+        delivered (the others are pending: running, or at the front or parked)."""
+        return (await self.depths([queue]))[queue]
+
+    async def depths(self, queues: Sequence[str]) -> dict[str, int]:
+        """`depth` of each of `queues`, in one round trip whatever their number."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for q in queues:
+                pipe.zcard(keys.retry(q))
+                pipe.zcard(keys.parked(q))
+                pipe.xlen(keys.stream(q))
+                pipe.xpending(keys.stream(q), keys.GROUP)
+            replies = await pipe.execute(raise_on_error=False)
+        out = {}
+        for i, q in enumerate(queues):
+            retry, parked, length, pending = replies[4 * i : 4 * i + 4]
+            # no stream or group yet (an error in its place): nothing was ever enqueued
+            waiting = (
+                int(retry) + int(parked) + int(length) - int(pending["pending"])
+                if not isinstance(pending, Exception)
+                else 0
+            )
+            out[q] = waiting
+        return out
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:g} MiB" if n >= 2**20 else f"{n / 1024:g} KiB"
+
+
+def _job_info(record: dict[bytes, bytes], history: list[bytes]) -> JobInfo:
+    get = record.get
+    exit_code = get(b"exit_code")
+    return JobInfo(
+        id=_s(record[b"id"]),
+        state=JobState(_s(record[b"state"])),
+        spec=JobSpec.from_dict(msgpack.unpackb(record[b"spec"])),
+        seq=int(record[b"seq"]),
+        attempt=int(record[b"attempt"]),
+        worker=_s(get(b"worker", b"")),
+        enqueued_at=int(record[b"enqueued_at"]) / 1000,
+        started_at=_seconds(get(b"started_at")),
+        ended_at=_seconds(get(b"ended_at")),
+        exit_code=int(exit_code) if exit_code else None,
+        detail=_s(get(b"detail", b"")),
+        cancel_requested=get(b"cancel") == b"1",
+        attempts=tuple(_attempt(orjson.loads(h)) for h in history),
+        result=msgpack.unpackb(get(b"result")) if get(b"result") else {},
+        lease=_s(get(b"lease", b"")),
+    )
+
+
+def _attempt(data: dict[str, Any]) -> Attempt:
+    ended = data.get("ended_at")
+    return Attempt(
+        attempt=int(data["attempt"]),
+        worker=str(data["worker"]),
+        started_at=data["started_at"] / 1000,
+        ended_at=ended / 1000 if ended else None,
+        how=str(data["how"]),
+    )

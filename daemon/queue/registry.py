@@ -1,0 +1,133 @@
+"""Who the workers are: their registration records, and the view `poolctl workers` shows.
+
+A worker's record says what it is (host, pid, version, slots, GPUs, CPUs, memory, queues) and how
+it is (healthy or draining, jobs running). Every heartbeat rewrites it (heartbeat.lua) together
+with the worker's last-seen time, both in the pool-wide `{pool}` keys (daemon/queue/keys.py), the time
+taken from Redis's own clock. `list_workers` compares that time with Redis's clock again, never
+with the reader's, to say how long each worker has been silent; one silent for longer than its
+healthy period (the lease it renews) is shown as dead.
+
+Worker ids are `HOST-PID-RANDOM`: a pid is reused after a reboot or in another container on the
+same host, and a worker that restarts must never be mistaken for the one that died, whose leases
+are still being reclaimed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import secrets
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import psutil
+from redis.asyncio import Redis
+
+from daemon.queue import keys
+from daemon.queue.scripts import ScriptBatch, Scripts
+
+HEALTHY = "healthy"
+DRAINING = "draining"
+DEAD = "dead"
+
+
+def new_worker_id(host: str | None = None) -> str:
+    """`HOST-PID-RANDOM` (6 hex digits): readable in `poolctl workers`, unique across restarts."""
+    return f"{host or socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("gpupool")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass(slots=True)
+class Registration:
+    """A worker's record. The worker updates `state`, `running` and `gpus` before each heartbeat."""
+
+    id: str
+    slots: int
+    queues: Sequence[str]
+    healthy_period: float  # seconds of silence after which the worker is dead (its lease length)
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+    state: str = HEALTHY
+    running: int = 0
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    version: str = field(default_factory=version)
+    cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+    memory: int = field(default_factory=lambda: psutil.virtual_memory().total)
+    started_at: float = 0.0  # Unix time
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "host": self.host,
+            "pid": self.pid,
+            "version": self.version,
+            "slots": self.slots,
+            "running": self.running,
+            "gpus": self.gpus,
+            "cpus": self.cpus,
+            "memory": self.memory,
+            "queues": list(self.queues),
+            "state": self.state,
+            "started_at": self.started_at,
+            "healthy_period": self.healthy_period,
+        }
+
+
+def add_heartbeat(batch: ScriptBatch, scripts: Scripts, registration: Registration) -> int:
+    """Add the registration refresh (heartbeat.lua) to `batch`; returns its reply's index."""
+    return batch.add(
+        scripts.heartbeat,
+        [keys.WORKERS, keys.WORKERS_SEEN, keys.QUEUES],
+        [registration.id, msgpack.packb(registration.to_dict()), *registration.queues],
+    )
+
+
+async def prune(redis: Redis, scripts: Scripts, retention: float) -> list[str]:
+    """Forget the workers silent for longer than `retention` seconds (prune_workers.lua); their ids."""
+    gone = await scripts.prune_workers(keys=[keys.WORKERS, keys.WORKERS_SEEN], args=[round(retention * 1000)])
+    return [_s(w) for w in gone]
+
+
+async def unregister(redis: Redis, worker_id: str) -> None:
+    """Forget a worker that stopped cleanly (a dead one stays listed, as dead)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hdel(keys.WORKERS, worker_id)
+        pipe.zrem(keys.WORKERS_SEEN, worker_id)
+        await pipe.execute()
+
+
+async def list_workers(redis: Redis) -> list[dict[str, Any]]:
+    """Every registered worker's record plus `last_heartbeat_age` (seconds, by Redis's clock; None
+    if it never beat) and `health` (healthy, draining, or dead when silent for longer than its
+    healthy period), sorted by host then id. One round trip."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.WORKERS)
+        pipe.zrange(keys.WORKERS_SEEN, 0, -1, withscores=True)
+        pipe.time()
+        records, seen, (seconds, micros) = await pipe.execute()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    last = {_s(member): float(score) for member, score in seen}
+    out = []
+    for worker_id, packed in records.items():
+        record: dict[str, Any] = msgpack.unpackb(packed)
+        seen_ms = last.get(_s(worker_id))
+        age = max(0.0, (now_ms - seen_ms) / 1000) if seen_ms is not None else None
+        record["last_heartbeat_age"] = age
+        silent = age is None or age > float(record.get("healthy_period", 300.0))
+        record["health"] = DEAD if silent else str(record.get("state", HEALTHY))
+        out.append(record)
+    out.sort(key=lambda r: (str(r.get("host", "")), str(r.get("id", ""))))
+    return out
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

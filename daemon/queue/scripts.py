@@ -1,0 +1,179 @@
+"""The queue's Lua scripts, loaded from daemon/queue/lua/ with the shared helpers of `_lib.lua` prepended.
+
+Each script's header comment says what it guarantees. redis-py's Script objects run by EVALSHA
+and fall back to loading the script on NOSCRIPT, so they survive a Redis restart.
+
+`ScriptBatch` sends several script calls in ONE round trip. redis-py's own pipelined scripts ask
+Redis `SCRIPT EXISTS` before every pipeline, a second round trip; a batch sends EVALSHA straight
+away and only on a NOSCRIPT answer (Redis restarted or flushed its script cache) loads the
+missing scripts and re-sends the calls that were refused, which therefore never ran.
+
+`Pipeliner` batches without being asked (auto-pipelining, as ioredis and node-redis offer): script
+calls made in the same turn of the event loop go out together, as ScriptBatches of up to MAX_BATCH
+calls side by side (a lone call as a plain EVALSHA). A worker whose attempt
+ends completes it and claims the next job for the freed slot in the same turn, so the two share a
+round trip; so do the completes of attempts that end together. No call waits for a timer: the
+batch leaves at the end of the turn in which its first call was made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError, ResponseError
+
+NAMES = (
+    "enqueue",
+    "enqueue_many",
+    "claim",
+    "renew",
+    "complete",
+    "cancel",
+    "reclaim",
+    "log",
+    "release",
+    "heartbeat",
+    "add_queue",
+    "prune_workers",
+)
+
+
+def source(name: str) -> str:
+    """The full text of a script as Redis runs it: the shared helpers, then the script."""
+    lua = resources.files("daemon.queue") / "lua"
+    return (lua / "_lib.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+
+
+class Scripts:
+    """One registered script per queue operation."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.enqueue: AsyncScript = redis.register_script(source("enqueue"))
+        self.enqueue_many: AsyncScript = redis.register_script(source("enqueue_many"))
+        self.claim: AsyncScript = redis.register_script(source("claim"))
+        self.renew: AsyncScript = redis.register_script(source("renew"))
+        self.complete: AsyncScript = redis.register_script(source("complete"))
+        self.cancel: AsyncScript = redis.register_script(source("cancel"))
+        self.reclaim: AsyncScript = redis.register_script(source("reclaim"))
+        self.log: AsyncScript = redis.register_script(source("log"))
+        self.release: AsyncScript = redis.register_script(source("release"))
+        self.heartbeat: AsyncScript = redis.register_script(source("heartbeat"))
+        self.add_queue: AsyncScript = redis.register_script(source("add_queue"))
+        self.prune_workers: AsyncScript = redis.register_script(source("prune_workers"))
+
+
+class ScriptBatch:
+    """Script calls collected with `add`, then sent together by `execute` in one round trip."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self._calls: list[tuple[AsyncScript, Sequence[Any], Sequence[Any]]] = []
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def add(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> int:
+        """Queue one call; returns the index of its reply in `execute`'s list."""
+        self._calls.append((script, keys, args))
+        return len(self._calls) - 1
+
+    async def execute(self) -> list[Any]:
+        """Run every call; the replies in order. Raises the first error a call answered with."""
+        replies = await self.execute_each()
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    async def execute_each(self) -> list[Any]:
+        """Run every call; the replies in order, a call's error (an exception) in its place.
+        Raises when Redis could not be asked at all (a connection error)."""
+        if not self._calls:
+            return []
+        replies = await self._send(self._calls)
+        refused = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+        if refused:
+            for script in {id(self._calls[i][0]): self._calls[i][0] for i in refused}.values():
+                script.sha = await self.redis.script_load(script.script)
+            for i, reply in zip(refused, await self._send([self._calls[i] for i in refused]), strict=True):
+                replies[i] = reply
+        return replies
+
+    async def _send(self, calls: Sequence[tuple[AsyncScript, Sequence[Any], Sequence[Any]]]) -> list[Any]:
+        if len(calls) == 1:  # one call needs no pipeline (and its cost: ~45 us of this process)
+            script, keys, args = calls[0]
+            try:
+                return [await self.redis.evalsha(script.sha, len(keys), *keys, *args)]
+            except ResponseError as exc:  # NoScriptError included: answered in place, as below
+                return [exc]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for script, keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            return list(await pipe.execute(raise_on_error=False))
+
+
+Call = tuple[AsyncScript, Sequence[Any], Sequence[Any], "asyncio.Future[Any]"]
+MAX_BATCH = 32  # calls per pipeline; more in one turn go out as several pipelines at once
+
+
+class Pipeliner:
+    """`await pipeliner(script, keys, args)`: one script call, sent with the others made in the
+    same event-loop turn (see the module doc). A call's error is raised to its caller alone; a
+    connection error to every caller of its batch. A caller that is cancelled while its batch is
+    in flight cannot unsend its call, as with any Redis command."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self._pending: list[Call] = []
+        self._in_flight: set[asyncio.Task[None]] = set()
+
+    async def __call__(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        return await self.submit(script, keys, args)
+
+    def submit(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> asyncio.Future[Any]:
+        """Queue one call for this turn's batch; its reply, or its error, comes in the future."""
+        loop = asyncio.get_running_loop()
+        if not self._pending:
+            loop.call_soon(self._send_pending)
+        future: asyncio.Future[Any] = loop.create_future()
+        self._pending.append((script, keys, args, future))
+        return future
+
+    def _send_pending(self) -> None:
+        # A caller cancelled before its batch left: its call is dropped, never sent.
+        calls, self._pending = [c for c in self._pending if not c[3].done()], []
+        # Batches of at most MAX_BATCH calls, each on its own connection: a caller waits for its
+        # batch's replies to be read, so a huge batch would make every caller in it wait long.
+        for start in range(0, len(calls), MAX_BATCH):
+            task = asyncio.ensure_future(self._send(calls[start : start + MAX_BATCH]))
+            self._in_flight.add(task)  # owned here until it has answered every caller
+            task.add_done_callback(self._in_flight.discard)
+
+    async def _send(self, calls: list[Call]) -> None:
+        batch = ScriptBatch(self.redis)
+        for script, keys, args, _ in calls:
+            batch.add(script, keys, args)
+        try:
+            replies = await batch.execute_each()
+        except asyncio.CancelledError:  # the loop is shutting down
+            for *_, future in calls:
+                future.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the callers, who raise it
+            for *_, future in calls:
+                if not future.done():  # a copy each: one object raised in many tasks tangles them
+                    future.set_exception(copy.copy(exc))
+            return
+        for (*_, future), reply in zip(calls, replies, strict=True):
+            if future.done():  # its caller was cancelled
+                continue
+            if isinstance(reply, Exception):
+                future.set_exception(reply)
+            else:
+                future.set_result(reply)

@@ -1,0 +1,116 @@
+"""Terminal-state notifications for `poolctl wait` and friends, from one blocking read.
+
+One task per server reads the `events` streams of every queue with XREAD BLOCK (no polling) and
+wakes the waiters of each job that ended. The pool's queue set is read again at most every
+`refresh` seconds (and the read blocks for no longer), so an idle server costs Redis one SMEMBERS
+and one XREAD a second whatever the number of queues. Its cursors start where the events stood
+when the server started (`prime`, before any client can ask), so nothing that ends after that is
+skipped. Events are a wake-up, not the truth: a waiter checks the job's state after registering,
+and again every so often (handlers.py), so a lost or unseen event can delay an answer, never hang it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from daemon.job import JobState
+from daemon.queue import keys
+from daemon.queue.job_queue import JobQueue
+from daemon.queue.reads import xread
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Terminal:
+    """A job reached a terminal state; times are Redis server time in seconds (None: never ran)."""
+
+    queue: str
+    job_id: str
+    state: JobState
+    enqueued_at: float | None
+    started_at: float | None
+    ended_at: float | None
+
+
+def _seconds(value: bytes | None) -> float | None:
+    return int(value) / 1000 if value else None
+
+
+class JobEvents:
+    def __init__(
+        self, queue: JobQueue, refresh_seconds: float, on_terminal: Callable[[Terminal], None] | None = None
+    ) -> None:
+        self.queue = queue
+        self.on_terminal = on_terminal
+        self.refresh = refresh_seconds
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._cursors: dict[str, str] = {}
+        self._refreshed = float("-inf")
+
+    @contextlib.asynccontextmanager
+    async def watching(self, job_ids: list[str]) -> AsyncIterator[asyncio.Event]:
+        """An event set whenever one of `job_ids` reaches a terminal state (clear it to rearm)."""
+        event = asyncio.Event()
+        for job_id in job_ids:
+            self._waiters.setdefault(job_id, set()).add(event)
+        try:
+            yield event
+        finally:
+            for job_id in job_ids:
+                waiters = self._waiters.get(job_id)
+                if waiters is not None:
+                    waiters.discard(event)
+                    if not waiters:
+                        del self._waiters[job_id]
+
+    async def prime(self) -> None:
+        """Start every known queue's cursor at its newest event: history is not news."""
+        for q in await self.queue.queues():
+            self._cursors[q] = await self.queue.last_event_id(q)
+        self._refreshed = asyncio.get_running_loop().time()
+
+    async def run(self) -> None:
+        """Read terminal events until cancelled."""
+        while True:
+            try:
+                await self._pass()
+            except RedisError as exc:
+                log.warning("reading job events failed (%s); retrying", exc)
+                await asyncio.sleep(1)
+
+    async def _pass(self) -> None:
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._refreshed >= self.refresh:
+            for q in await self.queue.queues():
+                # a queue that appears later: from its first event, which may predate our noticing it
+                self._cursors.setdefault(q, "0-0")
+            self._refreshed = loop.time()
+        if not self._cursors:
+            await asyncio.sleep(self.refresh)
+            return
+        streams = {keys.events(q): cursor for q, cursor in self._cursors.items()}
+        for stream, entries in await xread(self.queue.redis, streams, block=self.refresh):
+            q = stream.split("{q:", 1)[1].split("}", 1)[0]
+            for entry_id, fields in entries:
+                self._cursors[q] = entry_id.decode()
+                job_id = fields[b"job"].decode()
+                for event in self._waiters.get(job_id, ()):
+                    event.set()
+                if self.on_terminal is not None:
+                    self.on_terminal(
+                        Terminal(
+                            q,
+                            job_id,
+                            JobState(fields[b"state"].decode()),
+                            _seconds(fields.get(b"enqueued_at")),
+                            _seconds(fields.get(b"started_at")),
+                            _seconds(fields.get(b"ended_at")),
+                        )
+                    )

@@ -1,0 +1,131 @@
+"""The server's side of data transfers: it authorises and records, it never carries the bytes.
+
+Why this shape. A dataset or an artifact can be gigabytes; the server is one asyncio process that
+also serves every client's queue requests, so funnelling bytes through its event loop would make a
+large upload everyone's latency problem. Instead the server answers small requests:
+
+- `PrepareUpload(sha256, size)`: the object's content key (`sha256/ab/abcd…`). If it is already
+  stored the answer says so and nothing is sent. Otherwise, on S3, a presigned PUT URL valid for
+  `URL_SECONDS`, signed with the object's `x-amz-meta-sha256` header, so the uploader must send the
+  checksum the store keeps. A single presigned PUT carries at most `MAX_PRESIGNED_PUT` bytes (S3's
+  limit for one PUT, 5 GiB); larger objects are refused with a sentence saying so (presigned
+  multipart would lift it, at the cost of a part-by-part handshake). On the local store (single
+  machine: client and server share it) the answer is the store's directory, and the client writes
+  through `storage.local.LocalStore` itself, with the same atomic-publish rules.
+- `FinishUpload(sha256, kind, name)`: the server heads the object, checks that the sha256 the store
+  recorded is the one claimed, and records `name` -> {sha256, size, kind} (a small JSON object
+  under `names/`).
+- `ResolveName(name)`: that record.
+- `PrepareDownload(key)`: a presigned GET (or the local store's directory), for keys under
+  `sha256/` and `artifacts/` only, with the size and sha256 the downloader verifies against.
+
+Workers do not ask: they hold the store's credentials (configured by the admin) and read and write
+it directly (`daemon/worker/job_data.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+
+from daemon.errors import GpupoolError
+from daemon.job import INPUT_KINDS, SHA256
+from daemon.object_store import DATASET_NAME, name_key
+from protocol import DownloadTicket, ObjectRef, UploadTicket
+from storage.base import ObjectInfo, ObjectNotFound, ObjectStore
+from storage.content import content_key
+from storage.local import LocalStore
+
+log = logging.getLogger(__name__)
+
+URL_SECONDS = 3600
+MAX_PRESIGNED_PUT = 5 * 1024**3  # S3's largest single PUT
+READABLE_PREFIXES = ("sha256/", "artifacts/")
+
+
+class DataNotFound(GpupoolError):
+    code = "not_found"
+
+
+class BadDataRequest(GpupoolError):
+    code = "invalid_argument"
+
+
+class DataDesk:
+    """Answers the data requests of clients for one store."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+
+    def _local_root(self) -> str | None:
+        return str(self.store.root) if isinstance(self.store, LocalStore) else None
+
+    async def prepare_upload(self, sha256: str, size: int) -> UploadTicket:
+        key = content_key(_check_sha(sha256))
+        if size < 0:
+            raise BadDataRequest("size must not be negative")
+        if await self.store.exists(key):
+            return UploadTicket(key, True, None, None)
+        local = self._local_root()
+        if local is not None:
+            return UploadTicket(key, False, None, local)
+        if size > MAX_PRESIGNED_PUT:
+            raise BadDataRequest(
+                f"{size} bytes is over the {MAX_PRESIGNED_PUT} bytes one presigned upload may carry; "
+                "split the dataset into several inputs",
+            )
+        url = await self.store.presign_put(key, URL_SECONDS, sha256=sha256)
+        return UploadTicket(key, False, url, None)
+
+    async def finish_upload(self, sha256: str, kind: str, name: str | None) -> ObjectRef:
+        key = content_key(_check_sha(sha256))
+        if kind not in INPUT_KINDS:
+            raise BadDataRequest(f"kind {kind!r} must be one of {', '.join(INPUT_KINDS)}")
+        if name is not None:
+            _check_name(name)
+        try:
+            info = await self.store.head(key)
+        except ObjectNotFound:
+            raise DataNotFound(f"object {sha256} was not uploaded (or not completely)") from None
+        if info.sha256 != sha256:
+            # A store without our checksum metadata, or an upload that bypassed the signed header.
+            await self.store.delete(key)
+            raise BadDataRequest(f"the stored object {key} does not carry sha256 {sha256}; removed it")
+        if name is not None:
+            record = {"sha256": sha256, "size": info.size, "kind": kind}
+            await self.store.put_bytes(name_key(name), orjson.dumps(record))
+            log.info("dataset %s -> %s (%d bytes, %s)", name, sha256, info.size, kind)
+        return ObjectRef(name, sha256, info.size, kind)
+
+    async def resolve(self, name: str) -> ObjectRef:
+        try:
+            record = orjson.loads(await self.store.get_bytes(name_key(_check_name(name))))
+        except ObjectNotFound:
+            raise DataNotFound(
+                f"no dataset named {name!r} in this pool (poolctl put PATH --name NAME)"
+            ) from None
+        return ObjectRef(name, record["sha256"], record["size"], record["kind"])
+
+    async def prepare_download(self, key: str) -> DownloadTicket:
+        if not key.startswith(READABLE_PREFIXES):
+            raise BadDataRequest(f"{key!r} is not a dataset or an artifact key")
+        try:
+            info: ObjectInfo = await self.store.head(key)
+        except ObjectNotFound:
+            raise DataNotFound(f"no object {key!r} in the store") from None
+        local = self._local_root()
+        url = None if local is not None else await self.store.presign_get(key, URL_SECONDS)
+        return DownloadTicket(key, info.size, info.sha256, url, local)
+
+
+def _check_sha(sha256: str) -> str:
+    if not SHA256.fullmatch(sha256):
+        raise BadDataRequest(f"sha256 {sha256!r} is not 64 lowercase hex digits")
+    return sha256
+
+
+def _check_name(name: str) -> str:
+    if not DATASET_NAME.fullmatch(name):
+        raise BadDataRequest(f"dataset name {name!r}: 1-128 of A-Z a-z 0-9 . _ - (not starting with .)")
+    return name

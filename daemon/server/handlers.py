@@ -1,0 +1,274 @@
+"""What the server does for each request: the queue operations behind the wire protocol.
+
+`Handlers.handle` takes one decoded request and the authenticated user, sends any streamed items
+through `send`, and returns the final reply. Errors a user can cause come back as `RequestError`
+with a protocol error code and a sentence; the session turns them into ERROR frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from daemon.errors import GpupoolError, InvalidJob, JobNotFound, NoWorkerFits
+from daemon.job import JobInfo, JobSpec, JobState
+from daemon.metrics import ServerMetrics
+from daemon.queue.job_queue import JobQueue, out_of_memory
+from daemon.queue.terminal_events import JobEvents
+from daemon.server.data_desk import BadDataRequest, DataDesk, DataNotFound
+from protocol import (
+    CancelJobs,
+    Cancelled,
+    Enqueue,
+    EnqueueBatch,
+    Enqueued,
+    EnqueuedBatch,
+    ErrorCode,
+    FinishUpload,
+    FollowLogs,
+    JobDetail,
+    JobList,
+    ListJobs,
+    ListWorkers,
+    LogChunk,
+    LogEnd,
+    Ping,
+    Pong,
+    PrepareDownload,
+    PrepareUpload,
+    Reply,
+    Request,
+    ResolveName,
+    ShowJob,
+    StreamItem,
+    Waited,
+    WaitJobs,
+    WorkerList,
+)
+from storage.base import ObjectStore, StorageError
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 10_000
+MAX_LIST = 10_000
+LOG_BLOCK_SECONDS = 1.0
+WAIT_RECHECK = 2.0  # seconds between looks at the state of jobs a `wait` waits for
+
+SendStream = Callable[[StreamItem], Awaitable[None]]
+WorkerLister = Callable[[], Awaitable[list[dict[str, Any]]]]
+
+
+class RequestError(Exception):
+    """A request failed for a reason the user can act on; the connection stays open."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _error_for(exc: GpupoolError) -> RequestError:
+    if isinstance(exc, JobNotFound | DataNotFound):
+        return RequestError(ErrorCode.NOT_FOUND, exc.message)
+    if isinstance(exc, InvalidJob | BadDataRequest | NoWorkerFits):
+        return RequestError(ErrorCode.INVALID_ARGUMENT, exc.message)
+    return RequestError(ErrorCode.INTERNAL, exc.message)
+
+
+class Handlers:
+    def __init__(
+        self,
+        queue: JobQueue,
+        events: JobEvents,
+        workers: WorkerLister,
+        metrics: ServerMetrics | None = None,
+        store: ObjectStore | None = None,
+    ) -> None:
+        self.queue = queue
+        self.events = events
+        self.workers = workers
+        self.metrics = metrics
+        self.data = DataDesk(store) if store is not None else None
+
+    async def handle(self, request: Request, user: str, send: SendStream) -> Reply:
+        try:
+            return await self._dispatch(request, user, send)
+        except GpupoolError as exc:
+            raise _error_for(exc) from None
+        except StorageError as exc:
+            log.warning("request %s failed: object store (%s)", type(request).__name__, exc)
+            raise RequestError(
+                ErrorCode.UNAVAILABLE, f"the pool's object store failed: {exc.message}"
+            ) from None
+        except RedisError as exc:
+            if out_of_memory(exc):
+                log.warning("request %s refused: Redis is at its maxmemory", type(request).__name__)
+                raise RequestError(
+                    ErrorCode.UNAVAILABLE,
+                    "the pool's Redis is full (maxmemory reached): nothing new is taken until it has "
+                    "room; retry later, and tell the pool's admin",
+                ) from None
+            log.warning("request %s failed: Redis unavailable (%s)", type(request).__name__, exc)
+            raise RequestError(
+                ErrorCode.UNAVAILABLE, "the pool's Redis is unreachable right now; retry in a moment"
+            ) from None
+
+    async def _dispatch(self, request: Request, user: str, send: SendStream) -> Reply:
+        match request:
+            case Enqueue(spec=spec, idempotency_key=key):
+                return await self._enqueue(spec, key, user)
+            case EnqueueBatch(specs=specs):
+                return await self._enqueue_batch(specs, user)
+            case ListJobs(queue=q, state=state, include_finished=everything, limit=limit):
+                return JobList(await self._list(q, state, everything, limit))
+            case ShowJob(job_id=job_id):
+                info = await self.queue.get(job_id)
+                return JobDetail(await self._detail(info))
+            case CancelJobs(job_ids=job_ids):
+                return Cancelled(await self._cancel(job_ids))
+            case WaitJobs(job_ids=job_ids, timeout=limit):
+                return await self._wait(job_ids, limit)
+            case FollowLogs(job_id=job_id, follow=follow, offset=offset):
+                return await self._logs(job_id, follow, offset, send)
+            case ListWorkers():
+                return WorkerList(await self.workers())
+            case Ping():
+                return Pong(time.time())
+            case PrepareUpload() | FinishUpload() | ResolveName() | PrepareDownload():
+                return await self._data(request)
+        raise RequestError(ErrorCode.UNKNOWN_OP, f"this server does not handle {type(request).__name__}")
+
+    async def _data(self, request: PrepareUpload | FinishUpload | ResolveName | PrepareDownload) -> Reply:
+        if self.data is None:
+            raise RequestError(ErrorCode.UNAVAILABLE, "this server has no object store for datasets")
+        match request:
+            case PrepareUpload(sha256=sha256, size=size):
+                return await self.data.prepare_upload(sha256, size)
+            case FinishUpload(sha256=sha256, kind=kind, name=name):
+                return await self.data.finish_upload(sha256, kind, name)
+            case ResolveName(name=name):
+                return await self.data.resolve(name)
+            case PrepareDownload(key=key):
+                return await self.data.prepare_download(key)
+
+    async def _enqueue(self, spec: dict[str, Any], key: str | None, user: str) -> Enqueued:
+        job_spec = _spec(spec, user)
+        await self._check_fits([job_spec])
+        job_id, created = await self.queue.enqueue(job_spec, key)
+        if created and self.metrics is not None:
+            self.metrics.job_enqueued(job_spec.queue)
+        return Enqueued(job_id, created)
+
+    async def _enqueue_batch(self, specs: list[dict[str, Any]], user: str) -> EnqueuedBatch:
+        if len(specs) > MAX_BATCH:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"a batch holds at most {MAX_BATCH} jobs")
+        job_specs = [_spec(s, user) for s in specs]
+        await self._check_fits(job_specs)
+        ids = await self.queue.enqueue_many(job_specs)
+        if self.metrics is not None:
+            for q, count in Counter(s.queue for s in job_specs).items():
+                self.metrics.job_enqueued(q, count)
+        return EnqueuedBatch(ids)
+
+    async def _check_fits(self, specs: list[JobSpec]) -> None:
+        """Refuse a job that asks for more GPUs than every registered worker serving its queue has
+        (dead ones included: they may come back), unless it asks to wait for such a worker. Such a
+        job would never start; queued anyway, workers pass it over (claim.lua)."""
+        wanting = [s for s in specs if s.gpus and not s.wait_for_worker]
+        if not wanting:
+            return
+        workers = await self.workers()
+        for spec in wanting:
+            sizes = [len(w.get("gpus", ())) for w in workers if spec.queue in w.get("queues", ())]
+            largest = max(sizes) if sizes else None
+            if spec.gpus > (largest or 0):
+                raise NoWorkerFits(spec.gpus, spec.queue, largest)
+
+    async def _list(
+        self, q: str | None, state: str | None, everything: bool, limit: int
+    ) -> list[dict[str, Any]]:
+        if state is not None and state not in set(JobState):
+            raise RequestError(
+                ErrorCode.INVALID_ARGUMENT, f"unknown state {state!r}; one of {', '.join(JobState)}"
+            )
+        limit = max(1, min(limit, MAX_LIST))
+        finished = everything or (state is not None and JobState(state).terminal)
+        jobs = await self.queue.list_jobs(q, include_finished=finished, limit=limit)
+        return [j.to_dict() for j in jobs if state is None or j.state == state]
+
+    async def _detail(self, info: JobInfo) -> dict[str, Any]:
+        detail = info.to_dict()
+        if info.state is JobState.QUEUED:
+            detail["pending_reason"] = await self._pending_reason(info)
+        return detail
+
+    async def _pending_reason(self, info: JobInfo) -> str:
+        queued = await self.queue.list_jobs(info.spec.queue, limit=MAX_LIST)
+        ahead = sum(1 for j in queued if j.state is JobState.QUEUED and j.seq < info.seq)
+        workers = [w for w in await self.workers() if w.get("health") == "healthy"]
+        if info.spec.gpus and not any(len(w.get("gpus", ())) >= info.spec.gpus for w in workers):
+            return (
+                f"needs {info.spec.gpus} GPUs, and no live worker has that many: the jobs behind it "
+                "run meanwhile, and it starts when such a worker joins"
+            )
+        if not any(info.spec.queue in w.get("queues", ()) for w in workers):
+            return f"no live worker serves queue {info.spec.queue!r}"
+        return f"{ahead} job(s) ahead of it in queue {info.spec.queue!r}" if ahead else "next to start"
+
+    async def _cancel(self, job_ids: list[str]) -> dict[str, str]:
+        states = {}
+        for job_id in job_ids:
+            try:
+                states[job_id] = await self.queue.cancel(job_id)
+            except (JobNotFound, InvalidJob):
+                states[job_id] = "not_found"
+        return states
+
+    async def _wait(self, job_ids: list[str], limit: float | None) -> Waited:
+        deadline = None if limit is None else time.monotonic() + limit
+        async with self.events.watching(job_ids) as changed:
+            while True:
+                changed.clear()
+                jobs = [await self.queue.get(job_id) for job_id in job_ids]
+                if all(j.state.terminal for j in jobs):
+                    return Waited([j.to_dict() for j in jobs], timed_out=False)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return Waited([j.to_dict() for j in jobs], timed_out=True)
+                # Woken by an event, and in any case every WAIT_RECHECK: an event may be lost.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        changed.wait(), WAIT_RECHECK if left is None else min(left, WAIT_RECHECK)
+                    )
+
+    async def _logs(self, job_id: str, follow: bool, offset: str, send: SendStream) -> LogEnd:
+        info = await self.queue.get(job_id)  # NOT_FOUND before anything is streamed
+        after = offset or "0-0"
+        while True:
+            chunks = await self.queue.read_log(job_id, after, block=LOG_BLOCK_SECONDS if follow else None)
+            for entry_id, data in chunks:
+                await send(LogChunk(data, entry_id))
+                after = entry_id
+            if chunks:
+                continue
+            if not follow:
+                break
+            info = await self.queue.get(job_id)
+            if info.state.terminal:  # one last non-blocking read: output written just before the end
+                for entry_id, data in await self.queue.read_log(job_id, after):
+                    await send(LogChunk(data, entry_id))
+                break
+        return LogEnd(str(info.state), info.exit_code)
+
+
+def _spec(data: dict[str, Any], user: str) -> JobSpec:
+    if "user" in data:
+        raise InvalidJob("user", "is set by the server from the authenticated connection; leave it out")
+    return JobSpec.from_dict({**data, "user": user})

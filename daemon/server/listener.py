@@ -1,0 +1,138 @@
+"""The server's client listener: accepts connections, runs a Session for each, stops in two phases.
+
+Every port is hostile (DESIGN.md §9): the listener binds loopback unless told otherwise, refuses to
+listen beyond loopback without tokens, caps the number of connections, and can speak TLS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import ipaddress
+import logging
+import os
+import ssl
+from collections.abc import Mapping
+
+from daemon.errors import GpupoolError
+from daemon.metrics import ServerMetrics
+from daemon.server.handlers import Handlers
+from daemon.server.session import Limits, Session
+from protocol import ErrorCode, ServerConnection
+from protocol.connection import error_frame
+
+log = logging.getLogger(__name__)
+
+
+class ListenerError(GpupoolError):
+    code = "listen"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def tls_context(cert: str, key: str) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ListenerError(f"cannot load the TLS certificate {cert} / key {key}: {exc}") from None
+    return ctx
+
+
+class Listener:
+    def __init__(
+        self,
+        handlers: Handlers,
+        tokens: Mapping[str, bytes] | None,
+        host: str,
+        port: int,
+        *,
+        tls: ssl.SSLContext | None = None,
+        limits: Limits | None = None,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        if tokens is None and not is_loopback(host):
+            raise ListenerError(
+                f"refusing to listen on {host}:{port} without authentication: set tokens_file "
+                '(user = "token" lines), or listen on 127.0.0.1'
+            )
+        self.handlers = handlers
+        self.tokens = tokens
+        self.host, self.port = host, port
+        self.tls = tls
+        self.limits = limits or Limits()
+        self.metrics = metrics
+        self._server: asyncio.Server | None = None
+        self._sessions: dict[Session, asyncio.Task[None] | None] = {}
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        try:
+            self._server = await asyncio.start_server(self._accept, self.host, self.port, ssl=self.tls)
+        except OSError as exc:
+            hint = " (is a pool already running here?)" if exc.errno == errno.EADDRINUSE else ""
+            raise ListenerError(
+                f"cannot listen on {self.address}: {os.strerror(exc.errno or 0).lower()}{hint}; "
+                "choose another address with --listen HOST:PORT"
+            ) from None
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info(
+            "listening for clients on %s%s%s",
+            self.address,
+            " (TLS)" if self.tls else "",
+            "" if self.tokens is not None else " (open: no tokens, loopback only)",
+        )
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._sessions) >= self.limits.max_connections:
+            writer.write(
+                error_frame(0, ErrorCode.UNAVAILABLE, "The server has too many connections; retry later.")
+            )
+            writer.close()
+            return
+        conn = ServerConnection(
+            self.tokens, max_frame_size=self.limits.max_frame_size, max_in_flight=self.limits.max_in_flight
+        )
+        on_error = self.metrics.protocol_error if self.metrics is not None else None
+        session = Session(reader, writer, self.handlers, conn, self.limits, on_protocol_error=on_error)
+        self._sessions[session] = asyncio.current_task()
+        if self.metrics is not None:
+            self.metrics.connection_opened()
+        try:
+            await session.run()
+        finally:
+            del self._sessions[session]
+            if self.metrics is not None:
+                self.metrics.connection_closed()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting, say GOODBYE, let in-flight requests finish for `grace` seconds, then
+        close every connection. Safe to call twice."""
+        if self._server is None:
+            return
+        self._server.close()
+        for session in self._sessions:
+            session.goodbye("the server is shutting down")
+        running = [task for session in self._sessions for task in session.requests]
+        if running:
+            await asyncio.wait(running, timeout=grace)
+        tasks = [t for t in self._sessions.values() if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._server = None

@@ -1,0 +1,154 @@
+"""Server mode: the pool's Redis, the reaper, terminal events, and the client listener."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from daemon import sd_notify, tokens
+from daemon.aio import TaskSet, start_or_undo
+from daemon.config import Config
+from daemon.job import JobState
+from daemon.metrics import MetricsServer, ServerMetrics, serve_for
+from daemon.object_store import make_store
+from daemon.queue import keys, registry
+from daemon.queue.job_queue import JobQueue
+from daemon.queue.pool_redis import PoolRedis
+from daemon.queue.terminal_events import JobEvents, Terminal
+from daemon.server import reaper
+from daemon.server.handlers import Handlers
+from daemon.server.listener import Listener, ListenerError, is_loopback, tls_context
+from daemon.server.session import Limits
+from daemon.worker.dispatcher import Worker
+
+log = logging.getLogger(__name__)
+
+QUEUE_SET_REFRESH = 1.0  # seconds: the events reader reads the pool's queue set no more often
+
+
+class PoolServer:
+    """`start()` brings the pool up; `stop()` takes it down in reverse order and is safe to call twice."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.redis = PoolRedis(config)
+        self.queue: JobQueue | None = None
+        self.listener: Listener | None = None
+        self.metrics = ServerMetrics()
+        self.metrics_server: MetricsServer | None = None
+        self.local: Worker | None = None  # the slots a single-machine pool runs itself
+        self.store = make_store(config)  # opened at start; presigns and records, carries no bytes
+        self._tasks = TaskSet()
+
+    def _tokens(self) -> Mapping[str, bytes] | None:
+        c = self.config
+        if c.tokens_file:
+            return tokens.read_tokens(Path(c.tokens_file))
+        if c.embedded:  # a single-machine pool authenticates its local user with no set-up
+            return tokens.read_tokens(tokens.ensure_local_token(c.data_path()))
+        return None  # open mode; Listener allows it on loopback only
+
+    async def start(self) -> None:
+        """Start everything; a failed start stops what did start (aio.start_or_undo)."""
+        await start_or_undo(self._start, self.stop)
+
+    async def _start(self) -> None:
+        c = self.config
+        if bool(c.tls_cert) != bool(c.tls_key):
+            raise ListenerError("tls_cert and tls_key go together: give both, or neither")
+        known_tokens = self._tokens()
+        host, port = c.listen_address()
+        if known_tokens is None and not is_loopback(host):  # refuse before starting anything
+            raise ListenerError(
+                f"refusing to listen on {c.listen} without authentication: set tokens_file "
+                '(lines of user = "token"), or listen on 127.0.0.1'
+            )
+        await self.store.open()
+        client = await self.redis.start()
+        self.queue = JobQueue.from_config(client, c, watch=self.redis.watch)
+        # Results are read by a blocking read, seen at once; the queue set is read again every
+        # second at most often (a result in a queue new to this server is seen within that).
+        refresh = max(c.redis_result_queue_polling_interval / 1000, QUEUE_SET_REFRESH)
+        events = JobEvents(self.queue, refresh, self._finished)
+        await events.prime()  # before the listener: a `wait` must not start before its cursors
+        self._tasks.spawn(events.run(), "job-events")
+        reap_every = min(c.worker_healthy_response_period / 4, 5.0)
+        self._tasks.spawn(
+            reaper.run(self.queue, reap_every, self._reclaimed, c.dead_worker_retention), "reaper"
+        )
+        self.listener = Listener(
+            Handlers(self.queue, events, self.list_workers, self.metrics, self.store),
+            known_tokens,
+            host,
+            port,
+            tls=tls_context(c.tls_cert, c.tls_key) if c.tls_cert else None,
+            limits=Limits(
+                max_frame_size=c.max_frame_size,
+                handshake_timeout=c.handshake_timeout,
+                idle_timeout=c.idle_timeout,
+                max_connections=c.max_connections,
+            ),
+            metrics=self.metrics,
+        )
+        await self.listener.start()
+        self.metrics.watch(self.queue, self.list_workers)
+        self.metrics_server = await serve_for(
+            self.metrics.registry, c, worker=False, before_scrape=self.metrics.refresh
+        )
+        if c.embedded and c.worker_local_processors > 0:
+            local = Worker.from_config(self.queue, c, slots=c.worker_local_processors, store=self.store)
+            await local.start()  # leaves nothing running if it fails
+            self.local = local
+        if c.embedded:
+            tokens.publish_local_server(self.listener.address)
+        where = f"embedded, data in {c.data_path()}" if self.redis.embedded else c.worker_mode
+        log.info(
+            "gpupool server ready on %s: Redis on %s (%s), metrics on %s:%d",
+            self.listener.address,
+            self.redis.address,
+            where,
+            self.metrics_server.host,
+            self.metrics_server.port,
+        )
+        if (interval := sd_notify.watchdog_interval()) is not None:
+            self._tasks.spawn(sd_notify.watchdog(interval), "watchdog")
+        sd_notify.ready(f"serving on {self.listener.address}")
+
+    def _finished(self, event: Terminal) -> None:
+        wait = run = None
+        if event.started_at is not None:
+            wait = event.started_at - (event.enqueued_at or event.started_at)
+            run = (event.ended_at or event.started_at) - event.started_at
+        self.metrics.job_finished(event.queue, event.state, wait, run)
+
+    def _reclaimed(self, job_id: str, state: JobState) -> None:
+        self.metrics.attempts_reclaimed(keys.queue_of(job_id))
+
+    async def list_workers(self) -> list[dict[str, Any]]:
+        assert self.queue is not None
+        return await registry.list_workers(self.queue.redis)
+
+    def force(self) -> None:
+        """A second stop signal: local jobs are stopped and handed back now, not drained."""
+        if self.local is not None:
+            self.local.force()
+
+    async def stop(self) -> None:
+        """Drain the local slots, close the metrics and the listener, stop the background tasks, then
+        Redis. Safe to call twice."""
+        sd_notify.stopping("stopping")
+        if self.local is not None:
+            await self.local.stop()
+            self.local = None
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
+            self.metrics_server = None
+        if self.listener is not None:
+            await self.listener.stop()
+            self.listener = None
+        await self._tasks.stop()
+        await self.redis.stop()
+        await self.store.close()
+        log.info("gpupool server stopped")

@@ -1,0 +1,191 @@
+"""One client connection: adapts the sans-IO `protocol.ServerConnection` to an asyncio stream.
+
+Bytes read go into the connection; its events drive the work: each request runs as its own task
+(requests are multiplexed by id), a CANCEL cancels that task, and every frame the connection
+produces is written out. Backpressure: after each read the session awaits `drain()`, so a client
+that does not read its replies stops being read from. Timeouts: the handshake must finish within
+`handshake_timeout` of the accept (slow-loris), and a connection with nothing in flight is closed
+after `idle_timeout` without a byte. A protocol error ends this connection only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from daemon.server.handlers import Handlers, RequestError
+from protocol import (
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_MAX_FRAME_SIZE,
+    DEFAULT_MAX_IN_FLIGHT,
+    NEED_DATA,
+    Authenticated,
+    CancelRequested,
+    ConnectionClosed,
+    ConnectionFailed,
+    ErrorCode,
+    GoodbyeReceived,
+    Request,
+    RequestReceived,
+    ServerConnection,
+    StreamItem,
+)
+from protocol.connection import State
+
+log = logging.getLogger(__name__)
+
+READ_SIZE = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT
+    max_connections: int = 1000
+
+
+def code_name(code: int) -> str:
+    known = ErrorCode.coerce(code)
+    return known.name if isinstance(known, ErrorCode) else str(code)
+
+
+class Session:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        handlers: Handlers,
+        conn: ServerConnection,
+        limits: Limits,
+        *,
+        on_protocol_error: Callable[[str], None] | None = None,
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.handlers = handlers
+        self.conn = conn
+        self.limits = limits
+        peer = writer.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self._requests: dict[int, asyncio.Task[None]] = {}
+        self._closing = False
+        self._on_protocol_error = on_protocol_error
+
+    @property
+    def requests(self) -> list[asyncio.Task[None]]:
+        """The requests still running on this connection."""
+        return list(self._requests.values())
+
+    async def run(self) -> None:
+        """Serve the connection until it closes; then cancel what is still running and close."""
+        try:
+            await self._read_loop()
+        except ConnectionError:
+            pass
+        finally:
+            await self._finish()
+
+    def goodbye(self, reason: str) -> None:
+        """The server is stopping: tell the client to start nothing new (in-flight ones finish)."""
+        if self.conn.state is State.READY:
+            self._write(self.conn.goodbye(reason))
+
+    async def _read_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        handshake_deadline = loop.time() + self.limits.handshake_timeout
+        while True:
+            ready = self.conn.state is not State.AWAIT_HELLO and self.conn.state is not State.AWAIT_AUTH
+            timeout = self.limits.idle_timeout if ready else handshake_deadline - loop.time()
+            try:
+                data = await asyncio.wait_for(self.reader.read(READ_SIZE), max(timeout, 0))
+            except TimeoutError:
+                if ready and self.conn.in_flight:
+                    continue  # a long request (log follow, wait) is not idleness
+                code = ErrorCode.IDLE_TIMEOUT if ready else ErrorCode.HANDSHAKE_TIMEOUT
+                what = (
+                    f"idle for {self.limits.idle_timeout:g} s" if ready else "handshake not finished in time"
+                )
+                log.info("closing %s: %s", self.peer, what)
+                self._write(self.conn.abort(code, f"Connection closed: {what}; reconnect when needed."))
+                if self._on_protocol_error is not None:
+                    self._on_protocol_error(code.name)
+                return
+            self.conn.receive_data(data)
+            if not self._process_events():
+                return
+            await self.writer.drain()
+
+    def _process_events(self) -> bool:
+        """Handle every event the bytes so far produced; False once the connection is over."""
+        while True:
+            event = self.conn.next_event()
+            self._write(self.conn.data_to_send())
+            match event:
+                case RequestReceived(request_id=rid, message=message):
+                    self._requests[rid] = asyncio.create_task(
+                        self._serve(rid, message), name=f"request-{rid}"
+                    )
+                case CancelRequested(request_id=rid):
+                    if task := self._requests.get(rid):
+                        task.cancel()
+                case Authenticated(user=user, peer=client):
+                    log.debug("%s authenticated as %s (%s)", self.peer, user, client)
+                case GoodbyeReceived():
+                    pass
+                case ConnectionFailed(code=code, message=message, by_peer=by_peer):
+                    log.info("closing %s: protocol error %s: %s", self.peer, code_name(code), message)
+                    if not by_peer and self._on_protocol_error is not None:
+                        self._on_protocol_error(code_name(code))
+                    return False
+                case ConnectionClosed():
+                    return False
+                case _:
+                    if event is NEED_DATA:
+                        return True
+
+    async def _serve(self, rid: int, message: Request) -> None:
+        user = self.conn.user or ""
+
+        async def send(item: StreamItem) -> None:
+            self._write(self.conn.stream(rid, item))
+            await self.writer.drain()
+
+        try:
+            reply = await self.handlers.handle(message, user, send)
+            self._write(self.conn.reply(rid, reply))
+        except RequestError as exc:
+            self._write(self.conn.error(rid, exc.code, exc.message))
+        except asyncio.CancelledError:
+            if self._closing:
+                raise
+            # the client cancelled this request: it still gets its final frame
+            self._write(self.conn.error(rid, ErrorCode.CANCELLED, "Cancelled at the client's request."))
+        except ConnectionError:
+            pass
+        except Exception:  # one broken request must not take the server down
+            log.exception("request %d (%s) from %s failed", rid, type(message).__name__, self.peer)
+            self._write(
+                self.conn.error(rid, ErrorCode.INTERNAL, "Internal server error; see the server log.")
+            )
+        finally:
+            self._requests.pop(rid, None)
+
+    def _write(self, data: bytes) -> None:
+        if data and not self.writer.is_closing():
+            self.writer.write(data)
+
+    async def _finish(self) -> None:
+        self._closing = True
+        for task in list(self._requests.values()):
+            task.cancel()
+        if self._requests:
+            await asyncio.gather(*self._requests.values(), return_exceptions=True)
+        self.writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await self.writer.wait_closed()

@@ -1,0 +1,1 @@
+"""Worker mode: claim, run on own slots and GPUs, heartbeat, hand outcomes back."""

@@ -1,0 +1,566 @@
+"""Worker mode: claim jobs FIFO from the pool's queues and run each on its own slot and GPUs.
+
+A `Worker` has `slots` slots. One dispatcher task claims while a slot is free: `JobQueue.claim_many`
+tries the queues in priority order, and when nothing is claimable the dispatcher blocks on
+`JobQueue.wait_for_work` (XREAD BLOCK on the streams, never sleep-polling) until an entry arrives,
+or until one of its own jobs ends and gives back GPUs the queue's head job was waiting for. One
+claim takes as many jobs as there are free slots, and only one claim is in flight at a time, so
+the free GPUs it was sized by (each claimed job's taken out for the next) are still free when the
+jobs are given theirs (gpus.GpuAllocator).
+
+Every attempt the worker holds is one `held.HeldAttempt`, in one map keyed by lease id, from its
+claim until its end is recorded; it runs as a `runner.JobRun` in a task of its own. The heartbeat
+(heartbeat.py) renews every held lease in one round trip, and its answers, by lease, move each
+attempt's self-fence deadline or end the attempt (LOST, CANCEL). The fence task kills an attempt
+whose deadline passes; the orphan guard (procguard.py) holds the same deadlines, for when this
+process is frozen. Claims wait while the heartbeat fails, and for a while after Redis restarts
+(claim_gate.py says why).
+
+Stopping is two-phase (as in SAQ and uvicorn). `stop()` first stops claiming and lets running
+jobs finish for up to `drain_timeout` seconds; then it stops the rest (SIGTERM, SIGKILL after
+`kill_grace`) and hands their attempts back to the front of their queues (`JobQueue.release`), so
+another worker takes them first. `force()` (a second signal) cuts the wait short and kills at
+once; the attempts are still handed back. `stop()` is safe to call twice. A Worker installs no
+signal handler: `main` does, for `WorkerDaemon` (worker mode) and the server running local slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from daemon.aio import TaskSet, cancel_and_wait, woken_or
+from daemon.config import Config
+from daemon.errors import RedisUnavailable, StaleAttempt
+from daemon.job import JobState, Lease, RenewStatus
+from daemon.metrics import WorkerMetrics
+from daemon.queue import keys, registry
+from daemon.queue.job_queue import JobQueue, transient
+from daemon.queue.registry import Registration
+from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime
+from daemon.worker.claim_gate import ClaimGate
+from daemon.worker.gpus import GpuAllocator, GpuInfo, GpuProbe, GpuProbeError, NotEnoughGpus, Nvml, discover
+from daemon.worker.heartbeat import Heartbeat
+from daemon.worker.orphan_guard import OrphanGuard
+from daemon.worker.runner import Ending, JobRun, Run, RunResult
+from daemon.worker.scratch import SlotDirs
+from storage.base import ObjectStore
+from storage.cache import ObjectCache
+
+log = logging.getLogger(__name__)
+
+# An attempt's executor, given its GPUs and slot.
+RunFactory = Callable[[Lease, tuple[GpuInfo, ...], int], Run]
+
+WAIT_BLOCK = 5.0  # longest blocking read for work before claiming again (a safety net only)
+RECORD_RETRY = 1.0  # longest pause between tries to record an outcome while Redis does not answer
+
+
+class Worker:
+    """Runs jobs from `queue` on this machine. `start()`, then `stop()` (see the module doc)."""
+
+    def __init__(
+        self,
+        queue: JobQueue,
+        *,
+        data_dir: Path,
+        slots: int = 2,
+        queues: Sequence[str] = ("default",),
+        heartbeat_seconds: float = 30.0,
+        drain_timeout: float = 60.0,
+        kill_grace: float = 10.0,
+        gpus: Sequence[GpuInfo] | None = None,
+        probe: GpuProbe | None = None,
+        worker_id: str | None = None,
+        env: Mapping[str, str] | None = None,
+        store: ObjectStore | None = None,
+        cache_bytes: int = 50 * 1024**3,
+        make_run: RunFactory | None = None,
+    ) -> None:
+        """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
+        (the seam) and optionally a probe. `env` is the base of every job's environment (default:
+        this process's). `store` (open, owned by the caller) holds datasets and artifacts; the worker
+        caches what it fetches from it under `data_dir/cache`, up to `cache_bytes`. `make_run` replaces
+        the runner (JobRun) with another executor: a benchmark's no-op one measures the queue and
+        this dispatcher without processes."""
+        if slots < 1:
+            raise ValueError("a worker needs at least one slot")
+        self.queue = queue
+        self.data_dir = Path(data_dir)
+        self.slots = slots
+        self.queues = list(queues)
+        self.drain_timeout = drain_timeout
+        self.kill_grace = kill_grace
+        self.id = worker_id or registry.new_worker_id()
+        # Copied once: os.environ decodes every variable on each read, and every job starts from it.
+        self.env = dict(os.environ) if env is None else env
+        self.store = store
+        self.cache = ObjectCache(self.data_dir / "cache", store, cache_bytes) if store is not None else None
+        self._make_run = make_run or self._job_run
+        self._given_gpus = gpus
+        self.probe = probe
+        self.allocator = GpuAllocator(gpus or [], slots)
+        self.heartbeat = Heartbeat(queue, self, heartbeat_seconds)
+        self._registration = Registration(
+            id=self.id, slots=slots, queues=self.queues, healthy_period=queue.lease_ms / 1000
+        )
+        self._slot_dirs = SlotDirs(self.data_dir / "slots", self.id)
+        self._guard = OrphanGuard(f"GPUPOOL_WORKER={self.id}")
+        self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known
+        self._nvml: Nvml | None = None
+        self._held = Holdings(self._guard)  # every attempt this worker holds, by lease id
+        self._attempts = TaskSet("%s failed in the worker; its lease will expire")  # one per attempt
+        # heartbeat, cancel nudges, dispatcher, fence, restart watch, quarantine checks
+        self._background = TaskSet("%s failed: the worker no longer works as it should", logging.CRITICAL)
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._slot_freed = asyncio.Event()
+        self._wake = asyncio.Event()  # GPUs came back, or the drain began: claim again
+        self._gate = ClaimGate(queue, self.heartbeat, self.queues)
+        self._draining = False
+        self._handing_back = False
+        self._forced = asyncio.Event()
+        self._stop_started = False
+        self._stopped = asyncio.Event()
+
+    @classmethod
+    def from_config(
+        cls,
+        queue: JobQueue,
+        config: Config,
+        *,
+        slots: int | None = None,
+        data_dir: Path | None = None,
+        store: ObjectStore | None = None,
+    ) -> Worker:
+        """A worker with the configuration's queues, timings, cache size and (default) remote slot
+        count, on `store` (opened by the caller)."""
+        return cls(
+            queue,
+            data_dir=data_dir or config.data_path() / "worker",
+            slots=config.worker_remote_processors if slots is None else slots,
+            queues=config.queues,
+            heartbeat_seconds=config.heartbeat_seconds,
+            drain_timeout=config.drain_timeout,
+            kill_grace=config.kill_grace,
+            store=store,
+            cache_bytes=config.worker_cache_bytes,
+        )
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Find the GPUs, register (raises RedisUnavailable when Redis does not answer), then
+        start the heartbeat, the fence and the dispatcher. On failure nothing is left running."""
+        if self._given_gpus is None:
+            gpus, self._nvml = await asyncio.to_thread(discover)
+            self.allocator = GpuAllocator(gpus, self.slots)
+            self.probe = self.probe or self._nvml
+        self.metrics = WorkerMetrics(self.allocator.gpus)
+        self.heartbeat.observer = self._observe_heartbeat
+        self._registration.started_at = time.time()
+        await asyncio.to_thread(self._slot_dirs.open)
+        await self._guard.start()
+        try:
+            if not await self.heartbeat.beat_and_apply():
+                raise RedisUnavailable(f"worker {self.id} cannot register: Redis does not answer")
+            await self._gate.at_start()
+        except BaseException:
+            await self._guard.stop()
+            await asyncio.to_thread(self._slot_dirs.close)
+            await self._close_nvml()
+            raise
+        self._spawn(self._guard.watch_over(), "orphan guard watch")
+        self._spawn(self.heartbeat.run(), "heartbeat")
+        self._spawn(self.heartbeat.listen_for_pokes(keys.worker_channel(self.id)), "cancel nudges")
+        fence = (
+            f"no lease renewal for {self.heartbeat.lease - self.heartbeat.margin:.1f} s: the lease "
+            "may have passed to another worker"
+        )
+        self._spawn(self._held.fence(fence), "fence")
+        if self.queue.watch is not None:
+            self._spawn(self._gate.watch(), "restart watch")
+        self._dispatcher = self._spawn(self._dispatch(), "dispatcher")
+        gpus = self.allocator.gpus
+        log.info(
+            "worker %s ready: %d slots, queues %s, %s",
+            self.id,
+            self.slots,
+            ", ".join(self.queues),
+            f"{len(gpus)} GPUs ({self.allocator.share} per slot)" if gpus else "CPU only",
+        )
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = self._background.spawn(coro, f"{name} {self.id}")
+        return task
+
+    async def stop(self, drain_timeout: float | None = None) -> None:
+        """Phase 1: stop claiming, let running jobs finish for up to `drain_timeout` seconds (the
+        configured one by default). Phase 2: stop the rest and hand their attempts back. A second
+        call waits for the first (with `drain_timeout=0` it forces it). If this coroutine is
+        cancelled, the jobs are SIGKILLed at once and their leases left to expire."""
+        if self._stop_started:
+            if drain_timeout == 0:
+                self.force()
+            await self._stopped.wait()
+            return
+        self._stop_started = True
+        try:
+            await self._drain(self.drain_timeout if drain_timeout is None else drain_timeout)
+            await self._hand_back_the_rest()
+            await self._shutdown()
+        except asyncio.CancelledError:
+            for run in self._runs():
+                run.lose("the worker was stopped at once")
+            self._background.cancel()  # no more beats or claims: the leases are left to expire
+            raise
+        finally:
+            self._stopped.set()
+
+    def force(self) -> None:
+        """End the drain now; stop jobs with SIGKILL instead of SIGTERM (a second signal)."""
+        self._forced.set()
+        if self._handing_back:
+            for run in self._runs():
+                run.hand_back(now=True)
+
+    async def _drain(self, grace: float) -> None:
+        self._draining = True
+        self._registration.state = registry.DRAINING
+        self._wake.set()
+        self._slot_freed.set()
+        if self._dispatcher is not None:
+            # It is in a claim (a short script call) or waiting, which the wake-up ends.
+            done, _ = await asyncio.wait({self._dispatcher}, timeout=10)
+            if not done:
+                await cancel_and_wait(self._dispatcher)
+        await self._settle_claims()
+        if not self._attempts:
+            return
+        log.info("draining: waiting up to %g s for %d running jobs", grace, len(self._attempts))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        forced = asyncio.ensure_future(self._forced.wait())
+        try:
+            while self._attempts and not self._forced.is_set() and loop.time() < deadline:
+                await asyncio.wait(
+                    {*self._attempts.tasks, forced},
+                    timeout=deadline - loop.time(),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+        finally:
+            forced.cancel()
+
+    async def _settle_claims(self) -> None:
+        """A claim whose reply never came (the dispatcher was cancelled in it, or Redis went away):
+        ask again for what it got, and give that back at once, rather than leave those jobs to
+        wait for their leases to expire."""
+        try:
+            leases = await self.queue.settle_claims(self.id)
+        except RedisError as exc:
+            log.warning(
+                "could not learn what an unanswered claim got (%s); its jobs wait for their leases", exc
+            )
+            return
+        if leases:
+            self._give_back(leases, boottime())
+
+    async def _hand_back_the_rest(self) -> None:
+        self._handing_back = True
+        running = self._runs()
+        if running:
+            log.info("stopping %d running jobs; their attempts go back to the queue", len(running))
+        for run in running:
+            run.hand_back(now=self._forced.is_set())
+        if self._attempts:
+            await asyncio.wait(self._attempts.tasks)
+
+    async def _shutdown(self) -> None:
+        await self._background.stop()
+        try:
+            await registry.unregister(self.queue.redis, self.id)
+        except RedisError as exc:
+            log.warning("could not unregister worker %s (%s); it will show as dead", self.id, exc)
+        await self._guard.stop()
+        await asyncio.to_thread(self._slot_dirs.close)
+        if self.cache is not None:
+            await self.cache.close()
+        await self._close_nvml()
+        log.info("worker %s stopped", self.id)
+
+    async def _close_nvml(self) -> None:
+        if self._nvml is not None:
+            await asyncio.to_thread(self._nvml.close)
+            self._nvml = None
+
+    # -- claiming ---------------------------------------------------------------------------------
+
+    async def _dispatch(self) -> None:
+        backoff = 0.1
+        while not self._draining:
+            if self._busy() >= self.slots:
+                self._slot_freed.clear()
+                if self._busy() >= self.slots:
+                    await self._slot_freed.wait()
+                continue
+            await self._gate.opened(self._wake, self.draining)
+            if self.draining():
+                break
+            # Cleared before the claim: GPUs freed while it is in flight still wake the wait below.
+            self._wake.clear()
+            try:
+                claimed = await self._claim()
+                backoff = 0.1  # Redis answered: the next failure starts the back-off afresh
+                if not claimed:
+                    await self._wait_for_work()
+            except Exception as exc:  # logged and retried: a dispatcher that dies never claims again
+                if isinstance(exc, RedisError):
+                    log.warning("claiming failed (%s); retrying in %.1f s", exc, backoff)
+                else:
+                    log.exception("claiming failed unexpectedly; retrying in %.1f s", backoff)
+                # A back-off between retries (not a poll for work) that the drain cuts short.
+                await woken_or(self._wake, backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _claim(self) -> bool:
+        """One claim for every free slot; the jobs claimed are started (or given back, when the
+        drain began meanwhile). True when anything was claimed."""
+        watch = self.queue.watch
+        generation = watch.generation if watch is not None else 0
+        sent = boottime()
+        leases = await self.queue.claim_many(
+            self.id,
+            self.queues,
+            self.slots - self._busy(),
+            self.allocator.free_count(),
+            self.allocator.share,
+            gpus_total=len(self.allocator.gpus),
+        )
+        if not leases:
+            return False
+        deadline = sent + self.heartbeat.lease - self.heartbeat.margin
+        if self.draining():  # the drain began during the claim: the jobs go back first
+            self._give_back(leases, deadline)
+            return True
+        if watch is not None and watch.generation != generation:
+            # Claimed from a Redis that had just restarted: the pause is for these too. Held (and
+            # renewed) meanwhile, so they are not lost; started after it, while still valid.
+            held = [self._held.hold(lease, deadline) for lease in leases]
+            self._gate.restarted()
+            await self._gate.opened(self._wake, self.draining)
+            still = [h for h in held if self._held.holds(h) and not h.expired()]
+            for h in held:
+                self._held.drop(h)
+            if self.draining():
+                self._give_back([h.lease for h in still], deadline)
+                return True
+            for h in still:
+                self._launch(h.lease, h.deadline)  # as renewed while it waited
+            return True
+        for lease in leases:
+            self._launch(lease, deadline)
+        return True
+
+    async def _wait_for_work(self) -> None:
+        """Block until a queue gets a new entry, or `_wake` is set (whichever comes first)."""
+        read = asyncio.ensure_future(self.queue.wait_for_work(self.queues, WAIT_BLOCK))
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({read, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Cancelling a blocked XREAD makes redis-py drop its connection: a clean state.
+            await cancel_and_wait(read)
+            await cancel_and_wait(woken)
+        if not read.cancelled() and (exc := read.exception()) is not None:
+            raise exc
+
+    def _launch(self, lease: Lease, deadline: float) -> None:
+        for other in self._held:
+            if other.lease.job_id == lease.job_id and other.run is not None:
+                # a newer lease of the job exists, so this one was reclaimed
+                other.run.lose("the job was reclaimed from this attempt")
+        slot = min(set(range(self.slots)) - {h.slot for h in self._held})
+        try:
+            gpus = self.allocator.allocate(lease.id, lease.spec.gpus, slot)
+        except NotEnoughGpus as exc:  # claims are sized by free GPUs, so this is a bug: say so
+            log.error("%s; handing the attempt back", exc)
+            self._give_back([lease], deadline)
+            return
+        held = self._held.hold(lease, deadline)
+        self._held.started(held, self._make_run(lease, gpus, slot), slot)
+        held.task = self._attempts.spawn(self._attempt(held), f"job {lease.job_id}")
+
+    def _job_run(self, lease: Lease, gpus: tuple[GpuInfo, ...], slot: int) -> Run:
+        return JobRun(
+            self.queue,
+            lease,
+            data_dir=self.data_dir,
+            gpus=gpus,
+            env=self.env,
+            kill_grace=self.kill_grace,
+            probe=self.probe,
+            guard=self._guard,
+            store=self.store,
+            cache=self.cache,
+            slot_dir=self._slot_dirs.slot(slot),
+        )
+
+    def _give_back(self, leases: Iterable[Lease], deadline: float) -> None:
+        """Hand back attempts that never ran (held, so renewed, until the hand-back is recorded)."""
+        for lease in leases:
+            held = self._held.hold(lease, deadline)
+            held.phase = Phase.ENDING
+            held.task = self._attempts.spawn(self._release(held), f"hand back {lease.job_id}")
+
+    async def _release(self, held: HeldAttempt) -> None:
+        lease = held.lease
+        try:
+            await self._record(held, "hand back", lambda: self.queue.release(lease))
+        finally:
+            self._held.drop(held)
+
+    # -- one attempt ------------------------------------------------------------------------------
+
+    async def _attempt(self, held: HeldAttempt) -> None:
+        lease, run = held.lease, held.run
+        assert run is not None
+        gpus = ", ".join(str(g.index) for g in run.gpus) or "none"
+        log.info(
+            "job %s attempt %d: starting on slot %d, GPUs %s", lease.job_id, lease.attempt, held.slot, gpus
+        )
+        result: RunResult | None = None
+        try:
+            try:
+                result = await run.run()
+            finally:
+                held.phase = Phase.ENDING
+                self._free(held, result)
+            if result.killed_by is not None and result.ending is not Ending.LOST and held.expired():
+                # Killed by a signal after the fence deadline: maybe by the fence itself (the orphan
+                # guard, while this worker was frozen). Not the job's outcome: the lease decides.
+                result = RunResult(Ending.LOST, None, result.dirty_gpus, result.killed_by)
+            await self._report(held, result)
+        finally:
+            self._held.drop(held)
+
+    def _free(self, held: HeldAttempt, result: RunResult | None) -> None:
+        """Give the attempt's slot and GPUs back (the dirty ones into quarantine)."""
+        if result is not None:
+            for uuid, why in result.dirty_gpus.items():
+                self.allocator.quarantine(uuid, f"after job {held.lease.job_id}: {why}")
+        self.allocator.release(held.lease.id)
+        held.slot = None
+        self._slot_freed.set()
+        if self.allocator.gpus:
+            self._wake.set()  # the head of a queue may have been waiting for these GPUs
+            if self.allocator.quarantined and self.probe is not None:
+                self._spawn(self._recheck_quarantine(), "quarantine check")
+
+    async def _report(self, held: HeldAttempt, result: RunResult) -> None:
+        lease = held.lease
+        job, n = lease.job_id, lease.attempt
+        if result.ending is Ending.LOST:
+            log.warning("job %s attempt %d: killed, nothing recorded: the lease was lost", job, n)
+        elif result.outcome is None:
+            state = await self._record(held, "hand back", lambda: self.queue.release(lease))
+            if state is not None:
+                log.info("job %s attempt %d: handed back (%s)", job, n, state)
+        else:
+            outcome = result.outcome
+            state = await self._record(
+                held, "record the outcome", lambda: self.queue.complete(lease, outcome)
+            )
+            how = f"{outcome.state}{' (' + outcome.detail + ')' if outcome.detail else ''}"
+            if state is None:
+                log.warning("job %s attempt %d: ended %s, but that outcome was not recorded", job, n, how)
+            elif state is JobState.QUEUED:
+                log.info("job %s attempt %d: %s; queued again for a retry", job, n, how)
+            else:
+                log.info("job %s attempt %d: %s", job, n, how)
+
+    async def _record(
+        self, held: HeldAttempt, what: str, call: Callable[[], Awaitable[JobState]]
+    ) -> JobState | None:
+        """Run a fenced write, retrying while Redis does not answer, until it does: then the
+        script decides whether the write counts (StaleAttempt: the lease had passed on). The
+        heartbeat keeps renewing the lease meanwhile. Gives up only when the worker is forced to
+        stop. None when the write was not made."""
+        job = held.lease.job_id
+        delay, said = 0.1, False
+        while True:
+            try:
+                return await call()
+            except StaleAttempt as exc:
+                log.warning("job %s: could not %s: %s", job, what, exc)
+                return None
+            except RedisError as exc:
+                if self._forced.is_set() or not transient(exc):
+                    log.error("job %s: could not %s (%s); its lease will expire", job, what, exc)
+                    return None
+                if not said:
+                    log.warning("job %s: could not %s yet (%s); trying until Redis answers", job, what, exc)
+                    said = True
+                await asyncio.sleep(delay)  # a back-off between retries
+                delay = min(delay * 2, RECORD_RETRY)
+
+    async def _recheck_quarantine(self) -> None:
+        """A quarantined GPU no process holds memory on any more is clean: back into use."""
+        assert self.probe is not None
+        for uuid in list(self.allocator.quarantined):
+            try:
+                busy = await asyncio.to_thread(self.probe.compute_pids, uuid)
+            except GpuProbeError:
+                continue
+            if not busy:
+                self.allocator.unquarantine(uuid)
+                self._wake.set()
+
+    # -- metrics ----------------------------------------------------------------------------------
+
+    def _observe_heartbeat(self, round_trip: float | None) -> None:
+        if round_trip is None:
+            self.metrics.heartbeat_failed()
+        else:
+            self.metrics.heartbeat(round_trip)
+
+    async def sample_metrics(self) -> None:
+        """Before each scrape: the slots and quarantined GPUs as they are now."""
+        self.metrics.set_slots(self._busy(), self.slots)
+        self.metrics.set_quarantined(self.allocator.quarantined)
+
+    # -- heartbeat target -------------------------------------------------------------------------
+
+    def registration(self) -> Registration:
+        self._registration.running = self._busy()
+        self._registration.gpus = self.allocator.describe()
+        return self._registration
+
+    def leases(self) -> Sequence[Lease]:
+        return [h.lease for h in self._held]
+
+    def renewed(self, statuses: Mapping[str, RenewStatus], until: float) -> None:
+        self._held.renewed(statuses, until)
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    def _busy(self) -> int:
+        """Slots taken: attempts that hold one (from their start until their processes are gone)."""
+        return sum(1 for h in self._held if h.slot is not None)
+
+    def _runs(self) -> list[Run]:
+        return [h.run for h in self._held if h.run is not None and h.phase is Phase.RUNNING]
+
+    def draining(self) -> bool:
+        """True once `stop()` began: no more jobs are claimed."""
+        return self._draining
+
+    @property
+    def running(self) -> dict[str, Lease]:
+        """The attempts running now, by job id."""
+        return {h.lease.job_id: h.lease for h in self._held if h.phase is Phase.RUNNING}

@@ -1,0 +1,149 @@
+"""A job's data on the worker: its snapshot and inputs before it starts, its artifacts after it ends.
+
+Before: the code snapshot (a deterministic tar, `poolctl enqueue --snapshot`) is unpacked as the
+job's directory, then each input is placed at its `dest` in that directory: a file as a hard link
+to the worker's cache entry (read-only; a copy across filesystems), a directory unpacked from its
+tar. Everything comes through `storage.cache.ObjectCache`, so an object already on this worker is
+not downloaded again, and two jobs wanting one object at once share one download.
+
+After: every regular file under the job's `$GPUPOOL_OUTPUT`, and the attempt's full log, are
+uploaded under `artifacts/<job>/<attempt>/` (`daemon.object_store.artifact_prefix`) and described in the
+outcome's `result`, which only the fenced `complete` can record. A zombie attempt therefore
+uploads under its own attempt number, and its outcome (with its keys) is refused: the committed
+attempt's artifacts are never replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from daemon.errors import GpupoolError
+from daemon.job import JobSpec, Lease
+from daemon.object_store import artifact_prefix
+from daemon.queue.job_queue import JobQueue
+from storage.base import InvalidKey, ObjectStore, StorageError
+from storage.cache import ObjectCache
+from storage.content import unpack_tar
+
+log = logging.getLogger(__name__)
+
+LOG_PAGE = 1000
+
+
+class DataError(GpupoolError):
+    """The job's data could not be put in place; the attempt fails with this sentence."""
+
+    code = "job_data"
+
+
+async def prepare(
+    cache: ObjectCache | None, spec: JobSpec, workdir: Path, note: Callable[[str], None]
+) -> None:
+    """Unpack the snapshot into `workdir` (empty), then place the inputs in it."""
+    if spec.snapshot is None and not spec.inputs:
+        return
+    if cache is None:
+        raise DataError("this worker has no object store, so it cannot fetch the job's snapshot or inputs")
+    try:
+        if spec.snapshot is not None:
+            sha = spec.snapshot["sha256"]
+            async with cache.use(sha) as tar:
+                await asyncio.to_thread(unpack_tar, tar, workdir)
+            dirty = " with uncommitted changes" if spec.snapshot.get("dirty") else ""
+            note(f"snapshot {sha[:12]} of commit {spec.snapshot.get('commit', '')[:12]}{dirty}")
+        for item in spec.inputs:
+            dest = workdir / item["dest"]
+            if await asyncio.to_thread(os.path.lexists, dest):
+                raise DataError(f"input {item['dest']!r} would replace a file already in the job's directory")
+            if item["kind"] == "file":
+                await cache.place(item["sha256"], dest)
+            else:
+                async with cache.use(item["sha256"]) as tar:
+                    await asyncio.to_thread(unpack_tar, tar, dest)
+            note(f"input {item['sha256'][:12]} at {item['dest']}")
+    except StorageError as exc:
+        raise DataError(f"cannot fetch the job's data: {exc.message}") from None
+
+
+def has_entries(root: Path) -> bool:
+    """Whether `root` holds anything (one directory read; most jobs leave it empty)."""
+    try:
+        with os.scandir(root) as entries:
+            return next(entries, None) is not None
+    except FileNotFoundError:
+        return False
+
+
+def _files(root: Path) -> list[tuple[str, Path]]:
+    """Regular files under root (symlinks are not followed: a job cannot export the worker's files)."""
+    out: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            if path.is_file() and not path.is_symlink():
+                out.append((path.relative_to(root).as_posix(), path))
+    return out
+
+
+async def log_pages(queue: JobQueue, job_id: str) -> AsyncIterator[bytes]:
+    """The job's log as stored (every attempt's output, in order), a page of entries at a time:
+    never more of it in memory than one page (LOG_PAGE chunks of at most 64 KiB)."""
+    after = "0-0"
+    while chunks := await queue.read_log(job_id, after, count=LOG_PAGE):
+        yield b"".join(data for _, data in chunks)
+        after = chunks[-1][0]
+
+
+async def _upload_log(store: ObjectStore, queue: JobQueue, job_id: str, key: str) -> dict[str, Any] | None:
+    """Stream the job's log to `key`; its description, or None when it is empty."""
+    pages = log_pages(queue, job_id)
+    first = await anext(pages, b"")
+    if not first:
+        return None
+
+    async def everything() -> AsyncIterator[bytes]:
+        yield first
+        async for page in pages:
+            yield page
+
+    info = await store.put_stream(key, everything())
+    return {"size": info.size, "key": info.key, "sha256": info.sha256}
+
+
+async def upload_artifacts(
+    store: ObjectStore, queue: JobQueue, lease: Lease, output: Path, *, logged: bool = True
+) -> dict[str, Any]:
+    """Upload the attempt's outputs and the job's log (when there is any: `logged=False` says this
+    attempt wrote none, so a first attempt's log is known to be empty without reading it); the
+    `result` entries that describe them."""
+    prefix = artifact_prefix(lease.job_id, lease.attempt)
+    artifacts: list[dict[str, Any]] = []
+    errors: list[str] = []
+    files = await asyncio.to_thread(_files, output) if has_entries(output) else []
+    for name, path in files:
+        try:
+            info = await store.put_file(prefix + "out/" + name, path)
+        except (InvalidKey, StorageError, OSError) as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        artifacts.append({"name": name, "size": info.size, "key": info.key, "sha256": info.sha256})
+    result: dict[str, Any] = {"artifacts": artifacts}
+    try:
+        if (logged or lease.attempt > 1) and (
+            described := await _upload_log(store, queue, lease.job_id, prefix + "log")
+        ):
+            result["log"] = described
+    except (StorageError, RedisError) as exc:  # the outcome matters more than its log's copy
+        errors.append(f"log: {exc}")
+    if errors:
+        result["artifact_errors"] = errors
+        log.warning("job %s attempt %d: %d artifacts not uploaded", lease.job_id, lease.attempt, len(errors))
+    return result

@@ -1,0 +1,434 @@
+"""One attempt of a job as processes: start it, stream its output, stop it, make sure it is gone.
+
+The job's argv runs without a shell, in a new session (so its process group is its own and one
+`killpg` reaches every process it starts), started with vfork (spawn.py); if the worker dies,
+procguard.py kills its jobs. Its directory is the spec's `cwd`, or its slot's scratch directory
+`work` (next to `out`, the GPUPOOL_OUTPUT directory): empty when the job starts, emptied when it
+ends (scratch.py).
+
+Output (stdout and stderr merged) streams to the job's log as it comes (joblog.py); a refused
+log write means the attempt is no longer this worker's, and the job is killed at once.
+
+Stopping: a cancel, a timeout or a drain sends SIGTERM to the whole process group and SIGKILL
+after `kill_grace`; a lost lease sends SIGKILL at once. When the first process has ended, every
+process left in the job's session or seen among its descendants is SIGKILLed, and where NVML
+answers, a GPU on which a process of the job still holds memory is reported dirty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import logging
+import os
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+from daemon import git
+from daemon.aio import cancel_and_wait
+from daemon.errors import GpupoolError
+from daemon.job import JobState, Lease, Outcome
+from daemon.queue.job_queue import JobQueue
+from daemon.sd_notify import NOTIFY_ENV
+from daemon.worker import job_data, scratch, spawn
+from daemon.worker.gpus import GpuInfo, GpuProbe, GpuProbeError, visible_devices
+from daemon.worker.job_output import JobOutput
+from daemon.worker.orphan_guard import OrphanGuard
+from storage.base import ObjectStore
+from storage.cache import ObjectCache
+
+log = logging.getLogger(__name__)
+
+SAMPLE_SECONDS = 0.5  # RSS sampling period
+FIRST_SAMPLE_SECONDS = 0.05  # a job that ends sooner is not sampled (a scan costs ~1 ms)
+TAIL_LINES = 20  # lines of output kept in the outcome
+GPU_SETTLE_SECONDS = 3.0  # how long a GPU may take to free a dead process's memory
+
+
+class Ending(enum.StrEnum):
+    """Why the job's processes ended, which decides what is recorded."""
+
+    EXITED = "exited"  # by itself: SUCCEEDED on 0, FAILED otherwise
+    CANCELLED = "cancelled"  # the user cancelled: CANCELLED
+    TIMED_OUT = "timed out"  # spec.timeout passed: FAILED
+    HANDED_BACK = "handed back"  # the worker stopped it (drain): the attempt goes back to the queue
+    LOST = "lost"  # the lease is gone: killed at once, nothing recorded (it is not ours any more)
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    ending: Ending
+    outcome: Outcome | None  # what to complete the attempt with; None for HANDED_BACK and LOST
+    dirty_gpus: Mapping[str, str] = field(default_factory=dict)  # GPU uuid -> why
+    killed_by: int | None = None  # the signal that ended the job's first process, if one did
+
+
+class Run(Protocol):
+    """What a worker asks of an attempt: JobRun, or a benchmark's no-op executor."""
+
+    lease: Lease
+    gpus: tuple[GpuInfo, ...]
+
+    @property
+    def exited(self) -> bool:
+        """The job's first process has ended (known as soon as the loop sees it)."""
+
+    async def run(self) -> RunResult: ...
+    def cancel(self) -> None: ...
+    def hand_back(self, now: bool = False) -> None: ...
+    def lose(self, why: str) -> None: ...
+
+
+def job_env(base: Mapping[str, str], lease: Lease, gpus: Sequence[GpuInfo]) -> dict[str, str]:
+    """The job's environment: the worker's (less its GPUPOOL_* settings, which may hold secrets, and
+    systemd's notify variables, so a job can never speak for the daemon), then the spec's, then the
+    pool's variables, which the spec cannot override."""
+    env = {k: v for k, v in base.items() if not k.startswith("GPUPOOL_") and k not in NOTIFY_ENV}
+    env.update(lease.spec.env)
+    env.update(
+        GPUPOOL_JOB_ID=lease.job_id,
+        GPUPOOL_ATTEMPT=str(lease.attempt),
+        GPUPOOL_ATTEMPT_ID=lease.id,
+        GPUPOOL_QUEUE=lease.queue,
+        GPUPOOL_WORKER=lease.worker,
+        CUDA_VISIBLE_DEVICES=visible_devices(gpus),
+    )
+    return env
+
+
+def describe_exit(returncode: int) -> tuple[int, str]:
+    """(exit code as a shell reports it, words): a signal N becomes 128+N."""
+    if returncode >= 0:
+        return returncode, f"exited with status {returncode}"
+    sig = -returncode
+    try:
+        name = f" ({signal.Signals(sig).name})"
+    except ValueError:
+        name = ""
+    return 128 + sig, f"killed by signal {sig}{name}"
+
+
+class JobRun:
+    """One attempt. `run()` once; `cancel()`, `hand_back()` and `lose()` may come at any time."""
+
+    def __init__(
+        self,
+        queue: JobQueue,
+        lease: Lease,
+        *,
+        data_dir: Path,
+        gpus: Sequence[GpuInfo] = (),
+        env: Mapping[str, str] | None = None,
+        kill_grace: float = 10.0,
+        probe: GpuProbe | None = None,
+        guard: OrphanGuard | None = None,
+        store: ObjectStore | None = None,
+        cache: ObjectCache | None = None,
+        slot_dir: Path | None = None,
+    ) -> None:
+        """`slot_dir` holds the scratch directories of the slot it runs on (scratch.py; default
+        `data_dir/slot`). `store` receives
+        the artifacts; `cache` fetches the snapshot and inputs (None: a worker without an object
+        store; jobs with data then fail saying so)."""
+        self.queue = queue
+        self.store = store
+        self.cache = cache
+        self.lease = lease
+        self.gpus = tuple(gpus)
+        self.kill_grace = kill_grace
+        self.probe = probe
+        self.guard = guard
+        self.data_dir = data_dir
+        slot_dir = slot_dir or data_dir / "slot"
+        self.scratch = slot_dir / "work"
+        self.output_dir = slot_dir / "out"
+        self._env = job_env(os.environ if env is None else env, lease, self.gpus)
+        self._env["GPUPOOL_OUTPUT"] = str(self.output_dir)
+        self.ending: Ending | None = None
+        self._proc: spawn.Child | None = None
+        self._killer: asyncio.Task[None] | None = None
+        self.output = JobOutput(queue, lease, self.lose)
+        self._descendants: dict[int, float] = {}  # pid -> create time, of every process seen
+        self._peak_rss = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # -- stopping ---------------------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """The user cancelled: SIGTERM, SIGKILL after the grace; recorded as CANCELLED."""
+        self._stop(Ending.CANCELLED, "cancelled")
+
+    def hand_back(self, now: bool = False) -> None:
+        """The worker is stopping: stop the job (at once with `now`) so the attempt can go back."""
+        self._stop(Ending.HANDED_BACK, "the worker is stopping", now=now)
+
+    def lose(self, why: str) -> None:
+        """The attempt is no longer this worker's: SIGKILL at once, record nothing (its log
+        included: the fenced writes would be refused, or Redis is out of reach). Once the job's
+        process has ended this changes nothing: how it ended is its outcome, which the fenced
+        complete then accepts or refuses."""
+        if self._ended():
+            return
+        self._stop(Ending.LOST, why, now=True)
+        self.output.closed = True
+
+    def _ended(self) -> bool:
+        return self._proc is not None and self._proc.returncode is not None
+
+    @property
+    def exited(self) -> bool:
+        return self._ended()
+
+    def _stop(self, ending: Ending, why: str, now: bool = False) -> None:
+        if self._ended():
+            return  # how it ended is decided
+        first = self.ending is None
+        if first or ending is Ending.LOST:
+            self.ending = ending
+        if self._proc is None:
+            return  # not started yet: run() applies the ending
+        if now:
+            self.output.note(f"{why}: killing the job now")
+            self._signal(signal.SIGKILL)
+        elif first:
+            self.output.note(f"{why}: stopping the job (SIGTERM, then SIGKILL after {self.kill_grace:g} s)")
+            self._killer = asyncio.create_task(self._terminate(), name=f"stop {self.lease.job_id}")
+
+    async def _terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+        await asyncio.sleep(self.kill_grace)
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self._proc is not None:
+            # The first process leads the group (new session), so its pid is the group id.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._proc.pid, sig)
+
+    def _timeout(self) -> None:
+        self._stop(Ending.TIMED_OUT, f"timed out after {self.lease.spec.timeout:g} s")
+
+    # -- running ----------------------------------------------------------------------------------
+
+    async def run(self) -> RunResult:
+        """Run the attempt to its end and say how it ended. If cancelled itself, the job's
+        processes are killed before the CancelledError goes on. The slot's scratch directories
+        are emptied afterwards, however it ended."""
+        try:
+            return await self._run()
+        finally:
+            await self._clear_scratch()
+
+    async def _run(self) -> RunResult:
+        spec = self.lease.spec
+        started = time.time()
+        cwd = Path(spec.cwd) if spec.cwd else self.scratch
+        try:
+            await self._reset_scratch()
+            if spec.git is not None:
+                await self._checkout(spec.git)
+            await job_data.prepare(self.cache, spec, cwd, self.output.note)
+            if self.ending is Ending.LOST:  # lost while its data came: it must not start at all
+                return RunResult(Ending.LOST, None)
+            self._proc = await spawn.start(spec.argv, cwd=cwd, env=self._env)
+        except (OSError, GpupoolError) as exc:
+            detail = (
+                str(exc)
+                if isinstance(exc, GpupoolError)
+                else f"cannot start {spec.argv[0]!r} in {cwd}: {exc.strerror or exc}"
+            )
+            self.output.note(detail)
+            await self.output.flush()
+            return RunResult(Ending.EXITED, self._outcome(None, detail, started))
+        pgid = self._proc.pid
+        if self.guard is not None:
+            self.guard.watch(pgid, self.lease.id)
+        if self.ending is not None:  # stopped while it was being started
+            self._stop(self.ending, "stopped before it started", now=self.ending is not Ending.CANCELLED)
+        return await self._supervise(pgid, started)
+
+    async def _checkout(self, source: Mapping[str, str]) -> None:
+        """The job's code: its repository at the exact commit, in the (empty) scratch directory."""
+        rev = source.get("commit") or source["ref"]
+        commit = await git.checkout(self.data_dir / "git", source["repo"], rev, self.scratch)
+        self.output.note(f"git: {source['repo']} at {commit}")
+
+    async def _supervise(self, pgid: int, started: float) -> RunResult:
+        assert self._proc is not None
+        assert self._proc.stdout is not None
+        loop = asyncio.get_running_loop()
+        pump = asyncio.create_task(self.output.pump(self._proc.stdout), name=f"output {self.lease.job_id}")
+        sampler = asyncio.create_task(self._sample(pgid), name=f"rss {self.lease.job_id}")
+        timer = loop.call_later(self.lease.spec.timeout, self._timeout) if self.lease.spec.timeout else None
+        try:
+            returncode = await self._proc.wait()
+        finally:
+            if timer is not None:
+                timer.cancel()
+            await cancel_and_wait(sampler)
+            if self._killer is not None:
+                await cancel_and_wait(self._killer)
+            leftovers = _leftovers(pgid, self._descendants)
+            try:
+                if leftovers:
+                    await asyncio.to_thread(psutil.wait_procs, leftovers, timeout=5)
+            finally:
+                if self.guard is not None:
+                    self.guard.forget(pgid)
+                try:
+                    await self.output.finish(pump)
+                finally:
+                    self._proc.close()
+        if leftovers:
+            log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(leftovers))
+        dirty = await self._check_gpus(pgid)
+        outcome = self._outcome(returncode, "", started)
+        if outcome is not None and self.store is not None:
+            # Uploaded before the fenced complete, under this attempt's own prefix (job_data.py).
+            uploaded = await job_data.upload_artifacts(
+                self.store, self.queue, self.lease, self.output_dir, logged=self.output.written
+            )
+            outcome = dataclasses.replace(outcome, result={**outcome.result, **uploaded})
+        killed_by = -returncode if returncode < 0 else None
+        return RunResult(self.ending or Ending.EXITED, outcome, dirty, killed_by)
+
+    def _outcome(self, returncode: int | None, detail: str, started: float) -> Outcome | None:
+        ending = self.ending or Ending.EXITED
+        if ending in (Ending.HANDED_BACK, Ending.LOST):
+            return None
+        code, how = describe_exit(returncode) if returncode is not None else (None, detail)
+        result: dict[str, Any] = {
+            "peak_rss": self._peak_rss,
+            "started_at": started,
+            "ended_at": time.time(),
+            "gpus": [g.uuid for g in self.gpus],
+            "tail": self.output.tail(TAIL_LINES),
+        }
+        if returncode is not None and returncode < 0:
+            result["signal"] = -returncode
+        if ending is Ending.CANCELLED:
+            return Outcome(JobState.CANCELLED, code, f"cancelled; {how}", result)
+        if ending is Ending.TIMED_OUT:
+            return Outcome(
+                JobState.FAILED, code, f"timed out after {self.lease.spec.timeout:g} s; {how}", result
+            )
+        state = JobState.SUCCEEDED if returncode == 0 else JobState.FAILED
+        return Outcome(state, code, "" if returncode == 0 else how, result)
+
+    async def _sample(self, pgid: int) -> None:
+        """Peak RSS of the job's process tree, and every descendant's pid (to find, at the end,
+        any that left the session). Sampled: a kernel high-water mark per tree does not exist."""
+        await asyncio.sleep(FIRST_SAMPLE_SECONDS)
+        while True:
+            rss, seen = await asyncio.to_thread(_tree, pgid)
+            self._peak_rss = max(self._peak_rss, rss)
+            self._descendants.update(seen)
+            await asyncio.sleep(SAMPLE_SECONDS)
+
+    def _scratch_dirs(self) -> tuple[Path, ...]:
+        return (self.output_dir,) if self.lease.spec.cwd else (self.output_dir, self.scratch)
+
+    async def _reset_scratch(self) -> None:
+        """Empty, real directories for the job, whatever the slot's last job left."""
+        await self._clear_scratch()
+        for path in self._scratch_dirs():
+            # mkdir on the worker's own disk (mostly finding the directory there): cheaper inline
+            # than a hop to a thread.
+            path.mkdir(parents=True, exist_ok=True)
+
+    async def _clear_scratch(self) -> None:
+        """Empty the slot's directories: most jobs leave them empty (an lstat and a directory
+        read); removing what a job left there may take seconds, so in a thread."""
+        for path in self._scratch_dirs():
+            if scratch.needs_reset(path):
+                await asyncio.to_thread(scratch.remove, path)
+
+    # -- GPUs -------------------------------------------------------------------------------------
+
+    async def _check_gpus(self, pgid: int) -> dict[str, str]:
+        """GPUs on which a process of the job still holds memory, after a short settling time."""
+        if not self.gpus or self.probe is None:
+            return {}
+        ours = set(self._descendants) | {pgid}
+        deadline = time.monotonic() + GPU_SETTLE_SECONDS
+        while True:
+            dirty = await asyncio.to_thread(_dirty_gpus, self.probe, self.gpus, ours, pgid)
+            if not dirty or time.monotonic() > deadline:
+                return dirty
+            # The driver frees a dead process's memory a moment after the process is reaped.
+            await asyncio.sleep(0.25)
+
+
+def _tree(pgid: int) -> tuple[int, dict[int, float]]:
+    """RSS of the job's first process and its descendants, and their pids with creation times."""
+    try:
+        root = psutil.Process(pgid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0, {}
+    rss, seen = 0, {}
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            rss += p.memory_info().rss
+            seen[p.pid] = p.create_time()
+    return rss, seen
+
+
+def _leftovers(pgid: int, descendants: Mapping[int, float]) -> list[psutil.Process]:
+    """SIGKILL what is left of a job: its group, any process of its session (one that changed its
+    group), any descendant seen while it ran that moved to a session of its own. Returns the
+    processes that were left, to wait for. One getsid() per process on the machine: the /proc
+    reads are made only for the job's own."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    left = []
+    for pid in psutil.pids():
+        try:
+            ours = os.getsid(pid) == pgid
+        except OSError:
+            continue
+        if not ours and pid not in descendants:
+            continue
+        try:
+            p = psutil.Process(pid)
+            if not ours and p.create_time() != descendants[pid]:
+                continue  # the pid was reused by a process that is not the job's
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue  # already dead, waiting for its parent (or init) to reap it
+            p.kill()
+        except psutil.Error:
+            continue
+        left.append(p)
+    return left
+
+
+def _dirty_gpus(probe: GpuProbe, gpus: Sequence[GpuInfo], ours: set[int], sid: int) -> dict[str, str]:
+    dirty = {}
+    for g in gpus:
+        try:
+            pids = probe.compute_pids(g.uuid)
+        except GpuProbeError as exc:
+            dirty[g.uuid] = f"cannot check it after the job: {exc}"
+            continue
+        held = sorted(pid for pid in pids if pid in ours or _session(pid) == sid)
+        if held:
+            dirty[g.uuid] = f"processes {held} of the job still hold memory on it"
+    return dirty
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None

@@ -1,0 +1,205 @@
+"""`poolctl` run as a researcher runs it (a subprocess) against a real server: output, exit codes,
+and each error message. No tracebacks, ever."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import orjson
+
+from daemon.job import JobState, Outcome
+from daemon.queue.embedded_redis import EmbeddedRedis, free_port
+from tests.support.pool import Pool
+
+
+async def poolctl(env: dict[str, str], *args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "daemon.ctl.cli",
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert b"Traceback" not in err, err.decode()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_enqueue_ls_show_cancel_wait(pool: Pool) -> None:
+    env = pool.env("alice")
+    code, out, _ = await poolctl(
+        env,
+        "enqueue",
+        "--name",
+        "train",
+        "--gpus",
+        "0",
+        "--env",
+        "LR=3e-4",
+        "--",
+        "python",
+        "train.py",
+        "--lr",
+        "3e-4",
+    )
+    assert code == 0
+    job_id = out.strip()
+    assert job_id.startswith("default.")
+    code, out, _ = await poolctl(env, "enqueue", "--json", "--key", "k1", "--", "echo", "hi")
+    assert code == 0
+    second = orjson.loads(out)["id"]
+
+    code, out, _ = await poolctl(env, "ls")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["ID", "NAME", "USER", "QUEUE", "STATE", "ATTEMPT", "WORKER", "WAITED", "RAN"]
+    assert lines[1].split()[:5] == [job_id, "train", "alice", "default", "queued"]
+    assert lines[2].split()[0] == second
+
+    code, out, _ = await poolctl(env, "ls", "--json")
+    assert [orjson.loads(line)["id"] for line in out.splitlines()] == [job_id, second]
+
+    code, out, _ = await poolctl(env, "show", job_id)
+    assert code == 0
+    assert "command:   python train.py --lr 3e-4" in out
+    assert "env:       LR=3e-4" in out
+    assert "pending:" in out
+
+    code, out, _ = await poolctl(env, "cancel", second)
+    assert (code, out.split()) == (0, [second, "cancelled"])
+    code, out, _ = await poolctl(env, "wait", second)
+    assert code == 1  # cancelled is not success
+    assert out.split() == [second, "cancelled"]
+    code, out, err = await poolctl(env, "wait", "--timeout", "0.2", job_id)
+    assert code == 124
+    assert "timed out" in err
+
+
+async def test_logs_follow_prints_live_output_and_exits_with_the_job_code(pool: Pool) -> None:
+    env = pool.env("bob")
+    _, out, _ = await poolctl(env, "enqueue", "--", "python", "-c", "print('hi')")
+    job_id = out.strip()
+    lease = await pool.queue.claim("stand-in", ["default"])
+    assert lease is not None
+    await pool.queue.append_log(lease, 1, [b"hi\n"])
+    follower = asyncio.create_task(poolctl(env, "logs", "-f", job_id))
+    await asyncio.sleep(0.5)
+    assert not follower.done()
+    await pool.queue.append_log(lease, 2, [b"bye\n"])
+    await pool.queue.complete(lease, Outcome(JobState.FAILED, exit_code=7))
+    code, out, _ = await follower
+    assert (code, out) == (7, "hi\nbye\n")
+    code, out, _ = await poolctl(env, "logs", job_id)
+    assert (code, out) == (0, "hi\nbye\n")
+
+
+async def test_error_messages(pool: Pool, tmp_path: Path) -> None:
+    env = pool.env("alice")
+    code, _, err = await poolctl(env, "show", "default.nosuchjob123")
+    assert code == 5
+    assert (
+        err.strip()
+        == "poolctl: no job 'default.nosuchjob123' in this pool (finished jobs are kept for a limited time)"
+    )
+    code, _, err = await poolctl(env, "show", "garbage")
+    assert code == 2
+    assert "is not a job id" in err
+    code, _, err = await poolctl(env, "enqueue")
+    assert code == 2
+    assert "nothing to run" in err
+    code, _, err = await poolctl(env, "enqueue", "--env", "NOEQUALS", "--", "true")
+    assert (code, "expected NAME=VALUE" in err) == (2, True)
+    code, _, err = await poolctl(env, "enqueue", "--gpus", "-1", "--", "true")
+    assert (code, "gpus" in err) == (2, True)
+
+    code, _, err = await poolctl({**env, "GPUPOOL_TOKEN": "wrong-token-wrong-token"}, "ls")
+    assert code == 4
+    assert "refused user 'alice'" in err
+    assert "GPUPOOL_TOKEN" in err
+
+    nowhere = f"127.0.0.1:{free_port()}"
+    code, _, err = await poolctl({**env, "GPUPOOL_SERVER": nowhere}, "ls")
+    assert code == 3
+    assert f"cannot reach the pool server at {nowhere}" in err
+    assert "make run" in err
+    code, _, err = await poolctl(env, "--server", "nonsense", "ls")
+    assert (code, "not a server address" in err) == (2, True)
+
+
+async def test_workers_with_none_registered_and_health(pool: Pool) -> None:
+    code, out, _ = await poolctl(pool.env(), "workers")
+    assert code == 0
+    assert "no workers" in out
+    code, out, _ = await poolctl(pool.env(), "health")
+    assert (code, out.startswith("ok: server")) == (0, True)
+    code, _, _ = await poolctl({**pool.env(), "GPUPOOL_SERVER": f"127.0.0.1:{free_port()}"}, "health")
+    assert code == 3
+
+
+def test_non_loopback_listener_without_tokens_refuses_to_start(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    import subprocess
+
+    env = dict(
+        os.environ, XDG_CONFIG_HOME=str(tmp_path), GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "daemon.main",
+            "--worker-mode",
+            "multinode",
+            "--redis-port",
+            str(redis_server.port),
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--listen",
+            "0.0.0.0:0",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 1
+    assert "refusing to listen on 0.0.0.0:0 without authentication" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+async def test_workers_shows_a_live_worker_and_its_busy_slot(pool: Pool, tmp_path: Path) -> None:
+    from tests.support.workers import running_worker, sh, wait_file
+
+    await pool.queue.enqueue(sh("echo started > started; sleep 30", cwd=str(tmp_path)))
+    async with running_worker(pool.queue, tmp_path / "w", slots=2) as worker:
+        await wait_file(tmp_path / "started")
+        for _ in range(50):  # the busy slot shows from the worker's next heartbeat on
+            code, out, _ = await poolctl(pool.env(), "workers")
+            if " 1/2 " in out:
+                break
+        assert code == 0
+        header, row = out.splitlines()
+        assert header.split() == [
+            "WORKER",
+            "HOST",
+            "STATE",
+            "SLOTS",
+            "GPUS",
+            "QUARANTINED",
+            "HEARTBEAT",
+            "VERSION",
+        ]
+        assert row.split()[:4] == [worker.id, worker.id.rsplit("-", 2)[0], "healthy", "1/2"]
+        assert "cpu only" in row
+        code, out, _ = await poolctl(pool.env(), "workers", "--json")
+        assert orjson.loads(out)["id"] == worker.id
+        code, out, _ = await poolctl(pool.env(), "health")
+        assert "1 healthy worker" in out

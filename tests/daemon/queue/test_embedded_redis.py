@@ -1,0 +1,82 @@
+"""The embedded redis-server: secured, persistent, adopted after a crash, refused when too old."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import redis as redis_sync
+
+from daemon.queue.embedded_redis import EmbeddedRedis, EmbeddedRedisError, _is_redis_process, find_binary
+
+
+def test_starts_on_loopback_with_a_password_never_on_the_command_line(redis_server: EmbeddedRedis) -> None:
+    assert redis_server.pid is not None
+    with redis_sync.Redis(host="127.0.0.1", port=redis_server.port, password=redis_server.password) as r:
+        assert r.ping()
+        assert r.config_get("bind")["bind"] == "127.0.0.1"
+        assert r.config_get("appendonly")["appendonly"] == "yes"
+        assert r.config_get("appendfsync")["appendfsync"] == "always"
+    with (
+        redis_sync.Redis(host="127.0.0.1", port=redis_server.port) as anonymous,
+        pytest.raises(redis_sync.AuthenticationError),
+    ):
+        anonymous.ping()
+    cmdline = Path(f"/proc/{redis_server.pid}/cmdline").read_bytes()
+    assert redis_server.password.encode() not in cmdline
+    for name in ("password", "redis.conf"):
+        assert stat.S_IMODE((redis_server.dir / name).stat().st_mode) == 0o600
+
+
+def test_a_restarted_owner_adopts_the_running_server(tmp_path: Path) -> None:
+    first = EmbeddedRedis(tmp_path)
+    first.start()
+    try:
+        with redis_sync.Redis(port=first.port, password=first.password) as r:
+            r.set("kept", "1")
+        # the owner crashed without stopping Redis; a new owner on the same directory adopts it
+        second = EmbeddedRedis(tmp_path)
+        second.start()
+        assert (second.adopted, second.pid, second.port) == (True, first.pid, first.port)
+        with redis_sync.Redis(port=second.port, password=second.password) as r:
+            assert r.get("kept") == b"1"
+        pid = second.pid
+        assert pid is not None
+        second.stop()
+        assert not _is_redis_process(pid)
+        second.stop()  # twice is harmless
+    finally:
+        first.kill()
+
+
+def test_restart_after_kill_keeps_data_and_port(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path, appendfsync="always")
+    server.start()
+    port = server.port
+    with redis_sync.Redis(port=port, password=server.password) as r:
+        r.rpush("list", *range(100))
+    server.kill()
+    fresh = EmbeddedRedis(tmp_path, appendfsync="always")
+    fresh.start()
+    try:
+        assert not fresh.adopted
+        assert fresh.port == port
+        with redis_sync.Redis(port=fresh.port, password=fresh.password) as r:
+            assert r.llen("list") == 100
+    finally:
+        fresh.stop()
+
+
+def test_refuses_redis_older_than_6_2(tmp_path: Path) -> None:
+    old = tmp_path / "redis-server"
+    old.write_text("#!/bin/sh\necho 'Redis server v=5.0.7 sha=00000000:0 malloc=libc bits=64'\n")
+    old.chmod(0o755)
+    with pytest.raises(EmbeddedRedisError, match=r"Redis 5\.0\.7; gpupool needs Redis >= 6\.2"):
+        EmbeddedRedis(tmp_path / "data", binary=old).start()
+
+
+def test_the_shipped_binary_is_found() -> None:
+    binary = find_binary()
+    assert os.access(binary, os.X_OK)

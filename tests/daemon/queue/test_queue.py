@@ -1,0 +1,428 @@
+"""The queue's guarantees (DESIGN.md §6), each against a real redis-server, each able to fail."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, cast
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
+from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id
+from daemon.queue import keys
+from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.queue.job_queue import JobQueue
+
+OK = Outcome(JobState.SUCCEEDED, exit_code=0)
+
+
+def spec(n: int = 0, **kw: object) -> JobSpec:
+    return JobSpec(argv=("echo", str(n)), **kw)  # type: ignore[arg-type]
+
+
+async def claim(
+    queue: JobQueue, worker: str = "w1", queues: tuple[str, ...] = ("default",), gpus: int = 0
+) -> Lease:
+    lease = await queue.claim(worker, queues, gpus)
+    assert lease is not None
+    return lease
+
+
+async def expire(queue: JobQueue, redis: Redis, lease: Lease) -> None:
+    """Make a lease's deadline pass now (as a silent worker would) and run the reaper."""
+    await redis.zadd(keys.leases(lease.queue), {lease.job_id: 0})
+    reclaimed = await queue.reclaim()
+    assert (lease.job_id, JobState.QUEUED) in reclaimed
+
+
+async def test_enqueue_claim_complete_records_everything(queue: JobQueue) -> None:
+    job_id, created = await queue.enqueue(spec(1, name="hello", env={"A": "1"}))
+    assert created
+    assert job_id.startswith("default.")
+    info = await queue.get(job_id)
+    assert info.state is JobState.QUEUED
+    assert info.attempt == 0
+    assert info.spec.env == {"A": "1"}
+
+    lease = await claim(queue)
+    assert (lease.job_id, lease.attempt, lease.spec.name) == (job_id, 1, "hello")
+    assert (await queue.get(job_id)).state is JobState.RUNNING
+
+    state = await queue.complete(
+        lease, Outcome(JobState.FAILED, exit_code=3, detail="exit 3", result={"rss": 5})
+    )
+    assert state is JobState.FAILED
+    info = await queue.get(job_id)
+    assert (info.state, info.exit_code, info.detail, info.worker) == (JobState.FAILED, 3, "exit 3", "w1")
+    assert info.result == {"rss": 5}
+    assert info.ended_at is not None
+    assert info.started_at is not None
+    assert [(a.attempt, a.worker, a.how) for a in info.attempts] == [(1, "w1", "failed")]
+    assert await queue.claim("w1", ["default"]) is None
+
+
+async def test_fifo_within_a_queue(queue: JobQueue) -> None:
+    ids = [(await queue.enqueue(spec(i)))[0] for i in range(50)]
+    claimed = [(await claim(queue, f"w{i % 3}")).job_id for i in range(50)]
+    assert claimed == ids
+
+
+async def test_reclaimed_attempt_goes_before_every_job_not_started(queue: JobQueue, redis: Redis) -> None:
+    a, b, c = [(await queue.enqueue(spec(i)))[0] for i in range(3)]
+    lease_a = await claim(queue, "dead-worker")
+    lease_b = await claim(queue, "dead-worker")
+    await expire(queue, redis, lease_b)
+    await expire(queue, redis, lease_a)  # reclaimed in the other order: still served in enqueue order
+    order = [await claim(queue, "w2") for _ in range(3)]
+    assert [(lease.job_id, lease.attempt) for lease in order] == [(a, 2), (b, 2), (c, 1)]
+    history = (await queue.get(a)).attempts
+    assert [(h.attempt, h.worker, h.how) for h in history] == [
+        (1, "dead-worker", "lost"),
+        (2, "w2", "running"),
+    ]
+
+
+async def test_every_job_claimed_once_under_concurrent_claimers(
+    queue: JobQueue, redis_server: EmbeddedRedis
+) -> None:
+    total = 2000
+    ids = set(await queue.enqueue_many([spec(i) for i in range(total)]))
+    assert len(ids) == total
+    claims: list[tuple[str, str]] = []
+
+    async def consumer(name: str) -> None:
+        # each consumer on its own connection pool, as separate workers would be
+        client = redis_server.client()
+        q = JobQueue(client, lease_seconds=30)
+        while (lease := await q.claim(name, ["default"])) is not None:
+            claims.append((lease.job_id, name))
+            await q.complete(lease, OK)
+        await client.aclose()
+
+    await asyncio.gather(*(consumer(f"c{i}") for i in range(8)))
+    claimed_ids = [job_id for job_id, _ in claims]
+    assert len(claimed_ids) == total
+    assert set(claimed_ids) == ids
+    assert len({name for _, name in claims}) > 1  # they really competed
+    assert await queue.depth("default") == 0
+
+
+async def test_enqueue_many_keeps_order_per_queue_even_when_an_id_collides(
+    queue: JobQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    taken, _ = await queue.enqueue(spec(0, queue="a"))
+    draws = iter([taken])  # the batch's first id is one that exists (two drawn in one ms)
+    monkeypatch.setattr("daemon.queue.job_queue.new_job_id", lambda q: next(draws, None) or new_job_id(q))
+    mixed = [spec(i, queue="a" if i % 3 else "b") for i in range(1, 251)]  # chunks of 100 and runs
+    ids = await queue.enqueue_many(mixed)
+    assert len(set(ids)) == 250
+    assert taken not in ids
+    assert ids[0] == taken + "z1"  # made unique where it was drawn, so the batch kept its order
+    assert (await queue.get(taken)).spec.argv == ("echo", "0")  # untouched
+    assert (await queue.claim("w0", ["a"])).job_id == taken  # type: ignore[union-attr]
+    for name in ("a", "b"):
+        want = [i for i, s in zip(ids, mixed, strict=True) if s.queue == name]
+        got = await queue.claim_many("w1", [name], 300)
+        assert [lease.job_id for lease in got] == want
+        assert [lease.spec.argv for lease in got] == [s.argv for s in mixed if s.queue == name]
+
+
+async def test_claim_many_takes_reclaimed_then_stream_order_across_queues(
+    queue: JobQueue, redis: Redis
+) -> None:
+    a, b, c, d = [(await queue.enqueue(spec(i)))[0] for i in range(4)]
+    dropped, _ = await queue.enqueue(spec())
+    e, _ = await queue.enqueue(spec())
+    low, _ = await queue.enqueue(spec(queue="low"))
+    lease_b = await claim(queue, "dead-worker")  # a
+    assert lease_b.job_id == a
+    await expire(queue, redis, lease_b)
+    await queue.cancel(dropped)
+    first = await queue.claim_many("w1", ["default", "low"], 3)
+    assert [(x.job_id, x.attempt) for x in first] == [(a, 2), (b, 1), (c, 1)]
+    # a cancelled entry on the way is dropped, not counted; the rest of the queue, then the next
+    rest = await queue.claim_many("w2", ["default", "low"], 10)
+    assert [x.job_id for x in rest] == [d, e, low]
+    assert {x.worker for x in rest} == {"w2"}
+    assert (await queue.get(dropped)).state is JobState.CANCELLED
+    assert await queue.claim_many("w2", ["default", "low"], 10) == []
+
+
+async def test_claim_many_keeps_what_it_claimed_when_a_later_queue_fails(
+    queue: JobQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, _ = await queue.enqueue(spec(queue="first"))
+    await queue.enqueue(spec(queue="second"))
+    call, calls = queue._call, [0]
+
+    async def second_call_fails(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RedisConnectionError("connection lost")
+        return await call(*args)
+
+    monkeypatch.setattr(queue, "_call", second_call_fails)
+    got = await queue.claim_many("w1", ["first", "second"], 2)
+    assert [lease.job_id for lease in got] == [first]  # handed out, not stranded as running
+    calls[0] = 1
+    with pytest.raises(RedisConnectionError):  # nothing claimed: the caller hears of it
+        await queue.claim_many("w1", ["second"], 1)
+
+
+async def test_claim_many_counts_out_the_gpus_of_what_it_claims(queue: JobQueue) -> None:
+    two, _ = await queue.enqueue(spec(gpus=2))
+    share, _ = await queue.enqueue(spec())  # asks for none: gets the slot's share (1 here)
+    too_big, _ = await queue.enqueue(spec(gpus=2))
+    after, _ = await queue.enqueue(spec())
+    got = await queue.claim_many("w1", ["default"], 4, gpus_free=4, default_gpus=1)
+    # 2 + 1 of 4 GPUs are taken: the next job needs 2, so it waits at the head, and so does `after`
+    assert [x.job_id for x in got] == [two, share]
+    assert (await queue.get(too_big)).state is JobState.QUEUED
+    assert [x.job_id for x in await queue.claim_many("w2", ["default"], 4, 3, 1)] == [too_big, after]
+
+
+async def test_every_job_claimed_once_by_concurrent_batch_claimers(
+    queue: JobQueue, redis_server: EmbeddedRedis
+) -> None:
+    total = 2000
+    ids = set(await queue.enqueue_many([spec(i) for i in range(total)]))
+    claims: list[tuple[str, str]] = []
+
+    async def consumer(name: str, q: JobQueue, batch: int) -> None:
+        while leases := await q.claim_many(name, ["default"], batch):
+            claims.extend((lease.job_id, name) for lease in leases)
+            await asyncio.gather(*(q.complete(lease, OK) for lease in leases))
+
+    clients = [redis_server.client() for _ in range(3)]
+    shared = JobQueue(clients[0])  # several claimers on one JobQueue: their calls share pipelines
+    queues = [shared, shared, JobQueue(clients[1]), JobQueue(clients[2])]
+    await asyncio.gather(*(consumer(f"c{i}", q, 1 + i * 3) for i, q in enumerate(queues)))
+    for client in clients:
+        await client.aclose()
+    claimed_ids = [job_id for job_id, _ in claims]
+    assert len(claimed_ids) == total
+    assert set(claimed_ids) == ids
+    assert len({name for _, name in claims}) > 1
+    assert await queue.depth("default") == 0
+    assert [(await queue.get(job_id)).attempt for job_id in sorted(ids)[:50]] == [1] * 50
+
+
+async def test_stale_attempt_cannot_complete_and_results_are_recorded_once(
+    queue: JobQueue, redis: Redis
+) -> None:
+    job_id, _ = await queue.enqueue(spec())
+    zombie = await claim(queue, "w-zombie")
+    await expire(queue, redis, zombie)
+    current = await claim(queue, "w-new")
+    assert current.attempt == 2
+
+    with pytest.raises(StaleAttempt):
+        await queue.complete(zombie, Outcome(JobState.FAILED, exit_code=1))
+    info = await queue.get(job_id)
+    assert (info.state, info.worker, info.exit_code) == (JobState.RUNNING, "w-new", None)
+
+    assert await queue.complete(current, OK) is JobState.SUCCEEDED
+    # Another complete of the same lease (a reply lost, a bug) answers as the first did and
+    # records nothing: one outcome.
+    assert await queue.complete(current, Outcome(JobState.FAILED, exit_code=9)) is JobState.SUCCEEDED
+    info = await queue.get(job_id)
+    assert (info.state, info.exit_code) == (JobState.SUCCEEDED, 0)
+    events = cast(list[tuple[bytes, dict[bytes, bytes]]], await redis.xrange(keys.events("default")))
+    assert [fields[b"job"].decode() for _, fields in events] == [job_id]
+
+
+async def test_renew_after_reclaim_answers_lost_and_does_not_take_the_lease_back(
+    queue: JobQueue, redis: Redis
+) -> None:
+    job_id, _ = await queue.enqueue(spec())
+    await queue.enqueue(spec())
+    lease = await claim(queue, "w1")
+    kept = await claim(queue, "w1")
+    await expire(queue, redis, lease)
+
+    assert await queue.renew("w1", [lease, kept]) == {lease.id: RenewStatus.LOST, kept.id: RenewStatus.OK}
+    assert await redis.zscore(keys.leases("default"), job_id) is None
+    assert (await queue.get(job_id)).state is JobState.QUEUED
+    # and after someone else claimed it, the old holder still cannot renew it
+    again = await claim(queue, "w2")
+    assert again.job_id == job_id
+    assert await queue.renew("w1", [lease]) == {lease.id: RenewStatus.LOST}
+    assert await queue.renew("w2", [again]) == {again.id: RenewStatus.OK}
+
+
+async def test_renewed_lease_is_never_reclaimed_but_a_silent_one_is(redis: Redis) -> None:
+    # Leases of 2 s renewed every ~50 ms: the renewals keep a margin of seconds, so a loaded
+    # machine stalling this loop for a while does not let the living lease lapse.
+    queue = JobQueue(redis, lease_seconds=2.0)
+    await queue.enqueue(spec(1))
+    await queue.enqueue(spec(2))
+    alive = await claim(queue, "alive")
+    silent = await claim(queue, "silent")
+    reclaimed: list[tuple[str, JobState]] = []
+    deadline = time.monotonic() + 2.6  # past the silent lease's deadline
+    while time.monotonic() < deadline:
+        assert (await queue.renew("alive", [alive]))[alive.id] is RenewStatus.OK
+        reclaimed += await queue.reclaim()
+        await asyncio.sleep(0.05)
+    assert reclaimed == [(silent.job_id, JobState.QUEUED)]
+    assert (await queue.get(alive.job_id)).state is JobState.RUNNING
+
+
+async def test_idempotent_enqueue_returns_the_same_id(queue: JobQueue, redis_server: EmbeddedRedis) -> None:
+    first, created = await queue.enqueue(spec(), idempotency_key="run-42")
+    again, created_again = await queue.enqueue(spec(99), idempotency_key="run-42")
+    assert (created, created_again, again) == (True, False, first)
+
+    clients = [redis_server.client() for _ in range(10)]
+    results = await asyncio.gather(
+        *(JobQueue(c).enqueue(spec(i), idempotency_key="storm") for i, c in enumerate(clients))
+    )
+    assert len({job_id for job_id, _ in results}) == 1
+    assert sum(created for _, created in results) == 1
+    for c in clients:
+        await c.aclose()
+    assert len(await queue.list_jobs()) == 2
+
+
+async def test_cancel_a_queued_job_it_never_starts(queue: JobQueue) -> None:
+    doomed, _ = await queue.enqueue(spec(1))
+    nxt, _ = await queue.enqueue(spec(2))
+    assert await queue.cancel(doomed) == "cancelled"
+    assert (await claim(queue)).job_id == nxt
+    assert await queue.claim("w1", ["default"]) is None
+    assert (await queue.get(doomed)).state is JobState.CANCELLED
+    assert await queue.cancel(doomed) == "cancelled"  # cancelling twice is harmless
+
+
+async def test_cancel_a_running_job_flags_its_worker(queue: JobQueue, redis: Redis) -> None:
+    job_id, _ = await queue.enqueue(spec())
+    lease = await claim(queue)
+    assert await queue.cancel(job_id) == "cancelling"
+    assert await queue.renew("w1", [lease]) == {lease.id: RenewStatus.CANCEL}
+    assert await queue.complete(lease, Outcome(JobState.CANCELLED, detail="cancelled")) is JobState.CANCELLED
+    assert (await queue.get(job_id)).state is JobState.CANCELLED
+
+    # a running job whose worker is gone is cancelled by the reaper, not requeued
+    orphan, _ = await queue.enqueue(spec())
+    lease = await claim(queue)
+    await queue.cancel(orphan)
+    await redis.zadd(keys.leases("default"), {orphan: 0})
+    assert await queue.reclaim() == [(orphan, JobState.CANCELLED)]
+
+
+async def test_cancel_unknown_or_malformed_ids(queue: JobQueue) -> None:
+    with pytest.raises(JobNotFound):
+        await queue.cancel("default.zzzzzzzzzzzz")
+    with pytest.raises(InvalidJob):
+        await queue.cancel("not a job id")
+    with pytest.raises(JobNotFound):
+        await queue.get("default.zzzzzzzzzzzz")
+
+
+async def test_nothing_accepted_is_lost_across_redis_kill_and_restart(redis_server: EmbeddedRedis) -> None:
+    client = redis_server.client()
+    queue = JobQueue(client)
+    ids = await queue.enqueue_many([spec(i) for i in range(150)])
+    ids += [(await queue.enqueue(spec(i)))[0] for i in range(50)]
+    leases = [await claim(queue) for _ in range(40)]
+    for lease in leases[:15]:
+        await queue.complete(lease, OK)
+    await client.aclose()
+
+    redis_server.kill()  # SIGKILL: no shutdown, no final fsync
+    redis_server.start()  # same data directory, replays the AOF
+
+    client = redis_server.client()
+    queue = JobQueue(client)
+    states = {job_id: (await queue.get(job_id)).state for job_id in ids}
+    assert [states[lease.job_id] for lease in leases[:15]] == [JobState.SUCCEEDED] * 15
+    assert [states[lease.job_id] for lease in leases[15:]] == [JobState.RUNNING] * 25
+    assert sum(s is JobState.QUEUED for s in states.values()) == 160
+    for lease in leases[15:]:  # the running attempts' leases survived and still complete
+        await queue.complete(lease, OK)
+    rest = []
+    while (more := await queue.claim("w2", ["default"])) is not None:
+        rest.append(more.job_id)
+        await queue.complete(more, OK)
+    assert rest == ids[40:]  # FIFO preserved across the restart
+    assert {(await queue.get(i)).state for i in ids} == {JobState.SUCCEEDED}
+    await client.aclose()
+
+
+async def test_job_lost_max_attempts_times_is_dead_lettered(queue: JobQueue, redis: Redis) -> None:
+    poison, _ = await queue.enqueue(spec(max_attempts=2))
+    healthy, _ = await queue.enqueue(spec())
+    await expire(queue, redis, await claim(queue, "w1"))
+    lease = await claim(queue, "w2")
+    assert (lease.job_id, lease.attempt) == (poison, 2)
+    await redis.zadd(keys.leases("default"), {poison: 0})
+    assert await queue.reclaim() == [(poison, JobState.DEAD)]
+    info = await queue.get(poison)
+    assert info.state is JobState.DEAD
+    assert [a.how for a in info.attempts] == ["lost", "lost"]
+    assert (await claim(queue, "w3")).job_id == healthy  # the pool goes on
+
+
+async def test_failed_job_with_retries_runs_again_first(queue: JobQueue) -> None:
+    flaky, _ = await queue.enqueue(spec(retries=1))
+    later, _ = await queue.enqueue(spec())
+    lease = await claim(queue)
+    assert await queue.complete(lease, Outcome(JobState.FAILED, exit_code=1)) is JobState.QUEUED
+    second = await claim(queue)
+    assert (second.job_id, second.attempt) == (flaky, 2)
+    assert await queue.complete(second, Outcome(JobState.FAILED, exit_code=1)) is JobState.FAILED
+    assert (await claim(queue)).job_id == later
+
+
+async def test_gpu_jobs_wait_for_a_worker_with_free_gpus(queue: JobQueue) -> None:
+    gpu_job, _ = await queue.enqueue(spec(gpus=2))
+    cpu_job, _ = await queue.enqueue(spec())
+    # head of line: a worker that has the GPUs, busy now, waits for them before the jobs behind
+    assert await queue.claim("busy-gpu", ["default"], gpus_free=1, gpus_total=2) is None
+    assert (await claim(queue, "big", gpus=2)).job_id == gpu_job
+    assert (await claim(queue, "cpu-worker", gpus=0)).job_id == cpu_job
+
+
+async def test_queues_are_served_in_priority_order(queue: JobQueue) -> None:
+    low, _ = await queue.enqueue(spec(queue="low"))
+    high, _ = await queue.enqueue(spec(queue="high"))
+    assert (await claim(queue, queues=("high", "low"))).job_id == high
+    assert (await claim(queue, queues=("high", "low"))).job_id == low
+    assert await queue.queues() == ["high", "low"]
+    assert keys.queue_of(high) == "high"
+
+
+async def test_wait_for_work_wakes_on_enqueue_without_polling(queue: JobQueue, redis: Redis) -> None:
+    assert await queue.claim("w1", ["default", "other"]) is None
+    waiter = asyncio.create_task(queue.wait_for_work(["default", "other"], block=30))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    await queue.enqueue(spec(queue="other"))
+    assert await asyncio.wait_for(waiter, 10) is True  # woken by the entry, long before its timeout
+    assert await queue.claim("w1", ["default", "other"]) is not None
+    assert await queue.wait_for_work(["default"], block=0.05) is False
+
+
+async def test_list_and_depth(queue: JobQueue) -> None:
+    ids = [(await queue.enqueue(spec(i)))[0] for i in range(4)]
+    lease = await claim(queue)
+    await queue.cancel(ids[3])
+    assert await queue.depth("default") == 2
+    active = await queue.list_jobs()
+    assert [(j.id, j.state) for j in active] == [
+        (ids[0], JobState.RUNNING),
+        (ids[1], JobState.QUEUED),
+        (ids[2], JobState.QUEUED),
+    ]
+    await queue.complete(lease, OK)
+    everything = await queue.list_jobs(include_finished=True)
+    assert [j.state for j in everything] == [
+        JobState.SUCCEEDED,
+        JobState.QUEUED,
+        JobState.QUEUED,
+        JobState.CANCELLED,
+    ]
+    assert await queue.depth("nothing-here") == 0

@@ -1,0 +1,91 @@
+"""scripts.py: script calls batched into one round trip, and what each caller gets back."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.queue.scripts import MAX_BATCH, Pipeliner
+
+
+def counting_pipelines(redis: Redis) -> list[int]:
+    """Patch `redis` so each pipeline it makes is counted (a pipeline is one round trip)."""
+    made: list[int] = []
+    pipeline = redis.pipeline
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        made.append(1)
+        return pipeline(*args, **kwargs)
+
+    redis.pipeline = counted  # type: ignore[method-assign]
+    return made
+
+
+async def test_calls_made_in_one_turn_share_round_trips_and_each_gets_its_answer(redis: Redis) -> None:
+    call = Pipeliner(redis)
+    echo = redis.register_script("redis.call('RPUSH', KEYS[1], ARGV[1]); return ARGV[1]")
+    await redis.script_load(echo.script)  # else a NOSCRIPT answer adds a round trip to load it
+    made = counting_pipelines(redis)
+    n = MAX_BATCH * 2 + 5  # three pipelines: two full ones, then the rest
+    replies = await asyncio.gather(*(call(echo, ["order"], [str(i)]) for i in range(n)))
+    assert replies == [str(i).encode() for i in range(n)]
+    done = await redis.lrange("order", 0, -1)
+    # each pipeline runs in order; the pipelines of one turn run side by side, as concurrent
+    # callers' calls do anyway
+    assert [x for x in done if int(x) < MAX_BATCH] == [str(i).encode() for i in range(MAX_BATCH)]
+    assert sorted(done, key=int) == [str(i).encode() for i in range(n)]
+    assert len(made) == 3
+    assert await call(echo, ["order"], ["later"]) == b"later"  # a call alone goes at once, as is
+    assert len(made) == 3
+
+
+async def test_an_error_goes_to_its_caller_alone(redis: Redis) -> None:
+    call = Pipeliner(redis)
+    ok = redis.register_script("return ARGV[1]")
+    bad = redis.register_script("return redis.call('INCR', KEYS[1])")
+    await redis.set("text", "not a number")
+    results = await asyncio.gather(
+        call(ok, [], ["a"]), call(bad, ["text"], []), call(ok, [], ["b"]), return_exceptions=True
+    )
+    assert results[0] == b"a"
+    assert isinstance(results[1], ResponseError)
+    assert results[2] == b"b"
+
+
+async def test_scripts_flushed_from_redis_are_loaded_again(redis: Redis) -> None:
+    call = Pipeliner(redis)
+    one = redis.register_script("return 1")
+    assert await call(one, [], []) == 1
+    await redis.script_flush()  # as after a Redis restart
+    assert list(await asyncio.gather(call(one, [], []), call(one, [], []))) == [1, 1]
+    await redis.script_flush()
+    assert await call(one, [], []) == 1  # alone
+
+
+async def test_a_dead_redis_fails_every_caller_of_the_batch(redis_server: EmbeddedRedis) -> None:
+    client = redis_server.client()
+    call = Pipeliner(client)
+    one = client.register_script("return 1")
+    assert await call(one, [], []) == 1
+    redis_server.stop()
+    results = await asyncio.gather(*(call(one, [], []) for _ in range(3)), return_exceptions=True)
+    assert all(isinstance(r, RedisConnectionError) for r in results), results
+    await client.aclose()
+
+
+async def test_a_cancelled_caller_leaves_the_others_their_answers(redis: Redis) -> None:
+    call = Pipeliner(redis)
+    slow = redis.register_script("return ARGV[1]")
+    first = asyncio.ensure_future(call(slow, [], ["first"]))
+    second = asyncio.ensure_future(call(slow, [], ["second"]))
+    await asyncio.sleep(0)  # both are in the batch
+    first.cancel()
+    assert await second == b"second"
+    with pytest.raises(asyncio.CancelledError):
+        await first

@@ -1,0 +1,147 @@
+"""Configuration: precedence, types, ranges, secrets from files, and the one-line error."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon import config
+from daemon.errors import ConfigError
+from tests.support.paths import ROOT
+
+
+def flags(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    config.add_flags(p)
+    return p.parse_args(argv)
+
+
+def test_defaults_match_the_design_table() -> None:
+    c = config.load(flags(), env={})
+    assert (c.worker_mode, c.redis_ip, c.redis_port, c.redis_db) == ("singlenode", "127.0.0.1", 6379, 0)
+    assert (c.worker_local_processors, c.worker_remote_processors) == (32, 2)
+    assert c.worker_healthy_response_period == 300.0
+    assert c.redis_result_queue_polling_interval == 100.0
+    assert c.main_server_minio_bucket == "gpupool"
+    assert c.main_server_minio_bucket_ping_timeout == 30.0
+    assert c.heartbeat_seconds == 30.0
+    assert c.listen_address() == ("127.0.0.1", 7420)
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
+    toml = tmp_path / "pool.toml"
+    toml.write_text(
+        "redis_port = 7000\nredis_db = 3\nworker_remote_processors = 4\nqueues = ['high', 'low']\n"
+    )
+    env = {"GPUPOOL_REDIS_PORT": "7001", "GPUPOOL_REDIS_DB": "5"}
+    c = config.load(flags("--config", str(toml), "--redis-port", "7002"), env=env)
+    assert (c.redis_port, c.redis_db, c.worker_remote_processors, c.queues) == (7002, 5, 4, ["high", "low"])
+    assert c.sources["redis_port"] == "--redis-port"
+    assert c.sources["redis_db"] == "GPUPOOL_REDIS_DB"
+    assert c.sources["worker_remote_processors"] == f"{toml}:3"
+    assert c.sources["redis_ip"] == "default"
+    assert config.load(flags(), env={"GPUPOOL_QUEUES": "a, b"}).queues == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "words"),
+    [
+        ("redis_prot = 1\n", ":1: redis_prot: unknown option", "known options"),
+        ("\n\nredis_port = 'x'\n", ":3: redis_port: 'x' is not valid", "an integer from 1 to 65535"),
+        ("worker_remote_processors = 0\n", ":1: worker_remote_processors: 0 is not valid", "from 1 to 4096"),
+        ("worker_mode = 'cluster'\n", ":1: worker_mode: 'cluster' is not valid", "singlenode, multinode"),
+        ("listen = '127.0.0.1'\n", ":1: listen: '127.0.0.1' is not valid", "HOST:PORT"),
+        ("redis_db = true\n", ":1: redis_db: True is not valid", "an integer"),
+        ("redis_port = [\n", ": config: not valid TOML", "Invalid value"),
+    ],
+)
+def test_bad_file_values_name_key_line_and_expectation(
+    tmp_path: Path, text: str, where: str, words: str
+) -> None:
+    toml = tmp_path / "pool.toml"
+    toml.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        config.load(flags("--config", str(toml)), env={})
+    message = str(err.value)
+    assert message.startswith(str(toml) + where)
+    assert words in message
+    assert "\n" not in message
+
+
+def test_bad_env_and_flag_values_name_their_source() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^GPUPOOL_WORKER_HEALTHY_RESPONSE_PERIOD: worker_healthy_response_period"
+    ):
+        config.load(flags(), env={"GPUPOOL_WORKER_HEALTHY_RESPONSE_PERIOD": "soon"})
+    with pytest.raises(ConfigError, match=r"^--redis-port: redis_port: '99999' is not valid"):
+        config.load(flags("--redis-port", "99999"), env={})
+    with pytest.raises(ConfigError, match=r"^GPUPOOL_NOPE: nope: unknown option"):
+        config.load(flags(), env={"GPUPOOL_NOPE": "1"})
+    with pytest.raises(ConfigError, match="not valid"):
+        config.load(flags(), env={"GPUPOOL_WORKER_HEALTHY_RESPONSE_PERIOD": "nan"})
+
+
+def test_secrets_from_files_and_masked(tmp_path: Path) -> None:
+    secret = tmp_path / "redis-password"
+    secret.write_text("s3cr3t-value\n")
+    c = config.load(flags(), env={"GPUPOOL_MAIN_SERVER_REDIS_PASSWORD_FILE": str(secret)})
+    assert c.main_server_redis_password == "s3cr3t-value"
+    assert c.shown()["main_server_redis_password"] == "********"
+    with pytest.raises(ConfigError, match="cannot read"):
+        config.load(flags(), env={"GPUPOOL_MAIN_SERVER_REDIS_PASSWORD_FILE": str(tmp_path / "missing")})
+    both = {"GPUPOOL_MAIN_SERVER_REDIS_PASSWORD": "x", "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD_FILE": str(secret)}
+    with pytest.raises(ConfigError, match="not both"):
+        config.load(flags(), env=both)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("main_server_redis_password = 5\n")
+    with pytest.raises(ConfigError) as err:
+        config.load(flags("--config", str(bad)), env={})
+    assert "5" not in str(err.value).split(":", 3)[-1].replace("expected", "")
+
+
+def poold(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "daemon.main", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def test_poold_bad_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    toml = tmp_path / "pool.toml"
+    toml.write_text("worker_remote_processors = -1\n")
+    out = poold("--config", str(toml))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"poold: {toml}:1: worker_remote_processors: -1 is not valid: expected an integer from 1 to 4096"
+    ]
+    assert "Traceback" not in out.stderr
+    assert out.stdout == ""
+    missing = poold("--config", str(tmp_path / "nope.toml"))
+    assert missing.returncode == 2
+    assert "cannot read the file" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_poold_print_config_masks_secrets(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD": "hunter2-secret"}
+    out = poold("--print-config", "--redis-port", "6380", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "hunter2-secret" not in out.stdout + out.stderr
+    assert "main_server_redis_password = '********'  # GPUPOOL_MAIN_SERVER_REDIS_PASSWORD" in out.stdout
+    assert "redis_port = 6380  # --redis-port" in out.stdout
+
+
+def test_readme_documents_every_option() -> None:
+    readme = (ROOT / "README.md").read_text()
+    missing = [
+        o.name for o in config.OPTIONS if f"| `{o.name}`" not in readme and f"`{o.name}`, " not in readme
+    ]
+    assert missing == [], f"README.md's configuration table lacks {missing}"

@@ -1,0 +1,78 @@
+"""procguard.py: when the worker is gone, so are its jobs, announced or not."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from daemon.worker.orphan_guard import OrphanGuard
+from tests.support.workers import alive, wait_dead, wait_until
+
+
+def start(env: dict[str, str], *, new_session: bool = True) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(["sleep", "300"], env={**os.environ, **env}, start_new_session=new_session)
+
+
+async def test_the_guard_kills_watched_groups_and_every_process_carrying_its_mark(tmp_path: Path) -> None:
+    guard = OrphanGuard("GPUPOOL_WORKER=w-guard-test")
+    await guard.start()
+    watched = start({})  # announced: killed by group
+    unannounced = start({"GPUPOOL_WORKER": "w-guard-test"})  # the worker died before telling
+    other_worker = start({"GPUPOOL_WORKER": "w-guard-test-2"})  # another worker's job
+    bystander = start({})
+    guard.watch(watched.pid)
+    try:
+        await guard.stop()  # end of file on its stdin, as when the worker is SIGKILLed
+        for p in (watched, unannounced):
+            p.wait(10)  # reaped here: they are this test's children
+        await wait_dead([watched.pid, unannounced.pid])
+        assert alive(other_worker.pid)
+        assert alive(bystander.pid)
+    finally:
+        for p in (watched, unannounced, other_worker, bystander):
+            p.kill()
+            p.wait()
+
+
+async def test_a_forgotten_group_is_left_alone(tmp_path: Path) -> None:
+    guard = OrphanGuard("GPUPOOL_WORKER=w-guard-test-3")
+    await guard.start()
+    done = start({})
+    guard.watch(done.pid)
+    guard.forget(done.pid)  # its job ended; the group id may belong to someone else now
+    try:
+        await guard.stop()
+        assert alive(done.pid)
+    finally:
+        done.kill()
+        done.wait()
+
+
+async def test_a_guard_that_dies_is_started_again_and_told_everything() -> None:
+    """A guard killed by hand (or by the OOM killer) left its worker unguarded for good: its
+    watcher starts a new one and tells it the groups it watches."""
+    guard = OrphanGuard("GPUPOOL_WORKER=w-guard-test-4")
+    await guard.start()
+    watcher = asyncio.create_task(guard.watch_over())
+    job = start({})
+    guard.watch(job.pid)
+    first = guard.pid
+    assert first is not None
+    try:
+        os.kill(first, signal.SIGKILL)
+        await wait_until(lambda: _replaced(guard, first), what="a new guard")
+        await asyncio.sleep(0.2)  # it has read what it was told
+        await guard.stop()  # end of file: the new guard kills what it watches
+        job.wait(10)
+        await wait_dead([job.pid])
+    finally:
+        watcher.cancel()
+        job.kill()
+        job.wait()
+
+
+async def _replaced(guard: OrphanGuard, old: int) -> bool:
+    return guard.pid not in (None, old)

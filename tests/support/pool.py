@@ -1,0 +1,99 @@
+"""A pool server in the test's own event loop, on a real Redis and a real loopback port."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from daemon import config
+from daemon.ctl.pool_client import PoolClient
+from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.queue.job_queue import JobQueue
+from daemon.server.service import PoolServer
+from storage.base import ObjectStore
+
+USERS = ("alice", "bob")
+
+
+@dataclass
+class Pool:
+    server: PoolServer
+    address: str
+    tokens: dict[str, str]
+    tokens_file: Path
+
+    @property
+    def queue(self) -> JobQueue:
+        assert self.server.queue is not None
+        return self.server.queue
+
+    def client(self, user: str = "alice", token: str | None = None) -> PoolClient:
+        return PoolClient(self.address, user, self.tokens[user] if token is None else token)
+
+    def env(self, user: str = "alice", **extra: str) -> dict[str, str]:
+        """Environment for a `poolctl` subprocess talking to this pool as `user`."""
+        import os
+
+        return {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(self.tokens_file.parent),
+            "XDG_CONFIG_HOME": str(self.tokens_file.parent / "xdg"),
+            "GPUPOOL_SERVER": self.address,
+            "GPUPOOL_USER": user,
+            "GPUPOOL_TOKEN": self.tokens[user],
+            **extra,
+        }
+
+
+def pool_config(
+    redis_server: EmbeddedRedis, tmp: Path, users: tuple[str, ...] = USERS, **overrides: Any
+) -> config.Config:
+    tokens = {u: secrets.token_urlsafe(24) for u in users}
+    tokens_file = tmp / "tokens.toml"
+    tokens_file.write_text("".join(f'"{u}" = "{t}"\n' for u, t in tokens.items()))
+    tokens_file.chmod(0o600)
+    values = {
+        "worker_mode": "multinode",
+        "redis_ip": "127.0.0.1",
+        "redis_port": redis_server.port,
+        "main_server_redis_password": redis_server.password,
+        "listen": "127.0.0.1:0",
+        "metrics_listen": "127.0.0.1:0",
+        "tokens_file": str(tokens_file),
+        "data_dir": str(tmp / "data"),
+        "redis_result_queue_polling_interval": 50.0,
+        **overrides,
+    }
+    c = config.load(None, env={}, config_file=None)
+    import dataclasses
+
+    return dataclasses.replace(c, **values)
+
+
+@asynccontextmanager
+async def running_pool(
+    redis_server: EmbeddedRedis,
+    tmp: Path,
+    store: ObjectStore | None = None,
+    users: tuple[str, ...] = USERS,
+    **overrides: Any,
+) -> AsyncIterator[Pool]:
+    """A started server with a token for each of `users`; `store` replaces the one its
+    configuration names (the server opens and closes it)."""
+    cfg = pool_config(redis_server, tmp, users, **overrides)
+    server = PoolServer(cfg)
+    if store is not None:
+        server.store = store
+    await server.start()
+    try:
+        assert server.listener is not None
+        from daemon.tokens import read_tokens
+
+        tokens = {u: t.decode() for u, t in read_tokens(Path(cfg.tokens_file)).items()}
+        yield Pool(server, server.listener.address, tokens, Path(cfg.tokens_file))
+    finally:
+        await server.stop()

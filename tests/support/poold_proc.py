@@ -1,0 +1,58 @@
+"""`poold` as a separate process, started the way an admin would start it, for tests that need
+blocking sockets (hypothesis) or real signals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from daemon.queue.embedded_redis import EmbeddedRedis
+
+
+@contextmanager
+def poold(redis_server: EmbeddedRedis, tmp: Path, tokens: dict[str, str], *flags: str) -> Iterator[str]:
+    """Run a multinode `poold` on `redis_server`; yields its client address."""
+    tokens_file = tmp / "tokens.toml"
+    tokens_file.write_text("".join(f'{u} = "{t}"\n' for u, t in tokens.items()))
+    tokens_file.chmod(0o600)
+    env = dict(
+        os.environ, XDG_CONFIG_HOME=str(tmp / "xdg"), GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "daemon.main",
+        "--worker-mode",
+        "multinode",
+        "--redis-port",
+        str(redis_server.port),
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--listen",
+        "127.0.0.1:0",
+        "--tokens-file",
+        str(tokens_file),
+        "--data-dir",
+        str(tmp / "data"),
+        *flags,
+    ]
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if "server ready on " in line:
+                address = line.split("server ready on ", 1)[1].split(":", 2)
+                break
+        else:
+            raise AssertionError("poold did not start:\n" + "".join(seen))
+        try:
+            yield f"{address[0]}:{address[1]}"
+        finally:
+            proc.terminate()
+            proc.wait(30)
+            proc.stderr.read()
