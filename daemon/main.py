@@ -20,6 +20,7 @@ from daemon import config as config_mod
 from daemon import log_setup
 from daemon.errors import ConfigError, GpupoolError
 from daemon.server.service import PoolServer
+from daemon.worker.dispatcher import Worker
 from daemon.worker.service import WorkerDaemon
 
 log = logging.getLogger("poold")
@@ -46,7 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     log_setup.setup(config.log_format, config.log_level)
     try:
-        return uvloop.run(_run(WorkerDaemon(config) if args.worker else PoolServer(config)))
+        # The server runs an embedded pool's local slots as a Worker, which main hands it.
+        daemon = WorkerDaemon(config) if args.worker else PoolServer(config, Worker.local_slots)
+        return uvloop.run(_run(daemon))
     except GpupoolError as exc:
         log.error("%s", exc)
         return 1

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from daemon import sd_notify, tokens
 from daemon.aio import TaskSet, start_or_undo
@@ -21,9 +21,24 @@ from daemon.server import reaper
 from daemon.server.handlers import Handlers
 from daemon.server.listener import Listener, ListenerError, is_loopback, tls_context
 from daemon.server.session import Limits
-from daemon.worker.dispatcher import Worker
+from storage.base import ObjectStore
 
 log = logging.getLogger(__name__)
+
+
+class LocalSlots(Protocol):
+    """The job slots a single-machine pool runs itself: a worker, which main.py hands the server
+    (server/ never imports worker code)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def force(self) -> None: ...
+
+
+# Builds the local slots on the server's queue, configuration and object store.
+LocalSlotsFactory = Callable[[JobQueue, Config, ObjectStore], LocalSlots]
 
 QUEUE_SET_REFRESH = 1.0  # seconds: the events reader reads the pool's queue set no more often
 
@@ -31,14 +46,17 @@ QUEUE_SET_REFRESH = 1.0  # seconds: the events reader reads the pool's queue set
 class PoolServer:
     """`start()` brings the pool up; `stop()` takes it down in reverse order and is safe to call twice."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, local_slots: LocalSlotsFactory | None = None) -> None:
+        """`local_slots` builds the slots an embedded pool runs itself (`worker_local_processors`
+        of them; none without it)."""
         self.config = config
+        self._local_slots = local_slots
         self.redis = PoolRedis(config)
         self.queue: JobQueue | None = None
         self.listener: Listener | None = None
         self.metrics = ServerMetrics()
         self.metrics_server: MetricsServer | None = None
-        self.local: Worker | None = None  # the slots a single-machine pool runs itself
+        self.local: LocalSlots | None = None  # the slots a single-machine pool runs itself
         self.store = make_store(config)  # opened at start; presigns and records, carries no bytes
         self._tasks = TaskSet()
 
@@ -97,8 +115,8 @@ class PoolServer:
         self.metrics_server = await serve_for(
             self.metrics.registry, c, worker=False, before_scrape=self.metrics.refresh
         )
-        if c.embedded and c.worker_local_processors > 0:
-            local = Worker.from_config(self.queue, c, slots=c.worker_local_processors, store=self.store)
+        if c.embedded and c.worker_local_processors > 0 and self._local_slots is not None:
+            local = self._local_slots(self.queue, c, self.store)
             await local.start()  # leaves nothing running if it fails
             self.local = local
         if c.embedded:

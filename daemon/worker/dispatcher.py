@@ -153,6 +153,11 @@ class Worker:
             cache_bytes=config.worker_cache_bytes,
         )
 
+    @classmethod
+    def local_slots(cls, queue: JobQueue, config: Config, store: ObjectStore) -> Worker:
+        """The slots a single-machine pool's server runs itself (`worker_local_processors`)."""
+        return cls.from_config(queue, config, slots=config.worker_local_processors, store=store)
+
     # -- life cycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:

@@ -112,3 +112,29 @@ def test_a_second_poold_on_the_same_data_dir_refuses_and_leaves_the_first_alone(
         finally:
             first.send_signal(signal.SIGTERM)
             assert first.wait(30) == 0
+
+
+def test_the_embedded_pool_runs_jobs_on_its_own_slots(tmp_path: Path) -> None:
+    """`make run`, then `poolctl enqueue` and `poolctl wait`: the job runs on the server's local slots
+    (the Worker main.py hands the server), with no worker started separately."""
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    argv = [sys.executable, "-m", "daemon.main", "--data-dir", str(tmp_path / "data")]
+    argv += ["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"]
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            wait_ready(proc)
+
+            def poolctl(*args: str) -> subprocess.CompletedProcess[str]:
+                cmd = [sys.executable, "-m", "daemon.ctl.cli", *args]
+                return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=False)
+
+            enqueued = poolctl("enqueue", "--", "sh", "-c", "echo ran-on-local-slots")
+            assert enqueued.returncode == 0, enqueued.stderr
+            job_id = enqueued.stdout.split()[0]
+            waited = poolctl("wait", job_id)
+            assert waited.returncode == 0, waited.stdout + waited.stderr
+            logs = poolctl("logs", job_id)
+            assert "ran-on-local-slots" in logs.stdout
+        finally:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(30) == 0
