@@ -11,7 +11,7 @@ length, counted from when Redis ran it, which is after the worker sent it. So `s
 the worker's own clock, is a time before which no other worker can have the attempt; less a margin
 for clock rates, that is `deadline`. It is set at the claim, moved on by every renewal that
 answers OK, and never by anything else: an attempt whose renewals fail is killed at its deadline
-by the worker (worker.py) and, should the worker be frozen, by its orphan guard (procguard.py),
+by the worker (dispatcher.py) and, should the worker be frozen, by its orphan guard (orphan_guard.py),
 which holds the same deadlines. The clock is CLOCK_BOOTTIME, which, unlike the monotonic clock,
 goes on while the machine is suspended: a suspended worker's leases expire in Redis meanwhile.
 """

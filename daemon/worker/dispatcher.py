@@ -8,11 +8,11 @@ claim takes as many jobs as there are free slots, and only one claim is in fligh
 the free GPUs it was sized by (each claimed job's taken out for the next) are still free when the
 jobs are given theirs (gpus.GpuAllocator).
 
-Every attempt the worker holds is one `held.HeldAttempt`, in one map keyed by lease id, from its
+Every attempt the worker holds is one `attempt.HeldAttempt`, in one map keyed by lease id, from its
 claim until its end is recorded; it runs as a `runner.JobRun` in a task of its own. The heartbeat
 (heartbeat.py) renews every held lease in one round trip, and its answers, by lease, move each
 attempt's self-fence deadline or end the attempt (LOST, CANCEL). The fence task kills an attempt
-whose deadline passes; the orphan guard (procguard.py) holds the same deadlines, for when this
+whose deadline passes; the orphan guard (orphan_guard.py) holds the same deadlines, for when this
 process is frozen. Claims wait while the heartbeat fails, and for a while after Redis restarts
 (claim_gate.py says why).
 
@@ -22,15 +22,21 @@ jobs finish for up to `drain_timeout` seconds; then it stops the rest (SIGTERM, 
 another worker takes them first. `force()` (a second signal) cuts the wait short and kills at
 once; the attempts are still handed back. `stop()` is safe to call twice. A Worker installs no
 signal handler: `main` does, for `WorkerDaemon` (worker mode) and the server running local slots.
+
+Why one class of ~500 lines: its life cycle, its claims and its attempts share one set of books (the
+held attempts, the slots, the GPUs) and the events that wake the dispatcher; the parts that stand
+alone live beside it: attempt.py (the record and its fence), claim_gate.py, heartbeat.py,
+outcomes.py (recording an attempt's end), runner.py (the processes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +44,18 @@ from redis.exceptions import RedisError
 
 from daemon.aio import TaskSet, cancel_and_wait, woken_or
 from daemon.config import Config
-from daemon.errors import RedisUnavailable, StaleAttempt
-from daemon.job import JobState, Lease, RenewStatus
+from daemon.errors import RedisUnavailable
+from daemon.job import Lease, RenewStatus
 from daemon.metrics import WorkerMetrics
 from daemon.queue import keys, registry
-from daemon.queue.job_queue import JobQueue, transient
+from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import Registration
 from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime
 from daemon.worker.claim_gate import ClaimGate
 from daemon.worker.gpus import GpuAllocator, GpuInfo, GpuProbe, GpuProbeError, NotEnoughGpus, Nvml, discover
 from daemon.worker.heartbeat import Heartbeat
 from daemon.worker.orphan_guard import OrphanGuard
+from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult
 from daemon.worker.scratch import SlotDirs
 from storage.base import ObjectStore
@@ -60,7 +67,14 @@ log = logging.getLogger(__name__)
 RunFactory = Callable[[Lease, tuple[GpuInfo, ...], int], Run]
 
 WAIT_BLOCK = 5.0  # longest blocking read for work before claiming again (a safety net only)
-RECORD_RETRY = 1.0  # longest pause between tries to record an outcome while Redis does not answer
+
+
+class Stage(enum.Enum):
+    """Where a worker is in its life; it only moves down this list."""
+
+    WORKING = "working"  # claiming and running
+    DRAINING = "draining"  # stop() began: no more claims, running jobs may finish
+    HANDING_BACK = "handing back"  # the drain is over: the rest are stopped and handed back
 
 
 class Worker:
@@ -123,10 +137,9 @@ class Worker:
         self._slot_freed = asyncio.Event()
         self._wake = asyncio.Event()  # GPUs came back, or the drain began: claim again
         self._gate = ClaimGate(queue, self.heartbeat, self.queues)
-        self._draining = False
-        self._handing_back = False
+        self._stage = Stage.WORKING
         self._forced = asyncio.Event()
-        self._stop_started = False
+        self._outcomes = Outcomes(queue, self._forced)  # records each attempt's end
         self._stopped = asyncio.Event()
 
     @classmethod
@@ -210,12 +223,12 @@ class Worker:
         configured one by default). Phase 2: stop the rest and hand their attempts back. A second
         call waits for the first (with `drain_timeout=0` it forces it). If this coroutine is
         cancelled, the jobs are SIGKILLed at once and their leases left to expire."""
-        if self._stop_started:
+        if self._stage is not Stage.WORKING:
             if drain_timeout == 0:
                 self.force()
             await self._stopped.wait()
             return
-        self._stop_started = True
+        self._stage = Stage.DRAINING
         try:
             await self._drain(self.drain_timeout if drain_timeout is None else drain_timeout)
             await self._hand_back_the_rest()
@@ -231,12 +244,11 @@ class Worker:
     def force(self) -> None:
         """End the drain now; stop jobs with SIGKILL instead of SIGTERM (a second signal)."""
         self._forced.set()
-        if self._handing_back:
+        if self._stage is Stage.HANDING_BACK:
             for run in self._runs():
                 run.hand_back(now=True)
 
     async def _drain(self, grace: float) -> None:
-        self._draining = True
         self._registration.state = registry.DRAINING
         self._wake.set()
         self._slot_freed.set()
@@ -277,7 +289,7 @@ class Worker:
             self._give_back(leases, boottime())
 
     async def _hand_back_the_rest(self) -> None:
-        self._handing_back = True
+        self._stage = Stage.HANDING_BACK
         running = self._runs()
         if running:
             log.info("stopping %d running jobs; their attempts go back to the queue", len(running))
@@ -308,7 +320,7 @@ class Worker:
 
     async def _dispatch(self) -> None:
         backoff = 0.1
-        while not self._draining:
+        while not self.draining():
             if self._busy() >= self.slots:
                 self._slot_freed.clear()
                 if self._busy() >= self.slots:
@@ -426,7 +438,7 @@ class Worker:
     async def _release(self, held: HeldAttempt) -> None:
         lease = held.lease
         try:
-            await self._record(held, "hand back", lambda: self.queue.release(lease))
+            await self._outcomes.hand_back(lease)
         finally:
             self._held.drop(held)
 
@@ -450,7 +462,7 @@ class Worker:
                 # Killed by a signal after the fence deadline: maybe by the fence itself (the orphan
                 # guard, while this worker was frozen). Not the job's outcome: the lease decides.
                 result = RunResult(Ending.LOST, None, result.dirty_gpus, result.killed_by)
-            await self._report(held, result)
+            await self._outcomes.report(held.lease, result)
         finally:
             self._held.drop(held)
 
@@ -466,53 +478,6 @@ class Worker:
             self._wake.set()  # the head of a queue may have been waiting for these GPUs
             if self.allocator.quarantined and self.probe is not None:
                 self._spawn(self._recheck_quarantine(), "quarantine check")
-
-    async def _report(self, held: HeldAttempt, result: RunResult) -> None:
-        lease = held.lease
-        job, n = lease.job_id, lease.attempt
-        if result.ending is Ending.LOST:
-            log.warning("job %s attempt %d: killed, nothing recorded: the lease was lost", job, n)
-        elif result.outcome is None:
-            state = await self._record(held, "hand back", lambda: self.queue.release(lease))
-            if state is not None:
-                log.info("job %s attempt %d: handed back (%s)", job, n, state)
-        else:
-            outcome = result.outcome
-            state = await self._record(
-                held, "record the outcome", lambda: self.queue.complete(lease, outcome)
-            )
-            how = f"{outcome.state}{' (' + outcome.detail + ')' if outcome.detail else ''}"
-            if state is None:
-                log.warning("job %s attempt %d: ended %s, but that outcome was not recorded", job, n, how)
-            elif state is JobState.QUEUED:
-                log.info("job %s attempt %d: %s; queued again for a retry", job, n, how)
-            else:
-                log.info("job %s attempt %d: %s", job, n, how)
-
-    async def _record(
-        self, held: HeldAttempt, what: str, call: Callable[[], Awaitable[JobState]]
-    ) -> JobState | None:
-        """Run a fenced write, retrying while Redis does not answer, until it does: then the
-        script decides whether the write counts (StaleAttempt: the lease had passed on). The
-        heartbeat keeps renewing the lease meanwhile. Gives up only when the worker is forced to
-        stop. None when the write was not made."""
-        job = held.lease.job_id
-        delay, said = 0.1, False
-        while True:
-            try:
-                return await call()
-            except StaleAttempt as exc:
-                log.warning("job %s: could not %s: %s", job, what, exc)
-                return None
-            except RedisError as exc:
-                if self._forced.is_set() or not transient(exc):
-                    log.error("job %s: could not %s (%s); its lease will expire", job, what, exc)
-                    return None
-                if not said:
-                    log.warning("job %s: could not %s yet (%s); trying until Redis answers", job, what, exc)
-                    said = True
-                await asyncio.sleep(delay)  # a back-off between retries
-                delay = min(delay * 2, RECORD_RETRY)
 
     async def _recheck_quarantine(self) -> None:
         """A quarantined GPU no process holds memory on any more is clean: back into use."""
@@ -563,7 +528,7 @@ class Worker:
 
     def draining(self) -> bool:
         """True once `stop()` began: no more jobs are claimed."""
-        return self._draining
+        return self._stage is not Stage.WORKING
 
     @property
     def running(self) -> dict[str, Lease]:

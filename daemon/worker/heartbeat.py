@@ -7,7 +7,7 @@ jobs beyond one script call per queue. The answers, keyed by lease id, decide ea
 
 - OK: the lease is extended by the lease length, from Redis's clock; the worker moves the
   attempt's self-fence deadline to the time this beat was *sent* plus the lease, less `margin`
-  (held.py says why the send time);
+  (attempt.py says why the send time);
 - LOST: the lease was reclaimed (this worker was presumed dead) or the job ended: the target kills
   the attempt's process group at once and records nothing, since the attempt is not its own any more;
 - CANCEL: the user cancelled: the target stops the job and records it as cancelled.

@@ -13,7 +13,7 @@ preexec_fn and so a full fork of the worker per job: see spawn.py.)
 
 The worker is frozen (SIGSTOP, a debugger, a VM paused under it). Its leases then expire in Redis
 and its jobs start elsewhere, while the frozen worker's processes would run on beside them. So the
-guard holds, for each lease, the deadline the worker last knew it good until (held.py: by
+guard holds, for each lease, the deadline the worker last knew it good until (attempt.py: by
 CLOCK_BOOTTIME, which counts suspended time too), and SIGKILLs the lease's process group, and its
 session, once that deadline passes; the worker kills at the same moment when it is alive to. The
 guard wakes at least every CHECK_SECONDS while it holds deadlines, because its waits run on the

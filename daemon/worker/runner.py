@@ -2,11 +2,11 @@
 
 The job's argv runs without a shell, in a new session (so its process group is its own and one
 `killpg` reaches every process it starts), started with vfork (spawn.py); if the worker dies,
-procguard.py kills its jobs. Its directory is the spec's `cwd`, or its slot's scratch directory
+orphan_guard.py kills its jobs. Its directory is the spec's `cwd`, or its slot's scratch directory
 `work` (next to `out`, the GPUPOOL_OUTPUT directory): empty when the job starts, emptied when it
 ends (scratch.py).
 
-Output (stdout and stderr merged) streams to the job's log as it comes (joblog.py); a refused
+Output (stdout and stderr merged) streams to the job's log as it comes (job_output.py); a refused
 log write means the attempt is no longer this worker's, and the job is killed at once.
 
 Stopping: a cancel, a timeout or a drain sends SIGTERM to the whole process group and SIGKILL

@@ -9,7 +9,7 @@ with a pidfd registered with the running loop (Linux >= 5.3; where there is none
 filter refuses it, a thread per process waits instead), its output read through the loop's pipe
 transport: no SIGCHLD handler, nothing the loop must support beyond `add_reader` and
 `connect_read_pipe`. A job's processes outliving a killed worker are
-procguard.py's to kill.
+orphan_guard.py's to kill.
 """
 
 from __future__ import annotations

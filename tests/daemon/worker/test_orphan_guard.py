@@ -1,4 +1,4 @@
-"""procguard.py: when the worker is gone, so are its jobs, announced or not."""
+"""orphan_guard.py: when the worker is gone, so are its jobs, announced or not."""
 
 from __future__ import annotations
 
