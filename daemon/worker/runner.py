@@ -38,8 +38,8 @@ from daemon.errors import GpupoolError
 from daemon.job import JobState, Lease, Outcome
 from daemon.queue.job_queue import JobQueue
 from daemon.sd_notify import NOTIFY_ENV
-from daemon.worker import job_data, scratch, spawn
-from daemon.worker.gpus import GpuInfo, GpuProbe, GpuProbeError, visible_devices
+from daemon.worker import job_data, leftovers, scratch, spawn
+from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
 from daemon.worker.job_output import JobOutput
 from daemon.worker.orphan_guard import OrphanGuard
 from storage.base import ObjectStore
@@ -279,10 +279,10 @@ class JobRun:
             await cancel_and_wait(sampler)
             if self._killer is not None:
                 await cancel_and_wait(self._killer)
-            leftovers = _leftovers(pgid, self._descendants)
+            left = leftovers.leftovers(pgid, self._descendants)
             try:
-                if leftovers:
-                    await asyncio.to_thread(psutil.wait_procs, leftovers, timeout=5)
+                if left:
+                    await asyncio.to_thread(psutil.wait_procs, left, timeout=5)
             finally:
                 if self.guard is not None:
                     self.guard.forget(pgid)
@@ -290,8 +290,8 @@ class JobRun:
                     await self.output.finish(pump)
                 finally:
                     self._proc.close()
-        if leftovers:
-            log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(leftovers))
+        if left:
+            log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(left))
         dirty = await self._check_gpus(pgid)
         outcome = self._outcome(returncode, "", started)
         if outcome is not None and self.store is not None:
@@ -331,7 +331,7 @@ class JobRun:
         any that left the session). Sampled: a kernel high-water mark per tree does not exist."""
         await asyncio.sleep(FIRST_SAMPLE_SECONDS)
         while True:
-            rss, seen = await asyncio.to_thread(_tree, pgid)
+            rss, seen = await asyncio.to_thread(leftovers.tree, pgid)
             self._peak_rss = max(self._peak_rss, rss)
             self._descendants.update(seen)
             await asyncio.sleep(SAMPLE_SECONDS)
@@ -363,72 +363,8 @@ class JobRun:
         ours = set(self._descendants) | {pgid}
         deadline = time.monotonic() + GPU_SETTLE_SECONDS
         while True:
-            dirty = await asyncio.to_thread(_dirty_gpus, self.probe, self.gpus, ours, pgid)
+            dirty = await asyncio.to_thread(leftovers.dirty_gpus, self.probe, self.gpus, ours, pgid)
             if not dirty or time.monotonic() > deadline:
                 return dirty
             # The driver frees a dead process's memory a moment after the process is reaped.
             await asyncio.sleep(0.25)
-
-
-def _tree(pgid: int) -> tuple[int, dict[int, float]]:
-    """RSS of the job's first process and its descendants, and their pids with creation times."""
-    try:
-        root = psutil.Process(pgid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0, {}
-    rss, seen = 0, {}
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            rss += p.memory_info().rss
-            seen[p.pid] = p.create_time()
-    return rss, seen
-
-
-def _leftovers(pgid: int, descendants: Mapping[int, float]) -> list[psutil.Process]:
-    """SIGKILL what is left of a job: its group, any process of its session (one that changed its
-    group), any descendant seen while it ran that moved to a session of its own. Returns the
-    processes that were left, to wait for. One getsid() per process on the machine: the /proc
-    reads are made only for the job's own."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-    left = []
-    for pid in psutil.pids():
-        try:
-            ours = os.getsid(pid) == pgid
-        except OSError:
-            continue
-        if not ours and pid not in descendants:
-            continue
-        try:
-            p = psutil.Process(pid)
-            if not ours and p.create_time() != descendants[pid]:
-                continue  # the pid was reused by a process that is not the job's
-            if p.status() == psutil.STATUS_ZOMBIE:
-                continue  # already dead, waiting for its parent (or init) to reap it
-            p.kill()
-        except psutil.Error:
-            continue
-        left.append(p)
-    return left
-
-
-def _dirty_gpus(probe: GpuProbe, gpus: Sequence[GpuInfo], ours: set[int], sid: int) -> dict[str, str]:
-    dirty = {}
-    for g in gpus:
-        try:
-            pids = probe.compute_pids(g.uuid)
-        except GpuProbeError as exc:
-            dirty[g.uuid] = f"cannot check it after the job: {exc}"
-            continue
-        held = sorted(pid for pid in pids if pid in ours or _session(pid) == sid)
-        if held:
-            dirty[g.uuid] = f"processes {held} of the job still hold memory on it"
-    return dirty
-
-
-def _session(pid: int) -> int | None:
-    try:
-        return os.getsid(pid)
-    except OSError:
-        return None

@@ -1,0 +1,83 @@
+"""What a job leaves behind, and the sweep that ends it: its process tree, the processes that
+escaped its group or session, and GPU memory its processes still hold.
+
+The runner samples `tree` while the job runs (RSS, and every descendant's pid with its creation
+time, so that a pid reused later is not taken for the job's); when the job's first process exits,
+`leftovers` SIGKILLs whatever of it is left, and `dirty_gpus` names the GPUs a process of the job
+still holds memory on (they are quarantined until it is freed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Mapping, Sequence
+
+import psutil
+
+from daemon.worker.gpus import GpuInfo, GpuProbe, GpuProbeError
+
+
+def tree(pgid: int) -> tuple[int, dict[int, float]]:
+    """RSS of the job's first process and its descendants, and their pids with creation times."""
+    try:
+        root = psutil.Process(pgid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0, {}
+    rss, seen = 0, {}
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            rss += p.memory_info().rss
+            seen[p.pid] = p.create_time()
+    return rss, seen
+
+
+def leftovers(pgid: int, descendants: Mapping[int, float]) -> list[psutil.Process]:
+    """SIGKILL what is left of a job: its group, any process of its session (one that changed its
+    group), any descendant seen while it ran that moved to a session of its own. Returns the
+    processes that were left, to wait for. One getsid() per process on the machine: the /proc
+    reads are made only for the job's own."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    left = []
+    for pid in psutil.pids():
+        try:
+            ours = os.getsid(pid) == pgid
+        except OSError:
+            continue
+        if not ours and pid not in descendants:
+            continue
+        try:
+            p = psutil.Process(pid)
+            if not ours and p.create_time() != descendants[pid]:
+                continue  # the pid was reused by a process that is not the job's
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue  # already dead, waiting for its parent (or init) to reap it
+            p.kill()
+        except psutil.Error:
+            continue
+        left.append(p)
+    return left
+
+
+def dirty_gpus(probe: GpuProbe, gpus: Sequence[GpuInfo], ours: set[int], sid: int) -> dict[str, str]:
+    dirty = {}
+    for g in gpus:
+        try:
+            pids = probe.compute_pids(g.uuid)
+        except GpuProbeError as exc:
+            dirty[g.uuid] = f"cannot check it after the job: {exc}"
+            continue
+        held = sorted(pid for pid in pids if pid in ours or session(pid) == sid)
+        if held:
+            dirty[g.uuid] = f"processes {held} of the job still hold memory on it"
+    return dirty
+
+
+def session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
