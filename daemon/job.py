@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.errors import InvalidJob
-from daemon.queue import keys
 
 MAX_ARGV_BYTES = 256 * 1024
 FULL_SHA = re.compile(r"[0-9a-f]{40}")
@@ -50,17 +49,30 @@ def _base36(n: int) -> str:
     return out or "0"
 
 
+QUEUE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+JOB_ID = re.compile(r"([A-Za-z0-9_-]{1,64})\.([0-9a-z]{8,32})")
+
+
 def new_job_id(queue: str) -> str:
     """`QUEUE.` + milliseconds in base 36 + 5 random base-36 digits: short, sortable, unique enough
-    (the enqueue script refuses an id that exists, and the caller draws again)."""
+    (an id that exists already is made unique by the enqueue scripts, lua/_lib.lua free_job_id)."""
     # Not secret (ids are not credentials; a collision is caught by the scripts), so the fast
     # generator, which the random module reseeds in a forked child.
     rand = _base36(36**5 + random.randrange(36**5))[1:]
     return f"{queue}.{_base36(time.time_ns() // 1_000_000)}{rand}"
 
 
+def queue_of(job_id: str) -> str:
+    """The queue a job id belongs to (the part before the dot), or InvalidJob naming the id: ids come
+    from users, and the id alone names every Redis key of its job (daemon/queue/keys.py)."""
+    m = JOB_ID.fullmatch(job_id)
+    if m is None:
+        raise InvalidJob("id", f"{job_id!r} is not a job id (expected QUEUE.ID, e.g. default.0mzk4g8x1a2b)")
+    return m.group(1)
+
+
 def check_queue_name(name: object, field_name: str = "queue") -> str:
-    if not isinstance(name, str) or keys.QUEUE_NAME.fullmatch(name) is None:
+    if not isinstance(name, str) or QUEUE_NAME.fullmatch(name) is None:
         raise InvalidJob(field_name, f"{name!r} is not a queue name (1-64 of A-Z a-z 0-9 _ -)")
     return name
 

@@ -26,10 +26,10 @@ from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from daemon.config import Config
 from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
-from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id
+from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
 from daemon.queue.connection import RunIdWatch
-from daemon.queue.reads import QueueReads, _s, job_queue_of, xread
+from daemon.queue.reads import QueueReads, _s, xread
 from daemon.queue.scripts import Pipeliner, ScriptBatch, Scripts
 
 log = logging.getLogger(__name__)
@@ -121,25 +121,28 @@ class JobQueue(QueueReads):
             raise InvalidJob("idempotency key", f"must be 1 to {MAX_IDEMPOTENCY_KEY} characters")
         q = spec.queue
         packed = msgpack.packb(spec.to_dict())
-        while True:
-            job_id = new_job_id(q)
-            job_keys = [keys.stream(q), keys.jobs(q), keys.seq(q), keys.job(job_id)]
-            if idempotency_key is not None:
-                job_keys.append(keys.idempotency(q, spec.user, idempotency_key))
-            listed = self._list_queues([q])
-            try:
-                got, created = await self._call(
-                    self.scripts.enqueue,
-                    job_keys,
-                    [keys.GROUP, job_id, packed, spec.gpus, spec.max_attempts, spec.retries],
-                )
-            except ResponseError as exc:
-                if str(exc).startswith("ID_TAKEN"):
-                    continue  # two ids drawn in the same millisecond collided: draw again
-                raise
-            finally:
-                await self._listed(listed, [q])
-            return _s(got), bool(created)
+        job_id = new_job_id(q)
+        job_keys = [keys.stream(q), keys.jobs(q), keys.seq(q), keys.job(job_id)]
+        if idempotency_key is not None:
+            job_keys.append(keys.idempotency(q, spec.user, idempotency_key))
+        listed = self._list_queues([q])
+        try:
+            got, created = await self._call(
+                self.scripts.enqueue,
+                job_keys,
+                [
+                    keys.GROUP,
+                    keys.queue_prefix(q),
+                    job_id,
+                    packed,
+                    spec.gpus,
+                    spec.max_attempts,
+                    spec.retries,
+                ],
+            )
+        finally:
+            await self._listed(listed, [q])
+        return _s(got), bool(created)
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[str]:
         """Enqueue several jobs in one round trip, in order: one script call per run of up to
@@ -402,7 +405,7 @@ class JobQueue(QueueReads):
     async def cancel(self, job_id: str) -> str:
         """Cancel a job: 'cancelled' (it was queued and will never start), 'cancelling' (it runs; its
         worker stops it), or the terminal state it already had. Raises JobNotFound."""
-        q = job_queue_of(job_id)
+        q = queue_of(job_id)
         state = _s(
             await self._call(
                 self.scripts.cancel,

@@ -42,14 +42,11 @@ Pub/sub channels (not keys: no slot, so they work the same on Redis Cluster):
 
 from __future__ import annotations
 
-import re
+from daemon.job import queue_of
 
 PREFIX = "gp"
 GROUP = "workers"
 RECLAIMED_CONSUMER = "reclaimed"
-
-QUEUE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_JOB_ID = re.compile(r"([A-Za-z0-9_-]{1,64})\.([0-9a-z]{8,32})")
 
 
 def queue_prefix(queue: str) -> str:
@@ -128,14 +125,3 @@ WORKERS_SEEN = POOL_PREFIX + "workers:seen"
 def worker_channel(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}"
 
-
-def is_job_id(text: str) -> bool:
-    return _JOB_ID.fullmatch(text) is not None
-
-
-def queue_of(job_id: str) -> str:
-    """The queue a job id belongs to. Raises ValueError for something that is not a job id."""
-    m = _JOB_ID.fullmatch(job_id)
-    if m is None:
-        raise ValueError(f"{job_id!r} is not a job id (expected QUEUE.ID, e.g. default.0mzk4g8x1a2b)")
-    return m.group(1)

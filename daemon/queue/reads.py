@@ -15,7 +15,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from daemon.errors import InvalidJob, JobNotFound
+from daemon.errors import JobNotFound
 from daemon.job import Attempt, JobInfo, JobSpec, JobState
 from daemon.queue import keys
 from daemon.queue.connection import block_limit
@@ -47,14 +47,6 @@ def _seconds(ms: bytes | None) -> float | None:
     return int(ms) / 1000 if ms else None
 
 
-def job_queue_of(job_id: str) -> str:
-    """The queue of a job id, or InvalidJob naming the id (ids come from users)."""
-    try:
-        return keys.queue_of(job_id)
-    except ValueError as exc:
-        raise InvalidJob("id", str(exc)) from None
-
-
 class QueueReads:
     """Reads of the queue's keys (daemon/queue/keys.py); `JobQueue` is one."""
 
@@ -68,7 +60,6 @@ class QueueReads:
         """Log chunks after the entry id `after`, oldest first: (entry id, bytes). With `block`,
         waits up to that many seconds for the first new chunk (a blocking read). Where output was
         dropped to keep the log within its bound, a line says how much (log.lua)."""
-        job_queue_of(job_id)
         stream = keys.log(job_id)
         if block is None:
             entries = await xrange(self.redis, stream, f"({after}" if after != "0-0" else "-", count)
@@ -97,7 +88,6 @@ class QueueReads:
 
     async def get(self, job_id: str) -> JobInfo:
         """Everything known of a job, with its attempt history. Raises JobNotFound."""
-        job_queue_of(job_id)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(keys.job(job_id))
             pipe.lrange(keys.attempts(job_id), 0, -1)

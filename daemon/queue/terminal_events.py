@@ -95,9 +95,10 @@ class JobEvents:
         if not self._cursors:
             await asyncio.sleep(self.refresh)
             return
-        streams = {keys.events(q): cursor for q, cursor in self._cursors.items()}
+        queue_of_stream = {keys.events(q): q for q in self._cursors}
+        streams = {stream: self._cursors[q] for stream, q in queue_of_stream.items()}
         for stream, entries in await xread(self.queue.redis, streams, block=self.refresh):
-            q = stream.split("{q:", 1)[1].split("}", 1)[0]
+            q = queue_of_stream[stream]
             for entry_id, fields in entries:
                 self._cursors[q] = entry_id.decode()
                 job_id = fields[b"job"].decode()

@@ -10,10 +10,10 @@ from typing import Any, Protocol
 from daemon import sd_notify, tokens
 from daemon.aio import TaskSet, start_or_undo
 from daemon.config import Config
-from daemon.job import JobState
+from daemon.job import JobState, queue_of
 from daemon.metrics import MetricsServer, ServerMetrics, serve_for
 from daemon.object_store import make_store
-from daemon.queue import keys, registry
+from daemon.queue import registry
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.pool_redis import PoolRedis
 from daemon.queue.terminal_events import JobEvents, Terminal
@@ -142,7 +142,7 @@ class PoolServer:
         self.metrics.job_finished(event.queue, event.state, wait, run)
 
     def _reclaimed(self, job_id: str, state: JobState) -> None:
-        self.metrics.attempts_reclaimed(keys.queue_of(job_id))
+        self.metrics.attempts_reclaimed(queue_of(job_id))
 
     async def list_workers(self) -> list[dict[str, Any]]:
         assert self.queue is not None

@@ -21,6 +21,27 @@
 --   their leases, and ending jobs is how the pool gets its memory back. A worker whose heartbeat
 --   is refused claims nothing (worker.py).
 
+-- The key of job `id`'s record; its attempts and log are this key + ':attempts' and ':log'
+-- (the layout of daemon/queue/keys.py, which names every key).
+local function job_key(prefix, id)
+  return prefix .. 'job:' .. id
+end
+
+-- The first free job id at `id` or after it (`id`, `id`z1, `id`z2, ...): two ids drawn in the same
+-- millisecond are made unique where they were drawn, so a batch keeps its order and a caller never
+-- draws again. With `spec` given, a job holding that very spec is taken for this call run again (its
+-- reply was lost), and its id is answered as found: {id, key, true}. Else {id, key, false}.
+local function free_job_id(prefix, id, spec)
+  local k, candidate = 0, id
+  while true do
+    local key = job_key(prefix, candidate)
+    if redis.call('EXISTS', key) == 0 then return {candidate, key, false} end
+    if spec and redis.call('HGET', key, 'spec') == spec then return {candidate, key, true} end
+    k = k + 1
+    candidate = id .. 'z' .. k
+  end
+end
+
 -- Redis server time in ms: leases are judged by this one clock, never by the workers' clocks.
 local function now_ms()
   local t = redis.call('TIME')
@@ -62,7 +83,7 @@ local TRIM_PER_FINISH = 8
 -- Move a job to a terminal state: the record, the stream entry, an event for waiters, and the
 -- retention countdown of every key of the job; the queue's index forgets jobs past retention.
 local function finish(prefix, stream, group, events, id, state, now, retention)
-  local jobkey = prefix .. 'job:' .. id
+  local jobkey = job_key(prefix, id)
   local j = redis.call('HMGET', jobkey, 'entry', 'idem', 'enqueued_at', 'started_at')
   drop_entry(stream, group, j[1])
   redis.call('HSET', jobkey, 'state', state, 'ended_at', now)
@@ -90,14 +111,14 @@ end
 -- Put a job at the front of its queue: `retry` is served before the stream, in enqueue order; its
 -- entry stays pending (owned by the 'reclaimed' consumer) so it is never trimmed.
 local function to_front(prefix, stream, group, retry, id)
-  local j = redis.call('HMGET', prefix .. 'job:' .. id, 'seq', 'entry')
+  local j = redis.call('HMGET', job_key(prefix, id), 'seq', 'entry')
   redis.call('ZADD', retry, j[1], id)
   redis.call('XCLAIM', stream, group, 'reclaimed', 0, j[2], 'JUSTID')
 end
 
 -- Put a started job back at the front of its queue, to be claimed again with attempt+1.
 local function requeue(prefix, stream, group, retry, id)
-  redis.call('HSET', prefix .. 'job:' .. id, 'state', 'queued', 'worker', '')
+  redis.call('HSET', job_key(prefix, id), 'state', 'queued', 'worker', '')
   to_front(prefix, stream, group, retry, id)
   wake(prefix)
 end

@@ -9,7 +9,7 @@
 -- Returns the job's state afterwards: 'cancelled' | 'cancelling' | the terminal state | 'missing'.
 local stream, retry, events = KEYS[1], KEYS[2], KEYS[3]
 local prefix, group, id = ARGV[1], ARGV[2], ARGV[3]
-local jobkey = prefix .. 'job:' .. id
+local jobkey = job_key(prefix, id)
 local state = redis.call('HGET', jobkey, 'state')
 if not state then return 'missing' end
 if state == 'queued' then

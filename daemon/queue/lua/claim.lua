@@ -59,7 +59,7 @@ if seen[1] and tonumber(seen[1]) >= request then
     local i = 0
     for id in string.gmatch(seen[2], '%S+') do
       i = i + 1
-      local jobkey = prefix .. 'job:' .. id
+      local jobkey = job_key(prefix, id)
       local j = redis.call('HMGET', jobkey, 'state', 'worker', 'lease')
       local until_ms = tonumber(redis.call('ZSCORE', leases, id))
       if j[1] == 'running' and j[2] == consumer and j[3] == lease_of(i) and until_ms and until_ms > now then
@@ -106,7 +106,7 @@ end
 -- so that a claimer finds the oldest job it can hold with one look per GPU count present.
 local SEQ = 4294967296
 local function park(id, gpus)
-  local seq = tonumber(redis.call('HGET', prefix .. 'job:' .. id, 'seq'))
+  local seq = tonumber(redis.call('HGET', job_key(prefix, id), 'seq'))
   redis.call('ZADD', parked, gpus * SEQ + seq, id)
   wake(prefix)
 end
@@ -129,10 +129,10 @@ end
 local moved = 0
 while #ids < wanted do
   local r = redis.call('ZRANGE', retry, 0, 0, 'WITHSCORES')
-  local too_big = r[1] and need(prefix .. 'job:' .. r[1]) > gpus_total
+  local too_big = r[1] and need(job_key(prefix, r[1])) > gpus_total
   if too_big and moved < 100 then
     redis.call('ZREM', retry, r[1])  -- too big for this worker: parked (its entry stays pending)
-    park(r[1], need(prefix .. 'job:' .. r[1]))
+    park(r[1], need(job_key(prefix, r[1])))
     moved = moved + 1
   else
     if too_big then r = {} end  -- enough moved for one call: the rest wait for the next
@@ -140,7 +140,7 @@ while #ids < wanted do
     local pick, from = r[1], retry
     if p and (not pick or p_seq < tonumber(r[2])) then pick, from = p, parked end
     if not pick then break end
-    local jobkey = prefix .. 'job:' .. pick
+    local jobkey = job_key(prefix, pick)
     local gpus = need(jobkey)
     if gpus > gpus_free then return stop('blocked', newest()) end
     redis.call('ZREM', from, pick)
@@ -165,7 +165,7 @@ for _ = 1, 100 + wanted do
   if not nxt then return stop('empty', last) end
   local entry, fields = nxt[1], nxt[2]
   local id = fields[1] == 'job' and fields[2] or nil
-  local jobkey = id and (prefix .. 'job:' .. id)
+  local jobkey = id and job_key(prefix, id)
   local state = jobkey and redis.call('HGET', jobkey, 'state')
   local gpus = state == 'queued' and need(jobkey) or 0
   if gpus > gpus_free and gpus <= gpus_total then return stop('blocked', newest()) end

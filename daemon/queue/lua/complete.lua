@@ -14,7 +14,7 @@
 local stream, leases, events, retry = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, group, consumer, id = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local attempt, lease, state = ARGV[5], ARGV[6], ARGV[7]
-local jobkey = prefix .. 'job:' .. id
+local jobkey = job_key(prefix, id)
 local j = redis.call('HMGET', jobkey, 'state', 'attempt', 'worker', 'lease', 'failures', 'retries', 'cancel',
   'ended_by', 'ended_as')
 if j[8] == lease then return {j[9]} end  -- this lease ended already: as it did then

@@ -2,7 +2,7 @@
 -- Guarantees: each job's record, stream entry and index entry are written, in the order given
 -- (their sequence numbers rise in that order, so FIFO holds within the batch, and the batch is
 -- never split); an id that exists already (two drawn in the same millisecond) is made unique
--- here by a suffix rather than refused, so a collision never reorders the batch. The call run
+-- where it was drawn (free_job_id), so a collision never reorders the batch. The call run
 -- again (its reply was lost) finds its batch key and answers the ids of its first run, adding
 -- nothing; the batch key lives BATCH_SECONDS. At maxmemory refused whole (its first write allocates).
 -- KEYS: 1 stream, 2 jobs index, 3 seq counter, 4 the batch key (named by a random id per call),
@@ -19,12 +19,8 @@ local n, now, ids = #KEYS - 4, now_ms(), {}
 local first = reserve(stream, seqkey, group, n)
 for i = 1, n do
   local a = 3 + (i - 1) * 5
-  local id, jobkey, k = ARGV[a], KEYS[4 + i], 0
-  while redis.call('EXISTS', jobkey) == 1 do
-    k = k + 1
-    id = ARGV[a] .. 'z' .. k
-    jobkey = prefix .. 'job:' .. id
-  end
+  local free = free_job_id(prefix, ARGV[a])  -- no spec: the batch key recognises a call run again
+  local id, jobkey = free[1], free[2]
   add_job(stream, index, jobkey, id, first + i - 1, now,
     ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4])
   ids[i] = id

@@ -19,7 +19,7 @@ local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, lim
 local out = {#expired}
 for _, id in ipairs(expired) do
   redis.call('ZREM', leases, id)
-  local jobkey = prefix .. 'job:' .. id
+  local jobkey = job_key(prefix, id)
   local j = redis.call('HMGET', jobkey, 'state', 'max_attempts', 'cancel')
   if j[1] == 'running' then
     close_attempt(jobkey, 'lost', now)

@@ -11,7 +11,7 @@
 -- Returns {'queued'} | {'cancelled'} | {'stale', state, attempt}.
 local stream, retry, leases, events = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, group, consumer, id, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6]
-local jobkey = prefix .. 'job:' .. id
+local jobkey = job_key(prefix, id)
 local j = redis.call('HMGET', jobkey, 'state', 'attempt', 'worker', 'lease', 'cancel', 'ended_by', 'ended_as')
 if j[6] == lease then return {j[7]} end  -- this lease ended already: as it did then
 if not holds(j, ARGV[5], consumer, lease) then

@@ -17,7 +17,7 @@ local out = {}
 redis.call('ZREM', leases, '')  -- no lease is named '': a write that frees, so the ones below pass
 for i = 4, #ARGV, 3 do
   local id, attempt, lease = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local j = redis.call('HMGET', prefix .. 'job:' .. id, 'state', 'attempt', 'worker', 'lease', 'cancel')
+  local j = redis.call('HMGET', job_key(prefix, id), 'state', 'attempt', 'worker', 'lease', 'cancel')
   if holds(j, attempt, consumer, lease) and redis.call('ZSCORE', leases, id) then
     redis.call('ZADD', leases, 'XX', deadline, id)
     out[#out + 1] = (j[5] == '1') and 'cancel' or 'ok'

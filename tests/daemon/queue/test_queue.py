@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
-from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id
+from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
@@ -108,6 +108,20 @@ async def test_every_job_claimed_once_under_concurrent_claimers(
     assert set(claimed_ids) == ids
     assert len({name for _, name in claims}) > 1  # they really competed
     assert await queue.depth("default") == 0
+
+
+async def test_enqueue_of_an_id_that_exists_makes_it_unique_and_a_resent_call_adds_nothing(
+    queue: JobQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    taken, _ = await queue.enqueue(spec(0))
+    monkeypatch.setattr("daemon.queue.job_queue.new_job_id", lambda q: taken)  # drawn in the same ms
+    got, created = await queue.enqueue(spec(1))
+    assert (got, created) == (taken + "z1", True)
+    assert (await queue.get(taken)).spec.argv == ("echo", "0")  # untouched
+    assert (await queue.get(got)).spec.argv == ("echo", "1")
+    # the same call sent again (same drawn id, same spec: its reply was lost) answers the same job
+    assert await queue.enqueue(spec(1)) == (got, True)
+    assert await queue.depth("default") == 2
 
 
 async def test_enqueue_many_keeps_order_per_queue_even_when_an_id_collides(
@@ -392,7 +406,7 @@ async def test_queues_are_served_in_priority_order(queue: JobQueue) -> None:
     assert (await claim(queue, queues=("high", "low"))).job_id == high
     assert (await claim(queue, queues=("high", "low"))).job_id == low
     assert await queue.queues() == ["high", "low"]
-    assert keys.queue_of(high) == "high"
+    assert queue_of(high) == "high"
 
 
 async def test_wait_for_work_wakes_on_enqueue_without_polling(queue: JobQueue, redis: Redis) -> None:
