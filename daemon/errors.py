@@ -1,25 +1,33 @@
-"""Errors that reach a human: each carries a stable code and one sentence saying what to do.
+"""Errors that reach a human: each carries the wire protocol's code and one sentence saying what
+was wrong and what to do.
 
-The codes are strings so they read well in logs, JSON output and protocol ERROR frames alike.
+One hierarchy for the whole daemon and poolctl: `code` is the `protocol.ErrorCode` an ERROR frame
+carries when the error answers a request (so the server maps any of them to a frame in one line),
+and `message` is the sentence `poolctl` prints as-is. A class sets its usual code; an instance may
+carry another (`GpupoolError(sentence, ErrorCode.UNAVAILABLE)`). Errors that never cross the wire
+(a bad config file, a port in use) keep the default, INTERNAL, which no client ever sees.
 """
 
 from __future__ import annotations
+
+from protocol.errors import ErrorCode
 
 
 class GpupoolError(Exception):
     """Base of every error gpupool reports to a user; `str(err)` is the sentence to show."""
 
-    code = "error"
+    # an int, not only ErrorCode: a client keeps a code from a newer server it does not know
+    code: int = ErrorCode.INTERNAL
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, code: int | None = None) -> None:
         super().__init__(message)
         self.message = message
+        if code is not None:
+            self.code = code
 
 
 class ConfigError(GpupoolError):
     """A configuration value is unknown, of the wrong type, or out of range."""
-
-    code = "bad_config"
 
     def __init__(self, key: str, source: str, problem: str) -> None:
         super().__init__(f"{source}: {key}: {problem}")
@@ -30,7 +38,7 @@ class ConfigError(GpupoolError):
 class InvalidJob(GpupoolError):
     """A job spec (or job id) does not have the shape the pool needs."""
 
-    code = "invalid_job"
+    code = ErrorCode.INVALID_ARGUMENT
 
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"job {field}: {problem}")
@@ -40,7 +48,7 @@ class InvalidJob(GpupoolError):
 class NoWorkerFits(GpupoolError):
     """A job asks for more GPUs than any worker of the pool that serves its queue has."""
 
-    code = "no_worker_fits"
+    code = ErrorCode.INVALID_ARGUMENT
 
     def __init__(self, gpus: int, queue: str, largest: int | None) -> None:
         have = (
@@ -57,7 +65,7 @@ class NoWorkerFits(GpupoolError):
 
 
 class JobNotFound(GpupoolError):
-    code = "not_found"
+    code = ErrorCode.NOT_FOUND
 
     def __init__(self, job_id: str) -> None:
         super().__init__(f"no job {job_id!r} in this pool (finished jobs are kept for a limited time)")
@@ -67,7 +75,7 @@ class JobNotFound(GpupoolError):
 class StaleAttempt(GpupoolError):
     """A worker wrote for an attempt that is no longer the job's current one (fencing)."""
 
-    code = "stale_attempt"
+    code = ErrorCode.CONFLICT
 
     def __init__(self, job_id: str, attempt: int, detail: str) -> None:
         super().__init__(f"job {job_id} attempt {attempt} is no longer current: {detail}")
@@ -76,4 +84,4 @@ class StaleAttempt(GpupoolError):
 
 
 class RedisUnavailable(GpupoolError):
-    code = "redis_unavailable"
+    code = ErrorCode.UNAVAILABLE

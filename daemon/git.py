@@ -27,7 +27,8 @@ _locks: dict[Path, asyncio.Lock] = {}
 
 
 class GitError(GpupoolError):
-    code = "git"
+    """git failed; the sentence is git's own reason."""
+
 
 
 async def git(*args: str, cwd: Path | None = None) -> str:

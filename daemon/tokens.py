@@ -23,7 +23,8 @@ TOKEN_BYTES = 32
 
 
 class TokenError(GpupoolError):
-    code = "bad_tokens"
+    """A tokens file cannot be read, or does not hold lines of user = "token"."""
+
 
 
 def client_dir(env: Mapping[str, str] | None = None) -> Path:

@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ClientError as exc:
         print(f"poolctl: {exc}", file=sys.stderr)
         codes: dict[int, int] = {ErrorCode.NOT_FOUND: EXIT_NOT_FOUND, ErrorCode.INVALID_ARGUMENT: EXIT_USAGE}
-        return codes.get(exc.error_code, EXIT_FAILED)
+        return codes.get(exc.code, EXIT_FAILED)
     except (GpupoolError, StorageError) as exc:  # a transfer failed: the store's or our sentence
         print(f"poolctl: {exc}", file=sys.stderr)
         return EXIT_FAILED

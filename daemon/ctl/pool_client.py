@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from daemon.address import parse_host_port
+from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
 from protocol import (
     NEED_DATA,
@@ -41,13 +42,8 @@ _Item = ReplyReceived | RequestFailed | ConnectionFailed | ConnectionClosed
 
 
 class ClientError(GpupoolError):
-    """A request or the connection failed; `code` is the protocol's error code (0: no connection)."""
-
-    code = "client"
-
-    def __init__(self, message: str, error_code: int = 0) -> None:
-        super().__init__(message)
-        self.error_code = error_code
+    """A request or the connection failed; `code` is the error code the server sent (kept as a
+    number when this version does not know it), INTERNAL when it sent none."""
 
 
 class ServerUnreachable(ClientError):
@@ -205,9 +201,7 @@ class PoolClient:
 
     async def close(self) -> None:
         if self._reader_task is not None:
-            self._reader_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader_task
+            await cancel_and_wait(self._reader_task)  # a cancellation of close() itself goes on
             self._reader_task = None
         if self._writer is not None:
             self._writer.close()

@@ -54,7 +54,8 @@ Advance = Callable[[int], None]
 
 
 class TransferError(GpupoolError):
-    code = "transfer"
+    """An upload or download through a presigned URL failed."""
+
 
 
 @dataclass(frozen=True, slots=True)

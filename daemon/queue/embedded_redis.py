@@ -35,7 +35,8 @@ MIN_VERSION = (6, 2)  # XAUTOCLAIM, XRANGE exclusive ranges, ZADD GT/LT
 
 
 class EmbeddedRedisError(GpupoolError):
-    code = "embedded_redis"
+    """The embedded redis-server cannot be found or started."""
+
 
 
 def find_binary() -> Path:

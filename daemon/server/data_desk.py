@@ -32,7 +32,7 @@ import orjson
 from daemon.errors import GpupoolError
 from daemon.job import INPUT_KINDS, SHA256
 from daemon.object_store import DATASET_NAME, name_key
-from protocol import DownloadTicket, ObjectRef, UploadTicket
+from protocol import DownloadTicket, ErrorCode, ObjectRef, UploadTicket
 from storage.base import ObjectInfo, ObjectNotFound, ObjectStore
 from storage.content import content_key
 from storage.local import LocalStore
@@ -45,11 +45,11 @@ READABLE_PREFIXES = ("sha256/", "artifacts/")
 
 
 class DataNotFound(GpupoolError):
-    code = "not_found"
+    code = ErrorCode.NOT_FOUND
 
 
 class BadDataRequest(GpupoolError):
-    code = "invalid_argument"
+    code = ErrorCode.INVALID_ARGUMENT
 
 
 class DataDesk:

@@ -1,8 +1,9 @@
 """What the server does for each request: the queue operations behind the wire protocol.
 
 `Handlers.handle` takes one decoded request and the authenticated user, sends any streamed items
-through `send`, and returns the final reply. Errors a user can cause come back as `RequestError`
-with a protocol error code and a sentence; the session turns them into ERROR frames.
+through `send`, and returns the final reply. Errors come back as `GpupoolError`s, each carrying its
+protocol error code and sentence (daemon/errors.py); the session turns them into ERROR frames. The
+store's and Redis's own errors are turned into such sentences here.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from daemon.job import JobInfo, JobSpec, JobState
 from daemon.metrics import ServerMetrics
 from daemon.queue.job_queue import JobQueue, out_of_memory
 from daemon.queue.terminal_events import JobEvents
-from daemon.server.data_desk import BadDataRequest, DataDesk, DataNotFound
+from daemon.server.data_desk import DataDesk
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -65,23 +66,6 @@ SendStream = Callable[[StreamItem], Awaitable[None]]
 WorkerLister = Callable[[], Awaitable[list[dict[str, Any]]]]
 
 
-class RequestError(Exception):
-    """A request failed for a reason the user can act on; the connection stays open."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def _error_for(exc: GpupoolError) -> RequestError:
-    if isinstance(exc, JobNotFound | DataNotFound):
-        return RequestError(ErrorCode.NOT_FOUND, exc.message)
-    if isinstance(exc, InvalidJob | BadDataRequest | NoWorkerFits):
-        return RequestError(ErrorCode.INVALID_ARGUMENT, exc.message)
-    return RequestError(ErrorCode.INTERNAL, exc.message)
-
-
 class Handlers:
     def __init__(
         self,
@@ -100,24 +84,22 @@ class Handlers:
     async def handle(self, request: Request, user: str, send: SendStream) -> Reply:
         try:
             return await self._dispatch(request, user, send)
-        except GpupoolError as exc:
-            raise _error_for(exc) from None
         except StorageError as exc:
             log.warning("request %s failed: object store (%s)", type(request).__name__, exc)
-            raise RequestError(
-                ErrorCode.UNAVAILABLE, f"the pool's object store failed: {exc.message}"
+            raise GpupoolError(
+                f"the pool's object store failed: {exc.message}", ErrorCode.UNAVAILABLE
             ) from None
         except RedisError as exc:
             if out_of_memory(exc):
                 log.warning("request %s refused: Redis is at its maxmemory", type(request).__name__)
-                raise RequestError(
-                    ErrorCode.UNAVAILABLE,
+                raise GpupoolError(
                     "the pool's Redis is full (maxmemory reached): nothing new is taken until it has "
                     "room; retry later, and tell the pool's admin",
+                    ErrorCode.UNAVAILABLE,
                 ) from None
             log.warning("request %s failed: Redis unavailable (%s)", type(request).__name__, exc)
-            raise RequestError(
-                ErrorCode.UNAVAILABLE, "the pool's Redis is unreachable right now; retry in a moment"
+            raise GpupoolError(
+                "the pool's Redis is unreachable right now; retry in a moment", ErrorCode.UNAVAILABLE
             ) from None
 
     async def _dispatch(self, request: Request, user: str, send: SendStream) -> Reply:
@@ -143,11 +125,11 @@ class Handlers:
                 return Pong(time.time())
             case PrepareUpload() | FinishUpload() | ResolveName() | PrepareDownload():
                 return await self._data(request)
-        raise RequestError(ErrorCode.UNKNOWN_OP, f"this server does not handle {type(request).__name__}")
+        raise GpupoolError(f"this server does not handle {type(request).__name__}", ErrorCode.UNKNOWN_OP)
 
     async def _data(self, request: PrepareUpload | FinishUpload | ResolveName | PrepareDownload) -> Reply:
         if self.data is None:
-            raise RequestError(ErrorCode.UNAVAILABLE, "this server has no object store for datasets")
+            raise GpupoolError("this server has no object store for datasets", ErrorCode.UNAVAILABLE)
         match request:
             case PrepareUpload(sha256=sha256, size=size):
                 return await self.data.prepare_upload(sha256, size)
@@ -168,7 +150,7 @@ class Handlers:
 
     async def _enqueue_batch(self, specs: list[dict[str, Any]], user: str) -> EnqueuedBatch:
         if len(specs) > MAX_BATCH:
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"a batch holds at most {MAX_BATCH} jobs")
+            raise GpupoolError(f"a batch holds at most {MAX_BATCH} jobs", ErrorCode.INVALID_ARGUMENT)
         job_specs = [_spec(s, user) for s in specs]
         await self._check_fits(job_specs)
         ids = await self.queue.enqueue_many(job_specs)
@@ -195,8 +177,8 @@ class Handlers:
         self, q: str | None, state: str | None, everything: bool, limit: int
     ) -> list[dict[str, Any]]:
         if state is not None and state not in set(JobState):
-            raise RequestError(
-                ErrorCode.INVALID_ARGUMENT, f"unknown state {state!r}; one of {', '.join(JobState)}"
+            raise GpupoolError(
+                f"unknown state {state!r}; one of {', '.join(JobState)}", ErrorCode.INVALID_ARGUMENT
             )
         limit = max(1, min(limit, MAX_LIST))
         finished = everything or (state is not None and JobState(state).terminal)

@@ -7,7 +7,6 @@ listen beyond loopback without tokens, caps the number of connections, and can s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import ipaddress
 import logging
@@ -15,6 +14,7 @@ import os
 import ssl
 from collections.abc import Mapping
 
+from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
 from daemon.metrics import ServerMetrics
 from daemon.server.handlers import Handlers
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class ListenerError(GpupoolError):
-    code = "listen"
+    """The server cannot listen as configured (TLS files, an open port beyond loopback, a port in use)."""
 
 
 def is_loopback(host: str) -> bool:
@@ -36,6 +36,16 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def refuse_open_beyond_loopback(tokens: Mapping[str, bytes] | None, host: str, port: int) -> None:
+    """A server without tokens answers anyone who can reach it: it may listen on loopback only."""
+    if tokens is None and not is_loopback(host):
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise ListenerError(
+            f"refusing to listen on {where} without authentication: set tokens_file "
+            '(lines of user = "token"), or listen on 127.0.0.1'
+        )
 
 
 def tls_context(cert: str, key: str) -> ssl.SSLContext:
@@ -60,11 +70,7 @@ class Listener:
         limits: Limits | None = None,
         metrics: ServerMetrics | None = None,
     ) -> None:
-        if tokens is None and not is_loopback(host):
-            raise ListenerError(
-                f"refusing to listen on {host}:{port} without authentication: set tokens_file "
-                '(user = "token" lines), or listen on 127.0.0.1'
-            )
+        refuse_open_beyond_loopback(tokens, host, port)
         self.handlers = handlers
         self.tokens = tokens
         self.host, self.port = host, port
@@ -129,10 +135,7 @@ class Listener:
         running = [task for session in self._sessions for task in session.requests]
         if running:
             await asyncio.wait(running, timeout=grace)
+        # cancel_and_wait, not `suppress(CancelledError)`: that would swallow a cancellation of stop()
         tasks = [t for t in self._sessions.values() if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*(cancel_and_wait(task) for task in tasks))
         self._server = None

@@ -19,7 +19,7 @@ from daemon.queue.pool_redis import PoolRedis
 from daemon.queue.terminal_events import JobEvents, Terminal
 from daemon.server import reaper
 from daemon.server.handlers import Handlers
-from daemon.server.listener import Listener, ListenerError, is_loopback, tls_context
+from daemon.server.listener import Listener, ListenerError, refuse_open_beyond_loopback, tls_context
 from daemon.server.session import Limits
 from storage.base import ObjectStore
 
@@ -78,11 +78,7 @@ class PoolServer:
             raise ListenerError("tls_cert and tls_key go together: give both, or neither")
         known_tokens = self._tokens()
         host, port = c.listen_address()
-        if known_tokens is None and not is_loopback(host):  # refuse before starting anything
-            raise ListenerError(
-                f"refusing to listen on {c.listen} without authentication: set tokens_file "
-                '(lines of user = "token"), or listen on 127.0.0.1'
-            )
+        refuse_open_beyond_loopback(known_tokens, host, port)  # before starting anything
         await self.store.open()
         client = await self.redis.start()
         self.queue = JobQueue.from_config(client, c, watch=self.redis.watch)

@@ -16,7 +16,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from daemon.server.handlers import Handlers, RequestError
+from daemon.errors import GpupoolError
+from daemon.server.handlers import Handlers
 from protocol import (
     DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
@@ -159,8 +160,8 @@ class Session:
         try:
             reply = await self.handlers.handle(message, user, send)
             self._write(self.conn.reply(rid, reply))
-        except RequestError as exc:
-            self._write(self.conn.error(rid, exc.code, exc.message))
+        except GpupoolError as exc:
+            self._write(self.conn.error(rid, ErrorCode(exc.code), exc.message))
         except asyncio.CancelledError:
             if self._closing:
                 raise

@@ -40,8 +40,6 @@ LOG_PAGE = 1000
 class DataError(GpupoolError):
     """The job's data could not be put in place; the attempt fails with this sentence."""
 
-    code = "job_data"
-
 
 async def prepare(
     cache: ObjectCache | None, spec: JobSpec, workdir: Path, note: Callable[[str], None]

@@ -55,10 +55,10 @@ async def test_submit_list_show_cancel(pool: Pool) -> None:
 
         with pytest.raises(ClientError) as err:
             await c.call(ShowJob("default.doesnotexist1"), JobDetail)
-        assert err.value.error_code == ErrorCode.NOT_FOUND
+        assert err.value.code == ErrorCode.NOT_FOUND
         with pytest.raises(ClientError) as err:
             await c.call(Enqueue({"argv": []}, None), Enqueued)
-        assert err.value.error_code == ErrorCode.INVALID_ARGUMENT
+        assert err.value.code == ErrorCode.INVALID_ARGUMENT
         assert "argv" in str(err.value)
         # the connection survives request-level errors
         assert isinstance(await c.call(Ping(), Pong), Pong)

@@ -44,7 +44,7 @@ async def test_a_job_no_worker_could_ever_hold_is_refused_unless_it_may_wait(
     async with pool.client() as c:
         with pytest.raises(ClientError) as refused:
             await c.call(Enqueue(job(gpus=1), None), Enqueued)
-        assert refused.value.error_code == ErrorCode.INVALID_ARGUMENT
+        assert refused.value.code == ErrorCode.INVALID_ARGUMENT
         assert "no worker serving queue 'default' has joined the pool" in str(refused.value)
         async with running_worker(pool.queue, tmp_path / "w", gpus=fake_gpus(4), slots=2):
             with pytest.raises(ClientError) as refused:
