@@ -47,7 +47,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], state_col: int
             table.add_row(*cells)
         console.print(table)
         return
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     for line in [headers, *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
 
