@@ -1,38 +1,27 @@
-"""Code from git: a job can name a repository and an exact commit (or a ref) to run at.
+"""Running git: the one way gpupool runs it, for the worker's mirrors (worker/git_mirror.py) and
+for what poolctl reads of the user's checkout (ctl/checkout.py).
 
-The worker keeps one bare mirror per repository under its data directory and fetches only what is
-missing: an exact commit already in the mirror costs no network at all; a ref (a branch name) is
-fetched each time, since it moves. The job's directory is a `--shared` clone of the mirror (objects
-borrowed, not copied) checked out at the detached commit. Mirrors are locked per repository, within
-the process and across processes (flock), so concurrent jobs never fetch into one mirror at once.
-Every failure is a `GitError` with the reason git gave, which fails the attempt with that sentence.
+git runs without a terminal and never asks for a password (a worker has nobody to ask, and a
+prompt would hang poolctl in a script); every failure is a `GitError` whose sentence is the reason
+git gave.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
-import hashlib
 import os
-import re
-import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 from daemon.errors import GpupoolError
-
-FULL_SHA = re.compile(r"[0-9a-f]{40}")
-_locks: dict[Path, asyncio.Lock] = {}
 
 
 class GitError(GpupoolError):
     """git failed; the sentence is git's own reason."""
 
 
-
-async def git(*args: str, cwd: Path | None = None) -> str:
-    """Run git without a terminal (it must never wait for a password); its stdout, or GitError."""
+async def git(*args: str, cwd: Path | None = None, strip: bool = True) -> str:
+    """Run git without a terminal (it must never wait for a password); its stdout (stripped of
+    surrounding whitespace unless `strip` is False), or GitError."""
     env = dict(os.environ, GIT_TERMINAL_PROMPT="0", GIT_ASKPASS="true", LC_ALL="C")
     proc = await asyncio.create_subprocess_exec(
         "git",
@@ -49,7 +38,8 @@ async def git(*args: str, cwd: Path | None = None) -> str:
         fatal = [line for line in lines if line.startswith(("fatal:", "error:"))]
         reason = (fatal or lines or [f"exit status {proc.returncode}"])[0]
         raise GitError(f"git {_verb(args)} failed: {reason}")
-    return out.decode().strip()
+    text = out.decode()
+    return text.strip() if strip else text
 
 
 def _verb(args: tuple[str, ...]) -> str:
@@ -58,52 +48,3 @@ def _verb(args: tuple[str, ...]) -> str:
     while rest and rest[0] in ("--git-dir", "-C"):
         rest = rest[2:]
     return rest[0] if rest else "?"
-
-
-def mirror_path(cache: Path, repo: str) -> Path:
-    return cache / (hashlib.sha256(repo.encode()).hexdigest()[:20] + ".git")
-
-
-@contextlib.asynccontextmanager
-async def _locked(mirror: Path) -> AsyncIterator[None]:
-    lock = _locks.setdefault(mirror, asyncio.Lock())
-    async with lock:
-        mirror.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(str(mirror) + ".lock", os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # closing releases the flock
-
-
-async def _resolve(mirror: Path, rev: str) -> str | None:
-    try:
-        return await git("--git-dir", str(mirror), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
-    except GitError:
-        return None
-
-
-async def fetch(cache: Path, repo: str, rev: str) -> tuple[Path, str]:
-    """The mirror of `repo`, holding `rev` (a commit or a ref), and the commit `rev` names."""
-    mirror = mirror_path(cache, repo)
-    async with _locked(mirror):
-        if not mirror.exists():
-            tmp = mirror.with_name(mirror.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            await git("clone", "--quiet", "--mirror", repo, str(tmp))
-            tmp.rename(mirror)
-        elif not FULL_SHA.fullmatch(rev) or await _resolve(mirror, rev) is None:
-            await git("--git-dir", str(mirror), "fetch", "--quiet", "--prune", "origin")
-        commit = await _resolve(mirror, rev)
-    if commit is None:
-        raise GitError(f"{rev!r} is not a commit or ref of {repo} (fetched it; is it pushed?)")
-    return mirror, commit
-
-
-async def checkout(cache: Path, repo: str, rev: str, dest: Path) -> str:
-    """Put `repo` at `rev` into the empty directory `dest`; returns the exact commit."""
-    mirror, commit = await fetch(cache, repo, rev)
-    await git("clone", "--quiet", "--shared", "--no-checkout", str(mirror), str(dest))
-    await git("-C", str(dest), "checkout", "--quiet", "--detach", commit)
-    return commit

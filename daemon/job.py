@@ -10,7 +10,7 @@ import enum
 import random
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,7 +133,7 @@ class JobSpec:
             isinstance(k, str) and isinstance(v, str) and k and "=" not in k for k, v in env.items()
         ):
             raise InvalidJob("env", "must map variable names (without '=') to string values")
-        return cls(
+        spec = cls(
             argv=tuple(argv),
             queue=check_queue_name(data.get("queue", "default")),
             name=_opt_str(data, "name") or "",
@@ -145,13 +145,34 @@ class JobSpec:
             max_attempts=_int(data, "max_attempts", 3, 1, MAX_ATTEMPTS_LIMIT),
             retries=_int(data, "retries", 0, 0, MAX_ATTEMPTS_LIMIT),
             user=_opt_str(data, "user") or "",
-            git=_git(data.get("git"), data.get("cwd")),
-            inputs=_inputs(data.get("inputs"), data.get("cwd")),
-            snapshot=_snapshot(data.get("snapshot"), data.get("cwd"), data.get("git")),
+            git=_git(data.get("git")),
+            inputs=_inputs(data.get("inputs")),
+            snapshot=_snapshot(data.get("snapshot")),
         )
+        check_combination(
+            {k for k in ("cwd", "git", "inputs", "snapshot") if data.get(k) not in (None, [], ())}
+        )
+        return spec
 
 
-def _git(value: object, cwd: object) -> dict[str, str] | None:
+# Fields of a spec that exclude each other, and why: each wants the job's directory to be its own.
+EXCLUSIVE = (
+    ("git", "cwd", "the job runs in its checkout"),
+    ("inputs", "cwd", "inputs are placed in the job's own directory"),
+    ("snapshot", "cwd", "the job runs in the snapshot"),
+    ("snapshot", "git", "the job runs in the snapshot"),
+)
+
+
+def check_combination(present: Collection[str]) -> None:
+    """Refuse fields that exclude each other (EXCLUSIVE); `present` names the fields a spec has.
+    poolctl asks before it uploads anything, the server again when the spec arrives."""
+    for field_name, other, why in EXCLUSIVE:
+        if field_name in present and other in present:
+            raise InvalidJob(field_name, f"cannot be combined with {other}: {why}")
+
+
+def _git(value: object) -> dict[str, str] | None:
     if value is None:
         return None
     if not isinstance(value, Mapping) or not isinstance(value.get("repo"), str) or not value["repo"]:
@@ -165,8 +186,6 @@ def _git(value: object, cwd: object) -> dict[str, str] | None:
         raise InvalidJob("git", f"commit {value['commit']!r} is not a full 40-digit commit id")
     if "commit" not in value and "ref" not in value:
         raise InvalidJob("git", 'needs a "commit" or a "ref"')
-    if cwd is not None:
-        raise InvalidJob("cwd", "cannot be combined with git: the job runs in its checkout")
     return dict(value)
 
 
@@ -179,7 +198,7 @@ def check_dest(dest: object) -> str:
     return dest
 
 
-def _inputs(value: object, cwd: object) -> tuple[dict[str, str], ...]:
+def _inputs(value: object) -> tuple[dict[str, str], ...]:
     if value is None or value == []:
         return ()
     if not isinstance(value, list | tuple) or len(value) > MAX_INPUTS:
@@ -196,12 +215,10 @@ def _inputs(value: object, cwd: object) -> tuple[dict[str, str], ...]:
     dests = [i["dest"] for i in out]
     if len(set(dests)) != len(dests):
         raise InvalidJob("inputs", "two inputs have the same dest")
-    if cwd is not None:
-        raise InvalidJob("cwd", "cannot be combined with inputs: they are placed in the job's own directory")
     return tuple(out)
 
 
-def _snapshot(value: object, cwd: object, git: object) -> dict[str, Any] | None:
+def _snapshot(value: object) -> dict[str, Any] | None:
     if value is None:
         return None
     if (
@@ -215,8 +232,6 @@ def _snapshot(value: object, cwd: object, git: object) -> dict[str, Any] | None:
         raise InvalidJob(
             "snapshot", 'must be a map of "sha256" (64 hex digits), "commit" (str), "dirty" (bool)'
         )
-    if cwd is not None or git is not None:
-        raise InvalidJob("snapshot", "cannot be combined with cwd or git: the job runs in the snapshot")
     return dict(value)
 
 

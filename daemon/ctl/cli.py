@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,9 +20,10 @@ import orjson
 from daemon import tokens
 from daemon.config import SERVER_PORT
 from daemon.ctl import render, transfer
+from daemon.ctl.checkout import git_source
 from daemon.ctl.pool_client import AuthFailed, ClientError, PoolClient, ServerUnreachable, parse_address
 from daemon.errors import GpupoolError
-from daemon.job import FULL_SHA, TERMINAL_STATES
+from daemon.job import TERMINAL_STATES, check_combination
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -49,8 +49,14 @@ from storage.base import StorageError
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH, EXIT_NOT_FOUND, EXIT_TIMEOUT = 1, 2, 3, 4, 5, 124
 
 
-class UsageError(Exception):
-    pass
+class UsageError(GpupoolError):
+    """The command line asks for something poolctl cannot do; exits EXIT_USAGE."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+# What each error's wire code means for the exit status; any other error is EXIT_FAILED.
+EXIT_FOR_CODE: dict[int, int] = {ErrorCode.NOT_FOUND: EXIT_NOT_FOUND, ErrorCode.INVALID_ARGUMENT: EXIT_USAGE}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -148,20 +154,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return asyncio.run(_run(args))
-    except UsageError as exc:
-        print(f"poolctl: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except ServerUnreachable as exc:
         print(f"poolctl: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except AuthFailed as exc:
         print(f"poolctl: {exc}", file=sys.stderr)
         return EXIT_AUTH
-    except ClientError as exc:
+    except GpupoolError as exc:  # usage, the server's refusal, git, a transfer: the sentence says
         print(f"poolctl: {exc}", file=sys.stderr)
-        codes: dict[int, int] = {ErrorCode.NOT_FOUND: EXIT_NOT_FOUND, ErrorCode.INVALID_ARGUMENT: EXIT_USAGE}
-        return codes.get(exc.code, EXIT_FAILED)
-    except (GpupoolError, StorageError) as exc:  # a transfer failed: the store's or our sentence
+        return EXIT_FOR_CODE.get(exc.code, EXIT_FAILED)
+    except StorageError as exc:  # the local store of a single-machine pool failed
         print(f"poolctl: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
@@ -230,6 +232,9 @@ def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
 
 
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
+    """The spec the command line describes, less what must be read or uploaded (git, inputs,
+    snapshot); refused here if its parts exclude each other (the server validates the whole spec;
+    this spares an upload that would be refused)."""
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
         raise UsageError("nothing to run: give the command after --, e.g. poolctl enqueue -- python train.py")
@@ -251,13 +256,9 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         "max_attempts": args.max_attempts,
         "cwd": str(Path(args.cwd).resolve()) if args.cwd else None,
     }
-    if args.snapshot and (args.git is not None or args.cwd):
-        raise UsageError("--snapshot cannot be combined with --git or --cwd: the job runs in the snapshot")
-    if args.input and args.cwd:
-        raise UsageError("--input cannot be combined with --cwd: inputs go in the job's own directory")
-    if args.git is not None:
-        spec["git"] = git_source(args.git, args.ref)
-    elif args.ref:
+    given = {"cwd": args.cwd, "git": args.git is not None, "inputs": args.input, "snapshot": args.snapshot}
+    check_combination({name for name, value in given.items() if value})
+    if args.ref and args.git is None:
         raise UsageError("--ref goes with --git")
     return spec
 
@@ -283,7 +284,9 @@ async def _get(client: PoolClient, args: argparse.Namespace) -> int:
 
 
 async def _attach_data(client: PoolClient, spec: dict[str, Any], args: argparse.Namespace) -> None:
-    """Upload what --input and --snapshot name, and record them in the spec."""
+    """Pin the commit --git names; upload what --input and --snapshot name; record them in the spec."""
+    if args.git is not None:
+        spec["git"] = await git_source(args.git, args.ref)
     try:
         if args.snapshot:
             spec["snapshot"] = await transfer.upload_snapshot(client, Path.cwd())
@@ -291,39 +294,6 @@ async def _attach_data(client: PoolClient, spec: dict[str, Any], args: argparse.
             spec["inputs"] = [await transfer.resolve_input(client, text) for text in args.input]
     except transfer.TransferError as exc:
         raise UsageError(str(exc)) from None
-
-
-def git_source(repo: str, ref: str | None, cwd: Path | None = None) -> dict[str, str]:
-    """What `--git [REPO] [--ref REF]` names. Without REPO: this checkout's origin (or its path, for a
-    pool on this machine) at the exact commit HEAD (or REF) is now, so later commits change nothing."""
-    if repo:
-        return (
-            {"repo": repo, "commit": ref}
-            if ref and FULL_SHA.fullmatch(ref)
-            else {"repo": repo, "ref": ref or "HEAD"}
-        )
-
-    def run(*argv: str) -> str:
-        out = subprocess.run(["git", *argv], cwd=cwd, capture_output=True, text=True, check=False)
-        if out.returncode != 0:
-            raise UsageError(f"--git without a repository needs a git checkout here: {out.stderr.strip()}")
-        return out.stdout.strip()
-
-    top = run("rev-parse", "--show-toplevel")
-    commit = run("rev-parse", "--verify", f"{ref or 'HEAD'}^{{commit}}")
-    remotes = run("remote").split()
-    source = run("remote", "get-url", "origin") if "origin" in remotes else top
-    if run("status", "--porcelain", "--untracked-files=no"):
-        print(
-            "poolctl: uncommitted changes are not part of the job: it runs commit " + commit[:12],
-            file=sys.stderr,
-        )
-    if "origin" in remotes and not run("branch", "-r", "--contains", commit):
-        print(
-            f"poolctl: commit {commit[:12]} is on no branch of origin: push it, or no worker can fetch it",
-            file=sys.stderr,
-        )
-    return {"repo": source, "commit": commit}
 
 
 async def _enqueue(client: PoolClient, request: Enqueue | EnqueueBatch, args: argparse.Namespace) -> int:

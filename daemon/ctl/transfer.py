@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from daemon.ctl.checkout import working_tree
 from daemon.ctl.pool_client import ClientError, PoolClient
 from daemon.errors import GpupoolError
 from protocol import (
@@ -55,7 +55,6 @@ Advance = Callable[[int], None]
 
 class TransferError(GpupoolError):
     """An upload or download through a presigned URL failed."""
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,40 +96,6 @@ def _describe(path: Path) -> Source:
 async def describe(path: Path) -> Source:
     """Hash a file or a directory (as its tar) without storing anything."""
     return await asyncio.to_thread(_describe, path)
-
-
-# -- snapshots ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    source: Source
-    commit: str
-    dirty: bool
-
-
-def _git(cwd: Path, *argv: str) -> str:
-    out = subprocess.run(["git", *argv], cwd=cwd, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise TransferError(f"--snapshot needs a git checkout here: git {argv[0]}: {out.stderr.strip()}")
-    return out.stdout
-
-
-async def snapshot(cwd: Path) -> Snapshot:
-    """The working tree as it is: committed, modified and untracked-but-not-ignored files."""
-    return await asyncio.to_thread(_snapshot, cwd)
-
-
-def _snapshot(cwd: Path) -> Snapshot:
-    top = Path(_git(cwd, "rev-parse", "--show-toplevel").strip())
-    head = subprocess.run(
-        ["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=top, capture_output=True, text=True, check=False
-    )
-    commit = head.stdout.strip() if head.returncode == 0 else ""
-    names = tuple(n for n in _git(top, "ls-files", "-co", "--exclude-standard", "-z").split("\0") if n)
-    dirty = bool(_git(top, "status", "--porcelain").strip())
-    sha, size = stream_sha256(pack_files(top, names))
-    return Snapshot(Source("dir", top, sha, size, names), commit, dirty)
 
 
 # -- progress ----------------------------------------------------------------------------------
@@ -270,9 +235,10 @@ async def resolve_input(client: PoolClient, text: str) -> dict[str, str]:
 
 async def upload_snapshot(client: PoolClient, cwd: Path) -> dict[str, object]:
     """`--snapshot`: pack and upload the working tree; the job spec's `snapshot` entry."""
-    snap = await snapshot(cwd)
-    await upload(client, snap.source, None, "snapshot")
-    return {"sha256": snap.source.sha256, "commit": snap.commit, "dirty": snap.dirty}
+    tree = await working_tree(cwd)
+    sha, size = await asyncio.to_thread(lambda: stream_sha256(pack_files(tree.top, tree.names)))
+    await upload(client, Source("dir", tree.top, sha, size, tree.names), None, "snapshot")
+    return {"sha256": sha, "commit": tree.commit, "dirty": tree.dirty}
 
 
 def _safe_name(name: str) -> bool:

@@ -32,13 +32,12 @@ from typing import Any, Protocol
 
 import psutil
 
-from daemon import git
 from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
 from daemon.job import JobState, Lease, Outcome
 from daemon.queue.job_queue import JobQueue
 from daemon.sd_notify import NOTIFY_ENV
-from daemon.worker import job_data, leftovers, scratch, spawn
+from daemon.worker import git_mirror, job_data, leftovers, scratch, spawn
 from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
 from daemon.worker.job_output import JobOutput
 from daemon.worker.orphan_guard import OrphanGuard
@@ -261,7 +260,7 @@ class JobRun:
     async def _checkout(self, source: Mapping[str, str]) -> None:
         """The job's code: its repository at the exact commit, in the (empty) scratch directory."""
         rev = source.get("commit") or source["ref"]
-        commit = await git.checkout(self.data_dir / "git", source["repo"], rev, self.scratch)
+        commit = await git_mirror.checkout(self.data_dir / "git", source["repo"], rev, self.scratch)
         self.output.note(f"git: {source['repo']} at {commit}")
 
     async def _supervise(self, pgid: int, started: float) -> RunResult:

@@ -189,7 +189,7 @@ async def test_snapshot_of_a_dirty_tree_runs_the_uncommitted_change(data_pool: P
 
     code, _, err = await poolctl_in(env, repo, "enqueue", "--snapshot", "--git", "--", "true")
     assert code == 2
-    assert "--snapshot cannot be combined with --git or --cwd" in err
+    assert "job snapshot: cannot be combined with git: the job runs in the snapshot" in err
 
 
 async def test_a_zombie_attempts_artifacts_cannot_replace_the_committed_ones(

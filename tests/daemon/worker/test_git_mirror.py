@@ -2,45 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from daemon.ctl.cli import git_source
 from daemon.errors import InvalidJob
 from daemon.job import JobSpec, JobState
 from daemon.queue.job_queue import JobQueue
+from tests.support.git_repo import make_repo
 from tests.support.workers import running_worker, wait_state
-
-GIT_ENV = {
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@t",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@t",
-}
-
-
-def git(repo: Path, *args: str) -> str:
-    out = subprocess.run(
-        ["git", *args], cwd=repo, capture_output=True, text=True, check=True, env={**os.environ, **GIT_ENV}
-    )
-    return out.stdout.strip()
-
-
-def make_repo(path: Path) -> tuple[str, str]:
-    """A repository with two commits of version.txt: 'one', then 'two'. Returns both commit ids."""
-    path.mkdir()
-    git(path, "init", "--quiet", "--initial-branch=main")
-    commits = []
-    for text in ("one", "two"):
-        (path / "version.txt").write_text(text + "\n")
-        git(path, "add", "version.txt")
-        git(path, "commit", "--quiet", "-m", text)
-        commits.append(git(path, "rev-parse", "HEAD"))
-    return commits[0], commits[1]
 
 
 def cat_job(repo: Path, **source: str) -> JobSpec:
@@ -82,23 +53,6 @@ async def test_an_unknown_ref_fails_the_attempt_with_the_reason(queue: JobQueue,
     async with running_worker(queue, tmp_path / "w"):
         info = await wait_state(queue, job_id, JobState.FAILED)
     assert "'no-such-branch' is not a commit or ref of" in info.detail
-
-
-def test_git_without_a_repository_captures_this_checkout_at_its_commit(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    repo = tmp_path / "repo"
-    first, second = make_repo(repo)
-    assert git_source("", None, cwd=repo) == {"repo": str(repo), "commit": second}
-    assert git_source("", first[:8], cwd=repo) == {"repo": str(repo), "commit": first}
-    (repo / "version.txt").write_text("dirty\n")
-    git_source("", None, cwd=repo)
-    assert "uncommitted changes are not part of the job" in capsys.readouterr().err
-    assert git_source("https://example.invalid/r.git", "v1") == {
-        "repo": "https://example.invalid/r.git",
-        "ref": "v1",
-    }
-    assert git_source("r", first) == {"repo": "r", "commit": first}
 
 
 def test_git_specs_are_validated() -> None:

@@ -1,0 +1,74 @@
+"""Code from git for a job: a job can name a repository and an exact commit (or a ref) to run at.
+
+The worker keeps one bare mirror per repository under its data directory and fetches only what is
+missing: an exact commit already in the mirror costs no network at all; a ref (a branch name) is
+fetched each time, since it moves. The job's directory is a `--shared` clone of the mirror (objects
+borrowed, not copied) checked out at the detached commit. Mirrors are locked per repository, within
+the process and across processes (flock), so concurrent jobs never fetch into one mirror at once.
+Every failure is a `GitError` with the reason git gave, which fails the attempt with that sentence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from daemon.git import GitError, git
+from daemon.job import FULL_SHA
+
+_locks: dict[Path, asyncio.Lock] = {}
+
+
+def mirror_path(cache: Path, repo: str) -> Path:
+    return cache / (hashlib.sha256(repo.encode()).hexdigest()[:20] + ".git")
+
+
+@contextlib.asynccontextmanager
+async def _locked(mirror: Path) -> AsyncIterator[None]:
+    lock = _locks.setdefault(mirror, asyncio.Lock())
+    async with lock:
+        mirror.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(str(mirror) + ".lock", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+
+async def _resolve(mirror: Path, rev: str) -> str | None:
+    try:
+        return await git("--git-dir", str(mirror), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    except GitError:
+        return None
+
+
+async def fetch(cache: Path, repo: str, rev: str) -> tuple[Path, str]:
+    """The mirror of `repo`, holding `rev` (a commit or a ref), and the commit `rev` names."""
+    mirror = mirror_path(cache, repo)
+    async with _locked(mirror):
+        if not mirror.exists():
+            tmp = mirror.with_name(mirror.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            await git("clone", "--quiet", "--mirror", repo, str(tmp))
+            tmp.rename(mirror)
+        elif not FULL_SHA.fullmatch(rev) or await _resolve(mirror, rev) is None:
+            await git("--git-dir", str(mirror), "fetch", "--quiet", "--prune", "origin")
+        commit = await _resolve(mirror, rev)
+    if commit is None:
+        raise GitError(f"{rev!r} is not a commit or ref of {repo} (fetched it; is it pushed?)")
+    return mirror, commit
+
+
+async def checkout(cache: Path, repo: str, rev: str, dest: Path) -> str:
+    """Put `repo` at `rev` into the empty directory `dest`; returns the exact commit."""
+    mirror, commit = await fetch(cache, repo, rev)
+    await git("clone", "--quiet", "--shared", "--no-checkout", str(mirror), str(dest))
+    await git("-C", str(dest), "checkout", "--quiet", "--detach", commit)
+    return commit
