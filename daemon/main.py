@@ -46,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name} = {value!r}  # {config.sources[name]}")
         return 0
     log_setup.setup(config.log_format, config.log_level)
+    for sentence in config.renamed:
+        log.warning("%s", sentence)
     try:
         # The server runs an embedded pool's local slots as a Worker, which main hands it.
         daemon = WorkerDaemon(config) if args.worker else PoolServer(config, Worker.local_slots)

@@ -40,7 +40,6 @@ class LocalSlots(Protocol):
 # Builds the local slots on the server's queue, configuration and object store.
 LocalSlotsFactory = Callable[[JobQueue, Config, ObjectStore], LocalSlots]
 
-QUEUE_SET_REFRESH = 1.0  # seconds: the events reader reads the pool's queue set no more often
 
 
 class PoolServer:
@@ -82,10 +81,9 @@ class PoolServer:
         await self.store.open()
         client = await self.redis.start()
         self.queue = JobQueue.from_config(client, c, watch=self.redis.watch)
-        # Results are read by a blocking read, seen at once; the queue set is read again every
-        # second at most often (a result in a queue new to this server is seen within that).
-        refresh = max(c.redis_result_queue_polling_interval / 1000, QUEUE_SET_REFRESH)
-        events = JobEvents(self.queue, refresh, self._finished)
+        # Results are read by a blocking read, seen at once; the queue set is read again after each
+        # read that timed out (a result in a queue new to this server is seen within that).
+        events = JobEvents(self.queue, c.redis_events_block_ms / 1000, self._finished)
         await events.prime()  # before the listener: a `wait` must not start before its cursors
         self._tasks.spawn(events.run(), "job-events")
         reap_every = min(c.worker_healthy_response_period / 4, 5.0)

@@ -25,7 +25,7 @@ def test_defaults_match_the_design_table() -> None:
     assert (c.worker_mode, c.redis_ip, c.redis_port, c.redis_db) == ("singlenode", "127.0.0.1", 6379, 0)
     assert (c.worker_local_processors, c.worker_remote_processors) == (32, 2)
     assert c.worker_healthy_response_period == 300.0
-    assert c.redis_result_queue_polling_interval == 100.0
+    assert c.redis_events_block_ms == 1000.0
     assert c.main_server_minio_bucket == "gpupool"
     assert c.main_server_minio_bucket_ping_timeout == 30.0
     assert c.heartbeat_seconds == 30.0
@@ -145,3 +145,14 @@ def test_readme_documents_every_option() -> None:
         o.name for o in config.OPTIONS if f"| `{o.name}`" not in readme and f"`{o.name}`, " not in readme
     ]
     assert missing == [], f"README.md's configuration table lacks {missing}"
+
+
+def test_an_option_given_by_its_old_name_is_read_and_named_for_renaming(tmp_path: Path) -> None:
+    toml = tmp_path / "pool.toml"
+    toml.write_text("redis_result_queue_polling_interval = 250.0\n")
+    c = config.load(flags(), env={}, config_file=toml)
+    assert c.redis_events_block_ms == 250.0
+    old, new = "redis_result_queue_polling_interval", "redis_events_block_ms"
+    assert c.renamed == (f"{toml}:1: {old} is now called {new}; rename it there",)
+    c = config.load(flags(), env={"GPUPOOL_REDIS_RESULT_QUEUE_POLLING_INTERVAL": "300"})
+    assert (c.redis_events_block_ms, len(c.renamed)) == (300.0, 1)

@@ -65,7 +65,7 @@ def pool_config(
         "metrics_listen": "127.0.0.1:0",
         "tokens_file": str(tokens_file),
         "data_dir": str(tmp / "data"),
-        "redis_result_queue_polling_interval": 50.0,
+        "redis_events_block_ms": 1000.0,
         **overrides,
     }
     c = config.load(None, env={}, config_file=None)
