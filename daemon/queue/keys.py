@@ -124,4 +124,3 @@ WORKERS_SEEN = POOL_PREFIX + "workers:seen"
 
 def worker_channel(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}"
-

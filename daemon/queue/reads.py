@@ -29,7 +29,7 @@ async def xread(
     redis: Redis, streams: dict[str, str], *, block: float, count: int | None = None
 ) -> list[tuple[str, Entries]]:
     """XREAD BLOCK with the reply typed: [(stream name, [(entry id, fields)])]; [] on timeout. It
-    blocks for at most `redis_conn.block_limit`, however long `block` asks: callers loop anyway."""
+    blocks for at most `connection.block_limit`, however long `block` asks: callers loop anyway."""
     block = min(block, block_limit(redis))
     got = await redis.xread(streams, count=count, block=max(1, round(block * 1000)))  # type: ignore[arg-type]
     return [(_s(name), entries) for name, entries in cast(list[tuple[bytes, Entries]], got or [])]

@@ -1,7 +1,7 @@
 """When a worker may claim: while its heartbeat succeeds, and not in the pause after Redis restarts.
 
 A worker claims nothing while its heartbeats fail (what it claimed might not be renewed), and
-nothing for a while after Redis restarts or fails over (redis_conn.RunIdWatch): such a Redis may
+nothing for a while after Redis restarts or fails over (queue/connection.py RunIdWatch): such a Redis may
 have forgotten claims of other workers, whose attempts then run on until those workers
 re-validate their leases. Each does at once when it sees the restart (the gate pokes its
 heartbeat), and at the latest with its next heartbeat, which may take its whole timeout to get

@@ -19,7 +19,7 @@
 --   new lease, job or output is taken in; scripts that end, take back or only extend (complete,
 --   release, reclaim, cancel, renew) start with a deletion and go on working: running jobs keep
 --   their leases, and ending jobs is how the pool gets its memory back. A worker whose heartbeat
---   is refused claims nothing (worker.py).
+--   is refused claims nothing (worker/claim_gate.py).
 
 -- The key of job `id`'s record; its attempts and log are this key + ':attempts' and ':log'
 -- (the layout of daemon/queue/keys.py, which names every key).
