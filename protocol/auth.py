@@ -59,7 +59,7 @@ class Authenticator:
 
     ``tokens`` maps user name to token. ``None`` means open mode, for loopback-only deployments
     without tokens: the user named in HELLO is taken as-is and the server proof is empty. (The
-    daemon must refuse a non-loopback listener in open mode; DESIGN.md §9.)
+    daemon must refuse a non-loopback listener in open mode; docs/DESIGN.md §9.)
     """
 
     def __init__(self, tokens: Mapping[str, bytes] | None) -> None:

@@ -1,4 +1,4 @@
-"""Fixtures: real servers on free loopback ports, never fakes (DESIGN.md §10).
+"""Fixtures: real servers on free loopback ports, never fakes (docs/DESIGN.md §10).
 
 - `redis_server`: a fresh redis-server per test (it starts in ~20 ms), launched by the same code as
   the embedded default, with `appendfsync always`; `redis_server.kill()` + `.start()` is a crash and

@@ -1,6 +1,6 @@
 """Every Redis key gpupool uses, named in one place.
 
-Layout (DESIGN.md §3): keys of one queue share the hash tag ``{q:NAME}``, so a queue, its jobs and
+Layout (docs/DESIGN.md §3): keys of one queue share the hash tag ``{q:NAME}``, so a queue, its jobs and
 the Lua scripts that touch them live in one Redis Cluster slot; pool-wide keys carry ``{pool}``.
 A job id is ``QUEUE.SUFFIX``, so the id alone names its queue and therefore all of its keys.
 

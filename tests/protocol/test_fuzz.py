@@ -1,5 +1,5 @@
 """Hostile input: whatever bytes arrive, the decoder and the connections only ever report a
-protocol error, always finish, and never buffer more than one maximal frame (DESIGN.md §10)."""
+protocol error, always finish, and never buffer more than one maximal frame (docs/DESIGN.md §10)."""
 
 import contextlib
 import dataclasses

@@ -1,4 +1,4 @@
-"""The queue's guarantees (DESIGN.md §6), each against a real redis-server, each able to fail."""
+"""The queue's guarantees (docs/DESIGN.md §6), each against a real redis-server, each able to fail."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every byte a client sends is hostile until it is authenticated (DESIGN.md §7, §9): malformed,
+"""Every byte a client sends is hostile until it is authenticated (docs/DESIGN.md §7, §9): malformed,
 oversized, replayed, slow and random input each gets an error frame and a close, and a well-behaved
 client connected at the same time is unaffected. Runs against a real `poold` process."""
 
