@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 
 from daemon.errors import GpupoolError, InvalidJob, JobNotFound, NoWorkerFits
 from daemon.job import JobInfo, JobSpec, JobState
-from daemon.metrics import ServerMetrics
+from daemon.metrics.server import ServerMetrics
 from daemon.queue.job_queue import JobQueue, out_of_memory
 from daemon.queue.terminal_events import JobEvents
 from daemon.server.data_desk import DataDesk

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
-from daemon.metrics import ServerMetrics
+from daemon.metrics.server import ServerMetrics
 from daemon.server.handlers import Handlers
 from daemon.server.session import Limits, Session
 from protocol import ErrorCode, ServerConnection

@@ -11,7 +11,8 @@ from daemon import sd_notify, tokens
 from daemon.aio import TaskSet, start_or_undo
 from daemon.config import Config
 from daemon.job import JobState, queue_of
-from daemon.metrics import MetricsServer, ServerMetrics, serve_for
+from daemon.metrics.endpoint import MetricsServer, serve_for
+from daemon.metrics.server import ServerMetrics
 from daemon.object_store import make_store
 from daemon.queue import registry
 from daemon.queue.job_queue import JobQueue

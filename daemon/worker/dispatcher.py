@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import os
 import time
@@ -46,13 +47,23 @@ from daemon.aio import TaskSet, cancel_and_wait, woken_or
 from daemon.config import Config
 from daemon.errors import RedisUnavailable
 from daemon.job import Lease, RenewStatus
-from daemon.metrics import WorkerMetrics
+from daemon.metrics.transfers import MeteredStore
+from daemon.metrics.worker import WorkerMetrics
 from daemon.queue import keys, registry
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import Registration
 from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime
 from daemon.worker.claim_gate import ClaimGate
-from daemon.worker.gpus import GpuAllocator, GpuInfo, GpuProbe, GpuProbeError, NotEnoughGpus, Nvml, discover
+from daemon.worker.gpus import (
+    GpuAllocator,
+    GpuInfo,
+    GpuProbe,
+    GpuProbeError,
+    NotEnoughGpus,
+    Nvml,
+    discover,
+    sample_gpus,
+)
 from daemon.worker.heartbeat import Heartbeat
 from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.outcomes import Outcomes
@@ -115,8 +126,11 @@ class Worker:
         self.id = worker_id or registry.new_worker_id()
         # Copied once: os.environ decodes every variable on each read, and every job starts from it.
         self.env = dict(os.environ) if env is None else env
-        self.store = store
-        self.cache = ObjectCache(self.data_dir / "cache", store, cache_bytes) if store is not None else None
+        self.store: ObjectStore | None = None
+        self.cache: ObjectCache | None = None
+        if store is not None:  # every byte to and from it is counted where it crosses (metrics/transfers.py)
+            self.store = MeteredStore(store, self._transferred)
+            self.cache = ObjectCache(self.data_dir / "cache", self.store, cache_bytes)
         self._make_run = make_run or self._job_run
         self._given_gpus = gpus
         self.probe = probe
@@ -180,7 +194,9 @@ class Worker:
             gpus, self._nvml = await asyncio.to_thread(discover)
             self.allocator = GpuAllocator(gpus, self.slots)
             self.probe = self.probe or self._nvml
-        self.metrics = WorkerMetrics(self.allocator.gpus)
+        gpus = self.allocator.gpus
+        sampler = functools.partial(sample_gpus, gpus) if self._nvml is not None else None
+        self.metrics = WorkerMetrics(gpus, sampler)  # NVML is read by sample_gpus, never by metrics/
         self.heartbeat.observer = self._observe_heartbeat
         self._registration.started_at = time.time()
         await asyncio.to_thread(self._slot_dirs.open)
@@ -205,7 +221,6 @@ class Worker:
         if self.queue.watch is not None:
             self._spawn(self._gate.watch(), "restart watch")
         self._dispatcher = self._spawn(self._dispatch(), "dispatcher")
-        gpus = self.allocator.gpus
         log.info(
             "worker %s ready: %d slots, queues %s, %s",
             self.id,
@@ -411,6 +426,7 @@ class Worker:
             return
         held = self._held.hold(lease, deadline)
         self._held.started(held, self._make_run(lease, gpus, slot), slot)
+        self.metrics.job_started(lease.spec.queue)
         held.task = self._attempts.spawn(self._attempt(held), f"job {lease.job_id}")
 
     def _job_run(self, lease: Lease, gpus: tuple[GpuInfo, ...], slot: int) -> Run:
@@ -498,6 +514,9 @@ class Worker:
             self.metrics.heartbeat_failed()
         else:
             self.metrics.heartbeat(round_trip)
+
+    def _transferred(self, direction: str, nbytes: int) -> None:
+        self.metrics.transferred(direction, nbytes)  # the metrics of now: start() replaces them
 
     async def sample_metrics(self) -> None:
         """Before each scrape: the slots and quarantined GPUs as they are now."""

@@ -1,6 +1,8 @@
-"""A worker's GPUs: discovery with NVML, and the bookkeeping of which job holds which GPU.
+"""A worker's GPUs: discovery and sampling with NVML, and the bookkeeping of which job holds which GPU.
 
-Discovery (`discover`) asks NVML once, at start. Without the NVIDIA driver, or without GPUs, NVML
+This is the one module that reads NVML. Discovery (`discover`) asks it once, at start;
+`sample_gpus` reads the GPUs' utilisation, memory and temperature at each metrics scrape (the worker
+hands it to `WorkerMetrics`, which never imports pynvml). Without the NVIDIA driver, or without GPUs, NVML
 raises `NVMLError` (or sees nothing): the worker then runs as a CPU worker, says so once, and only
 takes jobs that need no GPU. It never crashes for want of a GPU.
 
@@ -23,12 +25,15 @@ for both.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import pynvml
+
+from daemon.metrics.worker import GpuSample
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +123,30 @@ def discover() -> tuple[list[GpuInfo], Nvml | None]:
     for g in gpus:
         log.info("GPU %d: %s, %.1f GiB, %s", g.index, g.name, g.memory / 2**30, g.uuid)
     return gpus, nvml
+
+
+def sample_gpus(gpus: Iterable[GpuInfo]) -> list[GpuSample]:
+    """The live readings of `gpus` for a metrics scrape. NVML must be initialised (`discover` leaves
+    it so when it finds GPUs). A GPU NVML cannot find (no driver, fallen off the bus) gives no
+    sample; a query it cannot answer (not supported, e.g. utilisation in MIG mode, or a transient
+    error) leaves that reading None. Blocking, and it may hang on a failing GPU: the metrics
+    endpoint calls it from a thread."""
+    out = []
+    for gpu in gpus:
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+        except pynvml.NVMLError:
+            continue
+        utilization = used = total = temperature = None
+        with contextlib.suppress(pynvml.NVMLError):
+            utilization = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100
+        with contextlib.suppress(pynvml.NVMLError):
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            used, total = int(memory.used), int(memory.total)
+        with contextlib.suppress(pynvml.NVMLError):
+            temperature = float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
+        out.append(GpuSample(gpu.uuid, utilization, used, total, temperature))
+    return out
 
 
 def visible_devices(gpus: Iterable[GpuInfo]) -> str:

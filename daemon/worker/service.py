@@ -7,7 +7,7 @@ from daemon import sd_notify
 from daemon.aio import TaskSet, start_or_undo
 from daemon.config import Config
 from daemon.errors import GpupoolError
-from daemon.metrics import MetricsServer, serve_for
+from daemon.metrics.endpoint import MetricsServer, serve_for
 from daemon.object_store import open_worker_store
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.pool_redis import PoolRedis

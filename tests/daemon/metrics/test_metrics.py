@@ -13,15 +13,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon import config
-from daemon import metrics as metrics_mod
 from daemon.job import JobSpec, JobState
-from daemon.metrics import (
-    RUN_BUCKETS,
-    MetricsServer,
-    ServerMetrics,
-    WorkerMetrics,
-    serve_metrics,
-)
+from daemon.metrics import common
+from daemon.metrics import server as server_module
+from daemon.metrics.endpoint import MetricsServer, metrics_address, serve_metrics
+from daemon.metrics.server import RUN_BUCKETS, ServerMetrics
+from daemon.metrics.worker import GpuSample, WorkerMetrics
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker import gpus
@@ -76,7 +73,6 @@ async def test_server_metrics(server_metrics: tuple[ServerMetrics, MetricsServer
     assert server.port > 0
     metrics.job_enqueued("default", 3)
     metrics.job_enqueued("gpu")
-    metrics.job_started("default")
     metrics.job_finished("default", JobState.SUCCEEDED, wait_s=2.0, run_s=30.0)
     metrics.job_finished("default", "failed", wait_s=100.0, run_s=7200.0)
     metrics.job_finished("default", JobState.CANCELLED)  # cancelled while queued: never ran
@@ -92,7 +88,7 @@ async def test_server_metrics(server_metrics: tuple[ServerMetrics, MetricsServer
     families, samples = await scrape(server)
     assert value(samples, "gpupool_jobs_enqueued_total", queue="default") == 3
     assert value(samples, "gpupool_jobs_enqueued_total", queue="gpu") == 1
-    assert value(samples, "gpupool_jobs_started_total", queue="default") == 1
+    assert "gpupool_jobs_started" not in families  # the server never sees a start: workers count them
     for state, count in [("succeeded", 1), ("failed", 1), ("cancelled", 1)]:
         assert value(samples, "gpupool_jobs_finished_total", queue="default", state=state) == count
     assert value(samples, "gpupool_jobs_finished_total", queue="gpu", state="dead") == 1
@@ -164,7 +160,7 @@ async def test_queue_depth_and_workers_come_from_redis_at_scrape_time(
 
     # Redis gone: the scrape still answers, with the last known state and the miss counted.
     # (redis-py retries a refused connection for seconds; the refresh gives up sooner here.)
-    monkeypatch.setattr(metrics_mod, "REFRESH_TIMEOUT", 0.5)
+    monkeypatch.setattr(server_module, "REFRESH_TIMEOUT", 0.5)
     redis_server.kill()
     _, samples = await scrape(server)
     assert value(samples, "gpupool_queue_depth", queue="gpu") == 2
@@ -179,12 +175,13 @@ class MadeUpGpu:
 
 async def test_worker_metrics_without_gpus() -> None:
     metrics = WorkerMetrics(gpus=[])
-    server = await serve_metrics(metrics.registry, before_scrape=metrics.refresh)
+    server = await serve_metrics(metrics.registry)
     try:
         metrics.set_slots(busy=1, total=2)
         for rtt in (0.003, 0.004, 0.2):
             metrics.heartbeat(rtt)
         metrics.heartbeat_failed()
+        metrics.job_started("default")
         metrics.transferred("upload", 1000)
         metrics.transferred("upload", 24)
         with pytest.raises(ValueError, match="direction"):
@@ -197,6 +194,7 @@ async def test_worker_metrics_without_gpus() -> None:
     assert value(samples, "gpupool_heartbeat_roundtrip_seconds_count") == 3
     assert value(samples, "gpupool_heartbeat_roundtrip_seconds_bucket", le="0.005") == 2
     assert value(samples, "gpupool_heartbeat_failures_total") == 1
+    assert value(samples, "gpupool_jobs_started_total", queue="default") == 1
     assert value(samples, "gpupool_transfer_bytes_total", direction="upload") == 1024
     assert value(samples, "gpupool_transfer_bytes_total", direction="download") == 0
     assert value(samples, "gpupool_worker_gpus_quarantined") == 0
@@ -208,8 +206,9 @@ async def test_gpus_nvml_cannot_answer_give_no_live_series() -> None:
     """A GPU NVML does not know (no driver here, or an unknown UUID on a GPU machine) yields no
     utilisation, memory or temperature series, and no error; its quarantine flag is bookkeeping
     and still shows."""
-    gpu = MadeUpGpu(0, "GPU-00000000-0000-0000-0000-000000000000")
-    metrics = WorkerMetrics(gpus=[gpu])
+    gpu = gpus.GpuInfo(0, "GPU-00000000-0000-0000-0000-000000000000", "made up", 0)
+    assert gpus.sample_gpus([gpu]) == []
+    metrics = WorkerMetrics(gpus=[gpu], sample_gpus=lambda: gpus.sample_gpus([gpu]))
     metrics.set_quarantined({gpu.uuid})
     server = await serve_metrics(metrics.registry)
     try:
@@ -222,11 +221,46 @@ async def test_gpus_nvml_cannot_answer_give_no_live_series() -> None:
         assert f"gpupool_gpu_{name}" not in families
 
 
+async def test_gpu_series_come_from_the_sampler_the_worker_hands_over() -> None:
+    """metrics/ reads no driver: what the sampler returns is what is served, a reading it could not
+    take (None) is left out, and a GPU it has no sample for has only its quarantine flag."""
+    mig, gone = MadeUpGpu(0, "GPU-mig"), MadeUpGpu(1, "GPU-gone")
+    calls = 0
+
+    def sample() -> list[GpuSample]:
+        nonlocal calls
+        calls += 1
+        return [GpuSample("GPU-mig", None, 3 * 2**30, 40 * 2**30, 51.0)]
+
+    metrics = WorkerMetrics(gpus=[mig, gone], sample_gpus=sample)
+    server = await serve_metrics(metrics.registry)
+    try:
+        families, samples = await scrape(server)
+        await scrape(server)
+    finally:
+        await server.close()
+    assert calls == 2  # asked at every scrape, never cached
+    on = {"gpu": "0", "uuid": "GPU-mig"}
+    assert value(samples, "gpupool_gpu_memory_used_bytes", **on) == 3 * 2**30
+    assert value(samples, "gpupool_gpu_memory_total_bytes", **on) == 40 * 2**30
+    assert value(samples, "gpupool_gpu_temperature_celsius", **on) == 51
+    assert "gpupool_gpu_utilization_ratio" not in families  # None: not supported in MIG mode
+    assert (
+        "gpupool_gpu_memory_used_bytes",
+        frozenset({"gpu": "1", "uuid": "GPU-gone"}.items()),
+    ) not in samples
+    assert value(samples, "gpupool_gpu_quarantined", gpu="1", uuid="GPU-gone") == 0
+    # No GPU: the sampler is not even asked.
+    idle = WorkerMetrics(gpus=[], sample_gpus=sample)
+    idle.registry.get_sample_value("gpupool_worker_slots", {"state": "free"})
+    assert calls == 2
+
+
 async def test_real_gpus_have_series() -> None:
     found, nvml = gpus.discover()
     if nvml is None:
         pytest.skip("no NVIDIA driver or GPU on this machine")
-    metrics = WorkerMetrics(gpus=found)
+    metrics = WorkerMetrics(gpus=found, sample_gpus=lambda: gpus.sample_gpus(found))
     server = await serve_metrics(metrics.registry)
     try:
         _, samples = await scrape(server)
@@ -286,19 +320,19 @@ def test_registries_are_separate() -> None:
 
 def test_queue_labels_are_bounded() -> None:
     metrics = ServerMetrics()
-    for i in range(metrics_mod.MAX_QUEUES + 5):
+    for i in range(common.MAX_QUEUES + 5):
         metrics.job_enqueued(f"q{i}")
     get = metrics.registry.get_sample_value
     assert get("gpupool_jobs_enqueued_total", {"queue": "q0"}) == 1
-    assert get("gpupool_jobs_enqueued_total", {"queue": f"q{metrics_mod.MAX_QUEUES}"}) is None
-    assert get("gpupool_jobs_enqueued_total", {"queue": metrics_mod.OTHER_QUEUE}) == 5
+    assert get("gpupool_jobs_enqueued_total", {"queue": f"q{common.MAX_QUEUES}"}) is None
+    assert get("gpupool_jobs_enqueued_total", {"queue": common.OTHER_QUEUE}) == 5
 
 
 def test_metrics_address(tmp_path: Path) -> None:
     empty = tmp_path / "pool.toml"  # not /etc/gpupool/pool.toml, should this machine have one
     empty.write_text("")
     defaults = config.load(env={}, config_file=empty)
-    assert metrics_mod.metrics_address(defaults, worker=False) == ("127.0.0.1", 9420)
-    assert metrics_mod.metrics_address(defaults, worker=True) == ("127.0.0.1", 9421)
+    assert metrics_address(defaults, worker=False) == ("127.0.0.1", 9420)
+    assert metrics_address(defaults, worker=True) == ("127.0.0.1", 9421)
     given = config.load(env={"GPUPOOL_METRICS_LISTEN": "[::1]:9500"}, config_file=empty)
-    assert metrics_mod.metrics_address(given, worker=True) == ("::1", 9500)
+    assert metrics_address(given, worker=True) == ("::1", 9500)

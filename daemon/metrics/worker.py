@@ -1,0 +1,153 @@
+"""A worker's metrics: its slots, heartbeats, job starts, bytes moved, and its GPUs' live readings.
+
+What happens (a heartbeat returns, an attempt starts, bytes cross to or from the object store) is
+recorded in place by the typed methods of `WorkerMetrics`. The GPUs are read at scrape time, which
+the endpoint runs in a thread, so a slow driver never stalls the event loop.
+
+metrics/ never asks NVML itself: the worker hands `WorkerMetrics` a sampler (`sample_gpus`, in
+practice daemon.worker.gpus.sample_gpus bound to the GPUs discovery found) that returns one
+`GpuSample` per GPU it could read. The sample's shape is defined here, on the side that reads it, so that
+metrics/ depends on no worker code and tests feed it made-up readings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from daemon.metrics.common import RTT_BUCKETS, QueueLabels, new_registry
+
+TRANSFER_DIRECTIONS = ("upload", "download")
+
+
+class Gpu(Protocol):
+    """A GPU as the worker knows it (daemon.worker.gpus.GpuInfo is one)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def uuid(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSample:
+    """One GPU's live readings at one scrape. A reading the driver could not give (not supported,
+    e.g. utilisation in MIG mode, or a transient error) is None and left out of that scrape."""
+
+    uuid: str
+    utilization: float | None = None  # busy time, 0-1
+    memory_used: int | None = None  # bytes
+    memory_total: int | None = None  # bytes
+    temperature: float | None = None  # celsius
+
+
+# Called at every scrape, in the endpoint's collection thread: a sample for each GPU it could read
+# (a GPU fallen off the bus, or no driver, gives none).
+GpuSampler = Callable[[], Sequence[GpuSample]]
+
+
+class _GpuCollector(Collector):
+    """Per-GPU utilisation, memory and temperature from the sampler, and the quarantine flag from
+    the worker's books. No GPU yields no family at all; a GPU without a sample has no live series."""
+
+    def __init__(
+        self, gpus: Sequence[Gpu], sample: GpuSampler | None, quarantined: Callable[[], Collection[str]]
+    ) -> None:
+        self._gpus = tuple(gpus)
+        self._sample = sample
+        self._quarantined = quarantined
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["gpu", "uuid"]
+        util = GaugeMetricFamily("gpupool_gpu_utilization_ratio", "GPU busy time (0-1).", labels=labels)
+        used = GaugeMetricFamily("gpupool_gpu_memory_used_bytes", "GPU memory in use.", labels=labels)
+        total = GaugeMetricFamily("gpupool_gpu_memory_total_bytes", "GPU memory in all.", labels=labels)
+        temp = GaugeMetricFamily("gpupool_gpu_temperature_celsius", "GPU core temperature.", labels=labels)
+        quarantine = GaugeMetricFamily(
+            "gpupool_gpu_quarantined",
+            "1 if the GPU is quarantined (left dirty by a job), else 0.",
+            labels=labels,
+        )
+        quarantined = self._quarantined()
+        samples = {s.uuid: s for s in self._sample()} if self._gpus and self._sample is not None else {}
+        for gpu in self._gpus:
+            values = [str(gpu.index), gpu.uuid]
+            quarantine.add_metric(values, 1 if gpu.uuid in quarantined else 0)
+            if (s := samples.get(gpu.uuid)) is None:
+                continue
+            for family, reading in (
+                (util, s.utilization),
+                (used, s.memory_used),
+                (total, s.memory_total),
+                (temp, s.temperature),
+            ):
+                if reading is not None:
+                    family.add_metric(values, reading)
+        for family in (util, used, total, temp, quarantine):
+            if family.samples:
+                yield family
+
+
+class WorkerMetrics:
+    """A worker's metrics. `gpus` are the GPUs discovery found (none on a CPU worker);
+    `sample_gpus` reads their live state at each scrape (None: no live GPU series)."""
+
+    def __init__(self, gpus: Sequence[Gpu] = (), sample_gpus: GpuSampler | None = None) -> None:
+        self.registry = new_registry("worker")
+        r = self.registry
+        self._queue = QueueLabels()
+        self._quarantined: frozenset[str] = frozenset()
+        r.register(_GpuCollector(gpus, sample_gpus, lambda: self._quarantined))
+        self._slots = Gauge("gpupool_worker_slots", "This worker's slots by state.", ["state"], registry=r)
+        self.set_slots(0, 0)
+        self._quarantined_count = Gauge(
+            "gpupool_worker_gpus_quarantined", "GPUs this worker holds back as dirty.", registry=r
+        )
+        self._started = Counter(
+            "gpupool_jobs_started", "Job attempts this worker started.", ["queue"], registry=r
+        )
+        self._heartbeat = Histogram(
+            "gpupool_heartbeat_roundtrip_seconds",
+            "Round trip of a successful heartbeat (registration and lease renewals).",
+            buckets=RTT_BUCKETS,
+            registry=r,
+        )
+        self._heartbeat_failures = Counter(
+            "gpupool_heartbeat_failures", "Heartbeats that failed (Redis unreachable).", registry=r
+        )
+        self._transferred = Counter(
+            "gpupool_transfer_bytes", "Bytes moved to and from the object store.", ["direction"], registry=r
+        )
+        for direction in TRANSFER_DIRECTIONS:
+            self._transferred.labels(direction)  # present at 0 from the start
+
+    def set_slots(self, busy: int, total: int) -> None:
+        self._slots.labels("busy").set(busy)
+        self._slots.labels("free").set(max(0, total - busy))
+
+    def set_quarantined(self, uuids: Collection[str]) -> None:
+        """The UUIDs of the GPUs now quarantined (the whole set, not a change)."""
+        self._quarantined = frozenset(uuids)
+        self._quarantined_count.set(len(self._quarantined))
+
+    def job_started(self, queue: str) -> None:
+        """An attempt of a job from `queue` was given its slot and is starting."""
+        self._started.labels(self._queue(queue)).inc()
+
+    def heartbeat(self, rtt_s: float) -> None:
+        self._heartbeat.observe(rtt_s)
+
+    def heartbeat_failed(self) -> None:
+        self._heartbeat_failures.inc()
+
+    def transferred(self, direction: str, nbytes: int) -> None:
+        """`direction` is "upload" (to the object store) or "download"."""
+        if direction not in TRANSFER_DIRECTIONS:
+            raise ValueError(f"direction must be one of {TRANSFER_DIRECTIONS}, not {direction!r}")
+        self._transferred.labels(direction).inc(nbytes)
