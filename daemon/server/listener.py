@@ -1,6 +1,6 @@
 """The server's client listener: accepts connections, runs a Session for each, stops in two phases.
 
-Every port is hostile (DESIGN.md §9): the listener binds loopback unless told otherwise, refuses to
+Every port is hostile (docs/DESIGN.md §9): the listener binds loopback unless told otherwise, refuses to
 listen beyond loopback without tokens, caps the number of connections, and can speak TLS.
 """
 
