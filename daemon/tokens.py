@@ -26,7 +26,6 @@ class TokenError(GpupoolError):
     """A tokens file cannot be read, or does not hold lines of user = "token"."""
 
 
-
 def client_dir(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     base = env.get("XDG_CONFIG_HOME") or str(Path(env.get("HOME") or Path.home()) / ".config")

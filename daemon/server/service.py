@@ -42,7 +42,6 @@ class LocalSlots(Protocol):
 LocalSlotsFactory = Callable[[JobQueue, Config, ObjectStore], LocalSlots]
 
 
-
 class PoolServer:
     """`start()` brings the pool up; `stop()` takes it down in reverse order and is safe to call twice."""
 
