@@ -3,11 +3,9 @@ against the real S3 endpoint and the local store (fixture params), with an in-pr
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -25,9 +23,8 @@ from daemon.worker.job_data import upload_artifacts
 from storage.base import ObjectStore
 from storage.local import LocalStore
 from storage.s3 import S3Store
-from tests.daemon.ctl.test_poolctl import poolctl
-from tests.support.paths import ROOT
 from tests.support.pool import Pool, running_pool
+from tests.support.poolctl import poolctl
 from tests.support.workers import running_worker, wait_state
 
 
@@ -54,29 +51,9 @@ def worker(pool: Pool, tmp: Path) -> AbstractAsyncContextManager[Worker]:
 
 
 async def ok(env: dict[str, str], *args: str, cwd: Path | None = None) -> str:
-    code, out, err = await poolctl_in(env, cwd, *args)
+    code, out, err = await poolctl(env, *args, cwd=cwd)
     assert code == 0, err
     return out
-
-
-async def poolctl_in(env: dict[str, str], cwd: Path | None, *args: str) -> tuple[int, str, str]:
-    """`poolctl ARGS` run in `cwd` (as `poolctl enqueue --snapshot` is, inside a checkout)."""
-    if cwd is None:
-        return await poolctl(env, *args)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "daemon.ctl.cli",
-        *args,
-        cwd=cwd,
-        env={**env, "PYTHONPATH": str(ROOT)},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert b"Traceback" not in err, err.decode()
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 async def test_dataset_put_once_is_downloaded_once_for_two_jobs_and_artifacts_come_back(
@@ -187,7 +164,7 @@ async def test_snapshot_of_a_dirty_tree_runs_the_uncommitted_change(data_pool: P
     assert (tmp_path / "got" / "seen").read_text() == "modified\nuntracked\n"
     assert (tmp_path / "got" / "ls").read_text().split() == [".gitignore", "msg.txt", "new.txt"]
 
-    code, _, err = await poolctl_in(env, repo, "enqueue", "--snapshot", "--git", "--", "true")
+    code, _, err = await poolctl(env, "enqueue", "--snapshot", "--git", "--", "true", cwd=repo)
     assert code == 2
     assert "job snapshot: cannot be combined with git: the job runs in the snapshot" in err
 

@@ -13,22 +13,7 @@ import orjson
 from daemon.job import JobState, Outcome
 from daemon.queue.embedded_redis import EmbeddedRedis, free_port
 from tests.support.pool import Pool
-
-
-async def poolctl(env: dict[str, str], *args: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "daemon.ctl.cli",
-        *args,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert b"Traceback" not in err, err.decode()
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+from tests.support.poolctl import poolctl
 
 
 async def test_enqueue_ls_show_cancel_wait(pool: Pool) -> None:
