@@ -72,6 +72,16 @@ class JobNotFound(GpupoolError):
         self.job_id = job_id
 
 
+class NotYours(GpupoolError):
+    """A user asked to act on another user's job (or its data), and is not a pool admin."""
+
+    code = ErrorCode.PERMISSION_DENIED
+
+    def __init__(self, job_id: str, owner: str, action: str) -> None:
+        super().__init__(f"job {job_id} belongs to {owner}: only its owner or a pool admin may {action} it")
+        self.job_id = job_id
+
+
 class StaleAttempt(GpupoolError):
     """A worker wrote for an attempt that is no longer the job's current one (fencing)."""
 

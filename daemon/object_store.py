@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+from urllib.parse import quote
 
 from daemon.config import Config
 from daemon.errors import GpupoolError
@@ -51,8 +52,16 @@ async def open_worker_store(config: Config) -> ObjectStore:
     return store
 
 
-def name_key(name: str) -> str:
-    """Where the record of the dataset `name` lives (a small JSON object: sha256, size, kind)."""
+def name_key(user: str, name: str) -> str:
+    """Where the record of `user`'s dataset `name` lives (a small JSON object: sha256, size, kind).
+    Names are each user's own: alice's `imagenet` is not bob's. The user is quoted, so no name
+    can reach outside `names/` or into another user's names."""
+    return f"names/u={quote(user, safe='')}/{name}.json"
+
+
+def legacy_name_key(name: str) -> str:
+    """Where a dataset name lived when names were pool-wide: still read (never written), so datasets
+    named before this change still resolve, and no one can replace them any more."""
     return f"names/{name}.json"
 
 
@@ -60,3 +69,9 @@ def artifact_prefix(job_id: str, attempt: int) -> str:
     """Every object an attempt uploads is under this prefix: a zombie attempt writes under its own
     attempt number and can never replace what the committed attempt's outcome points to."""
     return f"artifacts/{job_id}/{attempt}/"
+
+
+def artifact_job(key: str) -> str | None:
+    """The job whose artifact `key` is (`artifacts/JOB/ATTEMPT/NAME`), or None for other keys."""
+    parts = key.split("/")
+    return parts[1] if len(parts) >= 4 and parts[0] == "artifacts" else None

@@ -1,6 +1,7 @@
 """Who may talk to the server, and how poolctl finds its server and token.
 
-Server side: a tokens file of ``user = "token"`` lines (TOML), readable by its owner only (0600).
+Server side: a tokens file of ``user = "token"`` lines (TOML), readable by its owner only (0600); a
+pool admin, who may act on every user's jobs, is written ``user = { token = "token", admin = true }``.
 Client side: ``GPUPOOL_TOKEN``, else the file ``gpupool/token`` under ``$XDG_CONFIG_HOME`` (default
 ``~/.config``); the user is ``GPUPOOL_USER`` or the login name. The server address is ``GPUPOOL_SERVER``,
 else the file ``gpupool/server`` there, which a single-machine pool writes when it starts, so poolctl
@@ -15,6 +16,7 @@ import secrets
 import stat
 import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from daemon.errors import GpupoolError
@@ -88,8 +90,21 @@ def ensure_local_token(data_dir: Path, env: Mapping[str, str] | None = None) -> 
     return path
 
 
+@dataclass(frozen=True, slots=True)
+class Users:
+    """Who the server accepts: each user's token, and which of them are the pool's admins."""
+
+    tokens: dict[str, bytes]
+    admins: frozenset[str] = frozenset()
+
+
 def read_tokens(path: Path) -> dict[str, bytes]:
-    """The server's user -> token map. Refuses a file others can read: tokens are passwords."""
+    """The server's user -> token map (read_users, less who is an admin)."""
+    return read_users(path).tokens
+
+
+def read_users(path: Path) -> Users:
+    """The tokens file. Refuses a file others can read: tokens are passwords."""
     try:
         mode = path.stat().st_mode
         text = path.read_text()
@@ -106,10 +121,21 @@ def read_tokens(path: Path) -> dict[str, bytes]:
             f'tokens file {path} is not valid TOML ({exc}); expected lines of user = "token"'
         ) from None
     tokens: dict[str, bytes] = {}
-    for user, token in data.items():
+    admins = set()
+    for user, entry in data.items():
+        token, admin = (
+            (entry.get("token"), entry.get("admin", False)) if isinstance(entry, dict) else (entry, False)
+        )
+        if isinstance(entry, dict) and (set(entry) - {"token", "admin"} or not isinstance(admin, bool)):
+            raise TokenError(
+                f'tokens file {path}: {user!r} must be "token" or {{ token = "token", admin = true }}, '
+                f"not a table of {sorted(entry)}"
+            )
         if not isinstance(token, str) or len(token) < 16:
             raise TokenError(
                 f"tokens file {path}: the token of {user!r} must be a string of 16 or more characters"
             )
         tokens[user] = token.encode()
-    return tokens
+        if admin:
+            admins.add(user)
+    return Users(tokens, frozenset(admins))

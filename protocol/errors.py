@@ -48,6 +48,7 @@ class ErrorCode(IntEnum):
     NOT_FOUND = 41
     CONFLICT = 42
     CANCELLED = 43
+    PERMISSION_DENIED = 44
 
     # 5x server
     UNAVAILABLE = 50

@@ -1,7 +1,8 @@
 """`poolctl`: the researcher's command line. It parses, calls the server, prints; nothing more.
 
 Exit status: 0 success; 1 a job failed or the request failed; 2 bad usage or input; 3 server
-unreachable; 4 authentication refused; 5 unknown job; 124 `wait` timed out; `logs -f` exits with
+unreachable; 4 authentication refused; 5 unknown job; 6 another user's job (only its owner or a
+pool admin may act on it); 124 `wait` timed out; `logs -f` exits with
 the job's own exit code; `health` exits 0 only when the server and its Redis answer.
 """
 
@@ -46,7 +47,8 @@ from protocol import (
 )
 from storage.base import StorageError
 
-EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH, EXIT_NOT_FOUND, EXIT_TIMEOUT = 1, 2, 3, 4, 5, 124
+EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH, EXIT_NOT_FOUND, EXIT_NOT_YOURS = 1, 2, 3, 4, 5, 6
+EXIT_TIMEOUT = 124
 
 
 class UsageError(GpupoolError):
@@ -56,7 +58,11 @@ class UsageError(GpupoolError):
 
 
 # What each error's wire code means for the exit status; any other error is EXIT_FAILED.
-EXIT_FOR_CODE: dict[int, int] = {ErrorCode.NOT_FOUND: EXIT_NOT_FOUND, ErrorCode.INVALID_ARGUMENT: EXIT_USAGE}
+EXIT_FOR_CODE: dict[int, int] = {
+    ErrorCode.NOT_FOUND: EXIT_NOT_FOUND,
+    ErrorCode.INVALID_ARGUMENT: EXIT_USAGE,
+    ErrorCode.PERMISSION_DENIED: EXIT_NOT_YOURS,
+}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -333,6 +339,10 @@ async def _cancel(client: PoolClient, job_ids: list[str]) -> int:
         if state == "not_found":
             print(f"poolctl: no job {job_id!r} in this pool", file=sys.stderr)
             status = EXIT_NOT_FOUND
+        elif state == "not_yours":
+            owner_only = "only its owner or a pool admin may cancel it"
+            print(f"poolctl: job {job_id} is another user's: {owner_only}", file=sys.stderr)
+            status = EXIT_NOT_YOURS
         else:
             print(f"{job_id}\t{state}")
     return status

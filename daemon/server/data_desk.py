@@ -31,7 +31,7 @@ import orjson
 
 from daemon.errors import GpupoolError
 from daemon.job import INPUT_KINDS, SHA256
-from daemon.object_store import DATASET_NAME, name_key
+from daemon.object_store import DATASET_NAME, legacy_name_key, name_key
 from protocol import DownloadTicket, ErrorCode, ObjectRef, UploadTicket
 from storage.base import ObjectInfo, ObjectNotFound, ObjectStore
 from storage.content import content_key
@@ -78,7 +78,7 @@ class DataDesk:
         url = await self.store.presign_put(key, URL_SECONDS, sha256=sha256)
         return UploadTicket(key, False, url, None)
 
-    async def finish_upload(self, sha256: str, kind: str, name: str | None) -> ObjectRef:
+    async def finish_upload(self, sha256: str, kind: str, name: str | None, user: str) -> ObjectRef:
         key = content_key(_check_sha(sha256))
         if kind not in INPUT_KINDS:
             raise BadDataRequest(f"kind {kind!r} must be one of {', '.join(INPUT_KINDS)}")
@@ -94,18 +94,20 @@ class DataDesk:
             raise BadDataRequest(f"the stored object {key} does not carry sha256 {sha256}; removed it")
         if name is not None:
             record = {"sha256": sha256, "size": info.size, "kind": kind}
-            await self.store.put_bytes(name_key(name), orjson.dumps(record))
-            log.info("dataset %s -> %s (%d bytes, %s)", name, sha256, info.size, kind)
+            await self.store.put_bytes(name_key(user, name), orjson.dumps(record))
+            log.info("dataset %s of %s -> %s (%d bytes, %s)", name, user, sha256, info.size, kind)
         return ObjectRef(name, sha256, info.size, kind)
 
-    async def resolve(self, name: str) -> ObjectRef:
-        try:
-            record = orjson.loads(await self.store.get_bytes(name_key(_check_name(name))))
-        except ObjectNotFound:
-            raise DataNotFound(
-                f"no dataset named {name!r} in this pool (poolctl put PATH --name NAME)"
-            ) from None
-        return ObjectRef(name, record["sha256"], record["size"], record["kind"])
+    async def resolve(self, name: str, user: str) -> ObjectRef:
+        """`user`'s dataset `name`; one named before names were per user is found too."""
+        _check_name(name)
+        for key in (name_key(user, name), legacy_name_key(name)):
+            try:
+                record = orjson.loads(await self.store.get_bytes(key))
+            except ObjectNotFound:
+                continue
+            return ObjectRef(name, record["sha256"], record["size"], record["kind"])
+        raise DataNotFound(f"you have no dataset named {name!r} in this pool (poolctl put PATH --name NAME)")
 
     async def prepare_download(self, key: str) -> DownloadTicket:
         if not key.startswith(READABLE_PREFIXES):

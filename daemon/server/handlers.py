@@ -18,9 +18,10 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from daemon.errors import GpupoolError, InvalidJob, JobNotFound, NoWorkerFits
+from daemon.errors import GpupoolError, InvalidJob, JobNotFound, NotYours, NoWorkerFits
 from daemon.job import JobInfo, JobSpec, JobState
 from daemon.metrics.server import ServerMetrics
+from daemon.object_store import artifact_job
 from daemon.queue.job_queue import JobQueue, out_of_memory
 from daemon.queue.terminal_events import JobEvents
 from daemon.server.data_desk import DataDesk
@@ -62,6 +63,8 @@ MAX_LIST = 10_000
 LOG_BLOCK_SECONDS = 1.0
 WAIT_RECHECK = 2.0  # seconds between looks at the state of jobs a `wait` waits for
 
+HIDDEN = "<hidden>"  # an environment value shown to a user who does not own the job
+
 SendStream = Callable[[StreamItem], Awaitable[None]]
 WorkerLister = Callable[[], Awaitable[list[dict[str, Any]]]]
 
@@ -74,8 +77,12 @@ class Handlers:
         workers: WorkerLister,
         metrics: ServerMetrics | None = None,
         store: ObjectStore | None = None,
+        *,
+        admins: frozenset[str] = frozenset(),
     ) -> None:
+        """`admins` may act on every user's jobs; everyone else on their own (docs/SECURITY.md)."""
         self.queue = queue
+        self.admins = admins
         self.events = events
         self.workers = workers
         self.metrics = metrics
@@ -109,35 +116,66 @@ class Handlers:
             case EnqueueBatch(specs=specs):
                 return await self._enqueue_batch(specs, user)
             case ListJobs(queue=q, state=state, include_finished=everything, limit=limit):
-                return JobList(await self._list(q, state, everything, limit))
+                return JobList(await self._list(q, state, everything, limit, user))
             case ShowJob(job_id=job_id):
                 info = await self.queue.get(job_id)
-                return JobDetail(await self._detail(info))
+                return JobDetail(await self._detail(info, user))
             case CancelJobs(job_ids=job_ids):
-                return Cancelled(await self._cancel(job_ids))
+                return Cancelled(await self._cancel(job_ids, user))
             case WaitJobs(job_ids=job_ids, timeout=limit):
+                for job_id in job_ids:
+                    self._check_owner(await self.queue.get(job_id), user, "wait on")
                 return await self._wait(job_ids, limit)
             case FollowLogs(job_id=job_id, follow=follow, offset=offset):
+                self._check_owner(await self.queue.get(job_id), user, "read the log of")
                 return await self._logs(job_id, follow, offset, send)
             case ListWorkers():
                 return WorkerList(await self.workers())
             case Ping():
                 return Pong(time.time())
             case PrepareUpload() | FinishUpload() | ResolveName() | PrepareDownload():
-                return await self._data(request)
+                return await self._data(request, user)
         raise GpupoolError(f"this server does not handle {type(request).__name__}", ErrorCode.UNKNOWN_OP)
 
-    async def _data(self, request: PrepareUpload | FinishUpload | ResolveName | PrepareDownload) -> Reply:
+    # -- who may do what ---------------------------------------------------------------------------
+
+    def _may_act_on(self, info: JobInfo, user: str) -> bool:
+        return info.spec.user == user or user in self.admins
+
+    def _check_owner(self, info: JobInfo, user: str, action: str) -> None:
+        if not self._may_act_on(info, user):
+            raise NotYours(info.id, info.spec.user, action)
+
+    def _view(self, info: JobInfo, user: str) -> dict[str, Any]:
+        """The job's record as `user` may see it: whole for its owner and admins; for anyone else,
+        what it is and where it stands, never its secrets: environment values, the content
+        addresses of its data (each one a key to the bytes), its outcome's result (output tail,
+        artifacts)."""
+        record = info.to_dict()
+        if not self._may_act_on(info, user):
+            spec = record["spec"]
+            spec["env"] = dict.fromkeys(spec.get("env") or {}, HIDDEN)
+            spec["inputs"] = [{"dest": i["dest"], "kind": i["kind"]} for i in spec.get("inputs") or ()]
+            if spec.get("snapshot"):
+                spec["snapshot"] = {"commit": spec["snapshot"]["commit"]}
+            record["result"] = {}
+        return record
+
+    async def _data(
+        self, request: PrepareUpload | FinishUpload | ResolveName | PrepareDownload, user: str
+    ) -> Reply:
         if self.data is None:
             raise GpupoolError("this server has no object store for datasets", ErrorCode.UNAVAILABLE)
         match request:
             case PrepareUpload(sha256=sha256, size=size):
                 return await self.data.prepare_upload(sha256, size)
             case FinishUpload(sha256=sha256, kind=kind, name=name):
-                return await self.data.finish_upload(sha256, kind, name)
+                return await self.data.finish_upload(sha256, kind, name, user)
             case ResolveName(name=name):
-                return await self.data.resolve(name)
+                return await self.data.resolve(name, user)
             case PrepareDownload(key=key):
+                if (job_id := artifact_job(key)) is not None:
+                    self._check_owner(await self.queue.get(job_id), user, "download the artifacts of")
                 return await self.data.prepare_download(key)
 
     async def _enqueue(self, spec: dict[str, Any], key: str | None, user: str) -> Enqueued:
@@ -174,7 +212,7 @@ class Handlers:
                 raise NoWorkerFits(spec.gpus, spec.queue, largest)
 
     async def _list(
-        self, q: str | None, state: str | None, everything: bool, limit: int
+        self, q: str | None, state: str | None, everything: bool, limit: int, user: str
     ) -> list[dict[str, Any]]:
         if state is not None and state not in set(JobState):
             raise GpupoolError(
@@ -183,10 +221,10 @@ class Handlers:
         limit = max(1, min(limit, MAX_LIST))
         finished = everything or (state is not None and JobState(state).terminal)
         jobs = await self.queue.list_jobs(q, include_finished=finished, limit=limit)
-        return [j.to_dict() for j in jobs if state is None or j.state == state]
+        return [self._view(j, user) for j in jobs if state is None or j.state == state]
 
-    async def _detail(self, info: JobInfo) -> dict[str, Any]:
-        detail = info.to_dict()
+    async def _detail(self, info: JobInfo, user: str) -> dict[str, Any]:
+        detail = self._view(info, user)
         if info.state is JobState.QUEUED:
             detail["pending_reason"] = await self._pending_reason(info)
         return detail
@@ -204,10 +242,15 @@ class Handlers:
             return f"no live worker serves queue {info.spec.queue!r}"
         return f"{ahead} job(s) ahead of it in queue {info.spec.queue!r}" if ahead else "next to start"
 
-    async def _cancel(self, job_ids: list[str]) -> dict[str, str]:
+    async def _cancel(self, job_ids: list[str], user: str) -> dict[str, str]:
+        """Each job's state after the request: cancelled (or how it had ended), "not_found", or
+        "not_yours" for another user's job, left as it was."""
         states = {}
         for job_id in job_ids:
             try:
+                if not self._may_act_on(await self.queue.get(job_id), user):
+                    states[job_id] = "not_yours"
+                    continue
                 states[job_id] = await self.queue.cancel(job_id)
             except (JobNotFound, InvalidJob):
                 states[job_id] = "not_found"

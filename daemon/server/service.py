@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -59,12 +59,12 @@ class PoolServer:
         self.store = make_store(config)  # opened at start; presigns and records, carries no bytes
         self._tasks = TaskSet()
 
-    def _tokens(self) -> Mapping[str, bytes] | None:
+    def _users(self) -> tokens.Users | None:
         c = self.config
         if c.tokens_file:
-            return tokens.read_tokens(Path(c.tokens_file))
+            return tokens.read_users(Path(c.tokens_file))
         if c.embedded:  # a single-machine pool authenticates its local user with no set-up
-            return tokens.read_tokens(tokens.ensure_local_token(c.data_path()))
+            return tokens.read_users(tokens.ensure_local_token(c.data_path()))
         return None  # open mode; Listener allows it on loopback only
 
     async def start(self) -> None:
@@ -75,7 +75,8 @@ class PoolServer:
         c = self.config
         if bool(c.tls_cert) != bool(c.tls_key):
             raise ListenerError("tls_cert and tls_key go together: give both, or neither")
-        known_tokens = self._tokens()
+        users = self._users()
+        known_tokens = users.tokens if users is not None else None
         host, port = c.listen_address()
         refuse_open_beyond_loopback(known_tokens, host, port)  # before starting anything
         await self.store.open()
@@ -91,7 +92,14 @@ class PoolServer:
             reaper.run(self.queue, reap_every, self._reclaimed, c.dead_worker_retention), "reaper"
         )
         self.listener = Listener(
-            Handlers(self.queue, events, self.list_workers, self.metrics, self.store),
+            Handlers(
+                self.queue,
+                events,
+                self.list_workers,
+                self.metrics,
+                self.store,
+                admins=users.admins if users is not None else frozenset(),
+            ),
             known_tokens,
             host,
             port,

@@ -50,11 +50,22 @@ class Pool:
 
 
 def pool_config(
-    redis_server: EmbeddedRedis, tmp: Path, users: tuple[str, ...] = USERS, **overrides: Any
+    redis_server: EmbeddedRedis,
+    tmp: Path,
+    users: tuple[str, ...] = USERS,
+    admins: tuple[str, ...] = (),
+    **overrides: Any,
 ) -> config.Config:
+    """A multinode server's configuration with a token for each of `users`; `admins` are marked as
+    the pool's admins in the tokens file."""
     tokens = {u: secrets.token_urlsafe(24) for u in users}
     tokens_file = tmp / "tokens.toml"
-    tokens_file.write_text("".join(f'"{u}" = "{t}"\n' for u, t in tokens.items()))
+    tokens_file.write_text(
+        "".join(
+            f'"{u}" = {{ token = "{t}", admin = true }}\n' if u in admins else f'"{u}" = "{t}"\n'
+            for u, t in tokens.items()
+        )
+    )
     tokens_file.chmod(0o600)
     values = {
         "worker_mode": "multinode",
@@ -80,11 +91,12 @@ async def running_pool(
     tmp: Path,
     store: ObjectStore | None = None,
     users: tuple[str, ...] = USERS,
+    admins: tuple[str, ...] = (),
     **overrides: Any,
 ) -> AsyncIterator[Pool]:
     """A started server with a token for each of `users`; `store` replaces the one its
     configuration names (the server opens and closes it)."""
-    cfg = pool_config(redis_server, tmp, users, **overrides)
+    cfg = pool_config(redis_server, tmp, users, admins, **overrides)
     server = PoolServer(cfg)
     if store is not None:
         server.store = store

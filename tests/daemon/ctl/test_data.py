@@ -121,8 +121,8 @@ async def test_local_inputs_reach_the_job_at_dest(data_pool: Pool, tmp_path: Pat
 
 
 async def test_the_log_is_archived_when_there_is_one(data_pool: Pool, tmp_path: Path) -> None:
-    silent, _ = await data_pool.queue.enqueue(JobSpec(argv=("true",)))
-    loud, _ = await data_pool.queue.enqueue(JobSpec(argv=("echo", "hello")))
+    silent, _ = await data_pool.queue.enqueue(JobSpec(argv=("true",), user="alice"))
+    loud, _ = await data_pool.queue.enqueue(JobSpec(argv=("echo", "hello"), user="alice"))
     async with worker(data_pool, tmp_path):
         quiet = await wait_state(data_pool.queue, silent, JobState.SUCCEEDED, JobState.FAILED)
         said = await wait_state(data_pool.queue, loud, JobState.SUCCEEDED, JobState.FAILED)
@@ -174,7 +174,7 @@ async def test_a_zombie_attempts_artifacts_cannot_replace_the_committed_ones(
 ) -> None:
     queue: JobQueue = data_pool.queue
     store = data_pool.server.store
-    job_id, _ = await queue.enqueue(JobSpec(argv=("true",)))
+    job_id, _ = await queue.enqueue(JobSpec(argv=("true",), user="alice"))
     zombie = await queue.claim("w-zombie", ["default"], 0)
     assert zombie is not None
     await queue.redis.zadd(keys.leases("default"), {job_id: 0})  # its lease ran out: reclaimed

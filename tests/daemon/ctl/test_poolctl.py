@@ -188,3 +188,20 @@ async def test_workers_shows_a_live_worker_and_its_busy_slot(pool: Pool, tmp_pat
         assert orjson.loads(out)["id"] == worker.id
         code, out, _ = await poolctl(pool.env(), "health")
         assert "1 healthy worker" in out
+
+
+async def test_another_users_job_is_shown_without_secrets_and_cannot_be_cancelled(pool: Pool) -> None:
+    code, job_id, _ = await poolctl(
+        pool.env("alice"), "enqueue", "--env", "HF_TOKEN=hf_secret", "--", "sleep", "9"
+    )
+    job_id = job_id.strip()
+    code, out, err = await poolctl(pool.env("bob"), "cancel", job_id)
+    assert code == 6
+    assert "another user's: only its owner or a pool admin may cancel it" in err
+    code, out, _ = await poolctl(pool.env("bob"), "show", job_id, "--json")
+    assert code == 0
+    assert orjson.loads(out)["spec"]["env"] == {"HF_TOKEN": "<hidden>"}
+    code, out, err = await poolctl(pool.env("bob"), "logs", job_id)
+    assert (code, "belongs to alice" in err) == (6, True)
+    code, out, _ = await poolctl(pool.env("alice"), "cancel", job_id)
+    assert (code, out.split()) == (0, [job_id, "cancelled"])
