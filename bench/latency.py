@@ -40,6 +40,7 @@ from daemon.queue.job_queue import JobQueue
 from daemon.server.service import PoolServer
 from daemon.worker import spawn
 from daemon.worker.dispatcher import Worker
+from daemon.worker.identity import SlotIdentity
 from protocol import Enqueue, Enqueued
 
 QUEUE = "default"
@@ -109,8 +110,10 @@ async def run_command(
     record_completions(queue, done)
     real_spawn = spawn.start
 
-    async def timed_spawn(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str]) -> spawn.Child:
-        child = await real_spawn(argv, cwd=cwd, env=env)
+    async def timed_spawn(
+        argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], identity: SlotIdentity | None = None
+    ) -> spawn.Child:
+        child = await real_spawn(argv, cwd=cwd, env=env, identity=identity)
         if "GPUPOOL_JOB_ID" in env:
             spawned[env["GPUPOOL_JOB_ID"]] = time.perf_counter()
         return child

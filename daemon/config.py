@@ -36,6 +36,17 @@ SERVER_METRICS_PORT = 9420
 WORKER_METRICS_PORT = 9421
 
 
+def uid_range_of(text: str) -> range:
+    """`"FIRST-LAST"` (inclusive) as a range of uids; ValueError saying what is wrong."""
+    first, sep, last = text.partition("-")
+    if not sep or not first.strip().isdigit() or not last.strip().isdigit():
+        raise ValueError("expected FIRST-LAST, e.g. 61000-61063")
+    lo, hi = int(first), int(last)
+    if not 1000 <= lo <= hi < 2**31:
+        raise ValueError("expected 1000 <= FIRST <= LAST < 2**31, uids of no real user")
+    return range(lo, hi + 1)
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     name: str
@@ -132,6 +143,14 @@ OPTIONS: tuple[Option, ...] = (
         0.0,
         "seconds between heartbeats; 0 means a tenth of worker_healthy_response_period",
         lo=0,
+    ),
+    Option(
+        "job_uid_range",
+        str,
+        "",
+        "FIRST-LAST: uids (and gids) of no real user, one per slot, that a root worker runs its jobs "
+        "as (empty: jobs run as the daemon's user)",
+        check=uid_range_of,
     ),
     Option(
         "drain_timeout",
@@ -231,6 +250,7 @@ class Config:
     worker_healthy_response_period: float
     redis_events_block_ms: float
     heartbeat_interval: float
+    job_uid_range: str
     drain_timeout: float
     kill_grace: float
     job_retention: float

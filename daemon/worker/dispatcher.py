@@ -65,6 +65,7 @@ from daemon.worker.gpus import (
     sample_gpus,
 )
 from daemon.worker.heartbeat import Heartbeat
+from daemon.worker.identity import SlotIdentity, slot_identities
 from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult
@@ -108,15 +109,20 @@ class Worker:
         store: ObjectStore | None = None,
         cache_bytes: int = 50 * 1024**3,
         make_run: RunFactory | None = None,
+        identities: Sequence[SlotIdentity] | None = None,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
         (the seam) and optionally a probe. `env` is the base of every job's environment (default:
         this process's). `store` (open, owned by the caller) holds datasets and artifacts; the worker
         caches what it fetches from it under `data_dir/cache`, up to `cache_bytes`. `make_run` replaces
         the runner (JobRun) with another executor: a benchmark's no-op one measures the queue and
-        this dispatcher without processes."""
+        this dispatcher without processes. `identities` (one per slot, identity.py) are the uids
+        the slots' jobs run as; None: the worker's own."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
+        if identities is not None and len(identities) < slots:
+            raise ValueError("a worker with identities needs one for each slot")
+        self.identities = list(identities) if identities is not None else None
         self.queue = queue
         self.data_dir = Path(data_dir)
         self.slots = slots
@@ -140,7 +146,7 @@ class Worker:
             id=self.id, slots=slots, queues=self.queues, healthy_period=queue.lease_ms / 1000
         )
         self._slot_dirs = SlotDirs(self.data_dir / "slots", self.id)
-        self._guard = OrphanGuard(f"GPUPOOL_WORKER={self.id}")
+        self._guard = OrphanGuard(f"GPUPOOL_WORKER={self.id}", [i.uid for i in self.identities or ()])
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known
         self._nvml: Nvml | None = None
         self._held = Holdings(self._guard)  # every attempt this worker holds, by lease id
@@ -168,16 +174,18 @@ class Worker:
     ) -> Worker:
         """A worker with the configuration's queues, timings, cache size and (default) remote slot
         count, on `store` (opened by the caller)."""
+        n = config.worker_remote_processors if slots is None else slots
         return cls(
             queue,
             data_dir=data_dir or config.data_path() / "worker",
-            slots=config.worker_remote_processors if slots is None else slots,
+            slots=n,
             queues=config.queues,
             heartbeat_seconds=config.heartbeat_seconds,
             drain_timeout=config.drain_timeout,
             kill_grace=config.kill_grace,
             store=store,
             cache_bytes=config.worker_cache_bytes,
+            identities=slot_identities(config.job_uid_range, n),
         )
 
     @classmethod
@@ -199,6 +207,18 @@ class Worker:
         self.metrics = WorkerMetrics(gpus, sampler)  # NVML is read by sample_gpus, never by metrics/
         self.heartbeat.observer = self._observe_heartbeat
         self._registration.started_at = time.time()
+        if self.identities is not None:
+            # The jobs' uids must reach their slot's directories, and nothing else in data_dir:
+            # traversable (--x), never listable, by others; what is secret in it is 0600/0700.
+            for path in (self.data_dir, self._slot_dirs.root, self._slot_dirs.dir):
+                path.mkdir(parents=True, exist_ok=True)
+                path.chmod(0o711)
+        elif os.geteuid() == 0 and self.slots:
+            log.warning(
+                "worker %s runs its jobs as root, with every credential of this daemon: set "
+                "job_uid_range to give each slot a uid of its own (docs/SECURITY.md)",
+                self.id,
+            )
         await asyncio.to_thread(self._slot_dirs.open)
         await self._guard.start()
         try:
@@ -442,6 +462,7 @@ class Worker:
             store=self.store,
             cache=self.cache,
             slot_dir=self._slot_dirs.slot(slot),
+            identity=self.identities[slot] if self.identities is not None else None,
         )
 
     def _give_back(self, leases: Iterable[Lease], deadline: float) -> None:

@@ -62,6 +62,31 @@ def leftovers(pgid: int, descendants: Mapping[int, float]) -> list[psutil.Proces
     return left
 
 
+def kill_uid(uid: int, rounds: int = 20) -> list[psutil.Process]:
+    """SIGKILL every process running as `uid` (a slot's own: none of them may outlive the attempt,
+    however it left its group and session or cleared its environment), again until a pass finds
+    none, since one being killed may have forked meanwhile; at most `rounds` passes. One stat of
+    /proc/PID per process on the machine. Returns those killed, to wait for. Blocking."""
+    killed: dict[int, psutil.Process] = {}
+    for _ in range(rounds):
+        found = []
+        for pid in psutil.pids():
+            try:
+                if os.stat(f"/proc/{pid}").st_uid != uid:
+                    continue
+                p = psutil.Process(pid)
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                p.kill()
+            except (OSError, psutil.Error):
+                continue
+            found.append(p)
+        if not found:
+            break
+        killed.update((p.pid, p) for p in found)
+    return list(killed.values())
+
+
 def dirty_gpus(probe: GpuProbe, gpus: Sequence[GpuInfo], ours: set[int], sid: int) -> dict[str, str]:
     dirty = {}
     for g in gpus:

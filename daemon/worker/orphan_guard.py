@@ -7,9 +7,10 @@ background children, a training script's data-loader processes), holding GPUs no
 hand out. When the guard's stdin reaches end of file, because the worker exited and the kernel
 closed its end of the pipe (SIGKILL included), the guard SIGKILLs every group still listed, then
 every process whose environment carries this worker's `GPUPOOL_WORKER=ID` (runner.job_env sets
-it): that covers a job the worker started but died before announcing, and descendants that moved
-to a group of their own. Then it exits. (A kernel death signal, PR_SET_PDEATHSIG, would need a
-preexec_fn and so a full fork of the worker per job: see spawn.py.)
+it) or that runs as one of its slots' uids (identity.py): that covers a job the worker started but
+died before announcing, descendants that moved to a group of their own, and, for slots with a uid
+of their own, whatever cleared its environment too. Then it exits. (A kernel death signal,
+PR_SET_PDEATHSIG, would need a preexec_fn and so a full fork of the worker per job: see spawn.py.)
 
 The worker is frozen (SIGSTOP, a debugger, a VM paused under it). Its leases then expire in Redis
 and its jobs start elsewhere, while the frozen worker's processes would run on beside them. So the
@@ -32,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ CHECK_SECONDS = 0.5
 GUARD_SOURCE = r"""
 import os, select, signal, sys, time
 mark, check = sys.argv[1].encode(), float(sys.argv[2])
+uids = {int(u) for u in sys.argv[3].split(",") if u}
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 groups, deadlines, buf = {}, {}, b""
@@ -88,9 +91,10 @@ for _ in range(3):  # again, for any that forked while the last pass ran
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if mark not in f.read().split(b"\0"):
-                    continue
+            if os.stat(f"/proc/{name}").st_uid not in uids:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if mark not in f.read().split(b"\0"):
+                        continue
             os.kill(int(name), signal.SIGKILL)
             marked += 1
         except OSError:
@@ -103,13 +107,15 @@ for _ in range(3):  # again, for any that forked while the last pass ran
 class OrphanGuard:
     """The worker's side of the guard. `start()` once and `watch_over()` in a task of its own;
     `hold`/`drop` per lease, `watch`/`forget` per job's process group; `stop()` at the end.
-    `mark` is the environment entry every job of this worker carries (`GPUPOOL_WORKER=ID`).
+    `mark` is the environment entry every job of this worker carries (`GPUPOOL_WORKER=ID`); `uids`
+    are its slots' own (identity.py), whose every process is a job's.
 
     It keeps what it told the guard (the groups and deadlines it holds), so that a guard that
     died (killed by hand, the OOM killer) is started again by `watch_over` and told it all anew."""
 
-    def __init__(self, mark: str) -> None:
+    def __init__(self, mark: str, uids: Sequence[int] = ()) -> None:
         self.mark = mark
+        self.uids = tuple(uids)
         self._proc: asyncio.subprocess.Process | None = None
         self._groups: dict[int, str] = {}  # pgid -> lease
         self._deadlines: dict[str, float] = {}  # lease -> deadline
@@ -127,6 +133,7 @@ class OrphanGuard:
             GUARD_SOURCE,
             self.mark,
             str(CHECK_SECONDS),
+            ",".join(map(str, self.uids)),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.DEVNULL,
             start_new_session=True,

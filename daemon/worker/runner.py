@@ -36,9 +36,9 @@ from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
 from daemon.job import JobState, Lease, Outcome
 from daemon.queue.job_queue import JobQueue
-from daemon.sd_notify import NOTIFY_ENV
 from daemon.worker import git_mirror, job_data, leftovers, scratch, spawn
 from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
+from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput
 from daemon.worker.orphan_guard import OrphanGuard
 from storage.base import ObjectStore
@@ -86,11 +86,21 @@ class Run(Protocol):
     def lose(self, why: str) -> None: ...
 
 
-def job_env(base: Mapping[str, str], lease: Lease, gpus: Sequence[GpuInfo]) -> dict[str, str]:
-    """The job's environment: the worker's (less its GPUPOOL_* settings, which may hold secrets, and
-    systemd's notify variables, so a job can never speak for the daemon), then the spec's, then the
-    pool's variables, which the spec cannot override."""
-    env = {k: v for k, v in base.items() if not k.startswith("GPUPOOL_") and k not in NOTIFY_ENV}
+# What a job gets of the worker's environment: enough to find programs and speak the user's
+# language. Nothing else: the daemon's environment may hold secrets (credentials of its own,
+# systemd's notify socket, through which a job could speak for the daemon).
+PASSED_ENV = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TERM"})
+
+
+def job_env(
+    base: Mapping[str, str], lease: Lease, gpus: Sequence[GpuInfo], home: Path | None = None
+) -> dict[str, str]:
+    """The job's environment: PASSED_ENV and the locale (LC_*) from the worker's, HOME set to `home`
+    when given (a job with an identity of its own gets its slot's directory), then the spec's,
+    then the pool's variables, which the spec cannot override."""
+    env = {k: v for k, v in base.items() if k in PASSED_ENV or k.startswith("LC_")}
+    if home is not None:
+        env["HOME"] = str(home)
     env.update(lease.spec.env)
     env.update(
         GPUPOOL_JOB_ID=lease.job_id,
@@ -132,11 +142,13 @@ class JobRun:
         store: ObjectStore | None = None,
         cache: ObjectCache | None = None,
         slot_dir: Path | None = None,
+        identity: SlotIdentity | None = None,
     ) -> None:
         """`slot_dir` holds the scratch directories of the slot it runs on (scratch.py; default
         `data_dir/slot`). `store` receives
         the artifacts; `cache` fetches the snapshot and inputs (None: a worker without an object
-        store; jobs with data then fail saying so)."""
+        store; jobs with data then fail saying so). `identity`: the uid the job runs as
+        (identity.py; None: the worker's own)."""
         self.queue = queue
         self.store = store
         self.cache = cache
@@ -149,7 +161,9 @@ class JobRun:
         slot_dir = slot_dir or data_dir / "slot"
         self.scratch = slot_dir / "work"
         self.output_dir = slot_dir / "out"
-        self._env = job_env(os.environ if env is None else env, lease, self.gpus)
+        self.identity = identity
+        home = self.scratch if identity is not None else None
+        self._env = job_env(os.environ if env is None else env, lease, self.gpus, home)
         self._env["GPUPOOL_OUTPUT"] = str(self.output_dir)
         self.ending: Ending | None = None
         self._proc: spawn.Child | None = None
@@ -238,9 +252,11 @@ class JobRun:
             if spec.git is not None:
                 await self._checkout(spec.git)
             await job_data.prepare(self.cache, spec, cwd, self.output.note)
+            if self.identity is not None and (spec.git is not None or spec.snapshot is not None):
+                await asyncio.to_thread(self.identity.own_tree, self.scratch)  # the job's own code
             if self.ending is Ending.LOST:  # lost while its data came: it must not start at all
                 return RunResult(Ending.LOST, None)
-            self._proc = await spawn.start(spec.argv, cwd=cwd, env=self._env)
+            self._proc = await spawn.start(spec.argv, cwd=cwd, env=self._env, identity=self.identity)
         except (OSError, GpupoolError) as exc:
             detail = (
                 str(exc)
@@ -279,6 +295,8 @@ class JobRun:
             if self._killer is not None:
                 await cancel_and_wait(self._killer)
             left = leftovers.leftovers(pgid, self._descendants)
+            if self.identity is not None:  # whatever runs as the slot's uid now escaped the job
+                left += await asyncio.to_thread(leftovers.kill_uid, self.identity.uid)
             try:
                 if left:
                     await asyncio.to_thread(psutil.wait_procs, left, timeout=5)
@@ -336,15 +354,22 @@ class JobRun:
             await asyncio.sleep(SAMPLE_SECONDS)
 
     def _scratch_dirs(self) -> tuple[Path, ...]:
-        return (self.output_dir,) if self.lease.spec.cwd else (self.output_dir, self.scratch)
+        """The slot's directories this job uses: `out`, and `work` unless it runs in a `cwd` of its
+        own (a job with an identity has it anyway: it is its HOME)."""
+        if self.lease.spec.cwd and self.identity is None:
+            return (self.output_dir,)
+        return (self.output_dir, self.scratch)
 
     async def _reset_scratch(self) -> None:
-        """Empty, real directories for the job, whatever the slot's last job left."""
+        """Empty, real directories for the job, whatever the slot's last job left; with an
+        identity, owned by it (mode 0700: no other slot's job can look in)."""
         await self._clear_scratch()
         for path in self._scratch_dirs():
             # mkdir on the worker's own disk (mostly finding the directory there): cheaper inline
             # than a hop to a thread.
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.identity is not None:
+            self.identity.own(*self._scratch_dirs())
 
     async def _clear_scratch(self) -> None:
         """Empty the slot's directories: most jobs leave them empty (an lstat and a directory

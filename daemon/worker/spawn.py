@@ -23,6 +23,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from daemon.worker.identity import SlotIdentity
+
 
 class Child:
     """A started process: `pid`, its merged stdout+stderr as `stdout`, `await wait()` for its status,
@@ -73,11 +75,15 @@ class Child:
         self._pipe.close()
 
 
-async def start(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str]) -> Child:
+async def start(
+    argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], identity: SlotIdentity | None = None
+) -> Child:
     """Start `argv` (no shell) in `cwd` with exactly `env`, stdin from /dev/null, stdout and stderr
-    into one pipe. Raises OSError when it cannot start (no such program, no such directory)."""
+    into one pipe, as `identity` when given (through setpriv: the child changes no credentials
+    itself, so it is still a vfork). Raises OSError when it cannot start (no such program, no such
+    directory; with an identity, setpriv reports a missing program and exits 127)."""
     popen = subprocess.Popen(  # noqa: ASYNC220 - vfork + exec: as long as an exec takes
-        list(argv),
+        identity.wrap(argv) if identity is not None else list(argv),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

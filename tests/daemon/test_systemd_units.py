@@ -61,7 +61,14 @@ def test_unit_settings(name: str) -> None:
     assert service["WatchdogSec"] == "30"
     assert service["Restart"] == "on-failure"
     assert service["KillMode"] == "mixed"  # poold stops its jobs itself; systemd signals only it
-    assert (service["User"], service["Group"]) == ("gpupool", "gpupool")
+    if name == "pool-worker.service":  # root, bounded, so that each slot's jobs get a uid of their own
+        assert "User" not in service
+        assert service["Environment"].startswith("GPUPOOL_JOB_UID_RANGE=")
+        config.uid_range_of(service["Environment"].split("=", 1)[1])
+        caps = "CAP_SETUID CAP_SETGID CAP_SETPCAP CAP_CHOWN CAP_KILL CAP_DAC_OVERRIDE CAP_FOWNER"
+        assert set(service["CapabilityBoundingSet"].split()) == set(caps.split())
+    else:
+        assert (service["User"], service["Group"]) == ("gpupool", "gpupool")
     assert service["StateDirectory"] == "gpupool"
     assert service["ProtectSystem"] == "strict"
     assert service["NoNewPrivileges"] == "yes"

@@ -8,6 +8,8 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from daemon.worker.orphan_guard import OrphanGuard
 from tests.support.workers import alive, wait_dead, wait_until
 
@@ -76,3 +78,29 @@ async def test_a_guard_that_dies_is_started_again_and_told_everything() -> None:
 
 async def _replaced(guard: OrphanGuard, old: int) -> bool:
     return guard.pid not in (None, old)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
+async def test_when_the_worker_is_gone_so_is_every_process_of_its_slots_uids() -> None:
+    guard = OrphanGuard("GPUPOOL_WORKER=w-guard-test-5", uids=(61010, 61011))
+    await guard.start()
+
+    def as_uid(uid: int, *argv: str) -> subprocess.Popen[bytes]:
+        setpriv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+        return subprocess.Popen([*setpriv, *argv], start_new_session=True)
+
+    escaped = as_uid(61011, "env", "-i", "sleep", "300")  # no mark, its own session: only its uid says
+    other_uid = as_uid(61012, "sleep", "300")
+    try:
+        await wait_until(lambda: _running_as(escaped.pid, 61011), what="the job to run as its slot's uid")
+        await guard.stop()
+        escaped.wait(10)
+        assert alive(other_uid.pid)  # no slot of this worker's
+    finally:
+        for p in (escaped, other_uid):
+            p.kill()
+            p.wait()
+
+
+async def _running_as(pid: int, uid: int) -> bool:
+    return os.stat(f"/proc/{pid}").st_uid == uid

@@ -44,7 +44,7 @@ async def test_environment_directory_and_outcome(queue: JobQueue, tmp_path: Path
     assert env["GPUPOOL_WORKER"] == "w1"
     assert env["CUDA_VISIBLE_DEVICES"] == f"{gpus[0].uuid},{gpus[1].uuid}"
     assert env["MY_VAR"] == "mine"
-    assert env["KEEP"] == "1"
+    assert "KEEP" not in env  # of the daemon's environment, only PATH, HOME, the locale (runner.PASSED_ENV)
     assert "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD" not in env  # the worker's settings stay its own
     scratch = out.read_text().splitlines()[-1]
     assert scratch == str(tmp_path / "data" / "slot" / "work")  # the slot's scratch directory

@@ -1,0 +1,127 @@
+"""Jobs never run with the daemon's identity (issue 14, findings 1, 4 and 5): a root worker with
+`job_uid_range` runs each slot's jobs under a uid of its own, without capabilities, in a clean
+environment. Real jobs, real uids (the tests run as root), each probing what a hostile job would."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from daemon.job import JobInfo, JobState
+from daemon.queue.job_queue import JobQueue
+from daemon.worker.dispatcher import Worker
+from daemon.worker.identity import IdentityError, slot_identities
+from tests.support.workers import running_worker, sh, wait_file, wait_state
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
+
+FIRST_UID = 61000
+
+
+@pytest.fixture
+async def worker(queue: JobQueue, tmp_path: Path) -> AsyncIterator[Worker]:
+    identities = slot_identities(f"{FIRST_UID}-{FIRST_UID + 1}", 2)
+    env = {"PATH": os.environ["PATH"], "AWS_SECRET_ACCESS_KEY": "the-daemons-own", "LANG": "C.UTF-8"}
+    async with running_worker(queue, tmp_path / "w", slots=2, identities=identities, env=env) as w:
+        yield w
+
+
+@pytest.fixture
+def drop() -> Iterator[Path]:
+    """A directory every uid may write (in /tmp: pytest's own directories are root's, 0700), for
+    jobs to leave what the test reads."""
+    path = Path(tempfile.mkdtemp(prefix="gpupool-drop-"))
+    path.chmod(0o1777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+async def run(queue: JobQueue, script: str, **kw: object) -> JobInfo:
+    job_id, _ = await queue.enqueue(sh(script, **kw))
+    return await wait_state(queue, job_id, JobState.SUCCEEDED, JobState.FAILED)
+
+
+async def output(queue: JobQueue, info: JobInfo) -> str:
+    return b"".join(data for _, data in await queue.read_log(info.id)).decode()
+
+
+async def test_a_job_runs_as_its_slots_uid_without_capabilities_or_the_daemons_environment(
+    queue: JobQueue, worker: Worker
+) -> None:
+    info = await run(queue, 'id -u; id -g; grep -E "^(CapEff|CapBnd|NoNewPrivs)" /proc/self/status; env')
+    assert info.state is JobState.SUCCEEDED, await output(queue, info)
+    lines = (await output(queue, info)).splitlines()
+    assert lines[:2] == [str(FIRST_UID)] * 2
+    assert lines[2].split() == ["CapEff:", "0000000000000000"]
+    assert lines[3].split() == ["CapBnd:", "0000000000000000"]
+    assert lines[4].split() == ["NoNewPrivs:", "1"]
+    env = dict(line.split("=", 1) for line in lines[5:] if "=" in line)
+    assert "AWS_SECRET_ACCESS_KEY" not in env  # the daemon's environment stays the daemon's
+    assert env["LANG"] == "C.UTF-8"
+    assert env["HOME"] == str(worker._slot_dirs.slot(0) / "work")
+
+
+async def test_a_job_cannot_read_the_daemons_secrets(queue: JobQueue, worker: Worker, tmp_path: Path) -> None:
+    secret = worker.data_dir / "password"  # as the embedded Redis keeps its password: 0600
+    secret.write_text("hunter2\n")
+    secret.chmod(0o600)
+    info = await run(queue, f"cat {secret}; ls {worker.data_dir}; echo done")
+    out = await output(queue, info)
+    assert "hunter2" not in out
+    assert "Permission denied" in out
+    assert out.rstrip().endswith("done")
+
+
+async def test_two_jobs_can_neither_read_nor_signal_each_other(
+    queue: JobQueue, worker: Worker, drop: Path
+) -> None:
+    victim, _ = await queue.enqueue(
+        sh(f"echo $$ > {drop}/victim; exec sleep 30", env={"HF_TOKEN": "hf_victims"})
+    )
+    pid = int((await wait_file(drop / "victim"))[0])
+    victims_dir = worker._slot_dirs.slot(0) / "work"
+    probe = await run(
+        queue, f"cat /proc/{pid}/environ; kill -9 {pid} && echo KILLED; ls {victims_dir}; echo probed"
+    )
+    out = await output(queue, probe)
+    assert "hf_victims" not in out
+    assert "KILLED" not in out
+    assert out.rstrip().endswith("probed")
+    assert psutil.Process(pid).uids().real == FIRST_UID  # alive, as slot 0's uid
+    await queue.cancel(victim)
+    await wait_state(queue, victim, JobState.CANCELLED)
+
+
+async def test_nothing_of_a_job_outlives_it_however_it_escaped(
+    queue: JobQueue, worker: Worker, drop: Path
+) -> None:
+    script = f"setsid -f env -i sh -c 'echo $$ > {drop}/escaped; exec sleep 120'; sleep 0.5"
+    info = await run(queue, script)
+    assert info.state is JobState.SUCCEEDED
+    escaped = int((await wait_file(drop / "escaped"))[0])
+    for _ in range(100):
+        if not psutil.pid_exists(escaped) or psutil.Process(escaped).status() == psutil.STATUS_ZOMBIE:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError(f"process {escaped}, escaped with setsid and env -i, outlived its job")
+    uids = {FIRST_UID, FIRST_UID + 1}
+    assert [p.pid for p in psutil.process_iter() if p.uids().real in uids and p.status() != "zombie"] == []
+
+
+def test_a_uid_range_that_cannot_serve_is_refused_saying_why() -> None:
+    with pytest.raises(IdentityError, match="holds 2 uids for 3 slots"):
+        slot_identities(f"{FIRST_UID}-{FIRST_UID + 1}", 3)
+    with pytest.raises(ValueError, match="FIRST-LAST"):
+        slot_identities("61000", 1)
+    with pytest.raises(ValueError, match="uids of no real user"):
+        slot_identities("0-10", 1)
