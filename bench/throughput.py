@@ -6,7 +6,9 @@ Against one embedded redis-server started for the run:
   no-op executor (no process run), 2 slots and 8 slots. jobs/s = N / (last complete - first
   start) over all workers.
 - `true` command jobs: real `poold --worker --worker-mode multinode` processes (2 slots each).
-  jobs/s = N / (last ended_at - first started_at), from the job records (Redis time, ms).
+  jobs/s = N / (last ended_at - first started_at), from the job records (Redis time, ms). Run as
+  root, once more with `job_uid_range`: each job through setpriv as its slot's uid, and every
+  process of that uid swept when it ends (`true_1_worker_slot_uids`: the cost of isolation).
 - ceiling, spawn: a bare loop running `true` (create_subprocess_exec + communicate), 2 at a time,
   in a fresh process (bench/spawn_ceiling.py), on the standard asyncio loop (vfork) and on uvloop
   (fork); the ceiling is the faster.
@@ -83,7 +85,14 @@ def noop_drain(server: EmbeddedRedis, name: str, workers: int, slots: int) -> di
 
 
 async def command_drain(  # noqa: PLR0917
-    server: EmbeddedRedis, queue: JobQueue, name: str, jobs: int, workers: int, tmp: Path, s3: S3Server
+    server: EmbeddedRedis,
+    queue: JobQueue,
+    name: str,
+    jobs: int,
+    workers: int,
+    tmp: Path,
+    s3: S3Server,
+    uid_range: str = "",
 ) -> dict[str, float]:
     ids = await prequeue(queue, name, jobs)
     env = {
@@ -100,6 +109,7 @@ async def command_drain(  # noqa: PLR0917
         argv = [sys.executable, "-m", "daemon.main", "--worker", "--worker-mode", "multinode"]
         argv += ["--redis-ip", "127.0.0.1", "--redis-port", str(server.port), "--queues", name]
         argv += ["--metrics-listen", "127.0.0.1:0", "--data-dir", str(data), "--log-level", "warning"]
+        argv += ["--job-uid-range", uid_range] if uid_range else []
         log = open(tmp / f"worker-{name}-{i}.log", "wb")  # noqa: SIM115, ASYNC230 - closed below
         procs.append(
             (
@@ -192,6 +202,10 @@ async def measure(jobs: int, command_jobs: int) -> dict[str, Any]:
                 for workers in (1, 2):
                     out[f"true_{workers}_worker"] = await command_drain(
                         server, queue, f"cmd{workers}", command_jobs, workers, tmp, s3
+                    )
+                if os.geteuid() == 0:
+                    out["true_1_worker_slot_uids"] = await command_drain(
+                        server, queue, "cmduid", command_jobs, 1, tmp, s3, uid_range="61100-61101"
                     )
             finally:
                 await asyncio.to_thread(s3.stop)

@@ -294,9 +294,8 @@ class JobRun:
             await cancel_and_wait(sampler)
             if self._killer is not None:
                 await cancel_and_wait(self._killer)
-            left = leftovers.leftovers(pgid, self._descendants)
-            if self.identity is not None:  # whatever runs as the slot's uid now escaped the job
-                left += await asyncio.to_thread(leftovers.kill_uid, self.identity.uid)
+            uid = self.identity.uid if self.identity is not None else None
+            left = leftovers.leftovers(pgid, self._descendants, uid)
             try:
                 if left:
                     await asyncio.to_thread(psutil.wait_procs, left, timeout=5)
