@@ -161,9 +161,16 @@ async def _put_url(url: str, source: Source, chunks: AsyncIterator[bytes]) -> No
             raise TransferError(f"the object store refused the upload: HTTP {response.status}: {text}")
 
 
-async def download(client: PoolClient, key: str, dest: Path, label: str) -> int:
-    """Fetch `key` to `dest` (verified, atomic). Returns its size."""
+async def download(client: PoolClient, key: str, dest: Path, label: str, sha256: str | None = None) -> int:
+    """Fetch `key` to `dest` (verified, atomic). `sha256`: what the object must be, as recorded
+    by whoever made it (a job's result); the store's own checksum must then be the same. Returns
+    its size."""
     ticket = await client.call(PrepareDownload(key), DownloadTicket)
+    if sha256 is not None and ticket.sha256 != sha256:
+        raise TransferError(
+            f"{label}: the store holds {key} with sha256 {ticket.sha256}, but the job recorded "
+            f"{sha256}: not fetched (the object was replaced, or the record forged)"
+        )
     with progress(f"get {label}", ticket.size) as advance:
         if ticket.local_store is not None:
             async with LocalStore(Path(ticket.local_store)) as store:
@@ -241,21 +248,35 @@ async def upload_snapshot(client: PoolClient, cwd: Path) -> dict[str, object]:
     return {"sha256": sha, "commit": tree.commit, "dirty": tree.dirty}
 
 
-def _safe_name(name: str) -> bool:
-    return bool(name) and not name.startswith("/") and not any(p in {"", ".", ".."} for p in name.split("/"))
+def _inside(dest: Path, name: object) -> Path:
+    """`dest/name`, for a name the server sent: a relative path of plain segments, or TransferError.
+    The server is not trusted with where poolctl writes (a forged record could name ~/.bashrc)."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or name.startswith("/")
+        or "\x00" in name
+        or "\\" in name
+        or any(part in {"", ".", ".."} for part in name.split("/"))
+    ):
+        raise TransferError(
+            f"the job's record names an artifact {name!r} outside DEST: refused, nothing fetched"
+        )
+    return dest / name
 
 
 async def get_artifacts(client: PoolClient, job: dict[str, Any], dest: Path) -> list[tuple[str, int]]:
     """`poolctl get`: the committed attempt's artifacts under `dest`, and its log as
-    `dest/<job>.log`. Returns (path written, size) pairs."""
+    `dest/<job>.log`. Every path is checked before anything is fetched, and every object against
+    the sha256 the job's record holds. Returns (path written, size) pairs."""
     result = job.get("result") or {}
     wanted = [
-        (a["key"], dest / a["name"], a["name"]) for a in result.get("artifacts", []) if _safe_name(a["name"])
+        (a["key"], _inside(dest, a["name"]), a["name"], a.get("sha256")) for a in result.get("artifacts", [])
     ]
-    if result.get("log"):
-        wanted.append((result["log"]["key"], dest / f"{job['id']}.log", "log"))
+    if log := result.get("log"):
+        wanted.append((log["key"], _inside(dest, f"{job['id']}.log"), "log", log.get("sha256")))
     written = []
-    for key, path, label in wanted:
-        size = await download(client, key, path, label)
+    for key, path, label, sha256 in wanted:
+        size = await download(client, key, path, label, sha256)
         written.append((str(path), size))
     return written

@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -198,6 +199,55 @@ async def test_a_zombie_attempts_artifacts_cannot_replace_the_committed_ones(
     assert (tmp_path / "got" / "model.pt").read_text() == "good"
     stored = [o.key for o in await store.list(f"artifacts/{job_id}/")]
     assert f"artifacts/{job_id}/1/out/model.pt" in stored  # the zombie wrote under its own attempt only
+
+
+async def finished_with(
+    data_pool: Pool, tmp_path: Path, forge: Callable[[dict[str, Any]], dict[str, Any]]
+) -> str:
+    """A job of alice's that uploaded model.pt and ended with the result `forge` makes of what it
+    uploaded (what a forged record would hold)."""
+    queue: JobQueue = data_pool.queue
+    job_id, _ = await queue.enqueue(JobSpec(argv=("true",), user="alice"))
+    lease = await queue.claim("w1", ["default"], 0)
+    assert lease is not None
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.pt").write_text("weights")
+    uploaded = await upload_artifacts(data_pool.server.store, queue, lease, out)
+    await queue.complete(lease, Outcome(JobState.SUCCEEDED, 0, "", {**uploaded, **forge(uploaded)}))
+    return job_id
+
+
+@pytest.mark.parametrize("name", ["../../escaped.txt", "/tmp/absolute.txt", "a/../../b"])
+async def test_get_refuses_an_artifact_named_outside_dest_and_writes_nothing(
+    data_pool: Pool, tmp_path: Path, name: str
+) -> None:
+    def forged(uploaded: dict[str, Any]) -> dict[str, Any]:
+        good = uploaded["artifacts"][0]
+        return {"artifacts": [good, {**good, "name": name}]}
+
+    job_id = await finished_with(data_pool, tmp_path, forged)
+    code, _, err = await poolctl(data_pool.env(), "get", job_id, str(tmp_path / "got" / "here"))
+    assert code == 1
+    assert f"{name!r}" in err
+    assert "outside" in err
+    assert not (tmp_path / "got").exists()  # refused before anything was fetched
+    assert not (tmp_path / "escaped.txt").exists()
+
+
+async def test_get_refuses_an_artifact_that_is_not_what_the_job_recorded(
+    data_pool: Pool, tmp_path: Path
+) -> None:
+    def tampered(uploaded: dict[str, Any]) -> dict[str, Any]:
+        good = uploaded["artifacts"][0]
+        return {"artifacts": [{**good, "sha256": "0" * 64}]}
+
+    job_id = await finished_with(data_pool, tmp_path, tampered)
+    code, _, err = await poolctl(data_pool.env(), "get", job_id, str(tmp_path / "got"))
+    assert code == 1
+    assert "recorded" in err
+    assert "0" * 12 in err
+    assert not (tmp_path / "got" / "model.pt").exists()
 
 
 async def test_a_worker_without_its_bucket_fails_with_the_endpoint_and_bucket(tmp_path: Path) -> None:
