@@ -1,7 +1,14 @@
-"""How poolctl prints: rich tables on a terminal, plain aligned text otherwise, JSON on request."""
+"""How poolctl prints: rich tables on a terminal, plain aligned text otherwise, JSON on request.
+
+Everything in a job's record may come from another user (a job's name, its command, a worker's
+host), so every field is printed through `clean`: control characters (escape sequences that could
+move the cursor, rewrite the screen or set the window title) and the Unicode marks that reorder
+text are shown as escapes, and on a terminal nothing is read as rich markup.
+"""
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -9,7 +16,21 @@ from typing import Any
 
 import orjson
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+# C0 and C1 controls, DEL, and the bidirectional and zero-width marks (U+200B-U+200F,
+# U+202A-U+202E, U+2066-U+2069)
+_HOSTILE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def clean(text: object) -> str:
+    """`text` as it may be printed: every hostile character as a visible escape (\\x1b, \\u202e)."""
+    return _HOSTILE.sub(
+        lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
+        str(text),
+    )
+
 
 STATE_STYLE = {
     "queued": "yellow",
@@ -37,12 +58,13 @@ def duration(seconds: float | None) -> str:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], state_col: int | None = None) -> None:
+    rows = [[clean(cell) for cell in row] for row in rows]
     console = Console()
     if console.is_terminal:
         table = Table(*headers, box=None, header_style="bold", pad_edge=False)
         for row in rows:
-            cells = list(row)
-            if state_col is not None and (style := STATE_STYLE.get(cells[state_col])):
+            cells = [escape(cell) for cell in row]
+            if state_col is not None and (style := STATE_STYLE.get(row[state_col])):
                 cells[state_col] = f"[{style}]{cells[state_col]}[/]"
             table.add_row(*cells)
         console.print(table)
@@ -100,10 +122,14 @@ def _data_lines(spec: dict[str, Any]) -> list[tuple[str, str | None]]:
         (
             "snapshot",
             snap
-            and f"{snap['sha256'][:12]} of commit {snap['commit'][:12] or '(none)'}"
-            + (" + uncommitted changes" if snap["dirty"] else ""),
+            and f"{snap.get('sha256', '')[:12] or '(hidden)'} of commit {snap['commit'][:12] or '(none)'}"
+            + (" + uncommitted changes" if snap.get("dirty") else ""),
         ),
-        ("inputs", ", ".join(f"{i['dest']} ({i['kind']} {i['sha256'][:12]})" for i in inputs) or None),
+        (
+            "inputs",
+            ", ".join(f"{i['dest']} ({i['kind']} {i.get('sha256', '(hidden)')[:12]})" for i in inputs)
+            or None,
+        ),
     ]
 
 
@@ -112,11 +138,11 @@ def _artifacts(result: dict[str, Any]) -> None:
     if items or result.get("log"):
         print("artifacts:")
         for a in items:
-            print(f"  {size(a['size']):>10}  {a['name']}")
+            print(f"  {size(a['size']):>10}  {clean(a['name'])}")
         if result.get("log"):
             print(f"  {size(result['log']['size']):>10}  (log)")
     for error in result.get("artifact_errors") or []:
-        print(f"  not uploaded: {error}")
+        print(f"  not uploaded: {clean(error)}")
 
 
 def _when(ts: float | None) -> str:
@@ -154,13 +180,13 @@ def job(j: dict[str, Any], *, as_json: bool) -> None:
     ]
     for key, value in lines:
         if value is not None:
-            print(f"{key + ':':<11}{value}")
+            print(f"{key + ':':<11}{clean(value)}")
     if j["attempts"]:
         print("attempts:")
         for a in j["attempts"]:
             ran = duration((a["ended_at"] or time.time()) - a["started_at"])
             started = _when(a["started_at"])
-            print(f"  #{a['attempt']}  {a['how']:<10} on {a['worker']}  started {started}  ran {ran}")
+            print(f"  #{a['attempt']}  {a['how']:<10} on {clean(a['worker'])}  started {started}  ran {ran}")
     _artifacts(j.get("result") or {})
 
 
