@@ -2,8 +2,11 @@
 for what poolctl reads of the user's checkout (ctl/checkout.py).
 
 git runs without a terminal and never asks for a password (a worker has nobody to ask, and a
-prompt would hang poolctl in a script); every failure is a `GitError` whose sentence is the reason
-git gave.
+prompt would hang poolctl in a script), with little of the caller's environment (PASSED_ENV: what
+finds programs, keys and proxies; never the daemon's other settings), and reaches only the
+protocols it is allowed (GIT_ALLOW_PROTOCOL: never `ext::`, which runs a command, and `file` only
+where the caller says a local path is fine). Every failure is a `GitError` whose sentence is the
+reason git gave.
 """
 
 from __future__ import annotations
@@ -14,15 +17,21 @@ from pathlib import Path
 
 from daemon.errors import GpupoolError
 
+PASSED_ENV = frozenset({"PATH", "HOME", "SSH_AUTH_SOCK", "GIT_SSH_COMMAND", "http_proxy", "https_proxy",
+                        "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"})  # fmt: skip
+NETWORK_PROTOCOLS = "https:ssh:git"  # what a job's repository may be fetched over, on a shared worker
+ANY_PROTOCOL = NETWORK_PROTOCOLS + ":file"  # local paths too: one's own machine, and the worker's mirrors
+
 
 class GitError(GpupoolError):
     """git failed; the sentence is git's own reason."""
 
 
-async def git(*args: str, cwd: Path | None = None, strip: bool = True) -> str:
-    """Run git without a terminal (it must never wait for a password); its stdout (stripped of
-    surrounding whitespace unless `strip` is False), or GitError."""
-    env = dict(os.environ, GIT_TERMINAL_PROMPT="0", GIT_ASKPASS="true", LC_ALL="C")
+async def git(*args: str, cwd: Path | None = None, strip: bool = True, protocols: str = ANY_PROTOCOL) -> str:
+    """Run git without a terminal (it must never wait for a password), over `protocols` only; its
+    stdout (stripped of surrounding whitespace unless `strip` is False), or GitError."""
+    env = {k: v for k, v in os.environ.items() if k in PASSED_ENV}
+    env.update(GIT_TERMINAL_PROMPT="0", GIT_ASKPASS="true", LC_ALL="C", GIT_ALLOW_PROTOCOL=protocols)
     proc = await asyncio.create_subprocess_exec(
         "git",
         *args,

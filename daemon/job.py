@@ -177,6 +177,10 @@ def _git(value: object) -> dict[str, str] | None:
         return None
     if not isinstance(value, Mapping) or not isinstance(value.get("repo"), str) or not value["repo"]:
         raise InvalidJob("git", 'must be a map with "repo" and a "commit" or a "ref"')
+    if value["repo"].startswith("-") or str(value.get("ref", "")).startswith("-"):
+        raise InvalidJob(
+            "git", "a repository or ref may not start with '-' (git would take it for an option)"
+        )
     unknown = set(value) - {"repo", "commit", "ref"}
     if unknown or not all(isinstance(v, str) for v in value.values()):
         raise InvalidJob(

@@ -1,4 +1,9 @@
-"""Log set-up: human lines by default, one JSON object per line with ``--log-format json``."""
+"""Log set-up: human lines by default, one JSON object per line with ``--log-format json``.
+
+The level given applies to gpupool's own loggers only; every other library logs warnings and
+worse. Libraries at debug level print what they handle: botocore prints the S3 access key id and
+signed headers, redis-py the commands it sends (with their arguments).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,9 @@ import sys
 from typing import Any
 
 import orjson
+
+# The loggers `level` is for: every module of gpupool logs under one of these.
+OWN_LOGGERS = ("daemon", "protocol", "storage", "poold", "bench")
 
 # Extra fields a log call may carry (logger.info(..., extra={"job": id})) and JSON lines keep.
 CONTEXT_FIELDS = ("job", "worker", "queue", "attempt", "user", "peer")
@@ -38,4 +46,7 @@ def setup(fmt: str = "text", level: str = "info") -> None:
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    own = logging.getLevelName(level.upper())
+    root.setLevel(max(own, logging.WARNING))
+    for name in OWN_LOGGERS:
+        logging.getLogger(name).setLevel(own)

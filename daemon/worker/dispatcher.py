@@ -46,6 +46,7 @@ from redis.exceptions import RedisError
 from daemon.aio import TaskSet, cancel_and_wait, woken_or
 from daemon.config import Config
 from daemon.errors import RedisUnavailable
+from daemon.git import ANY_PROTOCOL, NETWORK_PROTOCOLS
 from daemon.job import Lease, RenewStatus
 from daemon.metrics.transfers import MeteredStore
 from daemon.metrics.worker import WorkerMetrics
@@ -110,6 +111,7 @@ class Worker:
         cache_bytes: int = 50 * 1024**3,
         make_run: RunFactory | None = None,
         identities: Sequence[SlotIdentity] | None = None,
+        git_protocols: str = ANY_PROTOCOL,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
         (the seam) and optionally a probe. `env` is the base of every job's environment (default:
@@ -123,6 +125,7 @@ class Worker:
         if identities is not None and len(identities) < slots:
             raise ValueError("a worker with identities needs one for each slot")
         self.identities = list(identities) if identities is not None else None
+        self.git_protocols = git_protocols
         self.queue = queue
         self.data_dir = Path(data_dir)
         self.slots = slots
@@ -186,6 +189,9 @@ class Worker:
             store=store,
             cache_bytes=config.worker_cache_bytes,
             identities=slot_identities(config.job_uid_range, n),
+            # A worker of a shared pool never clones a path of its own disk for a job (its mirrors
+            # of other users' repositories, anything of root's): network protocols only.
+            git_protocols=ANY_PROTOCOL if config.embedded else NETWORK_PROTOCOLS,
         )
 
     @classmethod
@@ -463,6 +469,7 @@ class Worker:
             cache=self.cache,
             slot_dir=self._slot_dirs.slot(slot),
             identity=self.identities[slot] if self.identities is not None else None,
+            git_protocols=self.git_protocols,
         )
 
     def _give_back(self, leases: Iterable[Lease], deadline: float) -> None:

@@ -19,7 +19,7 @@ import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from daemon.git import GitError, git
+from daemon.git import ANY_PROTOCOL, GitError, git
 from daemon.job import FULL_SHA
 
 _locks: dict[Path, asyncio.Lock] = {}
@@ -49,26 +49,28 @@ async def _resolve(mirror: Path, rev: str) -> str | None:
         return None
 
 
-async def fetch(cache: Path, repo: str, rev: str) -> tuple[Path, str]:
-    """The mirror of `repo`, holding `rev` (a commit or a ref), and the commit `rev` names."""
+async def fetch(cache: Path, repo: str, rev: str, protocols: str = ANY_PROTOCOL) -> tuple[Path, str]:
+    """The mirror of `repo`, holding `rev` (a commit or a ref), and the commit `rev` names;
+    `repo` is fetched over `protocols` only (daemon/git.py)."""
     mirror = mirror_path(cache, repo)
     async with _locked(mirror):
         if not mirror.exists():
             tmp = mirror.with_name(mirror.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            await git("clone", "--quiet", "--mirror", repo, str(tmp))
+            await git("clone", "--quiet", "--mirror", "--", repo, str(tmp), protocols=protocols)
             tmp.rename(mirror)
         elif not FULL_SHA.fullmatch(rev) or await _resolve(mirror, rev) is None:
-            await git("--git-dir", str(mirror), "fetch", "--quiet", "--prune", "origin")
+            await git("--git-dir", str(mirror), "fetch", "--quiet", "--prune", "origin", protocols=protocols)
         commit = await _resolve(mirror, rev)
     if commit is None:
         raise GitError(f"{rev!r} is not a commit or ref of {repo} (fetched it; is it pushed?)")
     return mirror, commit
 
 
-async def checkout(cache: Path, repo: str, rev: str, dest: Path) -> str:
-    """Put `repo` at `rev` into the empty directory `dest`; returns the exact commit."""
-    mirror, commit = await fetch(cache, repo, rev)
+async def checkout(cache: Path, repo: str, rev: str, dest: Path, protocols: str = ANY_PROTOCOL) -> str:
+    """Put `repo` at `rev` into the empty directory `dest`; returns the exact commit. The job's
+    clone is of the worker's own mirror, a local path, whatever `protocols` allows for `repo`."""
+    mirror, commit = await fetch(cache, repo, rev, protocols)
     await git("clone", "--quiet", "--shared", "--no-checkout", str(mirror), str(dest))
     await git("-C", str(dest), "checkout", "--quiet", "--detach", commit)
     return commit

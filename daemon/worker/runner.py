@@ -34,6 +34,7 @@ import psutil
 
 from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
+from daemon.git import ANY_PROTOCOL
 from daemon.job import JobState, Lease, Outcome
 from daemon.queue.job_queue import JobQueue
 from daemon.worker import git_mirror, job_data, leftovers, scratch, spawn
@@ -143,6 +144,7 @@ class JobRun:
         cache: ObjectCache | None = None,
         slot_dir: Path | None = None,
         identity: SlotIdentity | None = None,
+        git_protocols: str = ANY_PROTOCOL,
     ) -> None:
         """`slot_dir` holds the scratch directories of the slot it runs on (scratch.py; default
         `data_dir/slot`). `store` receives
@@ -162,6 +164,7 @@ class JobRun:
         self.scratch = slot_dir / "work"
         self.output_dir = slot_dir / "out"
         self.identity = identity
+        self.git_protocols = git_protocols  # what a job's repository may be fetched over
         home = self.scratch if identity is not None else None
         self._env = job_env(os.environ if env is None else env, lease, self.gpus, home)
         self._env["GPUPOOL_OUTPUT"] = str(self.output_dir)
@@ -276,7 +279,9 @@ class JobRun:
     async def _checkout(self, source: Mapping[str, str]) -> None:
         """The job's code: its repository at the exact commit, in the (empty) scratch directory."""
         rev = source.get("commit") or source["ref"]
-        commit = await git_mirror.checkout(self.data_dir / "git", source["repo"], rev, self.scratch)
+        commit = await git_mirror.checkout(
+            self.data_dir / "git", source["repo"], rev, self.scratch, self.git_protocols
+        )
         self.output.note(f"git: {source['repo']} at {commit}")
 
     async def _supervise(self, pgid: int, started: float) -> RunResult:

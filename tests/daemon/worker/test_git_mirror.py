@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from daemon.errors import InvalidJob
+from daemon.git import NETWORK_PROTOCOLS
 from daemon.job import JobSpec, JobState
 from daemon.queue.job_queue import JobQueue
 from tests.support.git_repo import make_repo
@@ -55,10 +56,25 @@ async def test_an_unknown_ref_fails_the_attempt_with_the_reason(queue: JobQueue,
     assert "'no-such-branch' is not a commit or ref of" in info.detail
 
 
+async def test_a_shared_workers_job_cannot_clone_a_path_of_the_workers_disk(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    repo = tmp_path / "repo"
+    make_repo(repo)
+    for source in (str(repo), f"file://{repo}", f"ext::sh -c touch% {tmp_path}/ran"):
+        job_id, _ = await queue.enqueue(JobSpec(argv=("true",), git={"repo": source, "ref": "main"}))
+        async with running_worker(queue, tmp_path / "w", git_protocols=NETWORK_PROTOCOLS):
+            info = await wait_state(queue, job_id, JobState.FAILED)
+        assert "not allowed" in info.detail, info.detail
+    assert not (tmp_path / "ran").exists()
+
+
 def test_git_specs_are_validated() -> None:
     with pytest.raises(InvalidJob, match="40-digit"):
         JobSpec.from_dict({"argv": ["x"], "git": {"repo": "r", "commit": "abc"}})
     with pytest.raises(InvalidJob, match="cwd"):
         JobSpec.from_dict({"argv": ["x"], "git": {"repo": "r", "ref": "main"}, "cwd": "/tmp"})
+    with pytest.raises(InvalidJob, match="option"):
+        JobSpec.from_dict({"argv": ["x"], "git": {"repo": "--upload-pack=touch /tmp/x", "ref": "main"}})
     with pytest.raises(InvalidJob, match="needs a"):
         JobSpec.from_dict({"argv": ["x"], "git": {"repo": "r"}})
