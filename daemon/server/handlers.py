@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -60,6 +60,10 @@ log = logging.getLogger(__name__)
 
 MAX_BATCH = 10_000
 MAX_LIST = 10_000
+MAX_IDS = 10_000  # job ids in one cancel or wait: more is refused, never worked through for minutes
+# Requests that hold a blocking Redis read for as long as they last (`logs -f`, `wait`): each user
+# has this many at once, so one user cannot take every Redis connection from everyone else.
+MAX_BLOCKING_PER_USER = 16
 LOG_BLOCK_SECONDS = 1.0
 WAIT_RECHECK = 2.0  # seconds between looks at the state of jobs a `wait` waits for
 
@@ -83,6 +87,7 @@ class Handlers:
         """`admins` may act on every user's jobs; everyone else on their own (docs/SECURITY.md)."""
         self.queue = queue
         self.admins = admins
+        self._blocking: Counter[str] = Counter()  # user -> follows and waits running now
         self.events = events
         self.workers = workers
         self.metrics = metrics
@@ -121,14 +126,16 @@ class Handlers:
                 info = await self.queue.get(job_id)
                 return JobDetail(await self._detail(info, user))
             case CancelJobs(job_ids=job_ids):
-                return Cancelled(await self._cancel(job_ids, user))
+                return Cancelled(await self._cancel(_at_most(job_ids), user))
             case WaitJobs(job_ids=job_ids, timeout=limit):
-                for job_id in job_ids:
+                for job_id in _at_most(job_ids):
                     self._check_owner(await self.queue.get(job_id), user, "wait on")
-                return await self._wait(job_ids, limit)
+                with self._blocking_read(user):
+                    return await self._wait(job_ids, limit)
             case FollowLogs(job_id=job_id, follow=follow, offset=offset):
                 self._check_owner(await self.queue.get(job_id), user, "read the log of")
-                return await self._logs(job_id, follow, offset, send)
+                with self._blocking_read(user) if follow else contextlib.nullcontext():
+                    return await self._logs(job_id, follow, offset, send)
             case ListWorkers():
                 return WorkerList(await self.workers())
             case Ping():
@@ -138,6 +145,23 @@ class Handlers:
         raise GpupoolError(f"this server does not handle {type(request).__name__}", ErrorCode.UNKNOWN_OP)
 
     # -- who may do what ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _blocking_read(self, user: str) -> Iterator[None]:
+        """Hold one of `user`'s MAX_BLOCKING_PER_USER blocking reads for the block's duration."""
+        if self._blocking[user] >= MAX_BLOCKING_PER_USER:
+            raise GpupoolError(
+                f"{user} already has {MAX_BLOCKING_PER_USER} 'logs -f' and 'wait' running, the most one user "
+                "may; end one, or wait for many jobs in one request",
+                ErrorCode.UNAVAILABLE,
+            )
+        self._blocking[user] += 1
+        try:
+            yield
+        finally:
+            self._blocking[user] -= 1
+            if not self._blocking[user]:
+                del self._blocking[user]
 
     def _may_act_on(self, info: JobInfo, user: str) -> bool:
         return info.spec.user == user or user in self.admins
@@ -291,6 +315,15 @@ class Handlers:
                     await send(LogChunk(data, entry_id))
                 break
         return LogEnd(str(info.state), info.exit_code)
+
+
+def _at_most(job_ids: list[str]) -> list[str]:
+    if len(job_ids) > MAX_IDS:
+        raise GpupoolError(
+            f"{len(job_ids)} job ids in one request; at most {MAX_IDS}: send them in several",
+            ErrorCode.INVALID_ARGUMENT,
+        )
+    return job_ids
 
 
 def _spec(data: dict[str, Any], user: str) -> JobSpec:

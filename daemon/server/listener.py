@@ -102,8 +102,21 @@ class Listener:
             "" if self.tokens is not None else " (open: no tokens, loopback only)",
         )
 
+    def _make_room(self) -> int:
+        """Close the oldest connections still authenticating while they are over their bound or
+        hold the last places; returns how many connections are open after it."""
+        open_ = [s for s in self._sessions if not s.evicted]
+        waiting = sorted((s for s in open_ if not s.authenticated), key=lambda s: s.opened_at)
+        while waiting and (
+            len(waiting) >= self.limits.max_unauthenticated or len(open_) >= self.limits.max_connections
+        ):
+            oldest = waiting.pop(0)
+            oldest.evict("too many connections are authenticating; the oldest make room")
+            open_.remove(oldest)
+        return len(open_)
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._sessions) >= self.limits.max_connections:
+        if self._make_room() >= self.limits.max_connections:
             writer.write(
                 error_frame(0, ErrorCode.UNAVAILABLE, "The server has too many connections; retry later.")
             )

@@ -49,6 +49,9 @@ class Limits:
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT
     max_connections: int = 1000
+    # Connections not yet authenticated, at most: beyond it the oldest of them is closed to make
+    # room, so silent sockets can never hold the places of users who authenticate.
+    max_unauthenticated: int = 64
 
 
 def code_name(code: int) -> str:
@@ -76,6 +79,8 @@ class Session:
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self._requests: dict[int, asyncio.Task[None]] = {}
         self._closing = False
+        self.opened_at = asyncio.get_running_loop().time()
+        self.evicted = False
         self._on_protocol_error = on_protocol_error
 
     @property
@@ -91,6 +96,19 @@ class Session:
             pass
         finally:
             await self._finish()
+
+    @property
+    def authenticated(self) -> bool:
+        return self.conn.state not in (State.AWAIT_HELLO, State.AWAIT_AUTH)
+
+    def evict(self, why: str) -> None:
+        """Close a connection that has not authenticated, to make room for one that may (its read
+        loop then sees the end of the stream and finishes)."""
+        self.evicted = True
+        log.info("closing %s: %s", self.peer, why)
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}; reconnect."))
+        self.writer.close()
 
     def goodbye(self, reason: str) -> None:
         """The server is stopping: tell the client to start nothing new (in-flight ones finish)."""

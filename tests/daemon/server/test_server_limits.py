@@ -1,0 +1,77 @@
+"""One user, or anyone who can open a socket, cannot take the pool from everyone else (issue 14,
+finding 9): silent sockets cannot hold the places of users who authenticate, one user's blocking
+reads are bounded, and a request cannot carry millions of ids. Real server, real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from daemon.ctl.pool_client import ClientError
+from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.server.handlers import MAX_BLOCKING_PER_USER, MAX_IDS
+from protocol import CancelJobs, Cancelled, Enqueue, Enqueued, ErrorCode, FollowLogs, LogEnd, Ping, Pong
+from tests.support.pool import Pool, running_pool
+
+MAX_CONNECTIONS = 20
+
+
+@pytest.fixture
+async def small_pool(redis_server: EmbeddedRedis, tmp_path: Path) -> AsyncIterator[Pool]:
+    async with running_pool(redis_server, tmp_path, max_connections=MAX_CONNECTIONS) as p:
+        yield p
+
+
+async def test_silent_sockets_cannot_lock_users_out(small_pool: Pool) -> None:
+    host, port = small_pool.address.rsplit(":", 1)
+    silent = [await asyncio.open_connection(host, int(port)) for _ in range(MAX_CONNECTIONS * 2)]
+    try:
+        async with small_pool.client("alice") as alice:  # the oldest silent ones made room
+            assert isinstance(await alice.call(Ping(), Pong), Pong)
+
+        async def was_evicted(reader: asyncio.StreamReader) -> bool:
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                return b"authenticating" in await asyncio.wait_for(reader.read(), 1)
+            return False
+
+        evicted = sum(await asyncio.gather(*(was_evicted(reader) for reader, _ in silent)))
+        assert evicted >= MAX_CONNECTIONS  # the oldest made room for later ones, and for alice
+    finally:
+        for _, writer in silent:
+            writer.close()
+
+
+async def test_one_users_blocking_reads_are_bounded_and_others_are_served(small_pool: Pool) -> None:
+    async with small_pool.client("bob") as bob, small_pool.client("alice") as alice:
+        job_id = (await bob.call(Enqueue({"argv": ["sleep", "60"]}, None), Enqueued)).job_id
+        follows = [
+            asyncio.create_task(bob.call(FollowLogs(job_id, True, ""), LogEnd))
+            for _ in range(MAX_BLOCKING_PER_USER)
+        ]
+        await asyncio.sleep(0.5)  # all of them blocking now
+        with pytest.raises(ClientError) as err:
+            await bob.call(FollowLogs(job_id, True, ""), LogEnd)
+        assert err.value.code == ErrorCode.UNAVAILABLE
+        assert f"already has {MAX_BLOCKING_PER_USER}" in err.value.message
+        mine = (await alice.call(Enqueue({"argv": ["true"]}, None), Enqueued)).job_id
+        await alice.call(CancelJobs([mine]), Cancelled)
+        assert isinstance(await alice.call(FollowLogs(mine, True, ""), LogEnd), LogEnd)  # alice is served
+        for task in follows:
+            task.cancel()
+        await asyncio.gather(*follows, return_exceptions=True)
+        await bob.call(CancelJobs([job_id]), Cancelled)
+
+
+async def test_a_request_with_too_many_ids_is_refused_at_once(small_pool: Pool) -> None:
+    async with small_pool.client("alice") as alice:
+        started = time.monotonic()
+        with pytest.raises(ClientError) as err:
+            await alice.call(CancelJobs([f"default.{i:012d}" for i in range(MAX_IDS + 1)]), Cancelled)
+        assert err.value.code == ErrorCode.INVALID_ARGUMENT
+        assert f"at most {MAX_IDS}" in err.value.message
+        assert time.monotonic() - started < 30  # a bound on the test, not a speed assertion
