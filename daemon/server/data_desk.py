@@ -39,7 +39,11 @@ from storage.local import LocalStore
 
 log = logging.getLogger(__name__)
 
-URL_SECONDS = 3600
+URL_SECONDS = 3600  # a presigned GET: a large artifact may take a while to start on a slow link
+# A presigned PUT is asked for right before the upload starts (poolctl does both at once), and S3
+# checks the expiry when the request arrives, so a long upload still finishes: short, to leave a
+# URL that leaked little time to be used.
+PUT_URL_SECONDS = 600
 MAX_PRESIGNED_PUT = 5 * 1024**3  # S3's largest single PUT
 READABLE_PREFIXES = ("sha256/", "artifacts/")
 
@@ -75,7 +79,7 @@ class DataDesk:
                 f"{size} bytes is over the {MAX_PRESIGNED_PUT} bytes one presigned upload may carry; "
                 "split the dataset into several inputs",
             )
-        url = await self.store.presign_put(key, URL_SECONDS, sha256=sha256)
+        url = await self.store.presign_put(key, PUT_URL_SECONDS, sha256=sha256)
         return UploadTicket(key, False, url, None)
 
     async def finish_upload(self, sha256: str, kind: str, name: str | None, user: str) -> ObjectRef:

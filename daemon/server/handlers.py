@@ -200,6 +200,14 @@ class Handlers:
             case PrepareDownload(key=key):
                 if (job_id := artifact_job(key)) is not None:
                     self._check_owner(await self.queue.get(job_id), user, "download the artifacts of")
+                elif user not in self.admins:
+                    # Datasets reach jobs through the workers, never back to users: knowing an
+                    # object's sha256 (from a job record, a log) must not be a key to its bytes.
+                    raise GpupoolError(
+                        f"{key!r} is a content address: only pool admins may download by one; "
+                        "your jobs' artifacts come with 'poolctl get JOB'",
+                        ErrorCode.PERMISSION_DENIED,
+                    )
                 return await self.data.prepare_download(key)
 
     async def _enqueue(self, spec: dict[str, Any], key: str | None, user: str) -> Enqueued:

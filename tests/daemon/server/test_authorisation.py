@@ -124,3 +124,12 @@ async def test_dataset_names_are_each_users_own(shared_pool: Pool) -> None:
         with pytest.raises(ClientError) as err:
             await admin.call(ResolveName("imagenet"), ObjectRef)
     assert err.value.code == ErrorCode.NOT_FOUND  # root has no dataset of that name
+
+
+async def test_a_content_address_is_no_key_to_the_bytes(shared_pool: Pool) -> None:
+    alices = await put_named(shared_pool, "alice", b"alice's private data", "private")
+    key = f"sha256/{alices.sha256[:2]}/{alices.sha256}"
+    message = await refused(shared_pool, "bob", PrepareDownload(key), DownloadTicket)
+    assert "content address" in message
+    async with shared_pool.client("root") as admin:
+        assert (await admin.call(PrepareDownload(key), DownloadTicket)).size == len(b"alice's private data")
