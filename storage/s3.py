@@ -20,6 +20,9 @@ Theory of operation:
   removes the partial file and raises ChecksumMismatch.
 - **Retries** are ours (per part, with backoff); botocore's own are reduced to one attempt so the
   two do not multiply.
+
+Over ~400 lines on purpose: upload, download and their retries share one client, one semaphore
+discipline and one error mapping; they are one object store.
 """
 
 from __future__ import annotations
