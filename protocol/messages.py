@@ -10,7 +10,7 @@ spec valid?) is the daemon's business.
 Job specs, jobs and workers are ``dict[str, Any]`` here; the daemon owns their schema.
 
 Over ~400 lines on purpose: it is the wire's whole vocabulary, one small class per message and
-the table that decodes them, and a reader of docs/PROTOCOL.md §5 wants them in one place.
+the table that decodes them, and a reader of docs/PROTOCOL.md §3 wants them in one place.
 """
 
 from dataclasses import dataclass, fields
