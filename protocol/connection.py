@@ -158,6 +158,12 @@ class Connection:
         """Request ids sent or received that have not had their final REPLY or ERROR yet."""
         return frozenset(self._in_flight)
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received that do not form a whole frame yet (at most a header and one maximal
+        frame): what a server adds up across connections to bound their memory."""
+        return self._decoder.buffered
+
     def receive_data(self, data: bytes) -> None:
         """Feed bytes read from the transport; ``b""`` means the peer closed its side."""
         if self._state is State.CLOSED:

@@ -18,7 +18,7 @@ from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
 from daemon.metrics.server import ServerMetrics
 from daemon.server.handlers import Handlers
-from daemon.server.session import Limits, Session
+from daemon.server.session import FrameBudget, Limits, Session
 from protocol import ErrorCode, ServerConnection
 from protocol.connection import error_frame
 
@@ -78,6 +78,7 @@ class Listener:
         self.limits = limits or Limits()
         self.metrics = metrics
         self._server: asyncio.Server | None = None
+        self._budget = FrameBudget(self.limits.max_partial_frames)
         self._sessions: dict[Session, asyncio.Task[None] | None] = {}
 
     @property
@@ -126,7 +127,9 @@ class Listener:
             self.tokens, max_frame_size=self.limits.max_frame_size, max_in_flight=self.limits.max_in_flight
         )
         on_error = self.metrics.protocol_error if self.metrics is not None else None
-        session = Session(reader, writer, self.handlers, conn, self.limits, on_protocol_error=on_error)
+        session = Session(
+            reader, writer, self.handlers, conn, self.limits, on_protocol_error=on_error, budget=self._budget
+        )
         self._sessions[session] = asyncio.current_task()
         if self.metrics is not None:
             self.metrics.connection_opened()

@@ -52,6 +52,23 @@ class Limits:
     # Connections not yet authenticated, at most: beyond it the oldest of them is closed to make
     # room, so silent sockets can never hold the places of users who authenticate.
     max_unauthenticated: int = 64
+    # Bytes of partly received frames across all connections: each may hold up to a maximal frame,
+    # and a thousand of them would hold gigabytes. Past it, the connection that needs more is closed.
+    max_partial_frames: int = 64 * 1024 * 1024
+
+
+class FrameBudget:
+    """The bytes of partly received frames that every connection holds, against one limit."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def hold(self, before: int, now: int) -> bool:
+        """A connection held `before` bytes and holds `now`: False when that goes over the limit
+        (and it grew: a connection whose frame completed never is)."""
+        self.used += now - before
+        return now <= before or self.used <= self.limit
 
 
 def code_name(code: int) -> str:
@@ -69,6 +86,7 @@ class Session:
         limits: Limits,
         *,
         on_protocol_error: Callable[[str], None] | None = None,
+        budget: FrameBudget | None = None,
     ) -> None:
         self.reader = reader
         self.writer = writer
@@ -81,6 +99,8 @@ class Session:
         self._closing = False
         self.opened_at = asyncio.get_running_loop().time()
         self.evicted = False
+        self._budget = budget or FrameBudget(limits.max_partial_frames)
+        self._held = 0  # bytes of a partial frame this connection holds, as counted in the budget
         self._on_protocol_error = on_protocol_error
 
     @property
@@ -138,6 +158,13 @@ class Session:
             self.conn.receive_data(data)
             if not self._process_events():
                 return
+            if not self._budget.hold(self._held, held := self.conn.buffered):
+                self._held = held
+                why = "the server holds too many partly received frames; retry, or send smaller requests"
+                log.warning("closing %s: %s", self.peer, why)
+                self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}."))
+                return
+            self._held = held
             await self.writer.drain()
 
     def _process_events(self) -> bool:
@@ -201,6 +228,8 @@ class Session:
 
     async def _finish(self) -> None:
         self._closing = True
+        self._budget.hold(self._held, 0)
+        self._held = 0
         for task in list(self._requests.values()):
             task.cancel()
         if self._requests:

@@ -241,3 +241,47 @@ def test_mutated_hello_never_hurts_the_server(server: str, position: int, value:
 
 def test_struct_layout_is_fourteen_bytes() -> None:
     assert struct.calcsize(">2sBBBBII") == HEADER.size == 14
+
+
+def closed_by_server(sock: socket.socket, wait: float = 1.0) -> bytes | None:
+    """What the server sent before it closed `sock`, or None if it still holds it open."""
+    sock.settimeout(wait)
+    got = b""
+    try:
+        while data := sock.recv(65536):
+            got += data
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return got
+
+
+@pytest.fixture
+def patient_server(redis_server: EmbeddedRedis, tmp_path: Path) -> Iterator[str]:
+    """A server that closes idle connections only after 30 s (the test holds some a while)."""
+    with poold(redis_server, tmp_path, TOKENS, "--idle-timeout", "30") as address:
+        yield address
+
+
+def test_partly_sent_frames_cannot_take_the_servers_memory(patient_server: str) -> None:
+    """Issue 14, finding 9: 30 frames of 16 MiB, each short of its last byte, took the server from
+    83 MB to 565 MB. The bytes of partial frames across connections are bounded (64 MiB): past
+    it, a connection that needs more is closed, and everyone else is served."""
+    frame = encode_frame(FrameType.REQUEST, 1, b"\x00" * (15 * 1024 * 1024))[:-1]  # never complete
+    server = patient_server
+    socks = [connect(server) for _ in range(6)]
+    try:
+        for sock in socks:
+            authenticate(sock)
+        outcomes = []
+        for sock in socks:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(frame)
+            outcomes.append(closed_by_server(sock))
+        assert [o is None for o in outcomes] == [True] * 4 + [False] * 2  # 4 x 15 MiB fit in 64 MiB
+        assert all(b"partly received frames" in o for o in outcomes[4:] if o)
+        assert ping_works(server)
+    finally:
+        for sock in socks:
+            sock.close()
