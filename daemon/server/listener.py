@@ -103,11 +103,18 @@ class Listener:
             "" if self.tokens is not None else " (open: no tokens, loopback only)",
         )
 
-    def _make_room(self) -> int:
-        """Close the oldest connections still authenticating while they are over their bound or
-        hold the last places; returns how many connections are open after it."""
+    def _make_room(self, host: str) -> int:
+        """Close the oldest connections still authenticating while they are over their bound (of
+        all, or of those from `host`, which a new one comes from) or hold the last places; returns
+        how many connections are open after it."""
         open_ = [s for s in self._sessions if not s.evicted]
         waiting = sorted((s for s in open_ if not s.authenticated), key=lambda s: s.opened_at)
+        from_host = [s for s in waiting if s.host == host]
+        while len(from_host) >= self.limits.max_unauthenticated_per_host:
+            oldest = from_host.pop(0)
+            oldest.evict(f"too many connections from {host} are authenticating; the oldest make room")
+            waiting.remove(oldest)
+            open_.remove(oldest)
         while waiting and (
             len(waiting) >= self.limits.max_unauthenticated or len(open_) >= self.limits.max_connections
         ):
@@ -117,7 +124,11 @@ class Listener:
         return len(open_)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._make_room() >= self.limits.max_connections:
+        peer = writer.get_extra_info("peername")
+        if (
+            self._make_room(str(peer[0]) if isinstance(peer, tuple) else str(peer))
+            >= self.limits.max_connections
+        ):
             writer.write(
                 error_frame(0, ErrorCode.UNAVAILABLE, "The server has too many connections; retry later.")
             )

@@ -52,6 +52,8 @@ class Limits:
     # Connections not yet authenticated, at most: beyond it the oldest of them is closed to make
     # room, so silent sockets can never hold the places of users who authenticate.
     max_unauthenticated: int = 64
+    # ... and at most this many from one address: one host cannot keep everyone else waiting.
+    max_unauthenticated_per_host: int = 8
     # Bytes of partly received frames across all connections: each may hold up to a maximal frame,
     # and a thousand of them would hold gigabytes. Past it, the connection that needs more is closed.
     max_partial_frames: int = 64 * 1024 * 1024
@@ -95,6 +97,7 @@ class Session:
         self.limits = limits
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         self._requests: dict[int, asyncio.Task[None]] = {}
         self._closing = False
         self.opened_at = asyncio.get_running_loop().time()

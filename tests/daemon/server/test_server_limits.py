@@ -15,6 +15,7 @@ import pytest
 from daemon.ctl.pool_client import ClientError
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server.handlers import MAX_BLOCKING_PER_USER, MAX_IDS
+from daemon.server.session import Limits
 from protocol import CancelJobs, Cancelled, Enqueue, Enqueued, ErrorCode, FollowLogs, LogEnd, Ping, Pong
 from tests.support.pool import Pool, running_pool
 
@@ -75,3 +76,23 @@ async def test_a_request_with_too_many_ids_is_refused_at_once(small_pool: Pool) 
         assert err.value.code == ErrorCode.INVALID_ARGUMENT
         assert f"at most {MAX_IDS}" in err.value.message
         assert time.monotonic() - started < 30  # a bound on the test, not a speed assertion
+
+
+async def test_one_host_holds_at_most_a_few_connections_that_do_not_authenticate(small_pool: Pool) -> None:
+    host, port = small_pool.address.rsplit(":", 1)
+    per_host = Limits().max_unauthenticated_per_host
+    silent = [await asyncio.open_connection(host, int(port)) for _ in range(per_host + 4)]
+    other = await asyncio.open_connection(host, int(port), local_addr=("127.0.0.2", 0))  # another host
+    try:
+
+        async def said(reader: asyncio.StreamReader) -> bytes:
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                return await asyncio.wait_for(reader.read(), 1)
+            return b""
+
+        told = await asyncio.gather(*(said(reader) for reader, _ in silent))
+        assert [b"from 127.0.0.1 are authenticating" in t for t in told] == [True] * 4 + [False] * per_host
+        assert await said(other[0]) == b""  # still open: its host is within its bound
+    finally:
+        for _, writer in [*silent, other]:
+            writer.close()
