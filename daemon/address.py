@@ -1,6 +1,9 @@
-"""HOST:PORT, parsed in one place: the server's listen address, metrics ports, poolctl's --server."""
+"""HOST:PORT, parsed in one place: the server's listen address, metrics ports, poolctl's --server;
+and whether a host is this machine's loopback (what may go without authentication or TLS)."""
 
 from __future__ import annotations
+
+import ipaddress
 
 EXAMPLE = "expected HOST:PORT, e.g. 127.0.0.1:7420 or [::1]:7420"
 
@@ -13,3 +16,12 @@ def parse_host_port(text: str, *, default_host: str | None = None) -> tuple[str,
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(EXAMPLE)
     return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

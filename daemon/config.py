@@ -212,6 +212,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("handshake_timeout", float, 10.0, "seconds a client has to authenticate after connecting", lo=0.1),
     Option("idle_timeout", float, 300.0, "seconds an idle client connection stays open", lo=0.1),
     Option("tokens_file", str, "", 'file of `user = "token"` lines (mode 0600) the server accepts'),
+    Option(
+        "tls",
+        str,
+        "auto",
+        "auto: TLS on a listener beyond loopback (with tls_cert/tls_key, or a certificate the server "
+        "makes once and poolctl pins); on: always; off: never (e.g. behind a TLS proxy)",
+        choices=("auto", "on", "off"),
+    ),
     Option("tls_cert", str, "", "server TLS certificate (PEM); with tls_key, enables TLS"),
     Option("tls_key", str, "", "server TLS private key (PEM)", secret=False),
     Option("log_format", str, "text", "text or json (one JSON object per line)", choices=("text", "json")),
@@ -265,6 +273,7 @@ class Config:
     handshake_timeout: float
     idle_timeout: float
     tokens_file: str
+    tls: str
     tls_cert: str
     tls_key: str
     log_format: str

@@ -193,7 +193,11 @@ async def _run(args: argparse.Namespace) -> int:
         request = _enqueue_request(args)  # validate before connecting
     address = _address(args)
     tls_ca = args.tls_ca or os.environ.get("GPUPOOL_TLS_CA")
-    async with PoolClient(address, tokens.local_user(), tokens.client_token(), tls_ca=tls_ca) as client:
+    # auto: TLS beyond loopback; on; off. The same variable sets poold's `tls` option: one meaning.
+    tls = os.environ.get("GPUPOOL_TLS", "auto")
+    async with PoolClient(
+        address, tokens.local_user(), tokens.client_token(), tls_ca=tls_ca, tls=tls
+    ) as client:
         match args.command:
             case "enqueue":
                 return await _enqueue(client, request, args)

@@ -15,8 +15,9 @@ import ssl
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
-from daemon.address import parse_host_port
+from daemon.address import is_loopback, parse_host_port
 from daemon.aio import cancel_and_wait
+from daemon.ctl import known_servers
 from daemon.errors import GpupoolError
 from protocol import (
     NEED_DATA,
@@ -62,12 +63,19 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class PoolClient:
-    def __init__(self, address: str, user: str, token: str | None, *, tls_ca: str | None = None) -> None:
+    def __init__(
+        self, address: str, user: str, token: str | None, *, tls_ca: str | None = None, tls: str = "auto"
+    ) -> None:
+        """`tls`: "auto" speaks TLS to a server beyond loopback (verified by `tls_ca`, else pinned
+        on first use: known_servers.py), or to any with `tls_ca`; "on" always; "off" never."""
         self.address = address
         self.host, self.port = parse_address(address)
         self.user = user
         self.conn = ClientConnection(user, token.encode() if token else None, client_name="poolctl")
         self.tls_ca = tls_ca
+        if tls not in ("auto", "on", "off"):
+            raise ClientError(f"GPUPOOL_TLS={tls!r}: expected auto, on or off")
+        self.tls = tls != "off" and (tls == "on" or bool(tls_ca) or not is_loopback(self.host))
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
@@ -82,8 +90,20 @@ class PoolClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _tls_context(self) -> ssl.SSLContext | None:
+        if not self.tls:
+            return None
+        if self.tls_ca:
+            return ssl.create_default_context(cafile=self.tls_ca)
+        # No CA vouches for the server's own certificate: it is checked against its pin instead,
+        # before a byte of the handshake is sent.
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
     async def connect(self, handshake_seconds: float = 10.0) -> None:
-        ctx = ssl.create_default_context(cafile=self.tls_ca) if self.tls_ca else None
+        ctx = self._tls_context()
         try:
             self._reader, self._writer = await asyncio.wait_for(
                 asyncio.open_connection(self.host, self.port, ssl=ctx), handshake_seconds
@@ -94,7 +114,15 @@ class PoolClient:
                 f"cannot reach the pool server at {self.address} ({reason}). Start one with `make run` "
                 "(or `poold`), or point poolctl at yours with --server HOST:PORT or GPUPOOL_SERVER."
             ) from None
-        self._writer.write(self.conn.start())  # type: ignore[union-attr]
+        assert self._writer is not None
+        if ctx is not None and not self.tls_ca:
+            der = self._writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+            try:
+                known_servers.check(self.address, der)
+            except BaseException:
+                await self.close()
+                raise
+        self._writer.write(self.conn.start())
         try:
             hello = await asyncio.wait_for(self._handshake(), handshake_seconds)
         except TimeoutError:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
 import logging
 import os
 import ssl
 from collections.abc import Mapping
 
+from daemon.address import is_loopback
 from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
 from daemon.metrics.server import ServerMetrics
@@ -27,15 +27,6 @@ log = logging.getLogger(__name__)
 
 class ListenerError(GpupoolError):
     """The server cannot listen as configured (TLS files, an open port beyond loopback, a port in use)."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def refuse_open_beyond_loopback(tokens: Mapping[str, bytes] | None, host: str, port: int) -> None:

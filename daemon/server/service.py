@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from daemon import sd_notify, tokens
+from daemon.address import is_loopback
 from daemon.aio import TaskSet, start_or_undo
 from daemon.config import Config
 from daemon.job import JobState, queue_of
@@ -19,6 +21,7 @@ from daemon.queue.job_queue import JobQueue
 from daemon.queue.pool_redis import PoolRedis
 from daemon.queue.terminal_events import JobEvents, Terminal
 from daemon.server import reaper
+from daemon.server.certificate import certificate_fingerprint, ensure_certificate
 from daemon.server.handlers import Handlers
 from daemon.server.listener import Listener, ListenerError, refuse_open_beyond_loopback, tls_context
 from daemon.server.session import Limits
@@ -67,6 +70,26 @@ class PoolServer:
             return tokens.read_users(tokens.ensure_local_token(c.data_path()))
         return None  # open mode; Listener allows it on loopback only
 
+    def _tls(self, host: str) -> ssl.SSLContext | None:
+        """TLS as `tls` says: with the configured certificate, else with the server's own (made
+        once, its fingerprint logged for users to compare with what poolctl pins)."""
+        c = self.config
+        if c.tls == "off":
+            if not is_loopback(host):
+                log.warning("tls = off: requests to %s cross the network in clear", c.listen)
+            return None
+        if c.tls_cert:
+            return tls_context(c.tls_cert, c.tls_key)
+        if c.tls == "auto" and is_loopback(host):
+            return None
+        cert, key = ensure_certificate(c.data_path() / "tls", host)
+        log.info(
+            "TLS certificate %s, fingerprint %s (poolctl pins it on first use)",
+            cert,
+            certificate_fingerprint(cert),
+        )
+        return tls_context(str(cert), str(key))
+
     async def start(self) -> None:
         """Start everything; a failed start stops what did start (aio.start_or_undo)."""
         await start_or_undo(self._start, self.stop)
@@ -103,7 +126,7 @@ class PoolServer:
             known_tokens,
             host,
             port,
-            tls=tls_context(c.tls_cert, c.tls_key) if c.tls_cert else None,
+            tls=self._tls(host),
             limits=Limits(
                 max_frame_size=c.max_frame_size,
                 handshake_timeout=c.handshake_timeout,

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from daemon.ctl import known_servers
 from daemon.ctl.pool_client import PoolClient, ServerUnreachable
 from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.server.certificate import certificate_fingerprint
 from protocol import Ping, Pong
 from tests.support.pool import running_pool
 
@@ -54,3 +56,39 @@ async def test_tls_round_trip_and_plain_client_refused(redis_server: EmbeddedRed
         with pytest.raises(ServerUnreachable):
             await plain.connect(handshake_seconds=2)
         await plain.close()
+
+
+async def test_a_server_makes_its_own_certificate_and_poolctl_pins_it(
+    redis_server: EmbeddedRedis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 14, finding 8: TLS without set-up, and no one in the middle after the first meeting."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    async with running_pool(redis_server, tmp_path, tls="on") as pool:
+        cert = tmp_path / "data" / "tls" / "cert.pem"
+        assert cert.exists()
+        assert (tmp_path / "data" / "tls" / "key.pem").stat().st_mode & 0o077 == 0
+        for _ in range(2):  # the first meeting pins, the second checks
+            async with PoolClient(pool.address, "alice", pool.tokens["alice"], tls="on") as client:
+                assert isinstance(await client.call(Ping(), Pong), Pong)
+        pinned = known_servers.known_servers_file().read_text().split()
+        assert pinned == [pool.address, certificate_fingerprint(cert)]
+
+        # Another certificate at that address (a man in the middle, relaying): nothing is sent.
+        known_servers.known_servers_file().write_text(f"{pool.address} SHA256:{'0' * 64}\n")
+        client = PoolClient(pool.address, "alice", pool.tokens["alice"], tls="on")
+        with pytest.raises(known_servers.CertificateChanged, match="someone may be between"):
+            await client.connect(handshake_seconds=5)
+        plain = PoolClient(pool.address, "alice", pool.tokens["alice"], tls="off")
+        with pytest.raises(ServerUnreachable):
+            await plain.connect(handshake_seconds=2)
+        await plain.close()
+    # The certificate is made once: a restart keeps it, and with it every pin.
+    async with running_pool(redis_server, tmp_path, tls="on"):
+        assert certificate_fingerprint(cert) == pinned[1]
+
+
+def test_beyond_loopback_poolctl_speaks_tls_unless_told_otherwise() -> None:
+    assert PoolClient("10.1.2.3:7420", "alice", None).tls
+    assert not PoolClient("127.0.0.1:7420", "alice", None).tls
+    assert PoolClient("127.0.0.1:7420", "alice", None, tls="on").tls
+    assert not PoolClient("10.1.2.3:7420", "alice", None, tls="off").tls
