@@ -66,7 +66,7 @@ from daemon.worker.gpus import (
     sample_gpus,
 )
 from daemon.worker.heartbeat import Heartbeat
-from daemon.worker.identity import SlotIdentity, slot_identities
+from daemon.worker.identity import SlotIdentity, check_passable, slot_identities
 from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult
@@ -219,6 +219,10 @@ class Worker:
             for path in (self.data_dir, self._slot_dirs.root, self._slot_dirs.dir):
                 path.mkdir(parents=True, exist_ok=True)
                 path.chmod(0o711)
+            for path in (self.data_dir / "cache", self.data_dir / "git"):  # every user's data
+                path.mkdir(parents=True, exist_ok=True)
+                path.chmod(0o700)
+            check_passable(self.data_dir)
         elif os.geteuid() == 0 and self.slots:
             log.warning(
                 "worker %s runs its jobs as root, with every credential of this daemon: set "

@@ -2,8 +2,8 @@
 
 The worker keeps one bare mirror per repository under its data directory and fetches only what is
 missing: an exact commit already in the mirror costs no network at all; a ref (a branch name) is
-fetched each time, since it moves. The job's directory is a `--shared` clone of the mirror (objects
-borrowed, not copied) checked out at the detached commit. Mirrors are locked per repository, within
+fetched each time, since it moves. The job's directory is a local clone of the mirror (objects
+hard-linked, not copied) checked out at the detached commit. Mirrors are locked per repository, within
 the process and across processes (flock), so concurrent jobs never fetch into one mirror at once.
 Every failure is a `GitError` with the reason git gave, which fails the attempt with that sentence.
 """
@@ -71,6 +71,8 @@ async def checkout(cache: Path, repo: str, rev: str, dest: Path, protocols: str 
     """Put `repo` at `rev` into the empty directory `dest`; returns the exact commit. The job's
     clone is of the worker's own mirror, a local path, whatever `protocols` allows for `repo`."""
     mirror, commit = await fetch(cache, repo, rev, protocols)
-    await git("clone", "--quiet", "--shared", "--no-checkout", str(mirror), str(dest))
+    # A local clone hard-links the mirror's objects (read-only, the worker's): the job reads them
+    # without any path into the mirror, which a job with a uid of its own cannot reach.
+    await git("clone", "--quiet", "--no-checkout", str(mirror), str(dest))
     await git("-C", str(dest), "checkout", "--quiet", "--detach", commit)
     return commit

@@ -85,6 +85,19 @@ while True:
             deadlines.pop(word[1], None)
 for group in groups:
     kill_group(group)
+for uid in uids:  # as the uid: kill(-1) reaches all of them at once, a fork loop included
+    child = os.fork()
+    if child == 0:
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            for _ in range(1000):
+                os.kill(-1, signal.SIGKILL)
+        except OSError:
+            pass
+        os._exit(0)
+    os.waitpid(child, 0)
 for _ in range(3):  # again, for any that forked while the last pass ran
     marked = 0
     for name in os.listdir("/proc"):

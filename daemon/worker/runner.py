@@ -255,8 +255,9 @@ class JobRun:
             if spec.git is not None:
                 await self._checkout(spec.git)
             await job_data.prepare(self.cache, spec, cwd, self.output.note)
-            if self.identity is not None and (spec.git is not None or spec.snapshot is not None):
-                await asyncio.to_thread(self.identity.own_tree, self.scratch)  # the job's own code
+            if self.identity is not None and not spec.cwd:
+                # its code, and the directories its inputs were placed in (not the inputs: root's)
+                await asyncio.to_thread(self.identity.own_tree, self.scratch)
             if self.ending is Ending.LOST:  # lost while its data came: it must not start at all
                 return RunResult(Ending.LOST, None)
             self._proc = await spawn.start(spec.argv, cwd=cwd, env=self._env, identity=self.identity)
@@ -299,7 +300,10 @@ class JobRun:
             await cancel_and_wait(sampler)
             if self._killer is not None:
                 await cancel_and_wait(self._killer)
-            uid = self.identity.uid if self.identity is not None else None
+            uid = None
+            if self.identity is not None:  # every process of the slot's uid, as that uid
+                await asyncio.to_thread(self.identity.kill_all)
+                uid = self.identity.uid
             left = leftovers.leftovers(pgid, self._descendants, uid)
             try:
                 if left:
@@ -373,6 +377,7 @@ class JobRun:
             # than a hop to a thread.
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.identity is not None:
+            self.output_dir.parent.chmod(0o711)  # the slot's own: passable to its jobs, whatever the umask
             self.identity.own(*self._scratch_dirs())
 
     async def _clear_scratch(self) -> None:

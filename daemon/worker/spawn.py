@@ -23,7 +23,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from daemon.worker.identity import SlotIdentity
+from daemon.worker.identity import ROOT_ENV, SlotIdentity
 
 
 class Child:
@@ -79,11 +79,13 @@ async def start(
     argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], identity: SlotIdentity | None = None
 ) -> Child:
     """Start `argv` (no shell) in `cwd` with exactly `env`, stdin from /dev/null, stdout and stderr
-    into one pipe, as `identity` when given (through setpriv: the child changes no credentials
-    itself, so it is still a vfork). Raises OSError when it cannot start (no such program, no such
-    directory; with an identity, setpriv reports a missing program and exits 127)."""
+    into one pipe, as `identity` when given (through setpriv and env: the child changes no
+    credentials itself, so it is still a vfork). Raises OSError when it cannot start (no such
+    program, no such directory; with an identity, env says so and exits 125 or 127)."""
+    if identity is not None:  # setpriv, root until it switches, gets nothing of the job's
+        argv, env, cwd = identity.wrap(argv, env, cwd), ROOT_ENV, Path("/")
     popen = subprocess.Popen(  # noqa: ASYNC220 - vfork + exec: as long as an exec takes
-        identity.wrap(argv) if identity is not None else list(argv),
+        list(argv),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -26,11 +26,18 @@ FIRST_UID = 61000
 
 
 @pytest.fixture
-async def worker(queue: JobQueue, tmp_path: Path) -> AsyncIterator[Worker]:
+async def worker(queue: JobQueue) -> AsyncIterator[Worker]:
     identities = slot_identities(f"{FIRST_UID}-{FIRST_UID + 1}", 2)
     env = {"PATH": os.environ["PATH"], "AWS_SECRET_ACCESS_KEY": "the-daemons-own", "LANG": "C.UTF-8"}
-    async with running_worker(queue, tmp_path / "w", slots=2, identities=identities, env=env) as w:
-        yield w
+    # In /tmp, passable by the jobs' uids: pytest's own directories are root's, 0700 (and a worker
+    # whose slots the uids cannot reach refuses to start: the last test below).
+    data = Path(tempfile.mkdtemp(prefix="gpupool-worker-"))
+    data.chmod(0o711)
+    try:
+        async with running_worker(queue, data / "w", slots=2, identities=identities, env=env) as w:
+            yield w
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
 
 
 @pytest.fixture
@@ -118,6 +125,17 @@ async def test_nothing_of_a_job_outlives_it_however_it_escaped(
     assert [p.pid for p in psutil.process_iter() if p.uids().real in uids and p.status() != "zombie"] == []
 
 
+async def test_a_worker_whose_slots_its_uids_cannot_reach_refuses_to_start(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    identities = slot_identities(f"{FIRST_UID}-{FIRST_UID + 1}", 2)
+    hidden = tmp_path / "hidden"
+    hidden.mkdir(mode=0o700)
+    with pytest.raises(IdentityError, match=f"cannot pass through {hidden}"):
+        async with running_worker(queue, hidden / "w", slots=2, identities=identities):
+            pass
+
+
 def test_a_uid_range_that_cannot_serve_is_refused_saying_why() -> None:
     with pytest.raises(IdentityError, match="holds 2 uids for 3 slots"):
         slot_identities(f"{FIRST_UID}-{FIRST_UID + 1}", 3)
@@ -125,3 +143,50 @@ def test_a_uid_range_that_cannot_serve_is_refused_saying_why() -> None:
         slot_identities("61000", 1)
     with pytest.raises(ValueError, match="uids of no real user"):
         slot_identities("0-10", 1)
+
+
+async def test_nothing_of_the_job_reaches_the_root_side_of_the_switch(
+    queue: JobQueue, worker: Worker
+) -> None:
+    """Review of issue 14: the job's environment went to setpriv, which runs as root until it
+    switches (an LD_PRELOAD of the job's would have run as root in it). Every dynamically linked
+    process that starts with a missing LD_PRELOAD says so once: only the job's own may."""
+    info = await run(queue, "true", env={"LD_PRELOAD": "/nonexistent/gpupool-probe.so"})
+    said = (await output(queue, info)).count("gpupool-probe.so")
+    assert said == 1, await output(queue, info)  # the job's sh, never setpriv or env as root
+
+
+async def test_a_job_cannot_start_in_a_directory_its_uid_may_not_reach(
+    queue: JobQueue, worker: Worker, drop: Path
+) -> None:
+    secret_dir = drop / "root-only"
+    (secret_dir / "inside").mkdir(parents=True)
+    secret_dir.chmod(0o700)  # root's: a chdir made as root would pass it
+    (secret_dir / "inside" / "f").write_text("root's secret\n")
+    info = await run(queue, "cat f", cwd=str(secret_dir / "inside"))
+    assert info.state is JobState.FAILED
+    assert "root's secret" not in await output(queue, info)
+
+
+async def test_a_process_hopping_pids_in_a_fork_loop_is_killed_too(queue: JobQueue, worker: Worker) -> None:
+    # Each round forks and the parent exits: a sweep over /proc lists pids that are already gone.
+    script = "setsid -f sh -c 'hop() { ( sleep 0.01; hop ) & exit 0; }; hop'; sleep 0.5"
+    info = await run(queue, script)
+    assert info.state is JobState.SUCCEEDED
+    uids = {FIRST_UID, FIRST_UID + 1}
+    for _ in range(3):  # none of the uid's, at three looks in a row
+        await asyncio.sleep(0.1)
+        assert [
+            p.pid for p in psutil.process_iter() if p.uids().real in uids and p.status() != "zombie"
+        ] == []
+
+
+async def test_under_a_strict_umask_a_job_still_reaches_its_home_and_output(
+    queue: JobQueue, worker: Worker
+) -> None:
+    old = os.umask(0o027)  # the worker unit's UMask=
+    try:
+        info = await run(queue, 'touch "$HOME/h" "$GPUPOOL_OUTPUT/o" && echo wrote')
+    finally:
+        os.umask(old)
+    assert info.state is JobState.SUCCEEDED, await output(queue, info)
