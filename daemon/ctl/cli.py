@@ -161,16 +161,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return asyncio.run(_run(args))
     except ServerUnreachable as exc:
-        print(f"poolctl: {exc}", file=sys.stderr)
+        print(f"poolctl: {render.clean(exc)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except AuthFailed as exc:
-        print(f"poolctl: {exc}", file=sys.stderr)
+        print(f"poolctl: {render.clean(exc)}", file=sys.stderr)
         return EXIT_AUTH
     except GpupoolError as exc:  # usage, the server's refusal, git, a transfer: the sentence says
-        print(f"poolctl: {exc}", file=sys.stderr)
+        print(f"poolctl: {render.clean(exc)}", file=sys.stderr)
         return EXIT_FOR_CODE.get(exc.code, EXIT_FAILED)
     except StorageError as exc:  # the local store of a single-machine pool failed
-        print(f"poolctl: {exc}", file=sys.stderr)
+        print(f"poolctl: {render.clean(exc)}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130

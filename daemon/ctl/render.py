@@ -19,9 +19,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-# C0 and C1 controls, DEL, and the bidirectional and zero-width marks (U+200B-U+200F,
-# U+202A-U+202E, U+2066-U+2069)
-_HOSTILE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069]")
+# C0 and C1 controls, DEL, the line and paragraph separators, and the bidirectional and zero-width
+# marks (U+061C, U+200B-U+200F, U+2028-U+202E, U+2066-U+2069, U+FEFF)
+_HOSTILE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff]")
 
 
 def clean(text: object) -> str:

@@ -265,16 +265,26 @@ def _inside(dest: Path, name: object) -> Path:
     return dest / name
 
 
+def _recorded(item: dict[str, Any]) -> str:
+    """The sha256 a job's record holds for an object it uploaded; a record without one is refused."""
+    sha256 = item.get("sha256")
+    if not isinstance(sha256, str) or len(sha256) != 64:
+        raise TransferError(
+            f"the job's record holds no sha256 for {item.get('key')!r}: refused, nothing fetched"
+        )
+    return sha256
+
+
 async def get_artifacts(client: PoolClient, job: dict[str, Any], dest: Path) -> list[tuple[str, int]]:
     """`poolctl get`: the committed attempt's artifacts under `dest`, and its log as
     `dest/<job>.log`. Every path is checked before anything is fetched, and every object against
     the sha256 the job's record holds. Returns (path written, size) pairs."""
     result = job.get("result") or {}
     wanted = [
-        (a["key"], _inside(dest, a["name"]), a["name"], a.get("sha256")) for a in result.get("artifacts", [])
+        (a["key"], _inside(dest, a["name"]), a["name"], _recorded(a)) for a in result.get("artifacts", [])
     ]
     if log := result.get("log"):
-        wanted.append((log["key"], _inside(dest, f"{job['id']}.log"), "log", log.get("sha256")))
+        wanted.append((log["key"], _inside(dest, f"{job['id']}.log"), "log", _recorded(log)))
     written = []
     for key, path, label, sha256 in wanted:
         size = await download(client, key, path, label, sha256)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
@@ -182,6 +183,8 @@ class Handlers:
             spec["inputs"] = [{"dest": i["dest"], "kind": i["kind"]} for i in spec.get("inputs") or ()]
             if spec.get("snapshot"):
                 spec["snapshot"] = {"commit": spec["snapshot"]["commit"]}
+            if spec.get("git"):  # https://user:token@host/repo: the credentials are the owner's
+                spec["git"] = {**spec["git"], "repo": re.sub(r"//[^/@]*@", "//", spec["git"]["repo"])}
             record["result"] = {}
         return record
 

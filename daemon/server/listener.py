@@ -79,7 +79,14 @@ class Listener:
 
     async def start(self) -> None:
         try:
-            self._server = await asyncio.start_server(self._accept, self.host, self.port, ssl=self.tls)
+            # A TLS handshake happens before a session exists: it gets the same deadline as ours.
+            self._server = await asyncio.start_server(
+                self._accept,
+                self.host,
+                self.port,
+                ssl=self.tls,
+                ssl_handshake_timeout=self.limits.handshake_timeout if self.tls else None,
+            )
         except OSError as exc:
             hint = " (is a pool already running here?)" if exc.errno == errno.EADDRINUSE else ""
             raise ListenerError(

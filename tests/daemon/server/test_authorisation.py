@@ -55,7 +55,11 @@ async def shared_pool(redis_server: EmbeddedRedis, tmp_path: Path) -> AsyncItera
 
 async def alices_job(pool: Pool) -> str:
     async with pool.client("alice") as alice:
-        spec = {"argv": ["python", "train.py"], "env": {"WANDB_API_KEY": SECRET}}
+        spec = {
+            "argv": ["python", "train.py"],
+            "env": {"WANDB_API_KEY": SECRET},
+            "git": {"repo": f"https://alice:{SECRET}@git.example/alice/model.git", "ref": "main"},
+        }
         return (await alice.call(Enqueue(spec, None), Enqueued)).job_id
 
 
