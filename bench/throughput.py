@@ -96,7 +96,7 @@ async def command_drain(  # noqa: PLR0917
 ) -> dict[str, float]:
     ids = await prequeue(queue, name, jobs)
     if uid_range:
-        tmp.chmod(0o711)  # the jobs' uids pass through to their slots (the worker checks it at start)
+        os.chmod(tmp, 0o711)  # the jobs' uids pass through to their slots (the worker checks it at start)
     env = {
         **os.environ,
         "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD": server.password,
