@@ -18,8 +18,6 @@ import psutil
 
 from daemon.worker.gpus import GpuInfo, GpuProbe, GpuProbeError
 
-UID_ROUNDS = 20  # passes at most over the processes of a slot's uid (each kills what it finds)
-
 
 def tree(pgid: int) -> tuple[int, dict[int, float]]:
     """RSS of the job's first process and its descendants, and their pids with creation times."""
@@ -39,36 +37,31 @@ def tree(pgid: int) -> tuple[int, dict[int, float]]:
 def leftovers(pgid: int, descendants: Mapping[int, float], uid: int | None = None) -> list[psutil.Process]:
     """SIGKILL what is left of a job: its group, any process of its session (one that changed its
     group), any descendant seen while it ran that moved to a session of its own, and, given the
-    slot's own `uid`, every process running as it (however it left the session or cleared its
-    environment; passes repeat while they find any, since one being killed may have forked).
-    Returns the processes that were left, to wait for. One getsid() per process on the machine
-    (and one stat of /proc/PID with a uid): the other /proc reads are made only for the job's own."""
+    slot's own `uid`, every process running as it (the runner has already killed those as the
+    uid, identity.kill_all, which no fork loop outruns: here they are only found, to wait for).
+    Returns the processes that were left. One getsid() per process on the machine (and one stat
+    of /proc/PID with a uid): the other /proc reads are made only for the job's own."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    left: dict[int, psutil.Process] = {}
-    for _ in range(UID_ROUNDS if uid is not None else 1):
-        found = False
-        for pid in psutil.pids():
-            try:
-                ours = os.getsid(pid) == pgid or (uid is not None and os.stat(f"/proc/{pid}").st_uid == uid)
-            except OSError:
-                continue
-            if not ours and pid not in descendants:
-                continue
-            try:
-                p = psutil.Process(pid)
-                if not ours and p.create_time() != descendants[pid]:
-                    continue  # the pid was reused by a process that is not the job's
-                if p.status() == psutil.STATUS_ZOMBIE:
-                    continue  # already dead, waiting for its parent (or init) to reap it
-                p.kill()
-            except psutil.Error:
-                continue
-            left.setdefault(pid, p)
-            found = True
-        if not found:
-            break
-    return list(left.values())
+    left = []
+    for pid in psutil.pids():
+        try:
+            ours = os.getsid(pid) == pgid or (uid is not None and os.stat(f"/proc/{pid}").st_uid == uid)
+        except OSError:
+            continue
+        if not ours and pid not in descendants:
+            continue
+        try:
+            p = psutil.Process(pid)
+            if not ours and p.create_time() != descendants[pid]:
+                continue  # the pid was reused by a process that is not the job's
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue  # already dead, waiting for its parent (or init) to reap it
+            p.kill()
+        except psutil.Error:
+            continue
+        left.append(p)
+    return left
 
 
 def dirty_gpus(probe: GpuProbe, gpus: Sequence[GpuInfo], ours: set[int], sid: int) -> dict[str, str]:
