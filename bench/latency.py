@@ -108,18 +108,23 @@ async def run_command(
 
     queue.claim_many = claim_timed  # type: ignore[method-assign]
     record_completions(queue, done)
-    real_spawn = spawn.start
+    real_spawn = spawn.Launcher.spawn
 
     async def timed_spawn(
-        argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], identity: SlotIdentity | None = None
+        self: spawn.Launcher,
+        argv: Sequence[str],
+        *,
+        cwd: Path,
+        env: Mapping[str, str],
+        identity: SlotIdentity | None = None,
     ) -> spawn.Child:
-        child = await real_spawn(argv, cwd=cwd, env=env, identity=identity)
+        child = await real_spawn(self, argv, cwd=cwd, env=env, identity=identity)
         if "GPUPOOL_JOB_ID" in env:
             spawned[env["GPUPOOL_JOB_ID"]] = time.perf_counter()
         return child
 
     worker = Worker(queue, data_dir=tmp / "worker", slots=2, queues=[QUEUE], gpus=[])
-    spawn.start = timed_spawn
+    spawn.Launcher.spawn = timed_spawn  # type: ignore[method-assign]
     try:
         await worker.start()
         await asyncio.sleep(0.2)
@@ -128,7 +133,7 @@ async def run_command(
         submitted = await submit(client, jobs, gap, spec)
         await wait_all(done, submitted, 60)
     finally:
-        spawn.start = real_spawn
+        spawn.Launcher.spawn = real_spawn  # type: ignore[method-assign]
         await worker.stop(drain_timeout=5)
     spawn_cost = [spawned[j] - claimed[j] for j in submitted if j in spawned and j in claimed]
     return {

@@ -7,8 +7,9 @@ Against one embedded redis-server started for the run:
   start) over all workers.
 - `true` command jobs: real `poold --worker --worker-mode multinode` processes (2 slots each).
   jobs/s = N / (last ended_at - first started_at), from the job records (Redis time, ms). Run as
-  root, once more with `job_uid_range`: each job through setpriv as its slot's uid, and every
-  process of that uid swept when it ends (`true_1_worker_slot_uids`: the cost of isolation).
+  root, once more with `job_uid_range`: each job switched to its slot's uid by the worker's
+  launcher, and every process of that uid swept when it ends (`true_1_worker_slot_uids`: the
+  cost of isolation).
 - ceiling, spawn: a bare loop running `true` (create_subprocess_exec + communicate), 2 at a time,
   in a fresh process (bench/spawn_ceiling.py), on the standard asyncio loop (vfork) and on uvloop
   (fork); the ceiling is the faster.

@@ -25,6 +25,7 @@ from redis.asyncio import Redis
 from daemon.aio import cancel_and_wait
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
+from daemon.worker.spawn import Launcher
 from storage.s3 import S3Store
 from tests.support.pool import Pool, running_pool
 from tests.support.s3server import S3Server
@@ -115,6 +116,17 @@ async def redis(redis_server: EmbeddedRedis) -> AsyncIterator[Redis]:
     client = redis_server.client()
     yield client
     await client.aclose()
+
+
+@pytest.fixture
+async def launcher() -> AsyncIterator[Launcher]:
+    """A worker's job launcher (daemon/worker/spawn.py), as the worker's own user."""
+    launcher = Launcher()
+    await launcher.start()
+    try:
+        yield launcher
+    finally:
+        await launcher.stop()
 
 
 @pytest.fixture

@@ -71,6 +71,7 @@ from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult
 from daemon.worker.scratch import SlotDirs
+from daemon.worker.spawn import Launcher
 from storage.base import ObjectStore
 from storage.cache import ObjectCache
 
@@ -150,6 +151,7 @@ class Worker:
         )
         self._slot_dirs = SlotDirs(self.data_dir / "slots", self.id)
         self._guard = OrphanGuard(f"GPUPOOL_WORKER={self.id}", [i.uid for i in self.identities or ()])
+        self._launcher = Launcher(harden=self.identities is not None)  # starts, reaps and kills jobs
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known
         self._nvml: Nvml | None = None
         self._held = Holdings(self._guard)  # every attempt this worker holds, by lease id
@@ -232,15 +234,18 @@ class Worker:
         await asyncio.to_thread(self._slot_dirs.open)
         await self._guard.start()
         try:
+            await self._launcher.start()
             if not await self.heartbeat.beat_and_apply():
                 raise RedisUnavailable(f"worker {self.id} cannot register: Redis does not answer")
             await self._gate.at_start()
         except BaseException:
+            await self._launcher.stop()
             await self._guard.stop()
             await asyncio.to_thread(self._slot_dirs.close)
             await self._close_nvml()
             raise
         self._spawn(self._guard.watch_over(), "orphan guard watch")
+        self._spawn(self._launcher.watch_over(), "job launcher watch")
         self._spawn(self.heartbeat.run(), "heartbeat")
         self._spawn(self.heartbeat.listen_for_pokes(keys.worker_channel(self.id)), "cancel nudges")
         fence = (
@@ -349,6 +354,7 @@ class Worker:
             await registry.unregister(self.queue.redis, self.id)
         except RedisError as exc:
             log.warning("could not unregister worker %s (%s); it will show as dead", self.id, exc)
+        await self._launcher.stop()
         await self._guard.stop()
         await asyncio.to_thread(self._slot_dirs.close)
         if self.cache is not None:
@@ -469,6 +475,7 @@ class Worker:
             kill_grace=self.kill_grace,
             probe=self.probe,
             guard=self._guard,
+            launcher=self._launcher,
             store=self.store,
             cache=self.cache,
             slot_dir=self._slot_dirs.slot(slot),

@@ -1,7 +1,7 @@
 """One attempt of a job as processes: start it, stream its output, stop it, make sure it is gone.
 
 The job's argv runs without a shell, in a new session (so its process group is its own and one
-`killpg` reaches every process it starts), started with vfork (spawn.py); if the worker dies,
+`killpg` reaches every process it starts), started by the worker's launcher (spawn.py); if the worker dies,
 orphan_guard.py kills its jobs. Its directory is the spec's `cwd`, or its slot's scratch directory
 `work` (next to `out`, the GPUPOOL_OUTPUT directory): empty when the job starts, emptied when it
 ends (scratch.py).
@@ -140,6 +140,7 @@ class JobRun:
         kill_grace: float = 10.0,
         probe: GpuProbe | None = None,
         guard: OrphanGuard | None = None,
+        launcher: spawn.Launcher,
         store: ObjectStore | None = None,
         cache: ObjectCache | None = None,
         slot_dir: Path | None = None,
@@ -149,8 +150,8 @@ class JobRun:
         """`slot_dir` holds the scratch directories of the slot it runs on (scratch.py; default
         `data_dir/slot`). `store` receives
         the artifacts; `cache` fetches the snapshot and inputs (None: a worker without an object
-        store; jobs with data then fail saying so). `identity`: the uid the job runs as
-        (identity.py; None: the worker's own)."""
+        store; jobs with data then fail saying so). `launcher` (started) starts, reaps and kills its
+        processes. `identity`: the uid the job runs as (identity.py; None: the worker's own)."""
         self.queue = queue
         self.store = store
         self.cache = cache
@@ -159,6 +160,7 @@ class JobRun:
         self.kill_grace = kill_grace
         self.probe = probe
         self.guard = guard
+        self.launcher = launcher
         self.data_dir = data_dir
         slot_dir = slot_dir or data_dir / "slot"
         self.scratch = slot_dir / "work"
@@ -260,7 +262,7 @@ class JobRun:
                 await asyncio.to_thread(self.identity.own_tree, self.scratch)
             if self.ending is Ending.LOST:  # lost while its data came: it must not start at all
                 return RunResult(Ending.LOST, None)
-            self._proc = await spawn.start(spec.argv, cwd=cwd, env=self._env, identity=self.identity)
+            self._proc = await self.launcher.spawn(spec.argv, cwd=cwd, env=self._env, identity=self.identity)
         except (OSError, GpupoolError) as exc:
             detail = (
                 str(exc)
@@ -302,7 +304,7 @@ class JobRun:
                 await cancel_and_wait(self._killer)
             uid = None
             if self.identity is not None:  # every process of the slot's uid, as that uid
-                await asyncio.to_thread(self.identity.kill_all)
+                await self.launcher.kill_uid(self.identity)
                 uid = self.identity.uid
             left = leftovers.leftovers(pgid, self._descendants, uid)
             try:

@@ -1,70 +1,66 @@
-"""A job's first process, started at the cost of an exec whatever the worker's size or event loop.
+"""Jobs' processes, started, reaped and killed by the launcher (launcher.py) so that the worker's
+event loop never forks, execs or waits: this is the worker's side of it.
 
-asyncio's own subprocesses fork the whole worker when the loop is uvloop (libuv always forks) or
-when a `preexec_fn` is given, and a fork copies the page tables of a process that may hold
-hundreds of MB: on a 300 MB parent that is ~20 ms per job, against ~1 ms for an exec. Here the
-process is started by `subprocess.Popen` without `preexec_fn`, which CPython does with vfork, in a
-new session (its own process group, so one `killpg` reaches all it starts). Its end is watched
-with a pidfd registered with the running loop (Linux >= 5.3; where there is none, or a seccomp
-filter refuses it, a thread per process waits instead), its output read through the loop's pipe
-transport: no SIGCHLD handler, nothing the loop must support beyond `add_reader` and
-`connect_read_pipe`. A job's processes outliving a killed worker are
-orphan_guard.py's to kill.
+A fork copies the page tables of the process that forks, and a worker holds hundreds of MB: ~20 ms
+a job. vfork avoids that, but only while the child changes no credentials, and a job must run as
+its slot's uid (identity.py). The launcher is a small process of the worker's (the standard library
+and nothing else), so its fork is cheap whatever the child then does, and it runs beside the loop,
+on a core of its own when there is one, not on it: the loop sends a request and goes on claiming,
+heartbeating and streaming logs. `Launcher.spawn` returns once the job's program has been exec'd
+(or raises the OSError that stopped it), with its merged output as a pipe read through the loop;
+the launcher tells when it ends. A job's processes outliving a killed worker are orphan_guard.py's
+to kill.
+
+If the launcher itself ends (killed by hand, the OOM killer), the worker cannot learn how its
+running jobs end: it kills their groups, takes them as killed (-SIGKILL) and starts a new launcher.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import itertools
+import json
+import logging
 import os
 import signal
-import subprocess
-import threading
+import socket
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from daemon.worker.identity import ROOT_ENV, SlotIdentity
+from daemon.errors import GpupoolError
+from daemon.worker import launcher
+from daemon.worker.identity import SlotIdentity
+
+log = logging.getLogger(__name__)
+
+STOP_SECONDS = 5.0  # how long stop() waits for the launcher to leave before killing it
+READY_SECONDS = 30.0  # how long start() waits for a new launcher to say it is ready
+
+
+class LauncherError(GpupoolError):
+    """The job launcher could not be started."""
 
 
 class Child:
-    """A started process: `pid`, its merged stdout+stderr as `stdout`, `await wait()` for its status,
-    `close()` the output pipe once read (uvloop keeps a pipe open after end of file)."""
+    """A started job's first process: `pid`, its merged stdout+stderr as `stdout`, `await wait()`
+    for its status, `close()` the output pipe once read."""
 
     def __init__(
-        self,
-        popen: subprocess.Popen[bytes],
-        stdout: asyncio.StreamReader,
-        pipe: asyncio.BaseTransport,
-        pidfd: int,
-    ) -> None:
-        self.pid = popen.pid
+        self, pid: int, stdout: asyncio.StreamReader, pipe: asyncio.BaseTransport, ended: asyncio.Future[int]
+    ):
+        self.pid = pid
         self.stdout = stdout
         self._pipe = pipe
-        self.returncode: int | None = None
-        self._popen = popen
-        self._pidfd = pidfd
-        self._loop = asyncio.get_running_loop()
-        self._ended: asyncio.Future[int] = self._loop.create_future()
-        if pidfd >= 0:
-            self._loop.add_reader(pidfd, self._exited)
-        else:
-            threading.Thread(target=self._wait_in_thread, name=f"wait {popen.pid}", daemon=True).start()
+        self._ended = ended
 
-    def _exited(self) -> None:
-        """The pidfd is readable: the process has ended, so reaping it does not block."""
-        self._loop.remove_reader(self._pidfd)
-        os.close(self._pidfd)
-        self._ended_with(self._popen.wait())
-
-    def _wait_in_thread(self) -> None:
-        code = self._popen.wait()
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
-            self._loop.call_soon_threadsafe(self._ended_with, code)
-
-    def _ended_with(self, code: int) -> None:
-        self.returncode = code
-        if not self._ended.done():
-            self._ended.set_result(code)
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once it has ended, else None."""
+        return self._ended.result() if self._ended.done() else None
 
     async def wait(self) -> int:
         """The exit status (-N: killed by signal N). Cancelling the wait leaves the watch in place."""
@@ -75,37 +71,183 @@ class Child:
         self._pipe.close()
 
 
-async def start(
-    argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], identity: SlotIdentity | None = None
-) -> Child:
-    """Start `argv` (no shell) in `cwd` with exactly `env`, stdin from /dev/null, stdout and stderr
-    into one pipe, as `identity` when given (through setpriv and env: the child changes no
-    credentials itself, so it is still a vfork). Raises OSError when it cannot start (no such
-    program, no such directory; with an identity, env says so and exits 125 or 127)."""
-    if identity is not None:  # setpriv, root until it switches, gets nothing of the job's
-        argv, env, cwd = identity.wrap(argv, env, cwd), ROOT_ENV, Path("/")
-    popen = subprocess.Popen(  # noqa: ASYNC220 - vfork + exec: as long as an exec takes
-        list(argv),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        cwd=cwd,
-        env=dict(env),
-        start_new_session=True,
-    )
-    assert popen.stdout is not None
-    pidfd = -1
-    try:
-        with contextlib.suppress(OSError):  # none: Child waits in a thread
-            pidfd = os.pidfd_open(popen.pid)
-        reader = asyncio.StreamReader()
-        loop = asyncio.get_running_loop()
-        pipe, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), popen.stdout)
-    except BaseException:
-        os.killpg(popen.pid, signal.SIGKILL)
-        popen.stdout.close()
-        if pidfd >= 0:
-            os.close(pidfd)
-        await asyncio.to_thread(popen.wait)
-        raise
-    return Child(popen, reader, pipe, pidfd)
+class Launcher:
+    """The worker's side of the launcher. `start()` once and `watch_over()` in a task of its own;
+    `spawn` a job, `kill_uid` a slot's uid; `stop()` at the end (every job has ended by then).
+    `harden`: the launcher gives up the right to gain privileges and its capabilities beyond the
+    effective ones, for good (launcher.py): for a worker whose jobs run under slot uids."""
+
+    def __init__(self, harden: bool = False) -> None:
+        self.harden = harden
+        self._proc: asyncio.subprocess.Process | None = None
+        self._sock: socket.socket | None = None
+        self._ids = itertools.count(1)
+        self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}  # request id -> its reply
+        self._running: dict[int, asyncio.Future[int]] = {}  # pid -> its status, once it ends
+        self._send_lock = asyncio.Lock()  # a request cut in datagrams goes out in one piece
+        self._stopping = False
+        self._ready: asyncio.Future[None] | None = None
+
+    async def start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-I",
+                "-S",
+                launcher.__file__,
+                str(theirs.fileno()),
+                "1" if self.harden else "0",
+                stdin=asyncio.subprocess.DEVNULL,
+                pass_fds=[theirs.fileno()],
+                start_new_session=True,  # a Ctrl-C meant for the worker is the worker's
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._sock = ours
+        self._ready = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().add_reader(ours, self._readable)
+        try:  # its first job would otherwise wait for its interpreter to start
+            await asyncio.wait_for(asyncio.shield(self._ready), READY_SECONDS)
+        except (TimeoutError, OSError) as exc:
+            self._ready = None  # nobody will ask it again
+            self._lost()
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+            raise LauncherError(f"the job launcher did not start: {exc or 'no answer'}") from exc
+
+    async def watch_over(self) -> None:
+        """Until cancelled: when the launcher ends before `stop()`, give up on what it held (its
+        jobs' groups are killed) and start a new one."""
+        while (proc := self._proc) is not None:
+            await proc.wait()
+            if self._stopping or self._proc is not proc:
+                return
+            log.critical(
+                "the job launcher (pid %d) ended with status %s; starting a new one",
+                proc.pid,
+                proc.returncode,
+            )
+            self._lost()
+            await self.start()
+
+    async def stop(self) -> None:
+        """Close the socket (the launcher leaves at its end) and wait for it. Safe twice."""
+        self._stopping = True
+        proc, self._proc = self._proc, None
+        self._lost()
+        if proc is None:
+            return
+        try:
+            await asyncio.wait_for(proc.wait(), STOP_SECONDS)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    async def spawn(
+        self, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], identity: SlotIdentity | None = None
+    ) -> Child:
+        """Start `argv` (no shell) in `cwd` with exactly `env` (PATH looked up in it), stdin from
+        /dev/null, stdout and stderr into one pipe, in a session of its own, as `identity` when
+        given (its directory is entered as that uid). Raises OSError when it cannot start (no such
+        program, no such directory, or one the uid may not enter)."""
+        request: dict[str, Any] = {"op": "spawn", "argv": list(argv), "env": dict(env), "cwd": str(cwd)}
+        if identity is not None:
+            request |= {"uid": identity.uid, "gid": identity.gid}
+        reply = await self._request(request)
+        if "errno" in reply:
+            code = reply["errno"]
+            raise OSError(code, os.strerror(code) if code else "the launcher could not start it")
+        pid, fd, ended = reply["pid"], reply["fd"], reply["ended"]
+        try:
+            reader = asyncio.StreamReader()
+            loop = asyncio.get_running_loop()
+            output = os.fdopen(fd, "rb", buffering=0)  # a pipe's descriptor: nothing blocks
+            pipe, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), output)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        return Child(pid, reader, pipe, ended)
+
+    async def kill_uid(self, identity: SlotIdentity) -> None:
+        """SIGKILL every process running as `identity`'s uid, as that uid (launcher.kill_uid)."""
+        await self._request({"op": "kill_uid", "uid": identity.uid, "gid": identity.gid})
+
+    async def _request(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self._sock is None:
+            raise OSError(errno.EPIPE, "the job launcher is not running")
+        request_id = request["id"] = next(self._ids)
+        reply = self._replies[request_id] = asyncio.get_running_loop().create_future()
+        data = json.dumps(request).encode()
+        chunks = [data[i : i + launcher.MAX_DATAGRAM] for i in range(0, len(data), launcher.MAX_DATAGRAM)]
+        try:
+            async with self._send_lock:
+                for n, chunk in enumerate(chunks):
+                    more = b"+" if n < len(chunks) - 1 else b""
+                    await asyncio.get_running_loop().sock_sendall(self._sock, more + chunk)
+            answer: dict[str, Any] = await reply
+            return answer
+        finally:
+            self._replies.pop(request_id, None)
+
+    def _readable(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self._sock, 4096, 1)
+            except BlockingIOError:
+                return
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                self._lost()
+                return
+            message = json.loads(data)
+            if "ready" in message:
+                if self._ready is not None and not self._ready.done():
+                    self._ready.set_result(None)
+                continue
+            if "exited" in message:
+                ended = self._running.pop(message["exited"], None)
+                if ended is not None and not ended.done():
+                    ended.set_result(message["status"])
+                continue
+            if "pid" in message:  # started: watched from here on, before any later message is read
+                ended = self._running[message["pid"]] = asyncio.get_running_loop().create_future()
+                message |= {"fd": fds[0], "ended": ended}
+            reply = self._replies.get(message["id"])
+            if reply is not None and not reply.done():
+                reply.set_result(message)
+            elif "pid" in message:  # its starter was cancelled while it started: nobody owns it
+                with contextlib.suppress(OSError):
+                    os.killpg(message["pid"], signal.SIGKILL)
+                os.close(fds[0])
+
+    def _lost(self) -> None:
+        """The launcher is gone (or going): nothing it held will be answered. Running jobs are
+        killed and taken as killed; waiting requests fail."""
+        if self._sock is not None:
+            with contextlib.suppress(ValueError, RuntimeError):
+                asyncio.get_running_loop().remove_reader(self._sock)
+            self._sock.close()
+            self._sock = None
+        for reply in self._replies.values():
+            if not reply.done():
+                reply.set_exception(OSError(errno.EPIPE, "the job launcher ended"))
+        self._replies.clear()
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(OSError(errno.EPIPE, "the job launcher ended"))
+        for pid, ended in self._running.items():
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+            if not ended.done():
+                ended.set_result(-signal.SIGKILL)
+        self._running.clear()

@@ -148,12 +148,13 @@ def test_a_uid_range_that_cannot_serve_is_refused_saying_why() -> None:
 async def test_nothing_of_the_job_reaches_the_root_side_of_the_switch(
     queue: JobQueue, worker: Worker
 ) -> None:
-    """Review of issue 14: the job's environment went to setpriv, which runs as root until it
-    switches (an LD_PRELOAD of the job's would have run as root in it). Every dynamically linked
-    process that starts with a missing LD_PRELOAD says so once: only the job's own may."""
+    """Review of issue 14: the job's environment once went to setpriv, which ran as root until it
+    switched (an LD_PRELOAD of the job's would have run as root in it); the launcher now hands it
+    to the job's own exec only. Every dynamically linked process that starts with a missing
+    LD_PRELOAD says so once: only the job's own may."""
     info = await run(queue, "true", env={"LD_PRELOAD": "/nonexistent/gpupool-probe.so"})
     said = (await output(queue, info)).count("gpupool-probe.so")
-    assert said == 1, await output(queue, info)  # the job's sh, never setpriv or env as root
+    assert said == 1, await output(queue, info)  # the job's sh, nothing that ran as root
 
 
 async def test_a_job_cannot_start_in_a_directory_its_uid_may_not_reach(

@@ -1,4 +1,5 @@
-"""spawn.py: a job's first process under either event loop (conftest runs this module on both)."""
+"""spawn.py and launcher.py: a job's first process, under either event loop (conftest runs this
+module on both)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from daemon.worker.spawn import start
+from daemon.worker.spawn import Launcher
 
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-async def test_output_status_and_a_session_of_its_own(tmp_path: Path) -> None:
-    child = await start(
+async def test_output_status_and_a_session_of_its_own(launcher: Launcher, tmp_path: Path) -> None:
+    child = await launcher.spawn(
         ["sh", "-c", 'echo "out $A $(pwd)"; echo err >&2; ps -o sid= -p $$; exit 3'],
         cwd=tmp_path,
         env={"A": "1", "PATH": os.environ["PATH"]},
@@ -31,42 +32,134 @@ async def test_output_status_and_a_session_of_its_own(tmp_path: Path) -> None:
     assert child.returncode == 3
 
 
-async def test_a_signal_is_a_negative_status_and_wait_survives_a_cancelled_waiter(tmp_path: Path) -> None:
-    child = await start(["sleep", "300"], cwd=tmp_path, env={"PATH": os.environ["PATH"]})
+async def test_a_signal_is_a_negative_status_and_wait_survives_a_cancelled_waiter(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    child = await launcher.spawn(["sleep", "300"], cwd=tmp_path, env={"PATH": os.environ["PATH"]})
     waiter = asyncio.ensure_future(child.wait())
     await asyncio.sleep(0.05)
     waiter.cancel()
     os.killpg(child.pid, signal.SIGKILL)
     assert await asyncio.wait_for(child.wait(), 10) == -signal.SIGKILL
     child.close()
-    with pytest.raises(ChildProcessError):  # reaped: no zombie left behind
-        os.waitpid(child.pid, os.WNOHANG)
+    assert not Path(f"/proc/{child.pid}").exists()  # reaped by the launcher: no zombie left
 
 
-async def test_without_pidfds_a_thread_waits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def refused(pid: int) -> int:
-        raise PermissionError(1, "pidfd_open refused by a seccomp filter")
+def processes_with(marker: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
-    monkeypatch.setattr(os, "pidfd_open", refused)
-    child = await start(["sh", "-c", "echo hi; exit 7"], cwd=tmp_path, env={"PATH": os.environ["PATH"]})
-    assert await child.stdout.read() == b"hi\n"
-    assert await asyncio.wait_for(child.wait(), 10) == 7
+
+async def gone(marker: str) -> list[int]:
+    """The processes with `marker` in their argv, once there are none or after 5 s."""
+    for _ in range(100):
+        if not processes_with(marker):
+            break
+        await asyncio.sleep(0.05)
+    return processes_with(marker)
+
+
+async def test_a_job_holds_only_its_output_and_the_default_signal_dispositions(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    """The launcher's socket starts any program as any uid: a job holding it would be root."""
+    child = await launcher.spawn(
+        ["sh", "-c", "ls /proc/$$/fd; exec grep -E '^Sig(Ign|Blk)' /proc/self/status"],
+        cwd=tmp_path,
+        env={"PATH": os.environ["PATH"]},
+    )
+    lines = (await child.stdout.read()).decode().split()
+    assert await child.wait() == 0
     child.close()
-    with pytest.raises(ChildProcessError):
-        os.waitpid(child.pid, os.WNOHANG)
+    assert lines[:4] == ["0", "1", "2", "SigBlk:"], lines  # nothing beyond 0-2
+    standard = (1 << 31) - 1  # signals 1-31; glibc keeps 32 and 33 for itself, out of reach
+    blocked, ignored = int(lines[4], 16), int(lines[6], 16)
+    assert lines[5] == "SigIgn:"
+    assert blocked == 0, lines
+    assert ignored & standard == 0, lines  # SIGPIPE, SIGINT, ... as a program expects them
 
 
-async def test_a_program_that_cannot_start_raises_oserror_and_leaks_nothing(tmp_path: Path) -> None:
+async def test_a_large_environment_and_bytes_that_are_not_utf8_arrive_exactly(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    big = "x" * 100_000  # several datagrams (one string may hold 128 KiB)
+    odd = os.fsdecode(b"caf\xe9")  # latin-1, as os.environ gives it (surrogateescape)
+    child = await launcher.spawn(
+        ["sh", "-c", 'printf %s "$BIG" | wc -c; printf %s "$ODD"'],
+        cwd=tmp_path,
+        env={"PATH": os.environ["PATH"], "BIG": big, "ODD": odd},
+    )
+    assert await child.stdout.read() == b"100000\ncaf\xe9"
+    assert await child.wait() == 0
+    child.close()
+
+
+async def test_a_spawn_cancelled_while_it_starts_leaves_no_process(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    marker = f"300.{os.getpid()}1"
+    for _ in range(5):
+        task = asyncio.ensure_future(
+            launcher.spawn(["sleep", marker], cwd=tmp_path, env={"PATH": os.environ["PATH"]})
+        )
+        await asyncio.sleep(0)  # sent, not answered
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    # Requests are handled in order: by the time a later job has run, the cancelled ones started.
+    later = await launcher.spawn(["sleep", "0.3"], cwd=tmp_path, env={"PATH": os.environ["PATH"]})
+    await later.wait()
+    later.close()
+    assert await gone(marker) == []
+
+
+async def test_when_the_launcher_dies_its_jobs_are_killed_and_a_new_one_serves(tmp_path: Path) -> None:
+    launcher = Launcher()
+    await launcher.start()
+    watch = asyncio.ensure_future(launcher.watch_over())
+    try:
+        marker = f"300.{os.getpid()}2"
+        child = await launcher.spawn(["sleep", marker], cwd=tmp_path, env={"PATH": os.environ["PATH"]})
+        assert launcher._proc is not None
+        launcher._proc.kill()
+        assert await asyncio.wait_for(child.wait(), 10) == -signal.SIGKILL
+        child.close()
+        assert await gone(marker) == []
+        for _ in range(100):  # a new launcher, started by the watch
+            try:
+                again = await launcher.spawn(
+                    ["sh", "-c", "exit 4"], cwd=tmp_path, env={"PATH": os.environ["PATH"]}
+                )
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(again.wait(), 10) == 4
+        again.close()
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        await launcher.stop()
+
+
+async def test_a_program_that_cannot_start_raises_oserror_and_leaks_nothing(
+    launcher: Launcher, tmp_path: Path
+) -> None:
     before = open_fds()
     with pytest.raises(FileNotFoundError):
-        await start(["no-such-program-xyz"], cwd=tmp_path, env={"PATH": os.environ["PATH"]})
+        await launcher.spawn(["no-such-program-xyz"], cwd=tmp_path, env={"PATH": os.environ["PATH"]})
     with pytest.raises(FileNotFoundError):
-        await start(["true"], cwd=tmp_path / "missing", env={"PATH": os.environ["PATH"]})
+        await launcher.spawn(["true"], cwd=tmp_path / "missing", env={"PATH": os.environ["PATH"]})
     assert open_fds() == before
 
 
-async def run_true(tmp_path: Path) -> None:
-    child = await start(["true"], cwd=tmp_path, env={})
+async def run_true(launcher: Launcher, tmp_path: Path) -> None:
+    child = await launcher.spawn(["true"], cwd=tmp_path, env={})
     await child.stdout.read()
     assert await child.wait() == 0
     child.close()
@@ -74,9 +167,9 @@ async def run_true(tmp_path: Path) -> None:
         await asyncio.sleep(0)  # a pipe transport closes at a later turn
 
 
-async def test_many_processes_leave_no_descriptors_open(tmp_path: Path) -> None:
-    await run_true(tmp_path)  # the loop may open what it keeps (uvloop: /dev/null)
+async def test_many_processes_leave_no_descriptors_open(launcher: Launcher, tmp_path: Path) -> None:
+    await run_true(launcher, tmp_path)  # the loop may open what it keeps (uvloop: /dev/null)
     before = open_fds()
     for _ in range(20):
-        await run_true(tmp_path)
+        await run_true(launcher, tmp_path)
     assert open_fds() == before
