@@ -117,8 +117,9 @@ async def run_command(
         cwd: Path,
         env: Mapping[str, str],
         identity: SlotIdentity | None = None,
+        cgroup: Path | None = None,
     ) -> spawn.Child:
-        child = await real_spawn(self, argv, cwd=cwd, env=env, identity=identity)
+        child = await real_spawn(self, argv, cwd=cwd, env=env, identity=identity, cgroup=cgroup)
         if "GPUPOOL_JOB_ID" in env:
             spawned[env["GPUPOOL_JOB_ID"]] = time.perf_counter()
         return child

@@ -54,6 +54,7 @@ from daemon.queue import keys, registry
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import Registration
 from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime
+from daemon.worker.cgroups import SlotCgroups
 from daemon.worker.claim_gate import ClaimGate
 from daemon.worker.gpus import (
     GpuAllocator,
@@ -152,6 +153,7 @@ class Worker:
         self._slot_dirs = SlotDirs(self.data_dir / "slots", self.id)
         self._guard = OrphanGuard(f"GPUPOOL_WORKER={self.id}", [i.uid for i in self.identities or ()])
         self._launcher = Launcher(harden=self.identities is not None)  # starts, reaps and kills jobs
+        self._cgroups: SlotCgroups | None = None  # one per slot, where the kernel lets us (at start)
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known
         self._nvml: Nvml | None = None
         self._held = Holdings(self._guard)  # every attempt this worker holds, by lease id
@@ -231,7 +233,8 @@ class Worker:
                 "job_uid_range to give each slot a uid of its own (docs/SECURITY.md)",
                 self.id,
             )
-        await asyncio.to_thread(self._slot_dirs.open)
+        dead = await asyncio.to_thread(self._slot_dirs.open)
+        self._cgroups = await asyncio.to_thread(SlotCgroups.make, self.id, self.slots, dead)
         await self._guard.start()
         try:
             await self._launcher.start()
@@ -241,6 +244,7 @@ class Worker:
         except BaseException:
             await self._launcher.stop()
             await self._guard.stop()
+            await self._close_cgroups()
             await asyncio.to_thread(self._slot_dirs.close)
             await self._close_nvml()
             raise
@@ -356,11 +360,17 @@ class Worker:
             log.warning("could not unregister worker %s (%s); it will show as dead", self.id, exc)
         await self._launcher.stop()
         await self._guard.stop()
+        await self._close_cgroups()
         await asyncio.to_thread(self._slot_dirs.close)
         if self.cache is not None:
             await self.cache.close()
         await self._close_nvml()
         log.info("worker %s stopped", self.id)
+
+    async def _close_cgroups(self) -> None:
+        if self._cgroups is not None:
+            await asyncio.to_thread(self._cgroups.close)
+            self._cgroups = None
 
     async def _close_nvml(self) -> None:
         if self._nvml is not None:
@@ -480,6 +490,7 @@ class Worker:
             cache=self.cache,
             slot_dir=self._slot_dirs.slot(slot),
             identity=self.identities[slot] if self.identities is not None else None,
+            cgroup=self._cgroups.path(slot) if self._cgroups is not None else None,
             git_protocols=self.git_protocols,
         )
 

@@ -10,9 +10,11 @@ JSON message per datagram (requests may come in several: a first byte "+" says m
     {"op": "spawn", "id": N, "argv": [...], "env": {...}, "cwd": "...", "uid": U, "gid": G}
         -> {"id": N, "pid": P} with the read end of the job's output pipe attached (SCM_RIGHTS),
            sent once the exec has happened; or {"id": N, "errno": E} when it could not start.
-        -> later {"exited": P, "status": S} (S as subprocess gives it: -N for signal N).
-    {"op": "kill_uid", "id": N, "uid": U, "gid": G}
-        -> {"id": N} once every process of U has been sent SIGKILL by a child running as U.
+        -> later {"exited": P, "status": S} (S as subprocess gives it: -N for signal N), once
+           what the job started has been sent SIGKILL (the attempt has ended: nothing of it may
+           go on, setsid and `env -i` escapes included), without a round trip to the worker:
+           given a cgroup ("cgroup": DIR, cgroups.py, which the child joins before anything
+           else) by one write to its cgroup.kill; else, given a uid, by a child running as it.
 
 A job's child, between fork and exec: a session of its own (its group is its pid, so one killpg
 reaches what it starts), stdin from /dev/null, stdout and stderr into one pipe, the signal
@@ -80,6 +82,10 @@ def exec_job(request: dict[str, Any], out: int, err: int) -> None:
         for sig in DEFAULT_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        if cgroup := request.get("cgroup"):  # as root, before the switch: the job cannot leave it
+            procs = os.open(os.path.join(cgroup, "cgroup.procs"), os.O_WRONLY)
+            os.write(procs, b"0")
+            os.close(procs)
         uid, gid = request.get("uid"), request.get("gid")
         if uid is not None and gid is not None:
             os.setgroups([])
@@ -118,9 +124,9 @@ class Launcher:
         self.sock = sock
         self.selector = selectors.DefaultSelector()
         self.partial = b""
-        self.starting: dict[int, tuple[int, int, int]] = {}  # pid -> (request id, output, error pipe)
-        self.running: set[int] = set()  # pids whose start was reported: their end will be too
-        self.killers: dict[int, int] = {}  # pid of a kill_uid child -> request id
+        self.starting: dict[int, tuple[dict[str, Any], int, int]] = {}  # pid -> (request, output, error pipe)
+        self.running: dict[int, dict[str, Any]] = {}  # pids whose start was told -> their request
+        self.sweeps: dict[int, tuple[int, int]] = {}  # pid of a kill_uid child -> (job pid, status)
 
     def reply(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
         data = json.dumps(message).encode()
@@ -165,11 +171,6 @@ class Launcher:
             message, self.partial = json.loads(self.partial + data), b""
             if message["op"] == "spawn":
                 self.spawn(message)
-            elif message["op"] == "kill_uid":
-                pid = os.fork()
-                if pid == 0:
-                    kill_uid(message["uid"], message["gid"])
-                self.killers[pid] = message["id"]
 
     def spawn(self, request: dict[str, Any]) -> None:
         out_r, out_w = os.pipe()
@@ -179,23 +180,23 @@ class Launcher:
             exec_job(request, out_w, err_w)
         os.close(out_w)
         os.close(err_w)
-        self.starting[pid] = (request["id"], out_r, err_r)
+        self.starting[pid] = (request, out_r, err_r)
         self.selector.register(err_r, selectors.EVENT_READ, pid)
 
     def started(self, pid: int) -> None:
         """The child's error pipe is readable: it has exec'd (end of file) or failed (an errno)."""
         if pid not in self.starting:
             return  # told already: it ended, and was reaped, in the same turn of the loop
-        request_id, out_r, err_r = self.starting.pop(pid)
+        request, out_r, err_r = self.starting.pop(pid)
         self.selector.unregister(err_r)
         failure = os.read(err_r, 64)
         os.close(err_r)
         try:
             if failure:
-                self.reply({"id": request_id, "errno": int(failure)})
+                self.reply({"id": request["id"], "errno": int(failure)})
             else:
-                self.reply({"id": request_id, "pid": pid}, [out_r])
-                self.running.add(pid)
+                self.reply({"id": request["id"], "pid": pid}, [out_r])
+                self.running[pid] = request
         finally:
             os.close(out_r)
 
@@ -215,11 +216,25 @@ class Launcher:
                 return
             if pid in self.starting:  # ended before its start was told: tell that first
                 self.started(pid)
-            if pid in self.killers:
-                self.reply({"id": self.killers.pop(pid)})
+            if pid in self.sweeps:
+                job, code = self.sweeps.pop(pid)
+                self.reply({"exited": job, "status": code})
             elif pid in self.running:
-                self.running.discard(pid)
-                self.reply({"exited": pid, "status": os.waitstatus_to_exitcode(status)})
+                self.ended(pid, self.running.pop(pid), os.waitstatus_to_exitcode(status))
+
+    def ended(self, pid: int, request: dict[str, Any], code: int) -> None:
+        """A job's first process has ended: the attempt has. With a cgroup, all it started is
+        killed in one write; else, with a uid, by a child running as that uid (told once reaped)."""
+        if cgroup := request.get("cgroup"):
+            with contextlib.suppress(OSError), open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
+                f.write("1")
+        elif request.get("uid") is not None:
+            sweeper = os.fork()
+            if sweeper == 0:
+                kill_uid(request["uid"], request["gid"])
+            self.sweeps[sweeper] = (pid, code)
+            return
+        self.reply({"exited": pid, "status": code})
 
 
 def main() -> None:

@@ -13,9 +13,11 @@ import contextlib
 import os
 import signal
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import psutil
 
+from daemon.worker import cgroups
 from daemon.worker.gpus import GpuInfo, GpuProbe, GpuProbeError
 
 
@@ -37,8 +39,8 @@ def tree(pgid: int) -> tuple[int, dict[int, float]]:
 def leftovers(pgid: int, descendants: Mapping[int, float], uid: int | None = None) -> list[psutil.Process]:
     """SIGKILL what is left of a job: its group, any process of its session (one that changed its
     group), any descendant seen while it ran that moved to a session of its own, and, given the
-    slot's own `uid`, every process running as it (the runner has already killed those as the
-    uid, identity.kill_all, which no fork loop outruns: here they are only found, to wait for).
+    slot's own `uid`, every process running as it (the launcher has already killed those as the
+    uid, launcher.kill_uid, which no fork loop outruns: here they are only found, to wait for).
     Returns the processes that were left. One getsid() per process on the machine (and one stat
     of /proc/PID with a uid): the other /proc reads are made only for the job's own."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -61,6 +63,18 @@ def leftovers(pgid: int, descendants: Mapping[int, float], uid: int | None = Non
         except psutil.Error:
             continue
         left.append(p)
+    return left
+
+
+def in_cgroup(cgroup: Path) -> list[psutil.Process]:
+    """SIGKILL what is left in the job's slot cgroup (cgroups.py): all it started, wherever it
+    went. Returns those processes, to wait for. One read of cgroup.procs, no scan of /proc."""
+    left = []
+    with contextlib.suppress(OSError):
+        cgroups.kill(cgroup)
+    for pid in cgroups.pids(cgroup):
+        with contextlib.suppress(psutil.Error):
+            left.append(psutil.Process(pid))
     return left
 
 

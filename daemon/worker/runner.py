@@ -145,13 +145,16 @@ class JobRun:
         cache: ObjectCache | None = None,
         slot_dir: Path | None = None,
         identity: SlotIdentity | None = None,
+        cgroup: Path | None = None,
         git_protocols: str = ANY_PROTOCOL,
     ) -> None:
         """`slot_dir` holds the scratch directories of the slot it runs on (scratch.py; default
         `data_dir/slot`). `store` receives
         the artifacts; `cache` fetches the snapshot and inputs (None: a worker without an object
         store; jobs with data then fail saying so). `launcher` (started) starts, reaps and kills its
-        processes. `identity`: the uid the job runs as (identity.py; None: the worker's own)."""
+        processes. `identity`: the uid the job runs as (identity.py; None: the worker's own).
+        `cgroup`: the slot's (cgroups.py), which holds all the job starts (None: found through
+        /proc at the end)."""
         self.queue = queue
         self.store = store
         self.cache = cache
@@ -166,6 +169,7 @@ class JobRun:
         self.scratch = slot_dir / "work"
         self.output_dir = slot_dir / "out"
         self.identity = identity
+        self.cgroup = cgroup
         self.git_protocols = git_protocols  # what a job's repository may be fetched over
         home = self.scratch if identity is not None else None
         self._env = job_env(os.environ if env is None else env, lease, self.gpus, home)
@@ -257,12 +261,15 @@ class JobRun:
             if spec.git is not None:
                 await self._checkout(spec.git)
             await job_data.prepare(self.cache, spec, cwd, self.output.note)
-            if self.identity is not None and not spec.cwd:
+            placed = spec.git is not None or spec.snapshot is not None or bool(spec.inputs)
+            if self.identity is not None and not spec.cwd and placed:
                 # its code, and the directories its inputs were placed in (not the inputs: root's)
                 await asyncio.to_thread(self.identity.own_tree, self.scratch)
             if self.ending is Ending.LOST:  # lost while its data came: it must not start at all
                 return RunResult(Ending.LOST, None)
-            self._proc = await self.launcher.spawn(spec.argv, cwd=cwd, env=self._env, identity=self.identity)
+            self._proc = await self.launcher.spawn(
+                spec.argv, cwd=cwd, env=self._env, identity=self.identity, cgroup=self.cgroup
+            )
         except (OSError, GpupoolError) as exc:
             detail = (
                 str(exc)
@@ -302,11 +309,13 @@ class JobRun:
             await cancel_and_wait(sampler)
             if self._killer is not None:
                 await cancel_and_wait(self._killer)
-            uid = None
-            if self.identity is not None:  # every process of the slot's uid, as that uid
-                await self.launcher.kill_uid(self.identity)
-                uid = self.identity.uid
-            left = leftovers.leftovers(pgid, self._descendants, uid)
+            # With a cgroup or an identity, all the job started has been killed by now (the
+            # launcher does it before it says the first process ended): found here to wait for.
+            if self.cgroup is not None:
+                left = leftovers.in_cgroup(self.cgroup)
+            else:
+                uid = self.identity.uid if self.identity is not None else None
+                left = leftovers.leftovers(pgid, self._descendants, uid)
             try:
                 if left:
                     await asyncio.to_thread(psutil.wait_procs, left, timeout=5)

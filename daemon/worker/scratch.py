@@ -65,8 +65,10 @@ class SlotDirs:
     def slot(self, n: int) -> Path:
         return self.dir / str(n)
 
-    def open(self) -> None:
-        """Take this worker's lock, then remove what dead workers left. Blocking (a thread)."""
+    def open(self) -> list[str]:
+        """Take this worker's lock, then remove what dead workers left; returns their ids.
+        Blocking (a thread)."""
+        dead = []
         self.root.mkdir(parents=True, exist_ok=True)
         with _locked(self.root / ".lock", blocking=True):  # one worker at a time does this
             self._lock = os.open(self.root / f"{self.dir.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -83,6 +85,8 @@ class SlotDirs:
                         lock.unlink(missing_ok=True)
                 else:
                     remove(entry)  # no lock: left by a worker of an older layout, or moved aside
+                dead.append(entry.name)
+        return dead
 
     def close(self) -> None:
         """Remove this worker's directories and give its lock up. Blocking (a thread)."""

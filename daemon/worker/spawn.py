@@ -73,7 +73,7 @@ class Child:
 
 class Launcher:
     """The worker's side of the launcher. `start()` once and `watch_over()` in a task of its own;
-    `spawn` a job, `kill_uid` a slot's uid; `stop()` at the end (every job has ended by then).
+    `spawn` jobs; `stop()` at the end (every job has ended by then).
     `harden`: the launcher gives up the right to gain privileges and its capabilities beyond the
     effective ones, for good (launcher.py): for a worker whose jobs run under slot uids."""
 
@@ -150,15 +150,25 @@ class Launcher:
             await proc.wait()
 
     async def spawn(
-        self, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], identity: SlotIdentity | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: Path,
+        env: Mapping[str, str],
+        identity: SlotIdentity | None = None,
+        cgroup: Path | None = None,
     ) -> Child:
         """Start `argv` (no shell) in `cwd` with exactly `env` (PATH looked up in it), stdin from
         /dev/null, stdout and stderr into one pipe, in a session of its own, as `identity` when
-        given (its directory is entered as that uid). Raises OSError when it cannot start (no such
+        given (its directory is entered as that uid; when it ends, every process of the uid is
+        killed before `wait()` returns, launcher.py), in `cgroup` when given (cgroups.py: all it
+        starts is killed then in one write). Raises OSError when it cannot start (no such
         program, no such directory, or one the uid may not enter)."""
         request: dict[str, Any] = {"op": "spawn", "argv": list(argv), "env": dict(env), "cwd": str(cwd)}
         if identity is not None:
             request |= {"uid": identity.uid, "gid": identity.gid}
+        if cgroup is not None:
+            request["cgroup"] = str(cgroup)
         reply = await self._request(request)
         if "errno" in reply:
             code = reply["errno"]
@@ -176,10 +186,6 @@ class Launcher:
                 os.close(fd)
             raise
         return Child(pid, reader, pipe, ended)
-
-    async def kill_uid(self, identity: SlotIdentity) -> None:
-        """SIGKILL every process running as `identity`'s uid, as that uid (launcher.kill_uid)."""
-        await self._request({"op": "kill_uid", "uid": identity.uid, "gid": identity.gid})
 
     async def _request(self, request: dict[str, Any]) -> dict[str, Any]:
         if self._sock is None:

@@ -16,9 +16,10 @@ import pytest
 
 from daemon.job import JobInfo, JobState
 from daemon.queue.job_queue import JobQueue
+from daemon.worker.cgroups import SlotCgroups
 from daemon.worker.dispatcher import Worker
 from daemon.worker.identity import IdentityError, slot_identities
-from tests.support.workers import running_worker, sh, wait_file, wait_state
+from tests.support.workers import running_worker, sh, wait_dead, wait_file, wait_state
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
 
@@ -26,7 +27,13 @@ FIRST_UID = 61000
 
 
 @pytest.fixture
-async def worker(queue: JobQueue) -> AsyncIterator[Worker]:
+async def worker(
+    queue: JobQueue, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Worker]:
+    """A root worker with two slot uids; in a cgroup per slot where this kernel allows, unless
+    the test asks for the fallback (`indirect` param "no cgroups": the uid is swept as itself)."""
+    if getattr(request, "param", "") == "no cgroups":
+        monkeypatch.setattr(SlotCgroups, "make", lambda *_: None)
     identities = slot_identities(f"{FIRST_UID}-{FIRST_UID + 1}", 2)
     env = {"PATH": os.environ["PATH"], "AWS_SECRET_ACCESS_KEY": "the-daemons-own", "LANG": "C.UTF-8"}
     # In /tmp, passable by the jobs' uids: pytest's own directories are root's, 0700 (and a worker
@@ -108,6 +115,10 @@ async def test_two_jobs_can_neither_read_nor_signal_each_other(
     await wait_state(queue, victim, JobState.CANCELLED)
 
 
+BOTH_WAYS = pytest.mark.parametrize("worker", ["cgroups", "no cgroups"], indirect=True)
+
+
+@BOTH_WAYS
 async def test_nothing_of_a_job_outlives_it_however_it_escaped(
     queue: JobQueue, worker: Worker, drop: Path
 ) -> None:
@@ -115,12 +126,7 @@ async def test_nothing_of_a_job_outlives_it_however_it_escaped(
     info = await run(queue, script)
     assert info.state is JobState.SUCCEEDED
     escaped = int((await wait_file(drop / "escaped"))[0])
-    for _ in range(100):
-        if not psutil.pid_exists(escaped) or psutil.Process(escaped).status() == psutil.STATUS_ZOMBIE:
-            break
-        await asyncio.sleep(0.05)
-    else:
-        raise AssertionError(f"process {escaped}, escaped with setsid and env -i, outlived its job")
+    await wait_dead([escaped], timeout=5)  # escaped with setsid and env -i: gone with its job
     uids = {FIRST_UID, FIRST_UID + 1}
     assert [p.pid for p in psutil.process_iter() if p.uids().real in uids and p.status() != "zombie"] == []
 
@@ -169,6 +175,7 @@ async def test_a_job_cannot_start_in_a_directory_its_uid_may_not_reach(
     assert "root's secret" not in await output(queue, info)
 
 
+@BOTH_WAYS
 async def test_a_process_hopping_pids_in_a_fork_loop_is_killed_too(queue: JobQueue, worker: Worker) -> None:
     # Each round forks and the parent exits: a sweep over /proc lists pids that are already gone.
     script = "setsid -f sh -c 'hop() { ( sleep 0.01; hop ) & exit 0; }; hop'; sleep 0.5"
