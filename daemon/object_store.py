@@ -59,6 +59,24 @@ def name_key(user: str, name: str) -> str:
     return f"names/u={quote(user, safe='')}/{name}.json"
 
 
+def upload_key(user: str, sha256: str) -> str:
+    """Where `user` uploads the object `sha256` through a presigned PUT: their own staging key,
+    never the content key, which only the server writes once it has hashed the bytes
+    (server/data_desk.py). A content key therefore holds what its name says, and no user can
+    take one before its owner uploads it."""
+    return f"uploads/u={quote(user, safe='')}/{sha256}"
+
+
+def owner_key(sha256: str, user: str) -> str:
+    """An empty object: `user` has uploaded the bytes of `sha256` (proved by sending them), so
+    their jobs may take it as an input. Listing `owners/SHA256/` names every such user."""
+    return f"owners/{sha256}/u={quote(user, safe='')}"
+
+
+def owners_prefix(sha256: str) -> str:
+    return f"owners/{sha256}/"
+
+
 def legacy_name_key(name: str) -> str:
     """Where a dataset name lived when names were pool-wide: still read (never written), so datasets
     named before this change still resolve, and no one can replace them any more."""

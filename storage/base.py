@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import re
+import tempfile
 from collections.abc import AsyncIterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,6 +200,22 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     async def get_bytes(self, key: str) -> bytes:
         """Download a small object into memory, verified."""
+
+    async def adopt(self, staged: str, key: str, sha256: str) -> ObjectInfo:
+        """Publish the object someone uploaded to `staged` as `key`, once its bytes, read back,
+        hash to `sha256` (ChecksumMismatch otherwise, and `staged` is removed either way). Never
+        overwrites: where `key` exists it is kept. The uploader never writes `key` itself, so a
+        content key always holds the bytes its name says. Here: downloaded and uploaded again;
+        a store that can copy on its side does better."""
+        with tempfile.TemporaryDirectory(prefix="gpupool-adopt-") as tmp:
+            try:
+                await self.get_file(staged, Path(tmp) / "object")
+                try:
+                    return await self.put_file(key, Path(tmp) / "object", sha256=sha256, if_absent=True)
+                except ObjectExists:
+                    return await self.head(key)
+            finally:
+                await self.delete(staged)
 
     @abc.abstractmethod
     async def head(self, key: str) -> ObjectInfo:

@@ -352,11 +352,15 @@ class S3Store(ObjectStore):
 
     async def _set_sha256(self, key: str, info: ObjectInfo) -> None:
         """Attach the sha256 learnt at the end of a stream, by a server-side copy onto itself."""
+        await self._copy(key, key, info)
+
+    async def _copy(self, src: str, key: str, info: ObjectInfo) -> None:
+        """Copy `src` to `key` on the store's side, with `info`'s metadata and sha256."""
         metadata = {**info.metadata, SHA256_META: str(info.sha256)}
-        source = {"Bucket": self.bucket, "Key": key}
+        source = {"Bucket": self.bucket, "Key": src}
         if info.size <= MAX_COPY_SIZE:
             await self.retry(
-                f"COPY {key}",
+                f"COPY {src} -> {key}",
                 lambda: self.client.copy_object(
                     Bucket=self.bucket,
                     Key=key,
@@ -369,6 +373,28 @@ class S3Store(ObjectStore):
         else:
             copy = MultipartUpload(self, key, dict(info.metadata), info.sha256, False)
             await copy.copy_from(source, info.size, self.part_size_for(info.size))
+
+    async def adopt(self, staged: str, key: str, sha256: str) -> ObjectInfo:
+        """The object's bytes are read back once and hashed, here; then copied on the store's
+        side (no second transfer) with the sha256 it now provably has."""
+        try:
+            info = await self.head(staged)
+            h = hashlib.sha256()
+            ranges = self._ranges(staged, info.size)
+            try:
+                async for _, data in ranges:
+                    await asyncio.to_thread(h.update, data)
+            finally:
+                await ranges.aclose()
+            if h.hexdigest() != sha256:
+                raise ChecksumMismatch(staged, sha256, h.hexdigest())
+            with contextlib.suppress(ObjectNotFound):
+                return await self.head(key)  # stored already: never overwritten
+            verified = ObjectInfo(staged, info.size, sha256, {})
+            await self._copy(staged, key, verified)
+            return ObjectInfo(key, info.size, sha256, {})
+        finally:
+            await self.delete(staged)
 
     # -- downloads ----------------------------------------------------------------------------
 

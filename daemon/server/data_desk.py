@@ -4,20 +4,27 @@ Why this shape. A dataset or an artifact can be gigabytes; the server is one asy
 also serves every client's queue requests, so funnelling bytes through its event loop would make a
 large upload everyone's latency problem. Instead the server answers small requests:
 
-- `PrepareUpload(sha256, size)`: the object's content key (`sha256/ab/abcd…`). If it is already
-  stored the answer says so and nothing is sent. Otherwise, on S3, a presigned PUT URL valid for
-  `URL_SECONDS`, signed with the object's `x-amz-meta-sha256` header, so the uploader must send the
-  checksum the store keeps. A single presigned PUT carries at most `MAX_PRESIGNED_PUT` bytes (S3's
-  limit for one PUT, 5 GiB); larger objects are refused with a sentence saying so (presigned
-  multipart would lift it, at the cost of a part-by-part handshake). On the local store (single
-  machine: client and server share it) the answer is the store's directory, and the client writes
-  through `storage.local.LocalStore` itself, with the same atomic-publish rules.
-- `FinishUpload(sha256, kind, name)`: the server heads the object, checks that the sha256 the store
-  recorded is the one claimed, and records `name` -> {sha256, size, kind} (a small JSON object
-  under `names/`).
+- `PrepareUpload(sha256, size)`: if the caller has uploaded the object before (an owner record,
+  `owners/SHA256/u=USER`), the answer says so and nothing is sent. Otherwise, on S3, a presigned
+  PUT URL valid for `PUT_URL_SECONDS` to the caller's own staging key (`uploads/u=USER/SHA256`),
+  never to the content key, signed with the object's `x-amz-meta-sha256` header and its size.
+  A single presigned PUT carries at most `MAX_PRESIGNED_PUT` bytes (S3's limit for one PUT, 5
+  GiB); larger objects are refused with a sentence saying so. Someone else having stored the same
+  bytes changes nothing: knowing a sha256 is not having the data, so the caller sends it too. On
+  the local store (single machine: client and server share it) the answer is the store's
+  directory, and the client writes through `storage.local.LocalStore` itself, with the same
+  atomic-publish rules.
+- `FinishUpload(sha256, kind, name)`: the server reads the staged object back, hashes it, and
+  only if it is what the caller claimed publishes it under its content key (a copy on the store's
+  side, never over an object already there; `ObjectStore.adopt`), records the caller as an owner,
+  and records `name` -> {sha256, size, kind} (a small JSON object under `names/`).
 - `ResolveName(name)`: that record.
 - `PrepareDownload(key)`: a presigned GET (or the local store's directory), for keys under
   `sha256/` and `artifacts/` only, with the size and sha256 the downloader verifies against.
+
+`check_inputs` refuses a job whose inputs or snapshot its user has not uploaded: a sha256 seen in a
+log or a job record must not be a way to read the bytes through a job. Objects stored before owners
+were recorded (no owner at all) are still allowed.
 
 Workers do not ask: they hold the store's credentials (configured by the admin) and read and write
 it directly (`daemon/worker/job_data.py`).
@@ -25,15 +32,23 @@ it directly (`daemon/worker/job_data.py`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import orjson
 
 from daemon.errors import GpupoolError
-from daemon.job import INPUT_KINDS, SHA256
-from daemon.object_store import DATASET_NAME, legacy_name_key, name_key
+from daemon.job import INPUT_KINDS, SHA256, JobSpec
+from daemon.object_store import (
+    DATASET_NAME,
+    legacy_name_key,
+    name_key,
+    owner_key,
+    owners_prefix,
+    upload_key,
+)
 from protocol import DownloadTicket, ErrorCode, ObjectRef, UploadTicket
-from storage.base import ObjectInfo, ObjectNotFound, ObjectStore
+from storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore
 from storage.content import content_key
 from storage.local import LocalStore
 
@@ -65,22 +80,23 @@ class DataDesk:
     def _local_root(self) -> str | None:
         return str(self.store.root) if isinstance(self.store, LocalStore) else None
 
-    async def prepare_upload(self, sha256: str, size: int) -> UploadTicket:
+    async def prepare_upload(self, sha256: str, size: int, user: str) -> UploadTicket:
         key = content_key(_check_sha(sha256))
         if size < 0:
             raise BadDataRequest("size must not be negative")
-        if await self.store.exists(key):
-            return UploadTicket(key, True, None, None)
         local = self._local_root()
         if local is not None:
-            return UploadTicket(key, False, None, local)
+            return UploadTicket(key, await self.store.exists(key), None, local)
+        if await self.store.exists(owner_key(sha256, user)) and await self.store.exists(key):
+            return UploadTicket(key, True, None, None)
         if size > MAX_PRESIGNED_PUT:
             raise BadDataRequest(
                 f"{size} bytes is over the {MAX_PRESIGNED_PUT} bytes one presigned upload may carry; "
                 "split the dataset into several inputs",
             )
-        url = await self.store.presign_put(key, PUT_URL_SECONDS, sha256=sha256)
-        return UploadTicket(key, False, url, None)
+        staged = upload_key(user, sha256)
+        url = await self.store.presign_put(staged, PUT_URL_SECONDS, sha256=sha256)
+        return UploadTicket(staged, False, url, None)
 
     async def finish_upload(self, sha256: str, kind: str, name: str | None, user: str) -> ObjectRef:
         key = content_key(_check_sha(sha256))
@@ -88,19 +104,58 @@ class DataDesk:
             raise BadDataRequest(f"kind {kind!r} must be one of {', '.join(INPUT_KINDS)}")
         if name is not None:
             _check_name(name)
-        try:
-            info = await self.store.head(key)
-        except ObjectNotFound:
-            raise DataNotFound(f"object {sha256} was not uploaded (or not completely)") from None
-        if info.sha256 != sha256:
-            # A store without our checksum metadata, or an upload that bypassed the signed header.
-            await self.store.delete(key)
-            raise BadDataRequest(f"the stored object {key} does not carry sha256 {sha256}; removed it")
+        info = await (
+            self._local_upload(key, sha256) if self._local_root() else self._adopt(key, sha256, user)
+        )
+        await self.store.put_bytes(owner_key(sha256, user), b"")
         if name is not None:
             record = {"sha256": sha256, "size": info.size, "kind": kind}
             await self.store.put_bytes(name_key(user, name), orjson.dumps(record))
             log.info("dataset %s of %s -> %s (%d bytes, %s)", name, user, sha256, info.size, kind)
         return ObjectRef(name, sha256, info.size, kind)
+
+    async def _local_upload(self, key: str, sha256: str) -> ObjectInfo:
+        """The client wrote the content key itself, through the local store's atomic publish."""
+        try:
+            info = await self.store.head(key)
+        except ObjectNotFound:
+            raise DataNotFound(f"object {sha256} was not uploaded (or not completely)") from None
+        if info.sha256 != sha256:
+            await self.store.delete(key)
+            raise BadDataRequest(f"the stored object {key} does not carry sha256 {sha256}; removed it")
+        return info
+
+    async def _adopt(self, key: str, sha256: str, user: str) -> ObjectInfo:
+        """What `user` staged, hashed and published: nothing else reaches a content key. (An owner
+        told the object is stored sent nothing: theirs is there.)"""
+        if await self.store.exists(owner_key(sha256, user)):
+            with contextlib.suppress(ObjectNotFound):
+                return await self.store.head(key)
+        try:
+            return await self.store.adopt(upload_key(user, sha256), key, sha256)
+        except ObjectNotFound:
+            raise DataNotFound(f"object {sha256} was not uploaded (or not completely)") from None
+        except ChecksumMismatch as exc:
+            raise BadDataRequest(
+                f"the bytes uploaded hash to {exc.got}, not to the sha256 {sha256} they were sent "
+                "as; they were removed (upload the file again)"
+            ) from None
+
+    async def check_inputs(self, spec: JobSpec, user: str) -> None:
+        """PERMISSION_DENIED for the first input or snapshot of `spec` that `user` has not
+        uploaded (objects from before owners were recorded, with none at all, pass)."""
+        shas = [i["sha256"] for i in spec.inputs]
+        if spec.snapshot is not None:
+            shas.append(spec.snapshot["sha256"])
+        for sha in dict.fromkeys(shas):
+            if await self.store.exists(owner_key(sha, user)):
+                continue
+            if await self.store.list(owners_prefix(sha)):
+                raise GpupoolError(
+                    f"input {sha[:12]} is data you have not uploaded: a job may read only its "
+                    "own user's data (poolctl put it, or name one of your datasets)",
+                    ErrorCode.PERMISSION_DENIED,
+                )
 
     async def resolve(self, name: str, user: str) -> ObjectRef:
         """`user`'s dataset `name`; one named before names were per user is found too."""

@@ -195,7 +195,7 @@ class Handlers:
             raise GpupoolError("this server has no object store for datasets", ErrorCode.UNAVAILABLE)
         match request:
             case PrepareUpload(sha256=sha256, size=size):
-                return await self.data.prepare_upload(sha256, size)
+                return await self.data.prepare_upload(sha256, size, user)
             case FinishUpload(sha256=sha256, kind=kind, name=name):
                 return await self.data.finish_upload(sha256, kind, name, user)
             case ResolveName(name=name):
@@ -216,6 +216,7 @@ class Handlers:
     async def _enqueue(self, spec: dict[str, Any], key: str | None, user: str) -> Enqueued:
         job_spec = _spec(spec, user)
         await self._check_fits([job_spec])
+        await self._check_data([job_spec], user)
         job_id, created = await self.queue.enqueue(job_spec, key)
         if created and self.metrics is not None:
             self.metrics.job_enqueued(job_spec.queue)
@@ -226,11 +227,25 @@ class Handlers:
             raise GpupoolError(f"a batch holds at most {MAX_BATCH} jobs", ErrorCode.INVALID_ARGUMENT)
         job_specs = [_spec(s, user) for s in specs]
         await self._check_fits(job_specs)
+        await self._check_data(job_specs, user)
         ids = await self.queue.enqueue_many(job_specs)
         if self.metrics is not None:
             for q, count in Counter(s.queue for s in job_specs).items():
                 self.metrics.job_enqueued(q, count)
         return EnqueuedBatch(ids)
+
+    async def _check_data(self, specs: list[JobSpec], user: str) -> None:
+        """Every input and snapshot is data `user` uploaded (admins' jobs may take any)."""
+        if self.data is None or user in self.admins:
+            return
+        seen: set[tuple[str, ...]] = set()
+        for spec in specs:  # a batch shares its data, mostly: each set of it checked once
+            shas = tuple(i["sha256"] for i in spec.inputs) + (
+                (spec.snapshot["sha256"],) if spec.snapshot else ()
+            )
+            if shas and shas not in seen:
+                seen.add(shas)
+                await self.data.check_inputs(spec, user)
 
     async def _check_fits(self, specs: list[JobSpec]) -> None:
         """Refuse a job that asks for more GPUs than every registered worker serving its queue has
