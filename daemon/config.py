@@ -202,6 +202,14 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("max_connections", int, 1000, "client connections the server accepts at once", lo=1, hi=1_000_000),
     Option(
+        "max_connections_per_user",
+        int,
+        64,
+        "authenticated connections one user may hold at once",
+        lo=1,
+        hi=1_000_000,
+    ),
+    Option(
         "max_frame_size",
         int,
         16 * 1024 * 1024,
@@ -269,6 +277,7 @@ class Config:
     listen: str
     metrics_listen: str
     max_connections: int
+    max_connections_per_user: int
     max_frame_size: int
     handshake_timeout: float
     idle_timeout: float

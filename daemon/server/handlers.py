@@ -65,6 +65,8 @@ MAX_IDS = 10_000  # job ids in one cancel or wait: more is refused, never worked
 # Requests that hold a blocking Redis read for as long as they last (`logs -f`, `wait`): each user
 # has this many at once, so one user cannot take every Redis connection from everyone else.
 MAX_BLOCKING_PER_USER = 16
+# ... and all users together this many: each holds a Redis connection, and Redis serves workers too.
+MAX_BLOCKING = 512
 LOG_BLOCK_SECONDS = 1.0
 WAIT_RECHECK = 2.0  # seconds between looks at the state of jobs a `wait` waits for
 
@@ -149,7 +151,14 @@ class Handlers:
 
     @contextlib.contextmanager
     def _blocking_read(self, user: str) -> Iterator[None]:
-        """Hold one of `user`'s MAX_BLOCKING_PER_USER blocking reads for the block's duration."""
+        """Hold one of `user`'s MAX_BLOCKING_PER_USER blocking reads (and of the server's
+        MAX_BLOCKING) for the block's duration."""
+        if self._blocking.total() >= MAX_BLOCKING:
+            raise GpupoolError(
+                f"the server already serves {MAX_BLOCKING} 'logs -f' and 'wait' requests, the most it "
+                "takes at once; retry in a moment",
+                ErrorCode.UNAVAILABLE,
+            )
         if self._blocking[user] >= MAX_BLOCKING_PER_USER:
             raise GpupoolError(
                 f"{user} already has {MAX_BLOCKING_PER_USER} 'logs -f' and 'wait' running, the most one user "

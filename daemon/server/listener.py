@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import ssl
+from collections import Counter
 from collections.abc import Mapping
 
 from daemon.address import is_loopback
@@ -70,6 +71,7 @@ class Listener:
         self.metrics = metrics
         self._server: asyncio.Server | None = None
         self._budget = FrameBudget(self.limits.max_partial_frames)
+        self._users: Counter[str] = Counter()  # user -> authenticated connections
         self._sessions: dict[Session, asyncio.Task[None] | None] = {}
 
     @property
@@ -137,7 +139,14 @@ class Listener:
         )
         on_error = self.metrics.protocol_error if self.metrics is not None else None
         session = Session(
-            reader, writer, self.handlers, conn, self.limits, on_protocol_error=on_error, budget=self._budget
+            reader,
+            writer,
+            self.handlers,
+            conn,
+            self.limits,
+            on_protocol_error=on_error,
+            budget=self._budget,
+            users=self._users,
         )
         self._sessions[session] = asyncio.current_task()
         if self.metrics is not None:

@@ -132,6 +132,7 @@ class PoolServer:
                 handshake_timeout=c.handshake_timeout,
                 idle_timeout=c.idle_timeout,
                 max_connections=c.max_connections,
+                max_connections_per_user=c.max_connections_per_user,
             ),
             metrics=self.metrics,
         )

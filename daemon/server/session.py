@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,6 +58,8 @@ class Limits:
     # Bytes of partly received frames across all connections: each may hold up to a maximal frame,
     # and a thousand of them would hold gigabytes. Past it, the connection that needs more is closed.
     max_partial_frames: int = 64 * 1024 * 1024
+    # Authenticated connections of one user, at most: one user's scripts cannot take every place.
+    max_connections_per_user: int = 64
 
 
 class FrameBudget:
@@ -89,6 +92,7 @@ class Session:
         *,
         on_protocol_error: Callable[[str], None] | None = None,
         budget: FrameBudget | None = None,
+        users: Counter[str] | None = None,
     ) -> None:
         self.reader = reader
         self.writer = writer
@@ -105,6 +109,8 @@ class Session:
         self._budget = budget or FrameBudget(limits.max_partial_frames)
         self._held = 0  # bytes of a partial frame this connection holds, as counted in the budget
         self._on_protocol_error = on_protocol_error
+        self._users = Counter[str]() if users is None else users  # user -> connections, shared
+        self._user: str | None = None  # counted in _users once authenticated
 
     @property
     def requests(self) -> list[asyncio.Task[None]]:
@@ -185,6 +191,16 @@ class Session:
                         task.cancel()
                 case Authenticated(user=user, peer=client):
                     log.debug("%s authenticated as %s (%s)", self.peer, user, client)
+                    if self._users[user] >= self.limits.max_connections_per_user:
+                        why = (
+                            f"{user} has {self.limits.max_connections_per_user} connections open, the "
+                            "most one user may; close some (one connection carries many requests)"
+                        )
+                        log.warning("closing %s: %s", self.peer, why)
+                        self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}."))
+                        return False
+                    self._users[user] += 1
+                    self._user = user
                 case GoodbyeReceived():
                     pass
                 case ConnectionFailed(code=code, message=message, by_peer=by_peer):
@@ -231,6 +247,11 @@ class Session:
 
     async def _finish(self) -> None:
         self._closing = True
+        if self._user is not None:
+            self._users[self._user] -= 1
+            if not self._users[self._user]:
+                del self._users[self._user]
+            self._user = None
         self._budget.hold(self._held, 0)
         self._held = 0
         for task in list(self._requests.values()):

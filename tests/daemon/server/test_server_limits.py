@@ -20,11 +20,14 @@ from protocol import CancelJobs, Cancelled, Enqueue, Enqueued, ErrorCode, Follow
 from tests.support.pool import Pool, running_pool
 
 MAX_CONNECTIONS = 20
+PER_USER = 5
 
 
 @pytest.fixture
 async def small_pool(redis_server: EmbeddedRedis, tmp_path: Path) -> AsyncIterator[Pool]:
-    async with running_pool(redis_server, tmp_path, max_connections=MAX_CONNECTIONS) as p:
+    async with running_pool(
+        redis_server, tmp_path, max_connections=MAX_CONNECTIONS, max_connections_per_user=PER_USER
+    ) as p:
         yield p
 
 
@@ -96,3 +99,40 @@ async def test_one_host_holds_at_most_a_few_connections_that_do_not_authenticate
     finally:
         for _, writer in [*silent, other]:
             writer.close()
+
+
+async def test_one_user_holds_at_most_so_many_connections_and_others_are_served(small_pool: Pool) -> None:
+    bobs = [small_pool.client("bob") for _ in range(PER_USER)]
+    try:
+        for c in bobs:
+            await c.connect()
+        with pytest.raises(ClientError) as err:
+            async with small_pool.client("bob") as extra:
+                await extra.call(Ping(), Pong)
+        assert err.value.code == ErrorCode.UNAVAILABLE
+        assert f"bob has {PER_USER} connections open" in err.value.message
+        async with small_pool.client("alice") as alice:  # everyone else is served
+            assert isinstance(await alice.call(Ping(), Pong), Pong)
+    finally:
+        for c in bobs:
+            await c.close()
+    async with small_pool.client("bob") as bob:  # closed ones give their places back
+        assert isinstance(await bob.call(Ping(), Pong), Pong)
+
+
+async def test_all_users_blocking_reads_together_are_bounded(
+    small_pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("daemon.server.handlers.MAX_BLOCKING", 3)
+    async with small_pool.client("bob") as bob, small_pool.client("alice") as alice:
+        job_id = (await bob.call(Enqueue({"argv": ["sleep", "60"]}, None), Enqueued)).job_id
+        follows = [asyncio.create_task(bob.call(FollowLogs(job_id, True, ""), LogEnd)) for _ in range(3)]
+        await asyncio.sleep(0.5)  # all of them blocking now
+        hers = (await alice.call(Enqueue({"argv": ["sleep", "60"]}, None), Enqueued)).job_id
+        with pytest.raises(ClientError) as err:
+            await alice.call(FollowLogs(hers, True, ""), LogEnd)
+        assert err.value.code == ErrorCode.UNAVAILABLE
+        assert "retry in a moment" in err.value.message
+        for follow in follows:
+            follow.cancel()
+        await asyncio.gather(*follows, return_exceptions=True)
