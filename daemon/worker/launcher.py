@@ -126,6 +126,7 @@ class Launcher:
         self.partial = b""
         self.starting: dict[int, tuple[dict[str, Any], int, int]] = {}  # pid -> (request, output, error pipe)
         self.running: dict[int, dict[str, Any]] = {}  # pids whose start was told -> their request
+        self.kill_files: dict[str, int] = {}  # slot cgroup -> its cgroup.kill, open for writing
         self.sweeps: dict[int, tuple[int, int]] = {}  # pid of a kill_uid child -> (job pid, status)
 
     def reply(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
@@ -200,6 +201,13 @@ class Launcher:
         finally:
             os.close(out_r)
 
+    def kill_file(self, cgroup: str) -> int:
+        """`cgroup`'s cgroup.kill, opened once (a slot's cgroup serves all its jobs)."""
+        fd = self.kill_files.get(cgroup)
+        if fd is None:
+            fd = self.kill_files[cgroup] = os.open(os.path.join(cgroup, "cgroup.kill"), os.O_WRONLY)
+        return fd
+
     def kill_all(self) -> None:
         """The worker has gone: so do the jobs it started, told or not."""
         for pid in [*self.starting, *self.running]:
@@ -226,8 +234,8 @@ class Launcher:
         """A job's first process has ended: the attempt has. With a cgroup, all it started is
         killed in one write; else, with a uid, by a child running as that uid (told once reaped)."""
         if cgroup := request.get("cgroup"):
-            with contextlib.suppress(OSError), open(os.path.join(cgroup, "cgroup.kill"), "w") as f:
-                f.write("1")
+            with contextlib.suppress(OSError):
+                os.write(self.kill_file(cgroup), b"1")
         elif request.get("uid") is not None:
             sweeper = os.fork()
             if sweeper == 0:

@@ -133,6 +133,7 @@ class OrphanGuard:
         self._groups: dict[int, str] = {}  # pgid -> lease
         self._deadlines: dict[str, float] = {}  # lease -> deadline
         self._stopping = False
+        self._pending: list[str] = []  # lines said this turn of the loop, not yet written
 
     @property
     def pid(self) -> int | None:
@@ -193,12 +194,20 @@ class OrphanGuard:
         self._send(f"x {lease}\n")
 
     def _send(self, line: str) -> None:
+        """Queue `line`; what one turn of the loop says goes out in one write, at its end (each
+        attempt says four things, and every write wakes the guard)."""
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(line)
+
+    def _flush(self) -> None:
+        lines, self._pending = self._pending, []
         proc = self._proc
         if proc is None or proc.stdin is None or proc.returncode is not None or proc.stdin.is_closing():
             return  # gone: watch_over starts a new one and tells it everything
         # A few bytes into a pipe the guard keeps reading: never blocks for long enough to matter,
         # so no drain() and the callers stay synchronous.
-        proc.stdin.write(line.encode())
+        proc.stdin.write("".join(lines).encode())
 
     async def stop(self) -> None:
         """Close the guard's stdin (it kills any group still listed) and wait for it. Safe twice."""
@@ -207,5 +216,8 @@ class OrphanGuard:
         if proc is None:
             return
         if proc.stdin is not None:
+            if self._pending and not proc.stdin.is_closing():
+                lines, self._pending = self._pending, []
+                proc.stdin.write("".join(lines).encode())
             proc.stdin.close()
         await proc.wait()
