@@ -5,14 +5,15 @@ Against one embedded redis-server started for the run:
 - `noop` workers: `python -m bench.noop_worker` processes: a real Worker each, with the bench's
   no-op executor (no process run), 2 slots and 8 slots. jobs/s = N / (last complete - first
   start) over all workers.
-- `true` command jobs: real `poold --worker --worker-mode multinode` processes (2 slots each).
-  jobs/s = N / (last ended_at - first started_at), from the job records (Redis time, ms). Run as
-  root, once more with `job_uid_range`: each job switched to its slot's uid by the worker's
-  launcher, and every process of that uid swept when it ends (`true_1_worker_slot_uids`: the
-  cost of isolation).
-- ceiling, spawn: a bare loop running `true` (create_subprocess_exec + communicate), 2 at a time,
-  in a fresh process (bench/spawn_ceiling.py), on the standard asyncio loop (vfork) and on uvloop
-  (fork); the ceiling is the faster.
+- `true` command jobs: a real `poold --worker --worker-mode multinode` process with 2 and with 8
+  slots (and two of them with 2 slots each). jobs/s = N / (last ended_at - first started_at),
+  from the job records (Redis time, ms). Run as root, once more with `job_uid_range`: each job
+  switched to its slot's uid by the worker's launcher, in its slot's cgroup where the kernel has
+  them (`..._slot_uids`: the cost of isolation).
+- ceiling, spawn: a bare loop running `true` (create_subprocess_exec + communicate), as many at
+  a time as the worker has slots, in a fresh process (bench/spawn_ceiling.py), on the standard
+  asyncio loop (vfork) and on uvloop (fork); the ceiling is the faster, measured right before
+  the worker it is compared with (the table's last column).
 - ceiling, Redis Streams: a bare redis-py asyncio loop of XADD -> XREADGROUP -> XACK, one message
   at a time, and batched (100 XADDs pipelined, one XREADGROUP COUNT 100, one XACK of 100 ids).
 """
@@ -94,6 +95,7 @@ async def command_drain(  # noqa: PLR0917
     tmp: Path,
     s3: S3Server,
     uid_range: str = "",
+    slots: int = 2,
 ) -> dict[str, float]:
     ids = await prequeue(queue, name, jobs)
     if uid_range:
@@ -105,6 +107,7 @@ async def command_drain(  # noqa: PLR0917
         "GPUPOOL_MAIN_SERVER_MINIO_ADDRESS": f"127.0.0.1:{s3.port}",
         "GPUPOOL_MAIN_SERVER_MINIO_ACCESS_KEY_ID": s3.access_key,
         "GPUPOOL_MAIN_SERVER_MINIO_SECRET_ACCESS_KEY": s3.secret_key,
+        "GPUPOOL_WORKER_REMOTE_PROCESSORS": str(slots),
     }
     procs = []
     for i in range(workers):
@@ -202,19 +205,35 @@ async def measure(jobs: int, command_jobs: int) -> dict[str, Any]:
                 await store.open()
                 await store.ensure_bucket()
                 await store.close()
-                for workers in (1, 2):
-                    out[f"true_{workers}_worker"] = await command_drain(
-                        server, queue, f"cmd{workers}", command_jobs, workers, tmp, s3
+                for slots in (2, 8):
+                    # The ceiling first, then the worker, in the same minute: the ratio is the figure.
+                    spawns = [
+                        await asyncio.to_thread(spawn_ceiling, command_jobs, slots, loop) for loop in LOOPS
+                    ]
+                    for loop, r in zip(LOOPS, spawns, strict=True):
+                        out[f"ceiling_spawn_true_{loop}_{slots}"] = r
+                    out[f"ceiling_spawn_true_{slots}"] = max(spawns, key=lambda r: r["jobs_per_s"])
+                    name = f"true_1_worker_{slots}_slots"
+                    out[name] = await command_drain(
+                        server, queue, f"cmd{slots}", command_jobs, 1, tmp, s3, slots=slots
                     )
-                if os.geteuid() == 0:
-                    out["true_1_worker_slot_uids"] = await command_drain(
-                        server, queue, "cmduid", command_jobs, 1, tmp, s3, uid_range="61100-61101"
-                    )
+                    if os.geteuid() == 0:  # each slot's jobs as a uid of its own
+                        out[f"{name}_slot_uids"] = await command_drain(
+                            server,
+                            queue,
+                            f"cmduid{slots}",
+                            command_jobs,
+                            1,
+                            tmp,
+                            s3,
+                            uid_range=f"61100-{61100 + slots - 1}",
+                            slots=slots,
+                        )
+                out["true_2_workers_2_slots"] = await command_drain(
+                    server, queue, "cmd2w", command_jobs, 2, tmp, s3
+                )
             finally:
                 await asyncio.to_thread(s3.stop)
-            spawns = [await asyncio.to_thread(spawn_ceiling, command_jobs, 2, loop) for loop in LOOPS]
-            out.update({f"ceiling_spawn_true_{loop}": r for loop, r in zip(LOOPS, spawns, strict=True)})
-            out["ceiling_spawn_true"] = max(spawns, key=lambda r: r["jobs_per_s"])
             out["ceiling_streams_unbatched"] = await streams_ceiling(redis, jobs, 1)
             out["ceiling_streams_batch100"] = await streams_ceiling(redis, jobs * 5, 100)
             await redis.aclose()
@@ -235,8 +254,12 @@ def main(argv: list[str] | None = None) -> None:
     t.add_column("what")
     t.add_column("jobs", justify="right")
     t.add_column("jobs/s", justify="right")
-    for name, r in result["rates"].items():
-        t.add_row(name, str(r["jobs"]), f"{r['jobs_per_s']:,.0f}")
+    t.add_column("/ spawn ceiling", justify="right")
+    rates = result["rates"]
+    for name, r in rates.items():
+        slots = next((n for n in (2, 8) if name.startswith("true_") and f"_{n}_slots" in name), None)
+        ratio = r["jobs_per_s"] / rates[f"ceiling_spawn_true_{slots}"]["jobs_per_s"] if slots else None
+        t.add_row(name, str(r["jobs"]), f"{r['jobs_per_s']:,.0f}", f"{ratio:.2f}" if ratio else "")
     Console().print(t)
     print(f"wrote {save('throughput', result)}")
 
