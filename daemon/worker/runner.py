@@ -94,14 +94,21 @@ PASSED_ENV = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TERM"})
 
 
 def job_env(
-    base: Mapping[str, str], lease: Lease, gpus: Sequence[GpuInfo], home: Path | None = None
+    base: Mapping[str, str],
+    lease: Lease,
+    gpus: Sequence[GpuInfo],
+    home: Path | None = None,
+    tmp: Path | None = None,
 ) -> dict[str, str]:
     """The job's environment: PASSED_ENV and the locale (LC_*) from the worker's, HOME set to `home`
-    when given (a job with an identity of its own gets its slot's directory), then the spec's,
-    then the pool's variables, which the spec cannot override."""
+    and TMPDIR to `tmp` when given (a job with an identity of its own gets its slot's directories:
+    what it leaves in a temporary file goes with the attempt, not to the next user of the slot's
+    uid), then the spec's, then the pool's variables, which the spec cannot override."""
     env = {k: v for k, v in base.items() if k in PASSED_ENV or k.startswith("LC_")}
     if home is not None:
         env["HOME"] = str(home)
+    if tmp is not None:
+        env["TMPDIR"] = str(tmp)
     env.update(lease.spec.env)
     env.update(
         GPUPOOL_JOB_ID=lease.job_id,
@@ -171,8 +178,9 @@ class JobRun:
         self.identity = identity
         self.cgroup = cgroup
         self.git_protocols = git_protocols  # what a job's repository may be fetched over
-        home = self.scratch if identity is not None else None
-        self._env = job_env(os.environ if env is None else env, lease, self.gpus, home)
+        self.tmp_dir = slot_dir / "tmp"
+        home, tmp = (self.scratch, self.tmp_dir) if identity is not None else (None, None)
+        self._env = job_env(os.environ if env is None else env, lease, self.gpus, home, tmp)
         self._env["GPUPOOL_OUTPUT"] = str(self.output_dir)
         self.ending: Ending | None = None
         self._proc: spawn.Child | None = None
@@ -374,8 +382,11 @@ class JobRun:
 
     def _scratch_dirs(self) -> tuple[Path, ...]:
         """The slot's directories this job uses: `out`, and `work` unless it runs in a `cwd` of its
-        own (a job with an identity has it anyway: it is its HOME)."""
-        if self.lease.spec.cwd and self.identity is None:
+        own (a job with an identity has it anyway: it is its HOME), and, with an identity, `tmp`
+        (its TMPDIR)."""
+        if self.identity is not None:
+            return (self.output_dir, self.scratch, self.tmp_dir)
+        if self.lease.spec.cwd:
             return (self.output_dir,)
         return (self.output_dir, self.scratch)
 

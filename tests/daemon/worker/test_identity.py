@@ -82,6 +82,7 @@ async def test_a_job_runs_as_its_slots_uid_without_capabilities_or_the_daemons_e
     assert "AWS_SECRET_ACCESS_KEY" not in env  # the daemon's environment stays the daemon's
     assert env["LANG"] == "C.UTF-8"
     assert env["HOME"] == str(worker._slot_dirs.slot(0) / "work")
+    assert env["TMPDIR"] == str(worker._slot_dirs.slot(0) / "tmp")  # its own, emptied after it
 
 
 async def test_a_job_cannot_read_the_daemons_secrets(queue: JobQueue, worker: Worker, tmp_path: Path) -> None:
@@ -198,3 +199,15 @@ async def test_under_a_strict_umask_a_job_still_reaches_its_home_and_output(
     finally:
         os.umask(old)
     assert info.state is JobState.SUCCEEDED, await output(queue, info)
+
+
+async def test_a_jobs_temporary_files_go_with_its_attempt(queue: JobQueue, worker: Worker) -> None:
+    """The slot's uid serves every user whose jobs land on the slot: what one job leaves in its
+    TMPDIR must not be there for the next."""
+    first = await run(queue, 'f=$(mktemp); echo "secret" > "$f"; echo "$f"')
+    assert first.state is JobState.SUCCEEDED, await output(queue, first)
+    left = Path((await output(queue, first)).split()[-1])
+    assert (
+        left.parent == worker._slot_dirs.slot(0) / "tmp" or left.parent == worker._slot_dirs.slot(1) / "tmp"
+    )
+    assert not left.exists()
