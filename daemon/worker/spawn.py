@@ -2,10 +2,10 @@
 event loop never forks, execs or waits: this is the worker's side of it.
 
 A fork copies the page tables of the process that forks, and a worker holds hundreds of MB: ~20 ms
-a job. vfork avoids that, but only while the child changes no credentials, and a job must run as
-its slot's uid (identity.py). The launcher is a small process of the worker's (the standard library
-and nothing else), so its fork is cheap whatever the child then does, and it runs beside the loop,
-on a core of its own when there is one, not on it: the loop sends a request and goes on claiming,
+a job. vfork copies nothing, but CPython's subprocess gives it up when the child changes
+credentials, and a job must run as its slot's uid (identity.py). The launcher is a small process of
+the worker's whose one C module (_spawn.c) vforks and switches the uid in the child; it runs beside
+the loop, on a core of its own when there is one: the loop sends a request and goes on claiming,
 heartbeating and streaming logs. `Launcher.spawn` returns once the job's program has been exec'd
 (or raises the OSError that stopped it), with its merged output as a pipe read through the loop;
 the launcher tells when it ends. A job's processes outliving a killed worker are orphan_guard.py's

@@ -71,14 +71,18 @@ async def output(queue: JobQueue, info: JobInfo) -> str:
 async def test_a_job_runs_as_its_slots_uid_without_capabilities_or_the_daemons_environment(
     queue: JobQueue, worker: Worker
 ) -> None:
-    info = await run(queue, 'id -u; id -g; grep -E "^(CapEff|CapBnd|NoNewPrivs)" /proc/self/status; env')
+    fields = "Uid|Gid|Groups|CapInh|CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs"
+    info = await run(queue, f'grep -E "^({fields}):" /proc/self/status; env')
     assert info.state is JobState.SUCCEEDED, await output(queue, info)
     lines = (await output(queue, info)).splitlines()
-    assert lines[:2] == [str(FIRST_UID)] * 2
-    assert lines[2].split() == ["CapEff:", "0000000000000000"]
-    assert lines[3].split() == ["CapBnd:", "0000000000000000"]
-    assert lines[4].split() == ["NoNewPrivs:", "1"]
-    env = dict(line.split("=", 1) for line in lines[5:] if "=" in line)
+    status = {line.split(":")[0]: line.split()[1:] for line in lines[:9]}
+    # real, effective, saved and filesystem ids all the slot's: nothing to switch back to
+    assert status["Uid"] == status["Gid"] == [str(FIRST_UID)] * 4
+    assert status["Groups"] == []
+    for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert status[cap] == ["0000000000000000"], cap
+    assert status["NoNewPrivs"] == ["1"]
+    env = dict(line.split("=", 1) for line in lines[9:] if "=" in line)
     assert "AWS_SECRET_ACCESS_KEY" not in env  # the daemon's environment stays the daemon's
     assert env["LANG"] == "C.UTF-8"
     assert env["HOME"] == str(worker._slot_dirs.slot(0) / "work")

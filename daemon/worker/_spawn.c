@@ -1,0 +1,265 @@
+/* _spawn: start a job's first process with vfork, switching its credentials in the child.
+
+Why C: the launcher (launcher.py) starts every job, and a fork of even a small Python process
+costs a job more than its whole exec (page tables copied, then copy-on-write faults for every
+object the child's Python touches). vfork copies nothing, but the child shares the launcher's
+memory until it execs, so it may only make system calls; CPython's subprocess therefore gives up
+vfork when credentials change. Here the child makes exactly the calls a job's start needs, all
+raw system calls (no glibc wrapper that would broadcast a uid change to other threads: the
+launcher has none, and the child must change only itself), in this order:
+
+    cgroup.procs <- 0      join the slot's cgroup (as root, before the switch: it cannot leave)
+    signals                every disposition back to the default, then an empty mask
+    setsid                 a session, and so a process group, of its own
+    0, 1, 2                stdin, and stdout+stderr into the job's output pipe
+    close_range(3, ~0)     nothing else of the launcher's: no job holds its socket
+    setgroups, setresgid, setresuid   no supplementary groups, then all three gids and uids
+    chdir(cwd)             as the job's uid: a directory it may not enter fails the start
+    execve                 each candidate path in turn, as execvp does with PATH
+
+A failure before the exec leaves its errno in a variable the parent shares, and the child exits;
+the parent reaps it and raises OSError. The parent blocks every signal around the vfork, so no
+handler of the launcher's ever runs on the child's side of the shared memory.
+
+kill_uid(uid, gid): the same kind of child switches to `uid` and sends SIGKILL to every process
+it may (kill(-1): all of the uid's, one pass over the kernel's task list, which no fork in flight
+can escape), twice; returns once it has.
+*/
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+struct plan {
+    char **paths;  /* candidates for the program, NULL-terminated */
+    char **argv;
+    char **envp;
+    const char *cwd;
+    int stdin_fd, out_fd, cgroup_fd;
+    long uid, gid;  /* -1: keep the launcher's */
+    volatile int error;  /* set by the child when it could not exec */
+};
+
+static void child_signals(void)
+{
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    for (int sig = 1; sig < NSIG; sig++) {
+        if (sig != SIGKILL && sig != SIGSTOP)
+            (void)sigaction(sig, &dfl, NULL);  /* EINVAL for glibc's own: left as they are */
+    }
+    sigset_t none;
+    sigemptyset(&none);
+    (void)syscall(SYS_rt_sigprocmask, SIG_SETMASK, &none, NULL, (size_t)(_NSIG / 8));
+}
+
+static int switch_to(long uid, long gid)
+{
+    if (syscall(SYS_setgroups, 0, NULL) != 0)
+        return -1;
+    if (syscall(SYS_setresgid, gid, gid, gid) != 0)
+        return -1;
+    return (int)syscall(SYS_setresuid, uid, uid, uid);
+}
+
+static void __attribute__((noreturn)) child(struct plan *p)
+{
+    int failure = 0;
+    if (p->cgroup_fd >= 0 && write(p->cgroup_fd, "0", 1) != 1)
+        goto fail;
+    child_signals();
+    if (setsid() < 0)
+        goto fail;
+    if (dup2(p->stdin_fd, 0) < 0 || dup2(p->out_fd, 1) < 0 || dup2(p->out_fd, 2) < 0)
+        goto fail;
+#ifdef SYS_close_range
+    (void)syscall(SYS_close_range, 3U, ~0U, 0U);  /* ENOSYS before Linux 5.9: all is close-on-exec */
+#endif
+    if (p->uid >= 0 && switch_to(p->uid, p->gid) != 0)
+        goto fail;
+    if (chdir(p->cwd) != 0)
+        goto fail;
+    for (char **path = p->paths; *path != NULL; path++) {
+        execve(*path, p->argv, p->envp);
+        if (errno == ENOENT || errno == ENOTDIR) {
+            if (failure == 0)
+                failure = errno;
+        } else if (errno == EACCES) {
+            failure = errno;  /* and go on looking, as execvp does */
+        } else {
+            failure = errno;
+            break;
+        }
+    }
+    p->error = failure ? failure : ENOENT;
+    _exit(127);
+fail:
+    p->error = errno ? errno : EINVAL;
+    _exit(127);
+}
+
+/* vfork in a function of its own, which the child never returns from. */
+static pid_t __attribute__((noinline)) start(struct plan *p)
+{
+    pid_t pid = vfork();
+    if (pid == 0)
+        child(p);
+    return pid;
+}
+
+static void __attribute__((noreturn)) sweeper(long uid, long gid)
+{
+    if (switch_to(uid, gid) == 0) {
+        (void)kill(-1, SIGKILL);
+        (void)kill(-1, SIGKILL);
+    }
+    _exit(0);
+}
+
+static pid_t __attribute__((noinline)) start_sweeper(long uid, long gid)
+{
+    pid_t pid = vfork();
+    if (pid == 0)
+        sweeper(uid, gid);
+    return pid;
+}
+
+/* A NULL-terminated array of the bytes in `seq` (a list or tuple of bytes); NULL with an error set. */
+static char **strings(PyObject *seq, const char *what)
+{
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    char **out = PyMem_Calloc((size_t)n + 1, sizeof(char *));
+    if (out == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        if (!PyBytes_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "%s: every item must be bytes", what);
+            PyMem_Free(out);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        out[i] = PyBytes_AS_STRING(item);  /* borrowed: the caller's sequence holds the bytes */
+    }
+    Py_DECREF(fast);
+    return out;
+}
+
+static pid_t wait_for(pid_t pid)
+{
+    int status;
+    pid_t got;
+    do
+        got = waitpid(pid, &status, 0);
+    while (got < 0 && errno == EINTR);
+    return got;
+}
+
+PyDoc_STRVAR(spawn_doc,
+"spawn(paths, argv, envp, cwd, stdin_fd, out_fd, uid, gid, cgroup_fd) -> pid\n\n"
+"Start the first of `paths` that execs (bytes each; argv and envp lists of bytes, envp as\n"
+"b'KEY=value') in `cwd`, in a session of its own, with stdin from `stdin_fd` and stdout and\n"
+"stderr into `out_fd`, as `uid`/`gid` unless -1, in the cgroup whose cgroup.procs is open as\n"
+"`cgroup_fd` unless -1. Raises OSError (the child reaped) when it could not start.");
+
+static PyObject *spawn(PyObject *self, PyObject *args)
+{
+    PyObject *paths_obj, *argv_obj, *envp_obj;
+    const char *cwd;
+    struct plan p = {0};
+    if (!PyArg_ParseTuple(args, "OOOyiilli", &paths_obj, &argv_obj, &envp_obj, &cwd, &p.stdin_fd,
+                          &p.out_fd, &p.uid, &p.gid, &p.cgroup_fd))
+        return NULL;
+    if (p.uid >= 0 && p.gid < 0) {  /* setresgid(-1) would keep the launcher's gid */
+        PyErr_SetString(PyExc_ValueError, "spawn: a uid needs its gid");
+        return NULL;
+    }
+    p.cwd = cwd;
+    PyObject *result = NULL;
+    p.paths = strings(paths_obj, "paths");
+    p.argv = p.paths ? strings(argv_obj, "argv") : NULL;
+    p.envp = p.argv ? strings(envp_obj, "envp") : NULL;
+    if (p.envp == NULL)
+        goto done;
+    if (p.paths[0] == NULL || p.argv[0] == NULL) {
+        PyErr_SetString(PyExc_ValueError, "spawn needs a program and an argv");
+        goto done;
+    }
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pid_t pid = start(&p);
+    int saved = errno;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (pid < 0) {
+        errno = saved;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else if (p.error != 0) {
+        (void)wait_for(pid);
+        errno = p.error;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        result = PyLong_FromLong((long)pid);
+    }
+done:
+    PyMem_Free(p.paths);
+    PyMem_Free(p.argv);
+    PyMem_Free(p.envp);
+    return result;
+}
+
+PyDoc_STRVAR(kill_uid_doc,
+"kill_uid(uid, gid)\n\n"
+"SIGKILL every process of `uid` (as that uid, so nothing else), in a child; returns once sent.");
+
+static PyObject *kill_uid(PyObject *self, PyObject *args)
+{
+    long uid, gid;
+    if (!PyArg_ParseTuple(args, "ll", &uid, &gid))
+        return NULL;
+    if (uid < 0 || gid < 0) {
+        PyErr_SetString(PyExc_ValueError, "kill_uid needs a uid and a gid");
+        return NULL;
+    }
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pid_t pid = start_sweeper(uid, gid);
+    int saved = errno;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (pid < 0) {
+        errno = saved;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    (void)wait_for(pid);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"spawn", spawn, METH_VARARGS, spawn_doc},
+    {"kill_uid", kill_uid, METH_VARARGS, kill_uid_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_spawn", "Job processes started with vfork (see the source's head).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__spawn(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,16 @@
+# The C module's signatures (_spawn.c says what each does).
+from collections.abc import Sequence
+
+def spawn(
+    paths: Sequence[bytes],
+    argv: Sequence[bytes],
+    envp: Sequence[bytes],
+    cwd: bytes,
+    stdin_fd: int,
+    out_fd: int,
+    uid: int,
+    gid: int,
+    cgroup_fd: int,
+    /,
+) -> int: ...
+def kill_uid(uid: int, gid: int, /) -> None: ...
