@@ -10,7 +10,8 @@ in several: a first byte "+" says more follow):
     {"op": "spawn", "id": N, "argv": [...], "env": {...}, "cwd": "...", "uid": U, "gid": G}
         -> {"id": N, "pid": P} with the read end of the job's output pipe attached (SCM_RIGHTS),
            sent once the exec has happened; or {"id": N, "errno": E} when it could not start.
-        -> later {"exited": P, "status": S} (S as subprocess gives it: -N for signal N), once
+        -> later {"exited": P, "status": S, "left": [PID...]} (S as subprocess gives it: -N for
+           signal N; "left": what was still in the cgroup, killed, not yet gone), once
            what the job started has been sent SIGKILL (the attempt has ended: nothing of it may
            go on, setsid and `env -i` escapes included), without a round trip to the worker:
            given a cgroup ("cgroup": DIR, cgroups.py, which the child joins before anything
@@ -197,14 +198,18 @@ class Launcher:
 
     def ended(self, pid: int, request: dict[str, Any], code: int) -> None:
         """A job's first process has ended: the attempt has. All it started is killed before
-        that is told: with a cgroup in one write, else, with a uid, as that uid (_spawn.c)."""
+        that is told: with a cgroup in one write (and what is still in it, dying, told too, for
+        the worker to wait for), else, with a uid, as that uid (_spawn.c)."""
+        left: list[int] = []
         if cgroup := request.get("cgroup"):
             with contextlib.suppress(OSError):
                 os.write(self.cgroup_file(cgroup, "cgroup.kill"), b"1")
+            with contextlib.suppress(OSError), open(os.path.join(cgroup, "cgroup.procs")) as procs:
+                left = [int(line) for line in procs.read().split()]  # killed, not yet gone
         elif request.get("uid") is not None:
             with contextlib.suppress(OSError):
                 _spawn.kill_uid(request["uid"], request["gid"])
-        self.reply({"exited": pid, "status": code})
+        self.reply({"exited": pid, "status": code, "left": left})
 
 
 def main() -> None:

@@ -13,11 +13,9 @@ import contextlib
 import os
 import signal
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import psutil
 
-from daemon.worker import cgroups
 from daemon.worker.gpus import GpuInfo, GpuProbe, GpuProbeError
 
 
@@ -66,13 +64,10 @@ def leftovers(pgid: int, descendants: Mapping[int, float], uid: int | None = Non
     return left
 
 
-def in_cgroup(cgroup: Path) -> list[psutil.Process]:
-    """SIGKILL what is left in the job's slot cgroup (cgroups.py): all it started, wherever it
-    went. Returns those processes, to wait for. One read of cgroup.procs, no scan of /proc."""
+def processes(pids: Sequence[int]) -> list[psutil.Process]:
+    """Those of `pids` still there (killed in the job's cgroup by the launcher; to wait for)."""
     left = []
-    with contextlib.suppress(OSError):
-        cgroups.kill(cgroup)
-    for pid in cgroups.pids(cgroup):
+    for pid in pids:
         with contextlib.suppress(psutil.Error):
             left.append(psutil.Process(pid))
     return left

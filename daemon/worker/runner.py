@@ -307,20 +307,26 @@ class JobRun:
         assert self._proc.stdout is not None
         loop = asyncio.get_running_loop()
         pump = asyncio.create_task(self.output.pump(self._proc.stdout), name=f"output {self.lease.job_id}")
-        sampler = asyncio.create_task(self._sample(pgid), name=f"rss {self.lease.job_id}")
+        sampler: list[asyncio.Task[None]] = []  # started once the job has run a while: most never are
+        sample = loop.call_later(
+            FIRST_SAMPLE_SECONDS,
+            lambda: sampler.append(asyncio.create_task(self._sample(pgid), name=f"rss {self.lease.job_id}")),
+        )
         timer = loop.call_later(self.lease.spec.timeout, self._timeout) if self.lease.spec.timeout else None
         try:
             returncode = await self._proc.wait()
         finally:
             if timer is not None:
                 timer.cancel()
-            await cancel_and_wait(sampler)
+            sample.cancel()
+            for task in sampler:
+                await cancel_and_wait(task)
             if self._killer is not None:
                 await cancel_and_wait(self._killer)
             # With a cgroup or an identity, all the job started has been killed by now (the
             # launcher does it before it says the first process ended): found here to wait for.
             if self.cgroup is not None:
-                left = leftovers.in_cgroup(self.cgroup)
+                left = leftovers.processes(self._proc.left)
             else:
                 uid = self.identity.uid if self.identity is not None else None
                 left = leftovers.leftovers(pgid, self._descendants, uid)
@@ -373,7 +379,6 @@ class JobRun:
     async def _sample(self, pgid: int) -> None:
         """Peak RSS of the job's process tree, and every descendant's pid (to find, at the end,
         any that left the session). Sampled: a kernel high-water mark per tree does not exist."""
-        await asyncio.sleep(FIRST_SAMPLE_SECONDS)
         while True:
             rss, seen = await asyncio.to_thread(leftovers.tree, pgid)
             self._peak_rss = max(self._peak_rss, rss)

@@ -50,7 +50,11 @@ class Child:
     for its status, `close()` the output pipe once read."""
 
     def __init__(
-        self, pid: int, stdout: asyncio.StreamReader, pipe: asyncio.BaseTransport, ended: asyncio.Future[int]
+        self,
+        pid: int,
+        stdout: asyncio.StreamReader,
+        pipe: asyncio.BaseTransport,
+        ended: asyncio.Future[tuple[int, list[int]]],
     ):
         self.pid = pid
         self.stdout = stdout
@@ -60,11 +64,18 @@ class Child:
     @property
     def returncode(self) -> int | None:
         """The exit status once it has ended, else None."""
-        return self._ended.result() if self._ended.done() else None
+        return self._ended.result()[0] if self._ended.done() else None
+
+    @property
+    def left(self) -> list[int]:
+        """Once it has ended: the pids still in its cgroup when the launcher killed them all
+        (dying; the worker waits for them). Empty without a cgroup."""
+        return self._ended.result()[1] if self._ended.done() else []
 
     async def wait(self) -> int:
         """The exit status (-N: killed by signal N). Cancelling the wait leaves the watch in place."""
-        return await asyncio.shield(self._ended)
+        status, _ = await asyncio.shield(self._ended)
+        return status
 
     def close(self) -> None:
         """Stop reading the output pipe (whoever still holds its other end gets EPIPE)."""
@@ -83,7 +94,7 @@ class Launcher:
         self._sock: socket.socket | None = None
         self._ids = itertools.count(1)
         self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}  # request id -> its reply
-        self._running: dict[int, asyncio.Future[int]] = {}  # pid -> its status, once it ends
+        self._running: dict[int, asyncio.Future[tuple[int, list[int]]]] = {}  # pid -> (status, left)
         self._send_lock = asyncio.Lock()  # a request cut in datagrams goes out in one piece
         self._stopping = False
         self._ready: asyncio.Future[None] | None = None
@@ -197,8 +208,11 @@ class Launcher:
         try:
             async with self._send_lock:
                 for n, chunk in enumerate(chunks):
-                    more = b"+" if n < len(chunks) - 1 else b""
-                    await asyncio.get_running_loop().sock_sendall(self._sock, more + chunk)
+                    datagram = (b"+" if n < len(chunks) - 1 else b"") + chunk
+                    try:  # a datagram goes whole or not at all; the socket's buffer seldom is full
+                        self._sock.send(datagram)
+                    except BlockingIOError:
+                        await asyncio.get_running_loop().sock_sendall(self._sock, datagram)
             answer: dict[str, Any] = await reply
             return answer
         finally:
@@ -224,7 +238,7 @@ class Launcher:
             if "exited" in message:
                 ended = self._running.pop(message["exited"], None)
                 if ended is not None and not ended.done():
-                    ended.set_result(message["status"])
+                    ended.set_result((message["status"], message["left"]))
                 continue
             if "pid" in message:  # started: watched from here on, before any later message is read
                 ended = self._running[message["pid"]] = asyncio.get_running_loop().create_future()
@@ -255,5 +269,5 @@ class Launcher:
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
             if not ended.done():
-                ended.set_result(-signal.SIGKILL)
+                ended.set_result((-signal.SIGKILL, []))
         self._running.clear()
