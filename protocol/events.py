@@ -16,6 +16,7 @@ __all__ = [
     "CancelRequested",
     "ConnectionClosed",
     "ConnectionFailed",
+    "DecodeNeeded",
     "Event",
     "GoodbyeReceived",
     "NeedData",
@@ -58,6 +59,17 @@ class RequestReceived:
 
     request_id: int
     message: Request
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeNeeded:
+    """Server: a request whose payload is larger than the connection decodes itself (its
+    ``decode_inline``). Decoding it may take a second of Python: do it where that blocks nobody
+    (a thread), with ``protocol.decode_message(FrameType.REQUEST, payload)``, and give the message,
+    or the RemoteProtocolError it raised, to ``ServerConnection.decoded``. No event comes before."""
+
+    request_id: int
+    payload: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +136,7 @@ class ConnectionClosed:
 Event: TypeAlias = (
     Authenticated
     | RequestReceived
+    | DecodeNeeded
     | CancelRequested
     | ReplyReceived
     | RequestFailed

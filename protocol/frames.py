@@ -61,6 +61,7 @@ HANDSHAKE_MAX_FRAME_SIZE: Final = 4096
 # 16 MiB payload of empty arrays would cost about a gigabyte. Capping the number of arrays and maps
 # in one payload bounds that blow-up; honest payloads stay far below it.
 MAX_CONTAINERS: Final = 262_144
+UNPACK_CHUNK: Final = 64 * 1024  # a larger payload is decoded this much at a time (_unpack)
 
 
 class FrameType(IntEnum):
@@ -297,7 +298,7 @@ def unpack_payload(payload: bytes) -> dict[str, Any]:
     guard = _Guard()
     size = len(payload)
     try:
-        value = msgpack.unpackb(
+        value = _unpack(
             payload,
             raw=False,
             strict_map_key=True,
@@ -323,6 +324,27 @@ def unpack_payload(payload: bytes) -> dict[str, Any]:
             f"The payload must be a msgpack map, not {type(value).__name__}; fix the sender.",
         )
     return value
+
+
+def _unpack(payload: bytes, **options: Any) -> Any:
+    """msgpack.unpackb, but a large payload is decoded UNPACK_CHUNK bytes at a time (the decoder
+    resumes where it stopped): a thread decoding it lets go of the GIL between chunks, so a
+    server that decodes large requests off its event loop keeps serving meanwhile."""
+    size = len(payload)
+    if size <= UNPACK_CHUNK:
+        return msgpack.unpackb(payload, **options)
+    unpacker = msgpack.Unpacker(max_buffer_size=size, **options)
+    view = memoryview(payload)
+    for start in range(0, size, UNPACK_CHUNK):
+        unpacker.feed(view[start : start + UNPACK_CHUNK])
+        try:
+            value = unpacker.unpack()
+        except msgpack.OutOfData:
+            continue
+        if unpacker.tell() != size:
+            raise ValueError(f"extra data after the value ({size - unpacker.tell()} bytes)")
+        return value
+    raise ValueError("the payload ends inside a value")
 
 
 def _describe(exc: BaseException) -> str:

@@ -6,7 +6,15 @@ from typing import Any, cast
 from protocol import auth
 from protocol.connection import DEFAULT_MAX_IN_FLIGHT, Connection, Role, State, error_frame
 from protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
-from protocol.events import Authenticated, CancelRequested, Event, RequestReceived
+from protocol.events import (
+    NEED_DATA,
+    Authenticated,
+    CancelRequested,
+    DecodeNeeded,
+    Event,
+    NeedData,
+    RequestReceived,
+)
 from protocol.frames import (
     DEFAULT_MAX_FRAME_SIZE,
     PROTOCOL_VERSION,
@@ -38,6 +46,8 @@ class ServerConnection(Connection):
     """The server's side of one client connection.
 
     ``tokens`` maps user → token, or is None for open mode (loopback only, no tokens).
+    A request payload larger than ``decode_inline`` bytes is not decoded here but handed out as
+    DecodeNeeded, to be decoded elsewhere and given back with ``decoded`` (None: all here).
     """
 
     _ROLE = Role.SERVER
@@ -49,8 +59,11 @@ class ServerConnection(Connection):
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         server_name: str = "gpupool",
+        decode_inline: int | None = None,
     ) -> None:
         super().__init__(State.AWAIT_HELLO, max_frame_size)
+        self._decode_inline = decode_inline
+        self._decoding: int | None = None  # the request id of a DecodeNeeded not yet given back
         self._authenticator = auth.Authenticator(tokens)
         self._max_in_flight = max_in_flight
         self._server_name = server_name
@@ -160,7 +173,7 @@ class ServerConnection(Connection):
         self._send_limit = self._max_frame_size
         return Authenticated(hello.user, hello.client, self._max_frame_size, self._max_in_flight)
 
-    def _on_request(self, frame: Frame) -> RequestReceived | None:
+    def _on_request(self, frame: Frame) -> RequestReceived | DecodeNeeded | None:
         request_id = frame.request_id
         if request_id in self._in_flight:
             raise RemoteProtocolError(
@@ -172,7 +185,39 @@ class ServerConnection(Connection):
                 ErrorCode.TOO_MANY_REQUESTS,
                 f"More than {self._max_in_flight} requests in flight; wait for replies before sending more.",
             )
-        message = decode_message(FrameType.REQUEST, frame.payload)
+        if self._decode_inline is not None and len(frame.payload) > self._decode_inline:
+            self._decoding = request_id
+            return DecodeNeeded(request_id, frame.payload)
+        return self._accept(request_id, decode_message(FrameType.REQUEST, frame.payload))
+
+    def next_event(self) -> Event | NeedData:
+        if self._decoding is not None:
+            raise LocalProtocolError(
+                ErrorCode.UNEXPECTED_FRAME,
+                f"Request {self._decoding} waits to be decoded: give it to decoded() first.",
+            )
+        return super().next_event()
+
+    def decoded(self, request_id: int, result: Message | RemoteProtocolError) -> Event | NeedData:
+        """The decoded message of a DecodeNeeded (or the error decoding it raised): the event it
+        makes, as ``next_event`` would have returned it; NEED_DATA when it makes none (the
+        connection is closing: an error for it waits in ``data_to_send()``)."""
+        if request_id != self._decoding:
+            raise LocalProtocolError(
+                ErrorCode.UNEXPECTED_FRAME, f"Request {request_id} was not being decoded."
+            )
+        self._decoding = None
+        if self._state is State.CLOSED:
+            return self.next_event()
+        try:
+            if isinstance(result, RemoteProtocolError):
+                raise result
+            event = self._accept(request_id, result)
+        except RemoteProtocolError as exc:
+            return self._fail(exc)
+        return event if event is not None else NEED_DATA
+
+    def _accept(self, request_id: int, message: Message) -> RequestReceived | None:
         if self._state is State.CLOSING:
             self._queue(
                 error_frame(

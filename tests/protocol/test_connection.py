@@ -9,6 +9,7 @@ from protocol import (
     ClientConnection,
     ConnectionClosed,
     ConnectionFailed,
+    DecodeNeeded,
     ErrorCode,
     FollowLogs,
     GoodbyeReceived,
@@ -27,7 +28,9 @@ from protocol import (
     ShowJob,
     State,
 )
+from protocol.errors import RemoteProtocolError
 from protocol.frames import MAX_REQUEST_ID, FrameType
+from protocol.messages import decode_message
 
 from .helpers import HELLO, NONCE, Pair, assert_server_failed, drain, fatal_error, raw_frame
 
@@ -41,6 +44,37 @@ def test_request_and_reply() -> None:
     data = pair.server.reply(request_id, JobDetail({"id": "j1"}))
     assert pair.to_client(data) == [ReplyReceived(request_id, JobDetail({"id": "j1"}), final=True)]
     assert pair.server.in_flight == pair.client.in_flight == frozenset()
+
+
+def test_a_large_request_is_handed_out_to_be_decoded_and_nothing_comes_before_it() -> None:
+    pair = Pair(decode_inline=1000).connect()
+    big = CancelJobs([f"default.{i:012d}" for i in range(200)])
+    big_id, data = pair.client.request(big)
+    small_id, more = pair.client.request(Ping())
+    pair.server.receive_data(data + more)
+    event = pair.server.next_event()
+    assert isinstance(event, DecodeNeeded)
+    assert event.request_id == big_id
+    with pytest.raises(LocalProtocolError):
+        pair.server.next_event()  # the Ping behind it waits
+    message = decode_message(FrameType.REQUEST, event.payload)  # wherever the caller likes
+    assert pair.server.decoded(big_id, message) == RequestReceived(big_id, big)
+    assert drain(pair.server) == [RequestReceived(small_id, Ping())]
+    assert pair.server.in_flight == {big_id, small_id}
+
+
+def test_a_large_request_that_does_not_decode_fails_the_connection_as_a_small_one_does() -> None:
+    pair = Pair(decode_inline=10).connect()
+    pair.server.receive_data(
+        raw_frame(FrameType.REQUEST, 1, {"op": "cancel_jobs", "job_ids": 7, "x": "y" * 20})
+    )
+    event = pair.server.next_event()
+    assert isinstance(event, DecodeNeeded)
+    with pytest.raises(RemoteProtocolError) as caught:
+        decode_message(FrameType.REQUEST, event.payload)
+    failed = pair.server.decoded(1, caught.value)
+    assert isinstance(failed, ConnectionFailed)
+    assert_server_failed(pair, [failed], caught.value.code)
 
 
 def test_requests_are_multiplexed() -> None:

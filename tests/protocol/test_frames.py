@@ -10,6 +10,7 @@ from protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from protocol.frames import (
     HEADER_SIZE,
     MAX_CONTAINERS,
+    UNPACK_CHUNK,
     Frame,
     FrameDecoder,
     FrameType,
@@ -221,6 +222,36 @@ def test_pack_rejects_unknown_types() -> None:
     ],
 )
 def test_unpack_rejects(payload: bytes) -> None:
+    with pytest.raises(RemoteProtocolError) as caught:
+        unpack_payload(payload)
+    assert caught.value.code is ErrorCode.BAD_PAYLOAD
+
+
+BIG: dict[str, object] = {
+    "pad": b"x" * (2 * UNPACK_CHUNK),
+    "ids": [f"job-{i}" for i in range(UNPACK_CHUNK // 4)],
+    "n": 1,
+}
+
+
+def test_a_payload_decoded_in_chunks_is_the_same_value() -> None:
+    payload = pack_payload(BIG)
+    assert len(payload) > 3 * UNPACK_CHUNK
+    assert unpack_payload(payload) == BIG
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pack_payload(BIG) + b"\x80",  # extra data after the map, past the first chunks
+        pack_payload(BIG)[:-1],  # ends inside a value
+        pack_payload(BIG)[: 2 * UNPACK_CHUNK + 5],  # ends inside the first chunks' string
+        msgpack.packb({**BIG, "k": [msgpack.Timestamp(1, 0)]}),  # the checks hold in every chunk
+        msgpack.packb({**BIG, "n": {1: 2}}),  # an int key, in the last chunk
+    ],
+)
+def test_a_large_payload_is_checked_as_a_small_one_is(payload: bytes) -> None:
+    assert len(payload) > UNPACK_CHUNK
     with pytest.raises(RemoteProtocolError) as caught:
         unpack_payload(payload)
     assert caught.value.code is ErrorCode.BAD_PAYLOAD
