@@ -19,7 +19,7 @@ from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
 from daemon.metrics.server import ServerMetrics
 from daemon.server.handlers import Handlers
-from daemon.server.session import FrameBudget, Limits, Session
+from daemon.server.session import DECODE_INLINE, FrameBudget, Limits, Session
 from protocol import ErrorCode, ServerConnection
 from protocol.connection import error_frame
 
@@ -135,7 +135,10 @@ class Listener:
             writer.close()
             return
         conn = ServerConnection(
-            self.tokens, max_frame_size=self.limits.max_frame_size, max_in_flight=self.limits.max_in_flight
+            self.tokens,
+            max_frame_size=self.limits.max_frame_size,
+            max_in_flight=self.limits.max_in_flight,
+            decode_inline=DECODE_INLINE,  # larger requests are decoded off the loop (session.py)
         )
         on_error = self.metrics.protocol_error if self.metrics is not None else None
         session = Session(

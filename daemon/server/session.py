@@ -29,18 +29,27 @@ from protocol import (
     CancelRequested,
     ConnectionClosed,
     ConnectionFailed,
+    DecodeNeeded,
     ErrorCode,
+    Event,
     GoodbyeReceived,
+    NeedData,
+    RemoteProtocolError,
     Request,
     RequestReceived,
     ServerConnection,
     StreamItem,
 )
 from protocol.connection import State
+from protocol.frames import FrameType
+from protocol.messages import Message, decode_message
 
 log = logging.getLogger(__name__)
 
 READ_SIZE = 256 * 1024
+# A request payload larger than this is decoded in a thread: at worst (tiny values) msgpack and
+# the checks take ~20 ms per 64 KiB, which the loop may spend inline.
+DECODE_INLINE = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +174,7 @@ class Session:
                     self._on_protocol_error(code.name)
                 return
             self.conn.receive_data(data)
-            if not self._process_events():
+            if not await self._process_events():
                 return
             if not self._budget.hold(self._held, held := self.conn.buffered):
                 self._held = held
@@ -176,10 +185,25 @@ class Session:
             self._held = held
             await self.writer.drain()
 
-    def _process_events(self) -> bool:
-        """Handle every event the bytes so far produced; False once the connection is over."""
+    async def _next_event(self) -> Event | NeedData:
+        """The connection's next event; a large request decoded in a thread first (DecodeNeeded)."""
+        event = self.conn.next_event()
+        if not isinstance(event, DecodeNeeded):
+            return event
+        try:
+            result: Message | RemoteProtocolError = await asyncio.to_thread(
+                decode_message, FrameType.REQUEST, event.payload
+            )
+        except RemoteProtocolError as exc:
+            result = exc
+        return self.conn.decoded(event.request_id, result)
+
+    async def _process_events(self) -> bool:
+        """Handle every event the bytes so far produced; False once the connection is over. A
+        large request is decoded in a thread: its msgpack may take a second of Python, and the
+        loop serves every other connection meanwhile."""
         while True:
-            event = self.conn.next_event()
+            event = await self._next_event()
             self._write(self.conn.data_to_send())
             match event:
                 case RequestReceived(request_id=rid, message=message):
@@ -191,16 +215,8 @@ class Session:
                         task.cancel()
                 case Authenticated(user=user, peer=client):
                     log.debug("%s authenticated as %s (%s)", self.peer, user, client)
-                    if self._users[user] >= self.limits.max_connections_per_user:
-                        why = (
-                            f"{user} has {self.limits.max_connections_per_user} connections open, the "
-                            "most one user may; close some (one connection carries many requests)"
-                        )
-                        log.warning("closing %s: %s", self.peer, why)
-                        self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}."))
+                    if not self._admit(user):
                         return False
-                    self._users[user] += 1
-                    self._user = user
                 case GoodbyeReceived():
                     pass
                 case ConnectionFailed(code=code, message=message, by_peer=by_peer):
@@ -213,6 +229,20 @@ class Session:
                 case _:
                     if event is NEED_DATA:
                         return True
+
+    def _admit(self, user: str) -> bool:
+        """Count the connection as `user`'s; False (and the connection ended) past their limit."""
+        if self._users[user] >= self.limits.max_connections_per_user:
+            why = (
+                f"{user} has {self.limits.max_connections_per_user} connections open, the "
+                "most one user may; close some (one connection carries many requests)"
+            )
+            log.warning("closing %s: %s", self.peer, why)
+            self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}."))
+            return False
+        self._users[user] += 1
+        self._user = user
+        return True
 
     async def _serve(self, rid: int, message: Request) -> None:
         user = self.conn.user or ""

@@ -136,3 +136,42 @@ async def test_all_users_blocking_reads_together_are_bounded(
         for follow in follows:
             follow.cancel()
         await asyncio.gather(*follows, return_exceptions=True)
+
+
+async def test_a_huge_request_is_decoded_while_others_are_served(small_pool: Pool) -> None:
+    """Decoding a maximal frame of ids takes the server a second or more of Python: it happens off
+    its event loop, so bob is answered while alice's request is still being decoded. The frame's
+    last byte is held back until the server has the rest, then bob's ping follows it at once."""
+    async with small_pool.client("alice") as alice, small_pool.client("bob") as bob:
+        assert alice._writer is not None
+        write, held = alice._writer.write, []
+
+        def hold_last_byte(data: bytes | bytearray | memoryview) -> None:
+            if len(data) > 1 << 20:
+                write(data[:-1])
+                held.append(bytes(data[-1:]))
+            else:
+                write(data)
+
+        alice._writer.write = hold_last_byte  # type: ignore[method-assign]
+        answered: list[str] = []
+
+        async def cancel(ids: list[str]) -> Cancelled:
+            try:
+                return await alice.call(CancelJobs(ids), Cancelled)
+            finally:
+                answered.append("alice")
+
+        huge = asyncio.create_task(cancel([f"{i:07d}" for i in range(1_500_000)]))
+        for _ in range(200):
+            if held:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # the server has all of it but one byte
+        write(held[0])
+        assert isinstance(await bob.call(Ping(), Pong), Pong)
+        answered.append("bob")
+        with pytest.raises(ClientError) as err:
+            await huge
+        assert f"at most {MAX_IDS}" in err.value.message  # refused, once decoded
+        assert answered == ["bob", "alice"]
