@@ -238,6 +238,8 @@ class Worker:
         await self._guard.start()
         try:
             await self._launcher.start()
+            for identity in self.identities or ():  # what a worker that died left of its jobs
+                await self._launcher.sweep(identity)
             if not await self.heartbeat.beat_and_apply():
                 raise RedisUnavailable(f"worker {self.id} cannot register: Redis does not answer")
             await self._gate.at_start()

@@ -15,7 +15,11 @@ in several: a first byte "+" says more follow):
            what the job started has been sent SIGKILL (the attempt has ended: nothing of it may
            go on, setsid and `env -i` escapes included), without a round trip to the worker:
            given a cgroup ("cgroup": DIR, cgroups.py, which the child joins before anything
-           else) by one write to its cgroup.kill; else, given a uid, as that uid (kill(-1)).
+           else) by one write to its cgroup.kill; else, given a uid, as that uid (kill(-1));
+           with a uid, what it left in /tmp, /var/tmp and /dev/shm is removed too.
+    {"op": "sweep", "id": N, "uid": U, "gid": G} -> {"id": N} once every process of U is sent
+        SIGKILL and its temporary files are gone (a worker's start: its slots' uids may hold
+        what a worker that died left).
 
 A job's first process is started with vfork, and between vfork and exec it makes only system
 calls (_spawn.c says which and why in C): the slot's cgroup, the default signal dispositions and
@@ -40,9 +44,11 @@ import contextlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +62,10 @@ PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL =
 # Signals meant for the worker (systemd's SIGTERM reaches every process of the unit), which the
 # launcher ignores; a job's child sets every disposition back to the default. SIGCHLD is caught.
 IGNORED = (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# The machine's temporary directories every uid may write: what a slot's uid leaves there goes
+# with its attempt (sweep_shared).
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # noqa: S108 - swept, never written
+MTIME_SLACK_NS = 100_000_000  # a directory's times move in ticks of the coarse clock (<= 10 ms)
 
 
 def harden() -> None:
@@ -87,6 +97,44 @@ def candidates(program: str, env: dict[str, str]) -> list[bytes]:
     return [os.fsencode(os.path.join(directory or ".", program)) for directory in path]
 
 
+def sweep_shared(uid: int, swept: dict[tuple[int, str], int]) -> None:
+    """Remove what `uid` left at the top of the machine's shared temporary directories (its own
+    files, directories and links; a directory's whole tree, links in it unlinked, never
+    followed): the next job of the uid is another user's. Its processes are dead by now.
+
+    A directory whose modification time has not moved since its last sweep for `uid` gained no
+    entry since, so it is not read again (`swept`: (uid, directory) -> that time). Only a time
+    older than the sweep by more than the clock's granularity counts (MTIME_SLACK_NS): an entry
+    made in the same tick as the last change would not move it."""
+    for top in SHARED_TMP:
+        try:
+            before = os.stat(top).st_mtime_ns
+            if swept.get((uid, top)) == before:
+                continue
+            now = time.time_ns()
+            with os.scandir(top) as scan:
+                entries = [e for e in scan if e.stat(follow_symlinks=False).st_uid == uid]
+        except OSError:
+            continue
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, onerror=_make_removable)
+                else:
+                    os.unlink(entry.path)
+        if not entries and before < now - MTIME_SLACK_NS:
+            swept[(uid, top)] = before
+        else:
+            swept.pop((uid, top), None)  # what was removed moved it: read it next time
+
+
+def _make_removable(_func: object, path: str, _exc: object) -> None:
+    """rmtree met a directory the job made unreadable: as root, open it up and go on."""
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o700, follow_symlinks=False)
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class Launcher:
     """The launcher's loop: requests in, children started and reaped, replies out."""
 
@@ -97,6 +145,7 @@ class Launcher:
         self.running: dict[int, dict[str, Any]] = {}  # pids of jobs' first processes -> their request
         self.cgroup_files: dict[str, int] = {}  # path -> the file, open for writing
         self.devnull = os.open(os.devnull, os.O_RDONLY)  # every job's stdin
+        self.swept: dict[tuple[int, str], int] = {}  # sweep_shared's memory
 
     def reply(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
         data = json.dumps(message).encode()
@@ -139,6 +188,8 @@ class Launcher:
             message, self.partial = json.loads(self.partial + data), b""
             if message["op"] == "spawn":
                 self.spawn(message)
+            elif message["op"] == "sweep":
+                self.sweep(message)
 
     def spawn(self, request: dict[str, Any]) -> None:
         """Start the job's first process (_spawn.c), and tell its pid with its output pipe."""
@@ -169,6 +220,13 @@ class Launcher:
             self.reply({"id": request["id"], "pid": pid}, [out_r])
         finally:
             os.close(out_r)
+
+    def sweep(self, request: dict[str, Any]) -> None:
+        """What a slot's uid left behind a worker that died: its processes, its temporary files."""
+        with contextlib.suppress(OSError):
+            _spawn.kill_uid(request["uid"], request["gid"])
+        sweep_shared(request["uid"], self.swept)
+        self.reply({"id": request["id"]})
 
     def cgroup_file(self, cgroup: str, name: str) -> int:
         """`cgroup`'s file `name` (cgroup.procs, cgroup.kill), opened once for writing: a slot's
@@ -209,6 +267,8 @@ class Launcher:
         elif request.get("uid") is not None:
             with contextlib.suppress(OSError):
                 _spawn.kill_uid(request["uid"], request["gid"])
+        if request.get("uid") is not None:
+            sweep_shared(request["uid"], self.swept)
         self.reply({"exited": pid, "status": code, "left": left})
 
 

@@ -198,6 +198,10 @@ class Launcher:
             raise
         return Child(pid, reader, pipe, ended)
 
+    async def sweep(self, identity: SlotIdentity) -> None:
+        """Kill every process of `identity`'s uid and remove its temporary files (launcher.py)."""
+        await self._request({"op": "sweep", "uid": identity.uid, "gid": identity.gid})
+
     async def _request(self, request: dict[str, Any]) -> dict[str, Any]:
         if self._sock is None:
             raise OSError(errno.EPIPE, "the job launcher is not running")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -215,3 +216,49 @@ async def test_a_jobs_temporary_files_go_with_its_attempt(queue: JobQueue, worke
         left.parent == worker._slot_dirs.slot(0) / "tmp" or left.parent == worker._slot_dirs.slot(1) / "tmp"
     )
     assert not left.exists()
+
+
+async def test_what_a_job_leaves_in_the_machines_shared_temporary_directories_goes_with_it(
+    queue: JobQueue, worker: Worker
+) -> None:
+    """/tmp, /var/tmp and /dev/shm are the whole machine's: what a job left there under its slot's
+    uid (a crashed DataLoader's shared memory, a file a program wrote to /tmp by name) would be
+    readable by the next job of that uid, another user's. Removed when the attempt ends, without
+    following a link out and without touching what is not the uid's."""
+    ours = Path(tempfile.mkstemp(prefix="gpupool-roots-")[1])  # root's, in /tmp: stays
+    try:
+        script = (
+            "n=gpupool-left-$GPUPOOL_JOB_ID; umask 077; echo secret > /tmp/$n; echo secret > /dev/shm/$n; "
+            "mkdir -p /var/tmp/$n/sub; echo secret > /var/tmp/$n/sub/f; chmod 0 /var/tmp/$n/sub; "
+            f"ln -s {ours} /tmp/$n.link; echo $n"
+        )
+        info = await run(queue, script)
+        assert info.state is JobState.SUCCEEDED, await output(queue, info)
+        name = (await output(queue, info)).split()[-1]
+        for left in (f"/tmp/{name}", f"/dev/shm/{name}", f"/var/tmp/{name}", f"/tmp/{name}.link"):
+            assert not os.path.lexists(left), left
+        assert ours.exists()
+    finally:
+        ours.unlink()
+
+
+async def test_a_starting_worker_ends_what_its_slot_uids_left_behind(queue: JobQueue) -> None:
+    """A worker that died (with its orphan guard) may have left processes and temporary files of
+    its slots' uids: the first job of a slot must not meet them."""
+    uid = FIRST_UID + 1
+    left = Path(tempfile.mkstemp(prefix="gpupool-crashed-")[1])
+    os.chown(left, uid, uid)
+    stray = subprocess.Popen(["sleep", "60"], user=uid, group=uid, extra_groups=[], start_new_session=True)
+    data = Path(tempfile.mkdtemp(prefix="gpupool-worker-"))
+    data.chmod(0o711)
+    try:
+        identities = slot_identities(f"{FIRST_UID}-{FIRST_UID + 1}", 2)
+        async with running_worker(queue, data / "w", slots=2, identities=identities):
+            assert await asyncio.to_thread(stray.wait, 10) == -9
+            assert not left.exists()
+    finally:
+        if stray.poll() is None:
+            stray.kill()
+            stray.wait()
+        left.unlink(missing_ok=True)
+        shutil.rmtree(data, ignore_errors=True)
