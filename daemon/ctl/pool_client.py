@@ -215,8 +215,9 @@ class PoolClient:
                             raise self._closed or ClientError("the connection closed")
             finally:
                 del self._pending[rid]
-                if rid in self.conn.in_flight and not self._writer.is_closing():
-                    self._writer.write(self.conn.cancel(rid))
+                writer = self._writer  # None once close() has run
+                if rid in self.conn.in_flight and writer is not None and not writer.is_closing():
+                    writer.write(self.conn.cancel(rid))
 
     async def call(self, request: Request, reply_type: type[R]) -> R:
         """Send `request` and return its final reply, checked to be a `reply_type`."""

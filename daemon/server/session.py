@@ -72,17 +72,36 @@ class Limits:
 
 
 class FrameBudget:
-    """The bytes of partly received frames that every connection holds, against one limit."""
+    """The bytes of partly received frames that every connection holds, against one limit, and
+    those of one user's connections against half of it: one user trickling frames they never
+    finish cannot take it all."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
+        self.by_user: Counter[str] = Counter()
 
-    def hold(self, before: int, now: int) -> bool:
-        """A connection held `before` bytes and holds `now`: False when that goes over the limit
-        (and it grew: a connection whose frame completed never is)."""
-        self.used += now - before
-        return now <= before or self.used <= self.limit
+    def hold(self, held: tuple[str, int], now: tuple[str, int]) -> str | None:
+        """A connection held `held` (its user then, '' before it authenticated, and bytes) and
+        holds `now`: what is over its limit when that goes past the budget or the user's half
+        of it (and it grew: a connection whose frame completed never is), else None."""
+        (before_user, before), (user, size) = held, now
+        self.used += size - before
+        self.by_user[before_user] -= before
+        self.by_user[user] += size
+        for name in (before_user, user):
+            if self.by_user[name] <= 0:
+                del self.by_user[name]
+        if size <= before:
+            return None
+        if self.used > self.limit:
+            return "the server holds too many partly received frames; retry, or send smaller requests"
+        if user and self.by_user[user] > self.limit // 2:
+            return (
+                f"{user}'s connections hold more partly received frames than one user may; finish "
+                "those first, or send smaller requests"
+            )
+        return None
 
 
 def code_name(code: int) -> str:
@@ -116,7 +135,7 @@ class Session:
         self.opened_at = asyncio.get_running_loop().time()
         self.evicted = False
         self._budget = budget or FrameBudget(limits.max_partial_frames)
-        self._held = 0  # bytes of a partial frame this connection holds, as counted in the budget
+        self._held: tuple[str, int] = ("", 0)  # (user, bytes) of a partial frame, as the budget counts it
         self._on_protocol_error = on_protocol_error
         self._users = Counter[str]() if users is None else users  # user -> connections, shared
         self._user: str | None = None  # counted in _users once authenticated
@@ -176,13 +195,13 @@ class Session:
             self.conn.receive_data(data)
             if not await self._process_events():
                 return
-            if not self._budget.hold(self._held, held := self.conn.buffered):
-                self._held = held
-                why = "the server holds too many partly received frames; retry, or send smaller requests"
+            held = (self._user or "", self.conn.buffered)
+            why = self._budget.hold(self._held, held)
+            self._held = held
+            if why is not None:
                 log.warning("closing %s: %s", self.peer, why)
                 self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}."))
                 return
-            self._held = held
             await self.writer.drain()
 
     async def _next_event(self) -> Event | NeedData:
@@ -282,8 +301,8 @@ class Session:
             if not self._users[self._user]:
                 del self._users[self._user]
             self._user = None
-        self._budget.hold(self._held, 0)
-        self._held = 0
+        self._budget.hold(self._held, ("", 0))
+        self._held = ("", 0)
         for task in list(self._requests.values()):
             task.cancel()
         if self._requests:

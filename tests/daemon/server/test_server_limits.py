@@ -7,19 +7,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
-from daemon.ctl.pool_client import ClientError
+from daemon.ctl.pool_client import ClientError, PoolClient
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server.handlers import MAX_BLOCKING_PER_USER, MAX_IDS
-from daemon.server.session import Limits
+from daemon.server.session import FrameBudget, Limits
 from protocol import CancelJobs, Cancelled, Enqueue, Enqueued, ErrorCode, FollowLogs, LogEnd, Ping, Pong
 from tests.support.pool import Pool, running_pool
 
 MAX_CONNECTIONS = 20
+MiB = 1024 * 1024
 PER_USER = 5
 
 
@@ -143,17 +144,7 @@ async def test_a_huge_request_is_decoded_while_others_are_served(small_pool: Poo
     its event loop, so bob is answered while alice's request is still being decoded. The frame's
     last byte is held back until the server has the rest, then bob's ping follows it at once."""
     async with small_pool.client("alice") as alice, small_pool.client("bob") as bob:
-        assert alice._writer is not None
-        write, held = alice._writer.write, []
-
-        def hold_last_byte(data: bytes | bytearray | memoryview) -> None:
-            if len(data) > 1 << 20:
-                write(data[:-1])
-                held.append(bytes(data[-1:]))
-            else:
-                write(data)
-
-        alice._writer.write = hold_last_byte  # type: ignore[method-assign]
+        write, held = hold_back_last_byte(alice)
         answered: list[str] = []
 
         async def cancel(ids: list[str]) -> Cancelled:
@@ -175,3 +166,45 @@ async def test_a_huge_request_is_decoded_while_others_are_served(small_pool: Poo
             await huge
         assert f"at most {MAX_IDS}" in err.value.message  # refused, once decoded
         assert answered == ["bob", "alice"]
+
+
+def hold_back_last_byte(client: PoolClient) -> tuple[Callable[[bytes], None], list[bytes]]:
+    """From now on `client` sends every write over 1 MiB but its last byte, kept in the list:
+    the server holds a partly received frame until the test writes it (with the function)."""
+    assert client._writer is not None
+    write, held = client._writer.write, []
+
+    def hold(data: bytes | bytearray | memoryview) -> None:
+        if len(data) > 1 << 20:
+            write(data[:-1])
+            held.append(bytes(data[-1:]))
+        else:
+            write(data)
+
+    client._writer.write = hold  # type: ignore[method-assign]
+    return write, held
+
+
+async def test_one_user_cannot_hold_every_byte_of_the_partial_frame_budget(small_pool: Pool) -> None:
+    """The bytes of partly received frames are bounded across connections, and one user's share
+    of them to half: alice trickling frames she never finishes cannot stop bob sending his."""
+    assert small_pool.server.listener is not None
+    small_pool.server.listener._budget = FrameBudget(4 * MiB)
+    big = CancelJobs([f"default.{i:012d}" for i in range(75_000)])  # ~1.6 MB, refused once read
+    async with (
+        small_pool.client("alice") as first,
+        small_pool.client("alice") as second,
+        small_pool.client("bob") as bob,
+    ):
+        calls = []
+        for alice in (first, second):
+            hold_back_last_byte(alice)
+            calls.append(asyncio.create_task(alice.call(big, Cancelled)))
+            await asyncio.sleep(0.5)  # all of it but a byte is with the server
+        with pytest.raises(ClientError):  # her second frame took her past half the budget
+            await asyncio.wait_for(calls[1], 10)
+        with pytest.raises(ClientError) as err:
+            await asyncio.wait_for(bob.call(big, Cancelled), 10)
+        assert f"at most {MAX_IDS}" in err.value.message  # bob's was read, whole, and answered
+        calls[0].cancel()
+        await asyncio.gather(calls[0], return_exceptions=True)
