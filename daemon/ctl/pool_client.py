@@ -229,9 +229,12 @@ class PoolClient:
         return last
 
     async def close(self) -> None:
+        """Close the connection; a request still waiting for its reply fails with ClientError."""
         if self._reader_task is not None:
             await cancel_and_wait(self._reader_task)  # a cancellation of close() itself goes on
             self._reader_task = None
+            if self._closed is None:
+                self._fail(ConnectionClosed())
         if self._writer is not None:
             self._writer.close()
             with contextlib.suppress(ConnectionError, OSError):

@@ -208,3 +208,15 @@ async def test_one_user_cannot_hold_every_byte_of_the_partial_frame_budget(small
         assert f"at most {MAX_IDS}" in err.value.message  # bob's was read, whole, and answered
         calls[0].cancel()
         await asyncio.gather(calls[0], return_exceptions=True)
+
+
+async def test_a_client_closed_under_a_request_fails_it_with_a_client_error(small_pool: Pool) -> None:
+    async with small_pool.client("alice") as alice:
+        job_id = (await alice.call(Enqueue({"argv": ["sleep", "60"]}, None), Enqueued)).job_id
+        follow = asyncio.create_task(alice.call(FollowLogs(job_id, True, ""), LogEnd))
+        await asyncio.sleep(0.3)
+        await alice.close()
+        with pytest.raises(ClientError):
+            await asyncio.wait_for(follow, 10)
+    async with small_pool.client("alice") as alice:
+        await alice.call(CancelJobs([job_id]), Cancelled)
