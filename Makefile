@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml daemon/worker/_spawn.c
+$(STAMP): pyproject.toml setup.py daemon/worker/_spawn.c
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 	# One resolver run for everything: aiobotocore pins a narrow botocore range.

@@ -1,0 +1,16 @@
+"""The one C module, which pyproject.toml cannot yet declare but as an experiment: the job
+launcher's vfork with a credential switch (daemon/worker/_spawn.c says why neither Python nor
+CPython's subprocess can do it as cheaply). Linux only, like the worker. Everything else about the
+package is in pyproject.toml."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "daemon.worker._spawn",
+            sources=["daemon/worker/_spawn.c"],
+            extra_compile_args=["-O2", "-Wall", "-Werror"],
+        )
+    ]
+)
