@@ -23,7 +23,7 @@ handler of the launcher's ever runs on the child's side of the shared memory.
 
 kill_uid(uid, gid): the same kind of child switches to `uid` and sends SIGKILL to every process
 it may (kill(-1): all of the uid's, one pass over the kernel's task list, which no fork in flight
-can escape), twice; returns once it has.
+can escape), twice, then tells whether any task of the uid is still there (see sweeper()).
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -33,6 +33,7 @@ can escape), twice; returns once it has.
 #include <fcntl.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -59,6 +60,16 @@ static void child_signals(void)
     sigset_t none;
     sigemptyset(&none);
     (void)syscall(SYS_rt_sigprocmask, SIG_SETMASK, &none, NULL, (size_t)(_NSIG / 8));
+}
+
+static pid_t wait_for(pid_t pid)
+{
+    int status;
+    pid_t got;
+    do
+        got = waitpid(pid, &status, 0);
+    while (got < 0 && errno == EINTR);
+    return got;
 }
 
 static int switch_to(long uid, long gid)
@@ -117,10 +128,23 @@ static pid_t __attribute__((noinline)) start(struct plan *p)
 
 static void __attribute__((noreturn)) sweeper(long uid, long gid)
 {
-    if (switch_to(uid, gid) == 0) {
-        (void)kill(-1, SIGKILL);
-        (void)kill(-1, SIGKILL);
-    }
+    if (switch_to(uid, gid) != 0)
+        _exit(2);
+    (void)kill(-1, SIGKILL);
+    (void)kill(-1, SIGKILL);
+    /* Is any task of the uid left (dying, or a zombie not yet reaped)? The kernel counts a uid's
+       tasks against RLIMIT_NPROC: with a limit of two, a child of this process can start only if
+       it and this one are all the uid has. (kill(-1, 0) cannot tell: it succeeds whenever any
+       other process exists, permitted or not.) */
+    struct rlimit two = {2, 2};
+    if (setrlimit(RLIMIT_NPROC, &two) != 0)
+        _exit(2);
+    pid_t probe = vfork();
+    if (probe == 0)
+        _exit(0);
+    if (probe < 0)
+        _exit(errno == EAGAIN ? 1 : 2);
+    (void)wait_for(probe);
     _exit(0);
 }
 
@@ -157,16 +181,6 @@ static char **strings(PyObject *seq, const char *what)
     }
     Py_DECREF(fast);
     return out;
-}
-
-static pid_t wait_for(pid_t pid)
-{
-    int status;
-    pid_t got;
-    do
-        got = waitpid(pid, &status, 0);
-    while (got < 0 && errno == EINTR);
-    return got;
 }
 
 PyDoc_STRVAR(spawn_doc,
@@ -223,8 +237,9 @@ done:
 }
 
 PyDoc_STRVAR(kill_uid_doc,
-"kill_uid(uid, gid)\n\n"
-"SIGKILL every process of `uid` (as that uid, so nothing else), in a child; returns once sent.");
+"kill_uid(uid, gid) -> bool\n\n"
+"SIGKILL every process of `uid` (as that uid, so nothing else), in a child; returns once sent,\n"
+"True when some process of the uid is still there (dying, or a zombie not yet reaped).");
 
 static PyObject *kill_uid(PyObject *self, PyObject *args)
 {
@@ -245,8 +260,16 @@ static PyObject *kill_uid(PyObject *self, PyObject *args)
         errno = saved;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    (void)wait_for(pid);
-    Py_RETURN_NONE;
+    int status = 0;
+    pid_t got;
+    do
+        got = waitpid(pid, &status, 0);
+    while (got < 0 && errno == EINTR);
+    if (got < 0 || !WIFEXITED(status) || WEXITSTATUS(status) == 2) {
+        PyErr_SetString(PyExc_OSError, "kill_uid: could not switch to the uid");
+        return NULL;
+    }
+    return PyBool_FromLong(WEXITSTATUS(status) == 1);
 }
 
 static PyMethodDef methods[] = {

@@ -65,6 +65,9 @@ IGNORED = (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # The machine's temporary directories every uid may write: what a slot's uid leaves there goes
 # with its attempt (sweep_shared).
 SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # noqa: S108 - swept, never written
+DYING_POLL = 0.01  # how often to look again for a killed uid's processes, while some are left
+DYING_SECONDS = 5.0  # how long to wait for them before telling the end with what is stuck
+PR_SET_CHILD_SUBREAPER = 36
 MTIME_SLACK_NS = 100_000_000  # a directory's times move in ticks of the coarse clock (<= 10 ms)
 
 
@@ -146,6 +149,9 @@ class Launcher:
         self.cgroup_files: dict[str, int] = {}  # path -> the file, open for writing
         self.devnull = os.open(os.devnull, os.O_RDONLY)  # every job's stdin
         self.swept: dict[tuple[int, str], int] = {}  # sweep_shared's memory
+        # Ended jobs whose uid still has processes (killed, not yet reaped): pid -> (request,
+        # status, when to stop waiting and tell what is stuck)
+        self.dying: dict[int, tuple[dict[str, Any], int, float]] = {}
 
     def reply(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
         data = json.dumps(message).encode()
@@ -164,7 +170,7 @@ class Launcher:
         self.reap()  # a child that ended before the handler was set
         self.reply({"ready": os.getpid()})
         while True:
-            for key, _ in self.selector.select():
+            for key, _ in self.selector.select(DYING_POLL if self.dying else None):
                 if key.data == "requests":
                     if not self.read_requests():
                         self.kill_all()
@@ -172,6 +178,8 @@ class Launcher:
                 else:
                     os.read(wake_r, 4096)
                     self.reap()
+            if self.dying:
+                self.check_dying()
 
     def read_requests(self) -> bool:
         """Handle every datagram waiting; False at end of file (the worker has gone)."""
@@ -257,19 +265,51 @@ class Launcher:
     def ended(self, pid: int, request: dict[str, Any], code: int) -> None:
         """A job's first process has ended: the attempt has. All it started is killed before
         that is told: with a cgroup in one write (and what is still in it, dying, told too, for
-        the worker to wait for), else, with a uid, as that uid (_spawn.c)."""
+        the worker to wait for); else, with a uid, as that uid (_spawn.c), and told once no
+        process of the uid is left (this process is their subreaper: every orphan of a job is
+        its child, reaped here), or what is stuck after DYING_SECONDS."""
         left: list[int] = []
         if cgroup := request.get("cgroup"):
             with contextlib.suppress(OSError):
                 os.write(self.cgroup_file(cgroup, "cgroup.kill"), b"1")
             with contextlib.suppress(OSError), open(os.path.join(cgroup, "cgroup.procs")) as procs:
                 left = [int(line) for line in procs.read().split()]  # killed, not yet gone
-        elif request.get("uid") is not None:
-            with contextlib.suppress(OSError):
-                _spawn.kill_uid(request["uid"], request["gid"])
+        elif request.get("uid") is not None and uid_left(request):
+            self.dying[pid] = (request, code, time.monotonic() + DYING_SECONDS)
+            return
+        self.finish(pid, request, code, left)
+
+    def check_dying(self) -> None:
+        for pid, (request, code, deadline) in list(self.dying.items()):
+            if not uid_left(request):
+                del self.dying[pid]
+                self.finish(pid, request, code, [])
+            elif time.monotonic() > deadline:
+                del self.dying[pid]
+                self.finish(pid, request, code, processes_of(request["uid"]))
+
+    def finish(self, pid: int, request: dict[str, Any], code: int, left: list[int]) -> None:
         if request.get("uid") is not None:
             sweep_shared(request["uid"], self.swept)
         self.reply({"exited": pid, "status": code, "left": left})
+
+
+def uid_left(request: dict[str, Any]) -> bool:
+    """SIGKILL every process of the request's uid; whether any is still there."""
+    try:
+        return _spawn.kill_uid(request["uid"], request["gid"])
+    except OSError:  # it could not tell: /proc can
+        return bool(processes_of(request["uid"]))
+
+
+def processes_of(uid: int) -> list[int]:
+    """The pids of `uid`'s processes, from /proc (for the rare one that does not die)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError):
+            if os.stat(f"/proc/{name}").st_uid == uid:
+                pids.append(int(name))
+    return pids
 
 
 def main() -> None:
@@ -281,6 +321,10 @@ def main() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])  # uvloop starts it with every signal blocked
     for sig in IGNORED:  # the worker's to handle: this leaves when it has left
         signal.signal(sig, signal.SIG_IGN)
+    import ctypes  # noqa: PLC0415 - the launcher's own start, once
+
+    # Every orphan of a job becomes this process's child, reaped here: a uid's end is known.
+    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     if sys.argv[2] == "1":
         harden()
     Launcher(sock).run()

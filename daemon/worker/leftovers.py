@@ -34,19 +34,17 @@ def tree(pgid: int) -> tuple[int, dict[int, float]]:
     return rss, seen
 
 
-def leftovers(pgid: int, descendants: Mapping[int, float], uid: int | None = None) -> list[psutil.Process]:
-    """SIGKILL what is left of a job: its group, any process of its session (one that changed its
-    group), any descendant seen while it ran that moved to a session of its own, and, given the
-    slot's own `uid`, every process running as it (the launcher has already killed those as the
-    uid, launcher.kill_uid, which no fork loop outruns: here they are only found, to wait for).
-    Returns the processes that were left. One getsid() per process on the machine (and one stat
-    of /proc/PID with a uid): the other /proc reads are made only for the job's own."""
+def leftovers(pgid: int, descendants: Mapping[int, float]) -> list[psutil.Process]:
+    """SIGKILL what is left of a job that has neither a cgroup nor a uid of its own: its group,
+    any process of its session (one that changed its group), any descendant seen while it ran
+    that moved to a session of its own. Returns the processes that were left. One getsid() per
+    process on the machine: the other /proc reads are made only for the job's own."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
     left = []
     for pid in psutil.pids():
         try:
-            ours = os.getsid(pid) == pgid or (uid is not None and os.stat(f"/proc/{pid}").st_uid == uid)
+            ours = os.getsid(pid) == pgid
         except OSError:
             continue
         if not ours and pid not in descendants:

@@ -324,12 +324,12 @@ class JobRun:
             if self._killer is not None:
                 await cancel_and_wait(self._killer)
             # With a cgroup or an identity, all the job started has been killed by now (the
-            # launcher does it before it says the first process ended): found here to wait for.
-            if self.cgroup is not None:
+            # launcher does it before it says the first process ended, and tells what is still
+            # dying or stuck): waited for here. Else it is found, and killed, from /proc.
+            if self.cgroup is not None or self.identity is not None:
                 left = leftovers.processes(self._proc.left)
             else:
-                uid = self.identity.uid if self.identity is not None else None
-                left = leftovers.leftovers(pgid, self._descendants, uid)
+                left = leftovers.leftovers(pgid, self._descendants)
             try:
                 if left:
                     await asyncio.to_thread(psutil.wait_procs, left, timeout=5)
