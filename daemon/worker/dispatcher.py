@@ -26,7 +26,8 @@ signal handler: `main` does, for `WorkerDaemon` (worker mode) and the server run
 Why one class of ~500 lines: its life cycle, its claims and its attempts share one set of books (the
 held attempts, the slots, the GPUs) and the events that wake the dispatcher; the parts that stand
 alone live beside it: attempt.py (the record and its fence), claim_gate.py, heartbeat.py,
-outcomes.py (recording an attempt's end), runner.py (the processes).
+outcomes.py (recording an attempt's end), runner.py (the processes), slots.py (what the machine
+gives the slots: directories, uids, cgroups, the launcher and the orphan guard).
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ from daemon.queue import keys, registry
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import Registration
 from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime
-from daemon.worker.cgroups import SlotCgroups
 from daemon.worker.claim_gate import ClaimGate
 from daemon.worker.gpus import (
     GpuAllocator,
@@ -67,12 +67,10 @@ from daemon.worker.gpus import (
     sample_gpus,
 )
 from daemon.worker.heartbeat import Heartbeat
-from daemon.worker.identity import SlotIdentity, check_passable, slot_identities
-from daemon.worker.orphan_guard import OrphanGuard
+from daemon.worker.identity import SlotIdentity, slot_identities
 from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult
-from daemon.worker.scratch import SlotDirs
-from daemon.worker.spawn import Launcher
+from daemon.worker.slots import Slots
 from storage.base import ObjectStore
 from storage.cache import ObjectCache
 
@@ -150,13 +148,11 @@ class Worker:
         self._registration = Registration(
             id=self.id, slots=slots, queues=self.queues, healthy_period=queue.lease_ms / 1000
         )
-        self._slot_dirs = SlotDirs(self.data_dir / "slots", self.id)
-        self._guard = OrphanGuard(f"GPUPOOL_WORKER={self.id}", [i.uid for i in self.identities or ()])
-        self._launcher = Launcher(harden=self.identities is not None)  # starts, reaps and kills jobs
-        self._cgroups: SlotCgroups | None = None  # one per slot, where the kernel lets us (at start)
+        # directories, uids, cgroups, the launcher and the orphan guard (slots.py)
+        self._slots = Slots(self.data_dir, self.id, slots, self.identities)
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known
         self._nvml: Nvml | None = None
-        self._held = Holdings(self._guard)  # every attempt this worker holds, by lease id
+        self._held = Holdings(self._slots.guard)  # every attempt this worker holds, by lease id
         self._attempts = TaskSet("%s failed in the worker; its lease will expire")  # one per attempt
         # heartbeat, cancel nudges, dispatcher, fence, restart watch, quarantine checks
         self._background = TaskSet("%s failed: the worker no longer works as it should", logging.CRITICAL)
@@ -217,41 +213,21 @@ class Worker:
         self.metrics = WorkerMetrics(gpus, sampler)  # NVML is read by sample_gpus, never by metrics/
         self.heartbeat.observer = self._observe_heartbeat
         self._registration.started_at = time.time()
-        if self.identities is not None:
-            # The jobs' uids must reach their slot's directories, and nothing else in data_dir:
-            # traversable (--x), never listable, by others; what is secret in it is 0600/0700.
-            for path in (self.data_dir, self._slot_dirs.root, self._slot_dirs.dir):
-                path.mkdir(parents=True, exist_ok=True)
-                path.chmod(0o711)
-            for path in (self.data_dir / "cache", self.data_dir / "git"):  # every user's data
-                path.mkdir(parents=True, exist_ok=True)
-                path.chmod(0o700)
-            check_passable(self.data_dir)
-        elif os.geteuid() == 0 and self.slots:
-            log.warning(
-                "worker %s runs its jobs as root, with every credential of this daemon: set "
-                "job_uid_range to give each slot a uid of its own (docs/SECURITY.md)",
-                self.id,
-            )
-        dead = await asyncio.to_thread(self._slot_dirs.open)
-        self._cgroups = await asyncio.to_thread(SlotCgroups.make, self.id, self.slots, dead)
-        await self._guard.start()
         try:
-            await self._launcher.start()
-            for identity in self.identities or ():  # what a worker that died left of its jobs
-                await self._launcher.sweep(identity)
+            await self._slots.open()
+        except BaseException:
+            await self._close_nvml()
+            raise
+        try:
             if not await self.heartbeat.beat_and_apply():
                 raise RedisUnavailable(f"worker {self.id} cannot register: Redis does not answer")
             await self._gate.at_start()
         except BaseException:
-            await self._launcher.stop()
-            await self._guard.stop()
-            await self._close_cgroups()
-            await asyncio.to_thread(self._slot_dirs.close)
+            await self._slots.close()
             await self._close_nvml()
             raise
-        self._spawn(self._guard.watch_over(), "orphan guard watch")
-        self._spawn(self._launcher.watch_over(), "job launcher watch")
+        self._spawn(self._slots.guard.watch_over(), "orphan guard watch")
+        self._spawn(self._slots.launcher.watch_over(), "job launcher watch")
         self._spawn(self.heartbeat.run(), "heartbeat")
         self._spawn(self.heartbeat.listen_for_pokes(keys.worker_channel(self.id)), "cancel nudges")
         fence = (
@@ -360,19 +336,11 @@ class Worker:
             await registry.unregister(self.queue.redis, self.id)
         except RedisError as exc:
             log.warning("could not unregister worker %s (%s); it will show as dead", self.id, exc)
-        await self._launcher.stop()
-        await self._guard.stop()
-        await self._close_cgroups()
-        await asyncio.to_thread(self._slot_dirs.close)
+        await self._slots.close()
         if self.cache is not None:
             await self.cache.close()
         await self._close_nvml()
         log.info("worker %s stopped", self.id)
-
-    async def _close_cgroups(self) -> None:
-        if self._cgroups is not None:
-            await asyncio.to_thread(self._cgroups.close)
-            self._cgroups = None
 
     async def _close_nvml(self) -> None:
         if self._nvml is not None:
@@ -486,13 +454,13 @@ class Worker:
             env=self.env,
             kill_grace=self.kill_grace,
             probe=self.probe,
-            guard=self._guard,
-            launcher=self._launcher,
+            guard=self._slots.guard,
+            launcher=self._slots.launcher,
             store=self.store,
             cache=self.cache,
-            slot_dir=self._slot_dirs.slot(slot),
-            identity=self.identities[slot] if self.identities is not None else None,
-            cgroup=self._cgroups.path(slot) if self._cgroups is not None else None,
+            slot_dir=self._slots.dir(slot),
+            identity=self._slots.identity(slot),
+            cgroup=self._slots.cgroup(slot),
             git_protocols=self.git_protocols,
         )
 

@@ -29,8 +29,8 @@ async def test_a_jobs_escapes_stay_in_its_slots_cgroup_and_end_with_it(
 ) -> None:
     """Root worker, no uid range: the cgroup alone catches what left the job's session."""
     async with running_worker(queue, tmp_path / "w", slots=1) as worker:
-        assert worker._cgroups is not None
-        slot = worker._cgroups.path(0)
+        assert worker._slots.cgroups is not None
+        slot = worker._slots.cgroups.path(0)
         script = f"setsid -f env -i sh -c 'echo $$ > {tmp_path}/escaped; exec sleep 120'; sleep 0.5"
         job_id, _ = await queue.enqueue(sh(script))
         escaped = int((await wait_file(tmp_path / "escaped"))[0])
@@ -38,7 +38,7 @@ async def test_a_jobs_escapes_stay_in_its_slots_cgroup_and_end_with_it(
         assert (await wait_state(queue, job_id, JobState.SUCCEEDED)).state is JobState.SUCCEEDED
         await wait_dead([escaped], timeout=5)  # escaped with setsid and env -i: gone with its job
         assert cgroups.pids(slot) == []
-        top = worker._cgroups.top
+        top = worker._slots.cgroups.top
         assert top.is_dir()
     assert not top.exists()  # the worker's cgroups went with it
 
@@ -47,14 +47,14 @@ async def test_a_dead_workers_cgroups_are_removed_and_a_live_ones_kept(
     queue: JobQueue, tmp_path: Path
 ) -> None:
     async with running_worker(queue, tmp_path / "w", slots=1) as live:
-        assert live._cgroups is not None
-        base = live._cgroups.top.parent
+        assert live._slots.cgroups is not None
+        base = live._slots.cgroups.top.parent
         # What a SIGKILLed worker leaves: its slot directories (unlocked) and its cgroups.
         (tmp_path / "w" / "slots" / "dead-worker" / "0").mkdir(parents=True)
         (base / "gpupool-dead-worker" / "slot-0").mkdir(parents=True)
         async with running_worker(queue, tmp_path / "w", slots=1) as other:
-            assert other._cgroups is not None
+            assert other._slots.cgroups is not None
             assert not (base / "gpupool-dead-worker").exists()
-            assert live._cgroups.top.is_dir()  # the live one's: its slot dirs are locked
+            assert live._slots.cgroups.top.is_dir()  # the live one's: its slot dirs are locked
             job_id, _ = await queue.enqueue(sh("echo still here"))
             assert (await wait_state(queue, job_id, JobState.SUCCEEDED)).state is JobState.SUCCEEDED

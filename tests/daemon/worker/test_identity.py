@@ -87,8 +87,8 @@ async def test_a_job_runs_as_its_slots_uid_without_capabilities_or_the_daemons_e
     env = dict(line.split("=", 1) for line in lines[9:] if "=" in line)
     assert "AWS_SECRET_ACCESS_KEY" not in env  # the daemon's environment stays the daemon's
     assert env["LANG"] == "C.UTF-8"
-    assert env["HOME"] == str(worker._slot_dirs.slot(0) / "work")
-    assert env["TMPDIR"] == str(worker._slot_dirs.slot(0) / "tmp")  # its own, emptied after it
+    assert env["HOME"] == str(worker._slots.dir(0) / "work")
+    assert env["TMPDIR"] == str(worker._slots.dir(0) / "tmp")  # its own, emptied after it
 
 
 async def test_a_job_cannot_read_the_daemons_secrets(queue: JobQueue, worker: Worker, tmp_path: Path) -> None:
@@ -109,7 +109,7 @@ async def test_two_jobs_can_neither_read_nor_signal_each_other(
         sh(f"echo $$ > {drop}/victim; exec sleep 30", env={"HF_TOKEN": "hf_victims"})
     )
     pid = int((await wait_file(drop / "victim"))[0])
-    victims_dir = worker._slot_dirs.slot(0) / "work"
+    victims_dir = worker._slots.dir(0) / "work"
     probe = await run(
         queue, f"cat /proc/{pid}/environ; kill -9 {pid} && echo KILLED; ls {victims_dir}; echo probed"
     )
@@ -214,9 +214,7 @@ async def test_a_jobs_temporary_files_go_with_its_attempt(queue: JobQueue, worke
     first = await run(queue, 'f=$(mktemp); echo "secret" > "$f"; echo "$f"')
     assert first.state is JobState.SUCCEEDED, await output(queue, first)
     left = Path((await output(queue, first)).split()[-1])
-    assert (
-        left.parent == worker._slot_dirs.slot(0) / "tmp" or left.parent == worker._slot_dirs.slot(1) / "tmp"
-    )
+    assert left.parent == worker._slots.dir(0) / "tmp" or left.parent == worker._slots.dir(1) / "tmp"
     assert not left.exists()
 
 

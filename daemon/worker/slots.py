@@ -1,0 +1,94 @@
+"""A worker's slots as the machine sees them: their scratch directories (scratch.py), their uids
+(identity.py), their cgroups (cgroups.py), the launcher that starts, reaps and kills their jobs
+(spawn.py) and the orphan guard that ends those jobs should the worker die (orphan_guard.py).
+
+They are opened together at the worker's start and closed together at its end, each in the order
+the others need: the directories first (they say which workers are dead, whose cgroups go), the
+guard before any job can start, the launcher last; closed the other way round. With slot uids,
+the data directory is made passable (never listable) to them, and each uid is swept at the start
+(kill and temporary files, launcher.py): a worker that died may have left both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from daemon.worker.cgroups import SlotCgroups
+from daemon.worker.identity import SlotIdentity, check_passable
+from daemon.worker.orphan_guard import OrphanGuard
+from daemon.worker.scratch import SlotDirs
+from daemon.worker.spawn import Launcher
+
+log = logging.getLogger(__name__)
+
+
+class Slots:
+    """`count` slots of worker `worker_id` under `data_dir`; `identities`: one uid per slot, or
+    None (the jobs run as the worker's own). `open()` once, `close()` at the end (safe twice)."""
+
+    def __init__(
+        self, data_dir: Path, worker_id: str, count: int, identities: Sequence[SlotIdentity] | None
+    ) -> None:
+        self.data_dir = data_dir
+        self.worker_id = worker_id
+        self.count = count
+        self.identities = list(identities) if identities is not None else None
+        self.dirs = SlotDirs(data_dir / "slots", worker_id)
+        self.guard = OrphanGuard(f"GPUPOOL_WORKER={worker_id}", [i.uid for i in self.identities or ()])
+        self.launcher = Launcher(harden=self.identities is not None)
+        self.cgroups: SlotCgroups | None = None  # one per slot, where the kernel lets us (at open)
+
+    def dir(self, slot: int) -> Path:
+        """The slot's scratch directories' parent (scratch.py)."""
+        return self.dirs.slot(slot)
+
+    def identity(self, slot: int) -> SlotIdentity | None:
+        return self.identities[slot] if self.identities is not None else None
+
+    def cgroup(self, slot: int) -> Path | None:
+        return self.cgroups.path(slot) if self.cgroups is not None else None
+
+    async def open(self) -> None:
+        """Everything the slots need, in order; on failure what was opened is closed again."""
+        self._prepare_data_dir()
+        dead = await asyncio.to_thread(self.dirs.open)
+        try:
+            self.cgroups = await asyncio.to_thread(SlotCgroups.make, self.worker_id, self.count, dead)
+            await self.guard.start()
+            await self.launcher.start()
+            for identity in self.identities or ():  # what a worker that died left of its jobs
+                await self.launcher.sweep(identity)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        """The launcher, the guard, the cgroups, the directories' lock: every job has ended."""
+        await self.launcher.stop()
+        await self.guard.stop()
+        if self.cgroups is not None:
+            await asyncio.to_thread(self.cgroups.close)
+            self.cgroups = None
+        await asyncio.to_thread(self.dirs.close)
+
+    def _prepare_data_dir(self) -> None:
+        if self.identities is not None:
+            # The jobs' uids must reach their slot's directories, and nothing else in data_dir:
+            # traversable (--x), never listable, by others; what is secret in it is 0600/0700.
+            for path in (self.data_dir, self.dirs.root, self.dirs.dir):
+                path.mkdir(parents=True, exist_ok=True)
+                path.chmod(0o711)
+            for path in (self.data_dir / "cache", self.data_dir / "git"):  # every user's data
+                path.mkdir(parents=True, exist_ok=True)
+                path.chmod(0o700)
+            check_passable(self.data_dir)
+        elif os.geteuid() == 0 and self.count:
+            log.warning(
+                "worker %s runs its jobs as root, with every credential of this daemon: set "
+                "job_uid_range to give each slot a uid of its own (docs/SECURITY.md)",
+                self.worker_id,
+            )
