@@ -41,6 +41,7 @@ orphan_guard.py).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import selectors
@@ -69,13 +70,14 @@ DYING_POLL = 0.01  # how often to look again for a killed uid's processes, while
 DYING_SECONDS = 5.0  # how long to wait for them before telling the end with what is stuck
 PR_SET_CHILD_SUBREAPER = 36
 MTIME_SLACK_NS = 100_000_000  # a directory's times move in ticks of the coarse clock (<= 10 ms)
+IPC_RMID = 0
+LIBC = ctypes.CDLL(None, use_errno=True)  # prctl, capget/capset, the System V *ctl calls
+SYSV_UID_COLUMNS = {"shm": (7, 9), "sem": (4, 6), "msg": (7, 9)}  # /proc/sysvipc/KIND: uid, cuid
 
 
 def harden() -> None:
     """No privileges to gain on exec and no capabilities to pass on, for good (see above)."""
-    import ctypes  # noqa: PLC0415 - only a hardened launcher needs it
-
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = LIBC
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
     cap = 0
@@ -129,6 +131,25 @@ def sweep_shared(uid: int, swept: dict[tuple[int, str], int]) -> None:
             swept[(uid, top)] = before
         else:
             swept.pop((uid, top), None)  # what was removed moved it: read it next time
+
+
+def sweep_ipc(uid: int) -> None:
+    """Remove the System V shared memory, semaphores and message queues `uid` owns or made: they
+    outlive their processes (the next job of the uid is another user's)."""
+    remove = {
+        "shm": lambda n: LIBC.shmctl(n, IPC_RMID, None),
+        "sem": lambda n: LIBC.semctl(n, 0, IPC_RMID),
+        "msg": lambda n: LIBC.msgctl(n, IPC_RMID, None),
+    }
+    for kind, (owner, creator) in SYSV_UID_COLUMNS.items():
+        try:
+            with open(f"/proc/sysvipc/{kind}") as table:
+                rows = [line.split() for line in table.read().splitlines()[1:]]
+        except OSError:
+            continue
+        for row in rows:
+            if uid in (int(row[owner]), int(row[creator])):
+                remove[kind](int(row[1]))
 
 
 def _make_removable(_func: object, path: str, _exc: object) -> None:
@@ -230,10 +251,12 @@ class Launcher:
             os.close(out_r)
 
     def sweep(self, request: dict[str, Any]) -> None:
-        """What a slot's uid left behind a worker that died: its processes, its temporary files."""
+        """What a slot's uid left behind a worker that died: its processes, its temporary files,
+        its System V IPC objects."""
         with contextlib.suppress(OSError):
             _spawn.kill_uid(request["uid"], request["gid"])
         sweep_shared(request["uid"], self.swept)
+        sweep_ipc(request["uid"])
         self.reply({"id": request["id"]})
 
     def cgroup_file(self, cgroup: str, name: str) -> int:
@@ -291,6 +314,7 @@ class Launcher:
     def finish(self, pid: int, request: dict[str, Any], code: int, left: list[int]) -> None:
         if request.get("uid") is not None:
             sweep_shared(request["uid"], self.swept)
+            sweep_ipc(request["uid"])
         self.reply({"exited": pid, "status": code, "left": left})
 
 
@@ -321,10 +345,8 @@ def main() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])  # uvloop starts it with every signal blocked
     for sig in IGNORED:  # the worker's to handle: this leaves when it has left
         signal.signal(sig, signal.SIG_IGN)
-    import ctypes  # noqa: PLC0415 - the launcher's own start, once
-
     # Every orphan of a job becomes this process's child, reaped here: a uid's end is known.
-    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     if sys.argv[2] == "1":
         harden()
     Launcher(sock).run()

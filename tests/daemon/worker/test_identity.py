@@ -262,3 +262,24 @@ async def test_a_starting_worker_ends_what_its_slot_uids_left_behind(queue: JobQ
             stray.wait()
         left.unlink(missing_ok=True)
         shutil.rmtree(data, ignore_errors=True)
+
+
+def sysv_objects(uids: set[int]) -> list[str]:
+    """System V IPC objects (shared memory, semaphores, queues) owned by one of `uids`."""
+    found = []
+    for kind, column in (("shm", 7), ("sem", 4), ("msg", 7)):
+        for line in Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]:
+            if int(line.split()[column]) in uids:
+                found.append(f"{kind} {line.split()[1]}")
+    return found
+
+
+@pytest.mark.skipif(shutil.which("ipcmk") is None, reason="needs util-linux's ipcmk")
+async def test_the_system_v_ipc_a_job_made_goes_with_it(queue: JobQueue, worker: Worker) -> None:
+    """Shared memory, semaphores and message queues outlive their processes: the next job of the
+    slot's uid, another user's, would find them (and what was written into them)."""
+    uids = {FIRST_UID, FIRST_UID + 1}
+    info = await run(queue, "ipcmk -M 4096 && ipcmk -S 1 && ipcmk -Q")
+    assert info.state is JobState.SUCCEEDED, await output(queue, info)
+    assert "Shared memory id" in await output(queue, info)
+    assert sysv_objects(uids) == []
