@@ -59,12 +59,15 @@ def name_key(user: str, name: str) -> str:
     return f"names/u={quote(user, safe='')}/{name}.json"
 
 
+UPLOADS_PREFIX = "uploads/"
+
+
 def upload_key(user: str, sha256: str) -> str:
     """Where `user` uploads the object `sha256` through a presigned PUT: their own staging key,
     never the content key, which only the server writes once it has hashed the bytes
     (server/data_desk.py). A content key therefore holds what its name says, and no user can
     take one before its owner uploads it."""
-    return f"uploads/u={quote(user, safe='')}/{sha256}"
+    return f"{UPLOADS_PREFIX}u={quote(user, safe='')}/{sha256}"
 
 
 def owner_key(sha256: str, user: str) -> str:

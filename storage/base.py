@@ -97,13 +97,14 @@ class ObjectInfo:
     """What `head` (and a finished put/get) knows about an object.
 
     `sha256` is None only for objects written by something other than gpupool, and in `list`
-    results, which carry key and size alone (S3 listings do not return metadata).
+    results, which carry key, size and `modified` alone (S3 listings do not return metadata).
     """
 
     key: str
     size: int
     sha256: str | None = None
     metadata: Mapping[str, str] = field(default_factory=dict)
+    modified: float | None = None  # seconds since the epoch, in `list` results
 
 
 def check_key(key: str) -> str:
@@ -231,7 +232,8 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     async def list(self, prefix: str = "") -> list[ObjectInfo]:
-        """Objects whose key starts with `prefix`, sorted by key, with key and size only."""
+        """Objects whose key starts with `prefix`, sorted by key, with key, size and the time
+        they were last written only."""
 
     @abc.abstractmethod
     async def delete(self, key: str) -> None:

@@ -241,7 +241,8 @@ class LocalStore(ObjectStore):
                 key = path.relative_to(self._data).as_posix()
                 if key.startswith(prefix):
                     with contextlib.suppress(FileNotFoundError):
-                        out.append(ObjectInfo(key, path.stat().st_size))
+                        st = path.stat()
+                        out.append(ObjectInfo(key, st.st_size, modified=st.st_mtime))
         return sorted(out, key=lambda o: o.key)
 
     async def list(self, prefix: str = "") -> list[ObjectInfo]:

@@ -498,7 +498,10 @@ class S3Store(ObjectStore):
         paginator = self.client.get_paginator("list_objects_v2")
         try:
             async for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
-                out.extend(ObjectInfo(o["Key"], int(o["Size"])) for o in page.get("Contents", []))
+                out.extend(
+                    ObjectInfo(o["Key"], int(o["Size"]), modified=o["LastModified"].timestamp())
+                    for o in page.get("Contents", [])
+                )
         except (ClientError, *_NETWORK_ERRORS) as e:
             raise self._map(e, f"LIST {prefix!r}") from e
         return sorted(out, key=lambda o: o.key)

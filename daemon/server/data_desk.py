@@ -32,8 +32,10 @@ it directly (`daemon/worker/job_data.py`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 
 import orjson
 
@@ -41,6 +43,7 @@ from daemon.errors import GpupoolError
 from daemon.job import INPUT_KINDS, SHA256, JobSpec
 from daemon.object_store import (
     DATASET_NAME,
+    UPLOADS_PREFIX,
     legacy_name_key,
     name_key,
     owner_key,
@@ -48,7 +51,7 @@ from daemon.object_store import (
     upload_key,
 )
 from protocol import DownloadTicket, ErrorCode, ObjectRef, UploadTicket
-from storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore
+from storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore, StorageError
 from storage.content import content_key
 from storage.local import LocalStore
 
@@ -60,6 +63,10 @@ URL_SECONDS = 3600  # a presigned GET: a large artifact may take a while to star
 # URL that leaked little time to be used.
 PUT_URL_SECONDS = 600
 MAX_PRESIGNED_PUT = 5 * 1024**3  # S3's largest single PUT
+# A staged upload whose FinishUpload has not come this long after its PUT completed was abandoned
+# (poolctl finishes at once): removed by the server's prune, every PRUNE_SECONDS.
+STALE_UPLOAD_SECONDS = 3600
+PRUNE_SECONDS = 900
 READABLE_PREFIXES = ("sha256/", "artifacts/")
 
 
@@ -190,3 +197,27 @@ def _check_name(name: str) -> str:
     if not DATASET_NAME.fullmatch(name):
         raise BadDataRequest(f"dataset name {name!r}: 1-128 of A-Z a-z 0-9 . _ - (not starting with .)")
     return name
+
+
+async def prune_staged(store: ObjectStore, now: float) -> int:
+    """Remove the staged uploads (`uploads/`) left unfinished for STALE_UPLOAD_SECONDS: bytes a
+    client sent and never published, which nothing else would ever remove. How many went."""
+    stale = [
+        o.key
+        for o in await store.list(UPLOADS_PREFIX)
+        if o.modified is not None and o.modified < now - STALE_UPLOAD_SECONDS
+    ]
+    for key in stale:
+        await store.delete(key)
+    return len(stale)
+
+
+async def prune_staged_forever(store: ObjectStore) -> None:
+    """`prune_staged` every PRUNE_SECONDS until cancelled; a store that fails is tried next time."""
+    while True:
+        try:
+            if removed := await prune_staged(store, time.time()):
+                log.info("removed %d staged uploads never finished", removed)
+        except StorageError as exc:
+            log.warning("could not prune staged uploads (%s); trying again later", exc)
+        await asyncio.sleep(PRUNE_SECONDS)

@@ -22,6 +22,7 @@ from daemon.queue.pool_redis import PoolRedis
 from daemon.queue.terminal_events import JobEvents, Terminal
 from daemon.server import reaper
 from daemon.server.certificate import certificate_fingerprint, ensure_certificate
+from daemon.server.data_desk import prune_staged_forever
 from daemon.server.handlers import Handlers
 from daemon.server.listener import Listener, ListenerError, refuse_open_beyond_loopback, tls_context
 from daemon.server.session import Limits
@@ -114,6 +115,7 @@ class PoolServer:
         self._tasks.spawn(
             reaper.run(self.queue, reap_every, self._reclaimed, c.dead_worker_retention), "reaper"
         )
+        self._tasks.spawn(prune_staged_forever(self.store), "staged-upload prune")
         self.listener = Listener(
             Handlers(
                 self.queue,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -68,6 +69,9 @@ async def test_bytes_exists_list_delete(backend: Backend) -> None:
     assert [o.key for o in await store.list("a/")] == ["a/x", "a/y/z"]
     assert [o.key for o in await store.list("a/y/")] == ["a/y/z"]
     assert len(await store.list()) == 4
+    for info in await store.list():  # when each was written (what prunes staged uploads by)
+        assert info.modified is not None
+        assert abs(info.modified - time.time()) < 300
     assert await store.get_bytes("a/y/z") == b"a/y/z"
     await store.delete("a/y/z")
     await store.delete("a/y/z")  # deleting an absent key is fine

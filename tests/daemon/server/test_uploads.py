@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,8 +17,9 @@ import aiohttp
 import pytest
 
 from daemon.ctl.pool_client import ClientError
-from daemon.object_store import owners_prefix
+from daemon.object_store import owners_prefix, upload_key
 from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.server.data_desk import STALE_UPLOAD_SECONDS, prune_staged
 from protocol import Enqueue, Enqueued, ErrorCode, FinishUpload, ObjectRef, PrepareUpload, UploadTicket
 from storage.content import content_key
 from storage.s3 import S3Store
@@ -112,3 +114,22 @@ async def test_data_stored_before_owners_were_recorded_still_serves(s3_pool: Poo
     spec = {"argv": ["cat", "data"], "inputs": [{"dest": "data", "sha256": SHA, "kind": "file"}]}
     async with s3_pool.client("bob") as bob:
         assert (await bob.call(Enqueue(spec, None), Enqueued)).created
+
+
+async def test_staged_uploads_never_finished_are_pruned_and_others_kept(s3_server: S3Server) -> None:
+    """A client that PUT its bytes and never sent FinishUpload leaves them under `uploads/`,
+    where nothing else would ever remove them: the server's prune does, once they are stale."""
+    store = S3Store(f"127.0.0.1:{s3_server.port}", "gpupool", s3_server.access_key, s3_server.secret_key)
+    await store.open()
+    try:
+        await store.ensure_bucket()
+        staged, kept = upload_key("alice", "a" * 64), content_key("b" * 64)
+        await store.put_bytes(staged, b"abandoned")
+        await store.put_bytes(kept, b"published")
+        assert await prune_staged(store, time.time()) == 0  # fresh: its FinishUpload may be coming
+        assert await store.exists(staged)
+        assert await prune_staged(store, time.time() + STALE_UPLOAD_SECONDS + 60) == 1
+        assert not await store.exists(staged)
+        assert await store.exists(kept)  # only what is staged
+    finally:
+        await store.close()
