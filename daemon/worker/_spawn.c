@@ -21,9 +21,10 @@ A failure before the exec leaves its errno in a variable the parent shares, and 
 the parent reaps it and raises OSError. The parent blocks every signal around the vfork, so no
 handler of the launcher's ever runs on the child's side of the shared memory.
 
-kill_uid(uid, gid): the same kind of child switches to `uid` and sends SIGKILL to every process
-it may (kill(-1): all of the uid's, one pass over the kernel's task list, which no fork in flight
-can escape), twice, then tells whether any task of the uid is still there (see sweeper()).
+kill_uid(uid, gid): a child (forked: a process of the uid may SIGSTOP it, which must not stop the
+launcher; it is waited for SWEEP_MS at most, then killed) switches to `uid` and sends SIGKILL to
+every process it may (kill(-1): all of the uid's, one pass over the kernel's task list, which no
+fork in flight can escape), twice, then tells whether any task of the uid is still there.
 */
 
 #define PY_SSIZE_T_CLEAN
@@ -31,12 +32,17 @@ can escape), twice, then tells whether any task of the uid is still there (see s
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <string.h>
+#include <time.h>
+#include <linux/capability.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#define SWEEP_MS 100  /* the longest kill_uid waits for its sweeper */
 
 struct plan {
     char **paths;  /* candidates for the program, NULL-terminated */
@@ -72,13 +78,25 @@ static pid_t wait_for(pid_t pid)
     return got;
 }
 
+/* A slot's ids: never root, never -1 (which setres*id reads as "keep"). */
+static int valid_id(long id)
+{
+    return id > 0 && id < 0xFFFFFFFFL;
+}
+
 static int switch_to(long uid, long gid)
 {
     if (syscall(SYS_setgroups, 0, NULL) != 0)
         return -1;
     if (syscall(SYS_setresgid, gid, gid, gid) != 0)
         return -1;
-    return (int)syscall(SYS_setresuid, uid, uid, uid);
+    if (syscall(SYS_setresuid, uid, uid, uid) != 0)
+        return -1;
+    /* Leaving root clears every capability, unless securebits said to keep them: make sure. */
+    struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct none[2];
+    memset(none, 0, sizeof none);
+    return (int)syscall(SYS_capset, &header, none);
 }
 
 static void __attribute__((noreturn)) child(struct plan *p)
@@ -148,9 +166,11 @@ static void __attribute__((noreturn)) sweeper(long uid, long gid)
     _exit(0);
 }
 
-static pid_t __attribute__((noinline)) start_sweeper(long uid, long gid)
+/* A forked child, not a vforked one: once it is the uid, any process of the uid may SIGSTOP it,
+   and a vfork parent would wait for it for ever. The parent waits SWEEP_MS at most. */
+static pid_t start_sweeper(long uid, long gid)
 {
-    pid_t pid = vfork();
+    pid_t pid = (pid_t)syscall(SYS_clone, (unsigned long)SIGCHLD, 0UL, 0UL, 0UL, 0UL);
     if (pid == 0)
         sweeper(uid, gid);
     return pid;
@@ -159,27 +179,25 @@ static pid_t __attribute__((noinline)) start_sweeper(long uid, long gid)
 /* A NULL-terminated array of the bytes in `seq` (a list or tuple of bytes); NULL with an error set. */
 static char **strings(PyObject *seq, const char *what)
 {
-    PyObject *fast = PySequence_Fast(seq, what);
-    if (fast == NULL)
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {  /* which hold their items while we borrow */
+        PyErr_Format(PyExc_TypeError, "%s must be a list or tuple of bytes", what);
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     char **out = PyMem_Calloc((size_t)n + 1, sizeof(char *));
     if (out == NULL) {
-        Py_DECREF(fast);
         PyErr_NoMemory();
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
-        if (!PyBytes_Check(item)) {
-            PyErr_Format(PyExc_TypeError, "%s: every item must be bytes", what);
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyBytes_Check(item) || (size_t)PyBytes_GET_SIZE(item) != strlen(PyBytes_AS_STRING(item))) {
+            PyErr_Format(PyExc_ValueError, "%s: every item must be bytes without a NUL", what);
             PyMem_Free(out);
-            Py_DECREF(fast);
             return NULL;
         }
         out[i] = PyBytes_AS_STRING(item);  /* borrowed: the caller's sequence holds the bytes */
     }
-    Py_DECREF(fast);
     return out;
 }
 
@@ -198,8 +216,8 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OOOyiilli", &paths_obj, &argv_obj, &envp_obj, &cwd, &p.stdin_fd,
                           &p.out_fd, &p.uid, &p.gid, &p.cgroup_fd))
         return NULL;
-    if (p.uid >= 0 && p.gid < 0) {  /* setresgid(-1) would keep the launcher's gid */
-        PyErr_SetString(PyExc_ValueError, "spawn: a uid needs its gid");
+    if ((p.uid != -1 || p.gid != -1) && !(valid_id(p.uid) && valid_id(p.gid))) {
+        PyErr_SetString(PyExc_ValueError, "spawn: a uid and gid, both above 0, or neither (-1)");
         return NULL;
     }
     p.cwd = cwd;
@@ -246,8 +264,8 @@ static PyObject *kill_uid(PyObject *self, PyObject *args)
     long uid, gid;
     if (!PyArg_ParseTuple(args, "ll", &uid, &gid))
         return NULL;
-    if (uid < 0 || gid < 0) {
-        PyErr_SetString(PyExc_ValueError, "kill_uid needs a uid and a gid");
+    if (!valid_id(uid) || !valid_id(gid)) {  /* kill(-1) as root would end the machine */
+        PyErr_SetString(PyExc_ValueError, "kill_uid needs a uid and a gid above 0");
         return NULL;
     }
     sigset_t all, old;
@@ -261,10 +279,38 @@ static PyObject *kill_uid(PyObject *self, PyObject *args)
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     int status = 0;
-    pid_t got;
-    do
-        got = waitpid(pid, &status, 0);
-    while (got < 0 && errno == EINTR);
+    pid_t got = 0;
+#ifdef SYS_pidfd_open
+    int exited = (int)syscall(SYS_pidfd_open, pid, 0);  /* readable once it has exited */
+#else
+    int exited = -1;
+#endif
+    if (exited >= 0) {
+        struct pollfd ready = {exited, POLLIN, 0};
+        int n;
+        do
+            n = poll(&ready, 1, SWEEP_MS);
+        while (n < 0 && errno == EINTR);
+        close(exited);
+        do
+            got = waitpid(pid, &status, WNOHANG);
+        while (got < 0 && errno == EINTR);
+    } else {  /* before Linux 5.3: look every 0.1 ms */
+        for (int waited = 0; got == 0 && waited < SWEEP_MS * 10; waited++) {
+            got = waitpid(pid, &status, WNOHANG);
+            if (got == 0) {
+                struct timespec tenth = {0, 100000};
+                nanosleep(&tenth, NULL);
+            } else if (got < 0 && errno == EINTR) {
+                got = 0;
+            }
+        }
+    }
+    if (got == 0) {  /* stopped by a process of the uid, or stuck: as root, end it */
+        (void)kill(pid, SIGKILL);
+        (void)wait_for(pid);
+        Py_RETURN_TRUE;  /* unknown: the caller looks again */
+    }
     if (got < 0 || !WIFEXITED(status) || WEXITSTATUS(status) == 2) {
         PyErr_SetString(PyExc_OSError, "kill_uid: could not switch to the uid");
         return NULL;

@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 
 from daemon.job import JobInfo, JobState
 from daemon.queue.job_queue import JobQueue
+from daemon.worker import _spawn
 from daemon.worker.cgroups import SlotCgroups
 from daemon.worker.dispatcher import Worker
 from daemon.worker.identity import IdentityError, slot_identities
@@ -283,3 +286,47 @@ async def test_the_system_v_ipc_a_job_made_goes_with_it(queue: JobQueue, worker:
     assert info.state is JobState.SUCCEEDED, await output(queue, info)
     assert "Shared memory id" in await output(queue, info)
     assert sysv_objects(uids) == []
+
+
+@pytest.mark.parametrize("worker", ["no cgroups"], indirect=True)
+async def test_a_job_stopping_everything_of_its_uid_cannot_stop_the_launcher(
+    queue: JobQueue, worker: Worker
+) -> None:
+    """Without a cgroup, a slot's uid is killed by a child running as that uid, which any process
+    of the uid may SIGSTOP: a leftover stopping all it can, in a loop, must not stall the launcher
+    (and with it every job of the worker)."""
+    # The stopper stops the job's own sleep too: the timeout ends that, and then the sweep meets
+    # a process stopping everything of the uid it can, sweepers included.
+    stopper = "setsid -f sh -c 'while :; do kill -STOP -1; done' >/dev/null 2>&1; exec sleep 30"
+    first = await run(queue, stopper, timeout=2)
+    assert "timed out" in (first.detail or ""), await output(queue, first)
+    second = await run(queue, "echo still served")
+    assert "still served" in await output(queue, second)
+    uids = {FIRST_UID, FIRST_UID + 1}
+    assert [p.pid for p in psutil.process_iter() if p.uids().real in uids and p.status() != "zombie"] == []
+
+
+def sweep_until_none_left(uid: int, children: list[subprocess.Popen[bytes]], done: threading.Event) -> None:
+    while _spawn.kill_uid(uid, uid):  # some left (dying, or our zombies): reap, look again
+        for child in children:
+            child.poll()
+        time.sleep(0.01)
+    done.set()
+
+
+def test_killing_a_uid_that_stops_its_killer_returns_all_the_same() -> None:
+    """The sweeper runs as the uid it kills, so the uid's processes may SIGSTOP it: kill_uid must
+    come back anyway (and the stoppers end), never wait on it for ever."""
+    uid = FIRST_UID + 1
+    for _ in range(10):
+        stoppers = [  # one: two would stop each other
+            subprocess.Popen(
+                ["sh", "-c", "while :; do kill -STOP -1; done"], user=uid, group=uid, extra_groups=[]
+            )
+        ]
+        time.sleep(0.05)
+        done = threading.Event()
+        threading.Thread(target=sweep_until_none_left, args=(uid, stoppers, done), daemon=True).start()
+        assert done.wait(10), "kill_uid did not come back"
+        for p in stoppers:
+            assert p.wait(5) == -9
