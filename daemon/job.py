@@ -128,11 +128,17 @@ class JobSpec:
             raise InvalidJob("argv", "must be a non-empty list of strings (the command to run)")
         if sum(len(a) for a in argv) > MAX_ARGV_BYTES:
             raise InvalidJob("argv", f"is longer than {MAX_ARGV_BYTES} bytes")
+        if any("\0" in a for a in argv):
+            raise InvalidJob("argv", "contains a NUL byte, which no program can be passed")
         env = data.get("env") or {}
         if not isinstance(env, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) and k and "=" not in k for k, v in env.items()
         ):
             raise InvalidJob("env", "must map variable names (without '=') to string values")
+        if any("\0" in k or "\0" in v for k, v in env.items()):
+            raise InvalidJob("env", "contains a NUL byte, which no environment can hold")
+        if isinstance(cwd := data.get("cwd"), str) and "\0" in cwd:
+            raise InvalidJob("cwd", "contains a NUL byte, which no path can")
         spec = cls(
             argv=tuple(argv),
             queue=check_queue_name(data.get("queue", "default")),
