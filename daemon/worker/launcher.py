@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import selectors
@@ -105,7 +106,8 @@ def candidates(program: str, env: dict[str, str]) -> list[bytes]:
 def sweep_shared(uid: int, swept: dict[tuple[int, str], int]) -> None:
     """Remove what `uid` left at the top of the machine's shared temporary directories (its own
     files, directories and links; a directory's whole tree, links in it unlinked, never
-    followed): the next job of the uid is another user's. Its processes are dead by now.
+    followed): the next job of the uid is another user's. Its processes are killed by now (they
+    run no more code).
 
     A directory whose modification time has not moved since its last sweep for `uid` gained no
     entry since, so it is not read again (`swept`: (uid, directory) -> that time). Only a time
@@ -118,13 +120,15 @@ def sweep_shared(uid: int, swept: dict[tuple[int, str], int]) -> None:
                 continue
             now = time.time_ns()
             with os.scandir(top) as scan:
-                entries = [e for e in scan if e.stat(follow_symlinks=False).st_uid == uid]
+                entries = [e for e in scan if _owned_by(e, uid)]
         except OSError:
             continue
         for entry in entries:
+            # rmtree walks by descriptor, never following a link (one swapped in meanwhile by
+            # another uid's job included), and root reads even what the job made unreadable.
             with contextlib.suppress(OSError):
                 if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, onerror=_make_removable)
+                    shutil.rmtree(entry.path, ignore_errors=True)
                 else:
                     os.unlink(entry.path)
         if not entries and before < now - MTIME_SLACK_NS:
@@ -152,11 +156,12 @@ def sweep_ipc(uid: int) -> None:
                 remove[kind](int(row[1]))
 
 
-def _make_removable(_func: object, path: str, _exc: object) -> None:
-    """rmtree met a directory the job made unreadable: as root, open it up and go on."""
-    with contextlib.suppress(OSError):
-        os.chmod(path, 0o700, follow_symlinks=False)
-        shutil.rmtree(path, ignore_errors=True)
+def _owned_by(entry: os.DirEntry[str], uid: int) -> bool:
+    """Whether `entry` is `uid`'s; one that went meanwhile (another job's churn) is not."""
+    try:
+        return entry.stat(follow_symlinks=False).st_uid == uid
+    except OSError:
+        return False
 
 
 class Launcher:
@@ -215,10 +220,14 @@ class Launcher:
                 self.partial += data[1:]
                 continue
             message, self.partial = json.loads(self.partial + data), b""
-            if message["op"] == "spawn":
-                self.spawn(message)
-            elif message["op"] == "sweep":
-                self.sweep(message)
+            try:
+                if message["op"] == "spawn":
+                    self.spawn(message)
+                elif message["op"] == "sweep":
+                    self.sweep(message)
+            except Exception as exc:  # noqa: BLE001 - a request must never end the loop (every job)
+                print(f"launcher: request {message.get('id')} failed: {exc!r}", file=sys.stderr)
+                self.reply({"id": message.get("id"), "errno": errno.EINVAL})
 
     def spawn(self, request: dict[str, Any]) -> None:
         """Start the job's first process (_spawn.c), and tell its pid with its output pipe."""
@@ -238,8 +247,8 @@ class Launcher:
                 gid,
                 self.cgroup_file(cgroup, "cgroup.procs") if cgroup else -1,
             )
-        except OSError as exc:
-            self.reply({"id": request["id"], "errno": exc.errno or 0})
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in argv, env or cwd
+            self.reply({"id": request["id"], "errno": getattr(exc, "errno", None) or errno.EINVAL})
             os.close(out_r)
             return
         finally:
@@ -251,10 +260,12 @@ class Launcher:
             os.close(out_r)
 
     def sweep(self, request: dict[str, Any]) -> None:
-        """What a slot's uid left behind a worker that died: its processes, its temporary files,
-        its System V IPC objects."""
-        with contextlib.suppress(OSError):
-            _spawn.kill_uid(request["uid"], request["gid"])
+        """What a slot's uid left behind a worker that died: its processes (until none is left,
+        or DYING_SECONDS), then its temporary files and its System V IPC objects."""
+        deadline = time.monotonic() + DYING_SECONDS
+        while uid_left(request) and time.monotonic() < deadline:
+            self.reap()  # ours, if the orphans of a launcher before us came to this one
+            time.sleep(DYING_POLL)
         sweep_shared(request["uid"], self.swept)
         sweep_ipc(request["uid"])
         self.reply({"id": request["id"]})

@@ -4,6 +4,7 @@ module on both)."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 from pathlib import Path
@@ -156,6 +157,24 @@ async def test_a_program_that_cannot_start_raises_oserror_and_leaks_nothing(
     with pytest.raises(FileNotFoundError):
         await launcher.spawn(["true"], cwd=tmp_path / "missing", env={"PATH": os.environ["PATH"]})
     assert open_fds() == before
+
+
+async def test_a_request_no_exec_could_take_is_refused_and_the_launcher_serves_on(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    """A NUL byte in a path, argument or variable (the server refuses such a spec; this is the
+    launcher's own guard): that request fails with EINVAL, and the launcher, which every job of
+    the worker needs, goes on."""
+    env = {"PATH": os.environ["PATH"]}
+    for argv, cwd, extra in (
+        (["true"], Path(f"{tmp_path}/a\x00b"), {}),
+        (["echo", "a\x00b"], tmp_path, {}),
+        (["true"], tmp_path, {"A": "x\x00y"}),
+    ):
+        with pytest.raises(OSError, match="Invalid argument") as err:
+            await launcher.spawn(argv, cwd=cwd, env={**env, **extra})
+        assert err.value.errno == errno.EINVAL
+    await run_true(launcher, tmp_path)
 
 
 async def run_true(launcher: Launcher, tmp_path: Path) -> None:
