@@ -215,6 +215,12 @@ class Connection:
     # -- receiving ---------------------------------------------------------------------------------
 
     def _receive(self, frame: Frame) -> Event | None:
+        if frame.type not in _MAY_BE_LARGE and len(frame.payload) > HANDSHAKE_MAX_FRAME_SIZE:
+            raise RemoteProtocolError(
+                ErrorCode.FRAME_TOO_LARGE,
+                f"A {frame.type.name} frame of {len(frame.payload)} bytes; only requests and replies "
+                f"may carry more than {HANDSHAKE_MAX_FRAME_SIZE}.",
+            )
         if frame.type is _T.ERROR and frame.request_id == 0:
             error = decode_message(_T.ERROR, frame.payload)
             assert isinstance(error, ErrorMessage)
@@ -280,6 +286,11 @@ class Connection:
         data = encode_frame(frame_type, request_id, payload, max_frame_size=self._send_limit)
         self._state = next_state
         return data
+
+
+# The frames whose payload may be as large as the frame limit; every other one (control frames,
+# errors) is small, and a large one is refused from its size before it is decoded.
+_MAY_BE_LARGE = frozenset({_T.REQUEST, _T.REPLY, _T.STREAM})
 
 
 def error_frame(request_id: int, code: ErrorCode, message: str) -> bytes:

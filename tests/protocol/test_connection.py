@@ -77,6 +77,16 @@ def test_a_large_request_that_does_not_decode_fails_the_connection_as_a_small_on
     assert_server_failed(pair, [failed], caught.value.code)
 
 
+@pytest.mark.parametrize("frame_type", [FrameType.PING, FrameType.PONG, FrameType.CANCEL, FrameType.GOODBYE])
+def test_a_control_frame_may_not_be_large(frame_type: FrameType) -> None:
+    """Only requests and replies carry much; a control frame of megabytes would be decoded on the
+    server's event loop (~2 s for 16 MiB of tiny items): refused from its size alone."""
+    pair = Pair().connect()
+    request_id = 0 if frame_type is FrameType.GOODBYE else 1
+    events = pair.to_server(raw_frame(frame_type, request_id, {"x": [0] * 5000}))
+    assert_server_failed(pair, events, ErrorCode.FRAME_TOO_LARGE)
+
+
 def test_requests_are_multiplexed() -> None:
     pair = Pair().connect()
     first = pair.request(Ping())
