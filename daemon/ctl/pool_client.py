@@ -175,8 +175,11 @@ class PoolClient:
         except (ConnectionError, OSError):
             self._fail(ConnectionClosed())
 
-    def _fail(self, event: ConnectionFailed | ConnectionClosed) -> None:
-        if isinstance(event, ConnectionFailed):
+    def _fail(self, event: ConnectionFailed | ConnectionClosed, why: ClientError | None = None) -> None:
+        """Every request waiting fails: with `why`, else as the connection's end says."""
+        if why is not None:
+            self._closed = why
+        elif isinstance(event, ConnectionFailed):
             self._closed = ClientError(f"the server closed the connection: {event.message}", event.code)
         else:
             self._closed = ServerUnreachable(f"the connection to {self.address} was closed")
@@ -234,7 +237,7 @@ class PoolClient:
             await cancel_and_wait(self._reader_task)  # a cancellation of close() itself goes on
             self._reader_task = None
             if self._closed is None:
-                self._fail(ConnectionClosed())
+                self._fail(ConnectionClosed(), ClientError("the client closed this connection"))
         if self._writer is not None:
             self._writer.close()
             with contextlib.suppress(ConnectionError, OSError):

@@ -220,4 +220,6 @@ async def prune_staged_forever(store: ObjectStore) -> None:
                 log.info("removed %d staged uploads never finished", removed)
         except StorageError as exc:
             log.warning("could not prune staged uploads (%s); trying again later", exc)
+        except Exception:  # a pass that failed otherwise must not end the prune for good
+            log.exception("pruning staged uploads failed; trying again later")
         await asyncio.sleep(PRUNE_SECONDS)

@@ -64,9 +64,9 @@ PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL =
 # Signals meant for the worker (systemd's SIGTERM reaches every process of the unit), which the
 # launcher ignores; a job's child sets every disposition back to the default. SIGCHLD is caught.
 IGNORED = (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# The machine's temporary directories every uid may write: what a slot's uid leaves there goes
-# with its attempt (sweep_shared).
-SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # noqa: S108 - swept, never written
+# The machine's temporary directories every uid may write (and POSIX message queues): what a
+# slot's uid leaves there goes with its attempt (sweep_shared).
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue")  # noqa: S108 - swept, never written
 DYING_POLL = 0.01  # how often to look again for a killed uid's processes, while some are left
 DYING_SECONDS = 5.0  # how long to wait for them before telling the end with what is stuck
 PR_SET_CHILD_SUBREAPER = 36
@@ -231,6 +231,8 @@ class Launcher:
 
     def spawn(self, request: dict[str, Any]) -> None:
         """Start the job's first process (_spawn.c), and tell its pid with its output pipe."""
+        if request.get("uid") is not None:  # what another uid made and gave this one (IPC_SET)
+            sweep_ipc(request["uid"])
         out_r, out_w = os.pipe()
         try:
             env = request["env"]
