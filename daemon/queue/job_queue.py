@@ -19,6 +19,7 @@ and dividing the writes further would split one API that callers learn as a whol
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 from collections.abc import Callable, Iterable, Sequence
@@ -35,7 +36,7 @@ from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_i
 from daemon.queue import keys
 from daemon.queue.connection import RunIdWatch
 from daemon.queue.reads import QueueReads, _s, xread
-from daemon.queue.scripts import Pipeliner, ScriptBatch, Scripts
+from daemon.queue.scripts import Pipeliner, ScriptBatch, Scripts, call_alone
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,10 @@ class JobQueue(QueueReads):
         self.log_head = log_max_bytes // 4
         self.log_tail = log_max_bytes - self.log_head
         self.scripts = Scripts(redis)
-        # Script calls made in one event-loop turn share a round trip (scripts.Pipeliner).
+        # Script calls made in one event-loop turn share a round trip (scripts.Pipeliner); claims
+        # go at once, alone (_claim_call says why).
         self._call = Pipeliner(redis)
+        self._call_alone = functools.partial(call_alone, redis)
         self._cursors: dict[str, tuple[str, str]] = {}  # queue -> (stream, wake) ids to wait after
         # Claim requests, numbered per worker (claim.lua's memo); a request whose reply never came
         # is sent again, with its number, before any new one: (queue, number) by worker.
@@ -285,9 +288,10 @@ class JobQueue(QueueReads):
     async def _claim_call(
         self, worker: str, q: str, request: int, count: int, gpus: tuple[int, int, int]
     ) -> tuple[bytes, tuple[str, str], list[Lease]]:
-        """One claim.lua call; `gpus` is (free, default per job, total)."""
+        """One claim.lua call, sent at once on its own (not through the Pipeliner: its reply would
+        wait for the scripts batched with it); `gpus` is (free, default per job, total)."""
         free, default, total = gpus
-        status, stream_cursor, wake_cursor, *claimed = await self._call(
+        status, stream_cursor, wake_cursor, *claimed = await self._call_alone(
             self.scripts.claim,
             [keys.stream(q), keys.retry(q), keys.leases(q), keys.claims(q, worker), keys.parked(q)],
             [keys.queue_prefix(q), keys.GROUP, worker, free, self.lease_ms, default, count, total, request],
