@@ -330,3 +330,13 @@ def test_killing_a_uid_that_stops_its_killer_returns_all_the_same() -> None:
         assert done.wait(10), "kill_uid did not come back"
         for p in stoppers:
             assert p.wait(5) == -9
+
+
+@pytest.mark.parametrize(("uid", "gid"), [(0, 0), (FIRST_UID, 0), (-1, FIRST_UID), (2**32 - 1, FIRST_UID)])
+def test_the_c_module_refuses_root_and_keep_as_a_slots_ids(uid: int, gid: int) -> None:
+    """kill(-1) as root would end the machine, and setres*id(-1) keeps the launcher's id: a slot
+    id must be a real one above 0, whoever asks."""
+    with pytest.raises(ValueError, match="above 0"):
+        _spawn.kill_uid(uid, gid)
+    with pytest.raises(ValueError, match="above 0"):
+        _spawn.spawn([b"/bin/true"], [b"true"], [], b"/", 0, 1, uid, gid, -1)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon.worker import launcher as launcher_module
 from daemon.worker.spawn import Launcher
 
 
@@ -192,3 +193,12 @@ async def test_many_processes_leave_no_descriptors_open(launcher: Launcher, tmp_
     for _ in range(20):
         await run_true(launcher, tmp_path)
     assert open_fds() == before
+
+
+def test_an_entry_that_goes_between_listing_and_looking_is_not_the_uids(tmp_path: Path) -> None:
+    """Another job's churn in /tmp must not make the sweep give up on the whole directory."""
+    (tmp_path / "gone").write_text("x")
+    with os.scandir(tmp_path) as scan:
+        entries = list(scan)
+    (tmp_path / "gone").unlink()
+    assert [launcher_module._owned_by(e, os.getuid()) for e in entries] == [False]
