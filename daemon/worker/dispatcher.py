@@ -215,10 +215,6 @@ class Worker:
         self._registration.started_at = time.time()
         try:
             await self._slots.open()
-        except BaseException:
-            await self._close_nvml()
-            raise
-        try:
             if not await self.heartbeat.beat_and_apply():
                 raise RedisUnavailable(f"worker {self.id} cannot register: Redis does not answer")
             await self._gate.at_start()

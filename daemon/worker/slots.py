@@ -17,6 +17,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from daemon.aio import start_or_undo
 from daemon.worker.cgroups import SlotCgroups
 from daemon.worker.identity import SlotIdentity, check_passable
 from daemon.worker.orphan_guard import OrphanGuard
@@ -54,20 +55,20 @@ class Slots:
 
     async def open(self) -> None:
         """Everything the slots need, in order; on failure what was opened is closed again."""
+        await start_or_undo(self._open, self.close)
+
+    async def _open(self) -> None:
         self._prepare_data_dir()
         dead = await asyncio.to_thread(self.dirs.open)
-        try:
-            self.cgroups = await asyncio.to_thread(SlotCgroups.make, self.worker_id, self.count, dead)
-            await self.guard.start()
-            await self.launcher.start()
-            for identity in self.identities or ():  # what a worker that died left of its jobs
-                await self.launcher.sweep(identity)
-        except BaseException:
-            await self.close()
-            raise
+        self.cgroups = await asyncio.to_thread(SlotCgroups.make, self.worker_id, self.count, dead)
+        await self.guard.start()
+        await self.launcher.start()
+        for identity in self.identities or ():  # what a worker that died left of its jobs
+            await self.launcher.sweep(identity)
 
     async def close(self) -> None:
-        """The launcher, the guard, the cgroups, the directories' lock: every job has ended."""
+        """The launcher, the guard, the cgroups, the directories' lock: every job has ended.
+        Safe after a failed open, and twice."""
         await self.launcher.stop()
         await self.guard.stop()
         if self.cgroups is not None:
