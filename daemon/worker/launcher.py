@@ -56,7 +56,7 @@ from typing import Any
 
 if __name__ == "__main__":  # run as a program, with -I -S: its package is not on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from daemon.worker import _spawn
+from daemon.worker import _spawn, cgroups
 
 MAX_FD = 2**31 - 1
 MAX_DATAGRAM = 32 * 1024  # requests are cut into datagrams of this many bytes
@@ -78,19 +78,18 @@ SYSV_UID_COLUMNS = {"shm": (7, 9), "sem": (4, 6), "msg": (7, 9)}  # /proc/sysvip
 
 def harden() -> None:
     """No privileges to gain on exec and no capabilities to pass on, for good (see above)."""
-    libc = LIBC
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+    if LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
     cap = 0
-    while libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:  # EINVAL past the last capability
+    while LIBC.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:  # EINVAL past the last capability
         cap += 1
-    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)  # EINVAL before Linux 4.3: none
+    LIBC.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)  # EINVAL before Linux 4.3: none
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
     data = (ctypes.c_uint32 * 6)()  # two of {effective, permitted, inheritable}
-    if libc.capget(header, data) != 0:
+    if LIBC.capget(header, data) != 0:
         raise OSError(ctypes.get_errno(), "capget")
     data[2] = data[5] = 0
-    if libc.capset(header, data) != 0:
+    if LIBC.capset(header, data) != 0:
         raise OSError(ctypes.get_errno(), "capset")
 
 
@@ -249,7 +248,7 @@ class Launcher:
                 gid,
                 self.cgroup_file(cgroup, "cgroup.procs") if cgroup else -1,
             )
-        except (OSError, ValueError) as exc:  # ValueError: a NUL in argv, env or cwd
+        except (OSError, ValueError) as exc:  # ValueError: a NUL (the server refuses such specs)
             self.reply({"id": request["id"], "errno": getattr(exc, "errno", None) or errno.EINVAL})
             os.close(out_r)
             return
@@ -308,8 +307,8 @@ class Launcher:
         if cgroup := request.get("cgroup"):
             with contextlib.suppress(OSError):
                 os.write(self.cgroup_file(cgroup, "cgroup.kill"), b"1")
-            with contextlib.suppress(OSError), open(os.path.join(cgroup, "cgroup.procs")) as procs:
-                left = [int(line) for line in procs.read().split()]  # killed, not yet gone
+            with contextlib.suppress(OSError):
+                left = cgroups.pids(Path(cgroup))  # killed, not yet gone
         elif request.get("uid") is not None and uid_left(request):
             self.dying[pid] = (request, code, time.monotonic() + DYING_SECONDS)
             return
