@@ -175,16 +175,18 @@ class PoolClient:
         except (ConnectionError, OSError):
             self._fail(ConnectionClosed())
 
-    def _fail(self, event: ConnectionFailed | ConnectionClosed, why: ClientError | None = None) -> None:
-        """Every request waiting fails: with `why`, else as the connection's end says."""
-        if why is not None:
-            self._closed = why
-        elif isinstance(event, ConnectionFailed):
-            self._closed = ClientError(f"the server closed the connection: {event.message}", event.code)
+    def _fail(self, event: ConnectionFailed | ConnectionClosed) -> None:
+        """The connection ended: every request waiting fails, as its end says."""
+        if isinstance(event, ConnectionFailed):
+            self._fail_all(ClientError(f"the server closed the connection: {event.message}", event.code))
         else:
-            self._closed = ServerUnreachable(f"the connection to {self.address} was closed")
+            self._fail_all(ServerUnreachable(f"the connection to {self.address} was closed"))
+
+    def _fail_all(self, why: ClientError) -> None:
+        """Every request waiting fails with `why` (and any made later)."""
+        self._closed = why
         for q in self._pending.values():
-            q.put_nowait(event)
+            q.put_nowait(ConnectionClosed())
 
     async def stream(self, request: Request) -> AsyncIterator[Reply | StreamItem]:
         """Send `request`; yield each streamed item, then the final reply. Raises ClientError."""
@@ -237,7 +239,7 @@ class PoolClient:
             await cancel_and_wait(self._reader_task)  # a cancellation of close() itself goes on
             self._reader_task = None
             if self._closed is None:
-                self._fail(ConnectionClosed(), ClientError("the client closed this connection"))
+                self._fail_all(ClientError("the client closed this connection"))
         if self._writer is not None:
             self._writer.close()
             with contextlib.suppress(ConnectionError, OSError):

@@ -185,6 +185,7 @@ class JobRun:
         self.ending: Ending | None = None
         self._proc: spawn.Child | None = None
         self._killer: asyncio.Task[None] | None = None
+        self._sampler: asyncio.Task[None] | None = None  # RSS and descendants (_sample)
         self.output = JobOutput(queue, lease, self.lose)
         self._descendants: dict[int, float] = {}  # pid -> create time, of every process seen
         self._peak_rss = 0
@@ -307,11 +308,8 @@ class JobRun:
         assert self._proc.stdout is not None
         loop = asyncio.get_running_loop()
         pump = asyncio.create_task(self.output.pump(self._proc.stdout), name=f"output {self.lease.job_id}")
-        sampler: list[asyncio.Task[None]] = []  # started once the job has run a while: most never are
-        sample = loop.call_later(
-            FIRST_SAMPLE_SECONDS,
-            lambda: sampler.append(asyncio.create_task(self._sample(pgid), name=f"rss {self.lease.job_id}")),
-        )
+        # The RSS sampler starts once the job has run a while: most never do.
+        sample = loop.call_later(FIRST_SAMPLE_SECONDS, self._start_sampler, pgid)
         timer = loop.call_later(self.lease.spec.timeout, self._timeout) if self.lease.spec.timeout else None
         try:
             returncode = await self._proc.wait()
@@ -319,8 +317,8 @@ class JobRun:
             if timer is not None:
                 timer.cancel()
             sample.cancel()
-            for task in sampler:
-                await cancel_and_wait(task)
+            if self._sampler is not None:
+                await cancel_and_wait(self._sampler)
             if self._killer is not None:
                 await cancel_and_wait(self._killer)
             # With a cgroup or an identity, all the job started has been killed by now (the
@@ -375,6 +373,9 @@ class JobRun:
             )
         state = JobState.SUCCEEDED if returncode == 0 else JobState.FAILED
         return Outcome(state, code, "" if returncode == 0 else how, result)
+
+    def _start_sampler(self, pgid: int) -> None:
+        self._sampler = asyncio.create_task(self._sample(pgid), name=f"rss {self.lease.job_id}")
 
     async def _sample(self, pgid: int) -> None:
         """Peak RSS of the job's process tree, and every descendant's pid (to find, at the end,
