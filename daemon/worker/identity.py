@@ -38,11 +38,6 @@ class SlotIdentity:
     uid: int
     gid: int
 
-    def own(self, *paths: Path) -> None:
-        """Give `paths` (not what is under them) to this identity: the slot's own directories."""
-        for path in paths:
-            os.chown(path, self.uid, self.gid)
-
     def own_tree(self, top: Path) -> None:
         """Give `top` and what is under it to this identity (a checkout, an unpacked snapshot), all
         but files with other hard links: those are the worker's cached inputs, which a job reads

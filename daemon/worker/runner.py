@@ -24,6 +24,7 @@ import enum
 import logging
 import os
 import signal
+import stat
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -397,16 +398,18 @@ class JobRun:
         return (self.output_dir, self.scratch)
 
     async def _reset_scratch(self) -> None:
-        """Empty, real directories for the job, whatever the slot's last job left; with an
-        identity, owned by it (mode 0700: no other slot's job can look in)."""
-        await self._clear_scratch()
+        """Empty, real directories for the job, whatever the slot's last job left or did to them
+        (scratch.py); with an identity, owned by it (mode 0700: no other slot's job can look in)."""
+        owner = (self.identity.uid, self.identity.gid) if self.identity is not None else None
         for path in self._scratch_dirs():
-            # mkdir on the worker's own disk (mostly finding the directory there): cheaper inline
-            # than a hop to a thread.
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if self.identity is not None:
-            self.output_dir.parent.chmod(0o711)  # the slot's own: passable to its jobs, whatever the umask
-            self.identity.own(*self._scratch_dirs())
+            # on the worker's own disk, mostly finding the directory as it should be: cheaper
+            # inline than a hop to a thread
+            if not scratch.reuse(path, owner):
+                await asyncio.to_thread(scratch.remove, path)
+                scratch.make(path, owner)
+        slot = self.output_dir.parent  # the slot's own: passable to its jobs, whatever the umask
+        if self.identity is not None and stat.S_IMODE(slot.stat().st_mode) != 0o711:
+            slot.chmod(0o711)
 
     async def _clear_scratch(self) -> None:
         """Empty the slot's directories: most jobs leave them empty (an lstat and a directory

@@ -221,6 +221,32 @@ async def test_a_jobs_temporary_files_go_with_its_attempt(queue: JobQueue, worke
     assert not left.exists()
 
 
+# A default ACL giving slot 1's uid everything in a directory: files made in it get it too.
+GIVE_TO_SLOT_1 = f"""
+import os, struct, sys
+entry = lambda tag, perm, who=0xFFFFFFFF: struct.pack("<HHI", tag, perm, who)
+acl = struct.pack("<I", 2) + entry(1, 7) + entry(2, 7, {FIRST_UID + 1}) + entry(4, 0)
+acl += entry(0x10, 7) + entry(0x20, 0)
+for d in sys.argv[1:]:
+    os.setxattr(d, "system.posix_acl_default", acl)
+"""
+
+
+async def test_what_a_job_did_to_its_directories_does_not_reach_the_next_job_of_its_slot(
+    queue: JobQueue, worker: Worker
+) -> None:
+    """A slot's directories serve job after job, each maybe another user's. A job may open its
+    own HOME, output and TMPDIR to everyone (a mode, a default ACL): the next job of the slot
+    must not inherit that, or another slot's job could read what it writes there."""
+    dirs = '"$HOME" "$GPUPOOL_OUTPUT" "$TMPDIR"'
+    first = await run(queue, f"chmod 0777 {dirs} && python3 -c '{GIVE_TO_SLOT_1}' {dirs} && echo opened")
+    assert first.state is JobState.SUCCEEDED, await output(queue, first)
+    look = "import os, sys\nfor d in sys.argv[1:]: print(oct(os.stat(d).st_mode & 0o7777), os.listxattr(d))"
+    second = await run(queue, f"python3 -c '{look}' {dirs}")  # on slot 0 both times: the first free
+    assert second.state is JobState.SUCCEEDED, await output(queue, second)
+    assert (await output(queue, second)).splitlines() == ["0o700 []"] * 3
+
+
 async def test_what_a_job_leaves_in_the_machines_shared_temporary_directories_goes_with_it(
     queue: JobQueue, worker: Worker
 ) -> None:
