@@ -52,6 +52,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ SYSV_UID_COLUMNS = {"shm": (7, 9), "sem": (4, 6), "msg": (7, 9)}  # /proc/sysvip
 SHM_INFO, SEM_INFO, MSG_INFO = 14, 19, 12  # <linux/shm.h>, <linux/sem.h>, <linux/msg.h>
 # How many objects of each kind the machine has: the *_INFO command, and the int of its answer
 # that counts them (shm_info.used_ids, seminfo.semusz, msginfo.msgpool).
-SYSV_COUNTS = {
+SYSV_COUNTS: dict[str, tuple[Callable[[Any], int], int]] = {
     "shm": (lambda info: LIBC.shmctl(0, SHM_INFO, info), 0),
     "sem": (lambda info: LIBC.semctl(0, 0, SEM_INFO, info), 7),
     "msg": (lambda info: LIBC.msgctl(0, MSG_INFO, info), 0),
