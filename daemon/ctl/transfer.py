@@ -231,6 +231,8 @@ async def put(client: PoolClient, path: Path, name: str | None) -> tuple[ObjectR
 async def resolve_input(client: PoolClient, text: str) -> dict[str, str]:
     """An `--input` as the job spec's `inputs` entry; a local path is uploaded first."""
     what, dest, local = await asyncio.to_thread(split_input, text)
+    if not local and ("/" in what or what.startswith((".", "~"))):  # no dataset name looks so
+        raise TransferError(f"--input {what}: no such file or directory")
     if local:
         ref, _ = await put(client, Path(what), None)
         default = Path(what).name or what

@@ -117,6 +117,16 @@ async def test_error_messages(pool: Pool, tmp_path: Path) -> None:
     assert (code, "not a server address" in err) == (2, True)
 
 
+async def test_an_input_path_that_is_not_there_is_said_to_be_missing(pool: Pool, tmp_path: Path) -> None:
+    """A dataset name has no '/' and does not start with '.': such an --input is a path, and one
+    that is not there is a missing file, not a bad dataset name."""
+    env = pool.env("alice")
+    for missing in ("/nonexistent", "./nothere.txt", "data/train.bin:train.bin", "~/x"):
+        code, _, err = await poolctl(env, "enqueue", "--input", missing, "--", "true")
+        path = missing.rpartition(":")[0] or missing
+        assert (code, err.strip()) == (2, f"poolctl: --input {path}: no such file or directory"), missing
+
+
 async def test_workers_with_none_registered_and_health(pool: Pool) -> None:
     code, out, _ = await poolctl(pool.env(), "workers")
     assert code == 0
