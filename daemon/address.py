@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ipaddress
 
+SERVER_PORT = 7420  # the wire protocol's port, where no address names one
+
 EXAMPLE = "expected HOST:PORT, e.g. 127.0.0.1:7420 or [::1]:7420"
 
 

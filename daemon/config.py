@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from daemon.address import parse_host_port
+from daemon.address import SERVER_PORT, parse_host_port
 from daemon.errors import ConfigError
 
 ENV_PREFIX = "GPUPOOL_"
 DEFAULT_CONFIG_FILE = Path("/etc/gpupool/pool.toml")
-SERVER_PORT = 7420
 SERVER_METRICS_PORT = 9420
 WORKER_METRICS_PORT = 9421
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import getpass
 import os
-import secrets
 import stat
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +77,8 @@ def ensure_local_token(data_dir: Path, env: Mapping[str, str] | None = None) -> 
     poolctl finds (the client file; kept if there is one). Returns the server's tokens file."""
     token = client_token(env)
     if token is None:
+        import secrets  # noqa: PLC0415 - the server's side: poolctl shares this module, never needs it
+
         token = secrets.token_urlsafe(TOKEN_BYTES)
         _write_private(client_dir(env) / "token", token + "\n")
     path = data_dir / "tokens.toml"
@@ -114,6 +114,8 @@ def read_users(path: Path) -> Users:
         raise TokenError(
             f"tokens file {path} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 it"
         )
+    import tomllib  # noqa: PLC0415 - the server's side, as above
+
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -9,20 +9,16 @@ the job's own exit code; `health` exits 0 only when the server and its Redis ans
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
-
-import orjson
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from daemon import tokens
-from daemon.config import SERVER_PORT
-from daemon.ctl import render, transfer
-from daemon.ctl.checkout import git_source
-from daemon.ctl.pool_client import AuthFailed, ClientError, PoolClient, ServerUnreachable, parse_address
+from daemon.address import SERVER_PORT
+from daemon.ctl import one_shot, render
+from daemon.ctl.session import AuthFailed, ClientError, ServerUnreachable, parse_address
 from daemon.errors import GpupoolError
 from daemon.job import TERMINAL_STATES, check_combination
 from protocol import (
@@ -40,12 +36,19 @@ from protocol import (
     ListWorkers,
     LogChunk,
     LogEnd,
+    Reply,
+    Request,
     ShowJob,
     Waited,
     WaitJobs,
     WorkerList,
 )
-from storage.base import StorageError
+
+if TYPE_CHECKING:
+    from daemon.ctl.pool_client import PoolClient
+
+R = TypeVar("R", bound=Reply)
+Call = Callable[[Request, type[R]], R]  # one request, its reply: one_shot.call, bound to the pool
 
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH, EXIT_NOT_FOUND, EXIT_NOT_YOURS = 1, 2, 3, 4, 5, 6
 EXIT_TIMEOUT = 124
@@ -159,7 +162,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return asyncio.run(_run(args))
+        return _run(args)
     except ServerUnreachable as exc:
         print(f"poolctl: {render.clean(exc)}", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -169,9 +172,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GpupoolError as exc:  # usage, the server's refusal, git, a transfer: the sentence says
         print(f"poolctl: {render.clean(exc)}", file=sys.stderr)
         return EXIT_FOR_CODE.get(exc.code, EXIT_FAILED)
-    except StorageError as exc:  # the local store of a single-machine pool failed
-        print(f"poolctl: {render.clean(exc)}", file=sys.stderr)
-        return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `poolctl logs JOB | head`
@@ -188,41 +188,92 @@ def _address(args: argparse.Namespace) -> str:
     return address
 
 
-async def _run(args: argparse.Namespace) -> int:
-    if args.command == "enqueue":
-        request = _enqueue_request(args)  # validate before connecting
+def _run(args: argparse.Namespace) -> int:
+    """Most commands are one request and its reply, over a blocking socket (one_shot.py); those
+    that stream or move data run on an event loop, with PoolClient."""
+    request = _enqueue_request(args) if args.command == "enqueue" else None  # checked before connecting
     address = _address(args)
     tls_ca = args.tls_ca or os.environ.get("GPUPOOL_TLS_CA")
     # auto: TLS beyond loopback; on; off. The same variable sets poold's `tls` option: one meaning.
     tls = os.environ.get("GPUPOOL_TLS", "auto")
-    async with PoolClient(
-        address, tokens.local_user(), tokens.client_token(), tls_ca=tls_ca, tls=tls
-    ) as client:
-        match args.command:
-            case "enqueue":
-                return await _enqueue(client, request, args)
-            case "put":
-                return await _put(client, args)
-            case "get":
-                return await _get(client, args)
-            case "ls":
-                reply = await client.call(ListJobs(args.queue, args.state, args.all, args.limit), JobList)
-                render.jobs(reply.jobs, as_json=args.json)
-            case "show":
-                detail = await client.call(ShowJob(args.job), JobDetail)
-                render.job(detail.job, as_json=args.json)
-            case "logs":
-                return await _logs(client, args.job, args.follow)
-            case "cancel":
-                return await _cancel(client, args.jobs)
-            case "wait":
-                return await _wait(client, args.jobs, args.timeout)
-            case "workers":
-                render.workers((await client.call(ListWorkers(), WorkerList)).workers, as_json=args.json)
-            case "health":
-                workers = (await client.call(ListWorkers(), WorkerList)).workers  # a round trip to Redis too
-                healthy = sum(1 for w in workers if w.get("health") == "healthy")
-                print(f"ok: server {address} answers, {healthy} healthy worker(s)")
+    user, token = tokens.local_user(), tokens.client_token()
+    if args.command in ("put", "get", "logs") or (isinstance(request, Enqueue) and _moves_data(args)):
+        import asyncio
+
+        from daemon.ctl.pool_client import PoolClient
+        from storage.base import StorageError
+
+        async def on_loop() -> int:
+            async with PoolClient(address, user, token, tls_ca=tls_ca, tls=tls) as client:
+                return await _on_loop(client, args, request)
+
+        try:
+            return asyncio.run(on_loop())
+        except StorageError as exc:  # the local store of a single-machine pool failed
+            raise ClientError(str(exc)) from None
+
+    def call(request: Request, reply_type: type[R]) -> R:
+        return one_shot.call(address, user, token, request, reply_type, tls_ca=tls_ca, tls=tls)
+
+    return _one_request(call, args, request, address)
+
+
+async def _on_loop(
+    client: PoolClient, args: argparse.Namespace, request: Enqueue | EnqueueBatch | None
+) -> int:
+    match args.command:
+        case "put":
+            return await _put(client, args)
+        case "get":
+            return await _get(client, args)
+        case "logs":
+            return await _logs(client, args.job, args.follow)
+    assert isinstance(request, Enqueue)
+    await _attach_data(client, request.spec, args)
+    return _enqueued(await client.call(request, Enqueued), args.json)
+
+
+def _one_request(
+    call: Call[Any], args: argparse.Namespace, request: Enqueue | EnqueueBatch | None, address: str
+) -> int:
+    match args.command:
+        case "enqueue" if isinstance(request, EnqueueBatch):
+            for job_id in call(request, EnqueuedBatch).job_ids:
+                print(_json({"id": job_id}) if args.json else job_id)
+        case "enqueue":
+            assert request is not None
+            return _enqueued(call(request, Enqueued), args.json)
+        case "ls":
+            listing = ListJobs(args.queue, args.state, args.all, args.limit)
+            render.jobs(call(listing, JobList).jobs, as_json=args.json)
+        case "show":
+            render.job(call(ShowJob(args.job), JobDetail).job, as_json=args.json)
+        case "cancel":
+            return _cancel(call, args.jobs)
+        case "wait":
+            return _wait(call, args.jobs, args.timeout)
+        case "workers":
+            render.workers(call(ListWorkers(), WorkerList).workers, as_json=args.json)
+        case "health":
+            workers = call(ListWorkers(), WorkerList).workers  # a round trip to Redis too
+            healthy = sum(1 for w in workers if w.get("health") == "healthy")
+            print(f"ok: server {address} answers, {healthy} healthy worker(s)")
+    return 0
+
+
+def _moves_data(args: argparse.Namespace) -> bool:
+    """An enqueue that must pin a commit or upload first (several requests, on a loop)."""
+    return args.git is not None or bool(args.input) or args.snapshot
+
+
+def _json(value: object) -> str:
+    import orjson
+
+    return orjson.dumps(value).decode()
+
+
+def _enqueued(reply: Enqueued, as_json: bool) -> int:
+    print(_json({"id": reply.job_id, "created": reply.created}) if as_json else reply.job_id)
     return 0
 
 
@@ -230,6 +281,8 @@ def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
     if args.from_file:
         if args.input or args.snapshot:
             raise UsageError("--input and --snapshot go with one job, not --from-file")
+        import orjson
+
         try:
             lines = Path(args.from_file).read_bytes().splitlines()
             specs = [orjson.loads(line) for line in lines if line.strip()]
@@ -274,6 +327,8 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _put(client: PoolClient, args: argparse.Namespace) -> int:
+    from daemon.ctl import transfer
+
     ref, sent = await transfer.put(client, Path(args.path), args.name)
     note = "" if sent else "\t(already stored)"
     print(f"{ref.name or ref.sha256}\tsha256:{ref.sha256}\t{ref.size} bytes\t{ref.kind}{note}")
@@ -281,6 +336,8 @@ async def _put(client: PoolClient, args: argparse.Namespace) -> int:
 
 
 async def _get(client: PoolClient, args: argparse.Namespace) -> int:
+    from daemon.ctl import transfer
+
     job = (await client.call(ShowJob(args.job), JobDetail)).job
     if job["state"] not in TERMINAL_STATES:
         print(f"poolctl: job {args.job} has not finished ({job['state']}): no artifacts yet", file=sys.stderr)
@@ -296,7 +353,13 @@ async def _get(client: PoolClient, args: argparse.Namespace) -> int:
 async def _attach_data(client: PoolClient, spec: dict[str, Any], args: argparse.Namespace) -> None:
     """Pin the commit --git names; upload what --input and --snapshot name; record them in the spec."""
     if args.git is not None:
+        from daemon.ctl.checkout import git_source
+
         spec["git"] = await git_source(args.git, args.ref)
+    if not (args.snapshot or args.input):
+        return
+    from daemon.ctl import transfer  # aiohttp: only for the commands that move data
+
     try:
         if args.snapshot:
             spec["snapshot"] = await transfer.upload_snapshot(client, Path.cwd())
@@ -304,19 +367,6 @@ async def _attach_data(client: PoolClient, spec: dict[str, Any], args: argparse.
             spec["inputs"] = [await transfer.resolve_input(client, text) for text in args.input]
     except transfer.TransferError as exc:
         raise UsageError(str(exc)) from None
-
-
-async def _enqueue(client: PoolClient, request: Enqueue | EnqueueBatch, args: argparse.Namespace) -> int:
-    as_json = args.json
-    if isinstance(request, EnqueueBatch):
-        ids = (await client.call(request, EnqueuedBatch)).job_ids
-        for job_id in ids:
-            print(orjson.dumps({"id": job_id}).decode() if as_json else job_id)
-        return 0
-    await _attach_data(client, request.spec, args)
-    reply = await client.call(request, Enqueued)
-    print(orjson.dumps({"id": reply.job_id, "created": reply.created}).decode() if as_json else reply.job_id)
-    return 0
 
 
 async def _logs(client: PoolClient, job_id: str, follow: bool) -> int:
@@ -335,8 +385,8 @@ async def _logs(client: PoolClient, job_id: str, follow: bool) -> int:
     return 0 if end.state == "succeeded" else EXIT_FAILED
 
 
-async def _cancel(client: PoolClient, job_ids: list[str]) -> int:
-    states = (await client.call(CancelJobs(job_ids), Cancelled)).states
+def _cancel(call: Call[Cancelled], job_ids: list[str]) -> int:
+    states = call(CancelJobs(job_ids), Cancelled).states
     status = 0
     for job_id in job_ids:
         state = states.get(job_id, "not_found")
@@ -352,8 +402,8 @@ async def _cancel(client: PoolClient, job_ids: list[str]) -> int:
     return status
 
 
-async def _wait(client: PoolClient, job_ids: list[str], limit: float | None) -> int:
-    reply = await client.call(WaitJobs(job_ids, limit), Waited)
+def _wait(call: Call[Waited], job_ids: list[str], limit: float | None) -> int:
+    reply = call(WaitJobs(job_ids, limit), Waited)
     for job in reply.jobs:
         print(
             f"{job['id']}\t{job['state']}"

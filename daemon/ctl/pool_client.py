@@ -11,14 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
-from daemon.address import is_loopback, parse_host_port
 from daemon.aio import cancel_and_wait
-from daemon.ctl import known_servers
-from daemon.errors import GpupoolError
+from daemon.ctl import session
+from daemon.ctl.session import AuthFailed, ClientError, ServerUnreachable, parse_address
 from protocol import (
     NEED_DATA,
     Authenticated,
@@ -36,30 +34,12 @@ from protocol import (
     StreamItem,
 )
 
+__all__ = ["AuthFailed", "ClientError", "PoolClient", "ServerUnreachable", "parse_address"]
+
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=Reply)
 _Item = ReplyReceived | RequestFailed | ConnectionFailed | ConnectionClosed
-
-
-class ClientError(GpupoolError):
-    """A request or the connection failed; `code` is the error code the server sent (kept as a
-    number when this version does not know it), INTERNAL when it sent none."""
-
-
-class ServerUnreachable(ClientError):
-    pass
-
-
-class AuthFailed(ClientError):
-    pass
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    try:
-        return parse_host_port(address, default_host="127.0.0.1")
-    except ValueError as exc:
-        raise ClientError(f"{address!r} is not a server address; {exc}") from None
 
 
 class PoolClient:
@@ -73,9 +53,7 @@ class PoolClient:
         self.user = user
         self.conn = ClientConnection(user, token.encode() if token else None, client_name="poolctl")
         self.tls_ca = tls_ca
-        if tls not in ("auto", "on", "off"):
-            raise ClientError(f"GPUPOOL_TLS={tls!r}: expected auto, on or off")
-        self.tls = tls != "off" and (tls == "on" or bool(tls_ca) or not is_loopback(self.host))
+        self.tls = session.wants_tls(self.host, tls, tls_ca)
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
@@ -90,35 +68,18 @@ class PoolClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _tls_context(self) -> ssl.SSLContext | None:
-        if not self.tls:
-            return None
-        if self.tls_ca:
-            return ssl.create_default_context(cafile=self.tls_ca)
-        # No CA vouches for the server's own certificate: it is checked against its pin instead,
-        # before a byte of the handshake is sent.
-        ctx = ssl.create_default_context()
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-        return ctx
-
     async def connect(self, handshake_seconds: float = 10.0) -> None:
-        ctx = self._tls_context()
+        ctx = session.tls_context(self.tls_ca) if self.tls else None
         try:
             self._reader, self._writer = await asyncio.wait_for(
                 asyncio.open_connection(self.host, self.port, ssl=ctx), handshake_seconds
             )
         except (OSError, TimeoutError) as exc:
-            reason = getattr(exc, "strerror", None) or type(exc).__name__
-            raise ServerUnreachable(
-                f"cannot reach the pool server at {self.address} ({reason}). Start one with `make run` "
-                "(or `poold`), or point poolctl at yours with --server HOST:PORT or GPUPOOL_SERVER."
-            ) from None
+            raise session.unreachable(self.address, exc) from None
         assert self._writer is not None
-        if ctx is not None and not self.tls_ca:
-            der = self._writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        if ctx is not None:
             try:
-                known_servers.check(self.address, der)
+                session.check_pin(self.address, self.tls_ca, self._writer.get_extra_info("ssl_object"))
             except BaseException:
                 await self.close()
                 raise
@@ -139,19 +100,8 @@ class PoolClient:
             self.conn.receive_data(data)
             while (event := self.conn.next_event()) is not NEED_DATA:
                 self._writer.write(self.conn.data_to_send())
-                match event:
-                    case Authenticated():
-                        return event
-                    case ConnectionFailed(code=code, message=message):
-                        if code == ErrorCode.AUTH_FAILED:
-                            raise AuthFailed(
-                                f"the server at {self.address} refused user {self.user!r}: {message} "
-                                "Check GPUPOOL_TOKEN or ~/.config/gpupool/token.",
-                                code,
-                            )
-                        raise ClientError(f"the server refused the connection: {message}", code)
-                    case ConnectionClosed():
-                        raise ServerUnreachable(f"the server at {self.address} closed the connection")
+                if (welcome := session.handshake_outcome(event, self.address, self.user)) is not None:
+                    return welcome
             self._writer.write(self.conn.data_to_send())
 
     async def _read_loop(self) -> None:
@@ -177,10 +127,7 @@ class PoolClient:
 
     def _fail(self, event: ConnectionFailed | ConnectionClosed) -> None:
         """The connection ended: every request waiting fails, as its end says."""
-        if isinstance(event, ConnectionFailed):
-            self._fail_all(ClientError(f"the server closed the connection: {event.message}", event.code))
-        else:
-            self._fail_all(ServerUnreachable(f"the connection to {self.address} was closed"))
+        self._fail_all(session.connection_ended(event, self.address))
 
     def _fail_all(self, why: ClientError) -> None:
         """Every request waiting fails with `why` (and any made later)."""

@@ -14,11 +14,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import orjson
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
 # C0 and C1 controls, DEL, the line and paragraph separators, and the bidirectional and zero-width
 # marks (U+061C, U+200B-U+200F, U+2028-U+202E, U+2066-U+2069, U+FEFF)
 _HOSTILE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff]")
@@ -59,8 +54,12 @@ def duration(seconds: float | None) -> str:
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], state_col: int | None = None) -> None:
     rows = [[clean(cell) for cell in row] for row in rows]
-    console = Console()
-    if console.is_terminal:
+    if sys.stdout.isatty():  # rich only then: importing it is a third of a one-shot command's start
+        from rich.console import Console
+        from rich.markup import escape
+        from rich.table import Table
+
+        console = Console()
         table = Table(*headers, box=None, header_style="bold", pad_edge=False)
         for row in rows:
             cells = [escape(cell) for cell in row]
@@ -75,6 +74,8 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], state_col: int
 
 
 def _json_lines(items: Sequence[dict[str, Any]]) -> None:
+    import orjson
+
     for item in items:
         sys.stdout.write(orjson.dumps(item).decode() + "\n")
 

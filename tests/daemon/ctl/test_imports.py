@@ -75,3 +75,34 @@ async def test_poolctl_loads_nothing_it_does_not_use(
     assert out  # it did run poolctl: usage, a job id, a table, a job's record
     assert "daemon.ctl.cli" in modules
     assert forbidden(modules) == []
+
+
+# What a one-request command never needs (issue 15: a command's start is mostly its imports): an
+# event loop (one_shot.py asks over a blocking socket), the data mover's HTTP client, the terminal
+# renderer when piped, TLS on loopback.
+NOT_FOR_ONE_REQUEST = ("asyncio", "aiohttp", "rich", "ssl")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("enqueue", "--", "true"),
+        ("ls",),
+        ("show", "JOB"),
+        ("workers",),
+        ("cancel", "JOB"),
+        ("wait", "--timeout", "0.1", "JOB"),  # no worker here: it times out (124), having asked
+    ],
+    ids=["enqueue", "ls", "show", "workers", "cancel", "wait"],
+)
+async def test_a_one_request_command_loads_no_event_loop_http_client_or_terminal_renderer(
+    pool: Pool, tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    env = pool.env("alice")
+    if "JOB" in args:
+        code, job_id, _ = await loaded_by(tmp_path, env, "enqueue", "--", "true")
+        assert code == 0
+        args = tuple(job_id.strip() if a == "JOB" else a for a in args)
+    code, out, modules = await loaded_by(tmp_path, env, *args)
+    assert (code, bool(out)) == (124 if args[0] == "wait" else 0, True)
+    assert [m for m in modules if m.split(".")[0] in NOT_FOR_ONE_REQUEST] == []

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from daemon.ctl import known_servers
+from daemon.ctl import known_servers, one_shot
 from daemon.ctl.pool_client import PoolClient, ServerUnreachable
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server.certificate import certificate_fingerprint
@@ -85,6 +86,30 @@ async def test_a_server_makes_its_own_certificate_and_poolctl_pins_it(
     # The certificate is made once: a restart keeps it, and with it every pin.
     async with running_pool(redis_server, tmp_path, tls="on"):
         assert certificate_fingerprint(cert) == pinned[1]
+
+
+async def test_a_one_request_command_pins_and_checks_the_certificate_as_well(
+    redis_server: EmbeddedRedis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """poolctl's one-request commands go over a blocking socket (one_shot.py), not PoolClient: the
+    same pin on first meeting, the same refusal of another certificate, and the CA when given."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    async with running_pool(redis_server, tmp_path, tls="on") as pool:
+        token = pool.tokens["alice"]
+
+        def ping(**tls: str) -> Pong:
+            return one_shot.call(pool.address, "alice", token, Ping(), Pong, **tls)
+
+        for _ in range(2):  # in a thread: the server answers on this test's loop
+            assert isinstance(await asyncio.to_thread(ping, tls="on"), Pong)
+        cert = tmp_path / "data" / "tls" / "cert.pem"
+        pinned = known_servers.known_servers_file().read_text().split()
+        assert pinned == [pool.address, certificate_fingerprint(cert)]
+        known_servers.known_servers_file().write_text(f"{pool.address} SHA256:{'0' * 64}\n")
+        with pytest.raises(known_servers.CertificateChanged, match="someone may be between"):
+            await asyncio.to_thread(ping, tls="on")
+        with pytest.raises(ServerUnreachable):
+            await asyncio.to_thread(ping, tls="off")  # a plain client: the TLS server never answers
 
 
 def test_beyond_loopback_poolctl_speaks_tls_unless_told_otherwise() -> None:

@@ -1,0 +1,104 @@
+"""One request and its reply over a blocking socket: what most poolctl commands are (enqueue, ls,
+show, cancel, workers, health). No event loop to import and start: importing asyncio alone took
+longer than connecting, authenticating and asking. The protocol is sans-IO
+(`protocol.ClientConnection`): this and the async `PoolClient` drive the same state machine, and
+session.py holds what they share (addresses, TLS and its pin, what each failure means).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import TypeVar
+
+from daemon.ctl import session
+from daemon.ctl.session import ClientError
+from protocol import (
+    NEED_DATA,
+    ClientConnection,
+    ConnectionClosed,
+    ConnectionFailed,
+    Event,
+    LocalProtocolError,
+    Reply,
+    ReplyReceived,
+    Request,
+    RequestFailed,
+)
+
+R = TypeVar("R", bound=Reply)
+
+HANDSHAKE_SECONDS = 10.0  # to connect, and to be let in; the request itself may take its time
+READ_SIZE = 256 * 1024
+
+
+def call(
+    address: str,
+    user: str,
+    token: str | None,
+    request: Request,
+    reply_type: type[R],
+    *,
+    tls_ca: str | None = None,
+    tls: str = "auto",
+) -> R:
+    """Connect to `address` as `user`, send `request`, and return its final reply, checked to be
+    a `reply_type`. Raises ClientError (ServerUnreachable, AuthFailed) as PoolClient does."""
+    host, port = session.parse_address(address)
+    use_tls = session.wants_tls(host, tls, tls_ca)
+    conn = ClientConnection(user, token.encode() if token else None, client_name="poolctl")
+    try:
+        sock = socket.create_connection((host, port), timeout=HANDSHAKE_SECONDS)
+    except OSError as exc:
+        raise session.unreachable(address, exc) from None
+    try:
+        if use_tls:
+            try:
+                sock = session.tls_context(tls_ca).wrap_socket(sock, server_hostname=host)
+            except OSError as exc:
+                raise session.unreachable(address, exc) from None
+            session.check_pin(address, tls_ca, sock)
+        events = _events(sock, conn, address)
+        sock.sendall(conn.start())
+        while session.handshake_outcome(next(events), address, user) is None:
+            pass
+        sock.settimeout(None)
+        try:
+            request_id, data = conn.request(request)
+        except LocalProtocolError as exc:  # the server said goodbye before the request left
+            raise ClientError(f"the server at {address} is closing this connection; connect again") from exc
+        sock.sendall(data)
+        for event in events:
+            match event:
+                case ReplyReceived(request_id=rid, message=message, final=True) if rid == request_id:
+                    if not isinstance(message, reply_type):
+                        raise ClientError(
+                            f"unexpected reply {type(message).__name__} to {type(request).__name__}"
+                        )
+                    return message
+                case RequestFailed(request_id=rid, code=code, message=text) if rid == request_id:
+                    raise ClientError(text, code)
+                case ConnectionFailed() | ConnectionClosed():
+                    raise session.connection_ended(event, address)
+        raise session.connection_ended(ConnectionClosed(), address)
+    finally:
+        sock.close()
+
+
+def _events(sock: socket.socket, conn: ClientConnection, address: str) -> Iterator[Event]:
+    """The connection's events, reading as they need, writing what the protocol answers."""
+    while True:
+        event = conn.next_event()
+        if out := conn.data_to_send():
+            sock.sendall(out)
+        if event is not NEED_DATA:
+            yield event
+            if isinstance(event, (ConnectionFailed, ConnectionClosed)):
+                return
+            continue
+        try:
+            conn.receive_data(sock.recv(READ_SIZE))
+        except TimeoutError:
+            raise session.ServerUnreachable(f"the server at {address} did not finish the handshake") from None
+        except OSError:
+            conn.receive_data(b"")  # a reset: the connection closed

@@ -1,0 +1,104 @@
+"""What a connection to the pool server is, whatever drives it: the async `PoolClient`
+(pool_client.py) and the blocking `one_shot` call share it. Loop-free, and light to import: most
+poolctl commands are one request, and a command's start is mostly its imports.
+
+It says where to connect (`parse_address`), whether with TLS and how to trust the server
+(`tls_context`, `check_pin`: known_servers.py), and what each way of failing means to a user:
+`ClientError` and its kinds, each with the sentence poolctl prints.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from daemon.address import is_loopback, parse_host_port
+from daemon.errors import GpupoolError
+from protocol import Authenticated, ConnectionClosed, ConnectionFailed, ErrorCode, Event
+
+if TYPE_CHECKING:
+    import ssl
+
+
+class ClientError(GpupoolError):
+    """A request or the connection failed; `code` is the error code the server sent (kept as a
+    number when this version does not know it), INTERNAL when it sent none."""
+
+
+class ServerUnreachable(ClientError):
+    pass
+
+
+class AuthFailed(ClientError):
+    pass
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    try:
+        return parse_host_port(address, default_host="127.0.0.1")
+    except ValueError as exc:
+        raise ClientError(f"{address!r} is not a server address; {exc}") from None
+
+
+def wants_tls(host: str, tls: str, tls_ca: str | None) -> bool:
+    """`tls`: "auto" speaks TLS to a server beyond loopback, or to any with `tls_ca`; "on"
+    always; "off" never."""
+    if tls not in ("auto", "on", "off"):
+        raise ClientError(f"GPUPOOL_TLS={tls!r}: expected auto, on or off")
+    return tls != "off" and (tls == "on" or bool(tls_ca) or not is_loopback(host))
+
+
+def tls_context(tls_ca: str | None) -> ssl.SSLContext:
+    """Verified by `tls_ca`; else no CA vouches for the server's own certificate, and it is
+    checked against its pin (`check_pin`) before a byte of the handshake is sent."""
+    import ssl  # only with TLS: loopback pools never pay for it
+
+    if tls_ca:
+        return ssl.create_default_context(cafile=tls_ca)
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def check_pin(address: str, tls_ca: str | None, ssl_object: ssl.SSLObject | ssl.SSLSocket) -> None:
+    """Without a CA, the server's certificate must be the one pinned for `address` (or is pinned
+    now, on first use)."""
+    if not tls_ca:
+        from daemon.ctl import known_servers
+
+        der = ssl_object.getpeercert(binary_form=True)
+        assert der is not None
+        known_servers.check(address, der)
+
+
+def unreachable(address: str, exc: BaseException) -> ServerUnreachable:
+    reason = getattr(exc, "strerror", None) or type(exc).__name__
+    return ServerUnreachable(
+        f"cannot reach the pool server at {address} ({reason}). Start one with `make run` "
+        "(or `poold`), or point poolctl at yours with --server HOST:PORT or GPUPOOL_SERVER."
+    )
+
+
+def handshake_outcome(event: Event, address: str, user: str) -> Authenticated | None:
+    """What a handshake event means: the welcome, or None to go on; a refusal raises."""
+    match event:
+        case Authenticated():
+            return event
+        case ConnectionFailed(code=code, message=message):
+            if code == ErrorCode.AUTH_FAILED:
+                raise AuthFailed(
+                    f"the server at {address} refused user {user!r}: {message} "
+                    "Check GPUPOOL_TOKEN or ~/.config/gpupool/token.",
+                    code,
+                )
+            raise ClientError(f"the server refused the connection: {message}", code)
+        case ConnectionClosed():
+            raise ServerUnreachable(f"the server at {address} closed the connection")
+    return None
+
+
+def connection_ended(event: ConnectionFailed | ConnectionClosed, address: str) -> ClientError:
+    """Why every request still waiting on a connection that ended failed."""
+    if isinstance(event, ConnectionFailed):
+        return ClientError(f"the server closed the connection: {event.message}", event.code)
+    return ServerUnreachable(f"the connection to {address} was closed")
