@@ -22,7 +22,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,9 +29,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import bench_env, machine, save
-from daemon import config, tokens
-from daemon.server.service import PoolServer
+from bench.common import bench_server, machine, save
+from daemon import tokens
 
 POOLCTL = str(Path(sys.executable).with_name("poolctl"))
 BARE_REQUEST = (
@@ -55,44 +53,38 @@ async def timed(argv: list[str], env: dict[str, str]) -> float:
 
 
 async def measure(runs: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = config.load(None, env=bench_env(tmp, GPUPOOL_WORKER_LOCAL_PROCESSORS="0"))
-        server = PoolServer(cfg)
-        await server.start()
-        try:
-            assert server.listener is not None
-            address, user, token = server.listener.address, tokens.local_user(), tokens.client_token()
-            env = {**os.environ, "GPUPOOL_SERVER": address}
-            assert token is not None
-            out = await asyncio.create_subprocess_exec(
-                POOLCTL, "enqueue", "--", "true", env=env, stdout=asyncio.subprocess.PIPE
-            )
-            job = (await out.communicate())[0].decode().strip()
-            commands: dict[str, list[str]] = {
-                "python -c pass": [sys.executable, "-c", "pass"],
-                "bare request (one_shot, ShowJob)": [
-                    sys.executable,
-                    "-c",
-                    BARE_REQUEST,
-                    address,
-                    user,
-                    token,
-                    job,
-                ],
-                "poolctl enqueue -- true": [POOLCTL, "enqueue", "--", "true"],
-                "poolctl show JOB": [POOLCTL, "show", job],
-                "poolctl ls": [POOLCTL, "ls"],
-            }
-            if shutil.which("sbatch"):
-                commands["sbatch --wrap true"] = ["sbatch", "--wrap", "true"]
-            if shutil.which("tsp"):
-                commands["tsp true"] = ["tsp", "true"]
-            times: dict[str, list[float]] = {name: [] for name in commands}
-            for _ in range(runs):  # round-robin: drift reaches every command alike
-                for name, argv in commands.items():
-                    times[name].append(await timed(argv, env))
-        finally:
-            await server.stop()
+    async with bench_server() as server:
+        assert server.listener is not None
+        address, user, token = server.listener.address, tokens.local_user(), tokens.client_token()
+        env = {**os.environ, "GPUPOOL_SERVER": address}
+        assert token is not None
+        out = await asyncio.create_subprocess_exec(
+            POOLCTL, "enqueue", "--", "true", env=env, stdout=asyncio.subprocess.PIPE
+        )
+        job = (await out.communicate())[0].decode().strip()
+        commands: dict[str, list[str]] = {
+            "python -c pass": [sys.executable, "-c", "pass"],
+            "bare request (one_shot, ShowJob)": [
+                sys.executable,
+                "-c",
+                BARE_REQUEST,
+                address,
+                user,
+                token,
+                job,
+            ],
+            "poolctl enqueue -- true": [POOLCTL, "enqueue", "--", "true"],
+            "poolctl show JOB": [POOLCTL, "show", job],
+            "poolctl ls": [POOLCTL, "ls"],
+        }
+        if shutil.which("sbatch"):
+            commands["sbatch --wrap true"] = ["sbatch", "--wrap", "true"]
+        if shutil.which("tsp"):
+            commands["tsp true"] = ["tsp", "true"]
+        times: dict[str, list[float]] = {name: [] for name in commands}
+        for _ in range(runs):  # round-robin: drift reaches every command alike
+            for name, argv in commands.items():
+                times[name].append(await timed(argv, env))
     medians = {name: statistics.median(ts) * 1000 for name, ts in times.items()}
     base = medians["python -c pass"]
     return {

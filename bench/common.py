@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import statistics
+import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import orjson
+
+from daemon import config
+from daemon.server.service import PoolServer
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -65,3 +71,18 @@ def bench_env(tmp: str, **extra: str) -> dict[str, str]:
         "GPUPOOL_LOG_LEVEL": "warning",
         **extra,
     }
+
+
+@contextlib.asynccontextmanager
+async def bench_server() -> AsyncIterator[PoolServer]:
+    """A started PoolServer of its own (embedded Redis, listener on a free port, no local
+    workers), stopped on the way out."""
+    with tempfile.TemporaryDirectory() as tmp:
+        server = PoolServer(config.load(None, env=bench_env(tmp, GPUPOOL_WORKER_LOCAL_PROCESSORS="0")))
+        await server.start()
+        try:
+            assert server.listener is not None
+            assert server.queue is not None
+            yield server
+        finally:
+            await server.stop()

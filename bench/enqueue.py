@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -18,11 +17,10 @@ import uvloop
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import bench_env, machine, save
-from daemon import config, tokens
+from bench.common import bench_server, machine, save
+from daemon import tokens
 from daemon.ctl.pool_client import PoolClient
 from daemon.job import JobSpec
-from daemon.server.service import PoolServer
 from protocol import Enqueue, EnqueueBatch, Enqueued, EnqueuedBatch
 
 
@@ -45,23 +43,18 @@ async def client_rates(address: str, jobs: int, batch: int) -> dict[str, float]:
 
 
 async def measure(jobs: int, batch: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        server = PoolServer(config.load(None, env=bench_env(tmp, GPUPOOL_WORKER_LOCAL_PROCESSORS="0")))
-        await server.start()
-        try:
-            assert server.listener is not None
-            assert server.queue is not None
-            version = (await server.queue.redis.info("server"))["redis_version"]
-            argv = [sys.executable, "-m", "bench.enqueue", "--client", server.listener.address]
-            client = await asyncio.create_subprocess_exec(
-                *argv, "--jobs", str(jobs), "--batch", str(batch), stdout=asyncio.subprocess.PIPE
-            )
-            out, _ = await client.communicate()
-            if client.returncode != 0:
-                raise RuntimeError(f"the bench client failed ({client.returncode})")
-            rates = orjson.loads(out)
-        finally:
-            await server.stop()
+    async with bench_server() as server:
+        assert server.listener is not None
+        assert server.queue is not None
+        version = (await server.queue.redis.info("server"))["redis_version"]
+        argv = [sys.executable, "-m", "bench.enqueue", "--client", server.listener.address]
+        client = await asyncio.create_subprocess_exec(
+            *argv, "--jobs", str(jobs), "--batch", str(batch), stdout=asyncio.subprocess.PIPE
+        )
+        out, _ = await client.communicate()
+        if client.returncode != 0:
+            raise RuntimeError(f"the bench client failed ({client.returncode})")
+        rates = orjson.loads(out)
     return {"machine": machine(str(version)), "jobs": jobs, "batch": batch, **rates}
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,9 +30,9 @@ import uvloop
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import bench_env, machine, save, summary_ms
+from bench.common import bench_server, machine, save, summary_ms
 from bench.noop import noop_worker, record_completions
-from daemon import config, tokens
+from daemon import tokens
 from daemon.ctl.pool_client import PoolClient
 from daemon.job import JobSpec, Lease
 from daemon.queue.job_queue import JobQueue
@@ -146,20 +145,14 @@ async def run_command(
 
 
 async def measure(jobs: int, gap: float, command_gap: float) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = config.load(None, env=bench_env(tmp, GPUPOOL_WORKER_LOCAL_PROCESSORS="0"))
-        server = PoolServer(cfg)
-        await server.start()
-        try:
-            assert server.listener is not None
-            assert server.queue is not None
-            version = (await server.queue.redis.info("server"))["redis_version"]
-            client = PoolClient(server.listener.address, tokens.local_user(), tokens.client_token())
-            async with client:
-                noop = await run_noop(server, client, jobs, gap, Path(tmp))
-                command = await run_command(server, client, jobs, command_gap, Path(tmp))
-        finally:
-            await server.stop()
+    async with bench_server() as server:
+        assert server.listener is not None
+        assert server.queue is not None
+        version = (await server.queue.redis.info("server"))["redis_version"]
+        client = PoolClient(server.listener.address, tokens.local_user(), tokens.client_token())
+        async with client:
+            noop = await run_noop(server, client, jobs, gap, Path(server.config.data_path()))
+            command = await run_command(server, client, jobs, command_gap, Path(server.config.data_path()))
     return {
         "machine": machine(str(version)),
         "jobs": jobs,
