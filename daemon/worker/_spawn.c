@@ -8,7 +8,7 @@ vfork when credentials change. Here the child makes exactly the calls a job's st
 raw system calls (no glibc wrapper that would broadcast a uid change to other threads: the
 launcher has none, and the child must change only itself), in this order:
 
-    cgroup.procs <- 0      join the slot's cgroup (as root, before the switch: it cannot leave)
+    (cgroup)               born in the slot's cgroup (as root, before the switch: it cannot leave)
     signals                every disposition back to the default, then an empty mask
     setsid                 a session, and so a process group, of its own
     0, 1, 2                stdin, and stdout+stderr into the job's output pipe
@@ -20,6 +20,14 @@ launcher has none, and the child must change only itself), in this order:
 A failure before the exec leaves its errno in a variable the parent shares, and the child exits;
 the parent reaps it and raises OSError. The parent blocks every signal around the vfork, so no
 handler of the launcher's ever runs on the child's side of the shared memory.
+
+Into its cgroup: the vfork is clone3(CLONE_VM | CLONE_VFORK | CLONE_INTO_CGROUP) where the kernel
+has it (Linux 5.7, x86-64 here), so the child is born in the slot's cgroup. Joining one after
+birth (a write of 0 to its cgroup.procs, the fallback) takes the kernel's lock on every thread
+group for writing, which waits for an RCU grace period: ~12 ms a job on an idle machine (cheap
+only while jobs start back to back), most of an idle pool's submit-to-start. The child of a
+clone3 that shares its parent's stack must not return into a frame the parent will use: glibc's
+vfork keeps its return address in a register for that reason, and so does gp_clone3_vfork below.
 
 kill_uid(uid, gid): a child (forked: a process of the uid may SIGSTOP it, which must not stop the
 launcher; it is waited for SWEEP_MS at most, then killed) switches to `uid` and sends SIGKILL to
@@ -33,6 +41,7 @@ fork in flight can escape), twice, then tells whether any task of the uid is sti
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <string.h>
 #include <time.h>
@@ -44,12 +53,43 @@ fork in flight can escape), twice, then tells whether any task of the uid is sti
 
 #define SWEEP_MS 100  /* the longest kill_uid waits for its sweeper */
 
+#if defined(__x86_64__)
+#define CLONE_INTO_CGROUP_FLAG 0x200000000ULL  /* <linux/sched.h>, Linux 5.7 */
+
+/* struct clone_args of <linux/sched.h>, up to `cgroup` (CLONE_ARGS_SIZE_VER2) */
+struct gp_clone_args {
+    unsigned long long flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls,
+        set_tid, set_tid_size, cgroup;
+};
+
+/* clone3(args, size) for a child that shares this stack (CLONE_VM | CLONE_VFORK, no stack of its
+   own), as glibc's vfork is written: the return address is popped into a register the system
+   call keeps (rdx), and pushed back after it, in the parent and in the child alike; so the child's
+   calls cannot overwrite it for the parent. Returns the pid, 0 in the child, or -errno. */
+long gp_clone3_vfork(struct gp_clone_args *args, unsigned long size);
+__asm__(
+    ".text\n"
+    ".globl gp_clone3_vfork\n"
+    ".hidden gp_clone3_vfork\n"
+    ".type gp_clone3_vfork, @function\n"
+    "gp_clone3_vfork:\n"
+    "    popq %rdx\n"
+    "    movl $435, %eax\n"  /* SYS_clone3 */
+    "    syscall\n"
+    "    pushq %rdx\n"
+    "    ret\n"
+    ".size gp_clone3_vfork, .-gp_clone3_vfork\n");
+static int no_clone3;  /* set once the kernel said it has no clone3 (before Linux 5.3) */
+#endif
+
 struct plan {
     char **paths;  /* candidates for the program, NULL-terminated */
     char **argv;
     char **envp;
     const char *cwd;
-    int stdin_fd, out_fd, cgroup_fd;
+    int stdin_fd, out_fd, cgroup_fd;  /* cgroup_fd: the cgroup's directory, or -1 */
+    int born_in;  /* the child may be born in the cgroup (else, or where it cannot, it joins) */
+    int join;  /* the child joins the cgroup first thing (cgroup.procs) */
     long uid, gid;  /* -1: keep the launcher's */
     volatile int error;  /* set by the child when it could not exec */
 };
@@ -102,8 +142,12 @@ static int switch_to(long uid, long gid)
 static void __attribute__((noreturn)) child(struct plan *p)
 {
     int failure = 0;
-    if (p->cgroup_fd >= 0 && write(p->cgroup_fd, "0", 1) != 1)
-        goto fail;
+    if (p->join) {
+        int procs = openat(p->cgroup_fd, "cgroup.procs", O_WRONLY | O_CLOEXEC);
+        if (procs < 0 || write(procs, "0", 1) != 1)
+            goto fail;
+        (void)close(procs);
+    }
     child_signals();
     if (setsid() < 0)
         goto fail;
@@ -135,9 +179,31 @@ fail:
     _exit(127);
 }
 
-/* vfork in a function of its own, which the child never returns from. */
+/* vfork in a function of its own, which the child never returns from: born in the cgroup where
+   the kernel can (clone3), else joining it first thing. */
 static pid_t __attribute__((noinline)) start(struct plan *p)
 {
+    p->join = p->cgroup_fd >= 0;
+#if defined(__x86_64__)
+    if (p->join && p->born_in && !no_clone3) {
+        struct gp_clone_args args = {0};
+        args.flags = CLONE_VM | CLONE_VFORK | CLONE_INTO_CGROUP_FLAG;
+        args.exit_signal = SIGCHLD;
+        args.cgroup = (unsigned long long)p->cgroup_fd;
+        p->join = 0;
+        long pid = gp_clone3_vfork(&args, sizeof args);
+        if (pid == 0)
+            child(p);
+        if (pid > 0)
+            return (pid_t)pid;
+        if (pid != -ENOSYS && pid != -E2BIG && pid != -EINVAL && pid != -EOPNOTSUPP) {
+            errno = (int)-pid;
+            return -1;
+        }
+        no_clone3 = pid == -ENOSYS || pid == -E2BIG;  /* no clone3, or none that knows cgroups */
+        p->join = 1;  /* EINVAL: no CLONE_INTO_CGROUP (before 5.7), or not a cgroup v2 directory */
+    }
+#endif
     pid_t pid = vfork();
     if (pid == 0)
         child(p);
@@ -202,19 +268,20 @@ static char **strings(PyObject *seq, const char *what)
 }
 
 PyDoc_STRVAR(spawn_doc,
-"spawn(paths, argv, envp, cwd, stdin_fd, out_fd, uid, gid, cgroup_fd) -> pid\n\n"
+"spawn(paths, argv, envp, cwd, stdin_fd, out_fd, uid, gid, cgroup_fd, born_in) -> pid\n\n"
 "Start the first of `paths` that execs (bytes each; argv and envp lists of bytes, envp as\n"
 "b'KEY=value') in `cwd`, in a session of its own, with stdin from `stdin_fd` and stdout and\n"
-"stderr into `out_fd`, as `uid`/`gid` unless -1, in the cgroup whose cgroup.procs is open as\n"
-"`cgroup_fd` unless -1. Raises OSError (the child reaped) when it could not start.");
+"stderr into `out_fd`, as `uid`/`gid` unless -1, in the cgroup whose directory is open as\n"
+"`cgroup_fd` unless -1: born in it if `born_in` (where the kernel can), else joining it first\n"
+"thing. Raises OSError (the child reaped) when it could not start.");
 
 static PyObject *spawn(PyObject *self, PyObject *args)
 {
     PyObject *paths_obj, *argv_obj, *envp_obj;
     const char *cwd;
     struct plan p = {0};
-    if (!PyArg_ParseTuple(args, "OOOyiilli", &paths_obj, &argv_obj, &envp_obj, &cwd, &p.stdin_fd,
-                          &p.out_fd, &p.uid, &p.gid, &p.cgroup_fd))
+    if (!PyArg_ParseTuple(args, "OOOyiillip", &paths_obj, &argv_obj, &envp_obj, &cwd, &p.stdin_fd,
+                          &p.out_fd, &p.uid, &p.gid, &p.cgroup_fd, &p.born_in))
         return NULL;
     if ((p.uid != -1 || p.gid != -1) && !(valid_id(p.uid) && valid_id(p.gid))) {
         PyErr_SetString(PyExc_ValueError, "spawn: a uid and gid, both above 0, or neither (-1)");

@@ -11,6 +11,7 @@ def spawn(
     uid: int,
     gid: int,
     cgroup_fd: int,
+    born_in: bool,
     /,
 ) -> int: ...
 def kill_uid(uid: int, gid: int, /) -> bool: ...

@@ -90,6 +90,14 @@ def kill(cgroup: Path) -> None:
     (cgroup / "cgroup.kill").write_text("1")
 
 
+def populated(cgroup: Path) -> bool:
+    """Whether any process (any thread) is alive in `cgroup`: its cgroup.events says."""
+    try:
+        return b"populated 1" in (cgroup / "cgroup.events").read_bytes()
+    except FileNotFoundError:
+        return False
+
+
 def pids(cgroup: Path) -> list[int]:
     """The processes still in `cgroup` (the dead have left it: zombies are not listed)."""
     try:

@@ -14,8 +14,8 @@ in several: a first byte "+" says more follow):
            signal N; "left": what was still in the cgroup, killed, not yet gone), once
            what the job started has been sent SIGKILL (the attempt has ended: nothing of it may
            go on, setsid and `env -i` escapes included), without a round trip to the worker:
-           given a cgroup ("cgroup": DIR, cgroups.py, which the child joins before anything
-           else) by one write to its cgroup.kill; else, given a uid, as that uid (kill(-1));
+           given a cgroup ("cgroup": DIR, cgroups.py, which the child is born in, or joins
+           before anything else) by one write to its cgroup.kill; else, given a uid, as that uid (kill(-1));
            with a uid, what it left in /tmp, /var/tmp and /dev/shm is removed too.
     {"op": "sweep", "id": N, "uid": U, "gid": G} -> {"id": N} once every process of U is sent
         SIGKILL and its temporary files are gone (a worker's start: its slots' uids may hold
@@ -192,9 +192,10 @@ class Launcher:
         self.selector = selectors.DefaultSelector()
         self.partial = b""
         self.running: dict[int, dict[str, Any]] = {}  # pids of jobs' first processes -> their request
-        self.cgroup_files: dict[str, int] = {}  # path -> the file, open for writing
+        self.cgroup_files: dict[str, int] = {}  # path -> the directory, or the file open for writing
         self.devnull = os.open(os.devnull, os.O_RDONLY)  # every job's stdin
         self.swept: dict[tuple[int, str], int] = {}  # sweep_shared's memory
+        self.killed: set[str] = set()  # cgroups whose cgroup.kill was written (cgroup_dir)
         # Ended jobs whose uid still has processes (killed, not yet reaped): pid -> (request,
         # status, when to stop waiting and tell what is stuck)
         self.dying: dict[int, tuple[dict[str, Any], int, float]] = {}
@@ -267,7 +268,7 @@ class Launcher:
                 out_w,
                 uid,
                 gid,
-                self.cgroup_file(cgroup, "cgroup.procs") if cgroup else -1,
+                *(self.cgroup_dir(cgroup) if cgroup else (-1, False)),
             )
         except (OSError, ValueError) as exc:  # ValueError: a NUL (the server refuses such specs)
             self.reply({"id": request["id"], "errno": getattr(exc, "errno", None) or errno.EINVAL})
@@ -292,8 +293,27 @@ class Launcher:
         sweep_ipc(request["uid"])
         self.reply({"id": request["id"]})
 
+    def cgroup_dir(self, cgroup: str) -> tuple[int, bool]:
+        """`cgroup`'s directory, opened once (a slot's cgroup serves all its jobs), and whether a
+        job may be born in it (_spawn.c). Not in one that was killed: Linux (6.18 at least) marks
+        a cgroup on cgroup.kill and SIGKILLs every process born in it afterwards. Such a cgroup is
+        made anew once empty (it has no settings to lose: cgroups.py enables no controller); until
+        then the job joins it after birth."""
+        if cgroup in self.killed and not cgroups.populated(Path(cgroup)):
+            for name in (cgroup, os.path.join(cgroup, "cgroup.kill")):
+                if (fd := self.cgroup_files.pop(name, None)) is not None:
+                    os.close(fd)
+            with contextlib.suppress(OSError):
+                os.rmdir(cgroup)
+                self.killed.discard(cgroup)
+            os.makedirs(cgroup, exist_ok=True)
+        fd = self.cgroup_files.get(cgroup)
+        if fd is None:
+            fd = self.cgroup_files[cgroup] = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
+        return fd, cgroup not in self.killed
+
     def cgroup_file(self, cgroup: str, name: str) -> int:
-        """`cgroup`'s file `name` (cgroup.procs, cgroup.kill), opened once for writing: a slot's
+        """`cgroup`'s file `name` (cgroup.kill), opened once for writing: a slot's
         cgroup serves all its jobs."""
         key = os.path.join(cgroup, name)
         fd = self.cgroup_files.get(key)
@@ -325,9 +345,12 @@ class Launcher:
         process of the uid is left (this process is their subreaper: every orphan of a job is
         its child, reaped here), or what is stuck after DYING_SECONDS."""
         left: list[int] = []
-        if cgroup := request.get("cgroup"):
+        if (cgroup := request.get("cgroup")) and cgroups.populated(Path(cgroup)):
+            # Something of the job is left (an empty cgroup gains nothing: only what is in it
+            # could fork into it).
             with contextlib.suppress(OSError):
                 os.write(self.cgroup_file(cgroup, "cgroup.kill"), b"1")
+            self.killed.add(cgroup)
             with contextlib.suppress(OSError):
                 left = cgroups.pids(Path(cgroup))  # killed, not yet gone
         elif request.get("uid") is not None and uid_left(request):

@@ -365,4 +365,4 @@ def test_the_c_module_refuses_root_and_keep_as_a_slots_ids(uid: int, gid: int) -
     with pytest.raises(ValueError, match="above 0"):
         _spawn.kill_uid(uid, gid)
     with pytest.raises(ValueError, match="above 0"):
-        _spawn.spawn([b"/bin/true"], [b"true"], [], b"/", 0, 1, uid, gid, -1)
+        _spawn.spawn([b"/bin/true"], [b"true"], [], b"/", 0, 1, uid, gid, -1, False)
