@@ -345,14 +345,15 @@ class Launcher:
         process of the uid is left (this process is their subreaper: every orphan of a job is
         its child, reaped here), or what is stuck after DYING_SECONDS."""
         left: list[int] = []
-        if (cgroup := request.get("cgroup")) and cgroups.populated(Path(cgroup)):
-            # Something of the job is left (an empty cgroup gains nothing: only what is in it
-            # could fork into it).
-            with contextlib.suppress(OSError):
-                os.write(self.cgroup_file(cgroup, "cgroup.kill"), b"1")
-            self.killed.add(cgroup)
-            with contextlib.suppress(OSError):
-                left = cgroups.pids(Path(cgroup))  # killed, not yet gone
+        if cgroup := request.get("cgroup"):
+            # Only a cgroup where something of the job is left: an empty one gains nothing (only
+            # what is in it could fork into it), and a killed one must be made anew (cgroup_dir).
+            if cgroups.populated(Path(cgroup)):
+                with contextlib.suppress(OSError):
+                    os.write(self.cgroup_file(cgroup, "cgroup.kill"), b"1")
+                self.killed.add(cgroup)
+                with contextlib.suppress(OSError):
+                    left = cgroups.pids(Path(cgroup))  # killed, not yet gone
         elif request.get("uid") is not None and uid_left(request):
             self.dying[pid] = (request, code, time.monotonic() + DYING_SECONDS)
             return
