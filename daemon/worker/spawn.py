@@ -185,6 +185,7 @@ class Launcher:
             code = reply["errno"]
             raise OSError(code, os.strerror(code) if code else "the launcher could not start it")
         pid, fd, ended = reply["pid"], reply["fd"], reply["ended"]
+        output = None
         try:
             reader = asyncio.StreamReader()
             loop = asyncio.get_running_loop()
@@ -194,7 +195,10 @@ class Launcher:
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
             with contextlib.suppress(OSError):
-                os.close(fd)
+                if output is not None:
+                    output.close()  # once wrapped, the file object's to close, and only its
+                else:
+                    os.close(fd)
             raise
         return Child(pid, reader, pipe, ended)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import os
 import signal
 from pathlib import Path
@@ -202,3 +203,23 @@ def test_an_entry_that_goes_between_listing_and_looking_is_not_the_uids(tmp_path
         entries = list(scan)
     (tmp_path / "gone").unlink()
     assert [launcher_module._owned_by(e, os.getuid()) for e in entries] == [False]
+
+
+async def test_a_spawn_that_fails_once_its_pipe_is_wrapped_closes_the_pipe_once(
+    launcher: Launcher, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The output pipe, once wrapped in a file object, is that object's to close: closing its
+    descriptor by hand as well let the object's finalizer close it again later, when the number
+    may be another file's (someone's upload, say)."""
+
+    def refuse() -> asyncio.StreamReaderProtocol:
+        raise OSError(errno.EMFILE, "no room for the pipe's transport")
+
+    monkeypatch.setattr(asyncio, "StreamReaderProtocol", lambda *_: refuse())
+    with pytest.raises(OSError, match="no room"):
+        await launcher.spawn(["sleep", "30"], cwd=tmp_path, env={"PATH": os.environ["PATH"]})
+    monkeypatch.undo()
+    with (tmp_path / "another").open("wb", buffering=0) as another:  # the lowest free number
+        gc.collect()  # where the wrapped pipe, if left open, is finalized
+        another.write(b"still mine")
+    assert (tmp_path / "another").read_bytes() == b"still mine"
