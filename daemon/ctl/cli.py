@@ -20,7 +20,6 @@ from daemon.address import SERVER_PORT
 from daemon.ctl import one_shot, render
 from daemon.ctl.session import AuthFailed, ClientError, ServerUnreachable, parse_address
 from daemon.errors import GpupoolError
-from daemon.job import TERMINAL_STATES, check_combination
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -320,6 +319,8 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         "cwd": str(Path(args.cwd).resolve()) if args.cwd else None,
     }
     given = {"cwd": args.cwd, "git": args.git is not None, "inputs": args.input, "snapshot": args.snapshot}
+    from daemon.job import check_combination  # only enqueue needs the job model
+
     check_combination({name for name, value in given.items() if value})
     if args.ref and args.git is None:
         raise UsageError("--ref goes with --git")
@@ -339,6 +340,8 @@ async def _get(client: PoolClient, args: argparse.Namespace) -> int:
     from daemon.ctl import transfer
 
     job = (await client.call(ShowJob(args.job), JobDetail)).job
+    from daemon.job import TERMINAL_STATES
+
     if job["state"] not in TERMINAL_STATES:
         print(f"poolctl: job {args.job} has not finished ({job['state']}): no artifacts yet", file=sys.stderr)
         return EXIT_FAILED
