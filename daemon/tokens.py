@@ -52,9 +52,12 @@ def client_token(env: Mapping[str, str] | None = None) -> str | None:
         return token.strip()
     path = client_dir(env) / "token"
     try:
-        return path.read_text().strip() or None
+        mode = path.stat().st_mode
     except FileNotFoundError:
         return None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):  # a password: as ssh does with a private key
+        raise TokenError(f"{path} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 {path}")
+    return path.read_text().strip() or None
 
 
 def client_server(env: Mapping[str, str] | None = None) -> str | None:

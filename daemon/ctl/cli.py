@@ -1,9 +1,9 @@
 """`poolctl`: the researcher's command line. It parses, calls the server, prints; nothing more.
 
 Exit status: 0 success; 1 a job failed or the request failed; 2 bad usage or input; 3 server
-unreachable; 4 authentication refused; 5 unknown job; 6 another user's job (only its owner or a
-pool admin may act on it); 124 `wait` timed out; `logs -f` exits with
-the job's own exit code; `health` exits 0 only when the server and its Redis answer.
+unreachable; 4 authentication refused, or a token file others can read; 5 unknown job; 6 another
+user's job (only its owner or a pool admin may act on it); 124 `wait` timed out; `logs -f` exits
+with the job's own exit code; `health` exits 0 only when the server and its Redis answer.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ServerUnreachable as exc:
         print(f"poolctl: {render.clean(exc)}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    except AuthFailed as exc:
+    except (AuthFailed, tokens.TokenError) as exc:  # refused, or no token poolctl may use
         print(f"poolctl: {render.clean(exc)}", file=sys.stderr)
         return EXIT_AUTH
     except GpupoolError as exc:  # usage, the server's refusal, git, a transfer: the sentence says
@@ -191,6 +191,8 @@ def _run(args: argparse.Namespace) -> int:
     """Most commands are one request and its reply, over a blocking socket (one_shot.py); those
     that stream or move data run on an event loop, with PoolClient."""
     request = _enqueue_request(args) if args.command == "enqueue" else None  # checked before connecting
+    if args.command == "put" and not os.path.lexists(args.path):  # the command line's mistake
+        raise UsageError(f"{args.path}: no such file or directory")
     address = _address(args)
     tls_ca = args.tls_ca or os.environ.get("GPUPOOL_TLS_CA")
     # auto: TLS beyond loopback; on; off. The same variable sets poold's `tls` option: one meaning.
@@ -285,7 +287,9 @@ def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
         try:
             lines = Path(args.from_file).read_bytes().splitlines()
             specs = [orjson.loads(line) for line in lines if line.strip()]
-        except (OSError, orjson.JSONDecodeError) as exc:
+        except OSError as exc:
+            raise UsageError(f"cannot read jobs from {args.from_file}: {exc.strerror}") from None
+        except orjson.JSONDecodeError as exc:
             raise UsageError(f"cannot read jobs from {args.from_file}: {exc}") from None
         if not all(isinstance(s, dict) for s in specs):
             raise UsageError(f"{args.from_file}: each line must be a JSON object (a job spec)")

@@ -127,6 +127,52 @@ async def test_an_input_path_that_is_not_there_is_said_to_be_missing(pool: Pool,
         assert (code, err.strip()) == (2, f"poolctl: --input {path}: no such file or directory"), missing
 
 
+# Each user mistake: the command, the exit code, and what the one sentence must say.
+BAD_INPUTS = [
+    (("show", "default.zzzzzzzzzzzz"), 5, "no job 'default.zzzzzzzzzzzz' in this pool"),
+    (("show", "garbage"), 2, "is not a job id"),
+    (("logs", "default.zzzzzzzzzzzz"), 5, "no job"),
+    (("wait", "default.zzzzzzzzzzzz"), 5, "no job"),
+    (("get", "default.zzzzzzzzzzzz"), 5, "no job"),
+    (("cancel", "default.zzzzzzzzzzzz"), 5, "no job"),
+    (("ls", "--state", "bogus"), 2, "unknown state 'bogus'"),
+    (("put", "{tmp}/missing"), 2, "{tmp}/missing: no such file or directory"),
+    (
+        ("enqueue", "--from-file", "{tmp}/missing.jsonl"),
+        2,
+        "cannot read jobs from {tmp}/missing.jsonl: No such file",
+    ),
+    (("enqueue", "--queue", "bad queue!", "--", "true"), 2, "is not a queue name"),
+    (("enqueue", "--timeout", "-5", "--", "true"), 2, "positive number of seconds"),
+]
+
+
+async def test_a_bad_input_gets_one_sentence_and_its_exit_code(pool: Pool, tmp_path: Path) -> None:
+    env = pool.env("alice")
+    for template, code, says in BAD_INPUTS:
+        args = tuple(a.format(tmp=tmp_path) for a in template)
+        got, out, err = await poolctl(env, *args)
+        assert (got, out) == (code, ""), (args, err)
+        assert err.startswith("poolctl: "), (args, err)
+        assert err.count("\n") == 1, (args, err)  # one sentence, one line: never a traceback
+        assert says.format(tmp=tmp_path) in err, (args, err)
+
+
+async def test_a_token_file_others_can_read_is_refused_saying_how_to_mend_it(pool: Pool) -> None:
+    """The token is a password: like ssh with a private key, poolctl will not use one that
+    others on the machine can read."""
+    env = {k: v for k, v in pool.env("alice").items() if k != "GPUPOOL_TOKEN"}
+    token = Path(env["XDG_CONFIG_HOME"]) / "gpupool" / "token"
+    token.parent.mkdir(parents=True, exist_ok=True)
+    token.write_text(pool.tokens["alice"] + "\n")
+    token.chmod(0o644)
+    code, _, err = await poolctl(env, "ls")
+    assert code == 4
+    assert err.strip() == f"poolctl: {token} is readable by others (mode 644): chmod 600 {token}"
+    token.chmod(0o600)
+    assert (await poolctl(env, "ls"))[0] == 0
+
+
 async def test_workers_with_none_registered_and_health(pool: Pool) -> None:
     code, out, _ = await poolctl(pool.env(), "workers")
     assert code == 0
