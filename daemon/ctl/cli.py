@@ -119,6 +119,13 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--key", metavar="IDEMPOTENCY_KEY", help="same key, same job: safe to retry")
     e.add_argument("--from-file", metavar="JOBS.jsonl", help="queue one job per JSON line (a job spec each)")
     e.add_argument("--json", action="store_true")
+    e.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="then follow the job's output and exit with its exit code (Ctrl-C stops following; "
+        "the job runs on)",
+    )
     e.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
 
     ls = sub.add_parser("ls", help="list queued and running jobs (like squeue)")
@@ -198,7 +205,8 @@ def _run(args: argparse.Namespace) -> int:
     # auto: TLS beyond loopback; on; off. The same variable sets poold's `tls` option: one meaning.
     tls = os.environ.get("GPUPOOL_TLS", "auto")
     user, token = tokens.local_user(), tokens.client_token()
-    if args.command in ("put", "get", "logs") or (isinstance(request, Enqueue) and _moves_data(args)):
+    on_loop = isinstance(request, Enqueue) and (_moves_data(args) or args.follow)
+    if args.command in ("put", "get", "logs") or on_loop:
         import asyncio
 
         from daemon.ctl.pool_client import PoolClient
@@ -231,7 +239,12 @@ async def _on_loop(
             return await _logs(client, args.job, args.follow)
     assert isinstance(request, Enqueue)
     await _attach_data(client, request.spec, args)
-    return _enqueued(await client.call(request, Enqueued), args.json)
+    reply = await client.call(request, Enqueued)
+    if not args.follow:
+        return _enqueued(reply, args.json)
+    note = "following its output (Ctrl-C stops following, not the job)"
+    print(f"poolctl: {reply.job_id} queued; {note}", file=sys.stderr)
+    return await _logs(client, reply.job_id, follow=True)
 
 
 def _one_request(
@@ -282,6 +295,8 @@ def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
     if args.from_file:
         if args.input or args.snapshot:
             raise UsageError("--input and --snapshot go with one job, not --from-file")
+        if args.follow:
+            raise UsageError("--follow goes with one job, not --from-file")
         import orjson
 
         try:

@@ -84,6 +84,30 @@ async def test_logs_follow_prints_live_output_and_exits_with_the_job_code(pool: 
     assert (code, out) == (0, "hi\nbye\n")
 
 
+async def test_enqueue_follow_prints_the_jobs_output_and_exits_with_its_code(pool: Pool) -> None:
+    """`enqueue -f`: submit and follow in one command, as Ray's job submit does."""
+    env = pool.env("bob")
+    follower = asyncio.create_task(poolctl(env, "enqueue", "-f", "--", "sh", "-c", "echo hi; exit 5"))
+    lease = None
+    for _ in range(200):  # a bound, not a speed assertion
+        if (lease := await pool.queue.claim("stand-in", ["default"])) is not None:
+            break
+        await asyncio.sleep(0.05)
+    assert lease is not None
+    await pool.queue.append_log(lease, 1, [b"hi\n"])
+    await asyncio.sleep(0.3)
+    assert not follower.done()  # following: the job has not ended
+    await pool.queue.complete(lease, Outcome(JobState.FAILED, exit_code=5))
+    code, out, err = await follower
+    assert (code, out) == (5, "hi\n")
+    assert (
+        err.strip()
+        == f"poolctl: {lease.job_id} queued; following its output (Ctrl-C stops following, not the job)"
+    )
+    code, _, err = await poolctl(env, "enqueue", "-f", "--from-file", "/dev/null")
+    assert (code, err.strip()) == (2, "poolctl: --follow goes with one job, not --from-file")
+
+
 async def test_error_messages(pool: Pool, tmp_path: Path) -> None:
     env = pool.env("alice")
     code, _, err = await poolctl(env, "show", "default.nosuchjob123")
