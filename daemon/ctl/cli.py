@@ -77,6 +77,57 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_enqueue(sub)
+
+    ls = sub.add_parser("ls", help="list queued and running jobs (like squeue)")
+    ls.add_argument("--queue", "-q")
+    ls.add_argument("--state", "-s")
+    ls.add_argument("--all", "-a", action="store_true", help="include finished jobs")
+    ls.add_argument("--limit", type=int, default=1000)
+    ls.add_argument("--json", action="store_true", help="one JSON object per line")
+    ls.add_argument(
+        "--format",
+        "-o",
+        metavar="COLUMNS",
+        help=f"the columns to print, in order, e.g. id,state (of: {', '.join(render.JOB_COLUMNS)})",
+    )
+    ls.add_argument("--no-header", action="store_true", help="the rows alone")
+
+    show = sub.add_parser("show", help="everything known about a job")
+    show.add_argument("job")
+    show.add_argument("--json", action="store_true")
+
+    logs = sub.add_parser("logs", help="a job's output; -f follows it live and exits with the job's code")
+    logs.add_argument("job")
+    logs.add_argument("-f", "--follow", action="store_true")
+
+    cancel = sub.add_parser("cancel", help="cancel jobs")
+    cancel.add_argument("jobs", nargs="+", metavar="JOB")
+
+    wait = sub.add_parser("wait", help="wait for jobs to end; exit 0 only if all succeeded")
+    wait.add_argument("jobs", nargs="+", metavar="JOB")
+    wait.add_argument("--timeout", type=float, metavar="SECONDS")
+
+    workers = sub.add_parser("workers", help="the pool's workers")
+    workers.add_argument("--json", action="store_true")
+
+    put = sub.add_parser("put", help="upload a file or directory as a dataset (skipped if already stored)")
+    put.add_argument("path", metavar="PATH")
+    put.add_argument("--name", help="a name to use it by: poolctl enqueue --input NAME")
+
+    get = sub.add_parser("get", help="download a finished job's artifacts and log")
+    get.add_argument("job")
+    get.add_argument("dest", nargs="?", metavar="DEST", help="directory (default: ./JOB)")
+
+    sub.add_parser("health", help="exit 0 when the server and its Redis answer (for scripts and probes)")
+    completion = sub.add_parser(
+        "completion", help="shell completion: source <(poolctl completion bash), in ~/.bashrc"
+    )
+    completion.add_argument("shell", choices=["bash"])
+    return p
+
+
+def _add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it does not export
     e = sub.add_parser("enqueue", help="queue a job: poolctl enqueue [options] -- CMD [ARG...]")
     e.add_argument("--queue", "-q", default="default")
     e.add_argument("--gpus", type=int, default=0, help="GPUs the job needs")
@@ -128,45 +179,15 @@ def parser() -> argparse.ArgumentParser:
     )
     e.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
 
-    ls = sub.add_parser("ls", help="list queued and running jobs (like squeue)")
-    ls.add_argument("--queue", "-q")
-    ls.add_argument("--state", "-s")
-    ls.add_argument("--all", "-a", action="store_true", help="include finished jobs")
-    ls.add_argument("--limit", type=int, default=1000)
-    ls.add_argument("--json", action="store_true", help="one JSON object per line")
-
-    show = sub.add_parser("show", help="everything known about a job")
-    show.add_argument("job")
-    show.add_argument("--json", action="store_true")
-
-    logs = sub.add_parser("logs", help="a job's output; -f follows it live and exits with the job's code")
-    logs.add_argument("job")
-    logs.add_argument("-f", "--follow", action="store_true")
-
-    cancel = sub.add_parser("cancel", help="cancel jobs")
-    cancel.add_argument("jobs", nargs="+", metavar="JOB")
-
-    wait = sub.add_parser("wait", help="wait for jobs to end; exit 0 only if all succeeded")
-    wait.add_argument("jobs", nargs="+", metavar="JOB")
-    wait.add_argument("--timeout", type=float, metavar="SECONDS")
-
-    workers = sub.add_parser("workers", help="the pool's workers")
-    workers.add_argument("--json", action="store_true")
-
-    put = sub.add_parser("put", help="upload a file or directory as a dataset (skipped if already stored)")
-    put.add_argument("path", metavar="PATH")
-    put.add_argument("--name", help="a name to use it by: poolctl enqueue --input NAME")
-
-    get = sub.add_parser("get", help="download a finished job's artifacts and log")
-    get.add_argument("job")
-    get.add_argument("dest", nargs="?", metavar="DEST", help="directory (default: ./JOB)")
-
-    sub.add_parser("health", help="exit 0 when the server and its Redis answer (for scripts and probes)")
-    return p
-
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.command == "completion":  # nothing to ask the pool
+        from daemon.ctl import completion
+
+        print(completion.bash(p), end="")
+        return 0
     try:
         return _run(args)
     except ServerUnreachable as exc:
@@ -258,8 +279,14 @@ def _one_request(
             assert request is not None
             return _enqueued(call(request, Enqueued), args.json)
         case "ls":
+            try:  # checked before asking
+                columns = render.columns(args.format) if args.format else None
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
             listing = ListJobs(args.queue, args.state, args.all, args.limit)
-            render.jobs(call(listing, JobList).jobs, as_json=args.json)
+            render.jobs(
+                call(listing, JobList).jobs, as_json=args.json, columns=columns, header=not args.no_header
+            )
         case "show":
             render.job(call(ShowJob(args.job), JobDetail).job, as_json=args.json)
         case "cancel":

@@ -52,9 +52,13 @@ def duration(seconds: float | None) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], state_col: int | None = None) -> None:
+def _table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], state_col: int | None = None, header: bool = True
+) -> None:
     rows = [[clean(cell) for cell in row] for row in rows]
-    if sys.stdout.isatty():  # rich only then: importing it is a third of a one-shot command's start
+    if (
+        sys.stdout.isatty() and header
+    ):  # rich only then: importing it is a third of a one-shot command's start
         from rich.console import Console
         from rich.markup import escape
         from rich.table import Table
@@ -68,8 +72,8 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], state_col: int
             table.add_row(*cells)
         console.print(table)
         return
-    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    for line in [headers, *rows]:
+    widths = [max([len(h) if header else 0, *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    for line in [headers, *rows] if header else rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
 
 
@@ -80,7 +84,26 @@ def _json_lines(items: Sequence[dict[str, Any]]) -> None:
         sys.stdout.write(orjson.dumps(item).decode() + "\n")
 
 
-def jobs(items: Sequence[dict[str, Any]], *, as_json: bool) -> None:
+JOB_COLUMNS = ("id", "name", "user", "queue", "state", "attempt", "worker", "waited", "ran")
+
+
+def columns(text: str) -> list[int]:
+    """`--format id,state` as indices into JOB_COLUMNS; ValueError names one not among them."""
+    chosen = []
+    for name in (part.strip().lower() for part in text.split(",")):
+        if name not in JOB_COLUMNS:
+            raise ValueError(f"--format: no column {name!r}; the columns are {', '.join(JOB_COLUMNS)}")
+        chosen.append(JOB_COLUMNS.index(name))
+    return chosen
+
+
+def jobs(
+    items: Sequence[dict[str, Any]],
+    *,
+    as_json: bool,
+    columns: Sequence[int] | None = None,
+    header: bool = True,
+) -> None:
     if as_json:
         _json_lines(items)
         return
@@ -103,7 +126,10 @@ def jobs(items: Sequence[dict[str, Any]], *, as_json: bool) -> None:
                 duration(ran),
             ]
         )
-    _table(["ID", "NAME", "USER", "QUEUE", "STATE", "ATTEMPT", "WORKER", "WAITED", "RAN"], rows, state_col=4)
+    picked = list(range(len(JOB_COLUMNS))) if columns is None else list(columns)
+    headers = [JOB_COLUMNS[i].upper() for i in picked]
+    state = picked.index(4) if 4 in picked else None
+    _table(headers, [[row[i] for i in picked] for row in rows], state_col=state, header=header)
 
 
 def size(n: int) -> str:
