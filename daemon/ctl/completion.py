@@ -51,7 +51,8 @@ def bash(parser: argparse.ArgumentParser) -> str:
     cases = [f'        "") options="{" ".join([*sub.choices, *_options(parser)])}" ;;']
     for name, command in sub.choices.items():
         cases.append(f'        {name}) options="{" ".join(_options(command))}" ;;')
-    program = os.path.abspath(sys.argv[0]) if os.path.exists(sys.argv[0]) else "poolctl"
+    # this very poolctl (a venv's, say), when it was run as a program; else the one on PATH
+    program = os.path.abspath(sys.argv[0]) if os.access(sys.argv[0], os.X_OK) else "poolctl"
     return BASH % {
         "options": "\n".join(cases),
         "job_commands": "|".join(JOB_COMMANDS),
