@@ -150,9 +150,10 @@ async def measure(jobs: int, gap: float, command_gap: float) -> dict[str, Any]:
         assert server.queue is not None
         version = (await server.queue.redis.info("server"))["redis_version"]
         client = PoolClient(server.listener.address, tokens.local_user(), tokens.client_token())
+        data = server.config.data_path()
         async with client:
-            noop = await run_noop(server, client, jobs, gap, Path(server.config.data_path()))
-            command = await run_command(server, client, jobs, command_gap, Path(server.config.data_path()))
+            noop = await run_noop(server, client, jobs, gap, data)
+            command = await run_command(server, client, jobs, command_gap, data)
     return {
         "machine": machine(str(version)),
         "jobs": jobs,

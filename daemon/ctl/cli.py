@@ -274,7 +274,7 @@ def _one_request(
     match args.command:
         case "enqueue" if isinstance(request, EnqueueBatch):
             for job_id in call(request, EnqueuedBatch).job_ids:
-                print(_json({"id": job_id}) if args.json else job_id)
+                print(render.json_text({"id": job_id}) if args.json else job_id)
         case "enqueue":
             assert request is not None
             return _enqueued(call(request, Enqueued), args.json)
@@ -307,14 +307,8 @@ def _moves_data(args: argparse.Namespace) -> bool:
     return args.git is not None or bool(args.input) or args.snapshot
 
 
-def _json(value: object) -> str:
-    import orjson
-
-    return orjson.dumps(value).decode()
-
-
 def _enqueued(reply: Enqueued, as_json: bool) -> int:
-    print(_json({"id": reply.job_id, "created": reply.created}) if as_json else reply.job_id)
+    print(render.json_text({"id": reply.job_id, "created": reply.created}) if as_json else reply.job_id)
     return 0
 
 

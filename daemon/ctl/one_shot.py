@@ -46,7 +46,7 @@ def call(
     a `reply_type`. Raises ClientError (ServerUnreachable, AuthFailed) as PoolClient does."""
     host, port = session.parse_address(address)
     use_tls = session.wants_tls(host, tls, tls_ca)
-    conn = ClientConnection(user, token.encode() if token else None, client_name="poolctl")
+    conn = session.connection(user, token)
     try:
         sock = socket.create_connection((host, port), timeout=HANDSHAKE_SECONDS)
     except OSError as exc:

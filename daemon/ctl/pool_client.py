@@ -20,7 +20,6 @@ from daemon.ctl.session import AuthFailed, ClientError, ServerUnreachable, parse
 from protocol import (
     NEED_DATA,
     Authenticated,
-    ClientConnection,
     ConnectionClosed,
     ConnectionFailed,
     ErrorCode,
@@ -51,7 +50,7 @@ class PoolClient:
         self.address = address
         self.host, self.port = parse_address(address)
         self.user = user
-        self.conn = ClientConnection(user, token.encode() if token else None, client_name="poolctl")
+        self.conn = session.connection(user, token)
         self.tls_ca = tls_ca
         self.tls = session.wants_tls(self.host, tls, tls_ca)
         self._reader: asyncio.StreamReader | None = None

@@ -77,11 +77,16 @@ def _table(
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
 
 
-def _json_lines(items: Sequence[dict[str, Any]]) -> None:
+def json_text(value: object) -> str:
+    """`value` as one line of JSON (what --json prints, a line per item)."""
     import orjson
 
+    return orjson.dumps(value).decode()
+
+
+def _json_lines(items: Sequence[dict[str, Any]]) -> None:
     for item in items:
-        sys.stdout.write(orjson.dumps(item).decode() + "\n")
+        sys.stdout.write(json_text(item) + "\n")
 
 
 JOB_COLUMNS = ("id", "name", "user", "queue", "state", "attempt", "worker", "waited", "ran")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from daemon.address import is_loopback, parse_host_port
 from daemon.errors import GpupoolError
-from protocol import Authenticated, ConnectionClosed, ConnectionFailed, ErrorCode, Event
+from protocol import Authenticated, ClientConnection, ConnectionClosed, ConnectionFailed, ErrorCode, Event
 
 if TYPE_CHECKING:
     import ssl
@@ -37,6 +37,11 @@ def parse_address(address: str) -> tuple[str, int]:
         return parse_host_port(address, default_host="127.0.0.1")
     except ValueError as exc:
         raise ClientError(f"{address!r} is not a server address; {exc}") from None
+
+
+def connection(user: str, token: str | None) -> ClientConnection:
+    """The protocol's state machine for poolctl's connection as `user` (open mode: no token)."""
+    return ClientConnection(user, token.encode() if token else None, client_name="poolctl")
 
 
 def wants_tls(host: str, tls: str, tls_ca: str | None) -> bool:

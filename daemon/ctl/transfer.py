@@ -214,12 +214,16 @@ async def _get_url(ticket: DownloadTicket, dest: Path, advance: Advance) -> None
 
 def split_input(text: str) -> tuple[str, str | None, bool]:
     """`NAME_OR_PATH[:DEST]` as (name or path, DEST, whether it is a local path). An existing path
-    is taken whole; otherwise the last `:` parts DEST off."""
+    is taken whole; otherwise the last `:` parts DEST off. A path that is not there (what has a
+    '/' or starts with '.' or '~': no dataset name does) is a TransferError."""
     if os.path.exists(text):
         return text, None, True
     head, sep, tail = text.rpartition(":")
     what, dest = (head, tail or None) if sep and head else (text, None)
-    return what, dest, os.path.exists(what)
+    local = os.path.exists(what)
+    if not local and ("/" in what or what.startswith((".", "~"))):  # no dataset name looks so
+        raise TransferError(f"--input {what}: no such file or directory")
+    return what, dest, local
 
 
 async def put(client: PoolClient, path: Path, name: str | None) -> tuple[ObjectRef, bool]:
@@ -231,8 +235,6 @@ async def put(client: PoolClient, path: Path, name: str | None) -> tuple[ObjectR
 async def resolve_input(client: PoolClient, text: str) -> dict[str, str]:
     """An `--input` as the job spec's `inputs` entry; a local path is uploaded first."""
     what, dest, local = await asyncio.to_thread(split_input, text)
-    if not local and ("/" in what or what.startswith((".", "~"))):  # no dataset name looks so
-        raise TransferError(f"--input {what}: no such file or directory")
     if local:
         ref, _ = await put(client, Path(what), None)
         default = Path(what).name or what
