@@ -84,6 +84,11 @@ SYSV_COUNTS: dict[str, tuple[Callable[[Any], int], int]] = {
     "sem": (lambda info: LIBC.semctl(0, 0, SEM_INFO, info), 7),
     "msg": (lambda info: LIBC.msgctl(0, MSG_INFO, info), 0),
 }
+SYSV_REMOVE: dict[str, Callable[[int], int]] = {  # IPC_RMID an object of each kind, by its id
+    "shm": lambda n: LIBC.shmctl(n, IPC_RMID, None),
+    "sem": lambda n: LIBC.semctl(n, 0, IPC_RMID),
+    "msg": lambda n: LIBC.msgctl(n, IPC_RMID, None),
+}
 
 
 def harden() -> None:
@@ -149,11 +154,6 @@ def sweep_shared(uid: int, swept: dict[tuple[int, str], int]) -> None:
 def sweep_ipc(uid: int) -> None:
     """Remove the System V shared memory, semaphores and message queues `uid` owns or made: they
     outlive their processes (the next job of the uid is another user's)."""
-    remove = {
-        "shm": lambda n: LIBC.shmctl(n, IPC_RMID, None),
-        "sem": lambda n: LIBC.semctl(n, 0, IPC_RMID),
-        "msg": lambda n: LIBC.msgctl(n, IPC_RMID, None),
-    }
     for kind, (owner, creator) in SYSV_UID_COLUMNS.items():
         if sysv_count(kind) == 0:
             continue  # mostly: one system call, where reading the table takes ten times as long
@@ -164,7 +164,7 @@ def sweep_ipc(uid: int) -> None:
             continue
         for row in rows:
             if uid in (int(row[owner]), int(row[creator])):
-                remove[kind](int(row[1]))
+                SYSV_REMOVE[kind](int(row[1]))
 
 
 def sysv_count(kind: str) -> int:
