@@ -14,10 +14,10 @@ import getpass
 import os
 import stat
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from daemon.errors import GpupoolError
+from protocol.record import Record
 
 TOKEN_BYTES = 32
 
@@ -93,8 +93,7 @@ def ensure_local_token(data_dir: Path, env: Mapping[str, str] | None = None) -> 
     return path
 
 
-@dataclass(frozen=True, slots=True)
-class Users:
+class Users(Record):
     """Who the server accepts: each user's token, and which of them are the pool's admins."""
 
     tokens: dict[str, bytes]

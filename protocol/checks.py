@@ -1,4 +1,4 @@
-"""Strict type checks for message fields, driven by the dataclasses' own annotations.
+"""Strict type checks for message fields, driven by the records' own annotations.
 
 A message class declares its fields with ordinary annotations (``list[str]``, ``int | None``, ...);
 :func:`build` looks each annotation up in :data:`_CHECKS` and checks the decoded msgpack value
@@ -9,10 +9,10 @@ integer.
 
 import math
 from collections.abc import Callable
-from dataclasses import fields
 from typing import Any, Final, TypeAlias
 
 from protocol.errors import ErrorCode, RemoteProtocolError
+from protocol.record import field_types
 
 __all__ = ["bad_field", "build", "schema"]
 
@@ -105,7 +105,7 @@ def schema(cls: type[Any]) -> tuple[tuple[str, _Check], ...]:
     """(field name, checker) for each field of ``cls``; KeyError if a field type has no checker."""
     found = _SCHEMAS.get(cls)
     if found is None:
-        found = _SCHEMAS[cls] = tuple((f.name, _CHECKS[f.type]) for f in fields(cls))
+        found = _SCHEMAS[cls] = tuple((n, _CHECKS[t]) for n, t in field_types(cls).items())
     return found
 
 

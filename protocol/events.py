@@ -1,14 +1,14 @@
 """Events: what :meth:`Connection.next_event` tells its owner about the bytes it was fed.
 
-Each is a frozen dataclass; dispatch on the class with ``match``. :data:`NEED_DATA` is not an
-event but the answer "nothing more until you call ``receive_data`` again".
+Each is a frozen record (protocol/record.py); dispatch on the class with ``match``.
+:data:`NEED_DATA` is not an event but the answer "nothing more until you call ``receive_data`` again".
 """
 
-from dataclasses import dataclass
 from enum import Enum
 from typing import Final, Literal, TypeAlias
 
 from protocol.messages import Reply, Request, StreamItem
+from protocol.record import Record
 
 __all__ = [
     "NEED_DATA",
@@ -38,8 +38,7 @@ NEED_DATA: Final = _Sentinel.NEED_DATA
 NeedData: TypeAlias = Literal[_Sentinel.NEED_DATA]
 
 
-@dataclass(frozen=True, slots=True)
-class Authenticated:
+class Authenticated(Record):
     """The handshake finished; both sides may now exchange requests.
 
     On the server, ``peer`` is the client's self-description from HELLO; on the client it is the
@@ -53,16 +52,14 @@ class Authenticated:
     max_in_flight: int
 
 
-@dataclass(frozen=True, slots=True)
-class RequestReceived:
+class RequestReceived(Record):
     """Server: a request to carry out; finish it with ``reply`` or ``error`` on ``request_id``."""
 
     request_id: int
     message: Request
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeNeeded:
+class DecodeNeeded(Record):
     """Server: a request whose payload is larger than the connection decodes itself (its
     ``decode_inline``). Decoding it may take a second of Python: do it where that blocks nobody
     (a thread), with ``protocol.decode_message(FrameType.REQUEST, payload)``, and give the message,
@@ -72,15 +69,13 @@ class DecodeNeeded:
     payload: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class CancelRequested:
+class CancelRequested(Record):
     """Server: the client no longer wants this request; stop it and still send a final frame."""
 
     request_id: int
 
 
-@dataclass(frozen=True, slots=True)
-class ReplyReceived:
+class ReplyReceived(Record):
     """Client: an answer; ``final`` False for a STREAM item, True for the REPLY that ends it."""
 
     request_id: int
@@ -88,8 +83,7 @@ class ReplyReceived:
     final: bool
 
 
-@dataclass(frozen=True, slots=True)
-class RequestFailed:
+class RequestFailed(Record):
     """Client: the server ended this request with an error; the connection stays open.
 
     ``code`` is an :class:`~protocol.errors.ErrorCode` member when known, else the raw number.
@@ -100,22 +94,19 @@ class RequestFailed:
     message: str
 
 
-@dataclass(frozen=True, slots=True)
-class PongReceived:
+class PongReceived(Record):
     """The answer to our PING frame, carrying the value we sent."""
 
     value: int
 
 
-@dataclass(frozen=True, slots=True)
-class GoodbyeReceived:
+class GoodbyeReceived(Record):
     """The peer will start no new requests; in-flight ones still finish."""
 
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class ConnectionFailed:
+class ConnectionFailed(Record):
     """The connection is dead because of a protocol error.
 
     ``by_peer`` False: the peer broke the protocol; an ERROR frame for it waits in
@@ -128,8 +119,7 @@ class ConnectionFailed:
     by_peer: bool
 
 
-@dataclass(frozen=True, slots=True)
-class ConnectionClosed:
+class ConnectionClosed(Record):
     """The connection is over (end of input, or already failed); every later call returns this."""
 
 

@@ -19,13 +19,13 @@ moving the start pointer), so feeding a long stream costs linear time.
 
 import struct
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Final
 
 import msgpack
 
 from protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from protocol.record import Record
 
 __all__ = [
     "DEFAULT_MAX_FRAME_SIZE",
@@ -90,8 +90,7 @@ _NONZERO_ID: Final = frozenset({FrameType.REQUEST, FrameType.REPLY, FrameType.ST
 _FRAME_TYPES: Final = frozenset(int(t) for t in FrameType)
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
+class Frame(Record):
     """One decoded frame; ``payload`` is still msgpack (see :func:`unpack_payload`)."""
 
     type: FrameType

@@ -1,4 +1,4 @@
-"""Messages: one frozen, slotted dataclass per payload, and their strict msgpack (de)coding.
+"""Messages: one frozen record (protocol/record.py) per payload, and their strict msgpack (de)coding.
 
 Handshake, ERROR and GOODBYE frames carry one fixed message type each. REQUEST, REPLY and STREAM
 frames carry a map whose ``"op"`` string names the message; decoding dispatches on it. Every field
@@ -13,12 +13,12 @@ Over ~400 lines on purpose: it is the wire's whole vocabulary, one small class p
 the table that decodes them, and a reader of docs/PROTOCOL.md §3 wants them in one place.
 """
 
-from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Final, TypeAlias
 
 from protocol.checks import bad_field, build, schema
 from protocol.errors import ErrorCode, RemoteProtocolError
 from protocol.frames import FrameType, pack_payload, unpack_payload
+from protocol.record import Record, fields
 
 __all__ = [
     "NONCE_SIZE",
@@ -72,8 +72,7 @@ MAX_USER_BYTES: Final = 255
 # -- handshake and control -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Hello:
+class Hello(Record):
     """Client → server, first frame: the versions it speaks, who it is, its half of the nonce."""
 
     FRAME: ClassVar = FrameType.HELLO
@@ -83,8 +82,7 @@ class Hello:
     client: str
 
 
-@dataclass(frozen=True, slots=True)
-class Challenge:
+class Challenge(Record):
     """Server → client: the chosen version and the server's half of the nonce."""
 
     FRAME: ClassVar = FrameType.CHALLENGE
@@ -92,16 +90,14 @@ class Challenge:
     server_nonce: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Auth:
+class Auth(Record):
     """Client → server: proof of the token (empty when the client has no token)."""
 
     FRAME: ClassVar = FrameType.AUTH
     mac: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Welcome:
+class Welcome(Record):
     """Server → client: authenticated; the limits to respect; proof the server knows the token."""
 
     FRAME: ClassVar = FrameType.WELCOME
@@ -112,8 +108,7 @@ class Welcome:
     server_mac: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class ErrorMessage:
+class ErrorMessage(Record):
     """The payload of an ERROR frame: an ErrorCode number and a sentence for a human."""
 
     FRAME: ClassVar = FrameType.ERROR
@@ -121,8 +116,7 @@ class ErrorMessage:
     message: str
 
 
-@dataclass(frozen=True, slots=True)
-class Goodbye:
+class Goodbye(Record):
     """Either side: no new requests from me; in-flight ones still finish."""
 
     FRAME: ClassVar = FrameType.GOODBYE
@@ -132,8 +126,7 @@ class Goodbye:
 # -- requests ----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Enqueue:
+class Enqueue(Record):
     """Submit one job; the same idempotency key always yields the same job id."""
 
     OP: ClassVar = "enqueue"
@@ -141,16 +134,14 @@ class Enqueue:
     idempotency_key: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class EnqueueBatch:
+class EnqueueBatch(Record):
     """Submit several jobs at once, in order."""
 
     OP: ClassVar = "enqueue_batch"
     specs: list[dict[str, Any]]
 
 
-@dataclass(frozen=True, slots=True)
-class ListJobs:
+class ListJobs(Record):
     """List jobs, optionally filtered by queue and state."""
 
     OP: ClassVar = "list_jobs"
@@ -160,24 +151,21 @@ class ListJobs:
     limit: int
 
 
-@dataclass(frozen=True, slots=True)
-class ShowJob:
+class ShowJob(Record):
     """Everything known about one job."""
 
     OP: ClassVar = "show_job"
     job_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class CancelJobs:
+class CancelJobs(Record):
     """Cancel jobs by id."""
 
     OP: ClassVar = "cancel_jobs"
     job_ids: list[str]
 
 
-@dataclass(frozen=True, slots=True)
-class WaitJobs:
+class WaitJobs(Record):
     """Wait until every job is terminal, or ``timeout`` seconds pass (None: no limit)."""
 
     OP: ClassVar = "wait_jobs"
@@ -185,8 +173,7 @@ class WaitJobs:
     timeout: float | None
 
 
-@dataclass(frozen=True, slots=True)
-class FollowLogs:
+class FollowLogs(Record):
     """Stream a job's log from ``offset`` (opaque, "" = start); with ``follow``, until it ends."""
 
     OP: ClassVar = "follow_logs"
@@ -195,22 +182,19 @@ class FollowLogs:
     offset: str
 
 
-@dataclass(frozen=True, slots=True)
-class ListWorkers:
+class ListWorkers(Record):
     """List workers and their slots."""
 
     OP: ClassVar = "list_workers"
 
 
-@dataclass(frozen=True, slots=True)
-class Ping:
+class Ping(Record):
     """An application-level round trip (the PING frame is the transport-level one)."""
 
     OP: ClassVar = "ping"
 
 
-@dataclass(frozen=True, slots=True)
-class PrepareUpload:
+class PrepareUpload(Record):
     """Ask to store a content-addressed object of ``size`` bytes hashing to ``sha256``.
 
     The server authorises and hands out where to send the bytes (UploadTicket); the bytes never
@@ -222,8 +206,7 @@ class PrepareUpload:
     size: int
 
 
-@dataclass(frozen=True, slots=True)
-class FinishUpload:
+class FinishUpload(Record):
     """The bytes of ``sha256`` are stored: the server checks the object and records it, under
     ``name`` too when one is given. ``kind`` is ``file`` or ``dir`` (a tar of a directory)."""
 
@@ -233,16 +216,14 @@ class FinishUpload:
     name: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class ResolveName:
+class ResolveName(Record):
     """What the dataset ``name`` (from FinishUpload) is."""
 
     OP: ClassVar = "resolve_name"
     name: str
 
 
-@dataclass(frozen=True, slots=True)
-class PrepareDownload:
+class PrepareDownload(Record):
     """Ask where to fetch the object ``key`` (a dataset or an artifact) from."""
 
     OP: ClassVar = "prepare_download"
@@ -252,8 +233,7 @@ class PrepareDownload:
 # -- replies and stream items ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Enqueued:
+class Enqueued(Record):
     """Reply to Enqueue; ``created`` is False when the idempotency key matched an earlier job."""
 
     OP: ClassVar = "enqueued"
@@ -261,40 +241,35 @@ class Enqueued:
     created: bool
 
 
-@dataclass(frozen=True, slots=True)
-class EnqueuedBatch:
+class EnqueuedBatch(Record):
     """Reply to EnqueueBatch: the job ids, in the order of the specs."""
 
     OP: ClassVar = "enqueued_batch"
     job_ids: list[str]
 
 
-@dataclass(frozen=True, slots=True)
-class JobList:
+class JobList(Record):
     """Reply to ListJobs."""
 
     OP: ClassVar = "job_list"
     jobs: list[dict[str, Any]]
 
 
-@dataclass(frozen=True, slots=True)
-class JobDetail:
+class JobDetail(Record):
     """Reply to ShowJob."""
 
     OP: ClassVar = "job_detail"
     job: dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
-class Cancelled:
+class Cancelled(Record):
     """Reply to CancelJobs: job id → its state after the cancel."""
 
     OP: ClassVar = "cancelled"
     states: dict[str, str]
 
 
-@dataclass(frozen=True, slots=True)
-class Waited:
+class Waited(Record):
     """Reply to WaitJobs: the jobs as they are now, and whether the timeout cut the wait short."""
 
     OP: ClassVar = "waited"
@@ -302,8 +277,7 @@ class Waited:
     timed_out: bool
 
 
-@dataclass(frozen=True, slots=True)
-class LogChunk:
+class LogChunk(Record):
     """STREAM item of FollowLogs: log bytes, and the offset to resume after them."""
 
     OP: ClassVar = "log_chunk"
@@ -311,8 +285,7 @@ class LogChunk:
     offset: str
 
 
-@dataclass(frozen=True, slots=True)
-class LogEnd:
+class LogEnd(Record):
     """Final reply of FollowLogs: the job's state when the log ended (exit code if it has one)."""
 
     OP: ClassVar = "log_end"
@@ -320,24 +293,21 @@ class LogEnd:
     exit_code: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerList:
+class WorkerList(Record):
     """Reply to ListWorkers."""
 
     OP: ClassVar = "worker_list"
     workers: list[dict[str, Any]]
 
 
-@dataclass(frozen=True, slots=True)
-class Pong:
+class Pong(Record):
     """Reply to Ping: the server's clock (Unix seconds)."""
 
     OP: ClassVar = "pong"
     server_time: float
 
 
-@dataclass(frozen=True, slots=True)
-class UploadTicket:
+class UploadTicket(Record):
     """Reply to PrepareUpload. ``exists``: the object is already stored, send nothing. Otherwise
     either ``url`` (a presigned PUT; send header ``x-amz-meta-sha256: <sha256>``) or
     ``local_store`` (the directory of a local store on the server's machine) is set."""
@@ -349,8 +319,7 @@ class UploadTicket:
     local_store: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class ObjectRef:
+class ObjectRef(Record):
     """Reply to FinishUpload and ResolveName: a stored object and the name it goes by."""
 
     OP: ClassVar = "object_ref"
@@ -360,8 +329,7 @@ class ObjectRef:
     kind: str
 
 
-@dataclass(frozen=True, slots=True)
-class DownloadTicket:
+class DownloadTicket(Record):
     """Reply to PrepareDownload: the object's size and sha256 (to verify what arrives), and
     either a presigned GET ``url`` or the ``local_store`` directory to read it from."""
 
@@ -479,7 +447,7 @@ def _validate_control(message: Any) -> None:
 
 def encode_message(message: Message) -> tuple[FrameType, bytes]:
     """Return the frame type that carries ``message`` and its msgpack payload."""
-    body: dict[str, Any] = {f.name: getattr(message, f.name) for f in fields(message)}
+    body: dict[str, Any] = {name: getattr(message, name) for name in fields(message)}
     cls: type[Any] = type(message)
     if cls in _CONTROL.values():
         return cls.FRAME, pack_payload(body)

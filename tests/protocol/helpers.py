@@ -18,11 +18,17 @@ from protocol import (
 )
 from protocol.frames import FrameType, decode_frames, encode_frame, pack_payload
 from protocol.messages import ErrorMessage, decode_message
+from protocol.record import Record
 
 TOKENS: Mapping[str, bytes] = {"alice": b"alice-secret-token-0123456789abc", "bob": b"bob-secret-token"}
 
 # Far more events than any test input can produce: reaching it means next_event never said NEED_DATA.
 MAX_EVENTS = 100_000
+
+
+def is_record(obj: object) -> bool:
+    """A message, event or frame class (a Record subclass)."""
+    return isinstance(obj, type) and issubclass(obj, Record) and obj is not Record
 
 
 def drain(connection: ClientConnection | ServerConnection) -> list[Event]:

@@ -2,7 +2,6 @@
 protocol error, always finish, and never buffer more than one maximal frame (docs/DESIGN.md §10)."""
 
 import contextlib
-import dataclasses
 import random
 from typing import Any
 
@@ -37,8 +36,9 @@ from protocol.frames import (
     decode_frames,
     pack_payload,
 )
+from protocol.record import fields
 
-from .helpers import TOKENS, Pair, drain
+from .helpers import TOKENS, Pair, drain, is_record
 
 # Deterministic for CI (no example database, fixed seed) and modest, so the suite stays fast.
 FUZZ = settings(
@@ -145,9 +145,7 @@ def test_authenticated_client_arbitrary_frames(frames: list[bytes], split_seed: 
 
 
 # Every request op with fields drawn from every message's field names: exercises the type checks.
-FIELD_NAMES = sorted(
-    {f.name for cls in vars(m).values() if dataclasses.is_dataclass(cls) for f in dataclasses.fields(cls)}
-)
+FIELD_NAMES = sorted({name for cls in vars(m).values() if is_record(cls) for name in fields(cls)})
 OPS = sorted(cls.OP for cls in vars(m).values() if hasattr(cls, "OP"))
 
 

@@ -1,6 +1,5 @@
 """Every message round-trips; malformed payloads are refused with a sentence naming the field."""
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -8,6 +7,8 @@ import pytest
 from protocol import messages as m
 from protocol.errors import ErrorCode, RemoteProtocolError
 from protocol.frames import FrameType, encode_frame, pack_payload
+
+from .helpers import is_record
 
 NONCE = bytes(range(32))
 MAC = bytes(range(32, 64))
@@ -66,7 +67,7 @@ def test_round_trip(message: m.Message) -> None:
 
 
 def test_every_message_class_is_covered() -> None:
-    defined = {cls for cls in vars(m).values() if dataclasses.is_dataclass(cls) and isinstance(cls, type)}
+    defined = {cls for cls in vars(m).values() if is_record(cls)}
     assert {type(message) for message in EVERY_MESSAGE} == defined
     assert len(defined) == 6 + 13 + 12 + 1  # control, requests, replies, stream items
 
