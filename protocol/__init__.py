@@ -39,6 +39,7 @@ from protocol.messages import (
     FinishUpload,
     FollowLogs,
     JobDetail,
+    JobEnded,
     JobList,
     ListJobs,
     ListWorkers,
@@ -47,6 +48,7 @@ from protocol.messages import (
     ObjectRef,
     Ping,
     Pong,
+    PoolView,
     PrepareDownload,
     PrepareUpload,
     Reply,
@@ -57,6 +59,8 @@ from protocol.messages import (
     UploadTicket,
     Waited,
     WaitJobs,
+    WatchEnded,
+    WatchPool,
     WorkerList,
 )
 from protocol.server import ServerConnection
@@ -88,6 +92,7 @@ __all__ = [
     "FollowLogs",
     "GoodbyeReceived",
     "JobDetail",
+    "JobEnded",
     "JobList",
     "ListJobs",
     "ListWorkers",
@@ -99,6 +104,7 @@ __all__ = [
     "Ping",
     "Pong",
     "PongReceived",
+    "PoolView",
     "PrepareDownload",
     "PrepareUpload",
     "ProtocolError",
@@ -116,5 +122,7 @@ __all__ = [
     "UploadTicket",
     "WaitJobs",
     "Waited",
+    "WatchEnded",
+    "WatchPool",
     "WorkerList",
 ]

@@ -37,6 +37,7 @@ __all__ = [
     "Goodbye",
     "Hello",
     "JobDetail",
+    "JobEnded",
     "JobList",
     "ListJobs",
     "ListWorkers",
@@ -46,6 +47,7 @@ __all__ = [
     "ObjectRef",
     "Ping",
     "Pong",
+    "PoolView",
     "PrepareDownload",
     "PrepareUpload",
     "Reply",
@@ -56,6 +58,8 @@ __all__ = [
     "UploadTicket",
     "WaitJobs",
     "Waited",
+    "WatchEnded",
+    "WatchPool",
     "Welcome",
     "WorkerList",
     "decode_message",
@@ -166,11 +170,26 @@ class CancelJobs(Record):
 
 
 class WaitJobs(Record):
-    """Wait until every job is terminal, or ``timeout`` seconds pass (None: no limit)."""
+    """Wait until every job is terminal, or ``timeout`` seconds pass (None: no limit); each job
+    is streamed as a JobEnded as it ends (one that had ended already, at once)."""
 
     OP: ClassVar = "wait_jobs"
     job_ids: list[str]
     timeout: float | None
+
+
+class WatchPool(Record):
+    """A live view of the pool: a PoolView streamed every ``interval`` seconds (the server may
+    space them more) with the jobs ListJobs would list, until cancelled, or ``count`` views have
+    been sent (0: no end)."""
+
+    OP: ClassVar = "watch_pool"
+    queue: str | None
+    state: str | None
+    include_finished: bool
+    limit: int
+    interval: float
+    count: int
 
 
 class FollowLogs(Record):
@@ -285,6 +304,29 @@ class LogChunk(Record):
     offset: str
 
 
+class JobEnded(Record):
+    """STREAM item of WaitJobs: one of the jobs waited for, as it ended."""
+
+    OP: ClassVar = "job_ended"
+    job: dict[str, Any]
+
+
+class PoolView(Record):
+    """STREAM item of WatchPool: the pool at time ``at``: jobs as ListJobs, workers as ListWorkers."""
+
+    OP: ClassVar = "pool_view"
+    jobs: list[dict[str, Any]]
+    workers: list[dict[str, Any]]
+    at: float
+
+
+class WatchEnded(Record):
+    """Final reply of WatchPool, once ``count`` views have been sent."""
+
+    OP: ClassVar = "watch_ended"
+    views: int
+
+
 class LogEnd(Record):
     """Final reply of FollowLogs: the job's state when the log ended (exit code if it has one)."""
 
@@ -349,6 +391,7 @@ Request: TypeAlias = (
     | CancelJobs
     | WaitJobs
     | FollowLogs
+    | WatchPool
     | ListWorkers
     | Ping
     | PrepareUpload
@@ -364,13 +407,14 @@ Reply: TypeAlias = (
     | Cancelled
     | Waited
     | LogEnd
+    | WatchEnded
     | WorkerList
     | Pong
     | UploadTicket
     | ObjectRef
     | DownloadTicket
 )
-StreamItem: TypeAlias = LogChunk
+StreamItem: TypeAlias = LogChunk | JobEnded | PoolView
 Control: TypeAlias = Hello | Challenge | Auth | Welcome | ErrorMessage | Goodbye
 Message: TypeAlias = Control | Request | Reply | StreamItem
 
@@ -383,6 +427,7 @@ _REPLY_FOR: Final[dict[type[Any], type[Any]]] = {
     CancelJobs: Cancelled,
     WaitJobs: Waited,
     FollowLogs: LogEnd,
+    WatchPool: WatchEnded,
     ListWorkers: WorkerList,
     Ping: Pong,
     PrepareUpload: UploadTicket,
@@ -390,7 +435,11 @@ _REPLY_FOR: Final[dict[type[Any], type[Any]]] = {
     ResolveName: ObjectRef,
     PrepareDownload: DownloadTicket,
 }
-_STREAM_FOR: Final[dict[type[Any], type[Any]]] = {FollowLogs: LogChunk}
+_STREAM_FOR: Final[dict[type[Any], type[Any]]] = {
+    FollowLogs: LogChunk,
+    WaitJobs: JobEnded,
+    WatchPool: PoolView,
+}
 
 _BY_OP: Final[dict[FrameType, dict[str, type[Any]]]] = {
     FrameType.REQUEST: {cls.OP: cls for cls in _REPLY_FOR},

@@ -37,6 +37,7 @@ from protocol import (
     FinishUpload,
     FollowLogs,
     JobDetail,
+    JobEnded,
     JobList,
     ListJobs,
     ListWorkers,
@@ -44,6 +45,7 @@ from protocol import (
     LogEnd,
     Ping,
     Pong,
+    PoolView,
     PrepareDownload,
     PrepareUpload,
     Reply,
@@ -53,6 +55,8 @@ from protocol import (
     StreamItem,
     Waited,
     WaitJobs,
+    WatchEnded,
+    WatchPool,
     WorkerList,
 )
 from storage.base import ObjectStore, StorageError
@@ -62,13 +66,15 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 10_000
 MAX_LIST = 10_000
 MAX_IDS = 10_000  # job ids in one cancel or wait: more is refused, never worked through for minutes
-# Requests that hold a blocking Redis read for as long as they last (`logs -f`, `wait`): each user
-# has this many at once, so one user cannot take every Redis connection from everyone else.
+# Requests that hold a blocking Redis read for as long as they last (`logs -f`, `wait`), or poll it
+# (live views): each user has this many at once, so one user cannot take every Redis connection
+# from everyone else.
 MAX_BLOCKING_PER_USER = 16
 # ... and all users together this many: each holds a Redis connection, and Redis serves workers too.
 MAX_BLOCKING = 512
 LOG_BLOCK_SECONDS = 1.0
 WAIT_RECHECK = 2.0  # seconds between looks at the state of jobs a `wait` waits for
+WATCH_INTERVAL = (0.5, 3600.0)  # the fewest and most seconds between the views a watch streams
 
 HIDDEN = "<hidden>"  # an environment value shown to a user who does not own the job
 
@@ -130,15 +136,8 @@ class Handlers:
                 return JobDetail(await self._detail(info, user))
             case CancelJobs(job_ids=job_ids):
                 return Cancelled(await self._cancel(_at_most(job_ids), user))
-            case WaitJobs(job_ids=job_ids, timeout=limit):
-                for job_id in _at_most(job_ids):
-                    self._check_owner(await self.queue.get(job_id), user, "wait on")
-                with self._blocking_read(user):
-                    return await self._wait(job_ids, limit)
-            case FollowLogs(job_id=job_id, follow=follow, offset=offset):
-                self._check_owner(await self.queue.get(job_id), user, "read the log of")
-                with self._blocking_read(user) if follow else contextlib.nullcontext():
-                    return await self._logs(job_id, follow, offset, send)
+            case WaitJobs() | FollowLogs() | WatchPool():
+                return await self._streamed(request, user, send)
             case ListWorkers():
                 return WorkerList(await self.workers())
             case Ping():
@@ -146,6 +145,23 @@ class Handlers:
             case PrepareUpload() | FinishUpload() | ResolveName() | PrepareDownload():
                 return await self._data(request, user)
         raise GpupoolError(f"this server does not handle {type(request).__name__}", ErrorCode.UNKNOWN_OP)
+
+    async def _streamed(
+        self, request: WaitJobs | FollowLogs | WatchPool, user: str, send: SendStream
+    ) -> Reply:
+        """The requests that stream, and last as long as what they follow."""
+        match request:
+            case WaitJobs(job_ids=job_ids, timeout=limit):
+                for job_id in _at_most(job_ids):
+                    self._check_owner(await self.queue.get(job_id), user, "wait on")
+                with self._blocking_read(user):
+                    return await self._wait(job_ids, limit, send)
+            case FollowLogs(job_id=job_id, follow=follow, offset=offset):
+                self._check_owner(await self.queue.get(job_id), user, "read the log of")
+                with self._blocking_read(user) if follow else contextlib.nullcontext():
+                    return await self._logs(job_id, follow, offset, send)
+        with self._blocking_read(user):
+            return await self._watch(request, user, send)
 
     # -- who may do what ---------------------------------------------------------------------------
 
@@ -155,14 +171,14 @@ class Handlers:
         MAX_BLOCKING) for the block's duration."""
         if self._blocking.total() >= MAX_BLOCKING:
             raise GpupoolError(
-                f"the server already serves {MAX_BLOCKING} 'logs -f' and 'wait' requests, the most it "
+                f"the server already serves {MAX_BLOCKING} 'logs -f', 'wait' and live views, the most it "
                 "takes at once; retry in a moment",
                 ErrorCode.UNAVAILABLE,
             )
         if self._blocking[user] >= MAX_BLOCKING_PER_USER:
             raise GpupoolError(
-                f"{user} already has {MAX_BLOCKING_PER_USER} 'logs -f' and 'wait' running, the most one user "
-                "may; end one, or wait for many jobs in one request",
+                f"{user} already has {MAX_BLOCKING_PER_USER} 'logs -f', 'wait' and live views running, the "
+                "most one user may; end one, or wait for many jobs in one request",
                 ErrorCode.UNAVAILABLE,
             )
         self._blocking[user] += 1
@@ -277,10 +293,25 @@ class Handlers:
             raise GpupoolError(
                 f"unknown state {state!r}; one of {', '.join(JobState)}", ErrorCode.INVALID_ARGUMENT
             )
+        if q is not None:
+            await self._check_queue(q)
         limit = max(1, min(limit, MAX_LIST))
         finished = everything or (state is not None and JobState(state).terminal)
         jobs = await self.queue.list_jobs(q, include_finished=finished, limit=limit)
         return [self._view(j, user) for j in jobs if state is None or j.state == state]
+
+    async def _check_queue(self, name: str) -> None:
+        """A queue the pool knows: one that ever had a job, or that a worker serves."""
+        known = set(await self.queue.queues())
+        if name in known:
+            return
+        known |= {q for w in await self.workers() for q in w.get("queues") or ()}
+        if name not in known:
+            raise GpupoolError(
+                f"no queue {name!r} in this pool: no job was ever queued there and no worker serves it "
+                f"(its queues: {', '.join(sorted(known)) or 'none yet'})",
+                ErrorCode.INVALID_ARGUMENT,
+            )
 
     async def _detail(self, info: JobInfo, user: str) -> dict[str, Any]:
         detail = self._view(info, user)
@@ -315,12 +346,17 @@ class Handlers:
                 states[job_id] = "not_found"
         return states
 
-    async def _wait(self, job_ids: list[str], limit: float | None) -> Waited:
+    async def _wait(self, job_ids: list[str], limit: float | None, send: SendStream) -> Waited:
         deadline = None if limit is None else time.monotonic() + limit
+        told: set[str] = set()  # the jobs already streamed as ended
         async with self.events.watching(job_ids) as changed:
             while True:
                 changed.clear()
                 jobs = [await self.queue.get(job_id) for job_id in job_ids]
+                for j in jobs:
+                    if j.state.terminal and j.id not in told:
+                        told.add(j.id)
+                        await send(JobEnded(j.to_dict()))
                 if all(j.state.terminal for j in jobs):
                     return Waited([j.to_dict() for j in jobs], timed_out=False)
                 left = None if deadline is None else deadline - time.monotonic()
@@ -331,6 +367,21 @@ class Handlers:
                     await asyncio.wait_for(
                         changed.wait(), WAIT_RECHECK if left is None else min(left, WAIT_RECHECK)
                     )
+
+    async def _watch(self, request: WatchPool, user: str, send: SendStream) -> WatchEnded:
+        """A PoolView every `interval` seconds (WATCH_INTERVAL's range), until cancelled or
+        `count` views are sent; the jobs are what ListJobs would list."""
+        interval = min(max(request.interval, WATCH_INTERVAL[0]), WATCH_INTERVAL[1])
+        views = 0
+        while True:
+            jobs = await self._list(
+                request.queue, request.state, request.include_finished, request.limit, user
+            )
+            await send(PoolView(jobs, await self.workers(), time.time()))
+            views += 1
+            if views == request.count:
+                return WatchEnded(views)
+            await asyncio.sleep(interval)
 
     async def _logs(self, job_id: str, follow: bool, offset: str, send: SendStream) -> LogEnd:
         info = await self.queue.get(job_id)  # NOT_FOUND before anything is streamed

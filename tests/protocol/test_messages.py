@@ -44,6 +44,11 @@ EVERY_MESSAGE: list[m.Message] = [
     m.Cancelled({"a": "cancelled", "b": "succeeded"}),
     m.Waited([JOB], timed_out=False),
     m.LogChunk(b"\x00epoch 1 loss 0.3\n\xff", "1712345678-0"),
+    m.JobEnded(JOB),
+    m.WatchPool("default", None, False, 100, 2.0, 0),
+    m.WatchPool(None, "running", True, 10, 0.5, 3),
+    m.PoolView([JOB], [{"id": "w1", "slots": 2}], 1712345678.5),
+    m.WatchEnded(3),
     m.LogEnd("succeeded", 0),
     m.LogEnd("lost", None),
     m.WorkerList([{"name": "gpu-01", "slots": 2}]),
@@ -69,7 +74,7 @@ def test_round_trip(message: m.Message) -> None:
 def test_every_message_class_is_covered() -> None:
     defined = {cls for cls in vars(m).values() if is_record(cls)}
     assert {type(message) for message in EVERY_MESSAGE} == defined
-    assert len(defined) == 6 + 13 + 12 + 1  # control, requests, replies, stream items
+    assert len(defined) == 6 + 14 + 13 + 3  # control, requests, replies, stream items
 
 
 def test_frame_types() -> None:
@@ -95,6 +100,8 @@ def test_messages_are_frozen_and_slotted() -> None:
 def test_reply_and_stream_types() -> None:
     assert m.reply_type(m.FollowLogs) is m.LogEnd
     assert m.stream_type(m.FollowLogs) is m.LogChunk
+    assert m.stream_type(m.WaitJobs) is m.JobEnded
+    assert m.stream_type(m.WatchPool) is m.PoolView
     assert m.stream_type(m.Enqueue) is None
 
 
