@@ -2,10 +2,9 @@
 
 Server side: a tokens file of ``user = "token"`` lines (TOML), readable by its owner only (0600); a
 pool admin, who may act on every user's jobs, is written ``user = { token = "token", admin = true }``.
-Client side: ``GPUPOOL_TOKEN``, else the file ``gpupool/token`` under ``$XDG_CONFIG_HOME`` (default
-``~/.config``); the user is ``GPUPOOL_USER`` or the login name. The server address is ``GPUPOOL_SERVER``,
-else the file ``gpupool/server`` there, which a single-machine pool writes when it starts, so poolctl
-works on that machine with no set-up at all.
+Client side: ``GPUPOOL_TOKEN``, else the pool's own ``token_file`` (pools.toml: daemon/pools.py,
+which also says where the server is), else the file ``gpupool/token`` under ``$XDG_CONFIG_HOME``
+(default ``~/.config``); the user is ``GPUPOOL_USER``, else the pool's ``user``, else the login name.
 """
 
 from __future__ import annotations
@@ -32,47 +31,37 @@ def client_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "gpupool"
 
 
-def local_user(env: Mapping[str, str] | None = None) -> str:
+def local_user(env: Mapping[str, str] | None = None, pool_user: str | None = None) -> str:
     env = os.environ if env is None else env
-    return env.get("GPUPOOL_USER") or getpass.getuser()
+    return env.get("GPUPOOL_USER") or pool_user or getpass.getuser()
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
+    """Replace `path` with `text`, readable by its owner alone, never half-written."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two writers never share one
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
     tmp.replace(path)
 
 
-def client_token(env: Mapping[str, str] | None = None) -> str | None:
+def client_token(env: Mapping[str, str] | None = None, token_file: str | None = None) -> str | None:
+    """GPUPOOL_TOKEN, else the pool's `token_file` (pools.toml), else the default file; None when
+    the default file does not exist (an open pool needs none)."""
     env = os.environ if env is None else env
     if token := env.get("GPUPOOL_TOKEN"):
         return token.strip()
-    path = client_dir(env) / "token"
+    path = Path(token_file) if token_file else client_dir(env) / "token"
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:
+        if token_file:
+            raise TokenError(f"{path}, this pool's token_file in pools.toml, does not exist") from None
         return None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):  # a password: as ssh does with a private key
         raise TokenError(f"{path} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 {path}")
     return path.read_text().strip() or None
-
-
-def client_server(env: Mapping[str, str] | None = None) -> str | None:
-    env = os.environ if env is None else env
-    if server := env.get("GPUPOOL_SERVER"):
-        return server.strip()
-    try:
-        return (client_dir(env) / "server").read_text().strip() or None
-    except FileNotFoundError:
-        return None
-
-
-def publish_local_server(address: str, env: Mapping[str, str] | None = None) -> None:
-    """Tell poolctl on this machine where the single-machine pool listens."""
-    _write_private(client_dir(env) / "server", address + "\n")
 
 
 def ensure_local_token(data_dir: Path, env: Mapping[str, str] | None = None) -> Path:
@@ -83,13 +72,13 @@ def ensure_local_token(data_dir: Path, env: Mapping[str, str] | None = None) -> 
         import secrets  # noqa: PLC0415 - the server's side: poolctl shares this module, never needs it
 
         token = secrets.token_urlsafe(TOKEN_BYTES)
-        _write_private(client_dir(env) / "token", token + "\n")
+        write_private(client_dir(env) / "token", token + "\n")
     path = data_dir / "tokens.toml"
     tokens = dict(read_tokens(path)) if path.exists() else {}
     user = local_user(env)
     if tokens.get(user) != token.encode():
         tokens[user] = token.encode()
-        _write_private(path, "".join(f'"{u}" = "{t.decode()}"\n' for u, t in sorted(tokens.items())))
+        write_private(path, "".join(f'"{u}" = "{t.decode()}"\n' for u, t in sorted(tokens.items())))
     return path
 
 

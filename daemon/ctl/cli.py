@@ -2,8 +2,9 @@
 
 Exit status: 0 success; 1 a job failed or the request failed; 2 bad usage or input; 3 server
 unreachable; 4 authentication refused, or a token file others can read; 5 unknown job; 6 another
-user's job (only its owner or a pool admin may act on it); 124 `wait` timed out; `logs -f` exits
-with the job's own exit code; `health` exits 0 only when the server and its Redis answer.
+user's job (only its owner or a pool admin may act on it); 124 `wait` timed out; 130 Ctrl-C (how
+`top` and `ls --watch` end, unless given -n); `logs -f` and `enqueue -f` exit with the job's own
+exit code; `health` exits 0 only when the server and its Redis answer.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from daemon import tokens
-from daemon.address import SERVER_PORT
 from daemon.ctl import one_shot, render
 from daemon.ctl.session import AuthFailed, ClientError, ServerUnreachable, parse_address
 from daemon.errors import GpupoolError
+from daemon.pools import choose
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -38,10 +39,11 @@ from protocol import (
     Reply,
     Request,
     ShowJob,
-    Waited,
-    WaitJobs,
+    StreamItem,
+    WatchPool,
     WorkerList,
 )
+from protocol.record import Record
 
 if TYPE_CHECKING:
     from daemon.ctl.pool_client import PoolClient
@@ -51,6 +53,7 @@ Call = Callable[[Request, type[R]], R]  # one request, its reply: one_shot.call,
 
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH, EXIT_NOT_FOUND, EXIT_NOT_YOURS = 1, 2, 3, 4, 5, 6
 EXIT_TIMEOUT = 124
+MAX_VIEW_JOBS = 10_000  # the jobs `top` asks for: all there are, as far as the server lists
 
 
 class UsageError(GpupoolError):
@@ -73,6 +76,9 @@ def parser() -> argparse.ArgumentParser:
         "--server", metavar="HOST:PORT", help="pool server (default: GPUPOOL_SERVER, or the local pool)"
     )
     p.add_argument(
+        "--pool", metavar="NAME", help="a pool named in ~/.config/gpupool/pools.toml (or GPUPOOL_POOL)"
+    )
+    p.add_argument(
         "--tls-ca", metavar="FILE", help="CA certificate to verify a TLS server (or GPUPOOL_TLS_CA)"
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -92,6 +98,16 @@ def parser() -> argparse.ArgumentParser:
         help=f"the columns to print, in order, e.g. id,state (of: {', '.join(render.JOB_COLUMNS)})",
     )
     ls.add_argument("--no-header", action="store_true", help="the rows alone")
+    ls.add_argument(
+        "--watch",
+        "-w",
+        nargs="?",
+        type=float,
+        const=2.0,
+        metavar="SECONDS",
+        help="redraw it as it changes, every SECONDS (default 2) until Ctrl-C",
+    )
+    ls.add_argument("-n", "--views", type=int, default=0, metavar="N", help="with --watch: stop after N")
 
     show = sub.add_parser("show", help="everything known about a job")
     show.add_argument("job")
@@ -108,6 +124,11 @@ def parser() -> argparse.ArgumentParser:
     wait.add_argument("jobs", nargs="+", metavar="JOB")
     wait.add_argument("--timeout", type=float, metavar="SECONDS")
 
+    top = sub.add_parser("top", help="a live full-screen view of queues, workers and running jobs")
+    top.add_argument("-d", "--delay", type=float, default=2.0, metavar="SECONDS", help="between views")
+    top.add_argument("-n", "--views", type=int, default=0, metavar="N", help="stop after N views")
+    top.add_argument("--json", action="store_true", help="one JSON object per view")
+
     workers = sub.add_parser("workers", help="the pool's workers")
     workers.add_argument("--json", action="store_true")
 
@@ -121,9 +142,14 @@ def parser() -> argparse.ArgumentParser:
 
     sub.add_parser("health", help="exit 0 when the server and its Redis answer (for scripts and probes)")
     completion = sub.add_parser(
-        "completion", help="shell completion: source <(poolctl completion bash), in ~/.bashrc"
+        "completion",
+        help="shell completion: source <(poolctl completion bash) in ~/.bashrc; "
+        "source <(poolctl completion zsh) in ~/.zshrc; "
+        "poolctl completion fish > ~/.config/fish/completions/poolctl.fish",
     )
-    completion.add_argument("shell", choices=["bash"])
+    completion.add_argument("shell", nargs="?", choices=["bash", "zsh", "fish"])
+    # what the scripts ask on a TAB (job ids, queue names), one a line; silent when it fails
+    completion.add_argument("--words", choices=["jobs", "queues"], help=argparse.SUPPRESS)
     return p
 
 
@@ -183,11 +209,10 @@ def _add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it do
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    if args.command == "completion":  # nothing to ask the pool
+    if args.command == "completion":  # a script, or the words a script asks for (never an error)
         from daemon.ctl import completion
 
-        print(completion.bash(p), end="")
-        return 0
+        return completion.main(p, args)
     try:
         return _run(args)
     except ServerUnreachable as exc:
@@ -206,13 +231,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-def _address(args: argparse.Namespace) -> str:
-    address: str = args.server or tokens.client_server() or f"127.0.0.1:{SERVER_PORT}"
+class Link(Record):
+    """How poolctl reaches its pool: where, as whom, and how it trusts the server."""
+
+    server: str
+    user: str
+    token: str | None
+    tls_ca: str | None
+    tls: str  # auto: TLS beyond loopback; on; off (GPUPOOL_TLS means the same as poold's `tls`)
+    tls_pin: str | None
+
+    def call(
+        self, request: Request, reply_type: type[R], on_item: Callable[[StreamItem], None] | None = None
+    ) -> R:
+        """One request and its reply, over a blocking socket (one_shot.py); streamed items to `on_item`."""
+        return one_shot.call(
+            self.server, self.user, self.token, request, reply_type,
+            tls_ca=self.tls_ca, tls=self.tls, tls_pin=self.tls_pin, on_item=on_item,
+        )  # fmt: skip
+
+    def client(self) -> PoolClient:
+        """A connection for an event loop: streams and transfers."""
+        from daemon.ctl.pool_client import PoolClient
+
+        return PoolClient(
+            self.server, self.user, self.token, tls_ca=self.tls_ca, tls=self.tls, tls_pin=self.tls_pin
+        )
+
+
+def link(args: argparse.Namespace) -> Link:
+    """The pool to talk to (daemon/pools.py says which of --server, --pool, GPUPOOL_SERVER,
+    GPUPOOL_POOL, pools.toml), its address checked, and its user and token."""
+    pool = choose(args.server, args.pool)
     try:
-        parse_address(address)
+        parse_address(pool.server)
     except ClientError as exc:
-        raise UsageError(str(exc)) from None
-    return address
+        raise UsageError(f"{exc} (pool {pool.name})" if pool.name else str(exc)) from None
+    return Link(
+        server=pool.server,
+        user=tokens.local_user(pool_user=pool.user),
+        token=tokens.client_token(token_file=pool.token_file),
+        tls_ca=args.tls_ca or os.environ.get("GPUPOOL_TLS_CA") or pool.tls_ca,
+        tls=os.environ.get("GPUPOOL_TLS") or pool.tls or "auto",
+        tls_pin=pool.tls_pin,
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -221,20 +283,15 @@ def _run(args: argparse.Namespace) -> int:
     request = _enqueue_request(args) if args.command == "enqueue" else None  # checked before connecting
     if args.command == "put" and not os.path.lexists(args.path):  # the command line's mistake
         raise UsageError(f"{args.path}: no such file or directory")
-    address = _address(args)
-    tls_ca = args.tls_ca or os.environ.get("GPUPOOL_TLS_CA")
-    # auto: TLS beyond loopback; on; off. The same variable sets poold's `tls` option: one meaning.
-    tls = os.environ.get("GPUPOOL_TLS", "auto")
-    user, token = tokens.local_user(), tokens.client_token()
+    to = link(args)
     on_loop = isinstance(request, Enqueue) and (_moves_data(args) or args.follow)
     if args.command in ("put", "get", "logs") or on_loop:
         import asyncio
 
-        from daemon.ctl.pool_client import PoolClient
         from storage.base import StorageError
 
         async def on_loop() -> int:
-            async with PoolClient(address, user, token, tls_ca=tls_ca, tls=tls) as client:
+            async with to.client() as client:
                 return await _on_loop(client, args, request)
 
         try:
@@ -242,10 +299,7 @@ def _run(args: argparse.Namespace) -> int:
         except StorageError as exc:  # the local store of a single-machine pool failed
             raise ClientError(str(exc)) from None
 
-    def call(request: Request, reply_type: type[R]) -> R:
-        return one_shot.call(address, user, token, request, reply_type, tls_ca=tls_ca, tls=tls)
-
-    return _one_request(call, args, request, address)
+    return _one_request(to, args, request)
 
 
 async def _on_loop(
@@ -268,9 +322,8 @@ async def _on_loop(
     return await _logs(client, reply.job_id, follow=True)
 
 
-def _one_request(
-    call: Call[Any], args: argparse.Namespace, request: Enqueue | EnqueueBatch | None, address: str
-) -> int:
+def _one_request(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueBatch | None) -> int:
+    call = to.call
     match args.command:
         case "enqueue" if isinstance(request, EnqueueBatch):
             for job_id in call(request, EnqueuedBatch).job_ids:
@@ -278,27 +331,28 @@ def _one_request(
         case "enqueue":
             assert request is not None
             return _enqueued(call(request, Enqueued), args.json)
+        case "ls" | "top" if args.command == "top" or args.watch is not None:
+            return _watch(to, args)
+        case "wait":
+            return _wait(to, args.jobs, args.timeout)
         case "ls":
-            try:  # checked before asking
-                columns = render.columns(args.format) if args.format else None
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
             listing = ListJobs(args.queue, args.state, args.all, args.limit)
             render.jobs(
-                call(listing, JobList).jobs, as_json=args.json, columns=columns, header=not args.no_header
+                call(listing, JobList).jobs,
+                as_json=args.json,
+                columns=_columns(args),
+                header=not args.no_header,
             )
         case "show":
             render.job(call(ShowJob(args.job), JobDetail).job, as_json=args.json)
         case "cancel":
             return _cancel(call, args.jobs)
-        case "wait":
-            return _wait(call, args.jobs, args.timeout)
         case "workers":
             render.workers(call(ListWorkers(), WorkerList).workers, as_json=args.json)
         case "health":
             workers = call(ListWorkers(), WorkerList).workers  # a round trip to Redis too
             healthy = sum(1 for w in workers if w.get("health") == "healthy")
-            print(f"ok: server {address} answers, {healthy} healthy worker(s)")
+            print(f"ok: server {to.server} answers, {healthy} healthy worker(s)")
     return 0
 
 
@@ -445,17 +499,40 @@ def _cancel(call: Call[Cancelled], job_ids: list[str]) -> int:
     return status
 
 
-def _wait(call: Call[Waited], job_ids: list[str], limit: float | None) -> int:
-    reply = call(WaitJobs(job_ids, limit), Waited)
+def _wait(to: Link, job_ids: list[str], limit: float | None) -> int:
+    from daemon.ctl import live
+    from daemon.job import TERMINAL_STATES
+
+    reply = live.wait(to, job_ids, limit)  # prints each job as it ends
     for job in reply.jobs:
-        print(
-            f"{job['id']}\t{job['state']}"
-            + (f"\texit {job['exit_code']}" if job["exit_code"] is not None else "")
-        )
+        if job["state"] not in TERMINAL_STATES:
+            print(live.job_line(job))
     if reply.timed_out:
         print(f"poolctl: timed out after {limit:g} s", file=sys.stderr)
         return EXIT_TIMEOUT
     return 0 if all(job["state"] == "succeeded" for job in reply.jobs) else EXIT_FAILED
+
+
+def _columns(args: argparse.Namespace) -> list[int] | None:
+    try:
+        return render.columns(args.format) if args.format else None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _watch(to: Link, args: argparse.Namespace) -> int:
+    """`ls --watch` and `top`: one streamed request, drawn as each view arrives."""
+    from daemon.ctl import live
+
+    top = args.command == "top"
+    interval = args.delay if top else args.watch
+    if interval <= 0 or args.views < 0:
+        raise UsageError("the interval must be above 0 seconds, and -n at least 0 (0: until Ctrl-C)")
+    if top:
+        request = WatchPool(None, None, False, MAX_VIEW_JOBS, interval, args.views)
+        return live.watch(to, request, top=True, columns=None, as_json=args.json)
+    request = WatchPool(args.queue, args.state, args.all, args.limit, interval, args.views)
+    return live.watch(to, request, top=False, columns=_columns(args), as_json=args.json)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,17 @@ def _read(path: Path) -> dict[str, str]:
     return dict(line.split(maxsplit=1) for line in lines if line.strip() and not line.startswith("#"))
 
 
+def check_configured(address: str, der: bytes, pin: str) -> None:
+    """The certificate `der` must be the one pools.toml pins for the pool at `address`."""
+    seen = fingerprint(der)
+    if seen.lower() != pin.lower():
+        raise CertificateChanged(
+            f"the server at {address} presented the certificate {seen}, not the {pin} that pools.toml "
+            "pins for it (tls_pin): someone may be between you and the pool, so nothing was sent. If its "
+            "certificate was replaced on purpose, put the new fingerprint poold logged at start in tls_pin"
+        )
+
+
 def check(address: str, der: bytes) -> None:
     """Pin `address`'s certificate `der` if it is new here; CertificateChanged if it differs."""
     path = known_servers_file()

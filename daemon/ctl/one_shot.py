@@ -1,14 +1,15 @@
 """One request and its reply over a blocking socket: what most poolctl commands are (enqueue, ls,
-show, cancel, workers, health). No event loop to import and start: importing asyncio alone took
-longer than connecting, authenticating and asking. The protocol is sans-IO
-(`protocol.ClientConnection`): this and the async `PoolClient` drive the same state machine, and
-session.py holds what they share (addresses, TLS and its pin, what each failure means).
+show, cancel, workers, health, and the streamed wait, ls --watch and top). No event loop to
+import and start: importing asyncio alone took longer than connecting, authenticating and asking.
+The protocol is sans-IO (`protocol.ClientConnection`): this and the async `PoolClient` drive the
+same state machine, and session.py holds what they share (addresses, TLS and its pin, what each
+failure means).
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from daemon.ctl import session
@@ -24,6 +25,7 @@ from protocol import (
     ReplyReceived,
     Request,
     RequestFailed,
+    StreamItem,
 )
 
 R = TypeVar("R", bound=Reply)
@@ -41,11 +43,14 @@ def call(
     *,
     tls_ca: str | None = None,
     tls: str = "auto",
+    tls_pin: str | None = None,
+    on_item: Callable[[StreamItem], None] | None = None,
 ) -> R:
     """Connect to `address` as `user`, send `request`, and return its final reply, checked to be
-    a `reply_type`. Raises ClientError (ServerUnreachable, AuthFailed) as PoolClient does."""
+    a `reply_type`; each item streamed before it goes to `on_item` (a live view, a job that
+    ended), or is dropped. Raises ClientError (ServerUnreachable, AuthFailed) as PoolClient does."""
     host, port = session.parse_address(address)
-    use_tls = session.wants_tls(host, tls, tls_ca)
+    use_tls = session.wants_tls(host, tls, tls_ca, tls_pin)
     conn = session.connection(user, token)
     try:
         sock = socket.create_connection((host, port), timeout=HANDSHAKE_SECONDS)
@@ -57,7 +62,7 @@ def call(
                 sock = session.tls_context(tls_ca).wrap_socket(sock, server_hostname=host)
             except OSError as exc:
                 raise session.unreachable(address, exc) from None
-            session.check_pin(address, tls_ca, sock)
+            session.check_pin(address, tls_ca, sock, tls_pin)
         events = _events(sock, conn, address)
         sock.sendall(conn.start())
         while session.handshake_outcome(next(events), address, user) is None:
@@ -76,6 +81,8 @@ def call(
                             f"unexpected reply {type(message).__name__} to {type(request).__name__}"
                         )
                     return message
+                case ReplyReceived(request_id=rid, message=message) if rid == request_id and on_item:
+                    on_item(message)  # type: ignore[arg-type] # final=False: a StreamItem
                 case RequestFailed(request_id=rid, code=code, message=text) if rid == request_id:
                     raise ClientError(text, code)
                 case ConnectionFailed() | ConnectionClosed():

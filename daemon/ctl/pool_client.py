@@ -43,16 +43,25 @@ _Item = ReplyReceived | RequestFailed | ConnectionFailed | ConnectionClosed
 
 class PoolClient:
     def __init__(
-        self, address: str, user: str, token: str | None, *, tls_ca: str | None = None, tls: str = "auto"
+        self,
+        address: str,
+        user: str,
+        token: str | None,
+        *,
+        tls_ca: str | None = None,
+        tls: str = "auto",
+        tls_pin: str | None = None,
     ) -> None:
-        """`tls`: "auto" speaks TLS to a server beyond loopback (verified by `tls_ca`, else pinned
-        on first use: known_servers.py), or to any with `tls_ca`; "on" always; "off" never."""
+        """`tls`: "auto" speaks TLS to a server beyond loopback (verified by `tls_ca`, else by
+        `tls_pin`, else pinned on first use: known_servers.py), or to any with `tls_ca` or
+        `tls_pin`; "on" always; "off" never."""
         self.address = address
         self.host, self.port = parse_address(address)
         self.user = user
         self.conn = session.connection(user, token)
         self.tls_ca = tls_ca
-        self.tls = session.wants_tls(self.host, tls, tls_ca)
+        self.tls_pin = tls_pin
+        self.tls = session.wants_tls(self.host, tls, tls_ca, tls_pin)
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
@@ -78,7 +87,9 @@ class PoolClient:
         assert self._writer is not None
         if ctx is not None:
             try:
-                session.check_pin(self.address, self.tls_ca, self._writer.get_extra_info("ssl_object"))
+                session.check_pin(
+                    self.address, self.tls_ca, self._writer.get_extra_info("ssl_object"), self.tls_pin
+                )
             except BaseException:
                 await self.close()
                 raise

@@ -12,7 +12,12 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from protocol.record import Record
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 # C0 and C1 controls, DEL, the line and paragraph separators, and the bidirectional and zero-width
 # marks (U+061C, U+200B-U+200F, U+2028-U+202E, U+2066-U+2069, U+FEFF)
@@ -52,29 +57,48 @@ def duration(seconds: float | None) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
-def _table(
-    headers: Sequence[str], rows: Sequence[Sequence[str]], state_col: int | None = None, header: bool = True
-) -> None:
-    rows = [[clean(cell) for cell in row] for row in rows]
-    if (
-        sys.stdout.isatty() and header
-    ):  # rich only then: importing it is a third of a one-shot command's start
-        from rich.console import Console
-        from rich.markup import escape
-        from rich.table import Table
+class Rows(Record):
+    """A table to print: its column headers, its rows of cells, and which column is a state."""
 
-        console = Console()
-        table = Table(*headers, box=None, header_style="bold", pad_edge=False)
-        for row in rows:
-            cells = [escape(cell) for cell in row]
-            if state_col is not None and (style := STATE_STYLE.get(row[state_col])):
-                cells[state_col] = f"[{style}]{cells[state_col]}[/]"
-            table.add_row(*cells)
-        console.print(table)
-        return
+    headers: Sequence[str]
+    rows: Sequence[Sequence[str]]
+    state_col: int | None = None
+
+
+def rich_table(table: Rows, title: str | None = None) -> Table:
+    """`table` as rich draws it on a terminal: every cell cleaned and never read as markup."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    drawn = Table(*table.headers, box=None, header_style="bold", pad_edge=False, title=title)
+    drawn.title_justify = "left"
+    for row in table.rows:
+        cells = [escape(clean(cell)) for cell in row]
+        if table.state_col is not None and (style := STATE_STYLE.get(row[table.state_col])):
+            cells[table.state_col] = f"[{style}]{cells[table.state_col]}[/]"
+        drawn.add_row(*cells)
+    return drawn
+
+
+def plain_lines(table: Rows, header: bool = True) -> list[str]:
+    """`table` as aligned text, for a pipe."""
+    rows = [[clean(cell) for cell in row] for row in table.rows]
+    headers = list(table.headers)
     widths = [max([len(h) if header else 0, *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    for line in [headers, *rows] if header else rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in ([headers, *rows] if header else rows)
+    ]
+
+
+def _table(table: Rows, header: bool = True) -> None:
+    if sys.stdout.isatty() and header:  # rich only then: importing it is a third of a command's start
+        from rich.console import Console
+
+        Console().print(rich_table(table))
+        return
+    for line in plain_lines(table, header):
+        print(line)
 
 
 def json_text(value: object) -> str:
@@ -112,6 +136,11 @@ def jobs(
     if as_json:
         _json_lines(items)
         return
+    _table(job_rows(items, columns), header=header)
+
+
+def job_rows(items: Sequence[dict[str, Any]], columns: Sequence[int] | None = None) -> Rows:
+    """Jobs as `ls` shows them, in the `columns` asked for (all of JOB_COLUMNS by default)."""
     now = time.time()
     rows = []
     for j in items:
@@ -134,7 +163,7 @@ def jobs(
     picked = list(range(len(JOB_COLUMNS))) if columns is None else list(columns)
     headers = [JOB_COLUMNS[i].upper() for i in picked]
     state = picked.index(4) if 4 in picked else None
-    _table(headers, [[row[i] for i in picked] for row in rows], state_col=state, header=header)
+    return Rows(headers, [[row[i] for i in picked] for row in rows], state)
 
 
 def size(n: int) -> str:
@@ -235,13 +264,21 @@ def _gpus(gpus: Sequence[dict[str, Any]]) -> str:
     return text + (f", {busy} busy" if busy else "")
 
 
+NO_WORKERS = "no workers have registered with this pool"
+
+
 def workers(items: Sequence[dict[str, Any]], *, as_json: bool) -> None:
     if as_json:
         _json_lines(items)
         return
     if not items:
-        print("no workers have registered with this pool")
+        print(NO_WORKERS)
         return
+    _table(worker_rows(items))
+
+
+def worker_rows(items: Sequence[dict[str, Any]]) -> Rows:
+    """Workers as `poolctl workers` shows them."""
     rows = []
     for w in items:
         gpus = w.get("gpus") or []
@@ -258,6 +295,4 @@ def workers(items: Sequence[dict[str, Any]], *, as_json: bool) -> None:
                 str(w.get("version", "")),
             ]
         )
-    _table(
-        ["WORKER", "HOST", "STATE", "SLOTS", "GPUS", "QUARANTINED", "HEARTBEAT", "VERSION"], rows, state_col=2
-    )
+    return Rows(["WORKER", "HOST", "STATE", "SLOTS", "GPUS", "QUARANTINED", "HEARTBEAT", "VERSION"], rows, 2)

@@ -44,12 +44,12 @@ def connection(user: str, token: str | None) -> ClientConnection:
     return ClientConnection(user, token.encode() if token else None, client_name="poolctl")
 
 
-def wants_tls(host: str, tls: str, tls_ca: str | None) -> bool:
-    """`tls`: "auto" speaks TLS to a server beyond loopback, or to any with `tls_ca`; "on"
-    always; "off" never."""
+def wants_tls(host: str, tls: str, tls_ca: str | None, tls_pin: str | None = None) -> bool:
+    """`tls`: "auto" speaks TLS to a server beyond loopback, or to any with `tls_ca` or a pinned
+    certificate; "on" always; "off" never."""
     if tls not in ("auto", "on", "off"):
-        raise ClientError(f"GPUPOOL_TLS={tls!r}: expected auto, on or off")
-    return tls != "off" and (tls == "on" or bool(tls_ca) or not is_loopback(host))
+        raise ClientError(f"tls = {tls!r} (GPUPOOL_TLS or pools.toml): expected auto, on or off")
+    return tls != "off" and (tls == "on" or bool(tls_ca or tls_pin) or not is_loopback(host))
 
 
 def tls_context(tls_ca: str | None) -> ssl.SSLContext:
@@ -65,14 +65,20 @@ def tls_context(tls_ca: str | None) -> ssl.SSLContext:
     return ctx
 
 
-def check_pin(address: str, tls_ca: str | None, ssl_object: ssl.SSLObject | ssl.SSLSocket) -> None:
-    """Without a CA, the server's certificate must be the one pinned for `address` (or is pinned
-    now, on first use)."""
-    if not tls_ca:
-        from daemon.ctl import known_servers
+def check_pin(
+    address: str, tls_ca: str | None, ssl_object: ssl.SSLObject | ssl.SSLSocket, tls_pin: str | None = None
+) -> None:
+    """Without a CA, the server's certificate must be `tls_pin` (the pool's, in pools.toml), else
+    the one pinned for `address` in known_servers (or is pinned now, on first use)."""
+    if tls_ca:
+        return
+    from daemon.ctl import known_servers
 
-        der = ssl_object.getpeercert(binary_form=True)
-        assert der is not None
+    der = ssl_object.getpeercert(binary_form=True)
+    assert der is not None
+    if tls_pin:
+        known_servers.check_configured(address, der, tls_pin)
+    else:
         known_servers.check(address, der)
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from daemon import sd_notify, tokens
+from daemon import pools, sd_notify, tokens
 from daemon.address import is_loopback
 from daemon.aio import TaskSet, start_or_undo
 from daemon.config import Config
@@ -61,6 +61,7 @@ class PoolServer:
         self.metrics_server: MetricsServer | None = None
         self.local: LocalSlots | None = None  # the slots a single-machine pool runs itself
         self.store = make_store(config)  # opened at start; presigns and records, carries no bytes
+        self.own_certificate: str | None = None  # the fingerprint of the certificate it made itself
         self._tasks = TaskSet()
 
     def _users(self) -> tokens.Users | None:
@@ -84,11 +85,9 @@ class PoolServer:
         if c.tls == "auto" and is_loopback(host):
             return None
         cert, key = ensure_certificate(c.data_path() / "tls", host)
-        log.info(
-            "TLS certificate %s, fingerprint %s (poolctl pins it on first use)",
-            cert,
-            certificate_fingerprint(cert),
-        )
+        self.own_certificate = certificate_fingerprint(cert)
+        note = "poolctl pins it on first use"
+        log.info("TLS certificate %s, fingerprint %s (%s)", cert, self.own_certificate, note)
         return tls_context(str(cert), str(key))
 
     async def start(self) -> None:
@@ -147,8 +146,12 @@ class PoolServer:
             local = self._local_slots(self.queue, c, self.store)
             await local.start()  # leaves nothing running if it fails
             self.local = local
-        if c.embedded:
-            tokens.publish_local_server(self.listener.address)
+        if c.embedded:  # poolctl on this machine finds it with no set-up: pools.toml's "local"
+            try:
+                token_file = tokens.client_dir() / "token"
+                pools.register_local(self.listener.address, token_file, self.own_certificate)
+            except pools.PoolsError as exc:
+                log.warning("%s; poolctl here needs --server %s", exc, self.listener.address)
         where = f"embedded, data in {c.data_path()}" if self.redis.embedded else c.worker_mode
         log.info(
             "gpupool server ready on %s: Redis on %s (%s), metrics on %s:%d",

@@ -1,15 +1,22 @@
-"""`poolctl ls --format` (squeue -o's columns) and `poolctl completion bash`: the completion
-function run in a real bash, as a shell runs it on TAB, with job ids fetched from a real pool."""
+"""`poolctl ls --format` (squeue -o's columns) and `poolctl completion bash|zsh|fish`: each
+script run in its real shell, as the shell runs it on TAB, with job ids and queue names fetched from
+a real pool through `poolctl completion --words`."""
 
 from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
 import sys
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
+from daemon.ctl.completion import ASK_SECONDS
+from daemon.queue.registry import Registration, add_heartbeat
+from daemon.queue.scripts import ScriptBatch
 from tests.support.pool import Pool
 from tests.support.poolctl import poolctl
 
@@ -34,26 +41,108 @@ async def test_ls_format_prints_the_columns_asked_for(pool: Pool) -> None:
     )
 
 
-async def complete(env: dict[str, str], words: list[str]) -> list[str]:
+async def run(argv: list[str], env: dict[str, str]) -> str:
+    """`argv` run in a throwaway home (no user's shell config can interfere): its output."""
+    home = env["HOME"]
+    env = {**env, "POOLCTL": POOLCTL, "ZDOTDIR": home}
+    env |= {f"XDG_{d}_HOME": f"{home}/xdg-{d.lower()}" for d in ("CONFIG", "DATA", "CACHE")}
+    proc = await asyncio.create_subprocess_exec(
+        *argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert (proc.returncode, err.decode()) == (0, "")
+    return out.decode()
+
+
+async def bash(env: dict[str, str], words: list[str]) -> list[str]:
     """What bash offers for the last of `words` (the line typed so far), TAB pressed."""
     script = (
         'source <("$POOLCTL" completion bash); '
         'COMP_WORDS=("$@"); COMP_CWORD=$(($# - 1)); _poolctl; printf "%s\\n" "${COMPREPLY[@]}"'
     )
-    proc = await asyncio.create_subprocess_exec(
-        "bash", "-c", script, "bash", *words, env={**env, "POOLCTL": POOLCTL},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 30)
-    assert proc.returncode == 0, err.decode()
-    return out.decode().split()
+    return (await run(["bash", "-c", script, "bash", *words], env)).split()
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-async def test_bash_completes_commands_options_and_job_ids(pool: Pool) -> None:
+async def zsh(env: dict[str, str], words: list[str]) -> list[str]:
+    """What zsh offers: the function called as the completion system calls it on TAB, `words` and
+    `CURRENT` set, with compadd (a builtin only a completion widget may run) shadowed by a function
+    that prints the words it is given that match the word being completed, as compadd matches."""
+    script = (
+        'autoload -Uz compinit && compinit -u -D; source <("$POOLCTL" completion zsh); '
+        "compadd() { while (( $# )) && [[ $1 != -- ]]; do shift; done; shift; "
+        "print -rl -- ${(M)@:#${words[CURRENT]}*}; }; "
+        '_files() { print -r -- "(files)"; }; '
+        'words=("$@"); CURRENT=$#; _poolctl'
+    )
+    return (await run(["zsh", "-f", "-c", script, "zsh", *words], env)).split()
+
+
+async def fish(env: dict[str, str], words: list[str]) -> list[str]:
+    """What fish offers: `complete -C LINE` prints the candidates as TAB would (one a line, each
+    maybe followed by a TAB and its description)."""
+    script = '"$POOLCTL" completion fish | source; complete -C $argv[1]'
+    out = await run(["fish", "-c", script, " ".join(words)], env)
+    return [line.split("\t")[0] for line in out.splitlines()]
+
+
+Complete = Callable[[dict[str, str], list[str]], Awaitable[list[str]]]
+SHELLS = [
+    pytest.param(c, marks=pytest.mark.skipif(shutil.which(c.__name__) is None, reason=f"needs {c.__name__}"))
+    for c in (bash, zsh, fish)
+]
+
+
+async def serving(pool: Pool, worker: str, queues: list[str]) -> None:
+    """A worker's registration, as its heartbeat writes it: the pool then knows its queues."""
+    batch = ScriptBatch(pool.queue.redis)
+    registration = Registration(id=worker, slots=1, queues=queues, healthy_period=30)
+    add_heartbeat(batch, pool.queue.scripts, registration)
+    await batch.execute()
+
+
+async def jobs_and_queues(pool: Pool) -> tuple[dict[str, str], list[str]]:
+    """A pool with a worker serving gpu and default, a job queued on train and a finished one:
+    alice's environment, and the two jobs' ids."""
     env = pool.env("alice")
+    await serving(pool, "w1", ["gpu", "default"])
+    _, out, _ = await poolctl(env, "enqueue", "--queue", "train", "--", "true")
+    queued = out.strip()
     _, out, _ = await poolctl(env, "enqueue", "--", "true")
-    job_id = out.strip()
+    finished = out.strip()
+    assert (await poolctl(env, "cancel", finished))[0] == 0
+    return env, [queued, finished]
+
+
+async def test_words_are_the_pools_job_ids_and_queue_names(pool: Pool) -> None:
+    env, job_ids = await jobs_and_queues(pool)
+    assert await poolctl(env, "completion", "--words", "jobs") == (0, "".join(f"{j}\n" for j in job_ids), "")
+    assert await poolctl(env, "completion", "--words", "queues") == (0, "default\ngpu\ntrain\n", "")
+
+
+async def test_words_are_silent_and_quick_when_the_pool_cannot_answer(pool: Pool) -> None:
+    env = pool.env("alice")
+    with socket.socket() as silent:  # connects (the backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        for server in ("127.0.0.1:9", "not an address", f"127.0.0.1:{silent.getsockname()[1]}"):
+            for kind in ("jobs", "queues"):
+                started = time.monotonic()
+                result = await poolctl({**env, "GPUPOOL_SERVER": server}, "completion", "--words", kind)
+                assert result == (0, "", ""), server
+                assert time.monotonic() - started < ASK_SECONDS + 3, server
+    assert await poolctl({**env, "GPUPOOL_TOKEN": "wrong"}, "completion", "--words", "jobs") == (0, "", "")
+    # for the scripts only: not in any help
+    for args in (["--help"], ["completion", "--help"]):
+        code, out, _ = await poolctl(env, *args)
+        assert code == 0
+        assert "--words" not in out
+
+
+@pytest.mark.parametrize("complete", SHELLS)
+async def test_each_shell_completes_commands_options_job_ids_and_queues(
+    pool: Pool, complete: Complete
+) -> None:
+    env, job_ids = await jobs_and_queues(pool)
     assert await complete(env, ["poolctl", "s"]) == ["show"]
     assert set(await complete(env, ["poolctl", ""])) >= {
         "enqueue",
@@ -64,7 +153,15 @@ async def test_bash_completes_commands_options_and_job_ids(pool: Pool) -> None:
         "completion",
     }
     assert "--follow" in await complete(env, ["poolctl", "enqueue", "--fo"])
-    assert await complete(env, ["poolctl", "show", ""]) == [job_id]
-    assert await complete(env, ["poolctl", "logs", "-f", job_id[:10]]) == [job_id]
-    # no pool to ask: nothing offered, quickly, and no noise on the terminal
-    assert await complete({**env, "GPUPOOL_SERVER": "127.0.0.1:9"}, ["poolctl", "show", ""]) == []
+    assert "--no-header" in await complete(env, ["poolctl", "--server", pool.address, "ls", "--"])
+    assert sorted(await complete(env, ["poolctl", "show", ""])) == sorted(job_ids)
+    assert await complete(env, ["poolctl", "logs", "-f", job_ids[0][:10]]) == [job_ids[0]]
+    assert sorted(await complete(env, ["poolctl", "ls", "-q", ""])) == ["default", "gpu", "train"]
+    assert await complete(env, ["poolctl", "enqueue", "--queue", "g"]) == ["gpu"]
+    assert sorted(await complete(env, ["poolctl", "completion", ""])) == ["bash", "fish", "zsh"]
+    # no pool to ask: nothing offered, quickly, and no noise on the terminal (run checks stderr)
+    down = {**env, "GPUPOOL_SERVER": "127.0.0.1:9"}
+    started = time.monotonic()
+    assert await complete(down, ["poolctl", "show", ""]) == []
+    assert await complete(down, ["poolctl", "ls", "--queue", ""]) == []
+    assert time.monotonic() - started < 2 * ASK_SECONDS

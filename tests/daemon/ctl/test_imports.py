@@ -92,8 +92,10 @@ NOT_FOR_ONE_REQUEST = ("asyncio", "aiohttp", "rich", "ssl")
         ("workers",),
         ("cancel", "JOB"),
         ("wait", "--timeout", "0.1", "JOB"),  # no worker here: it times out (124), having asked
+        ("top", "-n", "1"),  # streamed, piped: the views as text
+        ("ls", "--watch", "1", "-n", "1"),
     ],
-    ids=["enqueue", "ls", "show", "workers", "cancel", "wait"],
+    ids=["enqueue", "ls", "show", "workers", "cancel", "wait", "top", "ls-watch"],
 )
 async def test_a_one_request_command_loads_no_event_loop_http_client_or_terminal_renderer(
     pool: Pool, tmp_path: Path, args: tuple[str, ...]

@@ -160,6 +160,9 @@ BAD_INPUTS = [
     (("get", "default.zzzzzzzzzzzz"), 5, "no job"),
     (("cancel", "default.zzzzzzzzzzzz"), 5, "no job"),
     (("ls", "--state", "bogus"), 2, "unknown state 'bogus'"),
+    (("ls", "--queue", "nosuch"), 2, "no queue 'nosuch' in this pool"),
+    (("ls", "--watch", "1", "--queue", "nosuch"), 2, "no queue 'nosuch' in this pool"),
+    (("--pool", "nope", "ls"), 2, "no pool 'nope' (--pool)"),
     (("put", "{tmp}/missing"), 2, "{tmp}/missing: no such file or directory"),
     (
         ("enqueue", "--from-file", "{tmp}/missing.jsonl"),

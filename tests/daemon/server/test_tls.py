@@ -97,8 +97,8 @@ async def test_a_one_request_command_pins_and_checks_the_certificate_as_well(
     async with running_pool(redis_server, tmp_path, tls="on") as pool:
         token = pool.tokens["alice"]
 
-        def ping(**tls: str) -> Pong:
-            return one_shot.call(pool.address, "alice", token, Ping(), Pong, **tls)
+        def ping(tls: str) -> Pong:
+            return one_shot.call(pool.address, "alice", token, Ping(), Pong, tls=tls)
 
         for _ in range(2):  # in a thread: the server answers on this test's loop
             assert isinstance(await asyncio.to_thread(ping, tls="on"), Pong)

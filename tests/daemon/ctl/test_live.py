@@ -1,0 +1,132 @@
+"""Live views (daemon/ctl/live.py): `poolctl top`, `ls --watch`, and `wait` over many jobs, each
+one streamed request to a real server (WatchPool, WaitJobs), piped and on a terminal."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+
+from daemon.job import JobState, Outcome
+from protocol import (
+    CancelJobs,
+    Cancelled,
+    Enqueue,
+    EnqueueBatch,
+    Enqueued,
+    EnqueuedBatch,
+    JobEnded,
+    PoolView,
+    Waited,
+    WaitJobs,
+    WatchEnded,
+    WatchPool,
+)
+from tests.daemon.ctl.test_render import HOSTILE, hostile_job, in_a_terminal
+from tests.support.pool import Pool
+from tests.support.poolctl import poolctl
+
+
+async def test_one_watch_request_streams_views_that_follow_the_pool(pool: Pool) -> None:
+    """The views come over one request; a job queued between two of them is in the second."""
+    async with pool.client() as c:
+        views: list[PoolView] = []
+        end = None
+        async for item in c.stream(WatchPool(None, None, False, 100, 0.5, 2)):
+            if isinstance(item, PoolView):
+                views.append(item)
+                if len(views) == 1:  # on another connection: the watch's own one is busy
+                    async with pool.client() as other:
+                        await other.call(Enqueue({"argv": ["true"]}, None), Enqueued)
+            else:
+                end = item
+    assert end == WatchEnded(2)
+    assert [len(v.jobs) for v in views] == [0, 1]
+    assert views[1].at - views[0].at >= 0.4  # the interval asked for (the server's floor is 0.5 s)
+
+
+async def test_wait_streams_each_job_as_it_ends(pool: Pool) -> None:
+    async with pool.client() as c:
+        first, second = (await c.call(EnqueueBatch([{"argv": ["true"]}] * 2), EnqueuedBatch)).job_ids
+        await c.call(CancelJobs([first]), Cancelled)
+        ended: list[str] = []
+        got_first = asyncio.Event()
+
+        async def wait() -> Waited | None:
+            async with pool.client() as w:
+                async for item in w.stream(WaitJobs([first, second], 30)):
+                    if isinstance(item, JobEnded):
+                        ended.append(item.job["id"])
+                        got_first.set()
+                    elif isinstance(item, Waited):
+                        return item
+            return None
+
+        waiting = asyncio.create_task(wait())
+        await asyncio.wait_for(got_first.wait(), 10)
+        assert ended == [first]  # told at once, while the other is still queued
+        assert not waiting.done()
+        lease = await pool.queue.claim("stand-in", ["default"])
+        assert lease is not None
+        await pool.queue.complete(lease, Outcome(JobState.FAILED, exit_code=3))
+        waited = await asyncio.wait_for(waiting, 10)
+    assert ended == [first, second]
+    assert waited is not None
+    assert [j["state"] for j in waited.jobs] == ["cancelled", "failed"]
+
+
+async def test_top_and_ls_watch_piped_print_each_view(pool: Pool) -> None:
+    env = pool.env("alice")
+    for queue in ("default", "default", "big"):
+        await poolctl(env, "enqueue", "-q", queue, "--", "true")
+    code, out, err = await poolctl(env, "top", "-n", "2", "-d", "0.5")
+    assert code == 0, err
+    views = out.strip().split("\n\ngpupool at ")
+    assert len(views) == 2
+    for view in views:
+        assert "0 worker(s), 0 healthy; slots 0/0 busy; GPUs 0/0 busy; 3 queued, 0 running" in view
+        lines = view.split("\n")
+        queues = lines[lines.index("QUEUES") + 2 : lines.index("QUEUES") + 4]
+        assert [q.split()[:3] for q in queues] == [["big", "1", "0"], ["default", "2", "0"]]
+        assert "no workers" not in view  # an empty table under its title, not a sentence
+
+    code, out, err = await poolctl(env, "ls", "--watch", "0.5", "-n", "3", "--format", "queue,state")
+    assert code == 0, err
+    assert out.count("3 job(s) at ") == 3
+    assert out.count("default  queued") == 6
+
+    code, out, _ = await poolctl(env, "top", "-n", "2", "-d", "0.5", "--json")
+    assert code == 0
+    views_json = [orjson.loads(line) for line in out.splitlines()]
+    assert [(len(v["jobs"]), v["workers"]) for v in views_json] == [(3, []), (3, [])]
+
+
+async def test_bad_intervals_are_refused_with_a_sentence(pool: Pool) -> None:
+    env = pool.env("alice")
+    for args in (("ls", "--watch", "0"), ("top", "-d", "-1"), ("top", "-n", "-2")):
+        code, _, err = await poolctl(env, *args)
+        assert code == 2, args
+        assert "the interval must be above 0 seconds" in err
+
+
+async def test_wait_on_many_jobs_prints_each_as_it_ends(pool: Pool) -> None:
+    env = pool.env("alice")
+    async with pool.client() as c:
+        ids = (await c.call(EnqueueBatch([{"argv": ["true"]}] * 3), EnqueuedBatch)).job_ids
+        await c.call(CancelJobs(ids[:2]), Cancelled)
+    code, out, err = await poolctl(env, "wait", "--timeout", "1", *ids)
+    assert code == 124
+    assert "timed out after 1 s" in err
+    assert out.splitlines() == [f"{ids[0]}\tcancelled", f"{ids[1]}\tcancelled", f"{ids[2]}\tqueued"]
+
+
+async def test_top_on_a_terminal_draws_the_pool_and_no_sequence_of_a_jobs_own(pool: Pool) -> None:
+    await hostile_job(pool)
+    assert await pool.queue.claim("stand-in", ["default"]) is not None  # running: its name is shown
+    out = await in_a_terminal(pool.env("alice"), "top", "-n", "1")
+    assert "QUEUES" in out
+    assert "\\x1b]0;pwned" in out  # the name, its escape shown as text
+    assert "RUNNING" in out
+    assert "\x1b[?1049h" in out  # the whole screen, given back at the end (as top does)
+    assert "\x1b]0;" not in out  # the job's own sequences are not in it: no title set
+    assert HOSTILE not in out
