@@ -8,7 +8,8 @@ so that the machine's drift spreads over all of them, with bytecode cached as an
 - `python -c pass`: the same interpreter and site (the floor of any Python command);
 - bare request: the least a Python client of this protocol does, in a fresh interpreter: import
   `daemon.ctl.one_shot`, connect, authenticate, one ShowJob;
-- `poolctl enqueue -- true`, `poolctl show JOB`, `poolctl ls`: the console script, as users run it;
+- `poolctl enqueue -- true`, `poolctl show JOB`, `poolctl ls`: the console script, as users run it
+  after `make run` (the pool is pools.toml's `local`, the token in its file);
 - `sbatch --wrap true` and `tsp true`, where installed (the bench installs nothing).
 
 The pool: a real PoolServer in this process (embedded Redis, no workers), on loopback.
@@ -22,6 +23,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import bench_server, machine, save
-from daemon import tokens
+from daemon import pools, tokens
 
 POOLCTL = str(Path(sys.executable).with_name("poolctl"))
 BARE_REQUEST = (
@@ -52,15 +54,21 @@ async def timed(argv: list[str], env: dict[str, str]) -> float:
     return elapsed
 
 
-async def measure(runs: int) -> dict[str, Any]:
+async def measure(runs: int, config_dir: Path) -> dict[str, Any]:
     async with bench_server() as server:
         assert server.listener is not None
         address, user, token = server.listener.address, tokens.local_user(), tokens.client_token()
         # As a user's install runs: with its modules' bytecode cached (pip compiles on install;
         # an editable one writes it on first import, unless PYTHONDONTWRITEBYTECODE says not to).
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-        env["GPUPOOL_SERVER"] = address
         assert token is not None
+        # As `make run` leaves a user: the pool is pools.toml's "local", the token in a file.
+        for name in ("GPUPOOL_SERVER", "GPUPOOL_POOL", "GPUPOOL_TOKEN"):
+            env.pop(name, None)
+        env["XDG_CONFIG_HOME"] = str(config_dir)
+        token_file = tokens.client_dir(env) / "token"
+        tokens.write_private(token_file, token + "\n")
+        pools.register_local(address, token_file, env=env)
         out = await asyncio.create_subprocess_exec(
             POOLCTL, "enqueue", "--", "true", env=env, stdout=asyncio.subprocess.PIPE
         )
@@ -105,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="5 runs")
     args = p.parse_args(argv)
-    result = asyncio.run(measure(5 if args.quick else args.runs))
+    with tempfile.TemporaryDirectory() as config_dir:
+        result = asyncio.run(measure(5 if args.quick else args.runs, Path(config_dir)))
     t = Table(title=f"command start to exit, median of {result['runs']} (ms)")
     for col in ("command", "ms", "/ python -c pass"):
         t.add_column(col, justify="left" if col == "command" else "right")

@@ -10,11 +10,12 @@ import enum
 import random
 import re
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.errors import InvalidJob
+from daemon.exclusive import check_combination
 
 MAX_ARGV_BYTES = 256 * 1024
 FULL_SHA = re.compile(r"[0-9a-f]{40}")
@@ -159,23 +160,6 @@ class JobSpec:
             {k for k in ("cwd", "git", "inputs", "snapshot") if data.get(k) not in (None, [], ())}
         )
         return spec
-
-
-# Fields of a spec that exclude each other, and why: each wants the job's directory to be its own.
-EXCLUSIVE = (
-    ("git", "cwd", "the job runs in its checkout"),
-    ("inputs", "cwd", "inputs are placed in the job's own directory"),
-    ("snapshot", "cwd", "the job runs in the snapshot"),
-    ("snapshot", "git", "the job runs in the snapshot"),
-)
-
-
-def check_combination(present: Collection[str]) -> None:
-    """Refuse fields that exclude each other (EXCLUSIVE); `present` names the fields a spec has.
-    poolctl asks before it uploads anything, the server again when the spec arrives."""
-    for field_name, other, why in EXCLUSIVE:
-        if field_name in present and other in present:
-            raise InvalidJob(field_name, f"cannot be combined with {other}: {why}")
 
 
 def _git(value: object) -> dict[str, str] | None:

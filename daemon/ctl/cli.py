@@ -413,7 +413,7 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         "cwd": str(Path(args.cwd).resolve()) if args.cwd else None,
     }
     given = {"cwd": args.cwd, "git": args.git is not None, "inputs": args.input, "snapshot": args.snapshot}
-    from daemon.job import check_combination  # only enqueue needs the job model
+    from daemon.exclusive import check_combination  # only enqueue asks
 
     check_combination({name for name, value in given.items() if value})
     if args.ref and args.git is None:
@@ -501,12 +501,8 @@ def _cancel(call: Call[Cancelled], job_ids: list[str]) -> int:
 
 def _wait(to: Link, job_ids: list[str], limit: float | None) -> int:
     from daemon.ctl import live
-    from daemon.job import TERMINAL_STATES
 
-    reply = live.wait(to, job_ids, limit)  # prints each job as it ends
-    for job in reply.jobs:
-        if job["state"] not in TERMINAL_STATES:
-            print(live.job_line(job))
+    reply = live.wait(to, job_ids, limit)  # prints each job as it ends, then those that did not
     if reply.timed_out:
         print(f"poolctl: timed out after {limit:g} s", file=sys.stderr)
         return EXIT_TIMEOUT

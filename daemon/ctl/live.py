@@ -133,8 +133,9 @@ def _plain(header: str, sections: list[Section]) -> list[str]:
 
 
 def wait(pool: Streams, job_ids: list[str], limit: float | None) -> Waited:
-    """Wait for `job_ids`, printing each as it ends (`id  state  exit N`); on a terminal, with a
-    bar of how many have ended. Returns the final reply (every job as it is at the end)."""
+    """Wait for `job_ids`, printing each as it ends (`id  state  exit N`), on a terminal with a
+    bar of how many have ended, and at the end those that had not (a timeout). Returns the final
+    reply (every job as it is at the end)."""
     progress = None
     if sys.stdout.isatty() and len(job_ids) > 1:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -145,9 +146,12 @@ def wait(pool: Streams, job_ids: list[str], limit: float | None) -> Waited:
         task = progress.add_task("", total=len(set(job_ids)))
         progress.start()
 
+    printed: set[str] = set()
+
     def ended(item: StreamItem) -> None:
         if not isinstance(item, JobEnded):
             return
+        printed.add(item.job["id"])
         if progress is None:
             print(job_line(item.job), flush=True)
             return
@@ -155,10 +159,15 @@ def wait(pool: Streams, job_ids: list[str], limit: float | None) -> Waited:
         progress.advance(task)
 
     try:
-        return pool.call(WaitJobs(job_ids, limit), Waited, on_item=ended)
+        reply = pool.call(WaitJobs(job_ids, limit), Waited, on_item=ended)
     finally:
         if progress is not None:
             progress.stop()
+    for job in reply.jobs:
+        if job["id"] not in printed:
+            printed.add(job["id"])
+            print(job_line(job))
+    return reply
 
 
 def job_line(job: dict[str, Any]) -> str:
