@@ -119,10 +119,12 @@ def parser() -> argparse.ArgumentParser:
 
     cancel = sub.add_parser("cancel", help="cancel jobs")
     cancel.add_argument("jobs", nargs="+", metavar="JOB")
+    cancel.add_argument("--json", action="store_true", help="one JSON object per job")
 
     wait = sub.add_parser("wait", help="wait for jobs to end; exit 0 only if all succeeded")
     wait.add_argument("jobs", nargs="+", metavar="JOB")
     wait.add_argument("--timeout", type=float, metavar="SECONDS")
+    wait.add_argument("--json", action="store_true", help="each job's record as it ends, a line each")
 
     top = sub.add_parser("top", help="a live full-screen view of queues, workers and running jobs")
     top.add_argument("-d", "--delay", type=float, default=2.0, metavar="SECONDS", help="between views")
@@ -135,10 +137,12 @@ def parser() -> argparse.ArgumentParser:
     put = sub.add_parser("put", help="upload a file or directory as a dataset (skipped if already stored)")
     put.add_argument("path", metavar="PATH")
     put.add_argument("--name", help="a name to use it by: poolctl enqueue --input NAME")
+    put.add_argument("--json", action="store_true")
 
     get = sub.add_parser("get", help="download a finished job's artifacts and log")
     get.add_argument("job")
     get.add_argument("dest", nargs="?", metavar="DEST", help="directory (default: ./JOB)")
+    get.add_argument("--json", action="store_true", help="one JSON object per file written")
 
     sub.add_parser("health", help="exit 0 when the server and its Redis answer (for scripts and probes)")
     completion = sub.add_parser(
@@ -334,7 +338,7 @@ def _one_request(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueB
         case "ls" | "top" if args.command == "top" or args.watch is not None:
             return _watch(to, args)
         case "wait":
-            return _wait(to, args.jobs, args.timeout)
+            return _wait(to, args.jobs, args.timeout, args.json)
         case "ls":
             listing = ListJobs(args.queue, args.state, args.all, args.limit)
             render.jobs(
@@ -346,7 +350,7 @@ def _one_request(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueB
         case "show":
             render.job(call(ShowJob(args.job), JobDetail).job, as_json=args.json)
         case "cancel":
-            return _cancel(call, args.jobs)
+            return _cancel(call, args.jobs, args.json)
         case "workers":
             render.workers(call(ListWorkers(), WorkerList).workers, as_json=args.json)
         case "health":
@@ -426,6 +430,13 @@ async def _put(client: PoolClient, args: argparse.Namespace) -> int:
 
     ref, sent = await transfer.put(client, Path(args.path), args.name)
     note = "" if sent else "\t(already stored)"
+    if args.json:
+        print(
+            render.json_text(
+                {"name": ref.name, "sha256": ref.sha256, "size": ref.size, "kind": ref.kind, "sent": sent}
+            )
+        )
+        return 0
     print(f"{ref.name or ref.sha256}\tsha256:{ref.sha256}\t{ref.size} bytes\t{ref.kind}{note}")
     return 0
 
@@ -441,7 +452,7 @@ async def _get(client: PoolClient, args: argparse.Namespace) -> int:
         return EXIT_FAILED
     written = await transfer.get_artifacts(client, job, Path(args.dest or args.job))
     for path, size in written:
-        print(f"{path}\t{size}")
+        print(render.json_text({"path": str(path), "size": size}) if args.json else f"{path}\t{size}")
     if not written:
         print(f"poolctl: job {args.job} has no artifacts", file=sys.stderr)
     return 0
@@ -482,7 +493,7 @@ async def _logs(client: PoolClient, job_id: str, follow: bool) -> int:
     return 0 if end.state == "succeeded" else EXIT_FAILED
 
 
-def _cancel(call: Call[Cancelled], job_ids: list[str]) -> int:
+def _cancel(call: Call[Cancelled], job_ids: list[str], as_json: bool) -> int:
     states = call(CancelJobs(job_ids), Cancelled).states
     status = 0
     for job_id in job_ids:
@@ -495,14 +506,14 @@ def _cancel(call: Call[Cancelled], job_ids: list[str]) -> int:
             print(f"poolctl: job {job_id} is another user's: {owner_only}", file=sys.stderr)
             status = EXIT_NOT_YOURS
         else:
-            print(f"{job_id}\t{state}")
+            print(render.json_text({"id": job_id, "state": state}) if as_json else f"{job_id}\t{state}")
     return status
 
 
-def _wait(to: Link, job_ids: list[str], limit: float | None) -> int:
+def _wait(to: Link, job_ids: list[str], limit: float | None, as_json: bool) -> int:
     from daemon.ctl import live
 
-    reply = live.wait(to, job_ids, limit)  # prints each job as it ends, then those that did not
+    reply = live.wait(to, job_ids, limit, as_json)  # prints each job as it ends, then those that did not
     if reply.timed_out:
         print(f"poolctl: timed out after {limit:g} s", file=sys.stderr)
         return EXIT_TIMEOUT

@@ -132,12 +132,13 @@ def _plain(header: str, sections: list[Section]) -> list[str]:
     return lines
 
 
-def wait(pool: Streams, job_ids: list[str], limit: float | None) -> Waited:
+def wait(pool: Streams, job_ids: list[str], limit: float | None, as_json: bool = False) -> Waited:
     """Wait for `job_ids`, printing each as it ends (`id  state  exit N`), on a terminal with a
     bar of how many have ended, and at the end those that had not (a timeout). Returns the final
-    reply (every job as it is at the end)."""
+    reply (every job as it is at the end). `as_json`: each job's record, a line each, no bar."""
+    line = render.json_text if as_json else job_line
     progress = None
-    if sys.stdout.isatty() and len(job_ids) > 1:
+    if sys.stdout.isatty() and len(job_ids) > 1 and not as_json:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         progress = Progress(
@@ -153,9 +154,9 @@ def wait(pool: Streams, job_ids: list[str], limit: float | None) -> Waited:
             return
         printed.add(item.job["id"])
         if progress is None:
-            print(job_line(item.job), flush=True)
+            print(line(item.job), flush=True)
             return
-        progress.console.print(job_line(item.job), markup=False, highlight=False)
+        progress.console.print(line(item.job), markup=False, highlight=False)
         progress.advance(task)
 
     try:
@@ -166,7 +167,7 @@ def wait(pool: Streams, job_ids: list[str], limit: float | None) -> Waited:
     for job in reply.jobs:
         if job["id"] not in printed:
             printed.add(job["id"])
-            print(job_line(job))
+            print(line(job))
     return reply
 
 

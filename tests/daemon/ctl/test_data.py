@@ -11,6 +11,7 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from daemon.config import load
@@ -67,6 +68,8 @@ async def test_dataset_put_once_is_downloaded_once_for_two_jobs_and_artifacts_co
     assert out.startswith("ds1\tsha256:")
     assert "(already stored)" not in out
     assert "(already stored)" in await ok(env, "put", str(tmp_path / "data.bin"), "--name", "ds1")
+    again = orjson.loads(await ok(env, "put", str(tmp_path / "data.bin"), "--name", "ds1", "--json"))
+    assert (again["name"], again["size"], again["kind"], again["sent"]) == ("ds1", 300_000, "file", False)
 
     script = 'O="$GPUPOOL_OUTPUT"; cat in/data.bin > "$O/copy"; mkdir "$O/sub"; echo hi > "$O/sub/x"'
     jobs = [
@@ -86,6 +89,11 @@ async def test_dataset_put_once_is_downloaded_once_for_two_jobs_and_artifacts_co
     assert (dest / "sub" / "x").read_text() == "hi\n"
     assert (dest / f"{jobs[1]}.log").exists()
     assert str(dest / "copy") in out
+    listed = [
+        orjson.loads(line)
+        for line in (await ok(env, "get", jobs[1], str(tmp_path / "j"), "--json")).splitlines()
+    ]
+    assert {"path": str(tmp_path / "j" / "copy"), "size": 300_000} in listed
 
     shown = await ok(env, "show", jobs[1])
     assert "artifacts:" in shown

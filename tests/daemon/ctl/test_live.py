@@ -4,6 +4,8 @@ one streamed request to a real server (WatchPool, WaitJobs), piped and on a term
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 
 import orjson
 
@@ -23,6 +25,7 @@ from protocol import (
     WatchPool,
 )
 from tests.daemon.ctl.test_render import HOSTILE, hostile_job, in_a_terminal
+from tests.support.paths import ROOT
 from tests.support.pool import Pool
 from tests.support.poolctl import poolctl
 
@@ -130,3 +133,37 @@ async def test_top_on_a_terminal_draws_the_pool_and_no_sequence_of_a_jobs_own(po
     assert "\x1b[?1049h" in out  # the whole screen, given back at the end (as top does)
     assert "\x1b]0;" not in out  # the job's own sequences are not in it: no title set
     assert HOSTILE not in out
+
+
+async def test_top_runs_until_ctrl_c_and_exits_130_without_a_traceback(pool: Pool) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "daemon.ctl.cli", "top", "-d", "0.5",
+        env={**pool.env("alice"), "PYTHONPATH": str(ROOT)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        first = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert first.startswith(b"gpupool at ")
+        proc.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 130
+    assert b"Traceback" not in err
+
+
+async def test_wait_and_cancel_speak_json_a_line_each(pool: Pool) -> None:
+    env = pool.env("alice")
+    async with pool.client() as c:
+        ids = (await c.call(EnqueueBatch([{"argv": ["true"]}] * 2), EnqueuedBatch)).job_ids
+    code, out, _ = await poolctl(env, "cancel", "--json", *ids)
+    assert code == 0
+    assert [orjson.loads(line) for line in out.splitlines()] == [{"id": i, "state": "cancelled"} for i in ids]
+    code, out, _ = await poolctl(env, "wait", "--json", *ids)
+    assert code == 1  # cancelled is not succeeded
+    records = [orjson.loads(line) for line in out.splitlines()]
+    assert sorted(r["id"] for r in records) == sorted(ids)
+    assert {r["state"] for r in records} == {"cancelled"}

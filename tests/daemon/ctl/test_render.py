@@ -86,3 +86,34 @@ def test_another_users_job_with_hidden_data_is_shown(capsys: pytest.CaptureFixtu
     out = capsys.readouterr().out
     assert "WANDB_API_KEY=<hidden>" in out
     assert "data (dir (hidden))" in out
+
+
+ROWS = {  # what `ls` is asked to show: job specs
+    "empty": [],
+    "one": [{"argv": ["true"], "name": "train"}],
+    "many": [{"argv": ["true"], "name": f"sweep-{i}"} for i in range(60)],
+    "long": [{"argv": ["python", "train.py", *["--flag"] * 80], "name": "n" * 400}],
+    "hostile": [{"argv": ["true", HOSTILE], "name": HOSTILE}],
+}
+
+
+@pytest.mark.parametrize("case", list(ROWS))
+async def test_ls_renders_every_shape_of_table_piped_and_on_a_terminal(pool: Pool, case: str) -> None:
+    env = pool.env("alice")
+    async with pool.client("alice") as c:
+        ids = [(await c.call(Enqueue(spec, None), Enqueued)).job_id for spec in ROWS[case]]
+    code, out, err = await poolctl(env, "ls")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].split() == [c.upper() for c in render.JOB_COLUMNS]
+    assert [line.split()[0] for line in lines[1:]] == ids  # a row a job, in order, nothing else
+    assert "\x1b" not in out
+    widths = {len(line) for line in lines}
+    assert max(widths) < 600  # a long name is one cell, not the whole command line
+    code, out, _ = await poolctl(env, "ls", "--no-header", "--format", "id")
+    assert out.split() == ids
+
+    drawn = await in_a_terminal(env, "ls")
+    assert "ID" in drawn
+    assert all(job_id in drawn for job_id in ids)  # never cut or wrapped away, however long the row
+    assert "\x1b]0;" not in drawn
