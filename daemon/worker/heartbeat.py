@@ -93,7 +93,7 @@ class Heartbeat:
                 log.debug("pokes on %s interrupted (%s); resubscribing", channel, exc)
             finally:
                 with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
             await asyncio.sleep(self.interval)
 
     async def beat(self) -> dict[str, RenewStatus]:
