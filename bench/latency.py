@@ -7,20 +7,26 @@ over TCP). Two executors, one after the other, on the same pool:
 - `noop`: the queue alone. A real `Worker` (2 slots) with the bench's no-op executor
   (bench/noop.py: no process): "start" is the moment the attempt began (its lease claimed and
   handed to a slot), "completed" the moment `complete` returned.
-- `command` (`true`): a real `Worker` (2 slots, no GPUs) in this process. "claimed" is when its
-  `claim_many` returned, "process started" when `spawn` returned in the runner (the child has
-  exec'd), "completed" when its `complete` returned. The timestamps come from wrappers the bench
-  puts around the queue's methods and the runner's spawn call (instrumentation only; the daemon
-  code path is unchanged).
+- `command` (`date +%s%N`): a real `Worker` (2 slots, no GPUs) in this process. "claimed" is when
+  its `claim_many` returned, "process started" when `spawn` returned in the runner (the process
+  exists; on x86-64 its exec may still be under way), "completed" when its `complete` returned.
+  The timestamps come from wrappers the bench puts around the queue's methods and the runner's
+  spawn call (instrumentation only; the daemon code path is unchanged). "first act" is the time
+  the job itself printed, as its first act.
+- `task-spooler`, where `tsp` is installed (bench/task_spooler.py): `tsp date +%s%N` on an idle
+  private tsp server, the same `--command-gap` apart; "first act" as above, from just before its
+  client was started. The one figure measured the same way for both: submit -> first act.
 
 All times are this process's `time.perf_counter()`, so sub-millisecond and on one clock (the
-job record's `started_at` is Redis time in whole milliseconds: too coarse for a 2 ms target).
+job record's `started_at` is Redis time in whole milliseconds: too coarse for a 2 ms target),
+except first act: the real-time clock (ns), which the job reads too.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -30,14 +36,16 @@ import uvloop
 from rich.console import Console
 from rich.table import Table
 
+from bench import task_spooler
 from bench.common import bench_server, machine, save, summary_ms
 from bench.noop import noop_worker, record_completions
 from daemon import tokens
 from daemon.ctl.pool_client import PoolClient
-from daemon.job import JobSpec, Lease
+from daemon.job import JobSpec, JobState, Lease, Outcome
 from daemon.queue.job_queue import JobQueue
 from daemon.server.service import PoolServer
 from daemon.worker import spawn
+from daemon.worker.cgroups import SlotCgroup
 from daemon.worker.dispatcher import Worker
 from daemon.worker.identity import SlotIdentity
 from protocol import Enqueue, Enqueued
@@ -45,12 +53,18 @@ from protocol import Enqueue, Enqueued
 QUEUE = "default"
 
 
-async def submit(client: PoolClient, jobs: int, gap: float, spec: dict[str, Any]) -> dict[str, float]:
+async def submit(
+    client: PoolClient, jobs: int, gap: float, spec: dict[str, Any], wall: dict[str, int] | None = None
+) -> dict[str, float]:
+    """Submit `jobs` jobs `gap` apart: when each was sent (perf_counter; and, into `wall`, the
+    real-time clock in ns, the clock a job can read too)."""
     submitted: dict[str, float] = {}
     for _ in range(jobs):
-        t0 = time.perf_counter()
+        t0, ns = time.perf_counter(), time.time_ns()
         reply = await client.call(Enqueue(spec, None), Enqueued)
         submitted[reply.job_id] = t0
+        if wall is not None:
+            wall[reply.job_id] = ns
         await asyncio.sleep(gap)
     return submitted
 
@@ -107,33 +121,43 @@ async def run_command(
 
     queue.claim_many = claim_timed  # type: ignore[method-assign]
     record_completions(queue, done)
-    real_spawn = spawn.Launcher.spawn
+    first_act: dict[str, int] = {}  # job id -> the time its `date` printed (ns)
+    complete = queue.complete
 
-    async def timed_spawn(
-        self: spawn.Launcher,
+    async def complete_read(lease: Lease, outcome: Outcome) -> JobState:
+        with contextlib.suppress(LookupError, ValueError):
+            first_act[lease.job_id] = int(outcome.result["tail"][0])
+        return await complete(lease, outcome)
+
+    queue.complete = complete_read  # type: ignore[method-assign]
+    real_spawn = spawn.Spawner.spawn
+
+    def timed_spawn(
+        self: spawn.Spawner,
         argv: Sequence[str],
         *,
         cwd: Path,
         env: Mapping[str, str],
         identity: SlotIdentity | None = None,
-        cgroup: Path | None = None,
+        cgroup: SlotCgroup | None = None,
     ) -> spawn.Child:
-        child = await real_spawn(self, argv, cwd=cwd, env=env, identity=identity, cgroup=cgroup)
+        child = real_spawn(self, argv, cwd=cwd, env=env, identity=identity, cgroup=cgroup)
         if "GPUPOOL_JOB_ID" in env:
             spawned[env["GPUPOOL_JOB_ID"]] = time.perf_counter()
         return child
 
     worker = Worker(queue, data_dir=tmp / "worker", slots=2, queues=[QUEUE], gpus=[])
-    spawn.Launcher.spawn = timed_spawn  # type: ignore[method-assign]
+    spawn.Spawner.spawn = timed_spawn  # type: ignore[method-assign]
     try:
         await worker.start()
         await asyncio.sleep(0.2)
-        spec = JobSpec(argv=("true",), queue=QUEUE).to_dict()
+        spec = JobSpec(argv=("date", "+%s%N"), queue=QUEUE).to_dict()
         del spec["user"]
-        submitted = await submit(client, jobs, gap, spec)
+        wall: dict[str, int] = {}
+        submitted = await submit(client, jobs, gap, spec, wall)
         await wait_all(done, submitted, 60)
     finally:
-        spawn.Launcher.spawn = real_spawn  # type: ignore[method-assign]
+        spawn.Spawner.spawn = real_spawn  # type: ignore[method-assign]
         await worker.stop(drain_timeout=5)
     spawn_cost = [spawned[j] - claimed[j] for j in submitted if j in spawned and j in claimed]
     return {
@@ -141,6 +165,9 @@ async def run_command(
         "enqueue_to_process_started_ms": summary_ms(deltas(submitted, spawned)),
         "enqueue_to_completed_ms": summary_ms(deltas(submitted, done)),
         "claimed_to_process_started_ms": summary_ms(spawn_cost),
+        "enqueue_to_first_act_ms": summary_ms(
+            [(first_act[j] - t) / 1e9 for j, t in wall.items() if j in first_act]
+        ),
     }
 
 
@@ -154,6 +181,10 @@ async def measure(jobs: int, gap: float, command_gap: float) -> dict[str, Any]:
         async with client:
             noop = await run_noop(server, client, jobs, gap, data)
             command = await run_command(server, client, jobs, command_gap, data)
+    peers: dict[str, Any] = {}
+    if task_spooler.TSP is not None:
+        first_act = await asyncio.to_thread(task_spooler.latency, jobs, command_gap)
+        peers["task-spooler"] = {"submit_to_first_act_ms": summary_ms(first_act)}
     return {
         "machine": machine(str(version)),
         "jobs": jobs,
@@ -161,6 +192,7 @@ async def measure(jobs: int, gap: float, command_gap: float) -> dict[str, Any]:
         "command_gap_s": command_gap,
         "noop": noop,
         "command": command,
+        **peers,
     }
 
 
@@ -171,8 +203,8 @@ def table(result: dict[str, Any]) -> Table:
     )
     for col in ("executor", "interval", "p50", "p90", "p99", "max", "n"):
         t.add_column(col, justify="left" if col in ("executor", "interval") else "right")
-    for executor in ("noop", "command"):
-        for interval, s in result[executor].items():
+    for executor in ("noop", "command", "task-spooler"):
+        for interval, s in result.get(executor, {}).items():
             t.add_row(
                 executor,
                 interval.removesuffix("_ms").replace("_", " "),

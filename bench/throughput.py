@@ -8,7 +8,7 @@ Against one embedded redis-server started for the run:
 - `true` command jobs: a real `poold --worker --worker-mode multinode` process with 2 and with 8
   slots (and two of them with 2 slots each). jobs/s = N / (last ended_at - first started_at),
   from the job records (Redis time, ms). Run as root, once more with `job_uid_range`: each job
-  switched to its slot's uid by the worker's launcher, in its slot's cgroup where the kernel has
+  switched to its slot's uid as the worker starts it, in its slot's cgroup where the kernel has
   them (`..._slot_uids`: the cost of isolation).
 - ceiling, spawn: a bare loop running `true` (create_subprocess_exec + communicate), as many at
   a time as the worker has slots, in a fresh process (bench/spawn_ceiling.py), on the standard

@@ -25,7 +25,7 @@ from redis.asyncio import Redis
 from daemon.aio import cancel_and_wait
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
-from daemon.worker.spawn import Launcher
+from daemon.worker.spawn import Spawner
 from storage.s3 import S3Store
 from tests.support.pool import Pool, running_pool
 from tests.support.s3server import S3Server
@@ -119,14 +119,13 @@ async def redis(redis_server: EmbeddedRedis) -> AsyncIterator[Redis]:
 
 
 @pytest.fixture
-async def launcher() -> AsyncIterator[Launcher]:
-    """A worker's job launcher (daemon/worker/spawn.py), as the worker's own user."""
-    launcher = Launcher()
-    await launcher.start()
+async def spawner() -> AsyncIterator[Spawner]:
+    """A worker's job spawner (daemon/worker/spawn.py), as the worker's own user."""
+    spawner = Spawner()
     try:
-        yield launcher
+        yield spawner
     finally:
-        await launcher.stop()
+        await spawner.close()
 
 
 @pytest.fixture

@@ -1,398 +1,593 @@
-/* _spawn: start a job's first process with vfork, switching its credentials in the child.
+/* _spawn: start a job's first process from the worker's own event loop, without waiting for it.
 
-Why C: the launcher (launcher.py) starts every job, and a fork of even a small Python process
-costs a job more than its whole exec (page tables copied, then copy-on-write faults for every
-object the child's Python touches). vfork copies nothing, but the child shares the launcher's
-memory until it execs, so it may only make system calls; CPython's subprocess therefore gives up
-vfork when credentials change. Here the child makes exactly the calls a job's start needs, all
-raw system calls (no glibc wrapper that would broadcast a uid change to other threads: the
-launcher has none, and the child must change only itself), in this order:
+Why C, and why in the worker: every pool job is a process, and how fast a worker turns queued
+commands into processes is what its users feel. Python cannot start a process cheaply with another
+uid: a fork copies the worker's page tables (hundreds of MB), and CPython's subprocess, which
+vforks, gives that up as soon as credentials change. A helper process that vforked for the worker
+(this module's first use) cost every job four messages between two processes, each waking the
+other on a machine where waking is what costs most. So the worker starts its jobs itself, the way
+posix_spawn does: the child shares the worker's memory (CLONE_VM, nothing copied) on a stack of
+its own, inside one mapping that also holds its argv, environment and plan, and makes only system
+calls until it execs. Unlike posix_spawn, the worker does not wait for that exec (x86-64): a chdir
+or an exec that hangs in a dead network filesystem holds up that job, never the event loop, which
+heartbeats for every job of the worker. Elsewhere the child is a CLONE_VFORK one, and the calling
+thread waits for its exec, as CPython's own subprocess does.
 
-    (cgroup)               born in the slot's cgroup (as root, before the switch: it cannot leave)
-    signals                every disposition back to the default, then an empty mask
-    setsid                 a session, and so a process group, of its own
-    0, 1, 2                stdin, and stdout+stderr into the job's output pipe
-    close_range(3, ~0)     nothing else of the launcher's: no job holds its socket
-    setgroups, setresgid, setresuid   no supplementary groups, then all three gids and uids
-    chdir(cwd)             as the job's uid: a directory it may not enter fails the start
-    execve                 each candidate path in turn, as execvp does with PATH
+The kernel answers a pidfd (CLONE_PIDFD). The loop watches it: it becomes readable when the job's
+first process has ended, and `reap` collects it with one waitid. There is no SIGCHLD (the exit
+signal is 0): the worker's event loop keeps its own children to itself.
 
-A failure before the exec leaves its errno in a variable the parent shares, and the child exits;
-the parent reaps it and raises OSError. The parent blocks every signal around the vfork, so no
-handler of the launcher's ever runs on the child's side of the shared memory.
+The child, in this order (raw system calls on x86-64: it must not set errno, which is the worker
+thread's own while their memory is shared):
 
-Into its cgroup: the vfork is clone3(CLONE_VM | CLONE_VFORK | CLONE_INTO_CGROUP) where the kernel
-has it (Linux 5.7, x86-64 here), so the child is born in the slot's cgroup. Joining one after
-birth (a write of 0 to its cgroup.procs, the fallback) takes the kernel's lock on every thread
-group for writing, which waits for an RCU grace period: ~12 ms a job on an idle machine (cheap
-only while jobs start back to back), most of an idle pool's submit-to-start. The child of a
-clone3 that shares its parent's stack must not return into a frame the parent will use: glibc's
-vfork keeps its return address in a register for that reason, and so does gp_clone3_vfork below.
+    (cgroup)                   born in the slot's cgroup (CLONE_INTO_CGROUP), or joining it first
+    signals                    every disposition back to the default, then an empty mask
+    setsid                     a session, and so a process group, of its own
+    0, 1, 2                    stdin, and stdout+stderr into the job's output pipe
+    close_range(3, ~0)         nothing else of the worker's
+    (with a uid) no_new_privs, no bounding or ambient capabilities, no supplementary groups,
+                               all three gids, all three uids, no capability left
+    chdir(cwd)                 as the job's uid: a directory it may not enter fails the start
+    execve                     each candidate path in turn, as execvp does with PATH
 
-kill_uid(uid, gid): a child (forked: a process of the uid may SIGSTOP it, which must not stop the
-launcher; it is waited for SWEEP_MS at most, then killed) switches to `uid` and sends SIGKILL to
-every process it may (kill(-1): all of the uid's, one pass over the kernel's task list, which no
-fork in flight can escape), twice, then tells whether any task of the uid is still there.
+It cannot be stopped in between by a signal meant for the worker: the worker's thread blocks every
+signal around the clone, so the child starts with all of them blocked and unblocks them only
+once every handler is back to the default. Once it has the slot's uid it still shares the worker's
+memory until its exec; the kernel makes a process whose uid changed non-dumpable, so no process of
+that uid may ptrace it or read its memory meanwhile.
+
+When it cannot start, it writes the errno to its plan and exits 127; `reap` answers that errno
+with the status, and the worker tells the job's owner why (a program exiting 127 of itself has
+started: its errno is 0). A mapping is unmapped once its child has exec'd or exited
+(CLONE_CHILD_CLEARTID: the kernel zeroes a word in it at either), or, for a child that could not
+start, once `reap` has read why.
+
+sweep(uid, gid): a child, born as above, that switches to `uid` and sends SIGKILL to every process
+it may (kill(-1): all of the uid's, one pass over the kernel's task list, which no fork in flight
+can escape), twice, then exits 0 (2: it could not switch). A process of the uid may SIGSTOP it: the
+worker waits for it a moment at most, then kills it, and never waits for it otherwise.
 */
 
+#define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
 #include <fcntl.h>
-#include <poll.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdint.h>
 #include <string.h>
-#include <time.h>
 #include <linux/capability.h>
-#include <sys/resource.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#define SWEEP_MS 100  /* the longest kill_uid waits for its sweeper */
-
-#if defined(__x86_64__)
-#define CLONE_INTO_CGROUP_FLAG 0x200000000ULL  /* <linux/sched.h>, Linux 5.7 */
-
-/* struct clone_args of <linux/sched.h>, up to `cgroup` (CLONE_ARGS_SIZE_VER2) */
-struct gp_clone_args {
-    unsigned long long flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls,
-        set_tid, set_tid_size, cgroup;
-};
-
-/* clone3(args, size) for a child that shares this stack (CLONE_VM | CLONE_VFORK, no stack of its
-   own), as glibc's vfork is written: the return address is popped into a register the system
-   call keeps (rdx), and pushed back after it, in the parent and in the child alike; so the child's
-   calls cannot overwrite it for the parent. Returns the pid, 0 in the child, or -errno. */
-long gp_clone3_vfork(struct gp_clone_args *args, unsigned long size);
-__asm__(
-    ".text\n"
-    ".globl gp_clone3_vfork\n"
-    ".hidden gp_clone3_vfork\n"
-    ".type gp_clone3_vfork, @function\n"
-    "gp_clone3_vfork:\n"
-    "    popq %rdx\n"
-    "    movl $435, %eax\n"  /* SYS_clone3 */
-    "    syscall\n"
-    "    pushq %rdx\n"
-    "    ret\n"
-    ".size gp_clone3_vfork, .-gp_clone3_vfork\n");
-static int no_clone3;  /* set once the kernel said it has no clone3 (before Linux 5.3) */
+#ifndef CLONE_PIDFD
+#define CLONE_PIDFD 0x00001000
 #endif
+#ifndef P_PIDFD
+#define P_PIDFD 3
+#endif
+#ifndef PR_CAP_AMBIENT
+#define PR_CAP_AMBIENT 47
+#define PR_CAP_AMBIENT_CLEAR_ALL 4
+#endif
+#define GP_CLONE_INTO_CGROUP 0x200000000ULL /* <linux/sched.h>, Linux 5.7 */
+#define STACK_BYTES (64 * 1024)             /* the child's stack, at the top of its mapping */
+#define CHILD_STATUS 127                    /* a child that could not start exits with this */
 
-struct plan {
-    char **paths;  /* candidates for the program, NULL-terminated */
+/* One child's mapping: this header, its plan's arrays and strings, then its stack. */
+struct birth {
+    struct birth *next; /* births whose mapping is still held */
+    size_t size;        /* of the mapping */
+    pid_t pid;
+    volatile uint32_t alive; /* CLONE_CHILD_CLEARTID: zeroed by the kernel at the exec or the exit */
+    volatile int error;      /* why it could not start (0: it did, or has not got that far) */
+    char **paths; /* candidates for the program, NULL-terminated */
     char **argv;
     char **envp;
     const char *cwd;
-    int stdin_fd, out_fd, cgroup_fd;  /* cgroup_fd: the cgroup's directory, or -1 */
-    int born_in;  /* the child may be born in the cgroup (else, or where it cannot, it joins) */
-    int join;  /* the child joins the cgroup first thing (cgroup.procs) */
-    long uid, gid;  /* -1: keep the launcher's */
-    volatile int error;  /* set by the child when it could not exec */
+    int stdin_fd, out_fd, cgroup_fd; /* cgroup_fd: the cgroup's directory, or -1 */
+    int join;                         /* the child joins the cgroup first thing (cgroup.procs) */
+    long uid, gid;                    /* -1: keep the worker's */
 };
 
-static void child_signals(void)
+static struct birth *births; /* the GIL guards it: every function here holds it */
+
+/* -- the system calls the child makes ------------------------------------------------------- */
+
+#if defined(__x86_64__)
+/* Raw: the result or -errno, and errno untouched (the child shares it with a running thread). */
+static inline long k_call(long n, long a, long b, long c, long d, long e)
+{
+    long ret;
+    register long r10 __asm__("r10") = d;
+    register long r8 __asm__("r8") = e;
+    __asm__ volatile("syscall"
+                     : "=a"(ret)
+                     : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8)
+                     : "rcx", "r11", "memory");
+    return ret;
+}
+
+static void k_default_signals(void)
+{
+    struct { /* the kernel's struct sigaction on x86-64 */
+        void *handler;
+        unsigned long flags;
+        void *restorer;
+        unsigned long mask;
+    } dfl = {SIG_DFL, 0, NULL, 0};
+    for (long sig = 1; sig <= 64; sig++) {
+        if (sig != SIGKILL && sig != SIGSTOP)
+            (void)k_call(SYS_rt_sigaction, sig, (long)&dfl, 0, 8, 0);
+    }
+    unsigned long none = 0;
+    (void)k_call(SYS_rt_sigprocmask, SIG_SETMASK, (long)&none, 0, 8, 0);
+}
+
+/* clone3(args, size) for a child on a stack of its own that runs fn(arg) and exits with what it
+   returns (as glibc's clone does): rdx and r8 survive the system call, so the child finds fn and
+   arg there. Returns the pid in the parent, or -errno. */
+struct gp_clone_args { /* struct clone_args of <linux/sched.h>, up to `cgroup` */
+    unsigned long long flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls,
+        set_tid, set_tid_size, cgroup;
+};
+long gp_clone3(struct gp_clone_args *args, unsigned long size, int (*fn)(void *), void *arg);
+__asm__(".text\n"
+        ".globl gp_clone3\n"
+        ".hidden gp_clone3\n"
+        ".type gp_clone3, @function\n"
+        "gp_clone3:\n"
+        "    movq %rcx, %r8\n"
+        "    movl $435, %eax\n" /* SYS_clone3 */
+        "    syscall\n"
+        "    testq %rax, %rax\n"
+        "    jz 1f\n"
+        "    ret\n"
+        "1:  xorl %ebp, %ebp\n"
+        "    movq %r8, %rdi\n"
+        "    call *%rdx\n"
+        "    movl %eax, %edi\n"
+        "    movl $231, %eax\n" /* exit_group */
+        "    syscall\n"
+        "    hlt\n"
+        ".size gp_clone3, .-gp_clone3\n");
+static int no_clone3; /* the kernel has none (before Linux 5.3), or a seccomp filter refuses it */
+#else
+/* Through glibc: the calling thread waits for the child (CLONE_VFORK), so errno is not shared. */
+static long k_call(long n, long a, long b, long c, long d, long e)
+{
+    long ret = syscall(n, a, b, c, d, e);
+    return ret == -1 ? -errno : ret;
+}
+
+static void k_default_signals(void)
 {
     struct sigaction dfl;
     memset(&dfl, 0, sizeof dfl);
     dfl.sa_handler = SIG_DFL;
     for (int sig = 1; sig < NSIG; sig++) {
         if (sig != SIGKILL && sig != SIGSTOP)
-            (void)sigaction(sig, &dfl, NULL);  /* EINVAL for glibc's own: left as they are */
+            (void)sigaction(sig, &dfl, NULL); /* EINVAL for glibc's own: left as they are */
     }
     sigset_t none;
     sigemptyset(&none);
-    (void)syscall(SYS_rt_sigprocmask, SIG_SETMASK, &none, NULL, (size_t)(_NSIG / 8));
+    (void)k_call(SYS_rt_sigprocmask, SIG_SETMASK, (long)&none, 0, sizeof(long), 0);
+}
+#endif
+
+static long k_dup_onto(int fd, int target)
+{
+    if (fd == target) /* keep it, but across the exec */
+        return k_call(SYS_fcntl, fd, F_SETFD, 0, 0, 0);
+    return k_call(SYS_dup3, fd, target, 0, 0, 0);
 }
 
-static pid_t wait_for(pid_t pid)
+static long k_join_cgroup(int cgroup_fd)
 {
-    int status;
-    pid_t got;
-    do
-        got = waitpid(pid, &status, 0);
-    while (got < 0 && errno == EINTR);
-    return got;
+    long procs = k_call(SYS_openat, cgroup_fd, (long)"cgroup.procs", O_WRONLY | O_CLOEXEC, 0, 0);
+    if (procs < 0)
+        return procs;
+    long wrote = k_call(SYS_write, procs, (long)"0", 1, 0, 0);
+    (void)k_call(SYS_close, procs, 0, 0, 0, 0);
+    return wrote < 0 ? wrote : 0;
 }
 
-/* A slot's ids: never root, never -1 (which setres*id reads as "keep"). */
-static int valid_id(long id)
+/* All three gids and uids (nothing can switch back), no supplementary groups. */
+static long k_switch_to(long uid, long gid)
 {
-    return id > 0 && id < 0xFFFFFFFFL;
+    long r;
+    if ((r = k_call(SYS_setgroups, 0, 0, 0, 0, 0)) < 0)
+        return r;
+    if ((r = k_call(SYS_setresgid, gid, gid, gid, 0, 0)) < 0)
+        return r;
+    return k_call(SYS_setresuid, uid, uid, uid, 0, 0);
 }
 
-static int switch_to(long uid, long gid)
+/* No privileges to gain on exec (setuid programs, file capabilities), no capability to keep. */
+static long k_give_up_privileges(void)
 {
-    if (syscall(SYS_setgroups, 0, NULL) != 0)
-        return -1;
-    if (syscall(SYS_setresgid, gid, gid, gid) != 0)
-        return -1;
-    if (syscall(SYS_setresuid, uid, uid, uid) != 0)
-        return -1;
-    /* Leaving root clears every capability, unless securebits said to keep them: make sure. */
+    long r;
+    if ((r = k_call(SYS_prctl, PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)) < 0)
+        return r;
+    for (long cap = 0; k_call(SYS_prctl, PR_CAPBSET_DROP, cap, 0, 0, 0) == 0; cap++)
+        ; /* EINVAL past the last capability */
+    (void)k_call(SYS_prctl, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+    return 0;
+}
+
+static long k_no_capabilities(void)
+{
+    /* Leaving root clears the permitted and effective sets, unless securebits said to keep them,
+       and never the inheritable one: all three emptied. */
     struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
     struct __user_cap_data_struct none[2];
     memset(none, 0, sizeof none);
-    return (int)syscall(SYS_capset, &header, none);
+    return k_call(SYS_capset, (long)&header, (long)none, 0, 0, 0);
 }
 
-static void __attribute__((noreturn)) child(struct plan *p)
+/* -- the children --------------------------------------------------------------------------- */
+
+static void __attribute__((noreturn)) fail(struct birth *b, long r)
 {
-    int failure = 0;
-    if (p->join) {
-        int procs = openat(p->cgroup_fd, "cgroup.procs", O_WRONLY | O_CLOEXEC);
-        if (procs < 0 || write(procs, "0", 1) != 1)
-            goto fail;
-        (void)close(procs);
-    }
-    child_signals();
-    if (setsid() < 0)
-        goto fail;
-    if (dup2(p->stdin_fd, 0) < 0 || dup2(p->out_fd, 1) < 0 || dup2(p->out_fd, 2) < 0)
-        goto fail;
+    b->error = r < 0 ? (int)-r : EINVAL;
+    (void)k_call(SYS_exit_group, CHILD_STATUS, 0, 0, 0, 0);
+    __builtin_unreachable();
+}
+
+static int job_child(void *arg)
+{
+    struct birth *b = arg;
+    long r;
+    if (b->join && (r = k_join_cgroup(b->cgroup_fd)) < 0)
+        fail(b, r);
+    k_default_signals();
+    if ((r = k_call(SYS_setsid, 0, 0, 0, 0, 0)) < 0)
+        fail(b, r);
+    if ((r = k_dup_onto(b->stdin_fd, 0)) < 0 || (r = k_dup_onto(b->out_fd, 1)) < 0 ||
+        (r = k_dup_onto(b->out_fd, 2)) < 0)
+        fail(b, r);
 #ifdef SYS_close_range
-    (void)syscall(SYS_close_range, 3U, ~0U, 0U);  /* ENOSYS before Linux 5.9: all is close-on-exec */
+    (void)k_call(SYS_close_range, 3, ~0U, 0, 0, 0); /* ENOSYS before 5.9: all is close-on-exec */
 #endif
-    if (p->uid >= 0 && switch_to(p->uid, p->gid) != 0)
-        goto fail;
-    if (chdir(p->cwd) != 0)
-        goto fail;
-    for (char **path = p->paths; *path != NULL; path++) {
-        execve(*path, p->argv, p->envp);
-        if (errno == ENOENT || errno == ENOTDIR) {
+    if (b->uid >= 0) {
+        if ((r = k_give_up_privileges()) < 0 || (r = k_switch_to(b->uid, b->gid)) < 0 ||
+            (r = k_no_capabilities()) < 0)
+            fail(b, r);
+    }
+    if ((r = k_call(SYS_chdir, (long)b->cwd, 0, 0, 0, 0)) < 0)
+        fail(b, r);
+    long failure = 0;
+    for (char **path = b->paths; *path != NULL; path++) {
+        r = k_call(SYS_execve, (long)*path, (long)b->argv, (long)b->envp, 0, 0);
+        if (r == -ENOENT || r == -ENOTDIR) {
             if (failure == 0)
-                failure = errno;
-        } else if (errno == EACCES) {
-            failure = errno;  /* and go on looking, as execvp does */
+                failure = r;
+        } else if (r == -EACCES) {
+            failure = r; /* and go on looking, as execvp does */
         } else {
-            failure = errno;
+            failure = r;
             break;
         }
     }
-    p->error = failure ? failure : ENOENT;
-    _exit(127);
-fail:
-    p->error = errno ? errno : EINVAL;
-    _exit(127);
+    fail(b, failure ? failure : -ENOENT);
 }
 
-/* vfork in a function of its own, which the child never returns from: born in the cgroup where
-   the kernel can (clone3), else joining it first thing. */
-static pid_t __attribute__((noinline)) start(struct plan *p)
+static int sweeper_child(void *arg)
 {
-    p->join = p->cgroup_fd >= 0;
-#if defined(__x86_64__)
-    if (p->join && p->born_in && !no_clone3) {
-        struct gp_clone_args args = {0};
-        args.flags = CLONE_VM | CLONE_VFORK | CLONE_INTO_CGROUP_FLAG;
-        args.exit_signal = SIGCHLD;
-        args.cgroup = (unsigned long long)p->cgroup_fd;
-        p->join = 0;
-        long pid = gp_clone3_vfork(&args, sizeof args);
-        if (pid == 0)
-            child(p);
-        if (pid > 0)
-            return (pid_t)pid;
-        if (pid != -ENOSYS && pid != -E2BIG && pid != -EINVAL && pid != -EOPNOTSUPP) {
-            errno = (int)-pid;
-            return -1;
+    struct birth *b = arg;
+    k_default_signals();
+    if (k_switch_to(b->uid, b->gid) < 0)
+        return 2;
+    (void)k_call(SYS_kill, -1, SIGKILL, 0, 0, 0);
+    (void)k_call(SYS_kill, -1, SIGKILL, 0, 0, 0); /* one pass reaches all; a fork racing it fails */
+    return 0;
+}
+
+/* -- births ----------------------------------------------------------------------------------- */
+
+/* Unmap what no child needs any more: exec'd, or exited with nothing left to tell. */
+static void collect(void)
+{
+    for (struct birth **at = &births; *at != NULL;) {
+        struct birth *b = *at;
+        if (b->alive == 0 && b->error == 0) {
+            *at = b->next;
+            munmap(b, b->size);
+        } else {
+            at = &b->next;
         }
-        no_clone3 = pid == -ENOSYS || pid == -E2BIG;  /* no clone3, or none that knows cgroups */
-        p->join = 1;  /* EINVAL: no CLONE_INTO_CGROUP (before 5.7), or not a cgroup v2 directory */
+    }
+}
+
+/* The error of `pid`'s child (0 if it started), its mapping unmapped. */
+static int forget(pid_t pid)
+{
+    for (struct birth **at = &births; *at != NULL; at = &(*at)->next) {
+        struct birth *b = *at;
+        if (b->pid == pid) {
+            int error = b->error;
+            *at = b->next;
+            munmap(b, b->size);
+            return error;
+        }
+    }
+    return 0; /* exec'd, and collected since */
+}
+
+/* A mapping for a child: the header, `extra` bytes after it, the stack at the top. */
+static struct birth *new_birth(size_t extra)
+{
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    size_t size = (sizeof(struct birth) + extra + STACK_BYTES + page - 1) / page * page;
+    void *at = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+    if (at == MAP_FAILED) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return NULL;
+    }
+    struct birth *b = at;
+    b->size = size;
+    b->alive = 1;
+    b->stdin_fd = b->out_fd = b->cgroup_fd = -1;
+    b->uid = b->gid = -1;
+    return b;
+}
+
+/* Start `fn` on `b`; its pid, with its pidfd in *pidfd (-1 where the kernel has none: before
+   Linux 5.2). -1 with an exception set when it could not be started. `born_in`: in b's cgroup. */
+static pid_t start(struct birth *b, int (*fn)(void *), int born_in, int *pidfd)
+{
+    long pid;
+    sigset_t all, old;
+    sigfillset(&all);
+    *pidfd = -1;
+    b->join = b->cgroup_fd >= 0 && !born_in;
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+#if defined(__x86_64__)
+    if (!no_clone3) {
+        struct gp_clone_args args;
+        memset(&args, 0, sizeof args);
+        args.flags = CLONE_VM | CLONE_PIDFD | CLONE_CHILD_CLEARTID;
+        args.pidfd = (unsigned long long)(uintptr_t)pidfd;
+        args.child_tid = (unsigned long long)(uintptr_t)&b->alive;
+        args.stack = (unsigned long long)(uintptr_t)b;
+        args.stack_size = b->size;
+        if (b->cgroup_fd >= 0 && born_in) {
+            args.flags |= GP_CLONE_INTO_CGROUP;
+            args.cgroup = (unsigned long long)b->cgroup_fd;
+        }
+        pid = gp_clone3(&args, sizeof args, fn, b);
+        if (pid == -EINVAL && (args.flags & GP_CLONE_INTO_CGROUP)) {
+            /* no CLONE_INTO_CGROUP (before 5.7), or not a cgroup v2 directory: join it instead */
+            b->join = 1;
+            args.flags &= ~GP_CLONE_INTO_CGROUP;
+            args.cgroup = 0;
+            pid = gp_clone3(&args, sizeof args, fn, b);
+        }
+        no_clone3 = pid == -ENOSYS || pid == -E2BIG;
+        if (pid >= 0 || !no_clone3) {
+            pthread_sigmask(SIG_SETMASK, &old, NULL);
+            if (pid < 0) {
+                errno = (int)-pid;
+                PyErr_SetFromErrno(PyExc_OSError);
+                return -1;
+            }
+            return (pid_t)pid;
+        }
     }
 #endif
-    pid_t pid = vfork();
-    if (pid == 0)
-        child(p);
-    return pid;
+    /* glibc's clone: the child on its own stack, this thread waiting until it has exec'd */
+    int flags = CLONE_VM | CLONE_VFORK | CLONE_CHILD_CLEARTID;
+    b->join = b->cgroup_fd >= 0;
+    pid_t *cleared = (pid_t *)&b->alive;
+    pid = clone(fn, (char *)b + b->size, flags | CLONE_PIDFD, b, pidfd, NULL, cleared);
+    if (pid < 0 && errno == EINVAL) { /* no CLONE_PIDFD (before Linux 5.2) */
+        *pidfd = -1;
+        pid = clone(fn, (char *)b + b->size, flags, b, NULL, NULL, cleared);
+    }
+    int saved = errno;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (pid < 0) {
+        errno = saved;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return (pid_t)pid;
 }
 
-static void __attribute__((noreturn)) sweeper(long uid, long gid)
-{
-    if (switch_to(uid, gid) != 0)
-        _exit(2);
-    (void)kill(-1, SIGKILL);
-    (void)kill(-1, SIGKILL);
-    /* Is any task of the uid left (dying, or a zombie not yet reaped)? The kernel counts a uid's
-       tasks against RLIMIT_NPROC: with a limit of two, a child of this process can start only if
-       it and this one are all the uid has. (kill(-1, 0) cannot tell: it succeeds whenever any
-       other process exists, permitted or not.) */
-    struct rlimit two = {2, 2};
-    if (setrlimit(RLIMIT_NPROC, &two) != 0)
-        _exit(2);
-    pid_t probe = vfork();
-    if (probe == 0)
-        _exit(0);
-    if (probe < 0)
-        _exit(errno == EAGAIN ? 1 : 2);
-    (void)wait_for(probe);
-    _exit(0);
-}
+/* -- the module's functions ------------------------------------------------------------------ */
 
-/* A forked child, not a vforked one: once it is the uid, any process of the uid may SIGSTOP it,
-   and a vfork parent would wait for it for ever. The parent waits SWEEP_MS at most. */
-static pid_t start_sweeper(long uid, long gid)
+/* Bytes in `seq` (a list or tuple of bytes without NUL), copied into `*at` and listed in `out`
+   (NULL-terminated). With `out` NULL, only counts: returns the bytes it needs, or -1 with an
+   exception set. */
+static Py_ssize_t copy_strings(PyObject *seq, const char *what, char ***out, char **at)
 {
-    pid_t pid = (pid_t)syscall(SYS_clone, (unsigned long)SIGCHLD, 0UL, 0UL, 0UL, 0UL);
-    if (pid == 0)
-        sweeper(uid, gid);
-    return pid;
-}
-
-/* A NULL-terminated array of the bytes in `seq` (a list or tuple of bytes); NULL with an error set. */
-static char **strings(PyObject *seq, const char *what)
-{
-    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {  /* which hold their items while we borrow */
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
         PyErr_Format(PyExc_TypeError, "%s must be a list or tuple of bytes", what);
-        return NULL;
+        return -1;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    char **out = PyMem_Calloc((size_t)n + 1, sizeof(char *));
-    if (out == NULL) {
-        PyErr_NoMemory();
-        return NULL;
-    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), need = (n + 1) * (Py_ssize_t)sizeof(char *);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
         if (!PyBytes_Check(item) || (size_t)PyBytes_GET_SIZE(item) != strlen(PyBytes_AS_STRING(item))) {
             PyErr_Format(PyExc_ValueError, "%s: every item must be bytes without a NUL", what);
-            PyMem_Free(out);
-            return NULL;
+            return -1;
         }
-        out[i] = PyBytes_AS_STRING(item);  /* borrowed: the caller's sequence holds the bytes */
+        Py_ssize_t len = PyBytes_GET_SIZE(item) + 1;
+        need += len;
+        if (out != NULL) {
+            memcpy(*at, PyBytes_AS_STRING(item), (size_t)len);
+            (*out)[i] = *at;
+            *at += len;
+        }
     }
-    return out;
+    if (out != NULL)
+        (*out)[n] = NULL;
+    return need;
+}
+
+static char **take_array(char **at, PyObject *seq)
+{
+    char **array = (char **)*at;
+    *at += (PySequence_Fast_GET_SIZE(seq) + 1) * sizeof(char *);
+    return array;
 }
 
 PyDoc_STRVAR(spawn_doc,
-"spawn(paths, argv, envp, cwd, stdin_fd, out_fd, uid, gid, cgroup_fd, born_in) -> pid\n\n"
+"spawn(paths, argv, envp, cwd, stdin_fd, out_fd, uid, gid, cgroup_fd, born_in) -> (pid, pidfd)\n\n"
 "Start the first of `paths` that execs (bytes each; argv and envp lists of bytes, envp as\n"
 "b'KEY=value') in `cwd`, in a session of its own, with stdin from `stdin_fd` and stdout and\n"
-"stderr into `out_fd`, as `uid`/`gid` unless -1, in the cgroup whose directory is open as\n"
-"`cgroup_fd` unless -1: born in it if `born_in` (where the kernel can), else joining it first\n"
-"thing. Raises OSError (the child reaped) when it could not start.");
+"stderr into `out_fd`, as `uid`/`gid` unless -1 (then without privileges to gain), in the cgroup\n"
+"whose directory is open as `cgroup_fd` unless -1: born in it if `born_in` (where the kernel\n"
+"can), else joining it first thing. Returns at once (x86-64); whether it could start, `reap`\n"
+"tells. pidfd is -1 on a kernel without pidfds. Raises OSError when no process could be made.");
 
 static PyObject *spawn(PyObject *self, PyObject *args)
 {
     PyObject *paths_obj, *argv_obj, *envp_obj;
     const char *cwd;
-    struct plan p = {0};
-    if (!PyArg_ParseTuple(args, "OOOyiillip", &paths_obj, &argv_obj, &envp_obj, &cwd, &p.stdin_fd,
-                          &p.out_fd, &p.uid, &p.gid, &p.cgroup_fd, &p.born_in))
+    Py_ssize_t cwd_len;
+    int stdin_fd, out_fd, cgroup_fd, born_in;
+    long uid, gid;
+    if (!PyArg_ParseTuple(args, "OOOy#iillip", &paths_obj, &argv_obj, &envp_obj, &cwd, &cwd_len, &stdin_fd,
+                          &out_fd, &uid, &gid, &cgroup_fd, &born_in))
         return NULL;
-    if ((p.uid != -1 || p.gid != -1) && !(valid_id(p.uid) && valid_id(p.gid))) {
+    if ((uid != -1 || gid != -1) && !(uid > 0 && uid < 0xFFFFFFFFL && gid > 0 && gid < 0xFFFFFFFFL)) {
+        /* never root, never -1 (which setres*id reads as "keep") */
         PyErr_SetString(PyExc_ValueError, "spawn: a uid and gid, both above 0, or neither (-1)");
         return NULL;
     }
-    p.cwd = cwd;
-    PyObject *result = NULL;
-    p.paths = strings(paths_obj, "paths");
-    p.argv = p.paths ? strings(argv_obj, "argv") : NULL;
-    p.envp = p.argv ? strings(envp_obj, "envp") : NULL;
-    if (p.envp == NULL)
-        goto done;
-    if (p.paths[0] == NULL || p.argv[0] == NULL) {
+    if ((size_t)cwd_len != strlen(cwd)) {
+        PyErr_SetString(PyExc_ValueError, "cwd: bytes without a NUL");
+        return NULL;
+    }
+    Py_ssize_t sizes[3];
+    PyObject *seqs[3] = {paths_obj, argv_obj, envp_obj};
+    const char *names[3] = {"paths", "argv", "envp"};
+    for (int i = 0; i < 3; i++) {
+        if ((sizes[i] = copy_strings(seqs[i], names[i], NULL, NULL)) < 0)
+            return NULL;
+    }
+    if (PySequence_Fast_GET_SIZE(paths_obj) == 0 || PySequence_Fast_GET_SIZE(argv_obj) == 0) {
         PyErr_SetString(PyExc_ValueError, "spawn needs a program and an argv");
-        goto done;
+        return NULL;
     }
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    pid_t pid = start(&p);
-    int saved = errno;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    collect();
+    struct birth *b = new_birth((size_t)(sizes[0] + sizes[1] + sizes[2] + cwd_len + 1));
+    if (b == NULL)
+        return NULL;
+    char *at = (char *)(b + 1);
+    char **arrays[3];
+    for (int i = 0; i < 3; i++)
+        arrays[i] = take_array(&at, seqs[i]);
+    for (int i = 0; i < 3; i++)
+        (void)copy_strings(seqs[i], names[i], &arrays[i], &at);
+    memcpy(at, cwd, (size_t)cwd_len + 1);
+    b->paths = arrays[0];
+    b->argv = arrays[1];
+    b->envp = arrays[2];
+    b->cwd = at;
+    b->stdin_fd = stdin_fd;
+    b->out_fd = out_fd;
+    b->cgroup_fd = cgroup_fd;
+    b->uid = uid;
+    b->gid = gid;
+    int pidfd;
+    pid_t pid = start(b, job_child, born_in, &pidfd);
     if (pid < 0) {
-        errno = saved;
-        PyErr_SetFromErrno(PyExc_OSError);
-    } else if (p.error != 0) {
-        (void)wait_for(pid);
-        errno = p.error;
-        PyErr_SetFromErrno(PyExc_OSError);
-    } else {
-        result = PyLong_FromLong((long)pid);
+        munmap(b, b->size);
+        return NULL;
     }
-done:
-    PyMem_Free(p.paths);
-    PyMem_Free(p.argv);
-    PyMem_Free(p.envp);
-    return result;
+    b->pid = pid;
+    b->next = births;
+    births = b;
+    return Py_BuildValue("(ii)", (int)pid, pidfd);
 }
 
-PyDoc_STRVAR(kill_uid_doc,
-"kill_uid(uid, gid) -> bool\n\n"
-"SIGKILL every process of `uid` (as that uid, so nothing else), in a child; returns once sent,\n"
-"True when some process of the uid is still there (dying, or a zombie not yet reaped).");
+PyDoc_STRVAR(sweep_doc,
+"sweep(uid, gid) -> (pid, pidfd)\n\n"
+"Start a child that, as `uid`, sends SIGKILL to every process of the uid (so nothing else),\n"
+"twice. `reap` it: status 0 once sent, 2 when it could not switch to the uid.");
 
-static PyObject *kill_uid(PyObject *self, PyObject *args)
+static PyObject *sweep(PyObject *self, PyObject *args)
 {
     long uid, gid;
     if (!PyArg_ParseTuple(args, "ll", &uid, &gid))
         return NULL;
-    if (!valid_id(uid) || !valid_id(gid)) {  /* kill(-1) as root would end the machine */
-        PyErr_SetString(PyExc_ValueError, "kill_uid needs a uid and a gid above 0");
+    if (!(uid > 0 && uid < 0xFFFFFFFFL && gid > 0 && gid < 0xFFFFFFFFL)) {
+        /* kill(-1) as root would end the machine */
+        PyErr_SetString(PyExc_ValueError, "sweep needs a uid and a gid above 0");
         return NULL;
     }
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    pid_t pid = start_sweeper(uid, gid);
-    int saved = errno;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    collect();
+    struct birth *b = new_birth(0);
+    if (b == NULL)
+        return NULL;
+    b->uid = uid;
+    b->gid = gid;
+    int pidfd;
+    pid_t pid = start(b, sweeper_child, 0, &pidfd);
     if (pid < 0) {
-        errno = saved;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    int status = 0;
-    pid_t got = 0;
-#ifdef SYS_pidfd_open
-    int exited = (int)syscall(SYS_pidfd_open, pid, 0);  /* readable once it has exited */
-#else
-    int exited = -1;
-#endif
-    if (exited >= 0) {
-        struct pollfd ready = {exited, POLLIN, 0};
-        int n;
-        do
-            n = poll(&ready, 1, SWEEP_MS);
-        while (n < 0 && errno == EINTR);
-        close(exited);
-        do
-            got = waitpid(pid, &status, WNOHANG);
-        while (got < 0 && errno == EINTR);
-    } else {  /* before Linux 5.3: look every 0.1 ms */
-        for (int waited = 0; got == 0 && waited < SWEEP_MS * 10; waited++) {
-            got = waitpid(pid, &status, WNOHANG);
-            if (got == 0) {
-                struct timespec tenth = {0, 100000};
-                nanosleep(&tenth, NULL);
-            } else if (got < 0 && errno == EINTR) {
-                got = 0;
-            }
-        }
-    }
-    if (got == 0) {  /* stopped by a process of the uid, or stuck: as root, end it */
-        (void)kill(pid, SIGKILL);
-        (void)wait_for(pid);
-        Py_RETURN_TRUE;  /* unknown: the caller looks again */
-    }
-    if (got < 0 || !WIFEXITED(status) || WEXITSTATUS(status) == 2) {
-        PyErr_SetString(PyExc_OSError, "kill_uid: could not switch to the uid");
+        munmap(b, b->size);
         return NULL;
     }
-    return PyBool_FromLong(WEXITSTATUS(status) == 1);
+    b->pid = pid;
+    b->next = births;
+    births = b;
+    return Py_BuildValue("(ii)", (int)pid, pidfd);
+}
+
+PyDoc_STRVAR(reap_doc,
+"reap(pid, pidfd, block=False) -> (status, error) | None\n\n"
+"Collect a child of `spawn` or `sweep` that has ended: its status as subprocess gives it (-N:\n"
+"killed by signal N), and the errno that kept it from starting its program (0 when it did).\n"
+"None while it runs. `pidfd` -1: by pid. With `block`, wait for it (the GIL released).");
+
+static PyObject *reap(PyObject *self, PyObject *args)
+{
+    int pid, pidfd, block = 0;
+    if (!PyArg_ParseTuple(args, "ii|p", &pid, &pidfd, &block))
+        return NULL;
+    siginfo_t info;
+    memset(&info, 0, sizeof info);
+    int options = WEXITED | __WALL | (block ? 0 : WNOHANG);
+    idtype_t idtype = pidfd >= 0 ? (idtype_t)P_PIDFD : P_PID;
+    id_t id = pidfd >= 0 ? (id_t)pidfd : (id_t)pid;
+    int r;
+    if (block) {
+        Py_BEGIN_ALLOW_THREADS
+        do
+            r = waitid(idtype, id, &info, options);
+        while (r < 0 && errno == EINTR);
+        Py_END_ALLOW_THREADS
+    } else {
+        do
+            r = waitid(idtype, id, &info, options);
+        while (r < 0 && errno == EINTR);
+    }
+    if (r < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    if (info.si_pid == 0)
+        Py_RETURN_NONE;
+    int status = info.si_code == CLD_EXITED ? info.si_status : -info.si_status;
+    int error = forget((pid_t)pid);
+    return Py_BuildValue("(ii)", status, status == CHILD_STATUS ? error : 0);
 }
 
 static PyMethodDef methods[] = {
     {"spawn", spawn, METH_VARARGS, spawn_doc},
-    {"kill_uid", kill_uid, METH_VARARGS, kill_uid_doc},
+    {"sweep", sweep, METH_VARARGS, sweep_doc},
+    {"reap", reap, METH_VARARGS, reap_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_spawn", "Job processes started with vfork (see the source's head).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_spawn", "Jobs' processes, started without a copy (see the source's head).", -1,
+    methods,
 };
 
 PyMODINIT_FUNC PyInit__spawn(void)

@@ -6,7 +6,7 @@ cannot move out (it may not write another cgroup's `cgroup.procs`), so the slot'
 exactly what its job started. `cgroup.kill` (Linux >= 5.14) SIGKILLs every process in it in one
 call, racing forks included; `cgroup.procs` lists what is still there. That replaces, where it is
 available, a scan over /proc at the end of each attempt and a fork to kill the slot's uid as that
-uid (leftovers.py, launcher.py): ~20 us against ~1 ms.
+uid (leftovers.py, uid_sweep.py): ~20 us against ~1 ms.
 
 The worker needs root (or a delegated subtree) and a cgroup v2 hierarchy: the shipped unit says
 `Delegate=yes`. Its cgroups are `gpupool-WORKER/slot-N` under its own cgroup, created at start and
@@ -48,11 +48,11 @@ def own_cgroup() -> Path | None:
 
 
 class SlotCgroups:
-    """This worker's slot cgroups: `path(slot)` for the launcher, `close()` at the end."""
+    """This worker's slot cgroups: `slot(n)` for its jobs, `close()` at the end."""
 
     def __init__(self, top: Path, slots: int) -> None:
         self.top = top
-        self.slots = [top / f"slot-{n}" for n in range(slots)]
+        self.slots = [SlotCgroup(top / f"slot-{n}") for n in range(slots)]
 
     @classmethod
     def make(cls, worker_id: str, slots: int, dead: Iterable[str] = ()) -> SlotCgroups | None:
@@ -77,12 +77,70 @@ class SlotCgroups:
             return None
         return cls(top, slots)
 
+    def slot(self, n: int) -> SlotCgroup:
+        return self.slots[n]
+
     def path(self, slot: int) -> Path:
-        return self.slots[slot]
+        return self.slots[slot].path
 
     def close(self) -> None:
         """Kill what is left in them and remove them. Blocking (a thread)."""
+        for cgroup in self.slots:
+            cgroup.close()
         remove(self.top)
+
+
+class SlotCgroup:
+    """One slot's cgroup as its jobs use it: where each is born (spawn.py), and the end of what
+    it left there. Its directory and files stay open: a slot's cgroup serves all its jobs.
+
+    Writing cgroup.kill leaves a mark on a cgroup: Linux (6.18 at least) SIGKILLs every process
+    born in it by clone3 afterwards. A killed cgroup is therefore made anew once empty (it has no
+    settings to lose: no controller is enabled); until then a job joins it after birth."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.killed = False  # cgroup.kill was written since the cgroup was made
+        self._fds: dict[str, int] = {}  # "" (the directory), "cgroup.kill", "cgroup.events"
+
+    def birthplace(self) -> tuple[int, bool]:
+        """The directory, open, for a job to be born in (True) or to join after birth (False)."""
+        if self.killed and not self.populated():
+            self.close()
+            with contextlib.suppress(OSError):
+                self.path.rmdir()
+                self.killed = False
+            self.path.mkdir(exist_ok=True)
+        return self._fd("", os.O_RDONLY | os.O_DIRECTORY), not self.killed
+
+    def end(self) -> list[int]:
+        """A job's first process has ended: SIGKILL whatever it left here (one write, racing forks
+        included) and answer the processes still dying. Nothing is written to an empty cgroup:
+        only what is in it could fork into it, and a killed one must be made anew."""
+        if not self.populated():
+            return []
+        with contextlib.suppress(OSError):
+            os.write(self._fd("cgroup.kill", os.O_WRONLY), b"1")
+        self.killed = True
+        return pids(self.path)
+
+    def populated(self) -> bool:
+        """Whether any process (any thread) is alive in it: its cgroup.events says."""
+        try:
+            return b"populated 1" in os.pread(self._fd("cgroup.events", os.O_RDONLY), 256, 0)
+        except FileNotFoundError:
+            return False
+
+    def _fd(self, name: str, flags: int) -> int:
+        fd = self._fds.get(name)
+        if fd is None:
+            fd = self._fds[name] = os.open(self.path / name, flags)
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def kill(cgroup: Path) -> None:

@@ -27,7 +27,7 @@ Why one class of ~500 lines: its life cycle, its claims and its attempts share o
 held attempts, the slots, the GPUs) and the events that wake the dispatcher; the parts that stand
 alone live beside it: attempt.py (the record and its fence), claim_gate.py, heartbeat.py,
 outcomes.py (recording an attempt's end), runner.py (the processes), slots.py (what the machine
-gives the slots: directories, uids, cgroups, the launcher and the orphan guard).
+gives the slots: directories, uids, cgroups, the spawner and the orphan guard).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class Worker:
         self._registration = Registration(
             id=self.id, slots=slots, queues=self.queues, healthy_period=queue.lease_ms / 1000
         )
-        # directories, uids, cgroups, the launcher and the orphan guard (slots.py)
+        # directories, uids, cgroups, the spawner and the orphan guard (slots.py)
         self._slots = Slots(self.data_dir, self.id, slots, self.identities)
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known
         self._nvml: Nvml | None = None
@@ -223,7 +223,6 @@ class Worker:
             await self._close_nvml()
             raise
         self._spawn(self._slots.guard.watch_over(), "orphan guard watch")
-        self._spawn(self._slots.launcher.watch_over(), "job launcher watch")
         self._spawn(self.heartbeat.run(), "heartbeat")
         self._spawn(self.heartbeat.listen_for_pokes(keys.worker_channel(self.id)), "cancel nudges")
         fence = (
@@ -451,7 +450,7 @@ class Worker:
             kill_grace=self.kill_grace,
             probe=self.probe,
             guard=self._slots.guard,
-            launcher=self._slots.launcher,
+            spawner=self._slots.spawner,
             store=self.store,
             cache=self.cache,
             slot_dir=self._slots.dir(slot),

@@ -6,12 +6,12 @@ that slot runs under it with no capabilities (inheritable, ambient and bounding 
 /proc or signals, or gain privileges through a setuid program; when its attempt ends, every
 process of that uid is killed (leftovers.py), which ends what escaped with `setsid` or `env -i`.
 
-The launcher (launcher.py) makes the switch in the child it forks, before the chdir and the exec,
-so the job's directory is entered as the uid (a chdir made as root would pass directories the uid
-may not). Without a range, jobs run as the daemon's own user: right on a machine that is one
+The job's first process makes the switch itself (_spawn.c), before the chdir and the exec, so the
+job's directory is entered as the uid (a chdir made as root would pass directories the uid may
+not). Without a range, jobs run as the daemon's own user: right on a machine that is one
 person's own, and said once at start when poold runs as root.
 
-At the end of an attempt the launcher signals every process of the uid *as that uid*: kill(-1)
+At the end of an attempt every process of the uid is signalled *as that uid* (uid_sweep.py): kill(-1)
 reaches them all in one system call, and a process with SIGKILL pending cannot finish a fork, so
 no fork loop outruns it (a sweep over /proc can be: each pass lists pids that have already forked).
 """

@@ -1,19 +1,23 @@
 """A job's output on its way to the job's log stream in Redis.
 
-Output (the runner merges stdout and stderr, in the order the job wrote them) is read as it comes,
-without blocking the event loop, and sent through the queue's fenced `append_log` in chunks of up
-to 64 KiB, at most ~100 ms after it was written while output flows. The pipe is not read while a
-batch is being sent, so a job that writes faster than Redis takes its output is slowed down (it
-blocks on a full pipe) rather than growing the worker's memory. A refused append (StaleAttempt)
-means the attempt is no longer this worker's: the owner is told, and nothing more is sent. While
-Redis is unreachable, output waits in memory (the oldest dropped beyond MAX_BACKLOG, and the
-drop said in the log) and is sent when Redis is back.
+Output (the runner merges stdout and stderr, in the order the job wrote them) is read from the
+pipe by the event loop as it comes (a reader callback: no task, no stream object, so a job that
+prints nothing costs nothing here) and sent through the queue's fenced `append_log` in chunks of
+up to 64 KiB, at most ~100 ms after it was written while output flows, by a sender task that
+exists only while there is output to send. The pipe is not read while a batch is on its way to
+Redis, so a job that writes faster than Redis takes its output is slowed down (it blocks on a full
+pipe) rather than growing the worker's memory. A refused append (StaleAttempt) means the attempt
+is no longer this worker's: the owner is told, and nothing more is sent. While Redis is
+unreachable, output waits in memory (the oldest dropped beyond MAX_BACKLOG, and the drop said in
+the log) and is sent when Redis is back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -36,7 +40,8 @@ DRAIN_SECONDS = 5.0  # after the job's processes are gone, how long the rest may
 
 
 class JobOutput:
-    """The output of one attempt. `pump(reader)` in a task, `finish(task)` after the processes."""
+    """The output of one attempt: `read_from(fd)` once its process has started, `finish()` once
+    its processes are gone; `note()` adds the pool's own lines at any time."""
 
     def __init__(self, queue: JobQueue, lease: Lease, on_refused: Callable[[str], None]) -> None:
         self.queue = queue
@@ -52,6 +57,11 @@ class JobOutput:
         self._dropped = 0
         self._down = False
         self.written = False  # anything (output or a note) went into the log from this attempt
+        self._fd: int | None = None  # the pipe, while it is read
+        self._reading = False
+        self._eof: asyncio.Future[None] | None = None
+        self._sender: asyncio.Task[None] | None = None
+        self._more = asyncio.Event()  # a full chunk, or the end of the output: send without waiting
 
     def tail(self, lines: int) -> list[str]:
         """The last `lines` lines of the job's own output (not the pool's notes)."""
@@ -60,6 +70,42 @@ class JobOutput:
     def note(self, text: str) -> None:
         """A line of the pool's own in the job's log, e.g. why it is being stopped."""
         self._append(f"[gpupool] {text}\n".encode())
+
+    def read_from(self, fd: int) -> None:
+        """Read the job's output pipe `fd` (taken over: closed by `finish`) as output comes."""
+        os.set_blocking(fd, False)
+        self._fd = fd
+        self._eof = asyncio.get_running_loop().create_future()
+        self._resume()
+
+    def _resume(self) -> None:
+        if self._fd is not None and not self._reading:
+            asyncio.get_running_loop().add_reader(self._fd, self._readable)
+            self._reading = True
+
+    def _pause(self) -> None:
+        if self._fd is not None and self._reading:
+            asyncio.get_running_loop().remove_reader(self._fd)
+            self._reading = False
+
+    def _readable(self) -> None:
+        assert self._fd is not None
+        assert self._eof is not None
+        try:
+            data = os.read(self._fd, CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._pause()
+            if not self._eof.done():
+                self._eof.set_result(None)
+            self._more.set()
+            return
+        self._append(data)
+        self._tail += data
+        del self._tail[:-TAIL_BYTES]
 
     def _append(self, data: bytes) -> None:
         self.written = True
@@ -70,34 +116,41 @@ class JobOutput:
             cut = len(self._buf) - MAX_BACKLOG
             del self._buf[:cut]
             self._dropped += cut
+        if len(self._buf) >= CHUNK:
+            self._more.set()
+        if self._sender is None and not self.closed:
+            self._sender = asyncio.get_running_loop().create_task(
+                self._send(), name=f"output {self.lease.job_id}"
+            )
 
     def _pending(self) -> bool:
         return bool(self._buf) or self._unsent is not None
 
-    async def pump(self, reader: asyncio.StreamReader) -> None:
-        """Read the job's output until end of file, sending it as it comes."""
-        eof = False
-        while not eof or self._pending():
-            now = time.monotonic()
-            wait: float | None = None
-            if self._pending():
-                ready = max(self._retry_at, now if len(self._buf) >= CHUNK else self._due)
-                if eof or ready <= now:
-                    await asyncio.sleep(max(0.0, self._retry_at - now))
+    async def _send(self) -> None:
+        """Send what comes, each batch when a chunk is full, the output has ended, or FLUSH_SECONDS
+        after its first byte came (later while Redis does not answer); leave when nothing is left."""
+        try:
+            while self._pending() and not self.closed:
+                now = time.monotonic()
+                ended = self._eof is not None and self._eof.done()
+                ready = (
+                    self._retry_at if (ended or len(self._buf) >= CHUNK) else max(self._retry_at, self._due)
+                )
+                if ready > now:
+                    self._more.clear()
+                    with contextlib.suppress(TimeoutError):
+                        # woken early by a full chunk or the end; never before a retry is due
+                        async with asyncio.timeout(ready - now):
+                            await self._more.wait()
+                    if time.monotonic() < self._retry_at:
+                        continue
+                self._pause()  # nothing more is read while a batch is on its way
+                try:
                     await self.flush()
-                    continue
-                wait = ready - now
-            try:
-                async with asyncio.timeout(wait):
-                    data = await reader.read(CHUNK)
-            except TimeoutError:
-                continue  # time to send what is buffered
-            if not data:
-                eof = True
-                continue
-            self._append(data)
-            self._tail += data
-            del self._tail[:-TAIL_BYTES]
+                finally:
+                    self._resume()
+        finally:
+            self._sender = None
 
     async def flush(self) -> None:
         """Send what is buffered (one script call per 16 chunks); keep it if Redis is down. A call
@@ -135,24 +188,36 @@ class JobOutput:
             self._retry_at = time.monotonic() + RETRY_SECONDS
         else:
             self._down = False
+            self._retry_at = 0.0
 
-    async def finish(self, pump: asyncio.Task[None]) -> None:
-        """Let the pump read to end of file and send the rest. Every writer is dead by now unless a
-        process escaped the kill, and Redis may be unreachable: the wait is bounded."""
-        done, _ = await asyncio.wait({pump}, timeout=DRAIN_SECONDS)
+    async def finish(self) -> None:
+        """Read the pipe to its end and send the rest, then close the pipe. Every writer is dead by
+        now unless a process escaped the kill, and Redis may be unreachable: the wait is bounded."""
         job = self.lease.job_id
-        if not done:
-            await cancel_and_wait(pump)
-            if self._pending() and not self.closed:
-                log.warning(
-                    "job %s: the last %d bytes of output could not be sent", job, self._unsent_bytes()
-                )
-            elif not self._pending():
-                log.warning("job %s: its output pipe is still open; not waiting for it", job)
-        elif (exc := pump.exception()) is not None:
-            log.error("job %s: reading its output failed", job, exc_info=exc)
-        if self._pending() and not self._down:
-            await self.flush()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DRAIN_SECONDS
+        try:
+            if self._eof is not None and not self._eof.done():
+                done, _ = await asyncio.wait({self._eof}, timeout=DRAIN_SECONDS)
+                if not done:
+                    log.warning("job %s: its output pipe is still open; not waiting for it", job)
+            if (sender := self._sender) is not None:
+                done, _ = await asyncio.wait({sender}, timeout=max(0.0, deadline - loop.time()))
+                if not done:
+                    await cancel_and_wait(sender)
+                    if self._pending() and not self.closed:
+                        log.warning(
+                            "job %s: the last %d bytes of output could not be sent", job, self._unsent_bytes()
+                        )
+                elif not sender.cancelled() and (exc := sender.exception()) is not None:
+                    log.error("job %s: sending its output failed", job, exc_info=exc)
+            if self._pending() and not self._down:
+                await self.flush()
+        finally:
+            self._pause()
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
     def _unsent_bytes(self) -> int:
         return len(self._buf) + (sum(map(len, self._unsent[1])) if self._unsent is not None else 0)

@@ -9,6 +9,7 @@ still holds memory on (they are quarantined until it is freed).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -63,12 +64,46 @@ def leftovers(pgid: int, descendants: Mapping[int, float]) -> list[psutil.Proces
 
 
 def processes(pids: Sequence[int]) -> list[psutil.Process]:
-    """Those of `pids` still there (killed in the job's cgroup by the launcher; to wait for)."""
+    """Those of `pids` still there (killed in the job's cgroup by the spawner; to wait for)."""
     left = []
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             left.append(psutil.Process(pid))
     return left
+
+
+async def gone(procs: Sequence[psutil.Process], seconds: float) -> None:
+    """Wait until every one of `procs` (killed) has exited, `seconds` at most: each watched by a
+    pidfd, which is readable once its process has exited. A zombie has: it runs no code and holds
+    nothing, and whether it is reaped is its parent's business (an orphan's parent is init, which
+    may be slow to do it, or in a container never)."""
+    loop = asyncio.get_running_loop()
+    exits: dict[int, asyncio.Future[None]] = {}
+    try:
+        for proc in procs:
+            try:
+                fd = os.pidfd_open(proc.pid)
+            except ProcessLookupError:
+                continue
+            except OSError:  # no pidfds (before Linux 5.3): psutil polls
+                await asyncio.to_thread(psutil.wait_procs, procs, timeout=seconds)
+                return
+            exits[fd] = loop.create_future()
+            loop.add_reader(fd, exited, exits[fd])
+            if not proc.is_running():  # the pid was reused meanwhile by someone else's process
+                exits[fd].set_result(None)
+        if exits:
+            await asyncio.wait(exits.values(), timeout=seconds)
+    finally:
+        for fd in exits:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+
+def exited(exit: asyncio.Future[None]) -> None:
+    """A pidfd's reader: its process has exited."""
+    if not exit.done():
+        exit.set_result(None)
 
 
 def dirty_gpus(probe: GpuProbe, gpus: Sequence[GpuInfo], ours: set[int], sid: int) -> dict[str, str]:

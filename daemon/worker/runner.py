@@ -1,7 +1,7 @@
 """One attempt of a job as processes: start it, stream its output, stop it, make sure it is gone.
 
 The job's argv runs without a shell, in a new session (so its process group is its own and one
-`killpg` reaches every process it starts), started by the worker's launcher (spawn.py); if the worker dies,
+`killpg` reaches every process it starts), started by the worker's spawner (spawn.py); if the worker dies,
 orphan_guard.py kills its jobs. Its directory is the spec's `cwd`, or its slot's scratch directory
 `work` (next to `out`, the GPUPOOL_OUTPUT directory): empty when the job starts, emptied when it
 ends (scratch.py).
@@ -31,14 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import psutil
-
 from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
 from daemon.git import ANY_PROTOCOL
 from daemon.job import JobState, Lease, Outcome
 from daemon.queue.job_queue import JobQueue
 from daemon.worker import git_mirror, job_data, leftovers, scratch, spawn
+from daemon.worker.cgroups import SlotCgroup
 from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput
@@ -52,6 +51,7 @@ SAMPLE_SECONDS = 0.5  # RSS sampling period
 FIRST_SAMPLE_SECONDS = 0.05  # a job that ends sooner is not sampled (a scan costs ~1 ms)
 TAIL_LINES = 20  # lines of output kept in the outcome
 GPU_SETTLE_SECONDS = 3.0  # how long a GPU may take to free a dead process's memory
+LEFTOVERS_SECONDS = 5.0  # how long killed leftovers of a job may take to die
 
 
 class Ending(enum.StrEnum):
@@ -148,18 +148,18 @@ class JobRun:
         kill_grace: float = 10.0,
         probe: GpuProbe | None = None,
         guard: OrphanGuard | None = None,
-        launcher: spawn.Launcher,
+        spawner: spawn.Spawner,
         store: ObjectStore | None = None,
         cache: ObjectCache | None = None,
         slot_dir: Path | None = None,
         identity: SlotIdentity | None = None,
-        cgroup: Path | None = None,
+        cgroup: SlotCgroup | None = None,
         git_protocols: str = ANY_PROTOCOL,
     ) -> None:
         """`slot_dir` holds the scratch directories of the slot it runs on (scratch.py; default
         `data_dir/slot`). `store` receives
         the artifacts; `cache` fetches the snapshot and inputs (None: a worker without an object
-        store; jobs with data then fail saying so). `launcher` (started) starts, reaps and kills its
+        store; jobs with data then fail saying so). `spawner` starts, reaps and kills its
         processes. `identity`: the uid the job runs as (identity.py; None: the worker's own).
         `cgroup`: the slot's (cgroups.py), which holds all the job starts (None: found through
         /proc at the end)."""
@@ -171,7 +171,7 @@ class JobRun:
         self.kill_grace = kill_grace
         self.probe = probe
         self.guard = guard
-        self.launcher = launcher
+        self.spawner = spawner
         self.data_dir = data_dir
         slot_dir = slot_dir or data_dir / "slot"
         self.scratch = slot_dir / "work"
@@ -277,24 +277,32 @@ class JobRun:
                 await asyncio.to_thread(self.identity.own_tree, self.scratch)
             if self.ending is Ending.LOST:  # lost while its data came: it must not start at all
                 return RunResult(Ending.LOST, None)
-            self._proc = await self.launcher.spawn(
+            self._proc = self.spawner.spawn(
                 spec.argv, cwd=cwd, env=self._env, identity=self.identity, cgroup=self.cgroup
             )
         except (OSError, GpupoolError) as exc:
-            detail = (
-                str(exc)
-                if isinstance(exc, GpupoolError)
-                else f"cannot start {spec.argv[0]!r} in {cwd}: {exc.strerror or exc}"
-            )
-            self.output.note(detail)
-            await self.output.flush()
-            return RunResult(Ending.EXITED, self._outcome(None, detail, started))
+            return await self._not_started(exc, cwd, started)
         pgid = self._proc.pid
+        self.output.read_from(self._proc.output)
         if self.guard is not None:
             self.guard.watch(pgid, self.lease.id)
         if self.ending is not None:  # stopped while it was being started
             self._stop(self.ending, "stopped before it started", now=self.ending is not Ending.CANCELLED)
-        return await self._supervise(pgid, started)
+        result = await self._supervise(pgid, started)
+        if self._proc.start_error is not None:  # it ended without running its program
+            return await self._not_started(self._proc.start_error, cwd, started)
+        return result
+
+    async def _not_started(self, exc: OSError | GpupoolError, cwd: Path, started: float) -> RunResult:
+        """The job could not start (its data, its program, its directory): EXITED, saying why."""
+        detail = (
+            str(exc)
+            if isinstance(exc, GpupoolError)
+            else f"cannot start {self.lease.spec.argv[0]!r} in {cwd}: {exc.strerror or exc}"
+        )
+        self.output.note(detail)
+        await self.output.flush()
+        return RunResult(Ending.EXITED, self._outcome(None, detail, started))
 
     async def _checkout(self, source: Mapping[str, str]) -> None:
         """The job's code: its repository at the exact commit, in the (empty) scratch directory."""
@@ -306,9 +314,7 @@ class JobRun:
 
     async def _supervise(self, pgid: int, started: float) -> RunResult:
         assert self._proc is not None
-        assert self._proc.stdout is not None
         loop = asyncio.get_running_loop()
-        pump = asyncio.create_task(self.output.pump(self._proc.stdout), name=f"output {self.lease.job_id}")
         # The RSS sampler starts once the job has run a while: most never do.
         sample = loop.call_later(FIRST_SAMPLE_SECONDS, self._start_sampler, pgid)
         timer = loop.call_later(self.lease.spec.timeout, self._timeout) if self.lease.spec.timeout else None
@@ -323,22 +329,19 @@ class JobRun:
             if self._killer is not None:
                 await cancel_and_wait(self._killer)
             # With a cgroup or an identity, all the job started has been killed by now (the
-            # launcher does it before it says the first process ended, and tells what is still
-            # dying or stuck): waited for here. Else it is found, and killed, from /proc.
+            # spawner does it before it says the first process ended, and tells what is still
+            # dying): waited for here. Else it is found, and killed, from /proc.
             if self.cgroup is not None or self.identity is not None:
                 left = leftovers.processes(self._proc.left)
             else:
                 left = leftovers.leftovers(pgid, self._descendants)
             try:
                 if left:
-                    await asyncio.to_thread(psutil.wait_procs, left, timeout=5)
+                    await leftovers.gone(left, LEFTOVERS_SECONDS)
             finally:
                 if self.guard is not None:
                     self.guard.forget(pgid)
-                try:
-                    await self.output.finish(pump)
-                finally:
-                    self._proc.close()
+                await self.output.finish()
         if left:
             log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(left))
         dirty = await self._check_gpus(pgid)

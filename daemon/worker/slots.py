@@ -1,12 +1,12 @@
 """A worker's slots as the machine sees them: their scratch directories (scratch.py), their uids
-(identity.py), their cgroups (cgroups.py), the launcher that starts, reaps and kills their jobs
+(identity.py), their cgroups (cgroups.py), the spawner that starts, reaps and ends their jobs
 (spawn.py) and the orphan guard that ends those jobs should the worker die (orphan_guard.py).
 
 They are opened together at the worker's start and closed together at its end, each in the order
 the others need: the directories first (they say which workers are dead, whose cgroups go), the
-guard before any job can start, the launcher last; closed the other way round. With slot uids,
-the data directory is made passable (never listable) to them, and each uid is swept at the start
-(kill and temporary files, launcher.py): a worker that died may have left both.
+guard before any job can start; closed the other way round. With slot uids, the data directory is
+made passable (never listable) to them, and each uid is swept at the start (its processes,
+temporary files and IPC objects, uid_sweep.py): a worker that died may have left them.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from daemon.aio import start_or_undo
-from daemon.worker.cgroups import SlotCgroups
+from daemon.worker.cgroups import SlotCgroup, SlotCgroups
 from daemon.worker.identity import SlotIdentity, check_passable
 from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.scratch import SlotDirs
-from daemon.worker.spawn import Launcher
+from daemon.worker.spawn import Spawner
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class Slots:
         self.identities = list(identities) if identities is not None else None
         self.dirs = SlotDirs(data_dir / "slots", worker_id)
         self.guard = OrphanGuard(f"GPUPOOL_WORKER={worker_id}", [i.uid for i in self.identities or ()])
-        self.launcher = Launcher(harden=self.identities is not None)
+        self.spawner = Spawner()
         self.cgroups: SlotCgroups | None = None  # one per slot, where the kernel lets us (at open)
 
     def dir(self, slot: int) -> Path:
@@ -50,8 +50,8 @@ class Slots:
     def identity(self, slot: int) -> SlotIdentity | None:
         return self.identities[slot] if self.identities is not None else None
 
-    def cgroup(self, slot: int) -> Path | None:
-        return self.cgroups.path(slot) if self.cgroups is not None else None
+    def cgroup(self, slot: int) -> SlotCgroup | None:
+        return self.cgroups.slot(slot) if self.cgroups is not None else None
 
     async def open(self) -> None:
         """Everything the slots need, in order; on failure what was opened is closed again."""
@@ -62,14 +62,13 @@ class Slots:
         dead = await asyncio.to_thread(self.dirs.open)
         self.cgroups = await asyncio.to_thread(SlotCgroups.make, self.worker_id, self.count, dead)
         await self.guard.start()
-        await self.launcher.start()
         for identity in self.identities or ():  # what a worker that died left of its jobs
-            await self.launcher.sweep(identity)
+            await self.spawner.sweep(identity)
 
     async def close(self) -> None:
-        """The launcher, the guard, the cgroups, the directories' lock: every job has ended.
+        """The spawner, the guard, the cgroups, the directories' lock: every job has ended.
         Safe after a failed open, and twice."""
-        await self.launcher.stop()
+        await self.spawner.close()
         await self.guard.stop()
         if self.cgroups is not None:
             await asyncio.to_thread(self.cgroups.close)

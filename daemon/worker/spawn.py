@@ -1,18 +1,21 @@
-"""Jobs' processes, started, reaped and killed by the launcher (launcher.py) so that the worker's
-event loop never forks, execs or waits: this is the worker's side of it.
+"""Jobs' first processes, started from the worker's own event loop and watched there.
 
-A fork copies the page tables of the process that forks, and a worker holds hundreds of MB: ~20 ms
-a job. vfork copies nothing, but CPython's subprocess gives it up when the child changes
-credentials, and a job must run as its slot's uid (identity.py). The launcher is a small process of
-the worker's whose one C module (_spawn.c) vforks and switches the uid in the child; it runs beside
-the loop, on a core of its own when there is one: the loop sends a request and goes on claiming,
-heartbeating and streaming logs. `Launcher.spawn` returns once the job's program has been exec'd
-(or raises the OSError that stopped it), with its merged output as a pipe read through the loop;
-the launcher tells when it ends. A job's processes outliving a killed worker are orphan_guard.py's
-to kill.
+_spawn.c makes the process: the child shares the worker's memory until its exec (nothing is
+copied, however large the worker), switches to its slot's uid, and execs, without the loop
+waiting for it (x86-64). The kernel hands back a pidfd, which the loop watches: it becomes
+readable when the process has ended, and one waitid collects it. Start to end, a job costs the
+worker two system calls beyond its own (clone3 and waitid) and no message to another process:
+a helper that started jobs for the worker cost each job four, and the wakeups they caused were
+most of what a short job cost.
 
-If the launcher itself ends (killed by hand, the OOM killer), the worker cannot learn how its
-running jobs end: it kills their groups, takes them as killed (-SIGKILL) and starts a new launcher.
+Before `Child.wait()` says a job's first process has ended, nothing the job started may go on:
+- with its slot's cgroup (cgroups.py), one write to the cgroup's cgroup.kill ends all of it;
+- else, with a uid of its own, every process of the uid is killed as that uid (uid_sweep.py), until
+  none is alive, DYING_SECONDS at most;
+- with a uid, what it left in the shared temporary directories and its System V IPC objects go too.
+Without either (a single user's worker), what is left is the runner's to find (leftovers.py).
+
+A job's processes outliving a killed worker are orphan_guard.py's to kill.
 """
 
 from __future__ import annotations
@@ -20,46 +23,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import itertools
-import json
 import logging
 import os
 import signal
-import socket
-import sys
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
-from daemon.errors import GpupoolError
-from daemon.worker import launcher
+from daemon.aio import TaskSet
+from daemon.worker import _spawn, leftovers, uid_sweep
+from daemon.worker.cgroups import SlotCgroup
 from daemon.worker.identity import SlotIdentity
 
 log = logging.getLogger(__name__)
 
-STOP_SECONDS = 5.0  # how long stop() waits for the launcher to leave before killing it
-READY_SECONDS = 30.0  # how long start() waits for a new launcher to say it is ready
-
-
-class LauncherError(GpupoolError):
-    """The job launcher could not be started."""
+DYING_POLL = 0.01  # how often to look again for a killed uid's processes, while some are alive
+DYING_SECONDS = 5.0  # how long to wait for them before telling the end with what is stuck
+SWEEPER_SECONDS = 0.1  # how long a uid's sweeper may take before it is taken as stopped, and killed
 
 
 class Child:
-    """A started job's first process: `pid`, its merged stdout+stderr as `stdout`, `await wait()`
-    for its status, `close()` the output pipe once read."""
+    """A started job's first process: `pid`, its merged stdout+stderr as the read end `output` (the
+    caller's to read and close), `await wait()` for its status once all it started is gone.
+    `start_error` tells, once it has ended, why it never ran its program (None: it did)."""
 
-    def __init__(
-        self,
-        pid: int,
-        stdout: asyncio.StreamReader,
-        pipe: asyncio.BaseTransport,
-        ended: asyncio.Future[tuple[int, list[int]]],
-    ):
+    def __init__(self, pid: int, output: int) -> None:
         self.pid = pid
-        self.stdout = stdout
-        self._pipe = pipe
-        self._ended = ended
+        self.output = output
+        self.start_error: OSError | None = None
+        self._ended: asyncio.Future[tuple[int, list[int]]] = asyncio.get_running_loop().create_future()
 
     @property
     def returncode(self) -> int | None:
@@ -68,8 +60,8 @@ class Child:
 
     @property
     def left(self) -> list[int]:
-        """Once it has ended: the pids still in its cgroup when the launcher killed them all
-        (dying; the worker waits for them). Empty without a cgroup."""
+        """Once it has ended: what was still dying in its cgroup when it was killed (the caller
+        waits for them). Empty without a cgroup."""
         return self._ended.result()[1] if self._ended.done() else []
 
     async def wait(self) -> int:
@@ -77,205 +69,170 @@ class Child:
         status, _ = await asyncio.shield(self._ended)
         return status
 
-    def close(self) -> None:
-        """Stop reading the output pipe (whoever still holds its other end gets EPIPE)."""
-        self._pipe.close()
+    def ended(self, status: int, left: list[int]) -> None:
+        if not self._ended.done():
+            self._ended.set_result((status, left))
 
 
-class Launcher:
-    """The worker's side of the launcher. `start()` once and `watch_over()` in a task of its own;
-    `spawn` jobs; `stop()` at the end (every job has ended by then).
-    `harden`: the launcher gives up the right to gain privileges and its capabilities beyond the
-    effective ones, for good (launcher.py): for a worker whose jobs run under slot uids."""
+class Spawner:
+    """Starts the worker's jobs, watches them, and ends what each left. `close()` at the end,
+    once every job has ended."""
 
-    def __init__(self, harden: bool = False) -> None:
-        self.harden = harden
-        self._proc: asyncio.subprocess.Process | None = None
-        self._sock: socket.socket | None = None
-        self._ids = itertools.count(1)
-        self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}  # request id -> its reply
-        self._running: dict[int, asyncio.Future[tuple[int, list[int]]]] = {}  # pid -> (status, left)
-        self._send_lock = asyncio.Lock()  # a request cut in datagrams goes out in one piece
-        self._stopping = False
-        self._ready: asyncio.Future[None] | None = None
+    def __init__(self) -> None:
+        self._devnull = os.open(os.devnull, os.O_RDONLY)  # every job's stdin
+        self._swept: uid_sweep.Swept = {}  # uid_sweep.sweep_shared's memory
+        self._ends = TaskSet("ending job %s failed; its end is taken as now")  # ends that must wait
 
-    async def start(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self._proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-I",
-                "-S",
-                launcher.__file__,
-                str(theirs.fileno()),
-                "1" if self.harden else "0",
-                stdin=asyncio.subprocess.DEVNULL,
-                pass_fds=[theirs.fileno()],
-                start_new_session=True,  # a Ctrl-C meant for the worker is the worker's
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        ours.setblocking(False)
-        self._sock = ours
-        self._ready = asyncio.get_running_loop().create_future()
-        asyncio.get_running_loop().add_reader(ours, self._readable)
-        try:  # its first job would otherwise wait for its interpreter to start
-            await asyncio.wait_for(asyncio.shield(self._ready), READY_SECONDS)
-        except (TimeoutError, OSError) as exc:
-            self._ready = None  # nobody will ask it again
-            self._lost()
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
-            raise LauncherError(f"the job launcher did not start: {exc or 'no answer'}") from exc
-
-    async def watch_over(self) -> None:
-        """Until cancelled: when the launcher ends before `stop()`, give up on what it held (its
-        jobs' groups are killed) and start a new one."""
-        while (proc := self._proc) is not None:
-            await proc.wait()
-            if self._stopping or self._proc is not proc:
-                return
-            log.critical(
-                "the job launcher (pid %d) ended with status %s; starting a new one",
-                proc.pid,
-                proc.returncode,
-            )
-            self._lost()
-            await self.start()
-
-    async def stop(self) -> None:
-        """Close the socket (the launcher leaves at its end) and wait for it. Safe twice."""
-        self._stopping = True
-        proc, self._proc = self._proc, None
-        self._lost()
-        if proc is None:
-            return
-        try:
-            await asyncio.wait_for(proc.wait(), STOP_SECONDS)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-
-    async def spawn(
+    def spawn(
         self,
         argv: Sequence[str],
         *,
         cwd: Path,
         env: Mapping[str, str],
         identity: SlotIdentity | None = None,
-        cgroup: Path | None = None,
+        cgroup: SlotCgroup | None = None,
     ) -> Child:
         """Start `argv` (no shell) in `cwd` with exactly `env` (PATH looked up in it), stdin from
         /dev/null, stdout and stderr into one pipe, in a session of its own, as `identity` when
-        given (its directory is entered as that uid; when it ends, every process of the uid is
-        killed before `wait()` returns, launcher.py), in `cgroup` when given (cgroups.py: all it
-        starts is killed then in one write). Raises OSError when it cannot start (no such
-        program, no such directory, or one the uid may not enter)."""
-        request: dict[str, Any] = {"op": "spawn", "argv": list(argv), "env": dict(env), "cwd": str(cwd)}
+        given (its directory entered as that uid), born in `cgroup` when given. Returns at once;
+        a program that could not start (no such program, no such directory, one the uid may not
+        enter) ends at once with `start_error` set. Raises OSError when no process could be made."""
         if identity is not None:
-            request |= {"uid": identity.uid, "gid": identity.gid}
-        if cgroup is not None:
-            request["cgroup"] = str(cgroup)
-        reply = await self._request(request)
-        if "errno" in reply:
-            code = reply["errno"]
-            raise OSError(code, os.strerror(code) if code else "the launcher could not start it")
-        pid, fd, ended = reply["pid"], reply["fd"], reply["ended"]
-        output = None
+            uid_sweep.sweep_ipc(identity.uid)  # what another uid made and gave this one (IPC_SET)
+        read, write = os.pipe()
         try:
-            reader = asyncio.StreamReader()
-            loop = asyncio.get_running_loop()
-            output = os.fdopen(fd, "rb", buffering=0)  # a pipe's descriptor: nothing blocks
-            pipe, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), output)
+            place, born_in = cgroup.birthplace() if cgroup is not None else (-1, False)
+            pid, pidfd = _spawn.spawn(
+                candidates(argv[0], env),
+                [os.fsencode(arg) for arg in argv],
+                [os.fsencode(f"{k}={v}") for k, v in env.items()],
+                os.fsencode(cwd),
+                self._devnull,
+                write,
+                identity.uid if identity is not None else -1,
+                identity.gid if identity is not None else -1,
+                place,
+                born_in,
+            )
+        except ValueError as exc:  # a NUL byte (the server refuses such specs): no exec could take it
+            os.close(read)
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL)) from exc
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                if output is not None:
-                    output.close()  # once wrapped, the file object's to close, and only its
-                else:
-                    os.close(fd)
+            os.close(read)
             raise
-        return Child(pid, reader, pipe, ended)
+        finally:
+            os.close(write)
+        child = Child(pid, read)
+        if pidfd >= 0:
+            loop = asyncio.get_running_loop()
+            loop.add_reader(pidfd, self._exited, child, pidfd, identity, cgroup)
+        else:  # a kernel without pidfds (before 5.2): a thread waits, as asyncio's own watcher does
+            threading.Thread(target=self._wait_in_thread, args=(child, identity, cgroup), daemon=True).start()
+        return child
+
+    def _exited(
+        self, child: Child, pidfd: int, identity: SlotIdentity | None, cgroup: SlotCgroup | None
+    ) -> None:
+        got = _spawn.reap(child.pid, pidfd)
+        if got is None:
+            return  # not yet (a spurious wakeup)
+        asyncio.get_running_loop().remove_reader(pidfd)
+        os.close(pidfd)
+        self._end(child, *got, identity, cgroup)
+
+    def _wait_in_thread(self, child: Child, identity: SlotIdentity | None, cgroup: SlotCgroup | None) -> None:
+        got = _spawn.reap(child.pid, -1, True)
+        assert got is not None
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            child._ended.get_loop().call_soon_threadsafe(self._end, child, *got, identity, cgroup)
+
+    def _end(
+        self, child: Child, status: int, error: int, identity: SlotIdentity | None, cgroup: SlotCgroup | None
+    ) -> None:
+        """The first process has ended: end what it left (see the module doc), then say so."""
+        if error:
+            child.start_error = OSError(error, os.strerror(error))
+        left = cgroup.end() if cgroup is not None else []
+        if identity is None:
+            child.ended(status, left)
+        elif cgroup is not None and not uid_sweep.shared_changed(identity.uid, self._swept):
+            uid_sweep.sweep_ipc(identity.uid)  # the common end: nothing waits
+            child.ended(status, left)
+        else:
+            self._ends.spawn(
+                self._end_uid(child, status, identity, left, kill=cgroup is None), str(child.pid)
+            )
+
+    async def _end_uid(
+        self, child: Child, status: int, identity: SlotIdentity, left: list[int], *, kill: bool
+    ) -> None:
+        try:
+            if kill:
+                left = await self.kill_uid(identity)
+            await self._sweep_files(identity)
+        finally:
+            child.ended(status, left)
 
     async def sweep(self, identity: SlotIdentity) -> None:
-        """Kill every process of `identity`'s uid and remove its temporary files (launcher.py)."""
-        await self._request({"op": "sweep", "uid": identity.uid, "gid": identity.gid})
+        """Kill every process of `identity`'s uid and remove its temporary files and IPC objects
+        (a worker's start: its slots' uids may hold what a worker that died left)."""
+        await self.kill_uid(identity)
+        await self._sweep_files(identity)
 
-    async def _request(self, request: dict[str, Any]) -> dict[str, Any]:
-        if self._sock is None:
-            raise OSError(errno.EPIPE, "the job launcher is not running")
-        request_id = request["id"] = next(self._ids)
-        reply = self._replies[request_id] = asyncio.get_running_loop().create_future()
-        data = json.dumps(request).encode()
-        chunks = [data[i : i + launcher.MAX_DATAGRAM] for i in range(0, len(data), launcher.MAX_DATAGRAM)]
-        try:
-            async with self._send_lock:
-                for n, chunk in enumerate(chunks):
-                    datagram = (b"+" if n < len(chunks) - 1 else b"") + chunk
-                    try:  # a datagram goes whole or not at all; the socket's buffer seldom is full
-                        self._sock.send(datagram)
-                    except BlockingIOError:
-                        await asyncio.get_running_loop().sock_sendall(self._sock, datagram)
-            answer: dict[str, Any] = await reply
-            return answer
-        finally:
-            self._replies.pop(request_id, None)
+    async def _sweep_files(self, identity: SlotIdentity) -> None:
+        if uid_sweep.shared_changed(identity.uid, self._swept):
+            await asyncio.to_thread(uid_sweep.sweep_shared, identity.uid, self._swept)
+        uid_sweep.sweep_ipc(identity.uid)
 
-    def _readable(self) -> None:
-        assert self._sock is not None
+    async def kill_uid(self, identity: SlotIdentity) -> list[int]:
+        """SIGKILL every process of the uid, as the uid, until none is alive: [] then, or what is
+        still alive after DYING_SECONDS (stuck, say in a dead filesystem)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DYING_SECONDS
         while True:
-            try:
-                data, fds, _, _ = socket.recv_fds(self._sock, 4096, 1)
-            except BlockingIOError:
-                return
-            except OSError:
-                data, fds = b"", []
-            if not data:
-                self._lost()
-                return
-            message = json.loads(data)
-            if "ready" in message:
-                if self._ready is not None and not self._ready.done():
-                    self._ready.set_result(None)
-                continue
-            if "exited" in message:
-                ended = self._running.pop(message["exited"], None)
-                if ended is not None and not ended.done():
-                    ended.set_result((message["status"], message["left"]))
-                continue
-            if "pid" in message:  # started: watched from here on, before any later message is read
-                ended = self._running[message["pid"]] = asyncio.get_running_loop().create_future()
-                message |= {"fd": fds[0], "ended": ended}
-            reply = self._replies.get(message["id"])
-            if reply is not None and not reply.done():
-                reply.set_result(message)
-            elif "pid" in message:  # its starter was cancelled while it started: nobody owns it
-                with contextlib.suppress(OSError):
-                    os.killpg(message["pid"], signal.SIGKILL)
-                os.close(fds[0])
+            await self._sweeper(identity)
+            left = uid_sweep.alive(identity.uid)
+            if not left or loop.time() > deadline:
+                return left
+            await asyncio.sleep(DYING_POLL)
 
-    def _lost(self) -> None:
-        """The launcher is gone (or going): nothing it held will be answered. Running jobs are
-        killed and taken as killed; waiting requests fail."""
-        if self._sock is not None:
-            with contextlib.suppress(ValueError, RuntimeError):
-                asyncio.get_running_loop().remove_reader(self._sock)
-            self._sock.close()
-            self._sock = None
-        for reply in self._replies.values():
-            if not reply.done():
-                reply.set_exception(OSError(errno.EPIPE, "the job launcher ended"))
-        self._replies.clear()
-        if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(OSError(errno.EPIPE, "the job launcher ended"))
-        for pid, ended in self._running.items():
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)
-            if not ended.done():
-                ended.set_result((-signal.SIGKILL, []))
-        self._running.clear()
+    async def _sweeper(self, identity: SlotIdentity) -> None:
+        """One sweep of the uid (_spawn.sweep), waited for SWEEPER_SECONDS at most: a process of
+        the uid may have stopped it (SIGSTOP), and then it is killed."""
+        pid, pidfd = _spawn.sweep(identity.uid, identity.gid)
+        if pidfd < 0:
+            got = await asyncio.to_thread(_spawn.reap, pid, -1, True)
+        else:
+            ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().add_reader(pidfd, leftovers.exited, ready)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ready, SWEEPER_SECONDS)
+            finally:
+                asyncio.get_running_loop().remove_reader(pidfd)
+            got = _spawn.reap(pid, pidfd)
+            if got is None:  # stopped: killed, and waited for in a thread (the loop made the pidfd
+                # non-blocking, which waitid would answer with EAGAIN)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                os.set_blocking(pidfd, True)
+                got = await asyncio.to_thread(_spawn.reap, pid, pidfd, True)
+            os.close(pidfd)
+        if got is not None and got[0] == 2:
+            raise OSError(f"cannot switch to uid {identity.uid} to end its processes")
+
+    async def close(self) -> None:
+        """Wait for the ends still being made (every job has ended by now). Safe twice."""
+        await self._ends.stop()
+        if self._devnull >= 0:
+            os.close(self._devnull)
+            self._devnull = -1
+
+
+def candidates(program: str, env: Mapping[str, str]) -> list[bytes]:
+    """Where to look for `program`, as execvp does: itself when it names a path, else in each
+    directory of `env`'s PATH (the job's, not the worker's) in turn."""
+    if "/" in program:
+        return [os.fsencode(program)]
+    path = env.get("PATH", os.defpath).split(os.pathsep)
+    return [os.fsencode(os.path.join(directory or ".", program)) for directory in path]

@@ -9,8 +9,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -22,8 +20,9 @@ from daemon.queue.job_queue import JobQueue
 from daemon.worker import _spawn
 from daemon.worker.cgroups import SlotCgroups
 from daemon.worker.dispatcher import Worker
-from daemon.worker.identity import IdentityError, slot_identities
-from tests.support.workers import running_worker, sh, wait_file, wait_state
+from daemon.worker.identity import IdentityError, SlotIdentity, slot_identities
+from daemon.worker.spawn import Spawner
+from tests.support.workers import alive, running_worker, sh, wait_file, wait_state
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
 
@@ -35,8 +34,7 @@ async def worker(
     queue: JobQueue, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Worker]:
     """A root worker with two slot uids; in a cgroup per slot where this kernel allows, unless
-    the test asks for the fallback (`indirect` param "no cgroups": the uid is swept as itself,
-    the launcher its jobs' subreaper)."""
+    the test asks for the fallback (`indirect` param "no cgroups": the uid is swept as itself)."""
     if getattr(request, "param", "") == "no cgroups":
         monkeypatch.setattr(SlotCgroups, "make", lambda *_: None)
     identities = slot_identities(f"{FIRST_UID}-{FIRST_UID + 1}", 2)
@@ -136,8 +134,9 @@ async def test_nothing_of_a_job_outlives_it_however_it_escaped(
     info = await run(queue, script)
     assert info.state is JobState.SUCCEEDED
     escaped = int((await wait_file(drop / "escaped"))[0])
-    # Escaped with setsid and env -i: gone, reaped even, before the job's end was recorded.
-    assert not psutil.pid_exists(escaped)
+    # Escaped with setsid and env -i: dead before the job's end was recorded (an orphan, it is
+    # init's to reap: a zombie at most).
+    assert not alive(escaped)
     uids = {FIRST_UID, FIRST_UID + 1}
     assert [p.pid for p in psutil.process_iter() if p.uids().real in uids and p.status() != "zombie"] == []
 
@@ -166,7 +165,7 @@ async def test_nothing_of_the_job_reaches_the_root_side_of_the_switch(
     queue: JobQueue, worker: Worker
 ) -> None:
     """Review of issue 14: the job's environment once went to setpriv, which ran as root until it
-    switched (an LD_PRELOAD of the job's would have run as root in it); the launcher now hands it
+    switched (an LD_PRELOAD of the job's would have run as root in it); the environment now goes
     to the job's own exec only. Every dynamically linked process that starts with a missing
     LD_PRELOAD says so once: only the job's own may."""
     info = await run(queue, "true", env={"LD_PRELOAD": "/nonexistent/gpupool-probe.so"})
@@ -315,12 +314,12 @@ async def test_the_system_v_ipc_a_job_made_goes_with_it(queue: JobQueue, worker:
 
 
 @pytest.mark.parametrize("worker", ["no cgroups"], indirect=True)
-async def test_a_job_stopping_everything_of_its_uid_cannot_stop_the_launcher(
+async def test_a_job_stopping_everything_of_its_uid_cannot_stop_the_worker(
     queue: JobQueue, worker: Worker
 ) -> None:
     """Without a cgroup, a slot's uid is killed by a child running as that uid, which any process
-    of the uid may SIGSTOP: a leftover stopping all it can, in a loop, must not stall the launcher
-    (and with it every job of the worker)."""
+    of the uid may SIGSTOP: a leftover stopping all it can, in a loop, must not stall the worker's
+    end of the job (nor, with it, the slot)."""
     # The stopper stops the job's own sleep too: the timeout ends that, and then the sweep meets
     # a process stopping everything of the uid it can, sweepers included.
     stopper = "setsid -f sh -c 'while :; do kill -STOP -1; done' >/dev/null 2>&1; exec sleep 30"
@@ -332,37 +331,24 @@ async def test_a_job_stopping_everything_of_its_uid_cannot_stop_the_launcher(
     assert [p.pid for p in psutil.process_iter() if p.uids().real in uids and p.status() != "zombie"] == []
 
 
-def sweep_until_none_left(uid: int, children: list[subprocess.Popen[bytes]], done: threading.Event) -> None:
-    while _spawn.kill_uid(uid, uid):  # some left (dying, or our zombies): reap, look again
-        for child in children:
-            child.poll()
-        time.sleep(0.01)
-    done.set()
-
-
-def test_killing_a_uid_that_stops_its_killer_returns_all_the_same() -> None:
-    """The sweeper runs as the uid it kills, so the uid's processes may SIGSTOP it: kill_uid must
-    come back anyway (and the stoppers end), never wait on it for ever."""
+async def test_killing_a_uid_that_stops_its_killer_returns_all_the_same(spawner: Spawner) -> None:
+    """The sweeper runs as the uid it kills, so the uid's processes may SIGSTOP it: ending the uid
+    must come back anyway (and the stoppers end), never wait on it for ever."""
     uid = FIRST_UID + 1
     for _ in range(10):
-        stoppers = [  # one: two would stop each other
-            subprocess.Popen(
-                ["sh", "-c", "while :; do kill -STOP -1; done"], user=uid, group=uid, extra_groups=[]
-            )
-        ]
-        time.sleep(0.05)
-        done = threading.Event()
-        threading.Thread(target=sweep_until_none_left, args=(uid, stoppers, done), daemon=True).start()
-        assert done.wait(10), "kill_uid did not come back"
-        for p in stoppers:
-            assert p.wait(5) == -9
+        stopper = subprocess.Popen(  # one: two would stop each other
+            ["sh", "-c", "while :; do kill -STOP -1; done"], user=uid, group=uid, extra_groups=[]
+        )
+        await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(spawner.kill_uid(SlotIdentity(uid, uid)), 10) == []
+        assert await asyncio.to_thread(stopper.wait, 5) == -9
 
 
 @pytest.mark.parametrize(("uid", "gid"), [(0, 0), (FIRST_UID, 0), (-1, FIRST_UID), (2**32 - 1, FIRST_UID)])
 def test_the_c_module_refuses_root_and_keep_as_a_slots_ids(uid: int, gid: int) -> None:
-    """kill(-1) as root would end the machine, and setres*id(-1) keeps the launcher's id: a slot
-    id must be a real one above 0, whoever asks."""
+    """kill(-1) as root would end the machine, and setres*id(-1) keeps the worker's id: a slot id
+    must be a real one above 0, whoever asks."""
     with pytest.raises(ValueError, match="above 0"):
-        _spawn.kill_uid(uid, gid)
+        _spawn.sweep(uid, gid)
     with pytest.raises(ValueError, match="above 0"):
         _spawn.spawn([b"/bin/true"], [b"true"], [], b"/", 0, 1, uid, gid, -1, False)

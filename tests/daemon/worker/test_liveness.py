@@ -123,8 +123,8 @@ async def test_a_job_that_kills_its_worker_ends_in_dead_letter(
     redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
 ) -> None:
     queue = JobQueue(redis_server.client(), lease_seconds=LEASE)
-    # Its parent is the worker's launcher (daemon/worker/spawn.py), whose parent is the worker.
-    poison, _ = await queue.enqueue(sh("kill -9 $(ps -o ppid= -p $PPID); sleep 60", max_attempts=2))
+    # Its parent is the worker (daemon/worker/spawn.py).
+    poison, _ = await queue.enqueue(sh("kill -9 $PPID; sleep 60", max_attempts=2))
     healthy, _ = await queue.enqueue(sh("echo fine"))
     done = asyncio.Event()
     reaper = asyncio.create_task(reap_until(queue, done))

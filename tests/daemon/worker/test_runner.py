@@ -13,7 +13,7 @@ from daemon.job import JobSpec, JobState, Lease
 from daemon.queue import keys
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.runner import Ending, JobRun, RunResult
-from daemon.worker.spawn import Launcher
+from daemon.worker.spawn import Spawner
 from tests.support.workers import alive, fake_gpus, sh, wait_dead, wait_file
 
 
@@ -24,7 +24,7 @@ async def claimed(queue: JobQueue, spec: JobSpec, worker: str = "w1") -> Lease:
     return lease
 
 
-async def test_environment_directory_and_outcome(launcher: Launcher, queue: JobQueue, tmp_path: Path) -> None:
+async def test_environment_directory_and_outcome(spawner: Spawner, queue: JobQueue, tmp_path: Path) -> None:
     out = tmp_path / "env.txt"
     lease = await claimed(
         queue,
@@ -35,7 +35,7 @@ async def test_environment_directory_and_outcome(launcher: Launcher, queue: JobQ
     )
     gpus = fake_gpus(3)[1:]
     base = {"PATH": os.environ["PATH"], "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD": "secret", "KEEP": "1"}
-    run = JobRun(queue, lease, launcher=launcher, data_dir=tmp_path / "data", gpus=gpus, env=base)
+    run = JobRun(queue, lease, spawner=spawner, data_dir=tmp_path / "data", gpus=gpus, env=base)
     result = await run.run()
 
     env = dict(line.split("=", 1) for line in out.read_text().splitlines() if "=" in line)
@@ -61,20 +61,20 @@ async def test_environment_directory_and_outcome(launcher: Launcher, queue: JobQ
 
 
 async def test_cpu_job_sees_no_gpu_and_runs_in_its_cwd(
-    launcher: Launcher, queue: JobQueue, tmp_path: Path
+    spawner: Spawner, queue: JobQueue, tmp_path: Path
 ) -> None:
     lease = await claimed(queue, sh('echo "[$CUDA_VISIBLE_DEVICES]" > seen; pwd >> seen', cwd=str(tmp_path)))
-    result = await JobRun(queue, lease, launcher=launcher, data_dir=tmp_path / "data").run()
+    result = await JobRun(queue, lease, spawner=spawner, data_dir=tmp_path / "data").run()
     assert result.outcome is not None
     assert result.outcome.state is JobState.SUCCEEDED
     assert (tmp_path / "seen").read_text().split() == ["[]", str(tmp_path)]
 
 
 async def test_a_command_that_cannot_start_fails_with_the_reason(
-    launcher: Launcher, queue: JobQueue, tmp_path: Path
+    spawner: Spawner, queue: JobQueue, tmp_path: Path
 ) -> None:
     lease = await claimed(queue, JobSpec(argv=("no-such-command-gpupool",)))
-    result = await JobRun(queue, lease, launcher=launcher, data_dir=tmp_path).run()
+    result = await JobRun(queue, lease, spawner=spawner, data_dir=tmp_path).run()
     assert result.outcome is not None
     assert result.outcome.state is JobState.FAILED
     assert "no-such-command-gpupool" in result.outcome.detail
@@ -82,11 +82,11 @@ async def test_a_command_that_cannot_start_fails_with_the_reason(
 
 
 async def test_output_reaches_redis_while_the_job_runs(
-    launcher: Launcher, queue: JobQueue, tmp_path: Path
+    spawner: Spawner, queue: JobQueue, tmp_path: Path
 ) -> None:
     go = tmp_path / "go"
     lease = await claimed(queue, sh(f"echo first; while [ ! -e {go} ]; do sleep 0.02; done; echo second >&2"))
-    task = asyncio.create_task(JobRun(queue, lease, launcher=launcher, data_dir=tmp_path).run())
+    task = asyncio.create_task(JobRun(queue, lease, spawner=spawner, data_dir=tmp_path).run())
     first = await queue.read_log(lease.job_id, block=20)
     assert [chunk for _, chunk in first] == [b"first\n"]
     assert not task.done()
@@ -99,10 +99,10 @@ async def test_output_reaches_redis_while_the_job_runs(
 
 
 async def test_large_output_is_sent_in_chunks_of_at_most_64_kib(
-    launcher: Launcher, queue: JobQueue, tmp_path: Path
+    spawner: Spawner, queue: JobQueue, tmp_path: Path
 ) -> None:
     lease = await claimed(queue, sh("head -c 300000 /dev/zero | tr '\\0' x"))
-    await JobRun(queue, lease, launcher=launcher, data_dir=tmp_path).run()
+    await JobRun(queue, lease, spawner=spawner, data_dir=tmp_path).run()
     chunks = [chunk for _, chunk in await queue.read_log(lease.job_id, count=1000)]
     assert b"".join(chunks) == b"x" * 300000
     assert max(len(c) for c in chunks) <= 64 * 1024
@@ -112,10 +112,10 @@ GRANDCHILDREN = 'sleep 300 & echo "$$ $!" > pids.tmp; mv pids.tmp pids; sleep 30
 
 
 async def test_cancel_kills_the_job_and_its_grandchildren(
-    launcher: Launcher, queue: JobQueue, tmp_path: Path
+    spawner: Spawner, queue: JobQueue, tmp_path: Path
 ) -> None:
     lease = await claimed(queue, sh(GRANDCHILDREN, cwd=str(tmp_path)))
-    run = JobRun(queue, lease, launcher=launcher, data_dir=tmp_path, kill_grace=5)
+    run = JobRun(queue, lease, spawner=spawner, data_dir=tmp_path, kill_grace=5)
     task = asyncio.create_task(run.run())
     pids = [int(p) for p in (await wait_file(tmp_path / "pids"))[0].split()]
     assert all(alive(p) for p in pids)
@@ -128,11 +128,11 @@ async def test_cancel_kills_the_job_and_its_grandchildren(
 
 
 async def test_timeout_terms_then_kills_the_whole_group(
-    launcher: Launcher, queue: JobQueue, tmp_path: Path
+    spawner: Spawner, queue: JobQueue, tmp_path: Path
 ) -> None:
     # The shell and its children ignore SIGTERM: only the SIGKILL after the grace ends them.
     lease = await claimed(queue, sh("trap '' TERM; " + GRANDCHILDREN, cwd=str(tmp_path), timeout=0.5))
-    run = JobRun(queue, lease, launcher=launcher, data_dir=tmp_path, kill_grace=0.5)
+    run = JobRun(queue, lease, spawner=spawner, data_dir=tmp_path, kill_grace=0.5)
     result = await asyncio.wait_for(run.run(), 30)
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
     assert result.outcome is not None
@@ -144,7 +144,7 @@ async def test_timeout_terms_then_kills_the_whole_group(
 
 
 async def test_processes_left_behind_are_killed_even_in_another_session(
-    launcher: Launcher, queue: JobQueue, tmp_path: Path
+    spawner: Spawner, queue: JobQueue, tmp_path: Path
 ) -> None:
     # One leftover stays in the job's session, one escapes to a session of its own (setsid); the
     # job waits long enough for the RSS sampler to see the second as its descendant.
@@ -152,7 +152,7 @@ async def test_processes_left_behind_are_killed_even_in_another_session(
         queue,
         sh('sleep 300 & a=$!; setsid sleep 300 & echo "$a $!" > pids; sleep 1.2', cwd=str(tmp_path)),
     )
-    result = await JobRun(queue, lease, launcher=launcher, data_dir=tmp_path).run()
+    result = await JobRun(queue, lease, spawner=spawner, data_dir=tmp_path).run()
     assert result.outcome is not None
     assert result.outcome.state is JobState.SUCCEEDED
     assert result.outcome.result["peak_rss"] > 0
@@ -160,12 +160,12 @@ async def test_processes_left_behind_are_killed_even_in_another_session(
 
 
 async def test_a_refused_log_write_kills_the_job_and_records_nothing(
-    launcher: Launcher, queue: JobQueue, redis: Redis, tmp_path: Path
+    spawner: Spawner, queue: JobQueue, redis: Redis, tmp_path: Path
 ) -> None:
     lease = await claimed(
         queue, sh("echo $$ > pid; while true; do echo tick; sleep 0.05; done", cwd=str(tmp_path))
     )
-    task = asyncio.create_task(JobRun(queue, lease, launcher=launcher, data_dir=tmp_path).run())
+    task = asyncio.create_task(JobRun(queue, lease, spawner=spawner, data_dir=tmp_path).run())
     pid = int((await wait_file(tmp_path / "pid"))[0])
     await redis.zadd(keys.leases("default"), {lease.job_id: 0})  # presumed dead: reclaimed
     await queue.reclaim()
@@ -177,10 +177,10 @@ async def test_a_refused_log_write_kills_the_job_and_records_nothing(
 
 @pytest.mark.parametrize("now", [False, True])
 async def test_hand_back_stops_the_job_and_records_nothing(
-    launcher: Launcher, queue: JobQueue, tmp_path: Path, now: bool
+    spawner: Spawner, queue: JobQueue, tmp_path: Path, now: bool
 ) -> None:
     lease = await claimed(queue, sh("echo $$ > pid; trap '' TERM; sleep 300", cwd=str(tmp_path)))
-    run = JobRun(queue, lease, launcher=launcher, data_dir=tmp_path, kill_grace=0.2)
+    run = JobRun(queue, lease, spawner=spawner, data_dir=tmp_path, kill_grace=0.2)
     task = asyncio.create_task(run.run())
     pid = int((await wait_file(tmp_path / "pid"))[0])
     run.hand_back(now=now)

@@ -11,13 +11,13 @@ from daemon.job import JobState
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.runner import JobRun
 from daemon.worker.scratch import SlotDirs
-from daemon.worker.spawn import Launcher
+from daemon.worker.spawn import Spawner
 from tests.daemon.worker.test_runner import claimed
 from tests.support.workers import sh
 
 
 async def test_a_slot_is_reset_whatever_the_last_job_left(
-    launcher: Launcher, queue: JobQueue, tmp_path: Path
+    spawner: Spawner, queue: JobQueue, tmp_path: Path
 ) -> None:
     slot = tmp_path / "slot"
     outside = tmp_path / "outside"
@@ -26,14 +26,14 @@ async def test_a_slot_is_reset_whatever_the_last_job_left(
     messy = "mkdir -p ro/d; touch ro/d/f; chmod -R a-w ro; "
     messy += f'rm -rf "$GPUPOOL_OUTPUT"; ln -s {outside} "$GPUPOOL_OUTPUT"'
     first = await JobRun(
-        queue, await claimed(queue, sh(messy)), data_dir=tmp_path, slot_dir=slot, launcher=launcher
+        queue, await claimed(queue, sh(messy)), data_dir=tmp_path, slot_dir=slot, spawner=spawner
     ).run()
     assert first.outcome is not None
     assert first.outcome.state is JobState.SUCCEEDED
     seen = tmp_path / "seen"
     look = f'ls -A . "$GPUPOOL_OUTPUT" > {seen}; test -d "$GPUPOOL_OUTPUT" && ! test -L "$GPUPOOL_OUTPUT"'
     second = await JobRun(
-        queue, await claimed(queue, sh(look)), data_dir=tmp_path, slot_dir=slot, launcher=launcher
+        queue, await claimed(queue, sh(look)), data_dir=tmp_path, slot_dir=slot, spawner=spawner
     ).run()
     assert second.outcome is not None
     assert second.outcome.state is JobState.SUCCEEDED, second.outcome.result["tail"]

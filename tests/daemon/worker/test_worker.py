@@ -38,10 +38,10 @@ async def test_fifo_start_order_across_two_workers_with_two_slots(
     starts = [info.started_at or 0.0 for info in infos]
     assert starts == sorted(starts)
     assert len({info.worker for info in infos}) == 2
-    # Process start order: four slots start processes concurrently, each worker through its own
-    # launcher, so two jobs claimed back to back may swap, and a job whose launcher the scheduler
-    # preempts (two cores for two workers, two launchers and Redis) may be overtaken by a few of
-    # the other worker's; none starts more than five places from its enqueue position.
+    # Process start order: four slots start processes concurrently, and no worker waits for an
+    # exec, so two jobs claimed back to back may swap, and a job whose exec the scheduler preempts
+    # (two cores for two workers, their jobs and Redis) may be overtaken by a few of the other
+    # worker's; none starts more than five places from its enqueue position.
     started = order.read_text().split()
     assert sorted(started) == sorted(ids)
     assert all(abs(started.index(job_id) - n) < 6 for n, job_id in enumerate(ids)), started
