@@ -19,7 +19,6 @@ and dividing the writes further would split one API that callers learn as a whol
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import secrets
 from collections.abc import Callable, Iterable, Sequence
@@ -36,7 +35,7 @@ from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_i
 from daemon.queue import keys
 from daemon.queue.connection import RunIdWatch
 from daemon.queue.reads import QueueReads, _s, xread
-from daemon.queue.scripts import Pipeliner, ScriptBatch, Scripts, call_alone
+from daemon.queue.scripts import Pipeliner, ScriptBatch, Scripts
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +97,8 @@ class JobQueue(QueueReads):
         self.log_head = log_max_bytes // 4
         self.log_tail = log_max_bytes - self.log_head
         self.scripts = Scripts(redis)
-        # Script calls made in one event-loop turn share a round trip (scripts.Pipeliner); claims
-        # go at once, alone (_claim_call says why).
+        # Script calls made in one event-loop turn share a round trip (scripts.Pipeliner).
         self._call = Pipeliner(redis)
-        self._call_alone = functools.partial(call_alone, redis)
         self._cursors: dict[str, tuple[str, str]] = {}  # queue -> (stream, wake) ids to wait after
         # Claim requests, numbered per worker (claim.lua's memo); a request whose reply never came
         # is sent again, with its number, before any new one: (queue, number) by worker.
@@ -288,10 +285,12 @@ class JobQueue(QueueReads):
     async def _claim_call(
         self, worker: str, q: str, request: int, count: int, gpus: tuple[int, int, int]
     ) -> tuple[bytes, tuple[str, str], list[Lease]]:
-        """One claim.lua call, sent at once on its own (not through the Pipeliner: its reply would
-        wait for the scripts batched with it); `gpus` is (free, default per job, total)."""
+        """One claim.lua call; `gpus` is (free, default per job, total). It goes through the
+        Pipeliner with the other calls of its turn: a slot freed by a job's end claims in the turn
+        that job's outcome is recorded, so both share one round trip (one wakeup of Redis and one
+        of the worker, where two cost more than the outcome's script makes the claim wait)."""
         free, default, total = gpus
-        status, stream_cursor, wake_cursor, *claimed = await self._call_alone(
+        status, stream_cursor, wake_cursor, *claimed = await self._call(
             self.scripts.claim,
             [keys.stream(q), keys.retry(q), keys.leases(q), keys.claims(q, worker), keys.parked(q)],
             [keys.queue_prefix(q), keys.GROUP, worker, free, self.lease_ms, default, count, total, request],

@@ -11,10 +11,8 @@ missing scripts and re-sends the calls that were refused, which therefore never 
 `Pipeliner` batches without being asked (auto-pipelining, as ioredis and node-redis offer): script
 calls made in the same turn of the event loop go out together, as ScriptBatches of up to MAX_BATCH
 calls side by side (a lone call as a plain EVALSHA). The completes of attempts that end together
-share a round trip. No call waits for a timer: the batch leaves at the end of the turn in which
-its first call was made. (A claim goes out on its own, at once: batched with the complete of the
-attempt that freed its slot, its reply waited for that script too, on the path to the next job's
-start.)
+share a round trip, and so do a job's outcome and the claim of the slot it freed. No call waits
+for a timer: the batch leaves at the end of the turn in which its first call was made.
 """
 
 from __future__ import annotations
@@ -117,13 +115,6 @@ class ScriptBatch:
             for script, keys, args in calls:
                 pipe.evalsha(script.sha, len(keys), *keys, *args)
             return list(await pipe.execute(raise_on_error=False))
-
-
-async def call_alone(redis: Redis, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-    """One script call, sent at once in a round trip of its own; raises what it answered."""
-    batch = ScriptBatch(redis)
-    batch.add(script, keys, args)
-    return (await batch.execute())[0]
 
 
 Call = tuple[AsyncScript, Sequence[Any], Sequence[Any], "asyncio.Future[Any]"]

@@ -170,7 +170,7 @@ async def test_claim_many_keeps_what_it_claimed_when_a_later_queue_fails(
 ) -> None:
     first, _ = await queue.enqueue(spec(queue="first"))
     await queue.enqueue(spec(queue="second"))
-    call, calls = queue._call_alone, [0]  # claims go alone, at once
+    call, calls = queue._call, [0]
 
     async def second_call_fails(*args: Any) -> Any:
         calls[0] += 1
@@ -178,7 +178,7 @@ async def test_claim_many_keeps_what_it_claimed_when_a_later_queue_fails(
             raise RedisConnectionError("connection lost")
         return await call(*args)
 
-    monkeypatch.setattr(queue, "_call_alone", second_call_fails)
+    monkeypatch.setattr(queue, "_call", second_call_fails)
     got = await queue.claim_many("w1", ["first", "second"], 2)
     assert [lease.job_id for lease in got] == [first]  # handed out, not stranded as running
     calls[0] = 1
