@@ -453,7 +453,7 @@ class Worker:
             spawner=self._slots.spawner,
             store=self.store,
             cache=self.cache,
-            slot_dir=self._slots.dir(slot),
+            slot=self._slots.scratch[slot],
             identity=self._slots.identity(slot),
             cgroup=self._slots.cgroup(slot),
             git_protocols=self.git_protocols,

@@ -24,7 +24,6 @@ import enum
 import logging
 import os
 import signal
-import stat
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -152,12 +151,13 @@ class JobRun:
         store: ObjectStore | None = None,
         cache: ObjectCache | None = None,
         slot_dir: Path | None = None,
+        slot: scratch.SlotScratch | None = None,
         identity: SlotIdentity | None = None,
         cgroup: SlotCgroup | None = None,
         git_protocols: str = ANY_PROTOCOL,
     ) -> None:
-        """`slot_dir` holds the scratch directories of the slot it runs on (scratch.py; default
-        `data_dir/slot`). `store` receives
+        """`slot` is the scratch directories of the slot it runs on (scratch.py; default: those
+        under `slot_dir`, or `data_dir/slot`). `store` receives
         the artifacts; `cache` fetches the snapshot and inputs (None: a worker without an object
         store; jobs with data then fail saying so). `spawner` starts, reaps and kills its
         processes. `identity`: the uid the job runs as (identity.py; None: the worker's own).
@@ -173,13 +173,14 @@ class JobRun:
         self.guard = guard
         self.spawner = spawner
         self.data_dir = data_dir
-        slot_dir = slot_dir or data_dir / "slot"
-        self.scratch = slot_dir / "work"
-        self.output_dir = slot_dir / "out"
+        owner = (identity.uid, identity.gid) if identity is not None else None
+        self.slot = slot or scratch.SlotScratch(slot_dir or data_dir / "slot", owner)
+        self.scratch = self.slot.work
+        self.output_dir = self.slot.out
         self.identity = identity
         self.cgroup = cgroup
         self.git_protocols = git_protocols  # what a job's repository may be fetched over
-        self.tmp_dir = slot_dir / "tmp"
+        self.tmp_dir = self.slot.tmp
         home, tmp = (self.scratch, self.tmp_dir) if identity is not None else (None, None)
         self._env = job_env(os.environ if env is None else env, lease, self.gpus, home, tmp)
         self._env["GPUPOOL_OUTPUT"] = str(self.output_dir)
@@ -403,23 +404,11 @@ class JobRun:
     async def _reset_scratch(self) -> None:
         """Empty, real directories for the job, whatever the slot's last job left or did to them
         (scratch.py); with an identity, owned by it (mode 0700: no other slot's job can look in)."""
-        owner = (self.identity.uid, self.identity.gid) if self.identity is not None else None
-        for path in self._scratch_dirs():
-            # on the worker's own disk, mostly finding the directory as it should be: cheaper
-            # inline than a hop to a thread
-            if not scratch.reuse(path, owner):
-                await asyncio.to_thread(scratch.remove, path)
-                scratch.make(path, owner)
-        slot = self.output_dir.parent  # the slot's own: passable to its jobs, whatever the umask
-        if self.identity is not None and stat.S_IMODE(slot.stat().st_mode) != 0o711:
-            slot.chmod(0o711)
+        await self.slot.prepare(self._scratch_dirs())
 
     async def _clear_scratch(self) -> None:
-        """Empty the slot's directories: most jobs leave them empty (an lstat and a directory
-        read); removing what a job left there may take seconds, so in a thread."""
-        for path in self._scratch_dirs():
-            if scratch.needs_reset(path):
-                await asyncio.to_thread(scratch.remove, path)
+        """The slot's directories back to a new one's state for its next job (scratch.py)."""
+        await self.slot.finish(self._scratch_dirs())
 
     # -- GPUs -------------------------------------------------------------------------------------
 

@@ -16,25 +16,55 @@ workers whose lock nobody holds any more (they died or stopped).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
 import shutil
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 
-def needs_reset(path: Path) -> bool:
-    """Whether `path` is anything but an empty directory or nothing (one lstat, one read)."""
-    try:
-        st = path.lstat()
-    except FileNotFoundError:
-        return False
-    if not stat.S_ISDIR(st.st_mode):
-        return True
-    return not _empty(path)
+class SlotScratch:
+    """One slot's directories (`work`, `out`, `tmp` under `root`), and what the worker knows of
+    them. Each job leaves them reset at its end, once nothing of it runs any more: they are then
+    as new ones until the slot's next job starts, which needs no look at them (a look is an
+    lstat, a directory read and an xattr list per directory, no small part of a short job's cost
+    to the worker). `owner`: the slot's (uid, gid), or None (the worker's own)."""
+
+    def __init__(self, root: Path, owner: tuple[int, int] | None) -> None:
+        self.root = root
+        self.work, self.out, self.tmp = root / "work", root / "out", root / "tmp"
+        self.owner = owner
+        self._fresh: set[Path] = set()  # reset since a job last used them
+        self._root_passable = False
+
+    async def prepare(self, dirs: Sequence[Path]) -> None:
+        """Before a job: each of `dirs` as a new one (reset now, unless the last job's end did);
+        from now on the job may change them. With an owner, the slot's own directory is made
+        passable to it (mode 0711, whatever the umask)."""
+        for path in dirs:
+            if path not in self._fresh:
+                await self._reset(path)
+        self._fresh.difference_update(dirs)
+        if self.owner is not None and not self._root_passable:
+            self.root.chmod(0o711)
+            self._root_passable = True
+
+    async def finish(self, dirs: Sequence[Path]) -> None:
+        """After a job, nothing of it running any more: each of `dirs` back to a new one's state."""
+        for path in dirs:
+            await self._reset(path)
+            self._fresh.add(path)
+
+    async def _reset(self, path: Path) -> None:
+        # on the worker's own disk, mostly finding the directory as it should be: cheaper inline
+        # than a hop to a thread; what a job left may take seconds to remove, so that in a thread
+        if not reuse(path, self.owner):
+            await asyncio.to_thread(remove, path)
+            make(path, self.owner)
 
 
 def reuse(path: Path, owner: tuple[int, int] | None) -> bool:

@@ -21,7 +21,7 @@ from daemon.aio import start_or_undo
 from daemon.worker.cgroups import SlotCgroup, SlotCgroups
 from daemon.worker.identity import SlotIdentity, check_passable
 from daemon.worker.orphan_guard import OrphanGuard
-from daemon.worker.scratch import SlotDirs
+from daemon.worker.scratch import SlotDirs, SlotScratch
 from daemon.worker.spawn import Spawner
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,10 @@ class Slots:
         self.count = count
         self.identities = list(identities) if identities is not None else None
         self.dirs = SlotDirs(data_dir / "slots", worker_id)
+        self.scratch = [
+            SlotScratch(self.dirs.slot(n), (i.uid, i.gid) if (i := self.identity(n)) is not None else None)
+            for n in range(count)
+        ]
         self.guard = OrphanGuard(f"GPUPOOL_WORKER={worker_id}", [i.uid for i in self.identities or ()])
         self.spawner = Spawner()
         self.cgroups: SlotCgroups | None = None  # one per slot, where the kernel lets us (at open)
