@@ -14,16 +14,18 @@ from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.scripts import MAX_BATCH, Pipeliner
 
 
-def counting_pipelines(redis: Redis) -> list[int]:
-    """Patch `redis` so each pipeline it makes is counted (a pipeline is one round trip)."""
+def counting_round_trips(redis: Redis) -> list[int]:
+    """Patch `redis` so each round trip it makes is counted: each takes one of its pool's
+    connections (a command, a pipeline, a batch of script calls alike)."""
     made: list[int] = []
-    pipeline = redis.pipeline
+    pool = redis.connection_pool
+    get_connection = pool.get_connection
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
+    async def counted(*args: Any, **kwargs: Any) -> Any:
         made.append(1)
-        return pipeline(*args, **kwargs)
+        return await get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
 
-    redis.pipeline = counted  # type: ignore[method-assign]
+    pool.get_connection = counted  # type: ignore[method-assign]
     return made
 
 
@@ -31,18 +33,18 @@ async def test_calls_made_in_one_turn_share_round_trips_and_each_gets_its_answer
     call = Pipeliner(redis)
     echo = redis.register_script("redis.call('RPUSH', KEYS[1], ARGV[1]); return ARGV[1]")
     await redis.script_load(echo.script)  # else a NOSCRIPT answer adds a round trip to load it
-    made = counting_pipelines(redis)
+    made = counting_round_trips(redis)
     n = MAX_BATCH * 2 + 5  # three pipelines: two full ones, then the rest
     replies = await asyncio.gather(*(call(echo, ["order"], [str(i)]) for i in range(n)))
     assert replies == [str(i).encode() for i in range(n)]
+    assert len(made) == 3
     done = await redis.lrange("order", 0, -1)
     # each pipeline runs in order; the pipelines of one turn run side by side, as concurrent
     # callers' calls do anyway
     assert [x for x in done if int(x) < MAX_BATCH] == [str(i).encode() for i in range(MAX_BATCH)]
     assert sorted(done, key=int) == [str(i).encode() for i in range(n)]
-    assert len(made) == 3
     assert await call(echo, ["order"], ["later"]) == b"later"  # a call alone goes at once, as is
-    assert len(made) == 3
+    assert len(made) == 5  # and the read of the list
 
 
 async def test_an_error_goes_to_its_caller_alone(redis: Redis) -> None:

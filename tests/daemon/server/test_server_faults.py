@@ -26,7 +26,7 @@ from protocol import (
     Waited,
     WaitJobs,
 )
-from tests.daemon.queue.test_scripts import counting_pipelines
+from tests.daemon.queue.test_scripts import counting_round_trips
 from tests.support.pool import Pool, running_pool
 from tests.support.workers import fake_gpus, running_worker
 
@@ -110,7 +110,7 @@ async def test_the_reaper_and_the_metrics_take_one_round_trip_for_all_queues(red
     names = [f"q{i}" for i in range(100)]
     await queue.enqueue_many([JobSpec(argv=("true",), queue=q) for q in names])
     await queue.reclaim(names[:2])  # the script loaded
-    sent = counting_pipelines(redis)
+    sent = counting_round_trips(redis)
     assert await queue.reclaim(names) == []
     assert await queue.depths(names) == dict.fromkeys(names, 1)
     assert len(sent) == 2
