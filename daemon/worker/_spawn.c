@@ -38,9 +38,9 @@ that uid may ptrace it or read its memory meanwhile.
 
 When it cannot start, it writes the errno to its plan and exits 127; `reap` answers that errno
 with the status, and the worker tells the job's owner why (a program exiting 127 of itself has
-started: its errno is 0). A mapping is unmapped once its child has exec'd or exited
+started: its errno is 0). A mapping is free again once its child has exec'd or exited
 (CLONE_CHILD_CLEARTID: the kernel zeroes a word in it at either), or, for a child that could not
-start, once `reap` has read why.
+start, once `reap` has read why; a few free ones are kept for the next children.
 
 sweep(uid, gid): a child, born as above, that switches to `uid` and sends SIGKILL to every process
 it may (kill(-1): all of the uid's, one pass over the kernel's task list, which no fork in flight
@@ -95,7 +95,11 @@ struct birth {
     long uid, gid;                    /* -1: keep the worker's */
 };
 
-static struct birth *births; /* the GIL guards it: every function here holds it */
+/* The GIL guards both lists: every function here holds it. */
+static struct birth *births; /* mappings children may still need */
+static struct birth *spares; /* mappings no child needs, kept for the next ones (SPARES at most) */
+static int spare_count;
+#define SPARES 16 /* a worker's slots' worth: reused, a mapping costs no mmap, munmap or page fault */
 
 /* -- the system calls the child makes ------------------------------------------------------- */
 
@@ -290,14 +294,26 @@ static int sweeper_child(void *arg)
 
 /* -- births ----------------------------------------------------------------------------------- */
 
-/* Unmap what no child needs any more: exec'd, or exited with nothing left to tell. */
+/* A mapping no child needs any more: kept for the next one, or unmapped. */
+static void retire(struct birth *b)
+{
+    if (spare_count < SPARES) {
+        b->next = spares;
+        spares = b;
+        spare_count++;
+    } else {
+        munmap(b, b->size);
+    }
+}
+
+/* Retire what no child needs any more: exec'd, or exited with nothing left to tell. */
 static void collect(void)
 {
     for (struct birth **at = &births; *at != NULL;) {
         struct birth *b = *at;
         if (b->alive == 0 && b->error == 0) {
             *at = b->next;
-            munmap(b, b->size);
+            retire(b);
         } else {
             at = &b->next;
         }
@@ -312,24 +328,38 @@ static int forget(pid_t pid)
         if (b->pid == pid) {
             int error = b->error;
             *at = b->next;
-            munmap(b, b->size);
+            retire(b);
             return error;
         }
     }
     return 0; /* exec'd, and collected since */
 }
 
-/* A mapping for a child: the header, `extra` bytes after it, the stack at the top. */
+/* A mapping for a child (a spare one if one is large enough): the header, `extra` bytes after
+   it, the stack at the top. */
 static struct birth *new_birth(size_t extra)
 {
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
     size_t size = (sizeof(struct birth) + extra + STACK_BYTES + page - 1) / page * page;
-    void *at = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
-    if (at == MAP_FAILED) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        return NULL;
+    struct birth *b = NULL;
+    for (struct birth **at = &spares; *at != NULL; at = &(*at)->next) {
+        if ((*at)->size >= size) {
+            b = *at;
+            *at = b->next;
+            spare_count--;
+            size = b->size;
+            break;
+        }
     }
-    struct birth *b = at;
+    if (b == NULL) {
+        void *at = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+        if (at == MAP_FAILED) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return NULL;
+        }
+        b = at;
+    }
+    memset(b, 0, sizeof *b);
     b->size = size;
     b->alive = 1;
     b->stdin_fd = b->out_fd = b->cgroup_fd = -1;
@@ -499,7 +529,7 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     int pidfd;
     pid_t pid = start(b, job_child, born_in, &pidfd);
     if (pid < 0) {
-        munmap(b, b->size);
+        retire(b);
         return NULL;
     }
     b->pid = pid;
@@ -532,7 +562,7 @@ static PyObject *sweep(PyObject *self, PyObject *args)
     int pidfd;
     pid_t pid = start(b, sweeper_child, 0, &pidfd);
     if (pid < 0) {
-        munmap(b, b->size);
+        retire(b);
         return NULL;
     }
     b->pid = pid;

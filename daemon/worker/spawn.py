@@ -23,9 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 DYING_POLL = 0.01  # how often to look again for a killed uid's processes, while some are alive
 DYING_SECONDS = 5.0  # how long to wait for them before telling the end with what is stuck
+FS_ENCODING = sys.getfilesystemencoding()  # what os.fsencode encodes with (surrogateescape)
 SWEEPER_SECONDS = 0.1  # how long a uid's sweeper may take before it is taken as stopped, and killed
 
 
@@ -103,9 +106,9 @@ class Spawner:
         try:
             place, born_in = cgroup.birthplace() if cgroup is not None else (-1, False)
             pid, pidfd = _spawn.spawn(
-                candidates(argv[0], env),
+                candidates(argv[0], env.get("PATH", os.defpath)),
                 [os.fsencode(arg) for arg in argv],
-                [os.fsencode(f"{k}={v}") for k, v in env.items()],
+                [f"{k}={v}".encode(FS_ENCODING, "surrogateescape") for k, v in env.items()],
                 os.fsencode(cwd),
                 self._devnull,
                 write,
@@ -229,10 +232,10 @@ class Spawner:
             self._devnull = -1
 
 
-def candidates(program: str, env: Mapping[str, str]) -> list[bytes]:
+@functools.lru_cache(maxsize=256)  # a worker runs the same few programs with the same PATH
+def candidates(program: str, path: str) -> tuple[bytes, ...]:
     """Where to look for `program`, as execvp does: itself when it names a path, else in each
-    directory of `env`'s PATH (the job's, not the worker's) in turn."""
+    directory of `path` (the job's PATH, not the worker's) in turn."""
     if "/" in program:
-        return [os.fsencode(program)]
-    path = env.get("PATH", os.defpath).split(os.pathsep)
-    return [os.fsencode(os.path.join(directory or ".", program)) for directory in path]
+        return (os.fsencode(program),)
+    return tuple(os.fsencode(os.path.join(directory or ".", program)) for directory in path.split(os.pathsep))
