@@ -77,14 +77,16 @@ class Holdings:
     def __init__(self, guard: OrphanGuard) -> None:
         self.guard = guard
         self._by_lease: dict[str, HeldAttempt] = {}
-        self._moved = asyncio.Event()  # an attempt was added or its deadline moved: the fence looks
+        # The fence looks at least every FENCE_CHECK while anything runs, and deadlines only move
+        # later: it needs waking only when it sleeps with nothing running and an attempt starts.
+        self._started = asyncio.Event()
+        self._fence_idle = False
 
     def __iter__(self) -> Iterator[HeldAttempt]:
         return iter(list(self._by_lease.values()))
 
     def hold(self, lease: Lease, deadline: float) -> HeldAttempt:
         held = self._by_lease[lease.id] = HeldAttempt(lease, deadline)
-        self._moved.set()
         return held
 
     def holds(self, held: HeldAttempt) -> bool:
@@ -94,7 +96,8 @@ class Holdings:
         """Its processes may start now: from here the fence (and the guard) watch its deadline."""
         held.run, held.slot, held.phase = run, slot, Phase.RUNNING
         self.guard.hold(held.lease.id, held.deadline)
-        self._moved.set()
+        if self._fence_idle:
+            self._started.set()
 
     def drop(self, held: HeldAttempt) -> None:
         """Its end is recorded (or given up on): no more renewals, no more deadline."""
@@ -118,7 +121,6 @@ class Holdings:
                 continue  # its processes are gone: its deadline stays where the end found it
             if held.renewed(until):
                 self.guard.hold(lease_id, until)
-                self._moved.set()
             if status is RenewStatus.CANCEL and held.run is not None:
                 held.run.cancel()
 
@@ -127,7 +129,7 @@ class Holdings:
         another worker's by then. An attempt whose processes have ended is never touched: its
         outcome is still offered, and the fenced complete decides."""
         while True:
-            self._moved.clear()
+            self._started.clear()
             now = boottime()
             running = [h for h in self if h.phase is Phase.RUNNING and not h.fenced]
             due = [h for h in running if h.deadline <= now]
@@ -139,6 +141,7 @@ class Holdings:
                 h.fenced = True
             left = [h.deadline - now for h in running if not h.fenced]
             timeout = min(FENCE_CHECK, max(0.0, min(left))) if left else None
+            self._fence_idle = timeout is None
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
-                    await self._moved.wait()
+                    await self._started.wait()
