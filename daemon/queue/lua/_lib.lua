@@ -80,13 +80,21 @@ end
 -- index stays bounded by the jobs of the last `retention` seconds at a constant cost per finish.
 local TRIM_PER_FINISH = 8
 
--- Move a job to a terminal state: the record, the stream entry, an event for waiters, and the
--- retention countdown of every key of the job; the queue's index forgets jobs past retention.
-local function finish(prefix, stream, group, events, id, state, now, retention)
+-- The fields of a job's record that `finish` reads, in this order (a caller that read them
+-- already passes them on).
+local FINISH_FIELDS = {'entry', 'idem', 'enqueued_at', 'started_at'}
+
+-- Move a job to a terminal state: the record (with `fields`, more field-value pairs to set at
+-- once, if given), the stream entry, an event for waiters, and the retention countdown of every
+-- key of the job; the queue's index forgets jobs past retention. `j`: the job's FINISH_FIELDS,
+-- when the caller has read them.
+local function finish(prefix, stream, group, events, id, state, now, retention, j, fields)
   local jobkey = job_key(prefix, id)
-  local j = redis.call('HMGET', jobkey, 'entry', 'idem', 'enqueued_at', 'started_at')
+  j = j or redis.call('HMGET', jobkey, unpack(FINISH_FIELDS))
   drop_entry(stream, group, j[1])
-  redis.call('HSET', jobkey, 'state', state, 'ended_at', now)
+  local set = {'state', state, 'ended_at', now}
+  for _, v in ipairs(fields or {}) do set[#set + 1] = v end
+  redis.call('HSET', jobkey, unpack(set))
   -- the times ride along so that whoever reads events (metrics) needs no second round trip
   redis.call('XADD', events, 'MAXLEN', '~', 10000, '*', 'job', id, 'state', state,
     'enqueued_at', j[3] or '', 'started_at', j[4] or '', 'ended_at', now)

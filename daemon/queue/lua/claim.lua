@@ -39,9 +39,14 @@ local function lease_of(i)
   return consumer .. '/' .. request .. '.' .. i
 end
 
+-- The cursors matter only to a claimer that found nothing more to take (it waits after them):
+-- a 'claimed' answer carries none.
 local function reply(status, cursor)
-  local top = redis.call('XREVRANGE', prefix .. 'wake', '+', '-', 'COUNT', 1)[1]
-  local out = {status, cursor, top and top[1] or '0-0'}
+  local out = {status, cursor, '0-0'}
+  if status ~= 'claimed' then
+    local top = redis.call('XREVRANGE', prefix .. 'wake', '+', '-', 'COUNT', 1)[1]
+    out[3] = top and top[1] or '0-0'
+  end
   for _, v in ipairs(claimed) do out[#out + 1] = v end
   return out
 end
@@ -49,6 +54,11 @@ end
 local function add(id, jobkey)
   local j = redis.call('HMGET', jobkey, 'attempt', 'lease', 'spec')
   for _, v in ipairs({id, j[1], j[2], j[3]}) do claimed[#claimed + 1] = v end
+end
+
+-- What a claim reads of a job: its state, the GPUs it asks for, its attempt so far, its spec.
+local function job_fields(jobkey)
+  return redis.call('HMGET', jobkey, 'state', 'gpus', 'attempt', 'spec')
 end
 
 -- The same request again: answer the leases it got that are still this worker's and unexpired,
@@ -73,10 +83,15 @@ end
 redis.call('HSET', memo, 'request', request, 'jobs', '')
 redis.call('PEXPIRE', memo, lease_ms)
 
-local function need(jobkey)
-  local want = tonumber(redis.call('HGET', jobkey, 'gpus')) or 0
+-- The GPUs a job needs here: what it asks for (job_fields' second), or the claimer's default.
+local function need_of(f)
+  local want = tonumber(f[2]) or 0
   if want == 0 then want = default_gpus end
   return want
+end
+
+local function need(jobkey)
+  return need_of(job_fields(jobkey))
 end
 
 local function newest()
@@ -84,17 +99,18 @@ local function newest()
   return top and top[1] or '0-0'
 end
 
-local function start(id, jobkey, gpus)
+-- Start job `id` under this claimer; `f`: its job_fields, read in this call.
+local function start(id, jobkey, gpus, f)
   gpus_free = gpus_free - gpus
   ids[#ids + 1] = id
   local lease = lease_of(#ids)
-  local attempt = redis.call('HINCRBY', jobkey, 'attempt', 1)
-  redis.call('HSET', jobkey, 'state', 'running', 'worker', consumer, 'started_at', now, 'lease', lease,
-    'log_n', 0)
+  local attempt = (tonumber(f[3]) or 0) + 1
+  redis.call('HSET', jobkey, 'attempt', attempt, 'state', 'running', 'worker', consumer, 'started_at', now,
+    'lease', lease, 'log_n', 0)
   redis.call('ZADD', leases, now + lease_ms, id)
   redis.call('RPUSH', jobkey .. ':attempts',
     cjson.encode({attempt = attempt, worker = consumer, started_at = now, how = 'running'}))
-  add(id, jobkey)
+  for _, v in ipairs({id, attempt, lease, f[4]}) do claimed[#claimed + 1] = v end
 end
 
 local function stop(status, cursor)
@@ -141,43 +157,70 @@ while #ids < wanted do
     if p and (not pick or p_seq < tonumber(r[2])) then pick, from = p, parked end
     if not pick then break end
     local jobkey = job_key(prefix, pick)
-    local gpus = need(jobkey)
+    local f = job_fields(jobkey)
+    local gpus = need_of(f)
     if gpus > gpus_free then return stop('blocked', newest()) end
     redis.call('ZREM', from, pick)
     redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
-    start(pick, jobkey, gpus)
+    start(pick, jobkey, gpus, f)
   end
 end
 if #ids == wanted then return stop('claimed', '0-0') end
 
 if redis.call('EXISTS', stream) == 0 then return stop('empty', '0-0') end
-local last = '0-0'
-for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
-  local fields = {}
-  for i = 1, #g, 2 do fields[g[i]] = g[i + 1] end
-  if fields['name'] == group then last = fields['last-delivered-id'] end
+
+-- The last entry the group delivered: where to wait after when nothing more can be taken.
+local function delivered()
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local fields = {}
+    for i = 1, #g, 2 do fields[g[i]] = g[i + 1] end
+    if fields['name'] == group then return fields['last-delivered-id'] end
+  end
+  return '0-0'
 end
 
--- Bounded: a long run of dropped or passed-over entries ends this call; the caller claims again.
-for _ = 1, 100 + wanted do
-  if #ids == wanted then return stop('claimed', last) end
-  local nxt = redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', 1)[1]
-  if not nxt then return stop('empty', last) end
-  local entry, fields = nxt[1], nxt[2]
+-- Take a stream entry (delivered to this claimer): drop it, pass it over, or start its job.
+local function take(entry, fields, f, gpus)
   local id = fields[1] == 'job' and fields[2] or nil
-  local jobkey = id and job_key(prefix, id)
-  local state = jobkey and redis.call('HGET', jobkey, 'state')
-  local gpus = state == 'queued' and need(jobkey) or 0
-  if gpus > gpus_free and gpus <= gpus_total then return stop('blocked', newest()) end
-  redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', stream, '>')
-  if state ~= 'queued' then
+  if not f or f[1] ~= 'queued' then
     drop_entry(stream, group, entry)
   elseif gpus > gpus_total then
     redis.call('XCLAIM', stream, group, 'reclaimed', 0, entry, 'JUSTID')  -- pending, never trimmed
     park(id, gpus)
   else
-    start(id, jobkey, gpus)
+    start(id, job_key(prefix, id), gpus, f)
   end
-  last = entry
 end
-return stop('claimed', last)  -- cut short, not empty: the caller asks again at once
+
+local function read_of(fields)
+  local id = fields[1] == 'job' and fields[2] or nil
+  local f = id and job_fields(job_key(prefix, id))
+  return f, (f and f[1] == 'queued') and need_of(f) or 0
+end
+
+-- Bounded: a long run of dropped or passed-over entries ends this call; the caller claims again.
+local last = nil  -- the group's last delivered entry, once looked up
+for _ = 1, 100 + wanted do
+  if #ids == wanted then return stop('claimed', '0-0') end
+  if gpus_free >= gpus_total then
+    -- Every GPU this claimer has is free, so no job can make it wait (one asking for more than
+    -- it has is passed over): the next entry is taken as it is delivered, without a look first.
+    local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', stream, '>')
+    local nxt = got and got[1][2][1]
+    if not nxt then return stop('empty', delivered()) end
+    local f, gpus = read_of(nxt[2])
+    take(nxt[1], nxt[2], f, gpus)
+    last = nxt[1]
+  else
+    -- A job may need more GPUs than are free: look at the next entry before it is delivered.
+    last = last or delivered()
+    local nxt = redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', 1)[1]
+    if not nxt then return stop('empty', last) end
+    local f, gpus = read_of(nxt[2])
+    if gpus > gpus_free and gpus <= gpus_total then return stop('blocked', newest()) end
+    redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', stream, '>')
+    take(nxt[1], nxt[2], f, gpus)
+    last = nxt[1]
+  end
+end
+return stop('claimed', '0-0')  -- cut short, not empty: the caller asks again at once

@@ -16,22 +16,22 @@ local prefix, group, consumer, id = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local attempt, lease, state = ARGV[5], ARGV[6], ARGV[7]
 local jobkey = job_key(prefix, id)
 local j = redis.call('HMGET', jobkey, 'state', 'attempt', 'worker', 'lease', 'failures', 'retries', 'cancel',
-  'ended_by', 'ended_as')
+  'ended_by', 'ended_as', unpack(FINISH_FIELDS))
 if j[8] == lease then return {j[9]} end  -- this lease ended already: as it did then
 if not holds(j, attempt, consumer, lease) then
   return {'stale', j[1] or 'missing', j[2] or '0'}
 end
 local now = now_ms()
 redis.call('ZREM', leases, id)
-redis.call('HSET', jobkey, 'exit_code', ARGV[8], 'detail', ARGV[9], 'result', ARGV[10])
 close_attempt(jobkey, state, now)
-local after = state
+local outcome = {'exit_code', ARGV[8], 'detail', ARGV[9], 'result', ARGV[10], 'ended_by', lease}
 if state == 'failed' and j[7] ~= '1' and tonumber(j[5]) < tonumber(j[6]) then
+  outcome[#outcome + 1], outcome[#outcome + 2] = 'ended_as', 'queued'
+  redis.call('HSET', jobkey, unpack(outcome))
   redis.call('HINCRBY', jobkey, 'failures', 1)
   requeue(prefix, stream, group, retry, id)
-  after = 'queued'
-else
-  finish(prefix, stream, group, events, id, state, now, tonumber(ARGV[11]))
+  return {'queued'}
 end
-redis.call('HSET', jobkey, 'ended_by', lease, 'ended_as', after)
-return {after}
+outcome[#outcome + 1], outcome[#outcome + 2] = 'ended_as', state
+finish(prefix, stream, group, events, id, state, now, tonumber(ARGV[11]), {j[10], j[11], j[12], j[13]}, outcome)
+return {state}
