@@ -69,6 +69,12 @@ def summary() -> Table:
                 t.add_row(
                     f"`true` jobs, {slots} slots{what} / bare spawn loop", f"{r['ratio']:.2f}x", "≥ 0.8x"
                 )
+                if "to_task_spooler" in r:
+                    t.add_row(
+                        f"`true` jobs, {slots} slots{what} / task-spooler",
+                        f"{r['to_task_spooler']:.2f}x",
+                        "≥ 1.0x",
+                    )
     return t
 
 

@@ -24,6 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 TSP = shutil.which("tsp")
+# Each job tsp has queued holds a client process and a connection to its server, which serves at
+# most 1000 (Debian's build; TS_MAXCONN cannot raise it): a drain queues at most this many.
+MAX_QUEUED = 900
 
 
 @contextlib.contextmanager

@@ -15,6 +15,9 @@ Against one embedded redis-server started for the run:
   asyncio loop (vfork) and on uvloop (fork); the ceiling is the faster, measured right before
   and right after the worker drains it is compared with, in each of `--rounds` rounds (the
   table's last column: the median of the rounds' ratios, command_rounds).
+- task-spooler, where `tsp` is installed (bench/task_spooler.py): the same `true` jobs drained by
+  `tsp -S N` with as many slots, in the same rounds between the same ceilings (at most
+  task_spooler.MAX_QUEUED jobs: each job tsp queues holds a client process and a connection).
 - ceiling, Redis Streams: a bare redis-py asyncio loop of XADD -> XREADGROUP -> XACK, one message
   at a time, and batched (100 XADDs pipelined, one XREADGROUP COUNT 100, one XACK of 100 ids).
 """
@@ -38,6 +41,7 @@ from redis.asyncio import Redis
 from rich.console import Console
 from rich.table import Table
 
+from bench import task_spooler
 from bench.common import machine, save
 from daemon.job import JobSpec
 from daemon.queue import keys
@@ -160,19 +164,25 @@ async def command_drain(  # noqa: PLR0917
 async def command_rounds(  # noqa: PLR0917
     server: EmbeddedRedis, queue: JobQueue, tmp: Path, s3: S3Server, jobs: int, slots: int, rounds: int
 ) -> dict[str, Any]:
-    """`true` jobs through one worker with `slots` slots (and, as root, with slot uids) against
-    the spawn ceiling, in `rounds` rounds. The machine's speed drifts by a third within a minute
-    here (a shared VM), so each round measures the ceiling right before and right after its
-    drains, and a drain's ratio is to the mean of the two; reported: the medians over rounds of
-    each rate and of each ratio (the figure to read)."""
+    """`true` jobs through one worker with `slots` slots (and, as root, with slot uids), and
+    through task-spooler where installed, against the spawn ceiling, in `rounds` rounds. The
+    machine's speed drifts by a third within a minute here (a shared VM), so each round measures
+    the ceiling right before and right after its drains, and a drain's ratio is to the mean of
+    the two; reported: the medians over rounds of each rate and of each ratio (the figure to
+    read), and of the worker's ratio to task-spooler's in the same round."""
     kinds = {"": ""} | ({"_slot_uids": f"61100-{61100 + slots - 1}"} if os.geteuid() == 0 else {})
     name = f"true_1_worker_{slots}_slots"
     ceilings: list[dict[str, float]] = []
     drains: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
     ratios: dict[str, list[float]] = {kind: [] for kind in kinds}
+    to_tsp: dict[str, list[float]] = {kind: [] for kind in kinds}
+    tsp: list[dict[str, float]] = []
+    tsp_ratios: list[float] = []
     best: dict[str, list[dict[str, float]]] = {}
     for i in range(rounds):
         before = await best_spawn(jobs, slots, best)
+        if task_spooler.TSP is not None:
+            tsp.append(await asyncio.to_thread(task_spooler.drain, min(jobs, task_spooler.MAX_QUEUED), slots))
         for kind, uid_range in kinds.items():
             r = await command_drain(
                 server, queue, f"cmd{kind}{slots}x{i}", jobs, 1, tmp, s3, uid_range=uid_range, slots=slots
@@ -180,14 +190,21 @@ async def command_rounds(  # noqa: PLR0917
             drains[kind].append(r)
         after = await best_spawn(jobs, slots, best)
         ceilings += [before, after]
+        ceiling = statistics.mean([before["jobs_per_s"], after["jobs_per_s"]])
         for kind in kinds:
-            ratios[kind].append(
-                drains[kind][-1]["jobs_per_s"] / statistics.mean([before["jobs_per_s"], after["jobs_per_s"]])
-            )
+            ratios[kind].append(drains[kind][-1]["jobs_per_s"] / ceiling)
+            if tsp:
+                to_tsp[kind].append(drains[kind][-1]["jobs_per_s"] / tsp[-1]["jobs_per_s"])
+        if tsp:
+            tsp_ratios.append(tsp[-1]["jobs_per_s"] / ceiling)
     out: dict[str, Any] = {f"ceiling_spawn_true_{loop}_{slots}": median_rate(rs) for loop, rs in best.items()}
     out[f"ceiling_spawn_true_{slots}"] = median_rate(ceilings)
+    if tsp:
+        out[f"task_spooler_{slots}_slots"] = median_rate(tsp) | {"ratio": statistics.median(tsp_ratios)}
     for kind in kinds:
         out[name + kind] = median_rate(drains[kind]) | {"ratio": statistics.median(ratios[kind])}
+        if tsp:
+            out[name + kind]["to_task_spooler"] = statistics.median(to_tsp[kind])
     return out
 
 
@@ -232,7 +249,7 @@ async def streams_ceiling(redis: Redis, messages: int, batch: int) -> dict[str, 
     return {"jobs": messages, "seconds": span, "jobs_per_s": messages / span}
 
 
-async def measure(jobs: int, command_jobs: int, rounds: int) -> dict[str, Any]:
+async def measure(jobs: int, command_jobs: int, rounds: int, commands_only: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
@@ -242,7 +259,7 @@ async def measure(jobs: int, command_jobs: int, rounds: int) -> dict[str, Any]:
             redis = server.client()
             version = (await redis.info("server"))["redis_version"]
             queue = JobQueue(redis)
-            for slots in (2, 8):
+            for slots in () if commands_only else (2, 8):
                 for workers in (1, 2):
                     name = f"noop{workers}x{slots}"
                     await prequeue(queue, name, jobs)
@@ -259,13 +276,15 @@ async def measure(jobs: int, command_jobs: int, rounds: int) -> dict[str, Any]:
                 await store.close()
                 for slots in (2, 8):
                     out.update(await command_rounds(server, queue, tmp, s3, command_jobs, slots, rounds))
-                out["true_2_workers_2_slots"] = await command_drain(
-                    server, queue, "cmd2w", command_jobs, 2, tmp, s3
-                )
+                if not commands_only:
+                    out["true_2_workers_2_slots"] = await command_drain(
+                        server, queue, "cmd2w", command_jobs, 2, tmp, s3
+                    )
             finally:
                 await asyncio.to_thread(s3.stop)
-            out["ceiling_streams_unbatched"] = await streams_ceiling(redis, jobs, 1)
-            out["ceiling_streams_batch100"] = await streams_ceiling(redis, jobs * 5, 100)
+            if not commands_only:
+                out["ceiling_streams_unbatched"] = await streams_ceiling(redis, jobs, 1)
+                out["ceiling_streams_batch100"] = await streams_ceiling(redis, jobs * 5, 100)
             await redis.aclose()
         finally:
             server.stop()
@@ -284,14 +303,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--command-jobs", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=3, help="rounds of command jobs against the ceiling")
     p.add_argument("--quick", action="store_true", help="2000 no-op, 300 command jobs, 1 round")
+    p.add_argument(
+        "--commands-only", action="store_true", help="only `true` jobs, the ceiling and task-spooler"
+    )
     args = p.parse_args(argv)
     jobs, command_jobs = (2000, 300) if args.quick else (args.jobs, args.command_jobs)
-    result = uvloop.run(measure(jobs, command_jobs, 1 if args.quick else args.rounds))
+    result = uvloop.run(measure(jobs, command_jobs, 1 if args.quick else args.rounds, args.commands_only))
     t = Table(title="drain throughput, pre-queued jobs, embedded Redis")
     t.add_column("what")
     t.add_column("jobs", justify="right")
     t.add_column("jobs/s", justify="right")
     t.add_column("/ spawn ceiling", justify="right")
+    t.add_column("/ task-spooler", justify="right")
     rates = result["rates"]
     for name, r in rates.items():
         # command jobs: the median of their rounds' ratios (command_rounds), else to the median ceiling
@@ -299,7 +322,14 @@ def main(argv: list[str] | None = None) -> None:
         ratio = r.get("ratio") or (
             r["jobs_per_s"] / rates[f"ceiling_spawn_true_{slots}"]["jobs_per_s"] if slots else None
         )
-        t.add_row(name, str(r["jobs"]), f"{r['jobs_per_s']:,.0f}", f"{ratio:.2f}" if ratio else "")
+        to_tsp = r.get("to_task_spooler")
+        t.add_row(
+            name,
+            str(r["jobs"]),
+            f"{r['jobs_per_s']:,.0f}",
+            f"{ratio:.2f}" if ratio else "",
+            f"{to_tsp:.2f}" if to_tsp else "",
+        )
     Console().print(t)
     print(f"wrote {save('throughput', result)}")
 
