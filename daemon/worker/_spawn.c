@@ -59,7 +59,11 @@ worker waits for it a moment at most, then kills it, and never waits for it othe
 #include <stdint.h>
 #include <string.h>
 #include <linux/capability.h>
+#include <sys/ipc.h>
 #include <sys/mman.h>
+#include <sys/msg.h>
+#include <sys/sem.h>
+#include <sys/shm.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -608,8 +612,31 @@ static PyObject *reap(PyObject *self, PyObject *args)
     return Py_BuildValue("(ii)", status, status == CHILD_STATUS ? error : 0);
 }
 
+PyDoc_STRVAR(sysv_objects_doc,
+"sysv_objects() -> bool\n\n"
+"Whether the machine has any System V shared memory segment, semaphore set or message queue\n"
+"(or cannot tell): three system calls, where reading /proc/sysvipc takes ten times as long.");
+
+static PyObject *sysv_objects(PyObject *self, PyObject *unused)
+{
+    struct shm_info shm;
+    struct seminfo sem;
+    struct msginfo msg;
+    /* shm_info.used_ids, seminfo.semusz (sets in use), msginfo.msgpool (queues in use) */
+    if (shmctl(0, SHM_INFO, (struct shmid_ds *)&shm) < 0 || shm.used_ids > 0)
+        Py_RETURN_TRUE;
+    union semun { int val; struct semid_ds *buf; unsigned short *array; struct seminfo *__buf; } arg;
+    arg.__buf = &sem;
+    if (semctl(0, 0, SEM_INFO, arg) < 0 || sem.semusz > 0)
+        Py_RETURN_TRUE;
+    if (msgctl(0, MSG_INFO, (struct msqid_ds *)&msg) < 0 || msg.msgpool > 0)
+        Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+
 static PyMethodDef methods[] = {
     {"spawn", spawn, METH_VARARGS, spawn_doc},
+    {"sysv_objects", sysv_objects, METH_NOARGS, sysv_objects_doc},
     {"sweep", sweep, METH_VARARGS, sweep_doc},
     {"reap", reap, METH_VARARGS, reap_doc},
     {NULL, NULL, 0, NULL},

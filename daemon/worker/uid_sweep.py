@@ -15,10 +15,10 @@ import contextlib
 import ctypes
 import os
 import shutil
-import struct
 import time
 from collections.abc import Callable
-from typing import Any
+
+from daemon.worker import _spawn
 
 # The machine's temporary directories every uid may write (and POSIX message queues).
 SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue")  # noqa: S108 - swept, never written
@@ -26,14 +26,6 @@ MTIME_SLACK_NS = 100_000_000  # a directory's times move in ticks of the coarse 
 IPC_RMID = 0
 LIBC = ctypes.CDLL(None, use_errno=True)  # the System V *ctl calls
 SYSV_UID_COLUMNS = {"shm": (7, 9), "sem": (4, 6), "msg": (7, 9)}  # /proc/sysvipc/KIND: uid, cuid
-SHM_INFO, SEM_INFO, MSG_INFO = 14, 19, 12  # <linux/shm.h>, <linux/sem.h>, <linux/msg.h>
-# How many objects of each kind the machine has: the *_INFO command, and the int of its answer
-# that counts them (shm_info.used_ids, seminfo.semusz, msginfo.msgpool).
-SYSV_COUNTS: dict[str, tuple[Callable[[Any], int], int]] = {
-    "shm": (lambda info: LIBC.shmctl(0, SHM_INFO, info), 0),
-    "sem": (lambda info: LIBC.semctl(0, 0, SEM_INFO, info), 7),
-    "msg": (lambda info: LIBC.msgctl(0, MSG_INFO, info), 0),
-}
 SYSV_REMOVE: dict[str, Callable[[int], int]] = {  # IPC_RMID an object of each kind, by its id
     "shm": lambda n: LIBC.shmctl(n, IPC_RMID, None),
     "sem": lambda n: LIBC.semctl(n, 0, IPC_RMID),
@@ -94,9 +86,9 @@ def sweep_shared(uid: int, swept: Swept) -> None:
 def sweep_ipc(uid: int) -> None:
     """Remove the System V shared memory, semaphores and message queues `uid` owns or made: they
     outlive their processes."""
+    if not _spawn.sysv_objects():
+        return  # mostly: three system calls, where reading the tables takes ten times as long
     for kind, (owner, creator) in SYSV_UID_COLUMNS.items():
-        if sysv_count(kind) == 0:
-            continue  # mostly: one system call, where reading the table takes ten times as long
         try:
             with open(f"/proc/sysvipc/{kind}") as table:
                 rows = [line.split() for line in table.read().splitlines()[1:]]
@@ -105,15 +97,6 @@ def sweep_ipc(uid: int) -> None:
         for row in rows:
             if uid in (int(row[owner]), int(row[creator])):
                 SYSV_REMOVE[kind](int(row[1]))
-
-
-def sysv_count(kind: str) -> int:
-    """How many System V objects of `kind` the machine has; -1 when it cannot tell."""
-    command, field = SYSV_COUNTS[kind]
-    info = ctypes.create_string_buffer(256)  # more than any of the three answers takes
-    if command(info) < 0:
-        return -1
-    return int(struct.unpack_from("i", info, 4 * field)[0])
 
 
 def owned_by(entry: os.DirEntry[str], uid: int) -> bool:
