@@ -478,10 +478,15 @@ class Worker:
     async def _attempt(self, held: HeldAttempt) -> None:
         lease, run = held.lease, held.run
         assert run is not None
-        gpus = ", ".join(str(g.index) for g in run.gpus) or "none"
-        log.info(
-            "job %s attempt %d: starting on slot %d, GPUs %s", lease.job_id, lease.attempt, held.slot, gpus
-        )
+        if log.isEnabledFor(logging.INFO):
+            gpus = ", ".join(str(g.index) for g in run.gpus) or "none"
+            log.info(
+                "job %s attempt %d: starting on slot %d, GPUs %s",
+                lease.job_id,
+                lease.attempt,
+                held.slot,
+                gpus,
+            )
         result: RunResult | None = None
         try:
             try:

@@ -72,8 +72,8 @@ class JobOutput:
         self._append(f"[gpupool] {text}\n".encode())
 
     def read_from(self, fd: int) -> None:
-        """Read the job's output pipe `fd` (taken over: closed by `finish`) as output comes."""
-        os.set_blocking(fd, False)
+        """Read the job's output pipe `fd` (taken over: closed by `finish`) as output comes (each
+        read follows the loop's word that the pipe is readable, so it never blocks)."""
         self._fd = fd
         self._eof = asyncio.get_running_loop().create_future()
         self._resume()

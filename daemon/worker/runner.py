@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import enum
 import logging
 import os
@@ -346,20 +345,27 @@ class JobRun:
         if left:
             log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(left))
         dirty = await self._check_gpus(pgid)
-        outcome = self._outcome(returncode, "", started)
-        if outcome is not None and self.store is not None:
+        uploaded: dict[str, Any] = {}
+        if self._recorded() and self.store is not None:
             # Uploaded before the fenced complete, under this attempt's own prefix (job_data.py).
             uploaded = await job_data.upload_artifacts(
                 self.store, self.queue, self.lease, self.output_dir, logged=self.output.written
             )
-            outcome = dataclasses.replace(outcome, result={**outcome.result, **uploaded})
+        outcome = self._outcome(returncode, "", started, uploaded)
         killed_by = -returncode if returncode < 0 else None
         return RunResult(self.ending or Ending.EXITED, outcome, dirty, killed_by)
 
-    def _outcome(self, returncode: int | None, detail: str, started: float) -> Outcome | None:
-        ending = self.ending or Ending.EXITED
-        if ending in (Ending.HANDED_BACK, Ending.LOST):
+    def _recorded(self) -> bool:
+        """Whether the attempt's end is an outcome to record (not a hand-back, nor lost)."""
+        return (self.ending or Ending.EXITED) not in (Ending.HANDED_BACK, Ending.LOST)
+
+    def _outcome(
+        self, returncode: int | None, detail: str, started: float, extra: Mapping[str, Any] | None = None
+    ) -> Outcome | None:
+        """The outcome to record, `extra` in its result (the artifacts); None when there is none."""
+        if not self._recorded():
             return None
+        ending = self.ending or Ending.EXITED
         code, how = describe_exit(returncode) if returncode is not None else (None, detail)
         result: dict[str, Any] = {
             "peak_rss": self._peak_rss,
@@ -367,6 +373,7 @@ class JobRun:
             "ended_at": time.time(),
             "gpus": [g.uuid for g in self.gpus],
             "tail": self.output.tail(TAIL_LINES),
+            **(extra or {}),
         }
         if returncode is not None and returncode < 0:
             result["signal"] = -returncode
