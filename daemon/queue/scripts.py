@@ -12,7 +12,8 @@ missing scripts and re-sends the calls that were refused, which therefore never 
 calls made in the same turn of the event loop go out together, as ScriptBatches of up to MAX_BATCH
 calls side by side (a lone call as a plain EVALSHA). The completes of attempts that end together
 share a round trip, and so do a job's outcome and the claim of the slot it freed. No call waits
-for a timer: the batch leaves at the end of the turn in which its first call was made.
+for a timer: the first call of a turn starts the batch's sender, whose first step (the next turn)
+takes every call made until then and writes them at once.
 """
 
 from __future__ import annotations
@@ -159,20 +160,25 @@ class Pipeliner:
         """Queue one call for this turn's batch; its reply, or its error, comes in the future."""
         loop = asyncio.get_running_loop()
         if not self._pending:
-            loop.call_soon(self._send_pending)
+            # The batch's sender, which takes every call made before its first step (in this
+            # turn, and those ahead of it in the next) and writes them at once.
+            self._own(loop.create_task(self._send_pending()))
         future: asyncio.Future[Any] = loop.create_future()
         self._pending.append((script, keys, args, future))
         return future
 
-    def _send_pending(self) -> None:
+    def _own(self, task: asyncio.Task[None]) -> None:
+        self._in_flight.add(task)  # owned here until it has answered every caller
+        task.add_done_callback(self._in_flight.discard)
+
+    async def _send_pending(self) -> None:
         # A caller cancelled before its batch left: its call is dropped, never sent.
         calls, self._pending = [c for c in self._pending if not c[3].done()], []
         # Batches of at most MAX_BATCH calls, each on its own connection: a caller waits for its
         # batch's replies to be read, so a huge batch would make every caller in it wait long.
-        for start in range(0, len(calls), MAX_BATCH):
-            task = asyncio.ensure_future(self._send(calls[start : start + MAX_BATCH]))
-            self._in_flight.add(task)  # owned here until it has answered every caller
-            task.add_done_callback(self._in_flight.discard)
+        for start in range(MAX_BATCH, len(calls), MAX_BATCH):
+            self._own(asyncio.ensure_future(self._send(calls[start : start + MAX_BATCH])))
+        await self._send(calls[:MAX_BATCH])
 
     async def _send(self, calls: list[Call]) -> None:
         batch = ScriptBatch(self.redis)

@@ -3,14 +3,19 @@ redis-py's own packer would, refusing what it refuses; and a real Redis reads th
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from redis.asyncio.connection import Connection
 from redis.exceptions import DataError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 
-from daemon.queue.connection import PackedConnection
+from daemon.queue.connection import PackedConnection, connect
 from daemon.queue.embedded_redis import EmbeddedRedis
 
 ARGUMENTS: st.SearchStrategy[EncodableT] = st.one_of(
@@ -54,5 +59,28 @@ async def test_every_client_speaks_through_it(redis_server: EmbeddedRedis) -> No
             pipe.incrbyfloat("a", -0.5)
             pipe.get("a")
             assert await pipe.execute() == [True, 1.0, b"1"]
+    finally:
+        await redis.aclose()
+
+
+async def test_a_write_redis_does_not_take_times_out_and_drops_the_connection(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """A write is bounded by the socket timeout, as redis-py bounds it (PackedConnection does it
+    without a task of its own): a frozen Redis whose socket buffers are full fails the write
+    with redis-py's TimeoutError, the connection dropped, and a later command goes through."""
+    redis = connect("127.0.0.1", redis_server.port, password=redis_server.password, socket_timeout=0.5)
+    assert redis_server.pid is not None
+    try:
+        await redis.ping()
+        os.kill(redis_server.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(RedisTimeoutError):
+                await redis.set("huge", b"x" * 64 * 2**20)  # more than any socket buffer holds
+            assert time.monotonic() - started < 5  # its timeout for each of the client's few tries
+        finally:
+            os.kill(redis_server.pid, signal.SIGCONT)
+        assert await redis.ping()
     finally:
         await redis.aclose()
