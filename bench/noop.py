@@ -40,6 +40,9 @@ class NoopRun:
     def lose(self, why: str) -> None:
         pass
 
+    async def tidy(self) -> None:
+        pass
+
 
 def record_completions(queue: JobQueue, done: dict[str, float]) -> None:
     """Instrument `queue` so that `done` gets the time (perf_counter) each `complete` returned."""

@@ -494,6 +494,7 @@ class Worker:
             finally:
                 held.phase = Phase.ENDING
                 self._free(held, result)
+                self._attempts.spawn(self._tidy(run), f"tidy after {lease.job_id}")
             if result.killed_by is not None and result.ending is not Ending.LOST and held.expired():
                 # Killed by a signal after the fence deadline: maybe by the fence itself (the orphan
                 # guard, while this worker was frozen). Not the job's outcome: the lease decides.
@@ -501,6 +502,14 @@ class Worker:
             await self._outcomes.report(held.lease, result)
         finally:
             self._held.drop(held)
+
+    @staticmethod
+    async def _tidy(run: Run) -> None:
+        """The slot's directories made ready for its next job, which waits for them: a turn of the
+        loop later, so that the slot's next claim and this attempt's outcome (made in this turn and
+        the next) are on their way to Redis first, and the tidying is done while they travel."""
+        await asyncio.sleep(0)
+        await run.tidy()
 
     def _free(self, held: HeldAttempt, result: RunResult | None) -> None:
         """Give the attempt's slot and GPUs back (the dirty ones into quarantine)."""

@@ -81,6 +81,9 @@ class Run(Protocol):
         """The job's first process has ended (known as soon as the loop sees it)."""
 
     async def run(self) -> RunResult: ...
+    async def tidy(self) -> None:
+        """After `run`: leave what the attempt used (its slot's directories) ready for the next."""
+
     def cancel(self) -> None: ...
     def hand_back(self, now: bool = False) -> None: ...
     def lose(self, why: str) -> None: ...
@@ -255,12 +258,13 @@ class JobRun:
 
     async def run(self) -> RunResult:
         """Run the attempt to its end and say how it ended. If cancelled itself, the job's
-        processes are killed before the CancelledError goes on. The slot's scratch directories
-        are emptied afterwards, however it ended."""
-        try:
-            return await self._run()
-        finally:
-            await self._clear_scratch()
+        processes are killed before the CancelledError goes on. Then `tidy()`, however it ended."""
+        return await self._run()
+
+    async def tidy(self) -> None:
+        """The slot's directories back to a new one's state for its next job, which waits for
+        this (scratch.py): the attempt is over, nothing of it runs."""
+        await self.slot.finish(self._scratch_dirs())
 
     async def _run(self) -> RunResult:
         spec = self.lease.spec
@@ -412,10 +416,6 @@ class JobRun:
         """Empty, real directories for the job, whatever the slot's last job left or did to them
         (scratch.py); with an identity, owned by it (mode 0700: no other slot's job can look in)."""
         await self.slot.prepare(self._scratch_dirs())
-
-    async def _clear_scratch(self) -> None:
-        """The slot's directories back to a new one's state for its next job (scratch.py)."""
-        await self.slot.finish(self._scratch_dirs())
 
     # -- GPUs -------------------------------------------------------------------------------------
 

@@ -40,11 +40,13 @@ class SlotScratch:
         self.owner = owner
         self._fresh: set[Path] = set()  # reset since a job last used them
         self._root_passable = False
+        self._in_use = asyncio.Lock()  # held by a job from its `prepare` to its `finish`
 
     async def prepare(self, dirs: Sequence[Path]) -> None:
-        """Before a job: each of `dirs` as a new one (reset now, unless the last job's end did);
-        from now on the job may change them. With an owner, the slot's own directory is made
-        passable to it (mode 0711, whatever the umask)."""
+        """Before a job: each of `dirs` as a new one (reset now, unless the last job's end did),
+        once the last job's `finish` is done; from now on the job may change them. With an
+        owner, the slot's own directory is made passable to it (mode 0711, whatever the umask)."""
+        await self._in_use.acquire()
         for path in dirs:
             if path not in self._fresh:
                 await self._reset(path)
@@ -54,10 +56,15 @@ class SlotScratch:
             self._root_passable = True
 
     async def finish(self, dirs: Sequence[Path]) -> None:
-        """After a job, nothing of it running any more: each of `dirs` back to a new one's state."""
-        for path in dirs:
-            await self._reset(path)
-            self._fresh.add(path)
+        """After a job, nothing of it running any more: each of `dirs` back to a new one's state;
+        then the slot's next job may have them."""
+        try:
+            for path in dirs:
+                await self._reset(path)
+                self._fresh.add(path)
+        finally:
+            if self._in_use.locked():
+                self._in_use.release()
 
     async def _reset(self, path: Path) -> None:
         # on the worker's own disk, mostly finding the directory as it should be: cheaper inline

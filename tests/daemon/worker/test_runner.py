@@ -37,6 +37,7 @@ async def test_environment_directory_and_outcome(spawner: Spawner, queue: JobQue
     base = {"PATH": os.environ["PATH"], "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD": "secret", "KEEP": "1"}
     run = JobRun(queue, lease, spawner=spawner, data_dir=tmp_path / "data", gpus=gpus, env=base)
     result = await run.run()
+    await run.tidy()
 
     env = dict(line.split("=", 1) for line in out.read_text().splitlines() if "=" in line)
     assert env["GPUPOOL_JOB_ID"] == lease.job_id  # the spec cannot forge the pool's variables
@@ -49,7 +50,7 @@ async def test_environment_directory_and_outcome(spawner: Spawner, queue: JobQue
     assert "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD" not in env  # the worker's settings stay its own
     scratch = out.read_text().splitlines()[-1]
     assert scratch == str(tmp_path / "data" / "slot" / "work")  # the slot's scratch directory
-    assert not Path(scratch).exists() or not any(Path(scratch).iterdir())  # emptied after the attempt
+    assert not Path(scratch).exists() or not any(Path(scratch).iterdir())  # emptied after the attempt, tidied
 
     assert result.ending is Ending.EXITED
     assert result.outcome is not None
