@@ -1,8 +1,10 @@
 """Latency on an idle pool: enqueue -> start and enqueue -> completion recorded, p50/p90/p99/max.
 
 One process runs an embedded Redis, a real PoolServer (listener and metrics on port 0) and the
-executor; jobs are submitted one at a time, `--gap` apart, through the real PoolClient (Enqueue
-over TCP). Two executors, one after the other, on the same pool:
+executor, as `poold` runs a single machine's pool with its local slots; jobs are submitted one at
+a time, `--gap` apart, through the real PoolClient (Enqueue over TCP) by a client in a process of
+its own (`python -m bench.latency --client ADDRESS`), as poolctl is. Two executors, one after the
+other, on the same pool:
 
 - `noop`: the queue alone. A real `Worker` (2 slots) with the bench's no-op executor
   (bench/noop.py: no process): "start" is the moment the attempt began (its lease claimed and
@@ -17,9 +19,9 @@ over TCP). Two executors, one after the other, on the same pool:
   private tsp server, the same `--command-gap` apart; "first act" as above, from just before its
   client was started. The one figure measured the same way for both: submit -> first act.
 
-All times are this process's `time.perf_counter()`, so sub-millisecond and on one clock (the
-job record's `started_at` is Redis time in whole milliseconds: too coarse for a 2 ms target),
-except first act: the real-time clock (ns), which the job reads too.
+All times are CLOCK_MONOTONIC in ns (`time.monotonic_ns()`, one clock for every process of the
+machine), so sub-millisecond (the job record's `started_at` is Redis time in whole milliseconds:
+too coarse for a 2 ms target), except first act: the real-time clock (ns), which the job reads too.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
 import uvloop
 from rich.console import Console
 from rich.table import Table
@@ -53,20 +57,40 @@ from protocol import Enqueue, Enqueued
 QUEUE = "default"
 
 
-async def submit(
-    client: PoolClient, jobs: int, gap: float, spec: dict[str, Any], wall: dict[str, int] | None = None
-) -> dict[str, float]:
-    """Submit `jobs` jobs `gap` apart: when each was sent (perf_counter; and, into `wall`, the
-    real-time clock in ns, the clock a job can read too)."""
-    submitted: dict[str, float] = {}
-    for _ in range(jobs):
-        t0, ns = time.perf_counter(), time.time_ns()
-        reply = await client.call(Enqueue(spec, None), Enqueued)
-        submitted[reply.job_id] = t0
-        if wall is not None:
-            wall[reply.job_id] = ns
-        await asyncio.sleep(gap)
+async def client(address: str, jobs: int, gap: float, spec: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """The client process: submit `jobs` jobs `gap` apart; when each was sent, by job id, on the
+    monotonic clock and on the real-time one (the clock a job can read too), in ns."""
+    submitted: dict[str, tuple[int, int]] = {}
+    async with PoolClient(address, tokens.local_user(), tokens.client_token()) as c:
+        for _ in range(jobs):
+            t0, ns = time.monotonic_ns(), time.time_ns()
+            reply = await c.call(Enqueue(spec, None), Enqueued)
+            submitted[reply.job_id] = (t0, ns)
+            await asyncio.sleep(gap)
     return submitted
+
+
+async def submit(
+    server: PoolServer, jobs: int, gap: float, spec: dict[str, Any], wall: dict[str, int] | None = None
+) -> dict[str, float]:
+    """Submit through a client process of its own: when each job was sent (monotonic seconds; and,
+    into `wall`, the real-time clock in ns)."""
+    assert server.listener is not None
+    argv = [sys.executable, "-m", "bench.latency", "--client", server.listener.address]
+    argv += ["--jobs", str(jobs), "--gap", str(gap), "--spec", orjson.dumps(spec).decode()]
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the bench client failed ({proc.returncode})")
+    sent: dict[str, list[int]] = orjson.loads(out)
+    if wall is not None:
+        wall.update({job_id: ns for job_id, (_, ns) in sent.items()})
+    return {job_id: t0 / 1e9 for job_id, (t0, _) in sent.items()}
+
+
+def now() -> float:
+    """Monotonic seconds, on the clock the client process reads too."""
+    return time.monotonic_ns() / 1e9
 
 
 async def wait_all(done: dict[str, float], ids: dict[str, float], limit: float) -> None:
@@ -79,9 +103,7 @@ def deltas(submitted: dict[str, float], at: dict[str, float]) -> list[float]:
     return [at[j] - t0 for j, t0 in submitted.items() if j in at]
 
 
-async def run_noop(
-    server: PoolServer, client: PoolClient, jobs: int, gap: float, tmp: Path
-) -> dict[str, Any]:
+async def run_noop(server: PoolServer, jobs: int, gap: float, tmp: Path) -> dict[str, Any]:
     assert server.queue is not None
     queue = JobQueue(server.queue.redis)
     started: dict[str, float] = {}
@@ -93,7 +115,7 @@ async def run_noop(
         await asyncio.sleep(0.2)  # the worker is blocked on the stream: the pool is idle
         spec = JobSpec(argv=("true",), queue=QUEUE).to_dict()
         del spec["user"]
-        submitted = await submit(client, jobs, gap, spec)
+        submitted = await submit(server, jobs, gap, spec)
         await wait_all(done, submitted, 30)
     finally:
         await worker.stop(drain_timeout=5)
@@ -103,9 +125,7 @@ async def run_noop(
     }
 
 
-async def run_command(
-    server: PoolServer, client: PoolClient, jobs: int, gap: float, tmp: Path
-) -> dict[str, Any]:
+async def run_command(server: PoolServer, jobs: int, gap: float, tmp: Path) -> dict[str, Any]:
     assert server.queue is not None
     queue = JobQueue(server.queue.redis)
     claimed: dict[str, float] = {}
@@ -116,7 +136,7 @@ async def run_command(
     async def claim_timed(*args: Any, **kwargs: Any) -> list[Lease]:
         leases = await claim_many(*args, **kwargs)
         for lease in leases:
-            claimed[lease.job_id] = time.perf_counter()
+            claimed[lease.job_id] = now()
         return leases
 
     queue.claim_many = claim_timed  # type: ignore[method-assign]
@@ -143,7 +163,7 @@ async def run_command(
     ) -> spawn.Child:
         child = real_spawn(self, argv, cwd=cwd, env=env, identity=identity, cgroup=cgroup)
         if "GPUPOOL_JOB_ID" in env:
-            spawned[env["GPUPOOL_JOB_ID"]] = time.perf_counter()
+            spawned[env["GPUPOOL_JOB_ID"]] = now()
         return child
 
     worker = Worker(queue, data_dir=tmp / "worker", slots=2, queues=[QUEUE], gpus=[])
@@ -154,7 +174,7 @@ async def run_command(
         spec = JobSpec(argv=("date", "+%s%N"), queue=QUEUE).to_dict()
         del spec["user"]
         wall: dict[str, int] = {}
-        submitted = await submit(client, jobs, gap, spec, wall)
+        submitted = await submit(server, jobs, gap, spec, wall)
         await wait_all(done, submitted, 60)
     finally:
         spawn.Spawner.spawn = real_spawn  # type: ignore[method-assign]
@@ -176,11 +196,9 @@ async def measure(jobs: int, gap: float, command_gap: float) -> dict[str, Any]:
         assert server.listener is not None
         assert server.queue is not None
         version = (await server.queue.redis.info("server"))["redis_version"]
-        client = PoolClient(server.listener.address, tokens.local_user(), tokens.client_token())
         data = server.config.data_path()
-        async with client:
-            noop = await run_noop(server, client, jobs, gap, data)
-            command = await run_command(server, client, jobs, command_gap, data)
+        noop = await run_noop(server, jobs, gap, data)
+        command = await run_command(server, jobs, command_gap, data)
     peers: dict[str, Any] = {}
     if task_spooler.TSP is not None:
         first_act = await asyncio.to_thread(task_spooler.latency, jobs, command_gap)
@@ -226,7 +244,13 @@ def main(argv: list[str] | None = None) -> None:
         "and the pool is no longer idle",
     )
     p.add_argument("--quick", action="store_true", help="100 jobs")
+    p.add_argument("--client", metavar="ADDRESS", help=argparse.SUPPRESS)  # the client process
+    p.add_argument("--spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.client:
+        sent = uvloop.run(client(args.client, args.jobs, args.gap, orjson.loads(args.spec)))
+        print(orjson.dumps(sent).decode())
+        return
     result = uvloop.run(measure(100 if args.quick else args.jobs, args.gap, args.command_gap))
     Console().print(table(result))
     print(f"wrote {save('latency', result)}")

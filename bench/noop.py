@@ -18,7 +18,7 @@ DONE = RunResult(Ending.EXITED, Outcome(JobState.SUCCEEDED, exit_code=0))
 
 
 class NoopRun:
-    """One attempt that does nothing; `started` gets its start time (perf_counter) by job id."""
+    """One attempt that does nothing; `started` gets its start time (monotonic) by job id."""
 
     def __init__(self, lease: Lease, gpus: tuple[GpuInfo, ...], started: dict[str, float]) -> None:
         self.lease = lease
@@ -27,7 +27,7 @@ class NoopRun:
         self.exited = False
 
     async def run(self) -> RunResult:
-        self._started[self.lease.job_id] = time.perf_counter()
+        self._started[self.lease.job_id] = time.monotonic()
         self.exited = True
         return DONE
 
@@ -45,12 +45,12 @@ class NoopRun:
 
 
 def record_completions(queue: JobQueue, done: dict[str, float]) -> None:
-    """Instrument `queue` so that `done` gets the time (perf_counter) each `complete` returned."""
+    """Instrument `queue` so that `done` gets the time (monotonic) each `complete` returned."""
     complete: Callable[..., Awaitable[Any]] = queue.complete
 
     async def timed(lease: Lease, *args: Any, **kwargs: Any) -> Any:
         result = await complete(lease, *args, **kwargs)
-        done[lease.job_id] = time.perf_counter()
+        done[lease.job_id] = time.monotonic()
         return result
 
     queue.complete = timed  # type: ignore[method-assign]

@@ -179,7 +179,9 @@ class Session:
             ready = self.conn.state is not State.AWAIT_HELLO and self.conn.state is not State.AWAIT_AUTH
             timeout = self.limits.idle_timeout if ready else handshake_deadline - loop.time()
             try:
-                data = await asyncio.wait_for(self.reader.read(READ_SIZE), max(timeout, 0))
+                # a timeout context, not wait_for: on Python 3.11 that makes a task of every read
+                async with asyncio.timeout(max(timeout, 0)):
+                    data = await self.reader.read(READ_SIZE)
             except TimeoutError:
                 if ready and self.conn.in_flight:
                     continue  # a long request (log follow, wait) is not idleness

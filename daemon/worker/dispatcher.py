@@ -373,14 +373,17 @@ class Worker:
 
     async def _claim(self) -> bool:
         """One claim for every free slot; the jobs claimed are started (or given back, when the
-        drain began meanwhile). True when anything was claimed."""
+        drain began meanwhile). True when the queues may have more for this worker now: a claim
+        that got fewer jobs than it asked for found its queues empty (or their heads waiting for
+        GPUs), and the next one waits for work rather than ask again at once."""
         watch = self.queue.watch
         generation = watch.generation if watch is not None else 0
         sent = boottime()
+        wanted = self.slots - self._busy()
         leases = await self.queue.claim_many(
             self.id,
             self.queues,
-            self.slots - self._busy(),
+            wanted,
             self.allocator.free_count(),
             self.allocator.share,
             gpus_total=len(self.allocator.gpus),
@@ -408,7 +411,7 @@ class Worker:
             return True
         for lease in leases:
             self._launch(lease, deadline)
-        return True
+        return len(leases) == wanted
 
     async def _wait_for_work(self) -> None:
         """Block until a queue gets a new entry, or `_wake` is set (whichever comes first)."""
@@ -417,9 +420,11 @@ class Worker:
         try:
             await asyncio.wait({read, woken}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            # Cancelling a blocked XREAD makes redis-py drop its connection: a clean state.
+            # Cancelling a blocked XREAD makes redis-py drop its connection: a clean state. The
+            # wait for `_wake` holds nothing: cancelled, it ends in the next turn by itself, and
+            # the claim need not wait for it.
+            woken.cancel()
             await cancel_and_wait(read)
-            await cancel_and_wait(woken)
         if not read.cancelled() and (exc := read.exception()) is not None:
             raise exc
 
