@@ -285,15 +285,14 @@ class JobQueue(QueueReads):
     async def _claim_call(
         self, worker: str, q: str, request: int, count: int, gpus: tuple[int, int, int]
     ) -> tuple[bytes, tuple[str, str], list[Lease]]:
-        """One claim.lua call; `gpus` is (free, default per job, total). It goes through the
-        Pipeliner with the other calls of its turn: a slot freed by a job's end claims in the turn
-        that job's outcome is recorded, so both share one round trip (one wakeup of Redis and one
-        of the worker, where two cost more than the outcome's script makes the claim wait)."""
+        """One claim.lua call; `gpus` is (free, default per job, total). It goes ahead of the other
+        calls (scripts.Pipeliner): the outcome of the job whose slot it fills follows it."""
         free, default, total = gpus
         status, stream_cursor, wake_cursor, *claimed = await self._call(
             self.scripts.claim,
             [keys.stream(q), keys.retry(q), keys.leases(q), keys.claims(q, worker), keys.parked(q)],
             [keys.queue_prefix(q), keys.GROUP, worker, free, self.lease_ms, default, count, total, request],
+            ahead=True,
         )
         leases = []
         for job_id, attempt, lease_id, packed in (claimed[i : i + 4] for i in range(0, len(claimed), 4)):

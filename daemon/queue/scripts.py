@@ -11,9 +11,9 @@ missing scripts and re-sends the calls that were refused, which therefore never 
 `Pipeliner` batches without being asked (auto-pipelining, as ioredis and node-redis offer): script
 calls made in the same turn of the event loop go out together, as ScriptBatches of up to MAX_BATCH
 calls side by side (a lone call as a plain EVALSHA). The completes of attempts that end together
-share a round trip, and so do a job's outcome and the claim of the slot it freed. No call waits
-for a timer: the first call of a turn starts the batch's sender, whose first step (the next turn)
-takes every call made until then and writes them at once.
+share a round trip. No call waits for a timer: the first call of a turn starts the batch's
+sender, whose first step (the next turn) takes every call made until then and writes them at
+once. A claim goes ahead of the others, alone (`submit`'s `ahead` says why).
 """
 
 from __future__ import annotations
@@ -151,20 +151,30 @@ class Pipeliner:
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
         self._pending: list[Call] = []
+        self._ahead: list[Call] = []  # calls that go before the others (`submit(ahead=True)`)
+        self._ahead_answered: asyncio.Future[None] | None = None  # while those are in flight
         self._in_flight: set[asyncio.Task[None]] = set()
 
-    async def __call__(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        return await self.submit(script, keys, args)
+    async def __call__(
+        self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any], *, ahead: bool = False
+    ) -> Any:
+        return await self.submit(script, keys, args, ahead=ahead)
 
-    def submit(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> asyncio.Future[Any]:
-        """Queue one call for this turn's batch; its reply, or its error, comes in the future."""
+    def submit(
+        self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any], *, ahead: bool = False
+    ) -> asyncio.Future[Any]:
+        """Queue one call for this turn's batch; its reply, or its error, comes in the future.
+        `ahead`: a call on the path to a job's start (a claim), which no other script may delay:
+        it travels in a batch of its own, and the calls made with it or while it is in flight
+        leave once it is answered (Redis answers a batch once it has run it all, and then a claim
+        would wait for the outcome of the job whose slot it fills)."""
         loop = asyncio.get_running_loop()
-        if not self._pending:
+        if not self._pending and not self._ahead:
             # The batch's sender, which takes every call made before its first step (in this
             # turn, and those ahead of it in the next) and writes them at once.
             self._own(loop.create_task(self._send_pending()))
         future: asyncio.Future[Any] = loop.create_future()
-        self._pending.append((script, keys, args, future))
+        (self._ahead if ahead else self._pending).append((script, keys, args, future))
         return future
 
     def _own(self, task: asyncio.Task[None]) -> None:
@@ -173,6 +183,15 @@ class Pipeliner:
 
     async def _send_pending(self) -> None:
         # A caller cancelled before its batch left: its call is dropped, never sent.
+        ahead, self._ahead = [c for c in self._ahead if not c[3].done()], []
+        if ahead:
+            answered = self._ahead_answered = asyncio.get_running_loop().create_future()
+            try:
+                await self._send(ahead)
+            finally:
+                answered.set_result(None)
+        if self._ahead_answered is not None and not self._ahead_answered.done():
+            await asyncio.shield(self._ahead_answered)  # another sender's, still on its way
         calls, self._pending = [c for c in self._pending if not c[3].done()], []
         # Batches of at most MAX_BATCH calls, each on its own connection: a caller waits for its
         # batch's replies to be read, so a huge batch would make every caller in it wait long.

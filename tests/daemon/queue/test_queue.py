@@ -172,11 +172,11 @@ async def test_claim_many_keeps_what_it_claimed_when_a_later_queue_fails(
     await queue.enqueue(spec(queue="second"))
     call, calls = queue._call, [0]
 
-    async def second_call_fails(*args: Any) -> Any:
+    async def second_call_fails(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         if calls[0] == 2:
             raise RedisConnectionError("connection lost")
-        return await call(*args)
+        return await call(*args, **kwargs)
 
     monkeypatch.setattr(queue, "_call", second_call_fails)
     got = await queue.claim_many("w1", ["first", "second"], 2)

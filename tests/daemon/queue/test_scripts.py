@@ -47,6 +47,24 @@ async def test_calls_made_in_one_turn_share_round_trips_and_each_gets_its_answer
     assert len(made) == 5  # and the read of the list
 
 
+async def test_a_call_ahead_travels_alone_and_the_calls_made_with_it_follow_its_answer(
+    redis: Redis,
+) -> None:
+    """A claim goes ahead (`submit(ahead=True)`): Redis answers a batch once it has run all of it,
+    so batched with the outcome of the job whose slot it fills, its reply would wait for that
+    script. It goes alone, first; the calls made with it, and while it is in flight, after."""
+    call = Pipeliner(redis)
+    echo = redis.register_script("redis.call('RPUSH', KEYS[1], ARGV[1]); return ARGV[1]")
+    await redis.script_load(echo.script)
+    made = counting_round_trips(redis)
+    before = call(echo, ["order"], ["outcome"])  # made first, in the same turn
+    claim = call(echo, ["order"], ["claim"], ahead=True)
+    after = call(echo, ["order"], ["log"])
+    assert list(await asyncio.gather(before, claim, after)) == [b"outcome", b"claim", b"log"]
+    assert len(made) == 2  # the claim alone, then the other two together
+    assert await redis.lrange("order", 0, -1) == [b"claim", b"outcome", b"log"]
+
+
 async def test_an_error_goes_to_its_caller_alone(redis: Redis) -> None:
     call = Pipeliner(redis)
     ok = redis.register_script("return ARGV[1]")
