@@ -165,6 +165,15 @@ OPTIONS: tuple[Option, ...] = (
         "seconds between SIGTERM and SIGKILL when a job is stopped (cancel, timeout, drain)",
         lo=0,
     ),
+    Option(
+        "job_nice",
+        int,
+        5,
+        "how much nicer than the worker its jobs run (0-19): the pool's own work (heartbeats, "
+        "claims, Redis) is never starved by the jobs it runs",
+        lo=0,
+        hi=19,
+    ),
     Option("job_retention", float, 7 * 24 * 3600.0, "seconds finished jobs are kept", lo=60),
     Option(
         "job_log_max_bytes",
@@ -268,6 +277,7 @@ class Config:
     job_uid_range: str
     drain_timeout: float
     kill_grace: float
+    job_nice: int
     job_retention: float
     job_log_max_bytes: int
     dead_worker_retention: float

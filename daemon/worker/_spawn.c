@@ -23,6 +23,7 @@ thread's own while their memory is shared):
     (cgroup)                   born in the slot's cgroup (CLONE_INTO_CGROUP), or joining it first
     signals                    every disposition back to the default, then an empty mask
     setsid                     a session, and so a process group, of its own
+    (nice)                     nicer than the worker: the pool's own work is never starved by jobs
     0, 1, 2                    stdin, and stdout+stderr into the job's output pipe
     close_range(3, ~0)         nothing else of the worker's
     (with a uid) no_new_privs, no bounding or ambient capabilities, no supplementary groups,
@@ -65,6 +66,7 @@ worker waits for it a moment at most, then kills it, and never waits for it othe
 #include <sys/sem.h>
 #include <sys/shm.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -82,6 +84,7 @@ worker waits for it a moment at most, then kills it, and never waits for it othe
 #define GP_CLONE_INTO_CGROUP 0x200000000ULL /* <linux/sched.h>, Linux 5.7 */
 #define STACK_BYTES (64 * 1024)             /* the child's stack, at the top of its mapping */
 #define CHILD_STATUS 127                    /* a child that could not start exits with this */
+#define NO_NICE (-100)                      /* keep the worker's niceness */
 
 /* One child's mapping: this header, its plan's arrays and strings, then its stack. */
 struct birth {
@@ -96,6 +99,7 @@ struct birth {
     const char *cwd;
     int stdin_fd, out_fd, cgroup_fd; /* cgroup_fd: the cgroup's directory, or -1 */
     int join;                         /* the child joins the cgroup first thing (cgroup.procs) */
+    int nice;                         /* its niceness; NO_NICE: the worker's */
     long uid, gid;                    /* -1: keep the worker's */
 };
 
@@ -256,6 +260,8 @@ static int job_child(void *arg)
     k_default_signals();
     if ((r = k_call(SYS_setsid, 0, 0, 0, 0, 0)) < 0)
         fail(b, r);
+    if (b->nice != NO_NICE && (r = k_call(SYS_setpriority, PRIO_PROCESS, 0, b->nice, 0, 0)) < 0)
+        fail(b, r);
     if ((r = k_dup_onto(b->stdin_fd, 0)) < 0 || (r = k_dup_onto(b->out_fd, 1)) < 0 ||
         (r = k_dup_onto(b->out_fd, 2)) < 0)
         fail(b, r);
@@ -367,6 +373,7 @@ static struct birth *new_birth(size_t extra)
     b->size = size;
     b->alive = 1;
     b->stdin_fd = b->out_fd = b->cgroup_fd = -1;
+    b->nice = NO_NICE;
     b->uid = b->gid = -1;
     return b;
 }
@@ -472,12 +479,13 @@ static char **take_array(char **at, PyObject *seq)
 }
 
 PyDoc_STRVAR(spawn_doc,
-"spawn(paths, argv, envp, cwd, stdin_fd, out_fd, uid, gid, cgroup_fd, born_in) -> (pid, pidfd)\n\n"
+"spawn(paths, argv, envp, cwd, stdin_fd, out_fd, uid, gid, cgroup_fd, born_in, nice) -> (pid, pidfd)\n\n"
 "Start the first of `paths` that execs (bytes each; argv and envp lists of bytes, envp as\n"
 "b'KEY=value') in `cwd`, in a session of its own, with stdin from `stdin_fd` and stdout and\n"
 "stderr into `out_fd`, as `uid`/`gid` unless -1 (then without privileges to gain), in the cgroup\n"
 "whose directory is open as `cgroup_fd` unless -1: born in it if `born_in` (where the kernel\n"
-"can), else joining it first thing. Returns at once (x86-64); whether it could start, `reap`\n"
+"can), else joining it first thing, at niceness `nice` unless -100 (the caller's). Returns at\n"
+"once (x86-64); whether it could start, `reap`\n"
 "tells. pidfd is -1 on a kernel without pidfds. Raises OSError when no process could be made.");
 
 static PyObject *spawn(PyObject *self, PyObject *args)
@@ -485,11 +493,15 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     PyObject *paths_obj, *argv_obj, *envp_obj;
     const char *cwd;
     Py_ssize_t cwd_len;
-    int stdin_fd, out_fd, cgroup_fd, born_in;
+    int stdin_fd, out_fd, cgroup_fd, born_in, nice;
     long uid, gid;
-    if (!PyArg_ParseTuple(args, "OOOy#iillip", &paths_obj, &argv_obj, &envp_obj, &cwd, &cwd_len, &stdin_fd,
-                          &out_fd, &uid, &gid, &cgroup_fd, &born_in))
+    if (!PyArg_ParseTuple(args, "OOOy#iillipi", &paths_obj, &argv_obj, &envp_obj, &cwd, &cwd_len, &stdin_fd,
+                          &out_fd, &uid, &gid, &cgroup_fd, &born_in, &nice))
         return NULL;
+    if (nice != NO_NICE && (nice < -20 || nice > 19)) {
+        PyErr_SetString(PyExc_ValueError, "spawn: a niceness from -20 to 19, or -100 (the caller's)");
+        return NULL;
+    }
     if ((uid != -1 || gid != -1) && !(uid > 0 && uid < 0xFFFFFFFFL && gid > 0 && gid < 0xFFFFFFFFL)) {
         /* never root, never -1 (which setres*id reads as "keep") */
         PyErr_SetString(PyExc_ValueError, "spawn: a uid and gid, both above 0, or neither (-1)");
@@ -530,6 +542,7 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     b->cgroup_fd = cgroup_fd;
     b->uid = uid;
     b->gid = gid;
+    b->nice = nice;
     int pidfd;
     pid_t pid = start(b, job_child, born_in, &pidfd);
     if (pid < 0) {

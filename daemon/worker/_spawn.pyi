@@ -12,6 +12,7 @@ def spawn(
     gid: int,
     cgroup_fd: int,
     born_in: bool,
+    nice: int,
     /,
 ) -> tuple[int, int]: ...
 def sweep(uid: int, gid: int, /) -> tuple[int, int]: ...

@@ -103,6 +103,7 @@ class Worker:
         heartbeat_seconds: float = 30.0,
         drain_timeout: float = 60.0,
         kill_grace: float = 10.0,
+        job_nice: int = 0,
         gpus: Sequence[GpuInfo] | None = None,
         probe: GpuProbe | None = None,
         worker_id: str | None = None,
@@ -149,7 +150,7 @@ class Worker:
             id=self.id, slots=slots, queues=self.queues, healthy_period=queue.lease_ms / 1000
         )
         # directories, uids, cgroups, the spawner and the orphan guard (slots.py)
-        self._slots = Slots(self.data_dir, self.id, slots, self.identities)
+        self._slots = Slots(self.data_dir, self.id, slots, self.identities, job_nice)
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known
         self._nvml: Nvml | None = None
         self._held = Holdings(self._slots.guard)  # every attempt this worker holds, by lease id
@@ -186,6 +187,7 @@ class Worker:
             heartbeat_seconds=config.heartbeat_seconds,
             drain_timeout=config.drain_timeout,
             kill_grace=config.kill_grace,
+            job_nice=config.job_nice,
             store=store,
             cache_bytes=config.worker_cache_bytes,
             identities=slot_identities(config.job_uid_range, n),

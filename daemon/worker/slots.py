@@ -29,10 +29,16 @@ log = logging.getLogger(__name__)
 
 class Slots:
     """`count` slots of worker `worker_id` under `data_dir`; `identities`: one uid per slot, or
-    None (the jobs run as the worker's own). `open()` once, `close()` at the end (safe twice)."""
+    None (the jobs run as the worker's own); `job_nice`: how much nicer than the worker its jobs
+    run. `open()` once, `close()` at the end (safe twice)."""
 
     def __init__(
-        self, data_dir: Path, worker_id: str, count: int, identities: Sequence[SlotIdentity] | None
+        self,
+        data_dir: Path,
+        worker_id: str,
+        count: int,
+        identities: Sequence[SlotIdentity] | None,
+        job_nice: int = 0,
     ) -> None:
         self.data_dir = data_dir
         self.worker_id = worker_id
@@ -44,7 +50,7 @@ class Slots:
             for n in range(count)
         ]
         self.guard = OrphanGuard(f"GPUPOOL_WORKER={worker_id}", [i.uid for i in self.identities or ()])
-        self.spawner = Spawner()
+        self.spawner = Spawner(job_nice)
         self.cgroups: SlotCgroups | None = None  # one per slot, where the kernel lets us (at open)
 
     def dir(self, slot: int) -> Path:

@@ -81,7 +81,10 @@ class Spawner:
     """Starts the worker's jobs, watches them, and ends what each left. `close()` at the end,
     once every job has ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, job_nice: int = 0) -> None:
+        """`job_nice`: how much nicer than this process its jobs run (their niceness, which they
+        may raise but never lower again)."""
+        self.nice = min(os.getpriority(os.PRIO_PROCESS, 0) + job_nice, 19) if job_nice else None
         self._devnull = os.open(os.devnull, os.O_RDONLY)  # every job's stdin
         self._swept: uid_sweep.Swept = {}  # uid_sweep.sweep_shared's memory
         self._ends = TaskSet("ending job %s failed; its end is taken as now")  # ends that must wait
@@ -116,6 +119,7 @@ class Spawner:
                 identity.gid if identity is not None else -1,
                 place,
                 born_in,
+                -100 if self.nice is None else self.nice,
             )
         except ValueError as exc:  # a NUL byte (the server refuses such specs): no exec could take it
             os.close(read)

@@ -99,7 +99,7 @@ def test_a_job_is_born_in_its_cgroup_and_never_runs_outside_one(tmp_path: Path) 
             with out.open("wb") as sink:
                 pid, pidfd = _spawn.spawn(
                     [b"/bin/sh"], [b"sh", b"-c", b"cat /proc/self/cgroup"], [], b"/", devnull,
-                    sink.fileno(), -1, -1, cgroup_dir, born_in,
+                    sink.fileno(), -1, -1, cgroup_dir, born_in, -100,
                 )  # fmt: skip
                 assert _spawn.reap(pid, pidfd, True) == (0, 0)
                 os.close(pidfd)
@@ -110,7 +110,7 @@ def test_a_job_is_born_in_its_cgroup_and_never_runs_outside_one(tmp_path: Path) 
         started: tuple[int | None, int | None] | None
         try:
             pid, pidfd = _spawn.spawn(
-                [b"/bin/true"], [b"true"], [], b"/", devnull, 1, -1, -1, not_a_cgroup, True
+                [b"/bin/true"], [b"true"], [], b"/", devnull, 1, -1, -1, not_a_cgroup, True, -100
             )
             started = _spawn.reap(pid, pidfd, True)
             os.close(pidfd)

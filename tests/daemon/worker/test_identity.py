@@ -141,6 +141,24 @@ async def test_nothing_of_a_job_outlives_it_however_it_escaped(
     assert [p.pid for p in psutil.process_iter() if p.uids().real in uids and p.status() != "zombie"] == []
 
 
+async def test_a_job_cannot_make_itself_less_nice_than_the_configured_niceness(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """Jobs run nicer than their worker (`job_nice`), so that the pool's own work is not starved;
+    a job's uid cannot undo that (only root may lower a niceness)."""
+    data = Path(tempfile.mkdtemp(prefix="gpupool-worker-"))
+    data.chmod(0o711)
+    worker_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        identities = slot_identities(f"{FIRST_UID}-{FIRST_UID + 1}", 2)
+        async with running_worker(queue, data / "w", slots=2, identities=identities, job_nice=5):
+            info = await run(queue, f"renice -n {worker_nice} -p $$; ps -o ni= -p $$")
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+    assert info.state is JobState.SUCCEEDED
+    assert (await output(queue, info)).split()[-1] == str(worker_nice + 5), await output(queue, info)
+
+
 async def test_a_worker_whose_slots_its_uids_cannot_reach_refuses_to_start(
     queue: JobQueue, tmp_path: Path
 ) -> None:
@@ -351,4 +369,4 @@ def test_the_c_module_refuses_root_and_keep_as_a_slots_ids(uid: int, gid: int) -
     with pytest.raises(ValueError, match="above 0"):
         _spawn.sweep(uid, gid)
     with pytest.raises(ValueError, match="above 0"):
-        _spawn.spawn([b"/bin/true"], [b"true"], [], b"/", 0, 1, uid, gid, -1, False)
+        _spawn.spawn([b"/bin/true"], [b"true"], [], b"/", 0, 1, uid, gid, -1, False, -100)

@@ -155,6 +155,18 @@ async def test_many_processes_leave_no_descriptors_or_mappings(spawner: Spawner,
     assert (open_fds(), mappings()) == before
 
 
+@pytest.mark.parametrize("job_nice", [0, 5])
+async def test_a_job_runs_as_much_nicer_than_the_worker_as_configured(tmp_path: Path, job_nice: int) -> None:
+    """The pool's own work (heartbeats, claims, Redis) must not be starved by the jobs it runs."""
+    spawner = Spawner(job_nice)
+    try:
+        child = spawner.spawn(["sh", "-c", "ps -o ni= -p $$"], cwd=tmp_path, env=ENV)
+        assert int(await output_of(child)) == os.getpriority(os.PRIO_PROCESS, 0) + job_nice
+        assert await child.wait() == 0
+    finally:
+        await spawner.close()
+
+
 async def test_without_pidfds_a_thread_waits_for_the_job(
     spawner: Spawner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
