@@ -182,22 +182,30 @@ class Pipeliner:
         task.add_done_callback(self._in_flight.discard)
 
     async def _send_pending(self) -> None:
-        # A caller cancelled before its batch left: its call is dropped, never sent.
-        ahead, self._ahead = [c for c in self._ahead if not c[3].done()], []
-        if ahead:
-            answered = self._ahead_answered = asyncio.get_running_loop().create_future()
-            try:
-                await self._send(ahead)
-            finally:
-                answered.set_result(None)
-        if self._ahead_answered is not None and not self._ahead_answered.done():
-            await asyncio.shield(self._ahead_answered)  # another sender's, still on its way
-        calls, self._pending = [c for c in self._pending if not c[3].done()], []
-        # Batches of at most MAX_BATCH calls, each on its own connection: a caller waits for its
-        # batch's replies to be read, so a huge batch would make every caller in it wait long.
-        for start in range(MAX_BATCH, len(calls), MAX_BATCH):
-            self._own(asyncio.ensure_future(self._send(calls[start : start + MAX_BATCH])))
-        await self._send(calls[:MAX_BATCH])
+        """Send what is queued, the calls ahead first, until nothing is left: a call queued while
+        this sender waits (while another sender is between its steps, no new one is started)."""
+        while True:
+            # A caller cancelled before its batch left: its call is dropped, never sent.
+            ahead, self._ahead = [c for c in self._ahead if not c[3].done()], []
+            if ahead:
+                answered = self._ahead_answered = asyncio.get_running_loop().create_future()
+                try:
+                    await self._send(ahead)
+                finally:
+                    answered.set_result(None)
+                await asyncio.sleep(0)  # its callers go on first (a job's start), then the rest
+                continue
+            if self._ahead_answered is not None and not self._ahead_answered.done():
+                await asyncio.shield(self._ahead_answered)  # another sender's, still on its way
+                continue
+            calls, self._pending = [c for c in self._pending if not c[3].done()], []
+            if not calls:
+                return
+            # Batches of at most MAX_BATCH calls, each on its own connection: a caller waits for
+            # its batch's replies to be read, so a huge batch would make every caller wait long.
+            for start in range(MAX_BATCH, len(calls), MAX_BATCH):
+                self._own(asyncio.ensure_future(self._send(calls[start : start + MAX_BATCH])))
+            await self._send(calls[:MAX_BATCH])
 
     async def _send(self, calls: list[Call]) -> None:
         batch = ScriptBatch(self.redis)

@@ -65,6 +65,20 @@ async def test_a_call_ahead_travels_alone_and_the_calls_made_with_it_follow_its_
     assert await redis.lrange("order", 0, -1) == [b"claim", b"outcome", b"log"]
 
 
+async def test_a_call_made_ahead_while_a_sender_is_between_its_batches_is_sent(redis: Redis) -> None:
+    """The next claim may be made as soon as the last one is answered, while its sender is yet to
+    send the calls that followed it: that sender must look again, or the claim waits for ever."""
+    call = Pipeliner(redis)
+    echo = redis.register_script("return ARGV[1]")
+    await redis.script_load(echo.script)
+    first = call.submit(echo, [], ["claim 1"], ahead=True)
+    outcome = call.submit(echo, [], ["outcome"])
+    assert await first == b"claim 1"  # its sender has the outcome still to send
+    second = call.submit(echo, [], ["claim 2"], ahead=True)
+    assert await asyncio.wait_for(second, 5) == b"claim 2"
+    assert await outcome == b"outcome"
+
+
 async def test_an_error_goes_to_its_caller_alone(redis: Redis) -> None:
     call = Pipeliner(redis)
     ok = redis.register_script("return ARGV[1]")
