@@ -440,6 +440,27 @@ static pid_t start(struct birth *b, int (*fn)(void *), int born_in, int *pidfd)
     return (pid_t)pid;
 }
 
+/* Start `fn` on `b` and keep `b` among the births: (pid, pidfd), or NULL with an exception set. */
+static PyObject *give_birth(struct birth *b, int (*fn)(void *), int born_in)
+{
+    int pidfd;
+    pid_t pid = start(b, fn, born_in, &pidfd);
+    if (pid < 0) {
+        retire(b);
+        return NULL;
+    }
+    b->pid = pid;
+    b->next = births;
+    births = b;
+    return Py_BuildValue("(ii)", (int)pid, pidfd);
+}
+
+/* A slot's id: never root, never -1 (which setres*id reads as "keep"). */
+static int valid_id(long id)
+{
+    return id > 0 && id < 0xFFFFFFFFL;
+}
+
 /* -- the module's functions ------------------------------------------------------------------ */
 
 /* Bytes in `seq` (a list or tuple of bytes without NUL), copied into `*at` and listed in `out`
@@ -502,8 +523,7 @@ static PyObject *spawn(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "spawn: a niceness from -20 to 19, or -100 (the caller's)");
         return NULL;
     }
-    if ((uid != -1 || gid != -1) && !(uid > 0 && uid < 0xFFFFFFFFL && gid > 0 && gid < 0xFFFFFFFFL)) {
-        /* never root, never -1 (which setres*id reads as "keep") */
+    if ((uid != -1 || gid != -1) && !(valid_id(uid) && valid_id(gid))) {
         PyErr_SetString(PyExc_ValueError, "spawn: a uid and gid, both above 0, or neither (-1)");
         return NULL;
     }
@@ -543,16 +563,7 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     b->uid = uid;
     b->gid = gid;
     b->nice = nice;
-    int pidfd;
-    pid_t pid = start(b, job_child, born_in, &pidfd);
-    if (pid < 0) {
-        retire(b);
-        return NULL;
-    }
-    b->pid = pid;
-    b->next = births;
-    births = b;
-    return Py_BuildValue("(ii)", (int)pid, pidfd);
+    return give_birth(b, job_child, born_in);
 }
 
 PyDoc_STRVAR(sweep_doc,
@@ -565,8 +576,7 @@ static PyObject *sweep(PyObject *self, PyObject *args)
     long uid, gid;
     if (!PyArg_ParseTuple(args, "ll", &uid, &gid))
         return NULL;
-    if (!(uid > 0 && uid < 0xFFFFFFFFL && gid > 0 && gid < 0xFFFFFFFFL)) {
-        /* kill(-1) as root would end the machine */
+    if (!valid_id(uid) || !valid_id(gid)) { /* kill(-1) as root would end the machine */
         PyErr_SetString(PyExc_ValueError, "sweep needs a uid and a gid above 0");
         return NULL;
     }
@@ -576,16 +586,7 @@ static PyObject *sweep(PyObject *self, PyObject *args)
         return NULL;
     b->uid = uid;
     b->gid = gid;
-    int pidfd;
-    pid_t pid = start(b, sweeper_child, 0, &pidfd);
-    if (pid < 0) {
-        retire(b);
-        return NULL;
-    }
-    b->pid = pid;
-    b->next = births;
-    births = b;
-    return Py_BuildValue("(ii)", (int)pid, pidfd);
+    return give_birth(b, sweeper_child, 0);
 }
 
 PyDoc_STRVAR(reap_doc,

@@ -109,6 +109,9 @@ async def test_a_program_that_cannot_start_ends_saying_why_and_leaks_nothing(
     spawner: Spawner, tmp_path: Path, argv: list[str], where: str, code: int
 ) -> None:
     (tmp_path / "not-executable").write_text("echo no\n")
+    warm = spawner.spawn(["true"], cwd=tmp_path, env=ENV)  # a mapping kept for the next child
+    await output_of(warm)
+    await warm.wait()
     before = open_fds(), mappings()
     child = spawner.spawn(argv, cwd=tmp_path / where, env=ENV)
     assert await output_of(child) == b""
