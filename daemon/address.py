@@ -20,6 +20,17 @@ def parse_host_port(text: str, *, default_host: str | None = None) -> tuple[str,
     return host, int(port)
 
 
+def parse_host_ports(texts: list[str]) -> list[tuple[str, int]]:
+    """Each of `texts` as (host, port) (a list option's addresses); ValueError naming the bad one."""
+    out = []
+    for text in texts:
+        try:
+            out.append(parse_host_port(text))
+        except ValueError as exc:
+            raise ValueError(f"{text!r}: {exc}") from None
+    return out
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from daemon.address import SERVER_PORT, parse_host_port
+from daemon.address import SERVER_PORT, parse_host_port, parse_host_ports
 from daemon.errors import ConfigError
 
 ENV_PREFIX = "GPUPOOL_"
@@ -56,7 +56,7 @@ class Option:
     hi: float | None = None
     choices: tuple[str, ...] = ()
     secret: bool = False
-    check: Callable[[str], object] | None = None  # extra validation of a string value
+    check: Callable[[Any], object] | None = None  # extra validation of a value of the type
 
     def expected(self) -> str:
         if self.choices:
@@ -84,6 +84,34 @@ OPTIONS: tuple[Option, ...] = (
     Option("redis_db", int, 0, "Redis database number", lo=0, hi=15),
     Option("redis_username", str, "", "Redis ACL user (empty: the default user)"),
     Option("main_server_redis_password", str, "", "Redis password", secret=True),
+    Option(
+        "redis_sentinels",
+        list,
+        [],
+        "Redis Sentinel addresses HOST:PORT (multinode): the primary is asked of them, and found "
+        "again after a failover; redis_ip and redis_port are then unused",
+        check=parse_host_ports,
+    ),
+    Option("redis_sentinel_master", str, "gpupool", "the name the sentinels monitor the pool's Redis by"),
+    Option("redis_sentinel_password", str, "", "password of the sentinels themselves", secret=True),
+    Option(
+        "redis_min_replicas_ack",
+        int,
+        0,
+        "replicas a submit and a job's outcome must reach (WAIT) before they are acknowledged; "
+        "0: the primary's word is enough",
+        lo=0,
+        hi=64,
+    ),
+    Option(
+        "redis_replicas_ack_timeout",
+        float,
+        1.0,
+        "seconds a write waits for redis_min_replicas_ack replicas; one that does not reach them "
+        "fails, saying so",
+        lo=0.001,
+        hi=60,
+    ),
     Option(
         "redis_appendfsync",
         str,
@@ -261,6 +289,11 @@ class Config:
     redis_db: int
     redis_username: str
     main_server_redis_password: str
+    redis_sentinels: list[str]
+    redis_sentinel_master: str
+    redis_sentinel_password: str
+    redis_min_replicas_ack: int
+    redis_replicas_ack_timeout: float
     redis_appendfsync: str
     main_server_minio_address: str
     main_server_minio_access_key_id: str
@@ -374,7 +407,22 @@ def load(
                 renamed.append(f"{source}: {key} is now called {new}; rename it there")
                 layer[i] = (new, raw, source, is_text)
         _apply(values, sources, layer)
-    return Config(**values, sources=sources, renamed=tuple(renamed))
+    loaded = Config(**values, sources=sources, renamed=tuple(renamed))
+    _check_together(loaded)
+    return loaded
+
+
+def _check_together(c: Config) -> None:
+    """Refuse options that cannot work together, saying what to do instead."""
+    if c.embedded:  # its own Redis: one node, no sentinels, no replicas
+        for name in ("redis_sentinels", "redis_min_replicas_ack"):
+            if getattr(c, name):
+                raise ConfigError(
+                    name,
+                    c.sources[name],
+                    "a singlenode pool runs its own Redis, which has no sentinels and no replicas: "
+                    "set worker_mode = multinode with the pool's Redis, or leave this unset",
+                )
 
 
 # A layer is a list of (key, raw value, source description, is_text) where is_text means the value
@@ -477,7 +525,11 @@ def _convert(option: Option, raw: Any, source: str, is_text: bool) -> Any:
 def _coerce(option: Option, raw: Any, is_text: bool) -> Any:
     if option.type is list:
         value = [part.strip() for part in raw.split(",") if part.strip()] if is_text else raw
-        ok = isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)
+        ok = (
+            isinstance(value, list)
+            and (value or option.default == [])
+            and all(isinstance(v, str) and v for v in value)
+        )
         return value if ok else None
     if is_text and option.type is not str:
         return _parse_text(option.type, raw)

@@ -95,3 +95,21 @@ class StaleAttempt(GpupoolError):
 
 class RedisUnavailable(GpupoolError):
     code = ErrorCode.UNAVAILABLE
+
+
+class NotReplicated(GpupoolError):
+    """A write reached the primary Redis but not the replicas it must reach to be acknowledged
+    (redis_min_replicas_ack): the primary's loss now could lose it. The request is safe to repeat:
+    an enqueue with its idempotency key, an outcome by its lease."""
+
+    code = ErrorCode.UNAVAILABLE
+
+    def __init__(self, acked: int, wanted: int, timeout_ms: int) -> None:
+        super().__init__(
+            f"written to the pool's Redis primary, but only {acked} of the {wanted} replicas it must "
+            f"reach (redis_min_replicas_ack) had it within {timeout_ms} ms, so it is not acknowledged: "
+            "if the primary failed now it could be lost. It may be kept all the same: try again (an "
+            "enqueue with the same --key gives the same job back); if this goes on, check the replicas"
+        )
+        self.acked = acked
+        self.wanted = wanted

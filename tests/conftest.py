@@ -4,6 +4,8 @@
   the embedded default, with `appendfsync always`; `redis_server.kill()` + `.start()` is a crash and
   restart on the same AOF.
 - `s3_server`: a SeaweedFS S3 endpoint (`weed mini`) per session, with static credentials.
+- `sentinel_group`: a primary, a replica and three sentinels (tests/support/sentinel.py), each a
+  redis-server process of the same binary; `kill(primary())` is the primary machine's death.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from daemon.worker.spawn import Spawner
 from storage.s3 import S3Store
 from tests.support.pool import Pool, running_pool
 from tests.support.s3server import S3Server
+from tests.support.sentinel import SentinelGroup
 
 
 def pytest_asyncio_loop_factories(
@@ -109,6 +112,21 @@ def redis_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def sentinel_group(tmp_path: Path) -> Iterator[SentinelGroup]:
+    """A primary, one replica, three sentinels."""
+    with SentinelGroup(tmp_path / "sentinel") as group:
+        yield group
+
+
+@pytest.fixture
+def sentinel_group_of_three(tmp_path: Path) -> Iterator[SentinelGroup]:
+    """A primary and two replicas: after a failover the new primary still has a replica, so
+    writes that must reach one (redis_min_replicas_ack = 1) still can."""
+    with SentinelGroup(tmp_path / "sentinel3", replicas=2) as group:
+        yield group
 
 
 @pytest.fixture

@@ -23,14 +23,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import time
+from collections.abc import Sequence
 from typing import Any
 
 import hiredis
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection, Connection
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 
@@ -48,7 +50,7 @@ def block_limit(redis: Redis) -> float:
     return float("inf") if timeout is None else float(timeout) / 2
 
 
-class PackedConnection(Connection):
+class _Packed(AbstractConnection):
     """redis-py's asyncio connection with its commands packed by hiredis (C), byte for byte as
     its own Python packer does: a script call with a dozen arguments took ~15 us to pack, ~2 now.
 
@@ -99,6 +101,41 @@ class PackedConnection(Connection):
         return super().pack_command(*args)
 
 
+class PackedConnection(_Packed, Connection):
+    """A connection to one Redis node (see `_Packed`)."""
+
+
+# What a replica answers a write with: alone (redis-py's ReadOnlyError), inside a script's error,
+# or to WAIT.
+DEMOTED = ("READONLY You can't write against a read only replica", "WAIT cannot be used with replica")
+
+
+class PackedSentinelConnection(_Packed, SentinelManagedConnection):
+    """A connection to the primary the sentinels name (see `_Packed`); after a failover it finds the
+    new one. A connection to a primary since demoted to a replica fails with ConnectionError, so
+    that redis-py's retry asks the sentinels again: redis-py does so for a write refused as
+    READONLY, and this also for a script whose write was refused so (a script error, to redis-py)
+    and for WAIT, which a replica refuses. Every script is safe to run again (lua/_lib.lua); on a
+    replica, none wrote anything."""
+
+    async def _send_bounded(self, command: Any, check_health: bool) -> None:
+        """A dropped connection is made again where the sentinels say the primary is now: redis-py's
+        write would reconnect to the address it had (after a failover gone, or a replica). Once:
+        the command's own retry tries again."""
+        if not self.is_connected:
+            await self._connect_retry()  # type: ignore[no-untyped-call]
+        await super()._send_bounded(command, check_health)
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ResponseError as exc:
+            if self.connection_pool.is_master and any(text in str(exc) for text in DEMOTED):
+                await self.disconnect()
+                raise ConnectionError("the previous primary is now a replica") from exc
+            raise
+
+
 class RunIdWatch:
     """Remembers the run id of the Redis behind a client; `changed` fires when another one answers.
 
@@ -109,21 +146,13 @@ class RunIdWatch:
         self.run_id: str | None = None
         self.generation = 0
         self.changed = asyncio.Event()
-        self._uptime = (float("inf"), 0.0)  # (Redis's uptime, time.monotonic()) when last seen
 
-    def saw(self, run_id: str, uptime: float = float("inf")) -> None:
+    def saw(self, run_id: str) -> None:
         if self.run_id is not None and run_id != self.run_id:
             self.generation += 1
             self.changed.set()
             log.warning("Redis restarted or failed over (run id %s, was %s)", run_id[:8], self.run_id[:8])
         self.run_id = run_id
-        self._uptime = (uptime, time.monotonic())
-
-    def age(self) -> float:
-        """Seconds since the redis-server answering now started: a process that starts just after
-        a restart has seen no change of run id, but may have to act as if it had."""
-        uptime, seen = self._uptime
-        return uptime + (time.monotonic() - seen)
 
     async def on_connect(self, connection: AbstractConnection) -> None:
         await connection.on_connect()
@@ -132,7 +161,17 @@ class RunIdWatch:
         text = info.decode() if isinstance(info, bytes) else str(info)
         fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
         if "run_id" in fields:
-            self.saw(fields["run_id"].strip(), float(fields.get("uptime_in_seconds", "inf")))
+            self.saw(fields["run_id"].strip())
+
+
+def _options(watch: RunIdWatch | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "socket_timeout": SOCKET_TIMEOUT,
+        "socket_connect_timeout": CONNECT_TIMEOUT,
+        "retry": Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.5), RETRIES),
+        "redis_connect_func": watch.on_connect if watch is not None else None,
+        **kwargs,  # a test's shorter timeout, say
+    }
 
 
 def connect(
@@ -147,15 +186,38 @@ def connect(
 ) -> Redis:
     """A client (a connection pool) with the pool's timeouts and retries; `watch` is told the run
     id of every connection it opens."""
-    options: dict[str, Any] = {
-        "socket_timeout": SOCKET_TIMEOUT,
-        "socket_connect_timeout": CONNECT_TIMEOUT,
-        "retry": Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.5), RETRIES),
-        "redis_connect_func": watch.on_connect if watch is not None else None,
-        **kwargs,  # a test's shorter timeout, say
-    }
+    options = _options(watch, kwargs)
     redis = Redis(host=host, port=port, db=db, username=username, password=password, **options)
     # Redis() takes no connection class, and building its pool by hand would mean repeating its
     # defaults; the pool makes every connection from this attribute, none made yet.
     redis.connection_pool.connection_class = PackedConnection
     return redis
+
+
+def connect_sentinel(
+    sentinels: Sequence[tuple[str, int]],
+    master: str,
+    *,
+    password: str | None = None,
+    username: str | None = None,
+    sentinel_password: str | None = None,
+    db: int = 0,
+    watch: RunIdWatch | None = None,
+    **kwargs: Any,
+) -> tuple[Redis, Sentinel]:
+    """A client of the primary that `sentinels` monitor as `master`, with the pool's timeouts and
+    retries, and the Sentinel client it asks them through (the caller closes both). Each new
+    connection asks the sentinels where the primary is: after a failover, the first retry of a
+    failed command finds the promoted replica, and `watch` sees its run id (a new Redis: the worker
+    re-validates its leases, as after a restart)."""
+    options = _options(watch, kwargs)
+    asking = {  # the sentinels' own password, and the same bounded waits
+        "password": sentinel_password,
+        "socket_timeout": options["socket_timeout"],
+        "socket_connect_timeout": options["socket_connect_timeout"],
+    }
+    manager = Sentinel(sentinels, sentinel_kwargs=asking, **options)
+    redis = manager.master_for(
+        master, connection_class=PackedSentinelConnection, db=db, username=username, password=password
+    )
+    return redis, manager

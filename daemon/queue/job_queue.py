@@ -30,12 +30,12 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from daemon.config import Config
-from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
+from daemon.errors import InvalidJob, JobNotFound, NotReplicated, StaleAttempt
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
 from daemon.queue.connection import RunIdWatch
 from daemon.queue.reads import QueueReads, _s, xread
-from daemon.queue.scripts import Pipeliner, ScriptBatch, Scripts
+from daemon.queue.scripts import Pipeliner, ReplicaAck, ScriptBatch, Scripts
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,9 @@ DEFAULT_LOG_MAX_BYTES = 16 * 2**20  # per job: the first quarter is kept for goo
 
 def unanswered(exc: BaseException) -> bool:
     """Whether a failed call may have run in Redis with only its reply lost: a broken connection, a
-    timeout or a cancellation may hide a run; an error Redis answered with (ResponseError, such
-    as a refusal at maxmemory) means the call had no effect."""
+    timeout or a cancellation may hide a run, and NotReplicated says it ran (on the primary
+    alone); an error Redis answered with (ResponseError, such as a refusal at maxmemory) means
+    the call had no effect."""
     return not isinstance(exc, ResponseError)
 
 
@@ -87,10 +88,13 @@ class JobQueue(QueueReads):
         retention_seconds: int = DEFAULT_RETENTION,
         log_max_bytes: int = DEFAULT_LOG_MAX_BYTES,
         watch: RunIdWatch | None = None,
+        ack: ReplicaAck | None = None,
     ) -> None:
         """`watch` is the run-id watch of `redis`'s connections (connection.connect), for whoever
-        holds leases through this queue to see when Redis restarts."""
+        holds leases through this queue to see when Redis restarts. `ack`: the replicas an enqueue
+        and an outcome must reach before they are acknowledged (None: the primary's word)."""
         self.redis = redis
+        self.ack = ack
         self.watch = watch
         self.lease_ms = max(1, round(lease_seconds * 1000))
         self.retention = retention_seconds
@@ -98,7 +102,7 @@ class JobQueue(QueueReads):
         self.log_tail = log_max_bytes - self.log_head
         self.scripts = Scripts(redis)
         # Script calls made in one event-loop turn share a round trip (scripts.Pipeliner).
-        self._call = Pipeliner(redis)
+        self._call = Pipeliner(redis, ack)
         self._cursors: dict[str, tuple[str, str]] = {}  # queue -> (stream, wake) ids to wait after
         # Claim requests, numbered per worker (claim.lua's memo); a request whose reply never came
         # is sent again, with its number, before any new one: (queue, number) by worker.
@@ -114,6 +118,7 @@ class JobQueue(QueueReads):
             retention_seconds=int(config.job_retention),
             log_max_bytes=config.job_log_max_bytes,
             watch=watch,
+            ack=ReplicaAck.of(config.redis_min_replicas_ack, config.redis_replicas_ack_timeout),
         )
 
     # -- submit ---------------------------------------------------------------------------------
@@ -144,6 +149,7 @@ class JobQueue(QueueReads):
                     spec.max_attempts,
                     spec.retries,
                 ],
+                durable=True,
             )
         finally:
             await self._listed(listed, [q])
@@ -161,7 +167,7 @@ class JobQueue(QueueReads):
         if not specs:
             return []
         listed = self._list_queues(sorted({s.queue for s in specs}))
-        batch = ScriptBatch(self.redis)
+        batch = ScriptBatch(self.redis, self.ack)
         for chunk in chunks:
             q = chunk[0].queue
             ids = [new_job_id(q) for _ in chunk]
@@ -169,7 +175,12 @@ class JobQueue(QueueReads):
             for spec, job_id in zip(chunk, ids, strict=True):
                 args += [job_id, msgpack.packb(spec.to_dict()), spec.gpus, spec.max_attempts, spec.retries]
             job_keys = [keys.batch(q, secrets.token_hex(8)), *(keys.job(job_id) for job_id in ids)]
-            batch.add(self.scripts.enqueue_many, [keys.stream(q), keys.jobs(q), keys.seq(q), *job_keys], args)
+            batch.add(
+                self.scripts.enqueue_many,
+                [keys.stream(q), keys.jobs(q), keys.seq(q), *job_keys],
+                args,
+                durable=True,
+            )
         try:
             return [_s(job_id) for reply in await batch.execute() for job_id in reply]
         finally:
@@ -227,7 +238,13 @@ class JobQueue(QueueReads):
 
         Each script call is a numbered request (claim.lua): one whose reply never came (a broken
         connection, a timeout, the caller cancelled) is sent again, first, by the worker's next
-        claim (or by `settle_claims`), and answers the jobs it claimed rather than stranding them."""
+        claim (or by `settle_claims`), and answers the jobs it claimed rather than stranding them.
+
+        With replicas asked for (`ack`), a claim counts once a replica has it, as a renewal does:
+        a primary cut off from its replicas (the old one, still up, after a failover elsewhere)
+        grants no job and extends no lease, and a job the new primary hands to another worker is
+        not running here meanwhile. One that no replica confirmed raises NotReplicated and is
+        sent again, as one unanswered, until one does."""
         total = gpus_free if gpus_total is None else gpus_total
         todo: list[tuple[str, int]] = []
         if (pending := self._unanswered.pop(worker, None)) is not None:
@@ -241,7 +258,7 @@ class JobQueue(QueueReads):
                 status, cursors, got = await self._claim_call(
                     worker, q, request, count - len(leases), (gpus_free, default_gpus, total)
                 )
-            except (RedisError, asyncio.CancelledError) as exc:
+            except (RedisError, NotReplicated, asyncio.CancelledError) as exc:
                 if unanswered(exc):
                     self._unanswered[worker] = (q, request)
                 if isinstance(exc, asyncio.CancelledError):
@@ -271,7 +288,7 @@ class JobQueue(QueueReads):
         q, request = pending
         try:
             _, _, got = await self._claim_call(worker, q, request, 0, (0, 0, 0))
-        except (RedisError, asyncio.CancelledError) as exc:
+        except (RedisError, NotReplicated, asyncio.CancelledError) as exc:
             if unanswered(exc):
                 self._unanswered[worker] = pending
             self._stranded.setdefault(worker, []).extend(leases)
@@ -293,6 +310,7 @@ class JobQueue(QueueReads):
             [keys.stream(q), keys.retry(q), keys.leases(q), keys.claims(q, worker), keys.parked(q)],
             [keys.queue_prefix(q), keys.GROUP, worker, free, self.lease_ms, default, count, total, request],
             ahead=True,
+            durable=True,
         )
         leases = []
         for job_id, attempt, lease_id, packed in (claimed[i : i + 4] for i in range(0, len(claimed), 4)):
@@ -350,7 +368,8 @@ class JobQueue(QueueReads):
             args: list[Any] = [keys.queue_prefix(q), worker, self.lease_ms]
             for lease in held:
                 args += [lease.job_id, lease.attempt, lease.id]
-            calls.append((batch.add(self.scripts.renew, [keys.leases(q)], args), held))
+            # durable: a lease is held only as far as a replica has its renewal (see `claim_many`)
+            calls.append((batch.add(self.scripts.renew, [keys.leases(q)], args, durable=True), held))
 
         def answers(replies: Sequence[Any]) -> dict[str, RenewStatus]:
             out: dict[str, RenewStatus] = {}
@@ -376,6 +395,7 @@ class JobQueue(QueueReads):
             outcome.detail,
             msgpack.packb(dict(outcome.result)),
             self.retention,
+            durable=True,
         )
 
     async def release(self, lease: Lease) -> JobState:
@@ -392,10 +412,12 @@ class JobQueue(QueueReads):
         )
 
     async def _end_attempt(
-        self, script: AsyncScript, lease: Lease, job_keys: list[str], *args: Any
+        self, script: AsyncScript, lease: Lease, job_keys: list[str], *args: Any, durable: bool = False
     ) -> JobState:
         """Run a script that ends `lease`'s attempt (complete.lua, release.lua), fenced by the lease:
-        the job's state afterwards, or StaleAttempt when the lease is no longer current."""
+        the job's state afterwards, or StaleAttempt when the lease is no longer current. `durable`:
+        acknowledged once on the replicas asked for (an outcome; a hand-back need not be: lost
+        with a primary, the attempt's lease expires and the job runs again)."""
         reply = await self._call(
             script,
             job_keys,
@@ -408,9 +430,19 @@ class JobQueue(QueueReads):
                 lease.id,
                 *args,
             ],
+            durable=durable,
         )
         _raise_if_stale(lease, reply)
         return JobState(_s(reply[0]))
+
+    async def primary_age(self) -> float:
+        """Seconds the redis-server answering now has been the pool's Redis, as the pool knows
+        it (primary_age.lua): 0 for one that restarted or was promoted just now, and when it
+        cannot say (at maxmemory); a Redis that never held the pool's data is as old as time."""
+        try:
+            return int(await self.scripts.primary_age(keys=[keys.PRIMARY])) / 1000
+        except ResponseError:  # refused at maxmemory: taken as new, the safe side
+            return 0.0
 
     async def cancel(self, job_id: str) -> str:
         """Cancel a job: 'cancelled' (it was queued and will never start), 'cancelling' (it runs; its

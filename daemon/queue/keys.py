@@ -120,7 +120,13 @@ POOL_PREFIX = f"{PREFIX}:{{pool}}:"
 QUEUES = POOL_PREFIX + "queues"
 WORKERS = POOL_PREFIX + "workers"
 WORKERS_SEEN = POOL_PREFIX + "workers:seen"
+PRIMARY = POOL_PREFIX + "primary"  # the redis-server the pool knows as its own, since when
 
 
 def worker_channel(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}"
+
+
+# A channel nobody listens on: a durable batch publishes to it before its WAIT (scripts.py), a
+# write that always reaches the replication stream, so the WAIT covers every write before it.
+REPLICATION_MARK = f"{PREFIX}:replicated"

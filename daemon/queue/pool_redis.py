@@ -1,4 +1,5 @@
-"""The pool's Redis: the embedded one (singlenode) or the configured one (multinode)."""
+"""The pool's Redis: the embedded one (singlenode) or the configured one (multinode): one node at
+`redis_ip`, or the primary of a Sentinel group (`redis_sentinels`), found again after a failover."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import asyncio
 import logging
 
 from redis.asyncio import Redis
+from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import RedisError
 
+from daemon.address import parse_host_ports
 from daemon.config import Config
 from daemon.errors import RedisUnavailable
 from daemon.queue import connection
@@ -23,12 +26,16 @@ class PoolRedis:
         self.config = config
         self.embedded: EmbeddedRedis | None = None
         self.client: Redis | None = None
+        self.sentinel: Sentinel | None = None  # asked where the primary is, with redis_sentinels
         self.watch = connection.RunIdWatch()  # which redis-server answers (a restart changes it)
 
     @property
     def address(self) -> str:
         if self.embedded is not None:
             return f"{self.embedded.host}:{self.embedded.port}"
+        c = self.config
+        if c.redis_sentinels:
+            return f"the primary of {c.redis_sentinel_master!r} (sentinels {', '.join(c.redis_sentinels)})"
         return f"{self.config.redis_ip}:{self.config.redis_port}"
 
     async def start(self) -> Redis:
@@ -37,6 +44,16 @@ class PoolRedis:
             self.embedded = EmbeddedRedis(c.data_path(), appendfsync=c.redis_appendfsync)
             await asyncio.to_thread(self.embedded.start)
             self.client = self.embedded.client(watch=self.watch)
+        elif c.redis_sentinels:
+            self.client, self.sentinel = connection.connect_sentinel(
+                parse_host_ports(c.redis_sentinels),
+                c.redis_sentinel_master,
+                db=c.redis_db,
+                username=c.redis_username or None,
+                password=c.main_server_redis_password or None,
+                sentinel_password=c.redis_sentinel_password or None,
+                watch=self.watch,
+            )
         else:
             self.client = connection.connect(
                 c.redis_ip,
@@ -49,8 +66,10 @@ class PoolRedis:
         try:
             await self.client.ping()
         except RedisError as exc:
+            where = "redis_sentinels, redis_sentinel_master" if c.redis_sentinels else "redis_ip, redis_port"
+            await self.stop()
             raise RedisUnavailable(
-                f"cannot reach Redis at {self.address} ({exc}); check redis_ip, redis_port and the password"
+                f"cannot reach Redis at {self.address} ({exc}); check {where} and the passwords"
             ) from None
         return self.client
 
@@ -59,6 +78,9 @@ class PoolRedis:
         if self.client is not None:
             await self.client.aclose()
             self.client = None
+        if self.sentinel is not None:
+            await self.sentinel.aclose()
+            self.sentinel = None
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.stop)
             self.embedded = None

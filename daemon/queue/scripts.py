@@ -14,6 +14,11 @@ calls side by side (a lone call as a plain EVALSHA). The completes of attempts t
 share a round trip. No call waits for a timer: the first call of a turn starts the batch's
 sender, whose first step (the next turn) takes every call made until then and writes them at
 once. A claim goes ahead of the others, alone (`submit`'s `ahead` says why).
+
+Durable calls (enqueues, outcomes) are acknowledged only once `ReplicaAck.replicas` replicas have
+them: a batch holding one ends with a WAIT, in the same round trip, which covers every write the
+batch made on its connection. A durable call whose batch's WAIT counted fewer replicas raises
+NotReplicated: its write is on the primary, and may be lost with it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -28,6 +34,9 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, ResponseError
+
+from daemon.errors import NotReplicated
+from daemon.queue.keys import REPLICATION_MARK
 
 NAMES = (
     "enqueue",
@@ -42,6 +51,7 @@ NAMES = (
     "heartbeat",
     "add_queue",
     "prune_workers",
+    "primary_age",
 )
 
 
@@ -67,21 +77,43 @@ class Scripts:
         self.heartbeat: AsyncScript = redis.register_script(source("heartbeat"))
         self.add_queue: AsyncScript = redis.register_script(source("add_queue"))
         self.prune_workers: AsyncScript = redis.register_script(source("prune_workers"))
+        self.primary_age: AsyncScript = redis.register_script(source("primary_age"))
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaAck:
+    """How many replicas a durable write must reach before it is acknowledged, and how long its
+    WAIT waits for them."""
+
+    replicas: int
+    timeout_ms: int
+
+    @classmethod
+    def of(cls, replicas: int, timeout: float) -> ReplicaAck | None:
+        """None when no replica is asked for (the primary's word is enough)."""
+        return cls(replicas, max(1, round(timeout * 1000))) if replicas > 0 else None
+
+
+BatchCall = tuple[AsyncScript, Sequence[Any], Sequence[Any], bool]  # script, keys, args, durable
 
 
 class ScriptBatch:
-    """Script calls collected with `add`, then sent together by `execute` in one round trip."""
+    """Script calls collected with `add`, then sent together by `execute` in one round trip;
+    with `ack`, the durable ones acknowledged once on enough replicas (see the module doc)."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, ack: ReplicaAck | None = None) -> None:
         self.redis = redis
-        self._calls: list[tuple[AsyncScript, Sequence[Any], Sequence[Any]]] = []
+        self.ack = ack
+        self._calls: list[BatchCall] = []
 
     def __len__(self) -> int:
         return len(self._calls)
 
-    def add(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> int:
+    def add(
+        self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any], *, durable: bool = False
+    ) -> int:
         """Queue one call; returns the index of its reply in `execute`'s list."""
-        self._calls.append((script, keys, args))
+        self._calls.append((script, keys, args, durable))
         return len(self._calls) - 1
 
     async def execute(self) -> list[Any]:
@@ -106,12 +138,36 @@ class ScriptBatch:
                 replies[i] = reply
         return replies
 
-    async def _send(self, calls: Sequence[tuple[AsyncScript, Sequence[Any], Sequence[Any]]]) -> list[Any]:
+    async def _send(self, calls: Sequence[BatchCall]) -> list[Any]:
         """The calls' EVALSHAs written at once on one of the client's connections, their replies
         read in order, as a redis-py pipeline does without MULTI: only what a batch of script
         calls needs of it (redis-py's Pipeline object cost a batch ~50 us of this process; the
-        connection, its health check and its Retry are redis-py's own)."""
-        commands = [("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args in calls]
+        connection, its health check and its Retry are redis-py's own). Then the WAIT of its
+        durable calls, if it has any."""
+        commands = [("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args, _ in calls]
+        ack = self.ack if any(durable for *_, durable in calls) else None
+        if ack is not None:
+            # WAIT counts the replicas that have this connection's last write (Redis 7; 6.2 its
+            # last command). A script that wrote nothing (it answered a repeated request as
+            # before) would leave that at an older write, made before the first run's, so a
+            # PUBLISH goes first: always replicated, never refused at maxmemory, and Redis
+            # replicates in order, so a replica that has it has every earlier write, whoever
+            # made it. (Not on a Redis Cluster, where PUBLISH travels the cluster bus instead.)
+            commands.append(("PUBLISH", REPLICATION_MARK, ""))
+            commands.append(("WAIT", ack.replicas, ack.timeout_ms))
+        replies = await self._exchange(commands)
+        if ack is not None:
+            acked = replies.pop()
+            for reply in (acked, replies.pop()):
+                if isinstance(reply, Exception):
+                    raise reply
+            if acked < ack.replicas:
+                for i, (*_, durable) in enumerate(calls):
+                    if durable and not isinstance(replies[i], Exception):
+                        replies[i] = NotReplicated(acked, ack.replicas, ack.timeout_ms)
+        return replies
+
+    async def _exchange(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         pool = self.redis.connection_pool
         connection: AbstractConnection = await pool.get_connection()  # type: ignore[no-untyped-call]
         try:
@@ -138,7 +194,8 @@ async def _exchange(connection: AbstractConnection, commands: list[tuple[Any, ..
     return replies
 
 
-Call = tuple[AsyncScript, Sequence[Any], Sequence[Any], "asyncio.Future[Any]"]
+# script, keys, args, durable, the caller's future
+Call = tuple[AsyncScript, Sequence[Any], Sequence[Any], bool, "asyncio.Future[Any]"]
 MAX_BATCH = 32  # calls per pipeline; more in one turn go out as several pipelines at once
 
 
@@ -146,22 +203,36 @@ class Pipeliner:
     """`await pipeliner(script, keys, args)`: one script call, sent with the others made in the
     same event-loop turn (see the module doc). A call's error is raised to its caller alone; a
     connection error to every caller of its batch. A caller that is cancelled while its batch is
-    in flight cannot unsend its call, as with any Redis command."""
+    in flight cannot unsend its call, as with any Redis command. With `ack`, durable calls are
+    acknowledged once on that many replicas (ScriptBatch)."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, ack: ReplicaAck | None = None) -> None:
         self.redis = redis
+        self.ack = ack
         self._pending: list[Call] = []
         self._ahead: list[Call] = []  # calls that go before the others (`submit(ahead=True)`)
         self._ahead_answered: asyncio.Future[None] | None = None  # while those are in flight
         self._in_flight: set[asyncio.Task[None]] = set()
 
     async def __call__(
-        self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any], *, ahead: bool = False
+        self,
+        script: AsyncScript,
+        keys: Sequence[Any],
+        args: Sequence[Any],
+        *,
+        ahead: bool = False,
+        durable: bool = False,
     ) -> Any:
-        return await self.submit(script, keys, args, ahead=ahead)
+        return await self.submit(script, keys, args, ahead=ahead, durable=durable)
 
     def submit(
-        self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any], *, ahead: bool = False
+        self,
+        script: AsyncScript,
+        keys: Sequence[Any],
+        args: Sequence[Any],
+        *,
+        ahead: bool = False,
+        durable: bool = False,
     ) -> asyncio.Future[Any]:
         """Queue one call for this turn's batch; its reply, or its error, comes in the future.
         `ahead`: a call on the path to a job's start (a claim), which no other script may delay:
@@ -174,7 +245,7 @@ class Pipeliner:
             # turn, and those ahead of it in the next) and writes them at once.
             self._own(loop.create_task(self._send_pending()))
         future: asyncio.Future[Any] = loop.create_future()
-        (self._ahead if ahead else self._pending).append((script, keys, args, future))
+        (self._ahead if ahead else self._pending).append((script, keys, args, durable, future))
         return future
 
     def _own(self, task: asyncio.Task[None]) -> None:
@@ -186,7 +257,7 @@ class Pipeliner:
         this sender waits (while another sender is between its steps, no new one is started)."""
         while True:
             # A caller cancelled before its batch left: its call is dropped, never sent.
-            ahead, self._ahead = [c for c in self._ahead if not c[3].done()], []
+            ahead, self._ahead = [c for c in self._ahead if not c[4].done()], []
             if ahead:
                 answered = self._ahead_answered = asyncio.get_running_loop().create_future()
                 try:
@@ -198,7 +269,7 @@ class Pipeliner:
             if self._ahead_answered is not None and not self._ahead_answered.done():
                 await asyncio.shield(self._ahead_answered)  # another sender's, still on its way
                 continue
-            calls, self._pending = [c for c in self._pending if not c[3].done()], []
+            calls, self._pending = [c for c in self._pending if not c[4].done()], []
             if not calls:
                 return
             # Batches of at most MAX_BATCH calls, each on its own connection: a caller waits for
@@ -208,9 +279,9 @@ class Pipeliner:
             await self._send(calls[:MAX_BATCH])
 
     async def _send(self, calls: list[Call]) -> None:
-        batch = ScriptBatch(self.redis)
-        for script, keys, args, _ in calls:
-            batch.add(script, keys, args)
+        batch = ScriptBatch(self.redis, self.ack)
+        for script, keys, args, durable, _ in calls:
+            batch.add(script, keys, args, durable=durable)
         try:
             replies = await batch.execute_each()
         except asyncio.CancelledError:  # the loop is shutting down

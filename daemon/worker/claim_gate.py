@@ -7,14 +7,19 @@ re-validate their leases. Each does at once when it sees the restart (the gate p
 heartbeat), and at the latest with its next heartbeat, which may take its whole timeout to get
 through (reconnecting, with back-off, to a Redis that is still loading): the pause is a heartbeat
 interval plus a beat's timeout plus the margin, counted from when this worker saw the restart,
-which is never before the restart itself. A worker that
-starts on a Redis younger than that pause, holding leases, waits out the rest of it too.
+which is never before the restart itself. A worker that starts on a Redis younger than that pause,
+holding leases, waits out the rest of it too. Young means: the pool has known this redis-server
+for less than that (JobQueue.primary_age, recorded in Redis by the first worker to see it): a
+replica promoted in a failover has run for long, but has been the pool's Redis only since then.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
+
+from redis.exceptions import RedisError
 
 from daemon.aio import woken_or
 from daemon.queue.job_queue import JobQueue
@@ -46,11 +51,12 @@ class ClaimGate:
             await watch.changed.wait()
             watch.changed.clear()
             self.restarted()
+            with contextlib.suppress(RedisError):  # recorded for the workers that start after it
+                await self.queue.primary_age()
 
     async def at_start(self) -> None:
         """Pause as after a restart if Redis is younger than the pause and holds leases."""
-        watch = self.queue.watch
-        young = self.pause - (watch.age() if watch is not None else float("inf"))
+        young = self.pause - await self.queue.primary_age()
         if young > 0 and await self.queue.leases_held(self.queues):
             self.paused_until = boottime() + young
 

@@ -46,7 +46,7 @@ from redis.exceptions import RedisError
 
 from daemon.aio import TaskSet, cancel_and_wait, woken_or
 from daemon.config import Config
-from daemon.errors import RedisUnavailable
+from daemon.errors import NotReplicated, RedisUnavailable
 from daemon.git import ANY_PROTOCOL, NETWORK_PROTOCOLS
 from daemon.job import Lease, RenewStatus
 from daemon.metrics.transfers import MeteredStore
@@ -309,7 +309,7 @@ class Worker:
         wait for their leases to expire."""
         try:
             leases = await self.queue.settle_claims(self.id)
-        except RedisError as exc:
+        except (RedisError, NotReplicated) as exc:
             log.warning(
                 "could not learn what an unanswered claim got (%s); its jobs wait for their leases", exc
             )
@@ -365,7 +365,7 @@ class Worker:
                 if not claimed:
                     await self._wait_for_work()
             except Exception as exc:  # logged and retried: a dispatcher that dies never claims again
-                if isinstance(exc, RedisError):
+                if isinstance(exc, RedisError | NotReplicated):
                     log.warning("claiming failed (%s); retrying in %.1f s", exc, backoff)
                 else:
                     log.exception("claiming failed unexpectedly; retrying in %.1f s", backoff)

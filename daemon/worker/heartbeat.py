@@ -29,6 +29,7 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
+from daemon.errors import NotReplicated
 from daemon.job import Lease, RenewStatus
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import Registration, add_heartbeat
@@ -102,7 +103,7 @@ class Heartbeat:
         refuses the registration (`Refused`, carrying the renewals' answers when those went
         through, as at Redis's memory limit)."""
         registration = self.target.registration()
-        batch = ScriptBatch(self.queue.redis)
+        batch = ScriptBatch(self.queue.redis, self.queue.ack)
         registered = add_heartbeat(batch, self.queue.scripts, registration)
         answers = self.queue.add_renewals(batch, registration.id, self.target.leases())
         replies = await batch.execute_each()
@@ -128,7 +129,7 @@ class Heartbeat:
                 self.target.renewed(exc.statuses, sent + self.lease - self.margin)
             self._failed(started, exc.error)
             return False
-        except (RedisError, TimeoutError, OSError) as exc:
+        except (RedisError, NotReplicated, TimeoutError, OSError) as exc:
             self._failed(started, exc)
             return False
         except Exception as exc:  # a bug here must not end the heartbeat for good: logged, retried

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
 
-from daemon.errors import StaleAttempt
+from daemon.errors import NotReplicated, StaleAttempt
 from daemon.job import JobState, Lease
 from daemon.queue.job_queue import JobQueue, transient
 from daemon.worker.runner import Ending, RunResult
@@ -71,8 +71,8 @@ class Outcomes:
             except StaleAttempt as exc:
                 log.warning("job %s: could not %s: %s", job, what, exc)
                 return None
-            except RedisError as exc:
-                if self.forced.is_set() or not transient(exc):
+            except (RedisError, NotReplicated) as exc:  # complete runs again safely (by its lease)
+                if self.forced.is_set() or not (isinstance(exc, NotReplicated) or transient(exc)):
                     log.error("job %s: could not %s (%s); its lease will expire", job, what, exc)
                     return None
                 if not said:

@@ -156,3 +156,19 @@ def test_an_option_given_by_its_old_name_is_read_and_named_for_renaming(tmp_path
     assert c.renamed == (f"{toml}:1: {old} is now called {new}; rename it there",)
     c = config.load(flags(), env={"GPUPOOL_REDIS_RESULT_QUEUE_POLLING_INTERVAL": "300"})
     assert (c.redis_events_block_ms, len(c.renamed)) == (300.0, 1)
+
+
+def test_sentinels_are_addresses_and_a_singlenode_pool_refuses_them(tmp_path: Path) -> None:
+    multinode = {"GPUPOOL_WORKER_MODE": "multinode"}
+    c = config.load(env={**multinode, "GPUPOOL_REDIS_SENTINELS": "10.0.0.1:26379, [::1]:26380"})
+    assert c.redis_sentinels == ["10.0.0.1:26379", "[::1]:26380"]
+    with pytest.raises(ConfigError, match=r"redis_sentinels: .*'sentinel-1': expected HOST:PORT"):
+        config.load(env={**multinode, "GPUPOOL_REDIS_SENTINELS": "10.0.0.1:26379,sentinel-1"})
+    # The embedded Redis has neither: said at once, in one line, rather than every submit failing.
+    out = poold("--redis-min-replicas-ack", "1", "--data-dir", str(tmp_path))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "poold: --redis-min-replicas-ack: redis_min_replicas_ack: a singlenode pool runs its own Redis, "
+        "which has no sentinels and no replicas: set worker_mode = multinode with the pool's Redis, "
+        "or leave this unset"
+    ]

@@ -11,25 +11,37 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from daemon.queue.embedded_redis import EmbeddedRedis
+from tests.support.sentinel import MASTER, SentinelGroup
 
 
 @contextmanager
-def poold(redis_server: EmbeddedRedis, tmp: Path, tokens: dict[str, str], *flags: str) -> Iterator[str]:
-    """Run a multinode `poold` on `redis_server`; yields its client address."""
+def poold(
+    redis_server: EmbeddedRedis | SentinelGroup, tmp: Path, tokens: dict[str, str], *flags: str
+) -> Iterator[str]:
+    """Run a multinode `poold` on `redis_server` (one node, or a Sentinel group's primary); yields
+    its client address."""
     tokens_file = tmp / "tokens.toml"
     tokens_file.write_text("".join(f'{u} = "{t}"\n' for u, t in tokens.items()))
     tokens_file.chmod(0o600)
     env = dict(
         os.environ, XDG_CONFIG_HOME=str(tmp / "xdg"), GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password
     )
+    if isinstance(redis_server, SentinelGroup):
+        env.update(
+            GPUPOOL_REDIS_SENTINELS=",".join(redis_server.sentinel_addresses),
+            GPUPOOL_REDIS_SENTINEL_MASTER=MASTER,
+            GPUPOOL_REDIS_SENTINEL_PASSWORD=redis_server.sentinel_password,
+        )
+        where = []
+    else:
+        where = ["--redis-port", str(redis_server.port)]
     argv = [
         sys.executable,
         "-m",
         "daemon.main",
         "--worker-mode",
         "multinode",
-        "--redis-port",
-        str(redis_server.port),
+        *where,
         "--metrics-listen",
         "127.0.0.1:0",
         "--listen",

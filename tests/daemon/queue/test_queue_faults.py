@@ -225,6 +225,30 @@ async def test_after_redis_lost_its_last_writes_an_old_lease_cannot_write_for_th
     assert await queue.complete(again, OK) is JobState.SUCCEEDED
 
 
+async def test_a_redis_restarted_on_its_aof_is_new_to_the_pool_until_a_while_after(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """A worker that starts just after Redis restarted pauses its claims (claim_gate.py) because
+    the pool has known this redis-server for no time at all: its data may lack claims of attempts
+    that still run. A Redis that never held the pool's data is as old as time (nothing it holds
+    runs anywhere); at maxmemory the answer is the safe 0."""
+    client = redis_server.client()
+    queue = JobQueue(client)
+    try:
+        assert await queue.primary_age() > 3600
+        await queue.enqueue(spec())
+        redis_server.kill()
+        redis_server.start()  # on its AOF: the jobs are there, the record names the old process
+        assert await queue.primary_age() == 0
+        await asyncio.sleep(0.3)
+        assert 0.2 <= await queue.primary_age() < 1.2
+        async with memory_full(redis_server):
+            await client.delete(keys.PRIMARY)  # the next answer would write, which Redis refuses
+            assert await queue.primary_age() == 0
+    finally:
+        await client.aclose()
+
+
 async def test_retried_failures_do_not_count_as_losses(queue: JobQueue) -> None:
     """Item 5: with max_attempts=3 and retries=2, two failures and one loss dead-lettered the job
     (attempts minus hand-backs counted the retries as losses), so its last retry never ran."""
