@@ -11,6 +11,11 @@ and restart of redis-server on its AOF, the same restart from an older copy of t
 loses its last writes), Redis at its maxmemory, replies to one worker delayed by a proxy (stale
 replies), SIGTERM and restart of the server process. Submissions use idempotency keys and retry
 across server restarts, as a careful client would.
+
+On a Sentinel group (tests/support/sentinel.py) instead of one redis-server, the Redis faults are
+failovers: the primary SIGKILLed, a replica promoted, the dead node started again later as a
+replica; every process finds the primary through the sentinels, and submits and outcomes are
+acknowledged once on a replica (`redis_min_replicas_ack = 1`).
 """
 
 from __future__ import annotations
@@ -24,14 +29,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from daemon.address import parse_host_ports
 from daemon.ctl.pool_client import ClientError, PoolClient
+from daemon.queue.connection import connect_sentinel
 from daemon.queue.embedded_redis import EmbeddedRedis, free_port
+from daemon.queue.job_queue import JobQueue
 from protocol import Enqueue, Enqueued
 from tests.support.faults import aof_copy, memory_full, roll_back
 from tests.support.proxy import Proxy
+from tests.support.sentinel import MASTER, Process, SentinelGroup
 
 JOB_SECONDS = 0.2
 LONG_SECONDS = 4.0
@@ -67,6 +77,8 @@ class Faults:
     stale_replies: int = 0
     server_restart: int = 0
     idempotency_storm: int = 0
+    failover: int = 0
+    failover_seconds: list[float] = field(default_factory=list)  # SIGKILL -> a replica promoted
     log: list[tuple[float, str]] = field(default_factory=list)
     # (copied at, killed at): what was written to Redis in between was lost
     rollbacks: list[tuple[float, float]] = field(default_factory=list)
@@ -79,7 +91,7 @@ class Cluster:
     def __init__(
         self,
         tmp: Path,
-        redis: EmbeddedRedis,
+        redis: EmbeddedRedis | SentinelGroup,
         *,
         lease: float,
         slots: int = 2,
@@ -102,22 +114,36 @@ class Cluster:
         self.workers: list[WorkerProc] = []
         self.faults = Faults()
         self._count = 0
-        self.proxy = Proxy(redis.port)  # the first worker reaches Redis through it
+        # The first worker reaches a single Redis through it (stale replies).
+        self.proxy = Proxy(redis.port) if isinstance(redis, EmbeddedRedis) else None
+        self._dead: list[Process] = []  # Sentinel group nodes killed, to start again
 
     def _env(self) -> dict[str, str]:
-        return dict(
+        env = dict(
             os.environ,
             XDG_CONFIG_HOME=str(self.tmp / "xdg"),
             GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=self.redis.password,
             **self.s3_env,
         )
+        if isinstance(self.redis, SentinelGroup):
+            env.update(
+                GPUPOOL_REDIS_SENTINELS=",".join(self.redis.sentinel_addresses),
+                GPUPOOL_REDIS_SENTINEL_MASTER=MASTER,
+                GPUPOOL_REDIS_SENTINEL_PASSWORD=self.redis.sentinel_password,
+                GPUPOOL_REDIS_MIN_REPLICAS_ACK="1",
+            )
+        return env
 
     def _common(self, redis_port: int | None = None) -> list[str]:
+        where = (
+            []
+            if isinstance(self.redis, SentinelGroup)
+            else ["--redis-port", str(redis_port or self.redis.port)]
+        )
         return [
             "--worker-mode",
             "multinode",
-            "--redis-port",
-            str(redis_port or self.redis.port),
+            *where,
             "--worker-healthy-response-period",
             str(self.lease),
             "--heartbeat-interval",
@@ -171,7 +197,7 @@ class Cluster:
         proc = self._spawn(
             [
                 "--worker",
-                *self._common(self.proxy.port if self._count == 1 else None),
+                *self._common(self.proxy.port if self.proxy is not None and self._count == 1 else None),
                 "--worker-remote-processors",
                 str(self.slots),
                 "--data-dir",
@@ -218,8 +244,29 @@ class Cluster:
             await self.delay_replies_for(rng.uniform(0.3, 1.5), self.lease * 2)
         elif kind == "server":
             await self.restart_server()
+        elif kind == "failover":
+            await self.fail_over()
+
+    async def fail_over(self) -> None:
+        """SIGKILL the Sentinel group's primary and wait for a replica's promotion; the node
+        killed at the last failover is started again first (so there is a replica to promote)."""
+        group = self.redis
+        assert isinstance(group, SentinelGroup)
+        for node in self._dead:
+            await asyncio.to_thread(group.restart, node)
+        self._dead.clear()
+        old = await asyncio.to_thread(group.primary)
+        self.faults.failover += 1
+        self.faults.note(f"redis primary :{old.port} SIGKILLed")
+        started = time.monotonic()
+        await asyncio.to_thread(group.kill, old)
+        self._dead.append(old)
+        new = await asyncio.to_thread(group.wait_failover, old)
+        self.faults.failover_seconds.append(time.monotonic() - started)
+        self.faults.note(f"redis :{new.port} promoted")
 
     async def restart_redis(self) -> None:
+        assert isinstance(self.redis, EmbeddedRedis)
         self.faults.redis_restart += 1
         self.faults.note("redis kill -9 + restart")
         await asyncio.to_thread(self.redis.kill)
@@ -227,6 +274,7 @@ class Cluster:
 
     async def roll_back_redis(self, after: float) -> None:
         """Copy the AOF, let `after` seconds of writes happen, then restart Redis from the copy."""
+        assert isinstance(self.redis, EmbeddedRedis)
         self.faults.redis_rollback += 1
         copied = time.time()
         copy = await asyncio.to_thread(aof_copy, self.redis)
@@ -236,6 +284,7 @@ class Cluster:
         await asyncio.to_thread(roll_back, self.redis, copy)
 
     async def fill_redis_for(self, seconds: float) -> None:
+        assert isinstance(self.redis, EmbeddedRedis)
         self.faults.redis_full += 1
         self.faults.note(f"redis at maxmemory for {seconds:g} s")
         async with memory_full(self.redis):
@@ -243,6 +292,7 @@ class Cluster:
 
     async def delay_replies_for(self, delay: float, seconds: float) -> None:
         """Replies from Redis to the first worker come `delay` late for a while."""
+        assert self.proxy is not None
         self.faults.stale_replies += 1
         self.faults.note(f"replies to w1 {delay:g} s late for {seconds:g} s")
         self.proxy.delay(delay)
@@ -263,7 +313,30 @@ class Cluster:
         if self.server is not None:
             self.server.terminate()
             await asyncio.to_thread(self.server.wait, 30)
-        await self.proxy.stop()
+        if self.proxy is not None:
+            await self.proxy.stop()
+
+    @contextlib.asynccontextmanager
+    async def queue(self) -> AsyncIterator[JobQueue]:
+        """A JobQueue on the pool's Redis (its primary, on a Sentinel group), for the checker."""
+        if isinstance(self.redis, EmbeddedRedis):
+            client = self.redis.client()
+            try:
+                yield JobQueue(client)
+            finally:
+                await client.aclose()
+            return
+        client, manager = connect_sentinel(
+            parse_host_ports(self.redis.sentinel_addresses),
+            MASTER,
+            password=self.redis.password,
+            sentinel_password=self.redis.sentinel_password,
+        )
+        try:
+            yield JobQueue(client)
+        finally:
+            await client.aclose()
+            await manager.aclose()
 
     def client(self) -> PoolClient:
         return PoolClient(self.address, "chaos", self.token)

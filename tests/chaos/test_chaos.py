@@ -12,16 +12,18 @@ from pathlib import Path
 import pytest
 
 from daemon.queue.embedded_redis import EmbeddedRedis
-from daemon.queue.job_queue import JobQueue
 from tests.chaos.checker import Verdict, check
 from tests.chaos.harness import JOB_SECONDS, LONG_EVERY, LONG_SECONDS, Cluster, Submitter, job_command
+from tests.support.sentinel import SentinelGroup
 
 KINDS = ["kill", "stop", "redis", "server", "rollback", "full", "stale"]  # harness.Cluster.inject
+# On a Sentinel group, Redis's own faults are failovers (and no proxy stands before a worker).
+SENTINEL_KINDS = ["failover", "kill", "stop", "server", "failover"]
 
 
 async def run_chaos(
     tmp: Path,
-    redis_server: EmbeddedRedis,
+    redis_server: EmbeddedRedis | SentinelGroup,
     s3_env: dict[str, str],
     *,
     jobs: int,
@@ -29,10 +31,12 @@ async def run_chaos(
     rounds: int,
     lease: float,
     seed: int,
+    kinds: list[str] = KINDS,
 ) -> tuple[Verdict, Cluster]:
     rng = random.Random(seed)
     cluster = Cluster(tmp, redis_server, lease=lease, s3_env=s3_env)
-    await cluster.proxy.start()
+    if cluster.proxy is not None:
+        await cluster.proxy.start()
     await cluster.start_server()
     for _ in range(workers):
         cluster.start_worker()
@@ -62,14 +66,11 @@ async def run_chaos(
         async def faults() -> None:
             for r in range(rounds):
                 await asyncio.sleep(rng.uniform(0.5, 1.5))
-                await cluster.inject(KINDS[r % len(KINDS)] if r < len(KINDS) else rng.choice(KINDS), rng)
+                await cluster.inject(kinds[r % len(kinds)] if r < len(kinds) else rng.choice(kinds), rng)
 
         await asyncio.gather(submit_all(), storm(), faults())
-        client = redis_server.client()
-        try:
-            verdict = await check(cluster, JobQueue(client), submitter.acked)
-        finally:
-            await client.aclose()
+        async with cluster.queue() as queue:
+            verdict = await check(cluster, queue, submitter.acked)
     finally:
         await submitter.close()
         await cluster.stop_all()
@@ -82,7 +83,8 @@ def report(verdict: Verdict, cluster: Cluster) -> str:
         f"jobs {verdict.jobs}, attempts run {verdict.attempts_run}, reclaimed jobs {verdict.reclaimed_jobs}; "
         f"faults: worker SIGKILL {f.worker_kill}, worker SIGSTOP {f.worker_stop}, redis restart "
         f"{f.redis_restart}, redis rollback {f.redis_rollback}, redis full {f.redis_full}, stale replies "
-        f"{f.stale_replies}, server restart {f.server_restart}, idempotency storm {f.idempotency_storm}; "
+        f"{f.stale_replies}, server restart {f.server_restart}, idempotency storm {f.idempotency_storm}, "
+        f"Sentinel failovers {f.failover} ({', '.join(f'{s:.2f}' for s in f.failover_seconds) or '-'} s); "
         f"lost {verdict.lost} (and {verdict.rolled_back} rolled back with Redis's lost writes, as "
         f"documented), unexpected {verdict.unexpected}, not succeeded {verdict.not_succeeded}, "
         f"results not once {verdict.results_not_once}, overlaps {verdict.overlaps} (of them frozen "
@@ -110,3 +112,29 @@ async def test_chaos_large(tmp_path: Path, redis_server: EmbeddedRedis, s3_env: 
     )
     print(report(verdict, cluster))
     assert verdict.ok, report(verdict, cluster) + "\n" + "\n".join(verdict.problems[:20])
+
+
+async def sentinel_chaos(
+    tmp: Path, group: SentinelGroup, s3_env: dict[str, str], jobs: int, rounds: int
+) -> None:
+    verdict, cluster = await run_chaos(
+        tmp, group, s3_env, jobs=jobs, workers=2, rounds=rounds, lease=1.5, seed=5, kinds=SENTINEL_KINDS
+    )
+    print(report(verdict, cluster))
+    assert verdict.ok, report(verdict, cluster) + "\n" + "\n".join(verdict.problems[:20])
+    assert cluster.faults.failover >= 2
+
+
+async def test_chaos_sentinel_small(
+    tmp_path: Path, sentinel_group_of_three: SentinelGroup, s3_env: dict[str, str]
+) -> None:
+    """The pool on a Sentinel group (a primary, two replicas): failovers among the other faults."""
+    await sentinel_chaos(tmp_path, sentinel_group_of_three, s3_env, jobs=80, rounds=len(SENTINEL_KINDS))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_chaos_sentinel_large(
+    tmp_path: Path, sentinel_group_of_three: SentinelGroup, s3_env: dict[str, str]
+) -> None:
+    await sentinel_chaos(tmp_path, sentinel_group_of_three, s3_env, jobs=1000, rounds=20)
