@@ -108,9 +108,9 @@ OPTIONS: tuple[Option, ...] = (
         float,
         1.0,
         "seconds a write waits for redis_min_replicas_ack replicas; one that does not reach them "
-        "fails, saying so",
+        "fails, saying so (at most half the 5 s a reply is waited for)",
         lo=0.001,
-        hi=60,
+        hi=2.5,
     ),
     Option(
         "redis_appendfsync",

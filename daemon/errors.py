@@ -108,8 +108,9 @@ class NotReplicated(GpupoolError):
         super().__init__(
             f"written to the pool's Redis primary, but only {acked} of the {wanted} replicas it must "
             f"reach (redis_min_replicas_ack) had it within {timeout_ms} ms, so it is not acknowledged: "
-            "if the primary failed now it could be lost. It may be kept all the same: try again (an "
-            "enqueue with the same --key gives the same job back); if this goes on, check the replicas"
+            "if the primary failed now it could be lost. It may be kept all the same: try again with "
+            "the same --key, which gives the same job back (without a key, a second try may make a "
+            "second job); if this goes on, check the replicas"
         )
         self.acked = acked
         self.wanted = wanted

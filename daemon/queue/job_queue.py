@@ -331,7 +331,7 @@ class JobQueue(QueueReads):
         log.error("job %s: %s", lease.job_id, detail)
         try:
             await self.complete(lease, Outcome(JobState.FAILED, None, detail))
-        except (RedisError, StaleAttempt) as err:
+        except (RedisError, StaleAttempt, NotReplicated) as err:
             log.warning("job %s: could not record that (%s); its lease will expire", lease.job_id, err)
 
     async def wait_for_work(self, queues: Sequence[str], block: float) -> bool:

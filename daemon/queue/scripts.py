@@ -24,6 +24,7 @@ NotReplicated: its write is on the primary, and may be lost with it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,8 +33,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from daemon.errors import NotReplicated
 from daemon.queue.keys import REPLICATION_MARK
@@ -165,7 +167,17 @@ class ScriptBatch:
                 for i, (*_, durable) in enumerate(calls):
                     if durable and not isinstance(replies[i], Exception):
                         replies[i] = NotReplicated(acked, ack.replicas, ack.timeout_ms)
+                await self._look_for_the_primary()
         return replies
+
+    async def _look_for_the_primary(self) -> None:
+        """A primary whose replicas confirm nothing may be one cut off from them, and from the
+        sentinels, which promoted a replica meanwhile: ask them (a Sentinel pool drops its idle
+        connections when the primary moved, so the caller's next try reaches the new one)."""
+        pool = self.redis.connection_pool
+        if isinstance(pool, SentinelConnectionPool):
+            with contextlib.suppress(RedisError):
+                await pool.get_master_address()  # type: ignore[no-untyped-call]
 
     async def _exchange(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         pool = self.redis.connection_pool

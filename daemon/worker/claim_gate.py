@@ -56,7 +56,11 @@ class ClaimGate:
 
     async def at_start(self) -> None:
         """Pause as after a restart if Redis is younger than the pause and holds leases."""
-        young = self.pause - await self.queue.primary_age()
+        try:
+            age = await self.queue.primary_age()
+        except RedisError:  # Redis went away since registering: taken as new, the safe side
+            age = 0.0
+        young = self.pause - age
         if young > 0 and await self.queue.leases_held(self.queues):
             self.paused_until = boottime() + young
 
