@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from daemon import tokens
-from daemon.ctl import one_shot, render
-from daemon.ctl.session import AuthFailed, ClientError, ServerUnreachable, parse_address
+from daemon.ctl import one_shot, render, session
+from daemon.ctl.session import AuthFailed, ClientError, ServerUnreachable
 from daemon.errors import GpupoolError
 from daemon.pools import choose
 from protocol import (
@@ -73,7 +73,10 @@ EXIT_FOR_CODE: dict[int, int] = {
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="poolctl", description="Queue and follow jobs on a gpupool pool.")
     p.add_argument(
-        "--server", metavar="HOST:PORT", help="pool server (default: GPUPOOL_SERVER, or the local pool)"
+        "--server",
+        metavar="HOST:PORT",
+        help="pool server, or several of one pool, comma-separated (default: GPUPOOL_SERVER, or the "
+        "local pool)",
     )
     p.add_argument(
         "--pool", metavar="NAME", help="a pool named in ~/.config/gpupool/pools.toml (or GPUPOOL_POOL)"
@@ -265,10 +268,11 @@ class Link(Record):
 
 def link(args: argparse.Namespace) -> Link:
     """The pool to talk to (daemon/pools.py says which of --server, --pool, GPUPOOL_SERVER,
-    GPUPOOL_POOL, pools.toml), its address checked, and its user and token."""
+    GPUPOOL_POOL, pools.toml), its addresses checked (one server, or several of the pool,
+    comma-separated), and its user and token."""
     pool = choose(args.server, args.pool)
     try:
-        parse_address(pool.server)
+        session.addresses(pool.server)
     except ClientError as exc:
         raise UsageError(f"{exc} (pool {pool.name})" if pool.name else str(exc)) from None
     return Link(
@@ -478,14 +482,24 @@ async def _attach_data(client: PoolClient, spec: dict[str, Any], args: argparse.
 
 
 async def _logs(client: PoolClient, job_id: str, follow: bool) -> int:
+    """Print the job's log (following it with `follow`); a server that goes away meanwhile is
+    left for another of the pool's, from the byte after the last one printed."""
     out = sys.stdout.buffer
     end: LogEnd | None = None
-    async for item in client.stream(FollowLogs(job_id, follow, "")):
-        if isinstance(item, LogChunk):
-            out.write(item.data)
-            out.flush()
-        elif isinstance(item, LogEnd):
-            end = item
+    offset = ""
+    while True:
+        try:
+            async for item in client.stream(FollowLogs(job_id, follow, offset)):
+                if isinstance(item, LogChunk):
+                    out.write(item.data)
+                    out.flush()
+                    offset = item.offset
+                elif isinstance(item, LogEnd):
+                    end = item
+            break
+        except ClientError as exc:
+            if not session.gone(exc) or not await client.move_on(exc):
+                raise
     if not follow or end is None:
         return 0
     if end.exit_code is not None:

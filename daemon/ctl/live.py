@@ -150,8 +150,8 @@ def wait(pool: Streams, job_ids: list[str], limit: float | None, as_json: bool =
     printed: set[str] = set()
 
     def ended(item: StreamItem) -> None:
-        if not isinstance(item, JobEnded):
-            return
+        if not isinstance(item, JobEnded) or item.job["id"] in printed:
+            return  # (a wait that went on with another server is told again of those that ended)
         printed.add(item.job["id"])
         if progress is None:
             print(line(item.job), flush=True)

@@ -35,7 +35,7 @@ READ_SIZE = 256 * 1024
 
 
 def call(
-    address: str,
+    server: str,
     user: str,
     token: str | None,
     request: Request,
@@ -46,9 +46,40 @@ def call(
     tls_pin: str | None = None,
     on_item: Callable[[StreamItem], None] | None = None,
 ) -> R:
-    """Connect to `address` as `user`, send `request`, and return its final reply, checked to be
+    """Connect to `server` as `user`, send `request`, and return its final reply, checked to be
     a `reply_type`; each item streamed before it goes to `on_item` (a live view, a job that
-    ended), or is dropped. Raises ClientError (ServerUnreachable, AuthFailed) as PoolClient does."""
+    ended), or is dropped. Raises ClientError (ServerUnreachable, AuthFailed) as PoolClient does.
+
+    `server` may name several servers of one pool (session.addresses): one that cannot be reached
+    is passed over for the next, and so is one that goes away before it answers, if the request
+    may be sent again (session.repeatable: a `wait` then waits on the next server, whose stream
+    starts again with the jobs that ended already)."""
+    targets = session.addresses(server)
+    for i, address in enumerate(targets):
+        try:
+            return _call(address, user, token, request, reply_type, tls_ca, tls, tls_pin, on_item)
+        except ClientError as exc:
+            if (
+                i + 1 == len(targets)
+                or not session.gone(exc)
+                or (exc.sent and not session.repeatable(request))
+            ):
+                raise
+            session.moving_on(address, targets[i + 1], exc)
+    raise AssertionError("unreachable: the last server's failure is raised")
+
+
+def _call(  # noqa: PLR0917
+    address: str,
+    user: str,
+    token: str | None,
+    request: Request,
+    reply_type: type[R],
+    tls_ca: str | None,
+    tls: str,
+    tls_pin: str | None,
+    on_item: Callable[[StreamItem], None] | None,
+) -> R:
     host, port = session.parse_address(address)
     use_tls = session.wants_tls(host, tls, tls_ca, tls_pin)
     conn = session.connection(user, token)
@@ -71,7 +102,7 @@ def call(
         try:
             request_id, data = conn.request(request)
         except LocalProtocolError as exc:  # the server said goodbye before the request left
-            raise ClientError(f"the server at {address} is closing this connection; connect again") from exc
+            raise session.ServerUnreachable(f"the server at {address} is closing this connection") from exc
         sock.sendall(data)
         for event in events:
             match event:
@@ -86,8 +117,8 @@ def call(
                 case RequestFailed(request_id=rid, code=code, message=text) if rid == request_id:
                     raise ClientError(text, code)
                 case ConnectionFailed() | ConnectionClosed():
-                    raise session.connection_ended(event, address)
-        raise session.connection_ended(ConnectionClosed(), address)
+                    raise _after_sending(session.connection_ended(event, address))
+        raise _after_sending(session.connection_ended(ConnectionClosed(), address))
     finally:
         sock.close()
 
@@ -109,3 +140,8 @@ def _events(sock: socket.socket, conn: ClientConnection, address: str) -> Iterat
             raise session.ServerUnreachable(f"the server at {address} did not finish the handshake") from None
         except OSError:
             conn.receive_data(b"")  # a reset: the connection closed
+
+
+def _after_sending(exc: ClientError) -> ClientError:
+    exc.sent = True
+    return exc

@@ -1,7 +1,9 @@
 """The async client of the pool server: one connection, many concurrent requests.
 
-`PoolClient.connect()` opens the connection and authenticates; `call()` sends a request and returns
-its reply; `stream()` yields a streaming request's items and then its final reply. A reader task
+`PoolClient.connect()` opens the connection and authenticates (to the first of the pool's servers
+that answers, when it has several); `call()` sends a request and returns its reply; `stream()`
+yields a streaming request's items and then its final reply; `move_on()` connects to another of
+the pool's servers when this one went away. A reader task
 feeds the sans-IO `protocol.ClientConnection` and routes events to the request they belong to; a
 semaphore keeps the requests in flight within the server's limit, so callers may pipeline freely.
 """
@@ -52,15 +54,19 @@ class PoolClient:
         tls: str = "auto",
         tls_pin: str | None = None,
     ) -> None:
-        """`tls`: "auto" speaks TLS to a server beyond loopback (verified by `tls_ca`, else by
+        """`address`: one server, or several of one pool, comma-separated (session.addresses).
+        `tls`: "auto" speaks TLS to a server beyond loopback (verified by `tls_ca`, else by
         `tls_pin`, else pinned on first use: known_servers.py), or to any with `tls_ca` or
         `tls_pin`; "on" always; "off" never."""
-        self.address = address
-        self.host, self.port = parse_address(address)
+        self.targets = session.addresses(address)
+        self.address = self.targets[0]
+        self.host, self.port = parse_address(self.address)
         self.user = user
+        self._token = token
         self.conn = session.connection(user, token)
         self.tls_ca = tls_ca
         self.tls_pin = tls_pin
+        self._tls_mode = tls
         self.tls = session.wants_tls(self.host, tls, tls_ca, tls_pin)
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -77,6 +83,40 @@ class PoolClient:
         await self.close()
 
     async def connect(self, handshake_seconds: float = 10.0) -> None:
+        """Connect to the first of the pool's servers that answers and lets this client in."""
+        for i, address in enumerate(self.targets):
+            try:
+                await self._connect(address, handshake_seconds)
+                return
+            except ServerUnreachable as exc:
+                if i + 1 == len(self.targets):
+                    raise
+                session.moving_on(address, self.targets[i + 1], exc)
+
+    async def move_on(self, why: ClientError) -> bool:
+        """The server went away (`why`): connect to another of the pool's servers, those after it
+        first. False when the pool has no other; raises when none of them answers."""
+        at = self.targets.index(self.address)
+        others = self.targets[at + 1 :] + self.targets[:at]
+        if not others:
+            return False
+        await self.close()
+        for address in others:
+            session.moving_on(self.address, address, why)
+            try:
+                await self._connect(address)
+                return True
+            except ServerUnreachable as exc:
+                why = exc
+        raise why
+
+    async def _connect(self, address: str, handshake_seconds: float = 10.0) -> None:
+        self.address = address
+        self.host, self.port = parse_address(address)
+        self.tls = session.wants_tls(self.host, self._tls_mode, self.tls_ca, self.tls_pin)
+        self.conn = session.connection(self.user, self._token)
+        self._closed = None
+        self._pending = {}
         ctx = session.tls_context(self.tls_ca) if self.tls else None
         try:
             self._reader, self._writer = await asyncio.wait_for(

@@ -2,9 +2,10 @@
 (pool_client.py) and the blocking `one_shot` call share it. Loop-free, and light to import: most
 poolctl commands are one request, and a command's start is mostly its imports.
 
-It says where to connect (`parse_address`), whether with TLS and how to trust the server
-(`tls_context`, `check_pin`: known_servers.py), and what each way of failing means to a user:
-`ClientError` and its kinds, each with the sentence poolctl prints.
+It says where to connect (`parse_address`; `addresses`: a pool may have several servers, tried
+in order, and a request `repeatable` on another goes on there when its server goes away), whether
+with TLS and how to trust the server (`tls_context`, `check_pin`: known_servers.py), and what each
+way of failing means to a user: `ClientError` and its kinds, each with the sentence poolctl prints.
 """
 
 from __future__ import annotations
@@ -13,7 +14,26 @@ from typing import TYPE_CHECKING
 
 from daemon.address import is_loopback, parse_host_port
 from daemon.errors import GpupoolError
-from protocol import Authenticated, ClientConnection, ConnectionClosed, ConnectionFailed, ErrorCode, Event
+from protocol import (
+    Authenticated,
+    CancelJobs,
+    ClientConnection,
+    ConnectionClosed,
+    ConnectionFailed,
+    Enqueue,
+    ErrorCode,
+    Event,
+    FollowLogs,
+    ListJobs,
+    ListWorkers,
+    Ping,
+    PrepareDownload,
+    Request,
+    ResolveName,
+    ShowJob,
+    WaitJobs,
+    WatchPool,
+)
 
 if TYPE_CHECKING:
     import ssl
@@ -21,7 +41,10 @@ if TYPE_CHECKING:
 
 class ClientError(GpupoolError):
     """A request or the connection failed; `code` is the error code the server sent (kept as a
-    number when this version does not know it), INTERNAL when it sent none."""
+    number when this version does not know it), INTERNAL when it sent none. `sent`: the request
+    had left when the connection failed (it may have been acted on)."""
+
+    sent = False
 
 
 class ServerUnreachable(ClientError):
@@ -37,6 +60,54 @@ def parse_address(address: str) -> tuple[str, int]:
         return parse_host_port(address, default_host="127.0.0.1")
     except ValueError as exc:
         raise ClientError(f"{address!r} is not a server address; {exc}") from None
+
+
+def addresses(server: str) -> list[str]:
+    """The servers `server` names: one HOST:PORT, or several of one pool, comma-separated
+    (GPUPOOL_SERVER=a:7420,b:7420), tried in that order. Raises ClientError naming a bad one."""
+    found = [a.strip() for a in server.split(",") if a.strip()]
+    if not found:
+        raise ClientError(f"{server!r} names no server; expected HOST:PORT[,HOST:PORT...]")
+    for address in found:
+        parse_address(address)
+    return found
+
+
+# Requests whose second copy, on another server of the pool, does what the first would have: reads,
+# cancels, waits and streams (a stream resumes where it was: FollowLogs from its offset).
+REPEATABLE = (
+    ListJobs,
+    ShowJob,
+    CancelJobs,
+    WaitJobs,
+    WatchPool,
+    FollowLogs,
+    ListWorkers,
+    Ping,
+    ResolveName,
+    PrepareDownload,
+)
+
+
+def repeatable(request: Request) -> bool:
+    """Whether `request`, sent to a server that went away before it answered, may be sent again
+    to another: an enqueue only with its idempotency key (else it could run twice)."""
+    if isinstance(request, Enqueue):
+        return request.idempotency_key is not None
+    return isinstance(request, REPEATABLE)
+
+
+def gone(exc: ClientError) -> bool:
+    """Whether `exc` says the server went away (unreachable, the connection lost, or closing it
+    as it stops), rather than answered: then another server of the pool may be asked."""
+    return isinstance(exc, ServerUnreachable) or exc.code == ErrorCode.SHUTTING_DOWN
+
+
+def moving_on(address: str, to: str, exc: ClientError) -> None:
+    """Say on stderr that poolctl goes on with the next server."""
+    import sys
+
+    print(f"poolctl: {exc}; going on with the server at {to}", file=sys.stderr, flush=True)
 
 
 def connection(user: str, token: str | None) -> ClientConnection:

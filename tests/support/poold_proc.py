@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +21,17 @@ def poold(
 ) -> Iterator[str]:
     """Run a multinode `poold` on `redis_server` (one node, or a Sentinel group's primary); yields
     its client address."""
+    with poold_process(redis_server, tmp, tokens, *flags) as (address, _):
+        yield address
+
+
+@contextmanager
+def poold_process(
+    redis_server: EmbeddedRedis | SentinelGroup, tmp: Path, tokens: dict[str, str], *flags: str
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """`poold`, also yielding its process (to kill it). Its stderr is read until it says it is
+    ready, then drained by a thread (a full pipe would stop the server at its next log line)."""
+    tmp.mkdir(parents=True, exist_ok=True)
     tokens_file = tmp / "tokens.toml"
     tokens_file.write_text("".join(f'{u} = "{t}"\n' for u, t in tokens.items()))
     tokens_file.chmod(0o600)
@@ -61,10 +73,13 @@ def poold(
                 address = line.split("server ready on ", 1)[1].split(":", 2)
                 break
         else:
+            proc.wait(30)
             raise AssertionError("poold did not start:\n" + "".join(seen))
+        drain = threading.Thread(target=proc.stderr.read, daemon=True)
+        drain.start()
         try:
-            yield f"{address[0]}:{address[1]}"
+            yield f"{address[0]}:{address[1]}", proc
         finally:
             proc.terminate()
             proc.wait(30)
-            proc.stderr.read()
+            drain.join(10)
