@@ -164,6 +164,11 @@ def test_sentinels_are_addresses_and_a_singlenode_pool_refuses_them(tmp_path: Pa
     assert c.redis_sentinels == ["10.0.0.1:26379", "[::1]:26380"]
     with pytest.raises(ConfigError, match=r"redis_sentinels: .*'sentinel-1': expected HOST:PORT"):
         config.load(env={**multinode, "GPUPOOL_REDIS_SENTINELS": "10.0.0.1:26379,sentinel-1"})
+    # A wait for replicas longer than a reply is waited for would time the reply out first.
+    with pytest.raises(
+        ConfigError, match=r"redis_replicas_ack_timeout: '5' is not valid: expected a number from"
+    ):
+        config.load(env={**multinode, "GPUPOOL_REDIS_REPLICAS_ACK_TIMEOUT": "5"})
     # The embedded Redis has neither: said at once, in one line, rather than every submit failing.
     out = poold("--redis-min-replicas-ack", "1", "--data-dir", str(tmp_path))
     assert out.returncode == 2
