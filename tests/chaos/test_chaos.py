@@ -114,11 +114,19 @@ async def test_chaos_large(tmp_path: Path, redis_server: EmbeddedRedis, s3_env: 
     assert verdict.ok, report(verdict, cluster) + "\n" + "\n".join(verdict.problems[:20])
 
 
-async def sentinel_chaos(
-    tmp: Path, group: SentinelGroup, s3_env: dict[str, str], jobs: int, rounds: int
+async def sentinel_chaos(  # noqa: PLR0917
+    tmp: Path, group: SentinelGroup, s3_env: dict[str, str], jobs: int, workers: int, rounds: int, seed: int
 ) -> None:
     verdict, cluster = await run_chaos(
-        tmp, group, s3_env, jobs=jobs, workers=2, rounds=rounds, lease=1.5, seed=5, kinds=SENTINEL_KINDS
+        tmp,
+        group,
+        s3_env,
+        jobs=jobs,
+        workers=workers,
+        rounds=rounds,
+        lease=1.5,
+        seed=seed,
+        kinds=SENTINEL_KINDS,
     )
     print(report(verdict, cluster))
     assert verdict.ok, report(verdict, cluster) + "\n" + "\n".join(verdict.problems[:20])
@@ -129,7 +137,9 @@ async def test_chaos_sentinel_small(
     tmp_path: Path, sentinel_group_of_three: SentinelGroup, s3_env: dict[str, str]
 ) -> None:
     """The pool on a Sentinel group (a primary, two replicas): failovers among the other faults."""
-    await sentinel_chaos(tmp_path, sentinel_group_of_three, s3_env, jobs=80, rounds=len(SENTINEL_KINDS))
+    await sentinel_chaos(
+        tmp_path, sentinel_group_of_three, s3_env, jobs=80, workers=2, rounds=len(SENTINEL_KINDS), seed=5
+    )
 
 
 @pytest.mark.slow
@@ -137,4 +147,4 @@ async def test_chaos_sentinel_small(
 async def test_chaos_sentinel_large(
     tmp_path: Path, sentinel_group_of_three: SentinelGroup, s3_env: dict[str, str]
 ) -> None:
-    await sentinel_chaos(tmp_path, sentinel_group_of_three, s3_env, jobs=1000, rounds=20)
+    await sentinel_chaos(tmp_path, sentinel_group_of_three, s3_env, jobs=1000, workers=3, rounds=20, seed=13)
