@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -23,6 +24,7 @@ from daemon.queue.connection import RunIdWatch, connect_sentinel
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.scripts import ReplicaAck
 from tests.support.sentinel import MASTER, Process, SentinelGroup
+from tests.support.workers import running_worker, sh, wait_state
 
 ACK = ReplicaAck(replicas=1, timeout_ms=300)
 T = TypeVar("T")
@@ -192,3 +194,30 @@ async def test_a_promoted_replica_is_new_to_the_pool_however_long_it_has_run(
         assert queue.watch.run_id is not None
         await asyncio.sleep(0.3)
         assert 0.2 <= await queue.primary_age() < 1.2
+
+
+async def test_a_worker_starts_no_job_whose_claim_no_replica_has(
+    sentinel_group: SentinelGroup, tmp_path: Path
+) -> None:
+    """With `redis_min_replicas_ack`, a claim counts once a replica has it: while the only replica
+    is frozen, the worker's claims are not confirmed and it starts nothing (a primary cut off from
+    its replicas grants nothing: another worker may be given the job by the one promoted). Once
+    the replica answers, the same claim, sent again by its request number, starts the job, once."""
+    replica = next(n for n in sentinel_group.nodes if n is not sentinel_group.primary())
+    assert replica.proc is not None
+    ran = tmp_path / "ran"
+    async with sentinel_queue(sentinel_group, ack=None) as submit:
+        job_id, _ = await submit.enqueue(sh(f"echo $GPUPOOL_ATTEMPT_ID >> {ran}"))
+    async with (
+        sentinel_queue(sentinel_group) as queue,
+        running_worker(queue, tmp_path / "w", heartbeat_seconds=0.3),
+    ):
+        os.kill(replica.proc.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(2.0)  # several claims and beats, none confirmed
+            assert not ran.exists()
+        finally:  # before the worker stops: it would wait for its outcomes to be confirmed
+            os.kill(replica.proc.pid, signal.SIGCONT)
+        info = await wait_state(queue, job_id, JobState.SUCCEEDED)
+    assert len(ran.read_text().split()) == 1  # it ran once
+    assert [(a.attempt, a.how) for a in info.attempts] == [(1, "succeeded")]
