@@ -41,7 +41,8 @@ from daemon.queue.job_queue import JobQueue
 from protocol import Enqueue, Enqueued
 from tests.support.faults import aof_copy, memory_full, roll_back
 from tests.support.proxy import Proxy
-from tests.support.sentinel import MASTER, Process, SentinelGroup
+from tests.support.redis_group import Process
+from tests.support.sentinel import MASTER, SentinelGroup
 
 JOB_SECONDS = 0.2
 LONG_SECONDS = 4.0

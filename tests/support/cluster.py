@@ -5,17 +5,11 @@ slots in equal ranges (CLUSTER ADDSLOTS): what redis-cli --cluster create does, 
 
 from __future__ import annotations
 
-import contextlib
-import secrets
-import signal
-import subprocess
-import time
+import functools
 from pathlib import Path
 
-import redis as redis_sync
-
-from daemon.queue.embedded_redis import find_binary, free_port, port_free
-from tests.support.sentinel import Process
+from daemon.queue.embedded_redis import free_port, port_free
+from tests.support.redis_group import Process, RedisGroup
 
 SLOTS = 16384
 BUS_OFFSET = 10000  # a node's cluster bus listens on its port + 10 000 (Redis 6.2 has no cluster-port)
@@ -30,58 +24,35 @@ def bus_free_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
-class ClusterGroup:
+class ClusterGroup(RedisGroup):
     """`with ClusterGroup(root) as cluster:` a running cluster, its state ok on every node."""
 
     def __init__(self, root: Path, primaries: int = 3) -> None:
-        self.root = root
-        self.binary = find_binary()
-        self.password = secrets.token_urlsafe(16)
+        super().__init__(root)
         self.nodes = [Process(bus_free_port(), root / f"node{i}") for i in range(primaries)]
 
-    def __enter__(self) -> ClusterGroup:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
+    def processes(self) -> list[Process]:
+        return self.nodes
 
     def start(self) -> None:
         for node in self.nodes:
-            node.dir.mkdir(parents=True, exist_ok=True)
-            conf = node.dir / "redis.conf"
-            conf.write_text(
-                "\n".join(
-                    [
-                        f"port {node.port}",
-                        "bind 127.0.0.1",
-                        f"dir {node.dir}",
-                        f"logfile {node.dir / 'log'}",
-                        "cluster-enabled yes",
-                        "cluster-config-file nodes.conf",
-                        "cluster-node-timeout 1000",
-                        "appendonly yes",
-                        'save ""',
-                        f"requirepass {self.password}",
-                        f"masterauth {self.password}",
-                        "maxmemory-policy noeviction",
-                    ]
-                )
-                + "\n"
-            )
-            node.proc = subprocess.Popen(
-                [self.binary, str(conf)],
-                start_new_session=True,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+            conf = [
+                f"port {node.port}",
+                "bind 127.0.0.1",
+                f"dir {node.dir}",
+                f"logfile {node.dir / 'log'}",
+                "cluster-enabled yes",
+                "cluster-config-file nodes.conf",
+                "cluster-node-timeout 1000",
+                "appendonly yes",
+                'save ""',
+                f"requirepass {self.password}",
+                f"masterauth {self.password}",
+                "maxmemory-policy noeviction",
+            ]
+            self.launch(node, conf)
         for node in self.nodes:
-            self._wait(lambda n=node: self._ping(n), f"node on port {node.port}")
+            self.wait(functools.partial(self.ping, node), f"node on port {node.port}")
         first, share = self.nodes[0], SLOTS // len(self.nodes)
         for i, node in enumerate(self.nodes):
             with self.client(node) as c:
@@ -89,29 +60,7 @@ class ClusterGroup:
                     c.execute_command("CLUSTER MEET", "127.0.0.1", first.port)
                 upto = SLOTS if i == len(self.nodes) - 1 else (i + 1) * share
                 c.execute_command("CLUSTER ADDSLOTS", *range(i * share, upto))
-        self._wait(self._ok, "the cluster's state to be ok on every node")
-
-    def stop(self) -> None:
-        for node in self.nodes:
-            if node.proc is None:
-                continue
-            with contextlib.suppress(ProcessLookupError):
-                node.proc.send_signal(signal.SIGTERM)
-            try:
-                node.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                node.proc.kill()
-                node.proc.wait(5)
-            node.proc = None
-
-    def client(self, node: Process) -> redis_sync.Redis:
-        return redis_sync.Redis(
-            host="127.0.0.1",
-            port=node.port,
-            password=self.password,
-            socket_timeout=2,
-            socket_connect_timeout=1,
-        )
+        self.wait(self._ok, "the cluster's state to be ok on every node")
 
     def owner(self, slot: int) -> int:
         """The port of the node that serves `slot`."""
@@ -125,15 +74,6 @@ class ClusterGroup:
         with self.client(self.nodes[0]) as c:
             return int(c.execute_command("CLUSTER KEYSLOT", key))
 
-    def _ping(self, node: Process) -> bool:
-        if node.proc is not None and node.proc.poll() is not None:
-            raise RuntimeError(f"redis-server on port {node.port} exited at start: {node.log_tail()}")
-        try:
-            with self.client(node) as c:
-                return bool(c.ping())
-        except redis_sync.ConnectionError:
-            return False
-
     def _ok(self) -> bool:
         for node in self.nodes:
             with self.client(node) as c:
@@ -143,12 +83,3 @@ class ClusterGroup:
                 ):
                     return False
         return True
-
-    def _wait(self, condition: object, what: str, timeout: float = 30.0) -> None:
-        assert callable(condition)
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                logs = "; ".join(f"{n.dir.name}: {n.log_tail(3)}" for n in self.nodes)
-                raise TimeoutError(f"waited {timeout:g} s for {what}; logs: {logs}")
-            time.sleep(0.05)

@@ -10,48 +10,26 @@ each sentinel has its own directory.
 
 from __future__ import annotations
 
-import contextlib
-import os
+import functools
 import secrets
 import signal
-import subprocess
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis as redis_sync
 
-from daemon.queue.embedded_redis import find_binary, free_port
+from daemon.queue.embedded_redis import free_port
+from tests.support.redis_group import Process, RedisGroup
 
 MASTER = "gpupool"  # the group's name, as sentinels know it (redis_sentinel_master)
 
 
-@dataclass
-class Process:
-    port: int
-    dir: Path
-    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def log_tail(self, lines: int = 5) -> str:
-        try:
-            return " | ".join((self.dir / "log").read_text().splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-
-class SentinelGroup:
+class SentinelGroup(RedisGroup):
     """`start()`: the primary, `replicas` replicas in sync with it, three sentinels agreeing on
     them (quorum 2); `stop()` ends every process left. A primary unreachable for `down_after_ms`
     is failed over."""
 
     def __init__(self, root: Path, *, replicas: int = 1, down_after_ms: int = 500) -> None:
-        self.root = root
-        self.binary = find_binary()
-        self.password = secrets.token_urlsafe(16)
+        super().__init__(root)
         self.sentinel_password = secrets.token_urlsafe(16)
         self.down_after_ms = down_after_ms
         self.nodes = [Process(free_port(), root / f"node{i}") for i in range(1 + replicas)]
@@ -68,7 +46,7 @@ class SentinelGroup:
         for i, node in enumerate(self.nodes):
             self._start_node(node, None if i == 0 else primary.port)
         for node in self.nodes[1:]:
-            self._wait(lambda n=node: self._info(n, "replication").get("master_link_status") == "up", "sync")
+            self.wait(functools.partial(self._in_sync, node), f"the replica on port {node.port} to sync")
         for sentinel in self.sentinels:
             self._start_sentinel(sentinel, primary.port)
         others, replicas = len(self.sentinels) - 1, len(self.nodes) - 1
@@ -81,23 +59,7 @@ class SentinelGroup:
                     return False
             return True
 
-        self._wait(agreed, "the sentinels to find each other and the replicas")
-
-    def stop(self) -> None:
-        for p in [*self.sentinels, *self.nodes]:
-            self._end(p, signal.SIGTERM)
-
-    def __enter__(self) -> SentinelGroup:
-        """Started (and stopped again, whatever was started, if starting fails)."""
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
+        self.wait(agreed, "the sentinels to find each other and the replicas")
 
     # -- faults ------------------------------------------------------------------------------------
 
@@ -108,14 +70,14 @@ class SentinelGroup:
 
     def kill(self, node: Process) -> None:
         """SIGKILL, as a machine's death: no AOF flush, no goodbye to the replicas."""
-        self._end(node, signal.SIGKILL)
+        self.end(node, signal.SIGKILL)
 
     def restart(self, node: Process) -> None:
         """Start a killed node again on its own AOF, as a rebooted machine: the sentinels make it a
         replica of whichever node is the primary now (what only it had is dropped when it syncs)."""
         assert node.proc is None, "the node still runs"
-        self._launch(node, (node.dir / "redis.conf").read_text().splitlines(), [])
-        self._wait(lambda: self._ping(node), f"node on port {node.port} to come back")
+        self.launch(node, (node.dir / "redis.conf").read_text().splitlines(), [])
+        self.wait(lambda: self.ping(node), f"node on port {node.port} to come back")
 
     def wait_failover(self, old: Process, timeout: float = 30.0) -> Process:
         """The replica the sentinels promoted in `old`'s place, once every sentinel that answers
@@ -140,13 +102,12 @@ class SentinelGroup:
             node = next(n for n in self.nodes if n.port in ports)
             return self._info(node, "replication").get("role") == "master"
 
-        self._wait(promoted, "a failover", timeout)
+        self.wait(promoted, "a failover", timeout)
         return self.primary()
 
     # -- parts -------------------------------------------------------------------------------------
 
     def _start_node(self, node: Process, primary_port: int | None) -> None:
-        node.dir.mkdir(parents=True, exist_ok=True)
         conf = [
             f"port {node.port}",
             "bind 127.0.0.1",
@@ -163,11 +124,10 @@ class SentinelGroup:
         ]
         if primary_port is not None:
             conf.append(f"replicaof 127.0.0.1 {primary_port}")
-        self._launch(node, conf, [])
-        self._wait(lambda: self._ping(node), f"node on port {node.port}")
+        self.launch(node, conf)
+        self.wait(lambda: self.ping(node), f"node on port {node.port}")
 
     def _start_sentinel(self, sentinel: Process, primary_port: int) -> None:
-        sentinel.dir.mkdir(parents=True, exist_ok=True)
         conf = [
             f"port {sentinel.port}",
             "bind 127.0.0.1",
@@ -181,53 +141,21 @@ class SentinelGroup:
             f"sentinel failover-timeout {MASTER} 5000",
             f"sentinel parallel-syncs {MASTER} 1",
         ]
-        self._launch(sentinel, conf, ["--sentinel"])
-        self._wait(lambda: self._ping(sentinel, self.sentinel_password), f"sentinel on port {sentinel.port}")
-
-    def _launch(self, p: Process, conf: list[str], extra: list[str]) -> None:
-        path = p.dir / "redis.conf"
-        path.write_text("\n".join(conf) + "\n")
-        os.chmod(path, 0o600)
-        p.proc = subprocess.Popen(
-            [self.binary, str(path), *extra],
-            start_new_session=True,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-
-    def _end(self, p: Process, sig: signal.Signals) -> None:
-        if p.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            p.proc.send_signal(sig)
-        try:
-            p.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            p.proc.kill()
-            p.proc.wait(5)
-        p.proc = None
-
-    def _client(self, p: Process, password: str) -> redis_sync.Redis:
-        return redis_sync.Redis(
-            host="127.0.0.1", port=p.port, password=password, socket_timeout=0.5, socket_connect_timeout=0.5
-        )
+        self.launch(sentinel, conf, ["--sentinel"])
+        self.wait(lambda: self.ping(sentinel, self.sentinel_password), f"sentinel on port {sentinel.port}")
 
     def _sentinel(self, p: Process) -> redis_sync.Redis:
-        return self._client(p, self.sentinel_password)
+        return self.client(p, self.sentinel_password)
 
-    def _ping(self, p: Process, password: str | None = None) -> bool:
-        if p.proc is not None and p.proc.poll() is not None:
-            raise RuntimeError(f"redis-server on port {p.port} exited at start: {p.log_tail()}")
-        try:
-            with self._client(p, password or self.password) as c:
-                return bool(c.ping())
-        except (redis_sync.ConnectionError, redis_sync.BusyLoadingError):
-            return False
+    def processes(self) -> list[Process]:
+        return [*self.sentinels, *self.nodes]
+
+    def _in_sync(self, node: Process) -> bool:
+        return self._info(node, "replication").get("master_link_status") == "up"
 
     def _info(self, node: Process, section: str) -> dict[str, object]:
         try:
-            with self._client(node, self.password) as c:
+            with self.client(node, self.password) as c:
                 info: dict[str, object] = c.info(section)
                 return info
         except redis_sync.RedisError:
@@ -247,12 +175,3 @@ class SentinelGroup:
                 host, port = got
                 return str(host), str(port)
         raise RuntimeError("no sentinel answers")
-
-    def _wait(self, condition: object, what: str, timeout: float = 30.0) -> None:
-        assert callable(condition)
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                logs = "; ".join(f"{p.dir.name}: {p.log_tail(3)}" for p in [*self.nodes, *self.sentinels])
-                raise TimeoutError(f"waited {timeout:g} s for {what}; logs: {logs}")
-            time.sleep(0.02)

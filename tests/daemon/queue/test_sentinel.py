@@ -23,7 +23,8 @@ from daemon.job import JobSpec, JobState, Outcome
 from daemon.queue.connection import RunIdWatch, connect_sentinel
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.scripts import ReplicaAck
-from tests.support.sentinel import MASTER, Process, SentinelGroup
+from tests.support.redis_group import Process
+from tests.support.sentinel import MASTER, SentinelGroup
 from tests.support.workers import running_worker, sh, wait_state
 
 ACK = ReplicaAck(replicas=1, timeout_ms=300)
