@@ -484,22 +484,27 @@ async def _attach_data(client: PoolClient, spec: dict[str, Any], args: argparse.
 async def _logs(client: PoolClient, job_id: str, follow: bool) -> int:
     """Print the job's log (following it with `follow`); a server that goes away meanwhile is
     left for another of the pool's, from the byte after the last one printed."""
+    import asyncio  # loaded already: this runs on its loop
+
     out = sys.stdout.buffer
     end: LogEnd | None = None
     offset = ""
+    moves = 0  # since the last output: every server taken in turn without any is the end
     while True:
         try:
             async for item in client.stream(FollowLogs(job_id, follow, offset)):
                 if isinstance(item, LogChunk):
                     out.write(item.data)
                     out.flush()
-                    offset = item.offset
+                    offset, moves = item.offset, 0
                 elif isinstance(item, LogEnd):
                     end = item
             break
         except ClientError as exc:
-            if not session.gone(exc) or not await client.move_on(exc):
+            moves += 1
+            if not session.gone(exc) or moves > len(client.targets) or not await client.move_on(exc):
                 raise
+            await asyncio.sleep(0.2 * moves)  # a server in a crash loop is not asked at full speed
     if not follow or end is None:
         return 0
     if end.exit_code is not None:

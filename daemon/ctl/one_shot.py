@@ -65,7 +65,7 @@ def call(
                 or (exc.sent and not session.repeatable(request))
             ):
                 raise
-            session.moving_on(address, targets[i + 1], exc)
+            session.moving_on(targets[i + 1], exc)
     raise AssertionError("unreachable: the last server's failure is raised")
 
 
@@ -80,30 +80,16 @@ def _call(  # noqa: PLR0917
     tls_pin: str | None,
     on_item: Callable[[StreamItem], None] | None,
 ) -> R:
-    host, port = session.parse_address(address)
-    use_tls = session.wants_tls(host, tls, tls_ca, tls_pin)
-    conn = session.connection(user, token)
+    sock, conn, events = _open(address, user, token, tls_ca, tls, tls_pin)
     try:
-        sock = socket.create_connection((host, port), timeout=HANDSHAKE_SECONDS)
-    except OSError as exc:
-        raise session.unreachable(address, exc) from None
-    try:
-        if use_tls:
-            try:
-                sock = session.tls_context(tls_ca).wrap_socket(sock, server_hostname=host)
-            except OSError as exc:
-                raise session.unreachable(address, exc) from None
-            session.check_pin(address, tls_ca, sock, tls_pin)
-        events = _events(sock, conn, address)
-        sock.sendall(conn.start())
-        while session.handshake_outcome(next(events), address, user) is None:
-            pass
-        sock.settimeout(None)
         try:
             request_id, data = conn.request(request)
         except LocalProtocolError as exc:  # the server said goodbye before the request left
             raise session.ServerUnreachable(f"the server at {address} is closing this connection") from exc
-        sock.sendall(data)
+        try:
+            sock.sendall(data)
+        except OSError as exc:  # some of it may have arrived: sent, as far as a retry is concerned
+            raise _after_sending(session.unreachable(address, exc)) from None
         for event in events:
             match event:
                 case ReplyReceived(request_id=rid, message=message, final=True) if rid == request_id:
@@ -121,6 +107,39 @@ def _call(  # noqa: PLR0917
         raise _after_sending(session.connection_ended(ConnectionClosed(), address))
     finally:
         sock.close()
+
+
+def _open(  # noqa: PLR0917
+    address: str, user: str, token: str | None, tls_ca: str | None, tls: str, tls_pin: str | None
+) -> tuple[socket.socket, ClientConnection, Iterator[Event]]:
+    """A connection to `address`, TLS as `tls` says, `user` let in: the socket, its protocol state
+    and its events. ServerUnreachable when the server is not there or goes away meanwhile."""
+    host, port = session.parse_address(address)
+    use_tls = session.wants_tls(host, tls, tls_ca, tls_pin)
+    conn = session.connection(user, token)
+    try:
+        sock = socket.create_connection((host, port), timeout=HANDSHAKE_SECONDS)
+    except OSError as exc:
+        raise session.unreachable(address, exc) from None
+    try:
+        if use_tls:
+            try:
+                sock = session.tls_context(tls_ca).wrap_socket(sock, server_hostname=host)
+            except OSError as exc:
+                raise session.unreachable(address, exc) from None
+            session.check_pin(address, tls_ca, sock, tls_pin)
+        events = _events(sock, conn, address)
+        try:
+            sock.sendall(conn.start())
+        except OSError as exc:  # reset, or the pipe broken: not there
+            raise session.unreachable(address, exc) from None
+        while session.handshake_outcome(next(events), address, user) is None:
+            pass
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, conn, events
 
 
 def _events(sock: socket.socket, conn: ClientConnection, address: str) -> Iterator[Event]:

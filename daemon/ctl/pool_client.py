@@ -91,18 +91,19 @@ class PoolClient:
             except ServerUnreachable as exc:
                 if i + 1 == len(self.targets):
                     raise
-                session.moving_on(address, self.targets[i + 1], exc)
+                session.moving_on(self.targets[i + 1], exc)
 
     async def move_on(self, why: ClientError) -> bool:
         """The server went away (`why`): connect to another of the pool's servers, those after it
-        first. False when the pool has no other; raises when none of them answers."""
+        first. False when the pool has no other; raises when none of them answers. Only between
+        requests: one still open on this connection would be answered by none."""
         at = self.targets.index(self.address)
         others = self.targets[at + 1 :] + self.targets[:at]
         if not others:
             return False
         await self.close()
         for address in others:
-            session.moving_on(self.address, address, why)
+            session.moving_on(address, why)
             try:
                 await self._connect(address)
                 return True
@@ -139,6 +140,12 @@ class PoolClient:
         except TimeoutError:
             await self.close()
             raise ServerUnreachable(f"the server at {self.address} did not finish the handshake") from None
+        except OSError as exc:  # reset while letting this client in
+            await self.close()
+            raise session.unreachable(self.address, exc) from None
+        except BaseException:  # refused (AuthFailed), or gone (ServerUnreachable): nothing left open
+            await self.close()
+            raise
         self._slots = asyncio.Semaphore(hello.max_in_flight)
         self._reader_task = asyncio.create_task(self._read_loop(), name="poolctl-reader")
 

@@ -103,11 +103,11 @@ def gone(exc: ClientError) -> bool:
     return isinstance(exc, ServerUnreachable) or exc.code == ErrorCode.SHUTTING_DOWN
 
 
-def moving_on(address: str, to: str, exc: ClientError) -> None:
-    """Say on stderr that poolctl goes on with the next server."""
+def moving_on(to: str, exc: ClientError) -> None:
+    """Say on stderr why poolctl leaves a server, and that it goes on with the next."""
     import sys
 
-    print(f"poolctl: {exc}; going on with the server at {to}", file=sys.stderr, flush=True)
+    print(f"poolctl: {exc}\npoolctl: going on with the server at {to}", file=sys.stderr, flush=True)
 
 
 def connection(user: str, token: str | None) -> ClientConnection:
