@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 import secrets
 import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import redis as redis_sync
 
@@ -85,14 +87,7 @@ class SentinelGroup(RedisGroup):
 
         def promoted() -> bool:
             ports, answered = set(), 0
-            for s in self.sentinels:
-                if s.proc is None:
-                    continue
-                try:
-                    with self._sentinel(s) as c:
-                        state = c.sentinel_master(MASTER)
-                except redis_sync.RedisError:
-                    continue  # stopped, say
+            for state in self._answers(lambda c: c.sentinel_master(MASTER)):
                 if not state["is_master"] or state["is_sdown"] or state["is_odown"]:
                     return False
                 ports.add(int(state["port"]))
@@ -163,15 +158,20 @@ class SentinelGroup(RedisGroup):
 
     def _ask_sentinels(self) -> tuple[str, str]:
         """The primary's address as the first sentinel that answers gives it."""
+        for got in self._answers(lambda c: c.sentinel_get_master_addr_by_name(MASTER)):
+            if got:
+                host, port = got
+                return str(host), str(port)
+        raise RuntimeError("no sentinel answers")
+
+    def _answers(self, ask: Callable[[redis_sync.Redis], Any]) -> Iterator[Any]:
+        """Each running sentinel's answer to `ask`, those that do not answer (stopped, say) left out."""
         for s in self.sentinels:
             if s.proc is None:
                 continue
             try:
                 with self._sentinel(s) as c:
-                    got = c.sentinel_get_master_addr_by_name(MASTER)
+                    answer = ask(c)
             except redis_sync.RedisError:
                 continue
-            if got:
-                host, port = got
-                return str(host), str(port)
-        raise RuntimeError("no sentinel answers")
+            yield answer
