@@ -92,6 +92,14 @@ OPTIONS: tuple[Option, ...] = (
         "again after a failover; redis_ip and redis_port are then unused",
         check=parse_host_ports,
     ),
+    Option(
+        "redis_cluster_nodes",
+        list,
+        [],
+        "Redis Cluster nodes HOST:PORT (multinode), any of them: the cluster is found from them, "
+        "queues spread over its shards; redis_ip and redis_port are then unused",
+        check=parse_host_ports,
+    ),
     Option("redis_sentinel_master", str, "gpupool", "the name the sentinels monitor the pool's Redis by"),
     Option("redis_sentinel_password", str, "", "password of the sentinels themselves", secret=True),
     Option(
@@ -290,6 +298,7 @@ class Config:
     redis_username: str
     main_server_redis_password: str
     redis_sentinels: list[str]
+    redis_cluster_nodes: list[str]
     redis_sentinel_master: str
     redis_sentinel_password: str
     redis_min_replicas_ack: int
@@ -415,14 +424,25 @@ def load(
 def _check_together(c: Config) -> None:
     """Refuse options that cannot work together, saying what to do instead."""
     if c.embedded:  # its own Redis: one node, no sentinels, no replicas
-        for name in ("redis_sentinels", "redis_min_replicas_ack"):
+        for name in ("redis_sentinels", "redis_cluster_nodes", "redis_min_replicas_ack"):
             if getattr(c, name):
                 raise ConfigError(
                     name,
                     c.sources[name],
-                    "a singlenode pool runs its own Redis, which has no sentinels and no replicas: "
-                    "set worker_mode = multinode with the pool's Redis, or leave this unset",
+                    "a singlenode pool runs its own Redis, one node with no sentinels and no "
+                    "replicas: set worker_mode = multinode with the pool's Redis, or leave this unset",
                 )
+    if c.redis_sentinels and c.redis_cluster_nodes:
+        raise ConfigError(
+            "redis_cluster_nodes",
+            c.sources["redis_cluster_nodes"],
+            "a pool's Redis is either a Sentinel group (redis_sentinels) or a Cluster, not both: a "
+            "Cluster fails over by itself; keep one of the two",
+        )
+    if c.redis_cluster_nodes and c.redis_db:
+        raise ConfigError(
+            "redis_db", c.sources["redis_db"], "a Redis Cluster has database 0 only: leave redis_db unset"
+        )
 
 
 # A layer is a list of (key, raw value, source description, is_text) where is_text means the value

@@ -29,6 +29,7 @@ from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.spawn import Spawner
 from storage.s3 import S3Store
+from tests.support.cluster import ClusterGroup, ClusterServer
 from tests.support.pool import Pool, running_pool
 from tests.support.s3server import S3Server
 from tests.support.sentinel import SentinelGroup
@@ -127,6 +128,21 @@ def sentinel_group_of_three(tmp_path: Path) -> Iterator[SentinelGroup]:
     writes that must reach one (redis_min_replicas_ack = 1) still can."""
     with SentinelGroup(tmp_path / "sentinel3", replicas=2) as group:
         yield group
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterGroup]:
+    """Three primaries on loopback, for the whole session (tests/support/cluster.py)."""
+    with ClusterGroup(tmp_path_factory.mktemp("cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster_server(redis_cluster: ClusterGroup) -> ClusterServer:
+    """The session's cluster, emptied, as a server tests make clients of."""
+    server = ClusterServer(redis_cluster)
+    server.flush()
+    return server
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from typing import Any
 
 import hiredis
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection, Connection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
@@ -38,15 +39,18 @@ from redis.typing import EncodableT
 
 log = logging.getLogger(__name__)
 
+# The pool's client: one Redis (a node, or the primary of a Sentinel group), or a Redis Cluster.
+AnyRedis = Redis | RedisCluster
+
 SOCKET_TIMEOUT = 5.0  # seconds a command may wait for its reply
 CONNECT_TIMEOUT = 5.0
 RETRIES = 3  # re-sends of a command whose connection failed (each on a fresh connection)
 
 
-def block_limit(redis: Redis) -> float:
+def block_limit(redis: AnyRedis) -> float:
     """The longest a blocking command may block on `redis`: half its socket timeout, so the reply
     comes well before the client would give up waiting for it."""
-    timeout = redis.connection_pool.connection_kwargs.get("socket_timeout")
+    timeout = connection_options(redis).get("socket_timeout")
     return float("inf") if timeout is None else float(timeout) / 2
 
 
@@ -139,20 +143,40 @@ class PackedSentinelConnection(_Packed, SentinelManagedConnection):
 class RunIdWatch:
     """Remembers the run id of the Redis behind a client; `changed` fires when another one answers.
 
+    One Redis (a node, or the primary a Sentinel group names): another run id is another Redis,
+    wherever it answers. A Cluster (`per_node`): each address has its own run id, a change at one
+    is a node restarted, and an address first seen after `settle()` (the client has met the
+    cluster's primaries) is a replica promoted in a failover, or a node added: new to the pool.
+
     `generation` counts the changes, so a caller can tell whether one happened during a call: read
     it before, compare after."""
 
-    def __init__(self) -> None:
-        self.run_id: str | None = None
+    def __init__(self, *, per_node: bool = False) -> None:
+        self.per_node = per_node
+        self.run_ids: dict[str, str] = {}  # address ("" for one Redis) -> run id
+        self.settled = not per_node
         self.generation = 0
         self.changed = asyncio.Event()
 
-    def saw(self, run_id: str) -> None:
-        if self.run_id is not None and run_id != self.run_id:
+    @property
+    def run_id(self) -> str | None:
+        """The run id last seen (of one Redis; of some node, on a Cluster)."""
+        return next(reversed(self.run_ids.values()), None)
+
+    def settle(self) -> None:
+        """The nodes the client has met so far are the pool's; any other is new (Cluster)."""
+        self.settled = True
+
+    def saw(self, run_id: str, address: str = "") -> None:
+        where = address if self.per_node else ""
+        before = self.run_ids.get(where)
+        if (before is not None and run_id != before) or (before is None and self.per_node and self.settled):
             self.generation += 1
             self.changed.set()
-            log.warning("Redis restarted or failed over (run id %s, was %s)", run_id[:8], self.run_id[:8])
-        self.run_id = run_id
+            was = f"was {before[:8]}" if before else "a node new to the pool"
+            log.warning("Redis restarted or failed over (run id %s at %s, %s)", run_id[:8], address, was)
+        self.run_ids.pop(where, None)
+        self.run_ids[where] = run_id
 
     async def on_connect(self, connection: AbstractConnection) -> None:
         await connection.on_connect()
@@ -161,7 +185,8 @@ class RunIdWatch:
         text = info.decode() if isinstance(info, bytes) else str(info)
         fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
         if "run_id" in fields:
-            self.saw(fields["run_id"].strip())
+            address = f"{getattr(connection, 'host', '')}:{getattr(connection, 'port', '')}"
+            self.saw(fields["run_id"].strip(), address)
 
 
 def _options(watch: RunIdWatch | None, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -221,3 +246,52 @@ def connect_sentinel(
         master, connection_class=PackedSentinelConnection, db=db, username=username, password=password
     )
     return redis, manager
+
+
+def connect_cluster(
+    nodes: Sequence[tuple[str, int]],
+    *,
+    password: str | None = None,
+    username: str | None = None,
+    watch: RunIdWatch | None = None,
+    **kwargs: Any,
+) -> RedisCluster:
+    """A Redis Cluster client that finds the cluster from any of `nodes`, with the pool's timeouts,
+    its packed connections, and `watch` (made `per_node`) told the run id of every node it
+    connects to. redis-py routes each command by its key's slot and follows the cluster through
+    MOVED replies and failovers; the pool's script batches go to each slot's node themselves
+    (scripts.ScriptBatch), and its blocking reads are made per slot (reads.xread)."""
+    options = _options(watch, kwargs)
+    connect_func = options.pop("redis_connect_func")
+    redis = RedisCluster(
+        startup_nodes=[ClusterNode(host, port) for host, port in nodes],
+        username=username,
+        password=password,
+        **options,
+    )
+    # RedisCluster() takes neither a connection class nor a connect hook; every node it meets is
+    # made from these arguments, and the startup nodes were already (no connection made yet).
+    redis.connection_kwargs["connection_class"] = PackedConnection
+    redis.connection_kwargs["redis_connect_func"] = connect_func
+    for node in redis.startup_nodes:
+        node.connection_class = PackedConnection
+        node.connection_kwargs["redis_connect_func"] = connect_func
+    return redis
+
+
+async def meet(redis: AnyRedis, watch: RunIdWatch | None = None) -> None:
+    """Ask `redis` for a PONG: on a Cluster, every primary, which then count as the pool's nodes
+    for `watch` (`RunIdWatch.settle`). Raises RedisError when one does not answer."""
+    if isinstance(redis, RedisCluster):
+        await redis.ping(target_nodes=RedisCluster.PRIMARIES)
+    else:
+        await redis.ping()
+    if watch is not None:
+        watch.settle()
+
+
+def connection_options(redis: AnyRedis) -> dict[str, Any]:
+    """The arguments `redis` makes its connections with."""
+    if isinstance(redis, RedisCluster):
+        return redis.connection_kwargs
+    return redis.connection_pool.connection_kwargs

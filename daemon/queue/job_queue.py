@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgpack
-from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
@@ -33,7 +32,7 @@ from daemon.config import Config
 from daemon.errors import InvalidJob, JobNotFound, NotReplicated, StaleAttempt
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
-from daemon.queue.connection import RunIdWatch
+from daemon.queue.connection import AnyRedis, RunIdWatch
 from daemon.queue.reads import QueueReads, _s, xread
 from daemon.queue.scripts import Pipeliner, ReplicaAck, ScriptBatch, Scripts
 
@@ -82,7 +81,7 @@ class JobQueue(QueueReads):
 
     def __init__(
         self,
-        redis: Redis,
+        redis: AnyRedis,
         *,
         lease_seconds: float = 300.0,
         retention_seconds: int = DEFAULT_RETENTION,
@@ -111,7 +110,7 @@ class JobQueue(QueueReads):
         self._stranded: dict[str, list[Lease]] = {}  # claimed by a claim_many cancelled midway
 
     @classmethod
-    def from_config(cls, redis: Redis, config: Config, *, watch: RunIdWatch | None = None) -> JobQueue:
+    def from_config(cls, redis: AnyRedis, config: Config, *, watch: RunIdWatch | None = None) -> JobQueue:
         return cls(
             redis,
             lease_seconds=config.worker_healthy_response_period,
@@ -435,14 +434,19 @@ class JobQueue(QueueReads):
         _raise_if_stale(lease, reply)
         return JobState(_s(reply[0]))
 
-    async def primary_age(self) -> float:
-        """Seconds the redis-server answering now has been the pool's Redis, as the pool knows
-        it (primary_age.lua): 0 for one that restarted or was promoted just now, and when it
-        cannot say (at maxmemory); a Redis that never held the pool's data is as old as time."""
+    async def primary_age(self, queues: Sequence[str]) -> float:
+        """Seconds the redis-servers holding `queues` have been the pool's, as the pool knows them
+        (primary_age.lua), the youngest's: 0 for one that restarted or was promoted just now, and
+        when it cannot say (at maxmemory); a Redis that never held the pool's data is as old as
+        time. One call per queue, in one round trip (per node, on a Cluster)."""
+        batch = ScriptBatch(self.redis)
+        for q in queues:
+            batch.add(self.scripts.primary_age, [keys.primary(q)], [])
         try:
-            return int(await self.scripts.primary_age(keys=[keys.PRIMARY])) / 1000
+            ages = await batch.execute()
         except ResponseError:  # refused at maxmemory: taken as new, the safe side
             return 0.0
+        return min((int(age) / 1000 for age in ages), default=float("inf"))
 
     async def cancel(self, job_id: str) -> str:
         """Cancel a job: 'cancelled' (it was queued and will never start), 'cancelling' (it runs; its

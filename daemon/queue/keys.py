@@ -30,6 +30,9 @@ Per queue (``gp:{q:NAME}:…``):
                 with the job's record, `job_retention` after the job ends.
   batch:ID      the ids an enqueue_many call gave, for ten minutes, so that the call sent again
                 answers them rather than adding its jobs twice.
+  primary       HASH: the redis-server that holds this queue as the pool knows it (its run id), and
+                since when (primary_age.lua): per queue, since on a Cluster each shard has its own.
+  replicated    (Cluster only) a key a durable batch touches before its WAIT (scripts.py).
 Pool-wide (``gp:{pool}:…``):
   queues        SET of queue names that ever had a job.
   workers       HASH worker id -> registration (msgpack): host, pid, slots, GPUs, queues, state.
@@ -98,6 +101,10 @@ def events(queue: str) -> str:
     return queue_prefix(queue) + "events"
 
 
+def primary(queue: str) -> str:
+    return queue_prefix(queue) + "primary"
+
+
 def job(job_id: str) -> str:
     return queue_prefix(queue_of(job_id)) + "job:" + job_id
 
@@ -120,7 +127,6 @@ POOL_PREFIX = f"{PREFIX}:{{pool}}:"
 QUEUES = POOL_PREFIX + "queues"
 WORKERS = POOL_PREFIX + "workers"
 WORKERS_SEEN = POOL_PREFIX + "workers:seen"
-PRIMARY = POOL_PREFIX + "primary"  # the redis-server the pool knows as its own, since when
 
 
 def worker_channel(worker_id: str) -> str:
@@ -130,3 +136,10 @@ def worker_channel(worker_id: str) -> str:
 # A channel nobody listens on: a durable batch publishes to it before its WAIT (scripts.py), a
 # write that always reaches the replication stream, so the WAIT covers every write before it.
 REPLICATION_MARK = f"{PREFIX}:replicated"
+
+
+def replication_mark(key: str) -> str:
+    """On a Redis Cluster, where PUBLISH is not replicated: the key a durable batch touches
+    before its WAIT instead, in the slot of `key` (its hash tag's), so on the batch's node."""
+    tag = key[key.index("{") : key.index("}") + 1]
+    return f"{PREFIX}:{tag}:replicated"

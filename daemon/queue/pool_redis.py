@@ -1,12 +1,12 @@
 """The pool's Redis: the embedded one (singlenode) or the configured one (multinode): one node at
-`redis_ip`, or the primary of a Sentinel group (`redis_sentinels`), found again after a failover."""
+`redis_ip`, the primary of a Sentinel group (`redis_sentinels`), found again after a failover, or
+a Redis Cluster (`redis_cluster_nodes`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from redis.asyncio import Redis
 from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import RedisError
 
@@ -14,6 +14,7 @@ from daemon.address import parse_host_ports
 from daemon.config import Config
 from daemon.errors import RedisUnavailable
 from daemon.queue import connection
+from daemon.queue.connection import AnyRedis
 from daemon.queue.embedded_redis import EmbeddedRedis
 
 log = logging.getLogger(__name__)
@@ -25,20 +26,23 @@ class PoolRedis:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.embedded: EmbeddedRedis | None = None
-        self.client: Redis | None = None
+        self.client: AnyRedis | None = None
         self.sentinel: Sentinel | None = None  # asked where the primary is, with redis_sentinels
-        self.watch = connection.RunIdWatch()  # which redis-server answers (a restart changes it)
+        # which redis-servers answer (a restart or a failover changes one)
+        self.watch = connection.RunIdWatch(per_node=bool(config.redis_cluster_nodes))
 
     @property
     def address(self) -> str:
         if self.embedded is not None:
             return f"{self.embedded.host}:{self.embedded.port}"
         c = self.config
+        if c.redis_cluster_nodes:
+            return f"the Redis Cluster of {', '.join(c.redis_cluster_nodes)}"
         if c.redis_sentinels:
             return f"the primary of {c.redis_sentinel_master!r} (sentinels {', '.join(c.redis_sentinels)})"
         return f"{self.config.redis_ip}:{self.config.redis_port}"
 
-    async def start(self) -> Redis:
+    async def start(self) -> AnyRedis:
         c = self.config
         if c.embedded:
             self.embedded = EmbeddedRedis(c.data_path(), appendfsync=c.redis_appendfsync)
@@ -54,6 +58,13 @@ class PoolRedis:
                 sentinel_password=c.redis_sentinel_password or None,
                 watch=self.watch,
             )
+        elif c.redis_cluster_nodes:
+            self.client = connection.connect_cluster(
+                parse_host_ports(c.redis_cluster_nodes),
+                username=c.redis_username or None,
+                password=c.main_server_redis_password or None,
+                watch=self.watch,
+            )
         else:
             self.client = connection.connect(
                 c.redis_ip,
@@ -64,9 +75,15 @@ class PoolRedis:
                 watch=self.watch,
             )
         try:
-            await self.client.ping()
+            await connection.meet(self.client, self.watch)
         except RedisError as exc:
-            where = "redis_sentinels, redis_sentinel_master" if c.redis_sentinels else "redis_ip, redis_port"
+            where = (
+                "redis_cluster_nodes"
+                if c.redis_cluster_nodes
+                else "redis_sentinels, redis_sentinel_master"
+                if c.redis_sentinels
+                else "redis_ip, redis_port"
+            )
             await self.stop()
             raise RedisUnavailable(
                 f"cannot reach Redis at {self.address} ({exc}); check {where} and the passwords"

@@ -7,18 +7,19 @@ write is `list_jobs` dropping index entries whose records have expired.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any, cast
 
 import msgpack
 import orjson
-from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from daemon.errors import JobNotFound
 from daemon.job import Attempt, JobInfo, JobSpec, JobState
 from daemon.queue import keys
-from daemon.queue.connection import block_limit
+from daemon.queue.connection import AnyRedis, block_limit
 
 LOG_GAP = "[gpupool] {} bytes of output dropped here: a log keeps its first {} and its last {}\n"
 
@@ -26,16 +27,45 @@ Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
 
 async def xread(
-    redis: Redis, streams: dict[str, str], *, block: float, count: int | None = None
+    redis: AnyRedis, streams: dict[str, str], *, block: float, count: int | None = None
 ) -> list[tuple[str, Entries]]:
     """XREAD BLOCK with the reply typed: [(stream name, [(entry id, fields)])]; [] on timeout. It
-    blocks for at most `connection.block_limit`, however long `block` asks: callers loop anyway."""
-    block = min(block, block_limit(redis))
-    got = await redis.xread(streams, count=count, block=max(1, round(block * 1000)))  # type: ignore[arg-type]
+    blocks for at most `connection.block_limit`, however long `block` asks: callers loop anyway.
+    On a Redis Cluster, where one command's keys must share a slot, streams of several slots
+    (queues) are read by one XREAD per slot at once, and the first to answer with entries
+    answers; the others are cancelled (redis-py drops their connections)."""
+    ms = max(1, round(min(block, block_limit(redis)) * 1000))
+    if isinstance(redis, RedisCluster):
+        by_slot: dict[int, dict[str, str]] = {}
+        for name, cursor in streams.items():
+            by_slot.setdefault(redis.keyslot(name), {})[name] = cursor
+        if len(by_slot) > 1:
+            return await _first_read(redis, list(by_slot.values()), count, ms)
+    return _named(await redis.xread(streams, count=count, block=ms))  # type: ignore[arg-type]
+
+
+async def _first_read(
+    redis: RedisCluster, groups: list[dict[str, str]], count: int | None, ms: int
+) -> list[tuple[str, Entries]]:
+    reads = {asyncio.ensure_future(redis.xread(g, count=count, block=ms)) for g in groups}  # type: ignore[arg-type]
+    try:
+        while reads:
+            done, reads = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            got = [entry for read in done for entry in _named(read.result())]
+            if got:
+                return got
+        return []
+    finally:
+        for read in reads:
+            read.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)
+
+
+def _named(got: Any) -> list[tuple[str, Entries]]:
     return [(_s(name), entries) for name, entries in cast(list[tuple[bytes, Entries]], got or [])]
 
 
-async def xrange(redis: Redis, stream: str, start: str, count: int | None = None) -> Entries:
+async def xrange(redis: AnyRedis, stream: str, start: str, count: int | None = None) -> Entries:
     return cast(Entries, await redis.xrange(stream, start, "+", count=count))
 
 
@@ -50,7 +80,7 @@ def _seconds(ms: bytes | None) -> float | None:
 class QueueReads:
     """Reads of the queue's keys (daemon/queue/keys.py); `JobQueue` is one."""
 
-    redis: Redis
+    redis: AnyRedis
     log_head: int
     log_tail: int
 

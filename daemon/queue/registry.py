@@ -24,9 +24,9 @@ from typing import Any
 
 import msgpack
 import psutil
-from redis.asyncio import Redis
 
 from daemon.queue import keys
+from daemon.queue.connection import AnyRedis
 from daemon.queue.scripts import ScriptBatch, Scripts
 
 HEALTHY = "healthy"
@@ -91,13 +91,13 @@ def add_heartbeat(batch: ScriptBatch, scripts: Scripts, registration: Registrati
     )
 
 
-async def prune(redis: Redis, scripts: Scripts, retention: float) -> list[str]:
+async def prune(redis: AnyRedis, scripts: Scripts, retention: float) -> list[str]:
     """Forget the workers silent for longer than `retention` seconds (prune_workers.lua); their ids."""
     gone = await scripts.prune_workers(keys=[keys.WORKERS, keys.WORKERS_SEEN], args=[round(retention * 1000)])
     return [_s(w) for w in gone]
 
 
-async def unregister(redis: Redis, worker_id: str) -> None:
+async def unregister(redis: AnyRedis, worker_id: str) -> None:
     """Forget a worker that stopped cleanly (a dead one stays listed, as dead)."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.hdel(keys.WORKERS, worker_id)
@@ -105,14 +105,14 @@ async def unregister(redis: Redis, worker_id: str) -> None:
         await pipe.execute()
 
 
-async def list_workers(redis: Redis) -> list[dict[str, Any]]:
+async def list_workers(redis: AnyRedis) -> list[dict[str, Any]]:
     """Every registered worker's record plus `last_heartbeat_age` (seconds, by Redis's clock; None
     if it never beat) and `health` (healthy, draining, or dead when silent for longer than its
     healthy period), sorted by host then id. One round trip."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.hgetall(keys.WORKERS)
         pipe.zrange(keys.WORKERS_SEEN, 0, -1, withscores=True)
-        pipe.time()
+        pipe.time()  # on a Cluster another node's clock perhaps: skew of ms against periods of minutes
         records, seen, (seconds, micros) = await pipe.execute()
     now_ms = int(seconds) * 1000 + int(micros) // 1000
     last = {_s(member): float(score) for member, score in seen}

@@ -26,19 +26,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-from collections.abc import Sequence
+import functools
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ConnectionError,
+    MovedError,
+    NoScriptError,
+    RedisError,
+    ResponseError,
+    TimeoutError,
+    TryAgainError,
+)
 
 from daemon.errors import NotReplicated
-from daemon.queue.keys import REPLICATION_MARK
+from daemon.queue.connection import RETRIES, AnyRedis
+from daemon.queue.keys import REPLICATION_MARK, replication_mark
 
 NAMES = (
     "enqueue",
@@ -66,7 +79,7 @@ def source(name: str) -> str:
 class Scripts:
     """One registered script per queue operation."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: AnyRedis) -> None:
         self.enqueue: AsyncScript = redis.register_script(source("enqueue"))
         self.enqueue_many: AsyncScript = redis.register_script(source("enqueue_many"))
         self.claim: AsyncScript = redis.register_script(source("claim"))
@@ -103,7 +116,7 @@ class ScriptBatch:
     """Script calls collected with `add`, then sent together by `execute` in one round trip;
     with `ack`, the durable ones acknowledged once on enough replicas (see the module doc)."""
 
-    def __init__(self, redis: Redis, ack: ReplicaAck | None = None) -> None:
+    def __init__(self, redis: AnyRedis, ack: ReplicaAck | None = None) -> None:
         self.redis = redis
         self.ack = ack
         self._calls: list[BatchCall] = []
@@ -141,28 +154,34 @@ class ScriptBatch:
         return replies
 
     async def _send(self, calls: Sequence[BatchCall]) -> list[Any]:
-        """The calls' EVALSHAs written at once on one of the client's connections, their replies
-        read in order, as a redis-py pipeline does without MULTI: only what a batch of script
-        calls needs of it (redis-py's Pipeline object cost a batch ~50 us of this process; the
-        connection, its health check and its Retry are redis-py's own). Then the WAIT of its
-        durable calls, if it has any."""
+        """The calls' replies, on one node or, on a Redis Cluster, on the node of each call's slot."""
+        if isinstance(self.redis, RedisCluster):
+            return await self._send_by_node(calls)
+        return await self._send_to(self._exchange, calls)
+
+    async def _send_to(self, exchange: Exchange, calls: Sequence[BatchCall]) -> list[Any]:
+        """The calls' EVALSHAs written at once on one connection (`exchange`), their replies read
+        in order, as a redis-py pipeline does without MULTI: only what a batch of script calls
+        needs of it (redis-py's Pipeline object cost a batch ~50 us of this process). Then the
+        WAIT of its durable calls, if it has any."""
         commands = [("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args, _ in calls]
         ack = self.ack if any(durable for *_, durable in calls) else None
         if ack is not None:
             # WAIT counts the replicas that have this connection's last write (Redis 7; 6.2 its
             # last command). A script that wrote nothing (it answered a repeated request as
             # before) would leave that at an older write, made before the first run's, so a
-            # PUBLISH goes first: always replicated, never refused at maxmemory, and Redis
-            # replicates in order, so a replica that has it has every earlier write, whoever
-            # made it. (Not on a Redis Cluster, where PUBLISH travels the cluster bus instead.)
-            commands.append(("PUBLISH", REPLICATION_MARK, ""))
+            # write that is always made goes first (`_mark`): Redis replicates in order, so a
+            # replica that has it has every earlier write, whoever made it.
+            marks = self._mark(calls[0][1][0])
+            commands += marks
             commands.append(("WAIT", ack.replicas, ack.timeout_ms))
-        replies = await self._exchange(commands)
+        replies = await exchange(commands)
         if ack is not None:
             acked = replies.pop()
-            for reply in (acked, replies.pop()):
+            for reply in (acked, replies.pop()):  # the WAIT's, and the mark's last command's
                 if isinstance(reply, Exception):
                     raise reply
+            del replies[len(calls) :]  # the mark's other replies
             if acked < ack.replicas:
                 for i, (*_, durable) in enumerate(calls):
                     if durable and not isinstance(replies[i], Exception):
@@ -170,16 +189,77 @@ class ScriptBatch:
                 await self._look_for_the_primary()
         return replies
 
+    def _mark(self, key: str) -> list[tuple[Any, ...]]:
+        """The write before a WAIT (see `_send_to`). One Redis: a PUBLISH, always replicated and
+        never refused at maxmemory. A Cluster sends PUBLISH over its bus instead of replicating
+        it, so there it is a key in the slot of `key` (the batch's node) given a day to live:
+        PEXPIRE of a key that exists is replicated and, like PUBLISH, allowed at maxmemory; the
+        SET before it makes the key once (refused at maxmemory, when the key is nearly always
+        there already)."""
+        if not isinstance(self.redis, RedisCluster):
+            return [("PUBLISH", REPLICATION_MARK, "")]
+        mark = replication_mark(key)
+        return [("SET", mark, "", "PX", MARK_MS, "NX"), ("PEXPIRE", mark, MARK_MS)]
+
+    async def _send_by_node(self, calls: Sequence[BatchCall]) -> list[Any]:
+        """On a Redis Cluster: the calls grouped by the node that serves each one's slot (a
+        script's keys share one), each group one round trip, all at once. A group whose node
+        could not be reached, and a call answered MOVED, ASK, TRYAGAIN or CLUSTERDOWN (the
+        cluster moved its slot, or is failing over), is sent again once the cluster's map is
+        read anew, RETRIES times at most: a call that got such an answer never ran, and every
+        script is safe to run twice (lua/_lib.lua)."""
+        redis = self.redis
+        assert isinstance(redis, RedisCluster)
+        await redis.initialize()  # the slot map, once (a no-op after)
+        replies: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in range(RETRIES + 1):
+            groups: dict[str, tuple[ClusterNode, list[int]]] = {}
+            for i in todo:
+                node = redis.get_node_from_key(calls[i][1][0])
+                assert node is not None
+                groups.setdefault(node.name, (node, []))[1].append(i)
+            results = await asyncio.gather(
+                *(
+                    self._send_to(functools.partial(_exchange_on, node), [calls[i] for i in group])
+                    for node, group in groups.values()
+                ),
+                return_exceptions=True,
+            )
+            todo, failed = [], None
+            last = attempt == RETRIES
+            for (node, group), result in zip(groups.values(), results, strict=True):
+                if isinstance(result, BaseException):
+                    if last or not isinstance(result, (ConnectionError, TimeoutError)):
+                        raise result
+                    todo += group
+                    failed = node.name
+                    continue
+                for i, reply in zip(group, result, strict=True):
+                    if not last and isinstance(reply, MOVING):
+                        todo.append(i)
+                    else:
+                        replies[i] = reply
+            if not todo:
+                break
+            await asyncio.sleep(min(0.5, 0.05 * 2**attempt))
+            with contextlib.suppress(RedisError):  # the map as the cluster has it now
+                await redis.nodes_manager.initialize(last_failed_node_name=failed)
+        return replies
+
     async def _look_for_the_primary(self) -> None:
         """A primary whose replicas confirm nothing may be one cut off from them, and from the
         sentinels, which promoted a replica meanwhile: ask them (a Sentinel pool drops its idle
         connections when the primary moved, so the caller's next try reaches the new one)."""
+        if isinstance(self.redis, RedisCluster):
+            return  # a Cluster's nodes say themselves: MOVED, once the cluster has failed over
         pool = self.redis.connection_pool
         if isinstance(pool, SentinelConnectionPool):
             with contextlib.suppress(RedisError):
                 await pool.get_master_address()  # type: ignore[no-untyped-call]
 
     async def _exchange(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        assert isinstance(self.redis, Redis)
         pool = self.redis.connection_pool
         connection: AbstractConnection = await pool.get_connection()  # type: ignore[no-untyped-call]
         try:
@@ -191,6 +271,24 @@ class ScriptBatch:
             return replies
         finally:
             await pool.release(connection)
+
+
+Exchange = Callable[[list[tuple[Any, ...]]], Awaitable[list[Any]]]
+# What a Cluster node answers for a slot it does not serve now; the call did not run there.
+MOVING = (MovedError, AskError, TryAgainError, ClusterDownError)
+MARK_MS = 24 * 3600 * 1000
+
+
+async def _exchange_on(node: ClusterNode, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """`_exchange` on a connection of a Cluster node; one that failed is dropped."""
+    connection = node.acquire_connection()
+    try:
+        return await _exchange(connection, commands)
+    except BaseException:
+        await connection.disconnect()
+        raise
+    finally:
+        node.release(connection)
 
 
 async def _exchange(connection: AbstractConnection, commands: list[tuple[Any, ...]]) -> list[Any]:
@@ -218,7 +316,7 @@ class Pipeliner:
     in flight cannot unsend its call, as with any Redis command. With `ack`, durable calls are
     acknowledged once on that many replicas (ScriptBatch)."""
 
-    def __init__(self, redis: Redis, ack: ReplicaAck | None = None) -> None:
+    def __init__(self, redis: AnyRedis, ack: ReplicaAck | None = None) -> None:
         self.redis = redis
         self.ack = ack
         self._pending: list[Call] = []

@@ -52,12 +52,12 @@ class ClaimGate:
             watch.changed.clear()
             self.restarted()
             with contextlib.suppress(RedisError):  # recorded for the workers that start after it
-                await self.queue.primary_age()
+                await self.queue.primary_age(self.queues)
 
     async def at_start(self) -> None:
         """Pause as after a restart if Redis is younger than the pause and holds leases."""
         try:
-            age = await self.queue.primary_age()
+            age = await self.queue.primary_age(self.queues)
         except RedisError:  # Redis went away since registering: taken as new, the safe side
             age = 0.0
         young = self.pause - age

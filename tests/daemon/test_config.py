@@ -174,6 +174,28 @@ def test_sentinels_are_addresses_and_a_singlenode_pool_refuses_them(tmp_path: Pa
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "poold: --redis-min-replicas-ack: redis_min_replicas_ack: a singlenode pool runs its own Redis, "
-        "which has no sentinels and no replicas: set worker_mode = multinode with the pool's Redis, "
-        "or leave this unset"
+        "one node with no sentinels and no replicas: set worker_mode = multinode with the pool's "
+        "Redis, or leave this unset"
     ]
+
+
+def test_cluster_nodes_are_addresses_and_exclude_sentinels_and_a_database(tmp_path: Path) -> None:
+    multinode = {"GPUPOOL_WORKER_MODE": "multinode"}
+    c = config.load(env={**multinode, "GPUPOOL_REDIS_CLUSTER_NODES": "10.0.0.1:6379,10.0.0.2:6379"})
+    assert c.redis_cluster_nodes == ["10.0.0.1:6379", "10.0.0.2:6379"]
+    with pytest.raises(ConfigError, match=r"redis_cluster_nodes: .*'redis-1': expected HOST:PORT"):
+        config.load(env={**multinode, "GPUPOOL_REDIS_CLUSTER_NODES": "redis-1"})
+    both = {
+        **multinode,
+        "GPUPOOL_REDIS_CLUSTER_NODES": "10.0.0.1:6379",
+        "GPUPOOL_REDIS_SENTINELS": "10.0.0.1:26379",
+    }
+    with pytest.raises(ConfigError, match=r"either a Sentinel group .* or a Cluster, not both"):
+        config.load(env=both)
+    with pytest.raises(ConfigError, match=r"redis_db: .*a Redis Cluster has database 0 only"):
+        config.load(
+            env={**multinode, "GPUPOOL_REDIS_CLUSTER_NODES": "10.0.0.1:6379", "GPUPOOL_REDIS_DB": "2"}
+        )
+    out = poold("--redis-cluster-nodes", "127.0.0.1:7000", "--data-dir", str(tmp_path))
+    assert out.returncode == 2
+    assert "redis_cluster_nodes: a singlenode pool runs its own Redis" in out.stderr

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
+from redis.asyncio.cluster import RedisCluster
+
+from daemon.queue.connection import connect_cluster
 from daemon.queue.embedded_redis import free_port, port_free
 from tests.support.redis_group import Process, RedisGroup
 
@@ -83,3 +87,21 @@ class ClusterGroup(RedisGroup):
                 ):
                     return False
         return True
+
+
+class ClusterServer:
+    """A running ClusterGroup seen as the queue's tests see one redis-server (EmbeddedRedis):
+    `client()` makes a new client of it (connection.connect_cluster, as the pool does)."""
+
+    def __init__(self, group: ClusterGroup) -> None:
+        self.group = group
+
+    def client(self, **kwargs: Any) -> RedisCluster:
+        nodes = [("127.0.0.1", node.port) for node in self.group.nodes]
+        return connect_cluster(nodes, password=self.group.password, **kwargs)
+
+    def flush(self) -> None:
+        """Every key of every primary gone: a clean cluster for the next test."""
+        for node in self.group.nodes:
+            with self.group.client(node) as c:
+                c.flushall()

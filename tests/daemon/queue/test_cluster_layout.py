@@ -20,6 +20,7 @@ PER_QUEUE = (
     keys.wake,
     keys.seq,
     keys.events,
+    keys.primary,
 )
 
 
@@ -34,6 +35,7 @@ def test_each_queue_is_one_slot_the_pool_another_and_queues_spread_over_shards(t
                 keys.claims(q, "worker-1"),
                 keys.batch(q, "b1"),
                 keys.idempotency(q, "alice", "k:1"),
+                keys.replication_mark(keys.stream(q)),
             ]
             queue_keys += [
                 keys.job(job_id),
@@ -44,7 +46,7 @@ def test_each_queue_is_one_slot_the_pool_another_and_queues_spread_over_shards(t
             slots = {cluster.keyslot(k) for k in queue_keys}
             assert len(slots) == 1, (q, slots)
             slot_of[q] = slots.pop()
-        pool = {cluster.keyslot(k) for k in (keys.QUEUES, keys.WORKERS, keys.WORKERS_SEEN, keys.PRIMARY)}
+        pool = {cluster.keyslot(k) for k in (keys.QUEUES, keys.WORKERS, keys.WORKERS_SEEN)}
         assert len(pool) == 1
         shards = {cluster.owner(slot) for slot in slot_of.values()}
         assert len(shards) == 3, shards  # twelve queues over three shards: each gets some

@@ -1,22 +1,42 @@
-"""The queue's guarantees (docs/DESIGN.md §6), each against a real redis-server, each able to fail."""
+"""The queue's guarantees (docs/DESIGN.md §6), each against a real redis-server, each able to fail;
+and each (but the one that kills the server) against a real Redis Cluster of three primaries as
+well (tests/support/cluster.py), where every queue lives on the shard of its slot."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import pytest
-from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
+from daemon.queue.connection import AnyRedis
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
+from tests.support.cluster import ClusterServer
 
 OK = Outcome(JobState.SUCCEEDED, exit_code=0)
+
+Server = EmbeddedRedis | ClusterServer
+
+
+@pytest.fixture(params=["one redis", "cluster"])
+def server(request: pytest.FixtureRequest) -> Server:
+    """The queue's Redis: one redis-server, or a Redis Cluster."""
+    name = "redis_server" if request.param == "one redis" else "cluster_server"
+    return cast(Server, request.getfixturevalue(name))
+
+
+@pytest.fixture
+async def redis(server: Server) -> AsyncIterator[AnyRedis]:
+    client = server.client()
+    yield client
+    await client.aclose()
 
 
 def spec(n: int = 0, **kw: object) -> JobSpec:
@@ -31,7 +51,7 @@ async def claim(
     return lease
 
 
-async def expire(queue: JobQueue, redis: Redis, lease: Lease) -> None:
+async def expire(queue: JobQueue, redis: AnyRedis, lease: Lease) -> None:
     """Make a lease's deadline pass now (as a silent worker would) and run the reaper."""
     await redis.zadd(keys.leases(lease.queue), {lease.job_id: 0})
     reclaimed = await queue.reclaim()
@@ -70,7 +90,7 @@ async def test_fifo_within_a_queue(queue: JobQueue) -> None:
     assert claimed == ids
 
 
-async def test_reclaimed_attempt_goes_before_every_job_not_started(queue: JobQueue, redis: Redis) -> None:
+async def test_reclaimed_attempt_goes_before_every_job_not_started(queue: JobQueue, redis: AnyRedis) -> None:
     a, b, c = [(await queue.enqueue(spec(i)))[0] for i in range(3)]
     lease_a = await claim(queue, "dead-worker")
     lease_b = await claim(queue, "dead-worker")
@@ -85,9 +105,7 @@ async def test_reclaimed_attempt_goes_before_every_job_not_started(queue: JobQue
     ]
 
 
-async def test_every_job_claimed_once_under_concurrent_claimers(
-    queue: JobQueue, redis_server: EmbeddedRedis
-) -> None:
+async def test_every_job_claimed_once_under_concurrent_claimers(queue: JobQueue, server: Server) -> None:
     total = 2000
     ids = set(await queue.enqueue_many([spec(i) for i in range(total)]))
     assert len(ids) == total
@@ -95,7 +113,7 @@ async def test_every_job_claimed_once_under_concurrent_claimers(
 
     async def consumer(name: str) -> None:
         # each consumer on its own connection pool, as separate workers would be
-        client = redis_server.client()
+        client = server.client()
         q = JobQueue(client, lease_seconds=30)
         while (lease := await q.claim(name, ["default"])) is not None:
             claims.append((lease.job_id, name))
@@ -145,7 +163,7 @@ async def test_enqueue_many_keeps_order_per_queue_even_when_an_id_collides(
 
 
 async def test_claim_many_takes_reclaimed_then_stream_order_across_queues(
-    queue: JobQueue, redis: Redis
+    queue: JobQueue, redis: AnyRedis
 ) -> None:
     a, b, c, d = [(await queue.enqueue(spec(i)))[0] for i in range(4)]
     dropped, _ = await queue.enqueue(spec())
@@ -198,9 +216,7 @@ async def test_claim_many_counts_out_the_gpus_of_what_it_claims(queue: JobQueue)
     assert [x.job_id for x in await queue.claim_many("w2", ["default"], 4, 3, 1)] == [too_big, after]
 
 
-async def test_every_job_claimed_once_by_concurrent_batch_claimers(
-    queue: JobQueue, redis_server: EmbeddedRedis
-) -> None:
+async def test_every_job_claimed_once_by_concurrent_batch_claimers(queue: JobQueue, server: Server) -> None:
     total = 2000
     ids = set(await queue.enqueue_many([spec(i) for i in range(total)]))
     claims: list[tuple[str, str]] = []
@@ -210,7 +226,7 @@ async def test_every_job_claimed_once_by_concurrent_batch_claimers(
             claims.extend((lease.job_id, name) for lease in leases)
             await asyncio.gather(*(q.complete(lease, OK) for lease in leases))
 
-    clients = [redis_server.client() for _ in range(3)]
+    clients = [server.client() for _ in range(3)]
     shared = JobQueue(clients[0])  # several claimers on one JobQueue: their calls share pipelines
     queues = [shared, shared, JobQueue(clients[1]), JobQueue(clients[2])]
     await asyncio.gather(*(consumer(f"c{i}", q, 1 + i * 3) for i, q in enumerate(queues)))
@@ -225,7 +241,7 @@ async def test_every_job_claimed_once_by_concurrent_batch_claimers(
 
 
 async def test_stale_attempt_cannot_complete_and_results_are_recorded_once(
-    queue: JobQueue, redis: Redis
+    queue: JobQueue, redis: AnyRedis
 ) -> None:
     job_id, _ = await queue.enqueue(spec())
     zombie = await claim(queue, "w-zombie")
@@ -249,7 +265,7 @@ async def test_stale_attempt_cannot_complete_and_results_are_recorded_once(
 
 
 async def test_renew_after_reclaim_answers_lost_and_does_not_take_the_lease_back(
-    queue: JobQueue, redis: Redis
+    queue: JobQueue, redis: AnyRedis
 ) -> None:
     job_id, _ = await queue.enqueue(spec())
     await queue.enqueue(spec())
@@ -267,7 +283,7 @@ async def test_renew_after_reclaim_answers_lost_and_does_not_take_the_lease_back
     assert await queue.renew("w2", [again]) == {again.id: RenewStatus.OK}
 
 
-async def test_renewed_lease_is_never_reclaimed_but_a_silent_one_is(redis: Redis) -> None:
+async def test_renewed_lease_is_never_reclaimed_but_a_silent_one_is(redis: AnyRedis) -> None:
     # Leases of 2 s renewed every ~50 ms: the renewals keep a margin of seconds, so a loaded
     # machine stalling this loop for a while does not let the living lease lapse.
     queue = JobQueue(redis, lease_seconds=2.0)
@@ -285,12 +301,12 @@ async def test_renewed_lease_is_never_reclaimed_but_a_silent_one_is(redis: Redis
     assert (await queue.get(alive.job_id)).state is JobState.RUNNING
 
 
-async def test_idempotent_enqueue_returns_the_same_id(queue: JobQueue, redis_server: EmbeddedRedis) -> None:
+async def test_idempotent_enqueue_returns_the_same_id(queue: JobQueue, server: Server) -> None:
     first, created = await queue.enqueue(spec(), idempotency_key="run-42")
     again, created_again = await queue.enqueue(spec(99), idempotency_key="run-42")
     assert (created, created_again, again) == (True, False, first)
 
-    clients = [redis_server.client() for _ in range(10)]
+    clients = [server.client() for _ in range(10)]
     results = await asyncio.gather(
         *(JobQueue(c).enqueue(spec(i), idempotency_key="storm") for i, c in enumerate(clients))
     )
@@ -311,7 +327,7 @@ async def test_cancel_a_queued_job_it_never_starts(queue: JobQueue) -> None:
     assert await queue.cancel(doomed) == "cancelled"  # cancelling twice is harmless
 
 
-async def test_cancel_a_running_job_flags_its_worker(queue: JobQueue, redis: Redis) -> None:
+async def test_cancel_a_running_job_flags_its_worker(queue: JobQueue, redis: AnyRedis) -> None:
     job_id, _ = await queue.enqueue(spec())
     lease = await claim(queue)
     assert await queue.cancel(job_id) == "cancelling"
@@ -366,7 +382,7 @@ async def test_nothing_accepted_is_lost_across_redis_kill_and_restart(redis_serv
     await client.aclose()
 
 
-async def test_job_lost_max_attempts_times_is_dead_lettered(queue: JobQueue, redis: Redis) -> None:
+async def test_job_lost_max_attempts_times_is_dead_lettered(queue: JobQueue, redis: AnyRedis) -> None:
     poison, _ = await queue.enqueue(spec(max_attempts=2))
     healthy, _ = await queue.enqueue(spec())
     await expire(queue, redis, await claim(queue, "w1"))
@@ -409,7 +425,7 @@ async def test_queues_are_served_in_priority_order(queue: JobQueue) -> None:
     assert queue_of(high) == "high"
 
 
-async def test_wait_for_work_wakes_on_enqueue_without_polling(queue: JobQueue, redis: Redis) -> None:
+async def test_wait_for_work_wakes_on_enqueue_without_polling(queue: JobQueue, redis: AnyRedis) -> None:
     assert await queue.claim("w1", ["default", "other"]) is None
     waiter = asyncio.create_task(queue.wait_for_work(["default", "other"], block=30))
     await asyncio.sleep(0.05)

@@ -235,16 +235,16 @@ async def test_a_redis_restarted_on_its_aof_is_new_to_the_pool_until_a_while_aft
     client = redis_server.client()
     queue = JobQueue(client)
     try:
-        assert await queue.primary_age() > 3600
+        assert await queue.primary_age(["default"]) > 3600
         await queue.enqueue(spec())
         redis_server.kill()
         redis_server.start()  # on its AOF: the jobs are there, the record names the old process
-        assert await queue.primary_age() == 0
+        assert await queue.primary_age(["default"]) == 0
         await asyncio.sleep(0.3)
-        assert 0.2 <= await queue.primary_age() < 1.2
+        assert 0.2 <= await queue.primary_age(["default"]) < 1.2
         async with memory_full(redis_server):
-            await client.delete(keys.PRIMARY)  # the next answer would write, which Redis refuses
-            assert await queue.primary_age() == 0
+            await client.delete(keys.primary("default"))  # the next answer would write, which Redis refuses
+            assert await queue.primary_age(["default"]) == 0
     finally:
         await client.aclose()
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from redis.asyncio import Redis
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import RedisError
 
 from daemon.address import parse_host_ports
@@ -164,8 +166,10 @@ async def test_a_client_sent_to_a_replica_leaves_it_for_the_primary(sentinel_gro
     once; the servers and the refusal are real."""
     replica = next(n for n in sentinel_group.nodes if n is not sentinel_group.primary())
     async with sentinel_queue(sentinel_group) as queue:
+        assert isinstance(queue.redis, Redis)
         pool = queue.redis.connection_pool
-        manager = pool.sentinel_manager  # type: ignore[attr-defined]
+        assert isinstance(pool, SentinelConnectionPool)
+        manager = pool.sentinel_manager
         discover, stale = manager.discover_master, [("127.0.0.1", replica.port)]
 
         async def racing(service: str) -> tuple[str, int]:
@@ -186,15 +190,15 @@ async def test_a_promoted_replica_is_new_to_the_pool_however_long_it_has_run(
     (claim_gate.py): the age it is told is the time since the pool first met this primary, not the
     promoted replica's uptime."""
     async with sentinel_queue(sentinel_group) as queue:
-        assert await queue.primary_age() > 3600  # a new Redis: it never held what a worker runs
+        assert await queue.primary_age(["default"]) > 3600  # a new Redis: it never held what a worker runs
         old = sentinel_group.primary()
         sentinel_group.kill(old)
         await asyncio.to_thread(sentinel_group.wait_failover, old)
-        assert await queue.primary_age() == 0  # up for seconds, the pool's for no time at all
+        assert await queue.primary_age(["default"]) == 0  # up for seconds, the pool's for no time at all
         assert queue.watch is not None
         assert queue.watch.run_id is not None
         await asyncio.sleep(0.3)
-        assert 0.2 <= await queue.primary_age() < 1.2
+        assert 0.2 <= await queue.primary_age(["default"]) < 1.2
 
 
 async def test_a_worker_starts_no_job_whose_claim_no_replica_has(
