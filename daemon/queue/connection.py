@@ -180,11 +180,13 @@ class RunIdWatch:
 
     async def on_connect(self, connection: AbstractConnection) -> None:
         await connection.on_connect()
-        await connection.send_command("INFO", "server")
+        # On a Cluster, redis-py also asks replicas for the slot map: their role says so, and a
+        # replica holds nothing of the pool's until it is promoted (then seen as a primary).
+        await connection.send_command("INFO", "default" if self.per_node else "server")
         info = await connection.read_response()
         text = info.decode() if isinstance(info, bytes) else str(info)
         fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-        if "run_id" in fields:
+        if "run_id" in fields and fields.get("role", "master").strip() == "master":
             address = f"{getattr(connection, 'host', '')}:{getattr(connection, 'port', '')}"
             self.saw(fields["run_id"].strip(), address)
 

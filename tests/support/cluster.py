@@ -6,9 +6,11 @@ slots in equal ranges (CLUSTER ADDSLOTS): what redis-cli --cluster create does, 
 from __future__ import annotations
 
 import functools
+import signal
 from pathlib import Path
 from typing import Any
 
+import redis as redis_sync
 from redis.asyncio.cluster import RedisCluster
 
 from daemon.queue.connection import connect_cluster
@@ -29,33 +31,43 @@ def bus_free_port() -> int:
 
 
 class ClusterGroup(RedisGroup):
-    """`with ClusterGroup(root) as cluster:` a running cluster, its state ok on every node."""
+    """`with ClusterGroup(root) as cluster:` a running cluster, its state ok on every node:
+    `primaries` nodes sharing the slots, and `replicas` replicas of each (CLUSTER REPLICATE), which
+    take over their primary's slots when it dies (cluster-node-timeout 1 s)."""
 
-    def __init__(self, root: Path, primaries: int = 3) -> None:
+    def __init__(self, root: Path, primaries: int = 3, replicas: int = 0) -> None:
         super().__init__(root)
         self.nodes = [Process(bus_free_port(), root / f"node{i}") for i in range(primaries)]
+        self.replicas = [
+            Process(bus_free_port(), root / f"replica{i}-{j}")
+            for i in range(primaries)
+            for j in range(replicas)
+        ]
 
     def processes(self) -> list[Process]:
-        return self.nodes
+        return self.nodes + self.replicas
+
+    def _conf(self, node: Process) -> list[str]:
+        return [
+            f"port {node.port}",
+            "bind 127.0.0.1",
+            f"dir {node.dir}",
+            f"logfile {node.dir / 'log'}",
+            "cluster-enabled yes",
+            "cluster-config-file nodes.conf",
+            "cluster-node-timeout 1000",
+            "appendonly yes",
+            "appendfsync always",
+            'save ""',
+            f"requirepass {self.password}",
+            f"masterauth {self.password}",
+            "maxmemory-policy noeviction",
+        ]
 
     def start(self) -> None:
-        for node in self.nodes:
-            conf = [
-                f"port {node.port}",
-                "bind 127.0.0.1",
-                f"dir {node.dir}",
-                f"logfile {node.dir / 'log'}",
-                "cluster-enabled yes",
-                "cluster-config-file nodes.conf",
-                "cluster-node-timeout 1000",
-                "appendonly yes",
-                'save ""',
-                f"requirepass {self.password}",
-                f"masterauth {self.password}",
-                "maxmemory-policy noeviction",
-            ]
-            self.launch(node, conf)
-        for node in self.nodes:
+        for node in self.processes():
+            self.launch(node, self._conf(node))
+        for node in self.processes():
             self.wait(functools.partial(self.ping, node), f"node on port {node.port}")
         first, share = self.nodes[0], SLOTS // len(self.nodes)
         for i, node in enumerate(self.nodes):
@@ -64,29 +76,83 @@ class ClusterGroup(RedisGroup):
                     c.execute_command("CLUSTER MEET", "127.0.0.1", first.port)
                 upto = SLOTS if i == len(self.nodes) - 1 else (i + 1) * share
                 c.execute_command("CLUSTER ADDSLOTS", *range(i * share, upto))
-        self.wait(self._ok, "the cluster's state to be ok on every node")
+        for replica in self.replicas:
+            with self.client(replica) as c:
+                c.execute_command("CLUSTER MEET", "127.0.0.1", first.port)
+        self.wait(self._all_known, "every node to know every other")
+        per_primary = len(self.replicas) // len(self.nodes)
+        for i, replica in enumerate(self.replicas):
+            with self.client(self.nodes[i // per_primary]) as c:
+                primary_id = c.execute_command("CLUSTER MYID")
+            with self.client(replica) as c:
+                c.execute_command("CLUSTER REPLICATE", primary_id)
+        self.wait(self._ok, "the cluster's state to be ok on every node, every replica in sync")
+
+    def kill(self, node: Process) -> None:
+        """SIGKILL: a machine's death; its replica takes over once the others agree it failed."""
+        self.end(node, signal.SIGKILL)
+
+    def restart(self, node: Process) -> None:
+        """Start a killed node again on its directory: it rejoins as a replica of whoever took
+        over its slots; returns once it is in sync."""
+        self.launch(node, self._conf(node))
+        self.wait(functools.partial(self.ping, node), f"node on port {node.port} to come back")
+        self.wait(self._ok, f"node on port {node.port} to rejoin, in sync")
+
+    def running(self) -> list[Process]:
+        return [p for p in self.processes() if p.proc is not None]
 
     def owner(self, slot: int) -> int:
-        """The port of the node that serves `slot`."""
-        with self.client(self.nodes[0]) as c:
+        """The port of the node that serves `slot`, as a running node says."""
+        with self.client(self.running()[0]) as c:
             for start, end, primary, *_ in c.execute_command("CLUSTER SLOTS"):
                 if start <= slot <= end:
                     return int(primary[1])
         raise LookupError(f"no node serves slot {slot}")
 
+    def wait_failover(self, slot: int, dead: int, timeout: float = 30.0) -> int:
+        """Wait until a node other than port `dead` serves `slot` and the cluster is ok on every
+        running node; that node's port."""
+
+        def moved() -> bool:
+            try:
+                return self.owner(slot) != dead and self._ok()
+            except (redis_sync.RedisError, LookupError):
+                return False
+
+        self.wait(moved, f"slot {slot} to fail over from port {dead}", timeout)
+        return self.owner(slot)
+
     def keyslot(self, key: str) -> int:
         with self.client(self.nodes[0]) as c:
             return int(c.execute_command("CLUSTER KEYSLOT", key))
 
+    def _all_known(self) -> bool:
+        return all(
+            self._info(node).get("cluster_known_nodes") == len(self.processes()) for node in self.running()
+        )
+
     def _ok(self) -> bool:
-        for node in self.nodes:
-            with self.client(node) as c:
-                info = c.execute_command("CLUSTER INFO")  # parsed by redis-py into a dict
-                if info.get("cluster_state") != "ok" or int(info.get("cluster_known_nodes", 0)) != len(
-                    self.nodes
-                ):
-                    return False
+        """The state is ok on every running node, and every replica is in sync with its primary."""
+        primaries = self.primaries()
+        for node in self.running():
+            if self._info(node).get("cluster_state") != "ok":
+                return False
+            if node.port not in primaries:
+                with self.client(node) as c:
+                    if c.info("replication").get("master_link_status") != "up":
+                        return False
         return True
+
+    def primaries(self) -> set[int]:
+        """The ports of the nodes that serve slots now."""
+        with self.client(self.running()[0]) as c:
+            return {int(primary[1]) for _, _, primary, *_ in c.execute_command("CLUSTER SLOTS")}
+
+    def _info(self, node: Process) -> dict[str, Any]:
+        with self.client(node) as c:
+            info: dict[str, Any] = c.execute_command("CLUSTER INFO")  # parsed by redis-py into a dict
+            return {k: int(v) if str(v).isdigit() else v for k, v in info.items()}
 
 
 class ClusterServer:
@@ -102,6 +168,8 @@ class ClusterServer:
 
     def flush(self) -> None:
         """Every key of every primary gone: a clean cluster for the next test."""
-        for node in self.group.nodes:
-            with self.group.client(node) as c:
-                c.flushall()
+        primaries = self.group.primaries()
+        for node in self.group.running():
+            if node.port in primaries:
+                with self.group.client(node) as c:
+                    c.flushall()
