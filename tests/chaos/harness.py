@@ -15,7 +15,10 @@ across server restarts, as a careful client would.
 On a Sentinel group (tests/support/sentinel.py) instead of one redis-server, the Redis faults are
 failovers: the primary SIGKILLed, a replica promoted, the dead node started again later as a
 replica; every process finds the primary through the sentinels, and submits and outcomes are
-acknowledged once on a replica (`redis_min_replicas_ack = 1`).
+acknowledged once on a replica (`redis_min_replicas_ack = 1`). On a Redis Cluster
+(tests/support/cluster.py: three primaries, a replica each) they are a shard's primary SIGKILLed
+(in turn the default queue's shard and the pool-wide keys' one), its replica taking over, and the
+dead node started again at once as the new primary's replica.
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from pathlib import Path
 
 from daemon.address import parse_host_ports
 from daemon.ctl.pool_client import ClientError, PoolClient
+from daemon.queue import keys
 from daemon.queue.connection import connect_sentinel
 from daemon.queue.embedded_redis import EmbeddedRedis, free_port
 from daemon.queue.job_queue import JobQueue
 from protocol import Enqueue, Enqueued
+from tests.support.cluster import ClusterGroup, ClusterServer
 from tests.support.faults import aof_copy, memory_full, roll_back
 from tests.support.proxy import Proxy
 from tests.support.redis_group import Process
@@ -92,7 +97,7 @@ class Cluster:
     def __init__(
         self,
         tmp: Path,
-        redis: EmbeddedRedis | SentinelGroup,
+        redis: EmbeddedRedis | SentinelGroup | ClusterGroup,
         *,
         lease: float,
         slots: int = 2,
@@ -133,13 +138,18 @@ class Cluster:
                 GPUPOOL_REDIS_SENTINEL_PASSWORD=self.redis.sentinel_password,
                 GPUPOOL_REDIS_MIN_REPLICAS_ACK="1",
             )
+        if isinstance(self.redis, ClusterGroup):
+            env.update(
+                GPUPOOL_REDIS_CLUSTER_NODES=",".join(p.address for p in self.redis.processes()),
+                GPUPOOL_REDIS_MIN_REPLICAS_ACK="1",
+            )
         return env
 
     def _common(self, redis_port: int | None = None) -> list[str]:
         where = (
-            []
-            if isinstance(self.redis, SentinelGroup)
-            else ["--redis-port", str(redis_port or self.redis.port)]
+            ["--redis-port", str(redis_port or self.redis.port)]
+            if isinstance(self.redis, EmbeddedRedis)
+            else []
         )
         return [
             "--worker-mode",
@@ -252,6 +262,9 @@ class Cluster:
         """SIGKILL the Sentinel group's primary and wait for a replica's promotion; the node
         killed at the last failover is started again first (so there is a replica to promote)."""
         group = self.redis
+        if isinstance(group, ClusterGroup):
+            await self.fail_over_shard(group)
+            return
         assert isinstance(group, SentinelGroup)
         for node in self._dead:
             await asyncio.to_thread(group.restart, node)
@@ -265,6 +278,23 @@ class Cluster:
         new = await asyncio.to_thread(group.wait_failover, old)
         self.faults.failover_seconds.append(time.monotonic() - started)
         self.faults.note(f"redis :{new.port} promoted")
+
+    async def fail_over_shard(self, group: ClusterGroup) -> None:
+        """SIGKILL the primary of a shard (the default queue's, then the pool-wide keys', in
+        turn), wait until its replica serves its slots, and start it again as that one's replica."""
+        key = keys.stream("default") if self.faults.failover % 2 == 0 else keys.WORKERS
+        slot = await asyncio.to_thread(group.keyslot, key)
+        port = await asyncio.to_thread(group.owner, slot)
+        old = next(p for p in group.processes() if p.port == port)
+        self.faults.failover += 1
+        self.faults.note(f"cluster primary :{port} of slot {slot} SIGKILLed")
+        started = time.monotonic()
+        await asyncio.to_thread(group.kill, old)
+        new = await asyncio.to_thread(group.wait_failover, slot, port)
+        self.faults.failover_seconds.append(time.monotonic() - started)
+        self.faults.note(f"cluster node :{new} promoted")
+        await asyncio.to_thread(group.restart, old)
+        self.faults.note(f"cluster node :{port} back, a replica")
 
     async def restart_redis(self) -> None:
         assert isinstance(self.redis, EmbeddedRedis)
@@ -320,8 +350,12 @@ class Cluster:
     @contextlib.asynccontextmanager
     async def queue(self) -> AsyncIterator[JobQueue]:
         """A JobQueue on the pool's Redis (its primary, on a Sentinel group), for the checker."""
-        if isinstance(self.redis, EmbeddedRedis):
-            client = self.redis.client()
+        if isinstance(self.redis, EmbeddedRedis | ClusterGroup):
+            client = (
+                self.redis.client()
+                if isinstance(self.redis, EmbeddedRedis)
+                else ClusterServer(self.redis).client()
+            )
             try:
                 yield JobQueue(client)
             finally:

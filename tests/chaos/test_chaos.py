@@ -14,6 +14,7 @@ import pytest
 from daemon.queue.embedded_redis import EmbeddedRedis
 from tests.chaos.checker import Verdict, check
 from tests.chaos.harness import JOB_SECONDS, LONG_EVERY, LONG_SECONDS, Cluster, Submitter, job_command
+from tests.support.cluster import ClusterGroup
 from tests.support.sentinel import SentinelGroup
 
 KINDS = ["kill", "stop", "redis", "server", "rollback", "full", "stale"]  # harness.Cluster.inject
@@ -23,7 +24,7 @@ SENTINEL_KINDS = ["failover", "kill", "stop", "server", "failover"]
 
 async def run_chaos(
     tmp: Path,
-    redis_server: EmbeddedRedis | SentinelGroup,
+    redis_server: EmbeddedRedis | SentinelGroup | ClusterGroup,
     s3_env: dict[str, str],
     *,
     jobs: int,
@@ -84,7 +85,7 @@ def report(verdict: Verdict, cluster: Cluster) -> str:
         f"faults: worker SIGKILL {f.worker_kill}, worker SIGSTOP {f.worker_stop}, redis restart "
         f"{f.redis_restart}, redis rollback {f.redis_rollback}, redis full {f.redis_full}, stale replies "
         f"{f.stale_replies}, server restart {f.server_restart}, idempotency storm {f.idempotency_storm}, "
-        f"Sentinel failovers {f.failover} ({', '.join(f'{s:.2f}' for s in f.failover_seconds) or '-'} s); "
+        f"Redis failovers {f.failover} ({', '.join(f'{s:.2f}' for s in f.failover_seconds) or '-'} s); "
         f"lost {verdict.lost} (and {verdict.rolled_back} rolled back with Redis's lost writes, as "
         f"documented), unexpected {verdict.unexpected}, not succeeded {verdict.not_succeeded}, "
         f"results not once {verdict.results_not_once}, overlaps {verdict.overlaps} (of them frozen "
@@ -115,7 +116,13 @@ async def test_chaos_large(tmp_path: Path, redis_server: EmbeddedRedis, s3_env: 
 
 
 async def sentinel_chaos(  # noqa: PLR0917
-    tmp: Path, group: SentinelGroup, s3_env: dict[str, str], jobs: int, workers: int, rounds: int, seed: int
+    tmp: Path,
+    group: SentinelGroup | ClusterGroup,
+    s3_env: dict[str, str],
+    jobs: int,
+    workers: int,
+    rounds: int,
+    seed: int,
 ) -> None:
     verdict, cluster = await run_chaos(
         tmp,
@@ -148,3 +155,17 @@ async def test_chaos_sentinel_large(
     tmp_path: Path, sentinel_group_of_three: SentinelGroup, s3_env: dict[str, str]
 ) -> None:
     await sentinel_chaos(tmp_path, sentinel_group_of_three, s3_env, jobs=1000, workers=3, rounds=20, seed=13)
+
+
+async def test_chaos_cluster_small(tmp_path: Path, s3_env: dict[str, str]) -> None:
+    """The pool on a Redis Cluster (three primaries, a replica each): shard primaries killed and
+    failed over among the other faults."""
+    with ClusterGroup(tmp_path / "cluster", replicas=1) as group:
+        await sentinel_chaos(tmp_path, group, s3_env, jobs=80, workers=2, rounds=len(SENTINEL_KINDS), seed=5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_chaos_cluster_large(tmp_path: Path, s3_env: dict[str, str]) -> None:
+    with ClusterGroup(tmp_path / "cluster", replicas=1) as group:
+        await sentinel_chaos(tmp_path, group, s3_env, jobs=1000, workers=3, rounds=20, seed=17)
