@@ -12,22 +12,23 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from daemon.queue.embedded_redis import EmbeddedRedis
+from tests.support.cluster import ClusterGroup
 from tests.support.sentinel import MASTER, SentinelGroup
 
 
 @contextmanager
 def poold(
-    redis_server: EmbeddedRedis | SentinelGroup, tmp: Path, tokens: dict[str, str], *flags: str
+    redis_server: EmbeddedRedis | SentinelGroup | ClusterGroup, tmp: Path, tokens: dict[str, str], *flags: str
 ) -> Iterator[str]:
-    """Run a multinode `poold` on `redis_server` (one node, or a Sentinel group's primary); yields
-    its client address."""
+    """Run a multinode `poold` on `redis_server` (one node, a Sentinel group's primary, or a
+    Cluster); yields its client address."""
     with poold_process(redis_server, tmp, tokens, *flags) as (address, _):
         yield address
 
 
 @contextmanager
 def poold_process(
-    redis_server: EmbeddedRedis | SentinelGroup, tmp: Path, tokens: dict[str, str], *flags: str
+    redis_server: EmbeddedRedis | SentinelGroup | ClusterGroup, tmp: Path, tokens: dict[str, str], *flags: str
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """`poold`, also yielding its process (to kill it). Its stderr is read until it says it is
     ready, then drained by a thread (a full pipe would stop the server at its next log line)."""
@@ -44,6 +45,9 @@ def poold_process(
             GPUPOOL_REDIS_SENTINEL_MASTER=MASTER,
             GPUPOOL_REDIS_SENTINEL_PASSWORD=redis_server.sentinel_password,
         )
+        where = []
+    elif isinstance(redis_server, ClusterGroup):
+        env.update(GPUPOOL_REDIS_CLUSTER_NODES=",".join(p.address for p in redis_server.processes()))
         where = []
     else:
         where = ["--redis-port", str(redis_server.port)]
