@@ -99,6 +99,16 @@ class ClusterGroup(RedisGroup):
         self.wait(functools.partial(self.ping, node), f"node on port {node.port} to come back")
         self.wait(self._ok, f"node on port {node.port} to rejoin, in sync")
 
+    def replicas_of(self, port: int) -> list[Process]:
+        """The running replicas of the primary on `port`."""
+        out = []
+        for node in self.running():
+            with self.client(node) as c:
+                info = c.info("replication")
+            if info.get("role") == "slave" and int(info.get("master_port", 0)) == port:
+                out.append(node)
+        return out
+
     def running(self) -> list[Process]:
         return [p for p in self.processes() if p.proc is not None]
 

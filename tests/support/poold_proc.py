@@ -39,16 +39,15 @@ def poold_process(
     env = dict(
         os.environ, XDG_CONFIG_HOME=str(tmp / "xdg"), GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password
     )
+    where: list[str] = []  # a group is named in the environment
     if isinstance(redis_server, SentinelGroup):
         env.update(
             GPUPOOL_REDIS_SENTINELS=",".join(redis_server.sentinel_addresses),
             GPUPOOL_REDIS_SENTINEL_MASTER=MASTER,
             GPUPOOL_REDIS_SENTINEL_PASSWORD=redis_server.sentinel_password,
         )
-        where = []
     elif isinstance(redis_server, ClusterGroup):
         env.update(GPUPOOL_REDIS_CLUSTER_NODES=",".join(p.address for p in redis_server.processes()))
-        where = []
     else:
         where = ["--redis-port", str(redis_server.port)]
     argv = [

@@ -9,14 +9,18 @@ and the worker sees a Redis new to the pool (it re-validates its leases and paus
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
 
+import pytest
 from redis.exceptions import RedisError
 
+from daemon.errors import NotReplicated
 from daemon.job import JobSpec, JobState, Outcome
 from daemon.queue import keys
 from daemon.queue.connection import RunIdWatch, meet
@@ -52,12 +56,13 @@ async def cluster_queue(server: ClusterServer, **kw: object) -> AsyncIterator[Jo
 
 
 async def until_done(call: Callable[[], Awaitable[T]], timeout: float = 30.0) -> T:
-    """`call()` again while the cluster fails over (a transient error), for `timeout` at most."""
+    """`call()` again while the cluster fails over or a replica catches up (a transient error),
+    for `timeout` at most."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             return await call()
-        except RedisError as exc:
+        except (RedisError, NotReplicated) as exc:
             if not transient(exc) or time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.1)
@@ -145,3 +150,28 @@ async def test_a_primary_killed_mid_run_fails_over_and_the_queue_carries_on(tmp_
                 claimed.append(lease.job_id)
                 await until_done(lambda lease=lease: queue.complete(lease, OK))  # type: ignore[misc]
             assert claimed == [*ids[1:], later]
+
+
+async def test_a_write_no_replica_of_its_shard_confirms_is_not_acknowledged(tmp_path: Path) -> None:
+    """WAIT goes to each node a batch wrote to: a shard whose replica is frozen acknowledges
+    nothing, while another shard goes on; the refused submit, repeated with its key, is the same
+    job once the replica answers."""
+    with ClusterGroup(tmp_path / "cluster", replicas=1) as cluster:
+        stuck, other = queues_on_shards(cluster, 2)
+        (replica,) = cluster.replicas_of(cluster.owner(cluster.keyslot(keys.stream(stuck))))
+        assert replica.proc is not None
+        async with cluster_queue(ClusterServer(cluster), ack=ReplicaAck(1, 300)) as queue:
+            first, _ = await queue.enqueue(JobSpec(argv=("true",), queue=stuck), "k")
+            os.kill(replica.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(NotReplicated):
+                    await queue.enqueue(JobSpec(argv=("true",), queue=stuck), "k2")
+                _, created = await queue.enqueue(JobSpec(argv=("true",), queue=other), "k3")
+                assert created  # its shard's replica confirmed it
+            finally:
+                os.kill(replica.proc.pid, signal.SIGCONT)
+            again, created = await until_done(
+                lambda: queue.enqueue(JobSpec(argv=("true",), queue=stuck), "k2")
+            )
+            assert not created  # kept on the primary all along: the same job
+            assert again != first
