@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import hiredis
@@ -144,9 +144,10 @@ class RunIdWatch:
     """Remembers the run id of the Redis behind a client; `changed` fires when another one answers.
 
     One Redis (a node, or the primary a Sentinel group names): another run id is another Redis,
-    wherever it answers. A Cluster (`per_node`): each address has its own run id, a change at one
-    is a node restarted, and an address first seen after `settle()` (the client has met the
-    cluster's primaries) is a replica promoted in a failover, or a node added: new to the pool.
+    wherever it answers. A Cluster (`per_node`): each node has its own run id, and a change at one
+    is that node restarted; and a primary the pool did not know when the client met the cluster
+    (`settle`), which a script batch is about to write to (`serving`), is a replica promoted in a
+    failover, or a node added: new to the pool either way.
 
     `generation` counts the changes, so a caller can tell whether one happened during a call: read
     it before, compare after."""
@@ -154,7 +155,8 @@ class RunIdWatch:
     def __init__(self, *, per_node: bool = False) -> None:
         self.per_node = per_node
         self.run_ids: dict[str, str] = {}  # address ("" for one Redis) -> run id
-        self.settled = not per_node
+        self.primaries: set[str] = set()  # (Cluster) the nodes known to serve the pool's slots
+        self.settled = False
         self.generation = 0
         self.changed = asyncio.Event()
 
@@ -163,20 +165,30 @@ class RunIdWatch:
         """The run id last seen (of one Redis; of some node, on a Cluster)."""
         return next(reversed(self.run_ids.values()), None)
 
-    def settle(self) -> None:
-        """The nodes the client has met so far are the pool's; any other is new (Cluster)."""
+    def settle(self, primaries: Iterable[str] = ()) -> None:
+        """The client has met the pool's Redis: on a Cluster, `primaries` serve its slots, and any
+        other that comes to serve them is new."""
+        self.primaries.update(primaries)
         self.settled = True
+
+    def serving(self, address: str) -> None:
+        """(Cluster) A batch is about to write to the primary at `address`."""
+        if address not in self.primaries:
+            self.primaries.add(address)
+            if self.settled:
+                self._change(f"{address} serves the pool's slots now, a node new to the pool")
 
     def saw(self, run_id: str, address: str = "") -> None:
         where = address if self.per_node else ""
-        before = self.run_ids.get(where)
-        if (before is not None and run_id != before) or (before is None and self.per_node and self.settled):
-            self.generation += 1
-            self.changed.set()
-            was = f"was {before[:8]}" if before else "a node new to the pool"
-            log.warning("Redis restarted or failed over (run id %s at %s, %s)", run_id[:8], address, was)
-        self.run_ids.pop(where, None)
+        before = self.run_ids.pop(where, None)
         self.run_ids[where] = run_id
+        if before is not None and run_id != before:
+            self._change(f"run id {run_id[:8]} at {address}, was {before[:8]}")
+
+    def _change(self, what: str) -> None:
+        self.generation += 1
+        self.changed.set()
+        log.warning("Redis restarted or failed over (%s)", what)
 
     async def on_connect(self, connection: AbstractConnection) -> None:
         await connection.on_connect()
@@ -259,10 +271,12 @@ def connect_cluster(
     **kwargs: Any,
 ) -> RedisCluster:
     """A Redis Cluster client that finds the cluster from any of `nodes`, with the pool's timeouts,
-    its packed connections, and `watch` (made `per_node`) told the run id of every node it
+    its packed connections, and `watch` (a `per_node` one) told the run id of every node it
     connects to. redis-py routes each command by its key's slot and follows the cluster through
     MOVED replies and failovers; the pool's script batches go to each slot's node themselves
     (scripts.ScriptBatch), and its blocking reads are made per slot (reads.xread)."""
+    if watch is not None and not watch.per_node:
+        raise ValueError("a Cluster's nodes each have their own run id: watch with RunIdWatch(per_node=True)")
     options = _options(watch, kwargs)
     connect_func = options.pop("redis_connect_func")
     redis = RedisCluster(
@@ -286,10 +300,12 @@ async def meet(redis: AnyRedis, watch: RunIdWatch | None = None) -> None:
     for `watch` (`RunIdWatch.settle`). Raises RedisError when one does not answer."""
     if isinstance(redis, RedisCluster):
         await redis.ping(target_nodes=RedisCluster.PRIMARIES)
+        primaries = [node.name for node in redis.get_primaries()]
     else:
         await redis.ping()
+        primaries = []
     if watch is not None:
-        watch.settle()
+        watch.settle(primaries)
 
 
 def connection_options(redis: AnyRedis) -> dict[str, Any]:

@@ -101,7 +101,7 @@ class JobQueue(QueueReads):
         self.log_tail = log_max_bytes - self.log_head
         self.scripts = Scripts(redis)
         # Script calls made in one event-loop turn share a round trip (scripts.Pipeliner).
-        self._call = Pipeliner(redis, ack)
+        self._call = Pipeliner(redis, ack, watch)
         self._cursors: dict[str, tuple[str, str]] = {}  # queue -> (stream, wake) ids to wait after
         # Claim requests, numbered per worker (claim.lua's memo); a request whose reply never came
         # is sent again, with its number, before any new one: (queue, number) by worker.
@@ -119,6 +119,11 @@ class JobQueue(QueueReads):
             watch=watch,
             ack=ReplicaAck.of(config.redis_min_replicas_ack, config.redis_replicas_ack_timeout),
         )
+
+    def batch(self, *, ack: bool = True) -> ScriptBatch:
+        """A batch of script calls on this queue's Redis (its durable calls acknowledged as the
+        queue's are, unless not `ack`), its nodes told to the queue's watch."""
+        return ScriptBatch(self.redis, self.ack if ack else None, self.watch)
 
     # -- submit ---------------------------------------------------------------------------------
 
@@ -166,7 +171,7 @@ class JobQueue(QueueReads):
         if not specs:
             return []
         listed = self._list_queues(sorted({s.queue for s in specs}))
-        batch = ScriptBatch(self.redis, self.ack)
+        batch = self.batch()
         for chunk in chunks:
             q = chunk[0].queue
             ids = [new_job_id(q) for _ in chunk]
@@ -348,7 +353,7 @@ class JobQueue(QueueReads):
         """Extend all of a worker's leases in one round trip (one script call per queue, pipelined).
         The answers are keyed by lease id. A lease that was reclaimed answers LOST and is not
         taken back."""
-        batch = ScriptBatch(self.redis)
+        batch = self.batch(ack=False)
         answers = self.add_renewals(batch, worker, leases)
         return answers(await batch.execute())
 
@@ -439,7 +444,7 @@ class JobQueue(QueueReads):
         (primary_age.lua), the youngest's: 0 for one that restarted or was promoted just now, and
         when it cannot say (at maxmemory); a Redis that never held the pool's data is as old as
         time. One call per queue, in one round trip (per node, on a Cluster)."""
-        batch = ScriptBatch(self.redis)
+        batch = self.batch(ack=False)
         for q in queues:
             batch.add(self.scripts.primary_age, [keys.primary(q)], [])
         try:
@@ -477,7 +482,7 @@ class JobQueue(QueueReads):
         out: list[tuple[str, JobState]] = []
         todo = await self.queues() if queues is None else list(queues)
         while todo:
-            batch = ScriptBatch(self.redis)
+            batch = self.batch(ack=False)
             for q in todo:
                 batch.add(
                     self.scripts.reclaim,

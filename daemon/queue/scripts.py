@@ -50,7 +50,7 @@ from redis.exceptions import (
 )
 
 from daemon.errors import NotReplicated
-from daemon.queue.connection import RETRIES, AnyRedis
+from daemon.queue.connection import RETRIES, AnyRedis, RunIdWatch
 from daemon.queue.keys import REPLICATION_MARK, replication_mark
 
 NAMES = (
@@ -116,9 +116,13 @@ class ScriptBatch:
     """Script calls collected with `add`, then sent together by `execute` in one round trip;
     with `ack`, the durable ones acknowledged once on enough replicas (see the module doc)."""
 
-    def __init__(self, redis: AnyRedis, ack: ReplicaAck | None = None) -> None:
+    def __init__(
+        self, redis: AnyRedis, ack: ReplicaAck | None = None, watch: RunIdWatch | None = None
+    ) -> None:
+        """`watch`: told which node each call goes to, on a Cluster (`RunIdWatch.serving`)."""
         self.redis = redis
         self.ack = ack
+        self.watch = watch
         self._calls: list[BatchCall] = []
 
     def __len__(self) -> int:
@@ -219,6 +223,9 @@ class ScriptBatch:
                 node = redis.get_node_from_key(calls[i][1][0])
                 assert node is not None
                 groups.setdefault(node.name, (node, []))[1].append(i)
+            if self.watch is not None:  # before the calls leave: a claim on a new node is seen as one
+                for name in groups:
+                    self.watch.serving(name)
             results = await asyncio.gather(
                 *(
                     self._send_to(functools.partial(_exchange_on, node), [calls[i] for i in group])
@@ -316,9 +323,12 @@ class Pipeliner:
     in flight cannot unsend its call, as with any Redis command. With `ack`, durable calls are
     acknowledged once on that many replicas (ScriptBatch)."""
 
-    def __init__(self, redis: AnyRedis, ack: ReplicaAck | None = None) -> None:
+    def __init__(
+        self, redis: AnyRedis, ack: ReplicaAck | None = None, watch: RunIdWatch | None = None
+    ) -> None:
         self.redis = redis
         self.ack = ack
+        self.watch = watch  # see ScriptBatch
         self._pending: list[Call] = []
         self._ahead: list[Call] = []  # calls that go before the others (`submit(ahead=True)`)
         self._ahead_answered: asyncio.Future[None] | None = None  # while those are in flight
@@ -389,7 +399,7 @@ class Pipeliner:
             await self._send(calls[:MAX_BATCH])
 
     async def _send(self, calls: list[Call]) -> None:
-        batch = ScriptBatch(self.redis, self.ack)
+        batch = ScriptBatch(self.redis, self.ack, self.watch)
         for script, keys, args, durable, _ in calls:
             batch.add(script, keys, args, durable=durable)
         try:

@@ -33,7 +33,6 @@ from daemon.errors import NotReplicated
 from daemon.job import Lease, RenewStatus
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import Registration, add_heartbeat
-from daemon.queue.scripts import ScriptBatch
 from daemon.worker.attempt import boottime
 
 log = logging.getLogger(__name__)
@@ -103,7 +102,7 @@ class Heartbeat:
         refuses the registration (`Refused`, carrying the renewals' answers when those went
         through, as at Redis's memory limit)."""
         registration = self.target.registration()
-        batch = ScriptBatch(self.queue.redis, self.queue.ack)
+        batch = self.queue.batch()
         registered = add_heartbeat(batch, self.queue.scripts, registration)
         answers = self.queue.add_renewals(batch, registration.id, self.target.leases())
         replies = await batch.execute_each()

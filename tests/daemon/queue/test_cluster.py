@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from daemon.errors import NotReplicated
@@ -132,6 +133,13 @@ async def test_a_primary_killed_mid_run_fails_over_and_the_queue_carries_on(tmp_
             generation = watch.generation
 
             dead = cluster.owner(slot)
+            # redis-py reads the slot map from replicas too: a connection it holds to the replica
+            # from before the failover is not a new one after it, and says nothing of a promotion.
+            assert isinstance(queue.redis, RedisCluster)
+            (replica,) = cluster.replicas_of(dead)
+            held = queue.redis.get_node("127.0.0.1", replica.port)
+            assert held is not None
+            await held.execute_command("PING")
             node = next(n for n in cluster.nodes if n.port == dead)
             cluster.kill(node)
             promoted = cluster.wait_failover(slot, dead)
