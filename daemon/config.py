@@ -227,6 +227,15 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("queues", list, ["default"], "queues a worker serves, in priority order"),
     Option(
+        "default_max_priority",
+        int,
+        0,
+        "the highest --priority a user may give a job when the tokens file gives them no "
+        "max_priority (admins: any; a singlenode pool sets no ceiling)",
+        lo=0,
+        hi=100,
+    ),
+    Option(
         "data_dir",
         str,
         "",
@@ -324,6 +333,7 @@ class Config:
     job_log_max_bytes: int
     dead_worker_retention: float
     queues: list[str]
+    default_max_priority: int
     data_dir: str
     listen: str
     metrics_listen: str

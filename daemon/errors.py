@@ -82,6 +82,19 @@ class NotYours(GpupoolError):
         self.job_id = job_id
 
 
+class PriorityTooHigh(GpupoolError):
+    """A job asked for a priority above its user's ceiling (max_priority, set by the pool's admin)."""
+
+    code = ErrorCode.PERMISSION_DENIED
+
+    def __init__(self, asked: int, ceiling: int) -> None:
+        what = f"use --priority {ceiling} or less" if ceiling else "leave --priority out"
+        super().__init__(
+            f"priority {asked} is above your ceiling of {ceiling}: {what}, or ask the pool's admin "
+            "to raise your max_priority in the tokens file"
+        )
+
+
 class StaleAttempt(GpupoolError):
     """A worker wrote for an attempt that is no longer the job's current one (fencing)."""
 

@@ -20,6 +20,7 @@ from daemon.exclusive import check_combination
 MAX_ARGV_BYTES = 256 * 1024
 FULL_SHA = re.compile(r"[0-9a-f]{40}")
 MAX_ATTEMPTS_LIMIT = 100
+PRIORITY_MAX = 100  # the highest --priority (daemon/queue/lua/_lib.lua PRIO_MAX says the same)
 MAX_INPUTS = 256
 SHA256 = re.compile(r"[0-9a-f]{64}")
 INPUT_KINDS = ("file", "dir")
@@ -93,6 +94,8 @@ class JobSpec:
     timeout: float | None = None  # seconds of run time before the attempt is stopped
     max_attempts: int = 3  # attempts lost to dead workers before the job is dead-lettered
     retries: int = 0  # extra attempts after a non-zero exit
+    # Claimed before the queue's jobs of lower priority (0: none), up to the user's ceiling.
+    priority: int = 0
     user: str = ""  # set by the server from the authenticated connection, never by the client
     git: Mapping[str, str] | None = None  # {"repo": URL or path, "commit": sha, or "ref": name}
     # Datasets placed in the job's directory before it starts: {"sha256", "dest", "kind": file|dir}.
@@ -112,6 +115,7 @@ class JobSpec:
             "timeout": self.timeout,
             "max_attempts": self.max_attempts,
             "retries": self.retries,
+            "priority": self.priority,
             "user": self.user,
             "git": dict(self.git) if self.git is not None else None,
             "inputs": [dict(i) for i in self.inputs],
@@ -151,6 +155,7 @@ class JobSpec:
             timeout=_opt_positive(data, "timeout"),
             max_attempts=_int(data, "max_attempts", 3, 1, MAX_ATTEMPTS_LIMIT),
             retries=_int(data, "retries", 0, 0, MAX_ATTEMPTS_LIMIT),
+            priority=_int(data, "priority", 0, 0, PRIORITY_MAX),
             user=_opt_str(data, "user") or "",
             git=_git(data.get("git")),
             inputs=_inputs(data.get("inputs")),

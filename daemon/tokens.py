@@ -1,7 +1,9 @@
 """Who may talk to the server, and how poolctl finds its server and token.
 
 Server side: a tokens file of ``user = "token"`` lines (TOML), readable by its owner only (0600); a
-pool admin, who may act on every user's jobs, is written ``user = { token = "token", admin = true }``.
+pool admin, who may act on every user's jobs, is written ``user = { token = "token", admin = true }``,
+and a user's priority ceiling (the highest ``--priority`` their jobs may ask for)
+``user = { token = "token", max_priority = 10 }``.
 Client side: ``GPUPOOL_TOKEN``, else the pool's own ``token_file`` (pools.toml: daemon/pools.py,
 which also says where the server is), else the file ``gpupool/token`` under ``$XDG_CONFIG_HOME``
 (default ``~/.config``); the user is ``GPUPOOL_USER``, else the pool's ``user``, else the login name.
@@ -16,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from daemon.errors import GpupoolError
+from daemon.job import PRIORITY_MAX
 from protocol.record import Record
 
 TOKEN_BYTES = 32
@@ -83,10 +86,12 @@ def ensure_local_token(data_dir: Path, env: Mapping[str, str] | None = None) -> 
 
 
 class Users(Record):
-    """Who the server accepts: each user's token, and which of them are the pool's admins."""
+    """Who the server accepts: each user's token, which of them are the pool's admins, and the
+    priority ceilings the file gives."""
 
     tokens: dict[str, bytes]
     admins: frozenset[str] = frozenset()
+    max_priority: tuple[tuple[str, int], ...] = ()  # (user, ceiling) of those the file gives one
 
 
 def read_tokens(path: Path) -> dict[str, bytes]:
@@ -115,15 +120,25 @@ def read_users(path: Path) -> Users:
         ) from None
     tokens: dict[str, bytes] = {}
     admins = set()
+    ceilings: dict[str, int] = {}
     for user, entry in data.items():
         token, admin = (
             (entry.get("token"), entry.get("admin", False)) if isinstance(entry, dict) else (entry, False)
         )
-        if isinstance(entry, dict) and (set(entry) - {"token", "admin"} or not isinstance(admin, bool)):
+        ceiling = entry.get("max_priority", 0) if isinstance(entry, dict) else 0
+        if isinstance(entry, dict) and (
+            set(entry) - {"token", "admin", "max_priority"}
+            or not isinstance(admin, bool)
+            or type(ceiling) is not int
+            or not 0 <= ceiling <= PRIORITY_MAX
+        ):
             raise TokenError(
-                f'tokens file {path}: {user!r} must be "token" or {{ token = "token", admin = true }}, '
-                f"not a table of {sorted(entry)}"
+                f'tokens file {path}: {user!r} must be "token" or {{ token = "token", admin = true, '
+                f"max_priority = 0..{PRIORITY_MAX} }} (each but the token optional), not a table of "
+                f"{sorted(entry)}"
             )
+        if isinstance(entry, dict) and "max_priority" in entry:
+            ceilings[user] = ceiling
         if not isinstance(token, str) or len(token) < 16:
             raise TokenError(
                 f"tokens file {path}: the token of {user!r} must be a string of 16 or more characters"
@@ -131,4 +146,4 @@ def read_users(path: Path) -> Users:
         tokens[user] = token.encode()
         if admin:
             admins.add(user)
-    return Users(tokens, frozenset(admins))
+    return Users(tokens, frozenset(admins), tuple(sorted(ceilings.items())))

@@ -198,6 +198,13 @@ def _add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it do
     e.add_argument("--timeout", type=float, metavar="SECONDS", help="stop the job after this long")
     e.add_argument("--retries", type=int, default=0, help="extra attempts after a non-zero exit")
     e.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start before the queue's jobs of lower priority (0-100, up to your ceiling; default 0)",
+    )
+    e.add_argument(
         "--max-attempts", type=int, default=3, help="attempts lost to dead workers before giving up"
     )
     e.add_argument("--key", metavar="IDEMPOTENCY_KEY", help="same key, same job: safe to retry")
@@ -417,6 +424,7 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         "wait_for_worker": args.wait_for_worker,
         "timeout": args.timeout,
         "retries": args.retries,
+        "priority": args.priority,
         "max_attempts": args.max_attempts,
         "cwd": str(Path(args.cwd).resolve()) if args.cwd else None,
     }

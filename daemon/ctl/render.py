@@ -224,6 +224,7 @@ def job(j: dict[str, Any], *, as_json: bool) -> None:
         ("queue", spec["queue"]),
         ("command", " ".join(spec["argv"])),
         ("gpus", str(spec["gpus"])),
+        ("priority", str(spec["priority"]) if spec.get("priority") else None),
         ("cwd", spec["cwd"]),
         ("env", " ".join(f"{k}={v}" for k, v in spec["env"].items()) or None),
         *_data_lines(spec),

@@ -152,6 +152,7 @@ class JobQueue(QueueReads):
                     spec.gpus,
                     spec.max_attempts,
                     spec.retries,
+                    spec.priority,
                 ],
                 durable=True,
             )
@@ -178,6 +179,7 @@ class JobQueue(QueueReads):
             args: list[Any] = [keys.GROUP, keys.queue_prefix(q)]
             for spec, job_id in zip(chunk, ids, strict=True):
                 args += [job_id, msgpack.packb(spec.to_dict()), spec.gpus, spec.max_attempts, spec.retries]
+                args.append(spec.priority)
             job_keys = [keys.batch(q, secrets.token_hex(8)), *(keys.job(job_id) for job_id in ids)]
             batch.add(
                 self.scripts.enqueue_many,

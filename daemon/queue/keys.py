@@ -13,6 +13,9 @@ Per queue (``gp:{q:NAME}:…``):
   parked        ZSET id -> GPUs needed * 2**32 + enqueue seq: queued jobs passed over by workers too
                 small for them; a claimer looks only at those it can hold, and takes the oldest of
                 them and `retry`'s head first.
+  prio          ZSET id -> (100 - priority) * 2**32 + enqueue seq: the queued jobs enqueued with a
+                priority, claimed after `retry` and before the stream, the highest first; each
+                also has its stream entry until a claim takes it from here and deletes it.
   wake          capped Stream of ``w=1`` entries, one per job put at the front: workers block on it
                 (XREAD) beside the stream, since a ZSET cannot wake them.
   leases        ZSET id -> lease deadline (Redis server time, ms) of every running attempt.
@@ -79,6 +82,10 @@ def ended(queue: str) -> str:
 
 def parked(queue: str) -> str:
     return queue_prefix(queue) + "parked"
+
+
+def priority(queue: str) -> str:
+    return queue_prefix(queue) + "prio"
 
 
 def wake(queue: str) -> str:

@@ -129,15 +129,18 @@ class QueueReads:
     async def list_jobs(
         self, queue: str | None = None, *, include_finished: bool = False, limit: int = 1000
     ) -> list[JobInfo]:
-        """Jobs in enqueue order: the queued and running ones, or with `include_finished` the newest
-        `limit` jobs still retained."""
+        """The queued and running jobs, running first, then in the order they will start (each
+        queue's claim order: its front, its priorities, its stream); or with `include_finished` the
+        newest `limit` jobs still retained, in enqueue order."""
         out: list[JobInfo] = []
+        rank: dict[str, int] = {}  # a job's place in its queue's claim order
         for q in [queue] if queue else await self.queues():
             if include_finished:
                 newest = cast(list[bytes], await self.redis.zrange(keys.jobs(q), -limit, -1))
                 ids = [_s(i) for i in newest]
             else:
                 ids = await self._active_ids(q, limit)
+                rank.update((job_id, i) for i, job_id in enumerate(ids))
             async with self.redis.pipeline(transaction=False) as pipe:
                 for job_id in ids:
                     pipe.hgetall(keys.job(job_id))
@@ -146,25 +149,30 @@ class QueueReads:
             if stale:  # records past retention: drop them from the index too
                 await self.redis.zrem(keys.jobs(q), *stale)
             out += [_job_info(r, []) for r in records if r]
-        out.sort(key=lambda j: (j.enqueued_at, j.seq))
-        return out[-limit:]
+        if include_finished:
+            out.sort(key=lambda j: (j.enqueued_at, j.seq))
+            return out[-limit:]
+        out.sort(key=lambda j: (j.state is not JobState.RUNNING, rank[j.id], j.enqueued_at, j.seq))
+        return out[:limit]
 
     async def _active_ids(self, queue: str, limit: int) -> list[str]:
-        """Running (leases), front (retry) and parked jobs of one queue, then up to `limit` of its
-        stream entries not yet delivered, read from the consumer group's last delivered id on."""
+        """Running (leases), front (retry), parked and priority jobs of one queue, then up to
+        `limit` of its stream entries not yet delivered, read from the consumer group's last
+        delivered id on: the order a claim takes them in (claim.lua)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrange(keys.leases(queue), 0, -1)
             pipe.zrange(keys.retry(queue), 0, -1)
             pipe.zrange(keys.parked(queue), 0, -1)
+            pipe.zrange(keys.priority(queue), 0, limit - 1)
             pipe.xinfo_groups(keys.stream(queue))
             try:
-                running, retry, parked, groups = await pipe.execute()
+                running, retry, parked, prio, groups = await pipe.execute()
             except ResponseError:  # no stream yet: nothing was ever enqueued
                 return []
         last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == keys.GROUP), b"0-0")
         entries = await xrange(self.redis, keys.stream(queue), f"({_s(last)}", limit)
         waiting = [_s(e[1][b"job"]) for e in entries if b"job" in e[1]]
-        return list(dict.fromkeys([_s(i) for i in running + retry + parked] + waiting))
+        return list(dict.fromkeys([_s(i) for i in running + retry + parked + prio] + waiting))
 
     async def leases_held(self, queues: Sequence[str]) -> int:
         """Running attempts (leases) in `queues`, in one round trip."""

@@ -14,12 +14,12 @@ import logging
 import re
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 from redis.exceptions import RedisError
 
-from daemon.errors import GpupoolError, InvalidJob, JobNotFound, NotYours, NoWorkerFits
+from daemon.errors import GpupoolError, InvalidJob, JobNotFound, NotYours, NoWorkerFits, PriorityTooHigh
 from daemon.job import JobInfo, JobSpec, JobState
 from daemon.metrics.server import ServerMetrics
 from daemon.object_store import artifact_job
@@ -92,10 +92,16 @@ class Handlers:
         store: ObjectStore | None = None,
         *,
         admins: frozenset[str] = frozenset(),
+        max_priority: Mapping[str, int] | None = None,
+        default_max_priority: int = 0,
     ) -> None:
-        """`admins` may act on every user's jobs; everyone else on their own (docs/SECURITY.md)."""
+        """`admins` may act on every user's jobs; everyone else on their own (docs/SECURITY.md).
+        A job's --priority may reach its user's `max_priority` (an admin's: any), else
+        `default_max_priority`."""
         self.queue = queue
         self.admins = admins
+        self.max_priority = dict(max_priority or {})
+        self.default_max_priority = default_max_priority
         self._blocking: Counter[str] = Counter()  # user -> follows and waits running now
         self.events = events
         self.workers = workers
@@ -240,6 +246,7 @@ class Handlers:
 
     async def _enqueue(self, spec: dict[str, Any], key: str | None, user: str) -> Enqueued:
         job_spec = _spec(spec, user)
+        self._check_priority([job_spec], user)
         await self._check_fits([job_spec])
         await self._check_data([job_spec], user)
         job_id, created = await self.queue.enqueue(job_spec, key)
@@ -251,6 +258,7 @@ class Handlers:
         if len(specs) > MAX_BATCH:
             raise GpupoolError(f"a batch holds at most {MAX_BATCH} jobs", ErrorCode.INVALID_ARGUMENT)
         job_specs = [_spec(s, user) for s in specs]
+        self._check_priority(job_specs, user)
         await self._check_fits(job_specs)
         await self._check_data(job_specs, user)
         ids = await self.queue.enqueue_many(job_specs)
@@ -258,6 +266,14 @@ class Handlers:
             for q, count in Counter(s.queue for s in job_specs).items():
                 self.metrics.job_enqueued(q, count)
         return EnqueuedBatch(ids)
+
+    def _check_priority(self, specs: list[JobSpec], user: str) -> None:
+        """Refuse a priority above `user`'s ceiling (the whole batch: nothing is queued)."""
+        asked = max((s.priority for s in specs), default=0)
+        if asked and user not in self.admins:
+            ceiling = self.max_priority.get(user, self.default_max_priority)
+            if asked > ceiling:
+                raise PriorityTooHigh(asked, ceiling)
 
     async def _check_data(self, specs: list[JobSpec], user: str) -> None:
         """Every input and snapshot is data `user` uploaded (admins' jobs may take any)."""
@@ -320,17 +336,26 @@ class Handlers:
         return detail
 
     async def _pending_reason(self, info: JobInfo) -> str:
-        queued = await self.queue.list_jobs(info.spec.queue, limit=MAX_LIST)
-        ahead = sum(1 for j in queued if j.state is JobState.QUEUED and j.seq < info.seq)
+        listed = await self.queue.list_jobs(info.spec.queue, limit=MAX_LIST)  # in the order they start
+        queued = [j.id for j in listed if j.state is JobState.QUEUED]
+        ahead = queued.index(info.id) if info.id in queued else len(queued)
         workers = [w for w in await self.workers() if w.get("health") == "healthy"]
         if info.spec.gpus and not any(len(w.get("gpus", ())) >= info.spec.gpus for w in workers):
             return (
                 f"needs {info.spec.gpus} GPUs, and no live worker has that many: the jobs behind it "
                 "run meanwhile, and it starts when such a worker joins"
             )
+        rank = (
+            f" (priority {info.spec.priority}: before the queue's jobs of lower priority)"
+            if info.spec.priority
+            else ""
+        )
+        place = (
+            f"{ahead} job(s) ahead of it in queue {info.spec.queue!r}" if ahead else "next to start"
+        ) + rank
         if not any(info.spec.queue in w.get("queues", ()) for w in workers):
-            return f"no live worker serves queue {info.spec.queue!r}"
-        return f"{ahead} job(s) ahead of it in queue {info.spec.queue!r}" if ahead else "next to start"
+            return f"no live worker serves queue {info.spec.queue!r} (when one does: {place})"
+        return place
 
     async def _cancel(self, job_ids: list[str], user: str) -> dict[str, str]:
         """Each job's state after the request: cancelled (or how it had ended), "not_found", or

@@ -12,7 +12,7 @@ from daemon import pools, sd_notify, tokens
 from daemon.address import is_loopback
 from daemon.aio import TaskSet, start_or_undo
 from daemon.config import Config
-from daemon.job import JobState, queue_of
+from daemon.job import PRIORITY_MAX, JobState, queue_of
 from daemon.metrics.endpoint import MetricsServer, serve_for
 from daemon.metrics.server import ServerMetrics
 from daemon.object_store import make_store
@@ -123,6 +123,11 @@ class PoolServer:
                 self.metrics,
                 self.store,
                 admins=users.admins if users is not None else frozenset(),
+                max_priority=dict(users.max_priority) if users is not None else None,
+                # a single machine's pool, and an open one (loopback only), set no ceiling
+                default_max_priority=(
+                    c.default_max_priority if users is not None and not c.embedded else PRIORITY_MAX
+                ),
             ),
             known_tokens,
             host,

@@ -25,6 +25,9 @@ def test_users_and_admins(tmp_path: Path) -> None:
     )
     assert users.tokens == {"alice": TOKEN.encode(), "root": (TOKEN + "x").encode()}
     assert users.admins == {"root"}
+    assert users.max_priority == ()
+    text = f'alice = {{ token = "{TOKEN}", max_priority = 10 }}\nbob = "{TOKEN}y"\n'
+    assert read_users(tokens_file(tmp_path, text)).max_priority == (("alice", 10),)
 
 
 @pytest.mark.parametrize(
@@ -33,6 +36,8 @@ def test_users_and_admins(tmp_path: Path) -> None:
         ('alice = "short"', "16 or more characters"),
         (f'alice = {{ token = "{TOKEN}", admin = "yes" }}', "admin = true"),
         (f'alice = {{ token = "{TOKEN}", role = "admin" }}', "not a table of ['role', 'token']"),
+        (f'alice = {{ token = "{TOKEN}", max_priority = 101 }}', "max_priority = 0..100"),
+        (f'alice = {{ token = "{TOKEN}", max_priority = "high" }}', "max_priority = 0..100"),
         ("alice = { admin = true }", "16 or more characters"),
         ("alice = ", "not valid TOML"),
     ],

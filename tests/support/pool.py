@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,18 +54,23 @@ def pool_config(
     tmp: Path,
     users: tuple[str, ...] = USERS,
     admins: tuple[str, ...] = (),
+    *,
+    max_priority: Mapping[str, int] | None = None,
     **overrides: Any,
 ) -> config.Config:
     """A multinode server's configuration with a token for each of `users`; `admins` are marked as
-    the pool's admins in the tokens file."""
+    the pool's admins in the tokens file, and users in `max_priority` given that ceiling."""
     tokens = {u: secrets.token_urlsafe(24) for u in users}
-    tokens_file = tmp / "tokens.toml"
-    tokens_file.write_text(
-        "".join(
-            f'"{u}" = {{ token = "{t}", admin = true }}\n' if u in admins else f'"{u}" = "{t}"\n'
-            for u, t in tokens.items()
+    ceilings = max_priority or {}
+
+    def entry(user: str, token: str) -> str:
+        extra = (", admin = true" if user in admins else "") + (
+            f", max_priority = {ceilings[user]}" if user in ceilings else ""
         )
-    )
+        return f'"{user}" = {{ token = "{token}"{extra} }}\n'
+
+    tokens_file = tmp / "tokens.toml"
+    tokens_file.write_text("".join(entry(u, t) for u, t in tokens.items()))
     tokens_file.chmod(0o600)
     values = {
         "worker_mode": "multinode",
@@ -92,11 +97,13 @@ async def running_pool(
     store: ObjectStore | None = None,
     users: tuple[str, ...] = USERS,
     admins: tuple[str, ...] = (),
+    *,
+    max_priority: Mapping[str, int] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Pool]:
     """A started server with a token for each of `users`; `store` replaces the one its
     configuration names (the server opens and closes it)."""
-    cfg = pool_config(redis_server, tmp, users, admins, **overrides)
+    cfg = pool_config(redis_server, tmp, users, admins, max_priority=max_priority, **overrides)
     server = PoolServer(cfg)
     if store is not None:
         server.store = store

@@ -140,12 +140,22 @@ local function reserve(stream, seqkey, group, n)
   return redis.call('INCRBY', seqkey, n) - n + 1
 end
 
+-- Priorities: a job enqueued with priority P > 0 is also in its queue's `prio` ZSET, scored so
+-- that the highest priority, then the lowest seq, comes first; claims take it before the stream
+-- (claim.lua). PRIO_SEQ exceeds any seq a queue will reach.
+local PRIO_MAX, PRIO_SEQ = 100, 4294967296
+
 -- Add a job at the tail of its queue with sequence number `seq` (from reserve): record, stream
--- entry and index entry. The caller has made sure its id is free.
-local function add_job(stream, index, jobkey, id, seq, now, spec, gpus, max_attempts, retries)
+-- entry and index entry, and with a priority its place in `prio` (the queue's key prefix's). The
+-- caller has made sure its id is free.
+local function add_job(stream, index, jobkey, id, seq, now, spec, gpus, max_attempts, retries, prefix, priority)
   local entry = redis.call('XADD', stream, '*', 'job', id)
+  priority = tonumber(priority) or 0
   redis.call('HSET', jobkey, 'id', id, 'state', 'queued', 'seq', seq, 'attempt', 0, 'spec', spec,
     'gpus', gpus, 'max_attempts', max_attempts, 'retries', retries, 'failures', 0, 'losses', 0,
-    'enqueued_at', now, 'entry', entry)
+    'enqueued_at', now, 'entry', entry, 'priority', priority)
   redis.call('ZADD', index, seq, id)
+  if priority > 0 then
+    redis.call('ZADD', prefix .. 'prio', (PRIO_MAX - priority) * PRIO_SEQ + seq, id)
+  end
 end

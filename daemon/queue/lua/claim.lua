@@ -4,8 +4,11 @@
 --    happens once, and it becomes running with attempt+1 under this worker, with a lease deadline
 --    and a lease id that no other claim ever gets (the worker's id, its request number, an index);
 --  * order: jobs at the front (`retry`: reclaimed, handed back, retried; and the `parked` jobs this
---    worker can hold) go before any job not yet started, lowest enqueue seq first; stream entries
---    go strictly in enqueue order. Head of line: when the next job needs more GPUs than the claimer
+--    worker can hold) go before any job not yet started, lowest enqueue seq first; then jobs with
+--    a priority (`prio`), the highest first, the lowest seq among equals (each leaves the stream
+--    as it is claimed: its entry is deleted undelivered, so the stream never offers it again);
+--    then stream entries, strictly in enqueue order. A priority job's place is its priority's:
+--    it heads the line, and waits for GPUs at its head as the stream's first entry would. Head of line: when the next job needs more GPUs than the claimer
 --    has free (less what this call already handed out), claiming stops there and that job waits
 --    for them. A job that needs more GPUs than the claimer has at all can never run there and
 --    never blocks it: it is passed over, still queued, into `parked`, where only workers big
@@ -167,6 +170,23 @@ while #ids < wanted do
 end
 if #ids == wanted then return stop('claimed', '0-0') end
 
+-- Then the jobs with a priority, the highest first.
+local prio = prefix .. 'prio'
+while #ids < wanted do
+  local top = redis.call('ZRANGE', prio, 0, 0)[1]
+  if not top then break end
+  local jobkey = job_key(prefix, top)
+  local f = job_fields(jobkey)
+  local gpus = need_of(f)
+  if f[1] == 'queued' and gpus <= gpus_total and gpus > gpus_free then return stop('blocked', newest()) end
+  redis.call('ZREM', prio, top)
+  if f[1] == 'queued' then  -- (cancel and take remove a job from `prio` as it leaves 'queued')
+    redis.call('XDEL', stream, redis.call('HGET', jobkey, 'entry'))
+    if gpus > gpus_total then park(top, gpus) else start(top, jobkey, gpus, f) end
+  end
+end
+if #ids == wanted then return stop('claimed', '0-0') end
+
 if redis.call('EXISTS', stream) == 0 then return stop('empty', '0-0') end
 
 -- The last entry the group delivered: where to wait after when nothing more can be taken.
@@ -188,6 +208,7 @@ local function take(entry, fields, f, gpus)
     redis.call('XCLAIM', stream, group, 'reclaimed', 0, entry, 'JUSTID')  -- pending, never trimmed
     park(id, gpus)
   else
+    redis.call('ZREM', prefix .. 'prio', id)  -- a no-op: `prio` is served first (see the order)
     start(id, job_key(prefix, id), gpus, f)
   end
 end

@@ -12,7 +12,7 @@ import orjson
 
 from daemon.job import JobState, Outcome
 from daemon.queue.embedded_redis import EmbeddedRedis, free_port
-from tests.support.pool import Pool
+from tests.support.pool import Pool, running_pool
 from tests.support.poolctl import poolctl
 
 
@@ -64,6 +64,29 @@ async def test_enqueue_ls_show_cancel_wait(pool: Pool) -> None:
     code, out, err = await poolctl(env, "wait", "--timeout", "0.2", job_id)
     assert code == 124
     assert "timed out" in err
+
+
+async def test_a_priority_job_is_listed_and_shown_as_next_to_start(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """`--priority` through poolctl: refused above the user's ceiling, and below it `ls` lists jobs
+    in the order they will start, and `show` says why."""
+    async with running_pool(redis_server, tmp_path, max_priority={"bob": 10}) as pool:
+        code, _, err = await poolctl(pool.env("alice"), "enqueue", "--priority", "7", "--", "true")
+        assert code != 0
+        assert "priority 7 is above your ceiling of 0: leave --priority out, or ask" in err
+        env = pool.env("bob")
+        code, first, _ = await poolctl(env, "enqueue", "--", "true")
+        assert code == 0
+        code, urgent, err = await poolctl(env, "enqueue", "--priority", "7", "--", "true")
+        assert code == 0, err
+        code, out, _ = await poolctl(env, "ls", "--format", "id")
+        assert out.split()[1:] == [urgent.strip(), first.strip()]
+        code, out, _ = await poolctl(env, "show", urgent.strip())
+        assert "priority:  7" in out
+        assert "next to start (priority 7: before the queue's jobs of lower priority)" in out
+        code, out, _ = await poolctl(env, "show", first.strip())
+        assert "1 job(s) ahead of it" in out
 
 
 async def test_logs_follow_prints_live_output_and_exits_with_the_job_code(pool: Pool) -> None:

@@ -21,6 +21,7 @@ PER_QUEUE = (
     keys.seq,
     keys.events,
     keys.primary,
+    keys.priority,
 )
 
 

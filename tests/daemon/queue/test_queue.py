@@ -456,3 +456,48 @@ async def test_list_and_depth(queue: JobQueue) -> None:
         JobState.CANCELLED,
     ]
     assert await queue.depth("nothing-here") == 0
+
+
+async def test_priority_jobs_start_before_the_stream_highest_first_in_order_among_equals(
+    queue: JobQueue, redis: AnyRedis
+) -> None:
+    priorities = [0, 5, 0, 10, 5]
+    ids = [(await queue.enqueue(spec(i, priority=p)))[0] for i, p in enumerate(priorities)]
+    ids += await queue.enqueue_many([spec(5, priority=7), spec(6)])
+    reclaimed = await claim(queue)  # the priority-10 job; then taken back, to the front
+    assert reclaimed.job_id == ids[3]
+    await expire(queue, redis, reclaimed)
+    assert await queue.depth("default") == len(ids)  # each job counted once
+    listed = [j.id for j in await queue.list_jobs()]
+    order = []
+    while (lease := await queue.claim("w1", ["default"])) is not None:
+        order.append(lease.job_id)
+    expected = [ids[3], ids[5], ids[1], ids[4], ids[0], ids[2], ids[6]]  # front, 7, 5, 5, then FIFO
+    assert order == expected
+    assert listed == expected  # `ls` shows the order they start in
+    assert await queue.depth("default") == 0
+
+
+async def test_a_cancelled_priority_job_never_starts(queue: JobQueue) -> None:
+    first, _ = await queue.enqueue(spec(0))
+    urgent, _ = await queue.enqueue(spec(1, priority=50))
+    assert await queue.cancel(urgent) == "cancelled"
+    assert await queue.depth("default") == 1
+    assert (await claim(queue)).job_id == first
+    assert await queue.claim("w1", ["default"]) is None
+
+
+async def test_a_priority_job_waits_for_gpus_at_the_head_and_one_too_big_is_passed_over(
+    queue: JobQueue,
+) -> None:
+    small, _ = await queue.enqueue(spec(0, gpus=1))
+    big, _ = await queue.enqueue(spec(1, gpus=2, priority=9))
+    # A worker of 2 GPUs with 1 free: the priority job heads the line and waits for its GPUs.
+    assert await queue.claim("w1", ["default"], gpus_free=1, gpus_total=2) is None
+    # A worker of 1 GPU can never hold it: passed over, the job behind it starts.
+    lease = await queue.claim("w2", ["default"], gpus_free=1, gpus_total=1)
+    assert lease is not None
+    assert lease.job_id == small
+    lease = await queue.claim("w1", ["default"], gpus_free=2, gpus_total=2)
+    assert lease is not None
+    assert lease.job_id == big  # parked, and found there by a worker big enough

@@ -137,3 +137,28 @@ async def test_a_content_address_is_no_key_to_the_bytes(shared_pool: Pool) -> No
     assert "content address" in message
     async with shared_pool.client("root") as admin:
         assert (await admin.call(PrepareDownload(key), DownloadTicket)).size == len(b"alice's private data")
+
+
+async def test_a_priority_above_the_users_ceiling_is_refused_and_nothing_is_queued(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """Ceilings: alice's own in the tokens file, bob's the pool's default, root (an admin) none."""
+    async with running_pool(
+        redis_server,
+        tmp_path,
+        users=("alice", "bob", "root"),
+        admins=("root",),
+        max_priority={"alice": 10},
+        default_max_priority=2,
+    ) as pool:
+        for user, allowed in (("alice", 10), ("bob", 2), ("root", 100)):
+            async with pool.client(user) as c:
+                job = await c.call(Enqueue({"argv": ["true"], "priority": allowed}, None), Enqueued)
+                assert (await pool.queue.get(job.job_id)).spec.priority == allowed
+        for user, ceiling in (("alice", 10), ("bob", 2)):
+            message = await refused(
+                pool, user, Enqueue({"argv": ["true"], "priority": ceiling + 1}, None), Enqueued
+            )
+            assert f"priority {ceiling + 1} is above your ceiling of {ceiling}" in message
+            assert "max_priority" in message
+        assert await pool.queue.depth("default") == 3  # the refused ones were not queued

@@ -46,7 +46,9 @@ async def test_submit_list_show_cancel(pool: Pool) -> None:
         assert detail["spec"]["argv"] == ["python", "train.py"]
         assert detail["spec"]["user"] == "alice"
         assert detail["state"] == "queued"
-        assert detail["pending_reason"] == "no live worker serves queue 'default'"
+        assert (
+            detail["pending_reason"] == "no live worker serves queue 'default' (when one does: next to start)"
+        )
 
         states = await c.call(CancelJobs([second.job_id, "default.doesnotexist1"]), Cancelled)
         assert states.states == {second.job_id: "cancelled", "default.doesnotexist1": "not_found"}
