@@ -227,6 +227,24 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("queues", list, ["default"], "queues a worker serves, in priority order"),
     Option(
+        "user_max_running_jobs",
+        int,
+        0,
+        "the most jobs one user may run at once in one queue (0: no cap); their other jobs wait, "
+        "keeping their place, while the jobs of others behind them start",
+        lo=0,
+        hi=100000,
+    ),
+    Option(
+        "user_max_gpus",
+        int,
+        0,
+        "the most GPUs one user's running jobs may hold in one queue (0: no cap); a user with "
+        "nothing running may always start one job",
+        lo=0,
+        hi=100000,
+    ),
+    Option(
         "default_max_priority",
         int,
         0,
@@ -334,6 +352,8 @@ class Config:
     dead_worker_retention: float
     queues: list[str]
     default_max_priority: int
+    user_max_running_jobs: int
+    user_max_gpus: int
     data_dir: str
     listen: str
     metrics_listen: str

@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from daemon.errors import GpupoolError
-from daemon.job import PRIORITY_MAX
 from protocol.record import Record
 
 TOKEN_BYTES = 32
@@ -111,6 +110,8 @@ def read_users(path: Path) -> Users:
             f"tokens file {path} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 it"
         )
     import tomllib  # noqa: PLC0415 - the server's side, as above
+
+    from daemon.job import PRIORITY_MAX  # noqa: PLC0415 - as tomllib: poolctl reads no tokens file
 
     try:
         data = tomllib.loads(text)

@@ -88,11 +88,15 @@ class JobQueue(QueueReads):
         log_max_bytes: int = DEFAULT_LOG_MAX_BYTES,
         watch: RunIdWatch | None = None,
         ack: ReplicaAck | None = None,
+        user_caps: tuple[int, int] = (0, 0),
     ) -> None:
         """`watch` is the run-id watch of `redis`'s connections (connection.connect), for whoever
         holds leases through this queue to see when Redis restarts. `ack`: the replicas an enqueue
-        and an outcome must reach before they are acknowledged (None: the primary's word)."""
+        and an outcome must reach before they are acknowledged (None: the primary's word).
+        `user_caps`: the most jobs, and GPUs, one user may run in one queue (0: no cap), which
+        this queue's claims keep to (claim.lua)."""
         self.redis = redis
+        self.user_caps = user_caps
         self.ack = ack
         self.watch = watch
         self.lease_ms = max(1, round(lease_seconds * 1000))
@@ -118,6 +122,7 @@ class JobQueue(QueueReads):
             log_max_bytes=config.job_log_max_bytes,
             watch=watch,
             ack=ReplicaAck.of(config.redis_min_replicas_ack, config.redis_replicas_ack_timeout),
+            user_caps=(config.user_max_running_jobs, config.user_max_gpus),
         )
 
     def batch(self, *, ack: bool = True) -> ScriptBatch:
@@ -153,6 +158,7 @@ class JobQueue(QueueReads):
                     spec.max_attempts,
                     spec.retries,
                     spec.priority,
+                    spec.user,
                 ],
                 durable=True,
             )
@@ -179,7 +185,7 @@ class JobQueue(QueueReads):
             args: list[Any] = [keys.GROUP, keys.queue_prefix(q)]
             for spec, job_id in zip(chunk, ids, strict=True):
                 args += [job_id, msgpack.packb(spec.to_dict()), spec.gpus, spec.max_attempts, spec.retries]
-                args.append(spec.priority)
+                args += [spec.priority, spec.user]
             job_keys = [keys.batch(q, secrets.token_hex(8)), *(keys.job(job_id) for job_id in ids)]
             batch.add(
                 self.scripts.enqueue_many,
@@ -314,7 +320,18 @@ class JobQueue(QueueReads):
         status, stream_cursor, wake_cursor, *claimed = await self._call(
             self.scripts.claim,
             [keys.stream(q), keys.retry(q), keys.leases(q), keys.claims(q, worker), keys.parked(q)],
-            [keys.queue_prefix(q), keys.GROUP, worker, free, self.lease_ms, default, count, total, request],
+            [
+                keys.queue_prefix(q),
+                keys.GROUP,
+                worker,
+                free,
+                self.lease_ms,
+                default,
+                count,
+                total,
+                request,
+                *self.user_caps,
+            ],
             ahead=True,
             durable=True,
         )

@@ -16,6 +16,10 @@ Per queue (``gp:{q:NAME}:…``):
   prio          ZSET id -> (100 - priority) * 2**32 + enqueue seq: the queued jobs enqueued with a
                 priority, claimed after `retry` and before the stream, the highest first; each
                 also has its stream entry until a claim takes it from here and deletes it.
+  capped        ZSET id -> seq: queued jobs held aside while their user is at a cap (claim.lua),
+                with capped:USER (the same, per user) and capped_users (user -> seq of their
+                oldest held job); back at the front, by seq, once the user is below the caps. What a
+                user runs is counted from `leases` at each claim: no counter to drift.
   wake          capped Stream of ``w=1`` entries, one per job put at the front: workers block on it
                 (XREAD) beside the stream, since a ZSET cannot wake them.
   leases        ZSET id -> lease deadline (Redis server time, ms) of every running attempt.
@@ -82,6 +86,10 @@ def ended(queue: str) -> str:
 
 def parked(queue: str) -> str:
     return queue_prefix(queue) + "parked"
+
+
+def capped(queue: str) -> str:
+    return queue_prefix(queue) + "capped"
 
 
 def priority(queue: str) -> str:

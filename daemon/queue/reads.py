@@ -17,7 +17,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from daemon.errors import JobNotFound
-from daemon.job import Attempt, JobInfo, JobSpec, JobState
+from daemon.job import Attempt, JobInfo, JobSpec, JobState, queue_of
 from daemon.queue import keys
 from daemon.queue.connection import AnyRedis, block_limit
 
@@ -130,8 +130,9 @@ class QueueReads:
         self, queue: str | None = None, *, include_finished: bool = False, limit: int = 1000
     ) -> list[JobInfo]:
         """The queued and running jobs, running first, then in the order they will start (each
-        queue's claim order: its front, its priorities, its stream); or with `include_finished` the
-        newest `limit` jobs still retained, in enqueue order."""
+        queue's claim order: its front, its priorities, its stream), at most `limit` of them, the
+        queued ones kept first; or with `include_finished` the newest `limit` jobs still retained,
+        in enqueue order."""
         out: list[JobInfo] = []
         rank: dict[str, int] = {}  # a job's place in its queue's claim order
         for q in [queue] if queue else await self.queues():
@@ -153,26 +154,33 @@ class QueueReads:
             out.sort(key=lambda j: (j.enqueued_at, j.seq))
             return out[-limit:]
         out.sort(key=lambda j: (j.state is not JobState.RUNNING, rank[j.id], j.enqueued_at, j.seq))
-        return out[:limit]
+        running = [j for j in out if j.state is JobState.RUNNING]
+        queued = out[len(running) :][:limit]  # past `limit`: the queued ones that start soonest,
+        return running[len(running) - (limit - len(queued)) :] + queued  # and the running that fit
 
     async def _active_ids(self, queue: str, limit: int) -> list[str]:
-        """Running (leases), front (retry), parked and priority jobs of one queue, then up to
+        """Running (leases), front (retry), parked, held at a cap and priority jobs of one queue, then up to
         `limit` of its stream entries not yet delivered, read from the consumer group's last
         delivered id on: the order a claim takes them in (claim.lua)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrange(keys.leases(queue), 0, -1)
             pipe.zrange(keys.retry(queue), 0, -1)
             pipe.zrange(keys.parked(queue), 0, -1)
+            pipe.zrange(keys.capped(queue), 0, limit - 1)
             pipe.zrange(keys.priority(queue), 0, limit - 1)
             pipe.xinfo_groups(keys.stream(queue))
             try:
-                running, retry, parked, prio, groups = await pipe.execute()
+                running, retry, parked, capped, prio, groups = await pipe.execute()
             except ResponseError:  # no stream yet: nothing was ever enqueued
                 return []
         last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == keys.GROUP), b"0-0")
         entries = await xrange(self.redis, keys.stream(queue), f"({_s(last)}", limit)
         waiting = [_s(e[1][b"job"]) for e in entries if b"job" in e[1]]
-        return list(dict.fromkeys([_s(i) for i in running + retry + parked + prio] + waiting))
+        return list(dict.fromkeys([_s(i) for i in running + retry + parked + capped + prio] + waiting))
+
+    async def held_at_cap(self, job_id: str) -> bool:
+        """Whether a queued job is held aside because its user is at a cap (claim.lua)."""
+        return await self.redis.zscore(keys.capped(queue_of(job_id)), job_id) is not None
 
     async def leases_held(self, queues: Sequence[str]) -> int:
         """Running attempts (leases) in `queues`, in one round trip."""
@@ -182,25 +190,25 @@ class QueueReads:
             return sum(int(n) for n in await pipe.execute())
 
     async def depth(self, queue: str) -> int:
-        """Jobs waiting in `queue`: those at its front, those parked, and stream entries not yet
-        delivered (the others are pending: running, or at the front or parked)."""
+        """Jobs waiting in `queue`: those at its front, parked or held at a cap, and stream entries
+        not yet delivered (the others are pending: running, or at the front, parked or held)."""
         return (await self.depths([queue]))[queue]
 
     async def depths(self, queues: Sequence[str]) -> dict[str, int]:
         """`depth` of each of `queues`, in one round trip whatever their number."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for q in queues:
-                pipe.zcard(keys.retry(q))
-                pipe.zcard(keys.parked(q))
+                for aside in (keys.retry(q), keys.parked(q), keys.capped(q)):
+                    pipe.zcard(aside)
                 pipe.xlen(keys.stream(q))
                 pipe.xpending(keys.stream(q), keys.GROUP)
             replies = await pipe.execute(raise_on_error=False)
         out = {}
         for i, q in enumerate(queues):
-            retry, parked, length, pending = replies[4 * i : 4 * i + 4]
+            retry, parked, capped, length, pending = replies[5 * i : 5 * i + 5]
             # no stream or group yet (an error in its place): nothing was ever enqueued
             waiting = (
-                int(retry) + int(parked) + int(length) - int(pending["pending"])
+                int(retry) + int(parked) + int(capped) + int(length) - int(pending["pending"])
                 if not isinstance(pending, Exception)
                 else 0
             )

@@ -353,6 +353,13 @@ class Handlers:
         place = (
             f"{ahead} job(s) ahead of it in queue {info.spec.queue!r}" if ahead else "next to start"
         ) + rank
+        if await self.queue.held_at_cap(info.id):
+            jobs, gpus = self.queue.user_caps
+            caps = " or ".join(c for c in (jobs and f"{jobs} running jobs", gpus and f"{gpus} GPUs") if c)
+            return (
+                f"{info.spec.user} is at the cap of {caps} per user in queue {info.spec.queue!r}: it "
+                "starts, before the jobs behind it, once one of theirs there ends"
+            )
         if not any(info.spec.queue in w.get("queues", ()) for w in workers):
             return f"no live worker serves queue {info.spec.queue!r} (when one does: {place})"
         return place

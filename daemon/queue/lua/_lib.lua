@@ -76,6 +76,12 @@ local function holds(j, attempt, consumer, lease)
   return j[1] == 'running' and j[2] == attempt and j[3] == consumer and j[4] == lease
 end
 
+-- Wake workers blocked on the queue (XREAD on its `wake` stream): something went to `retry`, or a
+-- user's attempt ended while jobs are held at a cap.
+local function wake(prefix)
+  redis.call('XADD', prefix .. 'wake', 'MAXLEN', '~', 100, '*', 'w', '1')
+end
+
 -- How many finished jobs of a queue to forget per job that finishes, once past retention: the
 -- index stays bounded by the jobs of the last `retention` seconds at a constant cost per finish.
 local TRIM_PER_FINISH = 8
@@ -104,6 +110,7 @@ local function finish(prefix, stream, group, events, id, state, now, retention, 
   if j[2] then redis.call('EXPIRE', j[2], retention) end
   local ended, index = prefix .. 'ended', prefix .. 'jobs'
   redis.call('ZADD', ended, now, id)
+  if redis.call('EXISTS', prefix .. 'capped') == 1 then wake(prefix) end  -- a cap may have room now
   local old = redis.call('ZRANGEBYSCORE', ended, '-inf', now - retention * 1000, 'LIMIT', 0, TRIM_PER_FINISH)
   if #old > 0 then
     redis.call('ZREM', ended, unpack(old))
@@ -111,9 +118,26 @@ local function finish(prefix, stream, group, events, id, state, now, retention, 
   end
 end
 
--- Wake workers blocked on the queue (XREAD on its `wake` stream): something went to `retry`.
-local function wake(prefix)
-  redis.call('XADD', prefix .. 'wake', 'MAXLEN', '~', 100, '*', 'w', '1')
+-- Caps per user (claim.lua): a queued job whose user is at a cap is held aside, in the queue's
+-- `capped` ZSET and its user's `capped:USER` (both by seq); `capped_users` scores each such user
+-- by their oldest held job's seq, so a claim finds the oldest held job of a user below the cap
+-- with one look per user, however many jobs the others have held.
+local function hold(prefix, user, id, seq)
+  redis.call('ZADD', prefix .. 'capped', seq, id)
+  redis.call('ZADD', prefix .. 'capped:' .. user, seq, id)
+  redis.call('ZADD', prefix .. 'capped_users', 'LT', seq, user)
+end
+
+local function unhold(prefix, user, id)
+  if redis.call('ZREM', prefix .. 'capped', id) == 0 then return end
+  local mine = prefix .. 'capped:' .. user
+  redis.call('ZREM', mine, id)
+  local top = redis.call('ZRANGE', mine, 0, 0, 'WITHSCORES')
+  if top[1] then
+    redis.call('ZADD', prefix .. 'capped_users', top[2], user)
+  else
+    redis.call('ZREM', prefix .. 'capped_users', user)
+  end
 end
 
 -- Put a job at the front of its queue: `retry` is served before the stream, in enqueue order; its
@@ -148,12 +172,13 @@ local PRIO_MAX, PRIO_SEQ = 100, 4294967296
 -- Add a job at the tail of its queue with sequence number `seq` (from reserve): record, stream
 -- entry and index entry, and with a priority its place in `prio` (the queue's key prefix's). The
 -- caller has made sure its id is free.
-local function add_job(stream, index, jobkey, id, seq, now, spec, gpus, max_attempts, retries, prefix, priority)
+local function add_job(stream, index, jobkey, id, seq, now, spec, gpus, max_attempts, retries, prefix, priority,
+                       user)
   local entry = redis.call('XADD', stream, '*', 'job', id)
   priority = tonumber(priority) or 0
   redis.call('HSET', jobkey, 'id', id, 'state', 'queued', 'seq', seq, 'attempt', 0, 'spec', spec,
     'gpus', gpus, 'max_attempts', max_attempts, 'retries', retries, 'failures', 0, 'losses', 0,
-    'enqueued_at', now, 'entry', entry, 'priority', priority)
+    'enqueued_at', now, 'entry', entry, 'priority', priority, 'user', user or '')
   redis.call('ZADD', index, seq, id)
   if priority > 0 then
     redis.call('ZADD', prefix .. 'prio', (PRIO_MAX - priority) * PRIO_SEQ + seq, id)

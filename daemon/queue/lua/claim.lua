@@ -19,12 +19,18 @@
 --    lost) answers the same leases, still unexpired and renewed from now, without claiming more,
 --    and an older request arriving late claims nothing (the worker's memo, one small key per
 --    worker and queue, lives one lease);
+--  * caps per user (ARGV 10, 11; 0: none): a job whose user already runs that many jobs, or would
+--    hold more than that many GPUs, in this queue is held aside (`capped`, by seq) rather than
+--    started or waited for, and the jobs behind it go on; it returns to the front, by its seq,
+--    once its user is below the caps (counted from the queue's leases at each call, so nothing
+--    kept apart can drift). A user with nothing running here always gets one job, however big;
 --  * at maxmemory the claim is refused whole: its first write is the memo (see _lib.lua);
 --  * cancelled jobs met on the way are acknowledged and deleted, never run.
 -- KEYS: 1 stream, 2 retry, 3 leases, 4 the worker's claim memo, 5 parked
 -- ARGV: 1 queue key prefix, 2 group, 3 consumer (worker id), 4 GPUs free, 5 lease duration (ms),
 --       6 GPUs a job asking for 0 gets, 7 most jobs to claim, 8 GPUs the worker has in all,
---       9 request number (rises with every new request of this worker)
+--       9 request number (rises with every new request of this worker), 10 most jobs a user may
+--       run in this queue, 11 most GPUs a user may hold in it (0: no cap)
 -- Returns {status, stream cursor, wake cursor, id, attempt, lease, spec, id, attempt, lease, spec,
 -- ...}: the claimed jobs, and why claiming stopped: 'claimed' (N jobs, or a request answered
 -- again), 'empty' (nothing more) or 'blocked' (the next job needs more GPUs than are free). The
@@ -35,6 +41,7 @@ local prefix, group, consumer = ARGV[1], ARGV[2], ARGV[3]
 local gpus_free, lease_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
 local default_gpus, wanted, gpus_total = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local request = tonumber(ARGV[9])
+local max_running, max_gpus = tonumber(ARGV[10]) or 0, tonumber(ARGV[11]) or 0
 local now = now_ms()
 local claimed, ids = {}, {}
 
@@ -59,9 +66,10 @@ local function add(id, jobkey)
   for _, v in ipairs({id, j[1], j[2], j[3]}) do claimed[#claimed + 1] = v end
 end
 
--- What a claim reads of a job: its state, the GPUs it asks for, its attempt so far, its spec.
+-- What a claim reads of a job: its state, the GPUs it asks for, its attempt so far, its spec,
+-- its user, its seq.
 local function job_fields(jobkey)
-  return redis.call('HMGET', jobkey, 'state', 'gpus', 'attempt', 'spec')
+  return redis.call('HMGET', jobkey, 'state', 'gpus', 'attempt', 'spec', 'user', 'seq')
 end
 
 -- The same request again: answer the leases it got that are still this worker's and unexpired,
@@ -103,13 +111,44 @@ local function newest()
 end
 
 -- Start job `id` under this claimer; `f`: its job_fields, read in this call.
+-- What each user runs in this queue now, {jobs, GPUs}: counted from the leases at the first look a
+-- call needs (only with caps), then kept up to date by `start`.
+local usage = nil
+local function use_of(user)
+  if not usage then
+    usage = {}
+    for _, id in ipairs(redis.call('ZRANGE', leases, 0, -1)) do
+      local j = redis.call('HMGET', job_key(prefix, id), 'user', 'held_gpus')
+      if j[1] then
+        local u = usage[j[1]] or {0, 0}
+        u[1], u[2] = u[1] + 1, u[2] + (tonumber(j[2]) or 0)
+        usage[j[1]] = u
+      end
+    end
+  end
+  usage[user] = usage[user] or {0, 0}
+  return usage[user]
+end
+
+-- Whether `user` may start one more job of `gpus` GPUs in this queue.
+local function under_cap(user, gpus)
+  if (max_running == 0 and max_gpus == 0) or not user or user == '' then return true end
+  local u = use_of(user)
+  if u[1] == 0 then return true end  -- one job always: no cap can starve a user
+  return (max_running == 0 or u[1] < max_running) and (max_gpus == 0 or u[2] + gpus <= max_gpus)
+end
+
 local function start(id, jobkey, gpus, f)
   gpus_free = gpus_free - gpus
   ids[#ids + 1] = id
   local lease = lease_of(#ids)
   local attempt = (tonumber(f[3]) or 0) + 1
   redis.call('HSET', jobkey, 'attempt', attempt, 'state', 'running', 'worker', consumer, 'started_at', now,
-    'lease', lease, 'log_n', 0)
+    'lease', lease, 'log_n', 0, 'held_gpus', gpus)
+  if usage and f[5] then
+    local u = use_of(f[5])
+    u[1], u[2] = u[1] + 1, u[2] + gpus
+  end
   redis.call('ZADD', leases, now + lease_ms, id)
   redis.call('RPUSH', jobkey .. ':attempts',
     cjson.encode({attempt = attempt, worker = consumer, started_at = now, how = 'running'}))
@@ -144,7 +183,24 @@ local function oldest_parked()
   end
 end
 
--- The front: `retry` (lowest seq first) and the parked jobs this worker can hold, the older first.
+-- The oldest job held at a cap whose user is below the caps now (and that this worker can hold),
+-- its seq and its user; nil when there is none. One look per user holding jobs.
+local capped_users = prefix .. 'capped_users'
+local function oldest_released()
+  if redis.call('EXISTS', capped_users) == 0 then return nil end
+  local users = redis.call('ZRANGE', capped_users, 0, -1)
+  for _, user in ipairs(users) do
+    local top = redis.call('ZRANGE', prefix .. 'capped:' .. user, 0, 0, 'WITHSCORES')
+    if top[1] then
+      local g = need(job_key(prefix, top[1]))
+      if g <= gpus_total and under_cap(user, g) then return top[1], tonumber(top[2]), user end
+    end
+  end
+  return nil
+end
+
+-- The front: `retry` (lowest seq first), the parked jobs this worker can hold and the jobs held at
+-- a cap whose user is below it now, the oldest first.
 local moved = 0
 while #ids < wanted do
   local r = redis.call('ZRANGE', retry, 0, 0, 'WITHSCORES')
@@ -155,17 +211,26 @@ while #ids < wanted do
     moved = moved + 1
   else
     if too_big then r = {} end  -- enough moved for one call: the rest wait for the next
+    local pick, from, pick_seq = r[1], retry, tonumber(r[2])
     local p, p_seq = oldest_parked()
-    local pick, from = r[1], retry
-    if p and (not pick or p_seq < tonumber(r[2])) then pick, from = p, parked end
+    if p and (not pick or p_seq < pick_seq) then pick, from, pick_seq = p, parked, p_seq end
+    local c, c_seq, c_user = oldest_released()
+    if c and (not pick or c_seq < pick_seq) then pick, from, pick_seq = c, nil, c_seq end
     if not pick then break end
     local jobkey = job_key(prefix, pick)
     local f = job_fields(jobkey)
     local gpus = need_of(f)
-    if gpus > gpus_free then return stop('blocked', newest()) end
-    redis.call('ZREM', from, pick)
-    redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
-    start(pick, jobkey, gpus, f)
+    if from and not under_cap(f[5], gpus) then
+      if moved >= 100 then break end  -- enough moved for one call
+      redis.call('ZREM', from, pick)  -- its user is at a cap: held aside (its entry stays pending)
+      hold(prefix, f[5], pick, f[6])
+      moved = moved + 1
+    else
+      if gpus > gpus_free then return stop('blocked', newest()) end
+      if from then redis.call('ZREM', from, pick) else unhold(prefix, c_user, pick) end
+      redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
+      start(pick, jobkey, gpus, f)
+    end
   end
 end
 if #ids == wanted then return stop('claimed', '0-0') end
@@ -178,11 +243,15 @@ while #ids < wanted do
   local jobkey = job_key(prefix, top)
   local f = job_fields(jobkey)
   local gpus = need_of(f)
-  if f[1] == 'queued' and gpus <= gpus_total and gpus > gpus_free then return stop('blocked', newest()) end
+  local queued = f[1] == 'queued'
+  local at_cap = queued and gpus <= gpus_total and not under_cap(f[5], gpus)
+  if queued and not at_cap and gpus <= gpus_total and gpus > gpus_free then return stop('blocked', newest()) end
   redis.call('ZREM', prio, top)
-  if f[1] == 'queued' then  -- (cancel and take remove a job from `prio` as it leaves 'queued')
+  if queued then  -- (cancel and take remove a job from `prio` as it leaves 'queued')
     redis.call('XDEL', stream, redis.call('HGET', jobkey, 'entry'))
-    if gpus > gpus_total then park(top, gpus) else start(top, jobkey, gpus, f) end
+    if gpus > gpus_total then park(top, gpus)
+    elseif at_cap then hold(prefix, f[5], top, f[6])
+    else start(top, jobkey, gpus, f) end
   end
 end
 if #ids == wanted then return stop('claimed', '0-0') end
@@ -207,6 +276,9 @@ local function take(entry, fields, f, gpus)
   elseif gpus > gpus_total then
     redis.call('XCLAIM', stream, group, 'reclaimed', 0, entry, 'JUSTID')  -- pending, never trimmed
     park(id, gpus)
+  elseif not under_cap(f[5], gpus) then
+    redis.call('XCLAIM', stream, group, 'reclaimed', 0, entry, 'JUSTID')  -- as a parked one
+    hold(prefix, f[5], id, f[6])
   else
     redis.call('ZREM', prefix .. 'prio', id)  -- a no-op: `prio` is served first (see the order)
     start(id, job_key(prefix, id), gpus, f)
@@ -238,7 +310,9 @@ for _ = 1, 100 + wanted do
     local nxt = redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', 1)[1]
     if not nxt then return stop('empty', last) end
     local f, gpus = read_of(nxt[2])
-    if gpus > gpus_free and gpus <= gpus_total then return stop('blocked', newest()) end
+    if gpus > gpus_free and gpus <= gpus_total and under_cap(f and f[5], gpus) then
+      return stop('blocked', newest())
+    end
     redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', stream, '>')
     take(nxt[1], nxt[2], f, gpus)
     last = nxt[1]

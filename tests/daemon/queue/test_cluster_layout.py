@@ -22,6 +22,7 @@ PER_QUEUE = (
     keys.events,
     keys.primary,
     keys.priority,
+    keys.capped,
 )
 
 

@@ -501,3 +501,35 @@ async def test_a_priority_job_waits_for_gpus_at_the_head_and_one_too_big_is_pass
     lease = await queue.claim("w1", ["default"], gpus_free=2, gpus_total=2)
     assert lease is not None
     assert lease.job_id == big  # parked, and found there by a worker big enough
+
+
+async def test_a_user_at_the_cap_waits_while_others_start_and_goes_first_once_below_it(
+    redis: AnyRedis,
+) -> None:
+    queue = JobQueue(redis, lease_seconds=30, user_caps=(2, 0))
+    alice = [(await queue.enqueue(spec(i, user="alice")))[0] for i in range(4)]
+    bob = [(await queue.enqueue(spec(i, user="bob")))[0] for i in range(2)]
+    first = await queue.claim_many("w1", ["default"], 8)
+    assert [lease.job_id for lease in first] == [*alice[:2], *bob]  # alice's third waits for her
+    assert await queue.depth("default") == 2  # her two held jobs are still queued
+    assert [j.id for j in await queue.list_jobs() if j.state is JobState.QUEUED] == alice[2:]
+    assert await queue.claim("w1", ["default"]) is None
+    late, _ = await queue.enqueue(spec(9, user="carol"))
+    await queue.complete(first[0], OK)  # alice below her cap: her oldest held job goes first
+    assert [lease.job_id for lease in await queue.claim_many("w1", ["default"], 8)] == [alice[2], late]
+    assert await queue.cancel(alice[3]) == "cancelled"  # a held job cancelled never starts
+    await queue.complete(first[1], OK)
+    assert await queue.claim("w1", ["default"]) is None
+    assert await queue.depth("default") == 0
+
+
+async def test_a_gpu_cap_holds_a_users_jobs_but_never_all_of_them(redis: AnyRedis) -> None:
+    queue = JobQueue(redis, lease_seconds=30, user_caps=(0, 2))
+    big, _ = await queue.enqueue(spec(0, user="alice", gpus=4))  # over the cap alone: runs alone
+    small = [(await queue.enqueue(spec(i, user="alice", gpus=1)))[0] for i in range(2)]
+    other, _ = await queue.enqueue(spec(9, user="bob", gpus=2))
+    got = await queue.claim_many("w1", ["default"], 4, gpus_free=8, gpus_total=8)
+    assert [lease.job_id for lease in got] == [big, other]  # alice at 4 GPUs: hers wait
+    await queue.complete(got[0], OK)
+    got = await queue.claim_many("w1", ["default"], 4, gpus_free=6, gpus_total=8)
+    assert [lease.job_id for lease in got] == small  # 1 + 1 GPUs: within her cap of 2

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
 from daemon.ctl.pool_client import AuthFailed, ClientError
 from daemon.job import JobState, Outcome
+from daemon.queue.embedded_redis import EmbeddedRedis
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -29,7 +31,7 @@ from protocol import (
     Waited,
     WaitJobs,
 )
-from tests.support.pool import Pool
+from tests.support.pool import Pool, running_pool
 
 
 def job(*argv: str, **kw: object) -> dict[str, object]:
@@ -193,3 +195,21 @@ async def test_a_request_after_the_servers_goodbye_is_a_clear_client_error(pool:
             await c.call(Ping(), Pong)
         waiting.cancel()
         await asyncio.gather(waiting, stopping, return_exceptions=True)
+
+
+async def test_show_says_a_job_waits_for_its_user_to_be_below_the_cap(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    async with running_pool(redis_server, tmp_path, user_max_running_jobs=1) as pool:
+        async with pool.client("alice") as alice:
+            ids = [(await alice.call(Enqueue(job(), None), Enqueued)).job_id for _ in range(2)]
+        async with pool.client("bob") as bob:
+            theirs = (await bob.call(Enqueue(job(), None), Enqueued)).job_id
+        claimed = await pool.queue.claim_many("w1", ["default"], 3)  # as the worker would
+        assert [lease.job_id for lease in claimed] == [ids[0], theirs]
+        async with pool.client("alice") as alice:
+            detail = (await alice.call(ShowJob(ids[1]), JobDetail)).job
+        assert detail["pending_reason"] == (
+            "alice is at the cap of 1 running jobs per user in queue 'default': it starts, before "
+            "the jobs behind it, once one of theirs there ends"
+        )
