@@ -105,6 +105,12 @@ async def unregister(redis: AnyRedis, worker_id: str) -> None:
         await pipe.execute()
 
 
+# The clock of the node that holds KEYS[1]: the heartbeats' times are that node's (heartbeat.lua).
+# A script, where TIME itself would do on one node: a Cluster's pipeline sends a command without a
+# key to any node, and refuses TIME outright.
+CLOCK = "return redis.call('TIME')"
+
+
 async def list_workers(redis: AnyRedis) -> list[dict[str, Any]]:
     """Every registered worker's record plus `last_heartbeat_age` (seconds, by Redis's clock; None
     if it never beat) and `health` (healthy, draining, or dead when silent for longer than its
@@ -112,7 +118,7 @@ async def list_workers(redis: AnyRedis) -> list[dict[str, Any]]:
     async with redis.pipeline(transaction=False) as pipe:
         pipe.hgetall(keys.WORKERS)
         pipe.zrange(keys.WORKERS_SEEN, 0, -1, withscores=True)
-        pipe.time()  # on a Cluster another node's clock perhaps: skew of ms against periods of minutes
+        pipe.eval(CLOCK, 1, keys.WORKERS_SEEN)
         records, seen, (seconds, micros) = await pipe.execute()
     now_ms = int(seconds) * 1000 + int(micros) // 1000
     last = {_s(member): float(score) for member, score in seen}

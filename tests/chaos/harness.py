@@ -38,7 +38,7 @@ from pathlib import Path
 
 from daemon.address import parse_host_ports
 from daemon.ctl.pool_client import ClientError, PoolClient
-from daemon.queue import keys
+from daemon.queue import keys, registry
 from daemon.queue.connection import connect_sentinel
 from daemon.queue.embedded_redis import EmbeddedRedis, free_port
 from daemon.queue.job_queue import JobQueue
@@ -221,6 +221,17 @@ class Cluster:
         worker = WorkerProc(name, proc)
         self.workers.append(worker)
         return worker
+
+    async def workers_registered(self, count: int, timeout: float = 60.0) -> None:
+        """Wait until `count` workers are registered: the pool is up before the faults begin (a
+        worker that cannot reach Redis at its start exits, for systemd to start it again, which
+        the harness does not do)."""
+        deadline = time.monotonic() + timeout
+        async with self.queue() as queue:
+            while len(await registry.list_workers(queue.redis)) < count:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{count} workers did not register; see the w*.log files")
+                await asyncio.sleep(0.1)
 
     def kill_worker(self, worker: WorkerProc) -> None:
         self.faults.worker_kill += 1

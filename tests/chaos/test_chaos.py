@@ -41,6 +41,7 @@ async def run_chaos(
     await cluster.start_server()
     for _ in range(workers):
         cluster.start_worker()
+    await cluster.workers_registered(workers)
     submitter = Submitter(cluster)
     spec = {"argv": job_command(cluster.ledger, JOB_SECONDS), "max_attempts": 10}
     long_spec = {"argv": job_command(cluster.ledger, LONG_SECONDS), "max_attempts": 10}

@@ -183,20 +183,27 @@ local function oldest_parked()
   end
 end
 
--- The oldest job held at a cap whose user is below the caps now (and that this worker can hold),
--- its seq and its user; nil when there is none. One look per user holding jobs.
+-- The oldest job held at a cap that this worker can hold and whose user is below the caps now,
+-- its seq and its user; nil when there is none. A look per user holding jobs, at their oldest
+-- HELD_LOOK held jobs: one too big for this worker or for the GPU cap does not hide the others.
 local capped_users = prefix .. 'capped_users'
+local HELD_LOOK = 20
 local function oldest_released()
   if redis.call('EXISTS', capped_users) == 0 then return nil end
-  local users = redis.call('ZRANGE', capped_users, 0, -1)
-  for _, user in ipairs(users) do
-    local top = redis.call('ZRANGE', prefix .. 'capped:' .. user, 0, 0, 'WITHSCORES')
-    if top[1] then
-      local g = need(job_key(prefix, top[1]))
-      if g <= gpus_total and under_cap(user, g) then return top[1], tonumber(top[2]), user end
+  local best, best_seq, best_user = nil, nil, nil
+  for _, user in ipairs(redis.call('ZRANGE', capped_users, 0, -1)) do
+    local held = redis.call('ZRANGE', prefix .. 'capped:' .. user, 0, HELD_LOOK - 1, 'WITHSCORES')
+    for i = 1, #held, 2 do
+      local seq = tonumber(held[i + 1])
+      if best_seq and seq >= best_seq then break end
+      local g = need(job_key(prefix, held[i]))
+      if g <= gpus_total and under_cap(user, g) then
+        best, best_seq, best_user = held[i], seq, user
+        break
+      end
     end
   end
-  return nil
+  return best, best_seq, best_user
 end
 
 -- The front: `retry` (lowest seq first), the parked jobs this worker can hold and the jobs held at
@@ -210,7 +217,7 @@ while #ids < wanted do
     park(r[1], need(job_key(prefix, r[1])))
     moved = moved + 1
   else
-    if too_big then r = {} end  -- enough moved for one call: the rest wait for the next
+    if too_big then return stop('claimed', '0-0') end  -- enough moved for one call: cut short
     local pick, from, pick_seq = r[1], retry, tonumber(r[2])
     local p, p_seq = oldest_parked()
     if p and (not pick or p_seq < pick_seq) then pick, from, pick_seq = p, parked, p_seq end
@@ -221,7 +228,7 @@ while #ids < wanted do
     local f = job_fields(jobkey)
     local gpus = need_of(f)
     if from and not under_cap(f[5], gpus) then
-      if moved >= 100 then break end  -- enough moved for one call
+      if moved >= 100 then return stop('claimed', '0-0') end  -- enough moved for one call: cut short
       redis.call('ZREM', from, pick)  -- its user is at a cap: held aside (its entry stays pending)
       hold(prefix, f[5], pick, f[6])
       moved = moved + 1
@@ -246,6 +253,10 @@ while #ids < wanted do
   local queued = f[1] == 'queued'
   local at_cap = queued and gpus <= gpus_total and not under_cap(f[5], gpus)
   if queued and not at_cap and gpus <= gpus_total and gpus > gpus_free then return stop('blocked', newest()) end
+  if queued and (gpus > gpus_total or at_cap) then
+    if moved >= 100 then return stop('claimed', '0-0') end  -- enough moved for one call: cut short
+    moved = moved + 1
+  end
   redis.call('ZREM', prio, top)
   if queued then  -- (cancel and take remove a job from `prio` as it leaves 'queued')
     redis.call('XDEL', stream, redis.call('HGET', jobkey, 'entry'))

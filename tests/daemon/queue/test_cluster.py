@@ -26,6 +26,7 @@ from daemon.job import JobSpec, JobState, Outcome
 from daemon.queue import keys
 from daemon.queue.connection import RunIdWatch, meet
 from daemon.queue.job_queue import JobQueue, transient
+from daemon.queue.registry import list_workers
 from daemon.queue.scripts import ReplicaAck
 from tests.support.cluster import ClusterGroup, ClusterServer
 from tests.support.workers import running_worker, wait_state
@@ -183,3 +184,16 @@ async def test_a_write_no_replica_of_its_shard_confirms_is_not_acknowledged(tmp_
             )
             assert not created  # kept on the primary all along: the same job
             assert again != first
+
+
+async def test_workers_are_listed_on_a_cluster(cluster_server: ClusterServer, tmp_path: Path) -> None:
+    """The registry's read (registrations, last heartbeats and Redis's clock) is one slot's: a
+    pipeline of TIME and the registry's keys cannot be sent to a Cluster."""
+    async with (
+        cluster_queue(cluster_server) as queue,
+        running_worker(queue, tmp_path / "w", slots=1, queues=["default"]) as worker,
+    ):
+        [record] = await list_workers(queue.redis)
+    assert record["id"] == worker.id
+    assert record["health"] == "healthy"
+    assert 0 <= record["last_heartbeat_age"] < 30

@@ -533,3 +533,40 @@ async def test_a_gpu_cap_holds_a_users_jobs_but_never_all_of_them(redis: AnyRedi
     await queue.complete(got[0], OK)
     got = await queue.claim_many("w1", ["default"], 4, gpus_free=6, gpus_total=8)
     assert [lease.job_id for lease in got] == small  # 1 + 1 GPUs: within her cap of 2
+
+
+async def test_a_held_job_too_big_for_a_worker_does_not_hide_its_users_others(redis: AnyRedis) -> None:
+    queue = JobQueue(redis, lease_seconds=30, user_caps=(1, 0))
+    first, big, small = [
+        (await queue.enqueue(spec(i, user="alice", gpus=g)))[0] for i, g in enumerate((1, 8, 1))
+    ]
+    running = await queue.claim_many("big-worker", ["default"], 3, gpus_free=8, gpus_total=8)
+    assert [lease.job_id for lease in running] == [first]  # the other two held: alice is at her cap
+    await queue.complete(running[0], OK)
+    lease = await queue.claim("small-worker", ["default"], gpus_free=1, gpus_total=1)
+    assert lease is not None
+    assert lease.job_id == small  # her 8-GPU job, older, waits for a worker big enough
+    assert (await queue.get(big)).state is JobState.QUEUED
+
+
+async def test_a_long_run_of_jobs_set_aside_never_lets_a_later_job_start_before_the_front(
+    redis: AnyRedis,
+) -> None:
+    """A claim sets aside at most 100 jobs (parked, held) and then stops: it never goes on to
+    start jobs behind those it has not looked at yet."""
+    plain = JobQueue(redis, lease_seconds=30)
+    alices = await plain.enqueue_many([spec(i, user="alice") for i in range(102)])
+    bobs, _ = await plain.enqueue(spec(0, user="bob"))
+    for lease in await plain.claim_many("w0", ["default"], 103):  # all of them taken back: the front
+        await redis.zadd(keys.leases("default"), {lease.job_id: 0})
+    assert len(await plain.reclaim()) == 103
+    carols, _ = await plain.enqueue(spec(0, user="carol"))  # a job that never started, behind them
+    capped = JobQueue(redis, lease_seconds=30, user_caps=(1, 0))
+    started: list[str] = []
+    for _ in range(5):
+        started += [lease.job_id for lease in await capped.claim_many("w1", ["default"], 3)]
+    assert started == [alices[0], bobs, carols]  # bob's retried job before carol's new one
+    urgent = await plain.enqueue_many([spec(i, user="alice", priority=5) for i in range(150)])
+    assert not await capped.claim_many("w1", ["default"], 3)  # alice at her cap: all held, 100 a call
+    assert await redis.zcard(keys.capped("default")) <= 101 + 100
+    assert (await plain.get(urgent[-1])).state is JobState.QUEUED
