@@ -34,7 +34,7 @@ from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_i
 from daemon.queue import keys
 from daemon.queue.connection import AnyRedis, RunIdWatch
 from daemon.queue.reads import QueueReads, _s, xread
-from daemon.queue.scripts import Pipeliner, ReplicaAck, ScriptBatch, Scripts
+from daemon.queue.scripts import Pipeliner, ReplicaAck, ScriptBatch, Scripts, moving
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,10 @@ def transient(exc: BaseException) -> bool:
     busy with a script, a replica). Any other error a script answers with is its last word."""
     if not isinstance(exc, ResponseError):
         return True
-    return out_of_memory(exc) or str(exc).startswith(
-        ("BUSY", "LOADING", "READONLY", "TRYAGAIN", "MASTERDOWN")
+    return (
+        out_of_memory(exc)
+        or moving(exc)  # a Redis Cluster moving a slot, or failing over
+        or str(exc).startswith(("BUSY", "LOADING", "READONLY", "TRYAGAIN", "MASTERDOWN"))
     )
 
 

@@ -164,19 +164,21 @@ class QueueReads:
         delivered id on: the order a claim takes them in (claim.lua)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrange(keys.leases(queue), 0, -1)
-            pipe.zrange(keys.retry(queue), 0, -1)
-            pipe.zrange(keys.parked(queue), 0, -1)
-            pipe.zrange(keys.capped(queue), 0, limit - 1)
+            for aside in (keys.retry(queue), keys.parked(queue), keys.capped(queue)):
+                pipe.zrange(aside, 0, limit - 1, withscores=True)
             pipe.zrange(keys.priority(queue), 0, limit - 1)
             pipe.xinfo_groups(keys.stream(queue))
             try:
                 running, retry, parked, capped, prio, groups = await pipe.execute()
             except ResponseError:  # no stream yet: nothing was ever enqueued
                 return []
+        # The front, as a claim merges it: by seq (a parked job's score is GPUs * 2**32 + seq).
+        front = sorted((int(score) % 2**32, _s(i)) for i, score in retry + parked + capped)
         last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == keys.GROUP), b"0-0")
         entries = await xrange(self.redis, keys.stream(queue), f"({_s(last)}", limit)
         waiting = [_s(e[1][b"job"]) for e in entries if b"job" in e[1]]
-        return list(dict.fromkeys([_s(i) for i in running + retry + parked + capped + prio] + waiting))
+        ahead = [_s(i) for i in running] + [i for _, i in front] + [_s(i) for i in prio]
+        return list(dict.fromkeys(ahead + waiting))
 
     async def held_at_cap(self, job_id: str) -> bool:
         """Whether a queued job is held aside because its user is at a cap (claim.lua)."""

@@ -50,7 +50,7 @@ from redis.exceptions import (
 )
 
 from daemon.errors import NotReplicated
-from daemon.queue.connection import RETRIES, AnyRedis, RunIdWatch
+from daemon.queue.connection import DEMOTED, RETRIES, AnyRedis, RunIdWatch
 from daemon.queue.keys import REPLICATION_MARK, replication_mark
 
 NAMES = (
@@ -184,6 +184,8 @@ class ScriptBatch:
             acked = replies.pop()
             for reply in (acked, replies.pop()):  # the WAIT's, and the mark's last command's
                 if isinstance(reply, Exception):
+                    if moving(reply):  # a Cluster's slot, or node, moved: all of it goes again
+                        return [reply] * len(calls)
                     raise reply
             del replies[len(calls) :]  # the mark's other replies
             if acked < ack.replicas:
@@ -211,7 +213,8 @@ class ScriptBatch:
         could not be reached, and a call answered MOVED, ASK, TRYAGAIN or CLUSTERDOWN (the
         cluster moved its slot, or is failing over), is sent again once the cluster's map is
         read anew, RETRIES times at most: a call that got such an answer never ran, and every
-        script is safe to run twice (lua/_lib.lua)."""
+        script is safe to run twice (lua/_lib.lua). A durable group whose WAIT, or the write before
+        it, was answered so goes again whole."""
         redis = self.redis
         assert isinstance(redis, RedisCluster)
         await redis.initialize()  # the slot map, once (a no-op after)
@@ -243,7 +246,7 @@ class ScriptBatch:
                     failed = node.name
                     continue
                 for i, reply in zip(group, result, strict=True):
-                    if not last and isinstance(reply, MOVING):
+                    if not last and moving(reply):
                         todo.append(i)
                     else:
                         replies[i] = reply
@@ -252,6 +255,8 @@ class ScriptBatch:
             await asyncio.sleep(min(0.5, 0.05 * 2**attempt))
             with contextlib.suppress(RedisError):  # the map as the cluster has it now
                 await redis.nodes_manager.initialize(last_failed_node_name=failed)
+            if self.watch is not None:  # one demoted meanwhile is new again if promoted again
+                self.watch.primaries &= {node.name for node in redis.get_primaries()}
         return replies
 
     async def _look_for_the_primary(self) -> None:
@@ -281,8 +286,16 @@ class ScriptBatch:
 
 
 Exchange = Callable[[list[tuple[Any, ...]]], Awaitable[list[Any]]]
-# What a Cluster node answers for a slot it does not serve now; the call did not run there.
-MOVING = (MovedError, AskError, TryAgainError, ClusterDownError)
+
+
+def moving(reply: object) -> bool:
+    """What a Cluster node answers for a slot it does not serve now (the call did not run there),
+    or a node demoted to a replica answers a write, or WAIT, with (DEMOTED)."""
+    if isinstance(reply, MovedError | AskError | TryAgainError | ClusterDownError):
+        return True
+    return isinstance(reply, ResponseError) and any(text in str(reply) for text in DEMOTED)
+
+
 MARK_MS = 24 * 3600 * 1000
 
 

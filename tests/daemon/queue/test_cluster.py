@@ -22,7 +22,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from daemon.errors import NotReplicated
-from daemon.job import JobSpec, JobState, Outcome
+from daemon.job import JobSpec, JobState, Outcome, queue_of
 from daemon.queue import keys
 from daemon.queue.connection import RunIdWatch, meet
 from daemon.queue.job_queue import JobQueue, transient
@@ -197,3 +197,37 @@ async def test_workers_are_listed_on_a_cluster(cluster_server: ClusterServer, tm
     assert record["id"] == worker.id
     assert record["health"] == "healthy"
     assert 0 <= record["last_heartbeat_age"] < 30
+
+
+async def test_a_durable_batch_whose_slot_moved_is_sent_again_where_it_lives_now(tmp_path: Path) -> None:
+    """A slot given to another primary (CLUSTER SETSLOT ... NODE) after the client read the map:
+    the node the batch goes to answers MOVED for that slot's calls and for the write before the
+    WAIT (made in the slot of the batch's first call), and the whole batch goes again, where the
+    cluster says, rather than failing: every script is safe to run twice."""
+    with ClusterGroup(tmp_path / "cluster") as cluster:
+        moved, stays = queues_on_shards(cluster, 1)[0], None
+        moved_slot = cluster.keyslot(keys.stream(moved))
+        owner = cluster.owner(moved_slot)
+        for i in range(200):  # another queue on the same node, in another slot
+            name = f"s{i}"
+            slot = cluster.keyslot(keys.stream(name))
+            if cluster.owner(slot) == owner and slot != moved_slot:
+                stays = name
+                break
+        assert stays is not None
+        async with cluster_queue(ClusterServer(cluster), ack=ReplicaAck(0, 100)) as queue:
+            await queue.enqueue(JobSpec(argv=("true",), queue=stays))  # the client reads the map
+            other = next(n for n in cluster.nodes if n.port != owner)
+            with cluster.client(other) as c:
+                other_id = c.execute_command("CLUSTER MYID")
+            for node in cluster.nodes:
+                with cluster.client(node) as c:
+                    c.execute_command(
+                        "CLUSTER SETSLOT", cluster.keyslot(keys.stream(moved)), "NODE", other_id
+                    )
+            ids = await queue.enqueue_many(
+                [JobSpec(argv=("true",), queue=moved), JobSpec(argv=("true",), queue=stays)]
+            )
+            assert [queue_of(i) for i in ids] == [moved, stays]
+            assert await queue.depth(moved) == 1
+            assert await queue.depth(stays) == 2
