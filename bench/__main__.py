@@ -10,7 +10,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from bench import enqueue, failover, latency, peers, protocol_rtt, queue_rates, scale, throughput
+from bench import enqueue, failover, latency, peers, policies, protocol_rtt, queue_rates, scale, throughput
 from bench.common import RESULTS
 
 
@@ -92,6 +92,7 @@ def main(argv: list[str]) -> None:
     peers.main(quick)
     scale.main(["--quick"] if quick else ["--workers", "100,1000", "--jobs", "50000", "--seconds", "10"])
     failover.main(quick)
+    policies.main(quick)
     Console().print(summary())
 
 
