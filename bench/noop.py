@@ -34,7 +34,7 @@ class NoopRun:
     def cancel(self) -> None:
         pass
 
-    def hand_back(self, now: bool = False) -> None:
+    def hand_back(self, now: bool = False, why: str = "the worker is stopping") -> None:
         pass
 
     def lose(self, why: str) -> None:

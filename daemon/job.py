@@ -302,6 +302,7 @@ class RenewStatus(enum.StrEnum):
     OK = "ok"
     LOST = "lost"  # the lease was reclaimed (or the job ended): stop the process now
     CANCEL = "cancel"  # the lease holds but the user cancelled: stop the process, complete CANCELLED
+    REQUEUE = "requeue"  # the lease holds but the user asked for a requeue: stop it, hand it back
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,8 @@ __all__ = [
     "PrepareUpload",
     "Reply",
     "Request",
+    "RequeueJobs",
+    "Requeued",
     "ResolveName",
     "ShowJob",
     "StreamItem",
@@ -166,6 +168,14 @@ class CancelJobs(Record):
     """Cancel jobs by id."""
 
     OP: ClassVar = "cancel_jobs"
+    job_ids: list[str]
+
+
+class RequeueJobs(Record):
+    """Put running jobs back at the front of their queues: each is stopped (SIGTERM, then SIGKILL
+    after the worker's grace) and runs again, under the same id, with its attempt number + 1."""
+
+    OP: ClassVar = "requeue_jobs"
     job_ids: list[str]
 
 
@@ -288,6 +298,15 @@ class Cancelled(Record):
     states: dict[str, str]
 
 
+class Requeued(Record):
+    """Reply to RequeueJobs: job id → "requeueing" (it is being stopped and goes back to the
+    front), or why not: its state (queued: it has not started; or how it ended), "not_found",
+    "not_yours"."""
+
+    OP: ClassVar = "requeued"
+    states: dict[str, str]
+
+
 class Waited(Record):
     """Reply to WaitJobs: the jobs as they are now, and whether the timeout cut the wait short."""
 
@@ -389,6 +408,7 @@ Request: TypeAlias = (
     | ListJobs
     | ShowJob
     | CancelJobs
+    | RequeueJobs
     | WaitJobs
     | FollowLogs
     | WatchPool
@@ -405,6 +425,7 @@ Reply: TypeAlias = (
     | JobList
     | JobDetail
     | Cancelled
+    | Requeued
     | Waited
     | LogEnd
     | WatchEnded
@@ -425,6 +446,7 @@ _REPLY_FOR: Final[dict[type[Any], type[Any]]] = {
     ListJobs: JobList,
     ShowJob: JobDetail,
     CancelJobs: Cancelled,
+    RequeueJobs: Requeued,
     WaitJobs: Waited,
     FollowLogs: LogEnd,
     WatchPool: WatchEnded,

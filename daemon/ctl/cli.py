@@ -38,6 +38,8 @@ from protocol import (
     LogEnd,
     Reply,
     Request,
+    Requeued,
+    RequeueJobs,
     ShowJob,
     StreamItem,
     WatchPool,
@@ -123,6 +125,14 @@ def parser() -> argparse.ArgumentParser:
     cancel = sub.add_parser("cancel", help="cancel jobs")
     cancel.add_argument("jobs", nargs="+", metavar="JOB")
     cancel.add_argument("--json", action="store_true", help="one JSON object per job")
+
+    requeue = sub.add_parser(
+        "requeue",
+        help="stop running jobs (SIGTERM, then SIGKILL after the worker's grace) and put them back "
+        "at the front of their queues, to run again with attempt + 1",
+    )
+    requeue.add_argument("jobs", nargs="+", metavar="JOB")
+    requeue.add_argument("--json", action="store_true", help="one JSON object per job")
 
     wait = sub.add_parser("wait", help="wait for jobs to end; exit 0 only if all succeeded")
     wait.add_argument("jobs", nargs="+", metavar="JOB")
@@ -361,7 +371,11 @@ def _one_request(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueB
         case "show":
             render.job(call(ShowJob(args.job), JobDetail).job, as_json=args.json)
         case "cancel":
-            return _cancel(call, args.jobs, args.json)
+            states = call(CancelJobs(args.jobs), Cancelled).states
+            return _states(states, args.jobs, args.json, "cancel")
+        case "requeue":
+            states = call(RequeueJobs(args.jobs), Requeued).states
+            return _states(states, args.jobs, args.json, "requeue")
         case "workers":
             render.workers(call(ListWorkers(), WorkerList).workers, as_json=args.json)
         case "health":
@@ -520,8 +534,8 @@ async def _logs(client: PoolClient, job_id: str, follow: bool) -> int:
     return 0 if end.state == "succeeded" else EXIT_FAILED
 
 
-def _cancel(call: Call[Cancelled], job_ids: list[str], as_json: bool) -> int:
-    states = call(CancelJobs(job_ids), Cancelled).states
+def _states(states: dict[str, str], job_ids: list[str], as_json: bool, action: str) -> int:
+    """A cancel's or a requeue's answer, a line per job; the exit code says the worst."""
     status = 0
     for job_id in job_ids:
         state = states.get(job_id, "not_found")
@@ -529,7 +543,7 @@ def _cancel(call: Call[Cancelled], job_ids: list[str], as_json: bool) -> int:
             print(f"poolctl: no job {job_id!r} in this pool", file=sys.stderr)
             status = EXIT_NOT_FOUND
         elif state == "not_yours":
-            owner_only = "only its owner or a pool admin may cancel it"
+            owner_only = f"only its owner or a pool admin may {action} it"
             print(f"poolctl: job {job_id} is another user's: {owner_only}", file=sys.stderr)
             status = EXIT_NOT_YOURS
         else:

@@ -474,6 +474,18 @@ class JobQueue(QueueReads):
             return 0.0
         return min((int(age) / 1000 for age in ages), default=float("inf"))
 
+    async def requeue(self, job_id: str) -> str:
+        """Ask that a running job be stopped and put back at the front of its queue, to run again
+        with attempt + 1 (requeue.lua): 'requeueing', 'cancelling', or the state of a job that is
+        not running ('queued', or how it ended). Raises JobNotFound."""
+        q = queue_of(job_id)
+        state = _s(await self._call(self.scripts.requeue, [keys.job(job_id), keys.leases(q)], []))
+        if state == "missing":
+            raise JobNotFound(job_id)
+        if state == "requeueing":
+            await self._nudge(job_id)
+        return state
+
     async def cancel(self, job_id: str) -> str:
         """Cancel a job: 'cancelled' (it was queued and will never start), 'cancelling' (it runs; its
         worker stops it), or the terminal state it already had. Raises JobNotFound."""
@@ -488,12 +500,16 @@ class JobQueue(QueueReads):
         if state == "missing":
             raise JobNotFound(job_id)
         if state == "cancelling":
-            # Nudge the job's worker so it stops the job now rather than at its next heartbeat;
-            # if the nudge is lost, that heartbeat (renew answers CANCEL) does the same.
-            worker = await self.redis.hget(keys.job(job_id), "worker")
-            if worker:
-                await self.redis.publish(keys.worker_channel(_s(worker)), job_id)
+            await self._nudge(job_id)
         return state
+
+    async def _nudge(self, job_id: str) -> None:
+        """Nudge a running job's worker to renew now, so that it learns a cancel or a requeue at
+        once rather than at its next heartbeat; if the nudge is lost, that heartbeat (renew
+        answers CANCEL, REQUEUE) does the same."""
+        worker = await self.redis.hget(keys.job(job_id), "worker")
+        if worker:
+            await self.redis.publish(keys.worker_channel(_s(worker)), job_id)
 
     async def reclaim(self, queues: Iterable[str] | None = None) -> list[tuple[str, JobState]]:
         """Take back every attempt whose lease deadline passed: its job goes to the front of its

@@ -60,6 +60,7 @@ NAMES = (
     "renew",
     "complete",
     "cancel",
+    "requeue",
     "reclaim",
     "log",
     "release",
@@ -86,6 +87,7 @@ class Scripts:
         self.renew: AsyncScript = redis.register_script(source("renew"))
         self.complete: AsyncScript = redis.register_script(source("complete"))
         self.cancel: AsyncScript = redis.register_script(source("cancel"))
+        self.requeue: AsyncScript = redis.register_script(source("requeue"))
         self.reclaim: AsyncScript = redis.register_script(source("reclaim"))
         self.log: AsyncScript = redis.register_script(source("log"))
         self.release: AsyncScript = redis.register_script(source("release"))

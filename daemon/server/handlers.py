@@ -50,6 +50,8 @@ from protocol import (
     PrepareUpload,
     Reply,
     Request,
+    Requeued,
+    RequeueJobs,
     ResolveName,
     ShowJob,
     StreamItem,
@@ -142,6 +144,8 @@ class Handlers:
                 return JobDetail(await self._detail(info, user))
             case CancelJobs(job_ids=job_ids):
                 return Cancelled(await self._cancel(_at_most(job_ids), user))
+            case RequeueJobs(job_ids=job_ids):
+                return Requeued(await self._requeue(_at_most(job_ids), user))
             case WaitJobs() | FollowLogs() | WatchPool():
                 return await self._streamed(request, user, send)
             case ListWorkers():
@@ -367,13 +371,23 @@ class Handlers:
     async def _cancel(self, job_ids: list[str], user: str) -> dict[str, str]:
         """Each job's state after the request: cancelled (or how it had ended), "not_found", or
         "not_yours" for another user's job, left as it was."""
+        return await self._each(job_ids, user, self.queue.cancel)
+
+    async def _requeue(self, job_ids: list[str], user: str) -> dict[str, str]:
+        """Each job's answer: "requeueing" (a running job, being stopped, to run again), or why
+        not: its state, "not_found", or "not_yours" for another user's job, left as it was."""
+        return await self._each(job_ids, user, self.queue.requeue)
+
+    async def _each(
+        self, job_ids: list[str], user: str, act: Callable[[str], Awaitable[str]]
+    ) -> dict[str, str]:
         states = {}
         for job_id in job_ids:
             try:
                 if not self._may_act_on(await self.queue.get(job_id), user):
                     states[job_id] = "not_yours"
                     continue
-                states[job_id] = await self.queue.cancel(job_id)
+                states[job_id] = await act(job_id)
             except (JobNotFound, InvalidJob):
                 states[job_id] = "not_found"
         return states

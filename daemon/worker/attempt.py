@@ -123,6 +123,8 @@ class Holdings:
                 self.guard.hold(lease_id, until)
             if status is RenewStatus.CANCEL and held.run is not None:
                 held.run.cancel()
+            elif status is RenewStatus.REQUEUE and held.run is not None:
+                held.run.hand_back(why="requeued by its user")
 
     async def fence(self, reason: str) -> None:
         """Kill every running attempt whose deadline passes, until cancelled: its lease may be

@@ -58,7 +58,7 @@ class Ending(enum.StrEnum):
     EXITED = "exited"  # by itself: SUCCEEDED on 0, FAILED otherwise
     CANCELLED = "cancelled"  # the user cancelled: CANCELLED
     TIMED_OUT = "timed out"  # spec.timeout passed: FAILED
-    HANDED_BACK = "handed back"  # the worker stopped it (drain): the attempt goes back to the queue
+    HANDED_BACK = "handed back"  # stopped by a drain or a requeue: the attempt goes back to the queue
     LOST = "lost"  # the lease is gone: killed at once, nothing recorded (it is not ours any more)
 
 
@@ -85,7 +85,7 @@ class Run(Protocol):
         """After `run`: leave what the attempt used (its slot's directories) ready for the next."""
 
     def cancel(self) -> None: ...
-    def hand_back(self, now: bool = False) -> None: ...
+    def hand_back(self, now: bool = False, why: str = "the worker is stopping") -> None: ...
     def lose(self, why: str) -> None: ...
 
 
@@ -204,9 +204,10 @@ class JobRun:
         """The user cancelled: SIGTERM, SIGKILL after the grace; recorded as CANCELLED."""
         self._stop(Ending.CANCELLED, "cancelled")
 
-    def hand_back(self, now: bool = False) -> None:
-        """The worker is stopping: stop the job (at once with `now`) so the attempt can go back."""
-        self._stop(Ending.HANDED_BACK, "the worker is stopping", now=now)
+    def hand_back(self, now: bool = False, why: str = "the worker is stopping") -> None:
+        """Stop the job (at once with `now`) so the attempt can go back to the front of its queue:
+        the worker is stopping, or the job was requeued."""
+        self._stop(Ending.HANDED_BACK, why, now=now)
 
     def lose(self, why: str) -> None:
         """The attempt is no longer this worker's: SIGKILL at once, record nothing (its log

@@ -32,6 +32,7 @@ EVERY_MESSAGE: list[m.Message] = [
     m.ListJobs(None, None, include_finished=True, limit=0),
     m.ShowJob("{q:default}:01J"),
     m.CancelJobs(["a", "b"]),
+    m.RequeueJobs(["a"]),
     m.WaitJobs(["a"], 30.5),
     m.WaitJobs(["a"], None),
     m.FollowLogs("a", follow=True, offset=""),
@@ -42,6 +43,7 @@ EVERY_MESSAGE: list[m.Message] = [
     m.JobList([JOB, JOB]),
     m.JobDetail(JOB),
     m.Cancelled({"a": "cancelled", "b": "succeeded"}),
+    m.Requeued({"a": "requeueing", "b": "queued"}),
     m.Waited([JOB], timed_out=False),
     m.LogChunk(b"\x00epoch 1 loss 0.3\n\xff", "1712345678-0"),
     m.JobEnded(JOB),
@@ -74,7 +76,7 @@ def test_round_trip(message: m.Message) -> None:
 def test_every_message_class_is_covered() -> None:
     defined = {cls for cls in vars(m).values() if is_record(cls)}
     assert {type(message) for message in EVERY_MESSAGE} == defined
-    assert len(defined) == 6 + 14 + 13 + 3  # control, requests, replies, stream items
+    assert len(defined) == 6 + 15 + 14 + 3  # control, requests, replies, stream items
 
 
 def test_frame_types() -> None:

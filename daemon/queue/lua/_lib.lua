@@ -151,6 +151,7 @@ end
 -- Put a started job back at the front of its queue, to be claimed again with attempt+1.
 local function requeue(prefix, stream, group, retry, id)
   redis.call('HSET', job_key(prefix, id), 'state', 'queued', 'worker', '')
+  redis.call('HDEL', job_key(prefix, id), 'requeue')  -- asked for (requeue.lua), and done
   to_front(prefix, stream, group, retry, id)
   wake(prefix)
 end

@@ -311,3 +311,19 @@ async def test_another_users_job_is_shown_without_secrets_and_cannot_be_cancelle
     assert (code, "belongs to alice" in err) == (6, True)
     code, out, _ = await poolctl(pool.env("alice"), "cancel", job_id)
     assert (code, out.split()) == (0, [job_id, "cancelled"])
+
+
+async def test_requeue_says_what_it_did_with_each_job(pool: Pool) -> None:
+    code, job_id, _ = await poolctl(pool.env("alice"), "enqueue", "--", "true")
+    assert code == 0
+    job_id = job_id.strip()
+    code, out, _ = await poolctl(pool.env("alice"), "requeue", job_id)
+    assert (code, out.split()) == (0, [job_id, "queued"])  # not started: nothing to stop
+    lease = await pool.queue.claim("w1", ["default"])  # as a worker would
+    assert lease is not None
+    code, out, err = await poolctl(pool.env("bob"), "requeue", job_id, "default.doesnotexist1")
+    assert code != 0
+    assert "is another user's: only its owner or a pool admin may requeue it" in err
+    assert "no job 'default.doesnotexist1'" in err
+    code, out, _ = await poolctl(pool.env("alice"), "requeue", "--json", job_id)
+    assert (code, orjson.loads(out)) == (0, {"id": job_id, "state": "requeueing"})

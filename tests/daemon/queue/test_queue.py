@@ -570,3 +570,22 @@ async def test_a_long_run_of_jobs_set_aside_never_lets_a_later_job_start_before_
     assert not await capped.claim_many("w1", ["default"], 3)  # alice at her cap: all held, 100 a call
     assert await redis.zcard(keys.capped("default")) <= 101 + 100
     assert (await plain.get(urgent[-1])).state is JobState.QUEUED
+
+
+async def test_a_requeued_job_is_handed_back_to_the_front_and_runs_again_once(queue: JobQueue) -> None:
+    job_id, _ = await queue.enqueue(spec(0))
+    behind, _ = await queue.enqueue(spec(1))
+    lease = await claim(queue)
+    assert await queue.requeue(behind) == "queued"  # not started: nothing to do
+    assert await queue.requeue(job_id) == "requeueing"
+    assert await queue.renew("w1", [lease]) == {lease.id: RenewStatus.REQUEUE}
+    assert await queue.release(lease) is JobState.QUEUED  # the worker stopped it and handed it back
+    again = await claim(queue, "w2")
+    assert (again.job_id, again.attempt) == (job_id, 2)  # at the front, before the job behind it
+    assert await queue.renew("w2", [again]) == {again.id: RenewStatus.OK}  # asked for once, done once
+    await queue.complete(again, OK)
+    assert await queue.requeue(job_id) == "succeeded"
+    info = await queue.get(job_id)
+    assert [a.how for a in info.attempts] == ["released", "succeeded"]
+    with pytest.raises(JobNotFound):
+        await queue.requeue("default.doesnotexist1")

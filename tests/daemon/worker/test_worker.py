@@ -73,6 +73,29 @@ async def test_cancel_reaches_the_worker_without_waiting_for_its_heartbeat(
     assert [a.how for a in info.attempts] == ["cancelled"]
 
 
+async def test_a_requeued_job_gets_sigterm_and_runs_again_with_the_next_attempt(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """poolctl requeue's path, with a real worker: the job is told (SIGTERM) and stops, its attempt
+    is handed back, and it runs again, at once, as attempt 2, which ends it. Heartbeats 10 minutes
+    apart: the requeue reaches the worker by its nudge."""
+    lease_queue = JobQueue(queue.redis, lease_seconds=3600)
+    script = (
+        'echo "start $GPUPOOL_ATTEMPT" >> log; '
+        'if [ "$GPUPOOL_ATTEMPT" = 1 ]; then trap "echo term >> log; exit 0" TERM; sleep 300 & wait; fi; '
+        'echo "done $GPUPOOL_ATTEMPT" >> log'
+    )
+    job_id, _ = await lease_queue.enqueue(sh(script, cwd=str(tmp_path)))
+    async with running_worker(lease_queue, tmp_path / "w", heartbeat_seconds=600):
+        await wait_until(
+            lambda: asyncio.sleep(0, (tmp_path / "log").exists()), what="the first attempt to start"
+        )
+        assert await lease_queue.requeue(job_id) == "requeueing"
+        info = await wait_state(lease_queue, job_id, JobState.SUCCEEDED, timeout=60)
+    assert (tmp_path / "log").read_text().split("\n") == ["start 1", "term", "start 2", "done 2", ""]
+    assert (info.attempt, [a.how for a in info.attempts]) == (2, ["released", "succeeded"])
+
+
 async def test_a_timed_out_job_is_killed_with_its_grandchildren(queue: JobQueue, tmp_path: Path) -> None:
     script = 'sleep 300 & echo "$$ $!" > pids.tmp; mv pids.tmp pids; sleep 300'
     job_id, _ = await queue.enqueue(sh(script, cwd=str(tmp_path), timeout=0.5))
