@@ -92,6 +92,8 @@ class JobSpec:
     # Queue it even if no worker of the pool has `gpus` GPUs (the server refuses it otherwise).
     wait_for_worker: bool = False
     timeout: float | None = None  # seconds of run time before the attempt is stopped
+    # Seconds between saves of $GPUPOOL_CHECKPOINT_DIR while it runs (None: at its end only).
+    checkpoint_every: float | None = None
     max_attempts: int = 3  # attempts lost to dead workers before the job is dead-lettered
     retries: int = 0  # extra attempts after a non-zero exit
     # Claimed before the queue's jobs of lower priority (0: none), up to the user's ceiling.
@@ -113,6 +115,7 @@ class JobSpec:
             "gpus": self.gpus,
             "wait_for_worker": self.wait_for_worker,
             "timeout": self.timeout,
+            "checkpoint_every": self.checkpoint_every,
             "max_attempts": self.max_attempts,
             "retries": self.retries,
             "priority": self.priority,
@@ -153,6 +156,7 @@ class JobSpec:
             gpus=_int(data, "gpus", 0, 0, 1024),
             wait_for_worker=_bool(data, "wait_for_worker"),
             timeout=_opt_positive(data, "timeout"),
+            checkpoint_every=_opt_positive(data, "checkpoint_every"),
             max_attempts=_int(data, "max_attempts", 3, 1, MAX_ATTEMPTS_LIMIT),
             retries=_int(data, "retries", 0, 0, MAX_ATTEMPTS_LIMIT),
             priority=_int(data, "priority", 0, 0, PRIORITY_MAX),

@@ -86,6 +86,11 @@ def legacy_name_key(name: str) -> str:
     return f"names/{name}.json"
 
 
+def checkpoint_prefix(job_id: str) -> str:
+    """Every save of a job's checkpoint directory is under this prefix (worker/checkpoints.py)."""
+    return f"checkpoints/{job_id}/"
+
+
 def artifact_prefix(job_id: str, attempt: int) -> str:
     """Every object an attempt uploads is under this prefix: a zombie attempt writes under its own
     attempt number and can never replace what the committed attempt's outcome points to."""

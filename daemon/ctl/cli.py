@@ -206,6 +206,13 @@ def _add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it do
         help="run in a snapshot of this git working tree as it is now, uncommitted changes included",
     )
     e.add_argument("--timeout", type=float, metavar="SECONDS", help="stop the job after this long")
+    e.add_argument(
+        "--checkpoint-every",
+        type=float,
+        metavar="SECONDS",
+        help="save $GPUPOOL_CHECKPOINT_DIR this often while the job runs (it is saved at every "
+        "attempt's end anyway; the next attempt starts with the newest save)",
+    )
     e.add_argument("--retries", type=int, default=0, help="extra attempts after a non-zero exit")
     e.add_argument(
         "--priority",
@@ -439,6 +446,7 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         "timeout": args.timeout,
         "retries": args.retries,
         "priority": args.priority,
+        "checkpoint_every": args.checkpoint_every,
         "max_attempts": args.max_attempts,
         "cwd": str(Path(args.cwd).resolve()) if args.cwd else None,
     }

@@ -79,7 +79,7 @@ def has_entries(root: Path) -> bool:
         return False
 
 
-def _files(root: Path) -> list[tuple[str, Path]]:
+def files_under(root: Path) -> list[tuple[str, Path]]:
     """Regular files under root (symlinks are not followed: a job cannot export the worker's files)."""
     out: list[tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
@@ -125,7 +125,7 @@ async def upload_artifacts(
     prefix = artifact_prefix(lease.job_id, lease.attempt)
     artifacts: list[dict[str, Any]] = []
     errors: list[str] = []
-    files = await asyncio.to_thread(_files, output) if has_entries(output) else []
+    files = await asyncio.to_thread(files_under, output) if has_entries(output) else []
     for name, path in files:
         try:
             info = await store.put_file(prefix + "out/" + name, path)

@@ -34,13 +34,13 @@ from daemon.errors import GpupoolError
 from daemon.git import ANY_PROTOCOL
 from daemon.job import JobState, Lease, Outcome
 from daemon.queue.job_queue import JobQueue
-from daemon.worker import git_mirror, job_data, leftovers, scratch, spawn
+from daemon.worker import checkpoints, git_mirror, job_data, leftovers, scratch, spawn
 from daemon.worker.cgroups import SlotCgroup
 from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput
 from daemon.worker.orphan_guard import OrphanGuard
-from storage.base import ObjectStore
+from storage.base import ObjectStore, StorageError
 from storage.cache import ObjectCache
 
 log = logging.getLogger(__name__)
@@ -179,6 +179,13 @@ class JobRun:
         self.slot = slot or scratch.SlotScratch(slot_dir or data_dir / "slot", owner)
         self.scratch = self.slot.work
         self.output_dir = self.slot.out
+        self.checkpoint_dir = self.slot.ckpt
+        self._saver = (
+            checkpoints.Saver(store, lease.job_id, lease.attempt, self.checkpoint_dir)
+            if store is not None
+            else None
+        )
+        self._saving: asyncio.Task[None] | None = None  # the periodic saves (spec.checkpoint_every)
         self.identity = identity
         self.cgroup = cgroup
         self.git_protocols = git_protocols  # what a job's repository may be fetched over
@@ -186,6 +193,7 @@ class JobRun:
         home, tmp = (self.scratch, self.tmp_dir) if identity is not None else (None, None)
         self._env = job_env(os.environ if env is None else env, lease, self.gpus, home, tmp)
         self._env["GPUPOOL_OUTPUT"] = str(self.output_dir)
+        self._env["GPUPOOL_CHECKPOINT_DIR"] = str(self.checkpoint_dir)
         self.ending: Ending | None = None
         self._proc: spawn.Child | None = None
         self._killer: asyncio.Task[None] | None = None
@@ -276,6 +284,7 @@ class JobRun:
             if spec.git is not None:
                 await self._checkout(spec.git)
             await job_data.prepare(self.cache, spec, cwd, self.output.note)
+            await self._restore_checkpoint()
             placed = spec.git is not None or spec.snapshot is not None or bool(spec.inputs)
             if self.identity is not None and not spec.cwd and placed:
                 # its code, and the directories its inputs were placed in (not the inputs: root's)
@@ -293,6 +302,10 @@ class JobRun:
             self.guard.watch(pgid, self.lease.id)
         if self.ending is not None:  # stopped while it was being started
             self._stop(self.ending, "stopped before it started", now=self.ending is not Ending.CANCELLED)
+        if spec.checkpoint_every and self._saver is not None:
+            self._saving = asyncio.create_task(
+                self._saver.every(spec.checkpoint_every), name=f"checkpoints of {self.lease.job_id}"
+            )
         result = await self._supervise(pgid, started)
         if self._proc.start_error is not None:  # it ended without running its program
             return await self._not_started(self._proc.start_error, cwd, started)
@@ -350,6 +363,7 @@ class JobRun:
         if left:
             log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(left))
         dirty = await self._check_gpus(pgid)
+        await self._save_checkpoint()
         uploaded: dict[str, Any] = {}
         if self._recorded() and self.store is not None:
             # Uploaded before the fenced complete, under this attempt's own prefix (job_data.py).
@@ -359,6 +373,37 @@ class JobRun:
         outcome = self._outcome(returncode, "", started, uploaded)
         killed_by = -returncode if returncode < 0 else None
         return RunResult(self.ending or Ending.EXITED, outcome, dirty, killed_by)
+
+    async def _restore_checkpoint(self) -> None:
+        """A later attempt starts with the newest checkpoint an earlier one saved (checkpoints.py);
+        one that cannot be fetched fails the start rather than start the job over unsaid."""
+        if self.lease.attempt == 1 or self.store is None:
+            return
+        try:
+            name = await checkpoints.restore(
+                self.store, self.lease.job_id, self.lease.attempt, self.checkpoint_dir
+            )
+        except (StorageError, OSError) as exc:
+            raise job_data.DataError(f"cannot restore the job's checkpoint: {exc}") from None
+        if name is not None:
+            self.output.note(f"checkpoint {name} restored into $GPUPOOL_CHECKPOINT_DIR")
+            if self.identity is not None:
+                await asyncio.to_thread(self.identity.own_tree, self.checkpoint_dir)
+
+    async def _save_checkpoint(self) -> None:
+        """The attempt's last save (unless it was lost: the job is another attempt's now)."""
+        if self._saving is not None:
+            await cancel_and_wait(self._saving)
+        if self._saver is None or self.ending is Ending.LOST:
+            return
+        try:
+            if files := await self._saver.save():
+                self.output.note(f"checkpoint saved ({files} files)")
+        except (StorageError, OSError) as exc:
+            self.output.note(f"checkpoint not saved: {exc}")
+            log.warning(
+                "job %s attempt %d: checkpoint not saved (%s)", self.lease.job_id, self.lease.attempt, exc
+            )
 
     def _recorded(self) -> bool:
         """Whether the attempt's end is an outcome to record (not a hand-back, nor lost)."""
@@ -404,14 +449,14 @@ class JobRun:
             await asyncio.sleep(SAMPLE_SECONDS)
 
     def _scratch_dirs(self) -> tuple[Path, ...]:
-        """The slot's directories this job uses: `out`, and `work` unless it runs in a `cwd` of its
+        """The slot's directories this job uses: `out`, `ckpt`, and `work` unless it runs in a `cwd` of its
         own (a job with an identity has it anyway: it is its HOME), and, with an identity, `tmp`
         (its TMPDIR)."""
         if self.identity is not None:
-            return (self.output_dir, self.scratch, self.tmp_dir)
+            return (self.output_dir, self.checkpoint_dir, self.scratch, self.tmp_dir)
         if self.lease.spec.cwd:
-            return (self.output_dir,)
-        return (self.output_dir, self.scratch)
+            return (self.output_dir, self.checkpoint_dir)
+        return (self.output_dir, self.checkpoint_dir, self.scratch)
 
     async def _reset_scratch(self) -> None:
         """Empty, real directories for the job, whatever the slot's last job left or did to them

@@ -1,5 +1,6 @@
-"""Scratch directories: each slot of a worker has its own (`work`, a job's default cwd, and `out`,
-its GPUPOOL_OUTPUT; `tmp` with a slot uid), reset before each job and emptied after it.
+"""Scratch directories: each slot of a worker has its own (`work`, a job's default cwd, `out`,
+its GPUPOOL_OUTPUT, `ckpt`, its GPUPOOL_CHECKPOINT_DIR; `tmp` with a slot uid), reset before
+each job and emptied after it.
 
 Reusing a slot's directories saves creating and removing them for every job (a metadata write
 each, on ext4 ~0.2 ms a directory: a third of a short job); the reset makes that safe: a job
@@ -28,7 +29,7 @@ from pathlib import Path
 
 
 class SlotScratch:
-    """One slot's directories (`work`, `out`, `tmp` under `root`), and what the worker knows of
+    """One slot's directories (`work`, `out`, `ckpt`, `tmp` under `root`), and what the worker knows of
     them. Each job leaves them reset at its end, once nothing of it runs any more: they are then
     as new ones until the slot's next job starts, which needs no look at them (a look is an
     lstat, a directory read and an xattr list per directory, no small part of a short job's cost
@@ -37,6 +38,7 @@ class SlotScratch:
     def __init__(self, root: Path, owner: tuple[int, int] | None) -> None:
         self.root = root
         self.work, self.out, self.tmp = root / "work", root / "out", root / "tmp"
+        self.ckpt = root / "ckpt"
         self.owner = owner
         self._fresh: set[Path] = set()  # reset since a job last used them
         self._root_passable = False

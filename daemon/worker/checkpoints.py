@@ -1,0 +1,92 @@
+"""A job's checkpoint directory, carried from one attempt to the next through the object store.
+
+Each job has `$GPUPOOL_CHECKPOINT_DIR` (a directory of its slot, empty when it starts). What the job
+leaves there is saved at the end of the attempt, however it ended but lost (a requeue, a drain, a
+failure), and every `checkpoint_every` seconds while it runs (`poolctl enqueue --checkpoint-every`),
+so that a worker that dies leaves its last save behind. The next attempt starts with the newest
+save of an earlier attempt in its directory: a job that writes its state there on SIGTERM, and
+reads it at its start, resumes instead of starting over.
+
+A save is `checkpoints/<job>/<attempt>.<n>/<files>` (`object_store.checkpoint_prefix`), then a
+marker `checkpoints/<job>/<attempt>.<n>.done`, written last: a save cut short (the worker died
+during it) has no marker and is never restored. Saves of one attempt are numbered in order; an
+attempt's saves never replace another's, so a zombie attempt (its lease lost) cannot spoil what
+the attempt after it saved. A job should write its files whole (to a temporary name, then
+rename): a periodic save copies what is there at that moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path, PurePosixPath
+
+from daemon.object_store import checkpoint_prefix
+from daemon.worker.job_data import files_under, has_entries
+from storage.base import ObjectStore
+
+log = logging.getLogger(__name__)
+
+DONE = ".done"
+
+
+def _save_name(key: str) -> tuple[int, int] | None:
+    """(attempt, n) of a marker's key; None for any other key."""
+    stem = key.rsplit("/", 1)[-1].removesuffix(DONE)
+    if not key.endswith(DONE) or stem.count(".") != 1:
+        return None
+    attempt, n = stem.split(".")
+    return (int(attempt), int(n)) if attempt.isdigit() and n.isdigit() else None
+
+
+async def restore(store: ObjectStore, job_id: str, attempt: int, dest: Path) -> str | None:
+    """Unpack into `dest` the newest complete save of an attempt before `attempt`; its name
+    ("attempt.n"), or None when there is none."""
+    prefix = checkpoint_prefix(job_id)
+    saves = [s for o in await store.list(prefix) if (s := _save_name(o.key)) and s[0] < attempt]
+    if not saves:
+        return None
+    name = "{}.{}".format(*max(saves))
+    for obj in await store.list(f"{prefix}{name}/"):
+        relative = PurePosixPath(obj.key.removeprefix(f"{prefix}{name}/"))
+        if relative.is_absolute() or ".." in relative.parts:
+            continue  # never written so (save names files under the directory): not followed
+        target = dest.joinpath(*relative.parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        await store.get_file(obj.key, target)
+    return name
+
+
+class Saver:
+    """The saves of one attempt: `save()` at each period and once at the end, never two at once."""
+
+    def __init__(self, store: ObjectStore, job_id: str, attempt: int, source: Path) -> None:
+        self.store = store
+        self.prefix = checkpoint_prefix(job_id)
+        self.attempt = attempt
+        self.source = source
+        self.saved = 0  # saves made
+        self._lock = asyncio.Lock()
+
+    async def save(self) -> int:
+        """Upload what the directory holds now, then its marker; the number of files (0: nothing
+        there, nothing saved)."""
+        async with self._lock:
+            if not has_entries(self.source):
+                return 0
+            files = await asyncio.to_thread(files_under, self.source)
+            name = f"{self.attempt}.{self.saved + 1}"
+            for relative, path in files:
+                await self.store.put_file(f"{self.prefix}{name}/{relative}", path)
+            await self.store.put_bytes(f"{self.prefix}{name}{DONE}", b"")
+            self.saved += 1
+            return len(files)
+
+    async def every(self, seconds: float) -> None:
+        """Save every `seconds` until cancelled; a save that fails is said and tried at the next."""
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await self.save()
+            except Exception as exc:  # noqa: BLE001 - the job runs on; the next save may work
+                log.warning("checkpoint of attempt %d not saved (%s); trying again later", self.attempt, exc)

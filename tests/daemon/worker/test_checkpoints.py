@@ -1,0 +1,95 @@
+"""$GPUPOOL_CHECKPOINT_DIR carried from one attempt to the next (worker/checkpoints.py): saved at an
+attempt's end and every --checkpoint-every seconds, restored into the next attempt. With a real
+worker: a requeued job resumes from what it saved on SIGTERM; and a job whose worker process is
+SIGKILLed resumes, on another worker, from its last periodic save in a real S3 endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from daemon.job import JobState
+from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.queue.job_queue import JobQueue
+from storage.local import LocalStore
+from tests.support.workers import running_worker, sh, wait_state, wait_until
+
+# Reads the step its last save reached, says so, and (attempt 1) waits, saving its step on SIGTERM
+# or (with `step`) at once, for a periodic save to carry.
+RESUMING = (
+    'n=$(cat "$GPUPOOL_CHECKPOINT_DIR/step" 2>/dev/null || echo 0); '
+    'echo "attempt $GPUPOOL_ATTEMPT from $n" >> {log}; '
+    'if [ "$GPUPOOL_ATTEMPT" = 1 ]; then '
+    'trap \'echo 7 > "$GPUPOOL_CHECKPOINT_DIR/step.tmp"; mv "$GPUPOOL_CHECKPOINT_DIR/step.tmp" '
+    '"$GPUPOOL_CHECKPOINT_DIR/step"; exit 0\' TERM; {step}sleep 300 & wait; fi'
+)
+
+
+async def logged(path: Path, line: str) -> bool:
+    return path.exists() and line in path.read_text().splitlines()
+
+
+async def test_a_requeued_job_starts_again_from_what_it_saved_on_sigterm(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    log = tmp_path / "log"
+    job_id, _ = await queue.enqueue(sh(RESUMING.format(log=log, step="")))
+    async with (
+        LocalStore(tmp_path / "store") as store,
+        running_worker(queue, tmp_path / "w", store=store),
+    ):
+        await wait_until(lambda: logged(log, "attempt 1 from 0"), what="the first attempt")
+        assert await queue.requeue(job_id) == "requeueing"
+        info = await wait_state(queue, job_id, JobState.SUCCEEDED, timeout=60)
+    assert log.read_text().splitlines() == ["attempt 1 from 0", "attempt 2 from 7"]
+    assert info.attempt == 2
+    said = b"".join(data for _, data in await queue.read_log(job_id))
+    assert b"checkpoint 1.1 restored" in said
+
+
+async def test_a_job_whose_worker_was_sigkilled_resumes_from_its_last_periodic_save(
+    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
+) -> None:
+    log = tmp_path / "log"
+    queue = JobQueue(redis_server.client(), lease_seconds=2)
+    script = RESUMING.format(log=log, step='echo 5 > "$GPUPOOL_CHECKPOINT_DIR/step"; ')
+    job_id, _ = await queue.enqueue(sh(script, checkpoint_every=0.2))
+    env = {
+        **os.environ,
+        **s3_env,
+        "GPUPOOL_WORKER_MODE": "multinode",
+        "GPUPOOL_REDIS_PORT": str(redis_server.port),
+        "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD": redis_server.password,
+        "GPUPOOL_WORKER_HEALTHY_RESPONSE_PERIOD": "2",
+        "GPUPOOL_METRICS_LISTEN": "127.0.0.1:0",
+    }
+    argv = [sys.executable, "-m", "daemon.main", "--worker"]
+    first = subprocess.Popen(
+        argv, env={**env, "GPUPOOL_DATA_DIR": str(tmp_path / "w1")}, stderr=subprocess.DEVNULL
+    )
+    try:
+        await wait_until(lambda: logged(log, "attempt 1 from 0"), what="the first attempt")
+        await asyncio.sleep(1.0)  # several periodic saves (every 0.2 s) of its step
+    finally:
+        first.send_signal(signal.SIGKILL)  # the machine's death: no last save, no hand-back
+        first.wait(10)
+    deadline = time.monotonic() + 30
+    while not await queue.reclaim():  # as the server's reaper, once the lease has passed
+        assert time.monotonic() < deadline, "the dead worker's lease was never taken back"
+        await asyncio.sleep(0.2)
+    second = subprocess.Popen(
+        argv, env={**env, "GPUPOOL_DATA_DIR": str(tmp_path / "w2")}, stderr=subprocess.DEVNULL
+    )
+    try:
+        info = await wait_state(queue, job_id, JobState.SUCCEEDED, timeout=60)
+    finally:
+        second.terminate()
+        second.wait(30)
+        await queue.redis.aclose()
+    assert log.read_text().splitlines() == ["attempt 1 from 0", "attempt 2 from 5"]
+    assert info.attempt == 2
