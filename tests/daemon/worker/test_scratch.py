@@ -39,7 +39,7 @@ async def test_a_slot_is_reset_whatever_the_last_job_left(
     assert second.outcome.state is JobState.SUCCEEDED, second.outcome.result["tail"]
     assert seen.read_text().split() == [".:", f"{slot / 'out'}:"]  # both empty
     assert (outside / "secret").is_dir()  # the link was removed, not followed
-    assert sorted(p.name for p in slot.rglob("*")) == ["out", "work"]  # both there, both empty
+    assert sorted(p.name for p in slot.rglob("*")) == ["ckpt", "out", "work"]  # all there, all empty
 
 
 def hold_lock(root: Path, worker_id: str) -> subprocess.Popen[str]:
