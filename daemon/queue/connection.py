@@ -45,6 +45,7 @@ AnyRedis = Redis | RedisCluster
 SOCKET_TIMEOUT = 5.0  # seconds a command may wait for its reply
 CONNECT_TIMEOUT = 5.0
 RETRIES = 3  # re-sends of a command whose connection failed (each on a fresh connection)
+MAX_CLUSTER_CONNECTIONS = 65536  # per node (connect_cluster)
 
 
 def block_limit(redis: AnyRedis) -> float:
@@ -283,6 +284,10 @@ def connect_cluster(
         startup_nodes=[ClusterNode(host, port) for host, port in nodes],
         username=username,
         password=password,
+        # A node's pool never waits for a free connection: past its bound it raises
+        # MaxConnectionsError. One Redis's pool is unbounded; so, near enough, is this (each
+        # blocking read of a `logs -f` or a `wait` holds a connection).
+        max_connections=MAX_CLUSTER_CONNECTIONS,
         **options,
     )
     # RedisCluster() takes neither a connection class nor a connect hook; every node it meets is
