@@ -94,6 +94,10 @@ class JobSpec:
     timeout: float | None = None  # seconds of run time before the attempt is stopped
     # Seconds between saves of $GPUPOOL_CHECKPOINT_DIR while it runs (None: at its end only).
     checkpoint_every: float | None = None
+    # How the job is asked to stop (a cancel, a timeout, a requeue, a drain): this signal to its
+    # processes, then SIGKILL after `stop_grace` seconds (None: the worker's kill_grace).
+    stop_signal: str = "TERM"
+    stop_grace: float | None = None
     max_attempts: int = 3  # attempts lost to dead workers before the job is dead-lettered
     retries: int = 0  # extra attempts after a non-zero exit
     # Claimed before the queue's jobs of lower priority (0: none), up to the user's ceiling.
@@ -116,6 +120,8 @@ class JobSpec:
             "wait_for_worker": self.wait_for_worker,
             "timeout": self.timeout,
             "checkpoint_every": self.checkpoint_every,
+            "stop_signal": self.stop_signal,
+            "stop_grace": self.stop_grace,
             "max_attempts": self.max_attempts,
             "retries": self.retries,
             "priority": self.priority,
@@ -157,6 +163,8 @@ class JobSpec:
             wait_for_worker=_bool(data, "wait_for_worker"),
             timeout=_opt_positive(data, "timeout"),
             checkpoint_every=_opt_positive(data, "checkpoint_every"),
+            stop_signal=_stop_signal(data),
+            stop_grace=_opt_positive(data, "stop_grace", MAX_STOP_GRACE),
             max_attempts=_int(data, "max_attempts", 3, 1, MAX_ATTEMPTS_LIMIT),
             retries=_int(data, "retries", 0, 0, MAX_ATTEMPTS_LIMIT),
             priority=_int(data, "priority", 0, 0, PRIORITY_MAX),
@@ -261,13 +269,28 @@ def _int(data: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -> 
     return value
 
 
-def _opt_positive(data: Mapping[str, Any], name: str) -> float | None:
+def _opt_positive(data: Mapping[str, Any], name: str, most: float | None = None) -> float | None:
     value = data.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise InvalidJob(name, f"must be a positive number of seconds, not {value!r}")
+    if most is not None and value > most:
+        raise InvalidJob(name, f"must be at most {most:g} seconds, not {value!r}")
     return float(value)
+
+
+# The signals a job may ask to be stopped with: those a program can catch to save its state.
+STOP_SIGNALS = ("TERM", "INT", "HUP", "USR1", "USR2", "QUIT")
+MAX_STOP_GRACE = 3600.0  # a drain waits this long at most for a job to save itself
+
+
+def _stop_signal(data: Mapping[str, Any]) -> str:
+    value = data.get("stop_signal", "TERM")
+    name = value.upper().removeprefix("SIG") if isinstance(value, str) else value
+    if name not in STOP_SIGNALS:
+        raise InvalidJob("stop_signal", f"must be one of {', '.join(STOP_SIGNALS)}, not {value!r}")
+    return str(name)
 
 
 @dataclass(frozen=True, slots=True)

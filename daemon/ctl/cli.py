@@ -207,6 +207,20 @@ def _add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it do
     )
     e.add_argument("--timeout", type=float, metavar="SECONDS", help="stop the job after this long")
     e.add_argument(
+        "--stop-signal",
+        default="TERM",
+        metavar="SIG",
+        help="the signal that asks the job to stop (a cancel, a timeout, a requeue, a drain): "
+        "TERM (default), INT, HUP, USR1, USR2 or QUIT; SIGKILL follows after the grace",
+    )
+    e.add_argument(
+        "--stop-grace",
+        type=float,
+        metavar="SECONDS",
+        help="how long the job has after that signal, to save its state, before SIGKILL "
+        "(default: the worker's kill_grace; at most 3600)",
+    )
+    e.add_argument(
         "--checkpoint-every",
         type=float,
         metavar="SECONDS",
@@ -447,6 +461,8 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         "retries": args.retries,
         "priority": args.priority,
         "checkpoint_every": args.checkpoint_every,
+        "stop_signal": args.stop_signal,
+        "stop_grace": args.stop_grace,
         "max_attempts": args.max_attempts,
         "cwd": str(Path(args.cwd).resolve()) if args.cwd else None,
     }

@@ -246,12 +246,23 @@ class JobRun:
             self.output.note(f"{why}: killing the job now")
             self._signal(signal.SIGKILL)
         elif first:
-            self.output.note(f"{why}: stopping the job (SIGTERM, then SIGKILL after {self.kill_grace:g} s)")
+            sig, grace = self.stop_signal, self.stop_grace
+            self.output.note(f"{why}: stopping the job ({sig.name}, then SIGKILL after {grace:g} s)")
             self._killer = asyncio.create_task(self._terminate(), name=f"stop {self.lease.job_id}")
 
+    @property
+    def stop_signal(self) -> signal.Signals:
+        """The signal the job asked to be stopped with (`--stop-signal`; SIGTERM by default)."""
+        return signal.Signals[f"SIG{self.lease.spec.stop_signal}"]
+
+    @property
+    def stop_grace(self) -> float:
+        """How long a stopping job has before SIGKILL: its own `--stop-grace`, else the worker's."""
+        return self.lease.spec.stop_grace or self.kill_grace
+
     async def _terminate(self) -> None:
-        self._signal(signal.SIGTERM)
-        await asyncio.sleep(self.kill_grace)
+        self._signal(self.stop_signal)
+        await asyncio.sleep(self.stop_grace)
         self._signal(signal.SIGKILL)
 
     def _signal(self, sig: signal.Signals) -> None:

@@ -96,6 +96,22 @@ async def test_a_requeued_job_gets_sigterm_and_runs_again_with_the_next_attempt(
     assert (info.attempt, [a.how for a in info.attempts]) == (2, ["released", "succeeded"])
 
 
+async def test_a_job_is_stopped_with_the_signal_and_grace_it_asked_for(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """--stop-signal USR1 --stop-grace 30: a cancel sends USR1, and the job's 1 s of saving its
+    state is let run (the worker's own grace, 0.2 s here, would have cut it short)."""
+    script = (
+        "trap 'echo usr1 >> log; sleep 1; echo saved >> log; exit 0' USR1; echo up > log; sleep 300 & wait"
+    )
+    job_id, _ = await queue.enqueue(sh(script, cwd=str(tmp_path), stop_signal="USR1", stop_grace=30))
+    async with running_worker(queue, tmp_path / "w", kill_grace=0.2):
+        await wait_file(tmp_path / "log")
+        assert await queue.cancel(job_id) == "cancelling"
+        await wait_state(queue, job_id, JobState.CANCELLED, timeout=30)
+    assert (tmp_path / "log").read_text().split() == ["up", "usr1", "saved"]
+
+
 async def test_a_timed_out_job_is_killed_with_its_grandchildren(queue: JobQueue, tmp_path: Path) -> None:
     script = 'sleep 300 & echo "$$ $!" > pids.tmp; mv pids.tmp pids; sleep 300'
     job_id, _ = await queue.enqueue(sh(script, cwd=str(tmp_path), timeout=0.5))
