@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
+from collections.abc import Generator
 from pathlib import Path, PurePosixPath
 
 from daemon.object_store import checkpoint_prefix
 from daemon.worker.job_data import files_under, has_entries
 from storage.base import ObjectStore
+from storage.content import CHUNK, iterate_in_thread
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +80,17 @@ class Saver:
                 return 0
             files = await asyncio.to_thread(files_under, self.source)
             name = f"{self.attempt}.{self.saved + 1}"
-            for relative, path in files:
-                await self.store.put_file(f"{self.prefix}{name}/{relative}", path)
+            saved = 0
+            for relative, _ in files:
+                try:
+                    fd = await asyncio.to_thread(open_beneath, self.source, relative)
+                except OSError:
+                    continue  # gone, or made a link or a device since the walk: not the job's data
+                await self.store.put_stream(f"{self.prefix}{name}/{relative}", iterate_in_thread(_chunks(fd)))
+                saved += 1
             await self.store.put_bytes(f"{self.prefix}{name}{DONE}", b"")
             self.saved += 1
-            return len(files)
+            return saved
 
     async def every(self, seconds: float) -> None:
         """Save every `seconds` until cancelled; a save that fails is said and tried at the next."""
@@ -90,3 +100,32 @@ class Saver:
                 await self.save()
             except Exception as exc:  # noqa: BLE001 - the job runs on; the next save may work
                 log.warning("checkpoint of attempt %d not saved (%s); trying again later", self.attempt, exc)
+
+
+def open_beneath(root: Path, relative: str) -> int:
+    """A read-only descriptor of the regular file `relative` under `root`, each component opened
+    without following a symlink: the job may still be running (a periodic save), and as another
+    uid than the worker's, so it could swap a file, or a directory on its path, for a link to
+    what only the worker may read between the walk and the read. OSError when it is not a plain
+    file reached that way."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        *dirs, last = relative.split("/")
+        for part in dirs:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        file_fd = os.open(last, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(file_fd).st_mode):
+        os.close(file_fd)
+        raise OSError(f"{relative} is not a regular file")
+    return file_fd
+
+
+def _chunks(fd: int) -> Generator[bytes, None, None]:
+    """The bytes of `fd`, which is closed at the end."""
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        while chunk := f.read(CHUNK):
+            yield chunk

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from daemon.job import JobState
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
+from daemon.worker.checkpoints import open_beneath
 from storage.local import LocalStore
 from tests.support.workers import running_worker, sh, wait_state, wait_until
 
@@ -93,3 +97,27 @@ async def test_a_job_whose_worker_was_sigkilled_resumes_from_its_last_periodic_s
         await queue.redis.aclose()
     assert log.read_text().splitlines() == ["attempt 1 from 0", "attempt 2 from 5"]
     assert info.attempt == 2
+
+
+def test_a_save_reads_only_plain_files_reached_without_a_link(tmp_path: Path) -> None:
+    """A periodic save runs while the job does, maybe as another uid: a file, or a directory on
+    its path, swapped for a symlink after the walk is not followed to what the worker may read."""
+    root = tmp_path / "ckpt"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "state").write_text("mine")
+    secret = tmp_path / "secret"
+    (secret / "sub").mkdir(parents=True)
+    (secret / "sub" / "state").write_text("the worker's")
+    fd = open_beneath(root, "sub/state")
+    os.close(fd)
+    (root / "sub" / "state").unlink()
+    (root / "sub" / "state").symlink_to(secret / "sub" / "state")
+    with pytest.raises(OSError, match="symbolic links|Not a directory"):
+        open_beneath(root, "sub/state")
+    shutil.rmtree(root / "sub")
+    (root / "sub").symlink_to(secret / "sub")
+    with pytest.raises(OSError, match="symbolic links|Not a directory"):
+        open_beneath(root, "sub/state")
+    os.mkfifo(root / "fifo")
+    with pytest.raises(OSError, match="not a regular file"):
+        open_beneath(root, "fifo")
