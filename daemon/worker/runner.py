@@ -279,7 +279,11 @@ class JobRun:
     async def run(self) -> RunResult:
         """Run the attempt to its end and say how it ended. If cancelled itself, the job's
         processes are killed before the CancelledError goes on. Then `tidy()`, however it ended."""
-        return await self._run()
+        try:
+            return await self._run()
+        finally:  # the periodic saves end with the attempt however it ends, before the slot's tidying
+            if self._saving is not None:
+                await cancel_and_wait(self._saving)
 
     async def tidy(self) -> None:
         """The slot's directories back to a new one's state for its next job, which waits for

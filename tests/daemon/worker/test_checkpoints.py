@@ -6,6 +6,7 @@ SIGKILLed resumes, on another worker, from its last periodic save in a real S3 e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -20,7 +21,10 @@ from daemon.job import JobState
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.checkpoints import open_beneath
+from daemon.worker.runner import JobRun
+from daemon.worker.spawn import Spawner
 from storage.local import LocalStore
+from tests.daemon.worker.test_runner import claimed
 from tests.support.workers import running_worker, sh, wait_state, wait_until
 
 # Reads the step its last save reached, says so, and (attempt 1) waits, saving its step on SIGTERM
@@ -121,3 +125,23 @@ def test_a_save_reads_only_plain_files_reached_without_a_link(tmp_path: Path) ->
     os.mkfifo(root / "fifo")
     with pytest.raises(OSError, match="not a regular file"):
         open_beneath(root, "fifo")
+
+
+async def test_an_attempt_cancelled_midway_leaves_no_periodic_save_running(
+    queue: JobQueue, spawner: Spawner, tmp_path: Path
+) -> None:
+    """A worker shutting down cancels its attempts' runs: the periodic saves end with them, rather
+    than go on uploading a slot's directory that its next job is given."""
+    script = 'echo x > "$GPUPOOL_CHECKPOINT_DIR/step"; echo up > up; sleep 300'
+    lease = await claimed(queue, sh(script, cwd=str(tmp_path), checkpoint_every=0.05))
+    async with LocalStore(tmp_path / "store") as store:
+        run = JobRun(queue, lease, data_dir=tmp_path, spawner=spawner, store=store)
+        task = asyncio.ensure_future(run.run())
+        await wait_until(lambda: asyncio.sleep(0, (tmp_path / "up").exists()), what="the job to start")
+        await asyncio.sleep(0.2)  # saves made
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        saving = run._saving
+        assert saving is not None
+        assert saving.done()
