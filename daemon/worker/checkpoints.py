@@ -1,11 +1,11 @@
 """A job's checkpoint directory, carried from one attempt to the next through the object store.
 
 Each job has `$GPUPOOL_CHECKPOINT_DIR` (a directory of its slot, empty when it starts). What the job
-leaves there is saved at the end of the attempt, however it ended but lost (a requeue, a drain, a
-failure), and every `checkpoint_every` seconds while it runs (`poolctl enqueue --checkpoint-every`),
-so that a worker that dies leaves its last save behind. The next attempt starts with the newest
-save of an earlier attempt in its directory: a job that writes its state there on SIGTERM, and
-reads it at its start, resumes instead of starting over.
+leaves there is saved at the end of an attempt that another may follow (handed back by a requeue
+or a drain, or failed with retries), and every `checkpoint_every` seconds while it runs (`poolctl
+enqueue --checkpoint-every`), so that a worker that dies leaves its last save behind. The next
+attempt starts with the newest save of an earlier attempt in its directory: a job that writes its
+state there on SIGTERM, and reads it at its start, resumes instead of starting over.
 
 A save is `checkpoints/<job>/<attempt>.<n>/<files>` (`object_store.checkpoint_prefix`), then a
 marker `checkpoints/<job>/<attempt>.<n>.done`, written last: a save cut short (the worker died
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import stat
 from collections.abc import Generator
 from pathlib import Path, PurePosixPath
@@ -34,26 +35,29 @@ log = logging.getLogger(__name__)
 DONE = ".done"
 
 
-def _save_name(key: str) -> tuple[int, int] | None:
-    """(attempt, n) of a marker's key; None for any other key."""
-    stem = key.rsplit("/", 1)[-1].removesuffix(DONE)
-    if not key.endswith(DONE) or stem.count(".") != 1:
+SAVE_NAME = re.compile(r"([0-9]+)\.([0-9]+)")
+
+
+def _save_name(prefix: str, key: str) -> tuple[int, int] | None:
+    """(attempt, n) of a marker's key, `prefix` + "ATTEMPT.N.done"; None for any other key (a
+    file of a save, whatever the job named it)."""
+    match = SAVE_NAME.fullmatch(key.removeprefix(prefix).removesuffix(DONE))
+    if not key.startswith(prefix) or not key.endswith(DONE) or match is None:
         return None
-    attempt, n = stem.split(".")
-    return (int(attempt), int(n)) if attempt.isdigit() and n.isdigit() else None
+    return int(match[1]), int(match[2])
 
 
 async def restore(store: ObjectStore, job_id: str, attempt: int, dest: Path) -> str | None:
     """Unpack into `dest` the newest complete save of an attempt before `attempt`; its name
     ("attempt.n"), or None when there is none."""
     prefix = checkpoint_prefix(job_id)
-    saves = [s for o in await store.list(prefix) if (s := _save_name(o.key)) and s[0] < attempt]
+    saves = [s for o in await store.list(prefix) if (s := _save_name(prefix, o.key)) and s[0] < attempt]
     if not saves:
         return None
     name = "{}.{}".format(*max(saves))
     for obj in await store.list(f"{prefix}{name}/"):
         relative = PurePosixPath(obj.key.removeprefix(f"{prefix}{name}/"))
-        if relative.is_absolute() or ".." in relative.parts:
+        if not relative.parts or relative.is_absolute() or ".." in relative.parts:
             continue  # never written so (save names files under the directory): not followed
         target = dest.joinpath(*relative.parts)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +73,7 @@ class Saver:
         self.prefix = checkpoint_prefix(job_id)
         self.attempt = attempt
         self.source = source
-        self.saved = 0  # saves made
+        self.saved = 0  # saves begun
         self._lock = asyncio.Lock()
 
     async def save(self) -> int:
@@ -79,7 +83,8 @@ class Saver:
             if not has_entries(self.source):
                 return 0
             files = await asyncio.to_thread(files_under, self.source)
-            name = f"{self.attempt}.{self.saved + 1}"
+            self.saved += 1  # before any upload: a save cut short never shares its name with the next
+            name = f"{self.attempt}.{self.saved}"
             saved = 0
             for relative, _ in files:
                 try:
@@ -89,7 +94,6 @@ class Saver:
                 await self.store.put_stream(f"{self.prefix}{name}/{relative}", iterate_in_thread(_chunks(fd)))
                 saved += 1
             await self.store.put_bytes(f"{self.prefix}{name}{DONE}", b"")
-            self.saved += 1
             return saved
 
     async def every(self, seconds: float) -> None:

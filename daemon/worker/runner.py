@@ -378,7 +378,7 @@ class JobRun:
         if left:
             log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(left))
         dirty = await self._check_gpus(pgid)
-        await self._save_checkpoint()
+        await self._save_checkpoint(returncode)
         uploaded: dict[str, Any] = {}
         if self._recorded() and self.store is not None:
             # Uploaded before the fenced complete, under this attempt's own prefix (job_data.py).
@@ -405,11 +405,20 @@ class JobRun:
             if self.identity is not None:
                 await asyncio.to_thread(self.identity.own_tree, self.checkpoint_dir)
 
-    async def _save_checkpoint(self) -> None:
-        """The attempt's last save (unless it was lost: the job is another attempt's now)."""
+    def _followed(self, returncode: int) -> bool:
+        """Whether another attempt may follow this one, to want its checkpoint: handed back, or
+        failed with retries (a lost one's job is another attempt's; a success or a cancel ends it)."""
+        ending = self.ending or Ending.EXITED
+        if ending is Ending.HANDED_BACK:
+            return True
+        failed = ending is Ending.TIMED_OUT or (ending is Ending.EXITED and returncode != 0)
+        return failed and self.lease.spec.retries > 0
+
+    async def _save_checkpoint(self, returncode: int) -> None:
+        """The attempt's last save, when another attempt may want it."""
         if self._saving is not None:
             await cancel_and_wait(self._saving)
-        if self._saver is None or self.ending is Ending.LOST:
+        if self._saver is None or not self._followed(returncode):
             return
         try:
             if files := await self._saver.save():

@@ -20,7 +20,7 @@ import pytest
 from daemon.job import JobState
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
-from daemon.worker.checkpoints import open_beneath
+from daemon.worker.checkpoints import Saver, open_beneath, restore
 from daemon.worker.runner import JobRun
 from daemon.worker.spawn import Spawner
 from storage.local import LocalStore
@@ -145,3 +145,18 @@ async def test_an_attempt_cancelled_midway_leaves_no_periodic_save_running(
         saving = run._saving
         assert saving is not None
         assert saving.done()
+
+
+async def test_a_file_named_like_a_marker_is_restored_as_a_file_not_taken_for_a_save(tmp_path: Path) -> None:
+    """Markers are `checkpoints/JOB/ATTEMPT.N.done`; a job's own file of that name, or of one with
+    other digits than 0-9, lies inside a save and is restored as what it is."""
+    source = tmp_path / "ckpt"
+    source.mkdir()
+    for name in ("step", "5.1.done", "\u00b9.1.done"):
+        (source / name).write_text(name)
+    async with LocalStore(tmp_path / "store") as store:
+        assert await Saver(store, "default.j", 1, source).save() == 3
+        dest = tmp_path / "restored"
+        dest.mkdir()
+        assert await restore(store, "default.j", 2, dest) == "1.1"
+    assert sorted(p.name for p in dest.iterdir()) == sorted(["step", "5.1.done", "\u00b9.1.done"])
