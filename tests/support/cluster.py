@@ -49,19 +49,10 @@ class ClusterGroup(RedisGroup):
 
     def _conf(self, node: Process) -> list[str]:
         return [
-            f"port {node.port}",
-            "bind 127.0.0.1",
-            f"dir {node.dir}",
-            f"logfile {node.dir / 'log'}",
+            *self.node_conf(node),
             "cluster-enabled yes",
             "cluster-config-file nodes.conf",
             "cluster-node-timeout 1000",
-            "appendonly yes",
-            "appendfsync always",
-            'save ""',
-            f"requirepass {self.password}",
-            f"masterauth {self.password}",
-            "maxmemory-policy noeviction",
         ]
 
     def start(self) -> None:

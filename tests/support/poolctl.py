@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -25,3 +26,15 @@ async def poolctl(env: dict[str, str], *args: str, cwd: Path | None = None) -> t
     assert b"Traceback" not in err, err.decode()
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
+
+
+def researcher_env(home: Path, server: str, user: str, token: str) -> dict[str, str]:
+    """The environment of a researcher who names the pool by GPUPOOL_SERVER, and nothing else."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "XDG_CONFIG_HOME": str(home / "xdg"),
+        "GPUPOOL_SERVER": server,
+        "GPUPOOL_USER": user,
+        "GPUPOOL_TOKEN": token,
+    }

@@ -67,6 +67,22 @@ class RedisGroup:
     def __exit__(self, *_: object) -> None:
         self.stop()
 
+    def node_conf(self, p: Process) -> list[str]:
+        """What every data node of a group is: on loopback, its own directory and log, an AOF that
+        loses nothing, the group's password (for replication too), and no eviction."""
+        return [
+            f"port {p.port}",
+            "bind 127.0.0.1",
+            f"dir {p.dir}",
+            f"logfile {p.dir / 'log'}",
+            "appendonly yes",
+            "appendfsync always",
+            'save ""',
+            f"requirepass {self.password}",
+            f"masterauth {self.password}",
+            "maxmemory-policy noeviction",
+        ]
+
     def launch(self, p: Process, conf: list[str], extra: Sequence[str] = ()) -> None:
         """`p` started from `conf` (written, mode 0600, into its directory), with `extra` arguments."""
         p.dir.mkdir(parents=True, exist_ok=True)

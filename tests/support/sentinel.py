@@ -104,16 +104,7 @@ class SentinelGroup(RedisGroup):
 
     def _start_node(self, node: Process, primary_port: int | None) -> None:
         conf = [
-            f"port {node.port}",
-            "bind 127.0.0.1",
-            f"dir {node.dir}",
-            f"logfile {node.dir / 'log'}",
-            "appendonly yes",
-            "appendfsync always",
-            'save ""',
-            f"requirepass {self.password}",
-            f"masterauth {self.password}",
-            "maxmemory-policy noeviction",
+            *self.node_conf(node),
             "repl-diskless-sync yes",
             "repl-diskless-sync-delay 0",
         ]

@@ -14,7 +14,7 @@ from pathlib import Path
 from daemon.queue import keys
 from tests.daemon.queue.test_cluster import queues_on_shards
 from tests.support.cluster import ClusterGroup
-from tests.support.poolctl import poolctl
+from tests.support.poolctl import poolctl, researcher_env
 from tests.support.poold_proc import poold
 
 TOKENS = {"alice": "alice-token-0123456789abcdef"}
@@ -43,14 +43,7 @@ async def test_poolctl_on_a_pool_whose_redis_is_a_cluster(tmp_path: Path, s3_env
             subprocess.Popen(argv, env=worker_env, stderr=log) as worker,
         ):
             try:
-                env = {
-                    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                    "HOME": str(tmp_path),
-                    "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
-                    "GPUPOOL_SERVER": address,
-                    "GPUPOOL_USER": "alice",
-                    "GPUPOOL_TOKEN": TOKENS["alice"],
-                }
+                env = researcher_env(tmp_path, address, "alice", TOKENS["alice"])
                 ids = []
                 for q in names:
                     code, out, err = await poolctl(env, "enqueue", "--json", "-q", q, "--", "true")

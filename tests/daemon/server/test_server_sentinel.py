@@ -9,7 +9,7 @@ import os
 import signal
 from pathlib import Path
 
-from tests.support.poolctl import poolctl
+from tests.support.poolctl import poolctl, researcher_env
 from tests.support.poold_proc import poold
 from tests.support.sentinel import SentinelGroup
 
@@ -23,14 +23,7 @@ async def test_poolctl_says_a_submit_no_replica_confirmed_is_not_acknowledged(
     assert replica.proc is not None
     ack = ("--redis-min-replicas-ack", "1", "--redis-replicas-ack-timeout", "0.3")
     with poold(sentinel_group, tmp_path, TOKENS, *ack) as address:
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": str(tmp_path),
-            "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
-            "GPUPOOL_SERVER": address,
-            "GPUPOOL_USER": "alice",
-            "GPUPOOL_TOKEN": TOKENS["alice"],
-        }
+        env = researcher_env(tmp_path, address, "alice", TOKENS["alice"])
         code, out, _ = await poolctl(env, "enqueue", "--json", "--key", "first", "--", "true")
         assert code == 0, out
         os.kill(replica.proc.pid, signal.SIGSTOP)
