@@ -245,6 +245,20 @@ OPTIONS: tuple[Option, ...] = (
         hi=100000,
     ),
     Option(
+        "fairshare_queues",
+        list,
+        [],
+        "queues whose next start goes to the user with the least recent use (GPU-seconds, decayed; "
+        "fairshare_weight in the tokens file divides it) rather than to the oldest job",
+    ),
+    Option(
+        "fairshare_half_life",
+        float,
+        7 * 24 * 3600.0,
+        "seconds after which a user's recent use counts half in a fair-share queue",
+        lo=1,
+    ),
+    Option(
         "default_max_priority",
         int,
         0,
@@ -351,6 +365,8 @@ class Config:
     job_log_max_bytes: int
     dead_worker_retention: float
     queues: list[str]
+    fairshare_queues: list[str]
+    fairshare_half_life: float
     default_max_priority: int
     user_max_running_jobs: int
     user_max_gpus: int

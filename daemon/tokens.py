@@ -3,7 +3,8 @@
 Server side: a tokens file of ``user = "token"`` lines (TOML), readable by its owner only (0600); a
 pool admin, who may act on every user's jobs, is written ``user = { token = "token", admin = true }``,
 and a user's priority ceiling (the highest ``--priority`` their jobs may ask for)
-``user = { token = "token", max_priority = 10 }``.
+``user = { token = "token", max_priority = 10 }``, and their weight in fair-share queues (their
+recent use is divided by it: 2 starts twice as much) ``user = { token = "token", fairshare_weight = 2 }``.
 Client side: ``GPUPOOL_TOKEN``, else the pool's own ``token_file`` (pools.toml: daemon/pools.py,
 which also says where the server is), else the file ``gpupool/token`` under ``$XDG_CONFIG_HOME``
 (default ``~/.config``); the user is ``GPUPOOL_USER``, else the pool's ``user``, else the login name.
@@ -21,6 +22,7 @@ from daemon.errors import GpupoolError
 from protocol.record import Record
 
 TOKEN_BYTES = 32
+MAX_WEIGHT = 1000  # the largest fairshare_weight
 
 
 class TokenError(GpupoolError):
@@ -91,6 +93,7 @@ class Users(Record):
     tokens: dict[str, bytes]
     admins: frozenset[str] = frozenset()
     max_priority: tuple[tuple[str, int], ...] = ()  # (user, ceiling) of those the file gives one
+    weights: tuple[tuple[str, float], ...] = ()  # (user, fair-share weight) of those given one
 
 
 def read_tokens(path: Path) -> dict[str, bytes]:
@@ -122,24 +125,30 @@ def read_users(path: Path) -> Users:
     tokens: dict[str, bytes] = {}
     admins = set()
     ceilings: dict[str, int] = {}
+    weights: dict[str, float] = {}
     for user, entry in data.items():
         token, admin = (
             (entry.get("token"), entry.get("admin", False)) if isinstance(entry, dict) else (entry, False)
         )
         ceiling = entry.get("max_priority", 0) if isinstance(entry, dict) else 0
+        weight = entry.get("fairshare_weight", 1) if isinstance(entry, dict) else 1
         if isinstance(entry, dict) and (
-            set(entry) - {"token", "admin", "max_priority"}
+            set(entry) - {"token", "admin", "max_priority", "fairshare_weight"}
             or not isinstance(admin, bool)
             or type(ceiling) is not int
             or not 0 <= ceiling <= PRIORITY_MAX
+            or type(weight) not in (int, float)
+            or not 0 < weight <= MAX_WEIGHT
         ):
             raise TokenError(
                 f'tokens file {path}: {user!r} must be "token" or {{ token = "token", admin = true, '
-                f"max_priority = 0..{PRIORITY_MAX} }} (each but the token optional), not a table of "
-                f"{sorted(entry)}"
+                f"max_priority = 0..{PRIORITY_MAX}, fairshare_weight = a number above 0 up to "
+                f"{MAX_WEIGHT} }} (each but the token optional), not a table of {sorted(entry)}"
             )
         if isinstance(entry, dict) and "max_priority" in entry:
             ceilings[user] = ceiling
+        if isinstance(entry, dict) and "fairshare_weight" in entry:
+            weights[user] = float(weight)
         if not isinstance(token, str) or len(token) < 16:
             raise TokenError(
                 f"tokens file {path}: the token of {user!r} must be a string of 16 or more characters"
@@ -147,4 +156,4 @@ def read_users(path: Path) -> Users:
         tokens[user] = token.encode()
         if admin:
             admins.add(user)
-    return Users(tokens, frozenset(admins), tuple(sorted(ceilings.items())))
+    return Users(tokens, frozenset(admins), tuple(sorted(ceilings.items())), tuple(sorted(weights.items())))

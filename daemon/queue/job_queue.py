@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -91,14 +91,19 @@ class JobQueue(QueueReads):
         watch: RunIdWatch | None = None,
         ack: ReplicaAck | None = None,
         user_caps: tuple[int, int] = (0, 0),
+        fairshare: Iterable[str] = (),
+        fairshare_half_life: float = 7 * 24 * 3600.0,
     ) -> None:
         """`watch` is the run-id watch of `redis`'s connections (connection.connect), for whoever
         holds leases through this queue to see when Redis restarts. `ack`: the replicas an enqueue
         and an outcome must reach before they are acknowledged (None: the primary's word).
         `user_caps`: the most jobs, and GPUs, one user may run in one queue (0: no cap), which
-        this queue's claims keep to (claim.lua)."""
+        this queue's claims keep to (claim.lua). `fairshare`: the queues whose claims rank users
+        by recent use, which halves every `fairshare_half_life` seconds (claim.lua)."""
         self.redis = redis
         self.user_caps = user_caps
+        self.fairshare = frozenset(fairshare)
+        self.half_life_ms = max(1, round(fairshare_half_life * 1000))
         self.ack = ack
         self.watch = watch
         self.lease_ms = max(1, round(lease_seconds * 1000))
@@ -125,6 +130,8 @@ class JobQueue(QueueReads):
             watch=watch,
             ack=ReplicaAck.of(config.redis_min_replicas_ack, config.redis_replicas_ack_timeout),
             user_caps=(config.user_max_running_jobs, config.user_max_gpus),
+            fairshare=config.fairshare_queues,
+            fairshare_half_life=config.fairshare_half_life,
         )
 
     def batch(self, *, ack: bool = True) -> ScriptBatch:
@@ -333,6 +340,7 @@ class JobQueue(QueueReads):
                 total,
                 request,
                 *self.user_caps,
+                self.half_life_ms if q in self.fairshare else 0,
             ],
             ahead=True,
             durable=True,
@@ -473,6 +481,15 @@ class JobQueue(QueueReads):
         except ResponseError:  # refused at maxmemory: taken as new, the safe side
             return 0.0
         return min((int(age) / 1000 for age in ages), default=float("inf"))
+
+    async def set_fairshare_weights(self, weights: Mapping[str, float]) -> None:
+        """Give each fair-share queue these users' weights (a user's recent use is divided by
+        theirs; 1 for anyone not named), replacing the weights set before (weights.lua)."""
+        args = [x for user, weight in sorted(weights.items()) for x in (user, repr(float(weight)))]
+        batch = self.batch()
+        for q in sorted(self.fairshare):
+            batch.add(self.scripts.weights, [keys.fairshare(q)], args)
+        await batch.execute()
 
     async def requeue(self, job_id: str) -> str:
         """Ask that a running job be stopped and put back at the front of its queue, to run again

@@ -20,6 +20,10 @@ Per queue (``gp:{q:NAME}:…``):
                 with capped:USER (the same, per user) and capped_users (user -> seq of their
                 oldest held job); back at the front, by seq, once the user is below the caps. What a
                 user runs is counted from `leases` at each claim: no counter to drift.
+  fairshare     HASH (fair-share queues, config fairshare_queues): 'half_life' (ms) its claims decay
+                use by, each user's use ('u:USER', GPU-ms, as of 't:USER', ms; charged as each
+                attempt ends, _lib.lua) and weight ('w:USER', from the tokens file; 1 if absent).
+                Its waiting jobs are held in the users' lines (capped:USER) as claims read them.
   wake          capped Stream of ``w=1`` entries, one per job put at the front: workers block on it
                 (XREAD) beside the stream, since a ZSET cannot wake them.
   leases        ZSET id -> lease deadline (Redis server time, ms) of every running attempt.
@@ -90,6 +94,14 @@ def parked(queue: str) -> str:
 
 def capped(queue: str) -> str:
     return queue_prefix(queue) + "capped"
+
+
+def capped_users(queue: str) -> str:
+    return queue_prefix(queue) + "capped_users"
+
+
+def fairshare(queue: str) -> str:
+    return queue_prefix(queue) + "fairshare"
 
 
 def priority(queue: str) -> str:

@@ -68,6 +68,7 @@ NAMES = (
     "add_queue",
     "prune_workers",
     "primary_age",
+    "weights",
 )
 
 
@@ -95,6 +96,7 @@ class Scripts:
         self.add_queue: AsyncScript = redis.register_script(source("add_queue"))
         self.prune_workers: AsyncScript = redis.register_script(source("prune_workers"))
         self.primary_age: AsyncScript = redis.register_script(source("primary_age"))
+        self.weights: AsyncScript = redis.register_script(source("weights"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from daemon.job import JobInfo, JobSpec, JobState
 from daemon.metrics.server import ServerMetrics
 from daemon.object_store import artifact_job
 from daemon.queue.job_queue import JobQueue, out_of_memory
+from daemon.queue.reads import Standing
 from daemon.queue.terminal_events import JobEvents
 from daemon.server.data_desk import DataDesk
 from protocol import (
@@ -357,16 +358,49 @@ class Handlers:
         place = (
             f"{ahead} job(s) ahead of it in queue {info.spec.queue!r}" if ahead else "next to start"
         ) + rank
-        if await self.queue.held_at_cap(info.id):
-            jobs, gpus = self.queue.user_caps
-            caps = " or ".join(c for c in (jobs and f"{jobs} running jobs", gpus and f"{gpus} GPUs") if c)
-            return (
-                f"{info.spec.user} is at the cap of {caps} per user in queue {info.spec.queue!r}: it "
-                "starts, before the jobs behind it, once one of theirs there ends"
-            )
+        fair = info.spec.queue in self.queue.fairshare and not info.spec.priority
+        if not fair and await self.queue.held_at_cap(info.id):
+            return self._cap_reason(info)
         if not any(info.spec.queue in w.get("queues", ()) for w in workers):
             return f"no live worker serves queue {info.spec.queue!r} (when one does: {place})"
+        if fair:  # its user's turn comes by recent use, not by place
+            return await self._fair_reason(info, {j.spec.user for j in listed if j.state is JobState.QUEUED})
         return place
+
+    def _cap_reason(self, info: JobInfo) -> str:
+        jobs, gpus = self.queue.user_caps
+        caps = " or ".join(c for c in (jobs and f"{jobs} running jobs", gpus and f"{gpus} GPUs") if c)
+        return (
+            f"{info.spec.user} is at the cap of {caps} per user in queue {info.spec.queue!r}: it "
+            "starts, before the jobs behind it, once one of theirs there ends"
+        )
+
+    async def _fair_reason(self, info: JobInfo, waiting: set[str]) -> str:
+        """A job waiting its user's turn in a fair-share queue: who goes first, and why.
+        `waiting`: the users with jobs waiting there, as listed."""
+        q, user = info.spec.queue, info.spec.user
+        standing = await self.queue.fair_standing(q, self.queue.half_life_ms)
+        for u in waiting:
+            standing.setdefault(u, Standing()).waiting = True
+        me = standing.get(user, Standing())
+        jobs_cap, gpus_cap = self.queue.user_caps
+        if me.running and (
+            (jobs_cap and me.running >= jobs_cap) or (gpus_cap and me.gpus + info.spec.gpus > gpus_cap)
+        ):
+            return self._cap_reason(info)
+        first = sorted(
+            (u for u, st in standing.items() if u != user and st.waiting and st.rank < me.rank),
+            key=lambda u: standing[u].rank,
+        )
+        mine = f"{user}: {me.use / 3600:.2f} GPU-hours of recent use, weight {me.weight:g}"
+        if first:
+            who = ", ".join(first[:5]) + (f" and {len(first) - 5} more" if len(first) > 5 else "")
+            verb = "goes" if len(first) == 1 else "go"
+            return f"fair share in queue {q!r}: {who} {verb} first: less recent use ({mine})"
+        return (
+            f"fair share in queue {q!r}: {user} goes next, with the least recent use of those "
+            f"waiting ({mine})"
+        )
 
     async def _cancel(self, job_ids: list[str], user: str) -> dict[str, str]:
         """Each job's state after the request: cancelled (or how it had ended), "not_found", or

@@ -105,6 +105,8 @@ class PoolServer:
         await self.store.open()
         client = await self.redis.start()
         self.queue = JobQueue.from_config(client, c, watch=self.redis.watch)
+        if c.fairshare_queues:
+            await self.queue.set_fairshare_weights(dict(users.weights) if users is not None else {})
         # Results are read by a blocking read, seen at once; the queue set is read again after each
         # read that timed out (a result in a queue new to this server is seen within that).
         events = JobEvents(self.queue, c.redis_events_block_ms / 1000, self._finished)

@@ -28,6 +28,8 @@ def test_users_and_admins(tmp_path: Path) -> None:
     assert users.max_priority == ()
     text = f'alice = {{ token = "{TOKEN}", max_priority = 10 }}\nbob = "{TOKEN}y"\n'
     assert read_users(tokens_file(tmp_path, text)).max_priority == (("alice", 10),)
+    text = f'alice = {{ token = "{TOKEN}", fairshare_weight = 2.5 }}\nbob = "{TOKEN}y"\n'
+    assert read_users(tokens_file(tmp_path, text)).weights == (("alice", 2.5),)
 
 
 @pytest.mark.parametrize(
@@ -38,6 +40,8 @@ def test_users_and_admins(tmp_path: Path) -> None:
         (f'alice = {{ token = "{TOKEN}", role = "admin" }}', "not a table of ['role', 'token']"),
         (f'alice = {{ token = "{TOKEN}", max_priority = 101 }}', "max_priority = 0..100"),
         (f'alice = {{ token = "{TOKEN}", max_priority = "high" }}', "max_priority = 0..100"),
+        (f'alice = {{ token = "{TOKEN}", fairshare_weight = 0 }}', "fairshare_weight = a number above 0"),
+        (f'alice = {{ token = "{TOKEN}", fairshare_weight = "x" }}', "fairshare_weight = a number above 0"),
         ("alice = { admin = true }", "16 or more characters"),
         ("alice = ", "not valid TOML"),
     ],

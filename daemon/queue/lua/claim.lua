@@ -24,13 +24,22 @@
 --    started or waited for, and the jobs behind it go on; it returns to the front, by its seq,
 --    once its user is below the caps (counted from the queue's leases at each call, so nothing
 --    kept apart can drift). A user with nothing running here always gets one job, however big;
+--  * fair share (ARGV 12, a half-life in ms; 0: FIFO): the stream's entries join their users'
+--    lines (`capped:USER`, by seq) as they are read, and after the front and the priorities the
+--    next start goes to the user with the least recent use per weight (their decayed use, see
+--    _lib.lua `charge`, plus what their running jobs here used so far, each counted as at least
+--    one GPU-ms, so that a burst of starts alternates; the weight is the queue's
+--    `fairshare` 'w:USER', 1 by default), then to the user with fewer jobs running, then to the
+--    older job; FIFO within one user. The chosen job waits for GPUs at the head as a stream entry
+--    would;
 --  * at maxmemory the claim is refused whole: its first write is the memo (see _lib.lua);
 --  * cancelled jobs met on the way are acknowledged and deleted, never run.
 -- KEYS: 1 stream, 2 retry, 3 leases, 4 the worker's claim memo, 5 parked
 -- ARGV: 1 queue key prefix, 2 group, 3 consumer (worker id), 4 GPUs free, 5 lease duration (ms),
 --       6 GPUs a job asking for 0 gets, 7 most jobs to claim, 8 GPUs the worker has in all,
 --       9 request number (rises with every new request of this worker), 10 most jobs a user may
---       run in this queue, 11 most GPUs a user may hold in it (0: no cap)
+--       run in this queue, 11 most GPUs a user may hold in it (0: no cap), 12 fair share's
+--       half-life (ms; 0: FIFO)
 -- Returns {status, stream cursor, wake cursor, id, attempt, lease, spec, id, attempt, lease, spec,
 -- ...}: the claimed jobs, and why claiming stopped: 'claimed' (N jobs, or a request answered
 -- again), 'empty' (nothing more) or 'blocked' (the next job needs more GPUs than are free). The
@@ -42,6 +51,7 @@ local gpus_free, lease_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
 local default_gpus, wanted, gpus_total = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local request = tonumber(ARGV[9])
 local max_running, max_gpus = tonumber(ARGV[10]) or 0, tonumber(ARGV[11]) or 0
+local half_life = tonumber(ARGV[12]) or 0
 local now = now_ms()
 local claimed, ids = {}, {}
 
@@ -111,22 +121,25 @@ local function newest()
 end
 
 -- Start job `id` under this claimer; `f`: its job_fields, read in this call.
--- What each user runs in this queue now, {jobs, GPUs}: counted from the leases at the first look a
--- call needs (only with caps), then kept up to date by `start`.
+-- What each user runs in this queue now, {jobs, GPUs, GPU-ms used so far (each job at least
+-- one GPU-ms)}: counted from the leases at the first look a call needs (with caps or fair
+-- share), then kept up to date by `start`.
 local usage = nil
 local function use_of(user)
   if not usage then
     usage = {}
     for _, id in ipairs(redis.call('ZRANGE', leases, 0, -1)) do
-      local j = redis.call('HMGET', job_key(prefix, id), 'user', 'held_gpus')
+      local j = redis.call('HMGET', job_key(prefix, id), 'user', 'held_gpus', 'started_at')
       if j[1] then
-        local u = usage[j[1]] or {0, 0}
-        u[1], u[2] = u[1] + 1, u[2] + (tonumber(j[2]) or 0)
+        local u = usage[j[1]] or {0, 0, 0}
+        local g = tonumber(j[2]) or 0
+        u[1], u[2] = u[1] + 1, u[2] + g
+        u[3] = u[3] + math.max(1, g) * math.max(1, now - (tonumber(j[3]) or now))
         usage[j[1]] = u
       end
     end
   end
-  usage[user] = usage[user] or {0, 0}
+  usage[user] = usage[user] or {0, 0, 0}
   return usage[user]
 end
 
@@ -147,7 +160,7 @@ local function start(id, jobkey, gpus, f)
     'lease', lease, 'log_n', 0, 'held_gpus', gpus)
   if usage and f[5] then
     local u = use_of(f[5])
-    u[1], u[2] = u[1] + 1, u[2] + gpus
+    u[1], u[2], u[3] = u[1] + 1, u[2] + gpus, u[3] + math.max(1, gpus)
   end
   redis.call('ZADD', leases, now + lease_ms, id)
   redis.call('RPUSH', jobkey .. ':attempts',
@@ -221,7 +234,8 @@ while #ids < wanted do
     local pick, from, pick_seq = r[1], retry, tonumber(r[2])
     local p, p_seq = oldest_parked()
     if p and (not pick or p_seq < pick_seq) then pick, from, pick_seq = p, parked, p_seq end
-    local c, c_seq, c_user = oldest_released()
+    local c, c_seq, c_user = nil, nil, nil
+    if half_life == 0 then c, c_seq, c_user = oldest_released() end  -- (fair share: its own turn)
     if c and (not pick or c_seq < pick_seq) then pick, from, pick_seq = c, nil, c_seq end
     if not pick then break end
     local jobkey = job_key(prefix, pick)
@@ -277,6 +291,69 @@ local function delivered()
     if fields['name'] == group then return fields['last-delivered-id'] end
   end
   return '0-0'
+end
+
+-- Fair share: the stream's new entries join their users' lines (pending under 'reclaimed', as a
+-- parked job's, so never trimmed), and each start goes to the user ranked first (see the top).
+if half_life > 0 then
+  local fs = prefix .. 'fairshare'
+  if tonumber(redis.call('HGET', fs, 'half_life')) ~= half_life then
+    redis.call('HSET', fs, 'half_life', half_life)  -- what attempts ending here charge by (_lib.lua)
+  end
+  local read = redis.call('XREADGROUP', 'GROUP', group, 'reclaimed', 'COUNT', 100 + wanted, 'STREAMS', stream, '>')
+  local entries = read and read[1][2] or {}
+  for _, e in ipairs(entries) do
+    local id = e[2][1] == 'job' and e[2][2] or nil
+    local f = id and job_fields(job_key(prefix, id))
+    if not f or f[1] ~= 'queued' then
+      drop_entry(stream, group, e[1])
+    elseif redis.call('ZSCORE', prefix .. 'prio', id) then
+      redis.call('XACK', stream, group, e[1])  -- `prio` holds it, and deletes the entry as it starts
+    elseif need_of(f) > gpus_total then
+      park(id, need_of(f))
+    else
+      hold(prefix, f[5] or '', id, f[6])
+    end
+  end
+  -- A user's rank: {use per weight, jobs running, the seq of their next job}, the least first.
+  local past, weight = {}, {}
+  local function rank(user, seq)
+    if not past[user] then
+      past[user] = math.floor(decayed(fs, user, now, half_life))  -- whole GPU-ms: decayed away is 0
+      weight[user] = tonumber(redis.call('HGET', fs, 'w:' .. user)) or 1
+    end
+    local u = use_of(user)
+    return {(past[user] + u[3]) / weight[user], u[1], seq}
+  end
+  local function before(a, b)
+    for i = 1, 3 do
+      if a[i] ~= b[i] then return a[i] < b[i] end
+    end
+    return false
+  end
+  while #ids < wanted do
+    local best, best_rank, best_user, best_f, best_gpus = nil, nil, nil, nil, nil
+    for _, user in ipairs(redis.call('ZRANGE', capped_users, 0, -1)) do
+      local held = redis.call('ZRANGE', prefix .. 'capped:' .. user, 0, HELD_LOOK - 1, 'WITHSCORES')
+      for i = 1, #held, 2 do
+        local f = job_fields(job_key(prefix, held[i]))
+        local g = need_of(f)
+        if g <= gpus_total and under_cap(user, g) then  -- (a user at a cap is passed over)
+          local r = rank(user, tonumber(held[i + 1]))
+          if not best or before(r, best_rank) then best, best_rank, best_user, best_f, best_gpus = held[i], r, user, f, g end
+          break
+        end
+      end
+    end
+    if not best then break end
+    if best_gpus > gpus_free then return stop('blocked', newest()) end
+    local jobkey = job_key(prefix, best)
+    unhold(prefix, best_user, best)
+    redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
+    start(best, jobkey, best_gpus, best_f)
+  end
+  if #ids == wanted or #entries == 100 + wanted then return stop('claimed', '0-0') end
+  return stop('empty', delivered())
 end
 
 -- Take a stream entry (delivered to this claimer): drop it, pass it over, or start its job.

@@ -23,7 +23,7 @@ if not holds(j, attempt, consumer, lease) then
 end
 local now = now_ms()
 redis.call('ZREM', leases, id)
-close_attempt(jobkey, state, now)
+close_attempt(prefix, jobkey, state, now)
 local outcome = {'exit_code', ARGV[8], 'detail', ARGV[9], 'result', ARGV[10], 'ended_by', lease}
 if state == 'failed' and j[7] ~= '1' and tonumber(j[5]) < tonumber(j[6]) then
   outcome[#outcome + 1], outcome[#outcome + 2] = 'ended_as', 'queued'

@@ -22,7 +22,7 @@ for _, id in ipairs(expired) do
   local jobkey = job_key(prefix, id)
   local j = redis.call('HMGET', jobkey, 'state', 'max_attempts', 'cancel')
   if j[1] == 'running' then
-    close_attempt(jobkey, 'lost', now)
+    close_attempt(prefix, jobkey, 'lost', now)
     local losses = redis.call('HINCRBY', jobkey, 'losses', 1)
     local state
     if j[3] == '1' then

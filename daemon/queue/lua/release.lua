@@ -19,7 +19,7 @@ if not holds(j, ARGV[5], consumer, lease) then
 end
 local now = now_ms()
 redis.call('ZREM', leases, id)
-close_attempt(jobkey, 'released', now)
+close_attempt(prefix, jobkey, 'released', now)
 local answer = 'queued'
 if j[5] == '1' then
   finish(prefix, stream, group, events, id, 'cancelled', now, tonumber(ARGV[7]))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import pytest
@@ -18,25 +17,15 @@ from daemon.queue import keys
 from daemon.queue.connection import AnyRedis
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
-from tests.support.cluster import ClusterServer
+from tests.daemon.queue.conftest import Server
 
 OK = Outcome(JobState.SUCCEEDED, exit_code=0)
 
-Server = EmbeddedRedis | ClusterServer
-
-
-@pytest.fixture(params=["one redis", "cluster"])
-def server(request: pytest.FixtureRequest) -> Server:
-    """The queue's Redis: one redis-server, or a Redis Cluster."""
-    name = "redis_server" if request.param == "one redis" else "cluster_server"
-    return cast(Server, request.getfixturevalue(name))
-
 
 @pytest.fixture
-async def redis(server: Server) -> AsyncIterator[AnyRedis]:
-    client = server.client()
-    yield client
-    await client.aclose()
+def redis(either_redis: AnyRedis) -> AnyRedis:
+    """Each test here runs on one redis-server and on a Redis Cluster (conftest.py)."""
+    return either_redis
 
 
 def spec(n: int = 0, **kw: object) -> JobSpec:
