@@ -248,6 +248,8 @@ class JobQueue(QueueReads):
         default_gpus: int = 0,
         *,
         gpus_total: int | None = None,
+        ends: Sequence[tuple[float | None, int]] = (),
+        grace: float = 0.0,
     ) -> list[Lease]:
         """Up to `count` next jobs for `worker` (a worker with that many free slots), in queue
         priority order then each queue's order, one script call per queue tried. A job asking for
@@ -265,8 +267,15 @@ class JobQueue(QueueReads):
         a primary cut off from its replicas (the old one, still up, after a failover elsewhere)
         grants no job and extends no lease, and a job the new primary hands to another worker is
         not running here meanwhile. One that no replica confirmed raises NotReplicated and is
-        sent again, as one unanswered, until one does."""
+        sent again, as one unanswered, until one does.
+
+        Backfill (claim.lua): `ends` says when each job running on the worker ends at the latest,
+        (seconds from now, or None for no time limit; its GPUs), and `grace` is the worker's stop
+        grace: with them a queue's head job that must wait for GPUs reserves this worker, and only
+        jobs that cannot delay it start here meanwhile, from its queue and those tried after it."""
         total = gpus_free if gpus_total is None else gpus_total
+        schedule = " ".join(f"{-1 if t is None else max(0, round(t * 1000))}:{g}" for t, g in ends if g)
+        kept = 0
         todo: list[tuple[str, int]] = []
         if (pending := self._unanswered.pop(worker, None)) is not None:
             todo.append(pending)
@@ -276,8 +285,13 @@ class JobQueue(QueueReads):
                 break
             request = todo.pop()[1] if todo else self._next_request(worker)
             try:
-                status, cursors, got = await self._claim_call(
-                    worker, q, request, count - len(leases), (gpus_free, default_gpus, total)
+                status, cursors, kept, got = await self._claim_call(
+                    worker,
+                    q,
+                    request,
+                    count - len(leases),
+                    (gpus_free, default_gpus, total),
+                    backfill=(schedule, round(grace * 1000), kept),
                 )
             except (RedisError, NotReplicated, asyncio.CancelledError) as exc:
                 if unanswered(exc):
@@ -308,7 +322,7 @@ class JobQueue(QueueReads):
             return leases
         q, request = pending
         try:
-            _, _, got = await self._claim_call(worker, q, request, 0, (0, 0, 0))
+            _, _, _, got = await self._claim_call(worker, q, request, 0, (0, 0, 0))
         except (RedisError, NotReplicated, asyncio.CancelledError) as exc:
             if unanswered(exc):
                 self._unanswered[worker] = pending
@@ -321,12 +335,21 @@ class JobQueue(QueueReads):
         return number
 
     async def _claim_call(
-        self, worker: str, q: str, request: int, count: int, gpus: tuple[int, int, int]
-    ) -> tuple[bytes, tuple[str, str], list[Lease]]:
-        """One claim.lua call; `gpus` is (free, default per job, total). It goes ahead of the other
-        calls (scripts.Pipeliner): the outcome of the job whose slot it fills follows it."""
+        self,
+        worker: str,
+        q: str,
+        request: int,
+        count: int,
+        gpus: tuple[int, int, int],
+        *,
+        backfill: tuple[str, int, int] = ("", 0, 0),
+    ) -> tuple[bytes, tuple[str, str], int, list[Lease]]:
+        """One claim.lua call; `gpus` is (free, default per job, total), `backfill` (when the
+        worker's running jobs end, its stop grace in ms, GPUs it keeps for a head job). It goes
+        ahead of the other calls (scripts.Pipeliner): the outcome of the job whose slot it fills
+        follows it. Returns (status, cursors, GPUs kept for a head job, leases)."""
         free, default, total = gpus
-        status, stream_cursor, wake_cursor, *claimed = await self._call(
+        status, stream_cursor, wake_cursor, kept, *claimed = await self._call(
             self.scripts.claim,
             [keys.stream(q), keys.retry(q), keys.leases(q), keys.claims(q, worker), keys.parked(q)],
             [
@@ -341,6 +364,7 @@ class JobQueue(QueueReads):
                 request,
                 *self.user_caps,
                 self.half_life_ms if q in self.fairshare else 0,
+                *backfill,
             ],
             ahead=True,
             durable=True,
@@ -355,7 +379,7 @@ class JobQueue(QueueReads):
                 )
                 continue
             leases.append(Lease(_s(job_id), int(attempt), worker, spec, _s(lease_id)))
-        return status, (_s(stream_cursor), _s(wake_cursor)), leases
+        return status, (_s(stream_cursor), _s(wake_cursor)), int(kept), leases
 
     async def _unreadable(self, lease: Lease, exc: Exception) -> None:
         """A claimed job whose spec this worker cannot read: it fails, saying why, rather than go

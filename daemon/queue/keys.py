@@ -24,6 +24,10 @@ Per queue (``gp:{q:NAME}:…``):
                 use by, each user's use ('u:USER', GPU-ms, as of 't:USER', ms; charged as each
                 attempt ends, _lib.lua) and weight ('w:USER', from the tokens file; 1 if absent).
                 Its waiting jobs are held in the users' lines (capped:USER) as claims read them.
+  reservation   HASH: the queue's head job waiting for GPUs ('job') and the worker it reserved
+                ('worker') until when ('until', ms: a lease, renewed by that worker's claims), and
+                when it could start there at the earliest ('at', ms; -1 unknown): claim.lua's
+                backfill starts only jobs that cannot delay it there.
   wake          capped Stream of ``w=1`` entries, one per job put at the front: workers block on it
                 (XREAD) beside the stream, since a ZSET cannot wake them.
   leases        ZSET id -> lease deadline (Redis server time, ms) of every running attempt.
@@ -98,6 +102,10 @@ def capped(queue: str) -> str:
 
 def capped_users(queue: str) -> str:
     return queue_prefix(queue) + "capped_users"
+
+
+def reservation(queue: str) -> str:
+    return queue_prefix(queue) + "reservation"
 
 
 def fairshare(queue: str) -> str:

@@ -204,6 +204,16 @@ class QueueReads:
         """Whether a queued job is held aside because its user is at a cap (claim.lua)."""
         return await self.redis.zscore(keys.capped(queue_of(job_id)), job_id) is not None
 
+    async def reservation(self, job_id: str) -> tuple[str, float] | None:
+        """When `job_id` heads its queue waiting for GPUs and holds a live reservation (claim.lua's
+        backfill): the worker it reserved and when it could start there at the earliest (a Unix
+        time; now or earlier when its running jobs have no time limits). Else None."""
+        r = await self.redis.hmget(keys.reservation(queue_of(job_id)), "job", "worker", "until", "at")
+        job, worker, until, at = (None if v is None else _s(v) for v in r)
+        if job != job_id or worker is None or until is None or float(until) < time.time() * 1000:
+            return None
+        return worker, float(at or 0) / 1000
+
     async def fair_standing(self, queue: str, half_life_ms: int) -> dict[str, Standing]:
         """Each user of a fair-share queue with jobs waiting or running there: their recent use
         (GPU-seconds, decayed as claim.lua decays it), weight and what they run, for `show` to say

@@ -344,6 +344,19 @@ class Handlers:
         listed = await self.queue.list_jobs(info.spec.queue, limit=MAX_LIST)  # in the order they start
         queued = [j.id for j in listed if j.state is JobState.QUEUED]
         ahead = queued.index(info.id) if info.id in queued else len(queued)
+        if (reserved := await self.queue.reservation(info.id)) is not None:
+            worker, at = reserved
+            when = (
+                f"expected by {time.strftime('%H:%M:%S', time.localtime(at))}, when its running jobs' "
+                "time limits end"
+                if at > time.time() + 1
+                else "expected as soon as its running jobs end (not all have a time limit)"
+            )
+            gpus = f"{info.spec.gpus} GPUs" if info.spec.gpus else "its GPUs"
+            return (
+                f"waiting for {gpus}; reserved on {worker}, {when}; jobs behind it start meanwhile "
+                "where they cannot delay it"
+            )
         workers = [w for w in await self.workers() if w.get("health") == "healthy"]
         if info.spec.gpus and not any(len(w.get("gpus", ())) >= info.spec.gpus for w in workers):
             return (

@@ -24,7 +24,7 @@ import enum
 import logging
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from daemon.job import Lease, RenewStatus
 from daemon.worker.orphan_guard import OrphanGuard
@@ -55,6 +55,7 @@ class HeldAttempt:
     slot: int | None = None
     task: asyncio.Task[None] | None = None
     fenced: bool = False  # killed at its deadline already
+    since: float = field(default_factory=boottime)  # boottime() of its claim
 
     def expired(self) -> bool:
         """Past the deadline: the lease may be another worker's by now."""

@@ -389,6 +389,8 @@ class Worker:
             self.allocator.free_count(),
             self.allocator.share,
             gpus_total=len(self.allocator.gpus),
+            ends=self._ends(),
+            grace=self.kill_grace,
         )
         if not leases:
             return False
@@ -573,6 +575,22 @@ class Worker:
         self._held.renewed(statuses, until)
 
     # -- reads ------------------------------------------------------------------------------------
+
+    def _ends(self) -> list[tuple[float | None, int]]:
+        """When each attempt holding GPUs here ends at the latest (seconds from now: its time
+        limit from its claim, plus its stop grace; None without a limit), and its GPUs: what a
+        claim's backfill needs to know when a head job could start here (claim.lua)."""
+        now = boottime()
+        out: list[tuple[float | None, int]] = []
+        for h in self._held:
+            gpus = len(self.allocator.held_by(h.lease.id))
+            spec = h.lease.spec
+            if gpus and spec.timeout is None:
+                out.append((None, gpus))
+            elif gpus and spec.timeout is not None:
+                grace = self.kill_grace if spec.stop_grace is None else spec.stop_grace
+                out.append((max(0.0, h.since + spec.timeout + grace - now), gpus))
+        return out
 
     def _busy(self) -> int:
         """Slots taken: attempts that hold one (from their start until their processes are gone)."""

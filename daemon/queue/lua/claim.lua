@@ -32,6 +32,14 @@
 --    `fairshare` 'w:USER', 1 by default), then to the user with fewer jobs running, then to the
 --    older job; FIFO within one user. The chosen job waits for GPUs at the head as a stream entry
 --    would;
+--  * backfill with a reservation (ARGV 13, 14): the first job that must wait for GPUs here (the
+--    head) reserves this worker (`reservation`: one per queue, for a lease, renewed by each claim
+--    of its worker; a worker that dies lets it lapse), unless another live worker holds its
+--    reservation. Jobs behind it may then start: on any worker the head is not reserved on; on the
+--    one it is, only a job whose time limit (plus stop grace) ends before the head could start
+--    there (the running jobs' limits say when: one without a limit may end any moment). So no job
+--    it waits behind can delay it, and it starts once its reserved worker has its GPUs. A worker holding a reservation keeps those GPUs from the
+--    queues it claims from after this one too (ARGV 15);
 --  * at maxmemory the claim is refused whole: its first write is the memo (see _lib.lua);
 --  * cancelled jobs met on the way are acknowledged and deleted, never run.
 -- KEYS: 1 stream, 2 retry, 3 leases, 4 the worker's claim memo, 5 parked
@@ -39,12 +47,15 @@
 --       6 GPUs a job asking for 0 gets, 7 most jobs to claim, 8 GPUs the worker has in all,
 --       9 request number (rises with every new request of this worker), 10 most jobs a user may
 --       run in this queue, 11 most GPUs a user may hold in it (0: no cap), 12 fair share's
---       half-life (ms; 0: FIFO)
--- Returns {status, stream cursor, wake cursor, id, attempt, lease, spec, id, attempt, lease, spec,
--- ...}: the claimed jobs, and why claiming stopped: 'claimed' (N jobs, or a request answered
--- again), 'empty' (nothing more) or 'blocked' (the next job needs more GPUs than are free). The
--- cursors are the stream ids to wait after (XREAD BLOCK on the stream and the `wake` stream)
--- before a claim can find more.
+--       half-life (ms; 0: FIFO), 13 when the worker's running jobs end at the latest ('MS:GPUS ...',
+--       ms from now; -1: no time limit), 14 its stop grace (ms), 15 GPUs it keeps for a head job
+--       reserved on it in a queue it claimed from before this one (0: none)
+-- Returns {status, stream cursor, wake cursor, GPUs kept, id, attempt, lease, spec, id, attempt,
+-- lease, spec, ...}: the claimed jobs, and why claiming stopped: 'claimed' (N jobs, or a request
+-- answered again), 'empty' (nothing more) or 'blocked' (the next job needs more GPUs than are
+-- free). The cursors are the stream ids to wait after (XREAD BLOCK on the stream and the `wake`
+-- stream) before a claim can find more; GPUs kept: for a head job reserved on this worker (ARGV
+-- 15 of its claims from later queues).
 local stream, retry, leases, memo, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local prefix, group, consumer = ARGV[1], ARGV[2], ARGV[3]
 local gpus_free, lease_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -52,6 +63,10 @@ local default_gpus, wanted, gpus_total = tonumber(ARGV[6]), tonumber(ARGV[7]), t
 local request = tonumber(ARGV[9])
 local max_running, max_gpus = tonumber(ARGV[10]) or 0, tonumber(ARGV[11]) or 0
 local half_life = tonumber(ARGV[12]) or 0
+local ends = {}  -- {ms from now, GPUs} of each running job here, the soonest first
+for ms, g in string.gmatch(ARGV[13] or '', '(%-?%d+):(%d+)') do ends[#ends + 1] = {math.max(0, tonumber(ms)), tonumber(g)} end
+table.sort(ends, function(a, b) return a[1] < b[1] end)
+local grace_ms = tonumber(ARGV[14]) or 0
 local now = now_ms()
 local claimed, ids = {}, {}
 
@@ -61,8 +76,9 @@ end
 
 -- The cursors matter only to a claimer that found nothing more to take (it waits after them):
 -- a 'claimed' answer carries none.
+local head_need, head_at = nil, nil  -- a head job's GPUs kept here, and when it could start (ms)
 local function reply(status, cursor)
-  local out = {status, cursor, '0-0'}
+  local out = {status, cursor, '0-0', head_need or 0}
   if status ~= 'claimed' then
     local top = redis.call('XREVRANGE', prefix .. 'wake', '+', '-', 'COUNT', 1)[1]
     out[3] = top and top[1] or '0-0'
@@ -219,6 +235,124 @@ local function oldest_released()
   return best, best_seq, best_user
 end
 
+-- Backfill (see the top). When `g` GPUs could be free here at the earliest (ms from now): the
+-- running jobs end at their limits, and GPUs in use that `ends` does not account for (jobs
+-- without a limit, jobs claimed in this very call) may come back any moment.
+local function earliest(g)
+  local free = gpus_total
+  for _, e in ipairs(ends) do free = free - e[2] end
+  if free >= g then return 0 end
+  for _, e in ipairs(ends) do
+    free = free + e[2]
+    if free >= g then return e[1] end
+  end
+  return 0
+end
+
+-- The longest a job (its packed spec) may run here, in ms: its time limit and stop grace; nil
+-- when it has no limit.
+local function run_limit(spec)
+  local ok, s = pcall(cmsgpack.unpack, spec)
+  if not ok or type(s) ~= 'table' or type(s.timeout) ~= 'number' then return nil end
+  return s.timeout * 1000 + (type(s.stop_grace) == 'number' and s.stop_grace * 1000 or grace_ms)
+end
+
+-- Whether a job of `gpus` GPUs (job_fields `f`) may start here now: its GPUs are free and, with a
+-- head job's GPUs kept here, it is sure to end before the head could start.
+local function may_start(gpus, f)
+  if gpus > gpus_free then return false end
+  if not head_need then return true end
+  local limit = run_limit(f[4])
+  return limit ~= nil and limit <= head_at
+end
+if tonumber(ARGV[15] or 0) > 0 then head_need = tonumber(ARGV[15]); head_at = earliest(head_need) end
+
+-- The last entry the group delivered: where to wait after when nothing more can be taken.
+local function delivered()
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local fields = {}
+    for i = 1, #g, 2 do fields[g[i]] = g[i + 1] end
+    if fields['name'] == group then return fields['last-delivered-id'] end
+  end
+  return '0-0'
+end
+
+-- Start, behind the head job `head`, the jobs that may start here (may_start), in the order a
+-- claim looks: the front, the priorities, the users' lines, the stream's entries not yet delivered
+-- (each taken out of turn is deleted undelivered, as a priority job's is). A bounded look.
+local LOOK = 50
+local function backfill(head)
+  local function fits(id)
+    if id == head then return nil end
+    local jobkey = job_key(prefix, id)
+    local f = job_fields(jobkey)
+    local g = need_of(f)
+    if f[1] == 'queued' and g <= gpus_total and under_cap(f[5], g) and may_start(g, f) then
+      return jobkey, f, g
+    end
+    return nil
+  end
+  for _, from in ipairs({retry, parked}) do
+    for _, id in ipairs(redis.call('ZRANGE', from, 0, LOOK - 1)) do
+      if #ids == wanted then return end
+      local jobkey, f, g = fits(id)
+      if jobkey then
+        redis.call('ZREM', from, id)
+        redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
+        start(id, jobkey, g, f)
+      end
+    end
+  end
+  for _, id in ipairs(redis.call('ZRANGE', prefix .. 'prio', 0, LOOK - 1)) do
+    if #ids == wanted then return end
+    local jobkey, f, g = fits(id)
+    if jobkey then
+      redis.call('ZREM', prefix .. 'prio', id)
+      redis.call('XDEL', stream, redis.call('HGET', jobkey, 'entry'))
+      start(id, jobkey, g, f)
+    end
+  end
+  for _, user in ipairs(redis.call('ZRANGE', capped_users, 0, LOOK - 1)) do
+    for _, id in ipairs(redis.call('ZRANGE', prefix .. 'capped:' .. user, 0, HELD_LOOK - 1)) do
+      if #ids == wanted then return end
+      local jobkey, f, g = fits(id)
+      if jobkey then
+        unhold(prefix, user, id)
+        redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
+        start(id, jobkey, g, f)
+      end
+    end
+  end
+  if redis.call('EXISTS', stream) == 0 then return end
+  for _, e in ipairs(redis.call('XRANGE', stream, '(' .. delivered(), '+', 'COUNT', LOOK)) do
+    if #ids == wanted then return end
+    local id = e[2][1] == 'job' and e[2][2] or nil
+    local jobkey, f, g = nil, nil, nil
+    if id then jobkey, f, g = fits(id) end
+    if jobkey then
+      redis.call('XDEL', stream, e[1])
+      redis.call('ZREM', prefix .. 'prio', id)
+      start(id, jobkey, g, f)
+    end
+  end
+end
+
+-- Job `id`, the first that must wait for its `gpus` here: it reserves this worker unless another
+-- live one holds its reservation (or GPUs here are kept for a head already), the jobs behind it
+-- that may start do (backfill), and the claim stops.
+local function blocked(id, gpus)
+  if not head_need then
+    local r = redis.call('HMGET', prefix .. 'reservation', 'job', 'worker', 'until')
+    if not (r[1] == id and r[2] ~= consumer and tonumber(r[3]) > now) then
+      head_need, head_at = gpus, earliest(gpus)
+      redis.call('HSET', prefix .. 'reservation', 'job', id, 'worker', consumer, 'until', now + lease_ms,
+        'at', now + head_at)
+    end
+  end
+  backfill(id)
+  return stop('blocked', newest())
+end
+
 -- The front: `retry` (lowest seq first), the parked jobs this worker can hold and the jobs held at
 -- a cap whose user is below it now, the oldest first.
 local moved = 0
@@ -247,7 +381,7 @@ while #ids < wanted do
       hold(prefix, f[5], pick, f[6])
       moved = moved + 1
     else
-      if gpus > gpus_free then return stop('blocked', newest()) end
+      if not may_start(gpus, f) then return blocked(pick, gpus) end
       if from then redis.call('ZREM', from, pick) else unhold(prefix, c_user, pick) end
       redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
       start(pick, jobkey, gpus, f)
@@ -266,7 +400,7 @@ while #ids < wanted do
   local gpus = need_of(f)
   local queued = f[1] == 'queued'
   local at_cap = queued and gpus <= gpus_total and not under_cap(f[5], gpus)
-  if queued and not at_cap and gpus <= gpus_total and gpus > gpus_free then return stop('blocked', newest()) end
+  if queued and not at_cap and gpus <= gpus_total and not may_start(gpus, f) then return blocked(top, gpus) end
   if queued and (gpus > gpus_total or at_cap) then
     if moved >= 100 then return stop('claimed', '0-0') end  -- enough moved for one call: cut short
     moved = moved + 1
@@ -283,15 +417,6 @@ if #ids == wanted then return stop('claimed', '0-0') end
 
 if redis.call('EXISTS', stream) == 0 then return stop('empty', '0-0') end
 
--- The last entry the group delivered: where to wait after when nothing more can be taken.
-local function delivered()
-  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
-    local fields = {}
-    for i = 1, #g, 2 do fields[g[i]] = g[i + 1] end
-    if fields['name'] == group then return fields['last-delivered-id'] end
-  end
-  return '0-0'
-end
 
 -- Fair share: the stream's new entries join their users' lines (pending under 'reclaimed', as a
 -- parked job's, so never trimmed), and each start goes to the user ranked first (see the top).
@@ -346,7 +471,7 @@ if half_life > 0 then
       end
     end
     if not best then break end
-    if best_gpus > gpus_free then return stop('blocked', newest()) end
+    if not may_start(best_gpus, best_f) then return blocked(best, best_gpus) end
     local jobkey = job_key(prefix, best)
     unhold(prefix, best_user, best)
     redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
@@ -383,7 +508,7 @@ end
 local last = nil  -- the group's last delivered entry, once looked up
 for _ = 1, 100 + wanted do
   if #ids == wanted then return stop('claimed', '0-0') end
-  if gpus_free >= gpus_total then
+  if gpus_free >= gpus_total and not head_need then
     -- Every GPU this claimer has is free, so no job can make it wait (one asking for more than
     -- it has is passed over): the next entry is taken as it is delivered, without a look first.
     local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', stream, '>')
@@ -398,8 +523,8 @@ for _ = 1, 100 + wanted do
     local nxt = redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', 1)[1]
     if not nxt then return stop('empty', last) end
     local f, gpus = read_of(nxt[2])
-    if gpus > gpus_free and gpus <= gpus_total and under_cap(f and f[5], gpus) then
-      return stop('blocked', newest())
+    if f and f[1] == 'queued' and gpus <= gpus_total and under_cap(f[5], gpus) and not may_start(gpus, f) then
+      return blocked(nxt[2][2], gpus)
     end
     redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', stream, '>')
     take(nxt[1], nxt[2], f, gpus)

@@ -213,3 +213,21 @@ async def test_show_says_a_job_waits_for_its_user_to_be_below_the_cap(
             "alice is at the cap of 1 running jobs per user in queue 'default': it starts, before "
             "the jobs behind it, once one of theirs there ends"
         )
+
+
+async def test_show_says_a_head_job_is_reserved_on_a_worker_and_when_it_could_start(pool: Pool) -> None:
+    async with pool.client() as c:
+        running = (
+            await c.call(Enqueue(job(gpus=2, timeout=600, wait_for_worker=True), None), Enqueued)
+        ).job_id
+        assert [x.job_id for x in await pool.queue.claim_many("w1", ["default"], 1, 4, gpus_total=4)] == [
+            running
+        ]
+        head = (await c.call(Enqueue(job(gpus=4, wait_for_worker=True), None), Enqueued)).job_id
+        # as the worker would claim: 2 GPUs free, the other 2 busy for 600 s at most
+        assert await pool.queue.claim_many("w1", ["default"], 1, 2, gpus_total=4, ends=[(600, 2)]) == []
+        reason = (await c.call(ShowJob(head), JobDetail)).job["pending_reason"]
+    assert reason.startswith("waiting for 4 GPUs; reserved on w1, expected by ")
+    assert reason.endswith(
+        "when its running jobs' time limits end; jobs behind it start meanwhile where they cannot delay it"
+    )
