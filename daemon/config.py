@@ -10,7 +10,8 @@ and what was expected (`ConfigError`, exit status 2).
 
 Longer than ~400 lines on purpose: most of it is the OPTIONS table, which is the reference for every
 option (README's table is checked against it), and splitting the table from the loader that reads
-it would put one concept in two files.
+it would put one concept in two files. Reading the sources themselves (the file with its line
+numbers, the environment, the flags, secret files) is daemon/config_sources.py.
 """
 
 from __future__ import annotations
@@ -19,17 +20,15 @@ import argparse
 import dataclasses
 import math
 import os
-import re
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from daemon.address import SERVER_PORT, parse_host_port, parse_host_ports
+from daemon.config_sources import ENV_PREFIX, Layer, from_env, from_flags, read_secret, read_toml
 from daemon.errors import ConfigError
 
-ENV_PREFIX = "GPUPOOL_"
 DEFAULT_CONFIG_FILE = Path("/etc/gpupool/pool.toml")
 SERVER_METRICS_PORT = 9420
 WORKER_METRICS_PORT = 9421
@@ -157,6 +156,14 @@ OPTIONS: tuple[Option, ...] = (
         lo=0,
     ),
     Option(
+        "gpu_max_jobs",
+        int,
+        4,
+        "the most pool jobs that may share one GPU (poolctl enqueue --gpu-mem), each within the "
+        "memory it declared; a GPU shared is never handed out whole",
+        lo=1,
+    ),
+    Option(
         "worker_healthy_response_period",
         float,
         300.0,
@@ -259,6 +266,13 @@ OPTIONS: tuple[Option, ...] = (
         lo=1,
     ),
     Option(
+        "preempt_queues",
+        list,
+        [],
+        "queues where a job with a --priority that must wait for GPUs stops running jobs of lower "
+        "priority on the worker it reserved, which go back to the front of the queue (checkpoints kept)",
+    ),
+    Option(
         "default_max_priority",
         int,
         0,
@@ -354,6 +368,7 @@ class Config:
     worker_local_processors: int
     worker_remote_processors: int
     worker_cache_bytes: int
+    gpu_max_jobs: int
     worker_healthy_response_period: float
     redis_events_block_ms: float
     heartbeat_interval: float
@@ -367,6 +382,7 @@ class Config:
     queues: list[str]
     fairshare_queues: list[str]
     fairshare_half_life: float
+    preempt_queues: list[str]
     default_max_priority: int
     user_max_running_jobs: int
     user_max_gpus: int
@@ -451,10 +467,10 @@ def load(
     path = config_file or (args and getattr(args, "config", None)) or env.get(ENV_PREFIX + "CONFIG")
     if path is None and DEFAULT_CONFIG_FILE.is_file():
         path = DEFAULT_CONFIG_FILE
-    layers = [_read_toml(Path(path))] if path is not None else []
-    layers.append(_from_env(env))
+    layers = [read_toml(Path(path))] if path is not None else []
+    layers.append(from_env(env))
     if args is not None:
-        layers.append(_from_flags(args))
+        layers.append(from_flags(args, [(o.name, o.secret) for o in OPTIONS]))
     renamed = []
     for layer in layers:
         for i, (key, raw, source, is_text) in enumerate(layer):
@@ -491,60 +507,7 @@ def _check_together(c: Config) -> None:
         )
 
 
-# A layer is a list of (key, raw value, source description, is_text) where is_text means the value
-# came as a string (env, flags) and must be parsed, rather than as a typed TOML value.
-_Layer = list[tuple[str, Any, str, bool]]
-
-
-def _read_toml(path: Path) -> _Layer:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError("config", str(path), f"cannot read the file ({exc.strerror})") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("config", str(path), f"not valid TOML: {exc}") from None
-    lines = text.splitlines()
-
-    def where(key: str) -> str:
-        pattern = re.compile(rf"^\s*[\"']?{re.escape(key)}[\"']?\s*=")
-        for number, line in enumerate(lines, 1):
-            if pattern.match(line):
-                return f"{path}:{number}"
-        return str(path)
-
-    return [(k, v, where(k), False) for k, v in data.items()]
-
-
-def _from_env(env: Mapping[str, str]) -> _Layer:
-    layer: _Layer = []
-    for var, value in env.items():
-        if var.startswith(ENV_PREFIX) and var != ENV_PREFIX + "CONFIG":
-            name = var[len(ENV_PREFIX) :].lower()
-            if name in _GPUPOOL_CLIENT_VARS:
-                continue
-            layer.append((name, value, var, True))
-    return layer
-
-
-# Variables poolctl and jobs use; they share the prefix but are not server options.
-_GPUPOOL_CLIENT_VARS = frozenset(
-    {"token", "server", "job_id", "attempt", "queue", "worker", "output", "user", "tls_ca"}
-)
-
-
-def _from_flags(args: argparse.Namespace) -> _Layer:
-    layer: _Layer = []
-    for o in OPTIONS:
-        for name in (o.name, o.name + "_file") if o.secret else (o.name,):
-            value = getattr(args, name, None)
-            if value is not None:
-                layer.append((name, value, "--" + name.replace("_", "-"), isinstance(value, str)))
-    return layer
-
-
-def _apply(values: dict[str, Any], sources: dict[str, str], layer: _Layer) -> None:
+def _apply(values: dict[str, Any], sources: dict[str, str], layer: Layer) -> None:
     seen: dict[str, str] = {}
     for key, raw, source, is_text in layer:
         name, from_file = key, False
@@ -559,19 +522,10 @@ def _apply(values: dict[str, Any], sources: dict[str, str], layer: _Layer) -> No
             )
         seen[name] = source
         if from_file:
-            values[name] = _convert(option, _read_secret(key, raw, source), source, is_text=True)
+            values[name] = _convert(option, read_secret(key, raw, source), source, is_text=True)
         else:
             values[name] = _convert(option, raw, source, is_text)
         sources[name] = source
-
-
-def _read_secret(key: str, path: object, source: str) -> str:
-    if not isinstance(path, str):
-        raise ConfigError(key, source, "expected a file path (a string)")
-    try:
-        return Path(path).read_text().rstrip("\r\n")
-    except OSError as exc:
-        raise ConfigError(key, source, f"cannot read {path}: {exc.strerror}") from None
 
 
 def _convert(option: Option, raw: Any, source: str, is_text: bool) -> Any:

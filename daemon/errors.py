@@ -46,22 +46,21 @@ class InvalidJob(GpupoolError):
 
 
 class NoWorkerFits(GpupoolError):
-    """A job asks for more GPUs than any worker of the pool that serves its queue has."""
+    """A job asks for more GPUs (or more memory on one GPU) than any worker of the pool that serves
+    its queue has. `needs` and `largest` say it in words ("4 GPUs", "2")."""
 
     code = ErrorCode.INVALID_ARGUMENT
 
-    def __init__(self, gpus: int, queue: str, largest: int | None) -> None:
+    def __init__(self, needs: str, queue: str, largest: str | None) -> None:
         have = (
             f"no worker serving queue {queue!r} has joined the pool"
             if largest is None
             else f"the largest worker serving queue {queue!r} has {largest}"
         )
         super().__init__(
-            f"needs {gpus} GPU{'s' if gpus != 1 else ''}; {have}. Enqueue it with --wait-for-worker "
-            "to keep it queued until such a worker joins (the jobs behind it run meanwhile)"
+            f"needs {needs}; {have}. Enqueue it with --wait-for-worker to keep it queued until such "
+            "a worker joins (the jobs behind it run meanwhile)"
         )
-        self.gpus = gpus
-        self.largest = largest
 
 
 class JobNotFound(GpupoolError):

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.errors import InvalidJob
-from daemon.exclusive import check_combination
+from daemon.exclusive import check_combination, check_gpu_request
 
 MAX_ARGV_BYTES = 256 * 1024
 FULL_SHA = re.compile(r"[0-9a-f]{40}")
 MAX_ATTEMPTS_LIMIT = 100
+GPU_MEM_MAX = 2**50  # bytes a --gpu-mem job may declare (a PiB: no GPU comes near it)
 PRIORITY_MAX = 100  # the highest --priority (daemon/queue/lua/_lib.lua PRIO_MAX says the same)
 MAX_INPUTS = 256
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -89,6 +90,9 @@ class JobSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: str | None = None
     gpus: int = 0
+    # Bytes of memory the job asks for on one GPU that other pool jobs may share (0: whole GPUs, as
+    # `gpus` says). Such a job asks for no whole GPU: the two exclude each other.
+    gpu_mem: int = 0
     # Queue it even if no worker of the pool has `gpus` GPUs (the server refuses it otherwise).
     wait_for_worker: bool = False
     timeout: float | None = None  # seconds of run time before the attempt is stopped
@@ -117,6 +121,7 @@ class JobSpec:
             "env": dict(self.env),
             "cwd": self.cwd,
             "gpus": self.gpus,
+            "gpu_mem": self.gpu_mem,
             "wait_for_worker": self.wait_for_worker,
             "timeout": self.timeout,
             "checkpoint_every": self.checkpoint_every,
@@ -160,6 +165,7 @@ class JobSpec:
             env=dict(env),
             cwd=_opt_str(data, "cwd"),
             gpus=_int(data, "gpus", 0, 0, 1024),
+            gpu_mem=_int(data, "gpu_mem", 0, 0, GPU_MEM_MAX),
             wait_for_worker=_bool(data, "wait_for_worker"),
             timeout=_opt_positive(data, "timeout"),
             checkpoint_every=_opt_positive(data, "checkpoint_every"),
@@ -176,6 +182,7 @@ class JobSpec:
         check_combination(
             {k for k in ("cwd", "git", "inputs", "snapshot") if data.get(k) not in (None, [], ())}
         )
+        check_gpu_request(spec.gpus, spec.gpu_mem)
         return spec
 
 
@@ -305,6 +312,7 @@ class Lease:
     worker: str
     spec: JobSpec
     id: str
+    shared_gpu: int = -1  # a --gpu-mem job's GPU: its place in the worker's list (claim.lua)
 
     @property
     def queue(self) -> str:
@@ -330,6 +338,7 @@ class RenewStatus(enum.StrEnum):
     LOST = "lost"  # the lease was reclaimed (or the job ended): stop the process now
     CANCEL = "cancel"  # the lease holds but the user cancelled: stop the process, complete CANCELLED
     REQUEUE = "requeue"  # the lease holds but the user asked for a requeue: stop it, hand it back
+    PREEMPT = "preempt"  # the same, asked by a job of higher priority that needs its GPUs
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,7 @@ from daemon import config as config_mod
 from daemon import log_setup
 from daemon.errors import ConfigError, GpupoolError
 from daemon.server.service import PoolServer
-from daemon.worker.dispatcher import Worker
-from daemon.worker.service import WorkerDaemon
+from daemon.worker.service import WorkerDaemon, local_slots
 
 log = logging.getLogger("poold")
 
@@ -50,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning("%s", sentence)
     try:
         # The server runs an embedded pool's local slots as a Worker, which main hands it.
-        daemon = WorkerDaemon(config) if args.worker else PoolServer(config, Worker.local_slots)
+        daemon = WorkerDaemon(config) if args.worker else PoolServer(config, local_slots)
         return uvloop.run(_run(daemon))
     except GpupoolError as exc:
         log.error("%s", exc)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from daemon import tokens
 from daemon.ctl import one_shot, render, session
+from daemon.ctl.enqueue_args import add_enqueue
 from daemon.ctl.session import AuthFailed, ClientError, ServerUnreachable
 from daemon.errors import GpupoolError
 from daemon.pools import choose
@@ -88,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    _add_enqueue(sub)
+    add_enqueue(sub)
 
     ls = sub.add_parser("ls", help="list queued and running jobs (like squeue)")
     ls.add_argument("--queue", "-q")
@@ -168,87 +169,6 @@ def parser() -> argparse.ArgumentParser:
     # what the scripts ask on a TAB (job ids, queue names), one a line; silent when it fails
     completion.add_argument("--words", choices=["jobs", "queues"], help=argparse.SUPPRESS)
     return p
-
-
-def _add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it does not export
-    e = sub.add_parser("enqueue", help="queue a job: poolctl enqueue [options] -- CMD [ARG...]")
-    e.add_argument("--queue", "-q", default="default")
-    e.add_argument("--gpus", type=int, default=0, help="GPUs the job needs")
-    e.add_argument(
-        "--wait-for-worker",
-        action="store_true",
-        help="queue a --gpus job even if no worker in the pool has that many GPUs yet",
-    )
-    e.add_argument("--name", default="")
-    e.add_argument(
-        "--env", action="append", default=[], metavar="K=V", help="environment variable (repeatable)"
-    )
-    e.add_argument("--cwd", help="working directory on the worker (default: a fresh scratch directory)")
-    e.add_argument(
-        "--git",
-        nargs="?",
-        const="",
-        metavar="REPO",
-        help="run in a checkout of REPO (default: this checkout's origin, at its exact HEAD commit)",
-    )
-    e.add_argument("--ref", help="with --git: the branch, tag or commit to run (default: HEAD)")
-    e.add_argument(
-        "--input",
-        action="append",
-        default=[],
-        metavar="NAME_OR_PATH[:DEST]",
-        help="a dataset (a `put` name, or a local file or directory, uploaded first) placed at DEST "
-        "in the job's directory (repeatable)",
-    )
-    e.add_argument(
-        "--snapshot",
-        action="store_true",
-        help="run in a snapshot of this git working tree as it is now, uncommitted changes included",
-    )
-    e.add_argument("--timeout", type=float, metavar="SECONDS", help="stop the job after this long")
-    e.add_argument(
-        "--stop-signal",
-        default="TERM",
-        metavar="SIG",
-        help="the signal that asks the job to stop (a cancel, a timeout, a requeue, a drain): "
-        "TERM (default), INT, HUP, USR1, USR2 or QUIT; SIGKILL follows after the grace",
-    )
-    e.add_argument(
-        "--stop-grace",
-        type=float,
-        metavar="SECONDS",
-        help="how long the job has after that signal, to save its state, before SIGKILL "
-        "(default: the worker's kill_grace; at most 3600)",
-    )
-    e.add_argument(
-        "--checkpoint-every",
-        type=float,
-        metavar="SECONDS",
-        help="save $GPUPOOL_CHECKPOINT_DIR this often while the job runs (it is saved at every "
-        "attempt's end anyway; the next attempt starts with the newest save)",
-    )
-    e.add_argument("--retries", type=int, default=0, help="extra attempts after a non-zero exit")
-    e.add_argument(
-        "--priority",
-        type=int,
-        default=0,
-        metavar="N",
-        help="start before the queue's jobs of lower priority (0-100, up to your ceiling; default 0)",
-    )
-    e.add_argument(
-        "--max-attempts", type=int, default=3, help="attempts lost to dead workers before giving up"
-    )
-    e.add_argument("--key", metavar="IDEMPOTENCY_KEY", help="same key, same job: safe to retry")
-    e.add_argument("--from-file", metavar="JOBS.jsonl", help="queue one job per JSON line (a job spec each)")
-    e.add_argument("--json", action="store_true")
-    e.add_argument(
-        "-f",
-        "--follow",
-        action="store_true",
-        help="then follow the job's output and exit with its exit code (Ctrl-C stops following; "
-        "the job runs on)",
-    )
-    e.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -466,10 +386,13 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         "max_attempts": args.max_attempts,
         "cwd": str(Path(args.cwd).resolve()) if args.cwd else None,
     }
+    if args.gpu_mem:  # sent only when asked for: a server that does not know it refuses the field
+        spec["gpu_mem"] = args.gpu_mem
     given = {"cwd": args.cwd, "git": args.git is not None, "inputs": args.input, "snapshot": args.snapshot}
-    from daemon.exclusive import check_combination  # only enqueue asks
+    from daemon.exclusive import check_combination, check_gpu_request  # only enqueue asks
 
     check_combination({name for name, value in given.items() if value})
+    check_gpu_request(args.gpus, args.gpu_mem)
     if args.ref and args.git is None:
         raise UsageError("--ref goes with --git")
     return spec

@@ -79,10 +79,11 @@ def top_view(view: PoolView) -> tuple[str, list[Section]]:
     slots = sum(int(w.get("slots", 0)) for w in workers)
     busy = sum(int(w.get("running", 0)) for w in workers)
     gpus = [g for w in workers for g in w.get("gpus") or []]
+    gpus_busy = sum(1 for g in gpus if g.get("job") or g.get("shared"))  # shared: by --gpu-mem jobs
     states = Counter(j["state"] for j in jobs)
     header = (
         f"gpupool at {_clock(view.at)}: {len(workers)} worker(s), {healthy} healthy; "
-        f"slots {busy}/{slots} busy; GPUs {sum(1 for g in gpus if g.get('job'))}/{len(gpus)} busy; "
+        f"slots {busy}/{slots} busy; GPUs {gpus_busy}/{len(gpus)} busy; "
         f"{states['queued']} queued, {states['running']} running"
     )
     running = [j for j in jobs if j["state"] == "running"]

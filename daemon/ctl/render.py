@@ -176,6 +176,11 @@ def size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def _whole(text: str) -> str:
+    """`20 GiB` for `20.0 GiB`: a size asked for in whole units is shown as it was asked."""
+    return text.replace(".0 ", " ")
+
+
 def _data_lines(spec: dict[str, Any]) -> list[tuple[str, str | None]]:
     snap = spec.get("snapshot")
     inputs = spec.get("inputs") or []
@@ -223,7 +228,8 @@ def job(j: dict[str, Any], *, as_json: bool) -> None:
         ("user", spec["user"]),
         ("queue", spec["queue"]),
         ("command", " ".join(spec["argv"])),
-        ("gpus", str(spec["gpus"])),
+        ("gpus", None if spec.get("gpu_mem") else str(spec["gpus"])),
+        ("gpu mem", f"{_whole(size(spec['gpu_mem']))} on a shared GPU" if spec.get("gpu_mem") else None),
         ("priority", str(spec["priority"]) if spec.get("priority") else None),
         ("cwd", spec["cwd"]),
         ("env", " ".join(f"{k}={v}" for k, v in spec["env"].items()) or None),
@@ -253,7 +259,8 @@ def job(j: dict[str, Any], *, as_json: bool) -> None:
 
 
 def _gpus(gpus: Sequence[dict[str, Any]]) -> str:
-    """`2x NVIDIA H100 (80 GiB), 1 busy`: the kinds of GPUs, and how many run a job now."""
+    """`2x NVIDIA H100 (80 GiB), 1 busy, 1 shared by 3 jobs`: the kinds of GPUs, how many run a job
+    of their own now, and how many are shared by --gpu-mem jobs (and by how many jobs in all)."""
     if not gpus:
         return "cpu only"
     kinds: dict[str, int] = {}
@@ -262,7 +269,9 @@ def _gpus(gpus: Sequence[dict[str, Any]]) -> str:
         kinds[label] = kinds.get(label, 0) + 1
     text = ", ".join(f"{n}x {label}" for label, n in kinds.items())
     busy = sum(1 for g in gpus if g.get("job"))
-    return text + (f", {busy} busy" if busy else "")
+    shared = [len(g["shared"]) for g in gpus if g.get("shared")]
+    text += f", {busy} busy" if busy else ""
+    return text + (f", {len(shared)} shared by {sum(shared)} jobs" if shared else "")
 
 
 NO_WORKERS = "no workers have registered with this pool"

@@ -1,4 +1,5 @@
-"""A worker's metrics: its slots, heartbeats, job starts, bytes moved, and its GPUs' live readings.
+"""A worker's metrics: its slots, heartbeats, job starts, bytes moved, its GPUs' live readings and
+how many --gpu-mem jobs share each GPU.
 
 What happens (a heartbeat returns, an attempt starts, bytes cross to or from the object store) is
 recorded in place by the typed methods of `WorkerMetrics`. The GPUs are read at scrape time, which
@@ -12,7 +13,7 @@ metrics/ depends on no worker code and tests feed it made-up readings.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,21 +48,37 @@ class GpuSample:
     temperature: float | None = None  # celsius
 
 
+@dataclass(frozen=True, slots=True)
+class GpuShare:
+    """How many pool jobs share one GPU (poolctl enqueue --gpu-mem) and the bytes they declared,
+    from the worker's books (daemon.worker.gpus.GpuAllocator.shares gives one per GPU)."""
+
+    uuid: str
+    jobs: int = 0
+    memory: int = 0  # bytes
+
+
 # Called at every scrape, in the endpoint's collection thread: a sample for each GPU it could read
 # (a GPU fallen off the bus, or no driver, gives none).
 GpuSampler = Callable[[], Sequence[GpuSample]]
 
 
 class _GpuCollector(Collector):
-    """Per-GPU utilisation, memory and temperature from the sampler, and the quarantine flag from
-    the worker's books. No GPU yields no family at all; a GPU without a sample has no live series."""
+    """Per-GPU utilisation, memory and temperature from the sampler, and the quarantine flag and
+    the jobs sharing it from the worker's books. No GPU yields no family at all; a GPU without a
+    sample has no live series."""
 
     def __init__(
-        self, gpus: Sequence[Gpu], sample: GpuSampler | None, quarantined: Callable[[], Collection[str]]
+        self,
+        gpus: Sequence[Gpu],
+        sample: GpuSampler | None,
+        quarantined: Callable[[], Collection[str]],
+        shares: Callable[[], Mapping[str, GpuShare]],
     ) -> None:
         self._gpus = tuple(gpus)
         self._sample = sample
         self._quarantined = quarantined
+        self._shares = shares
 
     def collect(self) -> Iterator[Metric]:
         labels = ["gpu", "uuid"]
@@ -74,11 +91,25 @@ class _GpuCollector(Collector):
             "1 if the GPU is quarantined (left dirty by a job), else 0.",
             labels=labels,
         )
+        shared_jobs = GaugeMetricFamily(
+            "gpupool_gpu_shared_jobs",
+            "Pool jobs sharing the GPU, each with the memory it declared (--gpu-mem).",
+            labels=labels,
+        )
+        shared_memory = GaugeMetricFamily(
+            "gpupool_gpu_shared_memory_declared_bytes",
+            "GPU memory the jobs sharing the GPU declared (--gpu-mem).",
+            labels=labels,
+        )
         quarantined = self._quarantined()
+        shares = self._shares()
         samples = {s.uuid: s for s in self._sample()} if self._gpus and self._sample is not None else {}
         for gpu in self._gpus:
             values = [str(gpu.index), gpu.uuid]
             quarantine.add_metric(values, 1 if gpu.uuid in quarantined else 0)
+            share = shares.get(gpu.uuid, GpuShare(gpu.uuid))
+            shared_jobs.add_metric(values, share.jobs)
+            shared_memory.add_metric(values, share.memory)
             if (s := samples.get(gpu.uuid)) is None:
                 continue
             for family, reading in (
@@ -89,7 +120,7 @@ class _GpuCollector(Collector):
             ):
                 if reading is not None:
                     family.add_metric(values, reading)
-        for family in (util, used, total, temp, quarantine):
+        for family in (util, used, total, temp, quarantine, shared_jobs, shared_memory):
             if family.samples:
                 yield family
 
@@ -103,7 +134,8 @@ class WorkerMetrics:
         r = self.registry
         self._queue = QueueLabels()
         self._quarantined: frozenset[str] = frozenset()
-        r.register(_GpuCollector(gpus, sample_gpus, lambda: self._quarantined))
+        self._shares: dict[str, GpuShare] = {}
+        r.register(_GpuCollector(gpus, sample_gpus, lambda: self._quarantined, lambda: self._shares))
         self._slots = Gauge("gpupool_worker_slots", "This worker's slots by state.", ["state"], registry=r)
         self.set_slots(0, 0)
         self._quarantined_count = Gauge(
@@ -135,6 +167,11 @@ class WorkerMetrics:
         """The UUIDs of the GPUs now quarantined (the whole set, not a change)."""
         self._quarantined = frozenset(uuids)
         self._quarantined_count.set(len(self._quarantined))
+
+    def set_shared(self, shares: Collection[GpuShare]) -> None:
+        """How many --gpu-mem jobs share each GPU now, and the memory they declared (the whole
+        picture, not a change; a GPU left out has none)."""
+        self._shares = {s.uuid: s for s in shares}
 
     def job_started(self, queue: str) -> None:
         """An attempt of a job from `queue` was given its slot and is starting."""

@@ -19,10 +19,11 @@ and dividing the writes further would split one API that callers learn as a whol
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 from redis.commands.core import AsyncScript
@@ -43,6 +44,33 @@ RECLAIM_BATCH = 500
 ENQUEUE_CHUNK = 100  # jobs per enqueue_many script call: a few ms of Redis time at most
 MAX_IDEMPOTENCY_KEY = 200
 DEFAULT_LOG_MAX_BYTES = 16 * 2**20  # per job: the first quarter is kept for good, then the newest
+
+
+def _schedule(ends: Sequence[tuple[float | None, int]]) -> str:
+    """When a worker's running jobs end at the latest, as claim.lua reads it ('MS:GPUS ...')."""
+    return " ".join(f"{-1 if t is None else max(0, round(t * 1000))}:{g}" for t, g in ends if g)
+
+
+class SharedGpu(NamedTuple):
+    """A worker's GPU that can take a --gpu-mem job, as a claim weighs it: its place in the
+    worker's list of GPUs, the bytes it has left, how many more jobs it may take, and whether
+    jobs share it already (else it is free whole)."""
+
+    place: int
+    avail: int
+    jobs: int
+    shared: bool
+
+
+def _opened(before: str, after: str) -> int:
+    """GPUs a claim put a first shared job on: free whole in the table `before`, shared `after`."""
+    was = {row.split(":")[0] for row in before.split() if row.endswith(":1")}
+    return sum(1 for row in after.split() if row.endswith(":1") and row.split(":")[0] not in was)
+
+
+def mib(nbytes: int) -> int:
+    """Memory as a claim weighs it: whole MiB, rounded up (a job asking for any gets at least 1)."""
+    return -(-nbytes // 2**20)
 
 
 def unanswered(exc: BaseException) -> bool:
@@ -93,17 +121,20 @@ class JobQueue(QueueReads):
         user_caps: tuple[int, int] = (0, 0),
         fairshare: Iterable[str] = (),
         fairshare_half_life: float = 7 * 24 * 3600.0,
+        preempt: Iterable[str] = (),
     ) -> None:
         """`watch` is the run-id watch of `redis`'s connections (connection.connect), for whoever
         holds leases through this queue to see when Redis restarts. `ack`: the replicas an enqueue
         and an outcome must reach before they are acknowledged (None: the primary's word).
         `user_caps`: the most jobs, and GPUs, one user may run in one queue (0: no cap), which
         this queue's claims keep to (claim.lua). `fairshare`: the queues whose claims rank users
-        by recent use, which halves every `fairshare_half_life` seconds (claim.lua)."""
+        by recent use, which halves every `fairshare_half_life` seconds (claim.lua). `preempt`:
+        the queues where a job with a priority may stop lower ones to make room (claim.lua)."""
         self.redis = redis
         self.user_caps = user_caps
         self.fairshare = frozenset(fairshare)
         self.half_life_ms = max(1, round(fairshare_half_life * 1000))
+        self.preempt = frozenset(preempt)
         self.ack = ack
         self.watch = watch
         self.lease_ms = max(1, round(lease_seconds * 1000))
@@ -132,6 +163,7 @@ class JobQueue(QueueReads):
             user_caps=(config.user_max_running_jobs, config.user_max_gpus),
             fairshare=config.fairshare_queues,
             fairshare_half_life=config.fairshare_half_life,
+            preempt=config.preempt_queues,
         )
 
     def batch(self, *, ack: bool = True) -> ScriptBatch:
@@ -168,6 +200,7 @@ class JobQueue(QueueReads):
                     spec.retries,
                     spec.priority,
                     spec.user,
+                    mib(spec.gpu_mem),
                 ],
                 durable=True,
             )
@@ -194,7 +227,7 @@ class JobQueue(QueueReads):
             args: list[Any] = [keys.GROUP, keys.queue_prefix(q)]
             for spec, job_id in zip(chunk, ids, strict=True):
                 args += [job_id, msgpack.packb(spec.to_dict()), spec.gpus, spec.max_attempts, spec.retries]
-                args += [spec.priority, spec.user]
+                args += [spec.priority, spec.user, mib(spec.gpu_mem)]
             job_keys = [keys.batch(q, secrets.token_hex(8)), *(keys.job(job_id) for job_id in ids)]
             batch.add(
                 self.scripts.enqueue_many,
@@ -250,6 +283,8 @@ class JobQueue(QueueReads):
         gpus_total: int | None = None,
         ends: Sequence[tuple[float | None, int]] = (),
         grace: float = 0.0,
+        shared: Sequence[SharedGpu] = (),
+        mem_most: int = 0,
     ) -> list[Lease]:
         """Up to `count` next jobs for `worker` (a worker with that many free slots), in queue
         priority order then each queue's order, one script call per queue tried. A job asking for
@@ -272,9 +307,14 @@ class JobQueue(QueueReads):
         Backfill (claim.lua): `ends` says when each job running on the worker ends at the latest,
         (seconds from now, or None for no time limit; its GPUs), and `grace` is the worker's stop
         grace: with them a queue's head job that must wait for GPUs reserves this worker, and only
-        jobs that cannot delay it start here meanwhile, from its queue and those tried after it."""
+        jobs that cannot delay it start here meanwhile, from its queue and those tried after it.
+
+        GPU memory (claim.lua): `shared` lists the worker's GPUs that can take a --gpu-mem job
+        (each by its place in the worker's list), `mem_most` is its largest GPU's memory (bytes);
+        a lease's `shared_gpu` is the place of the GPU its job goes on."""
         total = gpus_free if gpus_total is None else gpus_total
-        schedule = " ".join(f"{-1 if t is None else max(0, round(t * 1000))}:{g}" for t, g in ends if g)
+        rooms = " ".join(f"{r.place}:{r.avail // 2**20}:{r.jobs}:{int(r.shared)}" for r in shared)
+        schedule = _schedule(ends)
         kept = 0
         todo: list[tuple[str, int]] = []
         if (pending := self._unanswered.pop(worker, None)) is not None:
@@ -285,13 +325,14 @@ class JobQueue(QueueReads):
                 break
             request = todo.pop()[1] if todo else self._next_request(worker)
             try:
-                status, cursors, kept, got = await self._claim_call(
+                status, cursors, kept, left, got = await self._claim_call(
                     worker,
                     q,
                     request,
                     count - len(leases),
                     (gpus_free, default_gpus, total),
                     backfill=(schedule, round(grace * 1000), kept),
+                    memory=(rooms, mem_most // 2**20),
                 )
             except (RedisError, NotReplicated, asyncio.CancelledError) as exc:
                 if unanswered(exc):
@@ -304,11 +345,42 @@ class JobQueue(QueueReads):
                 log.warning("claiming from queue %s failed; running the %d jobs claimed", q, len(leases))
                 break
             for lease in got:
-                gpus_free -= lease.spec.gpus or default_gpus
+                gpus_free -= 0 if lease.spec.gpu_mem else lease.spec.gpus or default_gpus
+            gpus_free -= _opened(rooms, left)  # GPUs free whole before, shared now
+            rooms = left
             leases += got
             if status != b"claimed":
                 self._cursors[q] = cursors
         return leases
+
+    async def preempt_check(
+        self,
+        worker: str,
+        queues: Sequence[str],
+        gpus_free: int,
+        default_gpus: int,
+        *,
+        gpus_total: int,
+        ends: Sequence[tuple[float | None, int]] = (),
+        grace: float = 0.0,
+    ) -> bool:
+        """For a worker whose slots are all taken: in each of `queues` where priorities preempt,
+        should the highest-priority job waiting stop lower ones here to make room (claim.lua with
+        no job wanted)? True when some were asked to. Claims nothing."""
+        schedule = _schedule(ends)
+        asked = False
+        for q in [q for q in queues if q in self.preempt]:
+            status, cursors, _, _, _ = await self._claim_call(
+                worker,
+                q,
+                self._next_request(worker),
+                0,
+                (gpus_free, default_gpus, gpus_total),
+                backfill=(schedule, round(grace * 1000), 0),
+            )
+            self._cursors[q] = cursors
+            asked = asked or status == b"preempting"
+        return asked
 
     async def settle_claims(self, worker: str) -> list[Lease]:
         """The jobs of `worker`'s claims that it never got: those of a request whose reply never
@@ -322,7 +394,7 @@ class JobQueue(QueueReads):
             return leases
         q, request = pending
         try:
-            _, _, _, got = await self._claim_call(worker, q, request, 0, (0, 0, 0))
+            _, _, _, _, got = await self._claim_call(worker, q, request, 0, (0, 0, 0))
         except (RedisError, NotReplicated, asyncio.CancelledError) as exc:
             if unanswered(exc):
                 self._unanswered[worker] = pending
@@ -343,13 +415,15 @@ class JobQueue(QueueReads):
         gpus: tuple[int, int, int],
         *,
         backfill: tuple[str, int, int] = ("", 0, 0),
-    ) -> tuple[bytes, tuple[str, str], int, list[Lease]]:
+        memory: tuple[str, int] = ("", 0),
+    ) -> tuple[bytes, tuple[str, str], int, str, list[Lease]]:
         """One claim.lua call; `gpus` is (free, default per job, total), `backfill` (when the
         worker's running jobs end, its stop grace in ms, GPUs it keeps for a head job). It goes
         ahead of the other calls (scripts.Pipeliner): the outcome of the job whose slot it fills
-        follows it. Returns (status, cursors, GPUs kept for a head job, leases)."""
+        follows it. `memory`: the shared GPUs' table and the largest GPU's MiB. Returns (status,
+        cursors, GPUs kept for a head job, the shared GPUs' table as the call left it, leases)."""
         free, default, total = gpus
-        status, stream_cursor, wake_cursor, kept, *claimed = await self._call(
+        status, stream_cursor, wake_cursor, kept, left, *claimed = await self._call(
             self.scripts.claim,
             [keys.stream(q), keys.retry(q), keys.leases(q), keys.claims(q, worker), keys.parked(q)],
             [
@@ -365,12 +439,16 @@ class JobQueue(QueueReads):
                 *self.user_caps,
                 self.half_life_ms if q in self.fairshare else 0,
                 *backfill,
+                1 if q in self.preempt else 0,
+                *memory,
             ],
             ahead=True,
             durable=True,
         )
         leases = []
-        for job_id, attempt, lease_id, packed in (claimed[i : i + 4] for i in range(0, len(claimed), 4)):
+        for job_id, attempt, lease_id, packed, place in (
+            claimed[i : i + 5] for i in range(0, len(claimed), 5)
+        ):
             try:
                 spec = JobSpec.from_dict(msgpack.unpackb(packed))
             except (InvalidJob, ValueError) as exc:  # a spec from a newer gpupool, say
@@ -378,8 +456,11 @@ class JobQueue(QueueReads):
                     Lease(_s(job_id), int(attempt), worker, JobSpec(("?",), q), _s(lease_id)), exc
                 )
                 continue
-            leases.append(Lease(_s(job_id), int(attempt), worker, spec, _s(lease_id)))
-        return status, (_s(stream_cursor), _s(wake_cursor)), int(kept), leases
+            leases.append(Lease(_s(job_id), int(attempt), worker, spec, _s(lease_id), int(place)))
+        if status == b"preempting":  # the worker's jobs asked to make room: it hears at its next beat,
+            with contextlib.suppress(RedisError):  # or now (best effort: the leases are what count)
+                await self.redis.publish(keys.worker_channel(worker), q)
+        return status, (_s(stream_cursor), _s(wake_cursor)), int(kept), _s(left), leases
 
     async def _unreadable(self, lease: Lease, exc: Exception) -> None:
         """A claimed job whose spec this worker cannot read: it fails, saying why, rather than go

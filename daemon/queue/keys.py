@@ -17,9 +17,10 @@ Per queue (``gp:{q:NAME}:…``):
                 priority, claimed after `retry` and before the stream, the highest first; each
                 also has its stream entry until a claim takes it from here and deletes it.
   capped        ZSET id -> seq: queued jobs held aside while their user is at a cap (claim.lua),
-                with capped:USER (the same, per user) and capped_users (user -> seq of their
-                oldest held job); back at the front, by seq, once the user is below the caps. What a
-                user runs is counted from `leases` at each claim: no counter to drift.
+                with capped:USER (the same, per user) and capped_users (each user holding jobs,
+                scored no later than their oldest held job's seq); back at the front, by seq,
+                once the user is below the caps. What a user runs is counted from `leases` at
+                each claim: no counter to drift.
   fairshare     HASH (fair-share queues, config fairshare_queues): 'half_life' (ms) its claims decay
                 use by, each user's use ('u:USER', GPU-ms, as of 't:USER', ms; charged as each
                 attempt ends, _lib.lua) and weight ('w:USER', from the tokens file; 1 if absent).

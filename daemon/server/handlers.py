@@ -297,15 +297,22 @@ class Handlers:
         """Refuse a job that asks for more GPUs than every registered worker serving its queue has
         (dead ones included: they may come back), unless it asks to wait for such a worker. Such a
         job would never start; queued anyway, workers pass it over (claim.lua)."""
-        wanting = [s for s in specs if s.gpus and not s.wait_for_worker]
+        wanting = [s for s in specs if (s.gpus or s.gpu_mem) and not s.wait_for_worker]
         if not wanting:
             return
         workers = await self.workers()
         for spec in wanting:
-            sizes = [len(w.get("gpus", ())) for w in workers if spec.queue in w.get("queues", ())]
-            largest = max(sizes) if sizes else None
+            serving = [w.get("gpus", ()) for w in workers if spec.queue in w.get("queues", ())]
+            if spec.gpu_mem:  # memory on one GPU: the largest GPU of any worker serving the queue
+                most = max((int(g.get("memory", 0)) for gpus in serving for g in gpus), default=None)
+                if spec.gpu_mem > (most or 0):
+                    has = None if most is None else f"a GPU of {most / 2**30:.1f} GiB at most"
+                    raise NoWorkerFits(f"{spec.gpu_mem / 2**30:.1f} GiB on one GPU", spec.queue, has)
+                continue
+            largest = max((len(gpus) for gpus in serving), default=None)
             if spec.gpus > (largest or 0):
-                raise NoWorkerFits(spec.gpus, spec.queue, largest)
+                needs = f"{spec.gpus} GPU{'s' if spec.gpus != 1 else ''}"
+                raise NoWorkerFits(needs, spec.queue, None if largest is None else str(largest))
 
     async def _list(
         self, q: str | None, state: str | None, everything: bool, limit: int, user: str

@@ -23,7 +23,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from daemon.job import Lease, RenewStatus
@@ -68,6 +68,23 @@ class HeldAttempt:
             return False
         self.deadline = until
         return True
+
+
+def latest_ends(
+    held: Iterable[HeldAttempt], gpus_of: Callable[[str], int], grace: float
+) -> list[tuple[float | None, int]]:
+    """When each attempt holding GPUs ends at the latest, in seconds from now (its time limit from
+    its claim, plus its stop grace, else `grace`; None: no limit), with its GPUs (`gpus_of` its
+    lease id): what a claim's backfill needs to know of when a head job could start (claim.lua)."""
+    now = boottime()
+    out: list[tuple[float | None, int]] = []
+    for h in held:
+        spec = h.lease.spec
+        if gpus := gpus_of(h.lease.id):
+            stop_grace = grace if spec.stop_grace is None else spec.stop_grace
+            left = None if spec.timeout is None else max(0.0, h.since + spec.timeout + stop_grace - now)
+            out.append((left, gpus))
+    return out
 
 
 class Holdings:
@@ -126,6 +143,8 @@ class Holdings:
                 held.run.cancel()
             elif status is RenewStatus.REQUEUE and held.run is not None:
                 held.run.hand_back(why="requeued by its user")
+            elif status is RenewStatus.PREEMPT and held.run is not None:
+                held.run.hand_back(why="preempted by a job of higher priority")
 
     async def fence(self, reason: str) -> None:
         """Kill every running attempt whose deadline passes, until cancelled: its lease may be

@@ -6,7 +6,9 @@ tries the queues in priority order, and when nothing is claimable the dispatcher
 or until one of its own jobs ends and gives back GPUs the queue's head job was waiting for. One
 claim takes as many jobs as there are free slots, and only one claim is in flight at a time, so
 the free GPUs it was sized by (each claimed job's taken out for the next) are still free when the
-jobs are given theirs (gpus.GpuAllocator).
+jobs are given theirs (gpus.GpuAllocator). Each claim is told when the worker's running jobs end
+at the latest (backfill); while every slot is taken, in a queue where priorities preempt, the
+dispatcher claims nothing but looks at each new job whether it should stop lower ones here.
 
 Every attempt the worker holds is one `attempt.HeldAttempt`, in one map keyed by lease id, from its
 claim until its end is recorded; it runs as a `runner.JobRun` in a task of its own. The heartbeat
@@ -45,16 +47,15 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from daemon.aio import TaskSet, cancel_and_wait, woken_or
-from daemon.config import Config
 from daemon.errors import NotReplicated, RedisUnavailable
-from daemon.git import ANY_PROTOCOL, NETWORK_PROTOCOLS
+from daemon.git import ANY_PROTOCOL
 from daemon.job import Lease, RenewStatus
 from daemon.metrics.transfers import MeteredStore
 from daemon.metrics.worker import WorkerMetrics
 from daemon.queue import keys, registry
-from daemon.queue.job_queue import JobQueue
+from daemon.queue.job_queue import JobQueue, SharedGpu
 from daemon.queue.registry import Registration
-from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime
+from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime, latest_ends
 from daemon.worker.claim_gate import ClaimGate
 from daemon.worker.gpus import (
     GpuAllocator,
@@ -67,7 +68,7 @@ from daemon.worker.gpus import (
     sample_gpus,
 )
 from daemon.worker.heartbeat import Heartbeat
-from daemon.worker.identity import SlotIdentity, slot_identities
+from daemon.worker.identity import SlotIdentity
 from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult
 from daemon.worker.slots import Slots
@@ -113,6 +114,7 @@ class Worker:
         make_run: RunFactory | None = None,
         identities: Sequence[SlotIdentity] | None = None,
         git_protocols: str = ANY_PROTOCOL,
+        gpu_max_jobs: int = 4,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
         (the seam) and optionally a probe. `env` is the base of every job's environment (default:
@@ -144,7 +146,8 @@ class Worker:
         self._make_run = make_run or self._job_run
         self._given_gpus = gpus
         self.probe = probe
-        self.allocator = GpuAllocator(gpus or [], slots)
+        self.gpu_max_jobs = gpu_max_jobs  # --gpu-mem jobs one GPU may take at most
+        self.allocator = GpuAllocator(gpus or [], slots, gpu_max_jobs)
         self.heartbeat = Heartbeat(queue, self, heartbeat_seconds)
         self._registration = Registration(
             id=self.id, slots=slots, queues=self.queues, healthy_period=queue.lease_ms / 1000
@@ -166,41 +169,6 @@ class Worker:
         self._outcomes = Outcomes(queue, self._forced)  # records each attempt's end
         self._stopped = asyncio.Event()
 
-    @classmethod
-    def from_config(
-        cls,
-        queue: JobQueue,
-        config: Config,
-        *,
-        slots: int | None = None,
-        data_dir: Path | None = None,
-        store: ObjectStore | None = None,
-    ) -> Worker:
-        """A worker with the configuration's queues, timings, cache size and (default) remote slot
-        count, on `store` (opened by the caller)."""
-        n = config.worker_remote_processors if slots is None else slots
-        return cls(
-            queue,
-            data_dir=data_dir or config.data_path() / "worker",
-            slots=n,
-            queues=config.queues,
-            heartbeat_seconds=config.heartbeat_seconds,
-            drain_timeout=config.drain_timeout,
-            kill_grace=config.kill_grace,
-            job_nice=config.job_nice,
-            store=store,
-            cache_bytes=config.worker_cache_bytes,
-            identities=slot_identities(config.job_uid_range, n),
-            # A worker of a shared pool never clones a path of its own disk for a job (its mirrors
-            # of other users' repositories, anything of root's): network protocols only.
-            git_protocols=ANY_PROTOCOL if config.embedded else NETWORK_PROTOCOLS,
-        )
-
-    @classmethod
-    def local_slots(cls, queue: JobQueue, config: Config, store: ObjectStore) -> Worker:
-        """The slots a single-machine pool's server runs itself (`worker_local_processors`)."""
-        return cls.from_config(queue, config, slots=config.worker_local_processors, store=store)
-
     # -- life cycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -208,7 +176,7 @@ class Worker:
         start the heartbeat, the fence and the dispatcher. On failure nothing is left running."""
         if self._given_gpus is None:
             gpus, self._nvml = await asyncio.to_thread(discover)
-            self.allocator = GpuAllocator(gpus, self.slots)
+            self.allocator = GpuAllocator(gpus, self.slots, self.gpu_max_jobs)
             self.probe = self.probe or self._nvml
         gpus = self.allocator.gpus
         sampler = functools.partial(sample_gpus, gpus) if self._nvml is not None else None
@@ -348,8 +316,10 @@ class Worker:
 
     async def _dispatch(self) -> None:
         backoff = 0.1
+        preempts = bool(self.queue.preempt.intersection(self.queues))
         while not self.draining():
-            if self._busy() >= self.slots:
+            full = self._busy() >= self.slots
+            if full and not preempts:
                 self._slot_freed.clear()
                 if self._busy() >= self.slots:
                     await self._slot_freed.wait()
@@ -360,7 +330,11 @@ class Worker:
             # Cleared before the claim: GPUs freed while it is in flight still wake the wait below.
             self._wake.clear()
             try:
-                claimed = await self._claim()
+                if full:  # every slot taken: claim nothing, but look whether a job should preempt here
+                    await self.queue.preempt_check(self.id, self.queues, **await self._room(shared=False))
+                    claimed = False
+                else:
+                    claimed = await self._claim()
                 backoff = 0.1  # Redis answered: the next failure starts the back-off afresh
                 if not claimed:
                     await self._wait_for_work()
@@ -373,6 +347,28 @@ class Worker:
                 await woken_or(self._wake, backoff)
                 backoff = min(backoff * 2, 5.0)
 
+    async def _room(self, *, shared: bool = True) -> dict[str, Any]:
+        """What a claim needs to know of this worker's GPUs (JobQueue.claim_many): free whole, a
+        slot's share, in all, when the attempts holding some end at the latest (backfill), and
+        with `shared` those that can take a --gpu-mem job (NVML's free memory read now)."""
+        room: dict[str, Any] = {
+            "gpus_free": self.allocator.free_count(),
+            "default_gpus": self.allocator.share,
+            "gpus_total": len(self.allocator.gpus),
+            "ends": latest_ends(self._held, self._gpus_held, self.kill_grace),
+            "grace": self.kill_grace,
+        }
+        if shared and self.allocator.gpus:
+            uuids = [g.uuid for g in self.allocator.gpus]
+            free = await asyncio.to_thread(self._nvml.free_memory, uuids) if self._nvml is not None else None
+            whole = {g.uuid for g in self.allocator.free()}
+            room["shared"] = [
+                SharedGpu(uuids.index(r.uuid), r.avail, r.jobs, r.uuid not in whole)
+                for r in self.allocator.shared_table(free)
+            ]
+            room["mem_most"] = max(g.memory for g in self.allocator.gpus)
+        return room
+
     async def _claim(self) -> bool:
         """One claim for every free slot; the jobs claimed are started (or given back, when the
         drain began meanwhile). True when the queues may have more for this worker now: a claim
@@ -382,16 +378,9 @@ class Worker:
         generation = watch.generation if watch is not None else 0
         sent = boottime()
         wanted = self.slots - self._busy()
-        leases = await self.queue.claim_many(
-            self.id,
-            self.queues,
-            wanted,
-            self.allocator.free_count(),
-            self.allocator.share,
-            gpus_total=len(self.allocator.gpus),
-            ends=self._ends(),
-            grace=self.kill_grace,
-        )
+        leases = await self.queue.claim_many(self.id, self.queues, wanted, **await self._room())
+        # Shared GPUs first: one the claim chose for a --gpu-mem job may be free whole now.
+        leases.sort(key=lambda lease: not lease.spec.gpu_mem)
         if not leases:
             return False
         deadline = sent + self.heartbeat.lease - self.heartbeat.margin
@@ -439,7 +428,13 @@ class Worker:
                 other.run.lose("the job was reclaimed from this attempt")
         slot = min(set(range(self.slots)) - {h.slot for h in self._held})
         try:
-            gpus = self.allocator.allocate(lease.id, lease.spec.gpus, slot)
+            if lease.spec.gpu_mem:  # on the GPU the claim chose (claim.lua)
+                uuid = self.allocator.gpus[lease.shared_gpu].uuid if lease.shared_gpu >= 0 else ""
+                gpus: tuple[GpuInfo, ...] = (
+                    self.allocator.allocate_shared(lease.id, uuid, lease.spec.gpu_mem),
+                )
+            else:
+                gpus = self.allocator.allocate(lease.id, lease.spec.gpus, slot)
         except NotEnoughGpus as exc:  # claims are sized by free GPUs, so this is a bug: say so
             log.error("%s; handing the attempt back", exc)
             self._give_back([lease], deadline)
@@ -528,10 +523,9 @@ class Worker:
         self.allocator.release(held.lease.id)
         held.slot = None
         self._slot_freed.set()
-        if self.allocator.gpus:
-            self._wake.set()  # the head of a queue may have been waiting for these GPUs
-            if self.allocator.quarantined and self.probe is not None:
-                self._spawn(self._recheck_quarantine(), "quarantine check")
+        self._wake.set()  # a slot to claim for, and the head of a queue may have waited for these GPUs
+        if self.allocator.quarantined and self.probe is not None:
+            self._spawn(self._recheck_quarantine(), "quarantine check")
 
     async def _recheck_quarantine(self) -> None:
         """A quarantined GPU no process holds memory on any more is clean: back into use."""
@@ -560,6 +554,7 @@ class Worker:
         """Before each scrape: the slots and quarantined GPUs as they are now."""
         self.metrics.set_slots(self._busy(), self.slots)
         self.metrics.set_quarantined(self.allocator.quarantined)
+        self.metrics.set_shared(self.allocator.shares())
 
     # -- heartbeat target -------------------------------------------------------------------------
 
@@ -576,21 +571,8 @@ class Worker:
 
     # -- reads ------------------------------------------------------------------------------------
 
-    def _ends(self) -> list[tuple[float | None, int]]:
-        """When each attempt holding GPUs here ends at the latest (seconds from now: its time
-        limit from its claim, plus its stop grace; None without a limit), and its GPUs: what a
-        claim's backfill needs to know when a head job could start here (claim.lua)."""
-        now = boottime()
-        out: list[tuple[float | None, int]] = []
-        for h in self._held:
-            gpus = len(self.allocator.held_by(h.lease.id))
-            spec = h.lease.spec
-            if gpus and spec.timeout is None:
-                out.append((None, gpus))
-            elif gpus and spec.timeout is not None:
-                grace = self.kill_grace if spec.stop_grace is None else spec.stop_grace
-                out.append((max(0.0, h.since + spec.timeout + grace - now), gpus))
-        return out
+    def _gpus_held(self, lease_id: str) -> int:
+        return len(self.allocator.held_by(lease_id))
 
     def _busy(self) -> int:
         """Slots taken: attempts that hold one (from their start until their processes are gone)."""

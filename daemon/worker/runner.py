@@ -120,6 +120,8 @@ def job_env(
         GPUPOOL_WORKER=lease.worker,
         CUDA_VISIBLE_DEVICES=visible_devices(gpus),
     )
+    if lease.spec.gpu_mem:  # the memory it declared on its shared GPU, to size its batches by
+        env["GPUPOOL_GPU_MEM"] = str(lease.spec.gpu_mem)
     return env
 
 

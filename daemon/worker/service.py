@@ -3,15 +3,19 @@ metrics endpoint, readiness and the systemd watchdog."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from daemon import sd_notify
 from daemon.aio import TaskSet, start_or_undo
 from daemon.config import Config
 from daemon.errors import GpupoolError
+from daemon.git import ANY_PROTOCOL, NETWORK_PROTOCOLS
 from daemon.metrics.endpoint import MetricsServer, serve_for
 from daemon.object_store import open_worker_store
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.pool_redis import PoolRedis
 from daemon.worker.dispatcher import Worker
+from daemon.worker.identity import slot_identities
 from storage.base import ObjectStore
 
 
@@ -42,7 +46,7 @@ class WorkerDaemon:
         client = await self.redis.start()
         queue = JobQueue.from_config(client, c, watch=self.redis.watch)
         self.store = await open_worker_store(c)
-        self.worker = Worker.from_config(queue, c, store=self.store)
+        self.worker = configured_worker(queue, c, store=self.store)
         await self.worker.start()
         self.metrics_server = await serve_for(
             self.worker.metrics.registry, c, worker=True, before_scrape=self.worker.sample_metrics
@@ -70,3 +74,38 @@ class WorkerDaemon:
             await self.store.close()
             self.store = None
         await self.redis.stop()
+
+
+def configured_worker(
+    queue: JobQueue,
+    config: Config,
+    *,
+    slots: int | None = None,
+    data_dir: Path | None = None,
+    store: ObjectStore | None = None,
+) -> Worker:
+    """A worker with the configuration's queues, timings, cache size and (default) remote slot
+    count, on `store` (opened by the caller)."""
+    n = config.worker_remote_processors if slots is None else slots
+    return Worker(
+        queue,
+        data_dir=data_dir or config.data_path() / "worker",
+        slots=n,
+        queues=config.queues,
+        heartbeat_seconds=config.heartbeat_seconds,
+        drain_timeout=config.drain_timeout,
+        kill_grace=config.kill_grace,
+        job_nice=config.job_nice,
+        store=store,
+        cache_bytes=config.worker_cache_bytes,
+        identities=slot_identities(config.job_uid_range, n),
+        # A worker of a shared pool never clones a path of its own disk for a job (its mirrors
+        # of other users' repositories, anything of root's): network protocols only.
+        git_protocols=ANY_PROTOCOL if config.embedded else NETWORK_PROTOCOLS,
+        gpu_max_jobs=config.gpu_max_jobs,
+    )
+
+
+def local_slots(queue: JobQueue, config: Config, store: ObjectStore) -> Worker:
+    """The slots a single-machine pool's server runs itself (`worker_local_processors`)."""
+    return configured_worker(queue, config, slots=config.worker_local_processors, store=store)

@@ -36,6 +36,7 @@ class Span:
     start: float
     end: float | None = None
     last_seen: float = 0.0  # its last line (a tick, at most TICK apart while it lives)
+    stopped: bool = False  # it ended on SIGTERM (handed back: a requeue, a preemption, a drain)
 
 
 @dataclass
@@ -79,8 +80,9 @@ def read_ledger(path: Path) -> dict[str, Span]:
             spans[lease] = Span(job, int(attempt), lease, worker, at, last_seen=at)
         elif lease in spans:
             spans[lease].last_seen = at
-            if what == "end":
+            if what in {"end", "stopped"}:
                 spans[lease].end = at
+                spans[lease].stopped = what == "stopped"
     return spans
 
 
@@ -111,7 +113,7 @@ async def check(cluster: Cluster, queue: JobQueue, acked: dict[str, float], limi
     killed = {w.proc.pid: w.killed_at for w in cluster.workers if w.killed_at}
     check_overlaps(v, list(spans.values()), killed)
     check_ends(v, found, spans)
-    check_fifo(v, list(found.values()))
+    check_fifo(v, list(found.values()), policies=cluster.policies)
     v.problems += [f"fault at {when:.3f}: {what}" for when, what in cluster.faults.log]
     return v
 
@@ -201,18 +203,25 @@ def check_ends(v: Verdict, infos: dict[str, JobInfo], spans: dict[str, Span]) ->
     """unknown ends = 0: every recorded outcome comes from an attempt whose process ran to its end."""
     for job_id, info in infos.items():
         span = spans.get(info.lease)
-        if info.state == "succeeded" and (span is None or span.end is None or span.job != job_id):
+        ran_to_end = span is not None and span.end is not None and not span.stopped and span.job == job_id
+        if info.state == "succeeded" and not ran_to_end:
             v.unknown_ends += 1
             v.problems.append(f"{job_id}: succeeded by lease {info.lease}, which never ran to its end")
 
 
-def check_fifo(v: Verdict, infos: list[JobInfo]) -> None:
-    """Jobs never reclaimed were claimed in enqueue order (claim times are Redis server time)."""
-    never = sorted((i for i in infos if len(i.attempts) == 1), key=lambda i: i.seq)
-    for a, b in itertools.pairwise(never):
-        if a.attempts[0].started_at > b.attempts[0].started_at:
-            v.fifo_violations += 1
-            v.problems.append(f"{b.id} (seq {b.seq}) started before {a.id} (seq {a.seq})")
+def check_fifo(v: Verdict, infos: list[JobInfo], *, policies: bool = False) -> None:
+    """Jobs never reclaimed were claimed in enqueue order (claim times are Redis server time);
+    with the scheduling policies on, in enqueue order among one user's jobs of one priority (fair
+    share and priorities reorder the rest, by their rules)."""
+    lines: dict[tuple[str, int], list[JobInfo]] = {}
+    for i in infos:
+        if len(i.attempts) == 1:
+            lines.setdefault((i.spec.user, i.spec.priority) if policies else ("", 0), []).append(i)
+    for line in lines.values():
+        for a, b in itertools.pairwise(sorted(line, key=lambda i: i.seq)):
+            if a.attempts[0].started_at > b.attempts[0].started_at:
+                v.fifo_violations += 1
+                v.problems.append(f"{b.id} (seq {b.seq}) started before {a.id} (seq {a.seq})")
 
 
 def _pid_of(worker_id: str) -> int:

@@ -53,6 +53,14 @@ JOB_SECONDS = 0.2
 LONG_SECONDS = 4.0
 LONG_EVERY = 15
 TICK = 0.05
+# The policies' run: the users jobs come from, and the configuration of the server and workers.
+USERS = ("alice", "bob", "carol")
+POLICIES = {
+    "GPUPOOL_FAIRSHARE_QUEUES": "default",
+    "GPUPOOL_FAIRSHARE_HALF_LIFE": "5",
+    "GPUPOOL_USER_MAX_RUNNING_JOBS": "3",
+    "GPUPOOL_PREEMPT_QUEUES": "default",
+}
 
 
 def job_command(ledger: Path, seconds: float) -> list[str]:
@@ -61,6 +69,7 @@ def job_command(ledger: Path, seconds: float) -> list[str]:
     fields += ' "${EPOCHREALTIME/./}"'
     script = (
         f'l() {{ printf "%s %s %s %s %s %s\\n" {fields} >> {ledger}; }}; '
+        "trap 'l stopped; exit 143' TERM; "  # stopped (a hand-back): its end, exactly
         f"l start; for ((i = 0; i < {round(seconds / TICK)}; i++)); do sleep {TICK}; l tick; done; l end"
     )
     return ["bash", "-c", script]
@@ -102,17 +111,24 @@ class Cluster:
         lease: float,
         slots: int = 2,
         s3_env: dict[str, str] | None = None,
+        policies: bool = False,
     ) -> None:
+        """With `policies`, the scheduling policies are on (POLICIES: fair share, a cap per user,
+        preemption by priority) and jobs come from USERS, each allowed priorities."""
         self.tmp = tmp
+        self.policies = policies
         self.s3_env = s3_env or {}  # a worker needs its bucket
         self.redis = redis
         self.lease = lease
         self.slots = slots
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.token = secrets.token_urlsafe(24)
+        self.tokens = {user: secrets.token_urlsafe(24) for user in ("chaos", *USERS)}
+        self.token = self.tokens["chaos"]
         self.tokens_file = tmp / "tokens.toml"
-        self.tokens_file.write_text(f'chaos = "{self.token}"\n')
+        self.tokens_file.write_text(
+            "".join(f'{u} = {{ token = "{t}", max_priority = 10 }}\n' for u, t in self.tokens.items())
+        )
         self.tokens_file.chmod(0o600)
         self.ledger = tmp / "ledger.txt"
         self.ledger.touch()
@@ -130,6 +146,7 @@ class Cluster:
             XDG_CONFIG_HOME=str(self.tmp / "xdg"),
             GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=self.redis.password,
             **self.s3_env,
+            **(POLICIES if self.policies else {}),
         )
         if isinstance(self.redis, SentinelGroup):
             env.update(
@@ -384,16 +401,17 @@ class Cluster:
             await client.aclose()
             await manager.aclose()
 
-    def client(self) -> PoolClient:
-        return PoolClient(self.address, "chaos", self.token)
+    def client(self, user: str = "chaos") -> PoolClient:
+        return PoolClient(self.address, user, self.tokens[user])
 
 
 class Submitter:
     """Submits jobs with idempotency keys, retrying through server restarts; records every id it
     was given (the jobs the pool must not lose)."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, user: str = "chaos") -> None:
         self.cluster = cluster
+        self.user = user
         self.ids: dict[str, str] = {}  # idempotency key -> job id
         self.acked: dict[str, float] = {}  # job id -> when the pool said it had it
         self._client: PoolClient | None = None
@@ -402,7 +420,7 @@ class Submitter:
         for _ in range(200):
             try:
                 if self._client is None:
-                    self._client = self.cluster.client()
+                    self._client = self.cluster.client(self.user)
                     await self._client.connect()
                 reply = await self._client.call(Enqueue(spec, key), Enqueued)
             except ClientError:

@@ -13,7 +13,7 @@ import pytest
 
 from daemon.queue.embedded_redis import EmbeddedRedis
 from tests.chaos.checker import Verdict, check
-from tests.chaos.harness import JOB_SECONDS, LONG_EVERY, LONG_SECONDS, Cluster, Submitter, job_command
+from tests.chaos.harness import JOB_SECONDS, LONG_EVERY, LONG_SECONDS, USERS, Cluster, Submitter, job_command
 from tests.support.cluster import ClusterGroup
 from tests.support.sentinel import SentinelGroup
 
@@ -33,9 +33,10 @@ async def run_chaos(
     lease: float,
     seed: int,
     kinds: list[str] = KINDS,
+    policies: bool = False,
 ) -> tuple[Verdict, Cluster]:
     rng = random.Random(seed)
-    cluster = Cluster(tmp, redis_server, lease=lease, s3_env=s3_env)
+    cluster = Cluster(tmp, redis_server, lease=lease, s3_env=s3_env, policies=policies)
     if cluster.proxy is not None:
         await cluster.proxy.start()
     await cluster.start_server()
@@ -43,13 +44,21 @@ async def run_chaos(
         cluster.start_worker()
     await cluster.workers_registered(workers)
     submitter = Submitter(cluster)
+    # With the policies on, jobs come from three users in turn, every 7th with a priority.
+    by_user = {u: Submitter(cluster, u) for u in USERS} if policies else {}
     spec = {"argv": job_command(cluster.ledger, JOB_SECONDS), "max_attempts": 10}
     long_spec = {"argv": job_command(cluster.ledger, LONG_SECONDS), "max_attempts": 10}
     try:
 
         async def submit_all() -> None:
             for i in range(jobs):
-                await submitter.submit(f"job-{i}", long_spec if i % LONG_EVERY == 0 else spec)
+                job = long_spec if i % LONG_EVERY == 0 else spec
+                if policies:
+                    user = by_user[USERS[i % len(USERS)]]
+                    job_id = await user.submit(f"job-{i}", {**job, "priority": 5 if i % 7 == 0 else 0})
+                    submitter.acked.setdefault(job_id, user.acked[job_id])
+                else:
+                    await submitter.submit(f"job-{i}", job)
                 if i % 10 == 0:
                     await asyncio.sleep(0.05)  # a steady flow, so faults land mid-stream
 
@@ -75,6 +84,8 @@ async def run_chaos(
             verdict = await check(cluster, queue, submitter.acked)
     finally:
         await submitter.close()
+        for user in by_user.values():
+            await user.close()
         await cluster.stop_all()
     return verdict, cluster
 
@@ -104,6 +115,38 @@ async def test_chaos_small(tmp_path: Path, redis_server: EmbeddedRedis, s3_env: 
     f = cluster.faults
     assert all((f.worker_kill, f.worker_stop, f.redis_restart, f.server_restart))
     assert all((f.redis_rollback, f.redis_full, f.stale_replies))
+
+
+async def test_chaos_policies_small(
+    tmp_path: Path, redis_server: EmbeddedRedis, s3_env: dict[str, str]
+) -> None:
+    """With fair share, a cap per user and preemption by priority on, jobs of three users, some
+    with a priority: the same guarantees, and FIFO within each user's jobs of one priority."""
+    verdict, cluster = await run_chaos(
+        tmp_path,
+        redis_server,
+        s3_env,
+        jobs=120,
+        workers=3,
+        rounds=len(KINDS),
+        lease=1.5,
+        seed=5,
+        policies=True,
+    )
+    print(report(verdict, cluster))
+    assert verdict.ok, report(verdict, cluster) + "\n" + "\n".join(verdict.problems[:20])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_chaos_policies_large(
+    tmp_path: Path, redis_server: EmbeddedRedis, s3_env: dict[str, str]
+) -> None:
+    verdict, cluster = await run_chaos(
+        tmp_path, redis_server, s3_env, jobs=2000, workers=4, rounds=40, lease=1.5, seed=13, policies=True
+    )
+    print(report(verdict, cluster))
+    assert verdict.ok, report(verdict, cluster) + "\n" + "\n".join(verdict.problems[:20])
 
 
 @pytest.mark.slow

@@ -199,3 +199,17 @@ def test_cluster_nodes_are_addresses_and_exclude_sentinels_and_a_database(tmp_pa
     out = poold("--redis-cluster-nodes", "127.0.0.1:7000", "--data-dir", str(tmp_path))
     assert out.returncode == 2
     assert "redis_cluster_nodes: a singlenode pool runs its own Redis" in out.stderr
+
+
+def test_gpu_max_jobs_is_at_least_one_job_per_gpu(tmp_path: Path) -> None:
+    assert config.load(flags(), env={}).gpu_max_jobs == 4
+    assert config.load(flags("--gpu-max-jobs", "2"), env={}).gpu_max_jobs == 2
+    assert config.load(flags(), env={"GPUPOOL_GPU_MAX_JOBS": "1"}).gpu_max_jobs == 1
+    with pytest.raises(
+        ConfigError, match=r"^--gpu-max-jobs: gpu_max_jobs: '0' is not valid: expected an integer >= 1"
+    ):
+        config.load(flags("--gpu-max-jobs", "0"), env={})
+    toml = tmp_path / "pool.toml"
+    toml.write_text("gpu_max_jobs = 2.5\n")
+    with pytest.raises(ConfigError, match=r"pool\.toml:1: gpu_max_jobs: 2\.5 is not valid"):
+        config.load(flags("--config", str(toml)), env={})

@@ -48,3 +48,27 @@ def test_scheduling_fields_are_checked_naming_what_is_allowed(
 
 def test_a_stop_signal_may_be_named_as_kill_names_it() -> None:
     assert JobSpec.from_dict({"argv": ["true"], "stop_signal": "sigusr1"}).stop_signal == "USR1"
+
+
+def test_gpu_mem_is_carried_and_checked_like_the_other_counts() -> None:
+    """--gpu-mem (issue 17 item 4): bytes on one shared GPU, through to_dict and back."""
+    spec = JobSpec.from_dict({"argv": ["true"], "gpu_mem": 20 * 2**30})
+    assert spec.gpu_mem == 20 * 2**30
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+    assert JobSpec.from_dict({"argv": ["true"]}).gpu_mem == 0
+    assert JobSpec.from_dict({"argv": ["true"], "gpu_mem": None}).gpu_mem == 0
+    for bad in (-1, 2**50 + 1, 1.5, "20G", True):
+        with pytest.raises(InvalidJob) as err:
+            JobSpec.from_dict({"argv": ["true"], "gpu_mem": bad})
+        assert err.value.field == "gpu_mem"
+        assert "an integer from 0 to 1125899906842624" in str(err.value)
+
+
+def test_gpu_mem_and_whole_gpus_exclude_each_other() -> None:
+    with pytest.raises(InvalidJob) as err:
+        JobSpec.from_dict({"argv": ["true"], "gpus": 1, "gpu_mem": 2**30})
+    assert err.value.field == "gpu_mem"
+    assert str(err.value) == (
+        "job gpu_mem: --gpu-mem asks for memory on one shared GPU; drop --gpus (or --gpu-mem for whole GPUs)"
+    )
+    assert JobSpec.from_dict({"argv": ["true"], "gpus": 1, "gpu_mem": 0}).gpus == 1

@@ -144,25 +144,26 @@ local function finish(prefix, stream, group, events, id, state, now, retention, 
 end
 
 -- Caps per user (claim.lua): a queued job whose user is at a cap is held aside, in the queue's
--- `capped` ZSET and its user's `capped:USER` (both by seq); `capped_users` scores each such user
--- by their oldest held job's seq, so a claim finds the oldest held job of a user below the cap
--- with one look per user, however many jobs the others have held.
-local function hold(prefix, user, id, seq)
+-- `capped` ZSET and its user's `capped:USER` (both by seq); `capped_users` lists each such user
+-- (scored no later than their oldest held job's seq), so a claim finds the oldest held job of a
+-- user below the cap with one look per user, however many jobs the others have held.
+-- `listed`: the caller knows `user` is in capped_users with a seq no later than this one.
+local function hold(prefix, user, id, seq, listed)
   redis.call('ZADD', prefix .. 'capped', seq, id)
   redis.call('ZADD', prefix .. 'capped:' .. user, seq, id)
-  redis.call('ZADD', prefix .. 'capped_users', 'LT', seq, user)
+  if not listed then redis.call('ZADD', prefix .. 'capped_users', 'LT', seq, user) end
 end
 
+-- Returns the user's oldest held job left, {id, seq} ({} when none). A user's score in
+-- capped_users is left as it was while they hold jobs: no later than their oldest held job's seq,
+-- which is all a claim needs of it (it reads each user's line itself), at one write less a start.
 local function unhold(prefix, user, id)
-  if redis.call('ZREM', prefix .. 'capped', id) == 0 then return end
+  if redis.call('ZREM', prefix .. 'capped', id) == 0 then return {} end
   local mine = prefix .. 'capped:' .. user
   redis.call('ZREM', mine, id)
   local top = redis.call('ZRANGE', mine, 0, 0, 'WITHSCORES')
-  if top[1] then
-    redis.call('ZADD', prefix .. 'capped_users', top[2], user)
-  else
-    redis.call('ZREM', prefix .. 'capped_users', user)
-  end
+  if not top[1] then redis.call('ZREM', prefix .. 'capped_users', user) end
+  return top
 end
 
 -- Put a job at the front of its queue: `retry` is served before the stream, in enqueue order; its
@@ -199,12 +200,12 @@ local PRIO_MAX, PRIO_SEQ = 100, 4294967296
 -- entry and index entry, and with a priority its place in `prio` (the queue's key prefix's). The
 -- caller has made sure its id is free.
 local function add_job(stream, index, jobkey, id, seq, now, spec, gpus, max_attempts, retries, prefix, priority,
-                       user)
+                       user, gpu_mem)
   local entry = redis.call('XADD', stream, '*', 'job', id)
   priority = tonumber(priority) or 0
   redis.call('HSET', jobkey, 'id', id, 'state', 'queued', 'seq', seq, 'attempt', 0, 'spec', spec,
     'gpus', gpus, 'max_attempts', max_attempts, 'retries', retries, 'failures', 0, 'losses', 0,
-    'enqueued_at', now, 'entry', entry, 'priority', priority, 'user', user or '')
+    'enqueued_at', now, 'entry', entry, 'priority', priority, 'user', user or '', 'gpu_mem', tonumber(gpu_mem) or 0)
   redis.call('ZADD', index, seq, id)
   if priority > 0 then
     redis.call('ZADD', prefix .. 'prio', (PRIO_MAX - priority) * PRIO_SEQ + seq, id)

@@ -40,6 +40,20 @@
 --    there (the running jobs' limits say when: one without a limit may end any moment). So no job
 --    it waits behind can delay it, and it starts once its reserved worker has its GPUs. A worker holding a reservation keeps those GPUs from the
 --    queues it claims from after this one too (ARGV 15);
+--  * preemption (ARGV 16, where an admin enables it for the queue): a job with a priority that
+--    must wait for GPUs on this worker, which holds its reservation, asks this worker's running
+--    jobs of lower priority in the queue to stop and be handed back (the lowest priority first,
+--    the latest started first among equals; the flag renew.lua answers 'preempt' to), as few as
+--    make room; the reservation is marked so, and this worker's next claims start that job before
+--    anything else, and nothing that could delay it meanwhile. A claim for no job (N = 0: the
+--    worker's slots are all taken) only looks whether the queue's highest-priority job should
+--    preempt here, and then asks for a slot as well. Answered 'preempting';
+--  * GPU memory (ARGV 17, 18): a job asking for memory on one shared GPU (`gpu_mem`, MiB) goes on
+--    a GPU of the worker's table with room for it (its memory left and fewer jobs than the cap):
+--    one already shared, the fullest that fits (so shared jobs pack and leave GPUs whole), else a
+--    GPU free whole, which is then no longer free for a job of whole GPUs; a GPU held whole is
+--    never in the table. It counts as one GPU towards caps and fair share. One asking for more
+--    than the worker's largest GPU is passed over, as a job of more GPUs than the worker has;
 --  * at maxmemory the claim is refused whole: its first write is the memo (see _lib.lua);
 --  * cancelled jobs met on the way are acknowledged and deleted, never run.
 -- KEYS: 1 stream, 2 retry, 3 leases, 4 the worker's claim memo, 5 parked
@@ -49,11 +63,15 @@
 --       run in this queue, 11 most GPUs a user may hold in it (0: no cap), 12 fair share's
 --       half-life (ms; 0: FIFO), 13 when the worker's running jobs end at the latest ('MS:GPUS ...',
 --       ms from now; -1: no time limit), 14 its stop grace (ms), 15 GPUs it keeps for a head job
---       reserved on it in a queue it claimed from before this one (0: none)
--- Returns {status, stream cursor, wake cursor, GPUs kept, id, attempt, lease, spec, id, attempt,
--- lease, spec, ...}: the claimed jobs, and why claiming stopped: 'claimed' (N jobs, or a request
--- answered again), 'empty' (nothing more) or 'blocked' (the next job needs more GPUs than are
--- free). The cursors are the stream ids to wait after (XREAD BLOCK on the stream and the `wake`
+--       reserved on it in a queue it claimed from before this one (0: none), 16 '1' where a job
+--       with a priority may preempt lower ones, 17 the GPUs that can take a shared job ('N:MIB:JOBS:S
+--       ...': the GPU's place in the worker's list, MiB it has left, jobs it may take yet, S 1 when
+--       shared already, 0 when free whole), 18 MiB of the worker's largest GPU
+-- Returns {status, stream cursor, wake cursor, GPUs kept, shared GPUs (as ARGV 17, as this call
+-- left them), id, attempt, lease, spec, shared GPU, ...}: the claimed jobs (each with the place of
+-- its shared GPU in the worker's list, -1 for whole GPUs), and why claiming stopped: 'claimed' (N jobs, or a request
+-- answered again), 'empty' (nothing more), 'blocked' (the next job needs more GPUs than are
+-- free) or 'preempting' (blocked, and jobs here were asked to make room for it). The cursors are the stream ids to wait after (XREAD BLOCK on the stream and the `wake`
 -- stream) before a claim can find more; GPUs kept: for a head job reserved on this worker (ARGV
 -- 15 of its claims from later queues).
 local stream, retry, leases, memo, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -67,6 +85,12 @@ local ends = {}  -- {ms from now, GPUs} of each running job here, the soonest fi
 for ms, g in string.gmatch(ARGV[13] or '', '(%-?%d+):(%d+)') do ends[#ends + 1] = {math.max(0, tonumber(ms)), tonumber(g)} end
 table.sort(ends, function(a, b) return a[1] < b[1] end)
 local grace_ms = tonumber(ARGV[14]) or 0
+local preempts = ARGV[16] == '1'
+local rooms = {}  -- {place, MiB left, jobs it may take yet, shared already} of each GPU in the table
+for n, mib, jobs, shared in string.gmatch(ARGV[17] or '', '(%d+):(%d+):(%d+):([01])') do
+  rooms[#rooms + 1] = {tonumber(n), tonumber(mib), tonumber(jobs), shared == '1'}
+end
+local mem_most = tonumber(ARGV[18]) or 0
 local now = now_ms()
 local claimed, ids = {}, {}
 
@@ -78,7 +102,9 @@ end
 -- a 'claimed' answer carries none.
 local head_need, head_at = nil, nil  -- a head job's GPUs kept here, and when it could start (ms)
 local function reply(status, cursor)
-  local out = {status, cursor, '0-0', head_need or 0}
+  local left = {}
+  for _, r in ipairs(rooms) do left[#left + 1] = r[1] .. ':' .. r[2] .. ':' .. r[3] .. ':' .. (r[4] and 1 or 0) end
+  local out = {status, cursor, '0-0', head_need or 0, table.concat(left, ' ')}
   if status ~= 'claimed' then
     local top = redis.call('XREVRANGE', prefix .. 'wake', '+', '-', 'COUNT', 1)[1]
     out[3] = top and top[1] or '0-0'
@@ -88,14 +114,15 @@ local function reply(status, cursor)
 end
 
 local function add(id, jobkey)
-  local j = redis.call('HMGET', jobkey, 'attempt', 'lease', 'spec')
-  for _, v in ipairs({id, j[1], j[2], j[3]}) do claimed[#claimed + 1] = v end
+  local j = redis.call('HMGET', jobkey, 'attempt', 'lease', 'spec', 'shared_gpu')
+  for _, v in ipairs({id, j[1], j[2], j[3], j[4] or -1}) do claimed[#claimed + 1] = v end
 end
 
 -- What a claim reads of a job: its state, the GPUs it asks for, its attempt so far, its spec,
--- its user, its seq.
+-- its user, its seq, its priority, its stream entry, the MiB it asks for on a shared GPU.
 local function job_fields(jobkey)
-  return redis.call('HMGET', jobkey, 'state', 'gpus', 'attempt', 'spec', 'user', 'seq')
+  return redis.call('HMGET', jobkey, 'state', 'gpus', 'attempt', 'spec', 'user', 'seq', 'priority', 'entry',
+    'gpu_mem')
 end
 
 -- The same request again: answer the leases it got that are still this worker's and unexpired,
@@ -122,9 +149,29 @@ redis.call('PEXPIRE', memo, lease_ms)
 
 -- The GPUs a job needs here: what it asks for (job_fields' second), or the claimer's default.
 local function need_of(f)
+  local mem = tonumber(f[9]) or 0
+  if mem > 0 then return mem <= mem_most and 1 or gpus_total + 1 end  -- one shared GPU
   local want = tonumber(f[2]) or 0
   if want == 0 then want = default_gpus end
   return want
+end
+
+-- The GPU a job asking for `mem` MiB would go on here now (see the top); nil when none has room.
+local function room_for(mem)
+  local best = nil
+  for _, r in ipairs(rooms) do
+    if r[3] > 0 and r[2] >= mem and (r[4] or gpus_free > 0) then
+      if not best or (r[4] and not best[4]) or (r[4] == best[4] and r[2] < best[2]) then best = r end
+    end
+  end
+  return best
+end
+
+-- Whether a job (job_fields `f`) needing `gpus` GPUs (need_of) fits this worker's GPUs now.
+local function fits_now(gpus, f)
+  local mem = tonumber(f[9]) or 0
+  if mem > 0 then return room_for(mem) ~= nil end
+  return gpus <= gpus_free
 end
 
 local function need(jobkey)
@@ -168,12 +215,19 @@ local function under_cap(user, gpus)
 end
 
 local function start(id, jobkey, gpus, f)
-  gpus_free = gpus_free - gpus
+  local mem, place = tonumber(f[9]) or 0, -1
+  if mem > 0 then  -- on a shared GPU (the caller made sure one has room: fits_now)
+    local r = room_for(mem)
+    if not r[4] then gpus_free, r[4] = gpus_free - 1, true end  -- no longer free whole
+    r[2], r[3], place = r[2] - mem, r[3] - 1, r[1]
+  else
+    gpus_free = gpus_free - gpus
+  end
   ids[#ids + 1] = id
   local lease = lease_of(#ids)
   local attempt = (tonumber(f[3]) or 0) + 1
   redis.call('HSET', jobkey, 'attempt', attempt, 'state', 'running', 'worker', consumer, 'started_at', now,
-    'lease', lease, 'log_n', 0, 'held_gpus', gpus)
+    'lease', lease, 'log_n', 0, 'held_gpus', gpus, 'shared_gpu', place)
   if usage and f[5] then
     local u = use_of(f[5])
     u[1], u[2], u[3] = u[1] + 1, u[2] + gpus, u[3] + math.max(1, gpus)
@@ -181,7 +235,7 @@ local function start(id, jobkey, gpus, f)
   redis.call('ZADD', leases, now + lease_ms, id)
   redis.call('RPUSH', jobkey .. ':attempts',
     cjson.encode({attempt = attempt, worker = consumer, started_at = now, how = 'running'}))
-  for _, v in ipairs({id, attempt, lease, f[4]}) do claimed[#claimed + 1] = v end
+  for _, v in ipairs({id, attempt, lease, f[4], place}) do claimed[#claimed + 1] = v end
 end
 
 local function stop(status, cursor)
@@ -260,7 +314,7 @@ end
 -- Whether a job of `gpus` GPUs (job_fields `f`) may start here now: its GPUs are free and, with a
 -- head job's GPUs kept here, it is sure to end before the head could start.
 local function may_start(gpus, f)
-  if gpus > gpus_free then return false end
+  if not fits_now(gpus, f) then return false end
   if not head_need then return true end
   local limit = run_limit(f[4])
   return limit ~= nil and limit <= head_at
@@ -298,7 +352,7 @@ local function backfill(head)
       local jobkey, f, g = fits(id)
       if jobkey then
         redis.call('ZREM', from, id)
-        redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
+        redis.call('XCLAIM', stream, group, consumer, 0, f[8], 'JUSTID')
         start(id, jobkey, g, f)
       end
     end
@@ -308,7 +362,7 @@ local function backfill(head)
     local jobkey, f, g = fits(id)
     if jobkey then
       redis.call('ZREM', prefix .. 'prio', id)
-      redis.call('XDEL', stream, redis.call('HGET', jobkey, 'entry'))
+      redis.call('XDEL', stream, f[8])
       start(id, jobkey, g, f)
     end
   end
@@ -318,7 +372,7 @@ local function backfill(head)
       local jobkey, f, g = fits(id)
       if jobkey then
         unhold(prefix, user, id)
-        redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
+        redis.call('XCLAIM', stream, group, consumer, 0, f[8], 'JUSTID')
         start(id, jobkey, g, f)
       end
     end
@@ -340,17 +394,117 @@ end
 -- Job `id`, the first that must wait for its `gpus` here: it reserves this worker unless another
 -- live one holds its reservation (or GPUs here are kept for a head already), the jobs behind it
 -- that may start do (backfill), and the claim stops.
+local reservation = prefix .. 'reservation'
+
+-- Preemption (see the top): ask as few of this worker's running jobs of this queue with a
+-- priority below `p` to stop as make room for `gpus` GPUs (and, with `slot`, for a slot too);
+-- jobs already asked to stop count as leaving. True when there is room, or will be.
+local function preempt(gpus, p, slot)
+  local have, leaving, victims = gpus_free, 0, {}
+  for _, id in ipairs(redis.call('ZRANGE', leases, 0, -1)) do
+    local j = redis.call('HMGET', job_key(prefix, id), 'worker', 'priority', 'held_gpus', 'started_at', 'requeue',
+      'cancel', 'seq', 'gpu_mem')
+    local g = (tonumber(j[8]) or 0) > 0 and 0 or tonumber(j[3]) or 0  -- a shared GPU's job frees no GPU
+    if j[1] == consumer and (j[5] or j[6] == '1') then
+      have, leaving = have + g, leaving + 1
+    elseif j[1] == consumer and (tonumber(j[2]) or 0) < p then
+      victims[#victims + 1] = {id, tonumber(j[2]) or 0, -(tonumber(j[4]) or 0), g, -(tonumber(j[7]) or 0)}
+    end
+  end
+  table.sort(victims, function(a, b)  -- the lowest priority, the latest started, the latest queued
+    if a[2] ~= b[2] then return a[2] < b[2] end
+    if a[3] ~= b[3] then return a[3] < b[3] end
+    return a[5] < b[5]
+  end)
+  local chosen = {}
+  for _, v in ipairs(victims) do
+    if have >= gpus and (not slot or leaving + #chosen > 0) then break end
+    if v[4] > 0 or (slot and leaving + #chosen == 0) then
+      chosen[#chosen + 1] = v[1]
+      have = have + v[4]
+    end
+  end
+  if have < gpus or (slot and leaving + #chosen == 0) then return false end
+  for _, id in ipairs(chosen) do redis.call('HSET', job_key(prefix, id), 'requeue', 'preempt') end
+  return true
+end
+
+-- Job `id`, the first that must wait for its `gpus` here: it reserves this worker unless another
+-- live one holds its reservation (or GPUs here are kept for a head already), it may preempt jobs
+-- here, the jobs behind it that may start do (backfill), and the claim stops.
 local function blocked(id, gpus)
+  local status = 'blocked'
   if not head_need then
-    local r = redis.call('HMGET', prefix .. 'reservation', 'job', 'worker', 'until')
+    local r = redis.call('HMGET', reservation, 'job', 'worker', 'until')
     if not (r[1] == id and r[2] ~= consumer and tonumber(r[3]) > now) then
       head_need, head_at = gpus, earliest(gpus)
-      redis.call('HSET', prefix .. 'reservation', 'job', id, 'worker', consumer, 'until', now + lease_ms,
-        'at', now + head_at)
+      redis.call('HSET', reservation, 'job', id, 'worker', consumer, 'until', now + lease_ms, 'at', now + head_at,
+        'preempt', '0')
+      local p = tonumber(redis.call('HGET', job_key(prefix, id), 'priority')) or 0
+      if preempts and p > 0 and preempt(gpus, p, false) then
+        redis.call('HSET', reservation, 'preempt', '1')
+        status = 'preempting'
+      end
     end
   end
   backfill(id)
-  return stop('blocked', newest())
+  return stop(status, newest())
+end
+
+-- A job out of whichever place it waits in (the front, parked, held, `prio`), to start it now: a
+-- pending entry is claimed by this worker, one never delivered (or acknowledged) is deleted.
+local function take_out(id, f)
+  local entry, user = f[8], f[5]
+  local pending = redis.call('ZREM', retry, id) + redis.call('ZREM', parked, id)
+  if redis.call('ZSCORE', prefix .. 'capped', id) then
+    unhold(prefix, user or '', id)
+    pending = 1
+  end
+  redis.call('ZREM', prefix .. 'prio', id)
+  if pending > 0 then
+    redis.call('XCLAIM', stream, group, consumer, 0, entry, 'JUSTID')
+  else
+    redis.call('XDEL', stream, entry)
+  end
+end
+
+-- A job that preempted jobs here goes first, as soon as it fits; until then nothing that could
+-- delay it starts here (its reservation is renewed by each claim of this worker).
+local r = redis.call('HMGET', reservation, 'job', 'worker', 'until', 'preempt')
+if r[4] == '1' and r[2] == consumer and tonumber(r[3]) > now then
+  local jobkey = job_key(prefix, r[1])
+  local f = job_fields(jobkey)
+  if f[1] == 'queued' then
+    local gpus = need_of(f)
+    redis.call('HSET', reservation, 'until', now + lease_ms)
+    if wanted > 0 and fits_now(gpus, f) then
+      take_out(r[1], f)
+      start(r[1], jobkey, gpus, f)
+    elseif not head_need then
+      head_need, head_at = gpus, earliest(gpus)
+    end
+  end
+end
+
+-- No job wanted (the worker's slots are all taken): should the queue's highest-priority job
+-- preempt jobs here?
+if wanted == 0 then
+  local status = 'blocked'
+  local top = redis.call('ZRANGE', prefix .. 'prio', 0, 0)[1]
+  local held = redis.call('HMGET', reservation, 'job', 'worker', 'until')
+  if top and held[1] == top and tonumber(held[3]) > now then top = nil end  -- reserved (here or elsewhere)
+  if preempts and top and not head_need then
+    local jobkey = job_key(prefix, top)
+    local f = job_fields(jobkey)
+    local gpus = need_of(f)
+    local p = tonumber(redis.call('HGET', jobkey, 'priority')) or 0
+    if f[1] == 'queued' and gpus <= gpus_total and under_cap(f[5], gpus) and preempt(gpus, p, true) then
+      redis.call('HSET', reservation, 'job', top, 'worker', consumer, 'until', now + lease_ms, 'at', now,
+        'preempt', '1')
+      status = 'preempting'
+    end
+  end
+  return stop(status, newest())
 end
 
 -- The front: `retry` (lowest seq first), the parked jobs this worker can hold and the jobs held at
@@ -383,7 +537,7 @@ while #ids < wanted do
     else
       if not may_start(gpus, f) then return blocked(pick, gpus) end
       if from then redis.call('ZREM', from, pick) else unhold(prefix, c_user, pick) end
-      redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
+      redis.call('XCLAIM', stream, group, consumer, 0, f[8], 'JUSTID')
       start(pick, jobkey, gpus, f)
     end
   end
@@ -407,7 +561,7 @@ while #ids < wanted do
   end
   redis.call('ZREM', prio, top)
   if queued then  -- (cancel and take remove a job from `prio` as it leaves 'queued')
-    redis.call('XDEL', stream, redis.call('HGET', jobkey, 'entry'))
+    redis.call('XDEL', stream, f[8])
     if gpus > gpus_total then park(top, gpus)
     elseif at_cap then hold(prefix, f[5], top, f[6])
     else start(top, jobkey, gpus, f) end
@@ -427,28 +581,33 @@ if half_life > 0 then
   end
   local read = redis.call('XREADGROUP', 'GROUP', group, 'reclaimed', 'COUNT', 100 + wanted, 'STREAMS', stream, '>')
   local entries = read and read[1][2] or {}
+  local listed = {}  -- the users whose line this call added to: listed in `capped_users` already
   for _, e in ipairs(entries) do
     local id = e[2][1] == 'job' and e[2][2] or nil
     local f = id and job_fields(job_key(prefix, id))
     if not f or f[1] ~= 'queued' then
       drop_entry(stream, group, e[1])
-    elseif redis.call('ZSCORE', prefix .. 'prio', id) then
+    elseif (tonumber(f[7]) or 0) > 0 and redis.call('ZSCORE', prefix .. 'prio', id) then
       redis.call('XACK', stream, group, e[1])  -- `prio` holds it, and deletes the entry as it starts
     elseif need_of(f) > gpus_total then
       park(id, need_of(f))
     else
-      hold(prefix, f[5] or '', id, f[6])
+      hold(prefix, f[5] or '', id, f[6], listed[f[5] or ''])
+      listed[f[5] or ''] = true
     end
   end
-  -- A user's rank: {use per weight, jobs running, the seq of their next job}, the least first.
-  local past, weight = {}, {}
+  -- A user's rank: {use per weight, jobs running, the seq of their next job}, the least first. The
+  -- queue's use and weights are read once per call, in one look.
+  local stored = {}
+  local all = redis.call('HGETALL', fs)
+  for i = 1, #all, 2 do stored[all[i]] = tonumber(all[i + 1]) end
   local function rank(user, seq)
-    if not past[user] then
-      past[user] = math.floor(decayed(fs, user, now, half_life))  -- whole GPU-ms: decayed away is 0
-      weight[user] = tonumber(redis.call('HGET', fs, 'w:' .. user)) or 1
+    local use = 0
+    if stored['u:' .. user] then  -- as _lib.lua's decayed, in whole GPU-ms: decayed away is 0
+      use = math.floor(stored['u:' .. user] * 2 ^ (-(now - stored['t:' .. user]) / half_life))
     end
     local u = use_of(user)
-    return {(past[user] + u[3]) / weight[user], u[1], seq}
+    return {(use + u[3]) / (stored['w:' .. user] or 1), u[1], seq}
   end
   local function before(a, b)
     for i = 1, 3 do
@@ -456,26 +615,41 @@ if half_life > 0 then
     end
     return false
   end
+  -- Each user's next job, {id, seq, place in their line}: one look per user per call, another for
+  -- the user whose job just started or could not start here (too big, or at a cap: the next of
+  -- theirs, up to HELD_LOOK deep).
+  local next_of = {}
+  local function look(user, place)
+    next_of[user] = false
+    if place >= HELD_LOOK then return end
+    local held = redis.call('ZRANGE', prefix .. 'capped:' .. user, place, place, 'WITHSCORES')
+    if held[1] then next_of[user] = {held[1], tonumber(held[2]), place} end
+  end
+  local users = redis.call('ZRANGE', capped_users, 0, -1)
+  for _, user in ipairs(users) do look(user, 0) end
   while #ids < wanted do
-    local best, best_rank, best_user, best_f, best_gpus = nil, nil, nil, nil, nil
-    for _, user in ipairs(redis.call('ZRANGE', capped_users, 0, -1)) do
-      local held = redis.call('ZRANGE', prefix .. 'capped:' .. user, 0, HELD_LOOK - 1, 'WITHSCORES')
-      for i = 1, #held, 2 do
-        local f = job_fields(job_key(prefix, held[i]))
-        local g = need_of(f)
-        if g <= gpus_total and under_cap(user, g) then  -- (a user at a cap is passed over)
-          local r = rank(user, tonumber(held[i + 1]))
-          if not best or before(r, best_rank) then best, best_rank, best_user, best_f, best_gpus = held[i], r, user, f, g end
-          break
-        end
+    local best, best_rank, best_user = nil, nil, nil
+    for _, user in ipairs(users) do
+      local job = next_of[user]
+      if job then
+        local r = rank(user, job[2])
+        if not best or before(r, best_rank) then best, best_rank, best_user = job, r, user end
       end
     end
     if not best then break end
-    if not may_start(best_gpus, best_f) then return blocked(best, best_gpus) end
-    local jobkey = job_key(prefix, best)
-    unhold(prefix, best_user, best)
-    redis.call('XCLAIM', stream, group, consumer, 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
-    start(best, jobkey, best_gpus, best_f)
+    local id = best[1]
+    local jobkey = job_key(prefix, id)
+    local f = job_fields(jobkey)
+    local gpus = need_of(f)
+    if gpus > gpus_total or not under_cap(best_user, gpus) then
+      look(best_user, best[3] + 1)  -- passed over here: the next of theirs
+    else
+      if not may_start(gpus, f) then return blocked(id, gpus) end
+      local top = unhold(prefix, best_user, id)
+      redis.call('XCLAIM', stream, group, consumer, 0, f[8], 'JUSTID')
+      start(id, jobkey, gpus, f)
+      next_of[best_user] = top[1] and {top[1], tonumber(top[2]), 0} or false
+    end
   end
   if #ids == wanted or #entries == 100 + wanted then return stop('claimed', '0-0') end
   return stop('empty', delivered())
@@ -508,7 +682,7 @@ end
 local last = nil  -- the group's last delivered entry, once looked up
 for _ = 1, 100 + wanted do
   if #ids == wanted then return stop('claimed', '0-0') end
-  if gpus_free >= gpus_total and not head_need then
+  if gpus_free >= gpus_total and not head_need and #rooms == 0 then
     -- Every GPU this claimer has is free, so no job can make it wait (one asking for more than
     -- it has is passed over): the next entry is taken as it is delivered, without a look first.
     local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', stream, '>')

@@ -18,7 +18,7 @@ from daemon.metrics import common
 from daemon.metrics import server as server_module
 from daemon.metrics.endpoint import MetricsServer, metrics_address, serve_metrics
 from daemon.metrics.server import RUN_BUCKETS, ServerMetrics
-from daemon.metrics.worker import GpuSample, WorkerMetrics
+from daemon.metrics.worker import GpuSample, GpuShare, WorkerMetrics
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker import gpus
@@ -254,6 +254,36 @@ async def test_gpu_series_come_from_the_sampler_the_worker_hands_over() -> None:
     idle = WorkerMetrics(gpus=[], sample_gpus=sample)
     idle.registry.get_sample_value("gpupool_worker_slots", {"state": "free"})
     assert calls == 2
+
+
+async def test_gpus_shared_by_gpu_mem_jobs_show_their_jobs_and_declared_memory() -> None:
+    """Issue 17 item 4: per GPU, how many pool jobs share it and the memory they declared, from
+    the allocator's books as the worker hands them over before a scrape; 0 on a GPU none share."""
+    alloc = gpus.GpuAllocator([gpus.GpuInfo(i, f"GPU-{i}", "made up", 80 * 2**30) for i in range(2)], 4)
+    metrics = WorkerMetrics(gpus=alloc.gpus)
+    alloc.allocate_shared("a#1", "GPU-1", 20 * 2**30)
+    alloc.allocate_shared("b#1", "GPU-1", 10 * 2**30)
+    metrics.set_shared(alloc.shares())
+    server = await serve_metrics(metrics.registry)
+    try:
+        _, samples = await scrape(server)
+        alloc.release("a#1")
+        metrics.set_shared(alloc.shares())
+        _, after = await scrape(server)
+        metrics.set_shared([GpuShare("GPU-0", 1, 5)])  # the whole picture: GPU-1 left out has none
+        _, replaced = await scrape(server)
+    finally:
+        await server.close()
+    jobs, declared = "gpupool_gpu_shared_jobs", "gpupool_gpu_shared_memory_declared_bytes"
+    assert value(samples, jobs, gpu="1", uuid="GPU-1") == 2
+    assert value(samples, declared, gpu="1", uuid="GPU-1") == 30 * 2**30
+    assert value(samples, jobs, gpu="0", uuid="GPU-0") == value(samples, declared, gpu="0", uuid="GPU-0") == 0
+    assert (value(after, jobs, gpu="1", uuid="GPU-1"), value(after, declared, gpu="1", uuid="GPU-1")) == (
+        1,
+        10 * 2**30,
+    )
+    assert value(replaced, jobs, gpu="1", uuid="GPU-1") == 0
+    assert value(replaced, declared, gpu="0", uuid="GPU-0") == 5
 
 
 async def test_real_gpus_have_series() -> None:

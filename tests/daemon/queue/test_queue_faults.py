@@ -189,7 +189,7 @@ async def test_a_claim_cancelled_in_flight_is_settled_and_a_late_copy_claims_not
         ],
         args=[keys.queue_prefix("default"), keys.GROUP, "w1", 0, 30000, 0, 1, 0, 1],
     )
-    assert len(late) == 4  # status, cursors and GPUs kept: no job
+    assert len(late) == 5  # status, cursors, GPUs kept and the shared GPUs: no job
     assert (await queue.get(third)).state is JobState.QUEUED
 
 

@@ -53,6 +53,12 @@ async def test_a_job_no_worker_could_ever_hold_is_refused_unless_it_may_wait(
                 "needs 8 GPUs; the largest worker serving queue 'default' has 4."
             )
             assert "--wait-for-worker" in str(refused.value)
+            with pytest.raises(ClientError) as refused:  # memory on one GPU: 20 GiB of a 16 GiB GPU
+                await c.call(Enqueue(job(gpu_mem=20 * 2**30), None), Enqueued)
+            assert str(refused.value).startswith(
+                "needs 20.0 GiB on one GPU; the largest worker serving queue 'default' has a GPU of "
+                "16.0 GiB at most."
+            )
             assert await pool.queue.list_jobs() == []  # nothing of the refused batch was queued
             big = await c.call(Enqueue(job(gpus=8, wait_for_worker=True), None), Enqueued)
             after = await c.call(Enqueue(job(), None), Enqueued)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from daemon.job import JobState
+from daemon.job import JobSpec, JobState
 from daemon.queue.job_queue import JobQueue
 from tests.support.workers import fake_gpus, running_worker, sh, wait_file, wait_state
 
@@ -16,7 +16,7 @@ async def test_a_4_gpu_head_is_never_starved_by_a_stream_of_1_gpu_jobs(
 ) -> None:
     starts = tmp_path / "starts"
 
-    def job(name: str, gpus: int, run: float, timeout: float) -> object:
+    def job(name: str, gpus: int, run: float, timeout: float) -> JobSpec:
         return sh(f"echo {name} >> {starts}; sleep {run}", gpus=gpus, timeout=timeout, stop_grace=1)
 
     first, _ = await queue.enqueue(job("first", 1, 1.0, 4))  # ends within 5 s (its limit and grace)

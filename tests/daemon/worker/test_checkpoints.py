@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from redis.asyncio import Redis
 
 from daemon.job import JobState
 from daemon.queue.embedded_redis import EmbeddedRedis
@@ -25,7 +26,7 @@ from daemon.worker.runner import JobRun
 from daemon.worker.spawn import Spawner
 from storage.local import LocalStore
 from tests.daemon.worker.test_runner import claimed
-from tests.support.workers import running_worker, sh, wait_state, wait_until
+from tests.support.workers import fake_gpus, running_worker, sh, wait_state, wait_until
 
 # Reads the step its last save reached, says so, and (attempt 1) waits, saving its step on SIGTERM
 # or (with `step`) at once, for a periodic save to carry.
@@ -160,3 +161,21 @@ async def test_a_file_named_like_a_marker_is_restored_as_a_file_not_taken_for_a_
         dest.mkdir()
         assert await restore(store, "default.j", 2, dest) == "1.1"
     assert sorted(p.name for p in dest.iterdir()) == sorted(["step", "5.1.done", "\u00b9.1.done"])
+
+
+async def test_a_job_preempted_by_a_higher_priority_one_resumes_from_its_checkpoint_after_it(
+    redis: Redis, tmp_path: Path
+) -> None:
+    queue = JobQueue(redis, lease_seconds=30, preempt=["default"])
+    log = tmp_path / "log"
+    low, _ = await queue.enqueue(sh(RESUMING.format(log=log, step=""), gpus=2))
+    async with (
+        LocalStore(tmp_path / "store") as store,
+        running_worker(queue, tmp_path / "w", store=store, gpus=fake_gpus(2), slots=2),
+    ):
+        await wait_until(lambda: logged(log, "attempt 1 from 0"), what="the first attempt")
+        urgent, _ = await queue.enqueue(sh(f"echo urgent >> {log}", gpus=2, priority=5))
+        await wait_state(queue, urgent, JobState.SUCCEEDED, timeout=60)
+        info = await wait_state(queue, low, JobState.SUCCEEDED, timeout=60)
+    assert log.read_text().splitlines() == ["attempt 1 from 0", "urgent", "attempt 2 from 7"]
+    assert [a.how for a in info.attempts] == ["released", "succeeded"]

@@ -1,0 +1,121 @@
+"""`poolctl enqueue`'s command line: its options, and the sizes --gpu-mem takes.
+
+Apart from daemon/ctl/cli.py, which builds the other commands' parsers and runs them, because
+enqueue has more options than all the others together. Parsing only: what the options mean is
+cli.py's `_spec` and the server's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from decimal import Decimal
+from typing import Any
+
+GPU_MEM_MAX = 2**50  # daemon/job.py's limit, said again so that ctl need not import the job model
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?|\.\d+)\s*(?:(?P<unit>[kmgt])(?:i?b)?|b)?", re.IGNORECASE)
+
+
+def gpu_mem_size(text: str) -> int:
+    """Bytes of a size as a person writes it: 20G, 20GiB, 20GB, 512M, 1.5T, 4096 (bytes); units
+    are powers of 1024, as GPU memory is sold and as nvidia-smi shows it. An argparse type: a bad
+    size is a one-line usage error, exit status 2."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: expected a number and a unit, e.g. 20G, 512M or 1.5T"
+        )
+    size = int(Decimal(m["number"]) * _UNITS[(m["unit"] or "").lower()])
+    if not 0 < size <= GPU_MEM_MAX:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size from 1 byte to 1024T")
+    return size
+
+
+def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it does not export
+    e = sub.add_parser("enqueue", help="queue a job: poolctl enqueue [options] -- CMD [ARG...]")
+    e.add_argument("--queue", "-q", default="default")
+    e.add_argument("--gpus", type=int, default=0, help="GPUs the job needs")
+    e.add_argument(
+        "--gpu-mem",
+        type=gpu_mem_size,
+        default=0,
+        metavar="SIZE",
+        help="instead of --gpus: the memory the job needs on one GPU it may share with other jobs, "
+        "e.g. 20G (K, M, G, T: powers of 1024)",
+    )
+    e.add_argument(
+        "--wait-for-worker",
+        action="store_true",
+        help="queue a --gpus job even if no worker in the pool has that many GPUs yet",
+    )
+    e.add_argument("--name", default="")
+    e.add_argument(
+        "--env", action="append", default=[], metavar="K=V", help="environment variable (repeatable)"
+    )
+    e.add_argument("--cwd", help="working directory on the worker (default: a fresh scratch directory)")
+    e.add_argument(
+        "--git",
+        nargs="?",
+        const="",
+        metavar="REPO",
+        help="run in a checkout of REPO (default: this checkout's origin, at its exact HEAD commit)",
+    )
+    e.add_argument("--ref", help="with --git: the branch, tag or commit to run (default: HEAD)")
+    e.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME_OR_PATH[:DEST]",
+        help="a dataset (a `put` name, or a local file or directory, uploaded first) placed at DEST "
+        "in the job's directory (repeatable)",
+    )
+    e.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="run in a snapshot of this git working tree as it is now, uncommitted changes included",
+    )
+    e.add_argument("--timeout", type=float, metavar="SECONDS", help="stop the job after this long")
+    e.add_argument(
+        "--stop-signal",
+        default="TERM",
+        metavar="SIG",
+        help="the signal that asks the job to stop (a cancel, a timeout, a requeue, a drain): "
+        "TERM (default), INT, HUP, USR1, USR2 or QUIT; SIGKILL follows after the grace",
+    )
+    e.add_argument(
+        "--stop-grace",
+        type=float,
+        metavar="SECONDS",
+        help="how long the job has after that signal, to save its state, before SIGKILL "
+        "(default: the worker's kill_grace; at most 3600)",
+    )
+    e.add_argument(
+        "--checkpoint-every",
+        type=float,
+        metavar="SECONDS",
+        help="save $GPUPOOL_CHECKPOINT_DIR this often while the job runs (it is saved at every "
+        "attempt's end anyway; the next attempt starts with the newest save)",
+    )
+    e.add_argument("--retries", type=int, default=0, help="extra attempts after a non-zero exit")
+    e.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start before the queue's jobs of lower priority (0-100, up to your ceiling; default 0)",
+    )
+    e.add_argument(
+        "--max-attempts", type=int, default=3, help="attempts lost to dead workers before giving up"
+    )
+    e.add_argument("--key", metavar="IDEMPOTENCY_KEY", help="same key, same job: safe to retry")
+    e.add_argument("--from-file", metavar="JOBS.jsonl", help="queue one job per JSON line (a job spec each)")
+    e.add_argument("--json", action="store_true")
+    e.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="then follow the job's output and exit with its exit code (Ctrl-C stops following; "
+        "the job runs on)",
+    )
+    e.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")

@@ -1,0 +1,94 @@
+"""Preemption (claim.lua), where an admin enables it for a queue: a job with a priority that must
+wait for GPUs on the worker it reserved asks that worker's lower-priority jobs to make room, as few
+as will do, and goes first once they have. Against one redis-server and a Redis Cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon.job import JobSpec, JobState, Lease, RenewStatus
+from daemon.queue.connection import AnyRedis
+from daemon.queue.job_queue import JobQueue
+
+
+@pytest.fixture
+def redis(either_redis: AnyRedis) -> AnyRedis:
+    return either_redis
+
+
+def spec(n: int, gpus: int, priority: int = 0) -> JobSpec:
+    return JobSpec(argv=("echo", str(n)), gpus=gpus, priority=priority)
+
+
+async def fill(queue: JobQueue, worker: str, jobs: list[JobSpec]) -> list[Lease]:
+    """`worker` (4 GPUs) claims and runs `jobs`, one claim each, in order."""
+    leases: list[Lease] = []
+    for job in jobs:
+        await queue.enqueue(job)
+        free = 4 - sum(lease.spec.gpus for lease in leases)
+        (lease,) = await queue.claim_many(worker, ["default"], 1, free, gpus_total=4)
+        leases.append(lease)
+    return leases
+
+
+async def statuses(queue: JobQueue, worker: str, leases: list[Lease]) -> list[RenewStatus]:
+    got = await queue.renew(worker, leases)
+    return [got[lease.id] for lease in leases]
+
+
+async def test_a_priority_job_stops_as_few_lower_ones_as_make_room_and_goes_first(redis: AnyRedis) -> None:
+    queue = JobQueue(redis, lease_seconds=30, preempt=["default"])
+    low, newer, mid = await fill(queue, "w1", [spec(0, 1), spec(1, 1), spec(2, 1, priority=3)])
+    urgent, _ = await queue.enqueue(spec(9, 2, priority=5))
+    # 1 GPU free, 2 needed: one job must go, the lowest priority, the latest started of those.
+    assert await queue.claim_many("w1", ["default"], 1, 1, gpus_total=4, ends=[(None, 3)]) == []
+    assert await statuses(queue, "w1", [low, newer, mid]) == [
+        RenewStatus.OK,
+        RenewStatus.PREEMPT,
+        RenewStatus.OK,
+    ]
+    assert await queue.release(newer) is JobState.QUEUED  # the worker stopped it and handed it back
+    # Back at the front, the preempted job would go first; the job that preempted it does.
+    got = await queue.claim_many("w1", ["default"], 1, 2, gpus_total=4, ends=[(None, 2)])
+    assert [lease.job_id for lease in got] == [urgent]
+    again = await queue.claim_many("w2", ["default"], 1, 1, gpus_total=1)
+    assert [(lease.job_id, lease.attempt) for lease in again] == [(newer.job_id, 2)]
+
+
+async def test_only_where_enabled_and_only_lower_priorities_are_preempted(redis: AnyRedis) -> None:
+    plain = JobQueue(redis, lease_seconds=30)
+    running = await fill(plain, "w1", [spec(0, 2, priority=5), spec(1, 2)])
+    await plain.enqueue(spec(9, 4, priority=5))
+    assert await plain.claim_many("w1", ["default"], 1, 0, gpus_total=4) == []
+    assert await statuses(plain, "w1", running) == [RenewStatus.OK, RenewStatus.OK]  # not enabled
+    preempting = JobQueue(redis, lease_seconds=30, preempt=["default"])
+    assert await preempting.claim_many("w2", ["default"], 1, 0, gpus_total=4) == []
+    # Enabled, but one of the two it would need has the same priority: nobody is stopped for nothing.
+    assert await statuses(preempting, "w1", running) == [RenewStatus.OK, RenewStatus.OK]
+
+
+async def test_a_full_worker_is_asked_for_a_slot_by_a_job_with_a_priority(redis: AnyRedis) -> None:
+    queue = JobQueue(redis, lease_seconds=30, preempt=["default"])
+    running = await fill(queue, "w1", [spec(0, 1), spec(1, 1)])
+    urgent, _ = await queue.enqueue(spec(9, 1, priority=5))
+    # Both slots taken, 2 GPUs free: the worker claims nothing, but looks whether to preempt.
+    assert await queue.preempt_check("w1", ["default"], 2, 0, gpus_total=4)
+    assert await statuses(queue, "w1", running) == [RenewStatus.OK, RenewStatus.PREEMPT]
+    assert not await queue.preempt_check("w1", ["default"], 2, 0, gpus_total=4)  # asked once is enough
+    assert await statuses(queue, "w1", running) == [RenewStatus.OK, RenewStatus.PREEMPT]
+    await queue.release(running[1])
+    got = await queue.claim_many("w1", ["default"], 1, 3, gpus_total=4)
+    assert [lease.job_id for lease in got] == [urgent]
+
+
+async def test_a_job_that_preempted_on_one_worker_does_not_preempt_on_another_too(redis: AnyRedis) -> None:
+    """Else the job it stopped, back at the front, starts on a second worker, is stopped there for
+    the same job, and so on: a round of preemptions for one start (the chaos suite found it)."""
+    queue = JobQueue(redis, lease_seconds=30, preempt=["default"])
+    first = await fill(queue, "w1", [spec(0, 1), spec(1, 1)])
+    second = await fill(queue, "w2", [spec(2, 1), spec(3, 1)])
+    await queue.enqueue(spec(9, 1, priority=5))
+    assert await queue.preempt_check("w1", ["default"], 2, 0, gpus_total=4)
+    assert not await queue.preempt_check("w2", ["default"], 2, 0, gpus_total=4)
+    assert await statuses(queue, "w1", first) == [RenewStatus.OK, RenewStatus.PREEMPT]
+    assert await statuses(queue, "w2", second) == [RenewStatus.OK, RenewStatus.OK]
