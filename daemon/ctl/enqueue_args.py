@@ -47,7 +47,8 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
     e.add_argument(
         "--wait-for-worker",
         action="store_true",
-        help="queue a --gpus job even if no worker in the pool has that many GPUs yet",
+        help="queue a --gpus (or --gpu-mem) job even if no worker in the pool has that many GPUs (or a "
+        "GPU that large) yet",
     )
     e.add_argument("--name", default="")
     e.add_argument(
@@ -78,6 +79,7 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
     e.add_argument("--timeout", type=float, metavar="SECONDS", help="stop the job after this long")
     e.add_argument(
         "--stop-signal",
+        "--signal",
         default="TERM",
         metavar="SIG",
         help="the signal that asks the job to stop (a cancel, a timeout, a requeue, a drain): "
@@ -85,6 +87,7 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
     )
     e.add_argument(
         "--stop-grace",
+        "--checkpoint-grace",
         type=float,
         metavar="SECONDS",
         help="how long the job has after that signal, to save its state, before SIGKILL "

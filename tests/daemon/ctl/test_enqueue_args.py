@@ -101,6 +101,17 @@ async def test_poolctl_enqueues_and_shows_a_gpu_mem_job(pool: Pool) -> None:
     code, _, err = await poolctl(env, "enqueue", "--gpu-mem", "twenty", "--", "true")
     assert (code, "is not a size" in err) == (2, True)
     code, out, err = await poolctl(env, "enqueue", "--gpu-mem", "20GiB", "--", "true")
+    assert code == 2  # no worker has joined, so no GPU that large: refused in a sentence (a usage error)
+    assert "needs 20.0 GiB on one GPU; no worker serving queue 'default' has joined" in err
+    code, out, err = await poolctl(env, "enqueue", "--gpu-mem", "20GiB", "--wait-for-worker", "--", "true")
     assert code == 0, err
     code, out, _ = await poolctl(env, "show", out.strip())
     assert "gpu mem:   20 GiB on a shared GPU" in out
+
+
+def test_the_issues_names_for_the_stop_signal_and_grace_are_the_same_options() -> None:
+    """Issue 17 writes `--signal` and `--checkpoint-grace`; poolctl's names are `--stop-signal` and
+    `--stop-grace` (they stop a cancel and a timeout too): both spellings work."""
+    argv = ["enqueue", "--signal", "USR1", "--checkpoint-grace", "120", "--", "python", "train.py"]
+    spec = cli._spec(cli.parser().parse_args(argv))
+    assert (spec["stop_signal"], spec["stop_grace"]) == ("USR1", 120.0)
