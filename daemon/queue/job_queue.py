@@ -285,6 +285,7 @@ class JobQueue(QueueReads):
         grace: float = 0.0,
         shared: Sequence[SharedGpu] = (),
         mem_most: int = 0,
+        lifetime: float | None = None,
     ) -> list[Lease]:
         """Up to `count` next jobs for `worker` (a worker with that many free slots), in queue
         priority order then each queue's order, one script call per queue tried. A job asking for
@@ -311,7 +312,9 @@ class JobQueue(QueueReads):
 
         GPU memory (claim.lua): `shared` lists the worker's GPUs that can take a --gpu-mem job
         (each by its place in the worker's list), `mem_most` is its largest GPU's memory (bytes);
-        a lease's `shared_gpu` is the place of the GPU its job goes on."""
+        a lease's `shared_gpu` is the place of the GPU its job goes on. `lifetime`: the seconds a
+        pilot worker has left; a job whose time limit (and stop grace) runs past it is passed over
+        (None: no end)."""
         total = gpus_free if gpus_total is None else gpus_total
         rooms = " ".join(f"{r.place}:{r.avail // 2**20}:{r.jobs}:{int(r.shared)}" for r in shared)
         schedule = _schedule(ends)
@@ -333,6 +336,7 @@ class JobQueue(QueueReads):
                     (gpus_free, default_gpus, total),
                     backfill=(schedule, round(grace * 1000), kept),
                     memory=(rooms, mem_most // 2**20),
+                    lifetime=lifetime,
                 )
             except (RedisError, NotReplicated, asyncio.CancelledError) as exc:
                 if unanswered(exc):
@@ -416,6 +420,7 @@ class JobQueue(QueueReads):
         *,
         backfill: tuple[str, int, int] = ("", 0, 0),
         memory: tuple[str, int] = ("", 0),
+        lifetime: float | None = None,
     ) -> tuple[bytes, tuple[str, str], int, str, list[Lease]]:
         """One claim.lua call; `gpus` is (free, default per job, total), `backfill` (when the
         worker's running jobs end, its stop grace in ms, GPUs it keeps for a head job). It goes
@@ -441,6 +446,7 @@ class JobQueue(QueueReads):
                 *backfill,
                 1 if q in self.preempt else 0,
                 *memory,
+                0 if lifetime is None else max(1, round(lifetime * 1000)),
             ],
             ahead=True,
             durable=True,

@@ -66,7 +66,8 @@
 --       reserved on it in a queue it claimed from before this one (0: none), 16 '1' where a job
 --       with a priority may preempt lower ones, 17 the GPUs that can take a shared job ('N:MIB:JOBS:S
 --       ...': the GPU's place in the worker's list, MiB it has left, jobs it may take yet, S 1 when
---       shared already, 0 when free whole), 18 MiB of the worker's largest GPU
+--       shared already, 0 when free whole), 18 MiB of the worker's largest GPU, 19 the worker's
+--       lifetime left (ms; 0: none): a job whose time limit runs past it is passed over
 -- Returns {status, stream cursor, wake cursor, GPUs kept, shared GPUs (as ARGV 17, as this call
 -- left them), id, attempt, lease, spec, shared GPU, ...}: the claimed jobs (each with the place of
 -- its shared GPU in the worker's list, -1 for whole GPUs), and why claiming stopped: 'claimed' (N jobs, or a request
@@ -311,10 +312,20 @@ local function run_limit(spec)
   return s.timeout * 1000 + (type(s.stop_grace) == 'number' and s.stop_grace * 1000 or grace_ms)
 end
 
--- Whether a job of `gpus` GPUs (job_fields `f`) may start here now: its GPUs are free and, with a
--- head job's GPUs kept here, it is sure to end before the head could start.
+-- Whether a job (job_fields `f`) has a time limit that would run past the claimer's own end (ARGV
+-- 19: a pilot worker's lifetime left, ms; 0: none). Such a job is passed over, never waited for.
+local lifetime = tonumber(ARGV[19]) or 0
+local function outlives(f)
+  if lifetime <= 0 then return false end
+  local limit = run_limit(f[4])
+  return limit ~= nil and limit > lifetime
+end
+
+-- Whether a job of `gpus` GPUs (job_fields `f`) may start here now: its GPUs are free, it ends
+-- before this worker does, and with a head job's GPUs kept here, it is sure to end before the
+-- head could start.
 local function may_start(gpus, f)
-  if not fits_now(gpus, f) then return false end
+  if not fits_now(gpus, f) or outlives(f) then return false end
   if not head_need then return true end
   local limit = run_limit(f[4])
   return limit ~= nil and limit <= head_at
@@ -434,7 +445,7 @@ end
 -- here, the jobs behind it that may start do (backfill), and the claim stops.
 local function blocked(id, gpus)
   local status = 'blocked'
-  if not head_need then
+  if not head_need and not outlives(job_fields(job_key(prefix, id))) then
     local r = redis.call('HMGET', reservation, 'job', 'worker', 'until')
     if not (r[1] == id and r[2] ~= consumer and tonumber(r[3]) > now) then
       head_need, head_at = gpus, earliest(gpus)
@@ -682,7 +693,7 @@ end
 local last = nil  -- the group's last delivered entry, once looked up
 for _ = 1, 100 + wanted do
   if #ids == wanted then return stop('claimed', '0-0') end
-  if gpus_free >= gpus_total and not head_need and #rooms == 0 then
+  if gpus_free >= gpus_total and not head_need and #rooms == 0 and lifetime <= 0 then
     -- Every GPU this claimer has is free, so no job can make it wait (one asking for more than
     -- it has is passed over): the next entry is taken as it is delivered, without a look first.
     local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', stream, '>')
