@@ -44,7 +44,8 @@ async def run_chaos(
         cluster.start_worker()
     await cluster.workers_registered(workers)
     submitter = Submitter(cluster)
-    # With the policies on, jobs come from three users in turn, every 7th with a priority.
+    # With the policies on, jobs come from three users in turn (the long ones too: shifted by one
+    # each LONG_EVERY, or one user at a cap would hold them all), every 7th with a priority.
     by_user = {u: Submitter(cluster, u) for u in USERS} if policies else {}
     spec = {"argv": job_command(cluster.ledger, JOB_SECONDS), "max_attempts": 10}
     long_spec = {"argv": job_command(cluster.ledger, LONG_SECONDS), "max_attempts": 10}
@@ -54,7 +55,7 @@ async def run_chaos(
             for i in range(jobs):
                 job = long_spec if i % LONG_EVERY == 0 else spec
                 if policies:
-                    user = by_user[USERS[i % len(USERS)]]
+                    user = by_user[USERS[(i + i // LONG_EVERY) % len(USERS)]]
                     job_id = await user.submit(f"job-{i}", {**job, "priority": 5 if i % 7 == 0 else 0})
                     submitter.acked.setdefault(job_id, user.acked[job_id])
                 else:

@@ -556,9 +556,12 @@ end
 if #ids == wanted then return stop('claimed', '0-0') end
 
 -- Then the jobs with a priority, the highest first.
+-- In a fair-share queue a job whose user is at a cap keeps its place here (passed over, a
+-- bounded look): held in its user's line it would lose its priority to the user's later ones.
 local prio = prefix .. 'prio'
+local passed = 0
 while #ids < wanted do
-  local top = redis.call('ZRANGE', prio, 0, 0)[1]
+  local top = redis.call('ZRANGE', prio, passed, passed)[1]
   if not top then break end
   local jobkey = job_key(prefix, top)
   local f = job_fields(jobkey)
@@ -566,16 +569,21 @@ while #ids < wanted do
   local queued = f[1] == 'queued'
   local at_cap = queued and gpus <= gpus_total and not under_cap(f[5], gpus)
   if queued and not at_cap and gpus <= gpus_total and not may_start(gpus, f) then return blocked(top, gpus) end
-  if queued and (gpus > gpus_total or at_cap) then
+  if at_cap and half_life > 0 then
+    passed = passed + 1
+    if passed >= 100 then break end
+  elseif queued and (gpus > gpus_total or at_cap) then
     if moved >= 100 then return stop('claimed', '0-0') end  -- enough moved for one call: cut short
     moved = moved + 1
   end
-  redis.call('ZREM', prio, top)
-  if queued then  -- (cancel and take remove a job from `prio` as it leaves 'queued')
-    redis.call('XDEL', stream, f[8])
-    if gpus > gpus_total then park(top, gpus)
-    elseif at_cap then hold(prefix, f[5], top, f[6])
-    else start(top, jobkey, gpus, f) end
+  if not (at_cap and half_life > 0) then
+    redis.call('ZREM', prio, top)
+    if queued then  -- (cancel and take remove a job from `prio` as it leaves 'queued')
+      redis.call('XDEL', stream, f[8])
+      if gpus > gpus_total then park(top, gpus)
+      elseif at_cap then hold(prefix, f[5], top, f[6])
+      else start(top, jobkey, gpus, f) end
+    end
   end
 end
 if #ids == wanted then return stop('claimed', '0-0') end

@@ -128,3 +128,23 @@ async def test_a_job_in_a_line_is_listed_shown_and_never_lost_to_a_reclaim(redis
     assert await queue.reclaim() == [(alice[0], JobState.QUEUED)]
     again = await queue.claim_many("w2", ["default"], 3)
     assert [(x.job_id, x.attempt) for x in again] == [(alice[0], 2), (alice[1], 1), (alice[2], 1)]
+
+
+async def test_a_priority_job_held_at_a_cap_keeps_its_place_before_its_users_later_ones(
+    redis: AnyRedis,
+) -> None:
+    """The chaos suite with the policies on found it: in a fair-share queue a priority job whose
+    user was at a cap went to the user's line, and the user's later priority job, still in
+    `prio`, started before it once the user was below the cap."""
+    queue = fair(redis, user_caps=(1, 0))
+    (running,) = await enqueue(queue, "alice", 1)
+    lease = await queue.claim("w0", ["default"])
+    assert lease is not None
+    assert lease.job_id == running
+    first = await enqueue(queue, "alice", 1, priority=5)
+    assert await started(queue, 1) == []  # alice at her cap: it waits, in place
+    second = await enqueue(queue, "alice", 1, priority=5)
+    await queue.complete(lease, OK)
+    assert await started(queue, 1) == first
+    assert await started(queue, 1, "w2") == []
+    assert (await queue.get(second[0])).state is JobState.QUEUED
