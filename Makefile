@@ -9,9 +9,10 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install run test lint typecheck pytest test-packages chaos bench clean
 
-# Debian packages that some tests drive for real (zsh and fish run the completion scripts).
+# Debian packages that some tests drive for real (zsh and fish run the completion scripts; slurm-wlm
+# and munge a one-node Slurm cluster on loopback for the pilot workers, tests/support/slurm.py).
 # Installed when this runs as root with apt-get, as CI does; elsewhere those tests skip, saying why.
-TEST_PACKAGES := zsh fish
+TEST_PACKAGES := zsh fish slurm-wlm munge
 
 install: $(STAMP)
 

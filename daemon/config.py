@@ -28,6 +28,7 @@ from typing import Any
 from daemon.address import SERVER_PORT, parse_host_port, parse_host_ports
 from daemon.config_sources import ENV_PREFIX, Layer, from_env, from_flags, read_secret, read_toml
 from daemon.errors import ConfigError
+from daemon.webhook import check_url
 
 DEFAULT_CONFIG_FILE = Path("/etc/gpupool/pool.toml")
 SERVER_METRICS_PORT = 9420
@@ -208,6 +209,8 @@ OPTIONS: tuple[Option, ...] = (
         "seconds between SIGTERM and SIGKILL when a job is stopped (cancel, timeout, drain)",
         lo=0,
     ),
+    Option("worker_idle_exit", float, 0.0, "seconds a worker idle (no job held) waits, then leaves", lo=0),
+    Option("worker_max_lifetime", float, 0.0, "seconds after its start by which a worker has left", lo=0),
     Option(
         "job_nice",
         int,
@@ -329,6 +332,8 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("tls_cert", str, "", "server TLS certificate (PEM); with tls_key, enables TLS"),
     Option("tls_key", str, "", "server TLS private key (PEM)", secret=False),
+    Option("notify_url", str, "", "http(s) URL the server POSTs every job's end to", check=check_url),
+    Option("notify_secret", str, "", "key of the notifications' HMAC-SHA256 signature", secret=True),
     Option("log_format", str, "text", "text or json (one JSON object per line)", choices=("text", "json")),
     Option(
         "log_level",
@@ -375,6 +380,8 @@ class Config:
     job_uid_range: str
     drain_timeout: float
     kill_grace: float
+    worker_idle_exit: float
+    worker_max_lifetime: float
     job_nice: int
     job_retention: float
     job_log_max_bytes: int
@@ -398,6 +405,8 @@ class Config:
     tls: str
     tls_cert: str
     tls_key: str
+    notify_url: str
+    notify_secret: str
     log_format: str
     log_level: str
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)

@@ -16,6 +16,7 @@ from typing import Any
 
 from daemon.errors import InvalidJob
 from daemon.exclusive import check_combination, check_gpu_request
+from daemon.webhook import check_url
 
 MAX_ARGV_BYTES = 256 * 1024
 FULL_SHA = re.compile(r"[0-9a-f]{40}")
@@ -112,6 +113,22 @@ class JobSpec:
     inputs: tuple[Mapping[str, str], ...] = ()
     # The researcher's working tree as it was at enqueue: {"sha256", "commit", "dirty": bool}.
     snapshot: Mapping[str, Any] | None = None
+    # Jobs it waits for, each "JOB:ok|fail|any" (daemon/after.py): held out of its queue till then.
+    after: tuple[str, ...] = ()
+    # One job of an array (`poolctl enqueue --array 0-99%8`): the array's id ("QUEUE@ID"), this
+    # job's index ($GPUPOOL_ARRAY_INDEX), its place in the array from 0, and the most of the array
+    # that may run at once (0: no limit; a job `limit` places on waits for the one before to end).
+    array: str = ""
+    array_index: int = 0
+    array_pos: int = 0
+    array_limit: int = 0
+    # An http(s) URL the server POSTs the job's final record to when it ends (daemon/webhook.py).
+    notify: str = ""
+
+    @property
+    def held(self) -> bool:
+        """Held out of its queue at enqueue, till the jobs it waits for end (daemon/after.py)."""
+        return bool(self.after) or 0 < self.array_limit <= self.array_pos
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -133,6 +150,18 @@ class JobSpec:
             "user": self.user,
             "git": dict(self.git) if self.git is not None else None,
             "inputs": [dict(i) for i in self.inputs],
+            **({"after": list(self.after)} if self.after else {}),
+            **(
+                {
+                    "array": self.array,
+                    "array_index": self.array_index,
+                    "array_pos": self.array_pos,
+                    "array_limit": self.array_limit,
+                }
+                if self.array
+                else {}
+            ),
+            **({"notify": self.notify} if self.notify else {}),  # a worker of before it refuses the key
             "snapshot": dict(self.snapshot) if self.snapshot is not None else None,
         }
 
@@ -178,12 +207,60 @@ class JobSpec:
             git=_git(data.get("git")),
             inputs=_inputs(data.get("inputs")),
             snapshot=_snapshot(data.get("snapshot")),
+            after=_after(data.get("after")),
+            notify=_notify(data.get("notify")),
+            array=_array(data.get("array"), data.get("queue", "default")),
+            array_index=_int(data, "array_index", 0, 0, 2**31),
+            array_pos=_int(data, "array_pos", 0, 0, MAX_ARRAY),
+            array_limit=_int(data, "array_limit", 0, 0, MAX_ARRAY),
         )
         check_combination(
             {k for k in ("cwd", "git", "inputs", "snapshot") if data.get(k) not in (None, [], ())}
         )
         check_gpu_request(spec.gpus, spec.gpu_mem)
         return spec
+
+
+def _notify(value: object) -> str:
+    if value is None or value == "":
+        return ""
+    try:
+        return check_url(value)
+    except ValueError as exc:
+        raise InvalidJob("notify", f"{value!r} is not valid: {exc}") from None
+
+
+MAX_AFTER = 100  # jobs one job may wait for
+_DEPENDENCY = re.compile(rf"(?P<job>{JOB_ID.pattern})(?::(?P<how>ok|fail|any))?")
+
+
+def _after(value: object) -> tuple[str, ...]:
+    """`after`: a list of "JOB" or "JOB:ok|fail|any" (daemon/after.py); each becomes "JOB:how"."""
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise InvalidJob("after", "must be a list of JOB or JOB:ok|fail|any")
+    if len(value) > MAX_AFTER:
+        raise InvalidJob("after", f"a job may wait for at most {MAX_AFTER} others")
+    out = []
+    for v in value:
+        if (m := _DEPENDENCY.fullmatch(v)) is None:
+            raise InvalidJob("after", f"{v!r} is not a job id with an optional :ok, :fail or :any")
+        out.append(f"{m['job']}:{m['how'] or 'ok'}")
+    return tuple(dict.fromkeys(out))
+
+
+MAX_ARRAY = 100_000  # jobs in one array
+ARRAY_ID = re.compile(r"([A-Za-z0-9_-]{1,64})@([0-9a-z]{4,32})")
+
+
+def _array(value: object, queue: object) -> str:
+    """`array`: "QUEUE@ID", of the job's own queue (an array's jobs share one), or ""."""
+    if value in (None, ""):
+        return ""
+    if not isinstance(value, str) or (m := ARRAY_ID.fullmatch(value)) is None or m[1] != queue:
+        raise InvalidJob("array", f"{value!r} is not QUEUE@ID with the job's own queue")
+    return value
 
 
 def _git(value: object) -> dict[str, str] | None:

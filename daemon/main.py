@@ -29,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="poold", description="gpupool daemon: the pool server, or a worker.")
     p.add_argument("--worker", action="store_true", help="run as a worker on this machine's GPUs")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
+    # The issue's names for a pilot worker's two options (also --worker-idle-exit, --worker-max-lifetime)
+    for flag, name in (("--idle-exit", "worker_idle_exit"), ("--max-lifetime", "worker_max_lifetime")):
+        p.add_argument(flag, dest=name, default=None, metavar="SECONDS", help=f"worker: {name}")
     config_mod.add_flags(p)
     return p
 
@@ -48,9 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sentence in config.renamed:
         log.warning("%s", sentence)
     try:
+        if args.worker:  # it may leave by itself (a pilot worker): then it stops as on a signal
+            worker = WorkerDaemon(config)
+            return uvloop.run(_run(worker, worker.leaving))
         # The server runs an embedded pool's local slots as a Worker, which main hands it.
-        daemon = WorkerDaemon(config) if args.worker else PoolServer(config, local_slots)
-        return uvloop.run(_run(daemon))
+        return uvloop.run(_run(PoolServer(config, local_slots)))
     except GpupoolError as exc:
         log.error("%s", exc)
         return 1
@@ -66,11 +71,12 @@ class Daemon(Protocol):
     def force(self) -> None: ...
 
 
-async def _run(daemon: Daemon) -> int:
+async def _run(daemon: Daemon, stop: asyncio.Event | None = None) -> int:
     """Start `daemon`, wait for SIGINT/SIGTERM, stop it. While starting, a signal gives up at once;
     once started, the first asks for a graceful stop (running jobs may finish) and a second makes
-    the daemon stop its jobs now (`force`). `stop()` always runs, so nothing is left behind."""
-    stop = asyncio.Event()
+    the daemon stop its jobs now (`force`). `stop()` always runs, so nothing is left behind. The
+    daemon may set `stop` itself, to leave: that counts as the first signal."""
+    stop = asyncio.Event() if stop is None else stop
     main_task = asyncio.current_task()
     loop = asyncio.get_running_loop()
     started = False

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from daemon import tokens
 from daemon.ctl import one_shot, render, session
 from daemon.ctl.enqueue_args import add_enqueue
+from daemon.ctl.pilot import add_pilot
 from daemon.ctl.session import AuthFailed, ClientError, ServerUnreachable
 from daemon.errors import GpupoolError
 from daemon.pools import choose
@@ -73,26 +74,10 @@ EXIT_FOR_CODE: dict[int, int] = {
 }
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="poolctl", description="Queue and follow jobs on a gpupool pool.")
-    p.add_argument(
-        "--server",
-        metavar="HOST:PORT",
-        help="pool server, or several of one pool, comma-separated (default: GPUPOOL_SERVER, or the "
-        "local pool)",
-    )
-    p.add_argument(
-        "--pool", metavar="NAME", help="a pool named in ~/.config/gpupool/pools.toml (or GPUPOOL_POOL)"
-    )
-    p.add_argument(
-        "--tls-ca", metavar="FILE", help="CA certificate to verify a TLS server (or GPUPOOL_TLS_CA)"
-    )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    add_enqueue(sub)
-
+def _add_ls(sub: Any) -> None:  # argparse's _SubParsersAction, which it does not export
     ls = sub.add_parser("ls", help="list queued and running jobs (like squeue)")
     ls.add_argument("--queue", "-q")
+    ls.add_argument("--array", metavar="QUEUE@ID", help="only the jobs of this array (--array, --sweep)")
     ls.add_argument("--state", "-s")
     ls.add_argument("--all", "-a", action="store_true", help="include finished jobs")
     ls.add_argument("--limit", type=int, default=1000)
@@ -114,6 +99,27 @@ def parser() -> argparse.ArgumentParser:
         help="redraw it as it changes, every SECONDS (default 2) until Ctrl-C",
     )
     ls.add_argument("-n", "--views", type=int, default=0, metavar="N", help="with --watch: stop after N")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="poolctl", description="Queue and follow jobs on a gpupool pool.")
+    p.add_argument(
+        "--server",
+        metavar="HOST:PORT",
+        help="pool server, or several of one pool, comma-separated (default: GPUPOOL_SERVER, or the "
+        "local pool)",
+    )
+    p.add_argument(
+        "--pool", metavar="NAME", help="a pool named in ~/.config/gpupool/pools.toml (or GPUPOOL_POOL)"
+    )
+    p.add_argument(
+        "--tls-ca", metavar="FILE", help="CA certificate to verify a TLS server (or GPUPOOL_TLS_CA)"
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    add_enqueue(sub)
+
+    _add_ls(sub)
 
     show = sub.add_parser("show", help="everything known about a job")
     show.add_argument("job")
@@ -145,8 +151,8 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("-n", "--views", type=int, default=0, metavar="N", help="stop after N views")
     top.add_argument("--json", action="store_true", help="one JSON object per view")
 
-    workers = sub.add_parser("workers", help="the pool's workers")
-    workers.add_argument("--json", action="store_true")
+    sub.add_parser("workers", help="the pool's workers").add_argument("--json", action="store_true")
+    add_pilot(sub)
 
     put = sub.add_parser("put", help="upload a file or directory as a dataset (skipped if already stored)")
     put.add_argument("path", metavar="PATH")
@@ -245,7 +251,11 @@ def link(args: argparse.Namespace) -> Link:
 
 def _run(args: argparse.Namespace) -> int:
     """Most commands are one request and its reply, over a blocking socket (one_shot.py); those
-    that stream or move data run on an event loop, with PoolClient."""
+    that stream or move data run on an event loop, with PoolClient. `pilot` asks no server."""
+    if args.command == "pilot":
+        from daemon.ctl import pilot
+
+        return pilot.run(args)
     request = _enqueue_request(args) if args.command == "enqueue" else None  # checked before connecting
     if args.command == "put" and not os.path.lexists(args.path):  # the command line's mistake
         raise UsageError(f"{args.path}: no such file or directory")
@@ -292,8 +302,7 @@ def _one_request(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueB
     call = to.call
     match args.command:
         case "enqueue" if isinstance(request, EnqueueBatch):
-            for job_id in call(request, EnqueuedBatch).job_ids:
-                print(render.json_text({"id": job_id}) if args.json else job_id)
+            _batch_enqueued(call(request, EnqueuedBatch).job_ids, args)
         case "enqueue":
             assert request is not None
             return _enqueued(call(request, Enqueued), args.json)
@@ -302,9 +311,10 @@ def _one_request(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueB
         case "wait":
             return _wait(to, args.jobs, args.timeout, args.json)
         case "ls":
-            listing = ListJobs(args.queue, args.state, args.all, args.limit)
+            q = args.array.partition("@")[0] if args.array else args.queue
+            jobs = call(ListJobs(q, args.state, args.all, args.limit), JobList).jobs
             render.jobs(
-                call(listing, JobList).jobs,
+                [j for j in jobs if not args.array or j["spec"].get("array") == args.array],
                 as_json=args.json,
                 columns=_columns(args),
                 header=not args.no_header,
@@ -336,7 +346,31 @@ def _enqueued(reply: Enqueued, as_json: bool) -> int:
     return 0
 
 
+def _batch_enqueued(ids: list[str], args: argparse.Namespace) -> None:
+    """A batch's ids, one a line; an array's (--array, --sweep) id alone, which stands for them."""
+    if array_id := getattr(args, "array_id", None):
+        print(render.json_text({"array": array_id, "jobs": ids}) if args.json else array_id)
+        print(f"poolctl: {len(ids)} jobs queued as array {array_id}", file=sys.stderr)
+        return
+    for job_id in ids:
+        print(render.json_text({"id": job_id}) if args.json else job_id)
+
+
 def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
+    if args.array or args.sweep:
+        if args.from_file or args.input or args.snapshot or args.follow or args.key:
+            raise UsageError(
+                "--array and --sweep go with one command, not --from-file, --input, "
+                "--snapshot, --follow or --key"
+            )
+        from daemon.ctl.arrays import ArrayError, array_specs, parse_array, parse_sweep
+
+        try:
+            indices, limit = parse_array(args.array) if args.array else (None, 0)
+            args.array_id, specs = array_specs(_spec(args), indices, parse_sweep(args.sweep), limit)
+        except ArrayError as exc:
+            raise UsageError(str(exc)) from None
+        return EnqueueBatch(specs)
     if args.from_file:
         if args.input or args.snapshot:
             raise UsageError("--input and --snapshot go with one job, not --from-file")
@@ -388,6 +422,10 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.gpu_mem:  # sent only when asked for: a server that does not know it refuses the field
         spec["gpu_mem"] = args.gpu_mem
+    if args.notify:  # the same; checked here too, before any upload
+        spec["notify"] = _notify_url(args.notify)
+    if args.after:
+        spec["after"] = args.after
     given = {"cwd": args.cwd, "git": args.git is not None, "inputs": args.input, "snapshot": args.snapshot}
     from daemon.exclusive import check_combination, check_gpu_request  # only enqueue asks
 
@@ -396,6 +434,15 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
     if args.ref and args.git is None:
         raise UsageError("--ref goes with --git")
     return spec
+
+
+def _notify_url(url: str) -> str:
+    from daemon.webhook import check_url  # only enqueue asks
+
+    try:
+        return check_url(url)
+    except ValueError as exc:
+        raise UsageError(f"--notify {url!r}: {exc}") from None
 
 
 async def _put(client: PoolClient, args: argparse.Namespace) -> int:
@@ -419,6 +466,15 @@ async def _get(client: PoolClient, args: argparse.Namespace) -> int:
 
     job = (await client.call(ShowJob(args.job), JobDetail)).job
     from daemon.job import TERMINAL_STATES
+
+    if "array" in job:  # an array's id: each of its jobs into DEST/JOB
+        status = 0
+        for job_id in job["array"]["ids"]:
+            one = argparse.Namespace(
+                **{**vars(args), "job": job_id, "dest": str(Path(args.dest or args.job) / job_id)}
+            )
+            status = max(status, await _get(client, one))
+        return status
 
     if job["state"] not in TERMINAL_STATES:
         print(f"poolctl: job {args.job} has not finished ({job['state']}): no artifacts yet", file=sys.stderr)
@@ -482,9 +538,10 @@ async def _logs(client: PoolClient, job_id: str, follow: bool) -> int:
 
 
 def _states(states: dict[str, str], job_ids: list[str], as_json: bool, action: str) -> int:
-    """A cancel's or a requeue's answer, a line per job; the exit code says the worst."""
+    """A cancel's or a requeue's answer, a line per job (an array's id answered for each of its
+    jobs); the exit code says the worst."""
     status = 0
-    for job_id in job_ids:
+    for job_id in [*states, *(j for j in job_ids if j not in states and "@" not in j)]:
         state = states.get(job_id, "not_found")
         if state == "not_found":
             print(f"poolctl: no job {job_id!r} in this pool", file=sys.stderr)

@@ -102,6 +102,28 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
     )
     e.add_argument("--retries", type=int, default=0, help="extra attempts after a non-zero exit")
     e.add_argument(
+        "--array",
+        metavar="0-99[%N]",
+        help="one job per index, each finding it in $GPUPOOL_ARRAY_INDEX; %%N: at most N of them run at "
+        "once; prints the array's id, which cancel, wait and show take for all its jobs",
+    )
+    e.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="NAME=V1,V2",
+        help="one job per combination of the values (repeatable: the cartesian product), each with "
+        "NAME=value in its environment and {NAME} in the command replaced by it; an array",
+    )
+    e.add_argument(
+        "--after",
+        action="append",
+        default=[],
+        metavar="JOB[:ok|:fail|:any]",
+        help="start only once JOB has succeeded (:ok, the default), failed (:fail) or ended (:any); "
+        "repeatable; if it ends otherwise, this job is cancelled, saying why",
+    )
+    e.add_argument(
         "--priority",
         type=int,
         default=0,
@@ -110,6 +132,11 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
     )
     e.add_argument(
         "--max-attempts", type=int, default=3, help="attempts lost to dead workers before giving up"
+    )
+    e.add_argument(
+        "--notify",
+        metavar="URL",
+        help="when the job ends, the server POSTs its final record (JSON, signed) to this http(s) URL",
     )
     e.add_argument("--key", metavar="IDEMPOTENCY_KEY", help="same key, same job: safe to retry")
     e.add_argument("--from-file", metavar="JOBS.jsonl", help="queue one job per JSON line (a job spec each)")

@@ -219,6 +219,10 @@ def job(j: dict[str, Any], *, as_json: bool) -> None:
     if as_json:
         _json_lines([j])
         return
+    if "array" in j:  # an array's id: its jobs by state
+        by_state = ", ".join(f"{n} {state}" for state, n in sorted(j["array"]["states"].items()))
+        print(f"{'id':<10} {j['id']}\n{'jobs':<10} {j['array']['jobs']}: {by_state}")
+        return
     spec = j["spec"]
     lines = [
         ("id", j["id"]),
@@ -288,7 +292,9 @@ def workers(items: Sequence[dict[str, Any]], *, as_json: bool) -> None:
 
 
 def worker_rows(items: Sequence[dict[str, Any]]) -> Rows:
-    """Workers as `poolctl workers` shows them."""
+    """Workers as `poolctl workers` shows them; a PILOT column when one is a pilot (its batch job,
+    and when it must leave, by this machine's clock)."""
+    pilots = any(w.get("batch_job") or w.get("leave_by") for w in items)
     rows = []
     for w in items:
         gpus = w.get("gpus") or []
@@ -303,6 +309,20 @@ def worker_rows(items: Sequence[dict[str, Any]]) -> Rows:
                 ", ".join(f"GPU {g.get('index')}: {g['quarantined']}" for g in quarantined) or "-",
                 duration(w.get("last_heartbeat_age")) + " ago",
                 str(w.get("version", "")),
+                *([pilot(w)] if pilots else []),
             ]
         )
-    return Rows(["WORKER", "HOST", "STATE", "SLOTS", "GPUS", "QUARANTINED", "HEARTBEAT", "VERSION"], rows, 2)
+    headers = ["WORKER", "HOST", "STATE", "SLOTS", "GPUS", "QUARANTINED", "HEARTBEAT", "VERSION"]
+    return Rows([*headers, *(["PILOT"] if pilots else [])], rows, 2)
+
+
+def pilot(worker: dict[str, Any]) -> str:
+    """A pilot worker's batch job and leave-by time: `slurm:1234, leaves 14:03 (in 58m12s)`."""
+    job = str(worker.get("batch_job") or "") or "-"
+    leave_by = float(worker.get("leave_by") or 0)
+    if not leave_by:
+        return job
+    at = time.strftime(
+        "%H:%M" if abs(leave_by - time.time()) < 86400 else "%m-%d %H:%M", time.localtime(leave_by)
+    )
+    return f"{job}, leaves {at} (in {duration(leave_by - time.time())})"

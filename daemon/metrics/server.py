@@ -38,6 +38,7 @@ REFRESH_TIMEOUT = 5.0
 # Training jobs wait and run for anything from a second to days.
 WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 28800, 86400, 172800, 604800)
 RUN_BUCKETS = (1, 10, 60, 300, 600, 1800, 3600, 7200, 14400, 28800, 57600, 86400, 172800, 345600, 604800)
+NOTIFICATION_OUTCOMES = ("sent", "failed", "dropped")
 
 
 class DepthSource(Protocol):
@@ -142,6 +143,15 @@ class ServerMetrics:
             "Scrapes that could not read the pool state from Redis (the last known one was served).",
             registry=r,
         )
+        self._notifications = Counter(
+            "gpupool_notifications",
+            "Job-end notifications (--notify, notify_url) by outcome: sent (answered 2xx), failed (given "
+            "up after its retries, or refused), dropped (more in flight than the server holds).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in NOTIFICATION_OUTCOMES:  # each series from 0, for rate() and alerts
+            self._notifications.labels(outcome)
         self._depth_source: DepthSource | None = None
         self._workers_source: WorkersSource | None = None
         self._failing = False
@@ -185,6 +195,12 @@ class ServerMetrics:
             except KeyError:
                 raise ValueError(f"{code!r} is not an ErrorCode name") from None
         self._protocol_errors.labels(code.name.lower()).inc()
+
+    def notification(self, outcome: str) -> None:
+        """A job-end notification was sent, failed or dropped (server/notifier.py)."""
+        if outcome not in NOTIFICATION_OUTCOMES:
+            raise ValueError(f"{outcome!r} is not one of {', '.join(NOTIFICATION_OUTCOMES)}")
+        self._notifications.labels(outcome).inc()
 
     def redis_roundtrip(self, seconds: float) -> None:
         self._redis_rtt.observe(seconds)

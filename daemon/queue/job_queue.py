@@ -1,5 +1,5 @@
 """The job queue on Redis Streams: enqueue, claim, renew, complete, cancel, reclaim (the reads
-are reads.QueueReads, which JobQueue is too).
+are reads.QueueReads, the claims claims.Claims, which JobQueue is too).
 
 Every state change is one Lua script (daemon/queue/lua/, each saying what it guarantees), so a change
 either happens whole or not at all, under any number of concurrent clients and workers. Keys are
@@ -12,30 +12,31 @@ stream (a job put at the front). Every script is safe to run twice (daemon/queue
 redis-py sends a command again when its reply was lost.
 
 Over ~400 lines for a reason: this is every write the pool makes to its queue, each method one
-script call with its arguments in the script's order; the reads already live apart (reads.py),
-and dividing the writes further would split one API that callers learn as a whole.
+script call with its arguments in the script's order; the reads live apart (reads.py), and so do
+the claims (claims.py), the one call with much to say; dividing the writes further would split
+one API that callers learn as a whole.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, cast
 
 import msgpack
 from redis.commands.core import AsyncScript
-from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from daemon.config import Config
-from daemon.errors import InvalidJob, JobNotFound, NotReplicated, StaleAttempt
+from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
+from daemon.queue.claims import Claims
 from daemon.queue.connection import AnyRedis, RunIdWatch
 from daemon.queue.reads import QueueReads, _s, xread
-from daemon.queue.scripts import Pipeliner, ReplicaAck, ScriptBatch, Scripts, moving
+from daemon.queue.scripts import Pipeliner, ReplicaAck, ScriptBatch, Scripts
 
 log = logging.getLogger(__name__)
 
@@ -46,56 +47,9 @@ MAX_IDEMPOTENCY_KEY = 200
 DEFAULT_LOG_MAX_BYTES = 16 * 2**20  # per job: the first quarter is kept for good, then the newest
 
 
-def _schedule(ends: Sequence[tuple[float | None, int]]) -> str:
-    """When a worker's running jobs end at the latest, as claim.lua reads it ('MS:GPUS ...')."""
-    return " ".join(f"{-1 if t is None else max(0, round(t * 1000))}:{g}" for t, g in ends if g)
-
-
-class SharedGpu(NamedTuple):
-    """A worker's GPU that can take a --gpu-mem job, as a claim weighs it: its place in the
-    worker's list of GPUs, the bytes it has left, how many more jobs it may take, and whether
-    jobs share it already (else it is free whole)."""
-
-    place: int
-    avail: int
-    jobs: int
-    shared: bool
-
-
-def _opened(before: str, after: str) -> int:
-    """GPUs a claim put a first shared job on: free whole in the table `before`, shared `after`."""
-    was = {row.split(":")[0] for row in before.split() if row.endswith(":1")}
-    return sum(1 for row in after.split() if row.endswith(":1") and row.split(":")[0] not in was)
-
-
 def mib(nbytes: int) -> int:
     """Memory as a claim weighs it: whole MiB, rounded up (a job asking for any gets at least 1)."""
     return -(-nbytes // 2**20)
-
-
-def unanswered(exc: BaseException) -> bool:
-    """Whether a failed call may have run in Redis with only its reply lost: a broken connection, a
-    timeout or a cancellation may hide a run, and NotReplicated says it ran (on the primary
-    alone); an error Redis answered with (ResponseError, such as a refusal at maxmemory) means
-    the call had no effect."""
-    return not isinstance(exc, ResponseError)
-
-
-def transient(exc: BaseException) -> bool:
-    """Worth trying again: Redis did not answer, or answered that it cannot now (full, loading,
-    busy with a script, a replica). Any other error a script answers with is its last word."""
-    if not isinstance(exc, ResponseError):
-        return True
-    return (
-        out_of_memory(exc)
-        or moving(exc)  # a Redis Cluster moving a slot, or failing over
-        or str(exc).startswith(("BUSY", "LOADING", "READONLY", "TRYAGAIN", "MASTERDOWN"))
-    )
-
-
-def out_of_memory(exc: BaseException) -> bool:
-    """Redis refused a write at its maxmemory (directly, or inside a script)."""
-    return isinstance(exc, OutOfMemoryError) or (isinstance(exc, ResponseError) and "OOM" in str(exc))
 
 
 def _raise_if_stale(lease: Lease, reply: Sequence[Any]) -> None:
@@ -106,7 +60,7 @@ def _raise_if_stale(lease: Lease, reply: Sequence[Any]) -> None:
         )
 
 
-class JobQueue(QueueReads):
+class JobQueue(Claims, QueueReads):
     """All queue operations of one pool, over one Redis client (a connection pool)."""
 
     def __init__(
@@ -201,6 +155,7 @@ class JobQueue(QueueReads):
                     spec.priority,
                     spec.user,
                     mib(spec.gpu_mem),
+                    1 if spec.held else 0,
                 ],
                 durable=True,
             )
@@ -227,7 +182,7 @@ class JobQueue(QueueReads):
             args: list[Any] = [keys.GROUP, keys.queue_prefix(q)]
             for spec, job_id in zip(chunk, ids, strict=True):
                 args += [job_id, msgpack.packb(spec.to_dict()), spec.gpus, spec.max_attempts, spec.retries]
-                args += [spec.priority, spec.user, mib(spec.gpu_mem)]
+                args += [spec.priority, spec.user, mib(spec.gpu_mem), 1 if spec.held else 0]
             job_keys = [keys.batch(q, secrets.token_hex(8)), *(keys.job(job_id) for job_id in ids)]
             batch.add(
                 self.scripts.enqueue_many,
@@ -256,227 +211,6 @@ class JobQueue(QueueReads):
             log.warning("could not name queues %s in the pool's queue set (%s)", ", ".join(queues), exc)
 
     # -- work -----------------------------------------------------------------------------------
-
-    async def claim(
-        self,
-        worker: str,
-        queues: Sequence[str],
-        gpus_free: int = 0,
-        default_gpus: int = 0,
-        *,
-        gpus_total: int | None = None,
-    ) -> Lease | None:
-        """The next job for `worker`, trying `queues` in priority order; None when none has work
-        this worker can take. Never blocks: see `wait_for_work`. The GPU arguments are those of
-        `claim_many`."""
-        leases = await self.claim_many(worker, queues, 1, gpus_free, default_gpus, gpus_total=gpus_total)
-        return leases[0] if leases else None
-
-    async def claim_many(
-        self,
-        worker: str,
-        queues: Sequence[str],
-        count: int,
-        gpus_free: int = 0,
-        default_gpus: int = 0,
-        *,
-        gpus_total: int | None = None,
-        ends: Sequence[tuple[float | None, int]] = (),
-        grace: float = 0.0,
-        shared: Sequence[SharedGpu] = (),
-        mem_most: int = 0,
-        lifetime: float | None = None,
-    ) -> list[Lease]:
-        """Up to `count` next jobs for `worker` (a worker with that many free slots), in queue
-        priority order then each queue's order, one script call per queue tried. A job asking for
-        0 GPUs needs `default_gpus` free (a worker's share per slot); a job needing more than
-        `gpus_free` blocks its queue here (head of line), unless it needs more than `gpus_total`
-        (the worker's GPUs in all, default `gpus_free`), which this worker could never give it: it
-        is passed over. The GPUs a claimed job takes are counted out for the next. [] when none
-        has work.
-
-        Each script call is a numbered request (claim.lua): one whose reply never came (a broken
-        connection, a timeout, the caller cancelled) is sent again, first, by the worker's next
-        claim (or by `settle_claims`), and answers the jobs it claimed rather than stranding them.
-
-        With replicas asked for (`ack`), a claim counts once a replica has it, as a renewal does:
-        a primary cut off from its replicas (the old one, still up, after a failover elsewhere)
-        grants no job and extends no lease, and a job the new primary hands to another worker is
-        not running here meanwhile. One that no replica confirmed raises NotReplicated and is
-        sent again, as one unanswered, until one does.
-
-        Backfill (claim.lua): `ends` says when each job running on the worker ends at the latest,
-        (seconds from now, or None for no time limit; its GPUs), and `grace` is the worker's stop
-        grace: with them a queue's head job that must wait for GPUs reserves this worker, and only
-        jobs that cannot delay it start here meanwhile, from its queue and those tried after it.
-
-        GPU memory (claim.lua): `shared` lists the worker's GPUs that can take a --gpu-mem job
-        (each by its place in the worker's list), `mem_most` is its largest GPU's memory (bytes);
-        a lease's `shared_gpu` is the place of the GPU its job goes on. `lifetime`: the seconds a
-        pilot worker has left; a job whose time limit (and stop grace) runs past it is passed over
-        (None: no end)."""
-        total = gpus_free if gpus_total is None else gpus_total
-        rooms = " ".join(f"{r.place}:{r.avail // 2**20}:{r.jobs}:{int(r.shared)}" for r in shared)
-        schedule = _schedule(ends)
-        kept = 0
-        todo: list[tuple[str, int]] = []
-        if (pending := self._unanswered.pop(worker, None)) is not None:
-            todo.append(pending)
-        leases: list[Lease] = []
-        for q in [*[p[0] for p in todo], *queues]:
-            if len(leases) >= count and not todo:
-                break
-            request = todo.pop()[1] if todo else self._next_request(worker)
-            try:
-                status, cursors, kept, left, got = await self._claim_call(
-                    worker,
-                    q,
-                    request,
-                    count - len(leases),
-                    (gpus_free, default_gpus, total),
-                    backfill=(schedule, round(grace * 1000), kept),
-                    memory=(rooms, mem_most // 2**20),
-                    lifetime=lifetime,
-                )
-            except (RedisError, NotReplicated, asyncio.CancelledError) as exc:
-                if unanswered(exc):
-                    self._unanswered[worker] = (q, request)
-                if isinstance(exc, asyncio.CancelledError):
-                    self._stranded.setdefault(worker, []).extend(leases)  # for settle_claims
-                if not leases or isinstance(exc, asyncio.CancelledError):
-                    raise
-                # Claimed jobs are this worker's now: hand them out rather than strand them.
-                log.warning("claiming from queue %s failed; running the %d jobs claimed", q, len(leases))
-                break
-            for lease in got:
-                gpus_free -= 0 if lease.spec.gpu_mem else lease.spec.gpus or default_gpus
-            gpus_free -= _opened(rooms, left)  # GPUs free whole before, shared now
-            rooms = left
-            leases += got
-            if status != b"claimed":
-                self._cursors[q] = cursors
-        return leases
-
-    async def preempt_check(
-        self,
-        worker: str,
-        queues: Sequence[str],
-        gpus_free: int,
-        default_gpus: int,
-        *,
-        gpus_total: int,
-        ends: Sequence[tuple[float | None, int]] = (),
-        grace: float = 0.0,
-    ) -> bool:
-        """For a worker whose slots are all taken: in each of `queues` where priorities preempt,
-        should the highest-priority job waiting stop lower ones here to make room (claim.lua with
-        no job wanted)? True when some were asked to. Claims nothing."""
-        schedule = _schedule(ends)
-        asked = False
-        for q in [q for q in queues if q in self.preempt]:
-            status, cursors, _, _, _ = await self._claim_call(
-                worker,
-                q,
-                self._next_request(worker),
-                0,
-                (gpus_free, default_gpus, gpus_total),
-                backfill=(schedule, round(grace * 1000), 0),
-            )
-            self._cursors[q] = cursors
-            asked = asked or status == b"preempting"
-        return asked
-
-    async def settle_claims(self, worker: str) -> list[Lease]:
-        """The jobs of `worker`'s claims that it never got: those of a request whose reply never
-        came (sent again asking for nothing, it answers what its first run claimed, or, if it
-        never ran, makes sure it never will: a later copy claims nothing), and those claimed from
-        other queues by a `claim_many` cancelled before it returned. A worker that stops calls
-        this, to hand such jobs back at once."""
-        leases = self._stranded.pop(worker, [])
-        pending = self._unanswered.pop(worker, None)
-        if pending is None:
-            return leases
-        q, request = pending
-        try:
-            _, _, _, _, got = await self._claim_call(worker, q, request, 0, (0, 0, 0))
-        except (RedisError, NotReplicated, asyncio.CancelledError) as exc:
-            if unanswered(exc):
-                self._unanswered[worker] = pending
-            self._stranded.setdefault(worker, []).extend(leases)
-            raise
-        return leases + got
-
-    def _next_request(self, worker: str) -> int:
-        self._requests[worker] = number = self._requests.get(worker, 0) + 1
-        return number
-
-    async def _claim_call(
-        self,
-        worker: str,
-        q: str,
-        request: int,
-        count: int,
-        gpus: tuple[int, int, int],
-        *,
-        backfill: tuple[str, int, int] = ("", 0, 0),
-        memory: tuple[str, int] = ("", 0),
-        lifetime: float | None = None,
-    ) -> tuple[bytes, tuple[str, str], int, str, list[Lease]]:
-        """One claim.lua call; `gpus` is (free, default per job, total), `backfill` (when the
-        worker's running jobs end, its stop grace in ms, GPUs it keeps for a head job). It goes
-        ahead of the other calls (scripts.Pipeliner): the outcome of the job whose slot it fills
-        follows it. `memory`: the shared GPUs' table and the largest GPU's MiB. Returns (status,
-        cursors, GPUs kept for a head job, the shared GPUs' table as the call left it, leases)."""
-        free, default, total = gpus
-        status, stream_cursor, wake_cursor, kept, left, *claimed = await self._call(
-            self.scripts.claim,
-            [keys.stream(q), keys.retry(q), keys.leases(q), keys.claims(q, worker), keys.parked(q)],
-            [
-                keys.queue_prefix(q),
-                keys.GROUP,
-                worker,
-                free,
-                self.lease_ms,
-                default,
-                count,
-                total,
-                request,
-                *self.user_caps,
-                self.half_life_ms if q in self.fairshare else 0,
-                *backfill,
-                1 if q in self.preempt else 0,
-                *memory,
-                0 if lifetime is None else max(1, round(lifetime * 1000)),
-            ],
-            ahead=True,
-            durable=True,
-        )
-        leases = []
-        for job_id, attempt, lease_id, packed, place in (
-            claimed[i : i + 5] for i in range(0, len(claimed), 5)
-        ):
-            try:
-                spec = JobSpec.from_dict(msgpack.unpackb(packed))
-            except (InvalidJob, ValueError) as exc:  # a spec from a newer gpupool, say
-                await self._unreadable(
-                    Lease(_s(job_id), int(attempt), worker, JobSpec(("?",), q), _s(lease_id)), exc
-                )
-                continue
-            leases.append(Lease(_s(job_id), int(attempt), worker, spec, _s(lease_id), int(place)))
-        if status == b"preempting":  # the worker's jobs asked to make room: it hears at its next beat,
-            with contextlib.suppress(RedisError):  # or now (best effort: the leases are what count)
-                await self.redis.publish(keys.worker_channel(worker), q)
-        return status, (_s(stream_cursor), _s(wake_cursor)), int(kept), _s(left), leases
-
-    async def _unreadable(self, lease: Lease, exc: Exception) -> None:
-        """A claimed job whose spec this worker cannot read: it fails, saying why, rather than go
-        round every worker for ever (or be stranded under this one)."""
-        detail = f"a worker could not read the job's spec ({exc}); was it submitted to a newer gpupool?"
-        log.error("job %s: %s", lease.job_id, detail)
-        try:
-            await self.complete(lease, Outcome(JobState.FAILED, None, detail))
-        except (RedisError, StaleAttempt, NotReplicated) as err:
-            log.warning("job %s: could not record that (%s); its lease will expire", lease.job_id, err)
 
     async def wait_for_work(self, queues: Sequence[str], block: float) -> bool:
         """Block until one of `queues` gets an entry newer than what the last `claim` saw, or a job
@@ -593,6 +327,54 @@ class JobQueue(QueueReads):
             return 0.0
         return min((int(age) / 1000 for age in ages), default=float("inf"))
 
+    # -- dependencies (daemon/after.py; the server decides, server/dependencies.py) --------------
+
+    async def wait_for(self, job_id: str, after: Sequence[str]) -> None:
+        """Record that `job_id` (held out of its queue) waits for each job of `after` ("JOB:how"):
+        on its record, and where each of those jobs' end will find it (a set per job, kept as long
+        as finished jobs are)."""
+        batch = self.batch(ack=False)
+        batch.add(self.scripts.wait_for, [keys.job(job_id)], [" ".join(after)])
+        for dep in after:
+            other = dep.rpartition(":")[0]
+            batch.add(self.scripts.note_dependent, [keys.dependents(other)], [job_id, self.retention * 2])
+        await batch.execute()
+
+    async def record_array(self, array_id: str, jobs: Sequence[tuple[int, str]]) -> None:
+        """Note the jobs (place, id) of array `array_id`, for the commands that take its id."""
+        key = keys.array(array_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(key, {job_id: place for place, job_id in jobs})
+            pipe.expire(key, self.retention * 2)
+            await pipe.execute()
+
+    async def array_jobs(self, array_id: str) -> list[str]:
+        """The jobs of array `array_id`, in their order ([] for an array the pool does not know)."""
+        return [_s(cast(bytes, i)) for i in await self.redis.zrange(keys.array(array_id), 0, -1)]
+
+    async def dependencies(self, job_id: str) -> tuple[str, ...]:
+        """What a job held out of its queue waits for ("JOB:how" each; wait_for)."""
+        return tuple(_s(await self.redis.hget(keys.job(job_id), "after") or b"").split())
+
+    async def dependents(self, job_id: str) -> list[str]:
+        """The jobs that wait for `job_id` to end."""
+        return sorted(_s(i) for i in await self.redis.smembers(keys.dependents(job_id)))
+
+    async def waiting(self, queue: str) -> list[str]:
+        """The jobs of `queue` held until the jobs they wait for end."""
+        return [_s(cast(bytes, i)) for i in await self.redis.zrange(keys.waiting(queue), 0, -1)]
+
+    async def ready(self, job_id: str) -> bool:
+        """A job whose dependencies are met joins its queue (ready.lua): True when it did now."""
+        q = queue_of(job_id)
+        joined = await self._call(
+            self.scripts.ready,
+            [keys.stream(q), keys.job(job_id)],
+            [keys.queue_prefix(q), job_id],
+            durable=True,
+        )
+        return bool(joined)
+
     async def set_fairshare_weights(self, weights: Mapping[str, float]) -> None:
         """Give each fair-share queue these users' weights (a user's recent use is divided by
         theirs; 1 for anyone not named), replacing the weights set before (weights.lua)."""
@@ -614,15 +396,16 @@ class JobQueue(QueueReads):
             await self._nudge(job_id)
         return state
 
-    async def cancel(self, job_id: str) -> str:
+    async def cancel(self, job_id: str, detail: str = "") -> str:
         """Cancel a job: 'cancelled' (it was queued and will never start), 'cancelling' (it runs; its
-        worker stops it), or the terminal state it already had. Raises JobNotFound."""
+        worker stops it), or the terminal state it already had. Raises JobNotFound. `detail`: why,
+        kept in a queued job's record (the pool cancelling a job whose dependency failed)."""
         q = queue_of(job_id)
         state = _s(
             await self._call(
                 self.scripts.cancel,
                 [keys.stream(q), keys.retry(q), keys.events(q)],
-                [keys.queue_prefix(q), keys.GROUP, job_id, self.retention],
+                [keys.queue_prefix(q), keys.GROUP, job_id, self.retention, detail],
             )
         )
         if state == "missing":

@@ -29,6 +29,12 @@ Per queue (``gp:{q:NAME}:…``):
                 ('worker') until when ('until', ms: a lease, renewed by that worker's claims), and
                 when it could start there at the earliest ('at', ms; -1 unknown): claim.lua's
                 backfill starts only jobs that cannot delay it there.
+  waiting       ZSET id -> seq: queued jobs waiting for other jobs to end (--after, daemon/after.py):
+                no stream entry yet; ready.lua gives them one when the server finds them ready.
+  array:ID      ZSET job id -> place: the jobs of array QUEUE@ID (poolctl enqueue --array/--sweep),
+                for commands that take the array's id for all its jobs; kept as finished jobs are.
+  dependents:ID SET of the ids of jobs waiting for job ID to end (in ID's queue, whatever theirs):
+                how the server finds them when ID's terminal event comes.
   wake          capped Stream of ``w=1`` entries, one per job put at the front: workers block on it
                 (XREAD) beside the stream, since a ZSET cannot wake them.
   leases        ZSET id -> lease deadline (Redis server time, ms) of every running attempt.
@@ -42,6 +48,9 @@ Per queue (``gp:{q:NAME}:…``):
   job:ID        HASH: the job record (state, attempt, worker, timestamps, spec, outcome).
   job:ID:attempts  LIST of JSON objects, one per attempt (worker, start, end, how it ended).
   job:ID:log    Stream of the job's output chunks, bounded in bytes (head and tail kept, log.lua).
+  job:ID:notified:TARGET  set (NX, expiring with the job) by the server that sends the job's end
+                to TARGET (`job`: its --notify URL; `pool`: notify_url), so one server sends it
+                (queue/notified.py); deleted again if that server stops before it is delivered.
   idem:KEY      the job id an idempotency key (``len(user):user:key``) was first used for; it expires
                 with the job's record, `job_retention` after the job ends.
   batch:ID      the ids an enqueue_many call gave, for ten minutes, so that the call sent again
@@ -105,6 +114,19 @@ def capped_users(queue: str) -> str:
     return queue_prefix(queue) + "capped_users"
 
 
+def waiting(queue: str) -> str:
+    return queue_prefix(queue) + "waiting"
+
+
+def array(array_id: str) -> str:
+    queue, _, name = array_id.partition("@")
+    return queue_prefix(queue) + "array:" + name
+
+
+def dependents(job_id: str) -> str:
+    return queue_prefix(queue_of(job_id)) + "dependents:" + job_id
+
+
 def reservation(queue: str) -> str:
     return queue_prefix(queue) + "reservation"
 
@@ -151,6 +173,10 @@ def attempts(job_id: str) -> str:
 
 def log(job_id: str) -> str:
     return job(job_id) + ":log"
+
+
+def notified(job_id: str, target: str) -> str:
+    return job(job_id) + ":notified:" + target
 
 
 def idempotency(queue: str, user: str, key: str) -> str:

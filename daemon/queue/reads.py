@@ -181,15 +181,17 @@ class QueueReads:
     async def _active_ids(self, queue: str, limit: int) -> list[str]:
         """Running (leases), front (retry), parked, held at a cap and priority jobs of one queue, then up to
         `limit` of its stream entries not yet delivered, read from the consumer group's last
-        delivered id on: the order a claim takes them in (claim.lua)."""
+        delivered id on: the order a claim takes them in (claim.lua); last, the jobs that wait for
+        others to end (daemon/after.py)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrange(keys.leases(queue), 0, -1)
             for aside in (keys.retry(queue), keys.parked(queue), keys.capped(queue)):
                 pipe.zrange(aside, 0, limit - 1, withscores=True)
             pipe.zrange(keys.priority(queue), 0, limit - 1)
+            pipe.zrange(keys.waiting(queue), 0, limit - 1)
             pipe.xinfo_groups(keys.stream(queue))
             try:
-                running, retry, parked, capped, prio, groups = await pipe.execute()
+                running, retry, parked, capped, prio, held, groups = await pipe.execute()
             except ResponseError:  # no stream yet: nothing was ever enqueued
                 return []
         # The front, as a claim merges it: by seq (a parked job's score is GPUs * 2**32 + seq).
@@ -198,7 +200,7 @@ class QueueReads:
         entries = await xrange(self.redis, keys.stream(queue), f"({_s(last)}", limit)
         waiting = [_s(e[1][b"job"]) for e in entries if b"job" in e[1]]
         ahead = [_s(i) for i in running] + [i for _, i in front] + [_s(i) for i in prio]
-        return list(dict.fromkeys(ahead + waiting))
+        return list(dict.fromkeys(ahead + waiting + [_s(i) for i in held]))  # held: after the rest
 
     async def held_at_cap(self, job_id: str) -> bool:
         """Whether a queued job is held aside because its user is at a cap (claim.lua)."""

@@ -18,7 +18,7 @@ import importlib.metadata
 import os
 import secrets
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,17 @@ def version() -> str:
         return "unknown"
 
 
+def batch_job(env: Mapping[str, str] | None = None) -> str:
+    """The batch job this process runs in (a pilot worker, `poolctl pilot`): `slurm:ID` or
+    `pbs:ID`, from the variables the scheduler sets; "" outside one."""
+    env = os.environ if env is None else env
+    if job := env.get("SLURM_JOB_ID"):
+        return f"slurm:{job}"
+    if job := env.get("PBS_JOBID"):
+        return f"pbs:{job}"
+    return ""
+
+
 @dataclass(slots=True)
 class Registration:
     """A worker's record. The worker updates `state`, `running` and `gpus` before each heartbeat."""
@@ -63,6 +74,8 @@ class Registration:
     cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
     memory: int = field(default_factory=lambda: psutil.virtual_memory().total)
     started_at: float = 0.0  # Unix time
+    batch_job: str = field(default_factory=batch_job)  # the pilot's, else ""
+    leave_by: float = 0.0  # Unix time by which it has left (worker_max_lifetime); 0.0: no end
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -79,6 +92,8 @@ class Registration:
             "state": self.state,
             "started_at": self.started_at,
             "healthy_period": self.healthy_period,
+            "batch_job": self.batch_job,
+            "leave_by": self.leave_by,
         }
 
 

@@ -69,6 +69,9 @@ NAMES = (
     "prune_workers",
     "primary_age",
     "weights",
+    "ready",
+    "note_dependent",
+    "wait_for",
 )
 
 
@@ -97,6 +100,9 @@ class Scripts:
         self.prune_workers: AsyncScript = redis.register_script(source("prune_workers"))
         self.primary_age: AsyncScript = redis.register_script(source("primary_age"))
         self.weights: AsyncScript = redis.register_script(source("weights"))
+        self.ready: AsyncScript = redis.register_script(source("ready"))
+        self.note_dependent: AsyncScript = redis.register_script(source("note_dependent"))
+        self.wait_for: AsyncScript = redis.register_script(source("wait_for"))
 
 
 @dataclass(frozen=True, slots=True)

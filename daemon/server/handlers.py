@@ -20,13 +20,15 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from daemon.errors import GpupoolError, InvalidJob, JobNotFound, NotYours, NoWorkerFits, PriorityTooHigh
-from daemon.job import JobInfo, JobSpec, JobState
+from daemon.job import ARRAY_ID, JobInfo, JobSpec, JobState
 from daemon.metrics.server import ServerMetrics
 from daemon.object_store import artifact_job
-from daemon.queue.job_queue import JobQueue, out_of_memory
+from daemon.queue.failures import out_of_memory
+from daemon.queue.job_queue import JobQueue
 from daemon.queue.reads import Standing
 from daemon.queue.terminal_events import JobEvents
 from daemon.server.data_desk import DataDesk
+from daemon.server.dependencies import judge, weigh
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -140,13 +142,15 @@ class Handlers:
                 return await self._enqueue_batch(specs, user)
             case ListJobs(queue=q, state=state, include_finished=everything, limit=limit):
                 return JobList(await self._list(q, state, everything, limit, user))
+            case ShowJob(job_id=job_id) if ARRAY_ID.fullmatch(job_id):
+                return JobDetail(await self._array_summary(job_id))
             case ShowJob(job_id=job_id):
                 info = await self.queue.get(job_id)
                 return JobDetail(await self._detail(info, user))
             case CancelJobs(job_ids=job_ids):
-                return Cancelled(await self._cancel(_at_most(job_ids), user))
+                return Cancelled(await self._cancel(await self._expand(job_ids), user))
             case RequeueJobs(job_ids=job_ids):
-                return Requeued(await self._requeue(_at_most(job_ids), user))
+                return Requeued(await self._requeue(await self._expand(job_ids), user))
             case WaitJobs() | FollowLogs() | WatchPool():
                 return await self._streamed(request, user, send)
             case ListWorkers():
@@ -163,7 +167,8 @@ class Handlers:
         """The requests that stream, and last as long as what they follow."""
         match request:
             case WaitJobs(job_ids=job_ids, timeout=limit):
-                for job_id in _at_most(job_ids):
+                job_ids = await self._expand(job_ids)
+                for job_id in job_ids:
                     self._check_owner(await self.queue.get(job_id), user, "wait on")
                 with self._blocking_read(user):
                     return await self._wait(job_ids, limit, send)
@@ -173,6 +178,27 @@ class Handlers:
                     return await self._logs(job_id, follow, offset, send)
         with self._blocking_read(user):
             return await self._watch(request, user, send)
+
+    async def _expand(self, ids: list[str]) -> list[str]:
+        """Job ids, an array's id ("QUEUE@ID") standing for all its jobs (one the pool does not
+        know stays, to be answered as not found)."""
+        out: list[str] = []
+        for i in _at_most(ids):
+            out += (await self.queue.array_jobs(i) or [i]) if ARRAY_ID.fullmatch(i) else [i]
+        return _at_most(out)
+
+    async def _array_summary(self, array_id: str) -> dict[str, Any]:
+        """`show` of an array: how many of its jobs are in each state."""
+        ids = await self.queue.array_jobs(array_id)
+        if not ids:
+            raise JobNotFound(array_id)
+        states: Counter[str] = Counter()
+        for job_id in ids:
+            try:
+                states[(await self.queue.get(job_id)).state] += 1
+            except JobNotFound:
+                states["forgotten"] += 1
+        return {"id": array_id, "array": {"jobs": len(ids), "states": dict(states), "ids": ids}}
 
     # -- who may do what ---------------------------------------------------------------------------
 
@@ -210,8 +236,8 @@ class Handlers:
     def _view(self, info: JobInfo, user: str) -> dict[str, Any]:
         """The job's record as `user` may see it: whole for its owner and admins; for anyone else,
         what it is and where it stands, never its secrets: environment values, the content
-        addresses of its data (each one a key to the bytes), its outcome's result (output tail,
-        artifacts)."""
+        addresses of its data (each one a key to the bytes), its --notify URL, its outcome's result
+        (output tail, artifacts)."""
         record = info.to_dict()
         if not self._may_act_on(info, user):
             spec = record["spec"]
@@ -221,6 +247,8 @@ class Handlers:
                 spec["snapshot"] = {"commit": spec["snapshot"]["commit"]}
             if spec.get("git"):  # https://user:token@host/repo: the credentials are the owner's
                 spec["git"] = {**spec["git"], "repo": re.sub(r"//[^/@]*@", "//", spec["git"]["repo"])}
+            if spec.get("notify"):  # a webhook's URL is often its only key
+                spec["notify"] = HIDDEN
             record["result"] = {}
         return record
 
@@ -254,7 +282,9 @@ class Handlers:
         self._check_priority([job_spec], user)
         await self._check_fits([job_spec])
         await self._check_data([job_spec], user)
+        await self._check_after([job_spec])
         job_id, created = await self.queue.enqueue(job_spec, key)
+        await self._wait_for_others([(job_id, job_spec)])
         if created and self.metrics is not None:
             self.metrics.job_enqueued(job_spec.queue)
         return Enqueued(job_id, created)
@@ -266,11 +296,53 @@ class Handlers:
         self._check_priority(job_specs, user)
         await self._check_fits(job_specs)
         await self._check_data(job_specs, user)
+        await self._check_after(job_specs)
         ids = await self.queue.enqueue_many(job_specs)
+        await self._wait_for_others(list(zip(ids, job_specs, strict=True)))
         if self.metrics is not None:
             for q, count in Counter(s.queue for s in job_specs).items():
                 self.metrics.job_enqueued(q, count)
         return EnqueuedBatch(ids)
+
+    async def _check_after(self, specs: list[JobSpec]) -> None:
+        """Every job a spec waits for (--after) is in the pool (the whole batch: nothing is queued)."""
+        for dep in {d.rpartition(":")[0] for s in specs for d in s.after}:
+            try:
+                await self.queue.get(dep)
+            except JobNotFound:
+                raise GpupoolError(
+                    f"--after {dep}: no such job in the pool (or it ended longer ago than the pool "
+                    "keeps jobs)",
+                    ErrorCode.INVALID_ARGUMENT,
+                ) from None
+
+    async def _wait_for_others(self, jobs: list[tuple[str, JobSpec]]) -> None:
+        """Jobs queued to wait for others (held out of their queue, daemon/after.py): each is noted
+        where the jobs it waits for will find it when they end, then judged once (they may have
+        ended already; server/dependencies.py)."""
+        placed: dict[str, dict[int, str]] = {}
+        for job_id, spec in jobs:
+            if spec.array:
+                placed.setdefault(spec.array, {})[spec.array_pos] = job_id
+        for array_id, members in placed.items():
+            await self.queue.record_array(array_id, [(pos, job_id) for pos, job_id in members.items()])
+        for job_id, spec in jobs:
+            after = list(spec.after)
+            if spec.held and not after:  # an array's window: after the job `limit` places before
+                before = placed[spec.array].get(spec.array_pos - spec.array_limit)
+                if before is None:  # an earlier batch's
+                    earlier = await self.queue.array_jobs(spec.array)
+                    if spec.array_pos - spec.array_limit >= len(earlier):
+                        raise GpupoolError(
+                            f"job {spec.array_pos} of array {spec.array} comes before the jobs it "
+                            f"waits for: send an array's jobs in order",
+                            ErrorCode.INVALID_ARGUMENT,
+                        )
+                    before = earlier[spec.array_pos - spec.array_limit]
+                after = [f"{before}:any"]
+            if after:
+                await self.queue.wait_for(job_id, after)
+                await judge(self.queue, job_id)
 
     def _check_priority(self, specs: list[JobSpec], user: str) -> None:
         """Refuse a priority above `user`'s ceiling (the whole batch: nothing is queued)."""
@@ -348,6 +420,9 @@ class Handlers:
         return detail
 
     async def _pending_reason(self, info: JobInfo) -> str:
+        if info.spec.held and info.id in await self.queue.waiting(info.spec.queue):
+            verdict, why = await weigh(self.queue, await self.queue.dependencies(info.id))
+            return why if verdict == "wait" else f"about to {'start' if verdict == 'ready' else 'be ' + why}"
         listed = await self.queue.list_jobs(info.spec.queue, limit=MAX_LIST)  # in the order they start
         queued = [j.id for j in listed if j.state is JobState.QUEUED]
         ahead = queued.index(info.id) if info.id in queued else len(queued)

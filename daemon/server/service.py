@@ -23,8 +23,10 @@ from daemon.queue.terminal_events import JobEvents, Terminal
 from daemon.server import reaper
 from daemon.server.certificate import certificate_fingerprint, ensure_certificate
 from daemon.server.data_desk import prune_staged_forever
+from daemon.server.dependencies import Dependencies
 from daemon.server.handlers import Handlers
 from daemon.server.listener import Listener, ListenerError, refuse_open_beyond_loopback, tls_context
+from daemon.server.notifier import Notifier
 from daemon.server.session import Limits
 from storage.base import ObjectStore
 
@@ -63,6 +65,8 @@ class PoolServer:
         self.store = make_store(config)  # opened at start; presigns and records, carries no bytes
         self.own_certificate: str | None = None  # the fingerprint of the certificate it made itself
         self._tasks = TaskSet()
+        self.dependencies: Dependencies | None = None  # at start: jobs that wait for others
+        self.notifier: Notifier | None = None  # at start: --notify and notify_url
 
     def _users(self) -> tokens.Users | None:
         c = self.config
@@ -112,6 +116,12 @@ class PoolServer:
         events = JobEvents(self.queue, c.redis_events_block_ms / 1000, self._finished)
         await events.prime()  # before the listener: a `wait` must not start before its cursors
         self._tasks.spawn(events.run(), "job-events")
+        self.dependencies = Dependencies(self.queue)  # after the events: no end is missed between
+        self._tasks.spawn(self.dependencies.run(), "dependencies")
+        self.notifier = Notifier(
+            self.queue, self.metrics, pool_url=c.notify_url, secret=c.notify_secret, retention=c.job_retention
+        )
+        await self.notifier.start()  # its own tasks: stopped after the events reader that feeds it
         reap_every = min(c.worker_healthy_response_period / 4, 5.0)
         self._tasks.spawn(
             reaper.run(self.queue, reap_every, self._reclaimed, c.dead_worker_retention), "reaper"
@@ -173,6 +183,10 @@ class PoolServer:
         sd_notify.ready(f"serving on {self.listener.address}")
 
     def _finished(self, event: Terminal) -> None:
+        if self.dependencies is not None:
+            self.dependencies.ended(event.job_id)
+        if self.notifier is not None:
+            self.notifier.ended(event)
         wait = run = None
         if event.started_at is not None:
             wait = event.started_at - (event.enqueued_at or event.started_at)
@@ -205,6 +219,9 @@ class PoolServer:
             await self.listener.stop()
             self.listener = None
         await self._tasks.stop()
+        if self.notifier is not None:  # before Redis: it hands back what it did not deliver
+            await self.notifier.stop()
+            self.notifier = None
         await self.redis.stop()
         await self.store.close()
         log.info("gpupool server stopped")

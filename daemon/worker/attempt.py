@@ -99,13 +99,19 @@ class Holdings:
         # later: it needs waking only when it sleeps with nothing running and an attempt starts.
         self._started = asyncio.Event()
         self._fence_idle = False
+        self._changed_at = boottime()  # the last hold or drop: how long an empty map has been empty
 
     def __iter__(self) -> Iterator[HeldAttempt]:
         return iter(list(self._by_lease.values()))
 
     def hold(self, lease: Lease, deadline: float) -> HeldAttempt:
         held = self._by_lease[lease.id] = HeldAttempt(lease, deadline)
+        self._changed_at = boottime()
         return held
+
+    def quiet_for(self) -> float:
+        """Seconds since the last attempt was dropped, while none is held; 0.0 while one is."""
+        return 0.0 if self._by_lease else boottime() - self._changed_at
 
     def holds(self, held: HeldAttempt) -> bool:
         return self._by_lease.get(held.lease.id) is held
@@ -121,6 +127,7 @@ class Holdings:
         """Its end is recorded (or given up on): no more renewals, no more deadline."""
         if self.holds(held):
             del self._by_lease[held.lease.id]
+            self._changed_at = boottime()
         self.guard.drop(held.lease.id)
 
     def renewed(self, statuses: Mapping[str, RenewStatus], until: float) -> None:

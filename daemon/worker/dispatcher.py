@@ -53,7 +53,8 @@ from daemon.job import Lease, RenewStatus
 from daemon.metrics.transfers import MeteredStore
 from daemon.metrics.worker import WorkerMetrics
 from daemon.queue import keys, registry
-from daemon.queue.job_queue import JobQueue, SharedGpu
+from daemon.queue.claims import SharedGpu
+from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import Registration
 from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime, latest_ends
 from daemon.worker.claim_gate import ClaimGate
@@ -69,6 +70,7 @@ from daemon.worker.gpus import (
 )
 from daemon.worker.heartbeat import Heartbeat
 from daemon.worker.identity import SlotIdentity
+from daemon.worker.lifetime import Lifetime
 from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult
 from daemon.worker.slots import Slots
@@ -115,6 +117,7 @@ class Worker:
         identities: Sequence[SlotIdentity] | None = None,
         git_protocols: str = ANY_PROTOCOL,
         gpu_max_jobs: int = 4,
+        lifetime: Lifetime | None = None,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
         (the seam) and optionally a probe. `env` is the base of every job's environment (default:
@@ -122,7 +125,7 @@ class Worker:
         caches what it fetches from it under `data_dir/cache`, up to `cache_bytes`. `make_run` replaces
         the runner (JobRun) with another executor: a benchmark's no-op one measures the queue and
         this dispatcher without processes. `identities` (one per slot, identity.py) are the uids
-        the slots' jobs run as; None: the worker's own."""
+        the slots' jobs run as; None: the worker's own. `lifetime`: its end, if any (lifetime.py)."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         if identities is not None and len(identities) < slots:
@@ -152,6 +155,7 @@ class Worker:
         self._registration = Registration(
             id=self.id, slots=slots, queues=self.queues, healthy_period=queue.lease_ms / 1000
         )
+        self.lifetime, self._registration.leave_by = lifetime, lifetime.leave_by if lifetime else 0.0
         # directories, uids, cgroups, the spawner and the orphan guard (slots.py)
         self._slots = Slots(self.data_dir, self.id, slots, self.identities, job_nice)
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known
@@ -358,6 +362,7 @@ class Worker:
             "ends": latest_ends(self._held, self._gpus_held, self.kill_grace),
             "grace": self.kill_grace,
         }
+        room |= self.lifetime.claim_room() if shared and self.lifetime else {}  # only a claim asks
         if shared and self.allocator.gpus:
             uuids = [g.uuid for g in self.allocator.gpus]
             free = await asyncio.to_thread(self._nvml.free_memory, uuids) if self._nvml is not None else None
@@ -565,6 +570,9 @@ class Worker:
 
     def leases(self) -> Sequence[Lease]:
         return [h.lease for h in self._held]
+
+    def idle_for(self) -> float:  # seconds it has held no attempt, 0.0 while it holds one (lifetime.py)
+        return self._held.quiet_for()
 
     def renewed(self, statuses: Mapping[str, RenewStatus], until: float) -> None:
         self._held.renewed(statuses, until)

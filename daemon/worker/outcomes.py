@@ -18,7 +18,8 @@ from redis.exceptions import RedisError
 
 from daemon.errors import NotReplicated, StaleAttempt
 from daemon.job import JobState, Lease
-from daemon.queue.job_queue import JobQueue, transient
+from daemon.queue.failures import transient
+from daemon.queue.job_queue import JobQueue
 from daemon.worker.runner import Ending, RunResult
 
 log = logging.getLogger(__name__)

@@ -122,6 +122,8 @@ def job_env(
     )
     if lease.spec.gpu_mem:  # the memory it declared on its shared GPU, to size its batches by
         env["GPUPOOL_GPU_MEM"] = str(lease.spec.gpu_mem)
+    if lease.spec.array:  # one of an array (poolctl enqueue --array/--sweep)
+        env.update(GPUPOOL_ARRAY_ID=lease.spec.array, GPUPOOL_ARRAY_INDEX=str(lease.spec.array_index))
     return env
 
 

@@ -1,8 +1,11 @@
 """Worker mode as a daemon (`poold --worker`): the pool's Redis, the object store, one Worker, its
-metrics endpoint, readiness and the systemd watchdog."""
+metrics endpoint, readiness and the systemd watchdog; and its end, for a worker that leaves by
+itself (lifetime.py: idle, or at its lifetime's end, as a pilot worker on a batch cluster does)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from pathlib import Path
 
 from daemon import sd_notify
@@ -16,16 +19,24 @@ from daemon.queue.job_queue import JobQueue
 from daemon.queue.pool_redis import PoolRedis
 from daemon.worker.dispatcher import Worker
 from daemon.worker.identity import slot_identities
+from daemon.worker.lifetime import Lifetime
 from storage.base import ObjectStore
+
+log = logging.getLogger(__name__)
 
 
 class WorkerDaemon:
     """Worker mode (`poold --worker`): the pool's Redis, the object store, a Worker, its metrics,
     readiness and watchdog. `main` drives it like the server: `start()`, then on the first signal
-    `stop()` (drain), on a second `force()` (stop jobs now; attempts are still handed back)."""
+    `stop()` (drain), on a second `force()` (stop jobs now; attempts are still handed back).
+    `leaving` is set when the worker's lifetime says it must leave: main then stops it as on the
+    first signal (a signal after that is the second)."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.leaving = asyncio.Event()
+        # Read now, near the process's start: a bad worker_max_lifetime stops poold before it connects.
+        self.lifetime = Lifetime.of(config)
         self.redis = PoolRedis(config)
         self.worker: Worker | None = None
         self.store: ObjectStore | None = None
@@ -46,8 +57,10 @@ class WorkerDaemon:
         client = await self.redis.start()
         queue = JobQueue.from_config(client, c, watch=self.redis.watch)
         self.store = await open_worker_store(c)
-        self.worker = configured_worker(queue, c, store=self.store)
+        self.worker = configured_worker(queue, c, store=self.store, lifetime=self.lifetime)
         await self.worker.start()
+        if self.lifetime is not None:
+            self._tasks.spawn(self._leave_when_due(self.lifetime, self.worker), "lifetime")
         self.metrics_server = await serve_for(
             self.worker.metrics.registry, c, worker=True, before_scrape=self.worker.sample_metrics
         )
@@ -55,6 +68,12 @@ class WorkerDaemon:
             self._tasks.spawn(sd_notify.watchdog(interval), "watchdog")
         w = self.worker
         sd_notify.ready(f"worker {w.id}: {w.slots} slots, queues {', '.join(w.queues)}")
+
+    async def _leave_when_due(self, lifetime: Lifetime, worker: Worker) -> None:
+        why = await lifetime.due(worker.idle_for)
+        if not self.leaving.is_set():  # not stopping on a signal already (main shares the event)
+            log.info("worker %s leaving: %s", worker.id, why)
+            self.leaving.set()
 
     def force(self) -> None:
         if self.worker is not None:
@@ -83,9 +102,10 @@ def configured_worker(
     slots: int | None = None,
     data_dir: Path | None = None,
     store: ObjectStore | None = None,
+    lifetime: Lifetime | None = None,
 ) -> Worker:
     """A worker with the configuration's queues, timings, cache size and (default) remote slot
-    count, on `store` (opened by the caller)."""
+    count, on `store` (opened by the caller), leaving by itself as `lifetime` says (None: never)."""
     n = config.worker_remote_processors if slots is None else slots
     return Worker(
         queue,
@@ -103,6 +123,7 @@ def configured_worker(
         # of other users' repositories, anything of root's): network protocols only.
         git_protocols=ANY_PROTOCOL if config.embedded else NETWORK_PROTOCOLS,
         gpu_max_jobs=config.gpu_max_jobs,
+        lifetime=lifetime,
     )
 
 

@@ -89,7 +89,7 @@ end
 
 -- Drop a job's stream entry: acknowledged (out of the pending list) and deleted.
 local function drop_entry(stream, group, entry)
-  if entry then
+  if entry and entry ~= '' then  -- (a job that waited for others and never joined has none)
     redis.call('XACK', stream, group, entry)
     redis.call('XDEL', stream, entry)
   end
@@ -199,15 +199,22 @@ local PRIO_MAX, PRIO_SEQ = 100, 4294967296
 -- Add a job at the tail of its queue with sequence number `seq` (from reserve): record, stream
 -- entry and index entry, and with a priority its place in `prio` (the queue's key prefix's). The
 -- caller has made sure its id is free.
+-- With `waiting` ('1'), it waits for other jobs to end first (daemon/after.py): it is held in the
+-- queue's `waiting` ZSET instead, with no stream entry and no place in `prio`, till ready.lua.
 local function add_job(stream, index, jobkey, id, seq, now, spec, gpus, max_attempts, retries, prefix, priority,
-                       user, gpu_mem)
-  local entry = redis.call('XADD', stream, '*', 'job', id)
+                       user, gpu_mem, waiting)
+  local entry = ''
+  if waiting == '1' then
+    redis.call('ZADD', prefix .. 'waiting', seq, id)
+  else
+    entry = redis.call('XADD', stream, '*', 'job', id)
+  end
   priority = tonumber(priority) or 0
   redis.call('HSET', jobkey, 'id', id, 'state', 'queued', 'seq', seq, 'attempt', 0, 'spec', spec,
     'gpus', gpus, 'max_attempts', max_attempts, 'retries', retries, 'failures', 0, 'losses', 0,
     'enqueued_at', now, 'entry', entry, 'priority', priority, 'user', user or '', 'gpu_mem', tonumber(gpu_mem) or 0)
   redis.call('ZADD', index, seq, id)
-  if priority > 0 then
+  if priority > 0 and waiting ~= '1' then
     redis.call('ZADD', prefix .. 'prio', (PRIO_MAX - priority) * PRIO_SEQ + seq, id)
   end
 end

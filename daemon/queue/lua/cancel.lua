@@ -5,7 +5,8 @@
 -- Safe to run twice (the second run finds the state the first left). At maxmemory it still runs:
 -- its first write is a deletion, and stopping jobs is how memory comes back.
 -- KEYS: 1 stream, 2 retry, 3 events
--- ARGV: 1 queue key prefix, 2 group, 3 job id, 4 retention (s)
+-- ARGV: 1 queue key prefix, 2 group, 3 job id, 4 retention (s), 5 why (optional: the record's
+--       detail, for a job cancelled by the pool, as one whose dependency can no longer be met)
 -- Returns the job's state afterwards: 'cancelled' | 'cancelling' | the terminal state | 'missing'.
 local stream, retry, events = KEYS[1], KEYS[2], KEYS[3]
 local prefix, group, id = ARGV[1], ARGV[2], ARGV[3]
@@ -17,7 +18,9 @@ if state == 'queued' then
   redis.call('ZREM', prefix .. 'parked', id)
   redis.call('ZREM', prefix .. 'prio', id)
   unhold(prefix, redis.call('HGET', jobkey, 'user') or '', id)
-  finish(prefix, stream, group, events, id, 'cancelled', now_ms(), tonumber(ARGV[4]))
+  redis.call('ZREM', prefix .. 'waiting', id)
+  finish(prefix, stream, group, events, id, 'cancelled', now_ms(), tonumber(ARGV[4]),
+    nil, ARGV[5] and ARGV[5] ~= '' and {'detail', ARGV[5]} or nil)
   return 'cancelled'
 end
 if state == 'running' then

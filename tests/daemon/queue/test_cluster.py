@@ -25,7 +25,8 @@ from daemon.errors import NotReplicated
 from daemon.job import JobSpec, JobState, Outcome, queue_of
 from daemon.queue import keys
 from daemon.queue.connection import RunIdWatch, meet
-from daemon.queue.job_queue import JobQueue, transient
+from daemon.queue.failures import transient
+from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import list_workers
 from daemon.queue.scripts import ReplicaAck
 from tests.support.cluster import ClusterGroup, ClusterServer

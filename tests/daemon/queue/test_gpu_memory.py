@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from daemon.job import JobSpec
+from daemon.queue.claims import SharedGpu
 from daemon.queue.connection import AnyRedis
-from daemon.queue.job_queue import JobQueue, SharedGpu
+from daemon.queue.job_queue import JobQueue
 
 GIB = 2**30
 

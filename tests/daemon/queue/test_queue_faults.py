@@ -16,7 +16,8 @@ from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus
 from daemon.queue import keys, registry
 from daemon.queue.connection import connect
 from daemon.queue.embedded_redis import EmbeddedRedis
-from daemon.queue.job_queue import JobQueue, out_of_memory
+from daemon.queue.failures import out_of_memory
+from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import Registration, add_heartbeat
 from daemon.queue.scripts import ScriptBatch
 from tests.support.faults import aof_copy, memory_full, roll_back

@@ -1,0 +1,279 @@
+"""`poolctl pilot slurm|pbs`: the pool's workers as batch jobs on a cluster run by Slurm or PBS.
+
+A team with no GPU servers of its own but an account on a batch cluster runs its pool's server,
+Redis and S3 somewhere the cluster's nodes can reach, and lends the pool nodes for a while: each
+pilot is one batch job that runs `poold --worker`, joins the pool, serves its queues, and leaves
+by itself (daemon/worker/lifetime.py): after `--idle-exit` seconds with no job, and in any case
+drained and gone before its walltime, since `--max-lifetime` is the walltime less a margin. Its
+jobs are chosen so that their `--timeout` ends before it must leave; what still runs at its end is
+handed back, as on SIGTERM, and runs again on another worker.
+
+The worker needs the pool's Redis and S3 credentials. They come from a pool.toml the user keeps
+readable by themselves only (the batch script names it; cluster home directories are shared with
+every node and often readable by the group); one that others may read is refused. The script
+drops the submitting shell's GPUPOOL_* variables, so that the file alone says what the worker
+does, and it execs poold, so that the scheduler's signals reach the worker itself (a shell in
+between would die at a scancel and take the draining worker with it).
+
+The scripts are built here and submitted with `sbatch` or `qsub` on standard input, one batch job
+per pilot; `--dry-run` prints a script and the command instead. This module is a command of
+poolctl: what only it uses (the daemon's configuration loader, to check the file; subprocess) is
+imported when it runs, since poolctl's parser, which every command builds, comes from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from daemon.errors import GpupoolError
+from protocol import ErrorCode
+
+SUBMIT = {"slurm": "sbatch", "pbs": "qsub"}
+DEFAULT_IDLE_EXIT = 600.0  # an idle pilot holds its allocation (and its user's share) for this long
+SUBMIT_TIMEOUT = 60.0  # seconds one sbatch/qsub may take (they retry a busy controller themselves)
+
+
+class PilotError(GpupoolError):
+    """The command line asks for a pilot that cannot be; the sentence says why and what to do."""
+
+    code = ErrorCode.INVALID_ARGUMENT  # exit 2, as any usage error
+
+
+def add_pilot(sub: Any) -> None:
+    """The `pilot` subcommand's arguments (`sub`: poolctl's subparsers)."""
+    p = sub.add_parser(
+        "pilot",
+        help="start workers as batch jobs on a Slurm or PBS cluster; they leave before their walltime",
+    )
+    p.add_argument("scheduler", choices=sorted(SUBMIT), help="the cluster's batch system")
+    p.add_argument("--config", required=True, metavar="FILE", help="the workers' pool.toml (mode 600)")
+    p.add_argument("--walltime", required=True, metavar="H:MM:SS", help="each pilot's walltime")
+    p.add_argument("--count", type=int, default=1, metavar="N", help="pilots to submit (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=1, metavar="G", help="GPUs each pilot asks for")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--partition", metavar="P", help="Slurm partition (or PBS queue)")
+    where.add_argument("--queue", metavar="Q", help="PBS queue (or Slurm partition)")
+    p.add_argument("--account", metavar="A", help="the allocation to charge (sbatch --account, qsub -A)")
+    p.add_argument("--name", default="gpupool-pilot", help="the batch jobs' name")
+    p.add_argument(
+        "--max-lifetime",
+        type=float,
+        metavar="SECONDS",
+        help="when each pilot has left (default: the walltime less a margin for its start and end)",
+    )
+    p.add_argument(
+        "--idle-exit",
+        type=float,
+        default=DEFAULT_IDLE_EXIT,
+        metavar="SECONDS",
+        help=f"a pilot with no job for this long leaves (default {DEFAULT_IDLE_EXIT:g}; 0: never)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the script and the submit command")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the script; print it (--dry-run) or submit it `--count` times, printing each job id."""
+    if args.count < 1 or args.gpus_per_node < 0 or args.idle_exit < 0:
+        raise PilotError("--count must be at least 1, --gpus-per-node and --idle-exit at least 0")
+    walltime = parse_walltime(args.walltime)
+    config = Path(args.config).expanduser().resolve()
+    leave = check_config(config)
+    lifetime = args.max_lifetime if args.max_lifetime is not None else walltime - margin(walltime)
+    if not leave < lifetime <= walltime:
+        raise PilotError(
+            f"a pilot of walltime {args.walltime} would have {lifetime:g} s to live, which must be more "
+            f"than the {leave:g} s it takes to leave (drain_timeout + kill_grace in {config}) and at most "
+            "the walltime: give a longer --walltime, or lower drain_timeout there"
+        )
+    script = batch_script(
+        args.scheduler,
+        name=args.name,
+        walltime=walltime,
+        gpus=args.gpus_per_node,
+        partition=args.partition or args.queue,
+        account=args.account,
+        worker=[*poold_command(), "--worker", "--config", str(config)],
+        max_lifetime=lifetime,
+        idle_exit=args.idle_exit,
+    )
+    command = submit_command(args.scheduler)
+    if args.dry_run:
+        print(script, end="")
+        times = f", {args.count} times" if args.count > 1 else ""
+        print(f"# submit: {shlex.join(command)} < this script{times}")
+        return 0
+    import shutil
+
+    if shutil.which(command[0]) is None:
+        raise PilotError(
+            f"{command[0]} not found: run poolctl pilot {args.scheduler} on a login node of the "
+            f"cluster, where {command[0]} is on PATH (--dry-run prints the script)"
+        )
+    for _ in range(args.count):
+        print(submit(command, script), flush=True)
+    return 0
+
+
+def parse_walltime(text: str) -> float:
+    """Seconds of `[D-]H:MM:SS` or `M:SS`, the forms Slurm and PBS read alike (a bare number means
+    minutes to one and seconds to the other: refused)."""
+    days, _, rest = text.strip().rpartition("-")
+    parts = rest.split(":")
+    try:
+        numbers = [int(p) for p in parts]
+        d = int(days) if days else 0
+    except ValueError:
+        numbers, d = [], 0
+    if len(numbers) not in (2, 3) or min([*numbers, d]) < 0 or (days and len(numbers) != 3):
+        raise PilotError(f"--walltime {text!r}: expected H:MM:SS (or D-H:MM:SS), e.g. 1:00:00")
+    h, m, s = ([0, *numbers] if len(numbers) == 2 else numbers)[:3]
+    seconds = ((d * 24 + h) * 60 + m) * 60 + s
+    if seconds <= 0:
+        raise PilotError(f"--walltime {text!r} is no time at all")
+    return float(seconds)
+
+
+def margin(walltime: float) -> float:
+    """What a pilot keeps of its walltime for its start (the scheduler's prologue, before poold
+    runs) and its end (closing its connections after the drain): 2%, between 30 s and 5 min."""
+    return min(300.0, max(30.0, walltime * 0.02))
+
+
+def check_config(path: Path) -> float:
+    """Refuse a config file others may read, or one that does not name a shared pool; the seconds
+    its worker takes to leave (drain_timeout + kill_grace)."""
+    from daemon import config as config_mod
+    from daemon.errors import ConfigError
+    from daemon.tokens import TokenError
+
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise PilotError(f"--config {path}: {exc.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise TokenError(
+            f"{path} can be read by others (mode {stat.S_IMODE(mode):03o}), and a pilot's config holds "
+            f"the pool's Redis and S3 credentials: chmod 600 {path}"
+        )
+    try:
+        c = config_mod.load(None, env={}, config_file=path)
+    except ConfigError as exc:
+        raise PilotError(str(exc)) from None
+    if c.embedded:
+        raise PilotError(
+            f'{path}: a pilot joins a shared pool: set worker_mode = "multinode" there, with the '
+            "pool's Redis (redis_ip, redis_port, main_server_redis_password) and S3 "
+            "(main_server_minio_*), reachable from the cluster's nodes"
+        )
+    if c.redis_ip in ("127.0.0.1", "localhost", "::1") and not (c.redis_sentinels or c.redis_cluster_nodes):
+        print(
+            f"poolctl: note: {path} names Redis on loopback, which only this node can reach", file=sys.stderr
+        )
+    return c.drain_timeout + c.kill_grace
+
+
+def poold_command() -> list[str]:
+    """How the batch job starts the worker: the poold beside this poolctl (the cluster's nodes see
+    the same file system), else this Python running the daemon's module."""
+    poold = Path(sys.executable).with_name("poold")
+    return [str(poold)] if os.access(poold, os.X_OK) else [sys.executable, "-m", "daemon.main"]
+
+
+def batch_script(
+    scheduler: str,
+    *,
+    name: str,
+    walltime: float,
+    gpus: int,
+    partition: str | None,
+    account: str | None,
+    worker: list[str],
+    max_lifetime: float,
+    idle_exit: float,
+) -> str:
+    """The batch script of one pilot: the scheduler's directives, then the worker, exec'd."""
+    if scheduler == "slurm":
+        directives = [
+            f"--job-name={name}",
+            f"--time={slurm_time(walltime)}",
+            "--nodes=1",
+            *([f"--gres=gpu:{gpus}"] if gpus else []),
+            *([f"--partition={partition}"] if partition else []),
+            *([f"--account={account}"] if account else []),
+            f"--output={name}-%j.out",
+        ]
+        prefix, job_id = "#SBATCH ", "SLURM_JOB_ID"
+    else:
+        directives = [
+            f"-N {name}",
+            f"-l walltime={pbs_time(walltime)}",
+            f"-l select=1:ngpus={gpus}" if gpus else "-l select=1",
+            *([f"-q {partition}"] if partition else []),
+            *([f"-A {account}"] if account else []),
+            "-j oe",
+        ]
+        prefix, job_id = "#PBS ", "PBS_JOBID"
+    argv = [*worker, "--max-lifetime", f"{max_lifetime:g}", "--idle-exit", f"{idle_exit:g}"]
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            *(prefix + d for d in directives),
+            f"# A gpupool pilot worker, by `poolctl pilot {scheduler}` ({time.strftime('%Y-%m-%d %H:%M')}).",
+            "# It joins the pool its config names and leaves by itself, drained, before the walltime",
+            f"# ends (--max-lifetime), or after --idle-exit seconds with no job; ${job_id} shows in",
+            "# `poolctl workers`. Only the config counts: the submitting shell's GPUPOOL_* are dropped.",
+            'for v in $(compgen -v GPUPOOL_); do unset "$v"; done',
+            "# node-local scratch and dataset cache, shared by this user's pilots on the node",
+            'data_dir="${TMPDIR:-/tmp}/gpupool-pilot-$(id -un)"',
+            f'exec {shlex.join(argv)} --data-dir "$data_dir"',
+            "",
+        ]
+    )
+
+
+def slurm_time(seconds: float) -> str:
+    """`D-HH:MM:SS` (or `H:MM:SS` under a day), as sbatch --time reads it."""
+    d, rest = divmod(int(seconds), 86400)
+    h, rest = divmod(rest, 3600)
+    clock = f"{h}:{rest // 60:02d}:{rest % 60:02d}"
+    return f"{d}-{h:02d}:{rest // 60:02d}:{rest % 60:02d}" if d else clock
+
+
+def pbs_time(seconds: float) -> str:
+    """`HH:MM:SS` (hours past 24 as they are), as qsub -l walltime reads it."""
+    h, rest = divmod(int(seconds), 3600)
+    return f"{h:02d}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def submit_command(scheduler: str) -> list[str]:
+    """The submit command; the script goes on its standard input."""
+    return ["sbatch", "--parsable"] if scheduler == "slurm" else ["qsub"]
+
+
+def submit(command: list[str], script: str) -> str:
+    """Submit `script` once; its batch job id."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            command, input=script, capture_output=True, text=True, timeout=SUBMIT_TIMEOUT, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise GpupoolError(
+            f"{command[0]} did not answer in {SUBMIT_TIMEOUT:g} s: is the cluster's controller up?"
+        ) from None
+    except OSError as exc:
+        raise GpupoolError(f"cannot run {command[0]}: {exc.strerror}") from None
+    said = (done.stderr.strip() or done.stdout.strip()).splitlines()
+    if done.returncode != 0:
+        raise GpupoolError(
+            f"{command[0]} refused the pilot: {said[-1] if said else f'exit {done.returncode}'}"
+        )
+    return done.stdout.strip().split(";")[0]  # sbatch --parsable: ID[;CLUSTER]

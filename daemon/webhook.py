@@ -1,0 +1,79 @@
+"""What a job-end notification is (`poolctl enqueue --notify URL`, config `notify_url`): the URLs it
+may go to, the record it carries, and how it is signed.
+
+One module for the three, because the job model (a spec's `notify`), the configuration
+(`notify_url`), the server's sender (server/notifier.py) and every receiver (docs/OPERATIONS.md shows
+the check) must agree on them. No I/O here: poolctl checks a URL with it before connecting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Any
+from urllib.parse import urlsplit
+
+MAX_URL = 2048  # bytes of a notification URL: more is a mistake, not an address
+SIGNATURE_HEADER = "X-Gpupool-Signature"  # "sha256=" + hex HMAC-SHA256 of the body, as GitHub's
+EVENT_HEADER = "X-Gpupool-Event"
+DELIVERY_HEADER = "X-Gpupool-Delivery"  # JOB/TARGET: the same on each retry, for a receiver to dedupe
+EVENT = "job.ended"
+EXAMPLE = "https://hooks.example.com/gpupool"
+
+
+def check_url(url: object) -> str:
+    """`url` if it is an http:// or https:// URL with a host; ValueError saying what is expected
+    otherwise (the caller names the option or field)."""
+    if not isinstance(url, str):
+        raise ValueError(f"expected an http:// or https:// URL, e.g. {EXAMPLE}")
+    if len(url) > MAX_URL or any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        raise ValueError(f"expected a URL of at most {MAX_URL} characters without spaces or control codes")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (a port out of range or not a number raises here)
+    except ValueError:
+        raise ValueError(f"expected an http:// or https:// URL with a valid port, e.g. {EXAMPLE}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URL with a host, e.g. {EXAMPLE}")
+    return url
+
+
+def shown(url: str) -> str:
+    """The URL as logs may show it: scheme, host and port only (its path or query may hold a token,
+    as a chat service's webhook URL does)."""
+    parts = urlsplit(url)
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{parts.hostname}{port}/…"
+
+
+def sign(secret: bytes, body: bytes) -> str:
+    """The signature header's value for `body`: "sha256=" + hex HMAC-SHA256 keyed by `secret`."""
+    return "sha256=" + hmac.new(secret, body, hashlib.sha256).hexdigest()
+
+
+def verify(secret: bytes, body: bytes, header: str) -> bool:
+    """Whether `header` is `body`'s signature under `secret`, compared in constant time (what a
+    receiver in Python does; docs/OPERATIONS.md)."""
+    return hmac.compare_digest(sign(secret, body), header)
+
+
+def end_record(job: dict[str, Any]) -> dict[str, Any]:
+    """The body of a notification: what a receiver needs of a job that ended, from its record as
+    the protocol answers it (JobInfo.to_dict). Neither its environment nor its result: they may
+    hold secrets, and the pool-wide URL is not the job owner's."""
+    spec = job["spec"]
+    return {
+        "event": EVENT,
+        "id": job["id"],
+        "name": spec["name"],
+        "user": spec["user"],
+        "queue": spec["queue"],
+        "state": job["state"],
+        "exit_code": job["exit_code"],
+        "detail": job["detail"],
+        "enqueued_at": job["enqueued_at"],
+        "started_at": job["started_at"],
+        "ended_at": job["ended_at"],
+        "attempts": job["attempt"],
+        "worker": job["worker"],
+    }

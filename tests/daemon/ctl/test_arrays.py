@@ -1,0 +1,115 @@
+"""Arrays and sweeps (`poolctl enqueue --array 0-99%8`, `--sweep k=v1,v2`, daemon/ctl/arrays.py):
+reading them, the specs they make, and end to end with a real server, worker and processes: an
+array of 100 with %8 never runs more than 8 at once; a sweep's jobs see their values; cancel,
+wait and show take the array's id."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from daemon.ctl.arrays import ArrayError, array_specs, parse_array, parse_sweep
+from daemon.job import JobState
+from daemon.queue.embedded_redis import EmbeddedRedis
+from tests.support.pool import running_pool
+from tests.support.poolctl import poolctl
+from tests.support.workers import running_worker, wait_until
+
+
+def test_indices_and_the_limit_are_read_as_slurm_writes_them() -> None:
+    assert parse_array("0-3") == ([0, 1, 2, 3], 0)
+    assert parse_array("1,3,5-7%2") == ([1, 3, 5, 6, 7], 2)
+    for bad in ("", "a-b", "3-1", "0-9%0", "0-9%x", "1,1", "0-20000"):
+        with pytest.raises(ArrayError, match="--array"):
+            parse_array(bad)
+
+
+def test_a_sweep_is_the_cartesian_product_and_fills_the_command() -> None:
+    points = parse_sweep(["lr=1e-3,3e-4", "bs=32,64"])
+    assert points == [
+        {"lr": "1e-3", "bs": "32"},
+        {"lr": "1e-3", "bs": "64"},
+        {"lr": "3e-4", "bs": "32"},
+        {"lr": "3e-4", "bs": "64"},
+    ]
+    array_id, specs = array_specs({"argv": ["train", "--lr={lr}", "{bs}"], "queue": "q"}, None, points, 0)
+    assert array_id.startswith("q@")
+    assert [s["argv"] for s in specs][1] == ["train", "--lr=1e-3", "64"]
+    assert specs[1]["env"] == {"lr": "1e-3", "bs": "64"}
+    assert [s["array_pos"] for s in specs] == [0, 1, 2, 3]
+    for bad in (["lr"], ["1x=2"], ["lr=1", "lr=2"]):
+        with pytest.raises(ArrayError, match="--sweep"):
+            parse_sweep(bad)
+
+
+def _most_at_once(lines: list[str]) -> int:
+    events = sorted((int(t), 1 if what == "start" else -1) for what, t in (line.split() for line in lines))
+    running = most = 0
+    for _, step in events:
+        running += step
+        most = max(most, running)
+    return most
+
+
+async def test_an_array_of_100_with_a_limit_of_8_never_runs_more_than_8(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    log = tmp_path / "log"
+    script = f"echo start $(date +%s%N) >> {log}; sleep 0.05; echo end $(date +%s%N) >> {log}"
+    async with running_pool(redis_server, tmp_path) as pool:
+        env = pool.env("alice")
+        code, out, err = await poolctl(env, "enqueue", "--array", "0-99%8", "--", "sh", "-c", script)
+        assert code == 0, err
+        array_id = out.strip()
+        assert "100 jobs queued as array" in err
+        async with running_worker(pool.queue, tmp_path / "w", slots=12):
+            code, out, err = await poolctl(env, "wait", array_id, "--timeout", "120")
+            assert code == 0, err
+        code, out, _ = await poolctl(env, "show", array_id)
+        assert "100: 100 succeeded" in out
+    lines = log.read_text().splitlines()
+    assert len(lines) == 200
+    assert 1 < _most_at_once(lines) <= 8
+
+
+async def test_a_sweeps_jobs_see_their_values_and_the_array_id_cancels_them_all(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    async with running_pool(redis_server, tmp_path) as pool:
+        env = pool.env("alice")
+        code, out, err = await poolctl(
+            env, "enqueue", "--json", "--sweep", "lr=1e-3,3e-4", "--sweep", "bs=32,64", "--",
+            "sh", "-c", "echo {lr} {bs} $lr $bs $GPUPOOL_ARRAY_INDEX",
+        )  # fmt: skip
+        assert code == 0, err
+        made = json.loads(out)
+        assert len(made["jobs"]) == 4
+        async with running_worker(pool.queue, tmp_path / "w", slots=2):
+            code, _, err = await poolctl(env, "wait", made["array"], "--timeout", "60")
+            assert code == 0, err
+        said = [
+            b"".join(d for _, d in await pool.queue.read_log(job_id)).decode().strip()
+            for job_id in made["jobs"]
+        ]
+        assert said == ["1e-3 32 1e-3 32 0", "1e-3 64 1e-3 64 0", "3e-4 32 3e-4 32 0", "3e-4 64 3e-4 64 0"]
+        code, out, err = await poolctl(
+            env, "ls", "--all", "--array", made["array"], "--format", "id", "--no-header"
+        )
+        assert (code, sorted(out.split())) == (0, sorted(made["jobs"])), err
+        code, out, err = await poolctl(env, "get", made["array"], str(tmp_path / "got"))  # each job's
+        assert code == 0, err
+        assert sorted(line.split()[2] for line in err.splitlines()) == sorted(made["jobs"])
+        assert err.count("has no artifacts") == 4  # (this pool keeps none: no object store runs)
+        code, out, err = await poolctl(env, "enqueue", "--array", "0-9%2", "--", "sleep", "30")
+        assert code == 0, err
+        code, out, err = await poolctl(env, "cancel", out.strip())
+        assert code == 0, err
+        assert out.count("cancelled") == 10
+
+        async def all_cancelled() -> bool:
+            jobs = await pool.queue.list_jobs(include_finished=True)
+            return all(j.state is JobState.CANCELLED for j in jobs if j.spec.argv == ("sleep", "30"))
+
+        await wait_until(all_cancelled, what="the array's jobs to be cancelled")

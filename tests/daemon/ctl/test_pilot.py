@@ -1,0 +1,255 @@
+"""`poolctl pilot`: workers as batch jobs. The scripts it writes (for PBS, whose server no Debian
+package provides, the directives qsub must find), its refusals, and a real run on a one-node Slurm
+cluster on loopback (tests/support/slurm.py): two pilots join a running pool, run its jobs, pass
+over one whose time limit would outlive them, and at their lifetime's end drain, hand back what
+still runs, and end their batch jobs with exit 0."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from daemon.job import JobState
+from daemon.queue import registry
+from daemon.queue.embedded_redis import EmbeddedRedis
+from tests.support.pool import running_pool
+from tests.support.poolctl import poolctl
+from tests.support.slurm import SlurmCluster, missing
+from tests.support.workers import sh, wait_state, wait_until
+
+
+def pilot_config(path: Path, redis_server: EmbeddedRedis, s3_env: dict[str, str], **extra: object) -> Path:
+    """A worker's pool.toml: the pool's Redis and S3, mode 600."""
+    values: dict[str, object] = {
+        "worker_mode": "multinode",
+        "redis_ip": "127.0.0.1",
+        "redis_port": redis_server.port,
+        "main_server_redis_password": redis_server.password,
+        **{k.removeprefix("GPUPOOL_").lower(): v for k, v in s3_env.items()},
+        "metrics_listen": "127.0.0.1:0",  # two pilots on one node
+        **extra,
+    }
+    path.write_text("".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in values.items()))
+    path.chmod(0o600)
+    return path
+
+
+def plain_config(path: Path, mode: int = 0o600, **extra: object) -> Path:
+    lines = ['worker_mode = "multinode"', 'redis_ip = "10.1.2.3"', *(f"{k} = {v}" for k, v in extra.items())]
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(mode)
+    return path
+
+
+def env(**extra: str) -> dict[str, str]:
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/nonexistent", **extra}
+
+
+async def test_the_slurm_script_carries_the_directives_and_the_worker(tmp_path: Path) -> None:
+    config = plain_config(tmp_path / "pool.toml")
+    code, out, err = await poolctl(
+        env(GPUPOOL_REDIS_PORT="1"),
+        "pilot", "slurm", "--count", "3", "--walltime", "1:00:00", "--gpus-per-node", "4",
+        "--partition", "gpu", "--account", "proj7", "--config", str(config), "--dry-run",
+    )  # fmt: skip
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    assert [line for line in lines if line.startswith("#SBATCH")] == [
+        "#SBATCH --job-name=gpupool-pilot",
+        "#SBATCH --time=1:00:00",
+        "#SBATCH --nodes=1",
+        "#SBATCH --gres=gpu:4",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj7",
+        "#SBATCH --output=gpupool-pilot-%j.out",
+    ]
+    [exec_line] = [line for line in lines if line.startswith("exec ")]
+    # 3600 s less a margin of 2% (72 s); the config given as an absolute path
+    assert f"--worker --config {config} --max-lifetime 3528 --idle-exit 600" in exec_line
+    assert 'unset "$v"' in out  # GPUPOOL_REDIS_PORT=1 of this shell does not reach the worker
+    assert lines[-1] == "# submit: sbatch --parsable < this script, 3 times"
+
+
+async def test_the_pbs_script_carries_what_qsub_must_read(tmp_path: Path) -> None:
+    """No PBS server is packaged here: the directives are checked against what qsub (PBS Pro,
+    OpenPBS) reads: -N name, -l walltime=HH:MM:SS, -l select=1:ngpus=G, -q queue, -A account,
+    -j oe; and the script runs the worker with a lifetime inside the walltime."""
+    config = plain_config(tmp_path / "pool.toml", drain_timeout=30)
+    code, out, err = await poolctl(
+        env(),
+        "pilot", "pbs", "--walltime", "30:00:00", "--gpus-per-node", "2", "--queue", "gpuq",
+        "--account", "proj7", "--idle-exit", "120", "--config", str(config), "--dry-run",
+    )  # fmt: skip
+    assert code == 0, err
+    directives = [line.removeprefix("#PBS ") for line in out.splitlines() if line.startswith("#PBS ")]
+    assert directives == [
+        "-N gpupool-pilot",
+        "-l walltime=30:00:00",
+        "-l select=1:ngpus=2",
+        "-q gpuq",
+        "-A proj7",
+        "-j oe",
+    ]
+    assert "--max-lifetime 107700 --idle-exit 120" in out  # 108000 s less 300 (the margin's cap)
+    assert "$PBS_JOBID" in out
+    assert out.splitlines()[-1] == "# submit: qsub < this script"
+    code, out, _ = await poolctl(
+        env(), "pilot", "pbs", "--walltime", "0:10:00", "--gpus-per-node", "0", "--config", str(config),
+        "--dry-run",
+    )  # fmt: skip
+    assert "#PBS -l select=1\n" in out
+    assert "#SBATCH" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "mode", "code", "says"),
+    [
+        (("--walltime", "60"), 0o600, 2, "expected H:MM:SS"),
+        (("--walltime", "0:00:50"), 0o600, 2, "would have 20 s to live"),
+        (("--walltime", "1:00:00", "--max-lifetime", "4000"), 0o600, 2, "at most the walltime"),
+        (("--walltime", "1:00:00"), 0o640, 4, "can be read by others (mode 640)"),
+        (("--walltime", "1:00:00", "--count", "0"), 0o600, 2, "--count must be at least 1"),
+    ],
+    ids=["bare-number", "too-short", "outlives", "readable", "count"],
+)
+async def test_a_pilot_that_cannot_be_is_refused_in_a_sentence(
+    tmp_path: Path, args: tuple[str, ...], mode: int, code: int, says: str
+) -> None:
+    config = plain_config(tmp_path / "pool.toml", mode)
+    got, out, err = await poolctl(env(), "pilot", "slurm", "--config", str(config), *args, "--dry-run")
+    assert (got, out) == (code, "")
+    assert says in err
+    assert len(err.strip().splitlines()) == 1
+
+
+async def test_a_single_machine_config_or_a_missing_sbatch_is_refused(tmp_path: Path) -> None:
+    single = tmp_path / "single.toml"
+    single.write_text("")
+    single.chmod(0o600)
+    code, _, err = await poolctl(env(), "pilot", "slurm", "--walltime", "1:00:00", "--config", str(single))
+    assert code == 2
+    assert 'set worker_mode = "multinode" there' in err
+    config = plain_config(tmp_path / "pool.toml")
+    code, _, err = await poolctl(
+        env(PATH=str(tmp_path)), "pilot", "slurm", "--walltime", "1:00:00", "--config", str(config)
+    )
+    assert code == 2
+    assert err.strip() == (
+        "poolctl: sbatch not found: run poolctl pilot slurm on a login node of the cluster, where "
+        "sbatch is on PATH (--dry-run prints the script)"
+    )
+
+
+@pytest.fixture
+def slurm() -> Iterator[SlurmCluster]:
+    if (why := missing()) is not None:
+        pytest.skip(why)
+    cluster = SlurmCluster()
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+LIFETIME = 20  # seconds: the drain (4 s) and the kill grace (2 s) fit, with time to run jobs first
+
+
+@pytest.mark.timeout(90)
+async def test_pilots_on_slurm_run_jobs_then_drain_hand_back_and_end_well(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp_path: Path, slurm: SlurmCluster
+) -> None:
+    config = pilot_config(
+        tmp_path / "pilot.toml",
+        redis_server,
+        s3_env,
+        drain_timeout=4.0,
+        kill_grace=2.0,
+        heartbeat_interval=1.0,
+    )
+    marks: dict[str, float] = {}
+    (tmp_path / "pool").mkdir()
+    async with running_pool(redis_server, tmp_path / "pool") as pool:
+        t0 = time.monotonic()
+        code, out, err = await poolctl(
+            {**slurm.env, "TMPDIR": str(tmp_path)},
+            "pilot", "slurm", "--count", "2", "--walltime", "0:02:00", "--gpus-per-node", "0",
+            "--config", str(config), "--max-lifetime", str(LIFETIME), "--idle-exit", "0",
+            cwd=tmp_path,
+        )  # fmt: skip
+        assert code == 0, err
+        jobs = out.split()
+        assert len(jobs) == 2
+        marks["sbatch"] = time.monotonic() - t0
+
+        async def both_registered() -> bool:
+            workers = await registry.list_workers(pool.queue.redis)
+            return sorted(w["batch_job"] for w in workers) == sorted(f"slurm:{j}" for j in jobs)
+
+        await wait_until(both_registered, 30, "both pilots to register")
+        marks["ready"] = time.monotonic() - t0
+        workers = await registry.list_workers(pool.queue.redis)
+        assert all(0 < w["leave_by"] - time.time() <= LIFETIME for w in workers)
+        code, table, _ = await poolctl(pool.env(), "workers")
+        assert "PILOT" in table.splitlines()[0]
+        assert f"slurm:{jobs[0]}, leaves " in table
+
+        ran = tmp_path / "ran"
+        short = [
+            (await pool.queue.enqueue(sh(f"echo $GPUPOOL_WORKER >> {ran}; sleep 1", timeout=5.0)))[0]
+            for _ in range(4)
+        ]
+        # a time limit past the pilots' end: passed over, never started here
+        outlives = (await pool.queue.enqueue(sh("true", timeout=600.0)))[0]
+        # no time limit: taken, and handed back at the end
+        endless = (await pool.queue.enqueue(sh(f"echo started > {tmp_path / 'endless'}; sleep 600")))[0]
+        for job_id in short:
+            info = await wait_state(pool.queue, job_id, JobState.SUCCEEDED, JobState.FAILED, timeout=20)
+            assert info.state is JobState.SUCCEEDED, info.detail
+            marks.setdefault("first job done", time.monotonic() - t0)
+        assert set(ran.read_text().split()) <= {w["id"] for w in workers}  # the pilots ran them
+        await wait_state(pool.queue, endless, JobState.RUNNING)
+
+        async def draining() -> bool:
+            workers = await registry.list_workers(pool.queue.redis)
+            return len(workers) < 2 or any(w["health"] == "draining" for w in workers)
+
+        await wait_until(draining, LIFETIME + 10, "the pilots to drain")
+        marks["drain seen"] = time.monotonic() - t0
+        await wait_state(pool.queue, endless, JobState.QUEUED, timeout=LIFETIME)
+        marks["handed back"] = time.monotonic() - t0
+
+        async def batch_jobs_ended() -> bool:
+            return not set(jobs) & set(slurm.queued())
+
+        await wait_until(batch_jobs_ended, LIFETIME + 30, "the pilots' batch jobs to end")
+        marks["batch jobs ended"] = time.monotonic() - t0
+        for job_id in jobs:
+            fields = slurm.job(job_id)
+            assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), fields
+            log = (tmp_path / f"gpupool-pilot-{job_id}.out").read_text()
+            assert "leaving: its lifetime ends at" in log, log
+            assert "stopped" in log.splitlines()[-1], log
+        assert await registry.list_workers(pool.queue.redis) == []  # unregistered, not dead
+        info = await pool.queue.get(endless)
+        assert (info.state, info.attempt) == (JobState.QUEUED, 1), info  # handed back
+        info = await pool.queue.get(outlives)
+        assert (info.state, info.attempt) == (JobState.QUEUED, 0), info
+        print("pilot timeline (s from the submit):", {k: round(v, 1) for k, v in marks.items()})
+
+
+async def test_sbatch_refusing_the_script_is_one_sentence(tmp_path: Path, slurm: SlurmCluster) -> None:
+    config = plain_config(tmp_path / "pool.toml")
+    code, out, err = await poolctl(
+        slurm.env, "pilot", "slurm", "--walltime", "0:10:00", "--gpus-per-node", "0", "--partition", "nope",
+        "--config", str(config), cwd=tmp_path,
+    )  # fmt: skip
+    assert (code, out) == (1, "")
+    assert err.startswith("poolctl: sbatch refused the pilot: sbatch: error: ")
+    assert "invalid partition" in err.lower()
+    assert len(err.strip().splitlines()) == 1

@@ -1,0 +1,109 @@
+"""Dependencies (`--after JOB[:ok|:fail|:any]`, daemon/after.py, server/dependencies.py): a real
+server, a real worker running real processes, a real redis-server killed with SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from daemon.ctl.pool_client import ClientError
+from daemon.job import JobState
+from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.queue.job_queue import JobQueue
+from protocol import Enqueue, Enqueued, JobDetail, ShowJob
+from tests.support.pool import Pool, running_pool
+from tests.support.workers import running_worker, wait_state
+
+
+def job(script: str, *after: str) -> dict[str, object]:
+    return {"argv": ["sh", "-c", script], **({"after": list(after)} if after else {})}
+
+
+async def enqueue(pool: Pool, spec: dict[str, object]) -> str:
+    async with pool.client() as c:
+        return (await c.call(Enqueue(spec, None), Enqueued)).job_id
+
+
+async def test_a_pipeline_runs_in_order_and_a_branch_that_can_never_run_is_cancelled(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    go = tmp_path / "go"
+    async with running_pool(redis_server, tmp_path) as pool:
+        train = await enqueue(pool, job(f"while [ ! -e {go} ]; do sleep 0.02; done"))
+        evaluate = await enqueue(pool, job("true", train))  # :ok, the default
+        report = await enqueue(pool, job("true", f"{evaluate}:ok"))
+        on_failure = await enqueue(pool, job("true", f"{train}:fail"))
+        cleanup = await enqueue(pool, job("true", f"{train}:any"))
+        async with pool.client() as c:
+            detail = (await c.call(ShowJob(evaluate), JobDetail)).job
+        assert detail["pending_reason"] == f"waiting for {train} to succeed (it is queued)"
+        listed = [j.id for j in await pool.queue.list_jobs()]  # held jobs are listed, last
+        assert listed == [train, evaluate, report, on_failure, cleanup]
+        async with running_worker(pool.queue, tmp_path / "w", slots=2):
+            await wait_state(pool.queue, train, JobState.RUNNING)
+            assert (await pool.queue.get(evaluate)).state is JobState.QUEUED  # held, not claimed
+            go.touch()
+            for done in (train, evaluate, report, cleanup):
+                await wait_state(pool.queue, done, JobState.SUCCEEDED)
+            never = await wait_state(pool.queue, on_failure, JobState.CANCELLED)
+        assert never.detail == f"cancelled: the job it waited for, {train}, succeeded (it waited for :fail)"
+        for first, then in ((train, evaluate), (evaluate, report)):
+            a, b = await pool.queue.get(first), await pool.queue.get(then)
+            assert a.attempts[-1].ended_at is not None
+            assert b.attempts[0].started_at >= a.attempts[-1].ended_at
+
+
+async def test_a_cancelled_dependency_cancels_the_chain_behind_it(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    async with running_pool(redis_server, tmp_path) as pool:
+        first = await enqueue(pool, job("true"))
+        second = await enqueue(pool, job("true", first))
+        third = await enqueue(pool, job("true", second))
+        assert await pool.queue.cancel(first) == "cancelled"
+        gone = await wait_state(pool.queue, third, JobState.CANCELLED)
+        assert gone.detail == f"cancelled: the job it waited for, {second}, cancelled (it waited for :ok)"
+        assert await pool.queue.waiting("default") == []
+
+
+async def test_an_unknown_or_malformed_dependency_is_refused_and_nothing_is_queued(pool: Pool) -> None:
+    async with pool.client() as c:
+        with pytest.raises(ClientError, match=r"--after default\.zzzzzzzz1: no such job in the pool"):
+            await c.call(Enqueue(job("true", "default.zzzzzzzz1"), None), Enqueued)
+        with pytest.raises(ClientError, match="is not a job id with an optional :ok, :fail or :any"):
+            await c.call(Enqueue(job("true", "default.zzzzzzzz1:maybe"), None), Enqueued)
+    assert await pool.queue.list_jobs() == []
+
+
+async def test_a_chain_survives_a_server_restart_and_a_redis_sigkill(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """The first link ends while no server runs (nobody sees its event): the next server judges
+    every waiting job at its start. Then Redis is killed with SIGKILL and restarted on its AOF
+    while the second runs: the third still runs once the second ends."""
+    go, go2 = tmp_path / "go", tmp_path / "go2"
+    for server_dir in ("one", "two"):
+        (tmp_path / server_dir).mkdir()
+    client = redis_server.client()
+    queue = JobQueue(client, lease_seconds=5)
+    try:
+        async with running_worker(queue, tmp_path / "w", slots=2):
+            async with running_pool(redis_server, tmp_path / "one") as pool:
+                first = await enqueue(pool, job(f"while [ ! -e {go} ]; do sleep 0.02; done"))
+                second = await enqueue(pool, job(f"while [ ! -e {go2} ]; do sleep 0.02; done", first))
+                third = await enqueue(pool, job("true", second))
+                await wait_state(queue, first, JobState.RUNNING)
+            go.touch()  # the first ends with no server to see it
+            await wait_state(queue, first, JobState.SUCCEEDED)
+            assert (await queue.get(second)).state is JobState.QUEUED
+            async with running_pool(redis_server, tmp_path / "two"):  # judges every waiting job
+                await wait_state(queue, second, JobState.RUNNING)
+                await asyncio.sleep(1.2)  # the AOF is fsynced every second: all of it is on disk
+                redis_server.kill()
+                redis_server.start()
+                go2.touch()
+                await wait_state(queue, third, JobState.SUCCEEDED, timeout=60)
+    finally:
+        await client.aclose()
