@@ -435,7 +435,7 @@ local function preempt(gpus, p, slot)
       have = have + v[4]
     end
   end
-  if have < gpus or (slot and leaving + #chosen == 0) then return false end
+  if have < gpus or (leaving + #chosen == 0) then return false end  -- no room, or none needed
   for _, id in ipairs(chosen) do redis.call('HSET', job_key(prefix, id), 'requeue', 'preempt') end
   return true
 end
@@ -445,14 +445,15 @@ end
 -- here, the jobs behind it that may start do (backfill), and the claim stops.
 local function blocked(id, gpus)
   local status = 'blocked'
-  if not head_need and not outlives(job_fields(job_key(prefix, id))) then
+  local f = job_fields(job_key(prefix, id))
+  if not head_need and not outlives(f) then
     local r = redis.call('HMGET', reservation, 'job', 'worker', 'until')
     if not (r[1] == id and r[2] ~= consumer and tonumber(r[3]) > now) then
       head_need, head_at = gpus, earliest(gpus)
       redis.call('HSET', reservation, 'job', id, 'worker', consumer, 'until', now + lease_ms, 'at', now + head_at,
         'preempt', '0')
-      local p = tonumber(redis.call('HGET', job_key(prefix, id), 'priority')) or 0
-      if preempts and p > 0 and preempt(gpus, p, false) then
+      local p = tonumber(f[7]) or 0  -- (a job on a shared GPU waits for memory: it preempts nobody)
+      if preempts and p > 0 and (tonumber(f[9]) or 0) == 0 and preempt(gpus, p, false) then
         redis.call('HSET', reservation, 'preempt', '1')
         status = 'preempting'
       end
@@ -488,7 +489,7 @@ if r[4] == '1' and r[2] == consumer and tonumber(r[3]) > now then
   if f[1] == 'queued' then
     local gpus = need_of(f)
     redis.call('HSET', reservation, 'until', now + lease_ms)
-    if wanted > 0 and fits_now(gpus, f) then
+    if wanted > 0 and fits_now(gpus, f) and under_cap(f[5], gpus) and not outlives(f) then
       take_out(r[1], f)
       start(r[1], jobkey, gpus, f)
     elseif not head_need then
@@ -509,7 +510,8 @@ if wanted == 0 then
     local f = job_fields(jobkey)
     local gpus = need_of(f)
     local p = tonumber(redis.call('HGET', jobkey, 'priority')) or 0
-    if f[1] == 'queued' and gpus <= gpus_total and under_cap(f[5], gpus) and preempt(gpus, p, true) then
+    if f[1] == 'queued' and gpus <= gpus_total and under_cap(f[5], gpus) and not outlives(f)
+        and (tonumber(f[9]) or 0) == 0 and preempt(gpus, p, true) then
       redis.call('HSET', reservation, 'job', top, 'worker', consumer, 'until', now + lease_ms, 'at', now,
         'preempt', '1')
       status = 'preempting'

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 from daemon.job import JobSpec, JobState, Lease, RenewStatus
+from daemon.queue import keys
+from daemon.queue.claims import SharedGpu
 from daemon.queue.connection import AnyRedis
 from daemon.queue.job_queue import JobQueue
 
@@ -92,3 +94,36 @@ async def test_a_job_that_preempted_on_one_worker_does_not_preempt_on_another_to
     assert not await queue.preempt_check("w2", ["default"], 2, 0, gpus_total=4)
     assert await statuses(queue, "w1", first) == [RenewStatus.OK, RenewStatus.PREEMPT]
     assert await statuses(queue, "w2", second) == [RenewStatus.OK, RenewStatus.OK]
+
+
+async def test_a_job_waiting_for_gpu_memory_preempts_nobody(redis: AnyRedis) -> None:
+    """From a review: a --gpu-mem job with a priority that found no GPU with the memory passed
+    the GPU count (a GPU free whole was there), so `preempt` chose no job and still said it had
+    made room: the worker then held back for it, and nothing stopped."""
+    queue = JobQueue(redis, lease_seconds=30, preempt=["default"])
+    (low,) = await fill(queue, "w1", [spec(0, 1)])
+    await queue.enqueue(JobSpec(argv=("echo", "9"), gpu_mem=60 * 2**30, priority=5))
+    table = [SharedGpu(1, 24 * 2**30, 4, shared=False)]  # a free GPU, too small
+    got = await queue.claim_many("w1", ["default"], 1, 1, gpus_total=2, shared=table, mem_most=141 * 2**30)
+    assert got == []
+    assert await statuses(queue, "w1", [low]) == [RenewStatus.OK]
+    assert await redis.hget(keys.reservation("default"), "preempt") != b"1"
+
+
+async def test_a_preempting_job_starts_only_within_its_users_cap(redis: AnyRedis) -> None:
+    """From a review: the job a worker stopped others for started there without a look at its
+    user's cap, which its user may have reached elsewhere meanwhile."""
+    queue = JobQueue(redis, lease_seconds=30, preempt=["default"], user_caps=(1, 0))
+    await queue.enqueue(JobSpec(argv=("low",), gpus=2, user="bob"))
+    (low,) = await queue.claim_many("w1", ["default"], 1, 2, gpus_total=2)  # w1: 2 GPUs, both busy
+    urgent, _ = await queue.enqueue(JobSpec(argv=("urgent",), gpus=2, priority=5, user="alice"))
+    assert await queue.claim_many("w1", ["default"], 1, 0, gpus_total=2, ends=[(None, 2)]) == []
+    assert await statuses(queue, "w1", [low]) == [RenewStatus.PREEMPT]
+    await queue.enqueue(JobSpec(argv=("other",), priority=6, user="alice"))
+    got = await queue.claim_many("w2", ["default"], 1, 4, gpus_total=4)
+    assert [lease.spec.argv for lease in got] == [("other",)]  # alice at her cap of 1 now
+    await queue.release(low)
+    assert [lease.spec.argv for lease in await queue.claim_many("w1", ["default"], 1, 2, gpus_total=2)] != [
+        ("urgent",)
+    ]
+    assert (await queue.get(urgent)).state is JobState.QUEUED
