@@ -1,4 +1,4 @@
-"""Prometheus metrics: one registry per daemon, typed methods to record, and an asyncio endpoint.
+"""Prometheus metrics: one registry per daemon, typed methods to record, and an HTTP endpoint.
 
 Callers never touch prometheus_client objects: the server records through
 `server.ServerMetrics`, a worker through `worker.WorkerMetrics` (`job_started(queue)`,

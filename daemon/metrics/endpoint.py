@@ -1,4 +1,5 @@
-"""The metrics endpoint: `GET /metrics` over HTTP on the daemon's own event loop.
+"""The metrics endpoint: `GET /metrics` over HTTP, served by aiohttp's web server on the daemon's
+own event loop.
 
 `serve_for` serves a daemon's registry on its configured address (`metrics_listen`, or 127.0.0.1 on
 the mode's fixed port) and turns a taken port into a GpupoolError that says which option to change;
@@ -9,14 +10,17 @@ endpoint awaits the daemon's `before_scrape` (the server reads the pool state fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
+from functools import partial
 
+from aiohttp import hdrs, web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from daemon.address import parse_host_port
-from daemon.aio import cancel_and_wait
+from daemon.aio import start_or_undo
 from daemon.config import SERVER_METRICS_PORT, WORKER_METRICS_PORT, Config
 from daemon.errors import GpupoolError
 
@@ -33,21 +37,38 @@ def metrics_address(config: Config, *, worker: bool) -> tuple[str, int]:
 # What generate_latest writes (names escaped to underscores): the classic text format every
 # Prometheus reads. Not prometheus_client's CONTENT_TYPE_LATEST, which names 1.0.0 in newer releases.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-MAX_REQUEST_HEAD = 8192
+# The request head aiohttp's parser takes before it answers 400 (a scrape's head is a few hundred
+# bytes): the request line, each header, and how many headers.
+MAX_REQUEST_LINE = 8190
+MAX_HEADER_FIELD = 8190
+MAX_HEADERS = 32
+# How long a connection may go without a whole request head (aiohttp's keepalive_timeout, armed
+# from the connection's start since aiohttp 3.14.4): a peer that connects and dawdles is dropped.
 REQUEST_TIMEOUT = 10.0
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
+# How long a scrape waits for its collection (Prometheus gives up after 10 s by default) before it
+# answers 503; the collection it waited for runs on in its thread.
+COLLECT_TIMEOUT = 10.0
+# close(): aiohttp waits this long for a scrape in flight before it cancels it (twice at most),
+# and the whole cleanup is cut off at CLOSE_TIMEOUT whatever happens.
+CLOSE_GRACE = 0.5
+CLOSE_TIMEOUT = 3.0
+ALLOW = "GET, HEAD"
 
 
 class MetricsServer:
-    """A minimal HTTP/1.1 server for `GET /metrics`, one request per connection.
+    """`GET /metrics` (and `HEAD`) on aiohttp's web server, one request per connection.
 
     Why not `prometheus_client.start_http_server`: it runs a threading WSGI server of its own, with
-    daemon threads the daemon cannot stop cleanly and (before 0.20) no handle to read a port 0
-    back. This one is a few lines on the daemon's own event loop: it closes with the daemon, takes
-    port 0, and bounds what a hostile peer can make it buffer (8 KiB of request head, 10 s). The
-    collection itself (`generate_latest`) runs in a worker thread, since NVML queries block and can
-    hang on a failing GPU; the event loop, and so the systemd watchdog, never waits for it. Scrapes
-    are serialised, so a hung collection holds one thread, not one per scrape.
+    daemon threads the daemon cannot stop cleanly. Why not prometheus_client's aiohttp handler: it
+    collects on the event loop, where a hung NVML query would stop the daemon. This one closes with
+    the daemon, takes port 0, and bounds what a hostile peer can make it hold (the request head,
+    REQUEST_TIMEOUT).
+
+    The collection (`generate_latest`) runs in a thread of its own, since NVML queries block and can
+    hang on a failing GPU: the event loop, and so the systemd watchdog, never waits for it. Scrapes
+    are serialised, and a scrape that gave up on a hung collection leaves it to the next one, which
+    waits for that thread rather than start another: a hung collection holds one thread, however
+    many scrapes come. The thread is a daemon thread, so it holds up neither close() nor the exit.
     """
 
     def __init__(
@@ -55,64 +76,112 @@ class MetricsServer:
     ) -> None:
         self._registry = registry
         self._before_scrape = before_scrape
-        self._server: asyncio.Server | None = None
-        self._handlers: set[asyncio.Task[Any]] = set()
+        self._runner: web.AppRunner | None = None
         self._lock = asyncio.Lock()
+        self._collection: asyncio.Future[bytes] | None = None  # the latest, done or still running
         self.host = ""
         self.port = 0
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._handle, host, port, limit=MAX_REQUEST_HEAD)
-        self.host, self.port = self._server.sockets[0].getsockname()[:2]
+        """Listen on host:port (0: a free one, read back from `.port`); OSError if it cannot."""
+        app = web.Application()
+        for path, get in (("/metrics", self._metrics), ("/", _index)):
+            resource = app.router.add_resource(path)
+            resource.add_route(hdrs.METH_GET, get)
+            resource.add_route(hdrs.METH_HEAD, get)
+            resource.add_route(hdrs.METH_ANY, _not_allowed)
+        app.on_response_prepare.append(_close_after)
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,  # a scrape every few seconds is not news
+            logger=log,  # a malformed request is logged as the metrics endpoint's, not aiohttp.server's
+            keepalive_timeout=REQUEST_TIMEOUT,
+            max_line_size=MAX_REQUEST_LINE,
+            max_field_size=MAX_HEADER_FIELD,
+            max_headers=MAX_HEADERS,
+            shutdown_timeout=CLOSE_GRACE,
+        )
+        await start_or_undo(partial(self._listen, self._runner, host, port), self.close)
         log.info("metrics on http://%s:%d/metrics", host if ":" not in host else f"[{host}]", self.port)
 
+    async def _listen(self, runner: web.AppRunner, host: str, port: int) -> None:
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        self.host, self.port = runner.addresses[0][:2]
+
     async def close(self) -> None:
-        """Stop listening and drop open connections. Safe to call twice."""
-        server, self._server = self._server, None
-        if server is None:
+        """Stop listening and drop open connections, within CLOSE_TIMEOUT even while a collection
+        hangs (its thread is left to finish or die with the process). Safe to call twice."""
+        runner, self._runner = self._runner, None
+        if runner is None:
             return
-        server.close()
-        for task in list(self._handlers):
-            await cancel_and_wait(task)
-        await server.wait_closed()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._handlers.add(task)
         try:
-            async with asyncio.timeout(REQUEST_TIMEOUT):
-                head = await reader.readuntil(b"\r\n\r\n")
-                status, headers, body = await self._respond(head)
-                lines = [f"HTTP/1.1 {status} {_REASONS[status]}", *headers]
-                lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
-                writer.write("\r\n".join(lines).encode("latin-1"))
-                if not head.startswith(b"HEAD "):
-                    writer.write(body)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
-            pass  # a peer that hangs up, dawdles or sends an oversized head gets no answer
-        finally:
-            if task is not None:
-                self._handlers.discard(task)
-            writer.close()
+            async with asyncio.timeout(CLOSE_TIMEOUT):
+                await runner.cleanup()
+        except TimeoutError:
+            log.warning("metrics endpoint: cleanup still running after %gs; left to the exit", CLOSE_TIMEOUT)
 
-    async def _respond(self, head: bytes) -> tuple[int, list[str], bytes]:
-        parts = head.split(b"\r\n", 1)[0].split()
-        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
-            return 400, [], b"bad request\n"
-        method, path = parts[0], parts[1].split(b"?", 1)[0]
-        if path not in (b"/metrics", b"/"):
-            return 404, [], b"not found: try /metrics\n"
-        if method not in (b"GET", b"HEAD"):
-            return 405, ["Allow: GET, HEAD"], b"method not allowed\n"
-        if path == b"/":
-            return 200, ["Content-Type: text/plain; charset=utf-8"], b"gpupool metrics: /metrics\n"
+    async def _metrics(self, request: web.Request) -> web.Response:
+        try:
+            async with asyncio.timeout(COLLECT_TIMEOUT):
+                body = await self._collect()
+        except TimeoutError:
+            log.warning("metrics: no collection in %gs (a GPU query hanging?); answered 503", COLLECT_TIMEOUT)
+            return web.Response(status=503, text="metrics collection timed out\n")
+        return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE})
+
+    async def _collect(self) -> bytes:
         async with self._lock:
+            if self._collection is not None and not self._collection.done():
+                # A scrape gave up on this one, which still holds its thread: wait for it rather
+                # than take a second thread (asyncio.wait leaves it running if this one gives up).
+                await asyncio.wait({self._collection})
             if self._before_scrape is not None:
                 await self._before_scrape()
-            body = await asyncio.to_thread(generate_latest, self._registry)
-        return 200, [f"Content-Type: {CONTENT_TYPE}"], body
+            self._collection = collection = _in_thread(partial(generate_latest, self._registry))
+            # Shielded: a scrape that gives up (timeout, close) leaves the collection to finish.
+            return await asyncio.shield(collection)
+
+
+def _in_thread(collect: Callable[[], bytes]) -> asyncio.Future[bytes]:
+    """Run `collect` in a daemon thread of its own; its outcome comes back in the future. Not
+    asyncio.to_thread: a hung call would hold a thread of the default executor, which the event
+    loop's own blocking calls (getaddrinfo) share, and asyncio.run waits for it at the exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[bytes] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            body = collect()
+        except Exception as exc:  # noqa: BLE001 - handed to the scrape, which answers 500 and logs it
+            outcome = partial(future.set_exception, exc)
+        else:
+            outcome = partial(future.set_result, body)
+        with contextlib.suppress(RuntimeError):  # the loop closed while the collection hung
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=run, name="gpupool-metrics-collect", daemon=True).start()
+    return future
+
+
+async def _index(request: web.Request) -> web.Response:
+    return web.Response(text="gpupool metrics: /metrics\n")
+
+
+async def _not_allowed(request: web.Request) -> web.Response:
+    return web.Response(status=405, text="method not allowed\n", headers={hdrs.ALLOW: ALLOW})
+
+
+async def _close_after(request: web.Request, response: web.StreamResponse) -> None:
+    """One request per connection: no idle kept-alive connection to hold, or for the next scrape
+    to find closed under it. The header is set here as well: aiohttp (3.14) writes its own
+    Connection header before this hook runs, so force_close() alone closes without saying so."""
+    response.force_close()
+    response.headers[hdrs.CONNECTION] = "close"
 
 
 async def serve_metrics(

@@ -4,19 +4,25 @@ prometheus_client's own parser."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping, Sequence
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, Metric
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from daemon import config
+from daemon.errors import GpupoolError
 from daemon.job import JobSpec, JobState
-from daemon.metrics import common
+from daemon.metrics import common, endpoint
 from daemon.metrics import server as server_module
-from daemon.metrics.endpoint import MetricsServer, metrics_address, serve_metrics
+from daemon.metrics.endpoint import MetricsServer, metrics_address, serve_for, serve_metrics
 from daemon.metrics.server import RUN_BUCKETS, ServerMetrics
 from daemon.metrics.worker import GpuSample, GpuShare, WorkerMetrics
 from daemon.queue.embedded_redis import EmbeddedRedis
@@ -42,9 +48,12 @@ async def http(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
     return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
 
 
+GET_METRICS = b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n"
+
+
 async def scrape(server: MetricsServer) -> tuple[set[str], Samples]:
     """GET /metrics: the family names and every sample by (name, labels)."""
-    status, headers, body = await http(server.port, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    status, headers, body = await http(server.port, GET_METRICS)
     assert status == 200
     assert headers["content-type"].startswith("text/plain; version=0.0.4")
     assert int(headers["content-length"]) == len(body)
@@ -310,22 +319,47 @@ async def test_http_is_strict_and_survives_hostile_peers() -> None:
     metrics = WorkerMetrics()
     server = await serve_metrics(metrics.registry)
     try:
-        assert (await http(server.port, b"GET /nope HTTP/1.1\r\n\r\n"))[0] == 404
-        status, headers, _ = await http(server.port, b"POST /metrics HTTP/1.1\r\n\r\n")
+        assert (server.host, server.port != 0) == ("127.0.0.1", True)  # port 0: the port it took
+        assert (await http(server.port, b"GET /nope HTTP/1.1\r\nHost: localhost\r\n\r\n"))[0] == 404
+        status, headers, _ = await http(server.port, b"POST /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert (status, headers["allow"]) == (405, "GET, HEAD")
         assert (await http(server.port, b"\x00\xff garbage\r\n\r\n"))[0] == 400
-        status, headers, body = await http(server.port, b"HEAD /metrics HTTP/1.1\r\n\r\n")
+        status, headers, body = await http(server.port, b"HEAD /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert (status, body) == (200, b"")
         assert int(headers["content-length"]) > 0
-        # An oversized request head gets no answer, and the server keeps serving.
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 20000)
-        assert await asyncio.wait_for(reader.read(), 10) == b""
-        writer.close()
+        status, headers, body = await http(server.port, b"GET /?x=1 HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert (status, headers["connection"], body) == (200, "close", b"gpupool metrics: /metrics\n")
+        # An oversized request head (a long header, a long request line, too many headers) is
+        # refused with a 4xx before it is buffered whole, and the server keeps serving.
+        oversized = [
+            b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 20000,
+            b"GET /" + b"a" * 20000,
+            b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n" + b"X: 1\r\n" * endpoint.MAX_HEADERS + b"\r\n",
+        ]
+        for head in oversized:
+            assert 400 <= (await http(server.port, head))[0] < 500, head[:40]  # and closed
         await scrape(server)
     finally:
         await server.close()
         await server.close()  # twice is fine
+
+
+async def test_a_dawdling_peer_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection that does not send a whole request head within REQUEST_TIMEOUT is closed:
+    one that sends nothing, and one that sends part of a head and stops."""
+    monkeypatch.setattr(endpoint, "REQUEST_TIMEOUT", 0.5)
+    server = await serve_metrics(WorkerMetrics().registry)
+    try:
+        for start in (b"", b"GET /metrics HTTP/1.1\r\nHost: loc"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(start)
+            began = time.monotonic()
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            assert 0.4 < time.monotonic() - began < 3
+            writer.close()
+        await scrape(server)
+    finally:
+        await server.close()
 
 
 async def test_close_drops_open_connections() -> None:
@@ -339,6 +373,93 @@ async def test_close_drops_open_connections() -> None:
     writer.close()
     with pytest.raises(ConnectionRefusedError):
         await asyncio.open_connection("127.0.0.1", server.port)
+
+
+class HangingCollector(Collector):
+    """A collector whose collect() blocks, as an NVML query on a failing GPU does, until released."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.calls = 0
+
+    def collect(self) -> Iterator[Metric]:
+        self.calls += 1
+        self.entered.set()
+        self.release.wait(60)
+        yield GaugeMetricFamily("hanging", "a collector that hung", value=1)
+
+
+async def test_a_hung_collection_holds_one_thread_and_never_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(endpoint, "COLLECT_TIMEOUT", 1.0)
+    hang, registry, before = HangingCollector(), CollectorRegistry(), []
+
+    async def before_scrape() -> None:
+        before.append(hang.calls)
+
+    registry.register(hang)
+    server = await serve_metrics(registry, before_scrape=before_scrape)
+    try:
+        first = asyncio.create_task(http(server.port, GET_METRICS))
+        assert await asyncio.to_thread(hang.entered.wait, 5)
+        # The event loop answers meanwhile, at once: it never waits for the collection.
+        began = time.monotonic()
+        assert (await http(server.port, b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n"))[0] == 200
+        assert time.monotonic() - began < 0.5
+        # A second scrape waits for the hung one rather than take a second thread; both give up
+        # after COLLECT_TIMEOUT with a 503, and the second never got as far as its own collection.
+        second = asyncio.create_task(http(server.port, GET_METRICS))
+        assert [status for status, _, _ in await asyncio.gather(first, second)] == [503, 503]
+        assert (hang.calls, before) == (1, [0])
+        # A third waits for that same thread, which ends when NVML answers; then it collects.
+        third = asyncio.create_task(http(server.port, GET_METRICS))
+        await asyncio.sleep(0.2)
+        assert hang.calls == 1
+        hang.release.set()
+        status, _, body = await third
+        assert (status, hang.calls, before) == (200, 2, [0, 1])
+        assert b"hanging 1.0" in body
+    finally:
+        hang.release.set()
+        await server.close()
+
+
+async def test_close_returns_while_a_collection_hangs() -> None:
+    hang, registry = HangingCollector(), CollectorRegistry()
+    registry.register(hang)
+    server = await serve_metrics(registry)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(GET_METRICS)
+        await writer.drain()
+        assert await asyncio.to_thread(hang.entered.wait, 5)
+        began = time.monotonic()
+        await asyncio.wait_for(server.close(), endpoint.CLOSE_TIMEOUT + 2)
+        assert time.monotonic() - began < endpoint.CLOSE_TIMEOUT
+        await asyncio.wait_for(reader.read(), 5)  # the connection is closed, answered or not
+        writer.close()
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection("127.0.0.1", server.port)
+        await server.close()
+    finally:
+        hang.release.set()
+
+
+async def test_a_taken_port_names_the_option(tmp_path: Path) -> None:
+    empty = tmp_path / "pool.toml"
+    empty.write_text("")
+    taken = await serve_metrics(WorkerMetrics().registry)
+    try:
+        given = config.load(env={"GPUPOOL_METRICS_LISTEN": f"127.0.0.1:{taken.port}"}, config_file=empty)
+
+        async def nothing() -> None:
+            pass
+
+        with pytest.raises(GpupoolError, match="set metrics_listen to a free HOST:PORT"):
+            await serve_for(WorkerMetrics().registry, given, worker=True, before_scrape=nothing)
+        await scrape(taken)
+    finally:
+        await taken.close()
 
 
 def test_registries_are_separate() -> None:
