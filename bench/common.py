@@ -68,6 +68,7 @@ def bench_env(tmp: str, **extra: str) -> dict[str, str]:
         "GPUPOOL_DATA_DIR": tmp,
         "GPUPOOL_LISTEN": "127.0.0.1:0",
         "GPUPOOL_METRICS_LISTEN": "127.0.0.1:0",
+        "GPUPOOL_WEB_LISTEN": "127.0.0.1:0",
         "GPUPOOL_LOG_LEVEL": "warning",
         **extra,
     }

@@ -33,6 +33,7 @@ from daemon.webhook import check_url
 DEFAULT_CONFIG_FILE = Path("/etc/gpupool/pool.toml")
 SERVER_METRICS_PORT = 9420
 WORKER_METRICS_PORT = 9421
+WEB_PORT = 7421
 
 
 def uid_range_of(text: str) -> range:
@@ -302,6 +303,15 @@ OPTIONS: tuple[Option, ...] = (
         f"{SERVER_METRICS_PORT} for the server, {WORKER_METRICS_PORT} for a worker)",
         check=parse_host_port,
     ),
+    Option(
+        "web_listen",
+        str,
+        f"127.0.0.1:{WEB_PORT}",
+        "HOST:PORT of the web dashboard (server mode; off: none). Beyond loopback it needs tokens_file, "
+        "and gets TLS as `tls` says",
+        check=lambda v: v == "off" or parse_host_port(v),
+    ),
+    Option("web_hosts", list, [], "more Host names the dashboard answers to (a name it is reached by)"),
     Option("max_connections", int, 1000, "client connections the server accepts at once", lo=1, hi=1_000_000),
     Option(
         "max_connections_per_user",
@@ -396,6 +406,8 @@ class Config:
     data_dir: str
     listen: str
     metrics_listen: str
+    web_listen: str
+    web_hosts: list[str]
     max_connections: int
     max_connections_per_user: int
     max_frame_size: int

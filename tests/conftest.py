@@ -34,6 +34,10 @@ from tests.support.pool import Pool, running_pool
 from tests.support.s3server import S3Server
 from tests.support.sentinel import SentinelGroup
 
+# Every server a test starts, in this process or as a poold of its own, serves its dashboard on a
+# free port, not the fixed default one (two at once would collide, as the metrics port would).
+os.environ.setdefault("GPUPOOL_WEB_LISTEN", "127.0.0.1:0")
+
 
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item

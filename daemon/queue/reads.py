@@ -178,6 +178,12 @@ class QueueReads:
         queued = out[len(running) :][:limit]  # past `limit`: the queued ones that start soonest,
         return running[len(running) - (limit - len(queued)) :] + queued  # and the running that fit
 
+    async def start_order(self, queue: str, limit: int = 1000) -> list[str]:
+        """The ids of `queue`'s queued jobs in the order they will start, as `list_jobs` lists them
+        (its front, priorities, stream, then those waiting for others), the records not read."""
+        running = {_s(i) for i in cast(list[bytes], await self.redis.zrange(keys.leases(queue), 0, -1))}
+        return [i for i in await self._active_ids(queue, limit) if i not in running]
+
     async def _active_ids(self, queue: str, limit: int) -> list[str]:
         """Running (leases), front (retry), parked, held at a cap and priority jobs of one queue, then up to
         `limit` of its stream entries not yet delivered, read from the consumer group's last

@@ -170,13 +170,13 @@ class Handlers:
                 job_ids = await self._expand(job_ids)
                 for job_id in job_ids:
                     self._check_owner(await self.queue.get(job_id), user, "wait on")
-                with self._blocking_read(user):
+                with self.blocking_read(user):
                     return await self._wait(job_ids, limit, send)
             case FollowLogs(job_id=job_id, follow=follow, offset=offset):
                 self._check_owner(await self.queue.get(job_id), user, "read the log of")
-                with self._blocking_read(user) if follow else contextlib.nullcontext():
+                with self.blocking_read(user) if follow else contextlib.nullcontext():
                     return await self._logs(job_id, follow, offset, send)
-        with self._blocking_read(user):
+        with self.blocking_read(user):
             return await self._watch(request, user, send)
 
     async def _expand(self, ids: list[str]) -> list[str]:
@@ -203,7 +203,7 @@ class Handlers:
     # -- who may do what ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _blocking_read(self, user: str) -> Iterator[None]:
+    def blocking_read(self, user: str) -> Iterator[None]:
         """Hold one of `user`'s MAX_BLOCKING_PER_USER blocking reads (and of the server's
         MAX_BLOCKING) for the block's duration."""
         if self._blocking.total() >= MAX_BLOCKING:
@@ -419,12 +419,28 @@ class Handlers:
             detail["pending_reason"] = await self._pending_reason(info)
         return detail
 
-    async def _pending_reason(self, info: JobInfo) -> str:
+    async def pending_reasons(self, job_ids: list[str]) -> dict[str, str]:
+        """Why each of the queued `job_ids` waits, as `show` says it (a job that is not queued, or
+        not known, is left out); what the jobs share (a queue's order, the workers) is read once."""
+        memo: dict[str, Any] = {}
+        out = {}
+        for job_id in _at_most(job_ids):
+            with contextlib.suppress(JobNotFound):
+                info = await self.queue.get(job_id)
+                if info.state is JobState.QUEUED:
+                    out[job_id] = await self._pending_reason(info, memo)
+        return out
+
+    async def _pending_reason(self, info: JobInfo, memo: dict[str, Any] | None = None) -> str:
+        """`memo` keeps the reads that other jobs' reasons share (pending_reasons)."""
+        memo = {} if memo is None else memo
         if info.spec.held and info.id in await self.queue.waiting(info.spec.queue):
             verdict, why = await weigh(self.queue, await self.queue.dependencies(info.id))
             return why if verdict == "wait" else f"about to {'start' if verdict == 'ready' else 'be ' + why}"
-        listed = await self.queue.list_jobs(info.spec.queue, limit=MAX_LIST)  # in the order they start
-        queued = [j.id for j in listed if j.state is JobState.QUEUED]
+        if (queued := memo.get(f"order:{info.spec.queue}")) is None:  # ids, in the order they start
+            queued = memo[f"order:{info.spec.queue}"] = await self.queue.start_order(
+                info.spec.queue, MAX_LIST
+            )
         ahead = queued.index(info.id) if info.id in queued else len(queued)
         if (reserved := await self.queue.reservation(info.id)) is not None:
             worker, at = reserved
@@ -439,7 +455,8 @@ class Handlers:
                 f"waiting for {gpus}; reserved on {worker}, {when}; jobs behind it start meanwhile "
                 "where they cannot delay it"
             )
-        workers = [w for w in await self.workers() if w.get("health") == "healthy"]
+        if (workers := memo.get("workers")) is None:
+            workers = memo["workers"] = [w for w in await self.workers() if w.get("health") == "healthy"]
         if info.spec.gpus and not any(len(w.get("gpus", ())) >= info.spec.gpus for w in workers):
             return (
                 f"needs {info.spec.gpus} GPUs, and no live worker has that many: the jobs behind it "
@@ -459,6 +476,7 @@ class Handlers:
         if not any(info.spec.queue in w.get("queues", ()) for w in workers):
             return f"no live worker serves queue {info.spec.queue!r} (when one does: {place})"
         if fair:  # its user's turn comes by recent use, not by place
+            listed = await self.queue.list_jobs(info.spec.queue, limit=MAX_LIST)
             return await self._fair_reason(info, {j.spec.user for j in listed if j.state is JobState.QUEUED})
         return place
 

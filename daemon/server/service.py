@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from daemon import pools, sd_notify, tokens
-from daemon.address import is_loopback
+from daemon.address import is_loopback, parse_host_port
 from daemon.aio import TaskSet, start_or_undo
 from daemon.config import Config
 from daemon.job import PRIORITY_MAX, JobState, queue_of
@@ -28,6 +28,8 @@ from daemon.server.handlers import Handlers
 from daemon.server.listener import Listener, ListenerError, refuse_open_beyond_loopback, tls_context
 from daemon.server.notifier import Notifier
 from daemon.server.session import Limits
+from daemon.server.web.app import WebServer
+from daemon.server.web.snapshot import Snapshots
 from storage.base import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ class PoolServer:
         self.redis = PoolRedis(config)
         self.queue: JobQueue | None = None
         self.listener: Listener | None = None
+        self.web: WebServer | None = None  # the dashboard (web_listen)
         self.metrics = ServerMetrics()
         self.metrics_server: MetricsServer | None = None
         self.local: LocalSlots | None = None  # the slots a single-machine pool runs itself
@@ -127,20 +130,21 @@ class PoolServer:
             reaper.run(self.queue, reap_every, self._reclaimed, c.dead_worker_retention), "reaper"
         )
         self._tasks.spawn(prune_staged_forever(self.store), "staged-upload prune")
-        self.listener = Listener(
-            Handlers(
-                self.queue,
-                events,
-                self.list_workers,
-                self.metrics,
-                self.store,
-                admins=users.admins if users is not None else frozenset(),
-                max_priority=dict(users.max_priority) if users is not None else None,
-                # a single machine's pool, and an open one (loopback only), set no ceiling
-                default_max_priority=(
-                    c.default_max_priority if users is not None and not c.embedded else PRIORITY_MAX
-                ),
+        handlers = Handlers(
+            self.queue,
+            events,
+            self.list_workers,
+            self.metrics,
+            self.store,
+            admins=users.admins if users is not None else frozenset(),
+            max_priority=dict(users.max_priority) if users is not None else None,
+            # a single machine's pool, and an open one (loopback only), set no ceiling
+            default_max_priority=(
+                c.default_max_priority if users is not None and not c.embedded else PRIORITY_MAX
             ),
+        )
+        self.listener = Listener(
+            handlers,
             known_tokens,
             host,
             port,
@@ -155,6 +159,18 @@ class PoolServer:
             metrics=self.metrics,
         )
         await self.listener.start()
+        if c.web_listen != "off":
+            web_host, web_port = parse_host_port(c.web_listen)
+            self.web = WebServer(
+                handlers,
+                Snapshots(self.queue, self.list_workers),
+                known_tokens,
+                web_host,
+                web_port,
+                tls=self._tls(web_host),
+                extra_hosts=c.web_hosts,
+            )
+            await self.web.start()
         self.metrics.watch(self.queue, self.list_workers)
         self.metrics_server = await serve_for(
             self.metrics.registry, c, worker=False, before_scrape=self.metrics.refresh
@@ -171,12 +187,13 @@ class PoolServer:
                 log.warning("%s; poolctl here needs --server %s", exc, self.listener.address)
         where = f"embedded, data in {c.data_path()}" if self.redis.embedded else c.worker_mode
         log.info(
-            "gpupool server ready on %s: Redis on %s (%s), metrics on %s:%d",
+            "gpupool server ready on %s: Redis on %s (%s), metrics on %s:%d, dashboard %s",
             self.listener.address,
             self.redis.address,
             where,
             self.metrics_server.host,
             self.metrics_server.port,
+            f"on {self.web.address}" if self.web is not None else "off",
         )
         if (interval := sd_notify.watchdog_interval()) is not None:
             self._tasks.spawn(sd_notify.watchdog(interval), "watchdog")
@@ -215,6 +232,9 @@ class PoolServer:
         if self.metrics_server is not None:
             await self.metrics_server.close()
             self.metrics_server = None
+        if self.web is not None:
+            await self.web.stop()
+            self.web = None
         if self.listener is not None:
             await self.listener.stop()
             self.listener = None

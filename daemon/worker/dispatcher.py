@@ -51,13 +51,14 @@ from daemon.errors import NotReplicated, RedisUnavailable
 from daemon.git import ANY_PROTOCOL
 from daemon.job import Lease, RenewStatus
 from daemon.metrics.transfers import MeteredStore
-from daemon.metrics.worker import WorkerMetrics
+from daemon.metrics.worker import GpuSampler, WorkerMetrics
 from daemon.queue import keys, registry
 from daemon.queue.claims import SharedGpu
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import Registration
 from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime, latest_ends
 from daemon.worker.claim_gate import ClaimGate
+from daemon.worker.gpu_readings import GpuReadings
 from daemon.worker.gpus import (
     GpuAllocator,
     GpuInfo,
@@ -118,6 +119,7 @@ class Worker:
         git_protocols: str = ANY_PROTOCOL,
         gpu_max_jobs: int = 4,
         lifetime: Lifetime | None = None,
+        gpu_sampler: GpuSampler | None = None,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
         (the seam) and optionally a probe. `env` is the base of every job's environment (default:
@@ -125,7 +127,8 @@ class Worker:
         caches what it fetches from it under `data_dir/cache`, up to `cache_bytes`. `make_run` replaces
         the runner (JobRun) with another executor: a benchmark's no-op one measures the queue and
         this dispatcher without processes. `identities` (one per slot, identity.py) are the uids
-        the slots' jobs run as; None: the worker's own. `lifetime`: its end, if any (lifetime.py)."""
+        the slots' jobs run as; None: the worker's own. `lifetime`: its end, if any (lifetime.py).
+        `gpu_sampler` reads given `gpus` live (discovered ones are read by NVML)."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         if identities is not None and len(identities) < slots:
@@ -147,7 +150,7 @@ class Worker:
             self.store = MeteredStore(store, self._transferred)
             self.cache = ObjectCache(self.data_dir / "cache", self.store, cache_bytes)
         self._make_run = make_run or self._job_run
-        self._given_gpus = gpus
+        self._given_gpus, self._given_sampler = gpus, gpu_sampler
         self.probe = probe
         self.gpu_max_jobs = gpu_max_jobs  # --gpu-mem jobs one GPU may take at most
         self.allocator = GpuAllocator(gpus or [], slots, gpu_max_jobs)
@@ -158,7 +161,8 @@ class Worker:
         self.lifetime, self._registration.leave_by = lifetime, lifetime.leave_by if lifetime else 0.0
         # directories, uids, cgroups, the spawner and the orphan guard (slots.py)
         self._slots = Slots(self.data_dir, self.id, slots, self.identities, job_nice)
-        self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known
+        self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known, as are
+        self.readings = GpuReadings(None, heartbeat_seconds)  # their readings, for the registration
         self._nvml: Nvml | None = None
         self._held = Holdings(self._slots.guard)  # every attempt this worker holds, by lease id
         self._attempts = TaskSet("%s failed in the worker; its lease will expire")  # one per attempt
@@ -183,8 +187,9 @@ class Worker:
             self.allocator = GpuAllocator(gpus, self.slots, self.gpu_max_jobs)
             self.probe = self.probe or self._nvml
         gpus = self.allocator.gpus
-        sampler = functools.partial(sample_gpus, gpus) if self._nvml is not None else None
+        sampler = functools.partial(sample_gpus, gpus) if self._nvml is not None else self._given_sampler
         self.metrics = WorkerMetrics(gpus, sampler)  # NVML is read by sample_gpus, never by metrics/
+        self.readings = GpuReadings(sampler, self.heartbeat.interval)
         self.heartbeat.observer = self._observe_heartbeat
         self._registration.started_at = time.time()
         try:
@@ -198,6 +203,7 @@ class Worker:
             raise
         self._spawn(self._slots.guard.watch_over(), "orphan guard watch")
         self._spawn(self.heartbeat.run(), "heartbeat")
+        self._spawn(self.readings.run(), "GPU readings")
         self._spawn(self.heartbeat.listen_for_pokes(keys.worker_channel(self.id)), "cancel nudges")
         fence = (
             f"no lease renewal for {self.heartbeat.lease - self.heartbeat.margin:.1f} s: the lease "
@@ -565,7 +571,7 @@ class Worker:
 
     def registration(self) -> Registration:
         self._registration.running = self._busy()
-        self._registration.gpus = self.allocator.describe()
+        self._registration.gpus = [g | self.readings.for_gpu(g["uuid"]) for g in self.allocator.describe()]
         return self._registration
 
     def leases(self) -> Sequence[Lease]:

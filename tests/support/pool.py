@@ -79,6 +79,7 @@ def pool_config(
         "main_server_redis_password": redis_server.password,
         "listen": "127.0.0.1:0",
         "metrics_listen": "127.0.0.1:0",
+        "web_listen": "127.0.0.1:0",
         "tokens_file": str(tokens_file),
         "data_dir": str(tmp / "data"),
         "redis_events_block_ms": 1000.0,

@@ -1,0 +1,100 @@
+"""Server-sent events that keep the pages live: no reload, no script but the page's own.
+
+`page_events` renders a page's `live` block again every REFRESH seconds and sends it when it
+changed; `log_events` streams a job's log as `poolctl logs -f` does (FollowLogs through the
+handlers, as the signed-in user), each chunk with its offset as the event id, so a browser that
+reconnects resumes where it was. Both count as one of the user's blocking reads (the limits
+handlers.py sets for `logs -f` and `wait`), so open tabs cannot take the server's Redis from
+everyone else. They end when the browser goes, or when the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from aiohttp import web
+from markupsafe import Markup
+
+from daemon.errors import GpupoolError
+from daemon.server.web.guard import HEADERS, signed_in
+from daemon.server.web.pages import HANDLERS, Handler, PageError, PageFunction, ask, may_act, refusal
+from daemon.server.web.render import render_block
+from protocol import FollowLogs, LogChunk, LogEnd, ShowJob, StreamItem
+
+REFRESH = 2.0  # seconds between renders of a page's live block
+KEEPALIVE = 15.0  # seconds of silence after which a comment line checks the browser is there
+
+
+async def _open(request: web.Request) -> web.StreamResponse:
+    # Prepared here, before the guard sees the answer: the guard's headers must be set here too.
+    response = web.StreamResponse(headers=HEADERS | {"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    return response
+
+
+def _event(data: str, *, event: str | None = None, event_id: str | None = None) -> bytes:
+    lines = [f"event: {event}"] if event else []
+    lines += [f"id: {event_id}"] if event_id is not None else []
+    lines += [f"data: {line}" for line in data.split("\n")]
+    return ("\n".join(lines) + "\n\n").encode()
+
+
+def page_events(page: PageFunction) -> Handler:
+    """The event stream of `page`'s live block."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(request.app[HANDLERS].blocking_read(signed_in(request).user))
+            except GpupoolError as exc:
+                raise web.HTTPTooManyRequests(text=exc.message + "\n") from None
+            response = await _open(request)
+            last, quiet = "", 0.0
+            with contextlib.suppress(ConnectionError):
+                while True:
+                    try:
+                        template, context = await page(request)
+                        html = render_block(request, template, "live", context)
+                    except PageError as exc:
+                        html = str(Markup("<p class=error>{}</p>").format(exc.message))
+                    if html != last:
+                        await response.write(_event(html))
+                        last, quiet = html, 0.0
+                    elif (quiet := quiet + REFRESH) >= KEEPALIVE:
+                        await response.write(b": still here\n\n")
+                        quiet = 0.0
+                    await asyncio.sleep(REFRESH)
+            return response
+
+    return handler
+
+
+async def log_events(request: web.Request) -> web.StreamResponse:
+    job_id = request.match_info["job_id"]
+    offset = request.headers.get("Last-Event-ID", "")
+    try:  # refused as a plain HTTP error before the stream opens: not found, not yours
+        owner = str((await ask(request, ShowJob(job_id))).job.get("spec", {}).get("user", ""))
+    except PageError as exc:
+        raise refusal(exc) from None
+    if not may_act(request, owner):
+        raise web.HTTPForbidden(
+            text=f"job {job_id} belongs to {owner}: only its owner or a pool admin may read its log\n"
+        )
+    response = await _open(request)  # open now: a job that prints nothing yet still has a stream
+
+    async def send(item: StreamItem) -> None:
+        if isinstance(item, LogChunk):
+            text = item.data.decode("utf-8", "replace")
+            await response.write(_event(json.dumps(text), event="log", event_id=item.offset))
+
+    with contextlib.suppress(ConnectionError):
+        try:
+            end: LogEnd = await ask(request, FollowLogs(job_id, True, offset), send)
+        except PageError as exc:
+            await response.write(_event(json.dumps(exc.message), event="failed"))
+            return response
+        ended = end.state + (f", exit {end.exit_code}" if end.exit_code is not None else "")
+        await response.write(_event(json.dumps(ended), event="end"))
+    return response

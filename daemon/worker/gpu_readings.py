@@ -1,0 +1,53 @@
+"""Each GPU's utilisation and memory as of a few seconds ago, for the worker's registration.
+
+The dashboard draws every worker's GPUs from what their heartbeats say (server/web/), so the
+worker reads its GPUs once per heartbeat interval and the next heartbeat carries the readings.
+NVML calls block, and can hang on a failing GPU: each reading is taken in a thread, one at a
+time, so a hung one holds one thread and the readings simply grow old (each says when it was
+taken); the event loop, and so the heartbeat, never waits for one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from daemon.metrics.worker import GpuSampler
+
+log = logging.getLogger(__name__)
+
+
+class GpuReadings:
+    """`run()` reads the GPUs every `every` seconds until cancelled; `for_gpu(uuid)` is the latest
+    reading of one GPU as registration fields (empty before the first, or with no sampler)."""
+
+    def __init__(self, sampler: GpuSampler | None, every: float) -> None:
+        self._sampler = sampler
+        self._every = every
+        self._latest: dict[str, dict[str, Any]] = {}
+
+    def for_gpu(self, uuid: str) -> dict[str, Any]:
+        return self._latest.get(uuid, {})
+
+    async def run(self) -> None:
+        if self._sampler is None:
+            return
+        while True:
+            try:
+                samples = await asyncio.to_thread(self._sampler)
+            except Exception as exc:  # noqa: BLE001 - a driver's error: readings grow old, the worker goes on
+                log.warning("cannot read the GPUs' utilisation and memory: %s", exc)
+            else:
+                at = time.time()
+                self._latest = {
+                    s.uuid: {
+                        "utilization": s.utilization,
+                        "memory_used": s.memory_used,
+                        "memory_total": s.memory_total,
+                        "read_at": at,
+                    }
+                    for s in samples
+                }
+            await asyncio.sleep(self._every)
