@@ -5,7 +5,7 @@ Selenium blocks while the browser works, and the pool under test runs on the tes
 loop: every call goes through a thread (`asyncio.to_thread`), or the page would wait for a
 server that waits for the page. `host_rules` maps made-up names to loopback inside this browser
 alone (chromium's --host-resolver-rules): how a test plays a DNS-rebinding site with no DNS.
-Screenshots land in test-artefacts/screenshots/ (CI keeps that folder).
+Screenshots land in test-artefacts/screenshots/ (left in the working tree; git ignores it).
 """
 
 from __future__ import annotations

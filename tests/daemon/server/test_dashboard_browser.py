@@ -115,6 +115,22 @@ async def test_another_users_job_shows_no_cancel_and_hides_what_is_theirs(
         assert "WANDB_API_KEY" in page
         assert "Only the job's owner or a pool admin may read its log" in page
         assert "alice was here" not in page
+
+        # The form the page does not offer, sent anyway with bob's own session and CSRF token.
+        forge = """
+            const f = document.createElement('form');
+            f.method = 'post';
+            f.action = '/jobs/' + arguments[0] + '/cancel';
+            const c = document.createElement('input');
+            c.name = 'csrf';
+            c.value = document.querySelector('input[name=csrf]').value;
+            f.appendChild(c);
+            document.body.appendChild(f);
+            f.submit();
+        """
+        await b.call(b.driver.execute_script, forge, job_id)
+        await b.wait_text("#error", "belongs to alice: only its owner or a pool admin may cancel it")
+        await b.screenshot("refused")
         assert (await pool.queue.get(job_id)).state is JobState.RUNNING
 
 
