@@ -63,10 +63,10 @@ from daemon.worker.gpus import (
     GpuAllocator,
     GpuInfo,
     GpuProbe,
-    GpuProbeError,
     NotEnoughGpus,
     Nvml,
     discover,
+    recheck_quarantine,
     sample_gpus,
 )
 from daemon.worker.heartbeat import Heartbeat
@@ -539,16 +539,9 @@ class Worker:
             self._spawn(self._recheck_quarantine(), "quarantine check")
 
     async def _recheck_quarantine(self) -> None:
-        """A quarantined GPU no process holds memory on any more is clean: back into use."""
         assert self.probe is not None
-        for uuid in list(self.allocator.quarantined):
-            try:
-                busy = await asyncio.to_thread(self.probe.compute_pids, uuid)
-            except GpuProbeError:
-                continue
-            if not busy:
-                self.allocator.unquarantine(uuid)
-                self._wake.set()
+        if await recheck_quarantine(self.allocator, self.probe):
+            self._wake.set()
 
     # -- metrics ----------------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ for both.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
@@ -383,3 +384,18 @@ class GpuAllocator:
             }
             for g in self.gpus
         ]
+
+
+async def recheck_quarantine(allocator: GpuAllocator, probe: GpuProbe) -> bool:
+    """Put back into use each quarantined GPU no process holds memory on any more (it is clean);
+    whether any came back. NVML is asked in a thread."""
+    back = False
+    for uuid in list(allocator.quarantined):
+        try:
+            busy = await asyncio.to_thread(probe.compute_pids, uuid)
+        except GpuProbeError:
+            continue
+        if not busy:
+            allocator.unquarantine(uuid)
+            back = True
+    return back
