@@ -25,10 +25,10 @@ from daemon.metrics.server import ServerMetrics
 from daemon.object_store import artifact_job
 from daemon.queue.failures import out_of_memory
 from daemon.queue.job_queue import JobQueue
-from daemon.queue.reads import Standing
 from daemon.queue.terminal_events import JobEvents
 from daemon.server.data_desk import DataDesk
-from daemon.server.dependencies import judge, weigh
+from daemon.server.dependencies import judge
+from daemon.server.pending import PendingReasons, WorkerLister
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -84,7 +84,6 @@ WATCH_INTERVAL = (0.5, 3600.0)  # the fewest and most seconds between the views 
 HIDDEN = "<hidden>"  # an environment value shown to a user who does not own the job
 
 SendStream = Callable[[StreamItem], Awaitable[None]]
-WorkerLister = Callable[[], Awaitable[list[dict[str, Any]]]]
 
 
 class Handlers:
@@ -112,6 +111,7 @@ class Handlers:
         self.workers = workers
         self.metrics = metrics
         self.data = DataDesk(store) if store is not None else None
+        self.pending = PendingReasons(queue, workers)  # why a queued job waits
 
     async def handle(self, request: Request, user: str, send: SendStream) -> Reply:
         try:
@@ -416,104 +416,8 @@ class Handlers:
     async def _detail(self, info: JobInfo, user: str) -> dict[str, Any]:
         detail = self._view(info, user)
         if info.state is JobState.QUEUED:
-            detail["pending_reason"] = await self._pending_reason(info)
+            detail["pending_reason"] = await self.pending.reason(info)
         return detail
-
-    async def pending_reasons(self, job_ids: list[str]) -> dict[str, str]:
-        """Why each of the queued `job_ids` waits, as `show` says it (a job that is not queued, or
-        not known, is left out); what the jobs share (a queue's order, the workers) is read once."""
-        memo: dict[str, Any] = {}
-        out = {}
-        for job_id in _at_most(job_ids):
-            with contextlib.suppress(JobNotFound):
-                info = await self.queue.get(job_id)
-                if info.state is JobState.QUEUED:
-                    out[job_id] = await self._pending_reason(info, memo)
-        return out
-
-    async def _pending_reason(self, info: JobInfo, memo: dict[str, Any] | None = None) -> str:
-        """`memo` keeps the reads that other jobs' reasons share (pending_reasons)."""
-        memo = {} if memo is None else memo
-        if info.spec.held and info.id in await self.queue.waiting(info.spec.queue):
-            verdict, why = await weigh(self.queue, await self.queue.dependencies(info.id))
-            return why if verdict == "wait" else f"about to {'start' if verdict == 'ready' else 'be ' + why}"
-        if (queued := memo.get(f"order:{info.spec.queue}")) is None:  # ids, in the order they start
-            queued = memo[f"order:{info.spec.queue}"] = await self.queue.start_order(
-                info.spec.queue, MAX_LIST
-            )
-        ahead = queued.index(info.id) if info.id in queued else len(queued)
-        if (reserved := await self.queue.reservation(info.id)) is not None:
-            worker, at = reserved
-            when = (
-                f"expected by {time.strftime('%H:%M:%S', time.localtime(at))}, when its running jobs' "
-                "time limits end"
-                if at > time.time() + 1
-                else "expected as soon as its running jobs end (not all have a time limit)"
-            )
-            gpus = f"{info.spec.gpus} GPUs" if info.spec.gpus else "its GPUs"
-            return (
-                f"waiting for {gpus}; reserved on {worker}, {when}; jobs behind it start meanwhile "
-                "where they cannot delay it"
-            )
-        if (workers := memo.get("workers")) is None:
-            workers = memo["workers"] = [w for w in await self.workers() if w.get("health") == "healthy"]
-        if info.spec.gpus and not any(len(w.get("gpus", ())) >= info.spec.gpus for w in workers):
-            return (
-                f"needs {info.spec.gpus} GPUs, and no live worker has that many: the jobs behind it "
-                "run meanwhile, and it starts when such a worker joins"
-            )
-        rank = (
-            f" (priority {info.spec.priority}: before the queue's jobs of lower priority)"
-            if info.spec.priority
-            else ""
-        )
-        place = (
-            f"{ahead} job(s) ahead of it in queue {info.spec.queue!r}" if ahead else "next to start"
-        ) + rank
-        fair = info.spec.queue in self.queue.fairshare and not info.spec.priority
-        if not fair and await self.queue.held_at_cap(info.id):
-            return self._cap_reason(info)
-        if not any(info.spec.queue in w.get("queues", ()) for w in workers):
-            return f"no live worker serves queue {info.spec.queue!r} (when one does: {place})"
-        if fair:  # its user's turn comes by recent use, not by place
-            listed = await self.queue.list_jobs(info.spec.queue, limit=MAX_LIST)
-            return await self._fair_reason(info, {j.spec.user for j in listed if j.state is JobState.QUEUED})
-        return place
-
-    def _cap_reason(self, info: JobInfo) -> str:
-        jobs, gpus = self.queue.user_caps
-        caps = " or ".join(c for c in (jobs and f"{jobs} running jobs", gpus and f"{gpus} GPUs") if c)
-        return (
-            f"{info.spec.user} is at the cap of {caps} per user in queue {info.spec.queue!r}: it "
-            "starts, before the jobs behind it, once one of theirs there ends"
-        )
-
-    async def _fair_reason(self, info: JobInfo, waiting: set[str]) -> str:
-        """A job waiting its user's turn in a fair-share queue: who goes first, and why.
-        `waiting`: the users with jobs waiting there, as listed."""
-        q, user = info.spec.queue, info.spec.user
-        standing = await self.queue.fair_standing(q, self.queue.half_life_ms)
-        for u in waiting:
-            standing.setdefault(u, Standing()).waiting = True
-        me = standing.get(user, Standing())
-        jobs_cap, gpus_cap = self.queue.user_caps
-        if me.running and (
-            (jobs_cap and me.running >= jobs_cap) or (gpus_cap and me.gpus + info.spec.gpus > gpus_cap)
-        ):
-            return self._cap_reason(info)
-        first = sorted(
-            (u for u, st in standing.items() if u != user and st.waiting and st.rank < me.rank),
-            key=lambda u: standing[u].rank,
-        )
-        mine = f"{user}: {me.use / 3600:.2f} GPU-hours of recent use, weight {me.weight:g}"
-        if first:
-            who = ", ".join(first[:5]) + (f" and {len(first) - 5} more" if len(first) > 5 else "")
-            verb = "goes" if len(first) == 1 else "go"
-            return f"fair share in queue {q!r}: {who} {verb} first: less recent use ({mine})"
-        return (
-            f"fair share in queue {q!r}: {user} goes next, with the least recent use of those "
-            f"waiting ({mine})"
-        )
 
     async def _cancel(self, job_ids: list[str], user: str) -> dict[str, str]:
         """Each job's state after the request: cancelled (or how it had ended), "not_found", or

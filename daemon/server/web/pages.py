@@ -170,7 +170,7 @@ async def jobs(request: web.Request) -> Page:
     page = min(page, pages)
     shown = rows[(page - 1) * PAGE_SIZE : page * PAGE_SIZE]
     # Each queued job's pending reason, as `poolctl show` gives it (one that ended since is left out).
-    reasons = await request.app[HANDLERS].pending_reasons([r.id for r in shown if r.state == JobState.QUEUED])
+    reasons = await request.app[HANDLERS].pending.of([r.id for r in shown if r.state == JobState.QUEUED])
     filters = {"user": user, "queue": queue, "state": state}
     chosen = {k: v for k, v in filters.items() if v}
 
