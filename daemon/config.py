@@ -307,8 +307,7 @@ OPTIONS: tuple[Option, ...] = (
         "web_listen",
         str,
         f"127.0.0.1:{WEB_PORT}",
-        "HOST:PORT of the web dashboard (server mode; off: none). Beyond loopback it needs tokens_file, "
-        "and gets TLS as `tls` says",
+        "HOST:PORT of the web dashboard (server mode; off: none)",
         check=lambda v: v == "off" or parse_host_port(v),
     ),
     Option("web_hosts", list, [], "more Host names the dashboard answers to (a name it is reached by)"),
