@@ -47,6 +47,21 @@ class ClusterGroup(RedisGroup):
     def processes(self) -> list[Process]:
         return self.nodes + self.replicas
 
+    def _answering(self, node: Process, tries: int = 5) -> None:
+        """Wait for `node` to answer. Its port and bus port were free when picked, not held: when
+        another process took one before the node bound it (an outgoing connection's port, say),
+        the node exits at start, and starts again on ports picked afresh."""
+        for attempt in range(tries):
+            try:
+                self.wait(functools.partial(self.ping, node), f"node on port {node.port}")
+                return
+            except RuntimeError as exc:
+                if "Address already in use" not in str(exc) or attempt == tries - 1:
+                    raise
+            node.port = bus_free_port()
+            (node.dir / "nodes.conf").unlink(missing_ok=True)
+            self.launch(node, self._conf(node))
+
     def _conf(self, node: Process) -> list[str]:
         return [
             *self.node_conf(node),
@@ -59,7 +74,7 @@ class ClusterGroup(RedisGroup):
         for node in self.processes():
             self.launch(node, self._conf(node))
         for node in self.processes():
-            self.wait(functools.partial(self.ping, node), f"node on port {node.port}")
+            self._answering(node)
         first, share = self.nodes[0], SLOTS // len(self.nodes)
         for i, node in enumerate(self.nodes):
             with self.client(node) as c:

@@ -232,3 +232,21 @@ async def test_a_durable_batch_whose_slot_moved_is_sent_again_where_it_lives_now
             assert [queue_of(i) for i in ids] == [moved, stays]
             assert await queue.depth(moved) == 1
             assert await queue.depth(stays) == 2
+
+
+def test_a_node_whose_bus_port_was_taken_before_it_bound_starts_on_other_ports(tmp_path: Path) -> None:
+    """The fixture's own promise (a make test once failed on it): ports are picked free, not held,
+    so another process may take one before the node binds it; the node then starts elsewhere."""
+    import socket
+
+    from tests.support.cluster import BUS_OFFSET
+
+    group = ClusterGroup(tmp_path / "cluster", primaries=3)
+    taken = group.nodes[0].port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken + BUS_OFFSET))
+        squatter.listen()
+        with group:
+            assert group.nodes[0].port != taken
+            with group.client(group.nodes[0]) as c:
+                assert c.execute_command("CLUSTER INFO")["cluster_state"] == "ok"
