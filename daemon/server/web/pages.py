@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from daemon.errors import GpupoolError
 from daemon.job import JobState
@@ -24,7 +25,7 @@ from daemon.queue.overview import JobRow
 from daemon.server.handlers import Handlers
 from daemon.server.web import charts
 from daemon.server.web.guard import signed_in
-from daemon.server.web.snapshot import Snapshots
+from daemon.server.web.snapshot import Snapshot, Snapshots
 from protocol import CancelJobs, DownloadTicket, ErrorCode, JobDetail, PrepareDownload, ShowJob, StreamItem
 from storage.local import LocalStore
 
@@ -89,6 +90,14 @@ async def ask(
         raise PageError(STATUS.get(ErrorCode.coerce(exc.code), 500), exc.message) from None
 
 
+async def _snapshot(request: web.Request) -> Snapshot:
+    """The pool as all viewers share it; Redis's failure as the sentence poolctl would print."""
+    try:
+        return await request.app[SNAPSHOTS].get()
+    except RedisError:
+        raise PageError(503, "the pool's Redis is unreachable right now; retry in a moment") from None
+
+
 def may_act(request: web.Request, owner: str) -> bool:
     user = signed_in(request).user
     return owner == user or user in request.app[HANDLERS].admins
@@ -98,7 +107,7 @@ def may_act(request: web.Request, owner: str) -> bool:
 
 
 async def pool(request: web.Request) -> Page:
-    snap = await request.app[SNAPSHOTS].get()
+    snap = await _snapshot(request)
     now = time.time()
     by_queue: dict[str, list[JobRow]] = {q: [] for q in snap.queues}
     for row in snap.rows:
@@ -157,7 +166,7 @@ async def jobs(request: web.Request) -> Page:
         raise PageError(400, f"page {q.get('page')!r} is not a number") from None
     if state and state not in set(JobState):
         raise PageError(400, f"unknown state {state!r}; one of {', '.join(JobState)}")
-    snap = await request.app[SNAPSHOTS].get()
+    snap = await _snapshot(request)
     rows = [
         r
         for r in snap.rows
@@ -250,7 +259,7 @@ async def artifact(request: web.Request) -> web.StreamResponse:
 
 async def worker(request: web.Request) -> Page:
     worker_id = request.match_info["worker_id"]
-    snap = await request.app[SNAPSHOTS].get()
+    snap = await _snapshot(request)
     record = next((w for w in snap.workers if w.get("id") == worker_id), None)
     if record is None:
         raise PageError(404, f"no worker {worker_id} in this pool (a stopped one is forgotten)")

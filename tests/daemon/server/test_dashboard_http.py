@@ -14,6 +14,7 @@ and are limited per user.
 from __future__ import annotations
 
 import asyncio
+import html
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -686,3 +687,25 @@ async def test_a_live_job_page_streams_and_each_user_has_a_limit_of_them(
             await wait_until(served_again, timeout=5.0, what="a closed live view to give its place back")
         finally:
             second.close()
+
+
+async def test_a_pool_whose_redis_is_down_says_so_and_answers_again_when_it_is_back(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    async with running_pool(redis_server, tmp_path) as pool, client() as http:
+        await sign_in(http, pool, "alice")
+        assert pool.server.web is not None
+        pool.server.web.snapshots.max_age = 0.0  # every page reads the pool afresh
+        redis_server.kill()
+        for path in ("/", "/jobs", "/workers/w1"):
+            async with http.get(base(pool) + path) as r:
+                assert r.status == 503, path
+                text = html.unescape(await r.text())
+                assert "the pool's Redis is unreachable right now; retry in a moment" in text
+        redis_server.start()
+        async with asyncio.timeout(20):
+            while True:
+                async with http.get(base(pool) + "/") as r:
+                    if r.status == 200:
+                        break
+                await asyncio.sleep(0.2)
