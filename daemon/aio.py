@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RECANCEL_SECONDS = 0.05
 
@@ -82,3 +85,29 @@ class TaskSet:
     async def stop(self) -> None:
         """Cancel every task and wait until all have ended (see `cancel_and_wait`)."""
         await asyncio.gather(*(cancel_and_wait(task) for task in list(self._tasks)))
+
+
+def in_daemon_thread(call: Callable[[], T], name: str) -> asyncio.Future[T]:
+    """Run `call` in a daemon thread of its own; its outcome comes back in the future. For calls
+    that may hang for good (NVML on a failing GPU). Not asyncio.to_thread: a hung call would hold
+    a thread of the default executor, which the event loop's own blocking calls (getaddrinfo)
+    share, and asyncio.run waits for it at the exit, so the daemon would never exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            result = call()
+        except Exception as exc:  # noqa: BLE001 - handed to whoever awaits the future
+            outcome = functools.partial(future.set_exception, exc)
+        else:
+            outcome = functools.partial(future.set_result, result)
+        with contextlib.suppress(RuntimeError):  # the loop closed while the call hung
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future

@@ -10,9 +10,7 @@ endpoint awaits the daemon's `before_scrape` (the server reads the pool state fr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import threading
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -20,7 +18,7 @@ from aiohttp import hdrs, web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from daemon.address import parse_host_port
-from daemon.aio import start_or_undo
+from daemon.aio import in_daemon_thread, start_or_undo
 from daemon.config import SERVER_METRICS_PORT, WORKER_METRICS_PORT, Config
 from daemon.errors import GpupoolError
 
@@ -138,34 +136,11 @@ class MetricsServer:
                 await asyncio.wait({self._collection})
             if self._before_scrape is not None:
                 await self._before_scrape()
-            self._collection = collection = _in_thread(partial(generate_latest, self._registry))
+            self._collection = collection = in_daemon_thread(
+                partial(generate_latest, self._registry), "gpupool-metrics-collect"
+            )
             # Shielded: a scrape that gives up (timeout, close) leaves the collection to finish.
             return await asyncio.shield(collection)
-
-
-def _in_thread(collect: Callable[[], bytes]) -> asyncio.Future[bytes]:
-    """Run `collect` in a daemon thread of its own; its outcome comes back in the future. Not
-    asyncio.to_thread: a hung call would hold a thread of the default executor, which the event
-    loop's own blocking calls (getaddrinfo) share, and asyncio.run waits for it at the exit."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[bytes] = loop.create_future()
-
-    def settle(outcome: Callable[[], None]) -> None:
-        if not future.done():
-            outcome()
-
-    def run() -> None:
-        try:
-            body = collect()
-        except Exception as exc:  # noqa: BLE001 - handed to the scrape, which answers 500 and logs it
-            outcome = partial(future.set_exception, exc)
-        else:
-            outcome = partial(future.set_result, body)
-        with contextlib.suppress(RuntimeError):  # the loop closed while the collection hung
-            loop.call_soon_threadsafe(settle, outcome)
-
-    threading.Thread(target=run, name="gpupool-metrics-collect", daemon=True).start()
-    return future
 
 
 async def _index(request: web.Request) -> web.Response:

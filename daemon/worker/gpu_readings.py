@@ -2,9 +2,9 @@
 
 The dashboard draws every worker's GPUs from what their heartbeats say (server/web/), so the
 worker reads its GPUs once per heartbeat interval and the next heartbeat carries the readings.
-NVML calls block, and can hang on a failing GPU: each reading is taken in a thread, one at a
-time, so a hung one holds one thread and the readings simply grow old (each says when it was
-taken); the event loop, and so the heartbeat, never waits for one.
+NVML calls block, and can hang on a failing GPU: each reading is taken in a daemon thread of its
+own, one at a time, so a hung one holds one thread, never the exit, and the readings simply grow
+old (each says when it was taken); the event loop, and so the heartbeat, never waits for one.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any
 
+from daemon.aio import in_daemon_thread
 from daemon.metrics.worker import GpuSampler
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class GpuReadings:
             return
         while True:
             try:
-                samples = await asyncio.to_thread(self._sampler)
+                samples = await in_daemon_thread(self._sampler, "gpupool-gpu-readings")
             except Exception as exc:  # noqa: BLE001 - a driver's error: readings grow old, the worker goes on
                 log.warning("cannot read the GPUs' utilisation and memory: %s", exc)
             else:
