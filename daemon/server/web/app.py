@@ -30,6 +30,8 @@ TOKENS: web.AppKey[dict[str, bytes] | None] = web.AppKey("tokens")
 SECURE = web.AppKey("secure", bool)
 SHUTDOWN_GRACE = 3.0  # seconds open event streams get to end when the server stops
 MAX_HEAD = 8190  # bytes of a request line or header field
+MAX_HEADERS = 64
+IDLE_SECONDS = 15.0  # an idle connection, or one that sends no request, is closed after this
 
 
 def page(function: PageFunction) -> Handler:
@@ -181,6 +183,8 @@ class WebServer:
             handler_cancellation=True,
             max_line_size=MAX_HEAD,
             max_field_size=MAX_HEAD,
+            max_headers=MAX_HEADERS,
+            keepalive_timeout=IDLE_SECONDS,  # also a connection that never sends a request
         )
         await runner.setup()
         site = web.TCPSite(runner, self._host, self._port, ssl_context=self._tls)

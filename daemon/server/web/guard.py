@@ -7,7 +7,8 @@
 3. Pages need a signed-in session (signin.py), except the sign-in page and the static files; a
    browser without one is sent to sign in, a script (an event stream) gets 401.
 4. Every POST carries the session's CSRF token, and an Origin, when the browser sends one, that is
-   this server's own. The session cookie is SameSite=Strict as well: either alone would do.
+   this server's own, port included (another service on the same host is another site). The
+   session cookie is SameSite=Strict as well: either alone would do.
 """
 
 from __future__ import annotations
@@ -88,8 +89,12 @@ def guard(hosts: frozenset[str]) -> Middleware:
 async def _checked(request: web.Request, handler: Handler, hosts: frozenset[str]) -> web.StreamResponse:
     if host_of(request.host) not in hosts:
         raise web.HTTPMisdirectedRequest(text=f"this server does not answer for the host {request.host!r}\n")
-    origin = request.headers.get("Origin")
-    if request.method == "POST" and origin is not None and host_of(origin.partition("://")[2]) not in hosts:
+    origin = request.headers.get("Origin")  # the page a form came from: this server, port and all
+    if (
+        request.method == "POST"
+        and origin is not None
+        and origin.partition("://")[2].lower() != request.host.lower()
+    ):
         raise web.HTTPForbidden(text="a form from another site\n")
     if request.path.startswith(OPEN_PATHS):
         return await handler(request)

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 
 from aiohttp import web
 from markupsafe import Markup
 
 from daemon.errors import GpupoolError
-from daemon.server.web.guard import HEADERS, signed_in
+from daemon.server.web.guard import HEADERS, session_of, signed_in
 from daemon.server.web.pages import HANDLERS, Handler, PageError, PageFunction, ask, may_act, refusal
 from daemon.server.web.render import render_block
 from protocol import FollowLogs, LogChunk, LogEnd, ShowJob, StreamItem
@@ -34,10 +35,16 @@ async def _open(request: web.Request) -> web.StreamResponse:
     return response
 
 
+class SignedOut(ConnectionError):
+    """The stream's session ended (sign-out, expiry): the stream ends as if the browser left."""
+
+
 def _event(data: str, *, event: str | None = None, event_id: str | None = None) -> bytes:
     lines = [f"event: {event}"] if event else []
     lines += [f"id: {event_id}"] if event_id is not None else []
-    lines += [f"data: {line}" for line in data.split("\n")]
+    # Every line end the format knows (a lone CR is one): a job's name with one must not end a
+    # line of the event early and start a field of its own.
+    lines += [f"data: {line}" for line in re.split(r"\r\n|\r|\n", data)]
     return ("\n".join(lines) + "\n\n").encode()
 
 
@@ -53,7 +60,7 @@ def page_events(page: PageFunction) -> Handler:
             response = await _open(request)
             last, quiet = "", 0.0
             with contextlib.suppress(ConnectionError):
-                while True:
+                while session_of(request) is not None:  # signed out, or expired: the stream ends
                     try:
                         template, context = await page(request)
                         html = render_block(request, template, "live", context)
@@ -85,6 +92,8 @@ async def log_events(request: web.Request) -> web.StreamResponse:
     response = await _open(request)  # open now: a job that prints nothing yet still has a stream
 
     async def send(item: StreamItem) -> None:
+        if session_of(request) is None:
+            raise SignedOut
         if isinstance(item, LogChunk):
             text = item.data.decode("utf-8", "replace")
             await response.write(_event(json.dumps(text), event="log", event_id=item.offset))

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from aiohttp import web
+from aiohttp.helpers import content_disposition_header
 from redis.exceptions import RedisError
 
 from daemon.errors import GpupoolError
@@ -32,6 +33,7 @@ from storage.local import LocalStore
 HANDLERS = web.AppKey("handlers", Handlers)
 SNAPSHOTS = web.AppKey("snapshots", Snapshots)
 PAGE_SIZE = 50
+REDIS_DOWN = "the pool's Redis is unreachable right now; retry in a moment"
 SORTS = {  # ?sort= -> a row's key; missing times sort first
     "id": lambda r: r.id,
     "user": lambda r: r.user,
@@ -95,7 +97,7 @@ async def _snapshot(request: web.Request) -> Snapshot:
     try:
         return await request.app[SNAPSHOTS].get()
     except RedisError:
-        raise PageError(503, "the pool's Redis is unreachable right now; retry in a moment") from None
+        raise PageError(503, REDIS_DOWN) from None
 
 
 def may_act(request: web.Request, owner: str) -> bool:
@@ -179,7 +181,10 @@ async def jobs(request: web.Request) -> Page:
     page = min(page, pages)
     shown = rows[(page - 1) * PAGE_SIZE : page * PAGE_SIZE]
     # Each queued job's pending reason, as `poolctl show` gives it (one that ended since is left out).
-    reasons = await request.app[HANDLERS].pending.of([r.id for r in shown if r.state == JobState.QUEUED])
+    try:
+        reasons = await request.app[HANDLERS].pending.of([r.id for r in shown if r.state == JobState.QUEUED])
+    except RedisError:
+        raise PageError(503, REDIS_DOWN) from None
     filters = {"user": user, "queue": queue, "state": state}
     chosen = {k: v for k, v in filters.items() if v}
 
@@ -251,7 +256,8 @@ async def artifact(request: web.Request) -> web.StreamResponse:
     assert ticket.local_store is not None
     path = LocalStore(Path(ticket.local_store)).data_path(key)
     name = key.rsplit("/", 1)[-1]
-    return web.FileResponse(path, headers={"Content-Disposition": f'attachment; filename="{name}"'})
+    disposition = content_disposition_header("attachment", filename=name)  # quoted as the header needs
+    return web.FileResponse(path, headers={"Content-Disposition": disposition})
 
 
 # -- one worker -------------------------------------------------------------------------------------

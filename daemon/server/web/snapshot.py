@@ -54,7 +54,7 @@ class Snapshots:
     async def get(self) -> Snapshot:
         if self._last is not None and time.monotonic() - self._last.at < self.max_age:
             return self._last
-        if self._reading is None:
+        if self._reading is None or self._reading.done():  # one every waiter left is no news now
             self._reading = asyncio.ensure_future(self._read())
         reading = self._reading
         try:
@@ -68,6 +68,9 @@ class Snapshots:
         workers = await self._workers()
         rows = await job_rows(self._queue.redis, queues)
         depths = await self._queue.depths(queues) if queues else {}
+        seen = {str(g["uuid"]) for w in workers for g in w.get("gpus") or () if "uuid" in g}
+        for gone in set(self._history) - seen:  # a worker's GPUs leave with it (pilots come and go)
+            del self._history[gone]
         for worker in workers:
             for gpu in worker.get("gpus") or ():
                 if "read_at" not in gpu:

@@ -709,3 +709,63 @@ async def test_a_pool_whose_redis_is_down_says_so_and_answers_again_when_it_is_b
                     if r.status == 200:
                         break
                 await asyncio.sleep(0.2)
+
+
+# -- from a review of the dashboard ------------------------------------------------------------------
+
+
+async def test_a_carriage_return_in_a_job_name_cannot_end_an_event_early(busy: Busy) -> None:
+    pool = busy.pool
+    await pool.queue.enqueue(sh("true", user="bob", name="x\revent: forged\r\rdata: <b>injected</b>"))
+    async with client() as http:
+        await sign_in(http, pool, "alice")
+        async with http.get(base(pool) + "/live/jobs?user=bob", headers=SSE) as r:
+            raw = b""
+            async with asyncio.timeout(5):
+                async for chunk in r.content.iter_any():
+                    raw += chunk
+                    if b"\n\n" in raw:
+                        break
+    event = raw.split(b"\n\n")[0]
+    assert b"\r" not in event  # a lone CR would end the line, and the next field would be the job's
+    assert all(line.startswith((b"data:", b":")) for line in event.split(b"\n")), event
+
+
+async def test_a_live_stream_ends_when_its_session_does(busy: Busy) -> None:
+    pool = busy.pool
+    async with client() as http:
+        csrf = await sign_in(http, pool, "alice")
+        async with http.get(base(pool) + "/live/jobs", headers=SSE) as stream:
+            await first_event(stream)
+            async with http.post(base(pool) + "/signout", data={"csrf": csrf}, allow_redirects=False) as r:
+                assert r.status == 303
+            async with asyncio.timeout(10):  # the stream sees the session gone at its next turn
+                async for _ in stream.content.iter_any():
+                    pass
+            assert stream.content.at_eof()
+
+
+async def test_a_form_from_another_port_of_the_same_host_is_refused(busy: Busy) -> None:
+    pool = busy.pool
+    async with client() as http:
+        csrf = await sign_in(http, pool, "alice")
+        other = f"http://127.0.0.1:{port(pool) + 1 if port(pool) < 65535 else port(pool) - 1}"
+        url = f"{base(pool)}/jobs/{busy.job_id}/cancel"
+        async with http.post(url, data={"csrf": csrf}, headers={"Origin": other}, allow_redirects=False) as r:
+            assert r.status == 403
+        assert await still_running(busy)
+
+
+async def test_a_connection_that_sends_no_request_is_closed(
+    redis_server: EmbeddedRedis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from daemon.server.web import app as web_app
+
+    monkeypatch.setattr(web_app, "IDLE_SECONDS", 0.5)
+    async with running_pool(redis_server, tmp_path) as pool:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port(pool))
+        try:
+            async with asyncio.timeout(10):
+                assert await reader.read() == b""  # closed by the server, not by this test
+        finally:
+            writer.close()
