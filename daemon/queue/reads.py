@@ -184,6 +184,13 @@ class QueueReads:
         running = {_s(i) for i in cast(list[bytes], await self.redis.zrange(keys.leases(queue), 0, -1))}
         return [i for i in await self._active_ids(queue, limit) if i not in running]
 
+    async def users_of(self, job_ids: Sequence[str]) -> set[str]:
+        """The users whose jobs `job_ids` are (one field of each record, in one round trip)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(keys.job(job_id), "user")
+            return {_s(u) for u in await pipe.execute() if u}
+
     async def _active_ids(self, queue: str, limit: int) -> list[str]:
         """Running (leases), front (retry), parked, held at a cap and priority jobs of one queue, then up to
         `limit` of its stream entries not yet delivered, read from the consumer group's last

@@ -81,8 +81,9 @@ class PendingReasons:
         if not any(info.spec.queue in w.get("queues", ()) for w in workers):
             return f"no live worker serves queue {info.spec.queue!r} (when one does: {place})"
         if fair:  # its user's turn comes by recent use, not by place
-            listed = await self.queue.list_jobs(info.spec.queue, limit=MAX_LIST)
-            return await self._fair_reason(info, {j.spec.user for j in listed if j.state is JobState.QUEUED})
+            if (users := memo.get(f"users:{info.spec.queue}")) is None:  # whose jobs wait there
+                users = memo[f"users:{info.spec.queue}"] = await self.queue.users_of(queued)
+            return await self._fair_reason(info, users)
         return place
 
     def _cap_reason(self, info: JobInfo) -> str:

@@ -181,10 +181,12 @@ async def jobs(request: web.Request) -> Page:
     page = min(page, pages)
     shown = rows[(page - 1) * PAGE_SIZE : page * PAGE_SIZE]
     # Each queued job's pending reason, as `poolctl show` gives it (one that ended since is left out).
+    queued = [r.id for r in shown if r.state == JobState.QUEUED]
     try:
-        reasons = await request.app[HANDLERS].pending.of([r.id for r in shown if r.state == JobState.QUEUED])
+        snap.reasons |= await request.app[HANDLERS].pending.of([i for i in queued if i not in snap.reasons])
     except RedisError:
         raise PageError(503, REDIS_DOWN) from None
+    reasons = {i: snap.reasons[i] for i in queued if i in snap.reasons}
     filters = {"user": user, "queue": queue, "state": state}
     chosen = {k: v for k, v in filters.items() if v}
 

@@ -38,6 +38,9 @@ class Snapshot:
     depths: dict[str, int]
     queues: list[str]
     history: dict[str, list[Reading]] = field(default_factory=dict)  # GPU uuid -> oldest first
+    # Why queued jobs wait, as asked by the pages served from this snapshot: each job's reason is
+    # read once for every viewer while the snapshot lasts.
+    reasons: dict[str, str] = field(default_factory=dict)
 
 
 class Snapshots:
