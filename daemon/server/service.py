@@ -79,22 +79,27 @@ class PoolServer:
             return tokens.read_users(tokens.ensure_local_token(c.data_path()))
         return None  # open mode; Listener allows it on loopback only
 
-    def _tls(self, host: str) -> ssl.SSLContext | None:
-        """TLS as `tls` says: with the configured certificate, else with the server's own (made
-        once, its fingerprint logged for users to compare with what poolctl pins)."""
+    def _tls(self, address: str, *, protocol: bool = True) -> ssl.SSLContext | None:
+        """TLS for the listener on `address` as `tls` says: with the configured certificate, else
+        with the server's own (made once, its fingerprint logged for users to compare with what
+        poolctl pins). Only the protocol's listener (`protocol`) sets what poolctl pins: the
+        dashboard may speak TLS where the protocol, on loopback, does not."""
         c = self.config
+        host = parse_host_port(address)[0]
         if c.tls == "off":
             if not is_loopback(host):
-                log.warning("tls = off: requests to %s cross the network in clear", c.listen)
+                log.warning("tls = off: requests to %s cross the network in clear", address)
             return None
         if c.tls_cert:
             return tls_context(c.tls_cert, c.tls_key)
         if c.tls == "auto" and is_loopback(host):
             return None
         cert, key = ensure_certificate(c.data_path() / "tls", host)
-        self.own_certificate = certificate_fingerprint(cert)
-        note = "poolctl pins it on first use"
-        log.info("TLS certificate %s, fingerprint %s (%s)", cert, self.own_certificate, note)
+        fingerprint = certificate_fingerprint(cert)
+        if protocol:
+            self.own_certificate = fingerprint
+        note = "poolctl pins it on first use" if protocol else "the dashboard's"
+        log.info("TLS certificate %s, fingerprint %s (%s)", cert, fingerprint, note)
         return tls_context(str(cert), str(key))
 
     async def start(self) -> None:
@@ -148,7 +153,7 @@ class PoolServer:
             known_tokens,
             host,
             port,
-            tls=self._tls(host),
+            tls=self._tls(c.listen),
             limits=Limits(
                 max_frame_size=c.max_frame_size,
                 handshake_timeout=c.handshake_timeout,
@@ -167,7 +172,7 @@ class PoolServer:
                 known_tokens,
                 web_host,
                 web_port,
-                tls=self._tls(web_host),
+                tls=self._tls(c.web_listen, protocol=False),
                 extra_hosts=c.web_hosts,
             )
             await self.web.start()

@@ -769,3 +769,20 @@ async def test_a_connection_that_sends_no_request_is_closed(
                 assert await reader.read() == b""  # closed by the server, not by this test
         finally:
             writer.close()
+
+
+def test_the_dashboards_own_certificate_is_not_what_poolctl_pins(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """A pool whose protocol listens on loopback (no TLS) and whose dashboard listens beyond it
+    (TLS, the server's own certificate): poolctl must not be told to expect TLS on the protocol."""
+    from daemon.server.service import PoolServer
+    from tests.support.pool import pool_config
+
+    server = PoolServer(pool_config(redis_server, tmp_path, ("alice",)))
+    assert server._tls("192.0.2.7:7421", protocol=False) is not None
+    assert server.own_certificate is None
+    assert server._tls("127.0.0.1:7420") is None
+    assert server.own_certificate is None
+    assert server._tls("192.0.2.7:7420") is not None
+    assert server.own_certificate is not None
