@@ -161,7 +161,10 @@ class WebServer:
                 "or web_listen on 127.0.0.1"
             )
         self.snapshots = snapshots  # the pool view its pages share (bench/dashboard.py tunes its age)
-        machine = (socket.gethostname(), socket.getfqdn())
+
+        def machine() -> tuple[str, str]:
+            return socket.gethostname(), socket.getfqdn()
+
         self._app = make_app(
             handlers, snapshots, tokens, host_names(host, extra_hosts, machine), tls is not None
         )

@@ -39,12 +39,14 @@ SIGNED_IN = web.RequestKey("session", Session)  # set on a request the guard let
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def host_names(listen_host: str, extra: Iterable[str], machine: Iterable[str]) -> frozenset[str]:
+def host_names(
+    listen_host: str, extra: Iterable[str], machine: Callable[[], Iterable[str]]
+) -> frozenset[str]:
     """The names the dashboard answers to: loopback's, the host it listens on, the machine's own
     names when it listens on every address, and `extra` (the `web_hosts` option)."""
     names = {"localhost", "127.0.0.1", "::1", listen_host.lower(), *(e.lower() for e in extra)}
     if listen_host in ("0.0.0.0", "::", ""):  # noqa: S104 - a comparison, not a binding
-        names |= {m.lower() for m in machine}
+        names |= {m.lower() for m in machine()}  # asked only then: getfqdn may wait for DNS
     return frozenset(names)
 
 
