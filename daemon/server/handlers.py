@@ -64,7 +64,7 @@ from protocol import (
     WatchPool,
     WorkerList,
 )
-from storage.base import ObjectStore, StorageError
+from storage.base import InvalidKey, ObjectStore, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,8 @@ class Handlers:
     async def handle(self, request: Request, user: str, send: SendStream) -> Reply:
         try:
             return await self._dispatch(request, user, send)
+        except InvalidKey as exc:  # the caller's key, refused before the store was asked
+            raise GpupoolError(exc.message, ErrorCode.INVALID_ARGUMENT) from None
         except StorageError as exc:
             log.warning("request %s failed: object store (%s)", type(request).__name__, exc)
             raise GpupoolError(

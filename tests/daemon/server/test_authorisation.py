@@ -110,6 +110,15 @@ async def test_bob_cannot_download_alices_artifacts(shared_pool: Pool) -> None:
         assert (await alice.call(PrepareDownload(key), DownloadTicket)).size == 7
 
 
+async def test_a_key_that_climbs_out_of_its_job_is_a_mistake_not_a_store_failure(shared_pool: Pool) -> None:
+    job_id = await alices_job(shared_pool)
+    async with shared_pool.client("alice") as alice:
+        with pytest.raises(ClientError) as err:
+            await alice.call(PrepareDownload(f"artifacts/{job_id}/../../sha256/{'0' * 64}"), DownloadTicket)
+    assert err.value.code == ErrorCode.INVALID_ARGUMENT, err.value  # not UNAVAILABLE: retrying is no use
+    assert "segments must be non-empty and not '.' or '..'" in err.value.message
+
+
 async def put_named(pool: Pool, user: str, data: bytes, name: str) -> ObjectRef:
     sha = hashlib.sha256(data).hexdigest()
     async with pool.client(user) as c:
