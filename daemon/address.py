@@ -38,3 +38,18 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def check_host_names(names: list[str]) -> list[str]:
+    """Host names as a Host header carries them, without a port (an IPv6 address bare); ValueError
+    naming the first that is not one."""
+    for name in names:
+        if ":" in name:
+            try:
+                ipaddress.IPv6Address(name.strip("[]"))
+            except ValueError:
+                bare = name.rpartition(":")[0]
+                raise ValueError(f"{name!r}: a name without its port (web_listen's), e.g. {bare!r}") from None
+        if not name or any(c.isspace() or c in "/@" for c in name):
+            raise ValueError(f"{name!r} is not a host name")
+    return names

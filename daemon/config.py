@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from daemon.address import SERVER_PORT, parse_host_port, parse_host_ports
+from daemon.address import SERVER_PORT, check_host_names, parse_host_port, parse_host_ports
 from daemon.config_sources import ENV_PREFIX, Layer, from_env, from_flags, read_secret, read_toml
 from daemon.errors import ConfigError
 from daemon.webhook import check_url
@@ -310,7 +310,7 @@ OPTIONS: tuple[Option, ...] = (
         "HOST:PORT of the web dashboard (server mode; off: none)",
         check=lambda v: v == "off" or parse_host_port(v),
     ),
-    Option("web_hosts", list, [], "more Host names the dashboard answers to (a name it is reached by)"),
+    Option("web_hosts", list, [], "more Host names the dashboard answers to", check=check_host_names),
     Option("max_connections", int, 1000, "client connections the server accepts at once", lo=1, hi=1_000_000),
     Option(
         "max_connections_per_user",

@@ -85,6 +85,15 @@ def test_bad_env_and_flag_values_name_their_source() -> None:
         config.load(flags(), env={"GPUPOOL_WORKER_HEALTHY_RESPONSE_PERIOD": "nan"})
 
 
+def test_a_dashboard_host_name_with_a_port_is_refused_saying_what_to_write() -> None:
+    with pytest.raises(
+        ConfigError, match=r"'pool.lab:7421': a name without its port \(web_listen's\), e.g. 'pool.lab'"
+    ):
+        config.load(flags(), env={"GPUPOOL_WEB_HOSTS": "pool.lab:7421"})
+    loaded = config.load(flags(), env={"GPUPOOL_WEB_HOSTS": "pool.lab,::1,[fe80::1]"})
+    assert loaded.web_hosts == ["pool.lab", "::1", "[fe80::1]"]
+
+
 def test_secrets_from_files_and_masked(tmp_path: Path) -> None:
     secret = tmp_path / "redis-password"
     secret.write_text("s3cr3t-value\n")

@@ -44,7 +44,7 @@ def host_names(
 ) -> frozenset[str]:
     """The names the dashboard answers to: loopback's, the host it listens on, the machine's own
     names when it listens on every address, and `extra` (the `web_hosts` option)."""
-    names = {"localhost", "127.0.0.1", "::1", listen_host.lower(), *(e.lower() for e in extra)}
+    names = {"localhost", "127.0.0.1", "::1", listen_host.lower(), *(e.lower().strip("[]") for e in extra)}
     if listen_host in ("0.0.0.0", "::", ""):  # noqa: S104 - a comparison, not a binding
         names |= {m.lower() for m in machine()}  # asked only then: getfqdn may wait for DNS
     return frozenset(names)
