@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+from collections import Counter
 from collections.abc import Mapping
 
 from aiohttp import web
@@ -119,6 +120,7 @@ def make_app(
     app[SESSION_KEY] = Sessions()
     app[TOKENS] = dict(tokens) if tokens is not None else None
     app[SECURE] = secure
+    app[live.LIVE] = Counter()
     app.add_routes(
         [
             web.get("/signin", signin_page),

@@ -3,9 +3,10 @@
 `page_events` renders a page's `live` block again every REFRESH seconds and sends it when it
 changed; `log_events` streams a job's log as `poolctl logs -f` does (FollowLogs through the
 handlers, as the signed-in user), each chunk with its offset as the event id, so a browser that
-reconnects resumes where it was. Both count as one of the user's blocking reads (the limits
-handlers.py sets for `logs -f` and `wait`), so open tabs cannot take the server's Redis from
-everyone else. They end when the browser goes, or when the server stops.
+reconnects resumes where it was. A log stream holds a blocking Redis read, so it counts as one of
+the user's blocking reads (the limits handlers.py sets for `logs -f` and `wait`); a page's stream
+only polls the shared snapshot, and counts among the user's LIVE_PER_USER live pages instead. Both
+end when the browser goes, when the session ends, or when the server stops.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import asyncio
 import contextlib
 import json
 import re
+from collections import Counter
+from collections.abc import Iterator
 
 from aiohttp import web
 from markupsafe import Markup
@@ -25,6 +28,9 @@ from daemon.server.web.render import render_block
 from protocol import FollowLogs, LogChunk, LogEnd, ShowJob, StreamItem
 
 REFRESH = 2.0  # seconds between renders of a page's live block
+LIVE_PER_USER = 16  # live pages one user may have open at once
+LIVE_MOST = 512  # ... and all users together
+LIVE = web.AppKey("live", Counter[str])  # user -> live pages open now
 KEEPALIVE = 15.0  # seconds of silence after which a comment line checks the browser is there
 
 
@@ -48,15 +54,34 @@ def _event(data: str, *, event: str | None = None, event_id: str | None = None) 
     return ("\n".join(lines) + "\n\n").encode()
 
 
+@contextlib.contextmanager
+def live_view(request: web.Request) -> Iterator[None]:
+    """Hold one of the user's LIVE_PER_USER live pages (and of everyone's LIVE_MOST) while the
+    stream lasts. Its own budget: a page polls the shared snapshot and holds no Redis read, so it
+    does not take from the user's `wait` and `logs -f` (a log stream does: handlers.py counts it)."""
+    open_now, user = request.app[LIVE], signed_in(request).user
+    if open_now.total() >= LIVE_MOST:
+        raise web.HTTPTooManyRequests(
+            text=f"the dashboard already serves {LIVE_MOST} live pages; retry soon\n"
+        )
+    if open_now[user] >= LIVE_PER_USER:
+        raise web.HTTPTooManyRequests(
+            text=f"{user} already has {LIVE_PER_USER} live pages open, the most one user may: close some\n"
+        )
+    open_now[user] += 1
+    try:
+        yield
+    finally:
+        open_now[user] -= 1
+        if not open_now[user]:
+            del open_now[user]
+
+
 def page_events(page: PageFunction) -> Handler:
     """The event stream of `page`'s live block."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        with contextlib.ExitStack() as held:
-            try:
-                held.enter_context(request.app[HANDLERS].blocking_read(signed_in(request).user))
-            except GpupoolError as exc:
-                raise web.HTTPTooManyRequests(text=exc.message + "\n") from None
+        with live_view(request):
             response = await _open(request)
             last, quiet = "", 0.0
             with contextlib.suppress(ConnectionError):
@@ -89,6 +114,11 @@ async def log_events(request: web.Request) -> web.StreamResponse:
         raise web.HTTPForbidden(
             text=f"job {job_id} belongs to {owner}: only its owner or a pool admin may read its log\n"
         )
+    try:  # at the user's limit of blocking reads: refused as an HTTP error, not a stream's event
+        with request.app[HANDLERS].blocking_read(signed_in(request).user):
+            pass  # a look only: following the log below holds one for as long as it lasts
+    except GpupoolError as exc:
+        raise web.HTTPTooManyRequests(text=exc.message + "\n") from None
     response = await _open(request)  # open now: a job that prints nothing yet still has a stream
 
     async def send(item: StreamItem) -> None:

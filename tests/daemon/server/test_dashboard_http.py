@@ -30,6 +30,7 @@ from daemon.queue.terminal_events import JobEvents
 from daemon.server import handlers as handlers_module
 from daemon.server.handlers import Handlers
 from daemon.server.listener import ListenerError
+from daemon.server.web import live as live_module
 from daemon.server.web.app import WebServer
 from daemon.server.web.snapshot import Snapshots
 from storage.local import LocalStore
@@ -655,22 +656,21 @@ async def test_every_pages_live_view_streams_its_block(busy: Busy) -> None:
 async def test_a_live_job_page_streams_and_each_user_has_a_limit_of_them(
     busy: Busy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(handlers_module, "MAX_BLOCKING_PER_USER", 2)
+    monkeypatch.setattr(live_module, "LIVE_PER_USER", 2)
     pool, job = busy.pool, busy.job_id
     live = f"{base(pool)}/live/jobs/{job}"
     async with client() as alice, client() as bob:
         await sign_in(alice, pool, "alice")
         await sign_in(bob, pool, "bob")
         first = await alice.get(live, headers=SSE)
-        second = await alice.get(f"{base(pool)}/jobs/{job}/log", headers=SSE)  # a log counts as well
+        second = await alice.get(f"{base(pool)}/live/", headers=SSE)
         try:
             assert first.status == 200
             assert second.status == 200
             assert job in await first_event(first)
-            assert "started" in await first_event(second)  # the job's first line, as an event
             async with alice.get(live, headers=SSE) as third:
                 assert third.status == 429
-                assert "alice already has 2" in await third.text()
+                assert "alice already has 2 live pages open" in await third.text()
                 assert_guarded(third)
             async with bob.get(live, headers=SSE) as r:  # another user is still served
                 assert r.status == 200
@@ -687,6 +687,31 @@ async def test_a_live_job_page_streams_and_each_user_has_a_limit_of_them(
             await wait_until(served_again, timeout=5.0, what="a closed live view to give its place back")
         finally:
             second.close()
+
+
+async def test_live_pages_leave_a_users_blocking_reads_to_wait_and_logs(
+    busy: Busy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page's stream polls the shared snapshot and holds no Redis read: open tabs do not take
+    the budget of `poolctl wait` and `logs -f`; a log stream, which holds one, does."""
+    monkeypatch.setattr(handlers_module, "MAX_BLOCKING_PER_USER", 1)
+    pool, job = busy.pool, busy.job_id
+    async with client() as alice:
+        await sign_in(alice, pool, "alice")
+        pages = [await alice.get(f"{base(pool)}/live/jobs/{job}", headers=SSE) for _ in range(3)]
+        log = await alice.get(f"{base(pool)}/jobs/{job}/log", headers=SSE)
+        try:
+            assert [p.status for p in pages] == [200, 200, 200]
+            assert log.status == 200
+            assert "started" in await first_event(log)  # the job's first line, as an event
+            async with alice.get(f"{base(pool)}/jobs/{job}/log", headers=SSE) as second_log:
+                assert second_log.status == 429
+                assert (
+                    "alice already has 1 'logs -f', 'wait' and live views running" in await second_log.text()
+                )
+        finally:
+            for r in (*pages, log):
+                r.close()
 
 
 async def test_a_pool_whose_redis_is_down_says_so_and_answers_again_when_it_is_back(
