@@ -51,9 +51,10 @@ def render_block(request: web.Request, template: str, block: str, context: dict[
 
 
 def when(ts: float | None) -> str:
+    """A Unix time in the server's zone, named (the reader may be elsewhere)."""
     if not ts:
         return NONE
-    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.datetime.fromtimestamp(ts).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
 
 
 def duration(seconds: float | None) -> str:

@@ -811,3 +811,17 @@ def test_the_dashboards_own_certificate_is_not_what_poolctl_pins(
     assert server.own_certificate is None
     assert server._tls("192.0.2.7:7420") is not None
     assert server.own_certificate is not None
+
+
+def test_times_on_the_pages_name_their_zone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from daemon.server.web.render import when
+
+    monkeypatch.setenv("TZ", "Europe/Paris")
+    time.tzset()
+    try:
+        assert when(1_764_864_000.0) == "2025-12-04 17:00:00 CET"  # 16:00 UTC
+    finally:
+        monkeypatch.undo()
+        time.tzset()
