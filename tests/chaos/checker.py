@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
+from redis.exceptions import RedisError
+
 from daemon.errors import JobNotFound
 from daemon.job import JobInfo
 from daemon.queue import keys
@@ -91,11 +93,20 @@ async def drain(queue: JobQueue, ids: list[str], limit: float) -> dict[str, JobI
     deadline = time.monotonic() + limit
     while True:
         infos: dict[str, JobInfo | None] = {}
-        for i in ids:
-            try:
-                infos[i] = await queue.get(i)
-            except JobNotFound:
-                infos[i] = None
+        try:
+            for i in ids:
+                try:
+                    infos[i] = await queue.get(i)
+                except JobNotFound:
+                    infos[i] = None
+        except RedisError:
+            # The last fault may have been a failover still under way (the sentinels name no
+            # primary for a moment): the judge waits for the pool as a client would, and a pool
+            # that never comes back fails the run with Redis's own error.
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.25)
+            continue
         if all(info is None or info.state.terminal for info in infos.values()) or time.monotonic() > deadline:
             return infos
         await asyncio.sleep(0.25)
