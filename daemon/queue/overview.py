@@ -15,6 +15,7 @@ import msgpack
 
 from daemon.queue import keys
 from daemon.queue.connection import AnyRedis
+from daemon.queue.reads import _s, _seconds
 
 CHUNK = 1000  # job records asked for in one pipeline
 FIELDS = ("id", "state", "user", "spec", "enqueued_at", "started_at", "ended_at", "exit_code", "worker")
@@ -67,12 +68,8 @@ def _row(queue: str, values: list[bytes | None]) -> JobRow:
         command=" ".join(str(a) for a in argv),
         gpus=int(data.get("gpus") or 0),
         enqueued_at=int(enqueued or 0) / 1000,
-        started_at=int(started) / 1000 if started else None,
-        ended_at=int(ended) / 1000 if ended else None,
+        started_at=_seconds(started),
+        ended_at=_seconds(ended),
         exit_code=int(exit_code) if exit_code else None,
         worker=_s(worker or b""),
     )
-
-
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -28,7 +28,7 @@ from daemon.queue.job_queue import JobQueue
 from daemon.queue.terminal_events import JobEvents
 from daemon.server.data_desk import DataDesk
 from daemon.server.dependencies import judge
-from daemon.server.pending import PendingReasons, WorkerLister
+from daemon.server.pending import MAX_LIST, PendingReasons, WorkerLister
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -69,7 +69,6 @@ from storage.base import InvalidKey, ObjectStore, StorageError
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 10_000
-MAX_LIST = 10_000
 MAX_IDS = 10_000  # job ids in one cancel or wait: more is refused, never worked through for minutes
 # Requests that hold a blocking Redis read for as long as they last (`logs -f`, `wait`), or poll it
 # (live views): each user has this many at once, so one user cannot take every Redis connection

@@ -15,7 +15,7 @@ from daemon.queue.job_queue import JobQueue
 from daemon.queue.reads import Standing
 from daemon.server.dependencies import weigh
 
-MAX_LIST = 10_000  # the most of a queue's jobs a reason reads, and of job ids `of` takes
+MAX_LIST = 10_000  # the most jobs listed (ls), read for a reason, or asked about at once
 WorkerLister = Callable[[], Awaitable[list[dict[str, Any]]]]
 
 

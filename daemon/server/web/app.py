@@ -35,18 +35,9 @@ MAX_HEADERS = 64
 IDLE_SECONDS = 15.0  # an idle connection, or one that sends no request, is closed after this
 
 
-def page(function: PageFunction) -> Handler:
-    async def handler(request: web.Request) -> web.StreamResponse:
-        try:
-            template, context = await function(request)
-        except PageError as exc:
-            return render_page(request, "error.html", {"message": exc.message}, status=exc.status)
-        return render_page(request, template, context)
-
-    return handler
-
-
 def action(function: Handler) -> Handler:
+    """`function` with its refusals (PageError) shown as the error page, with their status."""
+
     async def handler(request: web.Request) -> web.StreamResponse:
         try:
             return await function(request)
@@ -54,6 +45,16 @@ def action(function: Handler) -> Handler:
             return render_page(request, "error.html", {"message": exc.message}, status=exc.status)
 
     return handler
+
+
+def page(function: PageFunction) -> Handler:
+    """A page: its template rendered with its context, or the error page."""
+
+    async def rendered(request: web.Request) -> web.StreamResponse:
+        template, context = await function(request)
+        return render_page(request, template, context)
+
+    return action(rendered)
 
 
 async def signin_page(request: web.Request) -> web.StreamResponse:
