@@ -8,7 +8,9 @@ claim takes as many jobs as there are free slots, and only one claim is in fligh
 the free GPUs it was sized by (each claimed job's taken out for the next) are still free when the
 jobs are given theirs (gpus.GpuAllocator). Each claim is told when the worker's running jobs end
 at the latest (backfill); while every slot is taken, in a queue where priorities preempt, the
-dispatcher claims nothing but looks at each new job whether it should stop lower ones here.
+dispatcher claims nothing but looks at each new job whether it should stop lower ones here. A
+worker without GPUs whose jobs are short claims one more while every slot is taken, and starts
+it on the first slot that frees (look_ahead.py).
 
 Every attempt the worker holds is one `attempt.HeldAttempt`, in one map keyed by lease id, from its
 claim until its end is recorded; it runs as a `runner.JobRun` in a task of its own. The heartbeat
@@ -28,8 +30,8 @@ signal handler: `main` does, for `WorkerDaemon` (worker mode) and the server run
 Why one class of ~500 lines: its life cycle, its claims and its attempts share one set of books (the
 held attempts, the slots, the GPUs) and the events that wake the dispatcher; the parts that stand
 alone live beside it: attempt.py (the record and its fence), claim_gate.py, heartbeat.py,
-outcomes.py (recording an attempt's end), runner.py (the processes), slots.py (what the machine
-gives the slots: directories, uids, cgroups, the spawner and the orphan guard).
+look_ahead.py, outcomes.py (recording an attempt's end), runner.py (the processes), slots.py (what
+the machine gives the slots: directories, uids, cgroups, the spawner and the orphan guard).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from daemon.queue import keys, registry
 from daemon.queue.claims import SharedGpu
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import Registration
+from daemon.worker import look_ahead
 from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime, latest_ends
 from daemon.worker.claim_gate import ClaimGate
 from daemon.worker.gpu_readings import GpuReadings
@@ -72,6 +75,7 @@ from daemon.worker.gpus import (
 from daemon.worker.heartbeat import Heartbeat
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.lifetime import Lifetime
+from daemon.worker.look_ahead import LookAhead
 from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult
 from daemon.worker.slots import Slots
@@ -120,6 +124,8 @@ class Worker:
         gpu_max_jobs: int = 4,
         lifetime: Lifetime | None = None,
         gpu_sampler: GpuSampler | None = None,
+        look_ahead_below: float = look_ahead.BELOW,
+        look_ahead_hold: float = look_ahead.HOLD,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
         (the seam) and optionally a probe. `env` is the base of every job's environment (default:
@@ -128,7 +134,9 @@ class Worker:
         the runner (JobRun) with another executor: a benchmark's no-op one measures the queue and
         this dispatcher without processes. `identities` (one per slot, identity.py) are the uids
         the slots' jobs run as; None: the worker's own. `lifetime`: its end, if any (lifetime.py).
-        `gpu_sampler` reads given `gpus` live (discovered ones are read by NVML)."""
+        `gpu_sampler` reads given `gpus` live (discovered ones are read by NVML). Without GPUs, a
+        job is claimed ahead of a free slot while jobs end within `look_ahead_below` seconds, and
+        handed back if it has not started after `look_ahead_hold` (look_ahead.py)."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         if identities is not None and len(identities) < slots:
@@ -165,6 +173,8 @@ class Worker:
         self.readings = GpuReadings(None, heartbeat_seconds)  # their readings, for the registration
         self._nvml: Nvml | None = None
         self._held = Holdings(self._slots.guard)  # every attempt this worker holds, by lease id
+        # the job claimed before a slot is free, on a worker of short jobs
+        self._ahead = LookAhead(self._held, below=look_ahead_below, hold=look_ahead_hold)
         self._attempts = TaskSet("%s failed in the worker; its lease will expire")  # one per attempt
         # heartbeat, cancel nudges, dispatcher, fence, restart watch, quarantine checks
         self._background = TaskSet("%s failed: the worker no longer works as it should", logging.CRITICAL)
@@ -187,6 +197,7 @@ class Worker:
             self.allocator = GpuAllocator(gpus, self.slots, self.gpu_max_jobs)
             self.probe = self.probe or self._nvml
         gpus = self.allocator.gpus
+        self._ahead.enabled = not gpus
         sampler = functools.partial(sample_gpus, gpus) if self._nvml is not None else self._given_sampler
         self.metrics = WorkerMetrics(gpus, sampler)  # NVML is read by sample_gpus, never by metrics/
         self.readings = GpuReadings(sampler, self.heartbeat.interval)
@@ -265,6 +276,8 @@ class Worker:
             if not done:
                 await cancel_and_wait(self._dispatcher)
         await self._settle_claims()
+        for held in self._ahead.give_up():  # never started: back to the front first
+            self._give_back([held.lease], held.deadline)
         if not self._attempts:
             return
         log.info("draining: waiting up to %g s for %d running jobs", grace, len(self._attempts))
@@ -329,10 +342,11 @@ class Worker:
         preempts = bool(self.queue.preempt.intersection(self.queues))
         while not self.draining():
             full = self._busy() >= self.slots
-            if full and not preempts:
+            ahead = self._ahead.wanted()
+            if full and not ahead and not preempts:
                 self._slot_freed.clear()
                 if self._busy() >= self.slots:
-                    await self._slot_freed.wait()
+                    await self._wait_for_a_slot()
                 continue
             await self._gate.opened(self._wake, self.draining)
             if self.draining():
@@ -340,7 +354,7 @@ class Worker:
             # Cleared before the claim: GPUs freed while it is in flight still wake the wait below.
             self._wake.clear()
             try:
-                if full:  # every slot taken: claim nothing, but look whether a job should preempt here
+                if full and not ahead:  # every slot taken: claim nothing, see if a job should preempt here
                     await self.queue.preempt_check(self.id, self.queues, **await self._room(shared=False))
                     claimed = False
                 else:
@@ -388,7 +402,7 @@ class Worker:
         watch = self.queue.watch
         generation = watch.generation if watch is not None else 0
         sent = boottime()
-        wanted = self.slots - self._busy()
+        wanted = self.slots - self._busy() + self._ahead.wanted()
         leases = await self.queue.claim_many(self.id, self.queues, wanted, **await self._room())
         # Shared GPUs first: one the claim chose for a --gpu-mem job may be free whole now.
         leases.sort(key=lambda lease: not lease.spec.gpu_mem)
@@ -411,11 +425,29 @@ class Worker:
                 self._give_back([h.lease for h in still], deadline)
                 return True
             for h in still:
-                self._launch(h.lease, h.deadline)  # as renewed while it waited
+                self._start_or_keep(h.lease, h.deadline)  # as renewed while it waited
             return True
         for lease in leases:
-            self._launch(lease, deadline)
+            self._start_or_keep(lease, deadline)
         return len(leases) == wanted
+
+    def _start_or_keep(self, lease: Lease, deadline: float) -> None:
+        """Start a job claimed on a free slot; one claimed ahead (every slot taken) is kept."""
+        if self._busy() < self.slots:
+            self._launch(lease, deadline)
+        else:
+            self._ahead.keep(self._held.hold(lease, deadline))
+
+    async def _wait_for_a_slot(self) -> None:
+        """Every slot is taken: wait until one is free, handing back the job kept ahead if none is
+        free by the time it has waited its longest (look_ahead.py)."""
+        try:
+            async with asyncio.timeout(self._ahead.due_in()):
+                await self._slot_freed.wait()
+        except TimeoutError:
+            for held in self._ahead.give_up():
+                log.info("job %s: no slot free in %g s; handing it back", held.lease.job_id, self._ahead.hold)
+                self._give_back([held.lease], held.deadline)
 
     async def _wait_for_work(self) -> None:
         """Block until a queue gets a new entry, or `_wake` is set (whichever comes first)."""
@@ -503,13 +535,19 @@ class Worker:
                 gpus,
             )
         result: RunResult | None = None
+        tidied = False
         try:
             try:
                 result = await run.run()
+                held.phase = Phase.ENDING
+                if self._ahead:  # a job kept ahead waits for this slot: its directories first
+                    await run.tidy()
+                    tidied = True
             finally:
                 held.phase = Phase.ENDING
                 self._free(held, result)
-                self._attempts.spawn(self._tidy(run), f"tidy after {lease.job_id}")
+                if not tidied:
+                    self._attempts.spawn(self._tidy(run), f"tidy after {lease.job_id}")
             if result.killed_by is not None and result.ending is not Ending.LOST and held.expired():
                 # Killed by a signal after the fence deadline: maybe by the fence itself (the orphan
                 # guard, while this worker was frozen). Not the job's outcome: the lease decides.
@@ -533,6 +571,9 @@ class Worker:
                 self.allocator.quarantine(uuid, f"after job {held.lease.job_id}: {why}")
         self.allocator.release(held.lease.id)
         held.slot = None
+        self._ahead.ended(boottime() - held.since)
+        if not self.draining() and (ahead := self._ahead.next()) is not None:
+            self._launch(ahead.lease, ahead.deadline)  # on the slot just freed, with no round trip
         self._slot_freed.set()
         self._wake.set()  # a slot to claim for, and the head of a queue may have waited for these GPUs
         if self.allocator.quarantined and self.probe is not None:
@@ -575,6 +616,10 @@ class Worker:
 
     def renewed(self, statuses: Mapping[str, RenewStatus], until: float) -> None:
         self._held.renewed(statuses, until)
+        if self._ahead:  # cancelled, requeued or preempted before it started: handed back
+            stop = (RenewStatus.CANCEL, RenewStatus.REQUEUE, RenewStatus.PREEMPT)
+            for held in self._ahead.give_up(i for i, status in statuses.items() if status in stop):
+                self._give_back([held.lease], held.deadline)
 
     # -- reads ------------------------------------------------------------------------------------
 

@@ -1,0 +1,90 @@
+"""Look-ahead: one job claimed before a slot is free, while this worker's jobs are short.
+
+A slot that claims only once it is free waits a round trip to Redis between two jobs (~0.3 ms on
+loopback, a third of what `true` takes), which a local queue does not: at two slots of
+millisecond jobs that round trip is what keeps a worker from the speed of the machine. So while
+every slot is taken and the last job to end here ran less than `below` seconds, the dispatcher
+claims one job more and keeps it here; the first slot to free starts it at once, and the next
+claim travels while it runs.
+
+What the guarantees keep (docs/GUARANTEES.md, 4):
+- it is claimed as any job is: the head of its queue at the time (FIFO), under a lease the
+  heartbeat renews with the others, counted towards its user's caps, reclaimed if this worker
+  dies; on this worker it starts before any job claimed after it;
+- it never waits long behind a job that is not short: one not started within `hold` seconds is
+  handed back to the front of its queue (release.lua: a hand-back, never a failure), and the
+  worker looks ahead again only once a short job has ended here. A worker of long jobs never
+  looks ahead, and one whose jobs turn long hands back at most one job, once;
+- cancelled, requeued or preempted while it waits, it is handed back (release.lua ends a
+  cancelled one cancelled); a draining worker hands it back first, as it never started;
+- only on a worker without GPUs. There a claim never waits for GPUs, so a look-ahead claim can
+  neither reserve the worker for a head job (backfill) nor ask a running job to make room
+  (preemption); on a GPU worker a job takes seconds to start on its GPUs, and a round trip is
+  nothing beside that.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+
+from daemon.worker.attempt import HeldAttempt, Holdings, boottime
+
+BELOW = 0.05  # a job that ran less than this (seconds) is short: look ahead after it
+HOLD = 0.25  # the longest a job claimed ahead waits for a slot here before it is handed back
+
+
+class LookAhead:
+    """The attempts claimed ahead of a free slot (at most one), in claim order, and whether the
+    worker looks ahead now. They are held in `held` (renewed by the heartbeat) all the while."""
+
+    def __init__(self, held: Holdings, *, below: float = BELOW, hold: float = HOLD) -> None:
+        self.below, self.hold = below, hold
+        self.enabled = False  # set once the worker knows it has no GPUs
+        self._held = held
+        self._kept: collections.deque[HeldAttempt] = collections.deque()
+        self._short = False  # the last job to end here ran less than `below`
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def wanted(self) -> int:
+        """How many jobs to claim ahead now: 1 while looking ahead and none is kept, else 0."""
+        return int(self.enabled and self._short and not self._kept)
+
+    def keep(self, held: HeldAttempt) -> None:
+        self._kept.append(held)
+
+    def ended(self, ran: float) -> None:
+        """A job ended here after `ran` seconds: look ahead after it if it was short."""
+        self._short = ran < self.below
+
+    def next(self) -> HeldAttempt | None:
+        """The oldest attempt kept that may still start here (its lease surely holds), no longer
+        kept nor held: the caller starts it. Ones whose lease may have lapsed are let go: Redis
+        gives them to another worker when their leases expire."""
+        while self._kept:
+            held = self._kept.popleft()
+            valid = self._held.holds(held) and not held.expired()
+            self._held.drop(held)
+            if valid:
+                return held
+        return None
+
+    def due_in(self) -> float | None:
+        """Seconds until the oldest attempt kept has waited `hold`; None when none is kept."""
+        return max(0.0, self._kept[0].since + self.hold - boottime()) if self._kept else None
+
+    def give_up(self, lease_ids: Iterable[str] | None = None) -> list[HeldAttempt]:
+        """The attempts kept (those of `lease_ids`, or all), no longer kept nor held, for the
+        caller to hand back (release.lua is fenced: one whose lease lapsed meanwhile is left as
+        Redis has it). Giving up all of them (they waited too long, or the worker drains)
+        also stops looking ahead until the next short job."""
+        ids = None if lease_ids is None else set(lease_ids)
+        out = [h for h in self._kept if ids is None or h.lease.id in ids]
+        if ids is None:
+            self._short = False
+        for held in out:
+            self._kept.remove(held)
+            self._held.drop(held)
+        return out
