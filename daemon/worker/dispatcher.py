@@ -9,8 +9,8 @@ the free GPUs it was sized by (each claimed job's taken out for the next) are st
 jobs are given theirs (gpus.GpuAllocator). Each claim is told when the worker's running jobs end
 at the latest (backfill); while every slot is taken, in a queue where priorities preempt, the
 dispatcher claims nothing but looks at each new job whether it should stop lower ones here. A
-worker without GPUs whose jobs are short claims one more while every slot is taken, and starts
-it on the first slot that frees (look_ahead.py).
+worker without GPUs whose jobs are short claims two more while every slot is taken, and starts
+each on a slot as it frees (look_ahead.py).
 
 Every attempt the worker holds is one `attempt.HeldAttempt`, in one map keyed by lease id, from its
 claim until its end is recorded; it runs as a `runner.JobRun` in a task of its own. The heartbeat
@@ -134,9 +134,9 @@ class Worker:
         the runner (JobRun) with another executor: a benchmark's no-op one measures the queue and
         this dispatcher without processes. `identities` (one per slot, identity.py) are the uids
         the slots' jobs run as; None: the worker's own. `lifetime`: its end, if any (lifetime.py).
-        `gpu_sampler` reads given `gpus` live (discovered ones are read by NVML). Without GPUs, a
-        job is claimed ahead of a free slot while jobs end within `look_ahead_below` seconds, and
-        handed back if it has not started after `look_ahead_hold` (look_ahead.py)."""
+        `gpu_sampler` reads given `gpus` live (discovered ones are read by NVML). Without GPUs, jobs
+        are claimed ahead of a free slot while jobs end within `look_ahead_below` seconds, and
+        handed back if not started after `look_ahead_hold` (look_ahead.py)."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         if identities is not None and len(identities) < slots:
@@ -173,7 +173,7 @@ class Worker:
         self.readings = GpuReadings(None, heartbeat_seconds)  # their readings, for the registration
         self._nvml: Nvml | None = None
         self._held = Holdings(self._slots.guard)  # every attempt this worker holds, by lease id
-        # the job claimed before a slot is free, on a worker of short jobs
+        # the jobs claimed before a slot is free, on a worker of short jobs
         self._ahead = LookAhead(self._held, below=look_ahead_below, hold=look_ahead_hold)
         self._attempts = TaskSet("%s failed in the worker; its lease will expire")  # one per attempt
         # heartbeat, cancel nudges, dispatcher, fence, restart watch, quarantine checks
@@ -439,7 +439,7 @@ class Worker:
             self._ahead.keep(self._held.hold(lease, deadline))
 
     async def _wait_for_a_slot(self) -> None:
-        """Every slot is taken: wait until one is free, handing back the job kept ahead if none is
+        """Every slot is taken: wait until one is free, handing back the jobs kept ahead if none is
         free by the time it has waited its longest (look_ahead.py)."""
         try:
             async with asyncio.timeout(self._ahead.due_in()):

@@ -1,22 +1,24 @@
-"""Look-ahead: one job claimed before a slot is free, while this worker's jobs are short.
+"""Look-ahead: jobs claimed before a slot is free, while this worker's jobs are short.
 
 A slot that claims only once it is free waits a round trip to Redis between two jobs (~0.3 ms on
 loopback, a third of what `true` takes), which a local queue does not: at two slots of
 millisecond jobs that round trip is what keeps a worker from the speed of the machine. So while
 every slot is taken and the last job to end here ran less than `below` seconds, the dispatcher
-claims one job more and keeps it here; the first slot to free starts it at once, and the next
-claim travels while it runs.
+claims DEPTH jobs more in one claim and keeps them here; each slot that frees starts the oldest at
+once, and once none is left the next claim travels while they run: one claim, and one round
+trip, for every DEPTH jobs.
 
 What the guarantees keep (docs/GUARANTEES.md, 4):
-- it is claimed as any job is: the head of its queue at the time (FIFO), under a lease the
-  heartbeat renews with the others, counted towards its user's caps, reclaimed if this worker
-  dies; on this worker it starts before any job claimed after it;
-- it never waits long behind a job that is not short: one not started within `hold` seconds is
-  handed back to the front of its queue (release.lua: a hand-back, never a failure), and the
-  worker looks ahead again only once a short job has ended here. A worker of long jobs never
-  looks ahead, and one whose jobs turn long hands back at most one job, once;
-- cancelled, requeued or preempted while it waits, it is handed back (release.lua ends a
-  cancelled one cancelled); a draining worker hands it back first, as it never started;
+- each is claimed as any job is: from the head of its queue at the time (FIFO), under a lease
+  the heartbeat renews with the others, counted towards its user's caps, reclaimed if this
+  worker dies; on this worker it starts before any job claimed after it;
+- none waits long behind a job that is not short: once the oldest has not started within `hold`
+  seconds, those kept are handed back to the front of their queue (release.lua: a hand-back,
+  never a failure), and the worker looks ahead again only once a short job has ended here. A
+  worker of long jobs never looks ahead, and one whose jobs turn long hands back at most DEPTH
+  jobs, once;
+- one cancelled, requeued or preempted while it waits is handed back (release.lua ends a
+  cancelled one cancelled); a draining worker hands them back first, as they never started;
 - only on a worker without GPUs. There a claim never waits for GPUs, so a look-ahead claim can
   neither reserve the worker for a head job (backfill) nor ask a running job to make room
   (preemption); on a GPU worker a job takes seconds to start on its GPUs, and a round trip is
@@ -32,10 +34,11 @@ from daemon.worker.attempt import HeldAttempt, Holdings, boottime
 
 BELOW = 0.05  # a job that ran less than this (seconds) is short: look ahead after it
 HOLD = 0.25  # the longest a job claimed ahead waits for a slot here before it is handed back
+DEPTH = 2  # jobs claimed ahead in one claim, once none is kept
 
 
 class LookAhead:
-    """The attempts claimed ahead of a free slot (at most one), in claim order, and whether the
+    """The attempts claimed ahead of a free slot (at most DEPTH), in claim order, and whether the
     worker looks ahead now. They are held in `held` (renewed by the heartbeat) all the while."""
 
     def __init__(self, held: Holdings, *, below: float = BELOW, hold: float = HOLD) -> None:
@@ -49,8 +52,8 @@ class LookAhead:
         return len(self._kept)
 
     def wanted(self) -> int:
-        """How many jobs to claim ahead now: 1 while looking ahead and none is kept, else 0."""
-        return int(self.enabled and self._short and not self._kept)
+        """How many jobs to claim ahead now: DEPTH while looking ahead and none is kept, else 0."""
+        return DEPTH if self.enabled and self._short and not self._kept else 0
 
     def keep(self, held: HeldAttempt) -> None:
         self._kept.append(held)

@@ -1,5 +1,5 @@
 """Look-ahead (daemon/worker/look_ahead.py), with a real redis-server and real processes: a worker
-of short jobs keeps one job claimed ahead of a free slot, and each thing that could make that job
+of short jobs keeps jobs claimed ahead of a free slot, and each thing that could make such a job
 wait, run twice or run when it should not is tried: a long job in the way, another worker idle, a
 cancel, a drain, a worker with GPUs."""
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from daemon.job import JobState
 from daemon.queue.job_queue import JobQueue
+from daemon.worker import look_ahead
 from daemon.worker.dispatcher import Worker
 from tests.support.workers import fake_gpus, running_worker, sh, wait_file, wait_state, wait_until
 
@@ -35,26 +36,28 @@ async def kept_ahead(queue: JobQueue, worker: Worker, job_id: str) -> None:
     await wait_until(held, timeout=15, what=f"{job_id} kept ahead by {worker.id}")
 
 
-async def test_a_worker_of_short_jobs_claims_one_ahead_and_starts_it_when_its_slot_frees(
+async def test_a_worker_of_short_jobs_claims_two_ahead_and_starts_each_as_its_slot_frees(
     queue: JobQueue, tmp_path: Path
 ) -> None:
     short, _ = await queue.enqueue(sh("true"))
     first, _ = await queue.enqueue(sh(held_until_released(tmp_path, "first")))
-    ahead, _ = await queue.enqueue(sh(marks(tmp_path, "ahead")))
+    ahead = [(await queue.enqueue(sh(marks(tmp_path, f"ahead{n}"))))[0] for n in range(look_ahead.DEPTH)]
     behind, _ = await queue.enqueue(sh(marks(tmp_path, "behind")))
     async with running_worker(queue, tmp_path / "w", slots=1, look_ahead_hold=60) as worker:
         await wait_file(tmp_path / "first.started")
-        await kept_ahead(queue, worker, ahead)
-        await asyncio.sleep(0.5)  # one ahead, no more: the next stays queued, and nothing ran
+        for job_id in ahead:
+            await kept_ahead(queue, worker, job_id)
+        await asyncio.sleep(0.5)  # DEPTH ahead, no more: the next stays queued, and nothing ran
         assert (await queue.get(behind)).state is JobState.QUEUED
-        assert not (tmp_path / "ahead.ran").exists()
+        assert not list(tmp_path.glob("ahead*.ran"))
         (tmp_path / "first.go").touch()
-        infos = [await wait_state(queue, j, JobState.SUCCEEDED) for j in (short, first, ahead, behind)]
-    # FIFO: claimed in enqueue order; the one kept ahead ran once, as its first attempt
+        infos = [await wait_state(queue, j, JobState.SUCCEEDED) for j in (short, first, *ahead, behind)]
+    # FIFO: claimed in enqueue order; those kept ahead ran once each, as their first attempt
     starts = [info.started_at or 0.0 for info in infos]
     assert starts == sorted(starts)
-    assert [a.how for a in infos[2].attempts] == ["succeeded"]
-    assert (tmp_path / "ahead.ran").read_text().split() == ["1"]
+    for n, info in enumerate(infos[2:-1]):
+        assert [a.how for a in info.attempts] == ["succeeded"]
+        assert (tmp_path / f"ahead{n}.ran").read_text().split() == ["1"]
 
 
 async def test_a_job_kept_ahead_behind_a_long_one_goes_back_to_the_front_for_another_worker(
