@@ -429,6 +429,7 @@ class Worker:
             return True
         for lease in leases:
             self._start_or_keep(lease, deadline)
+        await asyncio.sleep(0)  # the jobs' first steps (to their spawn) before the next claim's
         return len(leases) == wanted
 
     def _start_or_keep(self, lease: Lease, deadline: float) -> None:
