@@ -4,13 +4,15 @@ processes), real faults, and a ledger that every job writes to.
 Each job is a tiny bash command that appends `job attempt attempt-id worker start|tick|end
 microseconds` lines to the ledger (one short O_APPEND write per line, atomic between processes):
 `start`, then a `tick` every TICK seconds while it runs, then `end`. A job killed before its end
-leaves its last tick as the last sign it was alive. Most jobs run JOB_SECONDS; every LONG_EVERY-th
-runs LONG_SECONDS, longer than the two leases a frozen worker stays frozen, so that its orphan
-guard has to kill it. Faults are real: SIGKILL and SIGSTOP/SIGCONT of worker processes, kill -9
-and restart of redis-server on its AOF, the same restart from an older copy of the AOF (Redis
-loses its last writes), Redis at its maxmemory, replies to one worker delayed by a proxy (stale
-replies), SIGTERM and restart of the server process. Submissions use idempotency keys and retry
-across server restarts, as a careful client would.
+leaves its last tick as the last sign it was alive. Most jobs run JOB_SECONDS; every SHORT_EVERY-th
+is short (a start and an end, milliseconds), after which a worker claims jobs ahead of a free slot
+(daemon/worker/look_ahead.py); every LONG_EVERY-th runs LONG_SECONDS, longer than the two leases a
+frozen worker stays frozen, so that its orphan guard has to kill it. Faults are real: SIGKILL and
+SIGSTOP/SIGCONT of worker processes, kill -9 and restart of redis-server on its AOF, the same
+restart from an older copy of the AOF (Redis loses its last writes), Redis at its maxmemory,
+replies to one worker delayed by a proxy (stale replies), SIGTERM and restart of the server
+process. Submissions use idempotency keys and retry across server restarts, as a careful client
+would.
 
 On a Sentinel group (tests/support/sentinel.py) instead of one redis-server, the Redis faults are
 failovers: the primary SIGKILLed, a replica promoted, the dead node started again later as a
@@ -52,6 +54,7 @@ from tests.support.sentinel import MASTER, SentinelGroup
 JOB_SECONDS = 0.2
 LONG_SECONDS = 4.0
 LONG_EVERY = 15
+SHORT_EVERY = 3
 TICK = 0.05
 # The policies' run: the users jobs come from, and the configuration of the server and workers.
 USERS = ("alice", "bob", "carol")

@@ -13,7 +13,16 @@ import pytest
 
 from daemon.queue.embedded_redis import EmbeddedRedis
 from tests.chaos.checker import Verdict, check
-from tests.chaos.harness import JOB_SECONDS, LONG_EVERY, LONG_SECONDS, USERS, Cluster, Submitter, job_command
+from tests.chaos.harness import (
+    JOB_SECONDS,
+    LONG_EVERY,
+    LONG_SECONDS,
+    SHORT_EVERY,
+    USERS,
+    Cluster,
+    Submitter,
+    job_command,
+)
 from tests.support.cluster import ClusterGroup
 from tests.support.sentinel import SentinelGroup
 
@@ -49,11 +58,12 @@ async def run_chaos(
     by_user = {u: Submitter(cluster, u) for u in USERS} if policies else {}
     spec = {"argv": job_command(cluster.ledger, JOB_SECONDS), "max_attempts": 10}
     long_spec = {"argv": job_command(cluster.ledger, LONG_SECONDS), "max_attempts": 10}
+    short_spec = {"argv": job_command(cluster.ledger, 0), "max_attempts": 10}
     try:
 
         async def submit_all() -> None:
             for i in range(jobs):
-                job = long_spec if i % LONG_EVERY == 0 else spec
+                job = long_spec if i % LONG_EVERY == 0 else short_spec if i % SHORT_EVERY == 1 else spec
                 if policies:
                     user = by_user[USERS[(i + i // LONG_EVERY) % len(USERS)]]
                     job_id = await user.submit(f"job-{i}", {**job, "priority": 5 if i % 7 == 0 else 0})
