@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
 from redis.exceptions import RedisError
@@ -45,10 +46,42 @@ class SharedGpu(NamedTuple):
     shared: bool
 
 
+def _rooms(shared: Sequence[SharedGpu]) -> str:
+    """The GPUs that can take a --gpu-mem job, as claim.lua reads them ('N:MIB:JOBS:S ...')."""
+    return " ".join(f"{r.place}:{r.avail // 2**20}:{r.jobs}:{int(r.shared)}" for r in shared)
+
+
 def _opened(before: str, after: str) -> int:
     """GPUs a claim put a first shared job on: free whole in the table `before`, shared `after`."""
     was = {row.split(":")[0] for row in before.split() if row.endswith(":1")}
     return sum(1 for row in after.split() if row.endswith(":1") and row.split(":")[0] not in was)
+
+
+class ClaimReply(NamedTuple):
+    status: bytes  # b'claimed', b'empty', b'blocked' or b'preempting' (claim.lua)
+    cursors: tuple[str, str]  # the stream ids to wait after for more (stream, wake)
+    kept: int  # GPUs kept for a head job reserved on the worker
+    left: str  # the shared GPUs' table as the call left it
+    leases: list[Lease]
+
+
+@dataclass(eq=False)
+class Standing:
+    """A claim an idle worker leaves with its JobQueue (`Claims.stand`), as `claim_many` would make
+    it: the first `enqueue` through that JobQueue to one of `queues` sends it right after its own
+    call, in the same round trip. So in a single-machine pool, whose server enqueues through the
+    JobQueue its slots claim through, a job is claimed for an idle slot with no round trip of its
+    own. `taken` is set once it is sent; `sent` is then its queue, request number and reply."""
+
+    worker: str
+    queues: tuple[str, ...]
+    count: int
+    gpus: tuple[int, int, int]
+    backfill: tuple[str, int, int]
+    memory: tuple[str, int]
+    lifetime: float | None
+    taken: asyncio.Event = field(default_factory=asyncio.Event)
+    sent: tuple[str, int, asyncio.Future[Any]] | None = None
 
 
 class Claims:
@@ -66,6 +99,7 @@ class Claims:
     _requests: dict[str, int]
     _unanswered: dict[str, tuple[str, int]]
     _stranded: dict[str, list[Lease]]
+    _standing: list[Standing]
 
     async def complete(self, lease: Lease, outcome: Outcome) -> JobState:
         raise NotImplementedError  # JobQueue's
@@ -129,7 +163,7 @@ class Claims:
         pilot worker has left; a job whose time limit (and stop grace) runs past it is passed over
         (None: no end)."""
         total = gpus_free if gpus_total is None else gpus_total
-        rooms = " ".join(f"{r.place}:{r.avail // 2**20}:{r.jobs}:{int(r.shared)}" for r in shared)
+        rooms = _rooms(shared)
         schedule = _schedule(ends)
         kept = 0
         todo: list[tuple[str, int]] = []
@@ -219,6 +253,86 @@ class Claims:
             raise
         return leases + got
 
+    def stand(
+        self,
+        worker: str,
+        queues: Sequence[str],
+        count: int,
+        gpus_free: int = 0,
+        default_gpus: int = 0,
+        *,
+        gpus_total: int | None = None,
+        ends: Sequence[tuple[float | None, int]] = (),
+        grace: float = 0.0,
+        shared: Sequence[SharedGpu] = (),
+        mem_most: int = 0,
+        lifetime: float | None = None,
+    ) -> Standing | None:
+        """Leave `worker`'s next claim, for up to `count` jobs as `claim_many` takes its arguments,
+        for the next `enqueue` to one of `queues` to send (see Standing); `withdraw` it when the
+        worker goes on otherwise. None while a claim of the worker's is unanswered: that one goes
+        again first, in its next `claim_many`."""
+        if worker in self._unanswered:
+            return None
+        standing = Standing(
+            worker,
+            tuple(queues),
+            count,
+            (gpus_free, default_gpus, gpus_free if gpus_total is None else gpus_total),
+            (_schedule(ends), round(grace * 1000), 0),
+            (_rooms(shared), mem_most // 2**20),
+            lifetime,
+        )
+        self._standing.append(standing)
+        return standing
+
+    def withdraw(self, standing: Standing) -> bool:
+        """Take a standing claim back: True if it was never sent (it claimed nothing), False if it
+        was, and `standing_claimed` says what it got."""
+        with contextlib.suppress(ValueError):
+            self._standing.remove(standing)
+        return standing.sent is None
+
+    def _send_standing(self, q: str) -> None:
+        """An enqueue to `q` has queued its call in this turn: the first claim standing for `q`
+        goes right after it, in its batch (scripts.Pipeliner), and so sees its job."""
+        for standing in self._standing:
+            if q in standing.queues:
+                self._standing.remove(standing)
+                request = self._next_request(standing.worker)
+                call = self._claim_request(
+                    standing.worker,
+                    q,
+                    request,
+                    standing.count,
+                    standing.gpus,
+                    backfill=standing.backfill,
+                    memory=standing.memory,
+                    lifetime=standing.lifetime,
+                )
+                standing.sent = (q, request, self._call.submit(self.scripts.claim, *call, durable=True))
+                self._unanswered[standing.worker] = (q, request)  # until its reply is read
+                standing.taken.set()
+                return
+
+    async def standing_claimed(self, standing: Standing) -> list[Lease]:
+        """The jobs a sent standing claim got. Until its reply is read here it counts as
+        unanswered: should it never be (an error, or the worker cancelled meanwhile), the worker's
+        next claim (or `settle_claims`) sends it again first, as any of `claim_many`'s."""
+        assert standing.sent is not None
+        q, request, reply = standing.sent
+        try:
+            got = await self._claim_reply(standing.worker, q, await reply)
+        except (RedisError, NotReplicated) as exc:
+            if not unanswered(exc) and self._unanswered.get(standing.worker) == (q, request):
+                del self._unanswered[standing.worker]  # Redis refused it: it claimed nothing
+            raise
+        if self._unanswered.get(standing.worker) == (q, request):
+            del self._unanswered[standing.worker]
+        if got.status != b"claimed":
+            self._cursors[q] = got.cursors
+        return got.leases
+
     def _next_request(self, worker: str) -> int:
         self._requests[worker] = number = self._requests.get(worker, 0) + 1
         return number
@@ -234,15 +348,32 @@ class Claims:
         backfill: tuple[str, int, int] = ("", 0, 0),
         memory: tuple[str, int] = ("", 0),
         lifetime: float | None = None,
-    ) -> tuple[bytes, tuple[str, str], int, str, list[Lease]]:
+    ) -> ClaimReply:
         """One claim.lua call; `gpus` is (free, default per job, total), `backfill` (when the
         worker's running jobs end, its stop grace in ms, GPUs it keeps for a head job). It goes
         ahead of the other calls (scripts.Pipeliner): the outcome of the job whose slot it fills
-        follows it. `memory`: the shared GPUs' table and the largest GPU's MiB. Returns (status,
-        cursors, GPUs kept for a head job, the shared GPUs' table as the call left it, leases)."""
+        follows it. `memory`: the shared GPUs' table and the largest GPU's MiB."""
+        call = self._claim_request(
+            worker, q, request, count, gpus, backfill=backfill, memory=memory, lifetime=lifetime
+        )
+        reply = await self._call(self.scripts.claim, *call, ahead=True, durable=True)
+        return await self._claim_reply(worker, q, reply)
+
+    def _claim_request(
+        self,
+        worker: str,
+        q: str,
+        request: int,
+        count: int,
+        gpus: tuple[int, int, int],
+        *,
+        backfill: tuple[str, int, int] = ("", 0, 0),
+        memory: tuple[str, int] = ("", 0),
+        lifetime: float | None = None,
+    ) -> tuple[list[str], list[object]]:
+        """claim.lua's keys and arguments (see `_claim_call`)."""
         free, default, total = gpus
-        status, stream_cursor, wake_cursor, kept, left, *claimed = await self._call(
-            self.scripts.claim,
+        return (
             [keys.stream(q), keys.retry(q), keys.leases(q), keys.claims(q, worker), keys.parked(q)],
             [
                 keys.queue_prefix(q),
@@ -261,9 +392,12 @@ class Claims:
                 *memory,
                 0 if lifetime is None else max(1, round(lifetime * 1000)),
             ],
-            ahead=True,
-            durable=True,
         )
+
+    async def _claim_reply(self, worker: str, q: str, reply: list[Any]) -> ClaimReply:
+        """claim.lua's answer: (status, cursors, GPUs kept for a head job, the shared GPUs' table
+        as the call left it, leases)."""
+        status, stream_cursor, wake_cursor, kept, left, *claimed = reply
         leases = []
         for job_id, attempt, lease_id, packed, place in (
             claimed[i : i + 5] for i in range(0, len(claimed), 5)
@@ -279,7 +413,7 @@ class Claims:
         if status == b"preempting":  # the worker's jobs asked to make room: it hears at its next beat,
             with contextlib.suppress(RedisError):  # or now (best effort: the leases are what count)
                 await self.redis.publish(keys.worker_channel(worker), q)
-        return status, (_s(stream_cursor), _s(wake_cursor)), int(kept), _s(left), leases
+        return ClaimReply(status, (_s(stream_cursor), _s(wake_cursor)), int(kept), _s(left), leases)
 
     async def _unreadable(self, lease: Lease, exc: Exception) -> None:
         """A claimed job whose spec this worker cannot read: it fails, saying why, rather than go

@@ -33,7 +33,7 @@ from daemon.config import Config
 from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
-from daemon.queue.claims import Claims
+from daemon.queue.claims import Claims, Standing
 from daemon.queue.connection import AnyRedis, RunIdWatch
 from daemon.queue.reads import QueueReads, _s, xread
 from daemon.queue.scripts import Pipeliner, ReplicaAck, ScriptBatch, Scripts
@@ -104,6 +104,7 @@ class JobQueue(Claims, QueueReads):
         self._requests: dict[str, int] = {}
         self._unanswered: dict[str, tuple[str, int]] = {}
         self._stranded: dict[str, list[Lease]] = {}  # claimed by a claim_many cancelled midway
+        self._standing: list[Standing] = []  # idle workers' next claims, for an enqueue to send
 
     @classmethod
     def from_config(cls, redis: AnyRedis, config: Config, *, watch: RunIdWatch | None = None) -> JobQueue:
@@ -141,7 +142,7 @@ class JobQueue(Claims, QueueReads):
             job_keys.append(keys.idempotency(q, spec.user, idempotency_key))
         listed = self._list_queues([q])
         try:
-            got, created = await self._call(
+            reply = self._call.submit(
                 self.scripts.enqueue,
                 job_keys,
                 [
@@ -159,6 +160,9 @@ class JobQueue(Claims, QueueReads):
                 ],
                 durable=True,
             )
+            if self._standing and not spec.held:
+                self._send_standing(q)  # an idle worker's claim, in the same round trip
+            got, created = await reply
         finally:
             await self._listed(listed, [q])
         return _s(got), bool(created)

@@ -1,0 +1,59 @@
+"""A standing claim (claims.Standing): an idle worker's next claim, sent by the next enqueue
+through the same JobQueue in that enqueue's round trip, against a real redis-server."""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+
+from daemon.job import JobSpec, JobState
+from daemon.queue.job_queue import JobQueue
+from tests.daemon.queue.test_scripts import counting_round_trips
+
+
+def spec(n: int, queue: str = "default") -> JobSpec:
+    return JobSpec(argv=("echo", str(n)), queue=queue)
+
+
+async def test_a_standing_claim_travels_with_the_enqueue_and_gets_its_job(
+    redis: Redis, queue: JobQueue
+) -> None:
+    await queue.enqueue(spec(0))  # scripts loaded, queue known: the round trips below are the calls'
+    assert await queue.claim("w0", ["default"]) is not None
+    standing = queue.stand("w1", ["default"], 2)
+    assert standing is not None
+    made = counting_round_trips(redis)
+    job_id, _ = await queue.enqueue(spec(1))
+    assert standing.taken.is_set()
+    assert not queue.withdraw(standing)  # sent: it is answered, not taken back
+    [lease] = await queue.standing_claimed(standing)
+    assert len(made) == 1  # the enqueue and the claim, in one round trip
+    assert (lease.job_id, lease.attempt, lease.worker) == (job_id, 1, "w1")
+    info = await queue.get(job_id)
+    assert (info.state, info.worker) == (JobState.RUNNING, "w1")
+
+
+async def test_a_standing_claim_is_sent_only_for_its_queues_and_never_once_withdrawn(queue: JobQueue) -> None:
+    standing = queue.stand("w1", ["gpu"], 1)
+    assert standing is not None
+    other, _ = await queue.enqueue(spec(1))  # another queue: not sent
+    assert not standing.taken.is_set()
+    assert queue.withdraw(standing)  # never sent: nothing claimed
+    later, _ = await queue.enqueue(spec(2, "gpu"))
+    assert not standing.taken.is_set()
+    assert (await queue.get(other)).state is JobState.QUEUED
+    assert (await queue.get(later)).state is JobState.QUEUED
+
+
+async def test_a_standing_claim_whose_reply_was_never_read_is_settled(queue: JobQueue) -> None:
+    """A worker stopped between the claim's send and reading its reply: the job is its until its
+    lease expires, unless the claim is asked again (settle_claims, as a draining worker does),
+    which answers the same job, not a new one."""
+    standing = queue.stand("w1", ["default"], 1)
+    assert standing is not None
+    job_id, _ = await queue.enqueue(spec(1))
+    second, _ = await queue.enqueue(spec(2))
+    assert standing.taken.is_set()
+    assert queue.stand("w1", ["default"], 1) is None  # none while one is unanswered
+    [lease] = await queue.settle_claims("w1")
+    assert (lease.job_id, lease.attempt) == (job_id, 1)
+    assert (await queue.get(second)).state is JobState.QUEUED
