@@ -9,9 +9,11 @@ other, on the same pool:
 - `noop`: the queue alone. A real `Worker` (2 slots) with the bench's no-op executor
   (bench/noop.py: no process): "start" is the moment the attempt began (its lease claimed and
   handed to a slot), "completed" the moment `complete` returned.
-- `command` (`date +%s%N`): a real `Worker` (2 slots, no GPUs) in this process. "claimed" is when
-  its `claim_many` returned, "process started" when `spawn` returned in the runner (the process
-  exists; on x86-64 its exec may still be under way), "completed" when its `complete` returned.
+- `command` (`date +%s%N`): a real `Worker` (2 slots, no GPUs) in this process, claiming through
+  the server's JobQueue as poold's local slots do. "claimed" is when its claim returned
+  (`claim_many`, or the standing claim an enqueue sent: claims.Standing), "process started"
+  when `spawn` returned in the runner (the process exists; on x86-64 its exec may still be under
+  way), "completed" when its `complete` returned.
   The timestamps come from wrappers the bench puts around the queue's methods and the runner's
   spawn call (instrumentation only; the daemon code path is unchanged). "first act" is the time
   the job itself printed, as its first act.
@@ -46,6 +48,7 @@ from bench.noop import noop_worker, record_completions
 from daemon import tokens
 from daemon.ctl.pool_client import PoolClient
 from daemon.job import JobSpec, JobState, Lease, Outcome
+from daemon.queue.claims import Standing
 from daemon.queue.job_queue import JobQueue
 from daemon.server.service import PoolServer
 from daemon.worker import spawn
@@ -127,11 +130,11 @@ async def run_noop(server: PoolServer, jobs: int, gap: float, tmp: Path) -> dict
 
 async def run_command(server: PoolServer, jobs: int, gap: float, tmp: Path) -> dict[str, Any]:
     assert server.queue is not None
-    queue = JobQueue(server.queue.redis)
+    queue = server.queue  # the slots claim through the server's queue, as poold's local slots do
     claimed: dict[str, float] = {}
     spawned: dict[str, float] = {}
     done: dict[str, float] = {}
-    claim_many = queue.claim_many
+    claim_many, standing_claimed = queue.claim_many, queue.standing_claimed
 
     async def claim_timed(*args: Any, **kwargs: Any) -> list[Lease]:
         leases = await claim_many(*args, **kwargs)
@@ -139,7 +142,14 @@ async def run_command(server: PoolServer, jobs: int, gap: float, tmp: Path) -> d
             claimed[lease.job_id] = now()
         return leases
 
+    async def standing_timed(standing: Standing) -> list[Lease]:
+        leases = await standing_claimed(standing)
+        for lease in leases:
+            claimed[lease.job_id] = now()
+        return leases
+
     queue.claim_many = claim_timed  # type: ignore[method-assign]
+    queue.standing_claimed = standing_timed  # type: ignore[method-assign]
     record_completions(queue, done)
     first_act: dict[str, int] = {}  # job id -> the time its `date` printed (ns)
     complete = queue.complete
@@ -179,6 +189,8 @@ async def run_command(server: PoolServer, jobs: int, gap: float, tmp: Path) -> d
     finally:
         spawn.Spawner.spawn = real_spawn  # type: ignore[method-assign]
         await worker.stop(drain_timeout=5)
+        for name in ("claim_many", "standing_claimed", "complete"):
+            vars(queue).pop(name, None)  # the server's queue as it was
     spawn_cost = [spawned[j] - claimed[j] for j in submitted if j in spawned and j in claimed]
     return {
         "enqueue_to_claimed_ms": summary_ms(deltas(submitted, claimed)),

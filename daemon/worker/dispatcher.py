@@ -79,6 +79,7 @@ from daemon.worker.look_ahead import LookAhead
 from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult
 from daemon.worker.slots import Slots
+from daemon.worker.work_watch import WorkWatch
 from storage.base import ObjectStore
 from storage.cache import ObjectCache
 
@@ -86,8 +87,6 @@ log = logging.getLogger(__name__)
 
 # An attempt's executor, given its GPUs and slot.
 RunFactory = Callable[[Lease, tuple[GpuInfo, ...], int], Run]
-
-WAIT_BLOCK = 5.0  # longest blocking read for work before claiming again (a safety net only)
 
 
 class Stage(enum.Enum):
@@ -182,6 +181,7 @@ class Worker:
         self._slot_freed = asyncio.Event()
         self._wake = asyncio.Event()  # GPUs came back, or the drain began: claim again
         self._gate = ClaimGate(queue, self.heartbeat, self.queues)
+        self._watch = WorkWatch(queue, self.id, self.queues)
         self._stage = Stage.WORKING
         self._forced = asyncio.Event()
         self._outcomes = Outcomes(queue, self._forced)  # records each attempt's end
@@ -338,6 +338,12 @@ class Worker:
     # -- claiming ---------------------------------------------------------------------------------
 
     async def _dispatch(self) -> None:
+        try:
+            await self._claim_until_drained()
+        finally:
+            await self._watch.close()  # its read, kept from one wait to the next
+
+    async def _claim_until_drained(self) -> None:
         backoff = 0.1
         preempts = bool(self.queue.preempt.intersection(self.queues))
         while not self.draining():
@@ -399,11 +405,19 @@ class Worker:
         drain began meanwhile). True when the queues may have more for this worker now: a claim
         that got fewer jobs than it asked for found its queues empty (or their heads waiting for
         GPUs), and the next one waits for work rather than ask again at once."""
-        watch = self.queue.watch
-        generation = watch.generation if watch is not None else 0
-        sent = boottime()
+        generation, sent = self._generation(), boottime()
         wanted = self.slots - self._busy() + self._ahead.wanted()
         leases = await self.queue.claim_many(self.id, self.queues, wanted, **await self._room())
+        return await self._claimed(leases, wanted, generation, sent)
+
+    def _generation(self) -> int:
+        """How many Redis restarts the worker has seen (claim_gate.py): a claim sent before one
+        and answered after it waits for the pause that follows."""
+        return self.queue.watch.generation if self.queue.watch is not None else 0
+
+    async def _claimed(self, leases: list[Lease], wanted: int, generation: int, sent: float) -> bool:
+        """Start (or keep ahead, or give back) the jobs a claim sent at `sent` got, as `_claim`
+        says."""
         # Shared GPUs first: one the claim chose for a --gpu-mem job may be free whole now.
         leases.sort(key=lambda lease: not lease.spec.gpu_mem)
         if not leases:
@@ -412,7 +426,7 @@ class Worker:
         if self.draining():  # the drain began during the claim: the jobs go back first
             self._give_back(leases, deadline)
             return True
-        if watch is not None and watch.generation != generation:
+        if self._generation() != generation:
             # Claimed from a Redis that had just restarted: the pause is for these too. Held (and
             # renewed) meanwhile, so they are not lost; started after it, while still valid.
             held = [self._held.hold(lease, deadline) for lease in leases]
@@ -451,19 +465,15 @@ class Worker:
                 self._give_back([held.lease], held.deadline)
 
     async def _wait_for_work(self) -> None:
-        """Block until a queue gets a new entry, or `_wake` is set (whichever comes first)."""
-        read = asyncio.ensure_future(self.queue.wait_for_work(self.queues, WAIT_BLOCK))
-        woken = asyncio.ensure_future(self._wake.wait())
-        try:
-            await asyncio.wait({read, woken}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            # Cancelling a blocked XREAD makes redis-py drop its connection: a clean state. The
-            # wait for `_wake` holds nothing: cancelled, it ends in the next turn by itself, and
-            # the claim need not wait for it.
-            woken.cancel()
-            await cancel_and_wait(read)
-        if not read.cancelled() and (exc := read.exception()) is not None:
-            raise exc
+        """Block until a queue gets a new entry, or `_wake` is set, leaving this worker's next
+        claim standing meanwhile where it has no GPUs (work_watch.py); what that claim got, once
+        an enqueue sent it, is started here."""
+        generation, sent = self._generation(), boottime()
+        wanted = self.slots - self._busy() + self._ahead.wanted()
+        claim = None if self.allocator.gpus else {"count": wanted, **await self._room()}
+        leases = await self._watch.wait(self._wake, claim)
+        if leases is not None:
+            await self._claimed(leases, wanted, generation, sent)
 
     def _launch(self, lease: Lease, deadline: float) -> None:
         for other in self._held:

@@ -1,0 +1,67 @@
+"""How an idle worker waits for work (daemon/worker/work_watch.py), against a real redis-server:
+its blocking read kept from one wait to the next, and its next claim left standing for an enqueue
+through its JobQueue to send."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+
+from daemon.job import JobState, Lease
+from daemon.queue.job_queue import JobQueue
+from tests.support.workers import running_worker, sh, wait_file, wait_state
+
+
+async def _connections(redis: Redis) -> int:
+    return int((await redis.info("stats"))["total_connections_received"])
+
+
+async def test_an_idle_worker_keeps_its_connections_from_job_to_job(
+    redis: Redis, queue: JobQueue, tmp_path: Path
+) -> None:
+    """Each job ends the worker's wait for work (a slot is free: it claims). Cancelling the
+    blocking read that wait had sent made redis-py drop its connection, and the worker connected
+    anew, three round trips, for every job; the read is now left for the next wait."""
+    other = JobQueue(redis)  # the jobs come from elsewhere: no claim stands for them
+    async with running_worker(queue, tmp_path / "w", slots=1, heartbeat_seconds=600):
+        for _ in range(2):  # its connections made: the claim's, the read's, the completion's
+            job_id, _ = await other.enqueue(sh("true"))
+            await wait_state(other, job_id, JobState.SUCCEEDED)
+            await asyncio.sleep(0.1)
+        before = await _connections(redis)
+        for _ in range(8):
+            job_id, _ = await other.enqueue(sh("true"))
+            await wait_state(other, job_id, JobState.SUCCEEDED)
+            await asyncio.sleep(0.1)  # idle: it waits for work again
+        made = await _connections(redis) - before
+    assert made <= 2, f"{made} connections made for 8 jobs"
+
+
+async def test_an_idle_worker_gets_a_job_enqueued_through_its_queue_with_no_claim_of_its_own(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """A single-machine pool's server enqueues through the JobQueue its slots claim through: an
+    idle slot's claim stands there and goes in the enqueue's round trip (claims.Standing), so the
+    job starts without a claim round trip after it."""
+    async with running_worker(queue, tmp_path / "w", slots=1, heartbeat_seconds=600):
+        # (not a short job, after which it would claim ahead; and the enqueue script loaded: a
+        # batch with a call Redis does not know yet sends that call again, after the claim)
+        first, _ = await queue.enqueue(sh("sleep 0.2"))
+        await wait_state(queue, first, JobState.SUCCEEDED)
+        await asyncio.sleep(0.5)  # idle: its claim found nothing, and it waits for work
+        claims = 0
+        claim_many = queue.claim_many
+
+        async def counted(*args: Any, **kwargs: Any) -> list[Lease]:
+            nonlocal claims
+            claims += 1
+            return await claim_many(*args, **kwargs)
+
+        queue.claim_many = counted  # type: ignore[method-assign]
+        job_id, _ = await queue.enqueue(sh("echo started > started; sleep 0.5", cwd=str(tmp_path)))
+        await wait_file(tmp_path / "started")
+        assert claims == 0
+        await wait_state(queue, job_id, JobState.SUCCEEDED)
