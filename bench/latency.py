@@ -18,8 +18,11 @@ other, on the same pool:
   spawn call (instrumentation only; the daemon code path is unchanged). "first act" is the time
   the job itself printed, as its first act.
 - `task-spooler`, where `tsp` is installed (bench/task_spooler.py): `tsp date +%s%N` on an idle
-  private tsp server, the same `--command-gap` apart; "first act" as above, from just before its
-  client was started. The one figure measured the same way for both: submit -> first act.
+  private tsp server, the same `--command-gap` apart, run by a process of its own at the same
+  time as the `command` jobs, each of its submissions half a gap after one of theirs (so both see
+  the machine as it is at the time: on a shared VM that changes from one minute to the next);
+  "first act" as above, from just before its client was started. The one figure measured the
+  same way for both: submit -> first act.
 
 All times are CLOCK_MONOTONIC in ns (`time.monotonic_ns()`, one clock for every process of the
 machine), so sub-millisecond (the job record's `started_at` is Redis time in whole milliseconds:
@@ -58,29 +61,42 @@ from daemon.worker.identity import SlotIdentity
 from protocol import Enqueue, Enqueued
 
 QUEUE = "default"
+INTERLEAVE_START = 2.0  # s for both submitters to be up (a process each) before their first job
 
 
-async def client(address: str, jobs: int, gap: float, spec: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """The client process: submit `jobs` jobs `gap` apart; when each was sent, by job id, on the
-    monotonic clock and on the real-time one (the clock a job can read too), in ns."""
+async def client(
+    address: str, jobs: int, gap: float, spec: dict[str, Any], start: float | None
+) -> dict[str, tuple[int, int]]:
+    """The client process: submit `jobs` jobs `gap` apart, from `start` (time.monotonic(); None:
+    at once); when each was sent, by job id, on the monotonic clock and on the real-time one (the
+    clock a job can read too), in ns."""
     submitted: dict[str, tuple[int, int]] = {}
     async with PoolClient(address, tokens.local_user(), tokens.client_token()) as c:
-        for _ in range(jobs):
+        first = time.monotonic() if start is None else start
+        for i in range(jobs):
+            await asyncio.sleep(max(0.0, first + i * gap - time.monotonic()))
             t0, ns = time.monotonic_ns(), time.time_ns()
             reply = await c.call(Enqueue(spec, None), Enqueued)
             submitted[reply.job_id] = (t0, ns)
-            await asyncio.sleep(gap)
     return submitted
 
 
 async def submit(
-    server: PoolServer, jobs: int, gap: float, spec: dict[str, Any], wall: dict[str, int] | None = None
+    server: PoolServer,
+    jobs: int,
+    gap: float,
+    spec: dict[str, Any],
+    *,
+    wall: dict[str, int] | None = None,
+    start: float | None = None,
 ) -> dict[str, float]:
-    """Submit through a client process of its own: when each job was sent (monotonic seconds; and,
-    into `wall`, the real-time clock in ns)."""
+    """Submit through a client process of its own (`client`): when each job was sent (monotonic
+    seconds; and, into `wall`, the real-time clock in ns)."""
     assert server.listener is not None
     argv = [sys.executable, "-m", "bench.latency", "--client", server.listener.address]
     argv += ["--jobs", str(jobs), "--gap", str(gap), "--spec", orjson.dumps(spec).decode()]
+    if start is not None:
+        argv += ["--start", repr(start)]
     proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
     out, _ = await proc.communicate()
     if proc.returncode != 0:
@@ -128,7 +144,9 @@ async def run_noop(server: PoolServer, jobs: int, gap: float, tmp: Path) -> dict
     }
 
 
-async def run_command(server: PoolServer, jobs: int, gap: float, tmp: Path) -> dict[str, Any]:
+async def run_command(
+    server: PoolServer, jobs: int, gap: float, tmp: Path, start: float | None = None
+) -> dict[str, Any]:
     assert server.queue is not None
     queue = server.queue  # the slots claim through the server's queue, as poold's local slots do
     claimed: dict[str, float] = {}
@@ -184,7 +202,7 @@ async def run_command(server: PoolServer, jobs: int, gap: float, tmp: Path) -> d
         spec = JobSpec(argv=("date", "+%s%N"), queue=QUEUE).to_dict()
         del spec["user"]
         wall: dict[str, int] = {}
-        submitted = await submit(server, jobs, gap, spec, wall)
+        submitted = await submit(server, jobs, gap, spec, wall=wall, start=start)
         await wait_all(done, submitted, 60)
     finally:
         spawn.Spawner.spawn = real_spawn  # type: ignore[method-assign]
@@ -210,11 +228,24 @@ async def measure(jobs: int, gap: float, command_gap: float) -> dict[str, Any]:
         version = (await server.queue.redis.info("server"))["redis_version"]
         data = server.config.data_path()
         noop = await run_noop(server, jobs, gap, data)
-        command = await run_command(server, jobs, command_gap, data)
+        # The pool's command jobs and task-spooler's interleaved, each `command_gap` apart and
+        # half of it after the other's: the machine is as busy (or its neighbours as loud) for
+        # both, which one after the other, on a shared VM, it was not.
+        start = time.monotonic() + INTERLEAVE_START
+        peer = None
+        if task_spooler.TSP is not None:
+            argv = [sys.executable, "-m", "bench.task_spooler", str(jobs), str(command_gap)]
+            argv.append(repr(start + command_gap / 2))
+            peer = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
+        try:
+            command = await run_command(server, jobs, command_gap, data, start)
+        finally:
+            out, _ = await peer.communicate() if peer is not None else (b"", None)
     peers: dict[str, Any] = {}
-    if task_spooler.TSP is not None:
-        first_act = await asyncio.to_thread(task_spooler.latency, jobs, command_gap)
-        peers["task-spooler"] = {"submit_to_first_act_ms": summary_ms(first_act)}
+    if peer is not None:
+        if peer.returncode != 0:
+            raise RuntimeError(f"the task-spooler run failed ({peer.returncode})")
+        peers["task-spooler"] = {"submit_to_first_act_ms": summary_ms(orjson.loads(out))}
     return {
         "machine": machine(str(version)),
         "jobs": jobs,
@@ -258,9 +289,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="100 jobs")
     p.add_argument("--client", metavar="ADDRESS", help=argparse.SUPPRESS)  # the client process
     p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--start", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.client:
-        sent = uvloop.run(client(args.client, args.jobs, args.gap, orjson.loads(args.spec)))
+        sent = uvloop.run(client(args.client, args.jobs, args.gap, orjson.loads(args.spec), args.start))
         print(orjson.dumps(sent).decode())
         return
     result = uvloop.run(measure(100 if args.quick else args.jobs, args.gap, args.command_gap))

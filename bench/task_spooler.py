@@ -7,17 +7,21 @@ nothing by itself.
 - `drain(jobs, slots)`: `jobs` `true` commands queued behind a blocker job while the server has
   one slot, then `tsp -S slots` and the blocker released: jobs/s from the release until the last
   job has ended (`tsp -w`, then the list checked for anything unfinished).
-- `latency(jobs, gap)`: on an idle server, `tsp date +%s%N` one at a time, `gap` apart: from just
-  before the `tsp` client is started (the CLI is how it is submitted) to the time the job prints
-  as its first act, on the same clock (CLOCK_REALTIME).
+- `latency(jobs, gap, start)`: on an idle server, `tsp date +%s%N` one at a time, `gap` apart
+  (the first at `start`, on CLOCK_MONOTONIC): from just before the `tsp` client is started (the
+  CLI is how it is submitted) to the time the job prints as its first act, on the same clock
+  (CLOCK_REALTIME). `python -m bench.task_spooler JOBS GAP START` runs it in a process of its own
+  and prints the list as JSON (bench/latency.py interleaves it with the pool's submissions).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -69,16 +73,22 @@ def drain(jobs: int, slots: int) -> dict[str, float]:
     return {"jobs": jobs, "seconds": span, "jobs_per_s": jobs / span}
 
 
-def latency(jobs: int, gap: float) -> list[float]:
-    """Seconds from submit to the job's first act, one per job."""
+def latency(jobs: int, gap: float, start: float | None = None) -> list[float]:
+    """Seconds from submit to the job's first act, one per job, submitted `gap` apart from `start`
+    (time.monotonic(); None: now)."""
     out = []
     with server() as env:
         run(env, "-S", "2")
-        for _ in range(jobs):
+        first = time.monotonic() if start is None else start
+        for i in range(jobs):
+            time.sleep(max(0.0, first + i * gap - time.monotonic()))
             t0 = time.time_ns()
             job = run(env, "date", "+%s%N").strip()
             run(env, "-w", job)
             started = int(Path(run(env, "-o", job).strip()).read_text().split()[0])
             out.append((started - t0) / 1e9)
-            time.sleep(gap)
     return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(latency(int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]))))
