@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -51,6 +52,11 @@ def _rooms(shared: Sequence[SharedGpu]) -> str:
     return " ".join(f"{r.place}:{r.avail // 2**20}:{r.jobs}:{int(r.shared)}" for r in shared)
 
 
+def _boottime() -> float:
+    """Seconds on CLOCK_BOOTTIME, the clock a pilot's end is counted on (worker/lifetime.py)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 def _opened(before: str, after: str) -> int:
     """GPUs a claim put a first shared job on: free whole in the table `before`, shared `after`."""
     was = {row.split(":")[0] for row in before.split() if row.endswith(":1")}
@@ -71,7 +77,9 @@ class Standing:
     it: the first `enqueue` through that JobQueue to one of `queues` sends it right after its own
     call, in the same round trip. So in a single-machine pool, whose server enqueues through the
     JobQueue its slots claim through, a job is claimed for an idle slot with no round trip of its
-    own. `taken` is set once it is sent; `sent` is then its queue, request number and reply."""
+    own. `taken` is set once it is sent; `sent` is then its queue, request number and reply. A
+    pilot's lifetime is kept as its end (`ends_at`, CLOCK_BOOTTIME) and sent as what is left of
+    it then: a claim that stood a while has that much less."""
 
     worker: str
     queues: tuple[str, ...]
@@ -79,7 +87,7 @@ class Standing:
     gpus: tuple[int, int, int]
     backfill: tuple[str, int, int]
     memory: tuple[str, int]
-    lifetime: float | None
+    ends_at: float | None
     taken: asyncio.Event = field(default_factory=asyncio.Event)
     sent: tuple[str, int, asyncio.Future[Any]] | None = None
 
@@ -271,7 +279,9 @@ class Claims:
         """Leave `worker`'s next claim, for up to `count` jobs as `claim_many` takes its arguments,
         for the next `enqueue` to one of `queues` to send (see Standing); `withdraw` it when the
         worker goes on otherwise. None while a claim of the worker's is unanswered: that one goes
-        again first, in its next `claim_many`."""
+        again first, in its next `claim_many`. Only a worker without GPUs leaves one: its `ends`
+        (backfill) are empty, and no NVML reading ages in it; a pilot's `lifetime` is counted
+        down while it stands (Standing)."""
         if worker in self._unanswered:
             return None
         standing = Standing(
@@ -281,7 +291,7 @@ class Claims:
             (gpus_free, default_gpus, gpus_free if gpus_total is None else gpus_total),
             (_schedule(ends), round(grace * 1000), 0),
             (_rooms(shared), mem_most // 2**20),
-            lifetime,
+            None if lifetime is None else _boottime() + lifetime,
         )
         self._standing.append(standing)
         return standing
@@ -308,7 +318,7 @@ class Claims:
                     standing.gpus,
                     backfill=standing.backfill,
                     memory=standing.memory,
-                    lifetime=standing.lifetime,
+                    lifetime=None if standing.ends_at is None else max(0.001, standing.ends_at - _boottime()),
                 )
                 standing.sent = (q, request, self._call.submit(self.scripts.claim, *call, durable=True))
                 self._unanswered[standing.worker] = (q, request)  # until its reply is read

@@ -3,6 +3,8 @@ through the same JobQueue in that enqueue's round trip, against a real redis-ser
 
 from __future__ import annotations
 
+import asyncio
+
 from redis.asyncio import Redis
 
 from daemon.job import JobSpec, JobState
@@ -57,3 +59,17 @@ async def test_a_standing_claim_whose_reply_was_never_read_is_settled(queue: Job
     [lease] = await queue.settle_claims("w1")
     assert (lease.job_id, lease.attempt) == (job_id, 1)
     assert (await queue.get(second)).state is JobState.QUEUED
+
+
+async def test_a_standing_claim_counts_the_time_it_stood_against_a_pilots_lifetime(queue: JobQueue) -> None:
+    """A pilot's claim says how long the pilot has left; one that stood a while before an enqueue
+    sent it has that much less, and passes over a job that would now run past the pilot's end."""
+    await queue.enqueue(spec(0))  # scripts loaded: the batch below runs as sent
+    assert await queue.claim("w0", ["default"]) is not None
+    standing = queue.stand("pilot", ["default"], 1, lifetime=2.0)
+    assert standing is not None
+    await asyncio.sleep(1.0)  # it stands: 1 s of the pilot's 2 left
+    job_id, _ = await queue.enqueue(JobSpec(argv=("true",), timeout=1.4, stop_grace=0.1))
+    assert not queue.withdraw(standing)
+    assert await queue.standing_claimed(standing) == []
+    assert (await queue.get(job_id)).state is JobState.QUEUED
