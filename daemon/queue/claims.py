@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -79,7 +79,8 @@ class Standing:
     JobQueue its slots claim through, a job is claimed for an idle slot with no round trip of its
     own. `taken` is set once it is sent; `sent` is then its queue, request number and reply. A
     pilot's lifetime is kept as its end (`ends_at`, CLOCK_BOOTTIME) and sent as what is left of
-    it then: a claim that stood a while has that much less."""
+    it then: a claim that stood a while has that much less. While `ready()` is false (the
+    worker may not claim now: worker/claim_gate.py) no enqueue sends it."""
 
     worker: str
     queues: tuple[str, ...]
@@ -88,6 +89,7 @@ class Standing:
     backfill: tuple[str, int, int]
     memory: tuple[str, int]
     ends_at: float | None
+    ready: Callable[[], bool] | None = None
     taken: asyncio.Event = field(default_factory=asyncio.Event)
     sent: tuple[str, int, asyncio.Future[Any]] | None = None
 
@@ -275,6 +277,7 @@ class Claims:
         shared: Sequence[SharedGpu] = (),
         mem_most: int = 0,
         lifetime: float | None = None,
+        ready: Callable[[], bool] | None = None,
     ) -> Standing | None:
         """Leave `worker`'s next claim, for up to `count` jobs as `claim_many` takes its arguments,
         for the next `enqueue` to one of `queues` to send (see Standing); `withdraw` it when the
@@ -292,6 +295,7 @@ class Claims:
             (_schedule(ends), round(grace * 1000), 0),
             (_rooms(shared), mem_most // 2**20),
             None if lifetime is None else _boottime() + lifetime,
+            ready,
         )
         self._standing.append(standing)
         return standing
@@ -307,7 +311,7 @@ class Claims:
         """An enqueue to `q` has queued its call in this turn: the first claim standing for `q`
         goes right after it, in its batch (scripts.Pipeliner), and so sees its job."""
         for standing in self._standing:
-            if q in standing.queues:
+            if q in standing.queues and (standing.ready is None or standing.ready()):
                 self._standing.remove(standing)
                 request = self._next_request(standing.worker)
                 call = self._claim_request(

@@ -64,6 +64,10 @@ class ClaimGate:
         if young > 0 and await self.queue.leases_held(self.queues):
             self.paused_until = boottime() + young
 
+    def open_now(self) -> bool:
+        """Whether a claim may go now: the heartbeat succeeds and no pause holds claims."""
+        return self.heartbeat.healthy.is_set() and boottime() >= self.paused_until
+
     async def opened(self, wake: asyncio.Event, stopping: Callable[[], bool]) -> None:
         """Return once claims may go (or `stopping()`); `wake` cuts a wait short to look again."""
         while not stopping():

@@ -358,7 +358,9 @@ class Worker(Stopping):
         an enqueue sent it, is started here."""
         generation, sent = self._generation(), boottime()
         wanted = self.slots - self._busy() + self._ahead.wanted()
-        claim = None if self.allocator.gpus else {"count": wanted, **await self._room()}
+        claim = None  # none stands on a GPU worker (work_watch.py)
+        if not self.allocator.gpus:  # and none goes while claims may not (claim_gate.py)
+            claim = {"count": wanted, "ready": self._gate.open_now, **await self._room()}
         leases = await self._watch.wait(self._wake, claim)
         if leases is not None:
             await self._claimed(leases, wanted, generation, sent)

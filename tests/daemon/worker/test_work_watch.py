@@ -65,3 +65,20 @@ async def test_an_idle_worker_gets_a_job_enqueued_through_its_queue_with_no_clai
         await wait_file(tmp_path / "started")
         assert claims == 0
         await wait_state(queue, job_id, JobState.SUCCEEDED)
+
+
+async def test_a_worker_whose_heartbeats_fail_claims_nothing_through_its_standing_claim(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """A worker claims nothing while its heartbeats fail (what it claimed might not be renewed):
+    nor does the claim it left standing before they failed, when an enqueue comes meanwhile."""
+    async with running_worker(queue, tmp_path / "w", slots=1, heartbeat_seconds=600) as worker:
+        first, _ = await queue.enqueue(sh("sleep 0.2"))
+        await wait_state(queue, first, JobState.SUCCEEDED)
+        await asyncio.sleep(0.5)  # idle: its claim stands
+        worker.heartbeat.healthy.clear()  # as a beat that failed leaves it
+        job_id, _ = await queue.enqueue(sh("true"))
+        await asyncio.sleep(0.5)
+        assert (await queue.get(job_id)).state is JobState.QUEUED
+        worker.heartbeat.healthy.set()  # a beat got through: it claims again
+        await wait_state(queue, job_id, JobState.SUCCEEDED)
