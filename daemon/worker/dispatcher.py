@@ -427,8 +427,12 @@ class Worker(Stopping):
         lease, run = held.lease, held.run
         assert run is not None
         if log.isEnabledFor(logging.INFO):
+            # Written a turn later: this step spawns the job (unless it has data to fetch first),
+            # and a log line (~50-90 us after an idle while, and a wake of whoever reads it) is no
+            # part of a job's start.
             gpus = ", ".join(str(g.index) for g in run.gpus) or "none"
-            log.info(
+            asyncio.get_running_loop().call_soon(
+                log.info,
                 "job %s attempt %d: starting on slot %d, GPUs %s",
                 lease.job_id,
                 lease.attempt,
