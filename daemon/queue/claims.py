@@ -324,7 +324,8 @@ class Claims:
                     memory=standing.memory,
                     lifetime=None if standing.ends_at is None else max(0.001, standing.ends_at - _boottime()),
                 )
-                standing.sent = (q, request, self._call.submit(self.scripts.claim, *call, durable=True))
+                reply = self._call.submit(self.scripts.claim, *call, durable=True, first=True)
+                standing.sent = (q, request, reply)
                 self._unanswered[standing.worker] = (q, request)  # until its reply is read
                 standing.taken.set()
                 return

@@ -334,8 +334,8 @@ async def _exchange(connection: AbstractConnection, commands: list[tuple[Any, ..
     return replies
 
 
-# script, keys, args, durable, the caller's future
-Call = tuple[AsyncScript, Sequence[Any], Sequence[Any], bool, "asyncio.Future[Any]"]
+# script, keys, args, durable, the caller's future, answered first (`submit(first=True)`)
+Call = tuple[AsyncScript, Sequence[Any], Sequence[Any], bool, "asyncio.Future[Any]", bool]
 MAX_BATCH = 32  # calls per pipeline; more in one turn go out as several pipelines at once
 
 
@@ -376,19 +376,22 @@ class Pipeliner:
         *,
         ahead: bool = False,
         durable: bool = False,
+        first: bool = False,
     ) -> asyncio.Future[Any]:
         """Queue one call for this turn's batch; its reply, or its error, comes in the future.
         `ahead`: a call on the path to a job's start (a claim), which no other script may delay:
         it travels in a batch of its own, and the calls made with it or while it is in flight
         leave once it is answered (Redis answers a batch once it has run it all, and then a claim
-        would wait for the outcome of the job whose slot it fills)."""
+        would wait for the outcome of the job whose slot it fills). `first`: a call on that path
+        that travels with others (a standing claim, after its enqueue): its caller has its reply
+        a turn before theirs, so the job starts before their next steps (a reply to a client)."""
         loop = asyncio.get_running_loop()
         if not self._pending and not self._ahead:
             # The batch's sender, which takes every call made before its first step (in this
             # turn, and those ahead of it in the next) and writes them at once.
             self._own(loop.create_task(self._send_pending()))
         future: asyncio.Future[Any] = loop.create_future()
-        (self._ahead if ahead else self._pending).append((script, keys, args, durable, future))
+        (self._ahead if ahead else self._pending).append((script, keys, args, durable, future, first))
         return future
 
     def _own(self, task: asyncio.Task[None]) -> None:
@@ -423,23 +426,39 @@ class Pipeliner:
 
     async def _send(self, calls: list[Call]) -> None:
         batch = ScriptBatch(self.redis, self.ack, self.watch)
-        for script, keys, args, durable, _ in calls:
+        for script, keys, args, durable, *_ in calls:
             batch.add(script, keys, args, durable=durable)
         try:
             replies = await batch.execute_each()
         except asyncio.CancelledError:  # the loop is shutting down
-            for *_, future in calls:
-                future.cancel()
+            for call in calls:
+                call[4].cancel()
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the callers, who raise it
-            for *_, future in calls:
-                if not future.done():  # a copy each: one object raised in many tasks tangles them
-                    future.set_exception(copy.copy(exc))
+            for call in calls:
+                if not call[4].done():  # a copy each: one object raised in many tasks tangles them
+                    call[4].set_exception(copy.copy(exc))
             return
-        for (*_, future), reply in zip(calls, replies, strict=True):
-            if future.done():  # its caller was cancelled
-                continue
-            if isinstance(reply, Exception):
-                future.set_exception(reply)
-            else:
-                future.set_result(reply)
+        answers = list(zip(calls, replies, strict=True))
+        if any(call[5] for call in calls):
+            _answer([(call, reply) for call, reply in answers if call[5]])
+            answers = [(call, reply) for call, reply in answers if not call[5]]
+            try:
+                await asyncio.sleep(0)  # their callers go on first (a job's start), then the rest
+            except asyncio.CancelledError:
+                for call, _ in answers:
+                    call[4].cancel()
+                raise
+        _answer(answers)
+
+
+def _answer(answers: list[tuple[Call, Any]]) -> None:
+    """Each call's reply (or error reply) to its caller, unless the caller was cancelled."""
+    for call, reply in answers:
+        future = call[4]
+        if future.done():
+            continue
+        if isinstance(reply, Exception):
+            future.set_exception(reply)
+        else:
+            future.set_result(reply)

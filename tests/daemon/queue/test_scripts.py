@@ -65,6 +65,30 @@ async def test_a_call_ahead_travels_alone_and_the_calls_made_with_it_follow_its_
     assert await redis.lrange("order", 0, -1) == [b"claim", b"outcome", b"log"]
 
 
+async def test_a_call_answered_first_travels_in_its_batch_and_its_caller_goes_on_a_turn_earlier(
+    redis: Redis,
+) -> None:
+    """A standing claim rides its enqueue's batch, after it (`submit(first=True)`): it runs in
+    that order, one round trip, and its caller goes on (to start the job) a turn before the
+    enqueue's does (to reply to its client)."""
+    call = Pipeliner(redis)
+    echo = redis.register_script("redis.call('RPUSH', KEYS[1], ARGV[1]); return ARGV[1]")
+    await redis.script_load(echo.script)
+    made = counting_round_trips(redis)
+    resumed: list[str] = []
+
+    async def caller(name: str, reply: asyncio.Future[Any]) -> None:
+        await reply
+        resumed.append(name)
+
+    enqueue = asyncio.ensure_future(caller("enqueue", call.submit(echo, ["order"], ["enqueue"])))
+    claim = asyncio.ensure_future(caller("claim", call.submit(echo, ["order"], ["claim"], first=True)))
+    await asyncio.gather(enqueue, claim)
+    assert len(made) == 1
+    assert await redis.lrange("order", 0, -1) == [b"enqueue", b"claim"]
+    assert resumed == ["claim", "enqueue"]
+
+
 async def test_a_call_made_ahead_while_a_sender_is_between_its_batches_is_sent(redis: Redis) -> None:
     """The next claim may be made as soon as the last one is answered, while its sender is yet to
     send the calls that followed it: that sender must look again, or the claim waits for ever."""
