@@ -30,7 +30,7 @@ import functools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -334,8 +334,17 @@ async def _exchange(connection: AbstractConnection, commands: list[tuple[Any, ..
     return replies
 
 
-# script, keys, args, durable, the caller's future, answered first (`submit(first=True)`)
-Call = tuple[AsyncScript, Sequence[Any], Sequence[Any], bool, "asyncio.Future[Any]", bool]
+class Call(NamedTuple):
+    """One caller's call, queued for a batch (Pipeliner.submit says what `first` is)."""
+
+    script: AsyncScript
+    keys: Sequence[Any]
+    args: Sequence[Any]
+    durable: bool
+    future: asyncio.Future[Any]
+    first: bool
+
+
 MAX_BATCH = 32  # calls per pipeline; more in one turn go out as several pipelines at once
 
 
@@ -391,7 +400,7 @@ class Pipeliner:
             # turn, and those ahead of it in the next) and writes them at once.
             self._own(loop.create_task(self._send_pending()))
         future: asyncio.Future[Any] = loop.create_future()
-        (self._ahead if ahead else self._pending).append((script, keys, args, durable, future, first))
+        (self._ahead if ahead else self._pending).append(Call(script, keys, args, durable, future, first))
         return future
 
     def _own(self, task: asyncio.Task[None]) -> None:
@@ -403,7 +412,7 @@ class Pipeliner:
         this sender waits (while another sender is between its steps, no new one is started)."""
         while True:
             # A caller cancelled before its batch left: its call is dropped, never sent.
-            ahead, self._ahead = [c for c in self._ahead if not c[4].done()], []
+            ahead, self._ahead = [c for c in self._ahead if not c.future.done()], []
             if ahead:
                 answered = self._ahead_answered = asyncio.get_running_loop().create_future()
                 try:
@@ -415,7 +424,7 @@ class Pipeliner:
             if self._ahead_answered is not None and not self._ahead_answered.done():
                 await asyncio.shield(self._ahead_answered)  # another sender's, still on its way
                 continue
-            calls, self._pending = [c for c in self._pending if not c[4].done()], []
+            calls, self._pending = [c for c in self._pending if not c.future.done()], []
             if not calls:
                 return
             # Batches of at most MAX_BATCH calls, each on its own connection: a caller waits for
@@ -426,28 +435,28 @@ class Pipeliner:
 
     async def _send(self, calls: list[Call]) -> None:
         batch = ScriptBatch(self.redis, self.ack, self.watch)
-        for script, keys, args, durable, *_ in calls:
-            batch.add(script, keys, args, durable=durable)
+        for call in calls:
+            batch.add(call.script, call.keys, call.args, durable=call.durable)
         try:
             replies = await batch.execute_each()
         except asyncio.CancelledError:  # the loop is shutting down
             for call in calls:
-                call[4].cancel()
+                call.future.cancel()
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the callers, who raise it
             for call in calls:
-                if not call[4].done():  # a copy each: one object raised in many tasks tangles them
-                    call[4].set_exception(copy.copy(exc))
+                if not call.future.done():  # a copy each: one object raised in many tasks tangles them
+                    call.future.set_exception(copy.copy(exc))
             return
         answers = list(zip(calls, replies, strict=True))
-        if any(call[5] for call in calls):
-            _answer([(call, reply) for call, reply in answers if call[5]])
-            answers = [(call, reply) for call, reply in answers if not call[5]]
+        if any(call.first for call in calls):
+            _answer([(call, reply) for call, reply in answers if call.first])
+            answers = [(call, reply) for call, reply in answers if not call.first]
             try:
                 await asyncio.sleep(0)  # their callers go on first (a job's start), then the rest
             except asyncio.CancelledError:
                 for call, _ in answers:
-                    call[4].cancel()
+                    call.future.cancel()
                 raise
         _answer(answers)
 
@@ -455,7 +464,7 @@ class Pipeliner:
 def _answer(answers: list[tuple[Call, Any]]) -> None:
     """Each call's reply (or error reply) to its caller, unless the caller was cancelled."""
     for call, reply in answers:
-        future = call[4]
+        future = call.future
         if future.done():
             continue
         if isinstance(reply, Exception):
