@@ -52,6 +52,12 @@ def mib(nbytes: int) -> int:
     return -(-nbytes // 2**20)
 
 
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    """A stream entry id ('MS-SEQ'), ordered as Redis orders them."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def _raise_if_stale(lease: Lease, reply: Sequence[Any]) -> None:
     """A fenced script's `{'stale', state, attempt}` answer: the attempt is no longer current."""
     if reply[0] == b"stale":
@@ -216,16 +222,28 @@ class JobQueue(Claims, QueueReads):
 
     # -- work -----------------------------------------------------------------------------------
 
-    async def wait_for_work(self, queues: Sequence[str], block: float) -> bool:
+    async def wait_for_work(self, queues: Sequence[str], block: float) -> list[tuple[str, str]]:
         """Block until one of `queues` gets an entry newer than what the last `claim` saw, or a job
-        put at its front, or until `block` seconds pass. True when woken by an entry. A blocking
-        read, not polling."""
+        put at its front, or until `block` seconds pass. A blocking read, not polling. Returns
+        the entries that woke it, as (stream, entry id); [] when none came. `news` tells, later,
+        whether a claim has seen them since."""
         streams: dict[str, str] = {}
         for q in queues:
             stream_cursor, wake_cursor = self._cursors.get(q, ("0-0", "0-0"))
             streams[keys.stream(q)] = stream_cursor
             streams[keys.wake(q)] = wake_cursor
-        return bool(await xread(self.redis, streams, count=1, block=block))
+        read = await xread(self.redis, streams, count=1, block=block)
+        return [(stream, _s(entry_id)) for stream, entries in read for entry_id, _ in entries]
+
+    def news(self, entries: Sequence[tuple[str, str]]) -> bool:
+        """Whether any of `entries` (from `wait_for_work`) is newer than what this queue's claims
+        have seen since they were read: an entry a later claim took, or passed over, is not. A
+        read sent before a claim took the very entry it answers (a standing claim, in its enqueue's
+        round trip) woke its worker for nothing new."""
+        seen: dict[str, str] = {}
+        for q, (stream_cursor, wake_cursor) in self._cursors.items():
+            seen[keys.stream(q)], seen[keys.wake(q)] = stream_cursor, wake_cursor
+        return any(_stream_id(entry_id) > _stream_id(seen.get(stream, "0-0")) for stream, entry_id in entries)
 
     async def renew(self, worker: str, leases: Iterable[Lease]) -> dict[str, RenewStatus]:
         """Extend all of a worker's leases in one round trip (one script call per queue, pipelined).

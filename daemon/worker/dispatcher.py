@@ -234,6 +234,7 @@ class Worker(Stopping):
     async def _claim_until_drained(self) -> None:
         backoff = 0.1
         preempts = bool(self.queue.preempt.intersection(self.queues))
+        claim_first = True  # False: the last wait's standing claim got fewer jobs than it asked for
         while not self.draining():
             full = self._busy() >= self.slots
             ahead = self._ahead.wanted()
@@ -245,18 +246,23 @@ class Worker(Stopping):
             await self._gate.opened(self._wake, self.draining)
             if self.draining():
                 break
-            # Cleared before the claim: GPUs freed while it is in flight still wake the wait below.
-            self._wake.clear()
             try:
                 if full and not ahead:  # every slot taken: claim nothing, see if a job should preempt here
+                    self._wake.clear()
                     await self.queue.preempt_check(self.id, self.queues, **await self._room(shared=False))
                     claimed = False
-                else:
+                elif claim_first or self._wake.is_set():
+                    # Cleared before the claim: GPUs freed while it is in flight still wake the wait below.
+                    self._wake.clear()
                     claimed = await self._claim()
+                else:  # the standing claim found the queues empty, and nothing has changed since
+                    claimed = False
                 backoff = 0.1  # Redis answered: the next failure starts the back-off afresh
+                claim_first = True
                 if not claimed:
-                    await self._wait_for_work()
+                    claim_first = await self._wait_for_work()
             except Exception as exc:  # logged and retried: a dispatcher that dies never claims again
+                claim_first = True
                 if isinstance(exc, RedisError | NotReplicated):
                     log.warning("claiming failed (%s); retrying in %.1f s", exc, backoff)
                 else:
@@ -352,18 +358,19 @@ class Worker(Stopping):
                 log.info("job %s: no slot free in %g s; handing it back", held.lease.job_id, self._ahead.hold)
                 self._give_back([held.lease], held.deadline)
 
-    async def _wait_for_work(self) -> None:
+    async def _wait_for_work(self) -> bool:
         """Block until a queue gets a new entry, or `_wake` is set, leaving this worker's next
         claim standing meanwhile where it has no GPUs (work_watch.py); what that claim got, once
-        an enqueue sent it, is started here."""
+        an enqueue sent it, is started here. True when the next step is a claim; False when the
+        standing claim got fewer jobs than it asked for: it found the queues empty, as a claim
+        that returned does (`_claim`), and the next step waits again."""
         generation, sent = self._generation(), boottime()
         wanted = self.slots - self._busy() + self._ahead.wanted()
         claim = None  # none stands on a GPU worker (work_watch.py)
         if not self.allocator.gpus:  # and none goes while claims may not (claim_gate.py)
             claim = {"count": wanted, "ready": self._gate.open_now, **await self._room()}
         leases = await self._watch.wait(self._wake, claim)
-        if leases is not None:
-            await self._claimed(leases, wanted, generation, sent)
+        return leases is None or await self._claimed(leases, wanted, generation, sent)
 
     def _launch(self, lease: Lease, deadline: float) -> None:
         for other in self._held:

@@ -4,8 +4,10 @@ A worker whose last claim found nothing waits for a new entry in its queues' str
 blocking XREAD (JobQueue.wait_for_work). That read is kept from one wait to the next, and
 cancelled only when the worker stops: a wait ended by something else (a slot freed, a drain) leaves
 it in flight for the next, since cancelling it makes redis-py drop its connection, and a worker
-then made a new one (three round trips) for every job. A read sent before a later claim took the
-entry it answers wakes the worker for nothing but one claim that finds the queue empty.
+then made a new one (three round trips) for every job. A read may so answer an entry that a
+claim made since has seen (took, or passed over): that is no news (JobQueue.news), and a new read,
+after what the claim saw, goes on waiting. A job taken by the standing claim below wakes its
+worker's read too (the read was sent before it): no claim follows either.
 
 A worker without GPUs also leaves its next claim standing with its JobQueue while it waits
 (claims.Standing): the first enqueue to one of its queues through that JobQueue sends the claim
@@ -41,22 +43,23 @@ class WorkWatch:
         self.queue = queue
         self.worker = worker
         self.queues = list(queues)
-        self._read: asyncio.Future[bool] | None = None  # in flight from one wait to the next
+        self._read: asyncio.Future[list[tuple[str, str]]] | None = None  # in flight from one wait to the next
 
     async def wait(self, wake: asyncio.Event, claim: dict[str, Any] | None) -> list[Lease] | None:
-        """Until one of the queues gets an entry, `wake` is set, or the claim left standing
+        """Until one of the queues gets an entry no claim has seen, `wake` is set, or the claim left standing
         meanwhile was sent. `claim`: that claim, as claim_many's keyword arguments and `count`
         (None: none stands). Returns what the claim got once it was sent (maybe nothing), else None."""
         standing = self.queue.stand(self.worker, self.queues, **claim) if claim is not None else None
-        if self._read is None:
-            self._read = asyncio.ensure_future(self.queue.wait_for_work(self.queues, WAIT_BLOCK))
-        read = self._read
         woken = asyncio.ensure_future(wake.wait())
         taken = asyncio.ensure_future(standing.taken.wait()) if standing is not None else woken
         got = None
         try:
-            waits: set[asyncio.Future[Any]] = {read, woken, taken}
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                read = self._reading()
+                waits: set[asyncio.Future[Any]] = {read, woken, taken}
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if woken.done() or taken.done() or self._reading() is read:
+                    break  # else it answered what a claim had seen meanwhile: a new read waits
             if standing is not None and not self.queue.withdraw(standing):  # sent: its jobs
                 got = await self.queue.standing_claimed(standing)
         finally:
@@ -71,6 +74,19 @@ class WorkWatch:
             if failed is not None and got is None:
                 raise failed
         return got
+
+    def _reading(self) -> asyncio.Future[list[tuple[str, str]]]:
+        """The read in flight, or its answer when that is news (or its error); else a new read. A
+        read's answer is no news when every entry it names was seen by a claim since: one sent
+        in a job's enqueue round trip (the standing claim) took the entry this read was woken by."""
+        read = self._read
+        if read is not None and read.done() and not read.cancelled() and read.exception() is None:
+            entries = read.result()
+            if entries and not self.queue.news(entries):
+                read = None
+        if read is None:
+            read = self._read = asyncio.ensure_future(self.queue.wait_for_work(self.queues, WAIT_BLOCK))
+        return read
 
     async def close(self) -> None:
         """Cancel the read in flight (which costs its connection: the worker is stopping)."""

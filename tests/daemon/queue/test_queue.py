@@ -419,10 +419,13 @@ async def test_wait_for_work_wakes_on_enqueue_without_polling(queue: JobQueue, r
     waiter = asyncio.create_task(queue.wait_for_work(["default", "other"], block=30))
     await asyncio.sleep(0.05)
     assert not waiter.done()
-    await queue.enqueue(spec(queue="other"))
-    assert await asyncio.wait_for(waiter, 10) is True  # woken by the entry, long before its timeout
-    assert await queue.claim("w1", ["default", "other"]) is not None
-    assert await queue.wait_for_work(["default"], block=0.05) is False
+    job_id, _ = await queue.enqueue(spec(queue="other"))
+    read = await asyncio.wait_for(waiter, 10)  # woken by the entry, long before its timeout
+    assert [stream for stream, _ in read] == [keys.stream("other")]
+    assert queue.news(read)
+    assert (await queue.claim_many("w1", ["default", "other"], 2))[0].job_id == job_id
+    assert not queue.news(read)  # the claim has seen it since
+    assert await queue.wait_for_work(["default"], block=0.05) == []
 
 
 async def test_list_and_depth(queue: JobQueue) -> None:

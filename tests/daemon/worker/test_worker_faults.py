@@ -41,7 +41,7 @@ async def test_an_idle_worker_keeps_waiting_without_timeouts(
     # and the wait itself, however long it is asked to block, ends before the socket timeout
     client = redis_server.client(socket_timeout=0.2)
     try:
-        assert await JobQueue(client).wait_for_work(["default"], block=5) is False
+        assert await JobQueue(client).wait_for_work(["default"], block=5) == []
     finally:
         await client.aclose()
 
