@@ -46,6 +46,7 @@ SOCKET_TIMEOUT = 5.0  # seconds a command may wait for its reply
 CONNECT_TIMEOUT = 5.0
 RETRIES = 3  # re-sends of a command whose connection failed (each on a fresh connection)
 MAX_CLUSTER_CONNECTIONS = 65536  # per node (connect_cluster)
+READ_SIZE = 64 * 1024  # bytes asked of a socket at once by ReplyReader
 
 
 def block_limit(redis: AnyRedis) -> float:
@@ -139,6 +140,26 @@ class PackedSentinelConnection(_Packed, SentinelManagedConnection):
                 await self.disconnect()
                 raise ConnectionError("the previous primary is now a replica") from exc
             raise
+
+
+class ReplyReader:
+    """The replies of a connection that nothing else reads from (a blocking read's), one at a time,
+    parsed by hiredis here: a wait for one that is cancelled loses nothing, and the next wait goes
+    on (redis-py's own read drops its connection when cancelled, as it must when others share it)."""
+
+    def __init__(self) -> None:
+        self._parser = hiredis.Reader(replyError=ResponseError)
+
+    async def read(self, connection: AbstractConnection) -> Any:
+        """The next reply (an error reply as a ResponseError, returned). Raises ConnectionError
+        when the connection has closed."""
+        stream = connection._reader
+        while (reply := self._parser.gets()) is False:
+            data = await stream.read(READ_SIZE) if stream is not None else b""
+            if not data:
+                raise ConnectionError("Connection closed by server.")
+            self._parser.feed(data)
+        return reply
 
 
 class RunIdWatch:

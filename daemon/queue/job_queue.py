@@ -35,8 +35,9 @@ from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_i
 from daemon.queue import keys
 from daemon.queue.claims import Claims, Standing
 from daemon.queue.connection import AnyRedis, RunIdWatch
-from daemon.queue.reads import QueueReads, _s, xread
+from daemon.queue.reads import QueueReads, _s
 from daemon.queue.scripts import Pipeliner, ReplicaAck, ScriptBatch, Scripts
+from daemon.queue.work_read import WorkRead
 
 log = logging.getLogger(__name__)
 
@@ -227,13 +228,21 @@ class JobQueue(Claims, QueueReads):
         put at its front, or until `block` seconds pass. A blocking read, not polling. Returns
         the entries that woke it, as (stream, entry id); [] when none came. `news` tells, later,
         whether a claim has seen them since."""
+        read = self.read_for_work(queues, block)
+        try:
+            return await read.answer()
+        finally:
+            await read.close()
+
+    def read_for_work(self, queues: Sequence[str], block: float) -> WorkRead:
+        """`wait_for_work`'s read, whose answer can be awaited again after a wait for it was
+        cancelled (work_read.py). Sent at its first `answer()`."""
         streams: dict[str, str] = {}
         for q in queues:
             stream_cursor, wake_cursor = self._cursors.get(q, ("0-0", "0-0"))
             streams[keys.stream(q)] = stream_cursor
             streams[keys.wake(q)] = wake_cursor
-        read = await xread(self.redis, streams, count=1, block=block)
-        return [(stream, _s(entry_id)) for stream, entries in read for entry_id, _ in entries]
+        return WorkRead(self.redis, streams, block)
 
     def news(self, entries: Sequence[tuple[str, str]]) -> bool:
         """Whether any of `entries` (from `wait_for_work`) is newer than what this queue's claims

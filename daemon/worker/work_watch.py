@@ -1,13 +1,15 @@
 """How an idle worker waits for work, and how a job enqueued on an idle pool reaches its slot.
 
 A worker whose last claim found nothing waits for a new entry in its queues' streams: one
-blocking XREAD (JobQueue.wait_for_work). That read is kept from one wait to the next, and
-cancelled only when the worker stops: a wait ended by something else (a slot freed, a drain) leaves
-it in flight for the next, since cancelling it makes redis-py drop its connection, and a worker
-then made a new one (three round trips) for every job. A read may so answer an entry that a
-claim made since has seen (took, or passed over): that is no news (JobQueue.news), and a new read,
-after what the claim saw, goes on waiting. A job taken by the standing claim below wakes its
-worker's read too (the read was sent before it): no claim follows either.
+blocking XREAD (JobQueue.read_for_work). That read is kept from one wait to the next, until it
+has answered, and read only while the worker waits (work_read.py): a wait ended by something else
+(a slot freed, a drain) leaves it sent, its reply, if one comes meanwhile, left in its socket for
+the next wait. (Cancelling redis-py's read of it dropped its connection, and an idle worker made
+a new one, three round trips, for every job.) A read may so answer an entry that a claim made
+since has seen (took, or passed over): that is no news (JobQueue.news), and a new read, after
+what the claim saw, goes on waiting. A job taken by the standing claim below wakes its worker's
+read too (the read was sent before it): that answer is neither parsed on the way to the job's
+start nor followed by a claim.
 
 A worker without GPUs also leaves its next claim standing with its JobQueue while it waits
 (claims.Standing): the first enqueue to one of its queues through that JobQueue sends the claim
@@ -31,6 +33,7 @@ from typing import Any
 from daemon.aio import cancel_and_wait
 from daemon.job import Lease
 from daemon.queue.job_queue import JobQueue
+from daemon.queue.work_read import WorkRead
 
 WAIT_BLOCK = 5.0  # longest blocking read for work before claiming again (a safety net only)
 
@@ -43,23 +46,33 @@ class WorkWatch:
         self.queue = queue
         self.worker = worker
         self.queues = list(queues)
-        self._read: asyncio.Future[list[tuple[str, str]]] | None = None  # in flight from one wait to the next
+        self._read: WorkRead | None = None  # from one wait to the next, until it has answered
 
     async def wait(self, wake: asyncio.Event, claim: dict[str, Any] | None) -> list[Lease] | None:
-        """Until one of the queues gets an entry no claim has seen, `wake` is set, or the claim left standing
-        meanwhile was sent. `claim`: that claim, as claim_many's keyword arguments and `count`
-        (None: none stands). Returns what the claim got once it was sent (maybe nothing), else None."""
+        """Until one of the queues gets an entry no claim has seen, `wake` is set, or the claim
+        left standing meanwhile was sent. `claim`: that claim, as claim_many's keyword arguments
+        and `count` (None: none stands). Returns what the claim got once it was sent (maybe
+        nothing), else None."""
         standing = self.queue.stand(self.worker, self.queues, **claim) if claim is not None else None
         woken = asyncio.ensure_future(wake.wait())
         taken = asyncio.ensure_future(standing.taken.wait()) if standing is not None else woken
         got = None
         try:
             while True:
-                read = self._reading()
-                waits: set[asyncio.Future[Any]] = {read, woken, taken}
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                if woken.done() or taken.done() or self._reading() is read:
-                    break  # else it answered what a claim had seen meanwhile: a new read waits
+                read = self._read = self._read or self.queue.read_for_work(self.queues, WAIT_BLOCK)
+                answering = asyncio.ensure_future(read.answer())
+                try:
+                    await asyncio.wait({answering, woken, taken}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    # Not read meanwhile: a reply that comes waits for the next wait (work_read.py).
+                    await cancel_and_wait(answering)
+                if not read.woken or self.queue.news(read.woken):
+                    break  # not answered, or timed out (a claim then, as a safety net), or news
+                # It answered what a claim has seen since: a new read, after that, waits on.
+                self._read = None
+                await read.close()
+                if woken.done() or taken.done():
+                    break
             if standing is not None and not self.queue.withdraw(standing):  # sent: its jobs
                 got = await self.queue.standing_claimed(standing)
         finally:
@@ -68,30 +81,16 @@ class WorkWatch:
             # These waits hold nothing: cancelled, they end in the next turn by themselves.
             woken.cancel()
             taken.cancel()
-        if read.done():  # the next wait sends a new one, with the cursors of the claims since
-            self._read = None
-            failed = None if read.cancelled() else read.exception()
-            if failed is not None and got is None:
-                raise failed
+        failed = None if answering.cancelled() else answering.exception()
+        if failed is not None or read.woken is not None:
+            self._read = None  # over: the next wait sends a new one, after the claims since
+            await read.close()
+        if failed is not None and got is None:
+            raise failed
         return got
 
-    def _reading(self) -> asyncio.Future[list[tuple[str, str]]]:
-        """The read in flight, or its answer when that is news (or its error); else a new read. A
-        read's answer is no news when every entry it names was seen by a claim since: one sent
-        in a job's enqueue round trip (the standing claim) took the entry this read was woken by."""
-        read = self._read
-        if read is not None and read.done() and not read.cancelled() and read.exception() is None:
-            entries = read.result()
-            if entries and not self.queue.news(entries):
-                read = None
-        if read is None:
-            read = self._read = asyncio.ensure_future(self.queue.wait_for_work(self.queues, WAIT_BLOCK))
-        return read
-
     async def close(self) -> None:
-        """Cancel the read in flight (which costs its connection: the worker is stopping)."""
+        """End the read in flight, if any."""
         if self._read is not None:
             read, self._read = self._read, None
-            await cancel_and_wait(read)
-            if not read.cancelled():
-                read.exception()  # retrieved: it has ended either way
+            await read.close()

@@ -9,8 +9,10 @@ import time
 from typing import Any, cast
 
 import pytest
+from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from daemon.aio import cancel_and_wait
 from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
@@ -426,6 +428,34 @@ async def test_wait_for_work_wakes_on_enqueue_without_polling(queue: JobQueue, r
     assert (await queue.claim_many("w1", ["default", "other"], 2))[0].job_id == job_id
     assert not queue.news(read)  # the claim has seen it since
     assert await queue.wait_for_work(["default"], block=0.05) == []
+
+
+async def test_a_read_for_work_whose_waits_were_cancelled_loses_neither_its_answer_nor_its_connection(
+    queue: JobQueue, redis: AnyRedis
+) -> None:
+    """A worker's wait for work ends otherwise (a slot freed, a job its standing claim took):
+    its read is not read meanwhile, and the next wait has its answer, on the same connection."""
+    assert await queue.claim("w1", ["default"]) is None
+    one = redis if isinstance(redis, Redis) else None  # (a Cluster's read is redis-py's, as before)
+    read = queue.read_for_work(["default"], block=5)
+    try:
+        for n in range(3):
+            waiting = asyncio.ensure_future(read.answer())
+            await asyncio.sleep(0.05)
+            await cancel_and_wait(waiting)
+            if n == 0:  # sent, on a connection of its own; the enqueues' made
+                await queue.enqueue(spec(queue="other"))
+                connections = int((await one.info("stats"))["total_connections_received"]) if one else 0
+        await queue.enqueue(spec())
+        await asyncio.sleep(0.1)  # answered by now, in the socket
+        assert read.woken is None
+        woken = await asyncio.wait_for(read.answer(), 5)
+        assert [stream for stream, _ in woken] == [keys.stream("default")]
+        assert queue.news(woken)
+    finally:
+        await read.close()
+    if one is not None:
+        assert int((await one.info("stats"))["total_connections_received"]) == connections
 
 
 async def test_list_and_depth(queue: JobQueue) -> None:
