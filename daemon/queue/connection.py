@@ -29,7 +29,7 @@ from typing import Any
 import hiredis
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.connection import AbstractConnection, Connection
+from redis.asyncio.connection import AbstractConnection, Connection, UnixDomainSocketConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import ExponentialWithJitterBackoff
@@ -109,6 +109,10 @@ class _Packed(AbstractConnection):
 
 class PackedConnection(_Packed, Connection):
     """A connection to one Redis node (see `_Packed`)."""
+
+
+class PackedUnixConnection(_Packed, UnixDomainSocketConnection):
+    """A connection through a Unix socket, to a Redis on this machine (see `_Packed`)."""
 
 
 # What a replica answers a write with: alone (redis-py's ReadOnlyError), inside a script's error,
@@ -243,15 +247,25 @@ def connect(
     username: str | None = None,
     db: int = 0,
     watch: RunIdWatch | None = None,
+    unix_socket: str | None = None,
     **kwargs: Any,
 ) -> Redis:
     """A client (a connection pool) with the pool's timeouts and retries; `watch` is told the run
-    id of every connection it opens."""
+    id of every connection it opens. With `unix_socket`, through that Unix socket (of a Redis on
+    this machine), not host:port."""
     options = _options(watch, kwargs)
-    redis = Redis(host=host, port=port, db=db, username=username, password=password, **options)
+    redis = Redis(
+        host=host,
+        port=port,
+        db=db,
+        username=username,
+        password=password,
+        **options,
+        unix_socket_path=unix_socket,
+    )
     # Redis() takes no connection class, and building its pool by hand would mean repeating its
     # defaults; the pool makes every connection from this attribute, none made yet.
-    redis.connection_pool.connection_class = PackedConnection
+    redis.connection_pool.connection_class = PackedUnixConnection if unix_socket else PackedConnection
     return redis
 
 

@@ -15,7 +15,7 @@ from redis.exceptions import DataError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 
-from daemon.queue.connection import PackedConnection, connect
+from daemon.queue.connection import PackedConnection, PackedUnixConnection, connect
 from daemon.queue.embedded_redis import EmbeddedRedis
 
 ARGUMENTS: st.SearchStrategy[EncodableT] = st.one_of(
@@ -50,7 +50,7 @@ def test_what_redis_py_refuses_is_refused_the_same_way(bad: object) -> None:
 async def test_every_client_speaks_through_it(redis_server: EmbeddedRedis) -> None:
     redis = redis_server.client()
     try:
-        assert redis.connection_pool.connection_class is PackedConnection
+        assert redis.connection_pool.connection_class is PackedUnixConnection  # (its Unix socket)
         big = b"\x00\xff" * 100_000  # past redis-py's own chunking threshold
         await redis.set("k", big)
         assert await redis.get("k") == big

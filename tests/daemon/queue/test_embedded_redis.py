@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -80,3 +82,54 @@ def test_refuses_redis_older_than_6_2(tmp_path: Path) -> None:
 def test_the_shipped_binary_is_found() -> None:
     binary = find_binary()
     assert os.access(binary, os.X_OK)
+
+
+async def test_its_clients_on_this_machine_go_through_a_socket_no_other_user_can_open(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """poold reaches its embedded Redis through a Unix socket in the 0700 directory: no TCP stack
+    on the way, and a job running as another uid cannot even connect to try the password."""
+    socket_path = redis_server.socket
+    assert socket_path is not None
+    assert socket_path.is_socket()
+    client = redis_server.client()
+    try:
+        assert await client.ping()
+        info = await client.client_info()
+        assert str(info["laddr"]).startswith(str(redis_server.dir))  # in through the socket (a path)
+    finally:
+        await client.aclose()
+    if os.geteuid() != 0:
+        pytest.skip("switching to another uid needs root")
+    assert _connect_as(61013, socket_path) == errno.EACCES
+
+
+def _connect_as(uid: int, path: Path) -> int:
+    """What a process of `uid` gets when it connects to the Unix socket at `path`: 0, or the errno."""
+    pid = os.fork()
+    if pid == 0:  # the child: nothing but system calls, then out
+        code = 0
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            socket.socket(socket.AF_UNIX).connect(str(path))
+        except OSError as exc:
+            code = exc.errno or 255
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_data_directory_too_deep_for_a_socket_is_served_over_tcp(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    server = EmbeddedRedis(deep)
+    assert server.socket is None
+    server.start()
+    try:
+        with redis_sync.Redis(port=server.port, password=server.password) as r:
+            assert r.ping()
+        assert not list(server.dir.glob("*.sock"))
+    finally:
+        server.stop()
