@@ -2,8 +2,9 @@
 
 One process runs an embedded Redis, a real PoolServer (listener and metrics on port 0) and the
 executor, as `poold` runs a single machine's pool with its local slots; jobs are submitted one at
-a time, `--gap` apart, through the real PoolClient (Enqueue over TCP) by a client in a process of
-its own (`python -m bench.latency --client ADDRESS`), as poolctl is. Two executors, one after the
+a time, `--gap` apart, through the real PoolClient (Enqueue over the pool's Unix socket, as poolctl
+on the pool's machine sends it) by a client in a process of its own (`python -m bench.latency
+--client ADDRESS`), as poolctl is. Two executors, one after the
 other, on the same pool:
 
 - `noop`: the queue alone. A real `Worker` (2 slots) with the bench's no-op executor
@@ -93,7 +94,7 @@ async def submit(
     """Submit through a client process of its own (`client`): when each job was sent (monotonic
     seconds; and, into `wall`, the real-time clock in ns)."""
     assert server.listener is not None
-    argv = [sys.executable, "-m", "bench.latency", "--client", server.listener.address]
+    argv = [sys.executable, "-m", "bench.latency", "--client", server.listener.local_address]
     argv += ["--jobs", str(jobs), "--gap", str(gap), "--spec", orjson.dumps(spec).decode()]
     if start is not None:
         argv += ["--start", repr(start)]

@@ -1,9 +1,11 @@
-"""HOST:PORT, parsed in one place: the server's listen address, metrics ports, poolctl's --server;
-and whether a host is this machine's loopback (what may go without authentication or TLS)."""
+"""HOST:PORT, parsed in one place: the server's listen address, metrics ports, poolctl's --server
+(which may also name a local server's Unix socket, unix:PATH); and whether a host is this
+machine's loopback (what may go without authentication or TLS)."""
 
 from __future__ import annotations
 
 import ipaddress
+import os
 
 SERVER_PORT = 7420  # the wire protocol's port, where no address names one
 
@@ -29,6 +31,22 @@ def parse_host_ports(texts: list[str]) -> list[tuple[str, int]]:
         except ValueError as exc:
             raise ValueError(f"{text!r}: {exc}") from None
     return out
+
+
+UNIX = "unix:"  # an address "unix:PATH": a Unix socket on this machine (a local server's)
+
+
+UNIX_PATH_MAX = 108  # bytes of a Unix socket's path, its terminating NUL included (Linux)
+
+
+def fits_unix_socket(path: os.PathLike[str] | str) -> bool:
+    """Whether a Unix socket can be made at `path` (its path is short enough)."""
+    return len(os.fsencode(path)) < UNIX_PATH_MAX
+
+
+def unix_path(address: str) -> str | None:
+    """The socket's path when `address` names a Unix socket ("unix:PATH"), else None."""
+    return address[len(UNIX) :] if address.startswith(UNIX) else None
 
 
 def is_loopback(host: str) -> bool:

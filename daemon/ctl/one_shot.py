@@ -12,6 +12,7 @@ import socket
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+from daemon.address import unix_path
 from daemon.ctl import session
 from daemon.ctl.session import ClientError
 from protocol import (
@@ -109,6 +110,21 @@ def _call(  # noqa: PLR0917
         sock.close()
 
 
+def _connect(host: str, port: int) -> socket.socket:
+    """A connected socket to (host, port), or to the Unix socket `host` names (unix:PATH)."""
+    path = unix_path(host)
+    if path is None:
+        return socket.create_connection((host, port), timeout=HANDSHAKE_SECONDS)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(HANDSHAKE_SECONDS)
+        sock.connect(path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def _open(  # noqa: PLR0917
     address: str, user: str, token: str | None, tls_ca: str | None, tls: str, tls_pin: str | None
 ) -> tuple[socket.socket, ClientConnection, Iterator[Event]]:
@@ -118,13 +134,14 @@ def _open(  # noqa: PLR0917
     use_tls = session.wants_tls(host, tls, tls_ca, tls_pin)
     conn = session.connection(user, token)
     try:
-        sock = socket.create_connection((host, port), timeout=HANDSHAKE_SECONDS)
+        sock = _connect(host, port)
     except OSError as exc:
         raise session.unreachable(address, exc) from None
     try:
         if use_tls:
             try:
-                sock = session.tls_context(tls_ca).wrap_socket(sock, server_hostname=host)
+                name = "localhost" if unix_path(host) is not None else host
+                sock = session.tls_context(tls_ca).wrap_socket(sock, server_hostname=name)
             except OSError as exc:
                 raise session.unreachable(address, exc) from None
             session.check_pin(address, tls_ca, sock, tls_pin)

@@ -16,6 +16,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
+from daemon.address import unix_path
 from daemon.aio import cancel_and_wait
 from daemon.ctl import session
 from daemon.ctl.session import AuthFailed, ClientError, ServerUnreachable, parse_address
@@ -120,9 +121,13 @@ class PoolClient:
         self._pending = {}
         ctx = session.tls_context(self.tls_ca) if self.tls else None
         try:
-            self._reader, self._writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port, ssl=ctx), handshake_seconds
+            path = unix_path(self.host)
+            opening = (
+                asyncio.open_unix_connection(path, ssl=ctx, server_hostname="localhost" if ctx else None)
+                if path is not None
+                else asyncio.open_connection(self.host, self.port, ssl=ctx)
             )
+            self._reader, self._writer = await asyncio.wait_for(opening, handshake_seconds)
         except (OSError, TimeoutError) as exc:
             raise session.unreachable(self.address, exc) from None
         assert self._writer is not None

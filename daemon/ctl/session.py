@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from daemon.address import is_loopback, parse_host_port
+from daemon.address import is_loopback, parse_host_port, unix_path
 from daemon.errors import GpupoolError
 from protocol import (
     Authenticated,
@@ -57,10 +57,20 @@ class AuthFailed(ClientError):
 
 
 def parse_address(address: str) -> tuple[str, int]:
+    """(host, port); for a Unix socket's address (unix:PATH), the address whole and port 0."""
+    if (path := unix_path(address)) is not None:
+        if not path:
+            raise ClientError(f"{address!r} is not a server address; expected unix:PATH, a socket's path")
+        return address, 0
     try:
         return parse_host_port(address, default_host="127.0.0.1")
     except ValueError as exc:
         raise ClientError(f"{address!r} is not a server address; {exc}") from None
+
+
+def is_local(host: str) -> bool:
+    """A host (parse_address's) on this machine: loopback, or a Unix socket."""
+    return is_loopback(host) or unix_path(host) is not None
 
 
 def addresses(server: str) -> list[str]:
@@ -122,7 +132,7 @@ def wants_tls(host: str, tls: str, tls_ca: str | None, tls_pin: str | None = Non
     certificate; "on" always; "off" never."""
     if tls not in ("auto", "on", "off"):
         raise ClientError(f"tls = {tls!r} (GPUPOOL_TLS or pools.toml): expected auto, on or off")
-    return tls != "off" and (tls == "on" or bool(tls_ca or tls_pin) or not is_loopback(host))
+    return tls != "off" and (tls == "on" or bool(tls_ca or tls_pin) or not is_local(host))
 
 
 def tls_context(tls_ca: str | None) -> ssl.SSLContext:

@@ -29,6 +29,7 @@ from typing import Any
 import redis as redis_sync
 from redis.asyncio import Redis
 
+from daemon.address import fits_unix_socket
 from daemon.errors import GpupoolError
 from daemon.queue import connection
 
@@ -39,9 +40,6 @@ MIN_VERSION = (6, 2)  # XAUTOCLAIM, XRANGE exclusive ranges, ZADD GT/LT
 
 class EmbeddedRedisError(GpupoolError):
     """The embedded redis-server cannot be found or started."""
-
-
-UNIX_PATH_MAX = 108  # bytes of a Unix socket's path, its terminating NUL included (Linux)
 
 
 def find_binary() -> Path:
@@ -143,9 +141,9 @@ class EmbeddedRedis:
     @property
     def socket(self) -> Path | None:
         """The Unix socket this server also listens on; None where its path would be too long for
-        one (a socket's path has at most UNIX_PATH_MAX bytes)."""
+        one."""
         path = self.dir / "redis.sock"
-        return path if len(os.fsencode(path)) < UNIX_PATH_MAX else None
+        return path if fits_unix_socket(path) else None
 
     def client(self, **kwargs: Any) -> Redis:
         """A client of this server, with the pool's timeouts and retries (connection.connect):

@@ -7,19 +7,21 @@ listen beyond loopback without tokens, caps the number of connections, and can s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
 import ssl
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 
-from daemon.address import is_loopback
+from daemon.address import UNIX, is_loopback
 from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
 from daemon.metrics.server import ServerMetrics
 from daemon.server.handlers import Handlers
-from daemon.server.session import DECODE_INLINE, FrameBudget, Limits, Session
+from daemon.server.session import DECODE_INLINE, FrameBudget, Limits, Session, peer_host
 from protocol import ErrorCode, ServerConnection
 from protocol.connection import error_frame
 
@@ -61,7 +63,10 @@ class Listener:
         tls: ssl.SSLContext | None = None,
         limits: Limits | None = None,
         metrics: ServerMetrics | None = None,
+        socket: Path | None = None,
     ) -> None:
+        """`socket`: a Unix socket to listen on as well, for clients on this machine (no TCP
+        stack on the way; the same handshake, tokens and TLS)."""
         refuse_open_beyond_loopback(tokens, host, port)
         self.handlers = handlers
         self.tokens = tokens
@@ -70,6 +75,8 @@ class Listener:
         self.limits = limits or Limits()
         self.metrics = metrics
         self._server: asyncio.Server | None = None
+        self.socket = socket
+        self._local: asyncio.Server | None = None  # on `socket`
         self._budget = FrameBudget(self.limits.max_partial_frames)
         self._users: Counter[str] = Counter()  # user -> authenticated connections
         self._sessions: dict[Session, asyncio.Task[None] | None] = {}
@@ -78,6 +85,11 @@ class Listener:
     def address(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
+
+    @property
+    def local_address(self) -> str:
+        """Where a client on this machine connects best: the Unix socket when there is one."""
+        return f"{UNIX}{self.socket}" if self.socket is not None else self.address
 
     async def start(self) -> None:
         try:
@@ -96,12 +108,35 @@ class Listener:
                 "choose another address with --listen HOST:PORT"
             ) from None
         self.port = self._server.sockets[0].getsockname()[1]
+        if self.socket is not None:
+            await self._listen_locally(self.socket)
         log.info(
             "listening for clients on %s%s%s",
             self.address,
             " (TLS)" if self.tls else "",
             "" if self.tokens is not None else " (open: no tokens, loopback only)",
         )
+
+    async def _listen_locally(self, path: Path) -> None:
+        """Listen on the Unix socket `path` too (one a server that died left is replaced: whoever
+        owns the data directory it is in runs one pool there at most), open to every local user
+        as the loopback port is: a client gets in by the handshake, with a token."""
+        try:
+            self._local = await asyncio.start_unix_server(
+                self._accept,
+                path,
+                ssl=self.tls,
+                ssl_handshake_timeout=self.limits.handshake_timeout if self.tls else None,
+            )
+            os.chmod(path, 0o666)  # noqa: S103 - open as the loopback port is; the handshake guards it
+        except OSError as exc:
+            assert self._server is not None
+            self._server.close()
+            self._server = None
+            raise ListenerError(
+                f"cannot listen on {path}: {os.strerror(exc.errno or 0).lower()}; remove what is "
+                "there, or give the server another data directory"
+            ) from None
 
     def _make_room(self, host: str) -> int:
         """Close the oldest connections still authenticating while they are over their bound (of
@@ -125,10 +160,7 @@ class Listener:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        if (
-            self._make_room(str(peer[0]) if isinstance(peer, tuple) else str(peer))
-            >= self.limits.max_connections
-        ):
+        if self._make_room(peer_host(peer)) >= self.limits.max_connections:
             writer.write(
                 error_frame(0, ErrorCode.UNAVAILABLE, "The server has too many connections; retry later.")
             )
@@ -167,6 +199,12 @@ class Listener:
         if self._server is None:
             return
         self._server.close()
+        if self._local is not None:
+            self._local.close()
+            self._local = None
+            if self.socket is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.socket)
         for session in self._sessions:
             session.goodbye("the server is shutting down")
         running = [task for session in self._sessions for task in session.requests]

@@ -104,6 +104,14 @@ class FrameBudget:
         return None
 
 
+LOCAL_PEER = "the local socket"  # what a client on the server's Unix socket is called (it has no address)
+
+
+def peer_host(peer: object) -> str:
+    """Where a connection comes from (its peername): a host, or the local socket."""
+    return str(peer[0]) if isinstance(peer, tuple) else str(peer) or LOCAL_PEER
+
+
 def code_name(code: int) -> str:
     known = ErrorCode.coerce(code)
     return known.name if isinstance(known, ErrorCode) else str(code)
@@ -128,8 +136,8 @@ class Session:
         self.conn = conn
         self.limits = limits
         peer = writer.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer) or LOCAL_PEER
+        self.host = peer_host(peer)
         self._requests: dict[int, asyncio.Task[None]] = {}
         self._closing = False
         self.opened_at = asyncio.get_running_loop().time()
