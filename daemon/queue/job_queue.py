@@ -168,7 +168,7 @@ class JobQueue(Claims, QueueReads):
                 durable=True,
             )
             if self._standing and not spec.held:
-                self._send_standing(q)  # an idle worker's claim, in the same round trip
+                self._send_standing(q, (packed, spec))  # an idle worker's claim, in the same round trip
             got, created = await reply
         finally:
             await self._listed(listed, [q])

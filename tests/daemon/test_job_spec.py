@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import msgpack
 import pytest
 
 from daemon.errors import InvalidJob
@@ -72,3 +75,42 @@ def test_gpu_mem_and_whole_gpus_exclude_each_other() -> None:
         "job gpu_mem: --gpu-mem asks for memory on one shared GPU; drop --gpus (or --gpu-mem for whole GPUs)"
     )
     assert JobSpec.from_dict({"argv": ["true"], "gpus": 1, "gpu_mem": 0}).gpus == 1
+
+
+def test_a_spec_from_outside_is_what_a_worker_reads_back_from_its_packed_bytes() -> None:
+    """A standing claim hands its enqueue's JobSpec to the worker rather than decode the packed
+    bytes Redis holds (claims.Claims._claim_reply): the two are the same spec, every field set."""
+    sha = "ab" * 32
+    spec = dataclasses.replace(
+        JobSpec.from_dict(
+            {
+                "argv": ["python", "train.py", "--lr", "0.1"],
+                "queue": "gpu",
+                "name": "train",
+                "env": {"A": "1", "B": ""},
+                "gpus": 2,
+                "wait_for_worker": True,
+                "timeout": 3600,
+                "checkpoint_every": 60.5,
+                "stop_signal": "INT",
+                "stop_grace": 30,
+                "max_attempts": 5,
+                "retries": 2,
+                "priority": 7,
+                "git": {"repo": "https://example.com/r.git", "commit": "c" * 40},
+                "after": ["gpu.0123456789abcdef:ok"],
+                "notify": "https://example.com/hook",
+                "array": "gpu@0123456789abcdef",
+                "array_index": 3,
+                "array_pos": 3,
+                "array_limit": 2,
+            }
+        ),
+        user="alice",
+    )
+    assert JobSpec.from_dict(msgpack.unpackb(msgpack.packb(spec.to_dict()))) == spec
+    snapshot = {"snapshot": {"sha256": sha, "commit": "c" * 40, "dirty": True}}
+    inputs = {"inputs": [{"sha256": sha, "dest": "data/x", "kind": "file"}]}
+    for extra in (snapshot, inputs):
+        other = JobSpec.from_dict({"argv": ["true"], "gpu_mem": 2**30, **extra})
+        assert JobSpec.from_dict(msgpack.unpackb(msgpack.packb(other.to_dict()))) == other

@@ -34,6 +34,22 @@ async def test_a_standing_claim_travels_with_the_enqueue_and_gets_its_job(
     assert (info.state, info.worker) == (JobState.RUNNING, "w1")
 
 
+async def test_a_standing_claim_takes_its_enqueues_spec_as_it_is_and_decodes_any_other(
+    queue: JobQueue,
+) -> None:
+    """The spec the enqueue packed is at hand: the job with those very bytes gets that JobSpec,
+    not a decoded copy; a job queued before it (another spec) is decoded from what Redis holds."""
+    older, _ = await queue.enqueue(spec(0))
+    standing = queue.stand("w1", ["default"], 2)
+    assert standing is not None
+    mine = JobSpec(argv=("echo", "mine"), queue="default", env={"A": "1"}, timeout=5.0)
+    job_id, _ = await queue.enqueue(mine)
+    first, second = await queue.standing_claimed(standing)
+    assert (first.job_id, first.spec) == (older, spec(0))
+    assert (second.job_id, second.spec) == (job_id, mine)
+    assert second.spec is mine
+
+
 async def test_a_standing_claim_is_sent_only_for_its_queues_and_never_once_withdrawn(queue: JobQueue) -> None:
     standing = queue.stand("w1", ["gpu"], 1)
     assert standing is not None
