@@ -21,18 +21,24 @@ from protocol import Enqueue, Enqueued, JobDetail, ShowJob
 from tests.support.poolctl import poolctl
 
 
-@pytest.fixture
-async def embedded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[PoolServer]:
-    """The pool `make run` starts (no local slots: nothing here needs a job to run)."""
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))  # where it registers itself
+def embedded_pool(data: Path) -> PoolServer:
+    """The pool `make run` starts, its data in `data` (no local slots: nothing here needs a job
+    to run)."""
     env = {
-        "GPUPOOL_DATA_DIR": str(tmp_path / "data"),
+        "GPUPOOL_DATA_DIR": str(data),
         "GPUPOOL_LISTEN": "127.0.0.1:0",
         "GPUPOOL_METRICS_LISTEN": "127.0.0.1:0",
         "GPUPOOL_WEB_LISTEN": "off",
         "GPUPOOL_WORKER_LOCAL_PROCESSORS": "0",
     }
-    server = PoolServer(config.load(None, env=env))
+    return PoolServer(config.load(None, env=env))
+
+
+@pytest.fixture
+async def embedded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[PoolServer]:
+    """`embedded_pool`, started."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))  # where it registers itself
+    server = embedded_pool(tmp_path / "data")
     await server.start()
     try:
         yield server
@@ -79,14 +85,7 @@ async def test_a_socket_left_by_a_server_that_died_is_replaced(
     left.bind(str(data / "pool.sock"))  # bound, never listening: nobody answers there
     left.close()
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    env = {
-        "GPUPOOL_DATA_DIR": str(data),
-        "GPUPOOL_LISTEN": "127.0.0.1:0",
-        "GPUPOOL_METRICS_LISTEN": "127.0.0.1:0",
-        "GPUPOOL_WEB_LISTEN": "off",
-        "GPUPOOL_WORKER_LOCAL_PROCESSORS": "0",
-    }
-    server = PoolServer(config.load(None, env=env))
+    server = embedded_pool(data)
     await server.start()
     try:
         assert server.listener is not None
