@@ -140,8 +140,7 @@ def _open(  # noqa: PLR0917
     try:
         if use_tls:
             try:
-                name = "localhost" if unix_path(host) is not None else host
-                sock = session.tls_context(tls_ca).wrap_socket(sock, server_hostname=name)
+                sock = session.tls_context(tls_ca).wrap_socket(sock, server_hostname=session.tls_name(host))
             except OSError as exc:
                 raise session.unreachable(address, exc) from None
             session.check_pin(address, tls_ca, sock, tls_pin)

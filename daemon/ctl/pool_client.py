@@ -122,8 +122,9 @@ class PoolClient:
         ctx = session.tls_context(self.tls_ca) if self.tls else None
         try:
             path = unix_path(self.host)
+            name = session.tls_name(self.host) if ctx else None
             opening = (
-                asyncio.open_unix_connection(path, ssl=ctx, server_hostname="localhost" if ctx else None)
+                asyncio.open_unix_connection(path, ssl=ctx, server_hostname=name)
                 if path is not None
                 else asyncio.open_connection(self.host, self.port, ssl=ctx)
             )

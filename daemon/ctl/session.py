@@ -73,6 +73,12 @@ def is_local(host: str) -> bool:
     return is_loopback(host) or unix_path(host) is not None
 
 
+def tls_name(host: str) -> str:
+    """The name a server's certificate is checked against: a Unix socket's server is this
+    machine's, "localhost" (its own certificate names it)."""
+    return "localhost" if unix_path(host) is not None else host
+
+
 def addresses(server: str) -> list[str]:
     """The servers `server` names: one HOST:PORT, or several of one pool, comma-separated
     (GPUPOOL_SERVER=a:7420,b:7420), tried in that order. Raises ClientError naming a bad one."""
