@@ -40,11 +40,14 @@ async def test_fifo_start_order_across_two_workers_with_two_slots(
     assert len({info.worker for info in infos}) == 2
     # Process start order: four slots start processes concurrently, and no worker waits for an
     # exec, so two jobs claimed back to back may swap, and a job whose exec the scheduler preempts
-    # (two cores for two workers, their jobs and Redis) may be overtaken by a few of the other
-    # worker's; none starts more than five places from its enqueue position.
+    # (two cores for two workers, their jobs and Redis) may be overtaken by any job claimed and
+    # not yet started: each worker holds up to four (its two slots' and the two it claims ahead,
+    # look_ahead.py), the other worker's four and its own worker's three others. So none starts
+    # more than seven places from its enqueue position (six was seen in 1 of 15 runs, before and after the
+    # standing claim; 2 to 5 in the rest), and a dispatch out of FIFO order is far beyond that.
     started = order.read_text().split()
     assert sorted(started) == sorted(ids)
-    assert all(abs(started.index(job_id) - n) < 6 for n, job_id in enumerate(ids)), started
+    assert all(abs(started.index(job_id) - n) < 8 for n, job_id in enumerate(ids)), started
 
 
 async def test_cancel_through_the_queue_kills_grandchildren(queue: JobQueue, tmp_path: Path) -> None:
