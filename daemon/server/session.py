@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from daemon.errors import GpupoolError
 from daemon.server.handlers import Handlers
+from daemon.server.idle_watch import IdleWatch
 from protocol import (
     DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
@@ -181,15 +182,23 @@ class Session:
             self._write(self.conn.goodbye(reason))
 
     async def _read_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        handshake_deadline = loop.time() + self.limits.handshake_timeout
+        handshake_deadline = asyncio.get_running_loop().time() + self.limits.handshake_timeout
+
+        def deadline(started: float) -> float:
+            """When a read that began at `started` must have had its bytes."""
+            return started + self.limits.idle_timeout if self.authenticated else handshake_deadline
+
+        watch = IdleWatch(deadline)
+        try:
+            await self._read_until_over(watch)
+        finally:
+            watch.close()
+
+    async def _read_until_over(self, watch: IdleWatch) -> None:
         while True:
-            ready = self.conn.state is not State.AWAIT_HELLO and self.conn.state is not State.AWAIT_AUTH
-            timeout = self.limits.idle_timeout if ready else handshake_deadline - loop.time()
+            ready = self.authenticated
             try:
-                # a timeout context, not wait_for: on Python 3.11 that makes a task of every read
-                async with asyncio.timeout(max(timeout, 0)):
-                    data = await self.reader.read(READ_SIZE)
+                data = await watch.read(self.reader, READ_SIZE)
             except TimeoutError:
                 if ready and self.conn.in_flight:
                     continue  # a long request (log follow, wait) is not idleness
@@ -206,12 +215,13 @@ class Session:
             if not await self._process_events():
                 return
             held = (self._user or "", self.conn.buffered)
-            why = self._budget.hold(self._held, held)
-            self._held = held
-            if why is not None:
-                log.warning("closing %s: %s", self.peer, why)
-                self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}."))
-                return
+            if held != self._held:
+                why = self._budget.hold(self._held, held)
+                self._held = held
+                if why is not None:
+                    log.warning("closing %s: %s", self.peer, why)
+                    self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}."))
+                    return
             await self.writer.drain()
 
     async def _next_event(self) -> Event | NeedData:

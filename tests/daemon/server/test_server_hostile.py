@@ -23,10 +23,15 @@ from protocol import (
     ClientConnection,
     ConnectionClosed,
     ConnectionFailed,
+    Enqueue,
+    Enqueued,
     ErrorCode,
     Ping,
     Pong,
     ReplyReceived,
+    Request,
+    Waited,
+    WaitJobs,
 )
 from protocol.frames import HEADER, FrameDecoder, FrameType, encode_frame, pack_payload, unpack_payload
 from tests.support.poold_proc import poold
@@ -192,6 +197,48 @@ def test_idle_connection_is_closed(server: str) -> None:
     with connect(server) as sock:
         authenticate(sock)
         assert fatal_error(read_until_closed(sock)) == ErrorCode.IDLE_TIMEOUT
+
+
+def call(sock: socket.socket, conn: ClientConnection, request: Request) -> object:
+    """Send `request` on an authenticated socket; its final reply."""
+    rid, data = conn.request(request)
+    sock.sendall(data)
+    while True:
+        data = sock.recv(65536)
+        assert data, "the server closed the connection"
+        conn.receive_data(data)
+        while (event := conn.next_event()) is not NEED_DATA:
+            if isinstance(event, ReplyReceived) and event.request_id == rid and event.final:
+                return event.message
+            assert isinstance(event, ReplyReceived), event
+
+
+def test_a_connection_that_keeps_talking_is_never_idle(server: str) -> None:
+    """The idle timeout (1 s here) counts from a connection's last request, not from its start:
+    a ping every 0.4 s for 3 s keeps it open; once it falls silent, it is closed as idle."""
+    with connect(server) as sock:
+        conn = authenticate(sock)
+        until = time.monotonic() + 3
+        while time.monotonic() < until:
+            assert isinstance(call(sock, conn, Ping()), Pong)
+            time.sleep(0.4)
+        silent = time.monotonic()
+        assert fatal_error(read_until_closed(sock)) == ErrorCode.IDLE_TIMEOUT
+        assert 0.5 < time.monotonic() - silent < 5
+
+
+def test_a_request_in_flight_longer_than_the_idle_timeout_keeps_its_connection(server: str) -> None:
+    """Waiting for a job (2.5 s; the pool has no worker, so it stays queued) is not idleness:
+    the wait gets its answer, and the connection serves the next request."""
+    spec = {"argv": ["true"], "queue": "default"}
+    with connect(server) as sock:
+        conn = authenticate(sock)
+        enqueued = call(sock, conn, Enqueue(spec, None))
+        assert isinstance(enqueued, Enqueued)
+        waited = call(sock, conn, WaitJobs([enqueued.job_id], 2.5))
+        assert isinstance(waited, Waited)
+        assert waited.timed_out
+        assert isinstance(call(sock, conn, Ping()), Pong)
 
 
 def test_bad_magic_and_bad_version_are_refused(server: str) -> None:
