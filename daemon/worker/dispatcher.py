@@ -71,7 +71,7 @@ from daemon.worker.identity import SlotIdentity
 from daemon.worker.lifetime import Lifetime
 from daemon.worker.look_ahead import LookAhead
 from daemon.worker.outcomes import Outcomes
-from daemon.worker.runner import Ending, JobRun, Run, RunResult
+from daemon.worker.runner import Ending, JobRun, Run, RunResult, passed_env
 from daemon.worker.slots import Slots
 from daemon.worker.stopping import Stage, Stopping
 from daemon.worker.work_watch import WorkWatch
@@ -136,8 +136,9 @@ class Worker(Stopping):
         self.drain_timeout = drain_timeout
         self.kill_grace = kill_grace
         self.id = worker_id or registry.new_worker_id()
-        # Copied once: os.environ decodes every variable on each read, and every job starts from it.
-        self.env = dict(os.environ) if env is None else env
+        # Taken once: os.environ decodes every variable on each read, and every job starts from
+        # what it passes on (a filter of ~40 variables was ~25 us of each cold start).
+        self.env = passed_env(os.environ if env is None else env)
         self.store: ObjectStore | None = None
         self.cache: ObjectCache | None = None
         if store is not None:  # every byte to and from it is counted where it crosses (metrics/transfers.py)

@@ -95,6 +95,11 @@ class Run(Protocol):
 PASSED_ENV = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TERM"})
 
 
+def passed_env(base: Mapping[str, str]) -> dict[str, str]:
+    """What a job gets of `base`, the worker's environment: PASSED_ENV and the locale (LC_*)."""
+    return {k: v for k, v in base.items() if k in PASSED_ENV or k.startswith("LC_")}
+
+
 def job_env(
     base: Mapping[str, str],
     lease: Lease,
@@ -106,7 +111,7 @@ def job_env(
     and TMPDIR to `tmp` when given (a job with an identity of its own gets its slot's directories:
     what it leaves in a temporary file goes with the attempt, not to the next user of the slot's
     uid), then the spec's, then the pool's variables, which the spec cannot override."""
-    env = {k: v for k, v in base.items() if k in PASSED_ENV or k.startswith("LC_")}
+    env = passed_env(base)
     if home is not None:
         env["HOME"] = str(home)
     if tmp is not None:
