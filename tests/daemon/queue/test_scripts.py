@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
@@ -15,17 +16,43 @@ from daemon.queue.scripts import MAX_BATCH, Pipeliner
 
 
 def counting_round_trips(redis: Redis) -> list[int]:
-    """Patch `redis` so each round trip it makes is counted: each takes one of its pool's
-    connections (a command, a pipeline, a batch of script calls alike)."""
+    """Patch `redis` so each round trip it makes is counted: each writes its commands at once (a
+    command, a pipeline, a batch of script calls alike), on any connection of its pool, a
+    Pipeliner's kept one (scripts.Lane) included."""
     made: list[int] = []
     pool = redis.connection_pool
-    get_connection = pool.get_connection
 
-    async def counted(*args: Any, **kwargs: Any) -> Any:
-        made.append(1)
-        return await get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+    def counting(connection: AbstractConnection) -> AbstractConnection:
+        send, connect = connection.send_packed_command, connection.connect
+        quiet = False  # while it connects (its handshake), or while one write goes out
 
-    pool.get_connection = counted  # type: ignore[method-assign]
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal quiet
+            if quiet:
+                return await send(*args, **kwargs)
+            made.append(1)
+            quiet = True
+            try:
+                return await send(*args, **kwargs)
+            finally:
+                quiet = False
+
+        async def connecting() -> None:
+            nonlocal quiet
+            was, quiet = quiet, True
+            try:
+                await connect()  # type: ignore[no-untyped-call]
+            finally:
+                quiet = was
+
+        connection.send_packed_command = counted  # type: ignore[method-assign]
+        connection.connect = connecting  # type: ignore[method-assign]
+        return connection
+
+    for connection in [*pool._available_connections, *pool._in_use_connections]:
+        counting(connection)
+    make_connection = pool.make_connection
+    pool.make_connection = lambda: counting(make_connection())  # type: ignore[method-assign,no-untyped-call]
     return made
 
 
@@ -147,3 +174,63 @@ async def test_a_cancelled_caller_leaves_the_others_their_answers(redis: Redis) 
     assert await second == b"second"
     with pytest.raises(asyncio.CancelledError):
         await first
+
+
+async def test_one_callers_batches_go_out_on_one_kept_connection(redis: Redis) -> None:
+    """A Pipeliner keeps a connection for its batches (scripts.Lane): taking one from redis-py's
+    pool and giving it back was the larger part of what a batch cost this process after an idle
+    spell. Batches one after the other take none from the pool after the first."""
+    call = Pipeliner(redis)
+    echo = redis.register_script("return ARGV[1]")
+    await redis.script_load(echo.script)
+    pool = redis.connection_pool
+    taken: list[int] = []
+    get_connection = pool.get_connection
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        taken.append(1)
+        return await get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    pool.get_connection = counted  # type: ignore[method-assign]
+    for i in range(5):
+        assert await call(echo, [], [str(i)]) == str(i).encode()
+    assert len(taken) == 1
+
+
+async def test_a_kept_connection_that_redis_closed_is_made_anew(
+    redis: Redis, redis_server: EmbeddedRedis
+) -> None:
+    """Redis closed the connection between two batches: the next batch is sent again on it, made
+    anew (the client's Retry; every script is safe to run twice), and gets its answer."""
+    call = Pipeliner(redis)
+    echo = redis.register_script("return ARGV[1]")
+    assert await call(echo, [], ["before"]) == b"before"
+    other = redis_server.client()
+    try:
+        assert await other.client_kill_filter(_type="normal", skipme=True) >= 1
+    finally:
+        await other.aclose()
+    assert await call(echo, [], ["after"]) == b"after"
+
+
+async def test_a_batch_stopped_before_its_answer_leaves_no_answer_for_the_next(redis: Redis) -> None:
+    """A sender cancelled while its batch runs in Redis (the loop stopping): the reply that comes
+    later must never be read as the next batch's (a stale reply taken for a claim's starts a job
+    twice). The next call gets its own answer."""
+    call = Pipeliner(redis)
+    slow = redis.register_script(
+        "local t = redis.call('TIME'); local stop = t[1] * 1e6 + t[2] + 300000 "
+        "repeat t = redis.call('TIME') until t[1] * 1e6 + t[2] >= stop return ARGV[1]"
+    )
+    echo = redis.register_script("return ARGV[1]")
+    await redis.script_load(slow.script)
+    await redis.script_load(echo.script)
+    assert await call(echo, [], ["warm"]) == b"warm"  # the kept connection is made
+    first = asyncio.ensure_future(call(slow, [], ["stale"]))
+    await asyncio.sleep(0.1)  # its batch is in Redis
+    for sender in list(call._in_flight):
+        sender.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert await call(echo, [], ["fresh"]) == b"fresh"
+    assert await call(echo, [], ["again"]) == b"again"
