@@ -520,10 +520,14 @@ if wanted == 0 then
   return stop(status, newest())
 end
 
+-- Whether anything waits at the front or with a priority: one look for all four places (most
+-- claims find none, and each look costs Redis a command on the path to a job's start).
+local waiting = redis.call('EXISTS', retry, parked, capped_users, prefix .. 'prio') > 0
+
 -- The front: `retry` (lowest seq first), the parked jobs this worker can hold and the jobs held at
 -- a cap whose user is below it now, the oldest first.
 local moved = 0
-while #ids < wanted do
+while waiting and #ids < wanted do
   local r = redis.call('ZRANGE', retry, 0, 0, 'WITHSCORES')
   local too_big = r[1] and need(job_key(prefix, r[1])) > gpus_total
   if too_big and moved < 100 then
@@ -562,7 +566,7 @@ if #ids == wanted then return stop('claimed', '0-0') end
 -- bounded look): held in its user's line it would lose its priority to the user's later ones.
 local prio = prefix .. 'prio'
 local passed = 0
-while #ids < wanted do
+while waiting and #ids < wanted do
   local top = redis.call('ZRANGE', prio, passed, passed)[1]
   if not top then break end
   local jobkey = job_key(prefix, top)
@@ -688,7 +692,9 @@ local function take(entry, fields, f, gpus)
     redis.call('XCLAIM', stream, group, 'reclaimed', 0, entry, 'JUSTID')  -- as a parked one
     hold(prefix, f[5], id, f[6])
   else
-    redis.call('ZREM', prefix .. 'prio', id)  -- a no-op: `prio` is served first (see the order)
+    if (tonumber(f[7]) or 0) > 0 then  -- (only a job with a priority is in `prio`: _lib.lua add_job)
+      redis.call('ZREM', prefix .. 'prio', id)  -- a no-op: `prio` is served first (see the order)
+    end
     start(id, job_key(prefix, id), gpus, f)
   end
 end
@@ -708,7 +714,8 @@ for _ = 1, 100 + wanted do
     -- it has is passed over): the next entry is taken as it is delivered, without a look first.
     local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', stream, '>')
     local nxt = got and got[1][2][1]
-    if not nxt then return stop('empty', delivered()) end
+    -- The group's last delivered entry is the one this call took last, if it took one.
+    if not nxt then return stop('empty', last or delivered()) end
     local f, gpus = read_of(nxt[2])
     take(nxt[1], nxt[2], f, gpus)
     last = nxt[1]
