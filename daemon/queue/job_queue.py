@@ -36,7 +36,7 @@ from daemon.queue import keys
 from daemon.queue.claims import Claims, Standing
 from daemon.queue.connection import AnyRedis, RunIdWatch
 from daemon.queue.reads import QueueReads, _s
-from daemon.queue.scripts import Pipeliner, ReplicaAck, ScriptBatch, Scripts
+from daemon.queue.scripts import Command, Pipeliner, ReplicaAck, ScriptBatch, Scripts
 from daemon.queue.work_read import WorkRead
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ DEFAULT_RETENTION = 7 * 24 * 3600
 RECLAIM_BATCH = 500
 ENQUEUE_CHUNK = 100  # jobs per enqueue_many script call: a few ms of Redis time at most
 MAX_IDEMPOTENCY_KEY = 200
+ADD_QUEUES = Command("SADD")  # name queues in the pool's queue set (`_list_queues`)
 DEFAULT_LOG_MAX_BYTES = 16 * 2**20  # per job: the first quarter is kept for good, then the newest
 
 
@@ -207,10 +208,12 @@ class JobQueue(Claims, QueueReads):
             await self._listed(listed, sorted({s.queue for s in specs}))
 
     def _list_queues(self, queues: Sequence[str]) -> asyncio.Future[Any]:
-        """Name `queues` in the pool-wide queue set, in the round trip of the enqueue that follows
-        (the set has a hash tag of its own, so the enqueue script cannot write it). Every enqueue
-        does, so a write to the set that was lost is made good by the next one."""
-        return self._call.submit(self.scripts.add_queue, [keys.QUEUES], list(queues))
+        """Name `queues` in the pool-wide queue set (the reaper, `wait`, metrics and `ls` read it),
+        in the round trip of the enqueue that follows: a SADD, safe to run twice, refused at
+        maxmemory as the enqueue is. The set has a hash tag of its own, so the enqueue script
+        cannot write it. Every enqueue does, so a write to the set that was lost is made good by
+        the next one (no cache decides that a queue is known)."""
+        return self._call.submit(ADD_QUEUES, [keys.QUEUES], list(queues))
 
     @staticmethod
     async def _listed(sent: asyncio.Future[Any], queues: Sequence[str]) -> None:

@@ -66,7 +66,6 @@ NAMES = (
     "log",
     "release",
     "heartbeat",
-    "add_queue",
     "prune_workers",
     "primary_age",
     "weights",
@@ -97,7 +96,6 @@ class Scripts:
         self.log: AsyncScript = redis.register_script(source("log"))
         self.release: AsyncScript = redis.register_script(source("release"))
         self.heartbeat: AsyncScript = redis.register_script(source("heartbeat"))
-        self.add_queue: AsyncScript = redis.register_script(source("add_queue"))
         self.prune_workers: AsyncScript = redis.register_script(source("prune_workers"))
         self.primary_age: AsyncScript = redis.register_script(source("primary_age"))
         self.weights: AsyncScript = redis.register_script(source("weights"))
@@ -120,7 +118,19 @@ class ReplicaAck:
         return cls(replicas, max(1, round(timeout * 1000))) if replicas > 0 else None
 
 
-BatchCall = tuple[AsyncScript, Sequence[Any], Sequence[Any], bool]  # script, keys, args, durable
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A plain Redis command that travels in a batch of script calls, as `NAME KEYS... ARGS...`:
+    for a write that needs no script (one command is atomic by itself), which would cost Redis
+    the script machinery and the shared helpers on every call (~35 us after an idle spell)."""
+
+    name: str
+
+
+ScriptOrCommand = AsyncScript | Command
+BatchCall = tuple[
+    ScriptOrCommand, Sequence[Any], Sequence[Any], bool
+]  # script or command, keys, args, durable
 
 
 class Lane:
@@ -165,7 +175,7 @@ class ScriptBatch:
         return len(self._calls)
 
     def add(
-        self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any], *, durable: bool = False
+        self, script: ScriptOrCommand, keys: Sequence[Any], args: Sequence[Any], *, durable: bool = False
     ) -> int:
         """Queue one call; returns the index of its reply in `execute`'s list."""
         self._calls.append((script, keys, args, durable))
@@ -188,6 +198,7 @@ class ScriptBatch:
         refused = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
         if refused:
             for script in {id(self._calls[i][0]): self._calls[i][0] for i in refused}.values():
+                assert isinstance(script, AsyncScript)  # (only EVALSHA is answered NOSCRIPT)
                 script.sha = await self.redis.script_load(script.script)
             for i, reply in zip(refused, await self._send([self._calls[i] for i in refused]), strict=True):
                 replies[i] = reply
@@ -204,7 +215,12 @@ class ScriptBatch:
         in order, as a redis-py pipeline does without MULTI: only what a batch of script calls
         needs of it (redis-py's Pipeline object cost a batch ~50 us of this process). Then the
         WAIT of its durable calls, if it has any."""
-        commands = [("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args, _ in calls]
+        commands = [
+            (script.name, *keys, *args)
+            if isinstance(script, Command)
+            else ("EVALSHA", script.sha, len(keys), *keys, *args)
+            for script, keys, args, _ in calls
+        ]
         ack = self.ack if any(durable for *_, durable in calls) else None
         if ack is not None:
             # WAIT counts the replicas that have this connection's last write (Redis 7; 6.2 its
@@ -387,7 +403,7 @@ async def _exchange(connection: AbstractConnection, commands: list[tuple[Any, ..
 class Call(NamedTuple):
     """One caller's call, queued for a batch (Pipeliner.submit says what `first` is)."""
 
-    script: AsyncScript
+    script: ScriptOrCommand
     keys: Sequence[Any]
     args: Sequence[Any]
     durable: bool
@@ -419,7 +435,7 @@ class Pipeliner:
 
     async def __call__(
         self,
-        script: AsyncScript,
+        script: ScriptOrCommand,
         keys: Sequence[Any],
         args: Sequence[Any],
         *,
@@ -430,7 +446,7 @@ class Pipeliner:
 
     def submit(
         self,
-        script: AsyncScript,
+        script: ScriptOrCommand,
         keys: Sequence[Any],
         args: Sequence[Any],
         *,
