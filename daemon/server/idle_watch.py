@@ -3,10 +3,12 @@
 A timeout context around each read (`asyncio.timeout`) makes a timer when the read starts and
 cancels it when the bytes come: for a request that arrives after an idle spell, ~50 us of the
 server's time on the path to its answer (and to a job's start), before the request's own task
-runs. Here a read only notes when it started. The timer is set once and, when it fires, looks
-at the deadline as it stands now (the current read's): not reached yet, it sets itself again for
-it; reached with the read still waiting, it cancels the read, which then raises TimeoutError, as
-the context did. A timer that fires between reads lapses, and the next read sets a new one.
+runs. Here a read only notes when it started, and sets the timer again only if its deadline came
+nearer than the timer (the handshake's deadline gave way to a shorter idle timeout). The timer,
+when it fires, looks at the deadline as it stands now (the current read's): not reached yet, it
+sets itself again for it; reached with the read still waiting, it cancels the read, which then
+raises TimeoutError, as the context did. A timer that fires between reads lapses, and the next
+read sets a new one.
 """
 
 from __future__ import annotations
@@ -34,15 +36,20 @@ class IdleWatch:
 
     async def read(self, reader: asyncio.StreamReader, n: int) -> bytes:
         self._started = self._loop.time()
-        if self._handle is None and not self._closed:
-            self._handle = self._loop.call_at(self._deadline(self._started), self._look)
+        if not self._closed:
+            deadline = self._deadline(self._started)
+            if self._handle is None or self._handle.when() > deadline:
+                if self._handle is not None:  # the deadline came nearer (the handshake finished)
+                    self._handle.cancel()
+                self._handle = self._loop.call_at(deadline, self._look)
+        cancelling = self._task.cancelling()
         self._reading = True
         try:
             return await reader.read(n)
         except asyncio.CancelledError:
             if self._expired:
                 self._expired = False
-                if self._task.uncancel() == 0:  # no one else asked the task to stop
+                if self._task.uncancel() <= cancelling:  # no one else asked the task to stop
                     raise TimeoutError from None
             raise
         finally:
