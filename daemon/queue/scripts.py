@@ -144,12 +144,13 @@ class Lane:
     def __init__(self) -> None:
         self.connection: AbstractConnection | None = None
         self.busy = False
+        self.stale = False  # to be closed before its next batch
 
-    async def drop(self) -> None:
-        """Close the kept connection: the next batch connects anew (and, in a Sentinel group,
-        asks the sentinels where the primary is)."""
-        if self.connection is not None:
-            await self.connection.disconnect()
+    def drop(self) -> None:
+        """The next batch on the lane connects anew (and, in a Sentinel group, asks the sentinels
+        where the primary is). A batch out on it now is left to finish: closing the connection
+        under it would only make it send everything again."""
+        self.stale = True
 
 
 class ScriptBatch:
@@ -322,7 +323,7 @@ class ScriptBatch:
             with contextlib.suppress(RedisError):
                 await pool.get_master_address()  # type: ignore[no-untyped-call]
         if self.lane is not None:  # the pool drops only the connections it holds idle
-            await self.lane.drop()
+            self.lane.drop()
 
     async def _exchange(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         assert isinstance(self.redis, Redis)
@@ -333,14 +334,19 @@ class ScriptBatch:
             try:
                 if lane.connection is None:
                     lane.connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+                elif lane.stale:
+                    await lane.connection.disconnect()
+                lane.stale = False
                 kept = lane.connection
                 try:
                     return await _exchange_retried(kept, commands)
                 except BaseException:
-                    # Stopped between its write and its last reply, it may have replies to come,
-                    # which the next batch would take for its own: back to the pool, which looks
-                    # at a connection before it hands it out again.
+                    # Stopped between its write and its last reply (an error, a cancel), it could
+                    # have replies to come that the next batch would take for its own. redis-py
+                    # closes a connection whose write or read was interrupted; closed here too,
+                    # so that no later version can leave one open, and given back to the pool.
                     lane.connection = None
+                    await kept.disconnect(nowait=True)
                     await pool.release(kept)
                     raise
             finally:

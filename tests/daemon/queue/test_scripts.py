@@ -12,7 +12,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from daemon.queue.embedded_redis import EmbeddedRedis
-from daemon.queue.scripts import MAX_BATCH, Pipeliner
+from daemon.queue.scripts import MAX_BATCH, Command, Pipeliner
 
 
 def counting_round_trips(redis: Redis) -> list[int]:
@@ -226,11 +226,43 @@ async def test_a_batch_stopped_before_its_answer_leaves_no_answer_for_the_next(r
     await redis.script_load(slow.script)
     await redis.script_load(echo.script)
     assert await call(echo, [], ["warm"]) == b"warm"  # the kept connection is made
+    lane = call._lane
+    assert lane is not None
+    kept = lane.connection
+    assert kept is not None
     first = asyncio.ensure_future(call(slow, [], ["stale"]))
     await asyncio.sleep(0.1)  # its batch is in Redis
     for sender in list(call._in_flight):
         sender.cancel()
     with pytest.raises(asyncio.CancelledError):
         await first
+    assert lane.connection is not kept, "the lane kept the connection with a reply still to come"
+    assert not kept.is_connected, "the connection with a reply still to come was not closed"
     assert await call(echo, [], ["fresh"]) == b"fresh"
     assert await call(echo, [], ["again"]) == b"again"
+
+
+async def test_a_lane_dropped_while_its_batch_is_out_finishes_that_batch_then_connects_anew(
+    redis: Redis,
+) -> None:
+    """A lane is dropped (a durable write was not confirmed: the primary may have moved) while
+    another batch is out on it: that batch gets its answer from its one write, not a second one
+    after its connection was closed under it; the batch after it comes on a new connection."""
+    call = Pipeliner(redis)
+    slow = redis.register_script(
+        "local t = redis.call('TIME'); local stop = t[1] * 1e6 + t[2] + 300000 "
+        "repeat t = redis.call('TIME') until t[1] * 1e6 + t[2] >= stop return ARGV[1]"
+    )
+    await redis.script_load(slow.script)
+    client_id = Command("CLIENT")
+    before = await call(client_id, [], ["ID"])
+    writes = counting_round_trips(redis)
+    first = asyncio.ensure_future(call(slow, [], ["answer"]))
+    await asyncio.sleep(0.1)  # its batch is out on the lane
+    assert call._lane is not None
+    assert call._lane.busy
+    call._lane.drop()
+    assert await first == b"answer"
+    assert len(writes) == 1, "the batch out on the dropped lane was sent again"
+    after = await call(client_id, [], ["ID"])
+    assert after != before, "the batch after the drop came on the same connection"
