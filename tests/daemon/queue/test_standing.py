@@ -113,8 +113,9 @@ async def test_a_claim_that_empties_a_plain_queue_makes_no_look_it_does_not_need
     [lease] = await queue.claim_many("w1", ["default"], 2)
     ran = {name: n - before.get(name, 0) for name, n in (await _commands(redis)).items()}
     assert lease.job_id == job_id
-    unneeded = ("xinfo", "zrange", "zrangebyscore", "zrem")
-    assert {name: ran.get(name, 0) for name in unneeded} == dict.fromkeys(unneeded, 0)
+    unneeded = ("xinfo", "zrange", "zrangebyscore", "zrem")  # xinfo: Redis 7 counts `xinfo|groups`
+    looks = {look: sum(n for name, n in ran.items() if name.split("|")[0] == look) for look in unneeded}
+    assert looks == dict.fromkeys(unneeded, 0)
     assert isinstance(entry, bytes)
     assert queue._cursors["default"][0] == entry.decode()  # where its next wait starts
 
