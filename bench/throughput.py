@@ -15,6 +15,10 @@ Against one embedded redis-server started for the run:
   asyncio loop (vfork) and on uvloop (fork); the ceiling is the faster, measured right before
   and right after the worker drains it is compared with, in each of `--rounds` rounds (the
   table's last column: the median of the rounds' ratios, command_rounds).
+- CPU a job, for each one-worker `true` drain: the worker's own, its jobs' (the children it
+  reaped), redis-server's, read from /proc over the drain (from the first poll that finds a job
+  taken to the end, against the jobs that ended in it), and how many of the machine's cores all
+  three kept busy: on a machine of few cores, a drain is bound by the sum.
 - task-spooler, where `tsp` is installed (bench/task_spooler.py): the same `true` jobs drained by
   `tsp -S N` with as many slots, in the same rounds between the same ceilings (at most
   task_spooler.MAX_QUEUED jobs: each job tsp queues holds a client process and a connection).
@@ -33,7 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import uvloop
@@ -92,6 +96,44 @@ def noop_drain(server: EmbeddedRedis, name: str, workers: int, slots: int) -> di
     return {"jobs": done, "seconds": span, "jobs_per_s": done / span}
 
 
+CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+
+
+class CpuSample(NamedTuple):
+    """CPU seconds spent so far, at Redis time `at`: the worker's own, its reaped children's (its
+    jobs), redis-server's."""
+
+    at: float  # Redis time, s (as the job records' times)
+    worker: float
+    jobs: float
+    redis: float
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """A process's own CPU time and its reaped children's, in seconds (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    own, children = int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
+    return own / CLOCK_TICK, children / CLOCK_TICK
+
+
+async def cpu_sample(redis: Redis, worker_pid: int, redis_pid: int) -> CpuSample:
+    seconds, micros = await redis.time()
+    worker, jobs = cpu_seconds(worker_pid)
+    return CpuSample(seconds + micros / 1e6, worker, jobs, cpu_seconds(redis_pid)[0])
+
+
+def cpu_per_job(first: CpuSample, last: CpuSample, ends: list[float]) -> dict[str, float]:
+    """CPU a job (us) between two samples, over the jobs that ended between them; `cores`: the
+    machine's cores the three kept busy meanwhile."""
+    jobs = sum(1 for end in ends if first.at < end <= last.at)
+    span = last.at - first.at
+    if not jobs or span <= 0:
+        return {}
+    use = {what: getattr(last, what) - getattr(first, what) for what in ("worker", "jobs", "redis")}
+    out = {f"{what}_us": 1e6 * seconds / jobs for what, seconds in use.items()}
+    return out | {"total_us": 1e6 * sum(use.values()) / jobs, "cores": sum(use.values()) / span}
+
+
 async def command_drain(  # noqa: PLR0917
     server: EmbeddedRedis,
     queue: JobQueue,
@@ -102,7 +144,7 @@ async def command_drain(  # noqa: PLR0917
     s3: S3Server,
     uid_range: str = "",
     slots: int = 2,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     ids = await prequeue(queue, name, jobs)
     if uid_range:
         os.chmod(tmp, 0o711)  # the jobs' uids pass through to their slots (the worker checks it at start)
@@ -135,12 +177,22 @@ async def command_drain(  # noqa: PLR0917
                 log,
             )
         )
+    redis = queue.redis
+    assert isinstance(redis, Redis), "the bench's pool is one Redis"
+    redis_pid = int((await redis.info("server"))["process_id"])
+    first: CpuSample | None = None  # once a job is taken (a lone worker's drain)
+    last: CpuSample | None = None
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            if await queue.depth(name) == 0 and not await queue.redis.zcard(keys.leases(name)):
+            depth = await queue.depth(name)
+            done = depth == 0 and not await queue.redis.zcard(keys.leases(name))
+            if workers == 1:
+                last = await cpu_sample(redis, procs[0][0].pid, redis_pid)
+                first = first or (last if depth < jobs else None)
+            if done:
                 break
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.05)
         infos = [await queue.get(j) for j in ids]
     finally:
         for p, log in procs:
@@ -158,7 +210,9 @@ async def command_drain(  # noqa: PLR0917
             f"no job finished; worker log: {(tmp / f'worker-{name}-0.log').read_text()[-1000:]}"
         )
     span = max(ends) - min(starts)
-    return {"jobs": len(ends), "seconds": span, "jobs_per_s": len(ends) / span}
+    cpu = cpu_per_job(first, last, ends) if first and last else {}
+    out: dict[str, Any] = {"jobs": len(ends), "seconds": span, "jobs_per_s": len(ends) / span}
+    return out | ({"cpu": cpu} if cpu else {})
 
 
 async def command_rounds(  # noqa: PLR0917
@@ -173,7 +227,7 @@ async def command_rounds(  # noqa: PLR0917
     kinds = {"": ""} | ({"_slot_uids": f"61100-{61100 + slots - 1}"} if os.geteuid() == 0 else {})
     name = f"true_1_worker_{slots}_slots"
     ceilings: list[dict[str, float]] = []
-    drains: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
+    drains: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
     ratios: dict[str, list[float]] = {kind: [] for kind in kinds}
     to_tsp: dict[str, list[float]] = {kind: [] for kind in kinds}
     tsp: list[dict[str, float]] = []
@@ -203,6 +257,8 @@ async def command_rounds(  # noqa: PLR0917
         out[f"task_spooler_{slots}_slots"] = median_rate(tsp) | {"ratio": statistics.median(tsp_ratios)}
     for kind in kinds:
         out[name + kind] = median_rate(drains[kind]) | {"ratio": statistics.median(ratios[kind])}
+        if cpus := [r["cpu"] for r in drains[kind] if "cpu" in r]:
+            out[name + kind]["cpu"] = {what: statistics.median(c[what] for c in cpus) for what in cpus[0]}
         if tsp:
             out[name + kind]["to_task_spooler"] = statistics.median(to_tsp[kind])
     return out
@@ -331,6 +387,17 @@ def main(argv: list[str] | None = None) -> None:
             f"{to_tsp:.2f}" if to_tsp else "",
         )
     Console().print(t)
+    if cpu := {name: r["cpu"] for name, r in rates.items() if "cpu" in r}:
+        c = Table(title="CPU a job while a worker drains (us; medians of the rounds)")
+        for column in ("what", "worker", "its jobs", "redis-server", "all", "cores busy"):
+            c.add_column(column, justify="left" if column == "what" else "right")
+        for name, u in cpu.items():
+            c.add_row(
+                name,
+                *(f"{u[k]:,.0f}" for k in ("worker_us", "jobs_us", "redis_us", "total_us")),
+                f"{u['cores']:.2f}",
+            )
+        Console().print(c)
     print(f"wrote {save('throughput', result)}")
 
 
