@@ -332,11 +332,12 @@ class ScriptBatch:
         if lane is not None and not lane.busy:
             lane.busy = True
             try:
+                if lane.stale:  # before any await: a drop while this one connects stands
+                    lane.stale = False
+                    if lane.connection is not None:
+                        await lane.connection.disconnect(nowait=True)
                 if lane.connection is None:
                     lane.connection = await pool.get_connection()  # type: ignore[no-untyped-call]
-                elif lane.stale:
-                    await lane.connection.disconnect()
-                lane.stale = False
                 kept = lane.connection
                 try:
                     return await _exchange_retried(kept, commands)

@@ -237,6 +237,8 @@ async def test_a_batch_stopped_before_its_answer_leaves_no_answer_for_the_next(r
     with pytest.raises(asyncio.CancelledError):
         await first
     assert lane.connection is not kept, "the lane kept the connection with a reply still to come"
+    # closed by redis-py itself when its read is cancelled, and by the lane too: whichever does it,
+    # a connection with a reply still to come must not be open for the next batch
     assert not kept.is_connected, "the connection with a reply still to come was not closed"
     assert await call(echo, [], ["fresh"]) == b"fresh"
     assert await call(echo, [], ["again"]) == b"again"
