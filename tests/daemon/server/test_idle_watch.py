@@ -68,10 +68,18 @@ async def test_a_later_deadline_than_the_timer_is_still_kept() -> None:
 
 async def test_someone_elses_cancel_stays_a_cancel() -> None:
     """A read cancelled from outside (the server stopping) raises CancelledError, not TimeoutError,
-    even when the watch's deadline passes at the same moment."""
+    even when the watch's deadline passes in the same step (made so here: the watch's timer, as
+    it cancels the read, is followed at once by a cancel from outside)."""
 
     async def read_forever() -> str:
         watch = IdleWatch(lambda started: started + 0.05)
+        look = watch._look
+
+        def look_then_cancel() -> None:
+            look()
+            task.cancel()
+
+        watch._look = look_then_cancel  # type: ignore[method-assign]
         try:
             await watch.read(asyncio.StreamReader(), 100)
         finally:
@@ -79,8 +87,6 @@ async def test_someone_elses_cancel_stays_a_cancel() -> None:
         return "read returned"
 
     task = asyncio.ensure_future(read_forever())
-    await asyncio.sleep(0.05)
-    task.cancel()
     done, _ = await asyncio.wait({task}, timeout=BOUND)
     assert task in done
     assert task.cancelled()
