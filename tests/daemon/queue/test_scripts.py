@@ -268,3 +268,25 @@ async def test_a_lane_dropped_while_its_batch_is_out_finishes_that_batch_then_co
     assert len(writes) == 1, "the batch out on the dropped lane was sent again"
     after = await call(client_id, [], ["ID"])
     assert after != before, "the batch after the drop came on the same connection"
+
+
+async def test_a_lane_dropped_while_its_batch_connects_is_still_made_anew(redis: Redis) -> None:
+    """A drop that comes while a batch on the lane is taking its connection (an await) stands:
+    the batch after it comes on a new connection, not on the one made before the drop."""
+    call = Pipeliner(redis)
+    lane = call._lane
+    assert lane is not None
+    pool = redis.connection_pool
+    get_connection = pool.get_connection
+
+    async def dropped_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        connection = await get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+        lane.drop()  # the primary may have moved while this one connected
+        return connection
+
+    pool.get_connection = dropped_meanwhile  # type: ignore[method-assign]
+    client_id = Command("CLIENT")
+    before = await call(client_id, [], ["ID"])
+    pool.get_connection = get_connection  # type: ignore[method-assign]
+    after = await call(client_id, [], ["ID"])
+    assert after != before, "the drop made while the lane connected was lost"
