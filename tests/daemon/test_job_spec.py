@@ -114,3 +114,38 @@ def test_a_spec_from_outside_is_what_a_worker_reads_back_from_its_packed_bytes()
     for extra in (snapshot, inputs):
         other = JobSpec.from_dict({"argv": ["true"], "gpu_mem": 2**30, **extra})
         assert JobSpec.from_dict(msgpack.unpackb(msgpack.packb(other.to_dict()))) == other
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("gpus", False),  # == 0, the default, but a bool
+        ("gpus", 0.0),
+        ("max_attempts", 3.0),  # == 3
+        ("retries", False),
+        ("wait_for_worker", 0),  # == False, but not a bool
+        ("timeout", 0),
+        ("name", 0),
+        ("queue", None),
+        ("stop_signal", None),
+        ("inputs", {}),
+    ],
+)
+def test_a_value_equal_to_a_default_but_of_another_type_is_still_checked(field: str, value: object) -> None:
+    """from_dict takes a field given as its default without a check (a stored spec gives every
+    field, most as their defaults): only the very default, of its own type, passes unchecked."""
+    with pytest.raises(InvalidJob) as err:
+        JobSpec.from_dict({"argv": ["true"], field: value})
+    assert err.value.field == field
+
+
+def test_every_field_given_as_its_default_is_the_default_spec() -> None:
+    """What a worker decodes: to_dict writes every field, defaults and all."""
+    bare = JobSpec(argv=("true",))
+    stored = msgpack.unpackb(msgpack.packb(bare.to_dict()))
+    assert JobSpec.from_dict(stored) == bare
+    given = JobSpec.from_dict({**stored, "gpus": 2, "queue": "gpu"})
+    assert given == dataclasses.replace(bare, gpus=2, queue="gpu")
+    with pytest.raises(InvalidJob) as err:
+        JobSpec.from_dict({**stored, "colour": "red", "brightness": 1})
+    assert err.value.field == "brightness"  # the first unknown one, by name
