@@ -14,8 +14,11 @@ heartbeats for every job of the worker. Elsewhere the child is a CLONE_VFORK one
 thread waits for its exec, as CPython's own subprocess does.
 
 The kernel answers a pidfd (CLONE_PIDFD). The loop watches it: it becomes readable when the job's
-first process has ended, and `reap` collects it with one waitid. There is no SIGCHLD (the exit
-signal is 0): the worker's event loop keeps its own children to itself.
+first process has ended, and `reap` collects it with one waitid. Nothing waits for a SIGCHLD: the
+exit signal is 0 at the clone, but the kernel makes it SIGCHLD again at the exec (a process that
+changed its program reports its end as any child does). The worker has no handler for it; uvloop
+has one while a child of its own lives (the orphan guard), which then wakes the loop once more at
+each job's end, and reaps only its own children.
 
 The child, in this order (raw system calls on x86-64: it must not set errno, which is the worker
 thread's own while their memory is shared):
