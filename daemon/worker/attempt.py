@@ -113,6 +113,9 @@ class Holdings:
         """Seconds since the last attempt was dropped, while none is held; 0.0 while one is."""
         return 0.0 if self._by_lease else boottime() - self._changed_at
 
+    def get(self, lease_id: str) -> HeldAttempt | None:
+        return self._by_lease.get(lease_id)
+
     def holds(self, held: HeldAttempt) -> bool:
         return self._by_lease.get(held.lease.id) is held
 

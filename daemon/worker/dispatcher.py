@@ -13,7 +13,10 @@ worker without GPUs whose jobs are short claims two more while every slot is tak
 each on a slot as it frees (look_ahead.py).
 
 Every attempt the worker holds is one `attempt.HeldAttempt`, in one map keyed by lease id, from its
-claim until its end is recorded; it runs as a `runner.JobRun` in a task of its own. The heartbeat
+claim until its end is recorded; it runs as a `runner.JobRun` in a task of its own. Its slot is
+free as soon as its processes are gone for a job that changed none of its directories (the
+common short job), while its end is recorded; else once its run is over, the slot's next job
+waiting for the directories' reset. The heartbeat
 (heartbeat.py) renews every held lease in one round trip, and its answers, by lease, move each
 attempt's self-fence deadline or end the attempt (LOST, CANCEL). The fence task kills an attempt
 whose deadline passes; the orphan guard (orphan_guard.py) holds the same deadlines, for when this
@@ -413,7 +416,16 @@ class Worker(Stopping):
             identity=self._slots.identity(slot),
             cgroup=self._slots.cgroup(slot),
             git_protocols=self.git_protocols,
+            on_slot_free=functools.partial(self._slot_free, lease.id),
         )
+
+    def _slot_free(self, lease_id: str) -> None:
+        """The attempt's processes are gone and it left its slot as it found it (runner.py
+        `_hand_over`): the slot takes its next job now, while this one's end is recorded."""
+        held = self._held.get(lease_id)
+        if held is not None and held.slot is not None:
+            held.phase = Phase.ENDING
+            self._free(held, None)
 
     def _give_back(self, leases: Iterable[Lease], deadline: float) -> None:
         """Hand back attempts that never ran (held, so renewed, until the hand-back is recorded)."""
@@ -453,12 +465,15 @@ class Worker(Stopping):
             try:
                 result = await run.run()
                 held.phase = Phase.ENDING
-                if self._ahead:  # a job kept ahead waits for this slot: its directories first
-                    await run.tidy()
+                if self._ahead and held.slot is not None:  # a job kept ahead waits for this slot:
+                    await run.tidy()  # its directories first
                     tidied = True
             finally:
                 held.phase = Phase.ENDING
-                self._free(held, result)
+                if held.slot is None:  # freed once its processes were gone, its directories as new
+                    tidied = True  # (_slot_free)
+                else:
+                    self._free(held, result)
                 if not tidied:
                     self._attempts.spawn(self._tidy(run), f"tidy after {lease.job_id}")
             if result.killed_by is not None and result.ending is not Ending.LOST and held.expired():

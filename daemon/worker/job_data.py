@@ -117,15 +117,16 @@ async def _upload_log(store: ObjectStore, queue: JobQueue, job_id: str, key: str
 
 
 async def upload_artifacts(
-    store: ObjectStore, queue: JobQueue, lease: Lease, output: Path, *, logged: bool = True
+    store: ObjectStore, queue: JobQueue, lease: Lease, output: Path | None, *, logged: bool = True
 ) -> dict[str, Any]:
-    """Upload the attempt's outputs and the job's log (when there is any: `logged=False` says this
-    attempt wrote none, so a first attempt's log is known to be empty without reading it); the
-    `result` entries that describe them."""
+    """Upload the attempt's outputs (those in `output`; None: it is known to have left none) and
+    the job's log (when there is any: `logged=False` says this attempt wrote none, so a first
+    attempt's log is known to be empty without reading it); the `result` entries that describe
+    them."""
     prefix = artifact_prefix(lease.job_id, lease.attempt)
     artifacts: list[dict[str, Any]] = []
     errors: list[str] = []
-    files = await asyncio.to_thread(files_under, output) if has_entries(output) else []
+    files = await asyncio.to_thread(files_under, output) if output is not None and has_entries(output) else []
     for name, path in files:
         try:
             info = await store.put_file(prefix + "out/" + name, path)

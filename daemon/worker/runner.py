@@ -24,7 +24,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -166,6 +166,7 @@ class JobRun:
         identity: SlotIdentity | None = None,
         cgroup: SlotCgroup | None = None,
         git_protocols: str = ANY_PROTOCOL,
+        on_slot_free: Callable[[], None] | None = None,
     ) -> None:
         """`slot` is the scratch directories of the slot it runs on (scratch.py; default: those
         under `slot_dir`, or `data_dir/slot`). `store` receives
@@ -173,7 +174,8 @@ class JobRun:
         store; jobs with data then fail saying so). `spawner` starts, reaps and kills its
         processes. `identity`: the uid the job runs as (identity.py; None: the worker's own).
         `cgroup`: the slot's (cgroups.py), which holds all the job starts (None: found through
-        /proc at the end)."""
+        /proc at the end). `on_slot_free` is called when the slot may take its next job before
+        this one's end is recorded (see `_hand_over`)."""
         self.queue = queue
         self.store = store
         self.cache = cache
@@ -208,6 +210,8 @@ class JobRun:
         self._killer: asyncio.Task[None] | None = None
         self._sampler: asyncio.Task[None] | None = None  # RSS and descendants (_sample)
         self.output = JobOutput(queue, lease, self.lose)
+        self.on_slot_free = on_slot_free
+        self._handed_over = False  # its directories are the slot's next job's already
         self._descendants: dict[int, float] = {}  # pid -> create time, of every process seen
         self._peak_rss = 0
 
@@ -297,7 +301,8 @@ class JobRun:
     async def tidy(self) -> None:
         """The slot's directories back to a new one's state for its next job, which waits for
         this (scratch.py): the attempt is over, nothing of it runs."""
-        await self.slot.finish(self._scratch_dirs())
+        if not self._handed_over:
+            await self.slot.finish(self._scratch_dirs())
 
     async def _run(self) -> RunResult:
         spec = self.lease.spec
@@ -360,8 +365,10 @@ class JobRun:
         # The RSS sampler starts once the job has run a while: most never do.
         sample = loop.call_later(FIRST_SAMPLE_SECONDS, self._start_sampler, pgid)
         timer = loop.call_later(self.lease.spec.timeout, self._timeout) if self.lease.spec.timeout else None
+        ended = False  # (not cancelled meanwhile)
         try:
             returncode = await self._proc.wait()
+            ended = True
         finally:
             if timer is not None:
                 timer.cancel()
@@ -383,6 +390,8 @@ class JobRun:
             finally:
                 if self.guard is not None:
                     self.guard.forget(pgid)
+                if ended and not left:
+                    self._hand_over()
                 await self.output.finish()
         if left:
             log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(left))
@@ -390,9 +399,11 @@ class JobRun:
         await self._save_checkpoint(returncode)
         uploaded: dict[str, Any] = {}
         if self._recorded() and self.store is not None:
-            # Uploaded before the fenced complete, under this attempt's own prefix (job_data.py).
+            # Uploaded before the fenced complete, under this attempt's own prefix (job_data.py);
+            # handed over, its output directory was empty, and is the next job's by now.
+            output = None if self._handed_over else self.output_dir
             uploaded = await job_data.upload_artifacts(
-                self.store, self.queue, self.lease, self.output_dir, logged=self.output.written
+                self.store, self.queue, self.lease, output, logged=self.output.written
             )
         outcome = self._outcome(returncode, "", started, uploaded)
         killed_by = -returncode if returncode < 0 else None
@@ -427,8 +438,8 @@ class JobRun:
         """The attempt's last save, when another attempt may want it."""
         if self._saving is not None:
             await cancel_and_wait(self._saving)
-        if self._saver is None or not self._followed(returncode):
-            return
+        if self._saver is None or self._handed_over or not self._followed(returncode):
+            return  # (handed over: its checkpoint directory was empty)
         try:
             if files := await self._saver.save():
                 self.output.note(f"checkpoint saved ({files} files)")
@@ -468,6 +479,21 @@ class JobRun:
             )
         state = JobState.SUCCEEDED if returncode == 0 else JobState.FAILED
         return Outcome(state, code, "" if returncode == 0 else how, result)
+
+    def _hand_over(self) -> None:
+        """Every process of the job is gone: when it holds no GPUs (those are looked at first),
+        saves no checkpoints while it runs, and changed none of its directories (scratch.py), the
+        slot is free for its next job now, before this one's output, outcome and tidying, which
+        then never look at the directories again: they were empty, and are the next job's."""
+        if (
+            self.on_slot_free is None
+            or self.gpus
+            or self._saving is not None
+            or not self.slot.hand_over(self._scratch_dirs())
+        ):
+            return
+        self._handed_over = True
+        self.on_slot_free()
 
     def _start_sampler(self, pgid: int) -> None:
         self._sampler = asyncio.create_task(self._sample(pgid), name=f"rss {self.lease.job_id}")

@@ -1,6 +1,7 @@
 """Scratch directories: each slot of a worker has its own (`work`, a job's default cwd, `out`,
-its GPUPOOL_OUTPUT, `ckpt`, its GPUPOOL_CHECKPOINT_DIR; `tmp` with a slot uid), reset before
-each job and emptied after it.
+its GPUPOOL_OUTPUT, `ckpt`, its GPUPOOL_CHECKPOINT_DIR; `tmp` with a slot uid), as new for each
+job: those a job changed (inotify says which: dir_watch.py) are reset after it, or before the
+next job at the latest.
 
 Reusing a slot's directories saves creating and removing them for every job (a metadata write
 each, on ext4 ~0.2 ms a directory: a third of a short job); the reset makes that safe: a job
@@ -27,22 +28,27 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from daemon.worker.dir_watch import DirWatch
+
 
 class SlotScratch:
     """One slot's directories (`work`, `out`, `ckpt`, `tmp` under `root`), and what the worker knows of
     them. Each job leaves them reset at its end, once nothing of it runs any more: they are then
-    as new ones until the slot's next job starts, which needs no look at them (a look is an
-    lstat, a directory read and an xattr list per directory, no small part of a short job's cost
-    to the worker). `owner`: the slot's (uid, gid), or None (the worker's own)."""
+    as new ones until the slot's next job starts. `watch` (dir_watch.py, shared by the worker's
+    slots) tells which of them anything changed since: only those are looked at again (a look is
+    an lstat, a directory read and an xattr list per directory, no small part of a short job's
+    cost to the worker), before a job and after it. Without a watch, each one is looked at after
+    every job. `owner`: the slot's (uid, gid), or None (the worker's own)."""
 
-    def __init__(self, root: Path, owner: tuple[int, int] | None) -> None:
+    def __init__(self, root: Path, owner: tuple[int, int] | None, watch: DirWatch | None = None) -> None:
         self.root = root
         self.work, self.out, self.tmp = root / "work", root / "out", root / "tmp"
         self.ckpt = root / "ckpt"
         self.owner = owner
-        self._fresh: set[Path] = set()  # reset since a job last used them
+        self.watch = watch
+        self._fresh: set[Path] = set()  # reset since a job last used them (without a watch)
         self._root_passable = False
-        self._in_use = asyncio.Lock()  # held by a job from its `prepare` to its `finish`
+        self._in_use = asyncio.Lock()  # held by a job from its `prepare` to its `finish` (or `hand_over`)
 
     async def prepare(self, dirs: Sequence[Path]) -> None:
         """Before a job: each of `dirs` as a new one (reset now, unless the last job's end did),
@@ -50,7 +56,7 @@ class SlotScratch:
         owner, the slot's own directory is made passable to it (mode 0711, whatever the umask)."""
         await self._in_use.acquire()
         for path in dirs:
-            if path not in self._fresh:
+            if not self._as_new(path):
                 await self._reset(path)
         self._fresh.difference_update(dirs)
         if self.owner is not None and not self._root_passable:
@@ -62,11 +68,28 @@ class SlotScratch:
         then the slot's next job may have them."""
         try:
             for path in dirs:
-                await self._reset(path)
+                if not self._as_new(path):
+                    await self._reset(path)
                 self._fresh.add(path)
         finally:
             if self._in_use.locked():
                 self._in_use.release()
+
+    def hand_over(self, dirs: Sequence[Path]) -> bool:
+        """After a job, nothing of it running any more: when it changed none of `dirs` (the watch
+        says so), they are the slot's next job's at once, as `finish` would leave them, and True;
+        the caller must not look at them again. Else False: `finish` them."""
+        if self.watch is None or not all(self.watch.untouched(path) for path in dirs):
+            return False
+        self._fresh.update(dirs)
+        if self._in_use.locked():
+            self._in_use.release()
+        return True
+
+    def _as_new(self, path: Path) -> bool:
+        """Surely as a new directory is, with no look: reset since the last job used it, or
+        unchanged since it was made new (the watch)."""
+        return path in self._fresh or (self.watch is not None and self.watch.untouched(path))
 
     async def _reset(self, path: Path) -> None:
         # on the worker's own disk, mostly finding the directory as it should be: cheaper inline
@@ -74,6 +97,8 @@ class SlotScratch:
         if not reuse(path, self.owner):
             await asyncio.to_thread(remove, path)
             make(path, self.owner)
+        if self.watch is not None:
+            self.watch.made_new(path)
 
 
 def reuse(path: Path, owner: tuple[int, int] | None) -> bool:

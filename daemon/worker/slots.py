@@ -19,6 +19,7 @@ from pathlib import Path
 
 from daemon.aio import start_or_undo
 from daemon.worker.cgroups import SlotCgroup, SlotCgroups
+from daemon.worker.dir_watch import DirWatch
 from daemon.worker.identity import SlotIdentity, check_passable
 from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.scratch import SlotDirs, SlotScratch
@@ -49,6 +50,7 @@ class Slots:
             SlotScratch(self.dirs.slot(n), (i.uid, i.gid) if (i := self.identity(n)) is not None else None)
             for n in range(count)
         ]
+        self.watch: DirWatch | None = None  # which of their directories the jobs changed (at open)
         self.guard = OrphanGuard(f"GPUPOOL_WORKER={worker_id}", [i.uid for i in self.identities or ()])
         self.spawner = Spawner(job_nice)
         self.cgroups: SlotCgroups | None = None  # one per slot, where the kernel lets us (at open)
@@ -70,6 +72,9 @@ class Slots:
     async def _open(self) -> None:
         self._prepare_data_dir()
         dead = await asyncio.to_thread(self.dirs.open)
+        self.watch = DirWatch()
+        for scratch in self.scratch:
+            scratch.watch = self.watch
         self.cgroups = await asyncio.to_thread(SlotCgroups.make, self.worker_id, self.count, dead)
         await self.guard.start()
         for identity in self.identities or ():  # what a worker that died left of its jobs
@@ -84,6 +89,9 @@ class Slots:
             await asyncio.to_thread(self.cgroups.close)
             self.cgroups = None
         await asyncio.to_thread(self.dirs.close)
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
 
     def _prepare_data_dir(self) -> None:
         if self.identities is not None:

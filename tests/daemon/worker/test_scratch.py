@@ -2,44 +2,103 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from daemon.job import JobState
 from daemon.queue.job_queue import JobQueue
+from daemon.worker.dir_watch import DirWatch
 from daemon.worker.runner import JobRun
-from daemon.worker.scratch import SlotDirs
+from daemon.worker.scratch import SlotDirs, SlotScratch
 from daemon.worker.spawn import Spawner
 from tests.daemon.worker.test_runner import claimed
 from tests.support.workers import sh
 
 
+@pytest.fixture(params=["watched", "unwatched"])
+def watch(request: pytest.FixtureRequest) -> Iterator[DirWatch | None]:
+    """A worker's slots are watched (dir_watch.py); without inotify each directory is looked at."""
+    if request.param == "unwatched":
+        yield None
+        return
+    w = DirWatch()
+    yield w
+    w.close()
+
+
 async def test_a_slot_is_reset_whatever_the_last_job_left(
-    spawner: Spawner, queue: JobQueue, tmp_path: Path
+    spawner: Spawner, queue: JobQueue, tmp_path: Path, watch: DirWatch | None
 ) -> None:
     slot = tmp_path / "slot"
+    scratch = SlotScratch(slot, None, watch)
     outside = tmp_path / "outside"
     (outside / "secret").mkdir(parents=True)
     # a read-only tree in the cwd, and `out` swapped for a symlink to someone else's files
     messy = "mkdir -p ro/d; touch ro/d/f; chmod -R a-w ro; "
-    messy += f'rm -rf "$GPUPOOL_OUTPUT"; ln -s {outside} "$GPUPOOL_OUTPUT"'
-    first = await JobRun(
-        queue, await claimed(queue, sh(messy)), data_dir=tmp_path, slot_dir=slot, spawner=spawner
-    ).run()
+    messy += f'rm -rf "$GPUPOOL_OUTPUT"; ln -s {outside} "$GPUPOOL_OUTPUT"; '
+    messy += 'chmod 777 "$GPUPOOL_CHECKPOINT_DIR"'
+    job = JobRun(queue, await claimed(queue, sh(messy)), data_dir=tmp_path, slot=scratch, spawner=spawner)
+    first = await job.run()
+    await job.tidy()
     assert first.outcome is not None
     assert first.outcome.state is JobState.SUCCEEDED
     seen = tmp_path / "seen"
     look = f'ls -A . "$GPUPOOL_OUTPUT" > {seen}; test -d "$GPUPOOL_OUTPUT" && ! test -L "$GPUPOOL_OUTPUT"'
+    look += f'; stat -c %a "$GPUPOOL_CHECKPOINT_DIR" >> {seen}'
     second = await JobRun(
-        queue, await claimed(queue, sh(look)), data_dir=tmp_path, slot_dir=slot, spawner=spawner
+        queue, await claimed(queue, sh(look)), data_dir=tmp_path, slot=scratch, spawner=spawner
     ).run()
     assert second.outcome is not None
     assert second.outcome.state is JobState.SUCCEEDED, second.outcome.result["tail"]
-    assert seen.read_text().split() == [".:", f"{slot / 'out'}:"]  # both empty
+    assert seen.read_text().split() == [".:", f"{slot / 'out'}:", "700"]  # both empty, ckpt its own again
     assert (outside / "secret").is_dir()  # the link was removed, not followed
     assert sorted(p.name for p in slot.rglob("*")) == ["ckpt", "out", "work"]  # all there, all empty
+
+
+async def test_a_job_that_left_its_slot_as_it_found_it_hands_it_over_at_once(
+    spawner: Spawner, queue: JobQueue, tmp_path: Path
+) -> None:
+    """Once its processes are gone, a job that changed none of its slot's directories frees the
+    slot for the next job before its own end is recorded (runner.JobRun._hand_over); one that
+    changed any keeps it until they are reset, and its artifacts are its own."""
+    watch = DirWatch()
+    scratch = SlotScratch(tmp_path / "slot", None, watch)
+    freed: list[str] = []
+
+    async def run(script: str) -> JobRun:
+        lease = await claimed(queue, sh(script))
+        job = JobRun(
+            queue, lease, data_dir=tmp_path, slot=scratch, spawner=spawner,
+            on_slot_free=lambda: freed.append(lease.job_id),
+        )  # fmt: skip
+        result = await job.run()
+        assert result.outcome is not None
+        assert result.outcome.state is JobState.SUCCEEDED, result.outcome.result["tail"]
+        return job
+
+    try:
+        quiet = await run("echo only to its log")
+        assert freed == [quiet.lease.job_id]
+        await asyncio.wait_for(scratch.prepare([scratch.work]), 1)  # the next job need not wait
+        scratch._in_use.release()
+        await quiet.tidy()  # nothing left to do: the directories are the next job's
+
+        busy = await run('echo result > "$GPUPOOL_OUTPUT/r.txt"')
+        assert freed == [quiet.lease.job_id]  # not handed over: its output is there to take
+        assert (scratch.out / "r.txt").read_text() == "result\n"
+        await busy.tidy()
+        assert not any(scratch.out.iterdir())
+        assert freed == [quiet.lease.job_id]
+        await run("true")  # the reset directories are as new again
+        assert len(freed) == 2
+    finally:
+        watch.close()
 
 
 def hold_lock(root: Path, worker_id: str) -> subprocess.Popen[str]:
