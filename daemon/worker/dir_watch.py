@@ -71,10 +71,10 @@ class DirWatch:
         self._read()
         self._untouched.add(path)
 
-    def untouched(self, path: Path) -> bool:
-        """Nothing has changed `path` since it was last made new."""
+    def untouched(self, *paths: Path) -> bool:
+        """Nothing has changed any of `paths` since each was last made new."""
         self._read()
-        return path in self._untouched
+        return self._untouched.issuperset(paths)
 
     def _read(self) -> None:
         """Take in the events queued so far: each marks its directory changed."""

@@ -79,7 +79,7 @@ class SlotScratch:
         """After a job, nothing of it running any more: when it changed none of `dirs` (the watch
         says so), they are the slot's next job's at once, as `finish` would leave them, and True;
         the caller must not look at them again. Else False: `finish` them."""
-        if self.watch is None or not all(self.watch.untouched(path) for path in dirs):
+        if self.watch is None or not self.watch.untouched(*dirs):
             return False
         self._fresh.update(dirs)
         if self._in_use.locked():

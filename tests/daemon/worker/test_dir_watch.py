@@ -47,6 +47,7 @@ def test_any_change_to_a_directory_made_new_is_seen(watch: DirWatch, tmp_path: P
     subprocess.run(["sh", "-c", change.format(d=d)], check=True)  # another process, as a job is
     assert not watch.untouched(d)
     assert watch.untouched(other)  # only the one changed
+    assert not watch.untouched(other, d)  # several: all of them untouched
 
 
 def test_a_directory_made_new_again_is_untouched_again(watch: DirWatch, tmp_path: Path) -> None:
