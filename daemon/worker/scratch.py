@@ -46,7 +46,7 @@ class SlotScratch:
         self.ckpt = root / "ckpt"
         self.owner = owner
         self.watch = watch
-        self._fresh: set[Path] = set()  # reset since a job last used them (without a watch)
+        self._fresh: set[Path] = set()  # reset, or handed over untouched, since a job last used them
         self._root_passable = False
         self._in_use = asyncio.Lock()  # held by a job from its `prepare` to its `finish` (or `hand_over`)
 
