@@ -51,6 +51,7 @@ class DirWatch:
             self._inotify = None
         self._paths: dict[int, Path] = {}  # watch descriptor -> directory
         self._untouched: set[Path] = set()
+        self._refused = False  # a watch was refused (and said so)
 
     def made_new(self, path: Path) -> None:
         """`path` has just been made new by the caller, and nothing else may change it meanwhile:
@@ -60,7 +61,9 @@ class DirWatch:
         try:
             wd = self._inotify.add_watch(path, CHANGES)
         except OSError as exc:  # gone again, or no watch left for this uid: looked at each time
-            log.warning("cannot watch %s (%s): it is looked at before and after each job", path, exc)
+            if not self._refused:  # once: a reset follows every job of the slot
+                log.warning("cannot watch %s (%s): it is looked at after each job", path, exc)
+                self._refused = True
             self._untouched.discard(path)
             return
         for old in [w for w, p in self._paths.items() if p == path and w != wd]:

@@ -465,17 +465,15 @@ class Worker(Stopping):
             try:
                 result = await run.run()
                 held.phase = Phase.ENDING
-                if self._ahead and held.slot is not None:  # a job kept ahead waits for this slot:
-                    await run.tidy()  # its directories first
+                if self._ahead:  # a job kept ahead waits for this slot: its directories first
+                    await run.tidy()
                     tidied = True
             finally:
                 held.phase = Phase.ENDING
-                if held.slot is None:  # freed once its processes were gone, its directories as new
-                    tidied = True  # (_slot_free)
-                else:
+                if held.slot is not None:  # (else freed, its directories as new: _slot_free)
                     self._free(held, result)
-                if not tidied:
-                    self._attempts.spawn(self._tidy(run), f"tidy after {lease.job_id}")
+                    if not tidied:
+                        self._attempts.spawn(self._tidy(run), f"tidy after {lease.job_id}")
             if result.killed_by is not None and result.ending is not Ending.LOST and held.expired():
                 # Killed by a signal after the fence deadline: maybe by the fence itself (the orphan
                 # guard, while this worker was frozen). Not the job's outcome: the lease decides.
