@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from typing import Any
 
 import pytest
@@ -10,7 +13,9 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from daemon.queue.connection import RETRIES, connect
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.scripts import MAX_BATCH, Command, Pipeliner
 
@@ -290,3 +295,28 @@ async def test_a_lane_dropped_while_its_batch_connects_is_still_made_anew(redis:
     pool.get_connection = get_connection  # type: ignore[method-assign]
     after = await call(client_id, [], ["ID"])
     assert after != before, "the drop made while the lane connected was lost"
+
+
+async def test_a_batch_redis_does_not_answer_times_out_and_the_next_one_is_answered(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """A batch's replies are read under one timer, the client's socket timeout (scripts._exchange),
+    not one per reply: a frozen Redis fails the batch's callers with redis-py's TimeoutError once
+    each of the client's few tries has timed out (never a wait without end), and, Redis back, the
+    next batch is answered on a connection made anew."""
+    client = connect("127.0.0.1", redis_server.port, password=redis_server.password, socket_timeout=0.3)
+    call = Pipeliner(client)
+    echo = client.register_script("return ARGV[1]")
+    assert await call(echo, [], ["before"]) == b"before"
+    assert redis_server.pid is not None
+    os.kill(redis_server.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        results = await asyncio.gather(*(call(echo, [], [str(i)]) for i in range(3)), return_exceptions=True)
+        waited = time.monotonic() - started
+    finally:
+        os.kill(redis_server.pid, signal.SIGCONT)
+    assert all(isinstance(r, RedisTimeoutError) for r in results), results
+    assert waited < (RETRIES + 1) * (0.3 + 0.5) + 2  # each try its timeout, and its backoff
+    assert await call(echo, [], ["after"]) == b"after"
+    await client.aclose()
