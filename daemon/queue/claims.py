@@ -145,6 +145,7 @@ class Claims:
         shared: Sequence[SharedGpu] = (),
         mem_most: int = 0,
         lifetime: float | None = None,
+        urgent: bool = True,
     ) -> list[Lease]:
         """Up to `count` next jobs for `worker` (a worker with that many free slots), in queue
         priority order then each queue's order, one script call per queue tried. A job asking for
@@ -173,7 +174,12 @@ class Claims:
         (each by its place in the worker's list), `mem_most` is its largest GPU's memory (bytes);
         a lease's `shared_gpu` is the place of the GPU its job goes on. `lifetime`: the seconds a
         pilot worker has left; a job whose time limit (and stop grace) runs past it is passed over
-        (None: no end)."""
+        (None: no end).
+
+        `urgent`: a slot waits for what it claims, and its calls go ahead of the others
+        (`_claim_call`). A claim made while every slot is taken (look_ahead.py) is not: it travels
+        with the calls made in its turn (an attempt's outcome, say), one write and one wakeup of
+        Redis for both, and its jobs wait for a slot anyway."""
         total = gpus_free if gpus_total is None else gpus_total
         rooms = _rooms(shared)
         schedule = _schedule(ends)
@@ -196,6 +202,7 @@ class Claims:
                     backfill=(schedule, round(grace * 1000), kept),
                     memory=(rooms, mem_most // 2**20),
                     lifetime=lifetime,
+                    urgent=urgent,
                 )
             except (RedisError, NotReplicated, asyncio.CancelledError) as exc:
                 if unanswered(exc):
@@ -366,15 +373,16 @@ class Claims:
         backfill: tuple[str, int, int] = ("", 0, 0),
         memory: tuple[str, int] = ("", 0),
         lifetime: float | None = None,
+        urgent: bool = True,
     ) -> ClaimReply:
         """One claim.lua call; `gpus` is (free, default per job, total), `backfill` (when the
-        worker's running jobs end, its stop grace in ms, GPUs it keeps for a head job). It goes
-        ahead of the other calls (scripts.Pipeliner): the outcome of the job whose slot it fills
-        follows it. `memory`: the shared GPUs' table and the largest GPU's MiB."""
+        worker's running jobs end, its stop grace in ms, GPUs it keeps for a head job). `urgent`,
+        it goes ahead of the other calls (scripts.Pipeliner): the outcome of the job whose slot it
+        fills follows it. `memory`: the shared GPUs' table and the largest GPU's MiB."""
         call = self._claim_request(
             worker, q, request, count, gpus, backfill=backfill, memory=memory, lifetime=lifetime
         )
-        reply = await self._call(self.scripts.claim, *call, ahead=True, durable=True)
+        reply = await self._call(self.scripts.claim, *call, ahead=urgent, durable=True)
         return await self._claim_reply(worker, q, reply)
 
     def _claim_request(

@@ -304,8 +304,10 @@ class Worker(Stopping):
         that got fewer jobs than it asked for found its queues empty (or their heads waiting for
         GPUs), and the next one waits for work rather than ask again at once."""
         generation, sent = self._generation(), boottime()
-        wanted = self.slots - self._busy() + self._ahead.wanted()
-        leases = await self.queue.claim_many(self.id, self.queues, wanted, **await self._room())
+        free = self.slots - self._busy()
+        wanted = free + self._ahead.wanted()
+        room = await self._room()
+        leases = await self.queue.claim_many(self.id, self.queues, wanted, urgent=free > 0, **room)
         return await self._claimed(leases, wanted, generation, sent)
 
     def _generation(self) -> int:

@@ -133,3 +133,23 @@ async def test_an_enqueue_runs_one_script_and_names_its_queue_with_a_plain_sadd(
     ran = {name: n - before.get(name, 0) for name, n in (await _commands(redis)).items()}
     assert (ran.get("evalsha", 0), ran.get("sadd", 0)) == (1, 1)
     assert await redis.smembers(keys.QUEUES) == {b"default"}
+
+
+async def test_a_claim_no_slot_waits_for_rides_with_the_calls_of_its_turn(
+    redis: Redis, queue: JobQueue
+) -> None:
+    """A claim a slot waits for goes ahead of the calls made with it, in a round trip of its own
+    (scripts.Pipeliner); one made while every slot is taken (`urgent=False`: look_ahead.py) is in
+    no hurry, and shares the round trip of the calls made in its turn (an outcome, say)."""
+    for n in range(4):
+        await queue.enqueue(spec(n))
+    assert await queue.claim("w0", ["default"]) is not None  # scripts loaded, the queue known
+    for urgent, trips in ((True, 2), (False, 1)):
+        made = counting_round_trips(redis)
+        leases, (job_id, _) = await asyncio.gather(
+            queue.claim_many("w1", ["default"], 1, urgent=urgent), queue.enqueue(spec(9))
+        )
+        assert len(made) == trips, (urgent, made)
+        [lease] = leases
+        assert (lease.worker, (await queue.get(lease.job_id)).state) == ("w1", JobState.RUNNING)
+        assert (await queue.get(job_id)).state is JobState.QUEUED
