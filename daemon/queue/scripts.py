@@ -13,8 +13,9 @@ calls made in the same turn of the event loop go out together, as ScriptBatches 
 calls side by side (a lone call as a plain EVALSHA). The completes of attempts that end together
 share a round trip. No call waits for a timer: the first call of a turn starts the batch's
 sender, whose first step (the next turn) takes every call made until then and writes them at
-once. A claim goes ahead of the others, alone (`submit`'s `ahead` says why). Its batches go out
-on a connection it keeps (`Lane`) while that one is free, on one from the pool while it is not.
+once. A claim a slot waits for goes ahead of the others, alone (`submit`'s `ahead` says why).
+Its batches go out on a connection it keeps (`Lane`) while that one is free, on one from the pool
+while it is not.
 
 Durable calls (enqueues, outcomes) are acknowledged only once `ReplicaAck.replicas` replicas have
 them: a batch holding one ends with a WAIT, in the same round trip, which covers every write the

@@ -6,7 +6,9 @@ millisecond jobs that round trip is what keeps a worker from the speed of the ma
 every slot is taken and the last job to end here ran less than `below` seconds, the dispatcher
 claims DEPTH jobs more in one claim and keeps them here; each slot that frees starts the oldest at
 once, and once none is left the next claim travels while they run: one claim, and one round
-trip, for every DEPTH jobs.
+trip, for every DEPTH jobs. No slot waits for that claim, so it does not go ahead of the other
+script calls, alone, as a claim for a free slot does: it rides in the batch of its turn, with the
+outcome of the job that just ended (`claim_many(urgent=False)`).
 
 What the guarantees keep (docs/GUARANTEES.md, 4):
 - each is claimed as any job is: from the head of its queue at the time (FIFO), under a lease
