@@ -26,6 +26,9 @@ class NoopRun:
         self._started = started
         self.exited = False
 
+    def start(self) -> None:
+        pass  # it starts in `run`, as a job with data to fetch first does
+
     async def run(self) -> RunResult:
         self._started[self.lease.job_id] = time.monotonic()
         self.exited = True

@@ -343,7 +343,7 @@ class Worker(Stopping):
             return True
         for lease in leases:
             self._start_or_keep(lease, deadline)
-        await asyncio.sleep(0)  # the jobs' first steps (to their spawn) before the next claim's
+        await asyncio.sleep(0)  # jobs `start` left to their tasks: their first steps (to their spawn) first
         return len(leases) == wanted
 
     def _start_or_keep(self, lease: Lease, deadline: float) -> None:
@@ -397,7 +397,9 @@ class Worker(Stopping):
             self._give_back([lease], deadline)
             return
         held = self._held.hold(lease, deadline)
-        self._held.started(held, self._make_run(lease, gpus, slot), slot)
+        run = self._make_run(lease, gpus, slot)
+        self._held.started(held, run, slot)
+        run.start()  # now, when nothing has to come first; else its task prepares and starts it
         self.metrics.job_started(lease.spec.queue)
         held.task = self._attempts.spawn(self._attempt(held), f"job {lease.job_id}")
 
@@ -449,9 +451,9 @@ class Worker(Stopping):
         lease, run = held.lease, held.run
         assert run is not None
         if log.isEnabledFor(logging.INFO):
-            # Written a turn later: this step spawns the job (unless it has data to fetch first),
-            # and a log line (~50-90 us after an idle while, and a wake of whoever reads it) is no
-            # part of a job's start.
+            # Written a turn later: this step spawns the job (unless `start` did, or it has data
+            # to fetch first), and a log line (~50-90 us after an idle while, and a wake of
+            # whoever reads it) is no part of a job's start.
             gpus = ", ".join(str(g.index) for g in run.gpus) or "none"
             asyncio.get_running_loop().call_soon(
                 log.info,

@@ -80,6 +80,10 @@ class Run(Protocol):
     def exited(self) -> bool:
         """The job's first process has ended (known as soon as the loop sees it)."""
 
+    def start(self) -> None:
+        """Start its processes now, in the caller's turn, if nothing has to come first (else
+        `run` starts them)."""
+
     async def run(self) -> RunResult: ...
     async def tidy(self) -> None:
         """After `run`: leave what the attempt used (its slot's directories) ready for the next."""
@@ -207,6 +211,8 @@ class JobRun:
         self._env["GPUPOOL_CHECKPOINT_DIR"] = str(self.checkpoint_dir)
         self.ending: Ending | None = None
         self._proc: spawn.Child | None = None
+        self._started = 0.0  # time.time() when it started
+        self._start_error: Exception | None = None  # why `start` could not spawn it: `run` tells
         self._killer: asyncio.Task[None] | None = None
         self._sampler: asyncio.Task[None] | None = None  # RSS and descendants (_sample)
         self.output = JobOutput(queue, lease, self.lose)
@@ -304,41 +310,82 @@ class JobRun:
         if not self._handed_over:
             await self.slot.finish(self._scratch_dirs())
 
-    async def _run(self) -> RunResult:
+    @property
+    def cwd(self) -> Path:
+        """Where the job runs: its spec's `cwd`, else its slot's `work` directory."""
+        return Path(self.lease.spec.cwd) if self.lease.spec.cwd else self.scratch
+
+    def start(self) -> None:
+        """Spawn the job now, in the caller's turn (the one that freed its slot, or got its claim),
+        when nothing has to come first: no code, data or checkpoint to fetch, and its slot's
+        directories free and surely as new (scratch.py `take`). It saves a turn of the loop
+        between one job's end and the next one's start, most of a short job's wait. `run` then
+        supervises it (or, if the spawn failed, records why); else `run` prepares and spawns."""
         spec = self.lease.spec
-        started = time.time()
-        cwd = Path(spec.cwd) if spec.cwd else self.scratch
+        if (
+            self.ending is not None
+            or spec.git is not None
+            or spec.snapshot is not None
+            or spec.inputs
+            or (self.lease.attempt > 1 and self.store is not None)  # a checkpoint to restore
+            or not self.slot.take(self._scratch_dirs())
+        ):
+            return
+        self._started = time.time()
         try:
-            await self._reset_scratch()
-            if spec.git is not None:
-                await self._checkout(spec.git)
-            await job_data.prepare(self.cache, spec, cwd, self.output.note)
-            await self._restore_checkpoint()
-            placed = spec.git is not None or spec.snapshot is not None or bool(spec.inputs)
-            if self.identity is not None and not spec.cwd and placed:
-                # its code, and the directories its inputs were placed in (not the inputs: root's)
-                await asyncio.to_thread(self.identity.own_tree, self.scratch)
-            if self.ending is Ending.LOST:  # lost while its data came: it must not start at all
-                return RunResult(Ending.LOST, None)
-            self._proc = self.spawner.spawn(
-                spec.argv, cwd=cwd, env=self._env, identity=self.identity, cgroup=self.cgroup
-            )
-        except (OSError, GpupoolError) as exc:
-            return await self._not_started(exc, cwd, started)
-        pgid = self._proc.pid
+            self._spawn()
+        except Exception as exc:  # noqa: BLE001 - the attempt's own: `run` records it, or raises it there
+            self._start_error = exc
+
+    def _spawn(self) -> None:
+        """The job's first process, its output read and its process group watched by the guard."""
+        self._proc = self.spawner.spawn(
+            self.lease.spec.argv, cwd=self.cwd, env=self._env, identity=self.identity, cgroup=self.cgroup
+        )
         self.output.read_from(self._proc.output)
         if self.guard is not None:
-            self.guard.watch(pgid, self.lease.id)
-        if self.ending is not None:  # stopped while it was being started
-            self._stop(self.ending, "stopped before it started", now=self.ending is not Ending.CANCELLED)
+            self.guard.watch(self._proc.pid, self.lease.id)
+
+    async def _run(self) -> RunResult:
+        spec = self.lease.spec
+        if isinstance(self._start_error, OSError | GpupoolError):
+            return await self._not_started(self._start_error, self.cwd, self._started)
+        if self._start_error is not None:  # a bug: the attempt's task fails, not its caller's
+            raise self._start_error
+        if self._proc is None:
+            self._started = time.time()
+            try:
+                await self._prepare()
+                if self.ending is Ending.LOST:  # lost while its data came: it must not start at all
+                    return RunResult(Ending.LOST, None)
+                self._spawn()
+            except (OSError, GpupoolError) as exc:
+                return await self._not_started(exc, self.cwd, self._started)
+            if self.ending is not None:  # stopped while it was being prepared
+                self._stop(self.ending, "stopped before it started", now=self.ending is not Ending.CANCELLED)
+        assert self._proc is not None
+        pgid, started = self._proc.pid, self._started
         if spec.checkpoint_every and self._saver is not None:
             self._saving = asyncio.create_task(
                 self._saver.every(spec.checkpoint_every), name=f"checkpoints of {self.lease.job_id}"
             )
         result = await self._supervise(pgid, started)
         if self._proc.start_error is not None:  # it ended without running its program
-            return await self._not_started(self._proc.start_error, cwd, started)
+            return await self._not_started(self._proc.start_error, self.cwd, started)
         return result
+
+    async def _prepare(self) -> None:
+        """What comes before the spawn: the slot's directories, the job's code, data and checkpoint."""
+        spec = self.lease.spec
+        await self._reset_scratch()
+        if spec.git is not None:
+            await self._checkout(spec.git)
+        await job_data.prepare(self.cache, spec, self.cwd, self.output.note)
+        await self._restore_checkpoint()
+        placed = spec.git is not None or spec.snapshot is not None or bool(spec.inputs)
+        if self.identity is not None and not spec.cwd and placed:
+            # its code, and the directories its inputs were placed in (not the inputs: root's)
+            await asyncio.to_thread(self.identity.own_tree, self.scratch)
 
     async def _not_started(self, exc: OSError | GpupoolError, cwd: Path, started: float) -> RunResult:
         """The job could not start (its data, its program, its directory): EXITED, saying why."""

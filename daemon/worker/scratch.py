@@ -48,16 +48,35 @@ class SlotScratch:
         self.watch = watch
         self._fresh: set[Path] = set()  # reset, or handed over untouched, since a job last used them
         self._root_passable = False
-        self._in_use = asyncio.Lock()  # held by a job from its `prepare` to its `finish` (or `hand_over`)
+        # A job's from its `take` or `prepare` to its `finish` (or `hand_over`); `_released` wakes
+        # the `prepare` of the slot's next job, the one that may wait.
+        self._in_use = False
+        self._released = asyncio.Event()
+
+    def take(self, dirs: Sequence[Path]) -> bool:
+        """Before a job, with no wait: True when the slot is free and each of `dirs` surely as
+        new (no look needed: the common short job's start); from now on the job may change
+        them, as after `prepare`. False: `prepare` them."""
+        if self._in_use or not all(self._as_new(path) for path in dirs):
+            return False
+        self._taken(dirs)
+        return True
 
     async def prepare(self, dirs: Sequence[Path]) -> None:
         """Before a job: each of `dirs` as a new one (reset now, unless the last job's end did),
         once the last job's `finish` is done; from now on the job may change them. With an
         owner, the slot's own directory is made passable to it (mode 0711, whatever the umask)."""
-        await self._in_use.acquire()
+        while self._in_use:
+            self._released.clear()
+            await self._released.wait()
+        self._in_use = True
         for path in dirs:
             if not self._as_new(path):
                 await self._reset(path)
+        self._taken(dirs)
+
+    def _taken(self, dirs: Sequence[Path]) -> None:
+        self._in_use = True
         self._fresh.difference_update(dirs)
         if self.owner is not None and not self._root_passable:
             self.root.chmod(0o711)
@@ -72,8 +91,7 @@ class SlotScratch:
                     await self._reset(path)
                 self._fresh.add(path)
         finally:
-            if self._in_use.locked():
-                self._in_use.release()
+            self._release()
 
     def hand_over(self, dirs: Sequence[Path]) -> bool:
         """After a job, nothing of it running any more: when it changed none of `dirs` (the watch
@@ -82,9 +100,12 @@ class SlotScratch:
         if self.watch is None or not self.watch.untouched(*dirs):
             return False
         self._fresh.update(dirs)
-        if self._in_use.locked():
-            self._in_use.release()
+        self._release()
         return True
+
+    def _release(self) -> None:
+        self._in_use = False
+        self._released.set()
 
     def _as_new(self, path: Path) -> bool:
         """Surely as a new directory is, with no look: reset since the last job used it, or

@@ -86,7 +86,7 @@ async def test_a_job_that_left_its_slot_as_it_found_it_hands_it_over_at_once(
         quiet = await run("echo only to its log")
         assert freed == [quiet.lease.job_id]
         await asyncio.wait_for(scratch.prepare([scratch.work]), 1)  # the next job need not wait
-        scratch._in_use.release()
+        scratch._release()
         await quiet.tidy()  # nothing left to do: the directories are the next job's
 
         busy = await run('echo result > "$GPUPOOL_OUTPUT/r.txt"')
@@ -99,6 +99,54 @@ async def test_a_job_that_left_its_slot_as_it_found_it_hands_it_over_at_once(
         assert len(freed) == 2
     finally:
         watch.close()
+
+
+async def test_a_job_with_nothing_to_come_first_starts_in_its_callers_turn(
+    spawner: Spawner, queue: JobQueue, tmp_path: Path
+) -> None:
+    """`JobRun.start` spawns a job that fetches nothing, on a slot free and as new, in the turn
+    that calls it (the worker's: the one that freed the slot), with no turn of the loop between
+    one job's end and the next one's start. Any other job starts in `run`, once what comes first
+    is done: a new slot's directories, the last job's tidying, its data."""
+    scratch = SlotScratch(tmp_path / "slot", None)
+
+    async def job(script: str, **spec: object) -> JobRun:
+        lease = await claimed(queue, sh(script, **spec))
+        return JobRun(queue, lease, data_dir=tmp_path, slot=scratch, spawner=spawner)
+
+    first = await job('echo first > "$GPUPOOL_OUTPUT/f"')
+    first.start()
+    assert first.pid is None  # a new slot: its directories are made first, in `run`
+    result = await first.run()
+    assert result.outcome is not None
+    assert result.outcome.state is JobState.SUCCEEDED
+
+    second = await job("true")
+    second.start()
+    assert second.pid is None  # the slot is still the first job's, until its tidying
+    running = asyncio.create_task(second.run())
+    await asyncio.sleep(0.05)
+    assert second.pid is None
+    assert not running.done()
+    await first.tidy()
+    result = await asyncio.wait_for(running, 10)
+    assert result.outcome is not None
+    assert result.outcome.state is JobState.SUCCEEDED
+    await second.tidy()
+
+    data = [{"sha256": "0" * 64, "dest": "d.bin", "kind": "file"}]
+    with_data = await job("true", inputs=data)
+    with_data.start()
+    assert with_data.pid is None  # its data first: in `run`
+
+    third = await job("sleep 30")
+    third.start()
+    assert third.pid is not None  # spawned in this turn
+    third.cancel()  # before its `run`: stopped as any running job is
+    result = await asyncio.wait_for(third.run(), 15)
+    assert result.outcome is not None
+    assert result.outcome.state is JobState.CANCELLED, result.outcome
+    await third.tidy()
 
 
 def hold_lock(root: Path, worker_id: str) -> subprocess.Popen[str]:
