@@ -13,7 +13,9 @@ calls made in the same turn of the event loop go out together, as ScriptBatches 
 calls side by side (a lone call as a plain EVALSHA). The completes of attempts that end together
 share a round trip. No call waits for a timer: the first call of a turn starts the batch's
 sender, whose first step (the next turn) takes every call made until then and writes them at
-once. A claim a slot waits for goes ahead of the others, alone (`submit`'s `ahead` says why).
+once. A claim a slot waits for goes ahead of the others, alone (`submit`'s `ahead` says why). A
+call that may `linger` (an outcome on a worker draining short jobs) waits a little for company:
+its batch leaves once a call that may not is made, or when the call has waited its linger.
 Its batches go out on a connection it keeps (`Lane`) while that one is free, on one from the pool
 while it is not.
 
@@ -449,6 +451,12 @@ class Pipeliner:
         self._ahead_answered: asyncio.Future[None] | None = None  # while those are in flight
         self._in_flight: set[asyncio.Task[None]] = set()
         self._lane = None if isinstance(redis, RedisCluster) else Lane()
+        # While every pending call may linger: the loop time until which the first of them may
+        # wait. The sender waits for `_company` meanwhile, set by `_hurry`: at that time (the
+        # `_linger` timer), or when a call that may not wait is made.
+        self._linger_until: float | None = None
+        self._linger: asyncio.TimerHandle | None = None
+        self._company = asyncio.Event()
 
     async def __call__(
         self,
@@ -458,8 +466,9 @@ class Pipeliner:
         *,
         ahead: bool = False,
         durable: bool = False,
+        linger: float = 0.0,
     ) -> Any:
-        return await self.submit(script, keys, args, ahead=ahead, durable=durable)
+        return await self.submit(script, keys, args, ahead=ahead, durable=durable, linger=linger)
 
     def submit(
         self,
@@ -470,6 +479,7 @@ class Pipeliner:
         ahead: bool = False,
         durable: bool = False,
         first: bool = False,
+        linger: float = 0.0,
     ) -> asyncio.Future[Any]:
         """Queue one call for this turn's batch; its reply, or its error, comes in the future.
         `ahead`: a call on the path to a job's start (a claim), which no other script may delay:
@@ -477,12 +487,18 @@ class Pipeliner:
         leave once it is answered (Redis answers a batch once it has run it all, and then a claim
         would wait for the outcome of the job whose slot it fills). `first`: a call on that path
         that travels with others (a standing claim, after its enqueue): its caller has its reply
-        a turn before theirs, so the job starts before their next steps (a reply to a client)."""
+        a turn before theirs, so the job starts before their next steps (a reply to a client).
+        `linger`: seconds the call may wait for others to share its round trip (an outcome while
+        more end soon: one write, and one wake of Redis, for several); any call made meanwhile
+        that may not wait sends them all at once."""
         loop = asyncio.get_running_loop()
         if not self._pending and not self._ahead:
             # The batch's sender, which takes every call made before its first step (in this
             # turn, and those ahead of it in the next) and writes them at once.
             self._own(loop.create_task(self._send_pending()))
+            self._linger_until = loop.time() + linger if linger > 0 and not ahead else None
+        elif linger <= 0 or ahead:
+            self._hurry()
         future: asyncio.Future[Any] = loop.create_future()
         (self._ahead if ahead else self._pending).append(Call(script, keys, args, durable, future, first))
         return future
@@ -508,6 +524,15 @@ class Pipeliner:
             if self._ahead_answered is not None and not self._ahead_answered.done():
                 await asyncio.shield(self._ahead_answered)  # another sender's, still on its way
                 continue
+            if self._linger_until is not None:
+                try:
+                    await self._wait_for_company(self._linger_until)
+                except asyncio.CancelledError:  # the loop is shutting down: they never leave
+                    for call in self._pending:
+                        call.future.cancel()
+                    self._pending = []
+                    raise
+                continue  # (a call ahead may have come meanwhile)
             calls, self._pending = [c for c in self._pending if not c.future.done()], []
             if not calls:
                 return
@@ -516,6 +541,22 @@ class Pipeliner:
             for start in range(MAX_BATCH, len(calls), MAX_BATCH):
                 self._own(asyncio.ensure_future(self._send(calls[start : start + MAX_BATCH])))
             await self._send(calls[:MAX_BATCH])
+
+    async def _wait_for_company(self, until: float) -> None:
+        """Every call pending may linger: wait until the first of them has waited its linger, or
+        a call that may not wait is made (a second sender, between its steps, waits with it)."""
+        if self._linger is None:
+            self._company.clear()
+            self._linger = asyncio.get_running_loop().call_at(until, self._hurry)
+        await self._company.wait()
+
+    def _hurry(self) -> None:
+        """The calls pending leave now."""
+        self._linger_until = None
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+            self._company.set()
 
     async def _send(self, calls: list[Call]) -> None:
         batch = ScriptBatch(self.redis, self.ack, self.watch, self._lane)

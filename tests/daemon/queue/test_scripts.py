@@ -135,6 +135,49 @@ async def test_a_call_made_ahead_while_a_sender_is_between_its_batches_is_sent(r
     assert await outcome == b"outcome"
 
 
+async def test_calls_that_may_linger_made_in_turns_apart_share_one_round_trip(redis: Redis) -> None:
+    """Outcomes of jobs that end one after another (`linger`) wait for each other: one round trip
+    for all, once the first has waited its linger; a call alone waits its linger, then goes."""
+    call = Pipeliner(redis)
+    echo = redis.register_script("redis.call('RPUSH', KEYS[1], ARGV[1]); return ARGV[1]")
+    await redis.script_load(echo.script)
+    made = counting_round_trips(redis)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    first = call.submit(echo, ["order"], ["1"], linger=0.2)
+    await asyncio.sleep(0.05)  # turns apart: as jobs that end one after another
+    second = call.submit(echo, ["order"], ["2"], linger=0.2)
+    await asyncio.sleep(0.05)
+    assert not first.done()
+    assert made == []
+    assert list(await asyncio.gather(first, second)) == [b"1", b"2"]
+    assert loop.time() - began >= 0.2  # the first waited its linger, no less
+    assert len(made) == 1
+    assert await asyncio.wait_for(call(echo, ["order"], ["3"], linger=0.05), 5) == b"3"
+    assert len(made) == 2
+    assert await redis.lrange("order", 0, -1) == [b"1", b"2", b"3"]
+
+
+async def test_a_call_that_may_not_linger_takes_the_lingering_ones_at_once(redis: Redis) -> None:
+    """A claim made while outcomes linger does not wait for their linger: all leave at once, in
+    one round trip (and a claim ahead goes first, alone, as ever)."""
+    call = Pipeliner(redis)
+    echo = redis.register_script("redis.call('RPUSH', KEYS[1], ARGV[1]); return ARGV[1]")
+    await redis.script_load(echo.script)
+    made = counting_round_trips(redis)
+    outcome = call.submit(echo, ["order"], ["outcome"], linger=30)
+    await asyncio.sleep(0.02)
+    claim = call.submit(echo, ["order"], ["claim"])
+    assert await asyncio.wait_for(asyncio.gather(outcome, claim), 5) == [b"outcome", b"claim"]
+    assert len(made) == 1
+    outcome = call.submit(echo, ["order"], ["outcome 2"], linger=30)
+    await asyncio.sleep(0.02)
+    ahead = call.submit(echo, ["order"], ["claim ahead"], ahead=True)
+    assert await asyncio.wait_for(asyncio.gather(outcome, ahead), 5) == [b"outcome 2", b"claim ahead"]
+    assert len(made) == 3
+    assert await redis.lrange("order", 0, -1) == [b"outcome", b"claim", b"claim ahead", b"outcome 2"]
+
+
 async def test_an_error_goes_to_its_caller_alone(redis: Redis) -> None:
     call = Pipeliner(redis)
     ok = redis.register_script("return ARGV[1]")
