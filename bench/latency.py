@@ -173,10 +173,10 @@ async def run_command(
     first_act: dict[str, int] = {}  # job id -> the time its `date` printed (ns)
     complete = queue.complete
 
-    async def complete_read(lease: Lease, outcome: Outcome) -> JobState:
+    async def complete_read(lease: Lease, outcome: Outcome, **kwargs: Any) -> JobState:
         with contextlib.suppress(LookupError, ValueError):
             first_act[lease.job_id] = int(outcome.result["tail"][0])
-        return await complete(lease, outcome)
+        return await complete(lease, outcome, **kwargs)
 
     queue.complete = complete_read  # type: ignore[method-assign]
     real_spawn = spawn.Spawner.spawn

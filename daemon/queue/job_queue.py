@@ -292,11 +292,12 @@ class JobQueue(Claims, QueueReads):
 
         return answers
 
-    async def complete(self, lease: Lease, outcome: Outcome) -> JobState:
+    async def complete(self, lease: Lease, outcome: Outcome, *, linger: float = 0.0) -> JobState:
         """Record how an attempt ended. Returns the job's state afterwards (QUEUED when a failed job
         goes back for a retry). Raises StaleAttempt, changing nothing, when `lease` is no longer the
         job's current one (it was reclaimed, or ended otherwise). The same call made again (its
-        reply was lost) answers as the first did."""
+        reply was lost) answers as the first did. `linger`: seconds the call may wait for others
+        to travel with (scripts.Pipeliner)."""
         q = lease.queue
         return await self._end_attempt(
             self.scripts.complete,
@@ -308,6 +309,7 @@ class JobQueue(Claims, QueueReads):
             msgpack.packb(dict(outcome.result)),
             self.retention,
             durable=True,
+            linger=linger,
         )
 
     async def release(self, lease: Lease) -> JobState:
@@ -324,7 +326,13 @@ class JobQueue(Claims, QueueReads):
         )
 
     async def _end_attempt(
-        self, script: AsyncScript, lease: Lease, job_keys: list[str], *args: Any, durable: bool = False
+        self,
+        script: AsyncScript,
+        lease: Lease,
+        job_keys: list[str],
+        *args: Any,
+        durable: bool = False,
+        linger: float = 0.0,
     ) -> JobState:
         """Run a script that ends `lease`'s attempt (complete.lua, release.lua), fenced by the lease:
         the job's state afterwards, or StaleAttempt when the lease is no longer current. `durable`:
@@ -343,6 +351,7 @@ class JobQueue(Claims, QueueReads):
                 *args,
             ],
             durable=durable,
+            linger=linger,
         )
         _raise_if_stale(lease, reply)
         return JobState(_s(reply[0]))

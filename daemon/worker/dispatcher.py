@@ -482,7 +482,9 @@ class Worker(Stopping):
                 # Killed by a signal after the fence deadline: maybe by the fence itself (the orphan
                 # guard, while this worker was frozen). Not the job's outcome: the lease decides.
                 result = RunResult(Ending.LOST, None, result.dirty_gpus, result.killed_by)
-            await self._outcomes.report(held.lease, result)
+            # While short jobs flow and another runs, its end comes soon: this outcome may wait for it.
+            linger = look_ahead.LINGER if self._ahead.flowing() and self._busy() else 0.0
+            await self._outcomes.report(held.lease, result, linger)
         finally:
             self._held.drop(held)
 

@@ -8,7 +8,11 @@ claims DEPTH jobs more in one claim and keeps them here; each slot that frees st
 once, and once none is left the next claim travels while they run: one claim, and one round
 trip, for every DEPTH jobs. No slot waits for that claim, so it does not go ahead of the other
 script calls, alone, as a claim for a free slot does: it rides in the batch of its turn, with the
-outcome of the job that just ended (`claim_many(urgent=False)`).
+outcome of the job that just ended (`claim_many(urgent=False)`). While short jobs flow and
+another runs here, an outcome may also wait up to LINGER for the next one (scripts.Pipeliner's
+`linger`), or for the next claim: the ends of several jobs then share one write, and one wake of
+Redis, which are most of what recording a short job's end costs both sides. It changes when an
+outcome is recorded, by at most LINGER, never what is recorded nor under which lease.
 
 What the guarantees keep (docs/GUARANTEES.md, 4):
 - each is claimed as any job is: from the head of its queue at the time (FIFO), under a lease
@@ -37,6 +41,7 @@ from daemon.worker.attempt import HeldAttempt, Holdings, boottime
 BELOW = 0.05  # a job that ran less than this (seconds) is short: look ahead after it
 HOLD = 0.25  # the longest a job claimed ahead waits for a slot here before it is handed back
 DEPTH = 2  # jobs claimed ahead in one claim, once none is kept
+LINGER = 0.002  # the longest an outcome waits for company while short jobs flow (seconds)
 
 
 class LookAhead:
@@ -53,9 +58,13 @@ class LookAhead:
     def __len__(self) -> int:
         return len(self._kept)
 
+    def flowing(self) -> bool:
+        """Short jobs flow here: looking ahead, the last job to end ran less than `below`."""
+        return self.enabled and self._short
+
     def wanted(self) -> int:
         """How many jobs to claim ahead now: DEPTH while looking ahead and none is kept, else 0."""
-        return DEPTH if self.enabled and self._short and not self._kept else 0
+        return DEPTH if self.flowing() and not self._kept else 0
 
     def keep(self, held: HeldAttempt) -> None:
         self._kept.append(held)

@@ -34,9 +34,10 @@ class Outcomes:
         self.queue = queue
         self.forced = forced
 
-    async def report(self, lease: Lease, result: RunResult) -> None:
+    async def report(self, lease: Lease, result: RunResult, linger: float = 0.0) -> None:
         """Record how the attempt ended: its outcome, or a hand-back when it has none (stopped by
-        the worker); nothing when its lease was lost (the attempt is another's to end)."""
+        the worker); nothing when its lease was lost (the attempt is another's to end). An
+        outcome may wait `linger` seconds for others to share its round trip (scripts.Pipeliner)."""
         job, n = lease.job_id, lease.attempt
         if result.ending is Ending.LOST:
             log.warning("job %s attempt %d: killed, nothing recorded: the lease was lost", job, n)
@@ -47,7 +48,7 @@ class Outcomes:
         else:
             outcome = result.outcome
             state = await self._record(
-                lease, "record the outcome", lambda: self.queue.complete(lease, outcome)
+                lease, "record the outcome", lambda: self.queue.complete(lease, outcome, linger=linger)
             )
             how = f"{outcome.state}{' (' + outcome.detail + ')' if outcome.detail else ''}"
             if state is None:

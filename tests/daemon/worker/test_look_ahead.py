@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from daemon.job import JobState
+from daemon.job import JobState, Lease, Outcome
 from daemon.queue.job_queue import JobQueue
 from daemon.worker import look_ahead
 from daemon.worker.dispatcher import Worker
@@ -134,3 +134,32 @@ async def test_a_worker_with_gpus_claims_nothing_ahead(queue: JobQueue, tmp_path
         (tmp_path / "a.go").touch()
         (tmp_path / "b.go").touch()
         await wait_state(queue, second, JobState.SUCCEEDED)
+
+
+async def test_outcomes_wait_for_company_only_while_short_jobs_flow_and_another_runs(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """While short jobs flow, an outcome may wait a little for the next job's (look_ahead.LINGER),
+    to share its round trip; a job that ends with nothing else running is recorded at once. Each
+    job still runs once, and is recorded once."""
+    lingers: dict[str, float] = {}
+    complete = queue.complete
+
+    async def noted(lease: Lease, outcome: Outcome, *, linger: float = 0.0) -> JobState:
+        lingers[lease.job_id] = linger
+        return await complete(lease, outcome, linger=linger)
+
+    queue.complete = noted  # type: ignore[method-assign]
+    flow = [(await queue.enqueue(sh("true")))[0] for _ in range(30)]
+    async with running_worker(queue, tmp_path / "w", slots=2) as worker:
+        infos = [await wait_state(queue, job_id, JobState.SUCCEEDED) for job_id in flow]
+
+        async def recorded() -> bool:
+            return not worker.leases()
+
+        await wait_until(recorded, timeout=15, what="every outcome recorded")
+        alone, _ = await queue.enqueue(sh("true"))
+        await wait_state(queue, alone, JobState.SUCCEEDED)
+    assert all([a.how for a in info.attempts] == ["succeeded"] for info in infos)
+    assert {lingers[job_id] for job_id in flow} >= {look_ahead.LINGER}
+    assert lingers[alone] == 0.0
