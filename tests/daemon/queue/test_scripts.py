@@ -168,12 +168,12 @@ async def test_a_call_that_may_not_linger_takes_the_lingering_ones_at_once(redis
     outcome = call.submit(echo, ["order"], ["outcome"], linger=30)
     await asyncio.sleep(0.02)
     claim = call.submit(echo, ["order"], ["claim"])
-    assert await asyncio.wait_for(asyncio.gather(outcome, claim), 5) == [b"outcome", b"claim"]
+    assert list(await asyncio.wait_for(asyncio.gather(outcome, claim), 5)) == [b"outcome", b"claim"]
     assert len(made) == 1
     outcome = call.submit(echo, ["order"], ["outcome 2"], linger=30)
     await asyncio.sleep(0.02)
     ahead = call.submit(echo, ["order"], ["claim ahead"], ahead=True)
-    assert await asyncio.wait_for(asyncio.gather(outcome, ahead), 5) == [b"outcome 2", b"claim ahead"]
+    assert list(await asyncio.wait_for(asyncio.gather(outcome, ahead), 5)) == [b"outcome 2", b"claim ahead"]
     assert len(made) == 3
     assert await redis.lrange("order", 0, -1) == [b"outcome", b"claim", b"claim ahead", b"outcome 2"]
 
