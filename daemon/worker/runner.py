@@ -321,15 +321,7 @@ class JobRun:
         directories free and surely as new (scratch.py `take`). It saves a turn of the loop
         between one job's end and the next one's start, most of a short job's wait. `run` then
         supervises it (or, if the spawn failed, records why); else `run` prepares and spawns."""
-        spec = self.lease.spec
-        if (
-            self.ending is not None
-            or spec.git is not None
-            or spec.snapshot is not None
-            or spec.inputs
-            or (self.lease.attempt > 1 and self.store is not None)  # a checkpoint to restore
-            or not self.slot.take(self._scratch_dirs())
-        ):
+        if self.ending is not None or self._fetches() or not self.slot.take(self._scratch_dirs()):
             return
         self._started = time.time()
         try:
@@ -373,6 +365,13 @@ class JobRun:
         if self._proc.start_error is not None:  # it ended without running its program
             return await self._not_started(self._proc.start_error, self.cwd, started)
         return result
+
+    def _fetches(self) -> bool:
+        """Whether anything is fetched before the spawn: code, data, or an earlier attempt's
+        checkpoint (`_restore_checkpoint`)."""
+        spec = self.lease.spec
+        placed = spec.git is not None or spec.snapshot is not None or bool(spec.inputs)
+        return placed or (self.lease.attempt > 1 and self.store is not None)
 
     async def _prepare(self) -> None:
         """What comes before the spawn: the slot's directories, the job's code, data and checkpoint."""
