@@ -366,12 +366,15 @@ class JobRun:
             return await self._not_started(self._proc.start_error, self.cwd, started)
         return result
 
+    def _placed(self) -> bool:
+        """Whether code or data is placed in the job's directory before the spawn."""
+        spec = self.lease.spec
+        return spec.git is not None or spec.snapshot is not None or bool(spec.inputs)
+
     def _fetches(self) -> bool:
         """Whether anything is fetched before the spawn: code, data, or an earlier attempt's
         checkpoint (`_restore_checkpoint`)."""
-        spec = self.lease.spec
-        placed = spec.git is not None or spec.snapshot is not None or bool(spec.inputs)
-        return placed or (self.lease.attempt > 1 and self.store is not None)
+        return self._placed() or (self.lease.attempt > 1 and self.store is not None)
 
     async def _prepare(self) -> None:
         """What comes before the spawn: the slot's directories, the job's code, data and checkpoint."""
@@ -381,8 +384,7 @@ class JobRun:
             await self._checkout(spec.git)
         await job_data.prepare(self.cache, spec, self.cwd, self.output.note)
         await self._restore_checkpoint()
-        placed = spec.git is not None or spec.snapshot is not None or bool(spec.inputs)
-        if self.identity is not None and not spec.cwd and placed:
+        if self.identity is not None and not spec.cwd and self._placed():
             # its code, and the directories its inputs were placed in (not the inputs: root's)
             await asyncio.to_thread(self.identity.own_tree, self.scratch)
 
