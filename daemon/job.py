@@ -118,7 +118,7 @@ class JobSpec:
     after: tuple[str, ...] = ()
     # One job of an array (`poolctl enqueue --array 0-99%8`): the array's id ("QUEUE@ID"), this
     # job's index ($GPUPOOL_ARRAY_INDEX), its place in the array from 0, and the most of the array
-    # that may run at once (0: no limit; a job `limit` places on waits for the one before to end).
+    # under way at once (0: no limit; the rest wait their turn, by place: _lib.lua `admit`).
     array: str = ""
     array_index: int = 0
     array_pos: int = 0
@@ -128,8 +128,9 @@ class JobSpec:
 
     @property
     def held(self) -> bool:
-        """Held out of its queue at enqueue, till the jobs it waits for end (daemon/after.py)."""
-        return bool(self.after) or 0 < self.array_limit <= self.array_pos
+        """May be held out of its queue at enqueue: till the jobs it waits for end
+        (daemon/after.py), or till its array's window has a place for it."""
+        return bool(self.after) or (bool(self.array) and self.array_limit > 0)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -2,7 +2,8 @@
 index and per point of the sweep's cartesian product, all of one array ("QUEUE@ID"), sent in one
 batch. Each job finds its index in $GPUPOOL_ARRAY_INDEX (the worker sets it) and its point's
 values in its environment (`lr=3e-4`), and `{lr}` in the command is replaced by the value. `%8`:
-at most 8 of the array run at once (the server holds each job till the one 8 places before ends).
+at most 8 of the array are under way at once, as Slurm's %N: the rest wait, and as one ends the next
+by index goes in (the queue's scripts keep the count: daemon/queue/lua/_lib.lua, arrays).
 """
 
 from __future__ import annotations

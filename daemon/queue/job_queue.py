@@ -60,6 +60,23 @@ def _stream_id(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+def _job_args(spec: JobSpec, packed: bytes) -> list[Any]:
+    """What the enqueue scripts are given of one job, in the order of _lib.lua's JOB_ARGS."""
+    return [
+        packed,
+        spec.gpus,
+        spec.max_attempts,
+        spec.retries,
+        spec.priority,
+        spec.user,
+        mib(spec.gpu_mem),
+        " ".join(spec.after),
+        spec.array,
+        spec.array_pos,
+        spec.array_limit if spec.array else 0,
+    ]
+
+
 def _raise_if_stale(lease: Lease, reply: Sequence[Any]) -> None:
     """A fenced script's `{'stale', state, attempt}` answer: the attempt is no longer current."""
     if reply[0] == b"stale":
@@ -153,19 +170,7 @@ class JobQueue(Claims, QueueReads):
             reply = self._call.submit(
                 self.scripts.enqueue,
                 job_keys,
-                [
-                    keys.GROUP,
-                    keys.queue_prefix(q),
-                    job_id,
-                    packed,
-                    spec.gpus,
-                    spec.max_attempts,
-                    spec.retries,
-                    spec.priority,
-                    spec.user,
-                    mib(spec.gpu_mem),
-                    1 if spec.held else 0,
-                ],
+                [keys.GROUP, keys.queue_prefix(q), job_id, *_job_args(spec, packed)],
                 durable=True,
             )
             if self._standing and not spec.held:
@@ -193,8 +198,7 @@ class JobQueue(Claims, QueueReads):
             ids = [new_job_id(q) for _ in chunk]
             args: list[Any] = [keys.GROUP, keys.queue_prefix(q)]
             for spec, job_id in zip(chunk, ids, strict=True):
-                args += [job_id, msgpack.packb(spec.to_dict()), spec.gpus, spec.max_attempts, spec.retries]
-                args += [spec.priority, spec.user, mib(spec.gpu_mem), 1 if spec.held else 0]
+                args += [job_id, *_job_args(spec, msgpack.packb(spec.to_dict()))]
             job_keys = [keys.batch(q, secrets.token_hex(8)), *(keys.job(job_id) for job_id in ids)]
             batch.add(
                 self.scripts.enqueue_many,
@@ -372,32 +376,64 @@ class JobQueue(Claims, QueueReads):
 
     # -- dependencies (daemon/after.py; the server decides, server/dependencies.py) --------------
 
-    async def wait_for(self, job_id: str, after: Sequence[str]) -> None:
-        """Record that `job_id` (held out of its queue) waits for each job of `after` ("JOB:how"):
-        on its record, and where each of those jobs' end will find it (a set per job, kept as long
-        as finished jobs are)."""
+    async def note_dependents(self, jobs: Iterable[tuple[str, Sequence[str]]]) -> None:
+        """Note each job (id, what it waits for: "JOB:how" each) in the `dependents` set of every
+        job it waits for, so that their ends bring the server to judge it at once; one round trip
+        for all. What a job waits for is on its own record from its enqueue (add_job): a note that
+        never happened (the server died first) only leaves the judging to the server's sweep."""
         batch = self.batch(ack=False)
-        batch.add(self.scripts.wait_for, [keys.job(job_id)], [" ".join(after)])
-        for dep in after:
-            other = dep.rpartition(":")[0]
-            batch.add(self.scripts.note_dependent, [keys.dependents(other)], [job_id, self.retention * 2])
+        for job_id, after in jobs:
+            for dep in after:
+                other = dep.rpartition(":")[0]
+                batch.add(self.scripts.note_dependent, [keys.dependents(other), keys.job(other)], [job_id])
         await batch.execute()
-
-    async def record_array(self, array_id: str, jobs: Sequence[tuple[int, str]]) -> None:
-        """Note the jobs (place, id) of array `array_id`, for the commands that take its id."""
-        key = keys.array(array_id)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(key, {job_id: place for place, job_id in jobs})
-            pipe.expire(key, self.retention * 2)
-            await pipe.execute()
 
     async def array_jobs(self, array_id: str) -> list[str]:
         """The jobs of array `array_id`, in their order ([] for an array the pool does not know)."""
         return [_s(cast(bytes, i)) for i in await self.redis.zrange(keys.array(array_id), 0, -1)]
 
     async def dependencies(self, job_id: str) -> tuple[str, ...]:
-        """What a job held out of its queue waits for ("JOB:how" each; wait_for)."""
+        """What a job waits for ("JOB:how" each), as its enqueue recorded it (add_job)."""
         return tuple(_s(await self.redis.hget(keys.job(job_id), "after") or b"").split())
+
+    async def held_for_others(self, queue: str, page: int = 500) -> list[tuple[str, tuple[str, ...]]]:
+        """The jobs of `queue` held for others to end whose dependencies were not found met yet
+        (those met, waiting only for their array's window, are left out), each with what it
+        waits for: what the server's sweep judges. A round trip per `page` jobs held."""
+        out: list[tuple[str, tuple[str, ...]]] = []
+        start = 0
+        while ids := [
+            _s(cast(bytes, i)) for i in await self.redis.zrange(keys.waiting(queue), start, start + page - 1)
+        ]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for job_id in ids:
+                    pipe.hmget(keys.job(job_id), ["state", "after", "met"])
+                records = await pipe.execute()
+            for job_id, (state, after, met) in zip(ids, records, strict=True):
+                if state == b"queued" and after and not met:
+                    out.append((job_id, tuple(_s(after).split())))
+            start += page
+        return out
+
+    async def states(self, job_ids: Iterable[str]) -> dict[str, JobState | None]:
+        """The state of each job (None: not in the pool, or not any more), in one round trip."""
+        ids = list(dict.fromkeys(job_ids))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hget(keys.job(job_id), "state")
+            got = await pipe.execute()
+        return {
+            job_id: JobState(_s(state)) if state else None for job_id, state in zip(ids, got, strict=True)
+        }
+
+    async def array_window(self, array_id: str) -> tuple[int, int]:
+        """An array's jobs under way (let into its queue, not ended) and its window (0: none)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.scard(keys.array_active(array_id))
+            pipe.zrange(keys.array(array_id), 0, 0)
+            active, first = await pipe.execute()
+        window = await self.redis.hget(keys.job(_s(first[0])), "window") if first else None
+        return int(active), int(window or 0)
 
     async def dependents(self, job_id: str) -> list[str]:
         """The jobs that wait for `job_id` to end."""
@@ -408,12 +444,12 @@ class JobQueue(Claims, QueueReads):
         return [_s(cast(bytes, i)) for i in await self.redis.zrange(keys.waiting(queue), 0, -1)]
 
     async def ready(self, job_id: str) -> bool:
-        """A job whose dependencies are met joins its queue (ready.lua): True when it did now."""
-        q = queue_of(job_id)
+        """A job whose dependencies are met joins its queue, or its array's turn for a place in
+        its window (ready.lua): True when it moved now."""
         joined = await self._call(
             self.scripts.ready,
-            [keys.stream(q), keys.job(job_id)],
-            [keys.queue_prefix(q), job_id],
+            [keys.job(job_id)],
+            [keys.queue_prefix(queue_of(job_id)), job_id],
             durable=True,
         )
         return bool(joined)

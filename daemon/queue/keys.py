@@ -29,12 +29,21 @@ Per queue (``gp:{q:NAME}:…``):
                 ('worker') until when ('until', ms: a lease, renewed by that worker's claims), and
                 when it could start there at the earliest ('at', ms; -1 unknown): claim.lua's
                 backfill starts only jobs that cannot delay it there.
-  waiting       ZSET id -> seq: queued jobs waiting for other jobs to end (--after, daemon/after.py):
-                no stream entry yet; ready.lua gives them one when the server finds them ready.
+  waiting       ZSET id -> seq: queued jobs held out of the queue (no stream entry yet) while
+                they wait for other jobs to end (--after, daemon/after.py: what for is on the
+                job's record, 'after', written by its enqueue) or for a place in their array's
+                window; ready.lua, or an array's `admit` (_lib.lua), lets them in. A record's
+                'met': the server found its dependencies met, and only its array's window holds it.
   array:ID      ZSET job id -> place: the jobs of array QUEUE@ID (poolctl enqueue --array/--sweep),
-                for commands that take the array's id for all its jobs; kept as finished jobs are.
+                for commands that take the array's id for all its jobs, written by the enqueue
+                scripts; with :active (SET: its jobs let into the queue, queued or running, at
+                most its window's N of them, the records' 'window'), :next (ZSET id -> place: its
+                jobs held for a place in the window, let in lowest place first as places free)
+                and :left (how many of its jobs have not ended): kept while any has not, then for
+                the retention (_lib.lua, arrays).
   dependents:ID SET of the ids of jobs waiting for job ID to end (in ID's queue, whatever theirs):
-                how the server finds them when ID's terminal event comes.
+                how the server finds them when ID's terminal event comes; kept while ID lives,
+                then for the retention. A hint: the server's sweep judges every held job anyway.
   wake          capped Stream of ``w=1`` entries, one per job put at the front: workers block on it
                 (XREAD) beside the stream, since a ZSET cannot wake them.
   leases        ZSET id -> lease deadline (Redis server time, ms) of every running attempt.
@@ -121,6 +130,10 @@ def waiting(queue: str) -> str:
 def array(array_id: str) -> str:
     queue, _, name = array_id.partition("@")
     return queue_prefix(queue) + "array:" + name
+
+
+def array_active(array_id: str) -> str:
+    return array(array_id) + ":active"
 
 
 def dependents(job_id: str) -> str:

@@ -75,7 +75,6 @@ NAMES = (
     "weights",
     "ready",
     "note_dependent",
-    "wait_for",
 )
 
 
@@ -105,7 +104,6 @@ class Scripts:
         self.weights: AsyncScript = redis.register_script(source("weights"))
         self.ready: AsyncScript = redis.register_script(source("ready"))
         self.note_dependent: AsyncScript = redis.register_script(source("note_dependent"))
-        self.wait_for: AsyncScript = redis.register_script(source("wait_for"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,38 +1,50 @@
 """The server's half of job dependencies (`--after`, daemon/after.py): it decides when a job that
 waits for others joins its queue, or is cancelled because it never can.
 
-A waiting job is held in its queue's `waiting` set with no stream entry, so no worker sees it.
-Each job it waits for has a `dependents` set naming it (written at enqueue, before the job is
-judged once). When a job ends, its terminal event (terminal_events.py) brings its dependents
-here, and each is judged again: every dependency met, it joins its queue (ready.lua); one that
-can no longer be met, it is cancelled with the reason. At the server's start every waiting job of
-every queue is judged once, for the ends the server did not see while it was down (or that Redis
-lost with a restart). Judging is idempotent (ready.lua moves a job once; a cancelled job stays
-so), so two servers, or an event seen twice, do no harm. No polling: events and the start.
+A waiting job is held in its queue's `waiting` set with no stream entry, so no worker sees it;
+what it waits for is on its own record, written by the script that enqueued it (so no crash of
+a server leaves a held job with nothing to say why). Two things bring it to be judged:
+
+- the end of a job it waits for: each job it waits for has a `dependents` set naming it (noted
+  right after its enqueue), and that job's terminal event (terminal_events.py) brings its
+  dependents here at once;
+- a sweep of every queue's held jobs, at the server's start and every `sweep_every` seconds after
+  (Slurm re-checks dependencies at every scheduling pass): the ends this server did not see (it
+  was down, Redis lost them with a restart), a note that never happened (the server died before
+  it), a judge that Redis refused (a failover, its memory limit) are all made good by the next.
+
+Judged, a job whose dependencies are all met joins its queue (ready.lua; in an array with a
+window, it takes its turn for a place in it); one that can no longer be met is cancelled with the
+reason. Judging is idempotent (ready.lua moves a job once; a cancelled job stays so), so two
+servers, an event seen twice, or a sweep beside an event do no harm.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 
 from redis.exceptions import RedisError
 
 from daemon import after
-from daemon.errors import JobNotFound, NotReplicated
+from daemon.errors import NotReplicated
 from daemon.job import JobState
 from daemon.queue.job_queue import JobQueue
 
 log = logging.getLogger(__name__)
 
+SWEEP_EVERY = 5.0  # seconds between two sweeps of every held job, at most
+MOVES_AT_ONCE = 500  # jobs let in or cancelled together, in the round trips of one batch
+
 
 class Dependencies:
     """Judges the jobs that wait for others. `ended(job_id)` from the events reader, `run()` as a
-    task of the server (it judges every waiting job once first)."""
+    task of the server (it sweeps every held job at once, then every `sweep_every` seconds)."""
 
-    def __init__(self, queue: JobQueue) -> None:
+    def __init__(self, queue: JobQueue, sweep_every: float = SWEEP_EVERY) -> None:
         self.queue = queue
+        self.sweep_every = sweep_every
         self._ended: asyncio.Queue[str] = asyncio.Queue()
 
     def ended(self, job_id: str) -> None:
@@ -40,48 +52,67 @@ class Dependencies:
         self._ended.put_nowait(job_id)
 
     async def run(self) -> None:
-        await self._judge_all()
+        loop = asyncio.get_running_loop()
         while True:
-            job_id = await self._ended.get()
             try:
-                for dependent in await self.queue.dependents(job_id):
-                    await judge(self.queue, dependent)
-            except (RedisError, NotReplicated) as exc:  # judged again at the next start, or end
-                log.warning("could not judge the jobs waiting for %s (%s)", job_id, exc)
+                await self.sweep()
+            except (RedisError, NotReplicated) as exc:
+                log.warning(
+                    "could not judge the jobs waiting for others (%s); again in %g s", exc, self.sweep_every
+                )
+            next_sweep = loop.time() + self.sweep_every
+            while (left := next_sweep - loop.time()) > 0:
+                try:
+                    job_id = await asyncio.wait_for(self._ended.get(), left)
+                except TimeoutError:
+                    break
+                try:
+                    await judge(self.queue, await self.queue.dependents(job_id))
+                except (RedisError, NotReplicated) as exc:  # the next sweep judges them
+                    log.warning(
+                        "could not judge the jobs waiting for %s (%s); the next sweep will", job_id, exc
+                    )
 
-    async def _judge_all(self) -> None:
-        try:
-            for q in await self.queue.queues():
-                for job_id in await self.queue.waiting(q):
-                    await judge(self.queue, job_id)
-        except (RedisError, NotReplicated) as exc:
-            log.warning("could not judge the jobs waiting for others at start (%s)", exc)
+    async def sweep(self) -> None:
+        """Judge every job of every queue held for others whose dependencies were not found met."""
+        for q in await self.queue.queues():
+            await judge_held(self.queue, await self.queue.held_for_others(q))
 
 
 async def weigh(queue: JobQueue, deps: Sequence[str]) -> tuple[str, str]:
     """after.verdict of dependencies `deps` ("JOB:how" each) as their jobs stand now."""
-    states: list[JobState | None] = []
-    for dep in deps:
-        try:
-            states.append((await queue.get(after.split(dep)[0])).state)
-        except JobNotFound:
-            states.append(None)  # gone: past retention
-    return after.verdict(deps, states)
+    states = await queue.states(after.split(dep)[0] for dep in deps)
+    return after.verdict(deps, [states[after.split(dep)[0]] for dep in deps])
 
 
-async def judge(queue: JobQueue, job_id: str) -> str:
-    """Let `job_id` join its queue, cancel it, or leave it waiting, as its dependencies say:
-    'ready', 'never' or 'wait' (after.verdict), or 'gone' when it is not waiting any more."""
-    try:
-        info = await queue.get(job_id)
-    except JobNotFound:
-        return "gone"
-    deps = await queue.dependencies(job_id)
-    if info.state is not JobState.QUEUED or not deps:
-        return "gone"
-    verdict, why = await weigh(queue, deps)
-    if verdict == "ready":
-        await queue.ready(job_id)
-    elif verdict == "never":
-        await queue.cancel(job_id, detail=f"cancelled: {why}")
-    return verdict
+async def judge(queue: JobQueue, job_ids: Iterable[str]) -> None:
+    """Judge each of `job_ids` that is held for others (a job that is not is left as it is)."""
+    ids = list(job_ids)
+    if not ids:
+        return
+    states = await queue.states(ids)
+    held = [
+        (job_id, deps)
+        for job_id in ids
+        if states[job_id] is JobState.QUEUED and (deps := await queue.dependencies(job_id))
+    ]
+    await judge_held(queue, held)
+
+
+async def judge_held(queue: JobQueue, held: Sequence[tuple[str, Sequence[str]]]) -> None:
+    """Let each held job (id, what it waits for) join its queue, cancel it, or leave it waiting,
+    as after.verdict says; the states of the jobs waited for are read once for all of them."""
+    if not held:
+        return
+    states = await queue.states(after.split(dep)[0] for _, deps in held for dep in deps)
+    moves: list[Awaitable[object]] = []
+    for job_id, deps in held:
+        verdict, why = after.verdict(deps, [states[after.split(dep)[0]] for dep in deps])
+        if verdict == "ready":
+            moves.append(queue.ready(job_id))
+        elif verdict == "never":
+            moves.append(queue.cancel(job_id, detail=f"cancelled: {why}"))
+    for i in range(0, len(moves), MOVES_AT_ONCE):  # calls made together share round trips
+        for answer in await asyncio.gather(*moves[i : i + MOVES_AT_ONCE], return_exceptions=True):
+            if isinstance(answer, BaseException):
+                raise answer  # (the rest were made, or refused alike: the next sweep makes them)

@@ -27,7 +27,7 @@ from daemon.queue.failures import out_of_memory
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.terminal_events import JobEvents
 from daemon.server.data_desk import DataDesk
-from daemon.server.dependencies import judge
+from daemon.server.dependencies import judge_held
 from daemon.server.pending import MAX_LIST, PendingReasons, WorkerLister
 from protocol import (
     CancelJobs,
@@ -320,30 +320,12 @@ class Handlers:
     async def _wait_for_others(self, jobs: list[tuple[str, JobSpec]]) -> None:
         """Jobs queued to wait for others (held out of their queue, daemon/after.py): each is noted
         where the jobs it waits for will find it when they end, then judged once (they may have
-        ended already; server/dependencies.py)."""
-        placed: dict[str, dict[int, str]] = {}
-        for job_id, spec in jobs:
-            if spec.array:
-                placed.setdefault(spec.array, {})[spec.array_pos] = job_id
-        for array_id, members in placed.items():
-            await self.queue.record_array(array_id, [(pos, job_id) for pos, job_id in members.items()])
-        for job_id, spec in jobs:
-            after = list(spec.after)
-            if spec.held and not after:  # an array's window: after the job `limit` places before
-                before = placed[spec.array].get(spec.array_pos - spec.array_limit)
-                if before is None:  # an earlier batch's
-                    earlier = await self.queue.array_jobs(spec.array)
-                    if spec.array_pos - spec.array_limit >= len(earlier):
-                        raise GpupoolError(
-                            f"job {spec.array_pos} of array {spec.array} comes before the jobs it "
-                            f"waits for: send an array's jobs in order",
-                            ErrorCode.INVALID_ARGUMENT,
-                        )
-                    before = earlier[spec.array_pos - spec.array_limit]
-                after = [f"{before}:any"]
-            if after:
-                await self.queue.wait_for(job_id, after)
-                await judge(self.queue, job_id)
+        ended already; server/dependencies.py). What each waits for, and its array's window, the
+        enqueue wrote itself: a server that dies before this leaves them to the next sweep."""
+        waits = [(job_id, spec.after) for job_id, spec in jobs if spec.after]
+        if waits:
+            await self.queue.note_dependents(waits)
+            await judge_held(self.queue, waits)
 
     def _check_priority(self, specs: list[JobSpec], user: str) -> None:
         """Refuse a priority above `user`'s ceiling (the whole batch: nothing is queued)."""

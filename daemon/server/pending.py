@@ -40,8 +40,7 @@ class PendingReasons:
         """Why `info`, a queued job, waits. `memo` keeps the reads other jobs' reasons share (`of`)."""
         memo = {} if memo is None else memo
         if info.spec.held and info.id in await self.queue.waiting(info.spec.queue):
-            verdict, why = await weigh(self.queue, await self.queue.dependencies(info.id))
-            return why if verdict == "wait" else f"about to {'start' if verdict == 'ready' else 'be ' + why}"
+            return await self._held_reason(info)
         if (queued := memo.get(f"order:{info.spec.queue}")) is None:  # ids, in the order they start
             queued = memo[f"order:{info.spec.queue}"] = await self.queue.start_order(
                 info.spec.queue, MAX_LIST
@@ -85,6 +84,20 @@ class PendingReasons:
                 users = memo[f"users:{info.spec.queue}"] = await self.queue.users_of(queued)
             return await self._fair_reason(info, users)
         return place
+
+    async def _held_reason(self, info: JobInfo) -> str:
+        """A job held out of its queue: what it waits for, or its array's window."""
+        if deps := await self.queue.dependencies(info.id):
+            verdict, why = await weigh(self.queue, deps)
+            if verdict != "ready":
+                return why if verdict == "wait" else f"about to be {why}"
+        if info.spec.array and info.spec.array_limit:
+            under_way, window = await self.queue.array_window(info.spec.array)
+            return (
+                f"waiting for a place in array {info.spec.array}: {under_way} of its jobs under way, "
+                f"at most {window} at once (%{window}); the next by index goes in as one ends"
+            )
+        return "about to start"
 
     def _cap_reason(self, info: JobInfo) -> str:
         jobs, gpus = self.queue.user_caps

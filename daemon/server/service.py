@@ -131,13 +131,14 @@ class PoolServer:
         events = JobEvents(self.queue, c.redis_events_block_ms / 1000, self._finished)
         await events.prime()  # before the listener: a `wait` must not start before its cursors
         self._tasks.spawn(events.run(), "job-events")
-        self.dependencies = Dependencies(self.queue)  # after the events: no end is missed between
+        reap_every = min(c.worker_healthy_response_period / 4, 5.0)
+        # After the events: no end is missed between; swept as often as leases are reaped.
+        self.dependencies = Dependencies(self.queue, sweep_every=reap_every)
         self._tasks.spawn(self.dependencies.run(), "dependencies")
         self.notifier = Notifier(
             self.queue, self.metrics, pool_url=c.notify_url, secret=c.notify_secret, retention=c.job_retention
         )
         await self.notifier.start()  # its own tasks: stopped after the events reader that feeds it
-        reap_every = min(c.worker_healthy_response_period / 4, 5.0)
         self._tasks.spawn(
             reaper.run(self.queue, reap_every, self._reclaimed, c.dead_worker_retention), "reaper"
         )

@@ -111,13 +111,66 @@ end
 -- index stays bounded by the jobs of the last `retention` seconds at a constant cost per finish.
 local TRIM_PER_FINISH = 8
 
+-- Arrays (`poolctl enqueue --array 0-99%N`): the jobs of array QUEUE@NAME are in its queue's
+-- `array:NAME` (ZSET id -> place), the record the commands that take the array's id read. With a
+-- window N (the record's 'window'), at most N of them are in the queue at once, queued or
+-- running, as Slurm's %N counts an array's running tasks: `array:NAME:active` (SET) holds those
+-- let in and not ended; `array:NAME:next` (ZSET id -> place) those whose turn it is once a place
+-- frees, which `admit` lets in lowest place first. `array:NAME:left` counts the array's jobs not
+-- ended: the array's keys live while it is above 0, and expire with the retention once it is 0.
+local function array_key(prefix, array)
+  return prefix .. 'array:' .. string.match(array, '@(.+)$')
+end
+
+-- A job held out of its queue (in `waiting`) joins it, at its tail: its stream entry is added,
+-- and with a priority its place in `prio`, so that workers see it as any new job.
+local PRIO_MAX, PRIO_SEQ = 100, 4294967296
+local function join(prefix, jobkey, id, priority, seq)
+  local entry = redis.call('XADD', prefix .. 'stream', '*', 'job', id)
+  redis.call('ZREM', prefix .. 'waiting', id)
+  redis.call('HSET', jobkey, 'entry', entry)
+  if priority > 0 then
+    redis.call('ZADD', prefix .. 'prio', (PRIO_MAX - priority) * PRIO_SEQ + seq, id)
+  end
+end
+
+-- Let the array's next jobs into the queue while fewer than `window` of it are under way.
+local function admit(prefix, array, window)
+  local key = array_key(prefix, array)
+  while redis.call('SCARD', key .. ':active') < window do
+    local nxt = redis.call('ZPOPMIN', key .. ':next')
+    if not nxt[1] then return end
+    local jobkey = job_key(prefix, nxt[1])
+    local j = redis.call('HMGET', jobkey, 'state', 'priority', 'seq')
+    if j[1] == 'queued' and redis.call('ZSCORE', prefix .. 'waiting', nxt[1]) then
+      join(prefix, jobkey, nxt[1], tonumber(j[2]) or 0, tonumber(j[3]))
+      redis.call('SADD', key .. ':active', nxt[1])
+    end
+  end
+end
+
+-- Job `id` of `array` ended: its place in the window frees for the next job; the array's last
+-- job to end starts the retention countdown of the array's keys.
+local function array_ended(prefix, array, window, id, retention)
+  local key = array_key(prefix, array)
+  redis.call('SREM', key .. ':active', id)
+  redis.call('ZREM', key .. ':next', id)
+  if redis.call('DECR', key .. ':left') <= 0 then
+    for _, k in ipairs({key, key .. ':active', key .. ':next', key .. ':left'}) do
+      redis.call('EXPIRE', k, retention)
+    end
+  end
+  if window > 0 then admit(prefix, array, window) end
+end
+
 -- The fields of a job's record that `finish` reads, in this order (a caller that read them
 -- already passes them on).
-local FINISH_FIELDS = {'entry', 'idem', 'enqueued_at', 'started_at'}
+local FINISH_FIELDS = {'entry', 'idem', 'enqueued_at', 'started_at', 'array', 'window'}
 
 -- Move a job to a terminal state: the record (with `fields`, more field-value pairs to set at
 -- once, if given), the stream entry, an event for waiters, and the retention countdown of every
--- key of the job; the queue's index forgets jobs past retention. `j`: the job's FINISH_FIELDS,
+-- key of the job (the set of the jobs waiting for it too); the next jobs of its array's window
+-- are let in; the queue's index forgets jobs past retention. `j`: the job's FINISH_FIELDS,
 -- when the caller has read them.
 local function finish(prefix, stream, group, events, id, state, now, retention, j, fields)
   local jobkey = job_key(prefix, id)
@@ -133,6 +186,8 @@ local function finish(prefix, stream, group, events, id, state, now, retention, 
     redis.call('EXPIRE', k, retention)
   end
   if j[2] then redis.call('EXPIRE', j[2], retention) end
+  redis.call('EXPIRE', prefix .. 'dependents:' .. id, retention)  -- kept while the job lived
+  if j[5] and j[5] ~= '' then array_ended(prefix, j[5], tonumber(j[6]) or 0, id, retention) end
   local ended, index = prefix .. 'ended', prefix .. 'jobs'
   redis.call('ZADD', ended, now, id)
   if redis.call('EXISTS', prefix .. 'capped') == 1 then wake(prefix) end  -- a cap may have room now
@@ -193,28 +248,51 @@ end
 
 -- Priorities: a job enqueued with priority P > 0 is also in its queue's `prio` ZSET, scored so
 -- that the highest priority, then the lowest seq, comes first; claims take it before the stream
--- (claim.lua). PRIO_SEQ exceeds any seq a queue will reach.
-local PRIO_MAX, PRIO_SEQ = 100, 4294967296
+-- (claim.lua). PRIO_SEQ (above, with `join`) exceeds any seq a queue will reach.
 
--- Add a job at the tail of its queue with sequence number `seq` (from reserve): record, stream
--- entry and index entry, and with a priority its place in `prio` (the queue's key prefix's). The
--- caller has made sure its id is free.
--- With `waiting` ('1'), it waits for other jobs to end first (daemon/after.py): it is held in the
--- queue's `waiting` ZSET instead, with no stream entry and no place in `prio`, till ready.lua.
-local function add_job(stream, index, jobkey, id, seq, now, spec, gpus, max_attempts, retries, prefix, priority,
-                       user, gpu_mem, waiting)
-  local entry = ''
-  if waiting == '1' then
-    redis.call('ZADD', prefix .. 'waiting', seq, id)
-  else
-    entry = redis.call('XADD', stream, '*', 'job', id)
-  end
-  priority = tonumber(priority) or 0
-  redis.call('HSET', jobkey, 'id', id, 'state', 'queued', 'seq', seq, 'attempt', 0, 'spec', spec,
-    'gpus', gpus, 'max_attempts', max_attempts, 'retries', retries, 'failures', 0, 'losses', 0,
-    'enqueued_at', now, 'entry', entry, 'priority', priority, 'user', user or '', 'gpu_mem', tonumber(gpu_mem) or 0)
+-- What an enqueue script is given of each job, in this order in its ARGV (job_queue.py
+-- `_job_args` writes them so): its spec (msgpack, opaque here), the GPUs it wants, its max
+-- attempts and retries, its priority (0: none), its user (whose caps it counts against), the MiB
+-- it asks for on one shared GPU (0: whole GPUs), what it waits for ("JOB:how ...", daemon/after.py;
+-- '' for nothing), its array ('QUEUE@NAME'; '' for none), its place in it, and the array's window
+-- (the most of it under way at once; 0: no limit).
+local JOB_ARGS = {'spec', 'gpus', 'max_attempts', 'retries', 'priority', 'user', 'gpu_mem', 'after', 'array',
+  'array_pos', 'window'}
+
+-- The job given at ARGV[first] and on, as a table keyed by JOB_ARGS.
+local function job_args(argv, first)
+  local a = {}
+  for i, name in ipairs(JOB_ARGS) do a[name] = argv[first + i - 1] end
+  return a
+end
+
+-- Add a job (`a`: job_args) at the tail of its queue with sequence number `seq` (from reserve):
+-- its record and index entry, and its place in its array. The caller has made sure its id is
+-- free. A job that waits for others to end (`a.after`) is held in `waiting`, with what it waits
+-- for on its record, where the server's judge finds it, till ready.lua; one of an array with a
+-- window goes in its turn (`admit`); any other joins the queue at once. All in the one call, so
+-- no crash leaves a job held with nothing to say what it waits for.
+local function add_job(prefix, index, jobkey, id, seq, now, a)
+  local priority, pos, window = tonumber(a.priority) or 0, tonumber(a.array_pos) or 0, tonumber(a.window) or 0
+  redis.call('HSET', jobkey, 'id', id, 'state', 'queued', 'seq', seq, 'attempt', 0, 'spec', a.spec,
+    'gpus', a.gpus, 'max_attempts', a.max_attempts, 'retries', a.retries, 'failures', 0, 'losses', 0,
+    'enqueued_at', now, 'entry', '', 'priority', priority, 'user', a.user or '', 'gpu_mem', tonumber(a.gpu_mem) or 0,
+    'after', a.after or '', 'array', a.array or '', 'window', window)
   redis.call('ZADD', index, seq, id)
-  if priority > 0 and waiting ~= '1' then
-    redis.call('ZADD', prefix .. 'prio', (PRIO_MAX - priority) * PRIO_SEQ + seq, id)
+  if a.array and a.array ~= '' then
+    local key = array_key(prefix, a.array)
+    redis.call('ZADD', key, pos, id)
+    redis.call('INCR', key .. ':left')
+    redis.call('PERSIST', key)  -- (an earlier batch of it may have ended, and set it expiring)
+    redis.call('PERSIST', key .. ':left')
+  end
+  if (a.after and a.after ~= '') or window > 0 then
+    redis.call('ZADD', prefix .. 'waiting', seq, id)
+    if not a.after or a.after == '' then
+      redis.call('ZADD', array_key(prefix, a.array) .. ':next', pos, id)
+      admit(prefix, a.array, window)
+    end
+  else
+    join(prefix, jobkey, id, priority, seq)
   end
 end

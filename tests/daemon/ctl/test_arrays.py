@@ -113,3 +113,42 @@ async def test_a_sweeps_jobs_see_their_values_and_the_array_id_cancels_them_all(
             return all(j.state is JobState.CANCELLED for j in jobs if j.spec.argv == ("sleep", "30"))
 
         await wait_until(all_cancelled, what="the array's jobs to be cancelled")
+
+
+async def test_an_array_that_waits_for_a_job_keeps_its_limit(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 43 item 3: `--array 0-9%2 --after X` (preprocess, then a throttled array) runs at
+    most 2 of the array at once once X has succeeded; and the window is a count of the array's
+    jobs under way, as Slurm's %N is: a long first job does not narrow it to one."""
+    log = tmp_path / "log"
+    script = f"echo start $(date +%s%N) >> {log}; sleep 0.1; echo end $(date +%s%N) >> {log}"
+    async with running_pool(redis_server, tmp_path) as pool:
+        env = pool.env("alice")
+        code, first, err = await poolctl(env, "enqueue", "--", "sleep", "0.2")
+        assert code == 0, err
+        code, out, err = await poolctl(
+            env, "enqueue", "--array", "0-9%2", "--after", first.strip(), "--", "sh", "-c", script
+        )
+        assert code == 0, err
+        code, long, err = await poolctl(
+            env, "enqueue", "--array", "0-5%2", "--", "sh", "-c", "[ $GPUPOOL_ARRAY_INDEX != 0 ] || sleep 3"
+        )
+        assert code == 0, err
+        async with running_worker(pool.queue, tmp_path / "w", slots=12):
+            code, _, err = await poolctl(env, "wait", out.strip(), "--timeout", "60")
+            assert code == 0, err
+            code, _, err = await poolctl(env, "wait", long.strip(), "--timeout", "60")
+            assert code == 0, err
+        jobs = {
+            j.spec.array_index: j
+            for j in await pool.queue.list_jobs(include_finished=True)
+            if j.spec.array == long.strip()
+        }
+    lines = log.read_text().splitlines()
+    assert len(lines) == 20
+    assert _most_at_once(lines) <= 2
+    first_end = jobs[0].ended_at
+    assert first_end is not None
+    assert all((jobs[i].ended_at or 0) < first_end for i in range(1, 6))  # all passed the long one
+

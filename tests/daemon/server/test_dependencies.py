@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from daemon.ctl.arrays import array_specs
 from daemon.ctl.pool_client import ClientError
-from daemon.job import JobState
+from daemon.job import JobSpec, JobState
+from daemon.queue import keys
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
-from protocol import Enqueue, Enqueued, JobDetail, ShowJob
+from protocol import Enqueue, EnqueueBatch, Enqueued, EnqueuedBatch, JobDetail, ShowJob
+from tests.support.faults import memory_full
 from tests.support.pool import Pool, running_pool
 from tests.support.workers import running_worker, wait_state
 
@@ -107,3 +110,94 @@ async def test_a_chain_survives_a_server_restart_and_a_redis_sigkill(
                 await wait_state(queue, third, JobState.SUCCEEDED, timeout=60)
     finally:
         await client.aclose()
+
+
+def _array(n: int, limit: int, script: str, **extra: object) -> list[JobSpec]:
+    """An array's jobs as poolctl sends them, as the server takes them (user alice)."""
+    _, specs = array_specs({"argv": ["sh", "-c", script], **extra}, list(range(n)), [], limit)
+    return [JobSpec.from_dict({**s, "user": "alice"}) for s in specs]
+
+
+def _most_at_once(lines: list[str]) -> int:
+    events = sorted((int(t), 1 if what == "start" else -1) for what, t in (line.split() for line in lines))
+    running = most = 0
+    for _, step in events:
+        running += step
+        most = max(most, running)
+    return most
+
+
+def _logged(log: Path, pause: float = 0.05) -> str:
+    return f"echo start $(date +%s%N) >> {log}; sleep {pause}; echo end $(date +%s%N) >> {log}"
+
+
+async def test_jobs_whose_server_died_right_after_their_enqueue_still_run(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 43 item 1: the enqueue script is all that reached Redis (the server was SIGKILLed
+    before it could record what the jobs wait for, or judge them): a dependent and a %3 array
+    still run, in order and within the window, once a server runs again, and the array's id
+    names all of its jobs."""
+    log = tmp_path / "log"
+    queue = JobQueue(redis_server.client(), lease_seconds=5)
+    try:
+        first = (await queue.enqueue(JobSpec(argv=("true",), user="alice")))[0]
+        dependent, _ = await queue.enqueue(JobSpec(argv=("true",), user="alice", after=(f"{first}:ok",)))
+        jobs = _array(12, 3, _logged(log))
+        ids = await queue.enqueue_many(jobs)  # and nothing after: the server died here
+        assert await queue.array_jobs(jobs[0].array) == ids
+        async with (
+            running_pool(redis_server, tmp_path, worker_healthy_response_period=5.0),
+            running_worker(queue, tmp_path / "w", slots=8),
+        ):
+            await wait_state(queue, dependent, JobState.SUCCEEDED)
+            for job_id in ids:
+                await wait_state(queue, job_id, JobState.SUCCEEDED)
+    finally:
+        await queue.redis.aclose()
+    assert 1 <= _most_at_once(log.read_text().splitlines()) <= 3
+
+
+async def test_a_judge_redis_refused_is_made_again(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
+    """issue 43 item 2: the job a dependent waits for ends while Redis is at its maxmemory, so
+    the judge that would let the dependent into its queue is refused; once Redis has room, the
+    dependent runs, without a server restart or another end to set it off."""
+    go = tmp_path / "go"
+    async with running_pool(redis_server, tmp_path, worker_healthy_response_period=5.0) as pool:
+        first = await enqueue(pool, job(f"while [ ! -e {go} ]; do sleep 0.02; done"))
+        second = await enqueue(pool, job("true", first))
+        async with running_worker(pool.queue, tmp_path / "w", slots=2):
+            await wait_state(pool.queue, first, JobState.RUNNING)
+            async with memory_full(redis_server):
+                go.touch()
+                await wait_state(pool.queue, first, JobState.SUCCEEDED)
+                await asyncio.sleep(1.0)  # the end's event is read, and its judge refused
+                assert (await pool.queue.get(second)).state is JobState.QUEUED
+            await wait_state(pool.queue, second, JobState.SUCCEEDED, timeout=20)
+
+
+async def test_what_waiting_jobs_need_lives_as_long_as_they_wait(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 43 item 4: a dependency's `dependents` set and an array's record outlive twice the
+    retention while their jobs still wait (they once expired then, 2 x job_retention after the
+    enqueue), and expire with the retention once the jobs have ended."""
+    go = tmp_path / "go"
+    hold = f"while [ ! -e {go} ]; do sleep 0.02; done"
+    async with running_pool(redis_server, tmp_path, job_retention=1.0) as pool:
+        first = await enqueue(pool, job(hold))
+        second = await enqueue(pool, job("true", first))
+        jobs = [{k: v for k, v in s.to_dict().items() if k != "user"} for s in _array(3, 1, hold)]
+        async with pool.client() as c:
+            ids = (await c.call(EnqueueBatch(jobs), EnqueuedBatch)).job_ids
+        array_id = jobs[0]["array"]
+        await asyncio.sleep(2.5)  # past twice the retention
+        assert await pool.queue.dependents(first) == [second]
+        assert await pool.queue.array_jobs(array_id) == ids
+        async with running_worker(pool.queue, tmp_path / "w", slots=4):
+            go.touch()
+            for job_id in (first, second, *ids):
+                await wait_state(pool.queue, job_id, JobState.SUCCEEDED)
+        client = pool.queue.redis
+        assert 0 < await client.ttl(keys.dependents(first)) <= 1
+        assert 0 < await client.ttl(keys.array(array_id)) <= 1
