@@ -302,7 +302,12 @@ def _one_request(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueB
     call = to.call
     match args.command:
         case "enqueue" if isinstance(request, EnqueueBatch):
-            _batch_enqueued(call(request, EnqueuedBatch).job_ids, args)
+            try:
+                ids = call(request, EnqueuedBatch).job_ids
+            except ClientError as exc:
+                _maybe_partly_queued(exc, args)
+                raise
+            _batch_enqueued(ids, args)
         case "enqueue":
             assert request is not None
             return _enqueued(call(request, Enqueued), args.json)
@@ -354,6 +359,18 @@ def _batch_enqueued(ids: list[str], args: argparse.Namespace) -> None:
         return
     for job_id in ids:
         print(render.json_text({"id": job_id}) if args.json else job_id)
+
+
+def _maybe_partly_queued(exc: ClientError, args: argparse.Namespace) -> None:
+    """An array's batch that failed once it had left (the server went away, or its Redis did) may
+    have queued some of its jobs: say the array's id, by which they are found and cancelled."""
+    array_id = getattr(args, "array_id", None)
+    if array_id and (exc.sent or exc.code == ErrorCode.UNAVAILABLE):
+        print(
+            f"poolctl: array {array_id} may be partly queued: 'poolctl show {array_id}' says what "
+            f"is, 'poolctl cancel {array_id}' cancels it",
+            file=sys.stderr,
+        )
 
 
 def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:

@@ -6,6 +6,7 @@ wait and show take the array's id."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from daemon.ctl.arrays import ArrayError, array_specs, parse_array, parse_sweep
 from daemon.job import JobState
 from daemon.queue.embedded_redis import EmbeddedRedis
+from tests.support.faults import memory_full
 from tests.support.pool import running_pool
 from tests.support.poolctl import poolctl
 from tests.support.workers import running_worker, wait_until
@@ -152,3 +154,18 @@ async def test_an_array_that_waits_for_a_job_keeps_its_limit(
     assert first_end is not None
     assert all((jobs[i].ended_at or 0) < first_end for i in range(1, 6))  # all passed the long one
 
+
+async def test_an_array_whose_batch_failed_midway_is_named_for_its_cancel(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 43 item 1: an array's batch that fails once sent (here its Redis is full; a server
+    SIGKILLed under it is the same for poolctl) may have queued some of its jobs: poolctl says
+    the array's id, and that `cancel` takes it."""
+    async with running_pool(redis_server, tmp_path) as pool:
+        async with memory_full(redis_server):
+            code, out, err = await poolctl(pool.env("alice"), "enqueue", "--array", "0-9%2", "--", "true")
+        assert code == 1, err
+        assert out == ""
+        said = re.search(r"array (default@[0-9a-f]+) may be partly queued: .*'poolctl cancel \1'", err)
+        assert said is not None, err
+        assert "the pool's Redis is full" in err
