@@ -52,8 +52,8 @@ async def git(*args: str, cwd: Path | None = None, strip: bool = True, protocols
 
 
 def _verb(args: tuple[str, ...]) -> str:
-    """The git command in `args`, past the global options (`--git-dir X`, `-C X`)."""
+    """The git command in `args`, past the global options (`--git-dir X`, `--work-tree X`, `-C X`)."""
     rest = list(args)
-    while rest and rest[0] in ("--git-dir", "-C"):
+    while rest and rest[0] in ("--git-dir", "--work-tree", "-C"):
         rest = rest[2:]
     return rest[0] if rest else "?"

@@ -461,6 +461,7 @@ class Attempt:
     started_at: float
     ended_at: float | None
     how: str  # running, succeeded, failed, cancelled, lost, released (handed back by a draining worker)
+    lease: str = ""  # its lease id, GPUPOOL_ATTEMPT_ID; "" in entries written before claims recorded it
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -469,6 +470,7 @@ class Attempt:
             "started_at": self.started_at,
             "ended_at": self.ended_at,
             "how": self.how,
+            "lease": self.lease,
         }
 
 

@@ -86,18 +86,29 @@ def legacy_name_key(name: str) -> str:
     return f"names/{name}.json"
 
 
+def attempt_segment(lease_id: str) -> str:
+    """One attempt's name in the keys of what it writes (its checkpoint saves, its artifacts): its
+    lease id, which never repeats. Its number can: after Redis lost a claim, the job is claimed
+    again with the same number while the forgotten execution may still run and write
+    (docs/GUARANTEES.md, promise 2). Quoted into one segment: a lease id is WORKER/REQUEST.INDEX."""
+    return quote(lease_id, safe="")
+
+
 def checkpoint_prefix(job_id: str) -> str:
     """Every save of a job's checkpoint directory is under this prefix (worker/checkpoints.py)."""
     return f"checkpoints/{job_id}/"
 
 
-def artifact_prefix(job_id: str, attempt: int) -> str:
-    """Every object an attempt uploads is under this prefix: a zombie attempt writes under its own
-    attempt number and can never replace what the committed attempt's outcome points to."""
-    return f"artifacts/{job_id}/{attempt}/"
+def artifact_prefix(job_id: str, lease_id: str) -> str:
+    """Every object an attempt uploads is under this prefix, named by its lease: no other
+    execution, a zombie or one whose claim Redis forgot, can replace what the committed
+    attempt's outcome points to. (Jobs that ended before attempts were named so have their
+    artifacts under `artifacts/JOB/ATTEMPT-NUMBER/`; their records hold those keys.)"""
+    return f"artifacts/{job_id}/{attempt_segment(lease_id)}/"
 
 
 def artifact_job(key: str) -> str | None:
-    """The job whose artifact `key` is (`artifacts/JOB/ATTEMPT/NAME`), or None for other keys."""
+    """The job whose artifact `key` is (`artifacts/JOB/ATTEMPT/NAME`, ATTEMPT its lease id as
+    `attempt_segment` writes it, or an attempt number in keys written before), or None for other keys."""
     parts = key.split("/")
     return parts[1] if len(parts) >= 4 and parts[0] == "artifacts" else None

@@ -55,7 +55,8 @@ Per queue (``gp:{q:NAME}:…``):
   seq           counter giving each job its enqueue sequence number.
   events        capped Stream of terminal transitions ``job=<id> state=<state>``; `wait` reads it.
   job:ID        HASH: the job record (state, attempt, worker, timestamps, spec, outcome).
-  job:ID:attempts  LIST of JSON objects, one per attempt (worker, start, end, how it ended).
+  job:ID:attempts  LIST of JSON objects, one per attempt (worker, lease id, start, end, how it ended):
+                the attempts the pool knows ran, which a checkpoint restore trusts (worker/checkpoints.py).
   job:ID:log    Stream of the job's output chunks, bounded in bytes (head and tail kept, log.lua).
   job:ID:notified:TARGET  set (NX, expiring with the job) by the server that sends the job's end
                 to TARGET (`job`: its --notify URL; `pool`: notify_url), so one server sends it

@@ -329,4 +329,5 @@ def _attempt(data: dict[str, Any]) -> Attempt:
         started_at=data["started_at"] / 1000,
         ended_at=ended / 1000 if ended else None,
         how=str(data["how"]),
+        lease=str(data.get("lease", "")),
     )

@@ -7,12 +7,22 @@ enqueue --checkpoint-every`), so that a worker that dies leaves its last save be
 attempt starts with the newest save of an earlier attempt in its directory: a job that writes its
 state there on SIGTERM, and reads it at its start, resumes instead of starting over.
 
-A save is `checkpoints/<job>/<attempt>.<n>/<files>` (`object_store.checkpoint_prefix`), then a
-marker `checkpoints/<job>/<attempt>.<n>.done`, written last: a save cut short (the worker died
-during it) has no marker and is never restored. Saves of one attempt are numbered in order; an
-attempt's saves never replace another's, so a zombie attempt (its lease lost) cannot spoil what
-the attempt after it saved. A job should write its files whole (to a temporary name, then
-rename): a periodic save copies what is there at that moment.
+A save is `checkpoints/<job>/<lease>.<n>/<files>` (`object_store.checkpoint_prefix`, the lease id
+as `object_store.attempt_segment` quotes it), then a marker `checkpoints/<job>/<lease>.<n>.done`,
+written last: a save cut short (the worker died during it) has no marker and is never restored.
+Saves of one attempt are numbered in order. They are named by the attempt's lease id, not its
+number, because the number can repeat: after Redis lost a claim, the job is claimed again with the
+same number while the forgotten execution may still run and save. So no execution's saves ever
+mix with or replace another's, and a zombie cannot spoil what the attempt after it saved.
+
+Which save is restored: the job's history (`job:ID:attempts`, written by the claim) lists the
+attempts the pool knows ran, each with its lease id; the newest of them that has a complete save
+gives its newest one. A save of an execution the pool forgot (Redis lost its claim) is in no
+history, and is never restored. Attempts recorded before lease ids were (no lease in their entry)
+are matched to saves named by their number (`<attempt>.<n>`), as they were written then.
+
+A job should write its files whole (to a temporary name, then rename): a periodic save copies what
+is there at that moment.
 """
 
 from __future__ import annotations
@@ -22,10 +32,11 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from pathlib import Path, PurePosixPath
 
-from daemon.object_store import checkpoint_prefix
+from daemon.job import Attempt, Lease
+from daemon.object_store import attempt_segment, checkpoint_prefix
 from daemon.worker.job_data import files_under, has_entries
 from storage.base import ObjectStore
 from storage.content import CHUNK, iterate_in_thread
@@ -35,26 +46,42 @@ log = logging.getLogger(__name__)
 DONE = ".done"
 
 
-SAVE_NAME = re.compile(r"([0-9]+)\.([0-9]+)")
+# A marker's name: the saving attempt's name (no "/": one key segment), a dot, the save's number.
+SAVE_NAME = re.compile(r"([^/]+)\.([0-9]+)")
 
 
-def _save_name(prefix: str, key: str) -> tuple[int, int] | None:
-    """(attempt, n) of a marker's key, `prefix` + "ATTEMPT.N.done"; None for any other key (a
-    file of a save, whatever the job named it)."""
+def _save_name(prefix: str, key: str) -> tuple[str, int] | None:
+    """(attempt's name, n) of a marker's key, `prefix` + "NAME.N.done"; None for any other key
+    (a file of a save, whatever the job named it, is under a "NAME.N/" directory)."""
     match = SAVE_NAME.fullmatch(key.removeprefix(prefix).removesuffix(DONE))
     if not key.startswith(prefix) or not key.endswith(DONE) or match is None:
         return None
-    return int(match[1]), int(match[2])
+    return match[1], int(match[2])
 
 
-async def restore(store: ObjectStore, job_id: str, attempt: int, dest: Path) -> str | None:
-    """Unpack into `dest` the newest complete save of an attempt before `attempt`; its name
-    ("attempt.n"), or None when there is none."""
+def saved_as(attempt: Attempt) -> str:
+    """The name `attempt`'s saves have: its lease id; its number when its history entry has no
+    lease id (written before claims recorded one, when saves were named by number)."""
+    return attempt_segment(attempt.lease) if attempt.lease else str(attempt.attempt)
+
+
+async def restore(
+    store: ObjectStore, job_id: str, history: Sequence[Attempt], dest: Path
+) -> tuple[Attempt, int] | None:
+    """Unpack into `dest` the newest complete save of the newest attempt of `history` (the job's
+    earlier attempts, oldest first) that has one: that attempt and the save's number, or None
+    when none has. A save by an execution not in `history` is never taken."""
     prefix = checkpoint_prefix(job_id)
-    saves = [s for o in await store.list(prefix) if (s := _save_name(prefix, o.key)) and s[0] < attempt]
-    if not saves:
+    newest: dict[str, int] = {}
+    for obj in await store.list(prefix):
+        if (save := _save_name(prefix, obj.key)) is not None:
+            newest[save[0]] = max(save[1], newest.get(save[0], 0))
+    for attempt in reversed(history):
+        if (n := newest.get(saved_as(attempt))) is not None:
+            break
+    else:
         return None
-    name = "{}.{}".format(*max(saves))
+    name = f"{saved_as(attempt)}.{n}"
     for obj in await store.list(f"{prefix}{name}/"):
         relative = PurePosixPath(obj.key.removeprefix(f"{prefix}{name}/"))
         if not relative.parts or relative.is_absolute() or ".." in relative.parts:
@@ -62,16 +89,17 @@ async def restore(store: ObjectStore, job_id: str, attempt: int, dest: Path) -> 
         target = dest.joinpath(*relative.parts)
         target.parent.mkdir(parents=True, exist_ok=True)
         await store.get_file(obj.key, target)
-    return name
+    return attempt, n
 
 
 class Saver:
     """The saves of one attempt: `save()` at each period and once at the end, never two at once."""
 
-    def __init__(self, store: ObjectStore, job_id: str, attempt: int, source: Path) -> None:
+    def __init__(self, store: ObjectStore, lease: Lease, source: Path) -> None:
         self.store = store
-        self.prefix = checkpoint_prefix(job_id)
-        self.attempt = attempt
+        self.prefix = checkpoint_prefix(lease.job_id)
+        self.name = attempt_segment(lease.id)  # never another execution's (module docstring)
+        self.attempt = lease.attempt
         self.source = source
         self.saved = 0  # saves begun
         self._lock = asyncio.Lock()
@@ -84,7 +112,7 @@ class Saver:
                 return 0
             files = await asyncio.to_thread(files_under, self.source)
             self.saved += 1  # before any upload: a save cut short never shares its name with the next
-            name = f"{self.attempt}.{self.saved}"
+            name = f"{self.name}.{self.saved}"
             saved = 0
             for relative, _ in files:
                 try:

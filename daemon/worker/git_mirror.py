@@ -74,5 +74,11 @@ async def checkout(cache: Path, repo: str, rev: str, dest: Path, protocols: str 
     # A local clone hard-links the mirror's objects (read-only, the worker's): the job reads them
     # without any path into the mirror, which a job with a uid of its own cannot reach.
     await git("clone", "--quiet", "--no-checkout", str(mirror), str(dest))
-    await git("-C", str(dest), "checkout", "--quiet", "--detach", commit)
+    # The repository is named, not discovered: with job uids, `dest` is the slot uid's and git
+    # refuses to discover a repository in a directory another user owns ("dubious ownership"),
+    # a guard against a stranger's hooks and config. This one the worker has just made itself,
+    # while no process of that uid runs (the slot's last job ended with all of its uid's).
+    await git(
+        "--git-dir", str(dest / ".git"), "--work-tree", str(dest), "checkout", "--quiet", "--detach", commit
+    )
     return commit

@@ -7,10 +7,12 @@ tar. Everything comes through `storage.cache.ObjectCache`, so an object already 
 not downloaded again, and two jobs wanting one object at once share one download.
 
 After: every regular file under the job's `$GPUPOOL_OUTPUT`, and the attempt's full log, are
-uploaded under `artifacts/<job>/<attempt>/` (`daemon.object_store.artifact_prefix`) and described in the
-outcome's `result`, which only the fenced `complete` can record. A zombie attempt therefore
-uploads under its own attempt number, and its outcome (with its keys) is refused: the committed
-attempt's artifacts are never replaced.
+uploaded under `artifacts/<job>/<lease>/` (`daemon.object_store.artifact_prefix`: the attempt's
+lease id, which never repeats) and described in the outcome's `result`, which only the fenced
+`complete` can record; `poolctl get` and the dashboard find them by the keys there. A zombie
+attempt, or an execution whose claim Redis forgot (it may have the committed attempt's number),
+therefore uploads under a lease of its own, and its outcome (with its keys) is refused: the
+committed attempt's artifacts are never replaced.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ async def upload_artifacts(
     the job's log (when there is any: `logged=False` says this attempt wrote none, so a first
     attempt's log is known to be empty without reading it); the `result` entries that describe
     them."""
-    prefix = artifact_prefix(lease.job_id, lease.attempt)
+    prefix = artifact_prefix(lease.job_id, lease.id)
     artifacts: list[dict[str, Any]] = []
     errors: list[str] = []
     files = await asyncio.to_thread(files_under, output) if output is not None and has_entries(output) else []

@@ -29,10 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from redis.exceptions import RedisError
+
 from daemon.aio import cancel_and_wait
-from daemon.errors import GpupoolError
+from daemon.errors import GpupoolError, JobNotFound
 from daemon.git import ANY_PROTOCOL
-from daemon.job import JobState, Lease, Outcome
+from daemon.job import Attempt, JobState, Lease, Outcome
 from daemon.queue.job_queue import JobQueue
 from daemon.worker import checkpoints, git_mirror, job_data, leftovers, scratch, spawn
 from daemon.worker.cgroups import SlotCgroup
@@ -50,6 +52,7 @@ FIRST_SAMPLE_SECONDS = 0.05  # a job that ends sooner is not sampled (a scan cos
 TAIL_LINES = 20  # lines of output kept in the outcome
 GPU_SETTLE_SECONDS = 3.0  # how long a GPU may take to free a dead process's memory
 LEFTOVERS_SECONDS = 5.0  # how long killed leftovers of a job may take to die
+HISTORY_RETRY = 1.0  # pause between reads of a job's history (for its checkpoint) while Redis is away
 
 
 class Ending(enum.StrEnum):
@@ -195,11 +198,7 @@ class JobRun:
         self.scratch = self.slot.work
         self.output_dir = self.slot.out
         self.checkpoint_dir = self.slot.ckpt
-        self._saver = (
-            checkpoints.Saver(store, lease.job_id, lease.attempt, self.checkpoint_dir)
-            if store is not None
-            else None
-        )
+        self._saver = checkpoints.Saver(store, lease, self.checkpoint_dir) if store is not None else None
         self._saving: asyncio.Task[None] | None = None  # the periodic saves (spec.checkpoint_every)
         self.identity = identity
         self.cgroup = cgroup
@@ -458,20 +457,40 @@ class JobRun:
         return RunResult(self.ending or Ending.EXITED, outcome, dirty, killed_by)
 
     async def _restore_checkpoint(self) -> None:
-        """A later attempt starts with the newest checkpoint an earlier one saved (checkpoints.py);
-        one that cannot be fetched fails the start rather than start the job over unsaid."""
+        """A later attempt starts with the newest checkpoint of the newest earlier attempt the
+        job's history knows (checkpoints.py); one that cannot be fetched fails the start rather
+        than start the job over unsaid."""
         if self.lease.attempt == 1 or self.store is None:
             return
         try:
-            name = await checkpoints.restore(
-                self.store, self.lease.job_id, self.lease.attempt, self.checkpoint_dir
-            )
-        except (StorageError, OSError) as exc:
+            history = await self._earlier_attempts()
+            restored = await checkpoints.restore(self.store, self.lease.job_id, history, self.checkpoint_dir)
+        except (StorageError, OSError, JobNotFound) as exc:
             raise job_data.DataError(f"cannot restore the job's checkpoint: {exc}") from None
-        if name is not None:
-            self.output.note(f"checkpoint {name} restored into $GPUPOOL_CHECKPOINT_DIR")
+        if restored is not None:
+            attempt, n = restored
+            lease = f" ({attempt.lease})" if attempt.lease else ""
+            self.output.note(
+                f"checkpoint {n} of attempt {attempt.attempt}{lease} restored into $GPUPOOL_CHECKPOINT_DIR"
+            )
             if self.identity is not None:
                 await asyncio.to_thread(self.identity.own_tree, self.checkpoint_dir)
+
+    async def _earlier_attempts(self) -> list[Attempt]:
+        """The job's attempts the pool knows ran before this one, oldest first: its history in
+        Redis, whose saves alone may be restored. While Redis does not answer it is asked again,
+        as an outcome is offered, until the attempt is lost (its lease deadline passed unrenewed:
+        the fence); a job is not failed for a Redis that is briefly away."""
+        while True:
+            try:
+                info = await self.queue.get(self.lease.job_id)
+            except RedisError as exc:
+                if self.ending is Ending.LOST:
+                    return []  # it never starts (`_run`)
+                log.warning("job %s: its history cannot be read (%s); asking again", self.lease.job_id, exc)
+                await asyncio.sleep(HISTORY_RETRY)
+                continue
+            return [a for a in info.attempts if a.lease != self.lease.id]
 
     def _followed(self, returncode: int) -> bool:
         """Whether another attempt may follow this one, to want its checkpoint: handed back, or

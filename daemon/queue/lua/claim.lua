@@ -235,7 +235,7 @@ local function start(id, jobkey, gpus, f)
   end
   redis.call('ZADD', leases, now + lease_ms, id)
   redis.call('RPUSH', jobkey .. ':attempts',
-    cjson.encode({attempt = attempt, worker = consumer, started_at = now, how = 'running'}))
+    cjson.encode({attempt = attempt, worker = consumer, started_at = now, how = 'running', lease = lease}))
   for _, v in ipairs({id, attempt, lease, f[4], place}) do claimed[#claimed + 1] = v end
 end
 

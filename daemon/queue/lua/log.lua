@@ -1,7 +1,10 @@
 -- log: append output chunks of an attempt to its job's log stream, keeping its head and its tail.
 -- Guarantees: written only while ARGV's lease is the job's current one, running under this worker
 -- (the fencing token), so a zombie attempt cannot interleave its output with the current one;
--- otherwise nothing is written and the answer is 'stale'. Each call carries the attempt's call
+-- otherwise nothing is written and the answer is 'stale'. Each chunk carries its attempt number
+-- (`a`); which execution that was, the job's history says (claim.lua records each attempt's lease
+-- id in the script that grants it): chunks are written only under the current lease, so in one
+-- Redis's data no two executions' chunks share a number. Each call carries the attempt's call
 -- number: a call that arrives again (its reply was lost) writes nothing twice. The log is bounded
 -- in bytes (each entry counted with ENTRY_COST for its own keeping): the first `head` bytes stay
 -- for good; past them only the newest `tail` bytes are kept, the oldest entries after the head

@@ -17,7 +17,7 @@ import pytest
 from daemon.config import load
 from daemon.errors import GpupoolError, InvalidJob, StaleAttempt
 from daemon.job import JobSpec, JobState, Outcome
-from daemon.object_store import open_worker_store
+from daemon.object_store import artifact_prefix, open_worker_store
 from daemon.queue import keys
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.dispatcher import Worker
@@ -206,7 +206,7 @@ async def test_a_zombie_attempts_artifacts_cannot_replace_the_committed_ones(
     await ok(data_pool.env(), "get", job_id, str(tmp_path / "got"))
     assert (tmp_path / "got" / "model.pt").read_text() == "good"
     stored = [o.key for o in await store.list(f"artifacts/{job_id}/")]
-    assert f"artifacts/{job_id}/1/out/model.pt" in stored  # the zombie wrote under its own attempt only
+    assert artifact_prefix(job_id, zombie.id) + "out/model.pt" in stored  # under its own lease only
 
 
 async def finished_with(

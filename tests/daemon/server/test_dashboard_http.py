@@ -25,6 +25,7 @@ import aiohttp
 import pytest
 
 from daemon.job import JobState
+from daemon.object_store import artifact_prefix
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.terminal_events import JobEvents
 from daemon.server import handlers as handlers_module
@@ -514,7 +515,7 @@ async def test_bob_can_neither_cancel_nor_read_alices_job_but_an_admin_can_cance
 async def test_only_the_owner_downloads_a_jobs_artifact_and_only_the_jobs_own(busy: Busy) -> None:
     pool, job = busy.pool, busy.job_id
     url = base(pool)
-    key = f"artifacts/{job}/1/x"
+    key = artifact_prefix(job, "w1/3.1") + "x"  # named by its attempt's lease id, as a worker names it
     await pool.server.store.put_bytes(key, b"alice's weights")
     await pool.server.store.put_bytes("datasets/x", b"someone's data")
     async with client() as bob:

@@ -13,12 +13,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
-from daemon.job import JobState
+from daemon.errors import StaleAttempt
+from daemon.job import Attempt, JobState, Lease, Outcome
+from daemon.object_store import attempt_segment, checkpoint_prefix
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.checkpoints import Saver, open_beneath, restore
@@ -26,6 +30,7 @@ from daemon.worker.runner import JobRun
 from daemon.worker.spawn import Spawner
 from storage.local import LocalStore
 from tests.daemon.worker.test_runner import claimed
+from tests.support.faults import aof_copy, roll_back
 from tests.support.workers import fake_gpus, running_worker, sh, wait_state, wait_until
 
 # Reads the step its last save reached, says so, and (attempt 1) waits, saving its step on SIGTERM
@@ -58,7 +63,7 @@ async def test_a_requeued_job_starts_again_from_what_it_saved_on_sigterm(
     assert log.read_text().splitlines() == ["attempt 1 from 0", "attempt 2 from 7"]
     assert info.attempt == 2
     said = b"".join(data for _, data in await queue.read_log(job_id))
-    assert b"checkpoint 1.1 restored" in said
+    assert b"checkpoint 1 of attempt 1 (" in said
 
 
 async def test_a_job_whose_worker_was_sigkilled_resumes_from_its_last_periodic_save(
@@ -149,18 +154,72 @@ async def test_an_attempt_cancelled_midway_leaves_no_periodic_save_running(
 
 
 async def test_a_file_named_like_a_marker_is_restored_as_a_file_not_taken_for_a_save(tmp_path: Path) -> None:
-    """Markers are `checkpoints/JOB/ATTEMPT.N.done`; a job's own file of that name, or of one with
+    """Markers are `checkpoints/JOB/LEASE.N.done`; a job's own file of that name, or of one with
     other digits than 0-9, lies inside a save and is restored as what it is."""
     source = tmp_path / "ckpt"
     source.mkdir()
-    for name in ("step", "5.1.done", "\u00b9.1.done"):
+    names = ("step", "5.1.done", "w1%2F1.1.1.done", "\u00b9.1.done")
+    for name in names:
         (source / name).write_text(name)
     async with LocalStore(tmp_path / "store") as store:
-        assert await Saver(store, "default.j", 1, source).save() == 3
+        assert await Saver(store, lease_of(1, "w1/1.1"), source).save() == 4
         dest = tmp_path / "restored"
         dest.mkdir()
-        assert await restore(store, "default.j", 2, dest) == "1.1"
-    assert sorted(p.name for p in dest.iterdir()) == sorted(["step", "5.1.done", "\u00b9.1.done"])
+        first = attempt_of(1, "w1/1.1")
+        assert await restore(store, "default.j", [first], dest) == (first, 1)
+    assert sorted(p.name for p in dest.iterdir()) == sorted(names)
+
+
+def lease_of(attempt: int, lease_id: str) -> Lease:
+    return Lease("default.j", attempt, lease_id.partition("/")[0], sh("true"), lease_id)
+
+
+def attempt_of(attempt: int, lease_id: str) -> Attempt:
+    """An entry of the job's history, as the claim writes it."""
+    return Attempt(attempt, lease_id.partition("/")[0], 0.0, 1.0, "lost", lease_id)
+
+
+async def test_a_later_attempt_gets_the_newest_save_of_the_newest_attempt_its_history_knows(
+    tmp_path: Path,
+) -> None:
+    """issue 43 item 7, the rule: saves are named by lease, and the history (oldest first) says
+    which count: its newest attempt that has a complete save gives its newest one; a save cut
+    short (no marker) is passed over, and one by a lease the history does not hold (an execution
+    whose claim Redis forgot) is never taken, however new. Saves named by number (written before
+    leases named them) are found for history entries without a lease id."""
+    source, dest = tmp_path / "ckpt", tmp_path / "dest"
+    source.mkdir()
+
+    async def save(store: LocalStore, lease: Lease, label: str) -> Saver:
+        (source / "step").write_text(label)
+        saver = Saver(store, lease, source)
+        await saver.save()
+        return saver
+
+    async def restored(store: LocalStore, *history: Attempt) -> str | None:
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir()
+        got = await restore(store, "default.j", history, dest)
+        return None if got is None else (dest / "step").read_text()
+
+    one, two, forgotten, three = "w1/1.1", "w2/4.1", "w3/1.1", "w4/2.1"
+    async with LocalStore(tmp_path / "store") as store:
+        first = await save(store, lease_of(1, one), "1a")
+        (source / "step").write_text("1b")
+        await first.save()
+        await save(store, lease_of(2, two), "2a")
+        cut_short = f"{checkpoint_prefix('default.j')}{attempt_segment(two)}.2/step"
+        await store.put_bytes(cut_short, b"2b, cut short")  # its marker never written
+        await save(store, lease_of(2, forgotten), "forgotten")  # the same number as `two`, newer
+        await store.put_bytes(f"{checkpoint_prefix('default.j')}1.1/step", b"by number")
+        await store.put_bytes(f"{checkpoint_prefix('default.j')}1.1.done", b"")
+
+        assert await restored(store, attempt_of(1, one), attempt_of(2, two)) == "2a"
+        assert await restored(store, attempt_of(1, one)) == "1b"
+        # an attempt that saved nothing (it died at once) passes over to the one before
+        assert await restored(store, attempt_of(1, one), attempt_of(2, two), attempt_of(3, three)) == "2a"
+        assert await restored(store) is None
+        assert await restored(store, Attempt(1, "w0", 0.0, 1.0, "lost")) == "by number"
 
 
 async def test_a_job_preempted_by_a_higher_priority_one_resumes_from_its_checkpoint_after_it(
@@ -179,3 +238,98 @@ async def test_a_job_preempted_by_a_higher_priority_one_resumes_from_its_checkpo
         info = await wait_state(queue, low, JobState.SUCCEEDED, timeout=60)
     assert log.read_text().splitlines() == ["attempt 1 from 0", "urgent", "attempt 2 from 7"]
     assert [a.how for a in info.attempts] == ["released", "succeeded"]
+
+
+FAILED = Outcome(JobState.FAILED, exit_code=1)
+
+# Attempt 1 saves which worker ran it (a file of its own, and one named after it) and fails, to be
+# retried; a later attempt says what it was given.
+WHO_SAVED = (
+    'C="$GPUPOOL_CHECKPOINT_DIR"; if [ "$GPUPOOL_ATTEMPT" = 1 ]; then '
+    'echo "$GPUPOOL_WORKER" > "$C/who"; touch "$C/by-$GPUPOOL_WORKER"; '
+    'echo "$GPUPOOL_WORKER" > "$GPUPOOL_OUTPUT/who"; exit 1; fi; ls "$C"; cat "$C/who"'
+)
+
+
+async def executed(
+    queue: JobQueue, store: LocalStore, spawner: Spawner, lease: Lease, data_dir: Path
+) -> Mapping[str, Any]:
+    """Run `lease`'s attempt to its end, as a worker would (without recording it): its result."""
+    run = JobRun(queue, lease, data_dir=data_dir, spawner=spawner, store=store)
+    result = await run.run()
+    await run.tidy()
+    assert result.outcome is not None
+    return result.outcome.result
+
+
+async def test_two_executions_of_one_attempt_number_never_share_a_save_and_the_forgotten_one_is_not_restored(
+    redis_server: EmbeddedRedis, redis: Redis, spawner: Spawner, tmp_path: Path
+) -> None:
+    """issue 43 item 7: Redis restarted from an older AOF forgot worker a's claim, and worker b
+    claimed the job again with the same attempt number. Both executions run to their end: each
+    saves its checkpoint and uploads its artifacts. They must land apart (keyed by the lease id,
+    which never repeats), and the next attempt must resume from b's save, the attempt the job's
+    history knows, never from the forgotten a's, even though a wrote last."""
+    queue = JobQueue(redis, lease_seconds=30)
+    await queue.enqueue(sh(WHO_SAVED, retries=1))
+    before = aof_copy(redis_server)
+    forgotten = await queue.claim("a", ["default"], 0)
+    roll_back(redis_server, before)
+    counted = await queue.claim("b", ["default"], 0)
+    assert forgotten is not None
+    assert counted is not None
+    assert forgotten.attempt == counted.attempt == 1
+
+    async with LocalStore(tmp_path / "store") as store:
+
+        async def execute(lease: Lease, slot: str) -> Mapping[str, Any]:
+            return await executed(queue, store, spawner, lease, tmp_path / slot)
+
+        counted_result = await execute(counted, "b")
+        assert await queue.complete(counted, FAILED) is JobState.QUEUED  # retried
+        forgotten_result = await execute(forgotten, "a")  # the zombie ends last
+        with pytest.raises(StaleAttempt):
+            await queue.complete(forgotten, FAILED)
+
+        saves = [
+            o.key for o in await store.list(checkpoint_prefix(counted.job_id)) if o.key.endswith(".done")
+        ]
+        assert len(saves) == 2, saves  # one each, apart
+        ours, theirs = counted_result["artifacts"][0], forgotten_result["artifacts"][0]
+        assert ours["key"] != theirs["key"]
+        assert await store.get_bytes(ours["key"]) == b"b\n"  # what b's outcome says is there
+        assert counted_result["log"]["key"] != forgotten_result["log"]["key"]
+
+        again = await queue.claim("c", ["default"], 0)
+        assert again is not None
+        assert again.attempt == 2
+        # the history names the executions the pool knows: b's, not the forgotten a's
+        assert [a.lease for a in (await queue.get(again.job_id)).attempts] == [counted.id, again.id]
+        said = (await execute(again, "c"))["tail"]
+        assert [line for line in said if not line.startswith("[gpupool]")] == ["by-b", "who", "b"], said
+
+
+async def test_an_attempt_whose_history_cannot_be_read_waits_for_redis_and_resumes(
+    redis_server: EmbeddedRedis, redis: Redis, spawner: Spawner, tmp_path: Path
+) -> None:
+    """issue 43 item 7: a later attempt reads the job's history (which saves count) before it
+    starts. A Redis away at that moment delays the start, as it delays an outcome, and never
+    fails the job: it resumes from its save once Redis is back."""
+    queue = JobQueue(redis, lease_seconds=30)
+    await queue.enqueue(sh(WHO_SAVED, retries=1))
+    first = await queue.claim("b", ["default"], 0)
+    assert first is not None
+    async with LocalStore(tmp_path / "store") as store:
+        await executed(queue, store, spawner, first, tmp_path / "b")
+        assert await queue.complete(first, FAILED) is JobState.QUEUED
+        again = await queue.claim("c", ["default"], 0)
+        assert again is not None
+        redis_server.kill()
+        try:
+            task = asyncio.ensure_future(executed(queue, store, spawner, again, tmp_path / "c"))
+            await asyncio.sleep(0.5)
+            assert not task.done()
+        finally:
+            redis_server.start()
+        said = (await asyncio.wait_for(task, 30))["tail"]
+    assert [line for line in said if not line.startswith("[gpupool]")] == ["by-b", "who", "b"], said

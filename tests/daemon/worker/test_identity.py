@@ -5,23 +5,29 @@ environment. Real jobs, real uids (the tests run as root), each probing what a h
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
-from daemon.job import JobInfo, JobState
+from daemon.job import JobInfo, JobSpec, JobState
 from daemon.queue.job_queue import JobQueue
 from daemon.worker import _spawn
 from daemon.worker.cgroups import SlotCgroups
 from daemon.worker.dispatcher import Worker
 from daemon.worker.identity import IdentityError, SlotIdentity, slot_identities
 from daemon.worker.spawn import Spawner
+from storage.content import content_key, pack_tree
+from storage.local import LocalStore
+from tests.support.git_repo import make_repo
 from tests.support.workers import alive, running_worker, sh, wait_file, wait_state
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
@@ -37,6 +43,13 @@ async def worker(
     the test asks for the fallback (`indirect` param "no cgroups": the uid is swept as itself)."""
     if getattr(request, "param", "") == "no cgroups":
         monkeypatch.setattr(SlotCgroups, "make", lambda *_: None)
+    async with hardened_worker(queue) as w:
+        yield w
+
+
+@contextlib.asynccontextmanager
+async def hardened_worker(queue: JobQueue, **kw: Any) -> AsyncIterator[Worker]:
+    """A root worker with two slot uids, as the shipped unit runs it; `kw` goes to the Worker."""
     identities = slot_identities(f"{FIRST_UID}-{FIRST_UID + 1}", 2)
     env = {"PATH": os.environ["PATH"], "AWS_SECRET_ACCESS_KEY": "the-daemons-own", "LANG": "C.UTF-8"}
     # In /tmp, passable by the jobs' uids: pytest's own directories are root's, 0700 (and a worker
@@ -44,7 +57,7 @@ async def worker(
     data = Path(tempfile.mkdtemp(prefix="gpupool-worker-"))
     data.chmod(0o711)
     try:
-        async with running_worker(queue, data / "w", slots=2, identities=identities, env=env) as w:
+        async with running_worker(queue, data / "w", slots=2, identities=identities, env=env, **kw) as w:
             yield w
     finally:
         shutil.rmtree(data, ignore_errors=True)
@@ -370,3 +383,45 @@ def test_the_c_module_refuses_root_and_keep_as_a_slots_ids(uid: int, gid: int) -
         _spawn.sweep(uid, gid)
     with pytest.raises(ValueError, match="above 0"):
         _spawn.spawn([b"/bin/true"], [b"true"], [], b"/", 0, 1, uid, gid, -1, False, -100)
+
+
+async def test_a_git_job_runs_on_a_hardened_worker_and_can_use_its_checkout(
+    queue: JobQueue, worker: Worker, tmp_path: Path
+) -> None:
+    """issue 43 item 6: on a root worker with `job_uid_range` (the shipped unit) every `--git`
+    job failed with git's "dubious ownership": the worker checks the code out, as root, into the
+    job's directory, which is its slot uid's. The job then runs git in its checkout, as its uid."""
+    repo = tmp_path / "repo"
+    first, _ = make_repo(repo)
+    script = "cat version.txt; id -u; git rev-parse HEAD; git status --porcelain; echo done"
+    job_id, _ = await queue.enqueue(
+        JobSpec(argv=("sh", "-c", script), git={"repo": str(repo), "commit": first})
+    )
+    info = await wait_state(queue, job_id, JobState.SUCCEEDED, JobState.FAILED)
+    said = await output(queue, info)
+    assert info.state is JobState.SUCCEEDED, said
+    # its code at the commit, as its uid; git works there for the job too, and finds it clean
+    assert said.splitlines()[-4:] == ["one", str(FIRST_UID), first, "done"], said
+
+
+async def test_a_snapshot_job_runs_on_a_hardened_worker_and_can_change_its_files(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """issue 43 item 6, the other way code reaches a job (`--snapshot`): unpacked by the worker,
+    as root, into the slot uid's directory, then the job's own to read and change. No git runs
+    on the worker for it, and it passed before the fix too: it keeps it so."""
+    src = tmp_path / "project"
+    (src / "sub").mkdir(parents=True)
+    (src / "msg.txt").write_text("snapshot\n")
+    (src / "sub" / "x").write_text("inner\n")
+    tar = b"".join(pack_tree(src))
+    sha = hashlib.sha256(tar).hexdigest()
+    snapshot = {"sha256": sha, "commit": "0" * 40, "dirty": False}
+    script = "cat msg.txt sub/x; id -u; echo changed > msg.txt; touch sub/new; cat msg.txt; echo done"
+    async with LocalStore(tmp_path / "store") as store:
+        await store.put_bytes(content_key(sha), tar)
+        async with hardened_worker(queue, store=store):
+            info = await run(queue, script, snapshot=snapshot)
+    said = await output(queue, info)
+    assert info.state is JobState.SUCCEEDED, said
+    assert said.splitlines()[-5:] == ["snapshot", "inner", str(FIRST_UID), "changed", "done"], said
