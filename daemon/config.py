@@ -223,6 +223,21 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("job_retention", float, 7 * 24 * 3600.0, "seconds finished jobs are kept", lo=60),
     Option(
+        "retry_backoff",
+        float,
+        10.0,
+        "seconds a failed job with --retries left waits before it goes back to the front of its "
+        "queue, doubled for each failure (0: at once); the workers' value counts",
+        lo=0,
+    ),
+    Option(
+        "retry_backoff_max",
+        float,
+        600.0,
+        "the longest retry_backoff grows to",
+        lo=0,
+    ),
+    Option(
         "job_log_max_bytes",
         int,
         16 * 2**20,
@@ -393,6 +408,8 @@ class Config:
     worker_max_lifetime: float
     job_nice: int
     job_retention: float
+    retry_backoff: float
+    retry_backoff_max: float
     job_log_max_bytes: int
     dead_worker_retention: float
     queues: list[str]

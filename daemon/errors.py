@@ -105,6 +105,22 @@ class StaleAttempt(GpupoolError):
         self.attempt = attempt
 
 
+class IdempotencyConflict(GpupoolError):
+    """An idempotency key sent again with a spec other than the one it was first used for: the
+    first job is not this one, so it is not answered as if it were (as payment APIs refuse a key
+    reused with other parameters)."""
+
+    code = ErrorCode.CONFLICT
+
+    def __init__(self, key: str, job_id: str) -> None:
+        super().__init__(
+            f"idempotency key {key!r} was used for job {job_id}, with another spec: a key names one "
+            "submission; send that job's very command and options again, or use a new --key"
+        )
+        self.key = key
+        self.job_id = job_id
+
+
 class RedisUnavailable(GpupoolError):
     code = ErrorCode.UNAVAILABLE
 

@@ -70,6 +70,7 @@ class UsageError(GpupoolError):
 EXIT_FOR_CODE: dict[int, int] = {
     ErrorCode.NOT_FOUND: EXIT_NOT_FOUND,
     ErrorCode.INVALID_ARGUMENT: EXIT_USAGE,
+    ErrorCode.CONFLICT: EXIT_USAGE,  # an idempotency key reused for another spec
     ErrorCode.PERMISSION_DENIED: EXIT_NOT_YOURS,
 }
 
@@ -569,6 +570,13 @@ def _states(states: dict[str, str], job_ids: list[str], as_json: bool, action: s
             status = EXIT_NOT_YOURS
         else:
             print(render.json_text({"id": job_id, "state": state}) if as_json else f"{job_id}\t{state}")
+            if action == "requeue" and state not in ("requeueing", "cancelling", "queued"):
+                print(
+                    f"poolctl: job {job_id} has ended ({state}): requeue puts back only a running job; "
+                    "to run it again, enqueue it anew",
+                    file=sys.stderr,
+                )
+                status = status or EXIT_FAILED
     return status
 
 

@@ -138,7 +138,12 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
         metavar="URL",
         help="when the job ends, the server POSTs its final record (JSON, signed) to this http(s) URL",
     )
-    e.add_argument("--key", metavar="IDEMPOTENCY_KEY", help="same key, same job: safe to retry")
+    e.add_argument(
+        "--key",
+        metavar="IDEMPOTENCY_KEY",
+        help="same key, same job: safe to retry (a key is yours in its queue; sent again with "
+        "another command or options, it is refused)",
+    )
     e.add_argument("--from-file", metavar="JOBS.jsonl", help="queue one job per JSON line (a job spec each)")
     e.add_argument("--json", action="store_true")
     e.add_argument(

@@ -173,6 +173,9 @@ def wait(pool: Streams, job_ids: list[str], limit: float | None, as_json: bool =
 
 
 def job_line(job: dict[str, Any]) -> str:
-    """A job's id, state and exit code, tab-separated (the server made all three)."""
+    """A job's id, state and exit code, tab-separated (the server made all three), and why it
+    ended where its exit code does not say (timed out, killed by a signal, lost, cancelled)."""
     exit_code = f"\texit {job['exit_code']}" if job["exit_code"] is not None else ""
-    return f"{job['id']}\t{job['state']}{exit_code}"
+    detail = job.get("detail") or ""
+    why = f"\t{render.clean(detail)}" if detail and not detail.startswith("exited with status") else ""
+    return f"{job['id']}\t{job['state']}{exit_code}{why}"

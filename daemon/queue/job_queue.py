@@ -30,7 +30,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 
 from daemon.config import Config
-from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
+from daemon.errors import IdempotencyConflict, InvalidJob, JobNotFound, StaleAttempt
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
 from daemon.queue.claims import Claims, Standing
@@ -101,6 +101,7 @@ class JobQueue(Claims, QueueReads):
         fairshare: Iterable[str] = (),
         fairshare_half_life: float = 7 * 24 * 3600.0,
         preempt: Iterable[str] = (),
+        retry_backoff: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         """`watch` is the run-id watch of `redis`'s connections (connection.connect), for whoever
         holds leases through this queue to see when Redis restarts. `ack`: the replicas an enqueue
@@ -108,7 +109,9 @@ class JobQueue(Claims, QueueReads):
         `user_caps`: the most jobs, and GPUs, one user may run in one queue (0: no cap), which
         this queue's claims keep to (claim.lua). `fairshare`: the queues whose claims rank users
         by recent use, which halves every `fairshare_half_life` seconds (claim.lua). `preempt`:
-        the queues where a job with a priority may stop lower ones to make room (claim.lua)."""
+        the queues where a job with a priority may stop lower ones to make room (claim.lua).
+        `retry_backoff`: seconds a failed job with retries left waits before it goes back to the
+        front (doubled for each failure), and the most it grows to (complete.lua)."""
         self.redis = redis
         self.user_caps = user_caps
         self.fairshare = frozenset(fairshare)
@@ -118,6 +121,7 @@ class JobQueue(Claims, QueueReads):
         self.watch = watch
         self.lease_ms = max(1, round(lease_seconds * 1000))
         self.retention = retention_seconds
+        self.backoff_ms = tuple(max(0, round(b * 1000)) for b in retry_backoff)
         self.log_head = log_max_bytes // 4
         self.log_tail = log_max_bytes - self.log_head
         self.scripts = Scripts(redis)
@@ -144,6 +148,7 @@ class JobQueue(Claims, QueueReads):
             fairshare=config.fairshare_queues,
             fairshare_half_life=config.fairshare_half_life,
             preempt=config.preempt_queues,
+            retry_backoff=(config.retry_backoff, config.retry_backoff_max),
         )
 
     def batch(self, *, ack: bool = True) -> ScriptBatch:
@@ -155,8 +160,9 @@ class JobQueue(Claims, QueueReads):
 
     async def enqueue(self, spec: JobSpec, idempotency_key: str | None = None) -> tuple[str, bool]:
         """Add a job at the tail of its queue. Returns (job id, created); `created` is False when the
-        idempotency key was used before by the same user (`spec.user`), and the id is then that
-        first job's."""
+        idempotency key was used before by the same user (`spec.user`) in this queue for this very
+        spec, and the id is then that first job's; IdempotencyConflict when it was used for
+        another spec."""
         if idempotency_key is not None and not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY:
             raise InvalidJob("idempotency key", f"must be 1 to {MAX_IDEMPOTENCY_KEY} characters")
         q = spec.queue
@@ -175,9 +181,12 @@ class JobQueue(Claims, QueueReads):
             )
             if self._standing and not spec.held:
                 self._send_standing(q, (packed, spec))  # an idle worker's claim, in the same round trip
-            got, created = await reply
+            got, created, *conflict = await reply
         finally:
             await self._listed(listed, [q])
+        if conflict and conflict[0]:
+            assert idempotency_key is not None
+            raise IdempotencyConflict(idempotency_key, _s(got))
         return _s(got), bool(created)
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[str]:
@@ -312,6 +321,7 @@ class JobQueue(Claims, QueueReads):
             outcome.detail,
             msgpack.packb(dict(outcome.result)),
             self.retention,
+            *self.backoff_ms,
             durable=True,
             linger=linger,
         )

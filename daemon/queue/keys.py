@@ -10,6 +10,9 @@ Per queue (``gp:{q:NAME}:…``):
                 job ends.
   retry         ZSET id -> enqueue seq: the front of the queue, claimed before any entry of the
                 stream: jobs reclaimed, handed back, or retried after a failure.
+  backoff       ZSET id -> when (Redis time, ms) a failed job with retries left may go back to the
+                front (retry_backoff, complete.lua); the reaper's pass (reclaim.lua) moves it
+                then. Its entry stays pending, as a front job's; its record's 'retry_at' says when.
   parked        ZSET id -> GPUs needed * 2**32 + enqueue seq: queued jobs passed over by workers too
                 small for them; a claimer looks only at those it can hold, and takes the oldest of
                 them and `retry`'s head first.
@@ -98,6 +101,10 @@ def stream(queue: str) -> str:
 
 def retry(queue: str) -> str:
     return queue_prefix(queue) + "retry"
+
+
+def backoff(queue: str) -> str:
+    return queue_prefix(queue) + "backoff"
 
 
 def leases(queue: str) -> str:

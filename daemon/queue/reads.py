@@ -192,7 +192,8 @@ class QueueReads:
             return {_s(u) for u in await pipe.execute() if u}
 
     async def _active_ids(self, queue: str, limit: int) -> list[str]:
-        """Running (leases), front (retry), parked, held at a cap and priority jobs of one queue, then up to
+        """Running (leases), front (retry), parked, held at a cap, retries backing off (by when they
+        are due) and priority jobs of one queue, then up to
         `limit` of its stream entries not yet delivered, read from the consumer group's last
         delivered id on: the order a claim takes them in (claim.lua); last, the jobs that wait for
         others to end (daemon/after.py)."""
@@ -200,11 +201,12 @@ class QueueReads:
             pipe.zrange(keys.leases(queue), 0, -1)
             for aside in (keys.retry(queue), keys.parked(queue), keys.capped(queue)):
                 pipe.zrange(aside, 0, limit - 1, withscores=True)
+            pipe.zrange(keys.backoff(queue), 0, limit - 1)
             pipe.zrange(keys.priority(queue), 0, limit - 1)
             pipe.zrange(keys.waiting(queue), 0, limit - 1)
             pipe.xinfo_groups(keys.stream(queue))
             try:
-                running, retry, parked, capped, prio, held, groups = await pipe.execute()
+                running, retry, parked, capped, backing_off, prio, held, groups = await pipe.execute()
             except ResponseError:  # no stream yet: nothing was ever enqueued
                 return []
         # The front, as a claim merges it: by seq (a parked job's score is GPUs * 2**32 + seq).
@@ -212,8 +214,14 @@ class QueueReads:
         last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == keys.GROUP), b"0-0")
         entries = await xrange(self.redis, keys.stream(queue), f"({_s(last)}", limit)
         waiting = [_s(e[1][b"job"]) for e in entries if b"job" in e[1]]
-        ahead = [_s(i) for i in running] + [i for _, i in front] + [_s(i) for i in prio]
+        ahead = [_s(i) for i in running] + [i for _, i in front] + [_s(i) for i in backing_off + prio]
         return list(dict.fromkeys(ahead + waiting + [_s(i) for i in held]))  # held: after the rest
+
+    async def retry_at(self, job_id: str) -> float | None:
+        """When a failed job backing off before its retry goes back to the front (Unix time), or
+        None when it is not backing off (complete.lua, retry_backoff)."""
+        at = await self.redis.zscore(keys.backoff(queue_of(job_id)), job_id)
+        return None if at is None else at / 1000
 
     async def held_at_cap(self, job_id: str) -> bool:
         """Whether a queued job is held aside because its user is at a cap (claim.lua)."""

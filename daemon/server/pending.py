@@ -41,6 +41,13 @@ class PendingReasons:
         memo = {} if memo is None else memo
         if info.spec.held and info.id in await self.queue.waiting(info.spec.queue):
             return await self._held_reason(info)
+        if info.spec.retries and (at := await self.queue.retry_at(info.id)) is not None:
+            failed = info.detail or f"exit {info.exit_code}"
+            return (
+                f"its attempt {info.attempt} failed ({failed}): it goes back to the front of queue "
+                f"{info.spec.queue!r} at {time.strftime('%H:%M:%S', time.localtime(at))}, after its "
+                "retry back-off"
+            )
         if (queued := memo.get(f"order:{info.spec.queue}")) is None:  # ids, in the order they start
             queued = memo[f"order:{info.spec.queue}"] = await self.queue.start_order(
                 info.spec.queue, MAX_LIST

@@ -237,6 +237,21 @@ local function requeue(prefix, stream, group, retry, id)
   wake(prefix)
 end
 
+-- A failed job with retries left (complete.lua), its `failures` counted already: back to the
+-- front at once with no back-off (`base` 0), else after `base` ms doubled for each failure before
+-- this one, at most `most`: queued meanwhile in `backoff` (scored by when it is due), its entry
+-- pending under 'reclaimed' as a front job's, where no claim looks; the reaper's pass
+-- (reclaim.lua) puts it at the front once due.
+local function retry_after(prefix, stream, group, retry_key, id, failures, base, most, now)
+  if base <= 0 then return requeue(prefix, stream, group, retry_key, id) end
+  local jobkey = job_key(prefix, id)
+  local at = now + math.min(base * 2 ^ (failures - 1), most)
+  redis.call('HSET', jobkey, 'state', 'queued', 'worker', '', 'retry_at', string.format('%d', at))
+  redis.call('HDEL', jobkey, 'requeue')
+  redis.call('ZADD', prefix .. 'backoff', at, id)
+  redis.call('XCLAIM', stream, group, 'reclaimed', 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
+end
+
 -- Take `n` sequence numbers of a queue, creating its stream and consumer group the first time.
 -- Returns the first of them.
 local function reserve(stream, seqkey, group, n)

@@ -4,12 +4,14 @@
 -- nothing changes and the answer is {'stale', state, attempt}. When accepted, the lease, the stream
 -- entry (acked and deleted), the job's state and its history change together, and a terminal event
 -- goes to `events`. A failed attempt with retries left goes back to the front of the queue instead
--- (queued); retries are counted in `failures`, apart from losses. The same call again (its reply
+-- (queued), after its back-off (ARGV 12, 13; _lib.lua `retry_after`); retries are counted in
+-- `failures`, apart from losses. The same call again (its reply
 -- was lost), or any later complete of this lease, answers as the first did and changes nothing. At maxmemory it still runs (its first
 -- write is a deletion): recording outcomes is how the pool frees memory.
 -- KEYS: 1 stream, 2 leases, 3 events, 4 retry
 -- ARGV: 1 queue key prefix, 2 group, 3 consumer, 4 job id, 5 attempt, 6 lease id, 7 state,
---       8 exit code ('' if none), 9 detail, 10 result (msgpack, opaque here), 11 retention (s)
+--       8 exit code ('' if none), 9 detail, 10 result (msgpack, opaque here), 11 retention (s),
+--       12 a retry's back-off (ms; 0: none) before its failure count doubles it, 13 its most (ms)
 -- Returns {state afterwards} (the outcome's, or 'queued' for a retry) | {'stale', state, attempt}.
 local stream, leases, events, retry = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, group, consumer, id = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -28,8 +30,8 @@ local outcome = {'exit_code', ARGV[8], 'detail', ARGV[9], 'result', ARGV[10], 'e
 if state == 'failed' and j[7] ~= '1' and tonumber(j[5]) < tonumber(j[6]) then
   outcome[#outcome + 1], outcome[#outcome + 2] = 'ended_as', 'queued'
   redis.call('HSET', jobkey, unpack(outcome))
-  redis.call('HINCRBY', jobkey, 'failures', 1)
-  requeue(prefix, stream, group, retry, id)
+  local failures = redis.call('HINCRBY', jobkey, 'failures', 1)
+  retry_after(prefix, stream, group, retry, id, failures, tonumber(ARGV[12]) or 0, tonumber(ARGV[13]) or 0, now)
   return {'queued'}
 end
 outcome[#outcome + 1], outcome[#outcome + 2] = 'ended_as', state

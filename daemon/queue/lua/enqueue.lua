@@ -2,12 +2,14 @@
 -- Guarantees: the job record, its stream entry and its index entry are written together (a script
 -- runs atomically), and so is what it waits for and its place in its array (add_job: a job held
 -- for others is never without the record of what it waits for); an idempotency key that was used
--- before returns the first job's id and writes nothing; an id that exists already is made unique
+-- before returns the first job's id and writes nothing, saying whether that job's spec is another
+-- (a conflict: the key was reused for another submission); an id that exists already is made unique
 -- (free_job_id), unless it holds this very spec, which is this call run again (its reply was lost)
 -- and is answered as the first run was. At maxmemory refused whole (its first write allocates).
 -- KEYS: 1 stream, 2 jobs index, 3 seq counter, 4 job hash (as proposed), 5 idempotency key (optional)
 -- ARGV: 1 group, 2 queue key prefix, 3 job id, 4.. the job (_lib.lua JOB_ARGS, its spec first)
--- Returns {job id, 1} when created, {first job id, 0} for a known idempotency key.
+-- Returns {job id, 1} when created, {first job id, 0, conflict} for a known idempotency key
+-- (conflict: 1 when the first job's spec is not this one, else 0).
 local stream, index, seqkey, idem = KEYS[1], KEYS[2], KEYS[3], KEYS[5]
 local group, prefix = ARGV[1], ARGV[2]
 local job = job_args(ARGV, 4)
@@ -15,7 +17,10 @@ local free = free_job_id(prefix, ARGV[3], job.spec)
 local id, jobkey, ran_before = free[1], free[2], free[3]
 if idem then
   local existing = redis.call('GET', idem)
-  if existing then return {existing, existing == id and 1 or 0} end
+  if existing then
+    local same = existing == id or redis.call('HGET', job_key(prefix, existing), 'spec') == job.spec
+    return {existing, existing == id and 1 or 0, same and 0 or 1}
+  end
 end
 if ran_before then return {id, 1} end
 local seq = reserve(stream, seqkey, group, 1)

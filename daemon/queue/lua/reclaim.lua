@@ -6,8 +6,10 @@
 -- holder out), or, when the user cancelled it, becomes cancelled; or, once `losses` reaches
 -- max_attempts, dead (dead-letter). Losses alone count: attempts that failed and were retried
 -- (`failures`) and attempts a draining worker handed back (`handbacks`) do not. Entries stay
--- pending until the job ends, so nothing a reclaimed job needs is ever trimmed. Safe to run twice
--- (a lease taken is gone); at maxmemory it still runs (its first write is a deletion).
+-- pending until the job ends, so nothing a reclaimed job needs is ever trimmed. And the failed jobs
+-- whose retry back-off is over (`backoff`, complete.lua) go to the front too, workers woken. Safe
+-- to run twice (a lease taken, or a job moved, is gone); at maxmemory it still runs (its first
+-- write is a deletion).
 -- KEYS: 1 stream, 2 retry, 3 leases, 4 events
 -- ARGV: 1 queue key prefix, 2 group, 3 most to take in one call, 4 retention (s)
 -- Returns a flat list: how many leases it took (up to the limit), then job id, new state, job id,
@@ -15,6 +17,15 @@
 local stream, retry, leases, events = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, group, limit, retention = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local now = now_ms()
+local backoff = prefix .. 'backoff'
+local due = redis.call('ZRANGEBYSCORE', backoff, '-inf', now, 'LIMIT', 0, limit)
+for _, id in ipairs(due) do
+  redis.call('ZREM', backoff, id)
+  if redis.call('HGET', job_key(prefix, id), 'state') == 'queued' then
+    to_front(prefix, stream, group, retry, id)
+  end
+end
+if #due > 0 then wake(prefix) end
 local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, limit)
 local out = {#expired}
 for _, id in ipairs(expired) do

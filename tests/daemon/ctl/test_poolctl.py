@@ -327,3 +327,16 @@ async def test_requeue_says_what_it_did_with_each_job(pool: Pool) -> None:
     assert "no job 'default.doesnotexist1'" in err
     code, out, _ = await poolctl(pool.env("alice"), "requeue", "--json", job_id)
     assert (code, orjson.loads(out)) == (0, {"id": job_id, "state": "requeueing"})
+
+
+async def test_requeue_of_a_job_that_ended_says_so_and_fails(pool: Pool) -> None:
+    """issue 43 item 8: `requeue` of a finished job exited 0 as if it had worked."""
+    code, job_id, _ = await poolctl(pool.env("alice"), "enqueue", "--", "true")
+    job_id = job_id.strip()
+    lease = await pool.queue.claim("w1", ["default"])  # as a worker would
+    assert lease is not None
+    await pool.queue.complete(lease, Outcome(JobState.SUCCEEDED, exit_code=0))
+    code, out, err = await poolctl(pool.env("alice"), "requeue", job_id)
+    assert code == 1
+    assert out.split() == [job_id, "succeeded"]
+    assert f"job {job_id} has ended (succeeded): requeue puts back only a running job" in err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 
 import orjson
 
@@ -14,6 +15,7 @@ from protocol import CancelJobs, Cancelled, EnqueueBatch, EnqueuedBatch
 from tests.support.paths import ROOT
 from tests.support.pool import Pool
 from tests.support.poolctl import poolctl
+from tests.support.workers import running_worker
 
 
 async def test_wait_on_three_jobs_prints_a_line_as_each_ends(pool: Pool) -> None:
@@ -74,3 +76,16 @@ async def test_enqueue_notify_takes_an_http_url_and_refuses_another_with_a_sente
     assert code == 0, err
     _, shown, _ = await poolctl(env, "show", "--json", out.strip())
     assert "notify" not in orjson.loads(shown)["spec"]
+
+
+async def test_wait_says_why_a_job_failed_when_its_exit_code_does_not(pool: Pool, tmp_path: Path) -> None:
+    """issue 43 item 8: a timed-out job was reported only as `failed  exit 143`."""
+    env = pool.env("alice")
+    code, job_id, err = await poolctl(env, "enqueue", "--timeout", "0.5", "--", "sleep", "30")
+    assert code == 0, err
+    async with running_worker(pool.queue, tmp_path / "w"):
+        code, out, err = await poolctl(env, "wait", job_id.strip(), "--timeout", "30")
+    assert code == 1, err
+    assert (
+        out == f"{job_id.strip()}\tfailed\texit 143\ttimed out after 0.5 s; killed by signal 15 (SIGTERM)\n"
+    )

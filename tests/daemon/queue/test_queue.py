@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from daemon.aio import cancel_and_wait
-from daemon.errors import InvalidJob, JobNotFound, StaleAttempt
+from daemon.errors import IdempotencyConflict, InvalidJob, JobNotFound, StaleAttempt
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
 from daemon.queue.connection import AnyRedis
@@ -294,18 +294,65 @@ async def test_renewed_lease_is_never_reclaimed_but_a_silent_one_is(redis: AnyRe
 
 async def test_idempotent_enqueue_returns_the_same_id(queue: JobQueue, server: Server) -> None:
     first, created = await queue.enqueue(spec(), idempotency_key="run-42")
-    again, created_again = await queue.enqueue(spec(99), idempotency_key="run-42")
+    again, created_again = await queue.enqueue(spec(), idempotency_key="run-42")
     assert (created, created_again, again) == (True, False, first)
 
     clients = [server.client() for _ in range(10)]
-    results = await asyncio.gather(
-        *(JobQueue(c).enqueue(spec(i), idempotency_key="storm") for i, c in enumerate(clients))
-    )
+    results = await asyncio.gather(*(JobQueue(c).enqueue(spec(7), idempotency_key="storm") for c in clients))
     assert len({job_id for job_id, _ in results}) == 1
     assert sum(created for _, created in results) == 1
     for c in clients:
         await c.aclose()
     assert len(await queue.list_jobs()) == 2
+
+
+async def test_a_key_used_again_for_another_job_is_a_conflict_not_the_first_job(queue: JobQueue) -> None:
+    """issue 43 item 8: `--key` reused with a different command no longer answers the first job
+    as if it were this one: it is refused, saying which job holds the key; the same job sent
+    again is still answered with the first one, and nothing was added."""
+    first, _ = await queue.enqueue(spec(1, user="alice"), idempotency_key="run-42")
+    with pytest.raises(
+        IdempotencyConflict, match=rf"key 'run-42' was used for job {first}, with another spec"
+    ):
+        await queue.enqueue(spec(2, user="alice"), idempotency_key="run-42")
+    assert await queue.enqueue(spec(1, user="alice"), idempotency_key="run-42") == (first, False)
+    assert [j.id for j in await queue.list_jobs()] == [first]
+
+
+async def test_idempotency_keys_are_each_users_in_each_queue(queue: JobQueue) -> None:
+    """issue 43 item 7 (idempotency keys): GUARANTEES said a key was per user; it is per user and
+    queue (a queue's keys live in its Redis slot, with its jobs, so that one script writes both):
+    the same key in another queue, or of another user, is another job. GUARANTEES now says so."""
+    mine, _ = await queue.enqueue(spec(1, user="alice"), idempotency_key="k")
+    theirs, _ = await queue.enqueue(spec(1, user="bob"), idempotency_key="k")
+    elsewhere, _ = await queue.enqueue(spec(1, user="alice", queue="gpu"), idempotency_key="k")
+    assert len({mine, theirs, elsewhere}) == 3
+
+
+async def test_a_failed_job_is_retried_after_a_back_off_that_doubles(redis: AnyRedis) -> None:
+    """issue 43 item 8: a failed job with retries went back to the front at once, so a job that
+    fails for a moment (a server it needs restarting) spent its retries within the second. Now it
+    waits out a back-off, doubled for each failure, before the reaper puts it at the front, while
+    the jobs behind it start."""
+    queue = JobQueue(redis, lease_seconds=30, retry_backoff=(0.4, 0.6))
+    flaky, _ = await queue.enqueue(spec(retries=3))
+    later, _ = await queue.enqueue(spec())
+    for failures, backoff in ((1, 0.4), (2, 0.6)):  # (doubled to 0.8, held to the most: 0.6)
+        lease = await claim(queue)
+        assert lease.job_id == flaky
+        assert await queue.complete(lease, Outcome(JobState.FAILED, exit_code=1)) is JobState.QUEUED
+        ended = (await queue.get(flaky)).attempts[-1].ended_at
+        retry_at = await queue.retry_at(flaky)
+        assert ended is not None
+        assert retry_at is not None
+        assert retry_at - ended == pytest.approx(backoff, abs=0.005)
+        if failures == 1:
+            assert (await claim(queue)).job_id == later  # behind it, started meanwhile
+        await queue.reclaim()
+        assert await queue.claim("w1", ("default",)) is None  # not before its back-off
+        await asyncio.sleep(backoff + 0.05)
+        await queue.reclaim()  # the reaper's pass puts it at the front
+    assert ((lease := await claim(queue)).job_id, lease.attempt) == (flaky, 3)
 
 
 async def test_cancel_a_queued_job_it_never_starts(queue: JobQueue) -> None:
