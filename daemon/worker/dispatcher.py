@@ -277,8 +277,10 @@ class Worker(Stopping):
 
     async def _room(self, *, shared: bool = True) -> dict[str, Any]:
         """What a claim needs to know of this worker's GPUs (JobQueue.claim_many): free whole, a
-        slot's share, in all, when the attempts holding some end at the latest (backfill), and
-        with `shared` those that can take a --gpu-mem job (NVML's free memory read now)."""
+        slot's share, in all, when the attempts holding some end at the latest (backfill), the
+        time a pilot has left (a preemption check says it too: a pilot stops nothing for a job it
+        would not take), and with `shared` those that can take a --gpu-mem job (NVML's free
+        memory read now)."""
         room: dict[str, Any] = {
             "gpus_free": self.allocator.free_count(),
             "default_gpus": self.allocator.share,
@@ -286,7 +288,7 @@ class Worker(Stopping):
             "ends": latest_ends(self._held, self._gpus_held, self.kill_grace),
             "grace": self.kill_grace,
         }
-        room |= self.lifetime.claim_room() if shared and self.lifetime else {}  # only a claim asks
+        room |= self.lifetime.claim_room() if self.lifetime else {}
         if shared and self.allocator.gpus:
             uuids = [g.uuid for g in self.allocator.gpus]
             free = await asyncio.to_thread(self._nvml.free_memory, uuids) if self._nvml is not None else None

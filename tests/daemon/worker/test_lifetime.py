@@ -121,3 +121,31 @@ async def test_a_worker_with_an_end_passes_over_jobs_that_would_outlive_it_and_l
         assert time.time() == pytest.approx(life.leave_by - 2, abs=0.5)
         assert why.startswith("its lifetime ends at ")
     assert (await queue.get(outlives)).state is JobState.QUEUED
+
+
+async def test_a_pilot_never_claims_a_job_without_a_time_limit_a_worker_without_an_end_runs_it(
+    tmp_path: Path, queue: JobQueue
+) -> None:
+    """issue 43 item 5: a pilot claimed jobs without --timeout, which could only run into its end,
+    where the batch system's kill lost them. Neither its claim nor the one it leaves standing while
+    idle takes such a job now: it stays queued, and a worker without an end runs it."""
+    c = lifetime_config(worker_max_lifetime=60.0, drain_timeout=1.0, kill_grace=1.0)
+    life = Lifetime.of(c, started=time.time())
+    assert life is not None
+    queued_before, _ = await queue.enqueue(sh("true"))
+    async with running_worker(queue, tmp_path / "pilot", lifetime=life, kill_grace=1.0):
+        fits, _ = await queue.enqueue(sh("true", timeout=5.0))
+        info = await wait_state(queue, fits, JobState.SUCCEEDED, JobState.FAILED)
+        assert info.state is JobState.SUCCEEDED, info.detail
+        await asyncio.sleep(0.5)  # idle: its claim stands, and the next enqueue here sends it
+        queued_while_idle, _ = await queue.enqueue(sh("true"))
+        after, _ = await queue.enqueue(sh("true", timeout=5.0))
+        info = await wait_state(queue, after, JobState.SUCCEEDED, JobState.FAILED)
+        assert info.state is JobState.SUCCEEDED, info.detail
+        for job_id in (queued_before, queued_while_idle):
+            info = await queue.get(job_id)
+            assert (info.state, info.attempt) == (JobState.QUEUED, 0), info
+    async with running_worker(queue, tmp_path / "plain"):
+        for job_id in (queued_before, queued_while_idle):
+            info = await wait_state(queue, job_id, JobState.SUCCEEDED, JobState.FAILED)
+            assert info.state is JobState.SUCCEEDED, info.detail
