@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if not leave < lifetime <= walltime:
         raise PilotError(
             f"a pilot of walltime {args.walltime} would have {lifetime:g} s to live, which must be more "
-            f"than the {leave:g} s it takes to leave (drain_timeout + kill_grace in {config}) and at most "
+            f"than the {leave:g} s it takes to leave (drain_timeout + kill_grace in {config}, and a "
+            "moment to hand back) and at most "
             "the walltime: give a longer --walltime, or lower drain_timeout there"
         )
     script = batch_script(
@@ -148,7 +149,7 @@ def margin(walltime: float) -> float:
 
 def check_config(path: Path) -> float:
     """Refuse a config file others may read, or one that does not name a shared pool; the seconds
-    its worker takes to leave (drain_timeout + kill_grace)."""
+    its worker takes to leave (drain_timeout + kill_grace, and a moment to hand back)."""
     from daemon import config as config_mod
     from daemon.errors import ConfigError
     from daemon.tokens import TokenError
@@ -176,7 +177,7 @@ def check_config(path: Path) -> float:
         print(
             f"poolctl: note: {path} names Redis on loopback, which only this node can reach", file=sys.stderr
         )
-    return c.drain_timeout + c.kill_grace
+    return c.leaving_seconds
 
 
 def poold_command() -> list[str]:

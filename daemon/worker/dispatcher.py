@@ -467,6 +467,7 @@ class Worker(Stopping):
             )
         result: RunResult | None = None
         tidied = False
+        in_time = self._stop_in_time(lease, run)
         try:
             try:
                 result = await run.run()
@@ -475,6 +476,8 @@ class Worker(Stopping):
                     await run.tidy()
                     tidied = True
             finally:
+                if in_time is not None:
+                    in_time.cancel()  # it holds nothing: cancelled, it ends in the next turn
                 held.phase = Phase.ENDING
                 if held.slot is not None:  # (else freed, its directories as new: _slot_free)
                     self._free(held, result)
@@ -489,6 +492,20 @@ class Worker(Stopping):
             await self._outcomes.report(held.lease, result, linger)
         finally:
             self._held.drop(held)
+
+    def _stop_in_time(self, lease: Lease, run: Run) -> asyncio.Task[None] | None:
+        """A pilot's: the task that stops the job in time for its own stop grace (its
+        --stop-grace, else kill_grace), so that it is handed back before the worker's end
+        (lifetime.py); None on a worker with no end."""
+        if self.lifetime is None or not self.lifetime.max_lifetime:
+            return None
+
+        def stop(why: str) -> None:
+            log.info("job %s: stopping it, to hand it back before this worker's end: %s", lease.job_id, why)
+            run.hand_back(why=why)
+
+        grace = lease.spec.stop_grace or self.kill_grace
+        return asyncio.create_task(self.lifetime.stop_in_time(grace, stop), name=f"end of {lease.job_id}")
 
     @staticmethod
     async def _tidy(run: Run) -> None:

@@ -157,7 +157,7 @@ def slurm() -> Iterator[SlurmCluster]:
         cluster.stop()
 
 
-LIFETIME = 20  # seconds: the drain (4 s) and the kill grace (2 s) fit, with time to run jobs first
+LIFETIME = 20  # seconds: the drain (4 s), the kill grace (2 s) and the hand-back fit, with jobs first
 
 
 @pytest.mark.timeout(90)
