@@ -10,11 +10,12 @@ STAMP  := $(VENV)/.installed
 .PHONY: install run test lint typecheck pytest test-packages chaos bench clean
 
 # Debian packages that some tests drive for real (zsh and fish run the completion scripts; slurm-wlm
-# and munge a one-node Slurm cluster on loopback for the pilot workers, tests/support/slurm.py;
+# and munge a one-node Slurm cluster on loopback for the pilot workers, tests/support/slurm.py, and
+# slurm-wlm-torque the PBS commands (qsub, qstat, qdel) over it, for the PBS pilots;
 # chromium and chromium-driver a headless browser for the dashboard, tests/support/browser.py;
 # prometheus its promtool for docs/prometheus/alerts.yml).
 # Installed when this runs as root with apt-get, as CI does; elsewhere those tests skip, saying why.
-TEST_PACKAGES := zsh fish slurm-wlm munge chromium chromium-driver prometheus
+TEST_PACKAGES := zsh fish slurm-wlm slurm-wlm-torque munge chromium chromium-driver prometheus
 
 install: $(STAMP)
 

@@ -34,6 +34,9 @@ DEFAULT_CONFIG_FILE = Path("/etc/gpupool/pool.toml")
 SERVER_METRICS_PORT = 9420
 WORKER_METRICS_PORT = 9421
 WEB_PORT = 7421
+# What a worker's hand-back of a job it stopped needs once the job's last process is gone (its last
+# log lines, the release's round trip): a pilot keeps it free before its end (worker/lifetime.py).
+HAND_BACK_SECONDS = 1.0
 
 
 def uid_range_of(text: str) -> range:
@@ -443,6 +446,12 @@ class Config:
     @property
     def embedded(self) -> bool:
         return self.worker_mode == "singlenode"
+
+    @property
+    def leaving_seconds(self) -> float:
+        """Seconds a worker takes to leave by itself (a pilot at its end, worker/lifetime.py): its
+        drain, a job's stop grace (kill_grace), and the hand-back of what it stopped."""
+        return self.drain_timeout + self.kill_grace + HAND_BACK_SECONDS
 
     @property
     def heartbeat_seconds(self) -> float:

@@ -15,8 +15,13 @@ drops the submitting shell's GPUPOOL_* variables, so that the file alone says wh
 does, and it execs poold, so that the scheduler's signals reach the worker itself (a shell in
 between would die at a scancel and take the draining worker with it).
 
-The scripts are built here and submitted with `sbatch` or `qsub` on standard input, one batch job
-per pilot; `--dry-run` prints a script and the command instead. This module is a command of
+The scripts are built here and submitted one batch job per pilot: to `sbatch` on its standard
+input, to `qsub` as a file; `--dry-run` prints a script and the command instead. A PBS script
+works with PBS's own qsub (PBS Pro, OpenPBS) and with Slurm's (slurm-wlm-torque: PBS commands over
+Slurm, whose qsub hands the script to sbatch): that one reads no script on standard input, turns
+only its command line into sbatch options (so the job's name and its one log are said there too),
+and leaves the GPUs out of `select=1:ngpus=G` (so an `#SBATCH --gres` line, a comment to PBS, asks
+Slurm for them). This module is a command of
 poolctl: what only it uses (the daemon's configuration loader, to check the file; subprocess) is
 imported when it runs, since poolctl's parser, which every command builds, comes from here.
 """
@@ -89,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     if not leave < lifetime <= walltime:
         raise PilotError(
             f"a pilot of walltime {args.walltime} would have {lifetime:g} s to live, which must be more "
-            f"than the {leave:g} s it takes to leave (drain_timeout + kill_grace in {config}) and at most "
+            f"than the {leave:g} s it takes to leave (drain_timeout + kill_grace in {config}, and a "
+            "moment to hand back) and at most "
             "the walltime: give a longer --walltime, or lower drain_timeout there"
         )
     script = batch_script(
@@ -103,11 +109,12 @@ def run(args: argparse.Namespace) -> int:
         max_lifetime=lifetime,
         idle_exit=args.idle_exit,
     )
-    command = submit_command(args.scheduler)
+    command = submit_command(args.scheduler, args.name)
     if args.dry_run:
         print(script, end="")
         times = f", {args.count} times" if args.count > 1 else ""
-        print(f"# submit: {shlex.join(command)} < this script{times}")
+        given = "FILE, this script saved as FILE" if by_file(command) else "< this script"
+        print(f"# submit: {shlex.join(command)} {given}{times}")
         return 0
     import shutil
 
@@ -148,7 +155,7 @@ def margin(walltime: float) -> float:
 
 def check_config(path: Path) -> float:
     """Refuse a config file others may read, or one that does not name a shared pool; the seconds
-    its worker takes to leave (drain_timeout + kill_grace)."""
+    its worker takes to leave (drain_timeout + kill_grace, and a moment to hand back)."""
     from daemon import config as config_mod
     from daemon.errors import ConfigError
     from daemon.tokens import TokenError
@@ -176,7 +183,7 @@ def check_config(path: Path) -> float:
         print(
             f"poolctl: note: {path} names Redis on loopback, which only this node can reach", file=sys.stderr
         )
-    return c.drain_timeout + c.kill_grace
+    return c.leaving_seconds
 
 
 def poold_command() -> list[str]:
@@ -221,10 +228,13 @@ def batch_script(
         ]
         prefix, job_id = "#PBS ", "PBS_JOBID"
     argv = [*worker, "--max-lifetime", f"{max_lifetime:g}", "--idle-exit", f"{idle_exit:g}"]
+    # Slurm's qsub gives sbatch the script, which reads select's node count but not its GPUs.
+    over_slurm = [f"#SBATCH --gres=gpu:{gpus}"] if scheduler == "pbs" and gpus else []
     return "\n".join(
         [
             "#!/bin/bash",
             *(prefix + d for d in directives),
+            *over_slurm,
             f"# A gpupool pilot worker, by `poolctl pilot {scheduler}` ({time.strftime('%Y-%m-%d %H:%M')}).",
             "# It joins the pool its config names and leaves by itself, drained, before the walltime",
             f"# ends (--max-lifetime), or after --idle-exit seconds with no job; ${job_id} shows in",
@@ -252,26 +262,43 @@ def pbs_time(seconds: float) -> str:
     return f"{h:02d}:{rest // 60:02d}:{rest % 60:02d}"
 
 
-def submit_command(scheduler: str) -> list[str]:
-    """The submit command; the script goes on its standard input."""
-    return ["sbatch", "--parsable"] if scheduler == "slurm" else ["qsub"]
+def submit_command(scheduler: str, name: str) -> list[str]:
+    """The submit command: sbatch reads the script on its standard input, qsub from a file named
+    last (`by_file`). Slurm's qsub reads only its command line, so the PBS job's name and its one
+    log (-j oe) are given there as well as in the script (PBS's own qsub takes either)."""
+    return ["sbatch", "--parsable"] if scheduler == "slurm" else ["qsub", "-N", name, "-j", "oe"]
+
+
+def by_file(command: list[str]) -> bool:
+    """Whether `command` takes the script as a file (qsub: Slurm's reads none on standard input)."""
+    return command[0] == "qsub"
 
 
 def submit(command: list[str], script: str) -> str:
     """Submit `script` once; its batch job id."""
     import subprocess
+    import tempfile
 
-    try:
-        done = subprocess.run(
-            command, input=script, capture_output=True, text=True, timeout=SUBMIT_TIMEOUT, check=False
-        )
-    except subprocess.TimeoutExpired:
-        raise GpupoolError(
-            f"{command[0]} did not answer in {SUBMIT_TIMEOUT:g} s: is the cluster's controller up?"
-        ) from None
-    except OSError as exc:
-        raise GpupoolError(f"cannot run {command[0]}: {exc.strerror}") from None
-    said = (done.stderr.strip() or done.stdout.strip()).splitlines()
+    with tempfile.TemporaryDirectory(prefix="gpupool-pilot-") as tmp:
+        argv: list[str] = command
+        stdin: str | None = script
+        if by_file(command):
+            path = Path(tmp, "pilot.pbs")  # read at the submit: the scheduler keeps its own copy
+            path.write_text(script)
+            argv, stdin = [*command, str(path)], None
+        try:
+            done = subprocess.run(
+                argv, input=stdin, capture_output=True, text=True, timeout=SUBMIT_TIMEOUT, check=False
+            )
+        except subprocess.TimeoutExpired:
+            raise GpupoolError(
+                f"{command[0]} did not answer in {SUBMIT_TIMEOUT:g} s: is the cluster's controller up?"
+            ) from None
+        except OSError as exc:
+            raise GpupoolError(f"cannot run {command[0]}: {exc.strerror}") from None
+    # (Slurm's qsub quotes what sbatch said, on lines of their own)
+    said = [line.strip(" '") for line in (done.stderr.strip() or done.stdout.strip()).splitlines()]
+    said = [line for line in said if line]
     if done.returncode != 0:
         raise GpupoolError(
             f"{command[0]} refused the pilot: {said[-1] if said else f'exit {done.returncode}'}"

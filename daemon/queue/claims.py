@@ -173,8 +173,8 @@ class Claims:
         GPU memory (claim.lua): `shared` lists the worker's GPUs that can take a --gpu-mem job
         (each by its place in the worker's list), `mem_most` is its largest GPU's memory (bytes);
         a lease's `shared_gpu` is the place of the GPU its job goes on. `lifetime`: the seconds a
-        pilot worker has left; a job whose time limit (and stop grace) runs past it is passed over
-        (None: no end).
+        pilot worker has left; a job whose time limit (and stop grace) runs past it is passed over,
+        and so is every job without a time limit (None: no end).
 
         `urgent`: a slot waits for what it claims, and its calls go ahead of the others
         (`_claim_call`). A claim made while every slot is taken (look_ahead.py) is not: it travels
@@ -233,10 +233,12 @@ class Claims:
         gpus_total: int,
         ends: Sequence[tuple[float | None, int]] = (),
         grace: float = 0.0,
+        lifetime: float | None = None,
     ) -> bool:
         """For a worker whose slots are all taken: in each of `queues` where priorities preempt,
         should the highest-priority job waiting stop lower ones here to make room (claim.lua with
-        no job wanted)? True when some were asked to. Claims nothing."""
+        no job wanted)? True when some were asked to. Claims nothing. `lifetime`, as claim_many's:
+        a pilot stops nothing for a job it would pass over."""
         schedule = _schedule(ends)
         asked = False
         for q in [q for q in queues if q in self.preempt]:
@@ -247,6 +249,7 @@ class Claims:
                 0,
                 (gpus_free, default_gpus, gpus_total),
                 backfill=(schedule, round(grace * 1000), 0),
+                lifetime=lifetime,
             )
             self._cursors[q] = cursors
             asked = asked or status == b"preempting"

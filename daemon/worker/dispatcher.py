@@ -277,8 +277,10 @@ class Worker(Stopping):
 
     async def _room(self, *, shared: bool = True) -> dict[str, Any]:
         """What a claim needs to know of this worker's GPUs (JobQueue.claim_many): free whole, a
-        slot's share, in all, when the attempts holding some end at the latest (backfill), and
-        with `shared` those that can take a --gpu-mem job (NVML's free memory read now)."""
+        slot's share, in all, when the attempts holding some end at the latest (backfill), the
+        time a pilot has left (a preemption check says it too: a pilot stops nothing for a job it
+        would not take), and with `shared` those that can take a --gpu-mem job (NVML's free
+        memory read now)."""
         room: dict[str, Any] = {
             "gpus_free": self.allocator.free_count(),
             "default_gpus": self.allocator.share,
@@ -286,7 +288,7 @@ class Worker(Stopping):
             "ends": latest_ends(self._held, self._gpus_held, self.kill_grace),
             "grace": self.kill_grace,
         }
-        room |= self.lifetime.claim_room() if shared and self.lifetime else {}  # only a claim asks
+        room |= self.lifetime.claim_room() if self.lifetime else {}
         if shared and self.allocator.gpus:
             uuids = [g.uuid for g in self.allocator.gpus]
             free = await asyncio.to_thread(self._nvml.free_memory, uuids) if self._nvml is not None else None
@@ -465,6 +467,7 @@ class Worker(Stopping):
             )
         result: RunResult | None = None
         tidied = False
+        in_time = self._stop_in_time(lease, run)
         try:
             try:
                 result = await run.run()
@@ -473,6 +476,8 @@ class Worker(Stopping):
                     await run.tidy()
                     tidied = True
             finally:
+                if in_time is not None:
+                    in_time.cancel()  # it holds nothing: cancelled, it ends in the next turn
                 held.phase = Phase.ENDING
                 if held.slot is not None:  # (else freed, its directories as new: _slot_free)
                     self._free(held, result)
@@ -487,6 +492,20 @@ class Worker(Stopping):
             await self._outcomes.report(held.lease, result, linger)
         finally:
             self._held.drop(held)
+
+    def _stop_in_time(self, lease: Lease, run: Run) -> asyncio.Task[None] | None:
+        """A pilot's: the task that stops the job in time for its own stop grace (its
+        --stop-grace, else kill_grace), so that it is handed back before the worker's end
+        (lifetime.py); None on a worker with no end."""
+        if self.lifetime is None or not self.lifetime.max_lifetime:
+            return None
+
+        def stop(why: str) -> None:
+            log.info("job %s: stopping it, to hand it back before this worker's end: %s", lease.job_id, why)
+            run.hand_back(why=why)
+
+        grace = lease.spec.stop_grace or self.kill_grace
+        return asyncio.create_task(self.lifetime.stop_in_time(grace, stop), name=f"end of {lease.job_id}")
 
     @staticmethod
     async def _tidy(run: Run) -> None:

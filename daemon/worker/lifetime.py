@@ -4,12 +4,21 @@ cluster, whose walltime ends it whatever it is doing).
 
 A pilot's allocation costs its user while it waits, and ends hard at its walltime. So an idle
 worker gives it back (idle: no attempt held, none running, none claimed; the clock restarts with
-each attempt), and a worker with an end leaves cleanly before it: it claims only jobs whose time
-limit (and stop grace) ends before its drain would have to stop them (`claim_room`, which claim.lua
-reads as `lifetime`), and it begins its drain `drain_timeout + kill_grace` before its end, so that
-the drain and the hand-back of what still runs both fit. Leaving is exactly a stop on SIGTERM
-(Worker.stop(): drain, hand back, unregister), and the process then exits 0: the batch job ends
-well, and a job handed back runs again elsewhere, from its checkpoint.
+each attempt), and a worker with an end never holds a job past it:
+
+- it claims only jobs that end, their time limit and stop grace counted from the claim, before
+  its drain would have to stop them (`claim_room`, which claim.lua reads as `lifetime`); a job
+  without a time limit could run past any end, so a pilot never claims one: it stays queued for
+  the workers without an end;
+- each job it runs is stopped in time for its own stop grace (`stop_in_time`): its stop signal
+  goes its grace and HAND_BACK_SECONDS (daemon/config.py) before the end, SIGKILL HAND_BACK_SECONDS
+  before it, and the attempt is handed back in that last moment. A job still running then started
+  later than its claim (its code or data took a while to come): it goes back to the front of its
+  queue, and runs again elsewhere, from its checkpoint;
+- it begins its drain (`drain_in`) `drain_timeout + kill_grace + HAND_BACK_SECONDS` before its
+  end: it claims nothing more, lets what runs finish, and hands back the rest, as on SIGTERM
+  (Worker.stop(): drain, hand back, unregister). The process then exits 0: the batch job ends
+  well.
 
 The end is counted from the process's start (its batch job's, as the pilot script execs poold),
 not from the worker's: the imports and the connections to Redis and S3 are part of the walltime.
@@ -28,7 +37,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from daemon.config import Config
+from daemon.config import HAND_BACK_SECONDS, Config
 from daemon.errors import GpupoolError
 from daemon.worker.attempt import boottime
 
@@ -61,11 +70,12 @@ class Lifetime:
             config.kill_grace,
             psutil.Process().create_time() if started is None else started,
         )
-        leaving = config.drain_timeout + config.kill_grace
+        leaving = config.leaving_seconds
         if config.worker_max_lifetime and config.worker_max_lifetime <= leaving:
             raise GpupoolError(
                 f"worker_max_lifetime {config.worker_max_lifetime:g} s leaves no time to work: it must "
-                f"exceed drain_timeout + kill_grace ({leaving:g} s), the time the worker takes to leave"
+                f"exceed drain_timeout + kill_grace + {HAND_BACK_SECONDS:g} s to hand back ({leaving:g} s), "
+                "the time the worker takes to leave"
             )
         return lifetime
 
@@ -82,15 +92,42 @@ class Lifetime:
         """Seconds until the drain must begin (None: no end)."""
         if not self.max_lifetime:
             return None
-        return self._until(self.leave_by - self.drain_timeout - self.kill_grace)
+        return self._until(self.leave_by - self.drain_timeout - self.kill_grace - HAND_BACK_SECONDS)
 
     def claim_room(self) -> dict[str, float]:
         """What a claim must know (JobQueue.claim_many's `lifetime`): the seconds until this worker's
         drain ends and it stops what still runs. A job whose time limit and stop grace fit in them
-        has ended by then, however long it runs; an empty dict for a worker with no end."""
+        has ended by then if it starts at once, however long it runs (claim.lua passes over the
+        others, and every job without a time limit); an empty dict for a worker with no end."""
         if not self.max_lifetime:
             return {}
-        return {"lifetime": max(0.001, self._until(self.leave_by - self.kill_grace))}
+        drain_ends = self.leave_by - self.kill_grace - HAND_BACK_SECONDS
+        return {"lifetime": max(0.001, self._until(drain_ends))}
+
+    def stop_in(self, grace: float) -> float | None:
+        """Seconds until a job whose stop grace is `grace` must be sent its stop signal, so that it
+        is gone, and handed back, by the end (None: no end)."""
+        if not self.max_lifetime:
+            return None
+        return self._until(self.leave_by - grace - HAND_BACK_SECONDS)
+
+    async def stop_in_time(self, grace: float, stop: Callable[[str], None]) -> None:
+        """Wait, while a job whose stop grace is `grace` runs, until it must be stopped (`stop_in`),
+        then `stop` it, saying why; at once if that time has passed. The caller cancels this once
+        the job has ended. A worker with no end never stops it."""
+        left = self.stop_in(grace)
+        if left is None:
+            return
+        at = boottime() + left  # on the boot clock, fixed now: a suspend does not move it
+        while True:
+            now = boottime()
+            if now >= at:
+                break
+            await asyncio.sleep(min(LOOK_AGAIN, at - now))
+        stop(
+            f"this worker must have left by {time.strftime('%H:%M:%S', time.localtime(self.leave_by))} "
+            f"(worker_max_lifetime {self.max_lifetime:g} s), and the job's stop grace is {grace:g} s"
+        )
 
     async def due(self, idle_for: Callable[[], float]) -> str:
         """Wait until the worker must leave; why, in a sentence. `idle_for` says for how long the

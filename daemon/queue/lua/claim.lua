@@ -54,6 +54,11 @@
 --    GPU free whole, which is then no longer free for a job of whole GPUs; a GPU held whole is
 --    never in the table. It counts as one GPU towards caps and fair share. One asking for more
 --    than the worker's largest GPU is passed over, as a job of more GPUs than the worker has;
+--  * a pilot's end (ARGV 19): a worker with one never gets a job that could run past it, on any
+--    path above: one whose time limit and stop grace end later, or one with no time limit at all.
+--    Such a job is passed over, still queued (never waited for: no reservation, no preemption for
+--    it), and a preempting reservation this worker holds for a job that no longer fits its time
+--    left is dropped, keeping no GPUs for it;
 --  * at maxmemory the claim is refused whole: its first write is the memo (see _lib.lua);
 --  * cancelled jobs met on the way are acknowledged and deleted, never run.
 -- KEYS: 1 stream, 2 retry, 3 leases, 4 the worker's claim memo, 5 parked
@@ -67,7 +72,8 @@
 --       with a priority may preempt lower ones, 17 the GPUs that can take a shared job ('N:MIB:JOBS:S
 --       ...': the GPU's place in the worker's list, MiB it has left, jobs it may take yet, S 1 when
 --       shared already, 0 when free whole), 18 MiB of the worker's largest GPU, 19 the worker's
---       lifetime left (ms; 0: none): a job whose time limit runs past it is passed over
+--       lifetime left (ms; 0: none): a job whose time limit runs past it, or that has none, is
+--       passed over
 -- Returns {status, stream cursor, wake cursor, GPUs kept, shared GPUs (as ARGV 17, as this call
 -- left them), id, attempt, lease, spec, shared GPU, ...}: the claimed jobs (each with the place of
 -- its shared GPU in the worker's list, -1 for whole GPUs), and why claiming stopped: 'claimed' (N jobs, or a request
@@ -312,13 +318,14 @@ local function run_limit(spec)
   return s.timeout * 1000 + (type(s.stop_grace) == 'number' and s.stop_grace * 1000 or grace_ms)
 end
 
--- Whether a job (job_fields `f`) has a time limit that would run past the claimer's own end (ARGV
--- 19: a pilot worker's lifetime left, ms; 0: none). Such a job is passed over, never waited for.
+-- Whether a job (job_fields `f`) could run past the claimer's own end (ARGV 19: a pilot worker's
+-- lifetime left, ms; 0: none): its time limit and stop grace end later, or it has no time limit at
+-- all. Such a job is passed over, never waited for, and nothing is stopped for it.
 local lifetime = tonumber(ARGV[19]) or 0
 local function outlives(f)
   if lifetime <= 0 then return false end
   local limit = run_limit(f[4])
-  return limit ~= nil and limit > lifetime
+  return limit == nil or limit > lifetime
 end
 
 -- Whether a job of `gpus` GPUs (job_fields `f`) may start here now: its GPUs are free, it ends
@@ -486,10 +493,13 @@ local r = redis.call('HMGET', reservation, 'job', 'worker', 'until', 'preempt')
 if r[4] == '1' and r[2] == consumer and tonumber(r[3]) > now then
   local jobkey = job_key(prefix, r[1])
   local f = job_fields(jobkey)
-  if f[1] == 'queued' then
+  if f[1] == 'queued' and outlives(f) then
+    -- This pilot's time ran short of it since: nothing is kept for it here any more.
+    redis.call('DEL', reservation)
+  elseif f[1] == 'queued' then
     local gpus = need_of(f)
     redis.call('HSET', reservation, 'until', now + lease_ms)
-    if wanted > 0 and fits_now(gpus, f) and under_cap(f[5], gpus) and not outlives(f) then
+    if wanted > 0 and fits_now(gpus, f) and under_cap(f[5], gpus) then
       take_out(r[1], f)
       start(r[1], jobkey, gpus, f)
     elseif not head_need then

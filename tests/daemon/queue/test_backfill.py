@@ -101,17 +101,3 @@ async def test_a_head_reserved_in_one_queue_keeps_its_gpus_from_the_next(redis: 
     got = await queue.claim_many("w2", ["urgent", "default"], 2, 2, gpus_total=4, ends=[(None, 2)], grace=1)
     assert [lease.job_id for lease in got] == [other]  # w2 is not reserved: it backfills
     assert (await queue.get(head)).state is JobState.QUEUED
-
-
-async def test_a_pilot_passes_over_jobs_that_would_run_past_its_end(redis: AnyRedis) -> None:
-    """A pilot worker (issue 18) with 50 s left claims no job whose time limit would outlast it,
-    and waits for none: the jobs behind it start, and another worker takes it."""
-    queue = JobQueue(redis, lease_seconds=30)
-    long, short, unbounded = await queue.enqueue_many(
-        [spec(0, 0, timeout=100), spec(1, 0, timeout=10), spec(2, 0)]
-    )
-    got = await queue.claim_many("pilot", ["default"], 3, 4, gpus_total=4, grace=1, lifetime=50)
-    assert [lease.job_id for lease in got] == [short, unbounded]
-    assert (await queue.get(long)).state is JobState.QUEUED
-    got = await queue.claim_many("w2", ["default"], 3, 4, gpus_total=4, grace=1)
-    assert [lease.job_id for lease in got] == [long]

@@ -1,7 +1,8 @@
 """A worker that leaves by itself (daemon/worker/lifetime.py): a real `poold --worker --idle-exit`
 process leaves, exit 0, unregistered, once it has had no job for that long (the clock restarting
 with each job); a worker with a max lifetime takes only jobs whose time limit ends before it must
-leave, and says when to begin its drain so that the drain and the hand-back fit before its end.
+leave (never one without), stops each job in time for its own stop grace, and says when to begin
+its drain so that the drain and the hand-back fit before its end.
 The whole of a pilot's life on a real Slurm cluster is tests/daemon/ctl/test_pilot.py."""
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from daemon.queue import registry
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.lifetime import Lifetime
-from tests.support.workers import running_worker, sh, wait_state, wait_until
+from tests.support.git_repo import git_daemon, make_repo
+from tests.support.workers import running_worker, sh, wait_file, wait_state, wait_until
 
 IDLE_EXIT = 3.0
 
@@ -77,26 +79,30 @@ def test_a_lifetime_the_drain_cannot_fit_into_stops_poold_in_a_sentence(tmp_path
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1
     assert "worker_max_lifetime 50 s leaves no time to work: it must exceed drain_timeout + " in done.stderr
-    assert "(70 s)" in done.stderr
+    assert "kill_grace + 1 s to hand back (71 s)" in done.stderr
 
 
 def lifetime_config(**values: float) -> config.Config:
     return dataclasses.replace(config.load(None, env={}, config_file=None), **values)  # type: ignore[arg-type]
 
 
-def test_the_drain_begins_early_enough_for_the_drain_and_the_kill_grace() -> None:
+def test_the_drain_begins_early_enough_for_the_drain_the_kill_grace_and_the_hand_back() -> None:
     assert Lifetime.of(lifetime_config()) is None  # neither option: no lifetime at all
     now = time.time()
     c = lifetime_config(worker_max_lifetime=100.0, drain_timeout=20.0, kill_grace=5.0)
     life = Lifetime.of(c, started=now - 10)
     assert life is not None
     assert life.leave_by == pytest.approx(now + 90)
-    assert life.drain_in() == pytest.approx(100 - 10 - 20 - 5, abs=0.5)
+    assert life.drain_in() == pytest.approx(100 - 10 - 20 - 5 - config.HAND_BACK_SECONDS, abs=0.5)
     # a claim may take what ends before the drain stops what still runs: the end less the kill grace
-    assert life.claim_room()["lifetime"] == pytest.approx(100 - 10 - 5, abs=0.5)
+    # and the hand-back
+    assert life.claim_room()["lifetime"] == pytest.approx(100 - 10 - 5 - config.HAND_BACK_SECONDS, abs=0.5)
+    # a job is stopped its own stop grace and the hand-back before the end
+    assert life.stop_in(30.0) == pytest.approx(100 - 10 - 30 - config.HAND_BACK_SECONDS, abs=0.5)
     idle_only = Lifetime.of(lifetime_config(worker_idle_exit=60.0))
     assert idle_only is not None
     assert (idle_only.leave_by, idle_only.drain_in(), idle_only.claim_room()) == (0.0, None, {})
+    assert idle_only.stop_in(30.0) is None
     with pytest.raises(GpupoolError, match="must exceed drain_timeout"):
         Lifetime.of(lifetime_config(worker_max_lifetime=25.0, drain_timeout=20.0, kill_grace=5.0))
 
@@ -116,8 +122,73 @@ async def test_a_worker_with_an_end_passes_over_jobs_that_would_outlive_it_and_l
         assert record["leave_by"] == pytest.approx(life.leave_by)
         began = time.monotonic()
         why = await asyncio.wait_for(life.due(worker.idle_for), 10)
-        # at 6 - 1 - 1 = 4 s from its start, less the time the job above took
-        assert time.monotonic() - began < 4.5
-        assert time.time() == pytest.approx(life.leave_by - 2, abs=0.5)
+        # at 6 - 1 - 1 - 1 = 3 s from its start, less the time the job above took
+        assert time.monotonic() - began < 3.5
+        assert time.time() == pytest.approx(life.leave_by - 1 - 1 - config.HAND_BACK_SECONDS, abs=0.5)
         assert why.startswith("its lifetime ends at ")
     assert (await queue.get(outlives)).state is JobState.QUEUED
+
+
+async def test_a_pilot_never_claims_a_job_without_a_time_limit_a_worker_without_an_end_runs_it(
+    tmp_path: Path, queue: JobQueue
+) -> None:
+    """issue 43 item 5: a pilot claimed jobs without --timeout, which could only run into its end,
+    where the batch system's kill lost them. Neither its claim nor the one it leaves standing while
+    idle takes such a job now: it stays queued, and a worker without an end runs it."""
+    c = lifetime_config(worker_max_lifetime=60.0, drain_timeout=1.0, kill_grace=1.0)
+    life = Lifetime.of(c, started=time.time())
+    assert life is not None
+    queued_before, _ = await queue.enqueue(sh("true"))
+    async with running_worker(queue, tmp_path / "pilot", lifetime=life, kill_grace=1.0):
+        fits, _ = await queue.enqueue(sh("true", timeout=5.0))
+        info = await wait_state(queue, fits, JobState.SUCCEEDED, JobState.FAILED)
+        assert info.state is JobState.SUCCEEDED, info.detail
+        await asyncio.sleep(0.5)  # idle: its claim stands, and the next enqueue here sends it
+        queued_while_idle, _ = await queue.enqueue(sh("true"))
+        after, _ = await queue.enqueue(sh("true", timeout=5.0))
+        info = await wait_state(queue, after, JobState.SUCCEEDED, JobState.FAILED)
+        assert info.state is JobState.SUCCEEDED, info.detail
+        for job_id in (queued_before, queued_while_idle):
+            info = await queue.get(job_id)
+            assert (info.state, info.attempt) == (JobState.QUEUED, 0), info
+    async with running_worker(queue, tmp_path / "plain"):
+        for job_id in (queued_before, queued_while_idle):
+            info = await wait_state(queue, job_id, JobState.SUCCEEDED, JobState.FAILED)
+            assert info.state is JobState.SUCCEEDED, info.detail
+
+
+async def test_a_pilot_hands_back_a_job_whose_stop_grace_exceeds_kill_grace_before_its_end(
+    tmp_path: Path, queue: JobQueue
+) -> None:
+    """issue 43 item 5: a job's --stop-grace longer than the pilot's kill_grace ran past the pilot's
+    end, where the batch system's kill made it a loss. Here its code comes from a slow git server,
+    so it starts 2 s after its claim and is still within its --timeout when the pilot must stop it
+    in time for its own stop grace: it ignores SIGTERM, is killed after its grace, and is handed
+    back (queued again, not lost) before the pilot's lifetime ends; then the pilot has left."""
+    (tmp_path / "git").mkdir()
+    commit, _ = make_repo(tmp_path / "git" / "repo")
+    c = lifetime_config(worker_max_lifetime=7.0, drain_timeout=0.5, kill_grace=0.5)
+    life = Lifetime.of(c, started=time.time())
+    assert life is not None
+    started = tmp_path / "started"
+    with git_daemon(tmp_path / "git", delay=2.0) as url:
+        # 3.5 s + 1.5 s of grace fit in what the pilot has left at its claim; from its late
+        # start, its --timeout would end after the pilot must have stopped it
+        job_id, _ = await queue.enqueue(
+            sh(
+                f"trap '' TERM; echo $$ > {started}; sleep 30",
+                timeout=3.5,
+                stop_grace=1.5,
+                git={"repo": url + "repo", "commit": commit},
+            )
+        )
+        async with running_worker(
+            queue, tmp_path / "w", lifetime=life, kill_grace=0.5, drain_timeout=0.5
+        ) as worker:
+            await wait_file(started, timeout=10)
+            await asyncio.wait_for(life.due(worker.idle_for), 10)
+            await worker.stop()  # as poold does once its lifetime is due
+            left = time.time()
+    assert left < life.leave_by, f"left {left - life.leave_by:.1f} s after its end"
+    info = await queue.get(job_id)
+    assert (info.state, info.attempt) == (JobState.QUEUED, 1), info  # handed back, not lost
