@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 ATTEMPTS = 6  # POSTs of one notification at most
 FIRST_RETRY = 2.0  # seconds before the second; doubled before each next one: about a minute in all
-POST_TIMEOUT = 10.0  # seconds one POST may take, connection included
+POST_TIMEOUT = 10.0  # seconds one POST may take, connection included (config notify_timeout)
 MAX_SENDING = 32  # POSTs at once
 MAX_PENDING = 10_000  # ends not yet read, and deliveries in flight (each): beyond, dropped and counted
 CATCH_UP = 900.0  # seconds of past ends a start sends if nobody claimed them
@@ -75,15 +75,18 @@ class Notifier:
         secret: str,
         retention: float,
         first_retry: float = FIRST_RETRY,
+        timeout: float = POST_TIMEOUT,
     ) -> None:
         """`pool_url`: where every end goes too (config notify_url; empty: nowhere); `secret`: the
-        signature's key (empty: unsigned); `retention`: how long a claim lasts (job_retention)."""
+        signature's key (empty: unsigned); `retention`: how long a claim lasts (job_retention);
+        `timeout`: seconds a receiver has to answer a POST (config notify_timeout)."""
         self.queue = queue
         self.metrics = metrics
         self.pool_url = pool_url
         self.secret = secret.encode()
         self.retention = retention
         self.first_retry = first_retry
+        self.timeout = timeout
         self._ends: asyncio.Queue[str] = asyncio.Queue(MAX_PENDING)
         self._deliveries: dict[tuple[str, str], Delivery] = {}
         self._sending = asyncio.Semaphore(MAX_SENDING)
@@ -96,7 +99,7 @@ class Notifier:
         if self.pool_url and not self.secret:
             log.warning("notify_url is set without notify_secret: its notifications are not signed")
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=POST_TIMEOUT), headers={"User-Agent": "gpupool"}
+            timeout=aiohttp.ClientTimeout(total=self.timeout), headers={"User-Agent": "gpupool"}
         )
         self._tasks.spawn(self._run(), "notifier")
         self._open = True
@@ -207,7 +210,7 @@ class Notifier:
         except aiohttp.ClientConnectorError as exc:
             return f"cannot connect ({exc.os_error.strerror or exc.os_error})", True
         except TimeoutError:
-            return f"no answer within {POST_TIMEOUT:g} s", True
+            return f"no answer within {self.timeout:g} s", True
         except aiohttp.ClientError as exc:
             return f"{type(exc).__name__}", True
         if 200 <= status < 300:

@@ -134,7 +134,12 @@ class PoolServer:
         self.dependencies = Dependencies(self.queue)  # after the events: no end is missed between
         self._tasks.spawn(self.dependencies.run(), "dependencies")
         self.notifier = Notifier(
-            self.queue, self.metrics, pool_url=c.notify_url, secret=c.notify_secret, retention=c.job_retention
+            self.queue,
+            self.metrics,
+            pool_url=c.notify_url,
+            secret=c.notify_secret,
+            retention=c.job_retention,
+            timeout=c.notify_timeout,
         )
         await self.notifier.start()  # its own tasks: stopped after the events reader that feeds it
         reap_every = min(c.worker_healthy_response_period / 4, 5.0)
