@@ -38,6 +38,7 @@ from daemon.queue.connection import AnyRedis, RunIdWatch
 from daemon.queue.reads import QueueReads, _s
 from daemon.queue.scripts import Command, Pipeliner, ReplicaAck, ScriptBatch, Scripts
 from daemon.queue.work_read import WorkRead
+from daemon.webhook import TARGET_JOB, TARGET_POOL
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class JobQueue(Claims, QueueReads):
         fairshare: Iterable[str] = (),
         fairshare_half_life: float = 7 * 24 * 3600.0,
         preempt: Iterable[str] = (),
+        notify_pool: bool = False,
     ) -> None:
         """`watch` is the run-id watch of `redis`'s connections (connection.connect), for whoever
         holds leases through this queue to see when Redis restarts. `ack`: the replicas an enqueue
@@ -91,12 +93,15 @@ class JobQueue(Claims, QueueReads):
         `user_caps`: the most jobs, and GPUs, one user may run in one queue (0: no cap), which
         this queue's claims keep to (claim.lua). `fairshare`: the queues whose claims rank users
         by recent use, which halves every `fairshare_half_life` seconds (claim.lua). `preempt`:
-        the queues where a job with a priority may stop lower ones to make room (claim.lua)."""
+        the queues where a job with a priority may stop lower ones to make room (claim.lua).
+        `notify_pool`: the pool has a notify_url, so the end of every job enqueued through this
+        queue is to be sent there (its record says so: to_outbox in _lib.lua)."""
         self.redis = redis
         self.user_caps = user_caps
         self.fairshare = frozenset(fairshare)
         self.half_life_ms = max(1, round(fairshare_half_life * 1000))
         self.preempt = frozenset(preempt)
+        self.notify_pool = notify_pool
         self.ack = ack
         self.watch = watch
         self.lease_ms = max(1, round(lease_seconds * 1000))
@@ -127,6 +132,7 @@ class JobQueue(Claims, QueueReads):
             fairshare=config.fairshare_queues,
             fairshare_half_life=config.fairshare_half_life,
             preempt=config.preempt_queues,
+            notify_pool=bool(config.notify_url),
         )
 
     def batch(self, *, ack: bool = True) -> ScriptBatch:
@@ -165,6 +171,7 @@ class JobQueue(Claims, QueueReads):
                     spec.user,
                     mib(spec.gpu_mem),
                     1 if spec.held else 0,
+                    self._notify_targets(spec),
                 ],
                 durable=True,
             )
@@ -195,6 +202,7 @@ class JobQueue(Claims, QueueReads):
             for spec, job_id in zip(chunk, ids, strict=True):
                 args += [job_id, msgpack.packb(spec.to_dict()), spec.gpus, spec.max_attempts, spec.retries]
                 args += [spec.priority, spec.user, mib(spec.gpu_mem), 1 if spec.held else 0]
+                args.append(self._notify_targets(spec))
             job_keys = [keys.batch(q, secrets.token_hex(8)), *(keys.job(job_id) for job_id in ids)]
             batch.add(
                 self.scripts.enqueue_many,
@@ -206,6 +214,11 @@ class JobQueue(Claims, QueueReads):
             return [_s(job_id) for reply in await batch.execute() for job_id in reply]
         finally:
             await self._listed(listed, sorted({s.queue for s in specs}))
+
+    def _notify_targets(self, spec: JobSpec) -> str:
+        """Where the end of a job enqueued now goes, as its record names the targets (`job`: its
+        --notify URL; `pool`: notify_url), space-separated; '' for nowhere."""
+        return " ".join(([TARGET_JOB] if spec.notify else []) + ([TARGET_POOL] if self.notify_pool else []))
 
     def _list_queues(self, queues: Sequence[str]) -> asyncio.Future[Any]:
         """Name `queues` in the pool-wide queue set (the reaper, `wait`, metrics and `ls` read it),

@@ -76,6 +76,8 @@ NAMES = (
     "ready",
     "note_dependent",
     "wait_for",
+    "outbox_take",
+    "outbox_settle",
 )
 
 
@@ -106,6 +108,8 @@ class Scripts:
         self.ready: AsyncScript = redis.register_script(source("ready"))
         self.note_dependent: AsyncScript = redis.register_script(source("note_dependent"))
         self.wait_for: AsyncScript = redis.register_script(source("wait_for"))
+        self.outbox_take: AsyncScript = redis.register_script(source("outbox_take"))
+        self.outbox_settle: AsyncScript = redis.register_script(source("outbox_settle"))
 
 
 @dataclass(frozen=True, slots=True)

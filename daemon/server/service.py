@@ -138,7 +138,6 @@ class PoolServer:
             self.metrics,
             pool_url=c.notify_url,
             secret=c.notify_secret,
-            retention=c.job_retention,
             timeout=c.notify_timeout,
         )
         await self.notifier.start()  # its own tasks: stopped after the events reader that feeds it

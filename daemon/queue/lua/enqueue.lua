@@ -9,7 +9,8 @@
 --       6 max attempts, 7 retries, 8 priority (0: none; else claimed before the stream, _lib.lua),
 --       9 the user (whose caps the job counts against, claim.lua), 10 MiB of memory it asks for
 --       on one shared GPU (0: whole GPUs), 11 '1' when it waits for other jobs first (held in
---       `waiting` till ready.lua)
+--       `waiting` till ready.lua), 12 where its end is notified ('job', 'pool', both
+--       space-separated, or '': to_outbox in _lib.lua)
 -- Returns {job id, 1} when created, {first job id, 0} for a known idempotency key.
 local stream, index, seqkey, idem = KEYS[1], KEYS[2], KEYS[3], KEYS[5]
 local group, prefix = ARGV[1], ARGV[2]
@@ -23,6 +24,7 @@ if ran_before then return {id, 1} end
 local seq = reserve(stream, seqkey, group, 1)
 add_job(stream, index, jobkey, id, seq, now_ms(), ARGV[4], ARGV[5], ARGV[6], ARGV[7], prefix, ARGV[8], ARGV[9],
   ARGV[10], ARGV[11])
+if ARGV[12] and ARGV[12] ~= '' then redis.call('HSET', jobkey, 'notify', ARGV[12]) end
 if idem then
   redis.call('SET', idem, id)
   redis.call('HSET', jobkey, 'idem', idem)

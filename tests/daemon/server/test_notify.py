@@ -96,7 +96,9 @@ async def test_a_job_with_no_notify_and_no_notify_url_sends_nothing(
             await c.call(CancelJobs([quiet, loud]), Cancelled)
         (post,) = await hook.wait_for(1)  # ends are handled in order: the quiet one came first
         await until(lambda: counted(pool, "sent") == 1)
-        assert not await pool.queue.redis.exists(keys.notified(quiet, "job"), keys.notified(quiet, "pool"))
+        assert await pool.queue.redis.hget(keys.job(quiet), "notify") is None  # nowhere to go:
+        for target in ("job", "pool"):  # never in the outbox
+            assert await pool.queue.redis.zscore(keys.outbox("default"), f"{quiet}/{target}") is None
     assert orjson.loads(post.body)["id"] == loud
     assert orjson.loads(post.body)["state"] == "cancelled"
     assert len(hook.posts) == 1
