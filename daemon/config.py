@@ -361,6 +361,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("tls_key", str, "", "server TLS private key (PEM)", secret=False),
     Option("notify_url", str, "", "http(s) URL the server POSTs every job's end to", check=check_url),
     Option("notify_secret", str, "", "key of the notifications' HMAC-SHA256 signature", secret=True),
+    Option(
+        "notify_timeout",
+        float,
+        10.0,
+        "seconds a notification's receiver has to answer one POST (a server's hold on a delivery "
+        "lasts 6 times this: one killed mid-delivery leaves it to another server after that long)",
+        lo=0.1,
+        hi=600.0,
+    ),
     Option("log_format", str, "text", "text or json (one JSON object per line)", choices=("text", "json")),
     Option(
         "log_level",
@@ -438,6 +447,7 @@ class Config:
     tls_key: str
     notify_url: str
     notify_secret: str
+    notify_timeout: float
     log_format: str
     log_level: str
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)

@@ -18,6 +18,10 @@ SIGNATURE_HEADER = "X-Gpupool-Signature"  # "sha256=" + hex HMAC-SHA256 of the b
 EVENT_HEADER = "X-Gpupool-Event"
 DELIVERY_HEADER = "X-Gpupool-Delivery"  # JOB/TARGET: the same on each retry, for a receiver to dedupe
 EVENT = "job.ended"
+# Where an end goes: the job's own --notify URL, and the pool's notify_url (the delivery header's
+# TARGET, and the outbox's; queue/outbox.py).
+TARGET_JOB = "job"
+TARGET_POOL = "pool"
 EXAMPLE = "https://hooks.example.com/gpupool"
 
 

@@ -146,7 +146,8 @@ class ServerMetrics:
         self._notifications = Counter(
             "gpupool_notifications",
             "Job-end notifications (--notify, notify_url) by outcome: sent (answered 2xx), failed (given "
-            "up after its retries, or refused), dropped (more in flight than the server holds).",
+            "up after its retries, or refused), dropped (pushed out of a full outbox, or its job's record "
+            "expired before it was sent).",
             ["outcome"],
             registry=r,
         )
@@ -196,11 +197,11 @@ class ServerMetrics:
                 raise ValueError(f"{code!r} is not an ErrorCode name") from None
         self._protocol_errors.labels(code.name.lower()).inc()
 
-    def notification(self, outcome: str) -> None:
-        """A job-end notification was sent, failed or dropped (server/notifier.py)."""
+    def notification(self, outcome: str, count: int = 1) -> None:
+        """`count` job-end notifications were sent, failed or dropped (server/notifier.py)."""
         if outcome not in NOTIFICATION_OUTCOMES:
             raise ValueError(f"{outcome!r} is not one of {', '.join(NOTIFICATION_OUTCOMES)}")
-        self._notifications.labels(outcome).inc()
+        self._notifications.labels(outcome).inc(count)
 
     def redis_roundtrip(self, seconds: float) -> None:
         self._redis_rtt.observe(seconds)

@@ -38,6 +38,7 @@ from daemon.queue.connection import AnyRedis, RunIdWatch
 from daemon.queue.reads import QueueReads, _s
 from daemon.queue.scripts import Command, Pipeliner, ReplicaAck, ScriptBatch, Scripts
 from daemon.queue.work_read import WorkRead
+from daemon.webhook import TARGET_JOB, TARGET_POOL
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,9 @@ def _stream_id(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def _job_args(spec: JobSpec, packed: bytes) -> list[Any]:
-    """What the enqueue scripts are given of one job, in the order of _lib.lua's JOB_ARGS."""
+def _job_args(spec: JobSpec, packed: bytes, notify: str) -> list[Any]:
+    """What the enqueue scripts are given of one job, in the order of _lib.lua's JOB_ARGS;
+    `notify`: where its end goes (JobQueue._notify_targets)."""
     return [
         packed,
         spec.gpus,
@@ -74,6 +76,7 @@ def _job_args(spec: JobSpec, packed: bytes) -> list[Any]:
         spec.array,
         spec.array_pos,
         spec.array_limit if spec.array else 0,
+        notify,
     ]
 
 
@@ -102,6 +105,7 @@ class JobQueue(Claims, QueueReads):
         fairshare_half_life: float = 7 * 24 * 3600.0,
         preempt: Iterable[str] = (),
         retry_backoff: tuple[float, float] = (0.0, 0.0),
+        notify_pool: bool = False,
     ) -> None:
         """`watch` is the run-id watch of `redis`'s connections (connection.connect), for whoever
         holds leases through this queue to see when Redis restarts. `ack`: the replicas an enqueue
@@ -111,12 +115,15 @@ class JobQueue(Claims, QueueReads):
         by recent use, which halves every `fairshare_half_life` seconds (claim.lua). `preempt`:
         the queues where a job with a priority may stop lower ones to make room (claim.lua).
         `retry_backoff`: seconds a failed job with retries left waits before it goes back to the
-        front (doubled for each failure), and the most it grows to (complete.lua)."""
+        front (doubled for each failure), and the most it grows to (complete.lua).
+        `notify_pool`: the pool has a notify_url, so the end of every job enqueued through this
+        queue is to be sent there (its record says so: to_outbox in _lib.lua)."""
         self.redis = redis
         self.user_caps = user_caps
         self.fairshare = frozenset(fairshare)
         self.half_life_ms = max(1, round(fairshare_half_life * 1000))
         self.preempt = frozenset(preempt)
+        self.notify_pool = notify_pool
         self.ack = ack
         self.watch = watch
         self.lease_ms = max(1, round(lease_seconds * 1000))
@@ -149,6 +156,7 @@ class JobQueue(Claims, QueueReads):
             fairshare_half_life=config.fairshare_half_life,
             preempt=config.preempt_queues,
             retry_backoff=(config.retry_backoff, config.retry_backoff_max),
+            notify_pool=bool(config.notify_url),
         )
 
     def batch(self, *, ack: bool = True) -> ScriptBatch:
@@ -176,7 +184,7 @@ class JobQueue(Claims, QueueReads):
             reply = self._call.submit(
                 self.scripts.enqueue,
                 job_keys,
-                [keys.GROUP, keys.queue_prefix(q), job_id, *_job_args(spec, packed)],
+                [keys.GROUP, keys.queue_prefix(q), job_id, *_job_args(spec, packed, self._notify_targets(spec))],
                 durable=True,
             )
             if self._standing and not spec.held:
@@ -207,7 +215,7 @@ class JobQueue(Claims, QueueReads):
             ids = [new_job_id(q) for _ in chunk]
             args: list[Any] = [keys.GROUP, keys.queue_prefix(q)]
             for spec, job_id in zip(chunk, ids, strict=True):
-                args += [job_id, *_job_args(spec, msgpack.packb(spec.to_dict()))]
+                args += [job_id, *_job_args(spec, msgpack.packb(spec.to_dict()), self._notify_targets(spec))]
             job_keys = [keys.batch(q, secrets.token_hex(8)), *(keys.job(job_id) for job_id in ids)]
             batch.add(
                 self.scripts.enqueue_many,
@@ -219,6 +227,11 @@ class JobQueue(Claims, QueueReads):
             return [_s(job_id) for reply in await batch.execute() for job_id in reply]
         finally:
             await self._listed(listed, sorted({s.queue for s in specs}))
+
+    def _notify_targets(self, spec: JobSpec) -> str:
+        """Where the end of a job enqueued now goes, as its record names the targets (`job`: its
+        --notify URL; `pool`: notify_url), space-separated; '' for nowhere."""
+        return " ".join(([TARGET_JOB] if spec.notify else []) + ([TARGET_POOL] if self.notify_pool else []))
 
     def _list_queues(self, queues: Sequence[str]) -> asyncio.Future[Any]:
         """Name `queues` in the pool-wide queue set (the reaper, `wait`, metrics and `ls` read it),

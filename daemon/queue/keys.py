@@ -61,9 +61,13 @@ Per queue (``gp:{q:NAME}:…``):
   job:ID:attempts  LIST of JSON objects, one per attempt (worker, lease id, start, end, how it ended):
                 the attempts the pool knows ran, which a checkpoint restore trusts (worker/checkpoints.py).
   job:ID:log    Stream of the job's output chunks, bounded in bytes (head and tail kept, log.lua).
-  job:ID:notified:TARGET  set (NX, expiring with the job) by the server that sends the job's end
-                to TARGET (`job`: its --notify URL; `pool`: notify_url), so one server sends it
-                (queue/notified.py); deleted again if that server stops before it is delivered.
+  outbox        ZSET 'ID/TARGET' -> when it is due (Redis server time, ms): job ends to notify
+                (TARGET `job`: the job's --notify URL; `pool`: notify_url), put there by the
+                script that ends the job, for the targets its record names ('notify', written
+                at enqueue); a server that takes one on makes it due a hold later, and takes it
+                out once delivered or given up (queue/outbox.py); at most 100 000 per queue.
+                Its attempts so far are counted on the record ('notify_tries:TARGET').
+  outbox_dropped  counter of the ends the outbox's cap pushed out, until a server reports them.
   idem:KEY      the job id an idempotency key (``len(user):user:key``) was first used for; it expires
                 with the job's record, `job_retention` after the job ends.
   batch:ID      the ids an enqueue_many call gave, for ten minutes, so that the call sent again
@@ -196,8 +200,12 @@ def log(job_id: str) -> str:
     return job(job_id) + ":log"
 
 
-def notified(job_id: str, target: str) -> str:
-    return job(job_id) + ":notified:" + target
+def outbox(queue: str) -> str:
+    return queue_prefix(queue) + "outbox"
+
+
+def outbox_dropped(queue: str) -> str:
+    return queue_prefix(queue) + "outbox_dropped"
 
 
 def idempotency(queue: str, user: str, key: str) -> str:

@@ -75,6 +75,8 @@ NAMES = (
     "weights",
     "ready",
     "note_dependent",
+    "outbox_take",
+    "outbox_settle",
 )
 
 
@@ -104,6 +106,8 @@ class Scripts:
         self.weights: AsyncScript = redis.register_script(source("weights"))
         self.ready: AsyncScript = redis.register_script(source("ready"))
         self.note_dependent: AsyncScript = redis.register_script(source("note_dependent"))
+        self.outbox_take: AsyncScript = redis.register_script(source("outbox_take"))
+        self.outbox_settle: AsyncScript = redis.register_script(source("outbox_settle"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,25 +1,33 @@
 """Job-end notifications: the server POSTs a job's final record to its `--notify` URL and to the
 pool's `notify_url`, signed, retried with back-off, never in the way of anything else.
 
-Theory of operation. The events reader (queue/terminal_events.py) hands each terminal event to
-`ended`, which only puts the job id in a bounded queue: the reader, and with it every `wait` and the
-rest of the server, never waits on a receiver. One task takes the ids in turn, reads the job's
-record, and for each URL it must go to claims the delivery in Redis (queue/notified.py), so that of
-a pool's servers one sends it, once; then a task of its own POSTs it (at most MAX_SENDING at once),
-again after 2, 4, 8, 16 and 32 s on a connection error, a timeout, a 5xx or a 429, and gives up
-after ATTEMPTS. Each delivery in flight is one `Delivery` in one map, at most MAX_PENDING of them:
-beyond, an end is dropped, logged and counted. A clean stop hands back the claims of deliveries not
-done, and a start sends the ends of the last CATCH_UP seconds nobody claimed: those handed back and
-those of the server's downtime. A server killed in the middle of a delivery loses it; a receiver may
-see an end twice (a stop between its answer and the claim's release): it dedupes by the job id.
+Theory of operation. What is owed lives in Redis, not here: the end of a job that has somewhere
+to notify puts one entry per target in its queue's outbox, in the script that ends it
+(queue/outbox.py). Servers take entries on from there and send them: at once for the ends the
+events reader (queue/terminal_events.py) hands to `ended` (the fast path; their ids wait in a
+bounded set, so the reader never waits), and by a sweep of every queue's outbox at start (the
+catch-up after a downtime of any length), every `notify_timeout` seconds, and whenever a retry
+or a lapsed hold comes due (the safety net: whatever a fault left in the outbox, a sweep finds).
+
+Each entry taken is one `Delivery`, at most MAX_IN_FLIGHT of them, each one attempt: read the
+job's record, POST, settle. An attempt ends within ATTEMPT_TIMES times notify_timeout, well inside
+the hold its take gave it (HOLD_TIMES times notify_timeout), so no other server takes an entry this
+one is on: one server sends each end, in the normal case. A 2xx, a refusal (a 3xx, a 4xx other
+than 429) or the ATTEMPTS-th failure takes the entry out (sent, failed); a connection error, a
+timeout, a 5xx or a 429 puts it back, due after 2, 4, 8, 16, then 32 s, for whichever server
+comes first. A Redis error at any step leaves the entry in the outbox for a later sweep; a
+server killed leaves what it held until the hold lapses, and another takes it: at least once.
+A clean stop hands back what it holds, due at once. The bound is the job's record, which the
+body is made of: an end is sent while the record is kept (job_retention after the end); past
+that, or pushed out of a full outbox, it is dropped and counted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
-import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -27,40 +35,37 @@ import orjson
 from redis.exceptions import RedisError
 
 from daemon import webhook
-from daemon.aio import TaskSet
+from daemon.aio import TaskSet, woken_or
 from daemon.errors import JobNotFound
 from daemon.metrics.server import ServerMetrics
-from daemon.queue import notified
 from daemon.queue.job_queue import JobQueue
+from daemon.queue.outbox import CHUNK, Outbox, Taken, Took, Verdict
 from daemon.queue.terminal_events import Terminal
 
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 6  # POSTs of one notification at most
 FIRST_RETRY = 2.0  # seconds before the second; doubled before each next one: about a minute in all
-POST_TIMEOUT = 10.0  # seconds one POST may take, connection included
-MAX_SENDING = 32  # POSTs at once
-MAX_PENDING = 10_000  # ends not yet read, and deliveries in flight (each): beyond, dropped and counted
-CATCH_UP = 900.0  # seconds of past ends a start sends if nobody claimed them
+POST_TIMEOUT = 10.0  # seconds one POST may take, connection included (config notify_timeout)
+HOLD_TIMES = 6  # a take holds an entry this many POST timeouts: a killed server's, then lapses
+ATTEMPT_TIMES = 3  # one attempt (record, POST, settle) ends within this many: inside the hold
+MAX_IN_FLIGHT = 32  # deliveries taken on at once, each with its POST: beyond, left in the outbox
+MAX_SEEN = 10_000  # ends seen and not yet taken on: beyond, left to the next sweep
 RELEASE_TIMEOUT = 5.0  # seconds a stop spends handing back what it did not deliver
-TARGETS = ("job", "pool")  # the job's own --notify URL; the pool's notify_url
 
 
 class Phase(enum.StrEnum):
-    SENDING = "sending"  # waiting for a sending slot, or its POST under way
-    BACKING_OFF = "backing_off"  # between two attempts
+    PREPARING = "preparing"  # reading the job's record
+    SENDING = "sending"  # its POST under way
+    SETTLING = "settling"  # telling the outbox how it went
 
 
 @dataclass(slots=True)
 class Delivery:
-    """One notification in flight: one job's end to one URL."""
+    """One attempt in flight: one job's end to one target, held in the outbox by this server."""
 
-    job_id: str
-    target: str  # one of TARGETS
-    url: str
-    body: bytes
-    attempt: int = 0
-    phase: Phase = Phase.SENDING
+    taken: Taken
+    phase: Phase = Phase.PREPARING
 
 
 class Notifier:
@@ -73,141 +78,236 @@ class Notifier:
         *,
         pool_url: str,
         secret: str,
-        retention: float,
+        timeout: float = POST_TIMEOUT,
         first_retry: float = FIRST_RETRY,
     ) -> None:
         """`pool_url`: where every end goes too (config notify_url; empty: nowhere); `secret`: the
-        signature's key (empty: unsigned); `retention`: how long a claim lasts (job_retention)."""
+        signature's key (empty: unsigned); `timeout`: seconds a receiver has to answer a POST
+        (config notify_timeout), which also sets how long a take holds an entry and how often
+        the outboxes are swept."""
         self.queue = queue
         self.metrics = metrics
         self.pool_url = pool_url
         self.secret = secret.encode()
-        self.retention = retention
+        self.timeout = timeout
         self.first_retry = first_retry
-        self._ends: asyncio.Queue[str] = asyncio.Queue(MAX_PENDING)
+        self.outbox = Outbox(queue, HOLD_TIMES * timeout)
+        self.sweep_every = timeout
+        self._seen: dict[str, dict[str, None]] = {}  # queue -> ids of jobs that ended, in order
+        self._seen_count = 0
+        self._wake = asyncio.Event()  # an end seen, a delivery done, a retry due
+        self._sweep_at = 0.0  # the loop's time of the next sweep: the first one at once
         self._deliveries: dict[tuple[str, str], Delivery] = {}
-        self._sending = asyncio.Semaphore(MAX_SENDING)
         self._tasks = TaskSet("notification task %s died")
         self._session: aiohttp.ClientSession | None = None
         self._open = False  # taking ends: between start and stop
-        self._dropping = False  # said once per run of drops, not once per end
+        self._failing = False  # said once per run of Redis errors, not once per try
+        self._said_no_pool_url = False
 
     async def start(self) -> None:
         if self.pool_url and not self.secret:
             log.warning("notify_url is set without notify_secret: its notifications are not signed")
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=POST_TIMEOUT), headers={"User-Agent": "gpupool"}
+            timeout=aiohttp.ClientTimeout(total=self.timeout), headers={"User-Agent": "gpupool"}
         )
         self._tasks.spawn(self._run(), "notifier")
         self._open = True
 
     def ended(self, event: Terminal) -> None:
-        """A job ended: its notifications go out soon, in order. Never waits."""
+        """A job ended: if it has notifications, they go out soon. Never waits."""
         if not self._open:
             return
-        if event.ended_at is not None and event.ended_at < time.time() - CATCH_UP:
-            return  # history: a queue new to this server is read from its first event
-        self._offer(event.job_id)
-
-    def _offer(self, job_id: str) -> None:
-        try:
-            self._ends.put_nowait(job_id)
-        except asyncio.QueueFull:
-            self._dropped(f"job {job_id} ended with {MAX_PENDING} ends waiting to be notified")
+        if self._seen_count >= MAX_SEEN:
+            self._sweep_at = 0.0  # its entries, if any, wait in the outbox for the sweep
         else:
-            self._dropping = False
-
-    def _dropped(self, why: str) -> None:
-        self.metrics.notification("dropped")
-        if not self._dropping:
-            log.warning("%s: its notification, and those of the ends after it, are dropped", why)
-        self._dropping = True
+            ids = self._seen.setdefault(event.queue, {})
+            if event.job_id not in ids:
+                ids[event.job_id] = None
+                self._seen_count += 1
+        self._wake.set()
 
     async def _run(self) -> None:
-        await self._catch_up()
+        loop = asyncio.get_running_loop()
         while True:
-            job_id = await self._ends.get()
-            try:
-                await self._dispatch(job_id)
-            except RedisError as exc:
-                log.warning("cannot read job %s to notify its end (%s): not sent", job_id, exc)
+            room = MAX_IN_FLIGHT - len(self._deliveries)
+            if room > 0 and self._seen:
+                await self._take_seen(room)
+            elif room > 0 and loop.time() >= self._sweep_at:
+                await self._sweep(room)
+            else:
+                self._wake.clear()
+                wait = self._sweep_at - loop.time() if room > 0 else self.sweep_every
+                await woken_or(self._wake, max(0.0, wait))
 
-    async def _catch_up(self) -> None:
-        """Send the recent ends nobody claimed: those of the server's downtime, those handed back."""
-        since = time.time() - CATCH_UP
+    async def _take_seen(self, room: int) -> None:
+        """Take on the entries of up to CHUNK ends seen of one queue (most have none)."""
+        q, ids = next(iter(self._seen.items()))
+        chunk = list(itertools.islice(ids, CHUNK))
+        for job_id in chunk:
+            del ids[job_id]
+        if not ids:
+            del self._seen[q]
+        self._seen_count -= len(chunk)
         try:
-            for q in await self.queue.queues():
-                for job_id in await notified.recent_ends(self.queue.redis, q, since, MAX_PENDING):
-                    await self._dispatch(job_id)
+            took = await self.outbox.take_ended(q, chunk, room)
         except RedisError as exc:
-            log.warning("cannot read the recent job ends to notify (%s): those are not sent", exc)
-
-    async def _dispatch(self, job_id: str) -> None:
-        """Start a delivery of the job's end to each URL it goes to that nobody has claimed."""
-        try:
-            job = await self.queue.get(job_id)
-        except JobNotFound:  # expired since: nothing to say
+            self._redis_failed(f"cannot take on the ends of queue {q} to notify", exc)
             return
-        urls = dict(zip(TARGETS, (job.spec.notify, self.pool_url), strict=True))
-        body = b""
-        for target, url in urls.items():
-            if not url or (job_id, target) in self._deliveries:
+        self._failing = False
+        self._deliver_all(q, took)
+
+    async def _sweep(self, room: int) -> None:
+        """Take on what is due in every queue's outbox, in one round trip: ends nobody has taken
+        on (those of a downtime, those the fast path passed over), retries due, lapsed holds."""
+        self._sweep_at = asyncio.get_running_loop().time() + self.sweep_every
+        try:
+            answers = await self.outbox.take_due(await self.queue.queues(), room)
+        except RedisError as exc:
+            self._redis_failed("cannot sweep the outboxes of job ends to notify", exc)
+            return
+        extra: list[Taken] = []
+        for q, took in answers:
+            if isinstance(took, Exception):
+                self._redis_failed(f"cannot sweep queue {q}'s outbox of job ends to notify", took)
                 continue
-            if len(self._deliveries) >= MAX_PENDING:
-                self._dropped(f"{MAX_PENDING} notifications are in flight")
-                continue
-            if not await notified.claim(self.queue.redis, job_id, target, self.retention):
-                continue  # another server's, or sent already
-            body = body or orjson.dumps(webhook.end_record(job.to_dict()))
-            delivery = Delivery(job_id, target, url, body)
-            self._deliveries[job_id, target] = delivery
-            self._tasks.spawn(self._deliver(delivery), f"notify {job_id} ({target})")
+            extra += self._deliver_all(q, took)
+        if not any(isinstance(took, Exception) for _, took in answers):
+            self._failing = False
+        if extra:  # several queues had more due than there was room for: theirs again at once
+            try:
+                await self.outbox.hand_back(extra)
+            except RedisError as exc:
+                self._redis_failed(f"cannot hand back {len(extra)} job end(s) to notify", exc)
+
+    def _redis_failed(self, what: str, exc: Exception) -> None:
+        if not self._failing:
+            log.warning("%s (%s): they stay in the outbox, for a later sweep", what, exc)
+        self._failing = True
+
+    def _deliver_all(self, queue: str, took: Took) -> list[Taken]:
+        """Start a delivery for each entry taken while there is room; the others, returned."""
+        if took.pushed_out:
+            self.metrics.notification("dropped", took.pushed_out)
+            log.warning(
+                "%d job end(s) of queue %s were pushed out of its full outbox: not notified "
+                "(is a receiver down?)",
+                took.pushed_out,
+                queue,
+            )
+        if took.expired:
+            self.metrics.notification("dropped", took.expired)
+            log.warning(
+                "%d job end(s) of queue %s waited past job_retention, and their records are gone: "
+                "not notified",
+                took.expired,
+                queue,
+            )
+        if took.next_due is not None:
+            self._due_in(took.next_due)
+        room = max(0, MAX_IN_FLIGHT - len(self._deliveries))
+        for taken in took.taken[:room]:
+            delivery = Delivery(taken)
+            self._deliveries[taken.job_id, taken.target] = delivery
+            self._tasks.spawn(self._deliver(delivery), f"notify {taken.member}")
+        return took.taken[room:]
+
+    def _due_in(self, seconds: float) -> None:
+        """Something in an outbox comes due then: sweep no later."""
+        self._sweep_at = min(self._sweep_at, asyncio.get_running_loop().time() + seconds)
+        self._wake.set()
 
     async def _deliver(self, d: Delivery) -> None:
-        why = ""
-        for attempt in range(1, ATTEMPTS + 1):
-            d.attempt, d.phase = attempt, Phase.SENDING
-            async with self._sending:
-                why, again = await self._post(d)
-            if not why:
-                self.metrics.notification("sent")
-                del self._deliveries[d.job_id, d.target]
-                return
-            if not again or attempt == ATTEMPTS:
-                break
-            pause = self.first_retry * 2 ** (attempt - 1)
-            log.info(
-                "notifying %s of job %s's end: %s; again in %g s", webhook.shown(d.url), d.job_id, why, pause
+        taken = d.taken
+        try:
+            async with asyncio.timeout(ATTEMPT_TIMES * self.timeout):
+                await self._attempt(d)
+        except (RedisError, TimeoutError) as exc:
+            log.warning(
+                "notifying job %s's end (%s) stopped while %s (%r): it stays in the outbox, and is "
+                "sent again once this server's hold on it lapses",
+                taken.job_id,
+                taken.target,
+                d.phase,
+                exc,
             )
-            d.phase = Phase.BACKING_OFF
-            await asyncio.sleep(pause)
-        log.warning(
-            "notifying %s of job %s's end failed after %d attempt(s): %s",
-            webhook.shown(d.url),
-            d.job_id,
-            d.attempt,
-            why,
-        )
-        self.metrics.notification("failed")
-        del self._deliveries[d.job_id, d.target]
+        finally:
+            del self._deliveries[taken.job_id, taken.target]
+            self._wake.set()  # room for one more
 
-    async def _post(self, d: Delivery) -> tuple[str, bool]:
+    async def _attempt(self, d: Delivery) -> None:
+        """One attempt at one delivery, settled in the outbox."""
+        taken = d.taken
+        try:
+            job = await self.queue.get(taken.job_id)
+        except JobNotFound:  # expired since it was taken
+            self.metrics.notification("dropped")
+            log.warning("job %s's record expired before its end was notified: not sent", taken.job_id)
+            await self.outbox.settle(taken, Verdict.DONE)
+            return
+        url = job.spec.notify if taken.target == webhook.TARGET_JOB else self.pool_url
+        if not url:
+            self.metrics.notification("dropped")
+            if not self._said_no_pool_url:  # once: a server without it may owe thousands
+                log.warning(
+                    "job %s's end, and maybe others, is owed to the pool's notify_url, and this server "
+                    "has none: not sent (give every server of the pool the same notify_url)",
+                    taken.job_id,
+                )
+            self._said_no_pool_url = True
+            await self.outbox.settle(taken, Verdict.DONE)
+            return
+        body = orjson.dumps(webhook.end_record(job.to_dict()))
+        d.phase = Phase.SENDING
+        why, again = await self._post(taken, url, body)
+        d.phase = Phase.SETTLING
+        attempt = taken.tries + 1
+        if not why:
+            self.metrics.notification("sent")
+            await self._settle(taken, Verdict.DONE)
+        elif again and attempt < ATTEMPTS:
+            pause = self.first_retry * 2 ** (attempt - 1)
+            shown = webhook.shown(url)
+            log.info("notifying %s of job %s's end: %s; again in %g s", shown, taken.job_id, why, pause)
+            if await self._settle(taken, Verdict.RETRY, pause):
+                self._due_in(pause)
+        else:
+            log.warning(
+                "notifying %s of job %s's end failed after %d attempt(s): %s",
+                webhook.shown(url),
+                taken.job_id,
+                attempt,
+                why,
+            )
+            self.metrics.notification("failed")
+            await self._settle(taken, Verdict.DONE)
+
+    async def _settle(self, taken: Taken, verdict: Verdict, pause: float = 0.0) -> bool:
+        settled = await self.outbox.settle(taken, verdict, pause)
+        if not settled:
+            log.info(
+                "job %s's end (%s) was taken over by another server while this one was on it",
+                taken.job_id,
+                taken.target,
+            )
+        return settled
+
+    async def _post(self, taken: Taken, url: str, body: bytes) -> tuple[str, bool]:
         """One POST: ("", _) if answered 2xx; else why not, and whether another attempt may do better."""
         assert self._session is not None
         headers = {
             "Content-Type": "application/json",
             webhook.EVENT_HEADER: webhook.EVENT,
-            webhook.DELIVERY_HEADER: f"{d.job_id}/{d.target}",
+            webhook.DELIVERY_HEADER: taken.member,
         }
         if self.secret:
-            headers[webhook.SIGNATURE_HEADER] = webhook.sign(self.secret, d.body)
+            headers[webhook.SIGNATURE_HEADER] = webhook.sign(self.secret, body)
         try:
-            async with self._session.post(d.url, data=d.body, headers=headers, allow_redirects=False) as r:
+            async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as r:
                 status = r.status
         except aiohttp.ClientConnectorError as exc:
             return f"cannot connect ({exc.os_error.strerror or exc.os_error})", True
         except TimeoutError:
-            return f"no answer within {POST_TIMEOUT:g} s", True
+            return f"no answer within {self.timeout:g} s", True
         except aiohttp.ClientError as exc:
             return f"{type(exc).__name__}", True
         if 200 <= status < 300:
@@ -217,18 +317,22 @@ class Notifier:
         return f"HTTP {status}", status >= 500 or status == 429
 
     async def stop(self) -> None:
-        """Stop sending; hand back the claims of what was not delivered. Safe to call twice."""
+        """Stop sending; hand back what was taken on and not delivered. Safe to call twice."""
         self._open = False
+        held = [d.taken for d in self._deliveries.values()]
         await self._tasks.stop()
-        unfinished = list(self._deliveries)
-        self._deliveries.clear()
-        if unfinished:
+        if held:
             try:
                 async with asyncio.timeout(RELEASE_TIMEOUT):
-                    await notified.release(self.queue.redis, unfinished)
-                log.info("%d notification(s) not delivered yet: the next start sends them", len(unfinished))
+                    back = await self.outbox.hand_back(held)
+                log.info("%d notification(s) not delivered yet: handed back, for the next server", back)
             except (RedisError, TimeoutError) as exc:
-                log.warning("%d notification(s) not delivered are lost (%r)", len(unfinished), exc)
+                log.warning(
+                    "%d notification(s) not delivered could not be handed back (%r): sent once their "
+                    "hold lapses",
+                    len(held),
+                    exc,
+                )
         if self._session is not None:
             await self._session.close()
             self._session = None

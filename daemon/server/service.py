@@ -136,7 +136,11 @@ class PoolServer:
         self.dependencies = Dependencies(self.queue, sweep_every=reap_every)
         self._tasks.spawn(self.dependencies.run(), "dependencies")
         self.notifier = Notifier(
-            self.queue, self.metrics, pool_url=c.notify_url, secret=c.notify_secret, retention=c.job_retention
+            self.queue,
+            self.metrics,
+            pool_url=c.notify_url,
+            secret=c.notify_secret,
+            timeout=c.notify_timeout,
         )
         await self.notifier.start()  # its own tasks: stopped after the events reader that feeds it
         self._tasks.spawn(

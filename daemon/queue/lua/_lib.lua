@@ -167,11 +167,33 @@ end
 -- already passes them on).
 local FINISH_FIELDS = {'entry', 'idem', 'enqueued_at', 'started_at', 'array', 'window'}
 
+-- Webhooks (daemon/server/notifier.py): a job whose end is to be notified names, on its record,
+-- the targets it goes to ('notify': 'job' for its --notify URL, 'pool' for notify_url, or both,
+-- space-separated; written when it is enqueued). Its end puts one entry per target in the
+-- queue's `outbox` (ZSET 'ID/TARGET' -> when it is due, ms), in the script that ends the job, so
+-- no crash comes between an end and its notification; servers take them on (outbox_take.lua).
+-- At OUTBOX_MAX entries the one due longest ago makes room, counted in `outbox_dropped` for a
+-- server to report: a receiver down for long cannot grow the outbox without bound.
+local OUTBOX_MAX = 100000
+local function to_outbox(prefix, jobkey, id, now)
+  local targets = redis.call('HGET', jobkey, 'notify')
+  if not targets then return end
+  local outbox = prefix .. 'outbox'
+  for target in string.gmatch(targets, '%a+') do
+    redis.call('ZADD', outbox, 'NX', now, id .. '/' .. target)
+  end
+  local over = redis.call('ZCARD', outbox) - OUTBOX_MAX
+  if over > 0 then
+    redis.call('ZPOPMIN', outbox, over)
+    redis.call('INCRBY', prefix .. 'outbox_dropped', over)
+  end
+end
+
 -- Move a job to a terminal state: the record (with `fields`, more field-value pairs to set at
--- once, if given), the stream entry, an event for waiters, and the retention countdown of every
--- key of the job (the set of the jobs waiting for it too); the next jobs of its array's window
--- are let in; the queue's index forgets jobs past retention. `j`: the job's FINISH_FIELDS,
--- when the caller has read them.
+-- once, if given), the stream entry, its notifications (to_outbox), an event for waiters, and
+-- the retention countdown of every key of the job (the set of the jobs waiting for it too); the
+-- next jobs of its array's window are let in; the queue's index forgets jobs past retention.
+-- `j`: the job's FINISH_FIELDS, when the caller has read them.
 local function finish(prefix, stream, group, events, id, state, now, retention, j, fields)
   local jobkey = job_key(prefix, id)
   j = j or redis.call('HMGET', jobkey, unpack(FINISH_FIELDS))
@@ -179,6 +201,7 @@ local function finish(prefix, stream, group, events, id, state, now, retention, 
   local set = {'state', state, 'ended_at', now}
   for _, v in ipairs(fields or {}) do set[#set + 1] = v end
   redis.call('HSET', jobkey, unpack(set))
+  to_outbox(prefix, jobkey, id, now)
   -- the times ride along so that whoever reads events (metrics) needs no second round trip
   redis.call('XADD', events, 'MAXLEN', '~', 10000, '*', 'job', id, 'state', state,
     'enqueued_at', j[3] or '', 'started_at', j[4] or '', 'ended_at', now)
@@ -269,10 +292,11 @@ end
 -- `_job_args` writes them so): its spec (msgpack, opaque here), the GPUs it wants, its max
 -- attempts and retries, its priority (0: none), its user (whose caps it counts against), the MiB
 -- it asks for on one shared GPU (0: whole GPUs), what it waits for ("JOB:how ...", daemon/after.py;
--- '' for nothing), its array ('QUEUE@NAME'; '' for none), its place in it, and the array's window
--- (the most of it under way at once; 0: no limit).
+-- '' for nothing), its array ('QUEUE@NAME'; '' for none), its place in it, the array's window
+-- (the most of it under way at once; 0: no limit), and where its end is notified ('job', 'pool',
+-- both space-separated, or '': to_outbox).
 local JOB_ARGS = {'spec', 'gpus', 'max_attempts', 'retries', 'priority', 'user', 'gpu_mem', 'after', 'array',
-  'array_pos', 'window'}
+  'array_pos', 'window', 'notify'}
 
 -- The job given at ARGV[first] and on, as a table keyed by JOB_ARGS.
 local function job_args(argv, first)
@@ -293,6 +317,7 @@ local function add_job(prefix, index, jobkey, id, seq, now, a)
     'gpus', a.gpus, 'max_attempts', a.max_attempts, 'retries', a.retries, 'failures', 0, 'losses', 0,
     'enqueued_at', now, 'entry', '', 'priority', priority, 'user', a.user or '', 'gpu_mem', tonumber(a.gpu_mem) or 0,
     'after', a.after or '', 'array', a.array or '', 'window', window)
+  if a.notify and a.notify ~= '' then redis.call('HSET', jobkey, 'notify', a.notify) end
   redis.call('ZADD', index, seq, id)
   if a.array and a.array ~= '' then
     local key = array_key(prefix, a.array)

@@ -1,21 +1,16 @@
 """Job-end notifications (daemon/server/notifier.py): a real server on a real Redis POSTs to a real
-HTTP receiver on 127.0.0.1 (aiohttp, started here), which checks the signature as any receiver
+HTTP receiver on 127.0.0.1 (tests/support/webhooks.py), which checks the signature as any receiver
 would, with hmac on the raw body."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
-from aiohttp import web
 
 from daemon import config
 from daemon.ctl.session import ClientError
@@ -25,63 +20,15 @@ from daemon.queue import keys
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server import notifier
 from protocol import CancelJobs, Cancelled, Enqueue, Enqueued, ErrorCode, JobDetail, ShowJob
+from tests.support import webhooks
 from tests.support.pool import Pool, running_pool
+from tests.support.webhooks import Post, receiver
 
 SECRET = "notify-secret-0123456789"
 
 
-@dataclass
-class Post:
-    headers: dict[str, str]
-    body: bytes
-    answered: int
-
-
-@dataclass
-class Receiver:
-    """A webhook receiver: answers each POST with the next of `answers` (200 once they run out)."""
-
-    url: str
-    answers: list[int]
-    posts: list[Post] = field(default_factory=list)
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def wait_for(self, count: int, seconds: float = 30) -> list[Post]:
-        async with asyncio.timeout(seconds):
-            while len(self.posts) < count:
-                self.arrived.clear()
-                await self.arrived.wait()
-        return self.posts[:count]
-
-
-@asynccontextmanager
-async def receiver(answers: list[int] | None = None) -> AsyncIterator[Receiver]:
-    hook = Receiver("", list(answers or []))
-
-    async def post(request: web.Request) -> web.Response:
-        status = hook.answers.pop(0) if hook.answers else 200
-        hook.posts.append(Post(dict(request.headers), await request.read(), status))
-        hook.arrived.set()
-        return web.Response(status=status, text="ok" if status == 200 else "not now")
-
-    app = web.Application()
-    app.router.add_post("/hook/{token}", post)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    hook.url = f"http://{host}:{port}/hook/s3cr3t-path"
-    try:
-        yield hook
-    finally:
-        await runner.cleanup()
-
-
 def signed(post: Post, secret: str = SECRET) -> bool:
-    """The receiver's check, as docs/OPERATIONS.md shows it: HMAC-SHA256 of the raw body."""
-    expected = "sha256=" + hmac.new(secret.encode(), post.body, hashlib.sha256).hexdigest()
-    return hmac.compare_digest(expected, post.headers.get("X-Gpupool-Signature", ""))
+    return webhooks.signed(post, secret)
 
 
 async def enqueue(pool: Pool, **spec: Any) -> str:
@@ -149,7 +96,9 @@ async def test_a_job_with_no_notify_and_no_notify_url_sends_nothing(
             await c.call(CancelJobs([quiet, loud]), Cancelled)
         (post,) = await hook.wait_for(1)  # ends are handled in order: the quiet one came first
         await until(lambda: counted(pool, "sent") == 1)
-        assert not await pool.queue.redis.exists(keys.notified(quiet, "job"), keys.notified(quiet, "pool"))
+        assert await pool.queue.redis.hget(keys.job(quiet), "notify") is None  # nowhere to go:
+        for target in ("job", "pool"):  # never in the outbox
+            assert await pool.queue.redis.zscore(keys.outbox("default"), f"{quiet}/{target}") is None
     assert orjson.loads(post.body)["id"] == loud
     assert orjson.loads(post.body)["state"] == "cancelled"
     assert len(hook.posts) == 1
