@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -146,6 +147,7 @@ class Claims:
         mem_most: int = 0,
         lifetime: float | None = None,
         urgent: bool = True,
+        slots: int | None = None,
     ) -> list[Lease]:
         """Up to `count` next jobs for `worker` (a worker with that many free slots), in queue
         priority order then each queue's order, one script call per queue tried. A job asking for
@@ -179,7 +181,12 @@ class Claims:
         `urgent`: a slot waits for what it claims, and its calls go ahead of the others
         (`_claim_call`). A claim made while every slot is taken (look_ahead.py) is not: it travels
         with the calls made in its turn (an attempt's outcome, say), one write and one wakeup of
-        Redis for both, and its jobs wait for a slot anyway."""
+        Redis for both, and its jobs wait for a slot anyway.
+
+        `slots`: how many of the `count` go to slots free now (None: all). The others are claimed
+        ahead of a free slot: their leases say `ahead`, and each counts as never started (a
+        reclaim of it is no loss, and bills nothing) until `mark_started` says it started; none is
+        taken from the front of a queue, where the claim stops instead (claim.lua)."""
         total = gpus_free if gpus_total is None else gpus_total
         rooms = _rooms(shared)
         schedule = _schedule(ends)
@@ -191,6 +198,9 @@ class Claims:
         for q in [*[p[0] for p in todo], *queues]:
             if len(leases) >= count and not todo:
                 break
+            # The jobs for slots free now, of this call's: all of a request sent again (its reply
+            # was lost) count as ahead, whatever it said then; a mark of one not ahead is a no-op.
+            free = 0 if todo else count if slots is None else max(0, slots - len(leases))
             request = todo.pop()[1] if todo else self._next_request(worker)
             try:
                 status, cursors, kept, left, got = await self._claim_call(
@@ -203,6 +213,7 @@ class Claims:
                     memory=(rooms, mem_most // 2**20),
                     lifetime=lifetime,
                     urgent=urgent,
+                    slots=free,
                 )
             except (RedisError, NotReplicated, asyncio.CancelledError) as exc:
                 if unanswered(exc):
@@ -214,6 +225,9 @@ class Claims:
                 # Claimed jobs are this worker's now: hand them out rather than strand them.
                 log.warning("claiming from queue %s failed; running the %d jobs claimed", q, len(leases))
                 break
+            got = [
+                dataclasses.replace(lease, ahead=True) if i >= free else lease for i, lease in enumerate(got)
+            ]
             for lease in got:
                 gpus_free -= 0 if lease.spec.gpu_mem else lease.spec.gpus or default_gpus
             gpus_free -= _opened(rooms, left)  # GPUs free whole before, shared now
@@ -377,13 +391,15 @@ class Claims:
         memory: tuple[str, int] = ("", 0),
         lifetime: float | None = None,
         urgent: bool = True,
+        slots: int | None = None,
     ) -> ClaimReply:
         """One claim.lua call; `gpus` is (free, default per job, total), `backfill` (when the
         worker's running jobs end, its stop grace in ms, GPUs it keeps for a head job). `urgent`,
         it goes ahead of the other calls (scripts.Pipeliner): the outcome of the job whose slot it
-        fills follows it. `memory`: the shared GPUs' table and the largest GPU's MiB."""
+        fills follows it. `memory`: the shared GPUs' table and the largest GPU's MiB. `slots`: how
+        many of the `count` go to slots free now (None: all; claim_many)."""
         call = self._claim_request(
-            worker, q, request, count, gpus, backfill=backfill, memory=memory, lifetime=lifetime
+            worker, q, request, count, gpus, backfill=backfill, memory=memory, lifetime=lifetime, slots=slots
         )
         reply = await self._call(self.scripts.claim, *call, ahead=urgent, durable=True)
         return await self._claim_reply(worker, q, reply)
@@ -399,6 +415,7 @@ class Claims:
         backfill: tuple[str, int, int] = ("", 0, 0),
         memory: tuple[str, int] = ("", 0),
         lifetime: float | None = None,
+        slots: int | None = None,
     ) -> tuple[list[str], list[object]]:
         """claim.lua's keys and arguments (see `_claim_call`)."""
         free, default, total = gpus
@@ -420,6 +437,7 @@ class Claims:
                 1 if q in self.preempt else 0,
                 *memory,
                 0 if lifetime is None else max(1, round(lifetime * 1000)),
+                count if slots is None else slots,
             ],
         )
 

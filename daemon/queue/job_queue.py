@@ -184,7 +184,12 @@ class JobQueue(Claims, QueueReads):
             reply = self._call.submit(
                 self.scripts.enqueue,
                 job_keys,
-                [keys.GROUP, keys.queue_prefix(q), job_id, *_job_args(spec, packed, self._notify_targets(spec))],
+                [
+                    keys.GROUP,
+                    keys.queue_prefix(q),
+                    job_id,
+                    *_job_args(spec, packed, self._notify_targets(spec)),
+                ],
                 durable=True,
             )
             if self._standing and not spec.held:
@@ -548,6 +553,19 @@ class JobQueue(Claims, QueueReads):
         for job_id, state in out:
             log.warning("job %s: lease expired, now %s", job_id, state)
         return out
+
+    def mark_started(self, lease: Lease, *, linger: float = 0.0) -> asyncio.Future[Any]:
+        """Say that an attempt claimed ahead of a free slot (`lease.ahead`) has started
+        (started.lua): from now a reclaim counts it as run, and fair share bills it. Queued for
+        this turn's batch (with the outcome of the job whose slot it took, say; `linger` as
+        `complete`'s); the future answers 1 when it marked the attempt now, 0 when there was
+        nothing to mark (not claimed ahead, or no longer this lease's)."""
+        return self._call.submit(
+            self.scripts.started,
+            [keys.job(lease.job_id)],
+            [lease.worker, lease.attempt, lease.id],
+            linger=linger,
+        )
 
     async def append_log(self, lease: Lease, number: int, chunks: Sequence[bytes]) -> None:
         """Append output of an attempt to its job's log, as the attempt's call `number` (1, 2, ...:

@@ -77,6 +77,7 @@ NAMES = (
     "note_dependent",
     "outbox_take",
     "outbox_settle",
+    "started",
 )
 
 
@@ -108,6 +109,7 @@ class Scripts:
         self.note_dependent: AsyncScript = redis.register_script(source("note_dependent"))
         self.outbox_take: AsyncScript = redis.register_script(source("outbox_take"))
         self.outbox_settle: AsyncScript = redis.register_script(source("outbox_settle"))
+        self.started: AsyncScript = redis.register_script(source("started"))
 
 
 @dataclass(frozen=True, slots=True)

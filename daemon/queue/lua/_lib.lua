@@ -59,15 +59,18 @@ local function decayed(fs, user, now, half)
   return tonumber(u[1]) * 2 ^ (-(now - tonumber(u[2])) / half)
 end
 
--- Charge the attempt ending now to its user's use, in a fair-share queue (no-op elsewhere: a
--- queue whose claimers never ranked by use has no half-life).
+-- Charge the attempt ending now to its user's use, from when it started ('ran_from': its claim,
+-- or for one claimed ahead of a free slot when its worker said it started, started.lua), in a
+-- fair-share queue (no-op elsewhere: a queue whose claimers never ranked by use has no
+-- half-life, and for an attempt claimed ahead that never started).
 local function charge(prefix, jobkey, now)
   local fs = prefix .. 'fairshare'
   local half = tonumber(redis.call('HGET', fs, 'half_life'))
   if not half then return end
-  local j = redis.call('HMGET', jobkey, 'user', 'held_gpus', 'started_at')
-  if not j[1] or not j[3] then return end
-  local used = math.max(1, tonumber(j[2]) or 0) * math.max(0, now - tonumber(j[3]))
+  local j = redis.call('HMGET', jobkey, 'user', 'held_gpus', 'started_at', 'ahead', 'ran_from')
+  if not j[1] or not j[3] or j[4] == '1' then return end  -- (claimed ahead, never started: nothing used)
+  local from = tonumber(j[5]) or tonumber(j[3])  -- its start; for a record of before 'ran_from', its claim
+  local used = math.max(1, tonumber(j[2]) or 0) * math.max(0, now - from)
   redis.call('HSET', fs, 'u:' .. j[1], string.format('%.0f', decayed(fs, j[1], now, half) + used),
     't:' .. j[1], now)
 end

@@ -31,7 +31,8 @@
 --    one GPU-ms, so that a burst of starts alternates; the weight is the queue's
 --    `fairshare` 'w:USER', 1 by default), then to the user with fewer jobs running, then to the
 --    older job; FIFO within one user. The chosen job waits for GPUs at the head as a stream entry
---    would;
+--    would. A job from the front held at its user's cap waits in their line marked 'front', and
+--    goes before every line once they are below it, as the front does;
 --  * backfill with a reservation (ARGV 13, 14): the first job that must wait for GPUs here (the
 --    head) reserves this worker (`reservation`: one per queue, for a lease, renewed by each claim
 --    of its worker; a worker that dies lets it lapse), unless another live worker holds its
@@ -73,7 +74,10 @@
 --       ...': the GPU's place in the worker's list, MiB it has left, jobs it may take yet, S 1 when
 --       shared already, 0 when free whole), 18 MiB of the worker's largest GPU, 19 the worker's
 --       lifetime left (ms; 0: none): a job whose time limit runs past it, or that has none, is
---       passed over
+--       passed over, 20 how many of the N go to slots free now (the rest are claimed ahead of a
+--       free slot, look_ahead.py: each is marked 'ahead' on its record till its worker says it
+--       started, started.lua, so that one never started is taken back as no loss, reclaim.lua;
+--       and none is taken from the front, where the claim stops instead; default N)
 -- Returns {status, stream cursor, wake cursor, GPUs kept, shared GPUs (as ARGV 17, as this call
 -- left them), id, attempt, lease, spec, shared GPU, ...}: the claimed jobs (each with the place of
 -- its shared GPU in the worker's list, -1 for whole GPUs), and why claiming stopped: 'claimed' (N jobs, or a request
@@ -98,6 +102,7 @@ for n, mib, jobs, shared in string.gmatch(ARGV[17] or '', '(%d+):(%d+):(%d+):([0
   rooms[#rooms + 1] = {tonumber(n), tonumber(mib), tonumber(jobs), shared == '1'}
 end
 local mem_most = tonumber(ARGV[18]) or 0
+local slots = tonumber(ARGV[20]) or wanted
 local now = now_ms()
 local claimed, ids = {}, {}
 
@@ -234,7 +239,8 @@ local function start(id, jobkey, gpus, f)
   local lease = lease_of(#ids)
   local attempt = (tonumber(f[3]) or 0) + 1
   redis.call('HSET', jobkey, 'attempt', attempt, 'state', 'running', 'worker', consumer, 'started_at', now,
-    'lease', lease, 'log_n', 0, 'held_gpus', gpus, 'shared_gpu', place)
+    'ran_from', now, 'lease', lease, 'log_n', 0, 'held_gpus', gpus, 'shared_gpu', place)
+  if #ids > slots then redis.call('HSET', jobkey, 'ahead', '1') end  -- till started.lua
   if usage and f[5] then
     local u = use_of(f[5])
     u[1], u[2], u[3] = u[1] + 1, u[2] + gpus, u[3] + math.max(1, gpus)
@@ -553,6 +559,7 @@ while waiting and #ids < wanted do
     if half_life == 0 then c, c_seq, c_user = oldest_released() end  -- (fair share: its own turn)
     if c and (not pick or c_seq < pick_seq) then pick, from, pick_seq = c, nil, c_seq end
     if not pick then break end
+    if #ids >= slots then return stop('claimed', '0-0') end  -- the front is never claimed ahead
     local jobkey = job_key(prefix, pick)
     local f = job_fields(jobkey)
     local gpus = need_of(f)
@@ -560,6 +567,8 @@ while waiting and #ids < wanted do
       if moved >= 100 then return stop('claimed', '0-0') end  -- enough moved for one call: cut short
       redis.call('ZREM', from, pick)  -- its user is at a cap: held aside (its entry stays pending)
       hold(prefix, f[5], pick, f[6])
+      -- In a fair-share queue the user's line holds it: it keeps its place at the front there.
+      if half_life > 0 then redis.call('HSET', jobkey, 'front', '1') end
       moved = moved + 1
     else
       if not may_start(gpus, f) then return blocked(pick, gpus) end
@@ -636,16 +645,17 @@ if half_life > 0 then
   local stored = {}
   local all = redis.call('HGETALL', fs)
   for i = 1, #all, 2 do stored[all[i]] = tonumber(all[i + 1]) end
-  local function rank(user, seq)
+  local function rank(user, seq, front)
+    if front then return {0, seq, 0, 0} end  -- from the front (held at a cap): before any line
     local use = 0
     if stored['u:' .. user] then  -- as _lib.lua's decayed, in whole GPU-ms: decayed away is 0
       use = math.floor(stored['u:' .. user] * 2 ^ (-(now - stored['t:' .. user]) / half_life))
     end
     local u = use_of(user)
-    return {(use + u[3]) / (stored['w:' .. user] or 1), u[1], seq}
+    return {1, (use + u[3]) / (stored['w:' .. user] or 1), u[1], seq}
   end
   local function before(a, b)
-    for i = 1, 3 do
+    for i = 1, 4 do
       if a[i] ~= b[i] then return a[i] < b[i] end
     end
     return false
@@ -658,7 +668,9 @@ if half_life > 0 then
     next_of[user] = false
     if place >= HELD_LOOK then return end
     local held = redis.call('ZRANGE', prefix .. 'capped:' .. user, place, place, 'WITHSCORES')
-    if held[1] then next_of[user] = {held[1], tonumber(held[2]), place} end
+    if held[1] then
+      next_of[user] = {held[1], tonumber(held[2]), place, redis.call('HGET', job_key(prefix, held[1]), 'front')}
+    end
   end
   local users = redis.call('ZRANGE', capped_users, 0, -1)
   for _, user in ipairs(users) do look(user, 0) end
@@ -667,7 +679,7 @@ if half_life > 0 then
     for _, user in ipairs(users) do
       local job = next_of[user]
       if job then
-        local r = rank(user, job[2])
+        local r = rank(user, job[2], job[4])
         if not best or before(r, best_rank) then best, best_rank, best_user = job, r, user end
       end
     end
@@ -681,9 +693,11 @@ if half_life > 0 then
     else
       if not may_start(gpus, f) then return blocked(id, gpus) end
       local top = unhold(prefix, best_user, id)
+      if best[4] then redis.call('HDEL', jobkey, 'front') end
       redis.call('XCLAIM', stream, group, consumer, 0, f[8], 'JUSTID')
       start(id, jobkey, gpus, f)
-      next_of[best_user] = top[1] and {top[1], tonumber(top[2]), 0} or false
+      next_of[best_user] = false
+      if top[1] then look(best_user, 0) end
     end
   end
   if #ids == wanted or #entries == 100 + wanted then return stop('claimed', '0-0') end

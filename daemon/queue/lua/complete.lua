@@ -25,6 +25,7 @@ if not holds(j, attempt, consumer, lease) then
 end
 local now = now_ms()
 redis.call('ZREM', leases, id)
+redis.call('HDEL', jobkey, 'ahead')  -- it ran, whether or not its start's mark came first
 close_attempt(prefix, jobkey, state, now)
 local outcome = {'exit_code', ARGV[8], 'detail', ARGV[9], 'result', ARGV[10], 'ended_by', lease}
 if state == 'failed' and j[7] ~= '1' and tonumber(j[5]) < tonumber(j[6]) then

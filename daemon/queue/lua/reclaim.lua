@@ -1,7 +1,8 @@
 -- reclaim: take back the attempts whose lease deadline (Redis server time) has passed.
 -- Guarantees: only a lease past its deadline is taken, so a job whose worker keeps renewing is
 -- never reclaimed however long it runs. Each taken attempt is closed as 'lost' in the history and
--- counted in `losses`; its job goes back to the front of the queue (`retry`, claimed before any
+-- counted in `losses` (but one claimed ahead of a free slot that never started, which is closed
+-- as 'released' and counted as a hand-back, as a draining worker's: claim.lua, started.lua); its job goes back to the front of the queue (`retry`, claimed before any
 -- job not yet started, with attempt+1 and a new lease id at that claim, which fences the old
 -- holder out), or, when the user cancelled it, becomes cancelled; or, once `losses` reaches
 -- max_attempts, dead (dead-letter). Losses alone count: attempts that failed and were retried
@@ -31,14 +32,21 @@ local out = {#expired}
 for _, id in ipairs(expired) do
   redis.call('ZREM', leases, id)
   local jobkey = job_key(prefix, id)
-  local j = redis.call('HMGET', jobkey, 'state', 'max_attempts', 'cancel')
+  local j = redis.call('HMGET', jobkey, 'state', 'max_attempts', 'cancel', 'ahead')
   if j[1] == 'running' then
-    close_attempt(prefix, jobkey, 'lost', now)
-    local losses = redis.call('HINCRBY', jobkey, 'losses', 1)
+    local unstarted = j[4] == '1'  -- claimed ahead of a free slot, never started (started.lua)
+    close_attempt(prefix, jobkey, unstarted and 'released' or 'lost', now)
+    local losses = 0
+    if unstarted then
+      redis.call('HDEL', jobkey, 'ahead')
+      redis.call('HINCRBY', jobkey, 'handbacks', 1)
+    else
+      losses = redis.call('HINCRBY', jobkey, 'losses', 1)
+    end
     local state
     if j[3] == '1' then
       state = 'cancelled'
-    elseif losses >= tonumber(j[2]) then
+    elseif not unstarted and losses >= tonumber(j[2]) then
       state = 'dead'
       redis.call('HSET', jobkey, 'detail', 'lost ' .. losses .. ' attempts (max_attempts)')
     else

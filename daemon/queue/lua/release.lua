@@ -20,6 +20,7 @@ end
 local now = now_ms()
 redis.call('ZREM', leases, id)
 close_attempt(prefix, jobkey, 'released', now)
+redis.call('HDEL', jobkey, 'ahead')  -- (charged nothing above, if it never started)
 local answer = 'queued'
 if j[5] == '1' then
   finish(prefix, stream, group, events, id, 'cancelled', now, tonumber(ARGV[7]))

@@ -148,3 +148,25 @@ async def test_a_priority_job_held_at_a_cap_keeps_its_place_before_its_users_lat
     assert await started(queue, 1) == first
     assert await started(queue, 1, "w2") == []
     assert (await queue.get(second[0])).state is JobState.QUEUED
+
+
+async def test_a_reclaimed_job_of_a_user_at_the_cap_keeps_its_place_at_the_front(redis: AnyRedis) -> None:
+    """issue 43 item 7 (fair share): a job taken back from a dead worker goes to the front, before
+    every job not yet started; its user at a cap, it was held in their fair-share line instead,
+    and once they were below the cap it waited its user's turn behind the jobs of users with
+    less recent use. Now it goes first, as the front does."""
+    await run_for(fair(redis), "alice", 0.3)  # alice has used more than bob
+    alice = await enqueue(fair(redis), "alice", 2)
+    uncapped = await fair(redis).claim_many("w9", ["default"], 2)  # (a worker without caps)
+    assert [lease.job_id for lease in uncapped] == alice
+    await redis.zadd(keys.leases("default"), {alice[1]: 0})  # that worker went silent for one
+    assert await fair(redis).reclaim() == [(alice[1], JobState.QUEUED)]
+    queue = fair(redis, user_caps=(1, 0))
+    bob = await enqueue(queue, "bob", 2)
+    meanwhile = await queue.claim_many("w1", ["default"], 1)
+    assert [lease.job_id for lease in meanwhile] == [bob[0]]  # alice at her cap: bob's meanwhile
+    for lease in (uncapped[0], *meanwhile):
+        await queue.complete(lease, OK)  # both below their caps; alice with more recent use
+    again = await queue.claim_many("w1", ["default"], 1)
+    assert [(lease.job_id, lease.attempt) for lease in again] == [(alice[1], 2)]
+    assert await started(queue, 1) == [bob[1]]

@@ -658,3 +658,52 @@ async def test_a_requeued_job_is_handed_back_to_the_front_and_runs_again_once(qu
     assert [a.how for a in info.attempts] == ["released", "succeeded"]
     with pytest.raises(JobNotFound):
         await queue.requeue("default.doesnotexist1")
+
+
+async def test_a_job_claimed_ahead_that_never_started_is_no_loss_and_costs_its_user_nothing(
+    redis: AnyRedis,
+) -> None:
+    """issue 43 item 7 (look-ahead): jobs a worker claimed ahead of a free slot (look_ahead.py)
+    that never started, because the worker froze or died first, were taken back as losses: a
+    `--max-attempts 1` job was dead-lettered unrun, and fair share billed its user for the time it
+    was held. A claim now says which of its jobs go to free slots; the others are marked until
+    their worker says they started, and a reclaim of one still marked is a hand-back."""
+    queue = JobQueue(redis, lease_seconds=30, fairshare=["default"])
+    ids = [(await queue.enqueue(spec(i, user="alice", max_attempts=1)))[0] for i in range(3)]
+    leases = await queue.claim_many("w1", ["default"], 3, slots=1)
+    assert [(lease.job_id, lease.ahead) for lease in leases] == [
+        (ids[0], False),
+        (ids[1], True),
+        (ids[2], True),
+    ]
+    await queue.mark_started(leases[2])  # a slot freed, and it started there
+    await asyncio.sleep(0.05)
+    await redis.zadd(keys.leases("default"), dict.fromkeys(ids, 0))  # the worker froze
+    assert sorted(await queue.reclaim()) == sorted(
+        [(ids[0], JobState.DEAD), (ids[1], JobState.QUEUED), (ids[2], JobState.DEAD)]
+    )
+    kept = await queue.get(ids[1])
+    assert [a.how for a in kept.attempts] == ["released"]  # handed back, never a loss
+    assert (kept.state, await redis.hget(keys.job(ids[1]), "losses")) == (JobState.QUEUED, b"0")
+    await queue.cancel(ids[1])
+    used = await redis.hget(keys.fairshare("default"), "u:alice")
+    later, _ = await queue.enqueue(spec(9, user="alice"))
+    again = await queue.claim_many("w2", ["default"], 1, slots=0)  # claimed ahead, held a while
+    assert [lease.job_id for lease in again] == [later]
+    await asyncio.sleep(0.05)
+    await redis.zadd(keys.leases("default"), {later: 0})
+    await queue.reclaim()
+    assert await redis.hget(keys.fairshare("default"), "u:alice") == used  # its hold billed nothing
+
+
+async def test_a_claim_ahead_of_a_free_slot_never_takes_the_front(queue: JobQueue, redis: AnyRedis) -> None:
+    """issue 43 item 7 (look-ahead): a job at the front (taken back, handed back, retried) is
+    never claimed ahead of a free slot: what starts there is the worker's word alone, so a job
+    that kills its worker the moment it starts is counted (as a loss) the next time it runs. The
+    claim stops there rather than take the jobs behind it out of order."""
+    first, _ = await queue.enqueue(spec(1))
+    second, _ = await queue.enqueue(spec(2))
+    await expire(queue, redis, await claim(queue))  # the first is back at the front
+    assert await queue.claim_many("w1", ["default"], 2, slots=0) == []
+    got = await queue.claim_many("w1", ["default"], 2, slots=1)
+    assert [(lease.job_id, lease.ahead) for lease in got] == [(first, False), (second, True)]

@@ -6,9 +6,11 @@ cancel, a drain, a worker with GPUs."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from daemon.job import JobState, Lease, Outcome
+from daemon.queue import keys
 from daemon.queue.job_queue import JobQueue
 from daemon.worker import look_ahead
 from daemon.worker.dispatcher import Worker
@@ -163,3 +165,28 @@ async def test_outcomes_wait_for_company_only_while_short_jobs_flow_and_another_
     assert all([a.how for a in info.attempts] == ["succeeded"] for info in infos)
     assert {lingers[job_id] for job_id in flow} >= {look_ahead.LINGER}
     assert lingers[alone] == 0.0
+
+
+async def test_a_job_kept_ahead_counts_as_started_when_it_starts(queue: JobQueue, tmp_path: Path) -> None:
+    """issue 43 item 7 (look-ahead): the worker tells Redis when a job it kept ahead starts, so its
+    attempt counts from then: fair share bills it from when it started, not from when it was
+    claimed, and from then a reclaim counts it as run."""
+    # The script loaded first: a first call's NOSCRIPT answer sends it again after the calls behind it.
+    assert await queue.mark_started(Lease("default.none0000", 1, "w", sh("true"), "w/1.1")) == 0
+    await queue.enqueue(sh("true"))
+    await queue.enqueue(sh(held_until_released(tmp_path, "first")))
+    ahead = [(await queue.enqueue(sh(marks(tmp_path, f"ahead{n}"))))[0] for n in range(look_ahead.DEPTH)]
+    async with running_worker(queue, tmp_path / "w", slots=1, look_ahead_hold=60) as worker:
+        await wait_file(tmp_path / "first.started")
+        for job_id in ahead:
+            await kept_ahead(queue, worker, job_id)
+        assert all([await queue.redis.hget(keys.job(j), "ahead") == b"1" for j in ahead])
+        await asyncio.sleep(0.3)  # held a while: claimed well before they can start
+        released = time.time()
+        (tmp_path / "first.go").touch()
+        infos = [await wait_state(queue, j, JobState.SUCCEEDED) for j in ahead]
+    for info in infos:
+        ran_from = int(await queue.redis.hget(keys.job(info.id), "ran_from") or 0) / 1000
+        assert ran_from >= released - 0.005  # (this machine's clock, as Redis's)
+        assert (info.started_at or 0) < released  # (its claim's time: what FIFO is judged by)
+        assert await queue.redis.hget(keys.job(info.id), "ahead") is None
