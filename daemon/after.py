@@ -43,3 +43,12 @@ def verdict(after: Sequence[str], states: Iterable[JobState | None]) -> tuple[st
         elif state not in CONDITIONS[how]:
             return "never", f"the job it waited for, {job_id}, {state} (it waited for :{how})"
     return ("wait", "waiting for " + ", ".join(waiting)) if waiting else ("ready", "")
+
+
+def met(after: Sequence[str], states: Iterable[JobState | None]) -> list[str]:
+    """The dependencies of `after` that are met (their job ended as asked), in order."""
+    return [
+        dep
+        for dep, state in zip(after, states, strict=True)
+        if state is not None and state in CONDITIONS[split(dep)[1]]
+    ]

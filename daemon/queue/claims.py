@@ -58,6 +58,12 @@ def _boottime() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
+def _ahead_past(leases: list[Lease], slots: int) -> list[Lease]:
+    """A claim's leases, those past the first `slots` (for slots free when it was made) marked as
+    claimed ahead of a free slot, as claim.lua marked their jobs."""
+    return [dataclasses.replace(lease, ahead=True) if i >= slots else lease for i, lease in enumerate(leases)]
+
+
 def _opened(before: str, after: str) -> int:
     """GPUs a claim put a first shared job on: free whole in the table `before`, shared `after`."""
     was = {row.split(":")[0] for row in before.split() if row.endswith(":1")}
@@ -93,6 +99,7 @@ class Standing:
     memory: tuple[str, int]
     ends_at: float | None
     ready: Callable[[], bool] | None = None
+    slots: int | None = None  # of `count`, for slots free now (claim_many's `slots`)
     taken: asyncio.Event = field(default_factory=asyncio.Event)
     sent: tuple[str, int, asyncio.Future[Any], tuple[bytes, JobSpec]] | None = None
 
@@ -225,9 +232,7 @@ class Claims:
                 # Claimed jobs are this worker's now: hand them out rather than strand them.
                 log.warning("claiming from queue %s failed; running the %d jobs claimed", q, len(leases))
                 break
-            got = [
-                dataclasses.replace(lease, ahead=True) if i >= free else lease for i, lease in enumerate(got)
-            ]
+            got = _ahead_past(got, free)
             for lease in got:
                 gpus_free -= 0 if lease.spec.gpu_mem else lease.spec.gpus or default_gpus
             gpus_free -= _opened(rooms, left)  # GPUs free whole before, shared now
@@ -304,6 +309,7 @@ class Claims:
         mem_most: int = 0,
         lifetime: float | None = None,
         ready: Callable[[], bool] | None = None,
+        slots: int | None = None,
     ) -> Standing | None:
         """Leave `worker`'s next claim, for up to `count` jobs as `claim_many` takes its arguments,
         for the next `enqueue` to one of `queues` to send (see Standing); `withdraw` it when the
@@ -322,6 +328,7 @@ class Claims:
             (_rooms(shared), mem_most // 2**20),
             None if lifetime is None else _boottime() + lifetime,
             ready,
+            slots,
         )
         self._standing.append(standing)
         return standing
@@ -350,6 +357,7 @@ class Claims:
                     backfill=standing.backfill,
                     memory=standing.memory,
                     lifetime=None if standing.ends_at is None else max(0.001, standing.ends_at - _boottime()),
+                    slots=standing.slots,
                 )
                 reply = self._call.submit(self.scripts.claim, *call, durable=True, first=True)
                 standing.sent = (q, request, reply, enqueued)
@@ -373,7 +381,7 @@ class Claims:
             del self._unanswered[standing.worker]
         if got.status != b"claimed":
             self._cursors[q] = got.cursors
-        return got.leases
+        return _ahead_past(got.leases, standing.count if standing.slots is None else standing.slots)
 
     def _next_request(self, worker: str) -> int:
         self._requests[worker] = number = self._requests.get(worker, 0) + 1

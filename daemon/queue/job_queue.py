@@ -421,25 +421,39 @@ class JobQueue(Claims, QueueReads):
         return [_s(cast(bytes, i)) for i in await self.redis.zrange(keys.array(array_id), 0, -1)]
 
     async def dependencies(self, job_id: str) -> tuple[str, ...]:
-        """What a job waits for ("JOB:how" each), as its enqueue recorded it (add_job)."""
-        return tuple(_s(await self.redis.hget(keys.job(job_id), "after") or b"").split())
+        """What a job waits for and was not found met yet ("JOB:how" each): its enqueue's record of
+        what it waits for (add_job), less what the server's judge found met (ready.lua)."""
+        return (await self.held_records([job_id]))[job_id][1]
+
+    async def held_records(
+        self, job_ids: Sequence[str]
+    ) -> dict[str, tuple[JobState | None, tuple[str, ...]]]:
+        """Each job's state (None: not in the pool) and the dependencies it was not found to have
+        met yet, in one round trip; in enqueue order (so an array's jobs, judged ready together,
+        take their turns for its window by index)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hmget(keys.job(job_id), ["state", "after", "after_met", "seq"])
+            records = await pipe.execute()
+        out: list[tuple[int, str, JobState | None, tuple[str, ...]]] = []
+        for job_id, (state, after, met, seq) in zip(job_ids, records, strict=True):
+            done = set(_s(met or b"").split())
+            unmet = tuple(d for d in _s(after or b"").split() if d not in done)
+            out.append((int(seq or 0), job_id, JobState(_s(state)) if state else None, unmet))
+        return {job_id: (state, unmet) for _, job_id, state, unmet in sorted(out)}
 
     async def held_for_others(self, queue: str, page: int = 500) -> list[tuple[str, tuple[str, ...]]]:
-        """The jobs of `queue` held for others to end whose dependencies were not found met yet
-        (those met, waiting only for their array's window, are left out), each with what it
-        waits for: what the server's sweep judges. A round trip per `page` jobs held."""
+        """The jobs of `queue` held for others to end whose dependencies were not all found met
+        (`depends`), each with those not met yet: what the server's sweep judges. A round trip
+        per `page` jobs held, two with their records."""
         out: list[tuple[str, tuple[str, ...]]] = []
         start = 0
         while ids := [
-            _s(cast(bytes, i)) for i in await self.redis.zrange(keys.waiting(queue), start, start + page - 1)
+            _s(cast(bytes, i)) for i in await self.redis.zrange(keys.depends(queue), start, start + page - 1)
         ]:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for job_id in ids:
-                    pipe.hmget(keys.job(job_id), ["state", "after", "met"])
-                records = await pipe.execute()
-            for job_id, (state, after, met) in zip(ids, records, strict=True):
-                if state == b"queued" and after and not met:
-                    out.append((job_id, tuple(_s(after).split())))
+            for job_id, (state, unmet) in (await self.held_records(ids)).items():
+                if state is JobState.QUEUED:
+                    out.append((job_id, unmet))
             start += page
         return out
 
@@ -468,16 +482,18 @@ class JobQueue(Claims, QueueReads):
         return sorted(_s(i) for i in await self.redis.smembers(keys.dependents(job_id)))
 
     async def waiting(self, queue: str) -> list[str]:
-        """The jobs of `queue` held until the jobs they wait for end."""
+        """The jobs of `queue` held out of it: till the jobs they wait for end, or till their
+        array's window has a place for them."""
         return [_s(cast(bytes, i)) for i in await self.redis.zrange(keys.waiting(queue), 0, -1)]
 
-    async def ready(self, job_id: str) -> bool:
-        """A job whose dependencies are met joins its queue, or its array's turn for a place in
-        its window (ready.lua): True when it moved now."""
+    async def ready(self, job_id: str, met: Sequence[str], *, all_met: bool = True) -> bool:
+        """The judge of a job held for others (ready.lua): `met` (the dependencies found met, with
+        those found before) is recorded on it, and with `all_met` it joins its queue, or its
+        array's turn for a place in its window. True when it moved now."""
         joined = await self._call(
             self.scripts.ready,
             [keys.job(job_id)],
-            [keys.queue_prefix(queue_of(job_id)), job_id],
+            [keys.queue_prefix(queue_of(job_id)), job_id, " ".join(met), 1 if all_met else 0],
             durable=True,
         )
         return bool(joined)

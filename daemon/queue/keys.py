@@ -12,7 +12,7 @@ Per queue (``gp:{q:NAME}:…``):
                 stream: jobs reclaimed, handed back, or retried after a failure.
   backoff       ZSET id -> when (Redis time, ms) a failed job with retries left may go back to the
                 front (retry_backoff, complete.lua); the reaper's pass (reclaim.lua) moves it
-                then. Its entry stays pending, as a front job's; its record's 'retry_at' says when.
+                then. Its entry stays pending, as a front job's.
   parked        ZSET id -> GPUs needed * 2**32 + enqueue seq: queued jobs passed over by workers too
                 small for them; a claimer looks only at those it can hold, and takes the oldest of
                 them and `retry`'s head first.
@@ -35,15 +35,19 @@ Per queue (``gp:{q:NAME}:…``):
   waiting       ZSET id -> seq: queued jobs held out of the queue (no stream entry yet) while
                 they wait for other jobs to end (--after, daemon/after.py: what for is on the
                 job's record, 'after', written by its enqueue) or for a place in their array's
-                window; ready.lua, or an array's `admit` (_lib.lua), lets them in. A record's
-                'met': the server found its dependencies met, and only its array's window holds it.
+                window; ready.lua, or an array's `admit` (_lib.lua), lets them in.
+  depends       ZSET id -> seq: those of `waiting` whose dependencies were not all found met yet:
+                what the server's sweep judges (server/dependencies.py). Their records hold what
+                they wait for ('after') and those found met so far ('after_met', ready.lua).
   array:ID      ZSET job id -> place: the jobs of array QUEUE@ID (poolctl enqueue --array/--sweep),
                 for commands that take the array's id for all its jobs, written by the enqueue
-                scripts; with :active (SET: its jobs let into the queue, queued or running, at
-                most its window's N of them, the records' 'window'), :next (ZSET id -> place: its
-                jobs held for a place in the window, let in lowest place first as places free)
-                and :left (how many of its jobs have not ended): kept while any has not, then for
-                the retention (_lib.lua, arrays).
+                scripts; with
+  array:ID:active  SET: its jobs let into the queue, queued or running: at most its window's N
+                (the records' 'window'),
+  array:ID:next ZSET id -> place: its jobs held for a place in the window, let in lowest place
+                first as places free (the records' 'array_pos'), and
+  array:ID:left how many of its jobs have not ended: the array's keys are kept while any has not,
+                then for the retention (_lib.lua, arrays).
   dependents:ID SET of the ids of jobs waiting for job ID to end (in ID's queue, whatever theirs):
                 how the server finds them when ID's terminal event comes; kept while ID lives,
                 then for the retention. A hint: the server's sweep judges every held job anyway.
@@ -146,6 +150,18 @@ def array(array_id: str) -> str:
 
 def array_active(array_id: str) -> str:
     return array(array_id) + ":active"
+
+
+def array_next(array_id: str) -> str:
+    return array(array_id) + ":next"
+
+
+def array_left(array_id: str) -> str:
+    return array(array_id) + ":left"
+
+
+def depends(queue: str) -> str:
+    return queue_prefix(queue) + "depends"
 
 
 def dependents(job_id: str) -> str:

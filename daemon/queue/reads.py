@@ -277,25 +277,31 @@ class QueueReads:
             return sum(int(n) for n in await pipe.execute())
 
     async def depth(self, queue: str) -> int:
-        """Jobs waiting in `queue`: those at its front, parked or held at a cap, and stream entries
-        not yet delivered (the others are pending: running, or at the front, parked or held)."""
+        """Jobs waiting in `queue`: those at its front, parked, held at a cap or backing off before
+        a retry, and stream entries not yet delivered (the others are pending: running, or at the
+        front, parked, held or backing off)."""
         return (await self.depths([queue]))[queue]
 
     async def depths(self, queues: Sequence[str]) -> dict[str, int]:
         """`depth` of each of `queues`, in one round trip whatever their number."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for q in queues:
-                for aside in (keys.retry(q), keys.parked(q), keys.capped(q)):
+                for aside in (keys.retry(q), keys.parked(q), keys.capped(q), keys.backoff(q)):
                     pipe.zcard(aside)
                 pipe.xlen(keys.stream(q))
                 pipe.xpending(keys.stream(q), keys.GROUP)
             replies = await pipe.execute(raise_on_error=False)
         out = {}
         for i, q in enumerate(queues):
-            retry, parked, capped, length, pending = replies[5 * i : 5 * i + 5]
+            retry, parked, capped, backing_off, length, pending = replies[6 * i : 6 * i + 6]
             # no stream or group yet (an error in its place): nothing was ever enqueued
             waiting = (
-                int(retry) + int(parked) + int(capped) + int(length) - int(pending["pending"])
+                int(retry)
+                + int(parked)
+                + int(capped)
+                + int(backing_off)
+                + int(length)
+                - int(pending["pending"])
                 if not isinstance(pending, Exception)
                 else 0
             )

@@ -54,24 +54,30 @@ class Dependencies:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            try:
-                await self.sweep()
-            except (RedisError, NotReplicated) as exc:
-                log.warning(
-                    "could not judge the jobs waiting for others (%s); again in %g s", exc, self.sweep_every
-                )
+            await self._judging(self.sweep(), "the jobs waiting for others")
             next_sweep = loop.time() + self.sweep_every
             while (left := next_sweep - loop.time()) > 0:
                 try:
                     job_id = await asyncio.wait_for(self._ended.get(), left)
                 except TimeoutError:
                     break
-                try:
-                    await judge(self.queue, await self.queue.dependents(job_id))
-                except (RedisError, NotReplicated) as exc:  # the next sweep judges them
-                    log.warning(
-                        "could not judge the jobs waiting for %s (%s); the next sweep will", job_id, exc
-                    )
+                await self._judging(self._dependents_of(job_id), f"the jobs waiting for {job_id}")
+
+    async def _dependents_of(self, job_id: str) -> None:
+        await judge(self.queue, await self.queue.dependents(job_id))
+
+    async def _judging(self, judging: Awaitable[None], what: str) -> None:
+        """One judging, whose failure (Redis away or full, or a record it cannot read: a bug) is
+        said and left to the next sweep: the sweep is what no held job can miss, so nothing may
+        end it."""
+        try:
+            await judging
+        except (RedisError, NotReplicated) as exc:
+            log.warning(
+                "could not judge %s (%s); the next sweep will, in %g s at most", what, exc, self.sweep_every
+            )
+        except Exception:  # said in full (a bug); the next sweep goes on
+            log.exception("judging %s failed; the next sweep will try again", what)
 
     async def sweep(self) -> None:
         """Judge every job of every queue held for others whose dependencies were not found met."""
@@ -88,30 +94,29 @@ async def weigh(queue: JobQueue, deps: Sequence[str]) -> tuple[str, str]:
 async def judge(queue: JobQueue, job_ids: Iterable[str]) -> None:
     """Judge each of `job_ids` that is held for others (a job that is not is left as it is)."""
     ids = list(job_ids)
-    if not ids:
-        return
-    states = await queue.states(ids)
-    held = [
-        (job_id, deps)
-        for job_id in ids
-        if states[job_id] is JobState.QUEUED and (deps := await queue.dependencies(job_id))
-    ]
-    await judge_held(queue, held)
+    if ids:
+        records = await queue.held_records(ids)
+        await judge_held(
+            queue, [(i, unmet) for i, (state, unmet) in records.items() if state is JobState.QUEUED]
+        )
 
 
 async def judge_held(queue: JobQueue, held: Sequence[tuple[str, Sequence[str]]]) -> None:
-    """Let each held job (id, what it waits for) join its queue, cancel it, or leave it waiting,
-    as after.verdict says; the states of the jobs waited for are read once for all of them."""
+    """Judge each held job (id, what it waits for and was not found met yet): cancel it when one
+    can no longer be met; else record those met now, and let it join its queue once all are
+    (ready.lua). The states of the jobs waited for are read once for all of them."""
     if not held:
         return
     states = await queue.states(after.split(dep)[0] for _, deps in held for dep in deps)
     moves: list[Awaitable[object]] = []
     for job_id, deps in held:
-        verdict, why = after.verdict(deps, [states[after.split(dep)[0]] for dep in deps])
-        if verdict == "ready":
-            moves.append(queue.ready(job_id))
-        elif verdict == "never":
+        got = [states[after.split(dep)[0]] for dep in deps]
+        verdict, why = after.verdict(deps, got)
+        met = after.met(deps, got)
+        if verdict == "never":
             moves.append(queue.cancel(job_id, detail=f"cancelled: {why}"))
+        elif verdict == "ready" or met:
+            moves.append(queue.ready(job_id, met, all_met=verdict == "ready"))
     for i in range(0, len(moves), MOVES_AT_ONCE):  # calls made together share round trips
         for answer in await asyncio.gather(*moves[i : i + MOVES_AT_ONCE], return_exceptions=True):
             if isinstance(answer, BaseException):

@@ -19,7 +19,15 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from daemon.errors import GpupoolError, InvalidJob, JobNotFound, NotYours, NoWorkerFits, PriorityTooHigh
+from daemon.errors import (
+    GpupoolError,
+    InvalidJob,
+    JobNotFound,
+    NotReplicated,
+    NotYours,
+    NoWorkerFits,
+    PriorityTooHigh,
+)
 from daemon.job import ARRAY_ID, JobInfo, JobSpec, JobState
 from daemon.metrics.server import ServerMetrics
 from daemon.object_store import artifact_job
@@ -323,9 +331,17 @@ class Handlers:
         ended already; server/dependencies.py). What each waits for, and its array's window, the
         enqueue wrote itself: a server that dies before this leaves them to the next sweep."""
         waits = [(job_id, spec.after) for job_id, spec in jobs if spec.after]
-        if waits:
+        if not waits:
+            return
+        try:
             await self.queue.note_dependents(waits)
             await judge_held(self.queue, waits)
+        except (RedisError, NotReplicated) as exc:  # queued all the same: the sweep judges them
+            log.warning(
+                "could not note or judge %d job(s) waiting for others now (%s): the sweep will",
+                len(waits),
+                exc,
+            )
 
     def _check_priority(self, specs: list[JobSpec], user: str) -> None:
         """Refuse a priority above `user`'s ceiling (the whole batch: nothing is queued)."""

@@ -130,10 +130,10 @@ class Notifier:
         loop = asyncio.get_running_loop()
         while True:
             room = MAX_IN_FLIGHT - len(self._deliveries)
-            if room > 0 and self._seen:
-                await self._take_seen(room)
-            elif room > 0 and loop.time() >= self._sweep_at:
+            if room > 0 and loop.time() >= self._sweep_at:  # first: a stream of ends cannot starve it
                 await self._sweep(room)
+            elif room > 0 and self._seen:
+                await self._take_seen(room)
             else:
                 self._wake.clear()
                 wait = self._sweep_at - loop.time() if room > 0 else self.sweep_every

@@ -375,10 +375,11 @@ class Worker(Stopping):
         standing claim got fewer jobs than it asked for: it found the queues empty, as a claim
         that returned does (`_claim`), and the next step waits again."""
         generation, sent = self._generation(), boottime()
-        wanted = self.slots - self._busy() + self._ahead.wanted()
+        free = self.slots - self._busy()
+        wanted = free + self._ahead.wanted()
         claim = None  # none stands on a GPU worker (work_watch.py)
         if not self.allocator.gpus:  # and none goes while claims may not (claim_gate.py)
-            claim = {"count": wanted, "ready": self._gate.open_now, **await self._room()}
+            claim = {"count": wanted, "slots": free, "ready": self._gate.open_now, **await self._room()}
         leases = await self._watch.wait(self._wake, claim)
         return leases is None or await self._claimed(leases, wanted, generation, sent)
 
@@ -510,7 +511,7 @@ class Worker(Stopping):
             run.hand_back(why=why)
 
         grace = lease.spec.stop_grace or self.kill_grace
-        return asyncio.create_task(self.lifetime.stop_in_time(grace, stop), name=f"end of {lease.job_id}")
+        return self._attempts.spawn(self.lifetime.stop_in_time(grace, stop), f"end of {lease.job_id}")
 
     @staticmethod
     async def _tidy(run: Run) -> None:

@@ -87,3 +87,18 @@ async def wait_dead(pids: list[int], timeout: float = 15.0) -> None:
         return not any(alive(p) for p in pids)
 
     await wait_until(gone, timeout, f"processes {pids} to be gone")
+
+
+def logs_its_span(log: Path, seconds: float = 0.05) -> str:
+    """A job's script that appends `start NS` to `log`, runs `seconds`, then appends `end NS`."""
+    return f"echo start $(date +%s%N) >> {log}; sleep {seconds}; echo end $(date +%s%N) >> {log}"
+
+
+def most_at_once(lines: list[str]) -> int:
+    """The most jobs running at once in a log of `logs_its_span` lines."""
+    events = sorted((int(t), 1 if what == "start" else -1) for what, t in (line.split() for line in lines))
+    running = most = 0
+    for _, step in events:
+        running += step
+        most = max(most, running)
+    return most

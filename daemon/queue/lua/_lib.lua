@@ -152,6 +152,13 @@ local function admit(prefix, array, window)
   end
 end
 
+-- A held job of an array with a window, nothing else to wait for: it takes its turn (by its
+-- place) for a place in the window, and the array's next jobs go in while there is room.
+local function take_turn(prefix, id, array, pos, window)
+  redis.call('ZADD', array_key(prefix, array) .. ':next', pos, id)
+  admit(prefix, array, window)
+end
+
 -- Job `id` of `array` ended: its place in the window frees for the next job; the array's last
 -- job to end starts the retention countdown of the array's keys.
 local function array_ended(prefix, array, window, id, retention)
@@ -240,6 +247,7 @@ end
 -- which is all a claim needs of it (it reads each user's line itself), at one write less a start.
 local function unhold(prefix, user, id)
   if redis.call('ZREM', prefix .. 'capped', id) == 0 then return {} end
+  redis.call('HDEL', job_key(prefix, id), 'front')  -- (claim.lua: held from the front)
   local mine = prefix .. 'capped:' .. user
   redis.call('ZREM', mine, id)
   local top = redis.call('ZRANGE', mine, 0, 0, 'WITHSCORES')
@@ -255,10 +263,15 @@ local function to_front(prefix, stream, group, retry, id)
   redis.call('XCLAIM', stream, group, 'reclaimed', 0, j[2], 'JUSTID')
 end
 
--- Put a started job back at the front of its queue, to be claimed again with attempt+1.
-local function requeue(prefix, stream, group, retry, id)
+-- A started job queued again, its attempt over: to be claimed with attempt+1.
+local function unstarted(prefix, id)
   redis.call('HSET', job_key(prefix, id), 'state', 'queued', 'worker', '')
   redis.call('HDEL', job_key(prefix, id), 'requeue')  -- asked for (requeue.lua), and done
+end
+
+-- Put a started job back at the front of its queue, to be claimed again with attempt+1.
+local function requeue(prefix, stream, group, retry, id)
+  unstarted(prefix, id)
   to_front(prefix, stream, group, retry, id)
   wake(prefix)
 end
@@ -270,12 +283,9 @@ end
 -- (reclaim.lua) puts it at the front once due.
 local function retry_after(prefix, stream, group, retry_key, id, failures, base, most, now)
   if base <= 0 then return requeue(prefix, stream, group, retry_key, id) end
-  local jobkey = job_key(prefix, id)
-  local at = now + math.min(base * 2 ^ (failures - 1), most)
-  redis.call('HSET', jobkey, 'state', 'queued', 'worker', '', 'retry_at', string.format('%d', at))
-  redis.call('HDEL', jobkey, 'requeue')
-  redis.call('ZADD', prefix .. 'backoff', at, id)
-  redis.call('XCLAIM', stream, group, 'reclaimed', 0, redis.call('HGET', jobkey, 'entry'), 'JUSTID')
+  unstarted(prefix, id)
+  redis.call('ZADD', prefix .. 'backoff', now + math.min(base * 2 ^ (failures - 1), most), id)
+  redis.call('XCLAIM', stream, group, 'reclaimed', 0, redis.call('HGET', job_key(prefix, id), 'entry'), 'JUSTID')
 end
 
 -- Take `n` sequence numbers of a queue, creating its stream and consumer group the first time.
@@ -311,15 +321,15 @@ end
 -- Add a job (`a`: job_args) at the tail of its queue with sequence number `seq` (from reserve):
 -- its record and index entry, and its place in its array. The caller has made sure its id is
 -- free. A job that waits for others to end (`a.after`) is held in `waiting`, with what it waits
--- for on its record, where the server's judge finds it, till ready.lua; one of an array with a
--- window goes in its turn (`admit`); any other joins the queue at once. All in the one call, so
+-- for on its record, and listed in `depends`, where the server's judge finds it, till ready.lua;
+-- one of an array with a window goes in its turn (`take_turn`); any other joins the queue at once. All in the one call, so
 -- no crash leaves a job held with nothing to say what it waits for.
 local function add_job(prefix, index, jobkey, id, seq, now, a)
   local priority, pos, window = tonumber(a.priority) or 0, tonumber(a.array_pos) or 0, tonumber(a.window) or 0
   redis.call('HSET', jobkey, 'id', id, 'state', 'queued', 'seq', seq, 'attempt', 0, 'spec', a.spec,
     'gpus', a.gpus, 'max_attempts', a.max_attempts, 'retries', a.retries, 'failures', 0, 'losses', 0,
     'enqueued_at', now, 'entry', '', 'priority', priority, 'user', a.user or '', 'gpu_mem', tonumber(a.gpu_mem) or 0,
-    'after', a.after or '', 'array', a.array or '', 'window', window)
+    'after', a.after or '', 'array', a.array or '', 'array_pos', pos, 'window', window)
   if a.notify and a.notify ~= '' then redis.call('HSET', jobkey, 'notify', a.notify) end
   redis.call('ZADD', index, seq, id)
   if a.array and a.array ~= '' then
@@ -329,12 +339,12 @@ local function add_job(prefix, index, jobkey, id, seq, now, a)
     redis.call('PERSIST', key)  -- (an earlier batch of it may have ended, and set it expiring)
     redis.call('PERSIST', key .. ':left')
   end
-  if (a.after and a.after ~= '') or window > 0 then
+  if a.after and a.after ~= '' then
     redis.call('ZADD', prefix .. 'waiting', seq, id)
-    if not a.after or a.after == '' then
-      redis.call('ZADD', array_key(prefix, a.array) .. ':next', pos, id)
-      admit(prefix, a.array, window)
-    end
+    redis.call('ZADD', prefix .. 'depends', seq, id)  -- what the server's sweep judges
+  elseif window > 0 then
+    redis.call('ZADD', prefix .. 'waiting', seq, id)
+    take_turn(prefix, id, a.array, pos, window)
   else
     join(prefix, jobkey, id, priority, seq)
   end

@@ -1,5 +1,7 @@
 -- cancel: stop a job. A queued job never starts: it becomes cancelled at once (out of `retry`,
--- `parked`, `prio`, `backoff`, `waiting` and the jobs held at a cap, its entry deleted, so no claim can deliver it). A running job is flagged: its worker learns it
+-- `parked`, `prio`, `backoff`, `waiting`, `depends` and the jobs held at a cap, its entry deleted,
+-- so no claim can deliver it; out of its array's window, _lib.lua `finish`). A running job is
+-- flagged: its worker learns it
 -- on its next renew, stops the process and completes the attempt as cancelled; if that worker is
 -- dead, the reaper cancels the job instead of requeueing it. A finished job is left as it is.
 -- Safe to run twice (the second run finds the state the first left). At maxmemory it still runs:
@@ -19,6 +21,7 @@ if state == 'queued' then
   redis.call('ZREM', prefix .. 'prio', id)
   unhold(prefix, redis.call('HGET', jobkey, 'user') or '', id)
   redis.call('ZREM', prefix .. 'waiting', id)
+  redis.call('ZREM', prefix .. 'depends', id)
   redis.call('ZREM', prefix .. 'backoff', id)
   finish(prefix, stream, group, events, id, 'cancelled', now_ms(), tonumber(ARGV[4]),
     nil, ARGV[5] and ARGV[5] ~= '' and {'detail', ARGV[5]} or nil)

@@ -372,7 +372,7 @@ local function backfill(head)
   end
   for _, from in ipairs({retry, parked}) do
     for _, id in ipairs(redis.call('ZRANGE', from, 0, LOOK - 1)) do
-      if #ids == wanted then return end
+      if #ids == wanted or #ids >= slots then break end  -- (the front is never claimed ahead)
       local jobkey, f, g = fits(id)
       if jobkey then
         redis.call('ZREM', from, id)
@@ -559,7 +559,7 @@ while waiting and #ids < wanted do
     if half_life == 0 then c, c_seq, c_user = oldest_released() end  -- (fair share: its own turn)
     if c and (not pick or c_seq < pick_seq) then pick, from, pick_seq = c, nil, c_seq end
     if not pick then break end
-    if #ids >= slots then return stop('claimed', '0-0') end  -- the front is never claimed ahead
+    if #ids >= slots then return stop('blocked', newest()) end  -- the front is never claimed ahead
     local jobkey = job_key(prefix, pick)
     local f = job_fields(jobkey)
     local gpus = need_of(f)
@@ -693,7 +693,6 @@ if half_life > 0 then
     else
       if not may_start(gpus, f) then return blocked(id, gpus) end
       local top = unhold(prefix, best_user, id)
-      if best[4] then redis.call('HDEL', jobkey, 'front') end
       redis.call('XCLAIM', stream, group, consumer, 0, f[8], 'JUSTID')
       start(id, jobkey, gpus, f)
       next_of[best_user] = false

@@ -17,7 +17,7 @@ from daemon.queue.embedded_redis import EmbeddedRedis
 from tests.support.faults import memory_full
 from tests.support.pool import running_pool
 from tests.support.poolctl import poolctl
-from tests.support.workers import running_worker, wait_until
+from tests.support.workers import logs_its_span, most_at_once, running_worker, wait_until
 
 
 def test_indices_and_the_limit_are_read_as_slurm_writes_them() -> None:
@@ -46,20 +46,11 @@ def test_a_sweep_is_the_cartesian_product_and_fills_the_command() -> None:
             parse_sweep(bad)
 
 
-def _most_at_once(lines: list[str]) -> int:
-    events = sorted((int(t), 1 if what == "start" else -1) for what, t in (line.split() for line in lines))
-    running = most = 0
-    for _, step in events:
-        running += step
-        most = max(most, running)
-    return most
-
-
 async def test_an_array_of_100_with_a_limit_of_8_never_runs_more_than_8(
     redis_server: EmbeddedRedis, tmp_path: Path
 ) -> None:
     log = tmp_path / "log"
-    script = f"echo start $(date +%s%N) >> {log}; sleep 0.05; echo end $(date +%s%N) >> {log}"
+    script = logs_its_span(log)
     async with running_pool(redis_server, tmp_path) as pool:
         env = pool.env("alice")
         code, out, err = await poolctl(env, "enqueue", "--array", "0-99%8", "--", "sh", "-c", script)
@@ -73,7 +64,7 @@ async def test_an_array_of_100_with_a_limit_of_8_never_runs_more_than_8(
         assert "100: 100 succeeded" in out
     lines = log.read_text().splitlines()
     assert len(lines) == 200
-    assert 1 < _most_at_once(lines) <= 8
+    assert 1 < most_at_once(lines) <= 8
 
 
 async def test_a_sweeps_jobs_see_their_values_and_the_array_id_cancels_them_all(
@@ -124,7 +115,7 @@ async def test_an_array_that_waits_for_a_job_keeps_its_limit(
     most 2 of the array at once once X has succeeded; and the window is a count of the array's
     jobs under way, as Slurm's %N is: a long first job does not narrow it to one."""
     log = tmp_path / "log"
-    script = f"echo start $(date +%s%N) >> {log}; sleep 0.1; echo end $(date +%s%N) >> {log}"
+    script = logs_its_span(log, 0.1)
     async with running_pool(redis_server, tmp_path) as pool:
         env = pool.env("alice")
         code, first, err = await poolctl(env, "enqueue", "--", "sleep", "0.2")
@@ -142,14 +133,14 @@ async def test_an_array_that_waits_for_a_job_keeps_its_limit(
             assert code == 0, err
             code, _, err = await poolctl(env, "wait", long.strip(), "--timeout", "60")
             assert code == 0, err
-        jobs = {
-            j.spec.array_index: j
-            for j in await pool.queue.list_jobs(include_finished=True)
-            if j.spec.array == long.strip()
-        }
+        listed = await pool.queue.list_jobs(include_finished=True)
+    jobs = {j.spec.array_index: j for j in listed if j.spec.array == long.strip()}
+    throttled = sorted((j for j in listed if j.spec.array == out.strip()), key=lambda j: j.spec.array_index)
     lines = log.read_text().splitlines()
     assert len(lines) == 20
-    assert _most_at_once(lines) <= 2
+    assert most_at_once(lines) == 2
+    starts = [j.started_at or 0 for j in throttled]  # claimed (Redis's clock) by index: let in so
+    assert starts == sorted(starts)
     first_end = jobs[0].ended_at
     assert first_end is not None
     assert all((jobs[i].ended_at or 0) < first_end for i in range(1, 6))  # all passed the long one

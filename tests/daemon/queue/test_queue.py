@@ -705,5 +705,21 @@ async def test_a_claim_ahead_of_a_free_slot_never_takes_the_front(queue: JobQueu
     second, _ = await queue.enqueue(spec(2))
     await expire(queue, redis, await claim(queue))  # the first is back at the front
     assert await queue.claim_many("w1", ["default"], 2, slots=0) == []
+    assert await queue.wait_for_work(["default"], 0.3) == []  # it waits for news: no spin
     got = await queue.claim_many("w1", ["default"], 2, slots=1)
     assert [(lease.job_id, lease.ahead) for lease in got] == [(first, False), (second, True)]
+
+
+async def test_a_standing_claim_marks_what_it_claims_ahead_of_a_free_slot(
+    queue: JobQueue, redis: AnyRedis
+) -> None:
+    """issue 43 item 7 (look-ahead): an idle worker's standing claim (work_watch.py) made while
+    it looks ahead asks for more jobs than it has free slots: those beyond are claimed ahead too,
+    and marked so, as a claim of its own marks them."""
+    ids = [(await queue.enqueue(spec(i)))[0] for i in range(2)]
+    standing = queue.stand("w1", ["default"], 3, slots=1)
+    assert standing is not None
+    ids.append((await queue.enqueue(spec(2)))[0])  # sends the standing claim in its round trip
+    got = await queue.standing_claimed(standing)
+    assert [(lease.job_id, lease.ahead) for lease in got] == [(ids[0], False), (ids[1], True), (ids[2], True)]
+    assert [await redis.hget(keys.job(i), "ahead") for i in ids] == [None, b"1", b"1"]

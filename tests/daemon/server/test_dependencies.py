@@ -10,14 +10,14 @@ import pytest
 
 from daemon.ctl.arrays import array_specs
 from daemon.ctl.pool_client import ClientError
-from daemon.job import JobSpec, JobState
+from daemon.job import JobSpec, JobState, Outcome
 from daemon.queue import keys
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from protocol import Enqueue, EnqueueBatch, Enqueued, EnqueuedBatch, JobDetail, ShowJob
 from tests.support.faults import memory_full
 from tests.support.pool import Pool, running_pool
-from tests.support.workers import running_worker, wait_state
+from tests.support.workers import logs_its_span, most_at_once, running_worker, wait_state
 
 
 def job(script: str, *after: str) -> dict[str, object]:
@@ -118,19 +118,6 @@ def _array(n: int, limit: int, script: str, **extra: object) -> list[JobSpec]:
     return [JobSpec.from_dict({**s, "user": "alice"}) for s in specs]
 
 
-def _most_at_once(lines: list[str]) -> int:
-    events = sorted((int(t), 1 if what == "start" else -1) for what, t in (line.split() for line in lines))
-    running = most = 0
-    for _, step in events:
-        running += step
-        most = max(most, running)
-    return most
-
-
-def _logged(log: Path, pause: float = 0.05) -> str:
-    return f"echo start $(date +%s%N) >> {log}; sleep {pause}; echo end $(date +%s%N) >> {log}"
-
-
 async def test_jobs_whose_server_died_right_after_their_enqueue_still_run(
     redis_server: EmbeddedRedis, tmp_path: Path
 ) -> None:
@@ -143,7 +130,7 @@ async def test_jobs_whose_server_died_right_after_their_enqueue_still_run(
     try:
         first = (await queue.enqueue(JobSpec(argv=("true",), user="alice")))[0]
         dependent, _ = await queue.enqueue(JobSpec(argv=("true",), user="alice", after=(f"{first}:ok",)))
-        jobs = _array(12, 3, _logged(log))
+        jobs = _array(12, 3, logs_its_span(log))
         ids = await queue.enqueue_many(jobs)  # and nothing after: the server died here
         assert await queue.array_jobs(jobs[0].array) == ids
         async with (
@@ -151,11 +138,12 @@ async def test_jobs_whose_server_died_right_after_their_enqueue_still_run(
             running_worker(queue, tmp_path / "w", slots=8),
         ):
             await wait_state(queue, dependent, JobState.SUCCEEDED)
-            for job_id in ids:
-                await wait_state(queue, job_id, JobState.SUCCEEDED)
+            infos = [await wait_state(queue, job_id, JobState.SUCCEEDED) for job_id in ids]
     finally:
         await queue.redis.aclose()
-    assert 1 <= _most_at_once(log.read_text().splitlines()) <= 3
+    assert 1 <= most_at_once(log.read_text().splitlines()) <= 3
+    starts = [info.started_at or 0 for info in infos]  # let in, and so claimed, by index
+    assert starts == sorted(starts)
 
 
 async def test_a_judge_redis_refused_is_made_again(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
@@ -200,4 +188,32 @@ async def test_what_waiting_jobs_need_lives_as_long_as_they_wait(
                 await wait_state(pool.queue, job_id, JobState.SUCCEEDED)
         client = pool.queue.redis
         assert 0 < await client.ttl(keys.dependents(first)) <= 1
-        assert 0 < await client.ttl(keys.array(array_id)) <= 1
+        for key in (keys.array(array_id), keys.array_left(array_id)):
+            assert 0 < await client.ttl(key) <= 1
+        assert not await client.exists(keys.array_active(array_id), keys.array_next(array_id))
+
+
+async def test_a_dependency_met_stays_met_when_its_job_is_forgotten(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 43 (nothing a live job needs expires while it lives): a job waiting for A and B, with
+    A succeeded, judged, and then forgotten (past job_retention while B still ran) was cancelled
+    by the next judge as waiting for a job "not in the pool"; what a judge found met is kept on
+    the waiting job's record now, so it runs once B succeeds."""
+    async with running_pool(redis_server, tmp_path, worker_healthy_response_period=5.0) as pool:
+        a = await enqueue(pool, job("true"))
+        b = await enqueue(pool, job("true"))
+        both = await enqueue(pool, job("true", a, b))
+        for expected in (a, b):
+            lease = await pool.queue.claim("stand-in", ["default"])
+            assert lease is not None
+            assert lease.job_id == expected
+            await pool.queue.complete(lease, Outcome(JobState.SUCCEEDED, exit_code=0))
+            if expected == a:
+                await asyncio.sleep(2.0)  # a sweep judges `both`: A met, B not yet
+                assert (await pool.queue.get(both)).state is JobState.QUEUED
+                await pool.queue.redis.delete(keys.job(a))  # A past its retention
+                await asyncio.sleep(2.0)  # and another sweep
+                assert (await pool.queue.get(both)).state is JobState.QUEUED
+        async with running_worker(pool.queue, tmp_path / "w"):
+            await wait_state(pool.queue, both, JobState.SUCCEEDED)

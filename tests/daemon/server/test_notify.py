@@ -162,7 +162,7 @@ async def test_a_stopped_server_hands_back_what_it_did_not_deliver(
             await hook.wait_for(1)  # refused, and waiting to try again when the server stops
         hook.answers.clear()
         async with running_pool(redis_server, tmp_path / "b", notify_secret=SECRET) as b:
-            posts = await hook.wait_for(2)  # the next start finds it unclaimed among recent ends
+            posts = await hook.wait_for(2)  # the next start finds it handed back to the outbox
             await until(lambda: counted(b, "sent") == 1)
     assert [p.answered for p in posts] == [503, 200]
     assert signed(posts[1])

@@ -83,8 +83,9 @@ async def test_an_end_while_the_only_server_was_down_for_long_is_sent_after_its_
 ) -> None:
     """issue 43 item 7 (webhooks): a job that ended while the pool's only server was down for more
     than the 15 minutes a start used to catch up on is notified, to its --notify URL and to the
-    pool's notify_url, once a server starts again. The downtime is the server's clock: it starts
-    16 minutes after the end as far as it can tell."""
+    pool's notify_url, once a server starts again. The downtime is the notifier's clock: it starts
+    16 minutes after the end as far as it can tell (the catch-up window of before read that
+    clock; the outbox reads none, so how long no server ran does not matter to it)."""
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
     async with receiver() as pool_hook, receiver() as job_hook:
