@@ -159,7 +159,10 @@ class Faults:
     requeue: int = 0  # RequeueJobs sent for running checkpointing jobs (workflows)
     requeued: int = 0  # jobs those stopped and put back at the front
     pilots_left: int = 0  # pilots that left by themselves at their end, each replaced (not a fault)
-    pilot_failures: int = 0  # of them, those whose process did not exit 0
+    # pilots that could not register, started while Redis refused writes (its memory limit, a
+    # restart): they exit at once, as a worker does that cannot reach Redis at its start
+    pilots_refused: int = 0
+    pilot_failures: int = 0  # pilots that ended otherwise than either
     log: list[tuple[float, str]] = field(default_factory=list)
     # (copied at, killed at): what was written to Redis in between was lost
     rollbacks: list[tuple[float, float]] = field(default_factory=list)
@@ -333,16 +336,20 @@ class Cluster:
 
     async def keep_pilots(self, until: asyncio.Event) -> None:
         """Start a pilot in the place of each one that left by itself (its lifetime over), as a
-        batch system starts the next pilot job, until `until` is set. One that left other than
-        with exit status 0 is counted (a pilot's end is a clean exit)."""
+        batch system starts the next pilot job, until `until` is set. A pilot's end is a clean
+        exit; one that exits otherwise is counted, apart from those whose registration Redis
+        refused (its log says so)."""
         while not until.is_set():
             for worker in list(self.workers):
                 code = worker.proc.poll()
                 if worker.kind != "pilot" or worker.replaced or worker.killed_at or code is None:
                     continue
                 worker.replaced = True
-                self.faults.pilots_left += 1
-                if code != 0:
+                if code == 0:
+                    self.faults.pilots_left += 1
+                elif "cannot register" in (self.tmp / f"{worker.name}.log").read_text():
+                    self.faults.pilots_refused += 1
+                else:
                     self.faults.pilot_failures += 1
                     self.faults.note(f"pilot {worker.name} exited {code}; see its log")
                 self.start_worker("pilot")

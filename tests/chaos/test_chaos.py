@@ -207,7 +207,8 @@ def workflow_report(verdict: Verdict, cluster: Cluster) -> str:
     f, v = cluster.faults, verdict
     return (
         f"; workflows: requeue faults {f.requeue} ({f.requeued} jobs requeued), pilots that left "
-        f"{f.pilots_left} (not exit 0: {f.pilot_failures}); still under way {v.still_running}; "
+        f"{f.pilots_left} (refused at their start by a Redis at fault {f.pilots_refused}, ended "
+        f"otherwise {f.pilot_failures}); still under way {v.still_running}; "
         f"dependents {v.dependents}: early starts {v.early_starts}, run though unmet {v.unmet_runs}, "
         f"wrongly refused {v.wrong_refusals}; arrays {v.arrays}: most running at once {v.most_under_way}, "
         f"over the window {v.window_excess}; checkpoint restores {v.restores} (bad {v.bad_restores}), "
@@ -334,22 +335,46 @@ async def test_chaos_workflows_small(
     without `--after`, checkpoints requeued and preempted, `--gpu-mem` jobs on workers with
     made-up GPUs, webhooks, pilots that leave) among the plain jobs, under one fault of each kind
     and a requeue: every rule holds, and each feature was met."""
+    await workflow_chaos(
+        tmp_path, redis_server, s3_env, jobs=60, workers=3, rounds=len(WORKFLOW_KINDS), units=2
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_chaos_workflows_large(
+    tmp_path: Path, redis_server: EmbeddedRedis, s3_env: dict[str, str]
+) -> None:
+    await workflow_chaos(tmp_path, redis_server, s3_env, jobs=2000, workers=4, rounds=40, units=16, seed=19)
+
+
+async def workflow_chaos(
+    tmp: Path,
+    redis_server: EmbeddedRedis,
+    s3_env: dict[str, str],
+    *,
+    jobs: int,
+    workers: int,
+    rounds: int,
+    units: int,
+    seed: int = 7,
+) -> None:
     verdict, cluster = await run_chaos(
-        tmp_path,
+        tmp,
         redis_server,
         s3_env,
-        jobs=60,
-        workers=3,
-        rounds=len(WORKFLOW_KINDS),
+        jobs=jobs,
+        workers=workers,
+        rounds=rounds,
         lease=1.5,
-        seed=7,
+        seed=seed,
         kinds=WORKFLOW_KINDS,
-        workflows=2,
+        workflows=units,
     )
     print(report(verdict, cluster))
     assert verdict.ok, report(verdict, cluster) + "\n" + "\n".join(verdict.problems[:20])
     f = cluster.faults
-    assert not f.pilot_failures
+    assert not f.pilot_failures, [what for _, what in f.log if what.startswith("pilot")]
     met = [f.requeued, f.pilots_left, verdict.pilot_attempts, verdict.dependents, verdict.arrays]
     met += [verdict.restores, verdict.preempted, verdict.shared_attempts, verdict.notified]
     assert all(met), report(verdict, cluster)
