@@ -345,6 +345,8 @@ async def test_chaos_workflows_small(
 async def test_chaos_workflows_large(
     tmp_path: Path, redis_server: EmbeddedRedis, s3_env: dict[str, str]
 ) -> None:
+    """issue 43, the chaos suite, as `make chaos` runs it: 16 workflow units among 2 000 plain
+    jobs, 40 faults."""
     await workflow_chaos(tmp_path, redis_server, s3_env, jobs=2000, workers=4, rounds=40, units=16, seed=19)
 
 

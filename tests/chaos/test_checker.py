@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from daemon.job import Attempt, JobInfo, JobSpec, JobState
+from daemon.queue.job_queue import JobQueue
 from daemon.webhook import DELIVERY_HEADER, SIGNATURE_HEADER, sign
 from tests.chaos import workflow_rules
-from tests.chaos.checker import check_decided, check_ends, check_fifo, check_overlaps, check_terminal
+from tests.chaos.checker import (
+    check_decided,
+    check_ends,
+    check_fifo,
+    check_overlaps,
+    check_terminal,
+    explain_unended,
+)
 from tests.chaos.history import Span, Verdict
 from tests.chaos.workflow_rules import WorkflowRun
 from tests.chaos.workflows import Submitted
 from tests.support.webhooks import Post
+from tests.support.workers import running_worker, sh, wait_state
 
 
 def info(job_id: str, seq: int, started: float) -> JobInfo:
@@ -116,6 +126,21 @@ def test_a_job_not_ended_is_lost_unless_something_keeps_it_under_way() -> None:
     v = Verdict()
     check_terminal(v, {"r": running}, {"r": 1.0}, [], unended={"r": "running on w"})
     assert (v.still_running, v.lost, v.ok) == (1, 0, True)
+
+
+async def test_what_keeps_a_job_under_way_is_read_from_the_pool(queue: JobQueue, tmp_path: Path) -> None:
+    """issue 43, chaos: a job not ended may be running under a live lease of a live worker, or held
+    for such a job; one queued where no worker serves has no such reason (it is lost)."""
+    async with running_worker(queue, tmp_path / "w"):
+        long, _ = await queue.enqueue(sh("sleep 30"))
+        held, _ = await queue.enqueue(sh("true", after=(f"{long}:ok",)))
+        stuck, _ = await queue.enqueue(sh("true", queue="nobody"))
+        await wait_state(queue, long, JobState.RUNNING)
+        infos: dict[str, JobInfo | None] = {i: await queue.get(i) for i in (long, held, stuck)}
+        reasons = await explain_unended(queue, infos)
+    assert set(reasons) == {long, held}, reasons
+    assert "running on" in reasons[long]
+    assert long in reasons[held]
 
 
 def test_a_dependent_ends_as_what_it_waits_for_allows() -> None:
