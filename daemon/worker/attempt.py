@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -95,10 +96,11 @@ class Holdings:
     def __init__(self, guard: OrphanGuard) -> None:
         self.guard = guard
         self._by_lease: dict[str, HeldAttempt] = {}
-        # The fence looks at least every FENCE_CHECK while anything runs, and deadlines only move
-        # later: it needs waking only when it sleeps with nothing running and an attempt starts.
+        # The fence looks at least every FENCE_CHECK while anything runs, and a deadline only moves
+        # later: it needs waking only when an attempt starts whose deadline comes before its next
+        # look (a claim answered late has one that soon; with nothing running it looks at none).
         self._started = asyncio.Event()
-        self._fence_idle = False
+        self._next_look = math.inf  # boottime() of the fence's next look
         self._changed_at = boottime()  # the last hold or drop: how long an empty map has been empty
 
     def __iter__(self) -> Iterator[HeldAttempt]:
@@ -120,10 +122,21 @@ class Holdings:
         return self._by_lease.get(held.lease.id) is held
 
     def started(self, held: HeldAttempt, run: Run, slot: int) -> None:
-        """Its processes may start now: from here the fence (and the guard) watch its deadline."""
+        """Its processes may start now: from here the fence (and the guard) watch its deadline.
+        One whose deadline has passed already (its claim was answered late: Redis was slow, or its
+        answer was) is lost here, before the caller spawns anything: its lease may be another
+        worker's by now, and it goes back to its queue when the lease lapses in Redis."""
         held.run, held.slot, held.phase = run, slot, Phase.RUNNING
         self.guard.hold(held.lease.id, held.deadline)
-        if self._fence_idle:
+        if held.expired():
+            log.warning(
+                "job %s attempt %d: its claim was answered after its lease's deadline; not started",
+                held.lease.job_id,
+                held.lease.attempt,
+            )
+            run.lose("its claim was answered after its lease's deadline")
+            held.fenced = True
+        elif held.deadline < self._next_look:
             self._started.set()
 
     def drop(self, held: HeldAttempt) -> None:
@@ -173,7 +186,7 @@ class Holdings:
                 h.fenced = True
             left = [h.deadline - now for h in running if not h.fenced]
             timeout = min(FENCE_CHECK, max(0.0, min(left))) if left else None
-            self._fence_idle = timeout is None
+            self._next_look = math.inf if timeout is None else now + timeout
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await self._started.wait()

@@ -2,6 +2,8 @@
 
 Inputs: the ids the clients were given, the ledger the jobs wrote, the fault log, and the pool's
 own records in Redis. Each check returns its count so the test (and `make chaos`) can print them.
+The workflow features' rules (dependencies, arrays, checkpoints, webhooks) are in
+tests/chaos/workflow_rules.py; what the checks read and say, in tests/chaos/history.py.
 """
 
 from __future__ import annotations
@@ -10,82 +12,22 @@ import asyncio
 import itertools
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Mapping
 from typing import cast
 
 from redis.exceptions import RedisError
 
 from daemon.errors import JobNotFound
-from daemon.job import JobInfo
-from daemon.queue import keys
+from daemon.job import JobInfo, JobState
+from daemon.queue import keys, registry
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.reads import xrange
+from tests.chaos import workflow_rules
 from tests.chaos.harness import TICK, Cluster
+from tests.chaos.history import Span, Verdict, read_ledger
 
 SLACK = 0.05  # seconds a tick may come late on a busy machine
 ACK_LATENCY = 2.0  # seconds a client may take to hear that its job was written
-
-
-@dataclass
-class Span:
-    """One attempt's life as its job wrote it: keyed by its lease id, which never repeats."""
-
-    job: str
-    attempt: int
-    lease: str
-    worker: str
-    start: float
-    end: float | None = None
-    last_seen: float = 0.0  # its last line (a tick, at most TICK apart while it lives)
-    stopped: bool = False  # it ended on SIGTERM (handed back: a requeue, a preemption, a drain)
-
-
-@dataclass
-class Verdict:
-    jobs: int = 0
-    lost: int = 0
-    rolled_back: int = 0  # ids whose submission Redis lost with its last writes (documented)
-    unexpected: int = 0
-    not_succeeded: int = 0
-    results_not_once: int = 0
-    overlaps: int = 0
-    guard_kills: int = 0  # attempts killed while running, not by a worker's SIGKILL
-    unknown_ends: int = 0
-    fifo_violations: int = 0
-    reclaimed_jobs: int = 0
-    attempts_run: int = 0
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not (
-            self.lost
-            or self.unexpected
-            or self.not_succeeded
-            or self.results_not_once
-            or self.overlaps
-            or self.unknown_ends
-            or self.fifo_violations
-        )
-
-
-def read_ledger(path: Path) -> dict[str, Span]:
-    spans: dict[str, Span] = {}
-    for line in path.read_text().splitlines():
-        parts = line.split()
-        if len(parts) != 6:
-            continue
-        job, attempt, lease, worker, what, micros = parts
-        at = int(micros) / 1e6
-        if what == "start":
-            spans[lease] = Span(job, int(attempt), lease, worker, at, last_seen=at)
-        elif lease in spans:
-            spans[lease].last_seen = at
-            if what in {"end", "stopped"}:
-                spans[lease].end = at
-                spans[lease].stopped = what == "stopped"
-    return spans
 
 
 async def drain(queue: JobQueue, ids: list[str], limit: float) -> dict[str, JobInfo | None]:
@@ -112,11 +54,20 @@ async def drain(queue: JobQueue, ids: list[str], limit: float) -> dict[str, JobI
         await asyncio.sleep(0.25)
 
 
-async def check(cluster: Cluster, queue: JobQueue, acked: dict[str, float], limit: float = 120) -> Verdict:
-    """`acked`: every job id a client was given, with when it was given."""
+async def check(
+    cluster: Cluster,
+    queue: JobQueue,
+    acked: dict[str, float],
+    limit: float = 120,
+    workflows: workflow_rules.WorkflowRun | None = None,
+) -> Verdict:
+    """`acked`: every job id a client was given, with when it was given; `workflows`: what the
+    workflow units submitted and the receiver got, for their rules."""
     v = Verdict(jobs=len(acked))
     infos = await drain(queue, list(acked), limit)
-    found = check_terminal(v, infos, acked, cluster.faults.rollbacks)
+    expected = workflow_rules.expected_ends(infos, workflows.submitted.fails) if workflows else {}
+    unended = await explain_unended(queue, infos)
+    found = check_terminal(v, infos, acked, cluster.faults.rollbacks, expected, unended)
     await check_unexpected(v, queue, set(acked))
     await check_results_once(v, queue, found)
     spans = read_ledger(cluster.ledger)
@@ -125,18 +76,49 @@ async def check(cluster: Cluster, queue: JobQueue, acked: dict[str, float], limi
     check_overlaps(v, list(spans.values()), killed)
     check_ends(v, found, spans)
     check_fifo(v, list(found.values()), policies=cluster.policies)
+    if workflows is not None:
+        pilots = {w.proc.pid for w in cluster.workers if w.kind == "pilot"}
+        v.pilot_attempts = sum(1 for s in spans.values() if _pid_of(s.worker) in pilots)
+        await workflow_rules.check(v, found, infos, spans, workflows)
     v.problems += [f"fault at {when:.3f}: {what}" for when, what in cluster.faults.log]
     return v
 
 
-def check_terminal(
+async def explain_unended(queue: JobQueue, infos: Mapping[str, JobInfo | None]) -> dict[str, str]:
+    """Why each job not ended yet may still be under way, for the ones that may: running under a
+    live lease of a live worker, or held for a job that is itself under way so. A job left out
+    has no such reason: it is lost."""
+    open_jobs = {i: info for i, info in infos.items() if info is not None and not info.state.terminal}
+    if not open_jobs:
+        return {}
+    alive = {w["id"] for w in await registry.list_workers(queue.redis) if w.get("health") != "dead"}
+    now_ms = time.time() * 1000
+    reasons: dict[str, str] = {}
+    for job_id, info in open_jobs.items():
+        if info.state == JobState.RUNNING:
+            deadline = await queue.redis.zscore(keys.leases(info.spec.queue), job_id)
+            if deadline is not None and deadline > now_ms and info.worker in alive:
+                reasons[job_id] = f"running on {info.worker} (attempt {info.attempt}), its lease live"
+    for _ in range(len(open_jobs)):  # a chain of held jobs, a link at a time
+        for job_id, info in open_jobs.items():
+            under_way = [dep for dep, _, _ in (d.rpartition(":") for d in info.spec.after) if dep in reasons]
+            if job_id not in reasons and info.state == JobState.QUEUED and under_way:
+                reasons[job_id] = f"waiting for {under_way[0]}, still under way"
+    return reasons
+
+
+def check_terminal(  # noqa: PLR0917
     v: Verdict,
     infos: dict[str, JobInfo | None],
     acked: dict[str, float],
     rollbacks: list[tuple[float, float]],
+    expected: Mapping[str, frozenset[JobState]] | None = None,
+    unended: Mapping[str, str] | None = None,
 ) -> dict[str, JobInfo]:
-    """lost = 0: every id a client was given reached a terminal state (and, here, success), but
-    those submitted while Redis was writing what a rollback then took away. The jobs found."""
+    """lost = 0: every id a client was given reached a terminal state, but those submitted while
+    Redis was writing what a rollback then took away, and those still under way for a reason
+    (`unended`: still running, reported). wrong ends = 0: each ended as `expected` says (succeeded
+    when it says nothing). The jobs found."""
     found: dict[str, JobInfo] = {}
     for job_id, info in infos.items():
         if info is None:
@@ -148,12 +130,16 @@ def check_terminal(
                 v.problems.append(f"{job_id} vanished")
             continue
         found[job_id] = info
-        if not info.state.terminal:
+        must = (expected or {}).get(job_id, frozenset({JobState.SUCCEEDED}))
+        if not info.state.terminal and job_id in (unended or {}):
+            v.still_running += 1
+            v.problems.append(f"{job_id} still under way: {(unended or {})[job_id]}")
+        elif not info.state.terminal:
             v.lost += 1
-            v.problems.append(f"{job_id} never ended: {info.state}")
-        elif info.state != "succeeded":
-            v.not_succeeded += 1
-            v.problems.append(f"{job_id} ended {info.state}: {info.detail}")
+            v.problems.append(f"{job_id} never ended: {info.state}, and nothing it waits for is under way")
+        elif info.state not in must:
+            v.wrong_ends += 1
+            v.problems.append(f"{job_id} ended {info.state} ({info.detail}), not {'/'.join(sorted(must))}")
         if len(info.attempts) > 1:
             v.reclaimed_jobs += 1
     return found
@@ -173,18 +159,34 @@ async def check_unexpected(v: Verdict, queue: JobQueue, known: set[str]) -> None
 
 
 async def check_results_once(v: Verdict, queue: JobQueue, infos: dict[str, JobInfo]) -> None:
-    """One terminal event per job, and one attempt that ended other than lost or handed back."""
+    """results not once = 0, by each job's terminal events and history (`check_decided`)."""
     events: dict[str, int] = defaultdict(int)
     for q in await queue.queues():
         for _, fields in await xrange(queue.redis, keys.events(q), "-"):
             events[fields[b"job"].decode()] += 1
     for job_id, info in infos.items():
-        finished = [a for a in info.attempts if a.how not in ("lost", "released", "running")]
-        if events[job_id] != 1 or len(finished) != 1:
-            v.results_not_once += 1
-            v.problems.append(
-                f"{job_id}: {events[job_id]} terminal events, {len(finished)} finished attempts"
-            )
+        if info.state.terminal:
+            check_decided(v, job_id, info, events[job_id])
+
+
+def check_decided(v: Verdict, job_id: str, info: JobInfo, events: int) -> None:
+    """One terminal event for an ended job, and one attempt that decided its end: every other one
+    was lost, handed back, or failed with a retry left (at most `retries` of those, each before
+    the one that decided). A job never started (cancelled while it waited) has none."""
+    finished = [a for a in info.attempts if a.how not in ("lost", "released", "running")]
+    retried = finished[:-1]
+    decided = 0 if info.state == JobState.CANCELLED and not info.attempts else 1
+    if (
+        events != 1
+        or len(finished) - len(retried) != decided
+        or any(a.how != "failed" for a in retried)
+        or len(retried) > info.spec.retries
+    ):
+        v.results_not_once += 1
+        v.problems.append(
+            f"{job_id}: {events} terminal events, finished attempts "
+            f"{[a.how for a in finished]} ({info.spec.retries} retries)"
+        )
 
 
 def check_overlaps(v: Verdict, spans: list[Span], killed: dict[int, float]) -> None:
@@ -223,13 +225,19 @@ def check_ends(v: Verdict, infos: dict[str, JobInfo], spans: dict[str, Span]) ->
 def check_fifo(v: Verdict, infos: list[JobInfo], *, policies: bool = False) -> None:
     """Jobs never reclaimed were claimed in enqueue order (claim times are Redis server time);
     with the scheduling policies on, in enqueue order among one user's jobs of one priority (fair
-    share and priorities reorder the rest, by their rules)."""
-    lines: dict[tuple[str, int], list[JobInfo]] = {}
+    share and priorities reorder the rest, by their rules). Order holds among the jobs every
+    worker of a queue could run alike: one line per queue, priority, GPU request and time limit
+    (a pilot passes over a job that could outlive it; a job too big to start waits while smaller
+    ones backfill). A job held out of its queue (dependencies, an array's window) joins it when
+    its turn comes, at its tail: it is in no line."""
+    lines: dict[tuple[object, ...], list[JobInfo]] = {}
     for i in infos:
-        if len(i.attempts) == 1:
-            lines.setdefault((i.spec.user, i.spec.priority) if policies else ("", 0), []).append(i)
-    for line in lines.values():
-        for a, b in itertools.pairwise(sorted(line, key=lambda i: i.seq)):
+        s = i.spec
+        if len(i.attempts) == 1 and not s.held:
+            line = (s.queue, s.priority, s.gpus, s.gpu_mem, s.timeout, s.stop_grace)
+            lines.setdefault((*line, s.user) if policies else line, []).append(i)
+    for same in lines.values():
+        for a, b in itertools.pairwise(sorted(same, key=lambda i: i.seq)):
             if a.attempts[0].started_at > b.attempts[0].started_at:
                 v.fifo_violations += 1
                 v.problems.append(f"{b.id} (seq {b.seq}) started before {a.id} (seq {a.seq})")

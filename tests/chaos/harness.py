@@ -44,7 +44,8 @@ from daemon.queue import keys, registry
 from daemon.queue.connection import connect_sentinel
 from daemon.queue.embedded_redis import EmbeddedRedis, free_port
 from daemon.queue.job_queue import JobQueue
-from protocol import Enqueue, Enqueued
+from protocol import Enqueue, Enqueued, Requeued, RequeueJobs
+from protocol.errors import ErrorCode
 from tests.support.cluster import ClusterGroup, ClusterServer
 from tests.support.faults import aof_copy, memory_full, roll_back
 from tests.support.proxy import Proxy
@@ -64,18 +65,74 @@ POLICIES = {
     "GPUPOOL_USER_MAX_RUNNING_JOBS": "3",
     "GPUPOOL_PREEMPT_QUEUES": "default",
 }
+# The workflow features' run (tests/chaos/workflows.py): workers with made-up GPUs serving a queue
+# of their own, where a job with a priority preempts; pilots with a short lifetime on the default
+# queue, replaced as they leave; retries after a short back-off; every job's end POSTed.
+GPU_QUEUE = "gpu"
+GPU_SIZES = "80,80"  # each GPU worker's made-up GPUs, GiB (tests/support/nvml_seam/pynvml.py)
+GPU_MAX_JOBS = 3  # gpu_max_jobs: --gpu-mem jobs that may share one GPU
+PILOT_LIFETIME = 16.0  # seconds: a pilot runs a few short jobs, then drains and leaves
+PILOT_DRAIN = 3.0
+PILOT_KILL_GRACE = 1.0
+NOTIFY_TIMEOUT = 2.0
+WORKFLOWS = {
+    "GPUPOOL_PREEMPT_QUEUES": GPU_QUEUE,
+    "GPUPOOL_RETRY_BACKOFF": "0.5",
+    "GPUPOOL_RETRY_BACKOFF_MAX": "2",
+    "GPUPOOL_GPU_MAX_JOBS": str(GPU_MAX_JOBS),
+}
+NVML_SEAM = Path(__file__).resolve().parents[1] / "support" / "nvml_seam"
 
 
-def job_command(ledger: Path, seconds: float) -> list[str]:
-    """A job of `seconds` that writes its life to `ledger` (EPOCHREALTIME: no process per line)."""
+def job_command(
+    ledger: Path, seconds: float, *, exit_code: int = 0, fail_first: bool = False, checkpoint: bool = False
+) -> list[str]:
+    """A job of `seconds` that writes its life to `ledger` (EPOCHREALTIME: no process per line).
+
+    Its start line goes on with what the workflow checks read (tests/chaos/workflow_rules.py):
+    `array=ID:INDEX`, the GPUs it was given (`gpus=`, CUDA_VISIBLE_DEVICES) and the memory it
+    declared (`mem=`), '-' for none; a `checkpoint` job first reads whose save it found in
+    $GPUPOOL_CHECKPOINT_DIR (`restored=JOB,LEASE`), then saves its own name there, whole (a
+    rename), for the pool to carry to its next attempt. It ends with `exit_code`, or with 1 in its
+    first attempt when `fail_first` (a retry then runs it again)."""
     fields = '"$GPUPOOL_JOB_ID" "$GPUPOOL_ATTEMPT" "$GPUPOOL_ATTEMPT_ID" "$GPUPOOL_WORKER" "$1"'
-    fields += ' "${EPOCHREALTIME/./}"'
+    fields += ' "${EPOCHREALTIME/./}" "$2"'
+    found = "r=-; "
+    if checkpoint:
+        found = (
+            'r=-; d=$GPUPOOL_CHECKPOINT_DIR; [ -s "$d/state" ] && read -r r < "$d/state"; '
+            'printf "%s,%s\\n" "$GPUPOOL_JOB_ID" "$GPUPOOL_ATTEMPT_ID" > "$d/s.tmp"; '
+            'mv "$d/s.tmp" "$d/state"; '
+        )
+    says = (
+        '" array=${GPUPOOL_ARRAY_ID:--}:${GPUPOOL_ARRAY_INDEX:--} gpus=${CUDA_VISIBLE_DEVICES:--} '
+        'mem=${GPUPOOL_GPU_MEM:--} restored=$r"'
+    )
+    ending = f"l end; exit {exit_code}"
+    if fail_first:
+        ending = 'l end; [ "$GPUPOOL_ATTEMPT" = 1 ] && exit 1; exit 0'
     script = (
-        f'l() {{ printf "%s %s %s %s %s %s\\n" {fields} >> {ledger}; }}; '
+        f'l() {{ printf "%s %s %s %s %s %s%s\\n" {fields} >> {ledger}; }}; '
         "trap 'l stopped; exit 143' TERM; "  # stopped (a hand-back): its end, exactly
-        f"l start; for ((i = 0; i < {round(seconds / TICK)}; i++)); do sleep {TICK}; l tick; done; l end"
+        f"{found}l start {says}; "
+        f"for ((i = 0; i < {round(seconds / TICK)}; i++)); do sleep {TICK}; l tick; done; {ending}"
     )
     return ["bash", "-c", script]
+
+
+def running_now(ledger: Path) -> set[str]:
+    """Jobs whose newest attempt in `ledger` has started and not yet ended or stopped."""
+    newest: dict[str, tuple[str, bool]] = {}  # job -> (lease, ended)
+    for line in ledger.read_text().splitlines():
+        parts = line.split()
+        if len(parts) < 6:
+            continue
+        job, _, lease, _, what = parts[:5]
+        if what == "start":
+            newest[job] = (lease, False)
+        elif what in {"end", "stopped"} and newest.get(job, ("", False))[0] == lease:
+            newest[job] = (lease, True)
+    return {job for job, (_, ended) in newest.items() if not ended}
 
 
 @dataclass
@@ -83,6 +140,8 @@ class WorkerProc:
     name: str
     proc: subprocess.Popen[bytes]
     killed_at: float | None = None  # time.time() of a SIGKILL: its jobs died with it (orphan guard)
+    kind: str = "plain"  # "plain", "gpu" (made-up GPUs, GPU_QUEUE) or "pilot" (a lifetime)
+    replaced: bool = False  # a pilot that left, or any worker killed: another took its place
 
 
 @dataclass
@@ -97,6 +156,13 @@ class Faults:
     idempotency_storm: int = 0
     failover: int = 0
     failover_seconds: list[float] = field(default_factory=list)  # SIGKILL -> a replica promoted
+    requeue: int = 0  # RequeueJobs sent for running checkpointing jobs (workflows)
+    requeued: int = 0  # jobs those stopped and put back at the front
+    pilots_left: int = 0  # pilots that left by themselves at their end, each replaced (not a fault)
+    # pilots that could not register, started while Redis refused writes (its memory limit, a
+    # restart): they exit at once, as a worker does that cannot reach Redis at its start
+    pilots_refused: int = 0
+    pilot_failures: int = 0  # pilots that ended otherwise than either
     log: list[tuple[float, str]] = field(default_factory=list)
     # (copied at, killed at): what was written to Redis in between was lost
     rollbacks: list[tuple[float, float]] = field(default_factory=list)
@@ -115,11 +181,23 @@ class Cluster:
         slots: int = 2,
         s3_env: dict[str, str] | None = None,
         policies: bool = False,
+        workflows: bool = False,
+        notify_url: str = "",
+        notify_secret: str = "",
     ) -> None:
         """With `policies`, the scheduling policies are on (POLICIES: fair share, a cap per user,
-        preemption by priority) and jobs come from USERS, each allowed priorities."""
+        preemption by priority) and jobs come from USERS, each allowed priorities. With
+        `workflows`, WORKFLOWS' settings, and the server POSTs every job's end to `notify_url`."""
         self.tmp = tmp
         self.policies = policies
+        self.workflows = workflows
+        self.notify_secret = notify_secret
+        self.notify = {
+            "GPUPOOL_NOTIFY_URL": notify_url,
+            "GPUPOOL_NOTIFY_SECRET": notify_secret,
+            "GPUPOOL_NOTIFY_TIMEOUT": str(NOTIFY_TIMEOUT),
+        }
+        self.requeueable: set[str] = set()  # jobs that checkpoint: the requeue fault stops them
         self.s3_env = s3_env or {}  # a worker needs its bucket
         self.redis = redis
         self.lease = lease
@@ -150,6 +228,7 @@ class Cluster:
             GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=self.redis.password,
             **self.s3_env,
             **(POLICIES if self.policies else {}),
+            **(WORKFLOWS if self.workflows else {}),
         )
         if isinstance(self.redis, SentinelGroup):
             env.update(
@@ -185,10 +264,15 @@ class Cluster:
             "warning",
         ]
 
-    def _spawn(self, argv: list[str], log_name: str) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, argv: list[str], log_name: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         with open(self.tmp / log_name, "ab") as log:
             return subprocess.Popen(
-                [sys.executable, "-m", "daemon.main", *argv], env=self._env(), stdout=log, stderr=log
+                [sys.executable, "-m", "daemon.main", *argv],
+                env={**self._env(), **(env or {})},
+                stdout=log,
+                stderr=log,
             )
 
     async def start_server(self) -> None:
@@ -203,6 +287,7 @@ class Cluster:
                 str(self.tmp / "server"),
             ],
             "server.log",
+            self.notify if self.notify["GPUPOOL_NOTIFY_URL"] else None,
         )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -222,25 +307,54 @@ class Cluster:
         await asyncio.to_thread(self.server.wait, 30)
         await self.start_server()
 
-    def start_worker(self) -> WorkerProc:
+    def start_worker(self, kind: str = "plain") -> WorkerProc:
+        """A `poold --worker` process of `kind` (WorkerProc.kind); the first reaches a single Redis
+        through the proxy."""
         self._count += 1
         name = f"w{self._count}"
-        proc = self._spawn(
-            [
-                "--worker",
-                *self._common(self.proxy.port if self.proxy is not None and self._count == 1 else None),
-                "--worker-remote-processors",
-                str(self.slots),
-                "--data-dir",
-                str(self.tmp / name),
-                "--drain-timeout",
-                "30",
-            ],
-            f"{name}.log",
-        )
-        worker = WorkerProc(name, proc)
+        argv = [
+            "--worker",
+            *self._common(self.proxy.port if self.proxy is not None and self._count == 1 else None),
+            "--worker-remote-processors",
+            str(self.slots),
+            "--data-dir",
+            str(self.tmp / name),
+        ]
+        env: dict[str, str] = {}
+        if kind == "pilot":
+            argv += ["--worker-max-lifetime", str(PILOT_LIFETIME), "--drain-timeout", str(PILOT_DRAIN)]
+            argv += ["--kill-grace", str(PILOT_KILL_GRACE)]
+        else:
+            argv += ["--drain-timeout", "30"]
+        if kind == "gpu":
+            argv += ["--queues", GPU_QUEUE]
+            path = os.pathsep.join(p for p in (str(NVML_SEAM), os.environ.get("PYTHONPATH", "")) if p)
+            env = {"PYTHONPATH": path, "FAKE_NVML_GPUS": GPU_SIZES, "FAKE_NVML_HOST": name}
+        worker = WorkerProc(name, self._spawn(argv, f"{name}.log", env), kind=kind)
         self.workers.append(worker)
         return worker
+
+    async def keep_pilots(self, until: asyncio.Event) -> None:
+        """Start a pilot in the place of each one that left by itself (its lifetime over), as a
+        batch system starts the next pilot job, until `until` is set. A pilot's end is a clean
+        exit; one that exits otherwise is counted, apart from those whose registration Redis
+        refused (its log says so)."""
+        while not until.is_set():
+            for worker in list(self.workers):
+                code = worker.proc.poll()
+                if worker.kind != "pilot" or worker.replaced or worker.killed_at or code is None:
+                    continue
+                worker.replaced = True
+                if code == 0:
+                    self.faults.pilots_left += 1
+                elif "cannot register" in (self.tmp / f"{worker.name}.log").read_text():
+                    self.faults.pilots_refused += 1
+                else:
+                    self.faults.pilot_failures += 1
+                    self.faults.note(f"pilot {worker.name} exited {code}; see its log")
+                self.start_worker("pilot")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(until.wait(), 0.25)
 
     async def workers_registered(self, count: int, timeout: float = 60.0) -> None:
         """Wait until `count` workers are registered: the pool is up before the faults begin (a
@@ -272,8 +386,10 @@ class Cluster:
         """One fault of `kind` (test_chaos.KINDS), its details drawn from `rng`."""
         alive = [w for w in self.workers if w.proc.poll() is None and w.killed_at is None]
         if kind == "kill" and alive[1:]:  # w1 (behind the proxy) stays, for "stale"
-            self.kill_worker(rng.choice(alive[1:]))
-            self.start_worker()
+            victim = rng.choice(alive[1:])
+            self.kill_worker(victim)
+            victim.replaced = True
+            self.start_worker(victim.kind)
         elif kind == "stop" and alive:
             await self.stop_worker_for(rng.choice(alive), self.lease * 2)
         elif kind == "redis":
@@ -288,6 +404,34 @@ class Cluster:
             await self.restart_server()
         elif kind == "failover":
             await self.fail_over()
+        elif kind == "requeue":
+            await self.requeue_running(rng)
+
+    async def requeue_running(self, rng: random.Random) -> None:
+        """`poolctl requeue` (RequeueJobs) of up to two checkpointing jobs that run now, by the
+        ledger (waiting up to two leases for one to run): each is stopped, saves, and goes back to
+        the front, to resume from its save."""
+        self.faults.requeue += 1
+        deadline = time.monotonic() + 2 * self.lease
+        while not (running := sorted(running_now(self.ledger) & self.requeueable)):
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        chosen = rng.sample(running, min(2, len(running)))
+        self.faults.note(f"requeue {' '.join(chosen) or '(none running)'}")
+        if not chosen:
+            return
+        client = self.client()
+        try:
+            await client.connect()
+            reply = await client.call(RequeueJobs(chosen), Requeued)
+        except ClientError as exc:
+            self.faults.note(f"requeue not sent: {exc}")  # a fault before it (the server restarting)
+            return
+        finally:
+            with contextlib.suppress(Exception):
+                await client.close()
+        self.faults.requeued += sum(1 for state in reply.states.values() if state == "requeueing")
 
     async def fail_over(self) -> None:
         """SIGKILL the Sentinel group's primary and wait for a replica's promotion; the node
@@ -408,6 +552,14 @@ class Cluster:
         return PoolClient(self.address, user, self.tokens[user])
 
 
+# Answers that judged a submission: sending it again cannot change them.
+FINAL = {ErrorCode.INVALID_ARGUMENT, ErrorCode.NOT_FOUND, ErrorCode.CONFLICT, ErrorCode.PERMISSION_DENIED}
+
+
+class Refused(Exception):
+    """The server refused a submission (FINAL), saying why (a job it waits for is not there)."""
+
+
 class Submitter:
     """Submits jobs with idempotency keys, retrying through server restarts; records every id it
     was given (the jobs the pool must not lose)."""
@@ -426,8 +578,10 @@ class Submitter:
                     self._client = self.cluster.client(self.user)
                     await self._client.connect()
                 reply = await self._client.call(Enqueue(spec, key), Enqueued)
-            except ClientError:
+            except ClientError as exc:
                 await self.close()
+                if exc.code in FINAL:
+                    raise Refused(str(exc)) from None
                 await asyncio.sleep(0.1)
                 continue
             self.ids[key] = reply.job_id

@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from daemon.job import JobState
+from daemon.job import JobState, Lease
 from daemon.queue import keys
 from daemon.queue.connection import RunIdWatch, connect
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
+from daemon.worker.dispatcher import Worker
+from daemon.worker.gpus import GpuInfo
+from daemon.worker.runner import Run
 from tests.support.faults import aof_copy, memory_full, roll_back
 from tests.support.proxy import Proxy
 from tests.support.workers import alive, running_worker, sh, wait_dead, wait_file, wait_state, wait_until
@@ -153,3 +156,56 @@ async def test_an_outcome_reached_while_redis_is_away_is_recorded_when_it_return
         await client.aclose()
     assert [a.how for a in info.attempts] == ["succeeded"]
     assert "killing" not in caplog.text
+
+
+async def test_a_job_whose_claim_is_answered_after_its_deadline_never_starts(
+    redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path
+) -> None:
+    """Issue 43, found by the chaos suite (its workflow run, seed 19: one worker's replies came
+    late): a claim answered after the worker's own deadline for its lease started the job all the
+    same, and the job ran on past its lease in Redis while another worker ran it again. Here the
+    claim is held back on its way to Redis for longer than the lease, so that its answer comes
+    after that deadline: the job must not start under it (no process), and runs once reclaimed."""
+    marker = tmp_path / "attempts"
+    proxy = Proxy(redis_server.port)
+    await proxy.start()
+    client = connect("127.0.0.1", proxy.port, password=redis_server.password)
+    through = JobQueue(client, lease_seconds=1.0)
+    runs: dict[tuple[str, int], Run] = {}  # (job, attempt) -> its run
+    workers: list[Worker] = []
+
+    def make_run(lease: Lease, gpus: tuple[GpuInfo, ...], slot: int) -> Run:
+        runs[lease.job_id, lease.attempt] = run = workers[0]._job_run(lease, gpus, slot)
+        return run
+
+    try:
+        async with running_worker(through, tmp_path / "w", make_run=make_run) as worker:
+            workers.append(worker)
+            first, _ = await queue.enqueue(sh("true"))  # after it, the slot is ready: a start spawns at once
+            await wait_state(queue, first, JobState.SUCCEEDED)
+            claim = through.scripts.claim.sha.encode()
+            proxy.hold_request(lambda request: claim in request)
+            job_id, _ = await queue.enqueue(sh(f'echo "$GPUPOOL_ATTEMPT" >> {marker}'))
+            await wait_until(lambda: _upheld(proxy), what="the claim to be held")
+            await asyncio.sleep(1.2)  # longer than the lease: the deadline passes before the answer
+            proxy.send_held()
+            await wait_until(lambda: _has(runs, (job_id, 1)), what="the answer to the claim")
+            assert runs[job_id, 1].pid is None  # type: ignore[attr-defined]
+            await wait_until(lambda: _lapsed(queue, job_id), what="attempt 1's lease to lapse in Redis")
+            assert await queue.reclaim(["default"]) == [(job_id, JobState.QUEUED)]
+            info = await wait_state(queue, job_id, JobState.SUCCEEDED, timeout=20)
+    finally:
+        await client.aclose()
+        await proxy.stop()
+    assert marker.read_text().split() == ["2"]
+    assert [a.how for a in info.attempts] == ["lost", "succeeded"]
+
+
+async def _has(runs: dict[tuple[str, int], Run], key: tuple[str, int]) -> bool:
+    return key in runs
+
+
+async def _lapsed(queue: JobQueue, job_id: str) -> bool:
+    deadline = await queue.redis.zscore(keys.leases("default"), job_id)
+    seconds, micros = await queue.redis.time()
+    return deadline is not None and deadline < seconds * 1000 + micros / 1000
