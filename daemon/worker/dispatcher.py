@@ -197,7 +197,10 @@ class Worker(Stopping):
         try:
             await self._slots.open()
             if not await self.heartbeat.beat_and_apply():
-                raise RedisUnavailable(f"worker {self.id} cannot register: Redis does not answer")
+                raise RedisUnavailable(
+                    f"worker {self.id} cannot register: Redis did not take its first heartbeat "
+                    "(the warning before this says why)"
+                )
             await self._gate.at_start()
         except BaseException:
             await self._slots.close()
@@ -403,12 +406,13 @@ class Worker(Stopping):
             return
         held = self._held.hold(lease, deadline)
         run = self._make_run(lease, gpus, slot)
-        self._held.started(held, run, slot)
-        if lease.ahead:  # it counts as started from here (started.lua), in this turn's batch
-            linger = look_ahead.LINGER if self._ahead.flowing() else 0.0
-            self.queue.mark_started(lease, linger=linger).add_done_callback(_said_started)
+        self._held.started(held, run, slot)  # (lost there if its deadline passed: nothing starts)
+        if not held.fenced:
+            if lease.ahead:  # it counts as started from here (started.lua), in this turn's batch
+                linger = look_ahead.LINGER if self._ahead.flowing() else 0.0
+                self.queue.mark_started(lease, linger=linger).add_done_callback(_said_started)
+            self.metrics.job_started(lease.spec.queue)
         run.start()  # now, when nothing has to come first; else its task prepares and starts it
-        self.metrics.job_started(lease.spec.queue)
         held.task = self._attempts.spawn(self._attempt(held), f"job {lease.job_id}")
 
     def _job_run(self, lease: Lease, gpus: tuple[GpuInfo, ...], slot: int) -> Run:
