@@ -200,6 +200,7 @@ def check_overlaps(v: Verdict, spans: list[Span], killed: dict[int, float]) -> N
             if died is None:
                 v.guard_kills += 1  # killed while running: by its worker's fence, or its guard
             span.end = min(died, span.last_seen + TICK + SLACK) if died else span.last_seen + TICK + SLACK
+            span.estimated = True
         by_job[span.job].append(span)
     for job_id, job_spans in by_job.items():
         job_spans.sort(key=lambda s: s.start)

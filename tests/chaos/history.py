@@ -28,6 +28,7 @@ class Span:
     gpus: str = ""  # CUDA_VISIBLE_DEVICES, "" for none
     mem: str = ""  # $GPUPOOL_GPU_MEM, "" for none
     restored: str = ""  # whose checkpoint it found at its start, "JOB,LEASE"; "" for none
+    estimated: bool = False  # `end` is the checker's bound, not a line the job wrote
 
 
 @dataclass

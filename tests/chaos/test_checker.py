@@ -282,6 +282,22 @@ def test_a_gpu_shared_beyond_its_means_is_caught() -> None:
     assert v.gpu_overcommit == 1
 
 
+def test_a_gpu_job_killed_before_its_end_line_holds_its_gpu_until_its_last_line() -> None:
+    """issue 43, chaos: a job killed before it wrote its end (SIGKILL) is counted on its GPU until
+    its last line, when it was surely alive, not the tick after it that bounds one job's attempts:
+    its worker may free the GPU, and start the next job there, within that tick."""
+    killed = Span("a", 1, "a/1", "w", 1.0, 1.1, last_seen=1.0, gpus="G0", estimated=True)
+    after = Span("b", 1, "b/1", "w", 1.05, 2.0, gpus="G0")
+    v = Verdict()
+    workflow_rules.check_gpus(v, [killed, after], 80 * 2**30, 3)
+    assert v.gpu_overcommit == 0
+    alive = dataclasses.replace(killed, last_seen=1.06)  # it wrote a line after b started there
+    v = Verdict()
+    workflow_rules.check_gpus(v, [alive, after], 80 * 2**30, 3)
+    assert v.gpu_overcommit == 1
+    assert not v.ok
+
+
 def test_retries_before_the_decided_attempt_are_not_a_second_result() -> None:
     """issue 43, chaos: a job that failed and was retried has one decided attempt; more failed
     attempts than its retries is a result more than once."""

@@ -168,15 +168,22 @@ def check_windows(v: Verdict, found: dict[str, JobInfo], spans: list[Span]) -> N
 
 def check_gpus(v: Verdict, spans: list[Span], memory: int, max_jobs: int) -> None:
     """GPUs over-committed = 0 (module docstring): each GPU has `memory` bytes and takes at most
-    `max_jobs` shared jobs."""
+    `max_jobs` shared jobs. An attempt killed before it wrote its end (SIGKILL: by its worker's
+    fence, a lost lease) is counted on its GPU until its last line, when it was surely alive: its
+    worker frees the GPU once its processes have ended, which may be within the tick after it, and
+    the next job there may start at once (checker.check_overlaps' bound for one job's attempts,
+    a tick past the last line, would count that as sharing)."""
     moments: dict[str, list[tuple[float, int, Span]]] = defaultdict(list)
     for span in spans:
         if not span.gpus or span.end is None:
             continue
         v.gpu_attempts += 1
         v.shared_attempts += bool(span.mem)
+        end = span.last_seen if span.estimated else span.end
+        if end <= span.start:
+            continue  # (killed as it started: alive at one instant only, with no time on the GPU)
         for uuid in span.gpus.split(","):
-            moments[uuid] += [(span.start, 1, span), (span.end, -1, span)]
+            moments[uuid] += [(span.start, 1, span), (end, -1, span)]
     for uuid, events in moments.items():
         on: dict[str, Span] = {}
         for at, step, span in sorted(events, key=lambda e: (e[0], e[1])):  # an end before a start
