@@ -408,9 +408,8 @@ class Worker(Stopping):
         run = self._make_run(lease, gpus, slot)
         self._held.started(held, run, slot)  # (lost there if its deadline passed: nothing starts)
         if not held.fenced:
-            if lease.ahead:  # it counts as started from here (started.lua), in this turn's batch
-                linger = look_ahead.LINGER if self._ahead.flowing() else 0.0
-                self.queue.mark_started(lease, linger=linger).add_done_callback(_said_started)
+            if lease.ahead:  # it counts as started from here
+                look_ahead.say_started(self.queue, lease, self._ahead.flowing())
             self.metrics.job_started(lease.spec.queue)
         run.start()  # now, when nothing has to come first; else its task prepares and starts it
         held.task = self._attempts.spawn(self._attempt(held), f"job {lease.job_id}")
@@ -602,13 +601,3 @@ class Worker(Stopping):
     def running(self) -> dict[str, Lease]:
         """The attempts running now, by job id."""
         return {h.lease.job_id: h.lease for h in self._held if h.phase is Phase.RUNNING}
-
-
-def _said_started(marked: asyncio.Future[Any]) -> None:
-    """The answer to a start's mark (JobQueue.mark_started). One refused or lost leaves the attempt
-    counted as never started: taken back from this worker, should it die, as a hand-back rather
-    than a loss, the one thing it costs."""
-    if not marked.cancelled() and (exc := marked.exception()) is not None:
-        log.warning(
-            "a job's start could not be recorded (%s): taken back, it would count as never started", exc
-        )

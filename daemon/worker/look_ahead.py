@@ -33,10 +33,17 @@ What the guarantees keep (docs/GUARANTEES.md, 4):
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import logging
 from collections.abc import Iterable
+from typing import Any
 
+from daemon.job import Lease
+from daemon.queue.job_queue import JobQueue
 from daemon.worker.attempt import HeldAttempt, Holdings, boottime
+
+log = logging.getLogger(__name__)
 
 BELOW = 0.05  # a job that ran less than this (seconds) is short: look ahead after it
 HOLD = 0.25  # the longest a job claimed ahead waits for a slot here before it is handed back
@@ -102,3 +109,20 @@ class LookAhead:
             self._kept.remove(held)
             self._held.drop(held)
         return out
+
+
+def say_started(queue: JobQueue, lease: Lease, flowing: bool) -> None:
+    """A job claimed ahead of a free slot (`lease.ahead`) starts now: Redis is told, in this
+    turn's batch (with the outcome of the job whose slot it takes, lingering as that does while
+    short jobs flow), so that from now its attempt counts as run (started.lua)."""
+    queue.mark_started(lease, linger=LINGER if flowing else 0.0).add_done_callback(_said)
+
+
+def _said(marked: asyncio.Future[Any]) -> None:
+    """The answer to a start's mark. One refused or lost leaves the attempt counted as never
+    started: taken back from this worker, should it die, as a hand-back rather than a loss, the
+    one thing it costs."""
+    if not marked.cancelled() and (exc := marked.exception()) is not None:
+        log.warning(
+            "a job's start could not be recorded (%s): taken back, it would count as never started", exc
+        )
