@@ -186,22 +186,13 @@ class Notifier:
 
     def _deliver_all(self, queue: str, took: Took) -> list[Taken]:
         """Start a delivery for each entry taken while there is room; the others, returned."""
-        if took.pushed_out:
-            self.metrics.notification("dropped", took.pushed_out)
-            log.warning(
-                "%d job end(s) of queue %s were pushed out of its full outbox: not notified "
-                "(is a receiver down?)",
-                took.pushed_out,
-                queue,
-            )
-        if took.expired:
-            self.metrics.notification("dropped", took.expired)
-            log.warning(
-                "%d job end(s) of queue %s waited past job_retention, and their records are gone: "
-                "not notified",
-                took.expired,
-                queue,
-            )
+        for dropped, why in (
+            (took.pushed_out, "were pushed out of its full outbox (is a receiver down?)"),
+            (took.expired, "waited past job_retention, and their records are gone"),
+        ):
+            if dropped:
+                self.metrics.notification("dropped", dropped)
+                log.warning("%d job end(s) of queue %s %s: not notified", dropped, queue, why)
         if took.next_due is not None:
             self._due_in(took.next_due)
         room = max(0, MAX_IN_FLIGHT - len(self._deliveries))
