@@ -32,16 +32,21 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path, PurePosixPath
+
+from redis.exceptions import RedisError
 
 from daemon.job import Attempt, Lease
 from daemon.object_store import attempt_segment, checkpoint_prefix
+from daemon.queue.job_queue import JobQueue
 from daemon.worker.job_data import files_under, has_entries
 from storage.base import ObjectStore
 from storage.content import CHUNK, iterate_in_thread
 
 log = logging.getLogger(__name__)
+
+HISTORY_RETRY = 1.0  # pause between reads of a job's history while Redis is away
 
 DONE = ".done"
 
@@ -63,6 +68,23 @@ def saved_as(attempt: Attempt) -> str:
     """The name `attempt`'s saves have: its lease id; its number when its history entry has no
     lease id (written before claims recorded one, when saves were named by number)."""
     return attempt_segment(attempt.lease) if attempt.lease else str(attempt.attempt)
+
+
+async def counted_attempts(queue: JobQueue, lease: Lease, lost: Callable[[], bool]) -> list[Attempt]:
+    """The attempts of `lease`'s job the pool knows ran before it, oldest first: its history in
+    Redis, whose saves alone may be restored. While Redis does not answer it is asked again, as an
+    outcome is offered, until the attempt is `lost` (its lease deadline passed unrenewed: the
+    fence; then none); a job is not failed for a Redis that is briefly away."""
+    while True:
+        try:
+            info = await queue.get(lease.job_id)
+        except RedisError as exc:
+            if lost():
+                return []  # it never starts (runner.py)
+            log.warning("job %s: its history cannot be read (%s); asking again", lease.job_id, exc)
+            await asyncio.sleep(HISTORY_RETRY)
+            continue
+        return [a for a in info.attempts if a.lease != lease.id]
 
 
 async def restore(

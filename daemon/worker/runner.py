@@ -29,12 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from redis.exceptions import RedisError
-
 from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError, JobNotFound
 from daemon.git import ANY_PROTOCOL
-from daemon.job import Attempt, JobState, Lease, Outcome
+from daemon.job import JobState, Lease, Outcome
 from daemon.queue.job_queue import JobQueue
 from daemon.worker import checkpoints, git_mirror, job_data, leftovers, scratch, spawn
 from daemon.worker.cgroups import SlotCgroup
@@ -52,7 +50,6 @@ FIRST_SAMPLE_SECONDS = 0.05  # a job that ends sooner is not sampled (a scan cos
 TAIL_LINES = 20  # lines of output kept in the outcome
 GPU_SETTLE_SECONDS = 3.0  # how long a GPU may take to free a dead process's memory
 LEFTOVERS_SECONDS = 5.0  # how long killed leftovers of a job may take to die
-HISTORY_RETRY = 1.0  # pause between reads of a job's history (for its checkpoint) while Redis is away
 
 
 class Ending(enum.StrEnum):
@@ -463,7 +460,9 @@ class JobRun:
         if self.lease.attempt == 1 or self.store is None:
             return
         try:
-            history = await self._earlier_attempts()
+            history = await checkpoints.counted_attempts(
+                self.queue, self.lease, lambda: self.ending is Ending.LOST
+            )
             restored = await checkpoints.restore(self.store, self.lease.job_id, history, self.checkpoint_dir)
         except (StorageError, OSError, JobNotFound) as exc:
             raise job_data.DataError(f"cannot restore the job's checkpoint: {exc}") from None
@@ -475,22 +474,6 @@ class JobRun:
             )
             if self.identity is not None:
                 await asyncio.to_thread(self.identity.own_tree, self.checkpoint_dir)
-
-    async def _earlier_attempts(self) -> list[Attempt]:
-        """The job's attempts the pool knows ran before this one, oldest first: its history in
-        Redis, whose saves alone may be restored. While Redis does not answer it is asked again,
-        as an outcome is offered, until the attempt is lost (its lease deadline passed unrenewed:
-        the fence); a job is not failed for a Redis that is briefly away."""
-        while True:
-            try:
-                info = await self.queue.get(self.lease.job_id)
-            except RedisError as exc:
-                if self.ending is Ending.LOST:
-                    return []  # it never starts (`_run`)
-                log.warning("job %s: its history cannot be read (%s); asking again", self.lease.job_id, exc)
-                await asyncio.sleep(HISTORY_RETRY)
-                continue
-            return [a for a in info.attempts if a.lease != self.lease.id]
 
     def _followed(self, returncode: int) -> bool:
         """Whether another attempt may follow this one, to want its checkpoint: handed back, or
