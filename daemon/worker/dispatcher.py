@@ -508,13 +508,9 @@ class Worker(Stopping):
         (lifetime.py); None on a worker with no end."""
         if self.lifetime is None or not self.lifetime.max_lifetime:
             return None
-
-        def stop(why: str) -> None:
-            log.info("job %s: stopping it, to hand it back before this worker's end: %s", lease.job_id, why)
-            run.hand_back(why=why)
-
         grace = lease.spec.stop_grace or self.kill_grace
-        return self._attempts.spawn(self.lifetime.stop_in_time(grace, stop), f"end of {lease.job_id}")
+        stopping = self.lifetime.stop_in_time(lease.job_id, grace, lambda why: run.hand_back(why=why))
+        return self._attempts.spawn(stopping, f"end of {lease.job_id}")
 
     @staticmethod
     async def _tidy(run: Run) -> None:

@@ -111,10 +111,10 @@ class Lifetime:
             return None
         return self._until(self.leave_by - grace - HAND_BACK_SECONDS)
 
-    async def stop_in_time(self, grace: float, stop: Callable[[str], None]) -> None:
-        """Wait, while a job whose stop grace is `grace` runs, until it must be stopped (`stop_in`),
-        then `stop` it, saying why; at once if that time has passed. The caller cancels this once
-        the job has ended. A worker with no end never stops it."""
+    async def stop_in_time(self, job_id: str, grace: float, stop: Callable[[str], None]) -> None:
+        """Wait, while job `job_id`, whose stop grace is `grace`, runs, until it must be stopped
+        (`stop_in`), then `stop` it (a hand-back), saying why; at once if that time has passed. The
+        caller cancels this once the job has ended. A worker with no end never stops it."""
         left = self.stop_in(grace)
         if left is None:
             return
@@ -124,6 +124,7 @@ class Lifetime:
             if now >= at:
                 break
             await asyncio.sleep(min(LOOK_AGAIN, at - now))
+        log.info("job %s: stopping it, to hand it back before this worker's end", job_id)
         stop(
             f"this worker must have left by {time.strftime('%H:%M:%S', time.localtime(self.leave_by))} "
             f"(worker_max_lifetime {self.max_lifetime:g} s), and the job's stop grace is {grace:g} s"
