@@ -84,3 +84,12 @@ def _fill(arg: str, point: dict[str, str]) -> str:
     for key, value in point.items():
         arg = arg.replace("{" + key + "}", value)
     return arg
+
+
+def partly_queued(array_id: str) -> str:
+    """What to say of an array whose batch failed once sent: some of its jobs may be queued, and
+    its id finds them (the enqueue scripts record it with each job)."""
+    return (
+        f"array {array_id} may be partly queued: 'poolctl show {array_id}' says what is, "
+        f"'poolctl cancel {array_id}' cancels it"
+    )

@@ -367,11 +367,9 @@ def _maybe_partly_queued(exc: ClientError, args: argparse.Namespace) -> None:
     have queued some of its jobs: say the array's id, by which they are found and cancelled."""
     array_id = getattr(args, "array_id", None)
     if array_id and (exc.sent or exc.code == ErrorCode.UNAVAILABLE):
-        print(
-            f"poolctl: array {array_id} may be partly queued: 'poolctl show {array_id}' says what "
-            f"is, 'poolctl cancel {array_id}' cancels it",
-            file=sys.stderr,
-        )
+        from daemon.ctl.arrays import partly_queued
+
+        print(f"poolctl: {partly_queued(array_id)}", file=sys.stderr)
 
 
 def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
