@@ -34,8 +34,14 @@ async def test_fifo_start_order_across_two_workers_with_two_slots(
     for c in clients:
         await c.aclose()
 
-    # Dispatch is strictly FIFO: the claim times (Redis clock) rise in enqueue order.
-    starts = [info.started_at or 0.0 for info in infos]
+    # Dispatch is strictly FIFO: the claim times (Redis clock) rise in enqueue order, among the
+    # jobs claimed once. One kept ahead of a free slot whose slot did not free within the hold
+    # (look_ahead.py; a loaded machine) is handed back to the front and claimed again, later than
+    # jobs behind it that were claimed meanwhile: its claim time is its second (as the chaos
+    # checker judges FIFO, on jobs never reclaimed).
+    once = [info for info in infos if len(info.attempts) == 1]
+    assert len(once) >= 90
+    starts = [info.started_at or 0.0 for info in once]
     assert starts == sorted(starts)
     assert len({info.worker for info in infos}) == 2
     # Process start order: four slots start processes concurrently, and no worker waits for an
