@@ -1,5 +1,6 @@
 """What a job-end notification is (`poolctl enqueue --notify URL`, config `notify_url`): the URLs it
-may go to, the record it carries, and how it is signed.
+may go to, the record it carries, and how it is signed (which addresses a user's hook may reach:
+webhook_targets.py).
 
 One module for the three, because the job model (a spec's `notify`), the configuration
 (`notify_url`), the server's sender (server/notifier.py) and every receiver (docs/OPERATIONS.md shows
