@@ -17,10 +17,10 @@ than 429) or the ATTEMPTS-th failure takes the entry out (sent, failed), as does
 an address the pool does not notify (refused, before any connection: webhook_targets.py); a
 connection error, a timeout, a 5xx or a 429 puts it back, due after 2, 4, 8, 16, then 32 s,
 for whichever server comes first. A Redis error at any step leaves the entry in the outbox for a
-later sweep; a server killed leaves what it held until the hold lapses, and another takes it: at least once.
-A clean stop hands back what it holds, due at once. The bound is the job's record, which the
-body is made of: an end is sent while the record is kept (job_retention after the end); past
-that, or pushed out of a full outbox, it is dropped and counted.
+later sweep; a server killed leaves what it held until the hold lapses, and another takes it: at
+least once. A clean stop hands back what it holds, due at once. The bound is the job's record,
+which the body is made of: an end is sent while the record is kept (job_retention after the
+end); past that, or pushed out of a full outbox, it is dropped and counted.
 
 Each POST carries the time it was signed, signed with the body. A user's own hook (`--notify`) is
 signed with that user's key (webhook.user_key: made from their token, which they hold), never with
