@@ -29,6 +29,7 @@ from daemon.address import SERVER_PORT, check_host_names, parse_host_port, parse
 from daemon.config_sources import ENV_PREFIX, Layer, from_env, from_flags, read_secret, read_toml
 from daemon.errors import ConfigError
 from daemon.webhook import check_url
+from daemon.webhook_targets import Allowed
 
 DEFAULT_CONFIG_FILE = Path("/etc/gpupool/pool.toml")
 SERVER_METRICS_PORT = 9420
@@ -360,7 +361,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("tls_cert", str, "", "server TLS certificate (PEM); with tls_key, enables TLS"),
     Option("tls_key", str, "", "server TLS private key (PEM)", secret=False),
     Option("notify_url", str, "", "http(s) URL the server POSTs every job's end to", check=check_url),
-    Option("notify_secret", str, "", "key of the notifications' HMAC-SHA256 signature", secret=True),
+    Option("notify_secret", str, "", "key of the signature of what goes to notify_url", secret=True),
+    Option(
+        "notify_allow",
+        list,
+        [],
+        "networks (CIDR) and host names users' --notify hooks may reach besides public addresses "
+        "(loopback, private, link-local and the like are refused unless listed)",
+        check=Allowed.parse,
+    ),
     Option(
         "notify_timeout",
         float,
@@ -447,6 +456,7 @@ class Config:
     tls_key: str
     notify_url: str
     notify_secret: str
+    notify_allow: list[str]
     notify_timeout: float
     log_format: str
     log_level: str

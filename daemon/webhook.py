@@ -1,5 +1,6 @@
 """What a job-end notification is (`poolctl enqueue --notify URL`, config `notify_url`): the URLs it
-may go to, the record it carries, and how it is signed.
+may go to, the record it carries, and how it is signed (which addresses a user's hook may reach:
+webhook_targets.py).
 
 One module for the three, because the job model (a spec's `notify`), the configuration
 (`notify_url`), the server's sender (server/notifier.py) and every receiver (docs/OPERATIONS.md shows
@@ -14,7 +15,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 MAX_URL = 2048  # bytes of a notification URL: more is a mistake, not an address
-SIGNATURE_HEADER = "X-Gpupool-Signature"  # "sha256=" + hex HMAC-SHA256 of the body, as GitHub's
+SIGNATURE_HEADER = "X-Gpupool-Signature"  # "v1=" + hex HMAC-SHA256 of "TIMESTAMP." + the body
+TIMESTAMP_HEADER = "X-Gpupool-Timestamp"  # Unix seconds when the POST was signed
+SIGNATURE_VERSION = "v1"
+MAX_AGE = 300  # seconds a receiver accepts a signed POST for: later it is a replay
+USER_KEY_LABEL = b"gpupool-webhook"  # what a user's token signs to make their hooks' key
 EVENT_HEADER = "X-Gpupool-Event"
 DELIVERY_HEADER = "X-Gpupool-Delivery"  # JOB/TARGET: the same on each retry, for a receiver to dedupe
 EVENT = "job.ended"
@@ -50,15 +55,29 @@ def shown(url: str) -> str:
     return f"{parts.scheme}://{parts.hostname}{port}/…"
 
 
-def sign(secret: bytes, body: bytes) -> str:
-    """The signature header's value for `body`: "sha256=" + hex HMAC-SHA256 keyed by `secret`."""
-    return "sha256=" + hmac.new(secret, body, hashlib.sha256).hexdigest()
+def sign(secret: bytes, timestamp: int, body: bytes) -> str:
+    """The signature header's value for `body` sent at `timestamp` (Unix seconds): "v1=" + hex
+    HMAC-SHA256, keyed by `secret`, of the timestamp, a dot, and the body. The timestamp is signed
+    with the body so that a receiver can refuse an old POST sent again (verify)."""
+    signed = str(timestamp).encode() + b"." + body
+    return f"{SIGNATURE_VERSION}=" + hmac.new(secret, signed, hashlib.sha256).hexdigest()
 
 
-def verify(secret: bytes, body: bytes, header: str) -> bool:
-    """Whether `header` is `body`'s signature under `secret`, compared in constant time (what a
-    receiver in Python does; docs/OPERATIONS.md)."""
-    return hmac.compare_digest(sign(secret, body), header)
+def verify(secret: bytes, body: bytes, timestamp: str, signature: str, now: float) -> bool:
+    """Whether `signature` is `body`'s at `timestamp` (the headers' values) under `secret`, compared
+    in constant time, and the timestamp within MAX_AGE of `now`: what a receiver in Python does
+    (docs/OPERATIONS.md §12); a receiver also keeps the deliveries it has had in that time."""
+    if not timestamp.isdigit() or abs(now - int(timestamp)) > MAX_AGE:
+        return False
+    return hmac.compare_digest(sign(secret, int(timestamp), body), signature)
+
+
+def user_key(token: bytes) -> bytes:
+    """The key a user's own hooks (`--notify`) are signed with: hex HMAC-SHA256 of USER_KEY_LABEL
+    keyed by the user's token. The user can make it from the token they hold; it is not the
+    pool's notify_secret, so a user never learns how the pool's receiver checks its POSTs, and
+    one user's key says nothing of another's."""
+    return hmac.new(token, USER_KEY_LABEL, hashlib.sha256).hexdigest().encode()
 
 
 def end_record(job: dict[str, Any]) -> dict[str, Any]:

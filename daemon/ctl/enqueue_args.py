@@ -136,7 +136,8 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
     e.add_argument(
         "--notify",
         metavar="URL",
-        help="when the job ends, the server POSTs its final record (JSON, signed) to this http(s) URL",
+        help="when the job ends, the server POSTs its final record (JSON, signed with a key made from "
+        "your token) to this http(s) URL: a public address, unless the pool's notify_allow lists it",
     )
     e.add_argument(
         "--key",

@@ -38,7 +38,7 @@ REFRESH_TIMEOUT = 5.0
 # Training jobs wait and run for anything from a second to days.
 WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 28800, 86400, 172800, 604800)
 RUN_BUCKETS = (1, 10, 60, 300, 600, 1800, 3600, 7200, 14400, 28800, 57600, 86400, 172800, 345600, 604800)
-NOTIFICATION_OUTCOMES = ("sent", "failed", "dropped")
+NOTIFICATION_OUTCOMES = ("sent", "failed", "dropped", "refused")
 
 
 class DepthSource(Protocol):
@@ -147,7 +147,8 @@ class ServerMetrics:
             "gpupool_notifications",
             "Job-end notifications (--notify, notify_url) by outcome: sent (answered 2xx), failed (given "
             "up after its retries, or refused), dropped (pushed out of a full outbox, or its job's record "
-            "expired before it was sent).",
+            "expired before it was sent), refused (a user's hook to an address notify_allow does not allow: "
+            "never attempted, so it says nothing of whether the address answers).",
             ["outcome"],
             registry=r,
         )

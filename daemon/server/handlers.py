@@ -37,6 +37,7 @@ from daemon.queue.terminal_events import JobEvents
 from daemon.server.data_desk import DataDesk
 from daemon.server.dependencies import judge_held
 from daemon.server.pending import MAX_LIST, PendingReasons, WorkerLister
+from daemon.webhook_targets import Allowed
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -105,14 +106,17 @@ class Handlers:
         admins: frozenset[str] = frozenset(),
         max_priority: Mapping[str, int] | None = None,
         default_max_priority: int = 0,
+        notify_allowed: Allowed | None = None,
     ) -> None:
         """`admins` may act on every user's jobs; everyone else on their own (docs/SECURITY.md).
         A job's --priority may reach its user's `max_priority` (an admin's: any), else
-        `default_max_priority`."""
+        `default_max_priority`. A job's --notify URL may name an address only where
+        `notify_allowed` allows it (config notify_allow; webhook_targets.py)."""
         self.queue = queue
         self.admins = admins
         self.max_priority = dict(max_priority or {})
         self.default_max_priority = default_max_priority
+        self.notify_allowed = notify_allowed or Allowed()
         self._blocking: Counter[str] = Counter()  # user -> follows and waits running now
         self.events = events
         self.workers = workers
@@ -289,6 +293,7 @@ class Handlers:
     async def _enqueue(self, spec: dict[str, Any], key: str | None, user: str) -> Enqueued:
         job_spec = _spec(spec, user)
         self._check_priority([job_spec], user)
+        self._check_notify([job_spec])
         await self._check_fits([job_spec])
         await self._check_data([job_spec], user)
         await self._check_after([job_spec])
@@ -303,6 +308,7 @@ class Handlers:
             raise GpupoolError(f"a batch holds at most {MAX_BATCH} jobs", ErrorCode.INVALID_ARGUMENT)
         job_specs = [_spec(s, user) for s in specs]
         self._check_priority(job_specs, user)
+        self._check_notify(job_specs)
         await self._check_fits(job_specs)
         await self._check_data(job_specs, user)
         await self._check_after(job_specs)
@@ -312,6 +318,17 @@ class Handlers:
             for q, count in Counter(s.queue for s in job_specs).items():
                 self.metrics.job_enqueued(q, count)
         return EnqueuedBatch(ids)
+
+    def _check_notify(self, specs: list[JobSpec]) -> None:
+        """Every --notify URL that names an address names one the pool notifies (a name is judged
+        at delivery, by each address it resolves to: server/notify_resolver.py)."""
+        for spec in specs:
+            if spec.notify and (why := self.notify_allowed.url_refusal(spec.notify)):
+                raise InvalidJob(
+                    "notify",
+                    f"{spec.notify!r}: {why}, which this pool does not notify; only public addresses "
+                    "are, and those the pool's operator lists in notify_allow",
+                )
 
     async def _check_after(self, specs: list[JobSpec]) -> None:
         """Every job a spec waits for (--after) is in the pool (the whole batch: nothing is queued)."""

@@ -13,13 +13,20 @@ Each entry taken is one `Delivery`, at most MAX_IN_FLIGHT of them, each one atte
 job's record, POST, settle. An attempt ends within ATTEMPT_TIMES times notify_timeout, well inside
 the hold its take gave it (HOLD_TIMES times notify_timeout), so no other server takes an entry this
 one is on: one server sends each end, in the normal case. A 2xx, a refusal (a 3xx, a 4xx other
-than 429) or the ATTEMPTS-th failure takes the entry out (sent, failed); a connection error, a
-timeout, a 5xx or a 429 puts it back, due after 2, 4, 8, 16, then 32 s, for whichever server
-comes first. A Redis error at any step leaves the entry in the outbox for a later sweep; a
-server killed leaves what it held until the hold lapses, and another takes it: at least once.
-A clean stop hands back what it holds, due at once. The bound is the job's record, which the
-body is made of: an end is sent while the record is kept (job_retention after the end); past
-that, or pushed out of a full outbox, it is dropped and counted.
+than 429) or the ATTEMPTS-th failure takes the entry out (sent, failed), as does a user's hook to
+an address the pool does not notify (refused, before any connection: webhook_targets.py); a
+connection error, a timeout, a 5xx or a 429 puts it back, due after 2, 4, 8, 16, then 32 s,
+for whichever server comes first. A Redis error at any step leaves the entry in the outbox for a
+later sweep; a server killed leaves what it held until the hold lapses, and another takes it: at
+least once. A clean stop hands back what it holds, due at once. The bound is the job's record,
+which the body is made of: an end is sent while the record is kept (job_retention after the
+end); past that, or pushed out of a full outbox, it is dropped and counted.
+
+Each POST carries the time it was signed, signed with the body. A user's own hook (`--notify`) is
+signed with that user's key (webhook.user_key: made from their token, which they hold), never with
+the pool's notify_secret, which only the pool's notify_url gets: a user never sees a POST the
+pool's receiver would accept. An open pool (no tokens) has no key of a user's: their hooks go
+unsigned.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import asyncio
 import enum
 import itertools
 import logging
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -41,6 +50,8 @@ from daemon.metrics.server import ServerMetrics
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.outbox import CHUNK, Outbox, Taken, Took, Verdict
 from daemon.queue.terminal_events import Terminal
+from daemon.server.notify_resolver import CheckedResolver, TargetRefused
+from daemon.webhook_targets import Allowed
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +63,15 @@ ATTEMPT_TIMES = 3  # one attempt (record, POST, settle) ends within this many: i
 MAX_IN_FLIGHT = 32  # deliveries taken on at once, each with its POST: beyond, left in the outbox
 MAX_SEEN = 10_000  # ends seen and not yet taken on: beyond, left to the next sweep
 RELEASE_TIMEOUT = 5.0  # seconds a stop spends handing back what it did not deliver
+
+
+class Answer(enum.Enum):
+    """How one POST went."""
+
+    SENT = "sent"  # answered 2xx
+    AGAIN = "again"  # may do better later: no connection, no answer, a 5xx or a 429
+    FAILED = "failed"  # answered otherwise (a 3xx, another 4xx)
+    REFUSED = "refused"  # a user's hook to an address the pool does not notify: not attempted
 
 
 class Phase(enum.StrEnum):
@@ -78,17 +98,24 @@ class Notifier:
         *,
         pool_url: str,
         secret: str,
+        allowed: Allowed | None = None,
+        user_tokens: Mapping[str, bytes] | None = None,
         timeout: float = POST_TIMEOUT,
         first_retry: float = FIRST_RETRY,
     ) -> None:
         """`pool_url`: where every end goes too (config notify_url; empty: nowhere); `secret`: the
-        signature's key (empty: unsigned); `timeout`: seconds a receiver has to answer a POST
+        signature's key of what goes to pool_url (empty: unsigned); `allowed`: the addresses
+        users' hooks may reach besides public ones (config notify_allow); `user_tokens`: each
+        user's token, of which their own hooks' key is made (None: an open pool, where they go
+        unsigned); `timeout`: seconds a receiver has to answer a POST
         (config notify_timeout), which also sets how long a take holds an entry and how often
         the outboxes are swept."""
         self.queue = queue
         self.metrics = metrics
         self.pool_url = pool_url
         self.secret = secret.encode()
+        self.allowed = allowed or Allowed()
+        self.user_tokens = user_tokens
         self.timeout = timeout
         self.first_retry = first_retry
         self.outbox = Outbox(queue, HOLD_TIMES * timeout)
@@ -99,7 +126,9 @@ class Notifier:
         self._sweep_at = 0.0  # the loop's time of the next sweep: the first one at once
         self._deliveries: dict[tuple[str, str], Delivery] = {}
         self._tasks = TaskSet("notification task %s died")
-        self._session: aiohttp.ClientSession | None = None
+        # Users' hooks go through the checked resolver; the pool's notify_url, the operator's,
+        # wherever it points.
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
         self._open = False  # taking ends: between start and stop
         self._failing = False  # said once per run of Redis errors, not once per try
         self._said_no_pool_url = False
@@ -107,9 +136,15 @@ class Notifier:
     async def start(self) -> None:
         if self.pool_url and not self.secret:
             log.warning("notify_url is set without notify_secret: its notifications are not signed")
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.timeout), headers={"User-Agent": "gpupool"}
-        )
+        for target, resolver in (
+            (webhook.TARGET_JOB, CheckedResolver(self.allowed)),
+            (webhook.TARGET_POOL, None),
+        ):
+            self._sessions[target] = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(resolver=resolver),
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                headers={"User-Agent": "gpupool"},
+            )
         self._tasks.spawn(self._run(), "notifier")
         self._open = True
 
@@ -249,13 +284,24 @@ class Notifier:
             return
         body = orjson.dumps(webhook.end_record(job.to_dict()))
         d.phase = Phase.SENDING
-        why, again = await self._post(taken, url, body)
+        answer, why = await self._post(taken, url, self._key(taken.target, job.spec.user), body)
         d.phase = Phase.SETTLING
         attempt = taken.tries + 1
-        if not why:
+        if answer is Answer.SENT:
             self.metrics.notification("sent")
             await self._settle(taken, Verdict.DONE)
-        elif again and attempt < ATTEMPTS:
+        elif answer is Answer.REFUSED:
+            # Counted apart from failed, and never tried: whether such a target answers is
+            # what a user must not learn.
+            log.warning(
+                "not notifying %s of job %s's end: %s, which notify_allow does not allow",
+                webhook.shown(url),
+                taken.job_id,
+                why,
+            )
+            self.metrics.notification("refused")
+            await self._settle(taken, Verdict.DONE)
+        elif answer is Answer.AGAIN and attempt < ATTEMPTS:
             pause = self.first_retry * 2 ** (attempt - 1)
             shown = webhook.shown(url)
             log.info("notifying %s of job %s's end: %s; again in %g s", shown, taken.job_id, why, pause)
@@ -282,30 +328,43 @@ class Notifier:
             )
         return settled
 
-    async def _post(self, taken: Taken, url: str, body: bytes) -> tuple[str, bool]:
-        """One POST: ("", _) if answered 2xx; else why not, and whether another attempt may do better."""
-        assert self._session is not None
+    def _key(self, target: str, user: str) -> bytes:
+        """The key a delivery to `target` of `user`'s job is signed with; empty: unsigned."""
+        if target == webhook.TARGET_POOL:
+            return self.secret
+        token = (self.user_tokens or {}).get(user)
+        return webhook.user_key(token) if token else b""
+
+    async def _post(self, taken: Taken, url: str, key: bytes, body: bytes) -> tuple[Answer, str]:
+        """One POST, signed with `key` (empty: unsigned): how it went, and why when not sent."""
+        if taken.target == webhook.TARGET_JOB and (why := self.allowed.url_refusal(url)):
+            return Answer.REFUSED, why  # an address in the URL: the client would not look it up
+        now = int(time.time())
         headers = {
             "Content-Type": "application/json",
             webhook.EVENT_HEADER: webhook.EVENT,
             webhook.DELIVERY_HEADER: taken.member,
+            webhook.TIMESTAMP_HEADER: str(now),
         }
-        if self.secret:
-            headers[webhook.SIGNATURE_HEADER] = webhook.sign(self.secret, body)
-        try:
-            async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as r:
+        if key:
+            headers[webhook.SIGNATURE_HEADER] = webhook.sign(key, now, body)
+        session = self._sessions[taken.target]
+        try:  # never a redirect: its Location would be a target no one judged
+            async with session.post(url, data=body, headers=headers, allow_redirects=False) as r:
                 status = r.status
         except aiohttp.ClientConnectorError as exc:
-            return f"cannot connect ({exc.os_error.strerror or exc.os_error})", True
+            if isinstance(exc.os_error, TargetRefused):
+                return Answer.REFUSED, str(exc.os_error)
+            return Answer.AGAIN, f"cannot connect ({exc.os_error.strerror or exc.os_error})"
         except TimeoutError:
-            return f"no answer within {self.timeout:g} s", True
+            return Answer.AGAIN, f"no answer within {self.timeout:g} s"
         except aiohttp.ClientError as exc:
-            return f"{type(exc).__name__}", True
+            return Answer.AGAIN, f"{type(exc).__name__}"
         if 200 <= status < 300:
-            return "", False
+            return Answer.SENT, ""
         if 300 <= status < 400:
-            return f"HTTP {status}: a redirect, which is not followed", False
-        return f"HTTP {status}", status >= 500 or status == 429
+            return Answer.FAILED, f"HTTP {status}: a redirect, which is not followed"
+        return (Answer.AGAIN if status >= 500 or status == 429 else Answer.FAILED), f"HTTP {status}"
 
     async def stop(self) -> None:
         """Stop sending; hand back what was taken on and not delivered. Safe to call twice."""
@@ -324,6 +383,6 @@ class Notifier:
                     len(held),
                     exc,
                 )
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in self._sessions.values():
+            await session.close()
+        self._sessions.clear()

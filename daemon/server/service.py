@@ -30,6 +30,7 @@ from daemon.server.notifier import Notifier
 from daemon.server.session import Limits
 from daemon.server.web.app import WebServer
 from daemon.server.web.snapshot import Snapshots
+from daemon.webhook_targets import Allowed
 from storage.base import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ class PoolServer:
             self.metrics,
             pool_url=c.notify_url,
             secret=c.notify_secret,
+            allowed=Allowed.parse(c.notify_allow),
+            user_tokens=users.tokens if users is not None else None,
             timeout=c.notify_timeout,
         )
         await self.notifier.start()  # its own tasks: stopped after the events reader that feeds it
@@ -154,6 +157,7 @@ class PoolServer:
             self.metrics,
             self.store,
             admins=users.admins if users is not None else frozenset(),
+            notify_allowed=Allowed.parse(c.notify_allow),
             max_priority=dict(users.max_priority) if users is not None else None,
             # a single machine's pool, and an open one (loopback only), set no ceiling
             default_max_priority=(

@@ -196,6 +196,7 @@ class Cluster:
             "GPUPOOL_NOTIFY_URL": notify_url,
             "GPUPOOL_NOTIFY_SECRET": notify_secret,
             "GPUPOOL_NOTIFY_TIMEOUT": str(NOTIFY_TIMEOUT),
+            "GPUPOOL_NOTIFY_ALLOW": "127.0.0.1/32",  # the receiver's loopback, which a pool refuses
         }
         self.requeueable: set[str] = set()  # jobs that checkpoint: the requeue fault stops them
         self.s3_env = s3_env or {}  # a worker needs its bucket

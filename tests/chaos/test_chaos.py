@@ -34,7 +34,7 @@ from tests.chaos.workflow_rules import WorkflowRun
 from tests.chaos.workflows import Workflows
 from tests.support.cluster import ClusterGroup
 from tests.support.sentinel import SentinelGroup
-from tests.support.webhooks import Receiver, receiver
+from tests.support.webhooks import Receiver, receiver, user_key
 
 KINDS = ["kill", "stop", "redis", "server", "rollback", "full", "stale"]  # harness.Cluster.inject
 # With the workflow features, running checkpointing jobs are requeued too (early: the first units'
@@ -89,7 +89,9 @@ async def run_chaos(
             )
             run = None
             if flows is not None and hook is not None:
-                run = WorkflowRun(flows.done, hook.posts, cluster.notify_secret, pool_notify=True)
+                keys = {user: user_key(token) for user, token in cluster.tokens.items()}
+                secret = cluster.notify_secret
+                run = WorkflowRun(flows.done, hook.posts, secret, pool_notify=True, user_keys=keys)
             async with cluster.queue() as queue:
                 verdict = await check(cluster, queue, submitter.acked, workflows=run)
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import orjson
 
 from daemon.job import Attempt, JobInfo, JobSpec, JobState
 from daemon.queue.job_queue import JobQueue
-from daemon.webhook import DELIVERY_HEADER, SIGNATURE_HEADER, sign
+from daemon.webhook import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
 from tests.chaos import workflow_rules
 from tests.chaos.checker import (
     check_decided,
@@ -235,17 +236,19 @@ def test_a_restored_save_must_be_an_earlier_counted_attempt_of_the_same_job() ->
 
 def post(delivery: str, state: str, secret: str) -> Post:
     body = orjson.dumps({"event": "job.ended", "id": delivery.partition("/")[0], "state": state})
-    return Post({DELIVERY_HEADER: delivery, SIGNATURE_HEADER: sign(secret.encode(), body)}, body, 200)
+    now = int(time.time())
+    headers = {DELIVERY_HEADER: delivery, TIMESTAMP_HEADER: str(now)}
+    return Post({**headers, SIGNATURE_HEADER: sign(secret.encode(), now, body)}, body, 200)
 
 
 def test_every_end_owed_a_webhook_must_reach_the_receiver_signed() -> None:
     """issue 43, chaos: every job with a notify target was delivered at least once (duplicates
     counted apart, allowed), signed, saying how it ended."""
-    found = {"a": job("a", notify="http://127.0.0.1:1/h"), "b": job("b")}
+    found = {"a": job("a", notify="http://127.0.0.1:1/h", user="alice"), "b": job("b")}
     secret = "k"
-    posts = [post("a/job", "succeeded", secret), post("a/pool", "succeeded", secret)]
+    posts = [post("a/job", "succeeded", "alice's key"), post("a/pool", "succeeded", secret)]
     posts += [post("b/pool", "succeeded", secret), post("b/pool", "succeeded", secret)]
-    run = WorkflowRun(Submitted(), posts, secret, pool_notify=True)
+    run = WorkflowRun(Submitted(), posts, secret, pool_notify=True, user_keys={"alice": b"alice's key"})
     v = Verdict()
     workflow_rules.check_hooks(v, found, run)
     assert (v.notified, v.hooks_missing, v.hook_duplicates, v.hooks_bad, v.ok) == (3, 0, 1, 0, True)
@@ -254,10 +257,10 @@ def test_every_end_owed_a_webhook_must_reach_the_receiver_signed() -> None:
     workflow_rules.check_hooks(v, found, run)
     assert (v.hooks_missing, v.ok) == (1, False)
     run.posts = [*posts[:3], post("b/pool", "failed", secret)]
-    run.posts[0] = post("a/job", "succeeded", "another key")
+    run.posts[0] = post("a/job", "succeeded", secret)  # the pool's key, not alice's
     v = Verdict()
     workflow_rules.check_hooks(v, found, run)
-    assert v.hooks_bad == 1  # a/job unsigned; b/pool said succeeded once, which is its end
+    assert v.hooks_bad == 1  # a/job not signed with alice's key; b/pool said succeeded once, which is its end
     assert not v.ok
 
 

@@ -19,7 +19,8 @@ in the Verdict (tests/chaos/history.py), each shown to fail on a history that br
   attempt that started before it, and, for an attempt the job's history counts, from an earlier
   attempt that history counts too (never a forgotten execution's);
 - webhooks (`check_hooks`): every end owed a delivery (the job's `--notify`, the pool's
-  `notify_url`) reached the receiver, signed, saying the job's end; duplicates are counted apart
+  `notify_url`) reached the receiver, signed (the pool's with the pool's key, the job's own with
+  its user's), saying the job's end; duplicates are counted apart
   (allowed after faults, as docs/GUARANTEES.md says).
 """
 
@@ -29,7 +30,7 @@ import asyncio
 import time
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 
@@ -51,13 +52,14 @@ MET = {
 @dataclass
 class WorkflowRun:
     """What the checker needs beside the pool's records: what was submitted, what the receiver
-    got, the key it checks signatures with, whether the pool notifies every end (`notify_url`),
-    and how long to wait for deliveries still owed."""
+    got, the keys it checks signatures with (the pool's; each user's, for jobs' own hooks), whether
+    the pool notifies every end (`notify_url`), and how long to wait for deliveries still owed."""
 
     submitted: Submitted
     posts: list[Post]
     secret: str
     pool_notify: bool
+    user_keys: Mapping[str, bytes] = field(default_factory=dict)
     hook_wait: float = 60.0
 
 
@@ -251,12 +253,15 @@ def check_hooks(v: Verdict, found: dict[str, JobInfo], run: WorkflowRun) -> None
     v.notified = len(due)
     got: dict[str, list[Post]] = defaultdict(list)
     for post in run.posts:
-        got[post.headers.get(DELIVERY_HEADER, "")].append(post)
-        if not signed(post, run.secret):
+        delivery = post.headers.get(DELIVERY_HEADER, "")
+        got[delivery].append(post)
+        job_id, _, target = delivery.rpartition("/")
+        owner = found[job_id].spec.user if job_id in found else ""
+        key = run.user_keys.get(owner, b"") if target == TARGET_JOB else run.secret.encode()
+        if not signed(post, key):
+            whose = f"{owner}'s" if target == TARGET_JOB else "the pool's"
             v.hooks_bad += 1
-            v.problems.append(
-                f"a POST for {post.headers.get(DELIVERY_HEADER)} is not signed with the pool's key"
-            )
+            v.problems.append(f"a POST for {delivery} is not signed with {whose} key")
     for delivery in sorted(due):
         posts = got.get(delivery, [])
         if not posts:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ class Post:
     headers: dict[str, str]
     body: bytes
     answered: int
+    at: float = field(default_factory=time.time)  # when it came (Unix seconds)
 
     @property
     def delivery(self) -> str:
@@ -86,7 +88,20 @@ async def receiver(
         await runner.cleanup()
 
 
-def signed(post: Post, secret: str) -> bool:
-    """The receiver's check, as docs/OPERATIONS.md shows it: HMAC-SHA256 of the raw body."""
-    expected = "sha256=" + hmac.new(secret.encode(), post.body, hashlib.sha256).hexdigest()
+def signed(post: Post, secret: str | bytes, now: float | None = None) -> bool:
+    """The receiver's check, as docs/OPERATIONS.md shows it: "v1=" + HMAC-SHA256 of the timestamp
+    header, a dot and the raw body, and the timestamp within five minutes of `now` (default: when
+    the POST came; a replay of an older one fails)."""
+    key = secret.encode() if isinstance(secret, str) else secret
+    timestamp = post.headers.get("X-Gpupool-Timestamp", "")
+    if not timestamp.isdigit() or abs((post.at if now is None else now) - int(timestamp)) > 300:
+        return False
+    signed = timestamp.encode() + b"." + post.body
+    expected = "v1=" + hmac.new(key, signed, hashlib.sha256).hexdigest()
     return hmac.compare_digest(expected, post.headers.get("X-Gpupool-Signature", ""))
+
+
+def user_key(token: str) -> bytes:
+    """The key a user's own hooks are signed with, as docs/OPERATIONS.md tells a user to make it
+    from their token: hex HMAC-SHA256 of "gpupool-webhook" keyed by the token."""
+    return hmac.new(token.encode(), b"gpupool-webhook", hashlib.sha256).hexdigest().encode()

@@ -33,6 +33,7 @@ from tests.support.workers import sh
 
 TOKENS = {"alice": "alice-token-0123456789abcdef"}
 QUICK = 0.5  # notify_timeout: a server's hold on a delivery lapses after 6 times this
+LOOPBACK = ["127.0.0.1/32"]  # notify_allow: the receivers are on loopback, which a pool refuses
 
 
 async def enqueue(pool: Pool, **spec: Any) -> str:
@@ -89,11 +90,15 @@ async def test_an_end_while_the_only_server_was_down_for_long_is_sent_after_its_
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
     async with receiver() as pool_hook, receiver() as job_hook:
-        async with running_pool(redis_server, tmp_path / "a", notify_url=pool_hook.url) as a:
+        async with running_pool(
+            redis_server, tmp_path / "a", notify_url=pool_hook.url, notify_allow=LOOPBACK
+        ) as a:
             job_id = await enqueue(a, notify=job_hook.url)
         await end_alone(queue, job_id)  # no server runs
         monkeypatch.setattr(notifier, "time", SixteenMinutesOn(), raising=False)
-        async with running_pool(redis_server, tmp_path / "b", notify_url=pool_hook.url) as b:
+        async with running_pool(
+            redis_server, tmp_path / "b", notify_url=pool_hook.url, notify_allow=LOOPBACK
+        ) as b:
             (to_pool,) = await pool_hook.wait_for(1, 10)
             (to_job,) = await job_hook.wait_for(1, 10)
             await until(lambda: counted(b, "sent") == 2)
@@ -110,7 +115,10 @@ async def test_a_redis_error_while_preparing_a_send_does_not_drop_it(
     def refused() -> bool:  # the server met the refusal, and said so
         return any(r.name == notifier.__name__ and "maxmemory" in r.getMessage() for r in caplog.records)
 
-    async with receiver() as hook, running_pool(redis_server, tmp_path, notify_timeout=QUICK) as pool:
+    async with (
+        receiver() as hook,
+        running_pool(redis_server, tmp_path, notify_timeout=QUICK, notify_allow=LOOPBACK) as pool,
+    ):
         job_id = await enqueue(pool, notify=hook.url)
         lease = await pool.queue.claim("stand-in", ["default"])
         assert lease is not None
@@ -132,13 +140,23 @@ async def test_a_server_sigkilled_during_a_delivery_leaves_it_to_the_next(
     async with receiver() as hook:
         hook.hold = asyncio.Event()  # the first POST hangs: the server is killed in the middle of it
         job_id, _ = await queue.enqueue(sh("true", user="alice", notify=hook.url))
-        with poold_process(redis_server, tmp_path / "a", TOKENS, "--notify-timeout", str(QUICK)) as (_, a):
+        with poold_process(
+            redis_server,
+            tmp_path / "a",
+            TOKENS,
+            "--notify-timeout",
+            str(QUICK),
+            "--notify-allow",
+            "127.0.0.1/32",
+        ) as (_, a):
             await end_alone(queue, job_id)
             (first,) = await hook.wait_for(1)
             a.kill()
             await asyncio.to_thread(a.wait, 30)
         hook.hold.set()
-        async with running_pool(redis_server, tmp_path / "b", notify_timeout=QUICK) as b:
+        async with running_pool(
+            redis_server, tmp_path / "b", notify_timeout=QUICK, notify_allow=LOOPBACK
+        ) as b:
             first, second = await hook.wait_for(2)
             await until(lambda: counted(b, "sent") == 1)
     assert first.delivery == second.delivery == f"{job_id}/job"
@@ -164,8 +182,12 @@ async def test_two_servers_deliver_each_end_once_its_retry_included(
             await queue.cancel(job_id)  # ended while no server runs
         async with contextlib.AsyncExitStack() as stack:
             a, b = await asyncio.gather(
-                stack.enter_async_context(running_pool(redis_server, tmp_path / "a", notify_timeout=QUICK)),
-                stack.enter_async_context(running_pool(redis_server, tmp_path / "b", notify_timeout=QUICK)),
+                stack.enter_async_context(
+                    running_pool(redis_server, tmp_path / "a", notify_timeout=QUICK, notify_allow=LOOPBACK)
+                ),
+                stack.enter_async_context(
+                    running_pool(redis_server, tmp_path / "b", notify_timeout=QUICK, notify_allow=LOOPBACK)
+                ),
             )
             late = [(await queue.enqueue(spec))[0] for _ in range(10)]
             async with a.client() as c:
@@ -189,7 +211,9 @@ async def test_an_end_past_job_retention_is_not_sent_and_is_counted(
         job_id, _ = await short.enqueue(sh("true", user="alice", notify=hook.url))
         await short.cancel(job_id)
         await until(lambda: gone(redis, keys.job(job_id)), 10)
-        async with running_pool(redis_server, tmp_path, notify_timeout=QUICK, job_retention=1) as pool:
+        async with running_pool(
+            redis_server, tmp_path, notify_timeout=QUICK, job_retention=1, notify_allow=LOOPBACK
+        ) as pool:
             await until(lambda: counted(pool, "dropped") == 1)
             assert await redis.zcard(keys.outbox("default")) == 0
         assert hook.posts == []
@@ -222,7 +246,7 @@ async def test_a_full_outbox_drops_its_oldest_end_and_the_next_server_says_so(
         assert await redis.zscore(outbox, f"{job_id}/job") is not None
         for start in range(1, cap, 10_000):
             await redis.zrem(outbox, *fake[start : start + 10_000])
-        async with running_pool(redis_server, tmp_path, notify_timeout=QUICK) as pool:
+        async with running_pool(redis_server, tmp_path, notify_timeout=QUICK, notify_allow=LOOPBACK) as pool:
             (post,) = await hook.wait_for(1, 10)
             await until(lambda: counted(pool, "dropped") == 1 and counted(pool, "sent") == 1)
     assert post.delivery == f"{job_id}/job"
