@@ -21,7 +21,7 @@ from daemon.aio import start_or_undo
 from daemon.worker.cgroups import SlotCgroup, SlotCgroups
 from daemon.worker.confine import Confinement
 from daemon.worker.dir_watch import DirWatch
-from daemon.worker.identity import SlotIdentity, check_passable
+from daemon.worker.identity import IdentityError, SlotIdentity, check_passable
 from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.scratch import SlotDirs, SlotScratch
 from daemon.worker.spawn import Spawner
@@ -83,6 +83,11 @@ class Slots:
         await self.guard.start()
         if self.identities:
             await self.spawner.check(self.identities[0])
+        elif self.spawner.confinement.own_net and self.count:
+            raise IdentityError(
+                'job_network = "private" needs jobs with uids of their own: a root worker with '
+                "job_uid_range (a job running as the worker's user or as root would share its network)"
+            )
         for identity in self.identities or ():  # what a worker that died left of its jobs
             await self.spawner.sweep(identity)
 

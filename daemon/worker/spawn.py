@@ -15,6 +15,9 @@ Before `Child.wait()` says a job's first process has ended, nothing the job star
 - with a uid, what it left in the shared temporary directories and its System V IPC objects go too.
 Without either (a single user's worker), what is left is the runner's to find (leftovers.py).
 
+A job with a uid of its own is also confined before its exec (confine.py): only its GPUs' device
+nodes open, IPC (and with job_network = "private", network) namespaces of its own, fresh keyrings.
+
 A job's processes outliving a killed worker are orphan_guard.py's to kill.
 """
 

@@ -23,6 +23,7 @@ from daemon.worker.gpus import GpuInfo
 from daemon.worker.identity import IdentityError, SlotIdentity
 from daemon.worker.spawn import Spawner
 from tests.daemon.worker.test_identity import FIRST_UID, hardened_worker, output, run
+from tests.support.workers import running_worker
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids and namespaces need root")
 
@@ -289,4 +290,12 @@ async def test_a_worker_that_cannot_confine_its_jobs_refuses_to_start(queue: Job
     every job it took: it refuses to start, saying what it needs."""
     with without_capability(CAP_SYS_ADMIN), pytest.raises(IdentityError, match="CAP_SYS_ADMIN"):
         async with hardened_worker(queue):
+            pass
+
+
+async def test_a_private_network_without_uids_of_its_own_is_refused(queue: JobQueue, tmp_path: Path) -> None:
+    """issue 44 item 7: a job running as the worker's user (or root) cannot be given a network of
+    its own that it could not leave: a worker asked for one refuses to start, saying what it needs."""
+    with pytest.raises(IdentityError, match="job_uid_range"):
+        async with running_worker(queue, tmp_path / "w", job_network="private"):
             pass
