@@ -33,7 +33,8 @@ thread's own while their memory is shared):
                  keyrings      a new session keyring joined
                  the switch    no_new_privs, no bounding or ambient capabilities, no supplementary
                                groups, all three gids, all three uids, no capability left
-                 keyrings      the uid's user, user-session and persistent keyrings emptied
+                 keyrings      the uid's user, user-session and persistent keyrings emptied, the
+                               first two left unwritable
     chdir(cwd)                 as the job's uid: a directory it may not enter fails the start
     execve                     each candidate path in turn, as execvp does with PATH
 
@@ -44,10 +45,11 @@ memory until its exec; the kernel makes a process whose uid changed non-dumpable
 that uid may ptrace it or read its memory meanwhile.
 
 When it cannot start, it writes the errno to its plan (and which step failed) and exits 127;
-`reap` answers that errno and step with the status, and the worker tells the job's owner why (a program exiting 127 of itself has
-started: its errno is 0). A mapping is free again once its child has exec'd or exited
-(CLONE_CHILD_CLEARTID: the kernel zeroes a word in it at either), or, for a child that could not
-start, once `reap` has read why; a few free ones are kept for the next children.
+`reap` answers that errno and step with the status, and the worker tells the job's owner why (a
+program exiting 127 of itself has started: its errno is 0). A mapping is free again once its
+child has exec'd or exited (CLONE_CHILD_CLEARTID: the kernel zeroes a word in it at either), or,
+for a child that could not start, once `reap` has read why; a few free ones are kept for the next
+children.
 
 sweep(uid, gid): a child, born as above, that switches to `uid` and sends SIGKILL to every process
 it may (kill(-1): all of the uid's, one pass over the kernel's task list, which no fork in flight
@@ -320,12 +322,28 @@ static long k_new_session_keyring(void)
     return r == -ENOSYS ? 0 : r;
 }
 
+/* Emptied, a uid's user keyring is left so that its possessor and its owner (the uid) may view,
+   read, search and link it, never write it or change its attributes: nothing a job could put there
+   (a job keeps its keys in its own session keyring), and nothing that would fail the next job of
+   the uid (a job that revoked the keyring, or took away the right to empty it). */
+#define KEYRING_PERM 0x1b1b0000 /* KEY_POS_{VIEW,READ,SEARCH,LINK}, KEY_USR_ the same */
+
+static long k_empty_keyring(long keyring)
+{
+    long r = k_call(SYS_keyctl, KEYCTL_CLEAR, keyring, 0, 0, 0);
+    if (r == -EACCES)
+        return 0; /* unwritable: emptied and left so by an earlier start, nothing put there since */
+    return r < 0 ? r : k_call(SYS_keyctl, KEYCTL_SETPERM, keyring, KEYRING_PERM, 0, 0);
+}
+
 static long k_empty_user_keyrings(void)
 {
     long r;
-    if ((r = k_call(SYS_keyctl, KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING, 0, 0, 0)) < 0 ||
-        (r = k_call(SYS_keyctl, KEYCTL_CLEAR, KEY_SPEC_USER_SESSION_KEYRING, 0, 0, 0)) < 0)
+    if ((r = k_empty_keyring(KEY_SPEC_USER_KEYRING)) < 0 ||
+        (r = k_empty_keyring(KEY_SPEC_USER_SESSION_KEYRING)) < 0)
         return r == -ENOSYS ? 0 : r;
+    /* The persistent keyring is writable by whoever links it in (and no one may change its
+       attributes): emptied at every start. A job that revoked it leaves the next one a new one. */
     long persistent = k_call(SYS_keyctl, KEYCTL_GET_PERSISTENT, -1, KEY_SPEC_SESSION_KEYRING, 0, 0);
     if (persistent == -EOPNOTSUPP)
         return 0;
@@ -617,7 +635,8 @@ PyDoc_STRVAR(spawn_doc,
 "a session keyring of its own, the uid's keyrings emptied, an IPC namespace of its own if\n"
 "`own_ipc`, a network namespace with only its loopback if `own_net`, and the device nodes\n"
 "`hidden` (paths, bytes) made unopenable in a mount namespace of its own. Returns at once\n"
-"(x86-64); whether it could start, `reap` tells. pidfd is -1 on a kernel without pidfds. Raises OSError when no process could be made.");
+"(x86-64); whether it could start, `reap` tells. pidfd is -1 on a kernel without pidfds.\n"
+"Raises OSError when no process could be made.");
 
 static PyObject *spawn(PyObject *self, PyObject *args)
 {
@@ -627,8 +646,9 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     PyObject *hidden_obj;
     int stdin_fd, out_fd, cgroup_fd, born_in, nice, own_ipc, own_net;
     long uid, gid;
-    if (!PyArg_ParseTuple(args, "OOOy#iillipiOpp", &paths_obj, &argv_obj, &envp_obj, &cwd, &cwd_len, &stdin_fd,
-                          &out_fd, &uid, &gid, &cgroup_fd, &born_in, &nice, &hidden_obj, &own_ipc, &own_net))
+    if (!PyArg_ParseTuple(args, "OOOy#iillipiOpp", &paths_obj, &argv_obj, &envp_obj, &cwd, &cwd_len,
+                          &stdin_fd, &out_fd, &uid, &gid, &cgroup_fd, &born_in, &nice, &hidden_obj, &own_ipc,
+                          &own_net))
         return NULL;
     if (nice != NO_NICE && (nice < -20 || nice > 19)) {
         PyErr_SetString(PyExc_ValueError, "spawn: a niceness from -20 to 19, or -100 (the caller's)");
@@ -650,7 +670,7 @@ static PyObject *spawn(PyObject *self, PyObject *args)
             return NULL;
     }
     if (uid == -1 && (own_ipc || own_net || PySequence_Fast_GET_SIZE(hidden_obj) != 0)) {
-        PyErr_SetString(PyExc_ValueError, "spawn: namespaces and hidden devices need a uid (root undoes them)");
+        PyErr_SetString(PyExc_ValueError, "spawn: namespaces and hidden nodes need a uid (root undoes them)");
         return NULL;
     }
     if (PySequence_Fast_GET_SIZE(paths_obj) == 0 || PySequence_Fast_GET_SIZE(argv_obj) == 0) {

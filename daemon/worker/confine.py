@@ -12,7 +12,8 @@ its first process is made to give up before its exec (_spawn.c does it, as root,
   machine reach each other's loopback ports and abstract unix sockets. "private" gives each job a
   namespace of its own with only its loopback, up: nothing of another job's, and no route out
   (a job that downloads anything needs "host").
-- Keyrings (always, with a uid): a session keyring of its own, and its uid's keyrings emptied.
+- Keyrings (always, with a uid): a session keyring of its own, and its uid's keyrings emptied (its
+  user keyrings left unwritable: a job keeps its keys in its own session keyring).
 
 Nothing here applies to a job running as the worker's own user (no uid of its own): it could not
 be done without privileges, and a job running as root would undo it.

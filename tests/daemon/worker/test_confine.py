@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import random
 import stat
 from collections.abc import AsyncIterator, Collection, Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 from daemon.job import JobState
 from daemon.queue.job_queue import JobQueue
+from daemon.worker import _spawn
 from daemon.worker.confine import Confinement
 from daemon.worker.gpus import GpuInfo
 from daemon.worker.identity import IdentityError, SlotIdentity
@@ -131,34 +133,50 @@ KEYCTL = """
 import ctypes, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
 SESSION, USER, USER_SESSION = -3, -4, -5
-def add(where, value):
-    if libc.syscall(248, b"user", b"secret", value, len(value), where) < 0:  # add_key
-        sys.exit(f"add_key: {os.strerror(ctypes.get_errno())}")
+def keyctl(*args):
+    return libc.syscall(250, *args)
+def add(where, value):  # add_key: refused in the uid's user keyrings, once a job has started
+    return libc.syscall(248, b"user", b"secret", value, len(value), where)
 def keys(keyring):
     buf = ctypes.create_string_buffer(4096)
-    n = libc.syscall(250, 11, keyring, buf, 4096)  # keyctl(KEYCTL_READ)
-    return n // 4 if n >= 0 else os.strerror(ctypes.get_errno())
-persistent = libc.syscall(250, 22, -1, SESSION)  # keyctl(KEYCTL_GET_PERSISTENT), into @s
+    n = keyctl(11, keyring, buf, 4096)  # KEYCTL_READ: 4 bytes per key
+    return n // 4 if n >= 0 else -1  # -1: unreadable
+persistent = keyctl(22, -1, SESSION)  # KEYCTL_GET_PERSISTENT, linked into @s
 """
+LEAVE_KEYS = (
+    KEYCTL
+    + """
+add(USER, b"alice-u"); add(USER_SESSION, b"alice-us")
+assert add(SESSION, b"alice-s") > 0
+assert persistent < 0 or add(persistent, b"alice-p") > 0
+"""
+)
+BREAK_KEYRINGS = """
+keyctl(5, USER, 0x0b0b0000)  # KEYCTL_SETPERM: readable, never again writable (refused)
+keyctl(3, USER_SESSION)  # KEYCTL_REVOKE (refused)
+keyctl(3, persistent)  # allowed: the next job gets a new one
+"""
+FIND_KEYS = (
+    KEYCTL
+    + """
+linked = keys(SESSION)
+print(keys(USER), keys(USER_SESSION), linked - (persistent >= 0 and linked > 0),
+      keys(persistent) if persistent >= 0 else 0)
+"""
+)
 
 
-async def test_the_next_job_of_a_uid_finds_no_key_of_the_last() -> None:
+@pytest.mark.parametrize("changes", ["", BREAK_KEYRINGS], ids=["keys", "keyrings changed"])
+async def test_the_next_job_of_a_uid_finds_no_key_of_the_last(changes: str) -> None:
     """issue 44 item 7: a uid's user keyrings (and its persistent one) outlive its processes, and
-    the worker's session keyring was every job's: bob's job read the key alice's job left."""
+    the worker's session keyring was every job's: bob's job read the key alice's job left. Nor
+    may a job, changing its uid's keyrings, keep the next job of its uid from starting."""
+    uid = random.randrange(62000, 63000)  # the kernel keeps a uid's keyrings as earlier runs left them
+    slot = SlotIdentity(uid, uid)
     async with spawner_of() as spawner:
-        await job(
-            spawner,
-            ALICE,
-            KEYCTL + 'add(USER, b"alice-u"); add(USER_SESSION, b"alice-us"); add(SESSION, b"alice-s")\n'
-            'if persistent >= 0: add(persistent, b"alice-p")\n',
-        )
-        out = await job(
-            spawner,
-            ALICE,
-            KEYCTL + "print(keys(USER), keys(USER_SESSION), keys(SESSION) - (persistent >= 0), "
-            "keys(persistent) if persistent >= 0 else 0)\n",
-        )
-        assert out.split() == ["0", "0", "0", "0"]  # each keyring empty (@s: but the persistent link)
+        await job(spawner, slot, LEAVE_KEYS + changes)
+        # each empty (@s: but for the persistent keyring's link), and the job started
+        assert (await job(spawner, slot, FIND_KEYS)).split() == ["0", "0", "0", "0"]
 
 
 MQ = """
@@ -299,3 +317,17 @@ async def test_a_private_network_without_uids_of_its_own_is_refused(queue: JobQu
     with pytest.raises(IdentityError, match="job_uid_range"):
         async with running_worker(queue, tmp_path / "w", job_network="private"):
             pass
+
+
+@pytest.mark.parametrize(
+    ("hidden", "own_ipc", "own_net"), [([b"/dev/nvidia0"], False, False), ([], True, True)]
+)
+def test_the_c_module_confines_only_a_job_with_a_uid(
+    hidden: list[bytes], own_ipc: bool, own_net: bool
+) -> None:
+    """A job running as the worker's user (or as root, which would undo it) is given no
+    namespace: the C module refuses the request before any process is made."""
+    with pytest.raises(ValueError, match="need a uid"):
+        _spawn.spawn(
+            [b"/bin/true"], [b"true"], [], b"/", 0, 1, -1, -1, -1, False, -100, hidden, own_ipc, own_net
+        )
