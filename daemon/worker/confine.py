@@ -29,6 +29,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 JOB_NETWORKS = ("host", "private")
+DEV = "/dev"
 NVIDIA_MAJOR = 195  # the NVIDIA driver's character devices (nvidia-frontend)
 GPU_NODE = re.compile(r"nvidia[0-9]+")  # /dev/nvidia0...: one per GPU; not nvidiactl, nvidia-uvm, ...
 MTIME_SLACK_NS = 100_000_000  # a directory's times move in ticks of the coarse clock (<= 10 ms)
@@ -47,15 +48,13 @@ NOTHING = Plan()
 
 
 class Confinement:
-    """The plans of a worker's jobs. `job_network`: "host" or "private" (see the module doc);
-    `dev`: where the device nodes are (tests give another directory)."""
+    """The plans of a worker's jobs. `job_network`: "host" or "private" (see the module doc)."""
 
-    def __init__(self, job_network: str = "host", dev: str = "/dev") -> None:
+    def __init__(self, job_network: str = "host") -> None:
         if job_network not in JOB_NETWORKS:
             raise ValueError(f"job_network must be one of {', '.join(JOB_NETWORKS)}, not {job_network!r}")
         self.own_net = job_network == "private"
-        self.dev = dev
-        self._seen = -1  # the st_mtime_ns of `dev` when `_nodes` was read from it
+        self._seen = -1  # the st_mtime_ns of DEV when `_nodes` was read from it
         self._nodes: dict[int, bytes] = {}  # minor number -> GPU device node
 
     def plan(self, gpus: Collection[int] | None) -> Plan:
@@ -71,13 +70,13 @@ class Confinement:
         changed (one stat per job: nodes made after the worker started, by a driver loaded
         late, are hidden as well)."""
         try:
-            seen = os.stat(self.dev).st_mtime_ns
+            seen = os.stat(DEV).st_mtime_ns
         except OSError:
             return {}
         if seen != self._seen:
             now = time.time_ns()
             nodes = {}
-            with os.scandir(self.dev) as entries:
+            with os.scandir(DEV) as entries:
                 for entry in entries:
                     if GPU_NODE.fullmatch(entry.name):
                         try:

@@ -46,6 +46,12 @@ for n in range({STAND_INS}):
 
 @pytest.fixture
 def stand_in_gpus() -> Iterator[None]:
+    with stand_ins():
+        yield
+
+
+@contextlib.contextmanager
+def stand_ins() -> Iterator[None]:
     """/dev/nvidia0..3 as the driver makes them (c 195 N, 0666), with no driver behind them: a job
     allowed one gets ENXIO opening it, one kept from it EACCES. Never on a machine with a real
     GPU (its nodes are the driver's: the GPU device check covers it, tests/gpu/check_devices.sh)."""
@@ -111,6 +117,20 @@ async def test_a_job_opens_only_the_gpu_devices_it_was_given() -> None:
         os.open("/dev/nvidia0", os.O_RDWR)
     assert raised.value.errno == errno.ENXIO
     assert "nvidia" not in Path("/proc/self/mountinfo").read_text()
+
+
+async def test_gpu_nodes_made_after_the_worker_started_are_hidden_too() -> None:
+    """issue 44 item 4: a driver loaded after the worker started makes its nodes then; the
+    worker reads /dev again when it has changed (one stat per job), so they are hidden too."""
+    async with spawner_of() as spawner:
+        if Path("/dev/nvidia0").exists():
+            pytest.skip(
+                "this machine has /dev/nvidia* of its own: tests/gpu/check_devices.sh checks a real GPU"
+            )
+        assert set(opened(await job(spawner, ALICE, OPEN_GPUS)).values()) == {"ENOENT"}  # none yet
+        with stand_ins():
+            out = await job(spawner, ALICE, OPEN_GPUS, gpus={2})
+        assert opened(out) == {0: "EACCES", 1: "EACCES", 2: "ENXIO", 3: "EACCES"}
 
 
 @pytest.mark.usefixtures("stand_in_gpus")
