@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -189,8 +189,9 @@ async def run_command(
         env: Mapping[str, str],
         identity: SlotIdentity | None = None,
         cgroup: SlotCgroup | None = None,
+        gpus: Collection[int] | None = None,
     ) -> spawn.Child:
-        child = real_spawn(self, argv, cwd=cwd, env=env, identity=identity, cgroup=cgroup)
+        child = real_spawn(self, argv, cwd=cwd, env=env, identity=identity, cgroup=cgroup, gpus=gpus)
         if "GPUPOOL_JOB_ID" in env:
             spawned[env["GPUPOOL_JOB_ID"]] = now()
         return child

@@ -201,6 +201,15 @@ OPTIONS: tuple[Option, ...] = (
         check=uid_range_of,
     ),
     Option(
+        "job_network",
+        str,
+        "host",
+        "host: jobs share the machine's network (and reach each other's loopback ports and "
+        "abstract unix sockets); private: each job with a uid of its own gets a network of its "
+        "own with only loopback, no route out (jobs that download need host)",
+        choices=("host", "private"),
+    ),
+    Option(
         "drain_timeout",
         float,
         60.0,
@@ -423,6 +432,7 @@ class Config:
     redis_events_block_ms: float
     heartbeat_interval: float
     job_uid_range: str
+    job_network: str
     drain_timeout: float
     kill_grace: float
     worker_idle_exit: float

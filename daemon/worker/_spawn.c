@@ -29,8 +29,12 @@ thread's own while their memory is shared):
     (nice)                     nicer than the worker: the pool's own work is never starved by jobs
     0, 1, 2                    stdin, and stdout+stderr into the job's output pipe
     close_range(3, ~0)         nothing else of the worker's
-    (with a uid) no_new_privs, no bounding or ambient capabilities, no supplementary groups,
-                               all three gids, all three uids, no capability left
+    (with a uid) namespaces    IPC, network (loopback up), mounts hiding GPUs not given: as asked
+                 keyrings      a new session keyring joined
+                 the switch    no_new_privs, no bounding or ambient capabilities, no supplementary
+                               groups, all three gids, all three uids, no capability left
+                 keyrings      the uid's user, user-session and persistent keyrings emptied, the
+                               first two left unwritable
     chdir(cwd)                 as the job's uid: a directory it may not enter fails the start
     execve                     each candidate path in turn, as execvp does with PATH
 
@@ -40,11 +44,12 @@ once every handler is back to the default. Once it has the slot's uid it still s
 memory until its exec; the kernel makes a process whose uid changed non-dumpable, so no process of
 that uid may ptrace it or read its memory meanwhile.
 
-When it cannot start, it writes the errno to its plan and exits 127; `reap` answers that errno
-with the status, and the worker tells the job's owner why (a program exiting 127 of itself has
-started: its errno is 0). A mapping is free again once its child has exec'd or exited
-(CLONE_CHILD_CLEARTID: the kernel zeroes a word in it at either), or, for a child that could not
-start, once `reap` has read why; a few free ones are kept for the next children.
+When it cannot start, it writes the errno to its plan (and which step failed) and exits 127;
+`reap` answers that errno and step with the status, and the worker tells the job's owner why (a
+program exiting 127 of itself has started: its errno is 0). A mapping is free again once its
+child has exec'd or exited (CLONE_CHILD_CLEARTID: the kernel zeroes a word in it at either), or,
+for a child that could not start, once `reap` has read why; a few free ones are kept for the next
+children.
 
 sweep(uid, gid): a child, born as above, that switches to `uid` and sends SIGKILL to every process
 it may (kill(-1): all of the uid's, one pass over the kernel's task list, which no fork in flight
@@ -63,11 +68,16 @@ worker waits for it a moment at most, then kills it, and never waits for it othe
 #include <stdint.h>
 #include <string.h>
 #include <linux/capability.h>
+#include <linux/keyctl.h>
+#include <net/if.h>
+#include <sys/ioctl.h>
 #include <sys/ipc.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/msg.h>
 #include <sys/sem.h>
 #include <sys/shm.h>
+#include <sys/socket.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -104,6 +114,9 @@ struct birth {
     int join;                         /* the child joins the cgroup first thing (cgroup.procs) */
     int nice;                         /* its niceness; NO_NICE: the worker's */
     long uid, gid;                    /* -1: keep the worker's */
+    char **hidden;                    /* device nodes it may not open, NULL-terminated (with a uid) */
+    int own_ipc, own_net;             /* an IPC, a network namespace of its own (with a uid) */
+    const char *volatile step;        /* what it was doing when it failed (NULL: its exec) */
 };
 
 /* The GIL guards both lists: every function here holds it. */
@@ -245,6 +258,102 @@ static long k_no_capabilities(void)
     return k_call(SYS_capset, (long)&header, (long)none, 0, 0, 0);
 }
 
+/* What a job reaches of its machine beyond what it was given (root, before the switch): namespaces
+   of its own, so that nothing of another job's, or of the previous job's of its uid, is in reach.
+   - IPC: System V objects and POSIX message queues are per IPC namespace; a job's go with it.
+   - mounts: a copy of the worker's, a slave of them (the machine's new mounts reach the job, the
+     job's never reach the machine), in which each GPU device node it was not given is bound onto
+     itself and remounted nodev: it is there, and opening it fails with EACCES. The job has no
+     capability to undo it, and in a user namespace of its own the kernel locks both the bind
+     and its nodev (a mount inherited from a more privileged namespace).
+   - network: only a loopback of its own, brought up here (the job may not), and no route out:
+     another job's loopback ports and abstract unix sockets are in another namespace. */
+static long k_own_namespaces(struct birth *b)
+{
+    long r;
+    long flags = (b->own_ipc ? CLONE_NEWIPC : 0) | (b->own_net ? CLONE_NEWNET : 0) |
+                 (b->hidden != NULL && b->hidden[0] != NULL ? CLONE_NEWNS : 0);
+    if (flags == 0)
+        return 0;
+    b->step = "making namespaces of its own";
+    if ((r = k_call(SYS_unshare, flags, 0, 0, 0, 0)) < 0)
+        return r;
+    if (flags & CLONE_NEWNS) {
+        b->step = "making its mounts a slave of the machine's";
+        if ((r = k_call(SYS_mount, (long)"none", (long)"/", 0, MS_REC | MS_SLAVE, 0)) < 0)
+            return r;
+        b->step = "hiding a GPU it was not given";
+        for (char **node = b->hidden; *node != NULL; node++) {
+            if ((r = k_call(SYS_mount, (long)*node, (long)*node, 0, MS_BIND, 0)) < 0 ||
+                (r = k_call(SYS_mount, 0, (long)*node, 0,
+                            MS_BIND | MS_REMOUNT | MS_NODEV | MS_NOSUID | MS_NOEXEC | MS_RDONLY, 0)) < 0)
+                return r;
+        }
+    }
+    if (flags & CLONE_NEWNET) {
+        b->step = "bringing up its loopback";
+        struct ifreq lo;
+        memset(&lo, 0, sizeof lo);
+        memcpy(lo.ifr_name, "lo", 3);
+        long sock = k_call(SYS_socket, AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0, 0, 0);
+        if (sock < 0)
+            return sock;
+        if ((r = k_call(SYS_ioctl, sock, SIOCGIFFLAGS, (long)&lo, 0, 0)) == 0) {
+            lo.ifr_flags |= IFF_UP;
+            r = k_call(SYS_ioctl, sock, SIOCSIFFLAGS, (long)&lo, 0, 0);
+        }
+        (void)k_call(SYS_close, sock, 0, 0, 0, 0);
+        if (r < 0)
+            return r;
+    }
+    b->step = NULL;
+    return 0;
+}
+
+/* The kernel's keyrings outlive processes: a uid's user keyrings (@u, @us) and persistent one hold
+   what the previous job of the uid, another user's perhaps, put there, and the worker's session
+   keyring would be the job's too. Before the switch, the job joins a new, empty session keyring
+   (made as root: it counts against no quota the previous job could have filled; the job possesses
+   it, which gives it every right on it); after it, as the uid, it empties the uid's keyrings. A
+   kernel without keyrings (ENOSYS) or without persistent ones (EOPNOTSUPP) has nothing to leak. */
+static long k_new_session_keyring(void)
+{
+    long r = k_call(SYS_keyctl, KEYCTL_JOIN_SESSION_KEYRING, 0, 0, 0, 0);
+    return r == -ENOSYS ? 0 : r;
+}
+
+/* Emptied, a uid's user keyring is left so that its possessor and its owner (the uid) may view,
+   read, search and link it, never write it or change its attributes: nothing a job could put there
+   (a job keeps its keys in its own session keyring), and nothing that would fail the next job of
+   the uid (a job that revoked the keyring, or took away the right to empty it). */
+#define KEYRING_PERM 0x1b1b0000 /* KEY_POS_{VIEW,READ,SEARCH,LINK}, KEY_USR_ the same */
+
+static long k_empty_keyring(long keyring)
+{
+    long r = k_call(SYS_keyctl, KEYCTL_CLEAR, keyring, 0, 0, 0);
+    if (r == -EACCES)
+        return 0; /* unwritable: emptied and left so by an earlier start, nothing put there since */
+    return r < 0 ? r : k_call(SYS_keyctl, KEYCTL_SETPERM, keyring, KEYRING_PERM, 0, 0);
+}
+
+static long k_empty_user_keyrings(void)
+{
+    long r;
+    if ((r = k_empty_keyring(KEY_SPEC_USER_KEYRING)) < 0 ||
+        (r = k_empty_keyring(KEY_SPEC_USER_SESSION_KEYRING)) < 0)
+        return r == -ENOSYS ? 0 : r;
+    /* The persistent keyring is writable by whoever links it in (and no one may change its
+       attributes): emptied at every start. A job that revoked it leaves the next one a new one. */
+    long persistent = k_call(SYS_keyctl, KEYCTL_GET_PERSISTENT, -1, KEY_SPEC_SESSION_KEYRING, 0, 0);
+    if (persistent == -EOPNOTSUPP)
+        return 0;
+    if (persistent < 0)
+        return persistent;
+    if ((r = k_call(SYS_keyctl, KEYCTL_CLEAR, persistent, 0, 0, 0)) < 0)
+        return r;
+    return k_call(SYS_keyctl, KEYCTL_UNLINK, persistent, KEY_SPEC_SESSION_KEYRING, 0, 0);
+}
+
 /* -- the children --------------------------------------------------------------------------- */
 
 static void __attribute__((noreturn)) fail(struct birth *b, long r)
@@ -272,9 +381,19 @@ static int job_child(void *arg)
     (void)k_call(SYS_close_range, 3, ~0U, 0, 0, 0); /* ENOSYS before 5.9: all is close-on-exec */
 #endif
     if (b->uid >= 0) {
+        if ((r = k_own_namespaces(b)) < 0)
+            fail(b, r);
+        b->step = "joining a session keyring of its own";
+        if ((r = k_new_session_keyring()) < 0)
+            fail(b, r);
+        b->step = "switching to its uid";
         if ((r = k_give_up_privileges()) < 0 || (r = k_switch_to(b->uid, b->gid)) < 0 ||
             (r = k_no_capabilities()) < 0)
             fail(b, r);
+        b->step = "emptying its uid's keyrings";
+        if ((r = k_empty_user_keyrings()) < 0)
+            fail(b, r);
+        b->step = NULL;
     }
     if ((r = k_call(SYS_chdir, (long)b->cwd, 0, 0, 0, 0)) < 0)
         fail(b, r);
@@ -333,13 +452,16 @@ static void collect(void)
     }
 }
 
-/* The error of `pid`'s child (0 if it started), its mapping unmapped. */
-static int forget(pid_t pid)
+/* The error of `pid`'s child (0 if it started), and the step it failed at in *step (NULL: its
+   exec, or it started), its mapping unmapped. */
+static int forget(pid_t pid, const char **step)
 {
+    *step = NULL;
     for (struct birth **at = &births; *at != NULL; at = &(*at)->next) {
         struct birth *b = *at;
         if (b->pid == pid) {
             int error = b->error;
+            *step = b->step; /* a string of this module's: it outlives the mapping */
             *at = b->next;
             retire(b);
             return error;
@@ -503,24 +625,30 @@ static char **take_array(char **at, PyObject *seq)
 }
 
 PyDoc_STRVAR(spawn_doc,
-"spawn(paths, argv, envp, cwd, stdin_fd, out_fd, uid, gid, cgroup_fd, born_in, nice) -> (pid, pidfd)\n\n"
+"spawn(paths, argv, envp, cwd, stdin_fd, out_fd, uid, gid, cgroup_fd, born_in, nice, hidden, own_ipc,\n"
+"      own_net) -> (pid, pidfd)\n\n"
 "Start the first of `paths` that execs (bytes each; argv and envp lists of bytes, envp as\n"
 "b'KEY=value') in `cwd`, in a session of its own, with stdin from `stdin_fd` and stdout and\n"
 "stderr into `out_fd`, as `uid`/`gid` unless -1 (then without privileges to gain), in the cgroup\n"
 "whose directory is open as `cgroup_fd` unless -1: born in it if `born_in` (where the kernel\n"
-"can), else joining it first thing, at niceness `nice` unless -100 (the caller's). Returns at\n"
-"once (x86-64); whether it could start, `reap`\n"
-"tells. pidfd is -1 on a kernel without pidfds. Raises OSError when no process could be made.");
+"can), else joining it first thing, at niceness `nice` unless -100 (the caller's). With a uid:\n"
+"a session keyring of its own, the uid's keyrings emptied, an IPC namespace of its own if\n"
+"`own_ipc`, a network namespace with only its loopback if `own_net`, and the device nodes\n"
+"`hidden` (paths, bytes) made unopenable in a mount namespace of its own. Returns at once\n"
+"(x86-64); whether it could start, `reap` tells. pidfd is -1 on a kernel without pidfds.\n"
+"Raises OSError when no process could be made.");
 
 static PyObject *spawn(PyObject *self, PyObject *args)
 {
     PyObject *paths_obj, *argv_obj, *envp_obj;
     const char *cwd;
     Py_ssize_t cwd_len;
-    int stdin_fd, out_fd, cgroup_fd, born_in, nice;
+    PyObject *hidden_obj;
+    int stdin_fd, out_fd, cgroup_fd, born_in, nice, own_ipc, own_net;
     long uid, gid;
-    if (!PyArg_ParseTuple(args, "OOOy#iillipi", &paths_obj, &argv_obj, &envp_obj, &cwd, &cwd_len, &stdin_fd,
-                          &out_fd, &uid, &gid, &cgroup_fd, &born_in, &nice))
+    if (!PyArg_ParseTuple(args, "OOOy#iillipiOpp", &paths_obj, &argv_obj, &envp_obj, &cwd, &cwd_len,
+                          &stdin_fd, &out_fd, &uid, &gid, &cgroup_fd, &born_in, &nice, &hidden_obj, &own_ipc,
+                          &own_net))
         return NULL;
     if (nice != NO_NICE && (nice < -20 || nice > 19)) {
         PyErr_SetString(PyExc_ValueError, "spawn: a niceness from -20 to 19, or -100 (the caller's)");
@@ -534,31 +662,38 @@ static PyObject *spawn(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "cwd: bytes without a NUL");
         return NULL;
     }
-    Py_ssize_t sizes[3];
-    PyObject *seqs[3] = {paths_obj, argv_obj, envp_obj};
-    const char *names[3] = {"paths", "argv", "envp"};
-    for (int i = 0; i < 3; i++) {
+    Py_ssize_t sizes[4];
+    PyObject *seqs[4] = {paths_obj, argv_obj, envp_obj, hidden_obj};
+    const char *names[4] = {"paths", "argv", "envp", "hidden"};
+    for (int i = 0; i < 4; i++) {
         if ((sizes[i] = copy_strings(seqs[i], names[i], NULL, NULL)) < 0)
             return NULL;
+    }
+    if (uid == -1 && (own_ipc || own_net || PySequence_Fast_GET_SIZE(hidden_obj) != 0)) {
+        PyErr_SetString(PyExc_ValueError, "spawn: namespaces and hidden nodes need a uid (root undoes them)");
+        return NULL;
     }
     if (PySequence_Fast_GET_SIZE(paths_obj) == 0 || PySequence_Fast_GET_SIZE(argv_obj) == 0) {
         PyErr_SetString(PyExc_ValueError, "spawn needs a program and an argv");
         return NULL;
     }
     collect();
-    struct birth *b = new_birth((size_t)(sizes[0] + sizes[1] + sizes[2] + cwd_len + 1));
+    struct birth *b = new_birth((size_t)(sizes[0] + sizes[1] + sizes[2] + sizes[3] + cwd_len + 1));
     if (b == NULL)
         return NULL;
     char *at = (char *)(b + 1);
-    char **arrays[3];
-    for (int i = 0; i < 3; i++)
+    char **arrays[4];
+    for (int i = 0; i < 4; i++)
         arrays[i] = take_array(&at, seqs[i]);
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 4; i++)
         (void)copy_strings(seqs[i], names[i], &arrays[i], &at);
     memcpy(at, cwd, (size_t)cwd_len + 1);
     b->paths = arrays[0];
     b->argv = arrays[1];
     b->envp = arrays[2];
+    b->hidden = arrays[3];
+    b->own_ipc = own_ipc;
+    b->own_net = own_net;
     b->cwd = at;
     b->stdin_fd = stdin_fd;
     b->out_fd = out_fd;
@@ -593,9 +728,10 @@ static PyObject *sweep(PyObject *self, PyObject *args)
 }
 
 PyDoc_STRVAR(reap_doc,
-"reap(pid, pidfd, block=False) -> (status, error) | None\n\n"
+"reap(pid, pidfd, block=False) -> (status, error, step) | None\n\n"
 "Collect a child of `spawn` or `sweep` that has ended: its status as subprocess gives it (-N:\n"
-"killed by signal N), and the errno that kept it from starting its program (0 when it did).\n"
+"killed by signal N), the errno that kept it from starting its program (0 when it did), and\n"
+"what it was doing then (None: looking for its program, or it started).\n"
 "None while it runs. `pidfd` -1: by pid. With `block`, wait for it (the GIL released).");
 
 static PyObject *reap(PyObject *self, PyObject *args)
@@ -625,8 +761,11 @@ static PyObject *reap(PyObject *self, PyObject *args)
     if (info.si_pid == 0)
         Py_RETURN_NONE;
     int status = info.si_code == CLD_EXITED ? info.si_status : -info.si_status;
-    int error = forget((pid_t)pid);
-    return Py_BuildValue("(ii)", status, status == CHILD_STATUS ? error : 0);
+    const char *step;
+    int error = forget((pid_t)pid, &step);
+    if (status != CHILD_STATUS || error == 0)
+        return Py_BuildValue("(iiz)", status, 0, NULL);
+    return Py_BuildValue("(iiz)", status, error, step);
 }
 
 PyDoc_STRVAR(sysv_objects_doc,

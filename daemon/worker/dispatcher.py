@@ -58,6 +58,7 @@ from daemon.queue.registry import Registration
 from daemon.worker import look_ahead
 from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime, latest_ends
 from daemon.worker.claim_gate import ClaimGate
+from daemon.worker.confine import Confinement
 from daemon.worker.gpu_readings import GpuReadings
 from daemon.worker.gpus import (
     GpuAllocator,
@@ -101,6 +102,7 @@ class Worker(Stopping):
         drain_timeout: float = 60.0,
         kill_grace: float = 10.0,
         job_nice: int = 0,
+        job_network: str = "host",
         gpus: Sequence[GpuInfo] | None = None,
         probe: GpuProbe | None = None,
         worker_id: str | None = None,
@@ -122,7 +124,8 @@ class Worker(Stopping):
         caches what it fetches from it under `data_dir/cache`, up to `cache_bytes`. `make_run` replaces
         the runner (JobRun) with another executor: a benchmark's no-op one measures the queue and
         this dispatcher without processes. `identities` (one per slot, identity.py) are the uids
-        the slots' jobs run as; None: the worker's own. `lifetime`: its end, if any (lifetime.py).
+        the slots' jobs run as; None: the worker's own. `job_network`: "host" or "private", for
+        jobs with a uid of their own (confine.py). `lifetime`: its end, if any (lifetime.py).
         `gpu_sampler` reads given `gpus` live (discovered ones are read by NVML). Without GPUs, jobs
         are claimed ahead of a free slot while jobs end within `look_ahead_below` seconds, and
         handed back if not started after `look_ahead_hold` (look_ahead.py)."""
@@ -158,7 +161,8 @@ class Worker(Stopping):
         )
         self.lifetime, self._registration.leave_by = lifetime, lifetime.leave_by if lifetime else 0.0
         # directories, uids, cgroups, the spawner and the orphan guard (slots.py)
-        self._slots = Slots(self.data_dir, self.id, slots, self.identities, job_nice)
+        confinement = Confinement(job_network)
+        self._slots = Slots(self.data_dir, self.id, slots, self.identities, job_nice, confinement=confinement)
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known, as are
         self.readings = GpuReadings(None, heartbeat_seconds)  # their readings, for the registration
         self._nvml: Nvml | None = None

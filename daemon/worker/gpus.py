@@ -56,6 +56,7 @@ class GpuInfo:
     name: str
     memory: int  # bytes
     parent: str | None = None  # a MIG device's physical GPU (its UUID); None for a whole GPU
+    minor: int | None = None  # its device node's minor number (/dev/nvidiaN; a MIG device's GPU's)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"index": self.index, "uuid": self.uuid, "name": self.name, "memory": self.memory}
@@ -146,14 +147,24 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _info(index: int, handle: object, parent: str | None = None) -> GpuInfo:
+def _info(index: int, handle: object, parent: GpuInfo | None = None) -> GpuInfo:
     return GpuInfo(
         index=index,
         uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
         name=_text(pynvml.nvmlDeviceGetName(handle)),
         memory=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
-        parent=parent,
+        parent=parent.uuid if parent is not None else None,
+        minor=parent.minor if parent is not None else _minor(handle),
     )
+
+
+def _minor(handle: object) -> int | None:
+    """The minor number of a whole GPU's /dev/nvidiaN, which a job given it must open; None where
+    NVML cannot tell (its jobs are then not confined to their GPUs: confine.py)."""
+    try:
+        return int(pynvml.nvmlDeviceGetMinorNumber(handle))
+    except pynvml.NVMLError:
+        return None
 
 
 def _mig_enabled(handle: object) -> bool:
@@ -175,7 +186,7 @@ def _mig_devices(gpu: GpuInfo, handle: object) -> list[GpuInfo]:
             mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
         except (pynvml.NVMLError_NotFound, pynvml.NVMLError_InvalidArgument):
             continue
-        out.append(_info(gpu.index, mig, parent=gpu.uuid))
+        out.append(_info(gpu.index, mig, parent=gpu))
     return out
 
 

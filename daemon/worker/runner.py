@@ -327,8 +327,14 @@ class JobRun:
 
     def _spawn(self) -> None:
         """The job's first process, its output read and its process group watched by the guard."""
+        minors = [g.minor for g in self.gpus]
         self._proc = self.spawner.spawn(
-            self.lease.spec.argv, cwd=self.cwd, env=self._env, identity=self.identity, cgroup=self.cgroup
+            self.lease.spec.argv,
+            cwd=self.cwd,
+            env=self._env,
+            identity=self.identity,
+            cgroup=self.cgroup,
+            gpus=None if None in minors else {m for m in minors if m is not None},
         )
         self.output.read_from(self._proc.output)
         if self.guard is not None:

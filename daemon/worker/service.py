@@ -116,6 +116,7 @@ def configured_worker(
         drain_timeout=config.drain_timeout,
         kill_grace=config.kill_grace,
         job_nice=config.job_nice,
+        job_network=config.job_network,
         store=store,
         cache_bytes=config.worker_cache_bytes,
         identities=slot_identities(config.job_uid_range, n),

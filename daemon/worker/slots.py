@@ -19,8 +19,9 @@ from pathlib import Path
 
 from daemon.aio import start_or_undo
 from daemon.worker.cgroups import SlotCgroup, SlotCgroups
+from daemon.worker.confine import Confinement
 from daemon.worker.dir_watch import DirWatch
-from daemon.worker.identity import SlotIdentity, check_passable
+from daemon.worker.identity import IdentityError, SlotIdentity, check_passable
 from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.scratch import SlotDirs, SlotScratch
 from daemon.worker.spawn import Spawner
@@ -31,7 +32,8 @@ log = logging.getLogger(__name__)
 class Slots:
     """`count` slots of worker `worker_id` under `data_dir`; `identities`: one uid per slot, or
     None (the jobs run as the worker's own); `job_nice`: how much nicer than the worker its jobs
-    run. `open()` once, `close()` at the end (safe twice)."""
+    run; `confinement`: what jobs with a uid give up (confine.py). `open()` once, `close()` at
+    the end (safe twice)."""
 
     def __init__(
         self,
@@ -40,6 +42,8 @@ class Slots:
         count: int,
         identities: Sequence[SlotIdentity] | None,
         job_nice: int = 0,
+        *,
+        confinement: Confinement | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.worker_id = worker_id
@@ -52,7 +56,7 @@ class Slots:
         ]
         self.watch: DirWatch | None = None  # which of their directories the jobs changed (at open)
         self.guard = OrphanGuard(f"GPUPOOL_WORKER={worker_id}", [i.uid for i in self.identities or ()])
-        self.spawner = Spawner(job_nice)
+        self.spawner = Spawner(job_nice, confinement)
         self.cgroups: SlotCgroups | None = None  # one per slot, where the kernel lets us (at open)
 
     def dir(self, slot: int) -> Path:
@@ -77,6 +81,13 @@ class Slots:
             scratch.watch = self.watch
         self.cgroups = await asyncio.to_thread(SlotCgroups.make, self.worker_id, self.count, dead)
         await self.guard.start()
+        if self.identities:
+            await self.spawner.check(self.identities[0])
+        elif self.spawner.confinement.own_net and self.count:
+            raise IdentityError(
+                'job_network = "private" needs jobs with uids of their own: a root worker with '
+                "job_uid_range (a job running as the worker's user or as root would share its network)"
+            )
         for identity in self.identities or ():  # what a worker that died left of its jobs
             await self.spawner.sweep(identity)
 

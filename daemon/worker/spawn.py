@@ -15,6 +15,9 @@ Before `Child.wait()` says a job's first process has ended, nothing the job star
 - with a uid, what it left in the shared temporary directories and its System V IPC objects go too.
 Without either (a single user's worker), what is left is the runner's to find (leftovers.py).
 
+A job with a uid of its own is also confined before its exec (confine.py): only its GPUs' device
+nodes open, IPC (and with job_network = "private", network) namespaces of its own, fresh keyrings.
+
 A job's processes outliving a killed worker are orphan_guard.py's to kill.
 """
 
@@ -29,13 +32,14 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 from daemon.aio import TaskSet
 from daemon.worker import _spawn, leftovers, uid_sweep
 from daemon.worker.cgroups import SlotCgroup
-from daemon.worker.identity import SlotIdentity
+from daemon.worker.confine import NOTHING, Confinement
+from daemon.worker.identity import IdentityError, SlotIdentity
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,7 @@ class Child:
         self.pid = pid
         self.output = output
         self.start_error: OSError | None = None
+        self.start_step: str | None = None  # what it was doing then (None: looking for its program)
         self._ended: asyncio.Future[tuple[int, list[int]]] = asyncio.get_running_loop().create_future()
 
     @property
@@ -81,10 +86,12 @@ class Spawner:
     """Starts the worker's jobs, watches them, and ends what each left. `close()` at the end,
     once every job has ended."""
 
-    def __init__(self, job_nice: int = 0) -> None:
+    def __init__(self, job_nice: int = 0, confinement: Confinement | None = None) -> None:
         """`job_nice`: how much nicer than this process its jobs run (their niceness, which they
-        may raise but never lower again)."""
+        may raise but never lower again). `confinement`: what jobs with a uid of their own give
+        up (confine.py; default: what a worker on the host network does)."""
         self.nice = min(os.getpriority(os.PRIO_PROCESS, 0) + job_nice, 19) if job_nice else None
+        self.confinement = confinement or Confinement()
         self._devnull = os.open(os.devnull, os.O_RDONLY)  # every job's stdin
         self._swept: uid_sweep.Swept = {}  # uid_sweep.sweep_shared's memory
         self._ends = TaskSet("ending job %s failed; its end is taken as now")  # ends that must wait
@@ -97,14 +104,20 @@ class Spawner:
         env: Mapping[str, str],
         identity: SlotIdentity | None = None,
         cgroup: SlotCgroup | None = None,
+        gpus: Collection[int] | None = None,
     ) -> Child:
         """Start `argv` (no shell) in `cwd` with exactly `env` (PATH looked up in it), stdin from
         /dev/null, stdout and stderr into one pipe, in a session of its own, as `identity` when
-        given (its directory entered as that uid), born in `cgroup` when given. Returns at once;
-        a program that could not start (no such program, no such directory, one the uid may not
-        enter) ends at once with `start_error` set. Raises OSError when no process could be made."""
+        given (its directory entered as that uid), born in `cgroup` when given. With `identity`,
+        it is confined (confine.py) to the GPUs whose minor numbers are `gpus` (None: unknown,
+        every GPU's node is left as it is). Returns at once; a program that could not start (no
+        such program, no such directory, one the uid may not enter, a namespace the kernel
+        refused) ends at once with `start_error` set. Raises OSError when no process could be
+        made."""
+        plan = NOTHING
         if identity is not None:
             uid_sweep.sweep_ipc(identity.uid)  # what another uid made and gave this one (IPC_SET)
+            plan = self.confinement.plan(gpus)
         read, write = os.pipe()
         try:
             place, born_in = cgroup.birthplace() if cgroup is not None else (-1, False)
@@ -120,6 +133,9 @@ class Spawner:
                 place,
                 born_in,
                 -100 if self.nice is None else self.nice,
+                plan.hidden,
+                plan.own_ipc,
+                plan.own_net,
             )
         except ValueError as exc:  # a NUL byte (the server refuses such specs): no exec could take it
             os.close(read)
@@ -145,20 +161,27 @@ class Spawner:
             return  # not yet (a spurious wakeup)
         asyncio.get_running_loop().remove_reader(pidfd)
         os.close(pidfd)
-        self._end(child, *got, identity, cgroup)
+        self._end(child, got, identity, cgroup)
 
     def _wait_in_thread(self, child: Child, identity: SlotIdentity | None, cgroup: SlotCgroup | None) -> None:
         got = _spawn.reap(child.pid, -1, True)
         assert got is not None
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
-            child._ended.get_loop().call_soon_threadsafe(self._end, child, *got, identity, cgroup)
+            child._ended.get_loop().call_soon_threadsafe(self._end, child, got, identity, cgroup)
 
     def _end(
-        self, child: Child, status: int, error: int, identity: SlotIdentity | None, cgroup: SlotCgroup | None
+        self,
+        child: Child,
+        reaped: tuple[int, int, str | None],
+        identity: SlotIdentity | None,
+        cgroup: SlotCgroup | None,
     ) -> None:
-        """The first process has ended: end what it left (see the module doc), then say so."""
+        """The first process has ended (`reaped`: what _spawn.reap said): end what it left (see
+        the module doc), then say so."""
+        status, error, step = reaped
         if error:
-            child.start_error = OSError(error, os.strerror(error))
+            why = os.strerror(error) if step is None else f"{os.strerror(error)} ({step})"
+            child.start_error, child.start_step = OSError(error, why), step
         left = cgroup.end() if cgroup is not None else []
         if identity is None:
             child.ended(status, left)
@@ -179,6 +202,21 @@ class Spawner:
             await self._sweep_files(identity)
         finally:
             child.ended(status, left)
+
+    async def check(self, identity: SlotIdentity) -> None:
+        """Raise IdentityError, saying why, if a job of `identity` cannot be confined here (a
+        worker without CAP_SYS_ADMIN, a kernel or seccomp filter refusing a namespace): better a
+        worker that does not start than one that fails every job it takes. Its test job's
+        program cannot exec (/dev/null): every step before the exec is taken, nothing runs."""
+        child = self.spawn([os.devnull], cwd=Path("/"), env={}, identity=identity, gpus=())
+        os.close(child.output)
+        await child.wait()
+        if child.start_step is not None and child.start_error is not None:
+            raise IdentityError(
+                f"this worker cannot confine its jobs: {child.start_error.strerror}; as root, it "
+                "needs CAP_SYS_ADMIN and mount, IPC and network namespaces (systemd/pool-worker.service: "
+                "CapabilityBoundingSet, RestrictNamespaces)"
+            )
 
     async def sweep(self, identity: SlotIdentity) -> None:
         """Kill every process of `identity`'s uid and remove its temporary files and IPC objects

@@ -1,5 +1,5 @@
 """What a slot's uid leaves on the machine after its attempt: processes, files in the shared
-temporary directories, System V IPC objects. The next job of the uid is another user's, so each
+temporary and lock directories, System V IPC objects. The next job of the uid is another user's, so each
 goes with the attempt (spawn.py calls these at its end, and at a worker's start for what a worker
 that died left).
 
@@ -20,8 +20,10 @@ from collections.abc import Callable
 
 from daemon.worker import _spawn
 
-# The machine's temporary directories every uid may write (and POSIX message queues).
-SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue")  # noqa: S108 - swept, never written
+# The machine's directories every uid may write: temporary files, lock files (/run/lock, which
+# /var/lock names), and POSIX message queues where mounted (a job with an IPC namespace of its own
+# makes its queues there, and they go with it).
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/dev/mqueue")  # noqa: S108 - swept, never written
 MTIME_SLACK_NS = 100_000_000  # a directory's times move in ticks of the coarse clock (<= 10 ms)
 IPC_RMID = 0
 LIBC = ctypes.CDLL(None, use_errno=True)  # the System V *ctl calls
@@ -39,7 +41,7 @@ Swept = dict[
 
 def shared_changed(uid: int, swept: Swept) -> bool:
     """Whether any shared temporary directory may hold something new of `uid`'s: its modification
-    time moved since it was last found holding nothing of the uid's (four stats: the common case
+    time moved since it was last found holding nothing of the uid's (a stat each: the common case
     needs no `sweep_shared`)."""
     for top in SHARED_TMP:
         try:

@@ -65,7 +65,14 @@ def test_unit_settings(name: str) -> None:
         assert "User" not in service
         assert service["Environment"].startswith("GPUPOOL_JOB_UID_RANGE=")
         config.uid_range_of(service["Environment"].split("=", 1)[1])
-        caps = "CAP_SETUID CAP_SETGID CAP_SETPCAP CAP_CHOWN CAP_KILL CAP_DAC_OVERRIDE CAP_FOWNER"
+        caps = (
+            "CAP_SETUID CAP_SETGID CAP_SETPCAP CAP_CHOWN CAP_KILL CAP_DAC_OVERRIDE CAP_FOWNER CAP_SYS_ADMIN"
+        )
+        assert set(service["RestrictNamespaces"].split()) == {
+            "mnt",
+            "ipc",
+            "net",
+        }  # each job's own (confine.py)
         assert set(service["CapabilityBoundingSet"].split()) == set(caps.split())
     else:
         assert (service["User"], service["Group"]) == ("gpupool", "gpupool")

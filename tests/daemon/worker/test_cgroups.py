@@ -99,9 +99,9 @@ def test_a_job_is_born_in_its_cgroup_and_never_runs_outside_one(tmp_path: Path) 
             with out.open("wb") as sink:
                 pid, pidfd = _spawn.spawn(
                     [b"/bin/sh"], [b"sh", b"-c", b"cat /proc/self/cgroup"], [], b"/", devnull,
-                    sink.fileno(), -1, -1, cgroup_dir, born_in, -100,
+                    sink.fileno(), -1, -1, cgroup_dir, born_in, -100, [], False, False,
                 )  # fmt: skip
-                assert _spawn.reap(pid, pidfd, True) == (0, 0)
+                assert _spawn.reap(pid, pidfd, True) == (0, 0, None)
                 os.close(pidfd)
             ours = v2_line(Path("/proc/self/cgroup").read_text())
             assert v2_line(out.read_text()) == f"{ours}/{slot.name}"
@@ -110,9 +110,11 @@ def test_a_job_is_born_in_its_cgroup_and_never_runs_outside_one(tmp_path: Path) 
         started: tuple[int | None, int | None] | None
         try:
             pid, pidfd = _spawn.spawn(
-                [b"/bin/true"], [b"true"], [], b"/", devnull, 1, -1, -1, not_a_cgroup, True, -100
-            )
-            started = _spawn.reap(pid, pidfd, True)
+                [b"/bin/true"], [b"true"], [], b"/", devnull, 1, -1, -1, not_a_cgroup, True, -100,
+                [], False, False,
+            )  # fmt: skip
+            reaped = _spawn.reap(pid, pidfd, True)
+            started = reaped[:2] if reaped is not None else None
             os.close(pidfd)
         except OSError as exc:
             started = (None, exc.errno)

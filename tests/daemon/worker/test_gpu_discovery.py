@@ -27,6 +27,7 @@ class FakeDevice:
     used: int = 0
     mig: bool | None = None
     migs: list[FakeDevice | None] = field(default_factory=list)
+    minor: int | None = None  # its /dev/nvidiaN (a GPU's; a MIG device has none of its own)
 
 
 class FakeNvml:
@@ -68,6 +69,11 @@ class FakeNvml:
     def nvmlDeviceGetMemoryInfo(self, d: FakeDevice) -> SimpleNamespace:
         return SimpleNamespace(total=d.total, used=d.used, free=d.total - d.used)
 
+    def nvmlDeviceGetMinorNumber(self, d: FakeDevice) -> int:
+        if d.minor is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return d.minor
+
     def nvmlDeviceGetMigMode(self, d: FakeDevice) -> list[int]:
         if d.mig is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -85,7 +91,7 @@ class FakeNvml:
 
 
 def plain(i: int, mig: bool | None = None) -> FakeDevice:
-    return FakeDevice(f"GPU-{i}", "NVIDIA H100 80GB HBM3", 80 * G, mig=mig)
+    return FakeDevice(f"GPU-{i}", "NVIDIA H100 80GB HBM3", 80 * G, mig=mig, minor=i)
 
 
 def instance(gpu: int, i: int, size: int) -> FakeDevice:
@@ -97,8 +103,8 @@ def test_plain_gpus_are_listed_as_they_are(monkeypatch: pytest.MonkeyPatch) -> N
     found, nvml = gpus.discover()
     assert nvml is not None
     assert found == [
-        GpuInfo(0, "GPU-0", "NVIDIA H100 80GB HBM3", 80 * G),
-        GpuInfo(1, "GPU-1", "NVIDIA H100 80GB HBM3", 80 * G),
+        GpuInfo(0, "GPU-0", "NVIDIA H100 80GB HBM3", 80 * G, minor=0),
+        GpuInfo(1, "GPU-1", "NVIDIA H100 80GB HBM3", 80 * G, minor=1),
     ]
     nvml.close()
 
@@ -109,9 +115,9 @@ def test_a_mig_gpu_is_listed_as_its_mig_devices(monkeypatch: pytest.MonkeyPatch)
     FakeNvml([gpu], monkeypatch)
     found = gpus.Nvml().gpus()
     assert found == [
-        GpuInfo(0, "MIG-0-0", "NVIDIA H100 80GB HBM3 MIG 4g.40gb", 40 * G, parent="GPU-0"),
-        GpuInfo(0, "MIG-0-2", "NVIDIA H100 80GB HBM3 MIG 2g.20gb", 20 * G, parent="GPU-0"),
-    ]
+        GpuInfo(0, "MIG-0-0", "NVIDIA H100 80GB HBM3 MIG 4g.40gb", 40 * G, parent="GPU-0", minor=0),
+        GpuInfo(0, "MIG-0-2", "NVIDIA H100 80GB HBM3 MIG 2g.20gb", 20 * G, parent="GPU-0", minor=0),
+    ]  # a job on a MIG device opens its GPU's node (/dev/nvidia-caps tells the instances apart)
     assert found[0].to_dict()["parent"] == "GPU-0"
     # each is a GPU to the allocator: whole, by its own UUID, which CUDA_VISIBLE_DEVICES takes
     alloc = GpuAllocator(found, slots=2)
@@ -130,11 +136,11 @@ def test_mixed_machine_and_a_mig_gpu_without_devices(
     FakeNvml([plain(0), mig, empty, plain(3, mig=False)], monkeypatch)
     found, nvml = gpus.discover()
     assert nvml is not None
-    assert [(g.index, g.uuid, g.memory, g.parent) for g in found] == [
-        (0, "GPU-0", 80 * G, None),
-        (1, "MIG-1-0", 10 * G, "GPU-1"),
-        (1, "MIG-1-1", 10 * G, "GPU-1"),
-        (3, "GPU-3", 80 * G, None),
+    assert [(g.index, g.uuid, g.memory, g.parent, g.minor) for g in found] == [
+        (0, "GPU-0", 80 * G, None, 0),
+        (1, "MIG-1-0", 10 * G, "GPU-1", 1),
+        (1, "MIG-1-1", 10 * G, "GPU-1", 1),
+        (3, "GPU-3", 80 * G, None, 3),
     ]
     assert any("MIG mode with no MIG device" in r.message for r in caplog.records)
     assert any("MIG device of GPU-1" in r.message for r in caplog.records)

@@ -382,7 +382,7 @@ def test_the_c_module_refuses_root_and_keep_as_a_slots_ids(uid: int, gid: int) -
     with pytest.raises(ValueError, match="above 0"):
         _spawn.sweep(uid, gid)
     with pytest.raises(ValueError, match="above 0"):
-        _spawn.spawn([b"/bin/true"], [b"true"], [], b"/", 0, 1, uid, gid, -1, False, -100)
+        _spawn.spawn([b"/bin/true"], [b"true"], [], b"/", 0, 1, uid, gid, -1, False, -100, [], False, False)
 
 
 async def test_a_git_job_runs_on_a_hardened_worker_and_can_use_its_checkout(

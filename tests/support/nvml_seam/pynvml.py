@@ -93,6 +93,10 @@ def nvmlDeviceGetMemoryInfo(gpu: _Gpu) -> SimpleNamespace:
     return SimpleNamespace(total=gpu.total, used=0, free=gpu.total)
 
 
+def nvmlDeviceGetMinorNumber(gpu: _Gpu) -> int:
+    return _DEVICES.index(gpu)  # /dev/nvidiaN, as the driver numbers them: none exists for these
+
+
 def nvmlDeviceGetMigMode(gpu: _Gpu) -> list[int]:
     raise NVMLError_NotSupported()  # type: ignore[name-defined]  # noqa: F821 (the real module's)
 
