@@ -29,9 +29,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="poold", description="gpupool daemon: the pool server, or a worker.")
     p.add_argument("--worker", action="store_true", help="run as a worker on this machine's GPUs")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
-    # The names for a pilot worker's two options (also --worker-idle-exit, --worker-max-lifetime)
+    # The names for a pilot worker's options (also --worker-idle-exit, --worker-max-lifetime,
+    # --worker-serve-user)
     for flag, name in (("--idle-exit", "worker_idle_exit"), ("--max-lifetime", "worker_max_lifetime")):
         p.add_argument(flag, dest=name, default=None, metavar="SECONDS", help=f"worker: {name}")
+    serve = "worker: worker_serve_user, the one pool user whose jobs it runs"
+    p.add_argument("--serve-user", dest="worker_serve_user", default=None, metavar="USER", help=serve)
     config_mod.add_flags(p)
     return p
 
