@@ -20,6 +20,7 @@ from daemon import config as config_mod
 from daemon import log_setup
 from daemon.errors import ConfigError, GpupoolError
 from daemon.server.service import PoolServer
+from daemon.worker import non_root
 from daemon.worker.service import WorkerDaemon, local_slots
 
 log = logging.getLogger("poold")
@@ -41,6 +42,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.worker:  # before anything secret is read: no process of this uid may read it out of us
+        try:
+            non_root.make_non_dumpable()
+        except GpupoolError as exc:
+            print(f"poold: {exc}", file=sys.stderr)
+            return 1
     try:
         config = config_mod.load(args)
     except ConfigError as exc:
