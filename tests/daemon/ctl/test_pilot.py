@@ -249,6 +249,7 @@ async def test_pilots_of_a_cluster_user_serve_their_pool_user_only_keep_secrets_
         code, table, _ = await poolctl(pool.env(), "workers")
         assert "PILOT" in table.splitlines()[0]
         assert f"slurm:{jobs[0]}, leaves " in table
+        assert [line.split()[-1] for line in table.splitlines()] == ["SERVES", "alice", "alice"]
 
         ran, probe = home / "ran", home / "probe"
         short = [
