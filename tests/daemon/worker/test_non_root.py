@@ -137,3 +137,40 @@ async def test_a_worker_not_running_as_root_runs_its_users_jobs_only_none_reads_
     assert "Permission denied" in Path(f"{probe}.fd.err").read_text()
     assert "Permission denied" in Path(f"{probe}.fd0.err").read_text()
     assert (home / "data").stat().st_mode & 0o777 == 0o700
+
+
+CACHE_PROBE = """
+import asyncio, hashlib, stat, sys
+from pathlib import Path
+from storage.cache import ObjectCache
+from storage.content import content_key
+from storage.local import LocalStore
+
+async def main(top: Path) -> None:
+    store = LocalStore(top / "store")
+    await store.open()
+    data = b"alice's dataset"
+    sha = hashlib.sha256(data).hexdigest()
+    await store.put_bytes(content_key(sha), data)
+    path = await ObjectCache(top / "cache", store, max_bytes=2**20).fetch(sha)
+    print(oct(stat.S_IMODE(path.stat().st_mode)))
+
+asyncio.run(main(Path(sys.argv[1])))
+"""
+
+
+def test_a_worker_not_running_as_root_keeps_its_cached_objects_to_itself(home: Path) -> None:
+    """issue 44 item 3: a pilot's cache objects were 0444, for slot uids a non-root worker never
+    has: any user who reached the tree read every dataset. Fetched by the worker's uid, an object
+    is its owner's alone to read (its jobs run as that uid)."""
+    done = subprocess.run(
+        as_uid(unprivileged.python(), "-c", CACHE_PROBE, str(home)),
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": unprivileged.pythonpath()},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0o400"
