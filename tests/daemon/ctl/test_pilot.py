@@ -199,11 +199,11 @@ LIFETIME = 20  # seconds: the drain (4 s), the kill grace (2 s) and the hand-bac
 
 @pytest.mark.timeout(90)
 async def test_pilots_of_a_cluster_user_serve_their_pool_user_only_keep_secrets_and_end_well(
+    cluster_user: tuple[str, Path],  # first: removed after Slurm has ended its jobs
     redis_server: EmbeddedRedis,
     s3_env: dict[str, str],
     tmp_path: Path,
     slurm: SlurmCluster,
-    cluster_user: tuple[str, Path],
 ) -> None:
     """Two pilots submitted by an unprivileged cluster user, as `poolctl pilot` runs them, acting
     as pool user alice: they run alice's jobs, pass over one whose time limit would outlive them and
