@@ -226,6 +226,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("worker_idle_exit", float, 0.0, "seconds a worker idle (no job held) waits, then leaves", lo=0),
     Option("worker_max_lifetime", float, 0.0, "seconds after its start by which a worker has left", lo=0),
     Option(
+        "worker_serve_user",
+        str,
+        "",
+        "the one pool user whose jobs this worker runs (empty: every user's); a worker that does "
+        "not run as root runs every job as itself, so it must name one",
+    ),
+    Option(
         "job_nice",
         int,
         5,
@@ -437,6 +444,7 @@ class Config:
     kill_grace: float
     worker_idle_exit: float
     worker_max_lifetime: float
+    worker_serve_user: str
     job_nice: int
     job_retention: float
     retry_backoff: float

@@ -20,6 +20,7 @@ from daemon import config as config_mod
 from daemon import log_setup
 from daemon.errors import ConfigError, GpupoolError
 from daemon.server.service import PoolServer
+from daemon.worker import non_root
 from daemon.worker.service import WorkerDaemon, local_slots
 
 log = logging.getLogger("poold")
@@ -29,15 +30,24 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="poold", description="gpupool daemon: the pool server, or a worker.")
     p.add_argument("--worker", action="store_true", help="run as a worker on this machine's GPUs")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
-    # The names for a pilot worker's two options (also --worker-idle-exit, --worker-max-lifetime)
+    # The names for a pilot worker's options (also --worker-idle-exit, --worker-max-lifetime,
+    # --worker-serve-user)
     for flag, name in (("--idle-exit", "worker_idle_exit"), ("--max-lifetime", "worker_max_lifetime")):
         p.add_argument(flag, dest=name, default=None, metavar="SECONDS", help=f"worker: {name}")
+    serve = "worker: worker_serve_user, the one pool user whose jobs it runs"
+    p.add_argument("--serve-user", dest="worker_serve_user", default=None, metavar="USER", help=serve)
     config_mod.add_flags(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.worker:  # before anything secret is read: no process of this uid may read it out of us
+        try:
+            non_root.make_non_dumpable()
+        except GpupoolError as exc:
+            print(f"poold: {exc}", file=sys.stderr)
+            return 1
     try:
         config = config_mod.load(args)
     except ConfigError as exc:

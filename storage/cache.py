@@ -37,6 +37,11 @@ from storage.content import content_key
 
 log = logging.getLogger(__name__)
 
+# Objects are read-only. A root worker's jobs run as slot uids, which read them through hard links:
+# readable by all (under a data directory others may only pass, never list). A worker that does not
+# run as root runs its jobs as itself: its owner alone reads them.
+READABLE = 0o444 if os.geteuid() == 0 else 0o400
+
 
 class ObjectCache:
     """A size-capped cache of `store` objects keyed by sha256.
@@ -147,7 +152,7 @@ class ObjectCache:
                 self.downloads += 1
                 if info.sha256 != sha256:
                     raise ChecksumMismatch(key, sha256, str(info.sha256))
-                tmp.chmod(0o444)
+                tmp.chmod(READABLE)
                 os.replace(tmp, path)
             finally:
                 shutil.rmtree(tmp.parent, ignore_errors=True)

@@ -10,7 +10,11 @@ handed back, as on SIGTERM, and runs again on another worker.
 
 The worker needs the pool's Redis and S3 credentials. They come from a pool.toml the user keeps
 readable by themselves only (the batch script names it; cluster home directories are shared with
-every node and often readable by the group); one that others may read is refused. The script
+every node and often readable by the group); one that others may read is refused. A pilot is
+not root: it runs every job as the cluster user who submitted it, who can read that file, so it
+runs the jobs of one pool user only, the one poolctl acts as (`--serve-user`), and passes the
+others' over (daemon/worker/non_root.py). Its node-local tree (scratch, the dataset cache) is
+made anew for each pilot by mktemp, mode 700, under the node's TMPDIR. The script
 drops the submitting shell's GPUPOOL_* variables, so that the file alone says what the worker
 does, and it execs poold, so that the scheduler's signals reach the worker itself (a shell in
 between would die at a scancel and take the draining worker with it).
@@ -80,6 +84,11 @@ def add_pilot(sub: Any) -> None:
         metavar="SECONDS",
         help=f"a pilot with no job for this long leaves (default {DEFAULT_IDLE_EXIT:g}; 0: never)",
     )
+    p.add_argument(
+        "--serve-user",
+        metavar="USER",
+        help="the one pool user whose jobs the pilots run (default: the user poolctl acts as)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the script and the submit command")
 
 
@@ -105,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         gpus=args.gpus_per_node,
         partition=args.partition or args.queue,
         account=args.account,
-        worker=[*poold_command(), "--worker", "--config", str(config)],
+        worker=[*poold_command(), "--worker", "--config", str(config), "--serve-user", serve_user(args)],
         max_lifetime=lifetime,
         idle_exit=args.idle_exit,
     )
@@ -126,6 +135,21 @@ def run(args: argparse.Namespace) -> int:
     for _ in range(args.count):
         print(submit(command, script), flush=True)
     return 0
+
+
+def serve_user(args: argparse.Namespace) -> str:
+    """The one pool user the pilots serve: `--serve-user`, else the user poolctl acts as on the
+    pool it names (GPUPOOL_USER, pools.toml's `user`, the login name). A pilot runs every job as
+    the cluster user who submitted it, who can read its config: another pool user's job there
+    could read the pool's credentials, so it runs none (daemon/worker/non_root.py)."""
+    if args.serve_user is not None:
+        if not args.serve_user.strip():
+            raise PilotError("--serve-user needs a pool user's name")
+        return str(args.serve_user)
+    from daemon import tokens
+    from daemon.pools import choose
+
+    return tokens.local_user(pool_user=choose(args.server, args.pool).user)
 
 
 def parse_walltime(text: str) -> float:
@@ -240,8 +264,9 @@ def batch_script(
             f"# ends (--max-lifetime), or after --idle-exit seconds with no job; ${job_id} shows in",
             "# `poolctl workers`. Only the config counts: the submitting shell's GPUPOOL_* are dropped.",
             'for v in $(compgen -v GPUPOOL_); do unset "$v"; done',
-            "# node-local scratch and dataset cache, shared by this user's pilots on the node",
-            'data_dir="${TMPDIR:-/tmp}/gpupool-pilot-$(id -un)"',
+            "# node-local scratch and dataset cache: this pilot's own, made anew (mktemp: mode 700,",
+            "# a name no one can guess or plant first); the worker refuses one others may open",
+            'data_dir=$(mktemp -d "${TMPDIR:-/tmp}/gpupool-pilot.XXXXXXXXXX") || exit 1',
             f'exec {shlex.join(argv)} --data-dir "$data_dir"',
             "",
         ]

@@ -293,8 +293,10 @@ def workers(items: Sequence[dict[str, Any]], *, as_json: bool) -> None:
 
 def worker_rows(items: Sequence[dict[str, Any]]) -> Rows:
     """Workers as `poolctl workers` shows them; a PILOT column when one is a pilot (its batch job,
-    and when it must leave, by this machine's clock)."""
+    and when it must leave, by this machine's clock); a SERVES column when one runs the jobs of one
+    pool user only (a worker not running as root: worker_serve_user)."""
     pilots = any(w.get("batch_job") or w.get("leave_by") for w in items)
+    serving = any(w.get("serves") for w in items)
     rows = []
     for w in items:
         gpus = w.get("gpus") or []
@@ -310,10 +312,11 @@ def worker_rows(items: Sequence[dict[str, Any]]) -> Rows:
                 duration(w.get("last_heartbeat_age")) + " ago",
                 str(w.get("version", "")),
                 *([pilot(w)] if pilots else []),
+                *([str(w.get("serves") or "") or "(all)"] if serving else []),
             ]
         )
     headers = ["WORKER", "HOST", "STATE", "SLOTS", "GPUS", "QUARANTINED", "HEARTBEAT", "VERSION"]
-    return Rows([*headers, *(["PILOT"] if pilots else [])], rows, 2)
+    return Rows([*headers, *(["PILOT"] if pilots else []), *(["SERVES"] if serving else [])], rows, 2)
 
 
 def pilot(worker: dict[str, Any]) -> str:

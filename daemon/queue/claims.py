@@ -112,6 +112,7 @@ class Claims:
     _call: Pipeliner
     lease_ms: int
     user_caps: tuple[int, int]
+    serve_user: str
     fairshare: frozenset[str]
     half_life_ms: int
     preempt: frozenset[str]
@@ -446,6 +447,7 @@ class Claims:
                 *memory,
                 0 if lifetime is None else max(1, round(lifetime * 1000)),
                 count if slots is None else slots,
+                self.serve_user,
             ],
         )
 

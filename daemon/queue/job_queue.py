@@ -106,6 +106,7 @@ class JobQueue(Claims, QueueReads):
         preempt: Iterable[str] = (),
         retry_backoff: tuple[float, float] = (0.0, 0.0),
         notify_pool: bool = False,
+        serve_user: str = "",
     ) -> None:
         """`watch` is the run-id watch of `redis`'s connections (connection.connect), for whoever
         holds leases through this queue to see when Redis restarts. `ack`: the replicas an enqueue
@@ -117,9 +118,12 @@ class JobQueue(Claims, QueueReads):
         `retry_backoff`: seconds a failed job with retries left waits before it goes back to the
         front (doubled for each failure), and the most it grows to (complete.lua).
         `notify_pool`: the pool has a notify_url, so the end of every job enqueued through this
-        queue is to be sent there (its record says so: to_outbox in _lib.lua)."""
+        queue is to be sent there (its record says so: to_outbox in _lib.lua). `serve_user`: the
+        one pool user whose jobs this queue's claims take ("": any user's), for a worker that
+        runs every job as its own user (claim.lua passes the others over)."""
         self.redis = redis
         self.user_caps = user_caps
+        self.serve_user = serve_user
         self.fairshare = frozenset(fairshare)
         self.half_life_ms = max(1, round(fairshare_half_life * 1000))
         self.preempt = frozenset(preempt)
@@ -157,6 +161,7 @@ class JobQueue(Claims, QueueReads):
             preempt=config.preempt_queues,
             retry_backoff=(config.retry_backoff, config.retry_backoff_max),
             notify_pool=bool(config.notify_url),
+            serve_user=config.worker_serve_user,
         )
 
     def batch(self, *, ack: bool = True) -> ScriptBatch:

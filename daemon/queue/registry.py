@@ -76,6 +76,7 @@ class Registration:
     started_at: float = 0.0  # Unix time
     batch_job: str = field(default_factory=batch_job)  # the pilot's, else ""
     leave_by: float = 0.0  # Unix time by which it has left (worker_max_lifetime); 0.0: no end
+    serves: str = ""  # the one pool user whose jobs it runs (worker_serve_user); "": every user's
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -94,6 +95,7 @@ class Registration:
             "healthy_period": self.healthy_period,
             "batch_job": self.batch_job,
             "leave_by": self.leave_by,
+            "serves": self.serves,
         }
 
 

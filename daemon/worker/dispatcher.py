@@ -157,7 +157,11 @@ class Worker(Stopping):
         self.allocator = GpuAllocator(gpus or [], slots, gpu_max_jobs)
         self.heartbeat = Heartbeat(queue, self, heartbeat_seconds)
         self._registration = Registration(
-            id=self.id, slots=slots, queues=self.queues, healthy_period=queue.lease_ms / 1000
+            id=self.id,
+            slots=slots,
+            queues=self.queues,
+            healthy_period=queue.lease_ms / 1000,
+            serves=queue.serve_user,
         )
         self.lifetime, self._registration.leave_by = lifetime, lifetime.leave_by if lifetime else 0.0
         # directories, uids, cgroups, the spawner and the orphan guard (slots.py)

@@ -17,6 +17,7 @@ from daemon.metrics.endpoint import MetricsServer, serve_for
 from daemon.object_store import open_worker_store
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.pool_redis import PoolRedis
+from daemon.worker import non_root
 from daemon.worker.dispatcher import Worker
 from daemon.worker.identity import slot_identities
 from daemon.worker.lifetime import Lifetime
@@ -54,6 +55,10 @@ class WorkerDaemon:
                 "worker mode needs worker_mode = multinode and the pool's Redis (redis_ip, redis_port, "
                 "main_server_redis_password); in singlenode mode the server runs its own slots"
             )
+        # A worker not running as root runs every job as itself (non_root.py): one user's only,
+        # its data closed to others.
+        non_root.check_serve_user(c)
+        non_root.check_data_dir(c.data_path())
         client = await self.redis.start()
         queue = JobQueue.from_config(client, c, watch=self.redis.watch)
         self.store = await open_worker_store(c)

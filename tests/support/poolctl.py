@@ -7,18 +7,28 @@ import os
 import sys
 from pathlib import Path
 
+from tests.support import unprivileged
 from tests.support.paths import ROOT
 
 
-async def poolctl(env: dict[str, str], *args: str, cwd: Path | None = None) -> tuple[int, str, str]:
-    """`poolctl ARGS` in `cwd` (default: here): exit code, stdout, stderr. Never a traceback."""
+async def poolctl(
+    env: dict[str, str], *args: str, cwd: Path | None = None, user: str | None = None
+) -> tuple[int, str, str]:
+    """`poolctl ARGS` in `cwd` (default: here): exit code, stdout, stderr. Never a traceback.
+    `user`: run as that login user (its uid, gid and groups), as a cluster user runs it."""
+    python, path = sys.executable, str(ROOT)
+    as_user: list[str] = []
+    if user is not None:
+        python, path = unprivileged.python(), unprivileged.pythonpath()
+        as_user = ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups"]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable,
+        *as_user,
+        python,
         "-m",
         "daemon.ctl.cli",
         *args,
         cwd=cwd,
-        env={**env, "PYTHONPATH": str(ROOT)},
+        env={**env, "PYTHONPATH": path},
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )

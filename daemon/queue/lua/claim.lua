@@ -60,6 +60,10 @@
 --    Such a job is passed over, still queued (never waited for: no reservation, no preemption for
 --    it), and a preempting reservation this worker holds for a job that no longer fits its time
 --    left is dropped, keeping no GPUs for it;
+--  * one user's worker (ARGV 21: a worker not running as root, which runs every job as its own
+--    user, serves that pool user only: docs/DESIGN.md): another user's job is never claimed
+--    there, and is passed over exactly as a job that would outlive a pilot is (above), so it
+--    never holds that worker's own user's jobs back;
 --  * at maxmemory the claim is refused whole: its first write is the memo (see _lib.lua);
 --  * cancelled jobs met on the way are acknowledged and deleted, never run.
 -- KEYS: 1 stream, 2 retry, 3 leases, 4 the worker's claim memo, 5 parked
@@ -77,7 +81,8 @@
 --       passed over, 20 how many of the N go to slots free now (the rest are claimed ahead of a
 --       free slot, look_ahead.py: each is marked 'ahead' on its record till its worker says it
 --       started, started.lua, so that one never started is taken back as no loss, reclaim.lua;
---       and none is taken from the front, where the claim stops instead; default N)
+--       and none is taken from the front, where the claim stops instead; default N), 21 the one
+--       user whose jobs this worker may run ('': any user's)
 -- Returns {status, stream cursor, wake cursor, GPUs kept, shared GPUs (as ARGV 17, as this call
 -- left them), id, attempt, lease, spec, shared GPU, ...}: the claimed jobs (each with the place of
 -- its shared GPU in the worker's list, -1 for whole GPUs), and why claiming stopped: 'claimed' (N jobs, or a request
@@ -324,11 +329,14 @@ local function run_limit(spec)
   return s.timeout * 1000 + (type(s.stop_grace) == 'number' and s.stop_grace * 1000 or grace_ms)
 end
 
--- Whether a job (job_fields `f`) could run past the claimer's own end (ARGV 19: a pilot worker's
--- lifetime left, ms; 0: none): its time limit and stop grace end later, or it has no time limit at
--- all. Such a job is passed over, never waited for, and nothing is stopped for it.
+-- Whether a job (job_fields `f`) is not for this claimer: it could run past the claimer's own end
+-- (ARGV 19: a pilot worker's lifetime left, ms; 0: none), its time limit and stop grace ending
+-- later or it having no time limit at all; or it is another user's than the one this claimer
+-- serves (ARGV 21). Such a job is passed over, never waited for, and nothing is stopped for it.
 local lifetime = tonumber(ARGV[19]) or 0
-local function outlives(f)
+local serves = ARGV[21] or ''
+local function passed_over(f)
+  if serves ~= '' and f[5] ~= serves then return true end
   if lifetime <= 0 then return false end
   local limit = run_limit(f[4])
   return limit == nil or limit > lifetime
@@ -338,7 +346,7 @@ end
 -- before this worker does, and with a head job's GPUs kept here, it is sure to end before the
 -- head could start.
 local function may_start(gpus, f)
-  if not fits_now(gpus, f) or outlives(f) then return false end
+  if not fits_now(gpus, f) or passed_over(f) then return false end
   if not head_need then return true end
   local limit = run_limit(f[4])
   return limit ~= nil and limit <= head_at
@@ -459,7 +467,7 @@ end
 local function blocked(id, gpus)
   local status = 'blocked'
   local f = job_fields(job_key(prefix, id))
-  if not head_need and not outlives(f) then
+  if not head_need and not passed_over(f) then
     local r = redis.call('HMGET', reservation, 'job', 'worker', 'until')
     if not (r[1] == id and r[2] ~= consumer and tonumber(r[3]) > now) then
       head_need, head_at = gpus, earliest(gpus)
@@ -499,7 +507,7 @@ local r = redis.call('HMGET', reservation, 'job', 'worker', 'until', 'preempt')
 if r[4] == '1' and r[2] == consumer and tonumber(r[3]) > now then
   local jobkey = job_key(prefix, r[1])
   local f = job_fields(jobkey)
-  if f[1] == 'queued' and outlives(f) then
+  if f[1] == 'queued' and passed_over(f) then
     -- This pilot's time ran short of it since: nothing is kept for it here any more.
     redis.call('DEL', reservation)
   elseif f[1] == 'queued' then
@@ -526,7 +534,7 @@ if wanted == 0 then
     local f = job_fields(jobkey)
     local gpus = need_of(f)
     local p = tonumber(redis.call('HGET', jobkey, 'priority')) or 0
-    if f[1] == 'queued' and gpus <= gpus_total and under_cap(f[5], gpus) and not outlives(f)
+    if f[1] == 'queued' and gpus <= gpus_total and under_cap(f[5], gpus) and not passed_over(f)
         and (tonumber(f[9]) or 0) == 0 and preempt(gpus, p, true) then
       redis.call('HSET', reservation, 'job', top, 'worker', consumer, 'until', now + lease_ms, 'at', now,
         'preempt', '1')
@@ -732,7 +740,7 @@ end
 local last = nil  -- the group's last delivered entry, once looked up
 for _ = 1, 100 + wanted do
   if #ids == wanted then return stop('claimed', '0-0') end
-  if gpus_free >= gpus_total and not head_need and #rooms == 0 and lifetime <= 0 then
+  if gpus_free >= gpus_total and not head_need and #rooms == 0 and lifetime <= 0 and serves == '' then
     -- Every GPU this claimer has is free, so no job can make it wait (one asking for more than
     -- it has is passed over): the next entry is taken as it is delivered, without a look first.
     local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', stream, '>')

@@ -1,14 +1,20 @@
 """`poolctl pilot`: workers as batch jobs. The scripts it writes (for PBS, whose server no Debian
 package provides, the directives qsub must find), its refusals, and a real run on a one-node Slurm
-cluster on loopback (tests/support/slurm.py): two pilots join a running pool, run its jobs, pass
-over one whose time limit would outlive them and one with none, and at their lifetime's end drain
-and end their batch jobs with exit 0; and a PBS pilot submitted through a real qsub, Debian's
-slurm-wlm-torque over that Slurm, joins, runs a job and leaves."""
+cluster on loopback (tests/support/slurm.py): an unprivileged cluster user submits two pilots,
+which join a running pool, run its jobs of the pool user they serve, pass over another user's
+job, one whose time limit would outlive them and one with none, keep their credentials from their
+jobs and their node-local trees from everyone, and at their lifetime's end drain and end their
+batch jobs with exit 0; and a PBS pilot submitted through a real qsub, Debian's slurm-wlm-torque
+over that Slurm, joins, runs a job and leaves."""
 
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
+import stat
+import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,7 +61,7 @@ def env(**extra: str) -> dict[str, str]:
 async def test_the_slurm_script_carries_the_directives_and_the_worker(tmp_path: Path) -> None:
     config = plain_config(tmp_path / "pool.toml")
     code, out, err = await poolctl(
-        env(GPUPOOL_REDIS_PORT="1"),
+        env(GPUPOOL_REDIS_PORT="1", GPUPOOL_USER="alice"),
         "pilot", "slurm", "--count", "3", "--walltime", "1:00:00", "--gpus-per-node", "4",
         "--partition", "gpu", "--account", "proj7", "--config", str(config), "--dry-run",
     )  # fmt: skip
@@ -72,8 +78,12 @@ async def test_the_slurm_script_carries_the_directives_and_the_worker(tmp_path: 
         "#SBATCH --output=gpupool-pilot-%j.out",
     ]
     [exec_line] = [line for line in lines if line.startswith("exec ")]
-    # 3600 s less a margin of 2% (72 s); the config given as an absolute path
-    assert f"--worker --config {config} --max-lifetime 3528 --idle-exit 600" in exec_line
+    # 3600 s less a margin of 2% (72 s); the config given as an absolute path; the pool user that
+    # poolctl acts as is the one the pilots serve (issue 44 item 1)
+    assert f"--worker --config {config} --serve-user alice --max-lifetime 3528 --idle-exit 600" in exec_line
+    # a node-local tree of its own, made by mktemp (mode 700, a name no one can plant first)
+    assert 'data_dir=$(mktemp -d "${TMPDIR:-/tmp}/gpupool-pilot.XXXXXXXXXX") || exit 1' in lines
+    assert exec_line.endswith('--data-dir "$data_dir"')
     assert 'unset "$v"' in out  # GPUPOOL_REDIS_PORT=1 of this shell does not reach the worker
     assert lines[-1] == "# submit: sbatch --parsable < this script, 3 times"
 
@@ -88,9 +98,11 @@ async def test_the_pbs_script_carries_what_qsub_must_read(tmp_path: Path) -> Non
     code, out, err = await poolctl(
         env(),
         "pilot", "pbs", "--walltime", "30:00:00", "--gpus-per-node", "2", "--queue", "gpuq",
-        "--account", "proj7", "--idle-exit", "120", "--config", str(config), "--dry-run",
+        "--account", "proj7", "--idle-exit", "120", "--config", str(config), "--serve-user", "carol",
+        "--dry-run",
     )  # fmt: skip
     assert code == 0, err
+    assert "--serve-user carol --max-lifetime" in out
     directives = [line.removeprefix("#PBS ") for line in out.splitlines() if line.startswith("#PBS ")]
     assert directives == [
         "-N gpupool-pilot",
@@ -163,34 +175,67 @@ def slurm() -> Iterator[SlurmCluster]:
         cluster.stop()
 
 
+@pytest.fixture
+def cluster_user() -> Iterator[tuple[str, Path]]:
+    """A login user of the cluster, no admin (Slurm needs its passwd entry), and a directory of its
+    own under the system's /tmp (pytest's is root's, closed to others); both removed after."""
+    name = f"gpupilot{os.getpid() % 100_000}"
+    add = ["useradd", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/bin/sh", "--user-group"]
+    done = subprocess.run([*add, name], capture_output=True, text=True, timeout=30, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot add a cluster user here: {done.stderr.strip()}")
+    home = Path(tempfile.mkdtemp(prefix="gpupool-pilot-user-"))
+    try:
+        user = pwd.getpwnam(name)
+        os.chown(home, user.pw_uid, user.pw_gid)
+        yield name, home
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+        subprocess.run(["userdel", name], capture_output=True, timeout=30, check=False)
+
+
 LIFETIME = 20  # seconds: the drain (4 s), the kill grace (2 s) and the hand-back fit, with jobs first
 
 
 @pytest.mark.timeout(90)
-async def test_pilots_on_slurm_run_jobs_pass_over_what_could_outlive_them_drain_and_end_well(
-    redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp_path: Path, slurm: SlurmCluster
+async def test_pilots_of_a_cluster_user_serve_their_pool_user_only_keep_secrets_and_end_well(
+    cluster_user: tuple[str, Path],  # first: removed after Slurm has ended its jobs
+    redis_server: EmbeddedRedis,
+    s3_env: dict[str, str],
+    tmp_path: Path,
+    slurm: SlurmCluster,
 ) -> None:
+    """Two pilots submitted by an unprivileged cluster user, as `poolctl pilot` runs them, acting
+    as pool user alice: they run alice's jobs, pass over one whose time limit would outlive them and
+    one with none (issue 43 item 5), drain and end well. Issue 44 item 1: bob's job, queued before
+    alice's, is never claimed by them, and does not hold alice's back; a job there (of the cluster
+    user's uid) cannot read the pilot's /proc environ nor open its descriptors. Item 3: each pilot's
+    node-local tree is made by mktemp, mode 700, not the predictable gpupool-pilot-USER."""
+    name, home = cluster_user
     config = pilot_config(
-        tmp_path / "pilot.toml",
+        home / "pilot.toml",
         redis_server,
         s3_env,
         drain_timeout=4.0,
         kill_grace=2.0,
         heartbeat_interval=1.0,
     )
+    os.chown(config, pwd.getpwnam(name).pw_uid, pwd.getpwnam(name).pw_gid)
     marks: dict[str, float] = {}
     (tmp_path / "pool").mkdir()
     async with running_pool(redis_server, tmp_path / "pool") as pool:
+        bobs = (await pool.queue.enqueue(sh("true", timeout=5.0, user="bob")))[0]
         t0 = time.monotonic()
         code, out, err = await poolctl(
-            {**slurm.env, "TMPDIR": str(tmp_path)},
+            {**slurm.env, "TMPDIR": str(home), "HOME": str(home), "GPUPOOL_USER": "alice"},
             "pilot", "slurm", "--count", "2", "--walltime", "0:02:00", "--gpus-per-node", "0",
             "--config", str(config), "--max-lifetime", str(LIFETIME), "--idle-exit", "0",
-            cwd=tmp_path,
+            cwd=home, user=name,
         )  # fmt: skip
         assert code == 0, err
         jobs = out.split()
         assert len(jobs) == 2
+        assert {slurm.job(j)["UserId"].split("(")[0] for j in jobs} == {name}  # not root's
         marks["sbatch"] = time.monotonic() - t0
 
         async def both_registered() -> bool:
@@ -204,15 +249,26 @@ async def test_pilots_on_slurm_run_jobs_pass_over_what_could_outlive_them_drain_
         code, table, _ = await poolctl(pool.env(), "workers")
         assert "PILOT" in table.splitlines()[0]
         assert f"slurm:{jobs[0]}, leaves " in table
+        assert [line.split()[-1] for line in table.splitlines()] == ["SERVES", "alice", "alice"]
 
-        ran = tmp_path / "ran"
+        ran, probe = home / "ran", home / "probe"
         short = [
-            (await pool.queue.enqueue(sh(f"echo $GPUPOOL_WORKER >> {ran}; sleep 1", timeout=5.0)))[0]
-            for _ in range(4)
+            (
+                await pool.queue.enqueue(
+                    sh(f"echo $GPUPOOL_WORKER >> {ran}; sleep 1", timeout=5.0, user="alice")
+                )
+            )[0]
+            for _ in range(3)
         ]
+        # what a job can reach of the worker that started it (its parent) and where it runs
+        script = (
+            f"tr '\\0' ' ' < /proc/$PPID/cmdline > {probe}.cmdline; pwd > {probe}.cwd;"
+            f"cat /proc/$PPID/environ > {probe}.environ 2>&1; ls /proc/$PPID/fd/ > {probe}.fd 2>&1; true"
+        )
+        short.append((await pool.queue.enqueue(sh(script, timeout=5.0, user="alice")))[0])
         # a time limit past the pilots' end, or none: passed over, never started here
-        outlives = (await pool.queue.enqueue(sh("true", timeout=600.0)))[0]
-        endless = (await pool.queue.enqueue(sh("true")))[0]
+        outlives = (await pool.queue.enqueue(sh("true", timeout=600.0, user="alice")))[0]
+        endless = (await pool.queue.enqueue(sh("true", user="alice")))[0]
         for job_id in short:
             info = await wait_state(pool.queue, job_id, JobState.SUCCEEDED, JobState.FAILED, timeout=20)
             assert info.state is JobState.SUCCEEDED, info.detail
@@ -234,14 +290,26 @@ async def test_pilots_on_slurm_run_jobs_pass_over_what_could_outlive_them_drain_
         for job_id in jobs:
             fields = slurm.job(job_id)
             assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), fields
-            log = (tmp_path / f"gpupool-pilot-{job_id}.out").read_text()
+            log = (home / f"gpupool-pilot-{job_id}.out").read_text()
             assert "leaving: its lifetime ends at" in log, log
             assert "stopped" in log.splitlines()[-1], log
         assert await registry.list_workers(pool.queue.redis) == []  # unregistered, not dead
-        for job_id in (outlives, endless):
+        for job_id in (outlives, endless, bobs):
             info = await pool.queue.get(job_id)
             assert (info.state, info.attempt) == (JobState.QUEUED, 0), info
         print("pilot timeline (s from the submit):", {k: round(v, 1) for k, v in marks.items()})
+    # the probe looked at the pilot itself, and was refused its secrets
+    assert "daemon.main --worker --config" in Path(f"{probe}.cmdline").read_text()
+    assert "Permission denied" in Path(f"{probe}.environ").read_text()
+    assert "Permission denied" in Path(f"{probe}.fd").read_text()
+    # each pilot's tree: made anew by mktemp, the cluster user's own, mode 700
+    trees = sorted(home.glob("gpupool-pilot.*"))
+    assert len(trees) == 2, trees
+    for tree in trees:
+        st = tree.stat()
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (pwd.getpwnam(name).pw_uid, 0o700)
+    assert any(Path(f"{probe}.cwd").read_text().startswith(str(t)) for t in trees)
+    assert not (home / f"gpupool-pilot-{name}").exists()
 
 
 async def test_sbatch_refusing_the_script_is_one_sentence(tmp_path: Path, slurm: SlurmCluster) -> None:
@@ -270,9 +338,9 @@ async def test_a_pbs_pilot_submitted_through_a_real_qsub_joins_runs_a_job_and_le
     timings = {"drain_timeout": 1.0, "kill_grace": 1.0, "heartbeat_interval": 1.0}
     config = pilot_config(tmp_path / "pilot.toml", redis_server, s3_env, **timings)
     ran = tmp_path / "ran"
-    job_id, _ = await queue.enqueue(sh(f"echo $GPUPOOL_WORKER > {ran}", timeout=10.0))
+    job_id, _ = await queue.enqueue(sh(f"echo $GPUPOOL_WORKER > {ran}", timeout=10.0, user="alice"))
     code, out, err = await poolctl(
-        {**slurm.env, "TMPDIR": str(tmp_path)},
+        {**slurm.env, "TMPDIR": str(tmp_path), "GPUPOOL_USER": "alice"},
         "pilot", "pbs", "--walltime", "0:02:00", "--gpus-per-node", "0", "--name", "pbs-pilot",
         "--idle-exit", "3", "--config", str(config),
         cwd=tmp_path,

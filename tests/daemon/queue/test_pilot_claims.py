@@ -31,47 +31,57 @@ def job(n: int, timeout: float | None = None, **kw: object) -> JobSpec:
 # How the job that must not go to the pilot waits: (the queue, the outliving job's id, the id of
 # a job that fits, the pilot's claim arguments). `limit` is the outliving job's time limit.
 Placed = tuple[JobQueue, str, str, dict[str, object]]
-Setup = Callable[[AnyRedis, float | None], Awaitable[Placed]]
+# `owners`: the users of the two jobs (the one passed over, the one that fits).
+Setup = Callable[..., Awaitable[Placed]]
+ANYONE = ("", "")
 
 
-async def in_the_stream(redis: AnyRedis, limit: float | None) -> Placed:
+async def in_the_stream(redis: AnyRedis, limit: float | None, owners: tuple[str, str] = ANYONE) -> Placed:
     """A CPU worker's claim: the path that takes entries without a look first, on a worker with no end."""
     queue = JobQueue(redis, lease_seconds=30)
-    outlives, fits = await queue.enqueue_many([job(0, limit), job(1, 10)])
+    outlives, fits = await queue.enqueue_many([job(0, limit, user=owners[0]), job(1, 10, user=owners[1])])
     return queue, outlives, fits, {}
 
 
-async def in_the_stream_with_gpus(redis: AnyRedis, limit: float | None) -> Placed:
+async def in_the_stream_with_gpus(
+    redis: AnyRedis, limit: float | None, owners: tuple[str, str] = ANYONE
+) -> Placed:
     queue = JobQueue(redis, lease_seconds=30)
-    outlives, fits = await queue.enqueue_many([job(0, limit, gpus=1), job(1, 10, gpus=1)])
+    outlives, fits = await queue.enqueue_many(
+        [job(0, limit, gpus=1, user=owners[0]), job(1, 10, gpus=1, user=owners[1])]
+    )
     return queue, outlives, fits, {"gpus_free": 4, "gpus_total": 4}
 
 
-async def at_the_front(redis: AnyRedis, limit: float | None) -> Placed:
+async def at_the_front(redis: AnyRedis, limit: float | None, owners: tuple[str, str] = ANYONE) -> Placed:
     queue = JobQueue(redis, lease_seconds=30)
-    (outlives,) = await queue.enqueue_many([job(0, limit)])
+    (outlives,) = await queue.enqueue_many([job(0, limit, user=owners[0])])
     (lease,) = await queue.claim_many("w0", ["default"], 1)
     assert await queue.release(lease) is JobState.QUEUED  # handed back: at the front
-    (fits,) = await queue.enqueue_many([job(1, 10)])
+    (fits,) = await queue.enqueue_many([job(1, 10, user=owners[1])])
     return queue, outlives, fits, {}
 
 
-async def with_a_priority(redis: AnyRedis, limit: float | None) -> Placed:
+async def with_a_priority(redis: AnyRedis, limit: float | None, owners: tuple[str, str] = ANYONE) -> Placed:
     queue = JobQueue(redis, lease_seconds=30)
-    outlives, fits = await queue.enqueue_many([job(0, limit, priority=5), job(1, 10)])
+    outlives, fits = await queue.enqueue_many(
+        [job(0, limit, priority=5, user=owners[0]), job(1, 10, user=owners[1])]
+    )
     return queue, outlives, fits, {}
 
 
-async def in_a_users_line(redis: AnyRedis, limit: float | None) -> Placed:
+async def in_a_users_line(
+    redis: AnyRedis, limit: float | None, owners: tuple[str, str] = ("ann", "bob")
+) -> Placed:
     queue = JobQueue(redis, lease_seconds=30, fairshare=["default"], fairshare_half_life=3600)
-    outlives, fits = await queue.enqueue_many([job(0, limit, user="ann"), job(1, 10, user="bob")])
+    outlives, fits = await queue.enqueue_many([job(0, limit, user=owners[0]), job(1, 10, user=owners[1])])
     return queue, outlives, fits, {}
 
 
-async def behind_a_head(redis: AnyRedis, limit: float | None) -> Placed:
+async def behind_a_head(redis: AnyRedis, limit: float | None, owners: tuple[str, str] = ANYONE) -> Placed:
     """Backfill: the head waits for 4 GPUs, reserved on w2; the pilot, with 2 free, may backfill."""
     queue = JobQueue(redis, lease_seconds=30)
-    jobs = [job(0, 10, gpus=4), job(1, limit, gpus=1), job(2, 10, gpus=1)]
+    jobs = [job(0, 10, gpus=4), job(1, limit, gpus=1, user=owners[0]), job(2, 10, gpus=1, user=owners[1])]
     _, outlives, fits = await queue.enqueue_many(jobs)
     assert await queue.claim_many("w2", ["default"], 1, 2, gpus_total=4, ends=[(None, 2)], grace=1) == []
     assert (await redis.hget(keys.reservation("default"), "worker")) == b"w2"
@@ -104,6 +114,36 @@ async def test_a_pilot_passes_over_a_job_that_could_outlive_it_on_every_claim_pa
         room = {k: v for k, v in room.items() if k.startswith("gpus")}
     got = await queue.claim_many("w9", ["default"], 3, **room)  # type: ignore[arg-type]
     assert outlives in [lease.job_id for lease in got]
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [in_the_stream, in_the_stream_with_gpus, at_the_front, with_a_priority, in_a_users_line, behind_a_head],
+    ids=["stream", "stream, GPUs", "front", "priority", "fair share", "backfill"],
+)
+async def test_one_users_worker_passes_over_another_users_job_on_every_claim_path(
+    redis: AnyRedis, setup: Setup
+) -> None:
+    """issue 44 item 1: a worker that does not run as root runs every job as its own user, who can
+    read its config (the pool's credentials): it serves one pool user (`serve_user`). Bob's job,
+    ahead of Alice's on each path a claim takes, is never claimed by Alice's worker, and does not
+    hold hers back; a worker serving everyone then takes Bob's."""
+    queue, bobs, alices, room = await setup(redis, 10.0, ("bob", "alice"))
+    before = await queue.get(bobs)
+    queue.serve_user = "alice"  # as JobQueue.from_config sets it from worker_serve_user
+    got = await queue.claim_many("alices", ["default"], 2, **room)  # type: ignore[arg-type]
+    assert [lease.job_id for lease in got] == [alices]
+    after = await queue.get(bobs)
+    assert (after.state, after.attempt) == (JobState.QUEUED, before.attempt)
+    for lease in got:
+        await queue.complete(lease, OK)
+    queue.serve_user = ""
+    if setup is behind_a_head:
+        room = {"gpus_free": 8, "gpus_total": 8}
+    else:
+        room = {k: v for k, v in room.items() if k.startswith("gpus")}
+    got = await queue.claim_many("w9", ["default"], 3, **room)  # type: ignore[arg-type]
+    assert bobs in [lease.job_id for lease in got]
 
 
 async def running(queue: JobQueue, worker: str, specs: list[JobSpec], gpus: int) -> list[Lease]:
