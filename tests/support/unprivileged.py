@@ -14,6 +14,8 @@ import os
 import stat
 import sys
 import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tests.support.paths import ROOT
@@ -40,3 +42,23 @@ def python() -> str:
 def pythonpath() -> str:
     """The repository, then this interpreter's site-packages (the venv's packages)."""
     return os.pathsep.join([str(ROOT), sysconfig.get_paths()["purelib"]])
+
+
+@contextmanager
+def reachable() -> Iterator[None]:
+    """Every directory above the repository and the packages made passable (o+x, never listable)
+    while the block runs, as they are on a machine with its checkout under /home or /srv: a clone
+    made in a `mktemp -d` directory (0700), or under /root, is closed to every other uid. Each mode
+    changed is put back after."""
+    opened: list[tuple[Path, int]] = []
+    try:
+        for place in (ROOT, Path(sysconfig.get_paths()["purelib"])):
+            for d in reversed([place, *place.parents]):
+                mode = d.stat().st_mode
+                if not mode & stat.S_IXOTH:
+                    opened.append((d, stat.S_IMODE(mode)))
+                    d.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
+        yield
+    finally:
+        for d, mode in reversed(opened):
+            d.chmod(mode)

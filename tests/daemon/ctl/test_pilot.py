@@ -25,6 +25,7 @@ from daemon.job import JobState
 from daemon.queue import registry
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
+from tests.support import unprivileged
 from tests.support.pool import running_pool
 from tests.support.poolctl import poolctl
 from tests.support.slurm import SlurmCluster, missing
@@ -188,7 +189,8 @@ def cluster_user() -> Iterator[tuple[str, Path]]:
     try:
         user = pwd.getpwnam(name)
         os.chown(home, user.pw_uid, user.pw_gid)
-        yield name, home
+        with unprivileged.reachable():
+            yield name, home
     finally:
         shutil.rmtree(home, ignore_errors=True)
         subprocess.run(["userdel", name], capture_output=True, timeout=30, check=False)

@@ -34,7 +34,8 @@ def home() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="gpupool-nonroot-"))
     os.chown(path, UID, UID)
     try:
-        yield path
+        with unprivileged.reachable():
+            yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
 
