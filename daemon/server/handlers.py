@@ -34,9 +34,11 @@ from daemon.object_store import artifact_job
 from daemon.queue.failures import out_of_memory
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.terminal_events import JobEvents
+from daemon.server.bounds import SubmitBounds, check_room
 from daemon.server.data_desk import DataDesk
 from daemon.server.dependencies import judge_held
 from daemon.server.pending import MAX_LIST, PendingReasons, WorkerLister
+from daemon.server.redis_room import RedisRoom
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -105,11 +107,15 @@ class Handlers:
         admins: frozenset[str] = frozenset(),
         max_priority: Mapping[str, int] | None = None,
         default_max_priority: int = 0,
+        bounds: SubmitBounds | None = None,
     ) -> None:
         """`admins` may act on every user's jobs; everyone else on their own (docs/SECURITY.md).
         A job's --priority may reach its user's `max_priority` (an admin's: any), else
-        `default_max_priority`."""
+        `default_max_priority`. `bounds`: how large a job's spec and name may be; a user's jobs
+        queued or running in one queue are bounded by `queue.max_unended` (bounds.py)."""
         self.queue = queue
+        self.bounds = bounds or SubmitBounds()
+        self.room = RedisRoom(queue.redis)  # new jobs refused before Redis is full
         self.admins = admins
         self.max_priority = dict(max_priority or {})
         self.default_max_priority = default_max_priority
@@ -288,6 +294,8 @@ class Handlers:
 
     async def _enqueue(self, spec: dict[str, Any], key: str | None, user: str) -> Enqueued:
         job_spec = _spec(spec, user)
+        self.bounds.check(job_spec)
+        await self.room.check()
         self._check_priority([job_spec], user)
         await self._check_fits([job_spec])
         await self._check_data([job_spec], user)
@@ -300,8 +308,16 @@ class Handlers:
 
     async def _enqueue_batch(self, specs: list[dict[str, Any]], user: str) -> EnqueuedBatch:
         if len(specs) > MAX_BATCH:
-            raise GpupoolError(f"a batch holds at most {MAX_BATCH} jobs", ErrorCode.INVALID_ARGUMENT)
+            raise GpupoolError(
+                f"a batch holds at most {MAX_BATCH} jobs, not {len(specs)}: send them in several "
+                "(an array of more as several --array ranges)",
+                ErrorCode.INVALID_ARGUMENT,
+            )
         job_specs = [_spec(s, user) for s in specs]
+        for job_spec in job_specs:
+            self.bounds.check(job_spec)
+        await self.room.check()
+        await check_room(self.queue, job_specs, user)  # the whole batch, before any of it is written
         self._check_priority(job_specs, user)
         await self._check_fits(job_specs)
         await self._check_data(job_specs, user)
