@@ -29,6 +29,7 @@ from daemon.errors import (
     PriorityTooHigh,
 )
 from daemon.job import ARRAY_ID, JobInfo, JobSpec, JobState
+from daemon.listing import shortened, within_bytes
 from daemon.metrics.server import ServerMetrics
 from daemon.object_store import artifact_job
 from daemon.queue.failures import out_of_memory
@@ -413,7 +414,9 @@ class Handlers:
         limit = max(1, min(limit, MAX_LIST))
         finished = everything or (state is not None and JobState(state).terminal)
         jobs = await self.queue.list_jobs(q, include_finished=finished, limit=limit)
-        return [self._view(j, user) for j in jobs if state is None or j.state == state]
+        # Each record cut to what a listing shows, the whole within its bytes (daemon/listing.py):
+        # one user's long fields cannot make the reply too large to send to anyone.
+        return within_bytes(shortened(self._view(j, user)) for j in jobs if state is None or j.state == state)
 
     async def _check_queue(self, name: str) -> None:
         """A queue the pool knows: one that ever had a job, or that a worker serves."""

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from daemon.ctl.pool_client import ClientError, PoolClient
+from daemon.job import JobSpec
+from daemon.listing import FIELD_CHARS
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server.handlers import MAX_BLOCKING_PER_USER, MAX_IDS
 from daemon.server.session import FrameBudget, Limits
@@ -32,6 +36,7 @@ from protocol import (
     Pong,
 )
 from tests.support.pool import Pool, running_pool
+from tests.support.poolctl import poolctl
 
 MAX_CONNECTIONS = 20
 MiB = 1024 * 1024
@@ -309,3 +314,39 @@ async def test_submissions_are_refused_before_redis_is_full_while_cancels_and_re
             finally:
                 await admin.config_set("maxmemory", 0)
                 await admin.delete("filler")
+
+
+async def test_one_users_long_fields_cannot_break_listing_for_others(pool: Pool) -> None:
+    """issue 44 item 6: jobs with names of 100 KiB (stored before the bounds: written through the
+    queue itself) made `poolctl ls --all` fail for every user, its reply over the frame limit,
+    and the dashboard's job list tens of MiB. Listings cut each field (with an ellipsis) and stay
+    within their bytes: bob lists everything, and his own job is there."""
+    long_name = "n" * 100 * 1024
+    await pool.queue.enqueue_many(
+        [JobSpec(argv=("true", "a" * 1024), name=long_name, user="alice") for _ in range(200)]
+    )
+    async with pool.client("bob") as bob:
+        mine = (await bob.call(Enqueue({"argv": ["true"], "name": "bobs"}, None), Enqueued)).job_id
+    code, out, err = await poolctl(pool.env("bob"), "ls", "--all", "--json")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 201
+    assert rows[-1]["id"] == mine
+    assert rows[0]["spec"]["name"] == "n" * (FIELD_CHARS - 1) + "…"
+    assert rows[0]["shortened"]
+    assert len(out) < 1_000_000
+    async with (
+        aiohttp.ClientSession(
+            cookie_jar=aiohttp.CookieJar(unsafe=True), timeout=aiohttp.ClientTimeout(total=30)
+        ) as http,
+    ):
+        assert pool.server.web is not None
+        url = pool.server.web.address
+        async with http.post(f"{url}/signin", data={"token": pool.tokens["bob"]}, allow_redirects=False) as r:
+            assert r.status == 303
+        async with http.get(f"{url}/jobs?sort=enqueued&order=asc") as r:
+            assert r.status == 200
+            page = await r.text()
+    assert "n" * (FIELD_CHARS - 1) + "…" in page
+    assert long_name not in page
+    assert len(page) < 500_000
