@@ -310,8 +310,7 @@ class Handlers:
     async def _enqueue_batch(self, specs: list[dict[str, Any]], user: str) -> EnqueuedBatch:
         if len(specs) > MAX_BATCH:
             raise GpupoolError(
-                f"a batch holds at most {MAX_BATCH} jobs, not {len(specs)}: send them in several "
-                "(an array of more as several --array ranges)",
+                f"a batch holds at most {MAX_BATCH} jobs, not {len(specs)}: send them in several",
                 ErrorCode.INVALID_ARGUMENT,
             )
         job_specs = [_spec(s, user) for s in specs]
