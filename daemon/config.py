@@ -133,6 +133,14 @@ OPTIONS: tuple[Option, ...] = (
         choices=("always", "everysec"),
     ),
     Option(
+        "redis_max_memory",
+        int,
+        0,
+        "bytes the embedded Redis may hold (its maxmemory, noeviction; 0: a quarter of this "
+        "machine's memory); submissions are refused from 90% of it, as of any Redis's maxmemory",
+        lo=0,
+    ),
+    Option(
         "main_server_minio_address",
         str,
         "127.0.0.1:9000",
@@ -291,6 +299,32 @@ OPTIONS: tuple[Option, ...] = (
         hi=100000,
     ),
     Option(
+        "user_max_queued_jobs",
+        int,
+        100_000,
+        "the most jobs one user may have queued or running in one queue (0: no bound); more are "
+        "refused, saying so, until some end",
+        lo=0,
+        hi=10**9,
+    ),
+    Option(
+        "job_spec_max_bytes",
+        int,
+        64 * 1024,
+        "bytes of one job's spec (its command, environment, name and the rest, encoded) the server "
+        "takes; a larger one is refused, saying so",
+        lo=4096,
+        hi=8 * 2**20,
+    ),
+    Option(
+        "job_name_max_chars",
+        int,
+        256,
+        "characters of one job's name the server takes; a longer one is refused, saying so",
+        lo=16,
+        hi=65536,
+    ),
+    Option(
         "fairshare_queues",
         list,
         [],
@@ -425,6 +459,7 @@ class Config:
     redis_min_replicas_ack: int
     redis_replicas_ack_timeout: float
     redis_appendfsync: str
+    redis_max_memory: int
     main_server_minio_address: str
     main_server_minio_access_key_id: str
     main_server_minio_secret_access_key: str
@@ -458,6 +493,9 @@ class Config:
     default_max_priority: int
     user_max_running_jobs: int
     user_max_gpus: int
+    user_max_queued_jobs: int
+    job_spec_max_bytes: int
+    job_name_max_chars: int
     data_dir: str
     listen: str
     metrics_listen: str

@@ -94,6 +94,37 @@ class PriorityTooHigh(GpupoolError):
         )
 
 
+class TooManyUnended(GpupoolError):
+    """A submission would take its user past the most jobs they may have queued or running in one
+    queue (user_max_queued_jobs, set by the pool's admin): one user cannot fill the pool's Redis.
+    UNAVAILABLE, as the pool's other "not now" answers: it goes through once some of their jobs end."""
+
+    code = ErrorCode.UNAVAILABLE
+
+    def __init__(self, user: str, queue: str, has: int, adding: int, most: int) -> None:
+        super().__init__(
+            f"{user} has {has} job{'s' if has != 1 else ''} queued or running in queue {queue!r}; "
+            f"{adding} more would pass the {most} one user may have there (user_max_queued_jobs in "
+            "the pool's config): wait for some to end, or cancel some, then submit again"
+        )
+        self.user = user
+        self.queue = queue
+
+
+class OverBound(GpupoolError):
+    """A job spec larger than the pool takes (job_spec_max_bytes, job_name_max_chars): what one
+    user puts in the pool's Redis, and in every listing, is bounded."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+    def __init__(self, what: str, size: int, most: int, unit: str, option: str) -> None:
+        super().__init__(
+            f"job {what} is {size} {unit}, more than the {most} this pool takes ({option} in the "
+            "pool's config): make it shorter (a long command or environment can go in a file the "
+            "job reads, with --input)"
+        )
+
+
 class StaleAttempt(GpupoolError):
     """A worker wrote for an attempt that is no longer the job's current one (fencing)."""
 

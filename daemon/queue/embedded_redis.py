@@ -113,9 +113,13 @@ class EmbeddedRedis:
         appendfsync: str = "everysec",
         port: int | None = None,
         binary: Path | None = None,
+        max_memory: int = 0,
     ) -> None:
+        """`max_memory`: the server's maxmemory in bytes (noeviction: at it, writes that add are
+        refused, and the pool's server refuses new jobs before it, server/redis_room.py); 0: none."""
         self.dir = Path(data_dir) / "redis"
         self.appendfsync = appendfsync
+        self.max_memory = max_memory
         self.host = "127.0.0.1"
         self.port = port or 0
         self.binary = binary
@@ -167,6 +171,7 @@ class EmbeddedRedis:
             )
         if self._adopt():
             self._record()
+            self._set_max_memory()  # (it may have been started with another)
             log.info("adopted the running redis-server (pid %d) on %s:%d", self.pid, self.host, self.port)
             return
         binary = self.binary or find_binary()
@@ -182,6 +187,7 @@ class EmbeddedRedis:
                 f'appendonly yes\nappendfsync {self.appendfsync}\nsave ""\n'
                 f"requirepass {self.password}\nlogfile {self.dir / 'redis.log'}\n"
                 "daemonize no\nmaxmemory-policy noeviction\n"
+                f"maxmemory {self.max_memory}\n"
             )
             if self.socket is not None:
                 f.write(f"unixsocket {self.socket}\nunixsocketperm 700\n")
@@ -203,6 +209,12 @@ class EmbeddedRedis:
             self.port,
             self.appendfsync,
         )
+
+    def _set_max_memory(self) -> None:
+        with redis_sync.Redis(
+            host=self.host, port=self.port, password=self.password, socket_timeout=2
+        ) as probe:
+            probe.config_set("maxmemory", self.max_memory)
 
     def _recorded(self) -> dict[str, object]:
         try:

@@ -30,7 +30,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 
 from daemon.config import Config
-from daemon.errors import IdempotencyConflict, InvalidJob, JobNotFound, StaleAttempt
+from daemon.errors import IdempotencyConflict, InvalidJob, JobNotFound, StaleAttempt, TooManyUnended
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
 from daemon.queue.claims import Claims, Standing
@@ -107,6 +107,7 @@ class JobQueue(Claims, QueueReads):
         retry_backoff: tuple[float, float] = (0.0, 0.0),
         notify_pool: bool = False,
         serve_user: str = "",
+        max_unended: int = 0,
     ) -> None:
         """`watch` is the run-id watch of `redis`'s connections (connection.connect), for whoever
         holds leases through this queue to see when Redis restarts. `ack`: the replicas an enqueue
@@ -120,8 +121,11 @@ class JobQueue(Claims, QueueReads):
         `notify_pool`: the pool has a notify_url, so the end of every job enqueued through this
         queue is to be sent there (its record says so: to_outbox in _lib.lua). `serve_user`: the
         one pool user whose jobs this queue's claims take ("": any user's), for a worker that
-        runs every job as its own user (claim.lua passes the others over)."""
+        runs every job as its own user (claim.lua passes the others over).
+        `max_unended`: the most jobs one user may have queued or running in one queue (0: no
+        bound), which the enqueue scripts keep to (_lib.lua `unended`)."""
         self.redis = redis
+        self.max_unended = max_unended
         self.user_caps = user_caps
         self.serve_user = serve_user
         self.fairshare = frozenset(fairshare)
@@ -162,6 +166,7 @@ class JobQueue(Claims, QueueReads):
             retry_backoff=(config.retry_backoff, config.retry_backoff_max),
             notify_pool=bool(config.notify_url),
             serve_user=config.worker_serve_user,
+            max_unended=config.user_max_queued_jobs,
         )
 
     def batch(self, *, ack: bool = True) -> ScriptBatch:
@@ -192,6 +197,7 @@ class JobQueue(Claims, QueueReads):
                 [
                     keys.GROUP,
                     keys.queue_prefix(q),
+                    self.max_unended or "",
                     job_id,
                     *_job_args(spec, packed, self._notify_targets(spec)),
                 ],
@@ -202,6 +208,8 @@ class JobQueue(Claims, QueueReads):
             got, created, *conflict = await reply
         finally:
             await self._listed(listed, [q])
+        if got == b"over":
+            raise TooManyUnended(spec.user, q, int(created), 1, self.max_unended)
         if conflict and conflict[0]:
             assert idempotency_key is not None
             raise IdempotencyConflict(idempotency_key, _s(got))
@@ -223,7 +231,7 @@ class JobQueue(Claims, QueueReads):
         for chunk in chunks:
             q = chunk[0].queue
             ids = [new_job_id(q) for _ in chunk]
-            args: list[Any] = [keys.GROUP, keys.queue_prefix(q)]
+            args: list[Any] = [keys.GROUP, keys.queue_prefix(q), self.max_unended or ""]
             for spec, job_id in zip(chunk, ids, strict=True):
                 args += [job_id, *_job_args(spec, msgpack.packb(spec.to_dict()), self._notify_targets(spec))]
             job_keys = [keys.batch(q, secrets.token_hex(8)), *(keys.job(job_id) for job_id in ids)]
@@ -234,9 +242,14 @@ class JobQueue(Claims, QueueReads):
                 durable=True,
             )
         try:
-            return [_s(job_id) for reply in await batch.execute() for job_id in reply]
+            replies = await batch.execute()
         finally:
             await self._listed(listed, sorted({s.queue for s in specs}))
+        for chunk, reply in zip(chunks, replies, strict=True):
+            if reply and reply[0] == b"over":  # (the server checks a batch whole before: a race)
+                adding = sum(s.user == _s(reply[1]) for s in specs if s.queue == chunk[0].queue)
+                raise TooManyUnended(_s(reply[1]), chunk[0].queue, int(reply[2]), adding, self.max_unended)
+        return [_s(job_id) for reply in replies for job_id in reply]
 
     def _notify_targets(self, spec: JobSpec) -> str:
         """Where the end of a job enqueued now goes, as its record names the targets (`job`: its

@@ -53,6 +53,9 @@ Per queue (``gp:{q:NAME}:…``):
                 then for the retention. A hint: the server's sweep judges every held job anyway.
   wake          capped Stream of ``w=1`` entries, one per job put at the front: workers block on it
                 (XREAD) beside the stream, since a ZSET cannot wake them.
+  unended       HASH user -> how many of the user's jobs in the queue have not ended (queued or
+                running): kept by the scripts that add and end jobs (_lib.lua), exact, and read by
+                the enqueue scripts to keep a user within user_max_queued_jobs.
   leases        ZSET id -> lease deadline (Redis server time, ms) of every running attempt.
   jobs          ZSET id -> enqueue seq: index of the queue's jobs for listing.
   ended         ZSET id -> end time (ms) of finished jobs: past retention, a job leaves `jobs` and
@@ -117,6 +120,10 @@ def backoff(queue: str) -> str:
 
 def leases(queue: str) -> str:
     return queue_prefix(queue) + "leases"
+
+
+def unended(queue: str) -> str:
+    return queue_prefix(queue) + "unended"
 
 
 def jobs(queue: str) -> str:

@@ -2,8 +2,9 @@
 
 `job_rows` reads each queue's index of retained jobs (`keys.jobs`) and then a few fields of every
 job in pipelined chunks: what a list shows (who, what, where, when, how it ended), never its
-environment, inputs or result. It is a glance, not a snapshot: jobs move while it reads. The
-dashboard reads it at most once every few seconds for all its viewers (server/web/snapshot.py).
+environment, inputs or result, and its name and command cut as every listing cuts them
+(daemon/listing.py). It is a glance, not a snapshot: jobs move while it reads. The dashboard
+reads it at most once every few seconds for all its viewers (server/web/snapshot.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import cast
 
 import msgpack
 
+from daemon.listing import LIST_ITEMS, cut
 from daemon.queue import keys
 from daemon.queue.connection import AnyRedis
 from daemon.queue.reads import _s, _seconds
@@ -63,9 +65,11 @@ def _row(queue: str, values: list[bytes | None]) -> JobRow:
         id=_s(job_id or b""),
         queue=queue,
         state=_s(state or b""),
-        user=_s(user or b"") or str(data.get("user", "")),
-        name=str(data.get("name") or ""),
-        command=" ".join(str(a) for a in argv),
+        user=cut(_s(user or b"") or str(data.get("user", ""))),
+        # cut as every listing cuts them (daemon/listing.py): one user's long names cannot make
+        # the job list too large to draw for everyone
+        name=cut(str(data.get("name") or "")),
+        command=cut(" ".join(str(a) for a in argv[:LIST_ITEMS])),
         gpus=int(data.get("gpus") or 0),
         enqueued_at=int(enqueued or 0) / 1000,
         started_at=_seconds(started),

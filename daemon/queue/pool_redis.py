@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import RedisError
@@ -18,6 +19,14 @@ from daemon.queue.connection import AnyRedis
 from daemon.queue.embedded_redis import EmbeddedRedis
 
 log = logging.getLogger(__name__)
+
+
+def embedded_max_memory(config: Config) -> int:
+    """The embedded Redis's maxmemory: `redis_max_memory`, else a quarter of this machine's memory
+    (the rest is for the jobs, and for the copy a rewrite of the AOF forks)."""
+    if config.redis_max_memory:
+        return config.redis_max_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
 
 
 class PoolRedis:
@@ -45,7 +54,9 @@ class PoolRedis:
     async def start(self) -> AnyRedis:
         c = self.config
         if c.embedded:
-            self.embedded = EmbeddedRedis(c.data_path(), appendfsync=c.redis_appendfsync)
+            self.embedded = EmbeddedRedis(
+                c.data_path(), appendfsync=c.redis_appendfsync, max_memory=embedded_max_memory(c)
+            )
             await asyncio.to_thread(self.embedded.start)
             self.client = self.embedded.client(watch=self.watch)
         elif c.redis_sentinels:

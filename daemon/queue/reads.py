@@ -136,6 +136,14 @@ class QueueReads:
     async def queues(self) -> list[str]:
         return sorted(_s(q) for q in await self.redis.smembers(keys.QUEUES))
 
+    async def unended(self, user: str, queues: Sequence[str]) -> dict[str, int]:
+        """How many jobs `user` has queued or running in each of `queues` (_lib.lua `unended`)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for q in queues:
+                pipe.hget(keys.unended(q), user)
+            counts = await pipe.execute()
+        return {q: int(n or 0) for q, n in zip(queues, counts, strict=True)}
+
     async def get(self, job_id: str) -> JobInfo:
         """Everything known of a job, with its attempt history. Raises JobNotFound."""
         async with self.redis.pipeline(transaction=False) as pipe:

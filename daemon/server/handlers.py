@@ -29,14 +29,17 @@ from daemon.errors import (
     PriorityTooHigh,
 )
 from daemon.job import ARRAY_ID, JobInfo, JobSpec, JobState
+from daemon.listing import shortened, within_bytes
 from daemon.metrics.server import ServerMetrics
 from daemon.object_store import artifact_job
 from daemon.queue.failures import out_of_memory
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.terminal_events import JobEvents
+from daemon.server.bounds import SubmitBounds, check_room
 from daemon.server.data_desk import DataDesk
 from daemon.server.dependencies import judge_held
 from daemon.server.pending import MAX_LIST, PendingReasons, WorkerLister
+from daemon.server.redis_room import RedisRoom
 from daemon.webhook_targets import Allowed
 from protocol import (
     CancelJobs,
@@ -107,12 +110,17 @@ class Handlers:
         max_priority: Mapping[str, int] | None = None,
         default_max_priority: int = 0,
         notify_allowed: Allowed | None = None,
+        bounds: SubmitBounds | None = None,
     ) -> None:
         """`admins` may act on every user's jobs; everyone else on their own (docs/SECURITY.md).
         A job's --priority may reach its user's `max_priority` (an admin's: any), else
         `default_max_priority`. A job's --notify URL may name an address only where
-        `notify_allowed` allows it (config notify_allow; webhook_targets.py)."""
+        `notify_allowed` allows it (config notify_allow; webhook_targets.py). `bounds`: how
+        large a job's spec and name may be; a user's jobs queued or running in one queue are
+        bounded by `queue.max_unended` (bounds.py)."""
         self.queue = queue
+        self.bounds = bounds or SubmitBounds()
+        self.room = RedisRoom(queue.redis)  # new jobs refused before Redis is full
         self.admins = admins
         self.max_priority = dict(max_priority or {})
         self.default_max_priority = default_max_priority
@@ -292,6 +300,8 @@ class Handlers:
 
     async def _enqueue(self, spec: dict[str, Any], key: str | None, user: str) -> Enqueued:
         job_spec = _spec(spec, user)
+        self.bounds.check(job_spec)
+        await self.room.check()
         self._check_priority([job_spec], user)
         self._check_notify([job_spec])
         await self._check_fits([job_spec])
@@ -305,8 +315,15 @@ class Handlers:
 
     async def _enqueue_batch(self, specs: list[dict[str, Any]], user: str) -> EnqueuedBatch:
         if len(specs) > MAX_BATCH:
-            raise GpupoolError(f"a batch holds at most {MAX_BATCH} jobs", ErrorCode.INVALID_ARGUMENT)
+            raise GpupoolError(
+                f"a batch holds at most {MAX_BATCH} jobs, not {len(specs)}: send them in several",
+                ErrorCode.INVALID_ARGUMENT,
+            )
         job_specs = [_spec(s, user) for s in specs]
+        for job_spec in job_specs:
+            self.bounds.check(job_spec)
+        await self.room.check()
+        await check_room(self.queue, job_specs, user)  # the whole batch, before any of it is written
         self._check_priority(job_specs, user)
         self._check_notify(job_specs)
         await self._check_fits(job_specs)
@@ -414,7 +431,9 @@ class Handlers:
         limit = max(1, min(limit, MAX_LIST))
         finished = everything or (state is not None and JobState(state).terminal)
         jobs = await self.queue.list_jobs(q, include_finished=finished, limit=limit)
-        return [self._view(j, user) for j in jobs if state is None or j.state == state]
+        # Each record cut to what a listing shows, the whole within its bytes (daemon/listing.py):
+        # one user's long fields cannot make the reply too large to send to anyone.
+        return within_bytes(shortened(self._view(j, user)) for j in jobs if state is None or j.state == state)
 
     async def _check_queue(self, name: str) -> None:
         """A queue the pool knows: one that ever had a job, or that a worker serves."""

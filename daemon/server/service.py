@@ -21,6 +21,7 @@ from daemon.queue.job_queue import JobQueue
 from daemon.queue.pool_redis import PoolRedis
 from daemon.queue.terminal_events import JobEvents, Terminal
 from daemon.server import reaper
+from daemon.server.bounds import SubmitBounds
 from daemon.server.certificate import certificate_fingerprint, ensure_certificate
 from daemon.server.data_desk import prune_staged_forever
 from daemon.server.dependencies import Dependencies
@@ -163,6 +164,7 @@ class PoolServer:
             default_max_priority=(
                 c.default_max_priority if users is not None and not c.embedded else PRIORITY_MAX
             ),
+            bounds=SubmitBounds.of(c),
         )
         self.listener = Listener(
             handlers,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from typing import cast
 
@@ -21,7 +21,7 @@ from daemon.errors import JobNotFound
 from daemon.job import JobInfo, JobState
 from daemon.queue import keys, registry
 from daemon.queue.job_queue import JobQueue
-from daemon.queue.reads import xrange
+from daemon.queue.reads import _s, xrange
 from tests.chaos import workflow_rules
 from tests.chaos.harness import TICK, Cluster
 from tests.chaos.history import Span, Verdict, read_ledger
@@ -69,6 +69,7 @@ async def check(
     unended = await explain_unended(queue, infos)
     found = check_terminal(v, infos, acked, cluster.faults.rollbacks, expected, unended)
     await check_unexpected(v, queue, set(acked))
+    await check_counts(v, queue)
     await check_results_once(v, queue, found)
     spans = read_ledger(cluster.ledger)
     v.attempts_run = len(spans)
@@ -156,6 +157,23 @@ async def check_unexpected(v: Verdict, queue: JobQueue, known: set[str]) -> None
                 v.problems.append(
                     f"{job_id} is in the pool but no client was given it (key {idem!r}, at {enqueued!r})"
                 )
+
+
+async def check_counts(v: Verdict, queue: JobQueue) -> None:
+    """miscounted = 0: what each user has not ended in each queue, as the scripts count it
+    (_lib.lua `unended`, by which user_max_queued_jobs is kept), is what the records say, after
+    every fault: the jobs counted ('counted') that are queued or running."""
+    for q in await queue.queues():
+        records: Counter[str] = Counter()
+        for member in cast(list[bytes], await queue.redis.zrange(keys.jobs(q), 0, -1)):
+            record = keys.job(member.decode())
+            state, user, counted = await queue.redis.hmget(record, ["state", "user", "counted"])
+            if counted == b"1" and state in (b"queued", b"running"):
+                records[_s(user or b"")] += 1
+        kept = {_s(u): int(n) for u, n in (await queue.redis.hgetall(keys.unended(q))).items()}
+        if kept != dict(records):
+            v.miscounted += 1
+            v.problems.append(f"queue {q}: unended jobs counted {kept}, the records say {dict(records)}")
 
 
 async def check_results_once(v: Verdict, queue: JobQueue, infos: dict[str, JobInfo]) -> None:

@@ -40,6 +40,7 @@ class Verdict:
     unexpected: int = 0
     wrong_ends: int = 0  # ended otherwise than they must (workflow_rules.expected_ends; else succeeded)
     results_not_once: int = 0
+    miscounted: int = 0  # queues where a user's count of jobs not ended is not what the records say
     overlaps: int = 0
     guard_kills: int = 0  # attempts killed while running, not by a worker's SIGKILL
     unknown_ends: int = 0
@@ -74,6 +75,7 @@ class Verdict:
             or self.unexpected
             or self.wrong_ends
             or self.results_not_once
+            or self.miscounted
             or self.overlaps
             or self.unknown_ends
             or self.fifo_violations

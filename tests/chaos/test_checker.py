@@ -10,10 +10,12 @@ from typing import Any
 import orjson
 
 from daemon.job import Attempt, JobInfo, JobSpec, JobState
+from daemon.queue import keys
 from daemon.queue.job_queue import JobQueue
 from daemon.webhook import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
 from tests.chaos import workflow_rules
 from tests.chaos.checker import (
+    check_counts,
     check_decided,
     check_ends,
     check_fifo,
@@ -331,3 +333,17 @@ def test_a_job_held_for_its_turn_is_in_no_fifo_line_but_the_others_still_are() -
     assert v.fifo_violations == 0
     check_fifo(v, [info("a", 2, 5.0), info("b", 3, 4.0)])
     assert v.fifo_violations == 1
+
+
+async def test_a_users_count_of_jobs_not_ended_that_drifted_is_caught(queue: JobQueue) -> None:
+    """issue 44 item 6: the count user_max_queued_jobs is kept by must be what the records say."""
+    first, _ = await queue.enqueue(JobSpec(argv=("true",), user="alice"))
+    await queue.enqueue(JobSpec(argv=("true",), user="alice"))
+    await queue.cancel(first)
+    v = Verdict()
+    await check_counts(v, queue)
+    assert v.miscounted == 0, v.problems
+    await queue.redis.hincrby(keys.unended("default"), "alice", 1)  # as a lost decrement would
+    await check_counts(v, queue)
+    assert v.miscounted == 1
+    assert "counted {'alice': 2}, the records say {'alice': 1}" in v.problems[0]

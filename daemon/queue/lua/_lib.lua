@@ -175,7 +175,25 @@ end
 
 -- The fields of a job's record that `finish` reads, in this order (a caller that read them
 -- already passes them on).
-local FINISH_FIELDS = {'entry', 'idem', 'enqueued_at', 'started_at', 'array', 'window'}
+local FINISH_FIELDS = {'entry', 'idem', 'enqueued_at', 'started_at', 'array', 'window', 'user', 'counted'}
+
+-- What each user has in a queue and has not ended, queued or running (issue 44 item 6): the
+-- queue's `unended` HASH (user -> count), one more as `add_job` adds a job, one less as `finish`
+-- ends one, in the scripts that do so, so it is exact: a requeue, a reclaim, a retry or an
+-- array's or a dependency's wait moves a job between states that all count, and every end of a
+-- job, however it comes, is `finish`, which runs once per job. The enqueue scripts refuse a
+-- job that would take its user past their bound, in the same call, so concurrent enqueues
+-- cannot pass it together. A job counted says so on its record ('counted'): one enqueued
+-- before the count was kept was never counted, and its end takes nothing away. A user at 0
+-- leaves the hash.
+local function unended(prefix, user)
+  return tonumber(redis.call('HGET', prefix .. 'unended', user)) or 0
+end
+
+local function uncount(prefix, user)
+  local key = prefix .. 'unended'
+  if redis.call('HINCRBY', key, user, -1) <= 0 then redis.call('HDEL', key, user) end
+end
 
 -- Webhooks (daemon/server/notifier.py): a job whose end is to be notified names, on its record,
 -- the targets it goes to ('notify': 'job' for its --notify URL, 'pool' for notify_url, or both,
@@ -221,6 +239,7 @@ local function finish(prefix, stream, group, events, id, state, now, retention, 
   if j[2] then redis.call('EXPIRE', j[2], retention) end
   redis.call('EXPIRE', prefix .. 'dependents:' .. id, retention)  -- kept while the job lived
   if j[5] and j[5] ~= '' then array_ended(prefix, j[5], tonumber(j[6]) or 0, id, retention) end
+  if j[8] == '1' then uncount(prefix, j[7] or '') end
   local ended, index = prefix .. 'ended', prefix .. 'jobs'
   redis.call('ZADD', ended, now, id)
   if redis.call('EXISTS', prefix .. 'capped') == 1 then wake(prefix) end  -- a cap may have room now
@@ -329,9 +348,10 @@ local function add_job(prefix, index, jobkey, id, seq, now, a)
   redis.call('HSET', jobkey, 'id', id, 'state', 'queued', 'seq', seq, 'attempt', 0, 'spec', a.spec,
     'gpus', a.gpus, 'max_attempts', a.max_attempts, 'retries', a.retries, 'failures', 0, 'losses', 0,
     'enqueued_at', now, 'entry', '', 'priority', priority, 'user', a.user or '', 'gpu_mem', tonumber(a.gpu_mem) or 0,
-    'after', a.after or '', 'array', a.array or '', 'array_pos', pos, 'window', window)
+    'after', a.after or '', 'array', a.array or '', 'array_pos', pos, 'window', window, 'counted', 1)
   if a.notify and a.notify ~= '' then redis.call('HSET', jobkey, 'notify', a.notify) end
   redis.call('ZADD', index, seq, id)
+  redis.call('HINCRBY', prefix .. 'unended', a.user or '', 1)
   if a.array and a.array ~= '' then
     local key = array_key(prefix, a.array)
     redis.call('ZADD', key, pos, id)

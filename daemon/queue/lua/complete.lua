@@ -36,5 +36,5 @@ if state == 'failed' and j[7] ~= '1' and tonumber(j[5]) < tonumber(j[6]) then
   return {'queued'}
 end
 outcome[#outcome + 1], outcome[#outcome + 2] = 'ended_as', state
-finish(prefix, stream, group, events, id, state, now, tonumber(ARGV[11]), {unpack(j, 10, 15)}, outcome)
+finish(prefix, stream, group, events, id, state, now, tonumber(ARGV[11]), {unpack(j, 10, 17)}, outcome)
 return {state}

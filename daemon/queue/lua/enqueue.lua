@@ -5,15 +5,20 @@
 -- before returns the first job's id and writes nothing, saying whether that job's spec is another
 -- (a conflict: the key was reused for another submission); an id that exists already is made unique
 -- (free_job_id), unless it holds this very spec, which is this call run again (its reply was lost)
--- and is answered as the first run was. At maxmemory refused whole (its first write allocates).
+-- and is answered as the first run was. A job that would take its user past the most jobs they
+-- may have in the queue not ended (ARGV 3; _lib.lua `unended`) is refused, writing nothing, in
+-- this same call: concurrent enqueues cannot pass the bound together. At maxmemory refused
+-- whole (its first write allocates).
 -- KEYS: 1 stream, 2 jobs index, 3 seq counter, 4 job hash (as proposed), 5 idempotency key (optional)
--- ARGV: 1 group, 2 queue key prefix, 3 job id, 4.. the job (_lib.lua JOB_ARGS, its spec first)
+-- ARGV: 1 group, 2 queue key prefix, 3 the most jobs one user may have not ended here ('': no
+--       bound), 4 job id, 5.. the job (_lib.lua JOB_ARGS, its spec first)
 -- Returns {job id, 1} when created, {first job id, 0, conflict} for a known idempotency key
--- (conflict: 1 when the first job's spec is not this one, else 0).
+-- (conflict: 1 when the first job's spec is not this one, else 0), {'over', how many the user
+-- has} when refused.
 local stream, index, seqkey, idem = KEYS[1], KEYS[2], KEYS[3], KEYS[5]
-local group, prefix = ARGV[1], ARGV[2]
-local job = job_args(ARGV, 4)
-local free = free_job_id(prefix, ARGV[3], job.spec)
+local group, prefix, most = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local job = job_args(ARGV, 5)
+local free = free_job_id(prefix, ARGV[4], job.spec)
 local id, jobkey, ran_before = free[1], free[2], free[3]
 if idem then
   local existing = redis.call('GET', idem)
@@ -23,6 +28,8 @@ if idem then
   end
 end
 if ran_before then return {id, 1} end
+local has = unended(prefix, job.user or '')
+if most and has + 1 > most then return {'over', has} end
 local seq = reserve(stream, seqkey, group, 1)
 add_job(prefix, index, jobkey, id, seq, now_ms(), job)
 if idem then

@@ -92,7 +92,7 @@ ROWS = {  # what `ls` is asked to show: job specs
     "empty": [],
     "one": [{"argv": ["true"], "name": "train"}],
     "many": [{"argv": ["true"], "name": f"sweep-{i}"} for i in range(60)],
-    "long": [{"argv": ["python", "train.py", *["--flag"] * 80], "name": "n" * 400}],
+    "long": [{"argv": ["python", "train.py", *["--flag"] * 80], "name": "n" * 256}],  # the longest taken
     "hostile": [{"argv": ["true", HOSTILE], "name": HOSTILE}],
 }
 

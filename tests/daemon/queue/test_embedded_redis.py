@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import socket
@@ -11,7 +12,9 @@ from pathlib import Path
 import pytest
 import redis as redis_sync
 
+from daemon.config import load
 from daemon.queue.embedded_redis import EmbeddedRedis, EmbeddedRedisError, _is_redis_process, find_binary
+from daemon.queue.pool_redis import embedded_max_memory
 
 
 def test_starts_on_loopback_with_a_password_never_on_the_command_line(redis_server: EmbeddedRedis) -> None:
@@ -133,3 +136,25 @@ def test_a_data_directory_too_deep_for_a_socket_is_served_over_tcp(tmp_path: Pat
         assert not list(server.dir.glob("*.sock"))
     finally:
         server.stop()
+
+
+def test_the_embedded_redis_has_a_memory_limit_also_when_adopted(tmp_path: Path) -> None:
+    """issue 44 item 6: the embedded Redis had no maxmemory, so one user could fill the machine.
+    It has one (noeviction), by default a quarter of the machine's memory, `redis_max_memory`
+    when set, and a redis-server adopted from a poold before takes the one configured now."""
+    default = load(None, env={"GPUPOOL_DATA_DIR": str(tmp_path)}, config_file=None)
+    assert embedded_max_memory(default) == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    chosen = dataclasses.replace(default, redis_max_memory=64 * 2**20)
+    first = EmbeddedRedis(tmp_path, max_memory=embedded_max_memory(chosen))
+    first.start()
+    try:
+        with redis_sync.Redis(port=first.port, password=first.password) as r:
+            limits = r.config_get("maxmemory*")
+        assert (limits["maxmemory"], limits["maxmemory-policy"]) == (str(64 * 2**20), "noeviction")
+        again = EmbeddedRedis(tmp_path, max_memory=32 * 2**20)
+        again.start()
+        assert again.adopted
+        with redis_sync.Redis(port=again.port, password=again.password) as r:
+            assert r.config_get("maxmemory")["maxmemory"] == str(32 * 2**20)
+    finally:
+        first.kill()

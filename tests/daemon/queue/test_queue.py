@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from daemon.aio import cancel_and_wait
-from daemon.errors import IdempotencyConflict, InvalidJob, JobNotFound, StaleAttempt
+from daemon.errors import IdempotencyConflict, InvalidJob, JobNotFound, StaleAttempt, TooManyUnended
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
 from daemon.queue.connection import AnyRedis
@@ -723,3 +723,57 @@ async def test_a_standing_claim_marks_what_it_claims_ahead_of_a_free_slot(
     got = await queue.standing_claimed(standing)
     assert [(lease.job_id, lease.ahead) for lease in got] == [(ids[0], False), (ids[1], True), (ids[2], True)]
     assert [await redis.hget(keys.job(i), "ahead") for i in ids] == [None, b"1", b"1"]
+
+
+async def test_a_users_unended_jobs_are_counted_exactly_however_they_move_and_end(redis: AnyRedis) -> None:
+    """issue 44 item 6: what a user has queued or running in a queue is counted by the scripts
+    that add and end jobs, exactly, through a reclaim, a requeue, a retry, an array's window, a
+    wait for another job, a cancel and a dead-letter; the enqueue that would pass the bound is
+    refused, writing nothing, and another user's count is their own."""
+    queue = JobQueue(redis, lease_seconds=30, max_unended=5)
+
+    async def count(user: str = "alice") -> int:
+        return (await queue.unended(user, ["default"]))["default"]
+
+    first, _ = await queue.enqueue(spec(0, user="alice", retries=1))
+    array = [spec(i, user="alice", array="default@abcd", array_pos=i, array_limit=1) for i in range(2)]
+    await queue.enqueue_many(array)  # the second waits for the first's place in the window
+    waits, _ = await queue.enqueue(spec(3, user="alice", after=(f"{first}:ok",)))
+    dies, _ = await queue.enqueue(spec(4, user="alice", max_attempts=1))
+    await queue.enqueue(spec(5, user="bob"))
+    assert (await count(), await count("bob")) == (5, 1)
+    with pytest.raises(TooManyUnended, match="user_max_queued_jobs"):
+        await queue.enqueue(spec(6, user="alice"))
+    with pytest.raises(TooManyUnended):
+        await queue.enqueue_many([spec(7, user="alice")])
+    assert await count() == 5  # refused whole: nothing written
+
+    lease = await claim(queue)  # `first`, reclaimed, requeued, retried: queued or running throughout
+    assert lease.job_id == first
+    await expire(queue, redis, lease)
+    lease = await claim(queue, "w2")
+    await queue.requeue(first)
+    assert await queue.release(lease) is JobState.QUEUED
+    lease = await claim(queue, "w3")
+    assert await queue.complete(lease, Outcome(JobState.FAILED, exit_code=1)) is JobState.QUEUED
+    assert await count() == 5
+    lease = await claim(queue, "w4")
+    assert await queue.complete(lease, Outcome(JobState.FAILED, exit_code=1)) is JobState.FAILED
+    assert await count() == 4
+    assert await queue.cancel(waits, "its dependency failed") == "cancelled"  # as the server's judge
+    assert await count() == 3
+    lease = await claim(queue)  # the array's first: its end lets the second in
+    assert lease.job_id.startswith("default.")
+    assert (await queue.get(lease.job_id)).spec.array
+    await queue.complete(lease, OK)
+    assert await count() == 2
+    assert (await claim(queue)).job_id == dies  # lost on its one attempt: dead-lettered below
+    await claim(queue, "w5")  # bob's
+    second = await claim(queue, "w6")  # the array's second, let in at the tail
+    assert second.job_id not in (dies, first)
+    await queue.cancel(second.job_id)  # running: its worker is dead, so the reaper ends it
+    await redis.zadd(keys.leases("default"), {dies: 0, second.job_id: 0})
+    assert sorted(s for _, s in await queue.reclaim()) == [JobState.CANCELLED, JobState.DEAD]
+    assert await count() == 0
+    assert await redis.hkeys(keys.unended("default")) == [b"bob"]  # a user at 0 leaves the hash
+    await queue.enqueue(spec(8, user="alice"))  # room again

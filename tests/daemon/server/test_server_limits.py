@@ -6,18 +6,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from daemon.ctl.pool_client import ClientError, PoolClient
+from daemon.job import JobSpec
+from daemon.listing import FIELD_CHARS
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server.handlers import MAX_BLOCKING_PER_USER, MAX_IDS
 from daemon.server.session import FrameBudget, Limits
-from protocol import CancelJobs, Cancelled, Enqueue, Enqueued, ErrorCode, FollowLogs, LogEnd, Ping, Pong
+from protocol import (
+    CancelJobs,
+    Cancelled,
+    Enqueue,
+    EnqueueBatch,
+    Enqueued,
+    EnqueuedBatch,
+    ErrorCode,
+    FollowLogs,
+    JobList,
+    ListJobs,
+    LogEnd,
+    Ping,
+    Pong,
+)
 from tests.support.pool import Pool, running_pool
+from tests.support.poolctl import poolctl
 
 MAX_CONNECTIONS = 20
 MiB = 1024 * 1024
@@ -220,3 +239,114 @@ async def test_a_client_closed_under_a_request_fails_it_with_a_client_error(smal
             await asyncio.wait_for(follow, 10)
     async with small_pool.client("alice") as alice:
         await alice.call(CancelJobs([job_id]), Cancelled)
+
+
+# -- what one user may put in the pool (issue 44 item 6) -------------------------------------------
+
+
+async def test_a_job_name_or_spec_over_its_bound_is_refused_saying_which_option(pool: Pool) -> None:
+    """issue 44 item 6: a job's name and its whole spec are bounded (job_name_max_chars,
+    job_spec_max_bytes); a refusal says the bound and the option, and nothing is queued."""
+    async with pool.client("alice") as alice:
+        with pytest.raises(ClientError) as err:
+            await alice.call(Enqueue({"argv": ["true"], "name": "n" * 257}, None), Enqueued)
+        assert err.value.code == ErrorCode.INVALID_ARGUMENT
+        assert "257 characters, more than the 256" in err.value.message
+        assert "job_name_max_chars" in err.value.message
+        big_env = {f"V{i}": "x" * 1000 for i in range(70)}
+        with pytest.raises(ClientError) as err:
+            await alice.call(EnqueueBatch([{"argv": ["true"], "env": big_env}]), EnqueuedBatch)
+        assert err.value.code == ErrorCode.INVALID_ARGUMENT
+        assert "more than the 65536 this pool takes (job_spec_max_bytes" in err.value.message
+        assert (await alice.call(ListJobs(None, None, True, 100), JobList)).jobs == []
+
+
+async def test_a_users_queued_jobs_are_bounded_even_when_sent_at_once_and_others_are_served(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 44 item 6: a user's jobs queued or running in a queue are bounded
+    (user_max_queued_jobs), checked in the script that adds them, so requests sent together
+    cannot pass the bound together; a batch over it is refused whole; others are served, and
+    the user's ended jobs make room again."""
+    async with (
+        running_pool(redis_server, tmp_path, user_max_queued_jobs=3) as pool,
+        pool.client("alice") as alice,
+        pool.client("bob") as bob,
+    ):
+        sent = [alice.call(Enqueue({"argv": ["sleep", "60"]}, None), Enqueued) for _ in range(8)]
+        answers = await asyncio.gather(*sent, return_exceptions=True)
+        queued = [a.job_id for a in answers if isinstance(a, Enqueued)]
+        refused = [a for a in answers if isinstance(a, ClientError)]
+        assert (len(queued), len(refused)) == (3, 5)
+        assert refused[0].code == ErrorCode.UNAVAILABLE
+        assert "alice has 3 jobs queued or running in queue 'default'" in refused[0].message
+        assert "user_max_queued_jobs" in refused[0].message
+        await alice.call(CancelJobs(queued[:1]), Cancelled)
+        with pytest.raises(ClientError, match="2 more would pass the 3"):
+            await alice.call(EnqueueBatch([{"argv": ["true"]}] * 2), EnqueuedBatch)
+        listed = await alice.call(ListJobs(None, "queued", False, 100), JobList)
+        assert len(listed.jobs) == 2  # the batch refused whole
+        assert isinstance(await alice.call(Enqueue({"argv": ["true"]}, None), Enqueued), Enqueued)
+        assert isinstance(await bob.call(Enqueue({"argv": ["true"]}, None), Enqueued), Enqueued)
+
+
+async def test_submissions_are_refused_before_redis_is_full_while_cancels_and_reads_go_on(
+    pool: Pool, redis_server: EmbeddedRedis
+) -> None:
+    """issue 44 item 6: from 90% of the Redis's maxmemory the server takes no new job, saying
+    so, while a cancel and a listing still work (they are how memory comes back)."""
+    async with pool.client("alice") as alice:
+        job_id = (await alice.call(Enqueue({"argv": ["sleep", "60"]}, None), Enqueued)).job_id
+        async with redis_server.client() as admin:
+            used = int((await admin.info("memory"))["used_memory"])
+            await admin.set("filler", b"x" * (37 * MiB // 2 - used))
+            await admin.config_set("maxmemory", 20 * MiB)  # filled to over 90% of it: not yet full
+            try:
+                await asyncio.sleep(1.1)  # the server reads Redis's memory at most once a second
+                with pytest.raises(ClientError) as err:
+                    await alice.call(Enqueue({"argv": ["true"]}, None), Enqueued)
+                assert err.value.code == ErrorCode.UNAVAILABLE
+                assert "the pool's Redis is full, or nearly (" in err.value.message
+                assert "MiB of its 20.0 MiB maxmemory in use" in err.value.message
+                assert "redis_max_memory" in err.value.message
+                assert len((await alice.call(ListJobs(None, None, True, 100), JobList)).jobs) == 1
+                assert (await alice.call(CancelJobs([job_id]), Cancelled)).states == {job_id: "cancelled"}
+            finally:
+                await admin.config_set("maxmemory", 0)
+                await admin.delete("filler")
+
+
+async def test_one_users_long_fields_cannot_break_listing_for_others(pool: Pool) -> None:
+    """issue 44 item 6: jobs with names of 100 KiB (stored before the bounds: written through the
+    queue itself) made `poolctl ls --all` fail for every user, its reply over the frame limit,
+    and the dashboard's job list tens of MiB. Listings cut each field (with an ellipsis) and stay
+    within their bytes: bob lists everything, and his own job is there."""
+    long_name = "n" * 100 * 1024
+    await pool.queue.enqueue_many(
+        [JobSpec(argv=("true", "a" * 1024), name=long_name, user="alice") for _ in range(200)]
+    )
+    async with pool.client("bob") as bob:
+        mine = (await bob.call(Enqueue({"argv": ["true"], "name": "bobs"}, None), Enqueued)).job_id
+    code, out, err = await poolctl(pool.env("bob"), "ls", "--all", "--json")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 201
+    assert rows[-1]["id"] == mine
+    assert rows[0]["spec"]["name"] == "n" * (FIELD_CHARS - 1) + "…"
+    assert rows[0]["shortened"]
+    assert len(out) < 1_000_000
+    async with (
+        aiohttp.ClientSession(
+            cookie_jar=aiohttp.CookieJar(unsafe=True), timeout=aiohttp.ClientTimeout(total=30)
+        ) as http,
+    ):
+        assert pool.server.web is not None
+        url = pool.server.web.address
+        async with http.post(f"{url}/signin", data={"token": pool.tokens["bob"]}, allow_redirects=False) as r:
+            assert r.status == 303
+        async with http.get(f"{url}/jobs?sort=enqueued&order=asc") as r:
+            assert r.status == 200
+            page = await r.text()
+    assert "n" * (FIELD_CHARS - 1) + "…" in page
+    assert long_name not in page
+    assert len(page) < 500_000
