@@ -123,7 +123,9 @@ def configured_worker(
         n = len(identities)
     elif identities is not None and not config.job_uid_range:
         log.info(
-            "jobs run as uids %d-%d, leased for this poold alone (set job_uid_range to choose them)",
+            "jobs run as %d uids from %d to %d, leased for this poold alone (set job_uid_range to "
+            "choose them)",
+            len(identities),
             identities[0].uid,
             identities[-1].uid,
         )
