@@ -27,7 +27,7 @@ from typing import Any
 
 from daemon.address import SERVER_PORT, check_host_names, parse_host_port, parse_host_ports
 from daemon.config_sources import ENV_PREFIX, Layer, from_env, from_flags, read_secret, read_toml
-from daemon.errors import ConfigError
+from daemon.errors import ConfigError, GpupoolError
 from daemon.webhook import check_url
 
 DEFAULT_CONFIG_FILE = Path("/etc/gpupool/pool.toml")
@@ -565,9 +565,12 @@ def make_data_dir(path: Path) -> None:
     directory already there is left as it is."""
     mode = 0o711 if os.geteuid() == 0 else 0o700
     missing = [d for d in (path, *path.parents) if not d.exists()]
-    for directory in reversed(missing):
-        directory.mkdir(mode=mode, exist_ok=True)
-        directory.chmod(mode)  # whatever the umask took (the worker unit's is 0027)
+    try:
+        for directory in reversed(missing):
+            directory.mkdir(mode=mode, exist_ok=True)
+            directory.chmod(mode)  # whatever the umask took (the worker unit's is 0027)
+    except OSError as exc:
+        raise GpupoolError(f"cannot make the data directory {path}: {exc}; give data_dir elsewhere") from None
 
 
 def _check_together(c: Config) -> None:
