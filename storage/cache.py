@@ -206,15 +206,16 @@ class ObjectCache:
 
 
 def private_copy(src: Path, dest: Path) -> None:
-    """Copy `src` to a new file `dest` (never one already there), read-only: a reflink where the
-    file system offers one (FICLONE: btrfs, XFS, bcachefs; no bytes move, the blocks are shared
-    until one side writes, and then copied for that side alone), else the bytes."""
+    """Copy `src` to a new file `dest` (never one already there), readable by its owner alone (the
+    job's uid is the cache's: no one else needs it): a reflink where the file system offers one
+    (FICLONE: btrfs, XFS, bcachefs; no bytes move, the blocks are shared until one side writes,
+    and then copied for that side alone), else the bytes."""
     with open(src, "rb") as source, open(dest, "xb") as target:
         try:
             fcntl.ioctl(target.fileno(), FICLONE, source.fileno())
         except OSError:  # not this file system's (ext4, tmpfs), or across two: copy
             _copy_bytes(source, target)
-        os.fchmod(target.fileno(), 0o444)
+        os.fchmod(target.fileno(), 0o400)
 
 
 def _copy_bytes(source: BinaryIO, target: BinaryIO) -> None:
