@@ -26,6 +26,7 @@ no fork loop outruns it (a sweep over /proc can be: each pass lists pids that ha
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import stat
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from pathlib import Path
 
 from daemon.config import ROOT, uid_range_of
 from daemon.errors import GpupoolError
+
+log = logging.getLogger(__name__)
 
 # Where a root worker given no job_uid_range takes its slots' uids from: above the shipped unit's
 # 61000-61063 (61000-61999 are left to the ranges operators give), below nobody's 65534.
@@ -68,15 +71,13 @@ class SlotIdentity:
 
 def slot_identities(uid_range: str, slots: int) -> list[SlotIdentity] | None:
     """Who the jobs of `slots` slots run as: one identity per slot, or None where they run as the
-    daemon's own user (`job_uid_range = "root"`, or a daemon that is not root). A range with fewer
-    uids than `slots` gives as many identities as it has uids: the worker runs that many slots."""
+    daemon's own user (`job_uid_range = "root"`, or a daemon that is not root, which cannot
+    switch). A range with fewer uids than `slots` gives as many identities as it has uids: the
+    worker runs that many slots."""
     root = os.geteuid() == 0
     if uid_range == ROOT:
-        if not root:
-            raise IdentityError(
-                'job_uid_range = "root" runs jobs as root, and this poold is not root: leave it '
-                "empty to run them as this user"
-            )
+        if not root:  # a config shared with root workers: nothing to refuse, nothing to switch
+            log.warning('job_uid_range = "root", and this poold is not root: its jobs run as its own user')
         return None
     if not uid_range:
         return [SlotIdentity(uid, uid) for uid in lease_uids(slots)] if root else None
