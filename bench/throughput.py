@@ -146,7 +146,7 @@ async def command_drain(  # noqa: PLR0917
     slots: int = 2,
 ) -> dict[str, Any]:
     ids = await prequeue(queue, name, jobs)
-    if uid_range:
+    if uid_range not in {"", "root"}:
         os.chmod(tmp, 0o711)  # the jobs' uids pass through to their slots (the worker checks it at start)
     env = {
         **os.environ,
@@ -163,7 +163,7 @@ async def command_drain(  # noqa: PLR0917
         argv = [sys.executable, "-m", "daemon.main", "--worker", "--worker-mode", "multinode"]
         argv += ["--redis-ip", "127.0.0.1", "--redis-port", str(server.port), "--queues", name]
         argv += ["--metrics-listen", "127.0.0.1:0", "--data-dir", str(data), "--log-level", "warning"]
-        argv += ["--job-uid-range", uid_range] if uid_range else []
+        argv += ["--job-uid-range", uid_range] if uid_range else []  # "root": the bare cost
         log = open(tmp / f"worker-{name}-{i}.log", "wb")  # noqa: SIM115, ASYNC230 - closed below
         procs.append(
             (
@@ -224,7 +224,8 @@ async def command_rounds(  # noqa: PLR0917
     the ceiling right before and right after its drains, and a drain's ratio is to the mean of
     the two; reported: the medians over rounds of each rate and of each ratio (the figure to
     read), and of the worker's ratio to task-spooler's in the same round."""
-    kinds = {"": ""} | ({"_slot_uids": f"61100-{61100 + slots - 1}"} if os.geteuid() == 0 else {})
+    root = os.geteuid() == 0  # the bare cost (jobs as root, by choice), then with slot uids
+    kinds = {"": "root"} | {"_slot_uids": f"61100-{61100 + slots - 1}"} if root else {"": ""}
     name = f"true_1_worker_{slots}_slots"
     ceilings: list[dict[str, float]] = []
     drains: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}

@@ -27,7 +27,7 @@ from typing import Any
 
 from daemon.address import SERVER_PORT, check_host_names, parse_host_port, parse_host_ports
 from daemon.config_sources import ENV_PREFIX, Layer, from_env, from_flags, read_secret, read_toml
-from daemon.errors import ConfigError
+from daemon.errors import ConfigError, GpupoolError
 from daemon.webhook import check_url
 from daemon.webhook_targets import Allowed
 
@@ -40,6 +40,12 @@ WEB_PORT = 7421
 HAND_BACK_SECONDS = 1.0
 
 
+ROOT = "root"  # job_uid_range's value that runs jobs as root, by the operator's explicit choice
+# A root daemon's data_dir when none is configured (an admin's `make run`): the jobs' uids must
+# pass through it to their slots' directories, and no home directory of root's lets them.
+ROOT_DATA_DIR = Path("/var/lib/gpupool")
+
+
 def uid_range_of(text: str) -> range:
     """`"FIRST-LAST"` (inclusive) as a range of uids; ValueError saying what is wrong."""
     first, sep, last = text.partition("-")
@@ -49,6 +55,16 @@ def uid_range_of(text: str) -> range:
     if not 1000 <= lo <= hi < 2**31:
         raise ValueError("expected 1000 <= FIRST <= LAST < 2**31, uids of no real user")
     return range(lo, hi + 1)
+
+
+def job_uid_range_of(text: str) -> range | None:
+    """A `job_uid_range` value: its uids, or None for "root"; ValueError saying what is wrong."""
+    if text == ROOT:
+        return None
+    try:
+        return uid_range_of(text)
+    except ValueError as exc:
+        raise ValueError(f'{exc}, or "root" to run jobs as root') from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,8 +221,9 @@ OPTIONS: tuple[Option, ...] = (
         str,
         "",
         "FIRST-LAST: uids (and gids) of no real user, one per slot, that a root worker runs its jobs "
-        "as (empty: jobs run as the daemon's user)",
-        check=uid_range_of,
+        "as (empty: a root worker leases free uids from 62000 on, and one that is not root runs "
+        'jobs as its own user; "root": jobs run as root, by your explicit choice)',
+        check=job_uid_range_of,
     ),
     Option(
         "job_network",
@@ -359,7 +376,8 @@ OPTIONS: tuple[Option, ...] = (
         str,
         "",
         "where the embedded Redis, the local store and state live "
-        "(default: $XDG_DATA_HOME/gpupool, or $STATE_DIRECTORY under systemd)",
+        "(default: $STATE_DIRECTORY under systemd, else $XDG_DATA_HOME/gpupool, else "
+        "/var/lib/gpupool for root and ~/.local/share/gpupool for others)",
     ),
     Option(
         "listen", str, f"127.0.0.1:{SERVER_PORT}", "HOST:PORT of the wire protocol", check=parse_host_port
@@ -543,8 +561,9 @@ class Config:
             return Path(self.data_dir).expanduser()
         if state := os.environ.get("STATE_DIRECTORY"):  # systemd's StateDirectory=
             return Path(state.split(":")[0])
-        xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-        return Path(xdg) / "gpupool"
+        if xdg := os.environ.get("XDG_DATA_HOME"):
+            return Path(xdg) / "gpupool"
+        return ROOT_DATA_DIR if os.geteuid() == 0 else Path.home() / ".local" / "share" / "gpupool"
 
     def shown(self) -> dict[str, Any]:
         """The effective values with secrets masked, for --print-config and logs."""
@@ -603,6 +622,21 @@ def load(
     loaded = Config(**values, sources=sources, renamed=tuple(renamed))
     _check_together(loaded)
     return loaded
+
+
+def make_data_dir(path: Path) -> None:
+    """Create the data directory, and each missing directory above it: 0711 for a root daemon,
+    whose jobs' uids pass through it to their slots' directories and list nothing (what is
+    secret in it is 0600 or 0700 itself); 0700 for any other, whose jobs run as itself. A
+    directory already there is left as it is."""
+    mode = 0o711 if os.geteuid() == 0 else 0o700
+    missing = [d for d in (path, *path.parents) if not d.exists()]
+    try:
+        for directory in reversed(missing):
+            directory.mkdir(mode=mode, exist_ok=True)
+            directory.chmod(mode)  # whatever the umask took (the worker unit's is 0027)
+    except OSError as exc:
+        raise GpupoolError(f"cannot make the data directory {path}: {exc}; give data_dir elsewhere") from None
 
 
 def _check_together(c: Config) -> None:

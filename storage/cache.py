@@ -2,7 +2,8 @@
 
 Layout under `root`:
 
-    objects/<sha256>   the verified bytes, read-only (they are hard-linked into job directories)
+    objects/<sha256>   the verified bytes, read-only (hard-linked into the directories of jobs
+                       that run as another uid; copied for jobs that run as the cache's owner)
     used/<sha256>      empty file whose mtime is the last use: our LRU clock. Not atime, which
                        `noatime`/`relatime` mounts do not keep and any reader of the object changes.
     locks/<sha256>     flock'd by the one process downloading that object
@@ -31,6 +32,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import BinaryIO
 
 from storage.base import ChecksumMismatch, ObjectStore
 from storage.content import content_key
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 # readable by all (under a data directory others may only pass, never list). A worker that does not
 # run as root runs its jobs as itself: its owner alone reads them.
 READABLE = 0o444 if os.geteuid() == 0 else 0o400
+FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int), share src's blocks with dest
+COPY_CHUNK = 1 << 20
 
 
 class ObjectCache:
@@ -94,15 +98,22 @@ class ObjectCache:
         if not task.cancelled() and task.exception() is not None:
             log.debug("fetch of %s failed: %s", sha256, task.exception())
 
-    async def place(self, sha256: str, dest: Path, key: str | None = None) -> Path:
+    async def place(self, sha256: str, dest: Path, key: str | None = None, *, private: bool = False) -> Path:
         """Put the object at `dest` (a job's input): a hard link when the filesystem allows, a
-        copy otherwise. A hard link is read-only, like the cache entry it shares an inode with."""
+        copy otherwise. A hard link is read-only, like the cache entry it shares an inode with, to
+        a job whose uid does not own that inode (a root worker's slot uid). `private`: the job runs
+        as the cache's owner, who may `chmod u+w` any inode it owns, so it gets an inode of its
+        own (`private_copy`): sharing the entry's would let it change the bytes every later job,
+        and every job reading them at the same time, takes for verified."""
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(2):
             src = await self.fetch(sha256, key)
             try:
-                os.link(src, dest)
+                if private:
+                    await asyncio.to_thread(private_copy, src, dest)
+                else:
+                    os.link(src, dest)
             except FileNotFoundError:
                 continue  # evicted by another process between fetch and link: fetch again
             except OSError as e:
@@ -196,6 +207,32 @@ class ObjectCache:
                 total -= size
             if total > self.max_bytes:
                 log.warning("cache over its cap (%d > %d bytes): pinned objects", total, self.max_bytes)
+
+
+def private_copy(src: Path, dest: Path) -> None:
+    """Copy `src` to a new file `dest` (never one already there), readable by its owner alone (the
+    job's uid is the cache's: no one else needs it): a reflink where the file system offers one
+    (FICLONE: btrfs, XFS, bcachefs; no bytes move, the blocks are shared until one side writes,
+    and then copied for that side alone), else the bytes."""
+    with open(src, "rb") as source, open(dest, "xb") as target:
+        try:
+            fcntl.ioctl(target.fileno(), FICLONE, source.fileno())
+        except OSError:  # not this file system's (ext4, tmpfs), or across two: copy
+            _copy_bytes(source, target)
+        os.fchmod(target.fileno(), 0o400)
+
+
+def _copy_bytes(source: BinaryIO, target: BinaryIO) -> None:
+    """Copy in the kernel (copy_file_range: no pass through this process's memory), or through
+    it where the kernel cannot (across file systems before Linux 5.3)."""
+    left = os.fstat(source.fileno()).st_size
+    try:
+        while left > 0 and (done := os.copy_file_range(source.fileno(), target.fileno(), left)):
+            left -= done
+    except OSError:
+        if target.tell():
+            raise
+        shutil.copyfileobj(source, target, COPY_CHUNK)
 
 
 async def _lock(fd: int) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from daemon import pools, sd_notify, tokens
 from daemon.address import fits_unix_socket, is_loopback, parse_host_port
 from daemon.aio import TaskSet, start_or_undo
-from daemon.config import Config
+from daemon.config import Config, make_data_dir
 from daemon.job import PRIORITY_MAX, JobState, queue_of
 from daemon.metrics.endpoint import MetricsServer, serve_for
 from daemon.metrics.server import ServerMetrics
@@ -119,6 +119,8 @@ class PoolServer:
         c = self.config
         if bool(c.tls_cert) != bool(c.tls_key):
             raise ListenerError("tls_cert and tls_key go together: give both, or neither")
+        if c.embedded:  # before anything is written in it (the local token, Redis, the store)
+            make_data_dir(c.data_path())
         users = self._users()
         known_tokens = users.tokens if users is not None else None
         host, port = c.listen_address()

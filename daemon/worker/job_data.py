@@ -2,9 +2,12 @@
 
 Before: the code snapshot (a deterministic tar, `poolctl enqueue --snapshot`) is unpacked as the
 job's directory, then each input is placed at its `dest` in that directory: a file as a hard link
-to the worker's cache entry (read-only; a copy across filesystems), a directory unpacked from its
-tar. Everything comes through `storage.cache.ObjectCache`, so an object already on this worker is
-not downloaded again, and two jobs wanting one object at once share one download.
+to the worker's cache entry (read-only; a copy across filesystems) where the job runs as a slot uid
+of its own, which cannot change an inode it does not own; as a copy of its own (a reflink where the
+file system offers one) where it runs as the worker's uid, which owns the cache's inodes and could
+`chmod u+w` a shared one and change the bytes for every later job (docs/SECURITY.md); a directory
+unpacked from its tar. Everything comes through `storage.cache.ObjectCache`, so an object already
+on this worker is not downloaded again, and two jobs wanting one object at once share one download.
 
 After: every regular file under the job's `$GPUPOOL_OUTPUT`, and the attempt's full log, are
 uploaded under `artifacts/<job>/<lease>/` (`daemon.object_store.artifact_prefix`: the attempt's
@@ -44,9 +47,16 @@ class DataError(GpupoolError):
 
 
 async def prepare(
-    cache: ObjectCache | None, spec: JobSpec, workdir: Path, note: Callable[[str], None]
+    cache: ObjectCache | None,
+    spec: JobSpec,
+    workdir: Path,
+    note: Callable[[str], None],
+    *,
+    as_cache_owner: bool,
 ) -> None:
-    """Unpack the snapshot into `workdir` (empty), then place the inputs in it."""
+    """Unpack the snapshot into `workdir` (empty), then place the inputs in it. `as_cache_owner`:
+    the job runs as the uid that owns the cache (a worker with no slot uids), so each file input
+    is a copy of its own (ObjectCache.place)."""
     if spec.snapshot is None and not spec.inputs:
         return
     if cache is None:
@@ -63,7 +73,7 @@ async def prepare(
             if await asyncio.to_thread(os.path.lexists, dest):
                 raise DataError(f"input {item['dest']!r} would replace a file already in the job's directory")
             if item["kind"] == "file":
-                await cache.place(item["sha256"], dest)
+                await cache.place(item["sha256"], dest, private=as_cache_owner)
             else:
                 async with cache.use(item["sha256"]) as tar:
                     await asyncio.to_thread(unpack_tar, tar, dest)

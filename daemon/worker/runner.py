@@ -384,7 +384,9 @@ class JobRun:
         await self._reset_scratch()
         if spec.git is not None:
             await self._checkout(spec.git)
-        await job_data.prepare(self.cache, spec, self.cwd, self.output.note)
+        await job_data.prepare(
+            self.cache, spec, self.cwd, self.output.note, as_cache_owner=self.identity is None
+        )
         await self._restore_checkpoint()
         if self.identity is not None and not spec.cwd and self._placed():
             # its code, and the directories its inputs were placed in (not the inputs: root's)

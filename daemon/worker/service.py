@@ -10,7 +10,7 @@ from pathlib import Path
 
 from daemon import sd_notify
 from daemon.aio import TaskSet, start_or_undo
-from daemon.config import Config
+from daemon.config import Config, make_data_dir
 from daemon.errors import GpupoolError
 from daemon.git import ANY_PROTOCOL, NETWORK_PROTOCOLS
 from daemon.metrics.endpoint import MetricsServer, serve_for
@@ -59,6 +59,7 @@ class WorkerDaemon:
         # its data closed to others.
         non_root.check_serve_user(c)
         non_root.check_data_dir(c.data_path())
+        await asyncio.to_thread(make_data_dir, c.data_path())
         client = await self.redis.start()
         queue = JobQueue.from_config(client, c, watch=self.redis.watch)
         self.store = await open_worker_store(c)
@@ -112,6 +113,27 @@ def configured_worker(
     """A worker with the configuration's queues, timings, cache size and (default) remote slot
     count, on `store` (opened by the caller), leaving by itself as `lifetime` says (None: never)."""
     n = config.worker_remote_processors if slots is None else slots
+    identities = slot_identities(config.job_uid_range, n)
+    if identities is not None and len(identities) < n:
+        # Fewer slots, each safe, rather than no pool (an embedded pool has 32 slots by default).
+        log.warning(
+            "job_uid_range = %s holds %d uids for %d slots: running %d slots (give it %d uids "
+            "to run them all)",
+            config.job_uid_range,
+            len(identities),
+            n,
+            len(identities),
+            n,
+        )
+        n = len(identities)
+    elif identities is not None and not config.job_uid_range:
+        log.info(
+            "jobs run as %d uids from %d to %d, leased for this poold alone (set job_uid_range to "
+            "choose them)",
+            len(identities),
+            identities[0].uid,
+            identities[-1].uid,
+        )
     return Worker(
         queue,
         data_dir=data_dir or config.data_path() / "worker",
@@ -124,7 +146,7 @@ def configured_worker(
         job_network=config.job_network,
         store=store,
         cache_bytes=config.worker_cache_bytes,
-        identities=slot_identities(config.job_uid_range, n),
+        identities=identities,
         # A worker of a shared pool never clones a path of its own disk for a job (its mirrors
         # of other users' repositories, anything of root's): network protocols only.
         git_protocols=ANY_PROTOCOL if config.embedded else NETWORK_PROTOCOLS,

@@ -117,7 +117,8 @@ class Slots:
             check_passable(self.data_dir)
         elif os.geteuid() == 0 and self.count:
             log.warning(
-                "worker %s runs its jobs as root, with every credential of this daemon: set "
-                "job_uid_range to give each slot a uid of its own (docs/SECURITY.md)",
+                'worker %s runs its jobs as root (job_uid_range = "root"), with every credential '
+                "of this daemon: leave job_uid_range empty, or give it a range, to run each slot's "
+                "jobs as a uid of its own (docs/SECURITY.md)",
                 self.worker_id,
             )

@@ -51,6 +51,7 @@ from tests.support.faults import aof_copy, memory_full, roll_back
 from tests.support.proxy import Proxy
 from tests.support.redis_group import Process
 from tests.support.sentinel import MASTER, SentinelGroup
+from tests.support.workers import JOBS_AS_ROOT
 
 JOB_SECONDS = 0.2
 LONG_SECONDS = 4.0
@@ -228,6 +229,7 @@ class Cluster:
             XDG_CONFIG_HOME=str(self.tmp / "xdg"),
             GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=self.redis.password,
             **self.s3_env,
+            **JOBS_AS_ROOT,  # its jobs write where only root may
             **(POLICIES if self.policies else {}),
             **(WORKFLOWS if self.workflows else {}),
         )

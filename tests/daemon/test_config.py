@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -222,3 +223,20 @@ def test_gpu_max_jobs_is_at_least_one_job_per_gpu(tmp_path: Path) -> None:
     toml.write_text("gpu_max_jobs = 2.5\n")
     with pytest.raises(ConfigError, match=r"pool\.toml:1: gpu_max_jobs: 2\.5 is not valid"):
         config.load(flags("--config", str(toml)), env={})
+
+
+def test_jobs_run_as_root_only_by_an_explicit_job_uid_range_and_root_keeps_its_data_in_var_lib(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """issue 44 item 8: `job_uid_range = "root"` is the one way to run jobs as root (empty: a root
+    worker leases uids); a misspelling says both forms. A root daemon with no data_dir keeps its
+    data where the jobs' uids may pass (root's home is 0700)."""
+    assert config.load(flags(), env={"GPUPOOL_JOB_UID_RANGE": "root"}).job_uid_range == "root"
+    with pytest.raises(ConfigError, match=r"'roots' is not valid: expected FIRST-LAST, .*, or \"root\""):
+        config.load(flags("--job-uid-range", "roots"), env={})
+    for name in ("STATE_DIRECTORY", "XDG_DATA_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert config.load(flags(), env={}).data_path() == Path("/var/lib/gpupool")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert config.load(flags(), env={}).data_path() == Path.home() / ".local" / "share" / "gpupool"

@@ -18,7 +18,7 @@ import orjson
 from daemon.queue.embedded_redis import EmbeddedRedis, free_port
 from daemon.queue.job_queue import JobQueue
 from tests.daemon.metrics.test_server_metrics import scrape, scrape_until
-from tests.support.workers import sh, wait_file, wait_until
+from tests.support.workers import JOBS_AS_ROOT, sh, wait_file, wait_until
 
 
 def notify_socket(tmp: Path) -> tuple[socket.socket, str]:
@@ -32,7 +32,13 @@ def notify_socket(tmp: Path) -> tuple[socket.socket, str]:
 def test_ready_only_once_serving_then_watchdog_then_stopping(tmp_path: Path) -> None:
     sock, path = notify_socket(tmp_path)
     port = free_port()
-    env = dict(os.environ, NOTIFY_SOCKET=path, WATCHDOG_USEC="200000", XDG_CONFIG_HOME=str(tmp_path / "xdg"))
+    env = dict(
+        os.environ,
+        NOTIFY_SOCKET=path,
+        WATCHDOG_USEC="200000",
+        XDG_CONFIG_HOME=str(tmp_path / "xdg"),
+        **JOBS_AS_ROOT,
+    )
     argv = [
         sys.executable,
         "-m",
@@ -76,6 +82,7 @@ def test_json_logs_parse_and_no_secret_appears_anywhere(
         XDG_CONFIG_HOME=str(tmp_path / "xdg"),
         GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=secret,
         **s3_env,
+        **JOBS_AS_ROOT,
     )
     common = [
         "--worker-mode",
@@ -134,6 +141,7 @@ async def test_a_live_worker_exports_its_slots_and_heartbeats(
         XDG_CONFIG_HOME=str(tmp_path / "xdg"),
         GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password,
         **s3_env,
+        **JOBS_AS_ROOT,
     )
     argv = [
         sys.executable,

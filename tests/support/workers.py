@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -102,3 +103,9 @@ def most_at_once(lines: list[str]) -> int:
         running += step
         most = max(most, running)
     return most
+
+
+# For a `poold` process whose jobs write where only root may (pytest's directories are root's,
+# 0700): jobs as root by the explicit choice a root poold now needs (`job_uid_range = "root"`);
+# a poold that is not root runs jobs as itself anyway.
+JOBS_AS_ROOT: dict[str, str] = {"GPUPOOL_JOB_UID_RANGE": "root"} if os.geteuid() == 0 else {}

@@ -29,7 +29,7 @@ from tests.support import unprivileged
 from tests.support.pool import running_pool
 from tests.support.poolctl import poolctl
 from tests.support.slurm import SlurmCluster, missing
-from tests.support.workers import sh, wait_state, wait_until
+from tests.support.workers import JOBS_AS_ROOT, sh, wait_state, wait_until
 
 
 def pilot_config(path: Path, redis_server: EmbeddedRedis, s3_env: dict[str, str], **extra: object) -> Path:
@@ -41,6 +41,7 @@ def pilot_config(path: Path, redis_server: EmbeddedRedis, s3_env: dict[str, str]
         "main_server_redis_password": redis_server.password,
         **{k.removeprefix("GPUPOOL_").lower(): v for k, v in s3_env.items()},
         "metrics_listen": "127.0.0.1:0",  # two pilots on one node
+        **{k.removeprefix("GPUPOOL_").lower(): v for k, v in JOBS_AS_ROOT.items()},
         **extra,
     }
     path.write_text("".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in values.items()))

@@ -16,6 +16,7 @@ from tests.daemon.queue.test_cluster import queues_on_shards
 from tests.support.cluster import ClusterGroup
 from tests.support.poolctl import poolctl, researcher_env
 from tests.support.poold_proc import poold
+from tests.support.workers import JOBS_AS_ROOT
 
 TOKENS = {"alice": "alice-token-0123456789abcdef"}
 
@@ -35,6 +36,7 @@ async def test_poolctl_on_a_pool_whose_redis_is_a_cluster(tmp_path: Path, s3_env
             "GPUPOOL_QUEUES": ",".join(names),
             "GPUPOOL_DATA_DIR": str(tmp_path / "worker"),
             "GPUPOOL_METRICS_LISTEN": "127.0.0.1:0",
+            **JOBS_AS_ROOT,
         }
         argv = [sys.executable, "-m", "daemon.main", "--worker"]
         with (

@@ -31,7 +31,7 @@ from daemon.worker.spawn import Spawner
 from storage.local import LocalStore
 from tests.daemon.worker.test_runner import claimed
 from tests.support.faults import aof_copy, roll_back
-from tests.support.workers import fake_gpus, running_worker, sh, wait_state, wait_until
+from tests.support.workers import JOBS_AS_ROOT, fake_gpus, running_worker, sh, wait_state, wait_until
 
 # Reads the step its last save reached, says so, and (attempt 1) waits, saving its step on SIGTERM
 # or (with `step`) at once, for a periodic save to carry.
@@ -81,6 +81,7 @@ async def test_a_job_whose_worker_was_sigkilled_resumes_from_its_last_periodic_s
         "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD": redis_server.password,
         "GPUPOOL_WORKER_HEALTHY_RESPONSE_PERIOD": "2",
         "GPUPOOL_METRICS_LISTEN": "127.0.0.1:0",
+        **JOBS_AS_ROOT,
     }
     argv = [sys.executable, "-m", "daemon.main", "--worker"]
     first = subprocess.Popen(

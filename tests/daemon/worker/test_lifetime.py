@@ -25,7 +25,7 @@ from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.lifetime import Lifetime
 from tests.support.git_repo import git_daemon, make_repo
-from tests.support.workers import running_worker, sh, wait_file, wait_state, wait_until
+from tests.support.workers import JOBS_AS_ROOT, running_worker, sh, wait_file, wait_state, wait_until
 
 IDLE_EXIT = 3.0
 
@@ -41,7 +41,7 @@ def worker_argv(redis_server: EmbeddedRedis, data_dir: Path, *flags: str) -> lis
 async def test_an_idle_worker_leaves_exit_0_unregistered_its_clock_restarted_by_each_job(
     tmp_path: Path, redis_server: EmbeddedRedis, queue: JobQueue, s3_env: dict[str, str]
 ) -> None:
-    env = dict(os.environ, GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password, **s3_env)
+    env = dict(os.environ, GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password, **s3_env, **JOBS_AS_ROOT)
     argv = worker_argv(redis_server, tmp_path / "w", "--idle-exit", f"{IDLE_EXIT:g}")
     with (
         open(tmp_path / "worker.log", "wb") as log,

@@ -19,7 +19,7 @@ from daemon.queue import keys
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.reads import xrange
-from tests.support.workers import sh, wait_dead, wait_file, wait_state
+from tests.support.workers import JOBS_AS_ROOT, sh, wait_dead, wait_file, wait_state
 
 LEASE = 1.5
 
@@ -28,7 +28,7 @@ LEASE = 1.5
 def worker_process(
     redis_server: EmbeddedRedis, data_dir: Path, s3_env: dict[str, str]
 ) -> Iterator[subprocess.Popen[bytes]]:
-    env = dict(os.environ, GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password, **s3_env)
+    env = dict(os.environ, GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password, **s3_env, **JOBS_AS_ROOT)
     argv = [
         sys.executable,
         "-m",

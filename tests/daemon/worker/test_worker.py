@@ -16,7 +16,16 @@ from daemon.queue import keys
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import list_workers
-from tests.support.workers import alive, running_worker, sh, wait_dead, wait_file, wait_state, wait_until
+from tests.support.workers import (
+    JOBS_AS_ROOT,
+    alive,
+    running_worker,
+    sh,
+    wait_dead,
+    wait_file,
+    wait_state,
+    wait_until,
+)
 
 
 async def test_fifo_start_order_across_two_workers_with_two_slots(
@@ -188,6 +197,7 @@ async def test_a_sigkilled_worker_process_leaves_no_orphans(
         "GPUPOOL_WORKER_HEALTHY_RESPONSE_PERIOD": "5",
         "GPUPOOL_METRICS_LISTEN": "127.0.0.1:0",
         **s3_env,
+        **JOBS_AS_ROOT,
     }
     job_id, _ = await queue.enqueue(
         sh('sleep 300 & echo "$$ $!" > pids.tmp; mv pids.tmp pids; exec sleep 300', cwd=str(tmp_path))
@@ -217,6 +227,7 @@ async def test_worker_process_drains_on_sigterm(
         "GPUPOOL_DATA_DIR": str(tmp_path / "data"),
         "GPUPOOL_METRICS_LISTEN": "127.0.0.1:0",
         **s3_env,
+        **JOBS_AS_ROOT,
     }
     job_id, _ = await queue.enqueue(sh("echo started > started; sleep 0.5", cwd=str(tmp_path)))
     argv = [sys.executable, "-m", "daemon.main", "--worker"]  # `poold --worker`, as the unit runs it
