@@ -10,6 +10,9 @@ or reserved address, nor to an IPv6 address that stands for one of those (IPv4-m
 operator trusts, whose hooks go wherever they resolve. The pool's own `notify_url` is the
 operator's, and goes where it points.
 
+The host judged is the one the HTTP client connects to (yarl's, after IDNA mapping: "127。0。0。1"
+is 127.0.0.1 to it, though not to urllib's parser), never a parse of the URL's own.
+
 No I/O here: the server judges an address written in the URL when the job is enqueued and again
 at delivery, and every address a name resolves to at delivery (server/notify_resolver.py, which
 hands the connection only the addresses it judged), with the same `Allowed`.
@@ -20,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address, ip_network
-from urllib.parse import urlsplit
+
+from yarl import URL
 
 IPAddress = IPv4Address | IPv6Address
 IPNetwork = IPv4Network | IPv6Network
@@ -107,7 +111,7 @@ class Allowed:
         """Why a hook to `url` is refused before any name is looked up (its host is an address that
         may not be reached), as a clause: "127.0.0.1 is a loopback address"; "" when it is not
         (a name is judged at delivery, by each address it resolves to)."""
-        host = urlsplit(url).hostname or ""
+        host = client_host(url)
         if not looks_like_address(host) or self.trusts(host):
             return ""
         try:
@@ -116,6 +120,15 @@ class Allowed:
             return f"{host} is not an address in its usual form"
         what = self.refusal(ip)
         return f"{ip} is a{'n' if what[:1] in 'aeiou' else ''} {what} address" if what else ""
+
+
+def client_host(url: str) -> str:
+    """The host of `url` as aiohttp connects to it (yarl's raw_host, IDNA-encoded); "" when the URL
+    has none or yarl cannot read it."""
+    try:
+        return URL(url).raw_host or ""
+    except ValueError:
+        return ""
 
 
 def _name(host: str) -> str:

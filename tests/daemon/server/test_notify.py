@@ -198,7 +198,9 @@ async def test_a_hook_to_an_internal_address_is_refused_at_enqueue_naming_notify
     """issue 44 item 5: a user's --notify URL could name the server's loopback services (its
     metrics, its Redis), the metadata service at 169.254.169.254 or the internal network. Now
     an address in the URL that is not public is refused at enqueue, with a sentence naming
-    notify_allow; what notify_allow lists is taken, and only that."""
+    notify_allow; what notify_allow lists is taken, and only that. The host judged is the one the
+    HTTP client connects to: a full-width dot ("127。0。0。1") passed the check, and was POSTed
+    to as 127.0.0.1 (found in review)."""
     for name in ("closed", "open"):
         (tmp_path / name).mkdir()
     async with running_pool(redis_server, tmp_path / "closed") as pool:
@@ -217,6 +219,13 @@ async def test_a_hook_to_an_internal_address_is_refused_at_enqueue_naming_notify
             f"http://[::ffff:127.0.0.1]:{metrics.port}/metrics",
             "http://[fe80::1]/hook",
             "http://[fd00::1]/hook",
+            # Forms the HTTP client reads as an address though the URL parser does not (IDNA maps
+            # the ideographic full stop to a dot), or reads leniently (inet_aton's short forms).
+            f"http://127\u30020\u30020\u30021:{metrics.port}/metrics",
+            "http://169\u3002254\u3002169\u3002254/latest/meta-data/",
+            f"http://127.0.0.1.:{metrics.port}/metrics",
+            f"http://127.1:{metrics.port}/metrics",
+            f"http://2130706433:{metrics.port}/metrics",
         ]
         for url in internal:
             with pytest.raises(ClientError) as err:
