@@ -10,6 +10,8 @@ carry another (`GpupoolError(sentence, ErrorCode.UNAVAILABLE)`). Errors that nev
 
 from __future__ import annotations
 
+import time
+
 from protocol.errors import ErrorCode
 
 
@@ -109,6 +111,36 @@ class TooManyUnended(GpupoolError):
         )
         self.user = user
         self.queue = queue
+
+
+class TooMuchStored(GpupoolError):
+    """A submission would take its user past the bytes they may hold in the pool's Redis, over
+    every queue (user_max_stored_bytes, set by the pool's admin): a job's record stays for the
+    retention after it ends, so without this one user could fill Redis for everyone by
+    submitting and cancelling (queue/lua/store.lua). UNAVAILABLE: room comes back as days of
+    their submissions age out."""
+
+    code = ErrorCode.UNAVAILABLE
+
+    def __init__(self, user: str, held: int, adding: int, most: int, back_at: float) -> None:
+        when = (
+            "a submission this large never fits: make the jobs' specs smaller, or submit fewer at once"
+            if not back_at
+            else "room comes back as their submissions of each day age out, from "
+            + time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(back_at))
+            + "; make specs smaller, or ask the pool's admin"
+        )
+        super().__init__(
+            f"{user} has submitted {_mib(held)} of jobs still kept in the pool (ended or not, for "
+            f"the retention); {_mib(adding)} more would pass the {_mib(most)} one user may hold "
+            f"(user_max_stored_bytes in the pool's config): {when}. Nothing of this submission "
+            "was queued"
+        )
+        self.user = user
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 class OverBound(GpupoolError):
