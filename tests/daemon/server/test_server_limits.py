@@ -278,7 +278,7 @@ async def test_a_users_queued_jobs_are_bounded_even_when_sent_at_once_and_others
         queued = [a.job_id for a in answers if isinstance(a, Enqueued)]
         refused = [a for a in answers if isinstance(a, ClientError)]
         assert (len(queued), len(refused)) == (3, 5)
-        assert refused[0].code == ErrorCode.UNAVAILABLE
+        assert refused[0].code == ErrorCode.RESOURCE_EXHAUSTED
         assert "alice has 3 jobs queued or running in queue 'default'" in refused[0].message
         assert "user_max_queued_jobs" in refused[0].message
         await alice.call(CancelJobs(queued[:1]), Cancelled)
@@ -305,7 +305,7 @@ async def test_submissions_are_refused_before_redis_is_full_while_cancels_and_re
                 await asyncio.sleep(1.1)  # the server reads Redis's memory at most once a second
                 with pytest.raises(ClientError) as err:
                     await alice.call(Enqueue({"argv": ["true"]}, None), Enqueued)
-                assert err.value.code == ErrorCode.UNAVAILABLE
+                assert err.value.code == ErrorCode.RESOURCE_EXHAUSTED
                 assert "the pool's Redis is full, or nearly (" in err.value.message
                 assert "MiB of its 20.0 MiB maxmemory in use" in err.value.message
                 assert "redis_max_memory" in err.value.message
