@@ -16,7 +16,7 @@ import pytest
 
 from daemon.ctl.pool_client import ClientError, PoolClient
 from daemon.job import JobSpec
-from daemon.listing import FIELD_CHARS
+from daemon.listing import FIELD_CHARS, MORE
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server.handlers import MAX_BLOCKING_PER_USER, MAX_IDS
 from daemon.server.session import FrameBudget, Limits
@@ -314,6 +314,25 @@ async def test_submissions_are_refused_before_redis_is_full_while_cancels_and_re
             finally:
                 await admin.config_set("maxmemory", 0)
                 await admin.delete("filler")
+
+
+async def test_a_listing_cut_at_its_bytes_says_how_many_more_there_are(pool: Pool) -> None:
+    """issue 44 item 6: a listing that stopped at its bytes (8 MiB of records, whatever the row
+    count asked for) left the rest out silently. Its last record says how many more there were,
+    and `poolctl ls` prints it with how to narrow the listing."""
+    fat = JobSpec(
+        argv=("true", *("a" * 300 for _ in range(40))),
+        env={f"V{i}_{'x' * 300}": "y" * 300 for i in range(40)},
+        user="alice",
+    )
+    await pool.queue.enqueue_many([fat] * 400)  # ~24 KiB each as listed: ~340 fit
+    code, out, err = await poolctl(pool.env("alice"), "ls", "--json")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert 300 < len(rows) < 400
+    assert rows[-1][MORE] == 400 - len(rows)
+    assert f"poolctl: {400 - len(rows)} more not shown" in err
+    assert "--queue, --state or --limit" in err
 
 
 async def test_one_users_long_fields_cannot_break_listing_for_others(pool: Pool) -> None:
