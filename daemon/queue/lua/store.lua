@@ -8,7 +8,10 @@
 -- past the retention is bounded by its user's count of jobs not ended instead (_lib.lua
 -- `unended`). Checked and counted in this one call, so concurrent submissions, in any queues,
 -- cannot pass the bound together. A call with a negative count gives that much back to the day
--- it names (a submission counted here that its enqueue then refused, writing nothing).
+-- it names (a submission counted here that its enqueue then refused, writing nothing), never
+-- below 0. Safe to run twice as every script is, in the safe direction: a count sent again after
+-- its reply was lost counts twice (an over-estimate, for the retention); a give-back sent again
+-- gives back twice, which only a submission refused after a lost reply can do.
 -- KEYS: 1 the user's stored hash (keys.stored)
 -- ARGV: 1 bytes to add (negative: to give back), 2 the most the user may hold, 3 retention (s),
 --       4 the day to give back to (with a negative count)
@@ -17,7 +20,9 @@
 local DAY = 86400
 local key, adding, most, retention = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 if adding < 0 then
-  if redis.call('HEXISTS', key, ARGV[4]) == 1 then redis.call('HINCRBY', key, ARGV[4], adding) end
+  if redis.call('HEXISTS', key, ARGV[4]) == 1 and redis.call('HINCRBY', key, ARGV[4], adding) < 0 then
+    redis.call('HSET', key, ARGV[4], 0)
+  end
   return {'ok', ARGV[4]}
 end
 local now = now_ms() / 1000
