@@ -290,6 +290,34 @@ async def test_a_users_queued_jobs_are_bounded_even_when_sent_at_once_and_others
         assert isinstance(await bob.call(Enqueue({"argv": ["true"]}, None), Enqueued), Enqueued)
 
 
+async def test_enqueue_then_cancel_is_bounded_in_bytes_over_every_queue(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 44 item 6: a cancelled job's record stays for the retention, so a user could fill
+    Redis by enqueueing 60 KB specs and cancelling them, counted nowhere. The server refuses
+    them past user_max_stored_bytes, over every queue, saying so; another user is served."""
+    async with (
+        running_pool(redis_server, tmp_path, user_max_stored_bytes=2**20) as pool,
+        pool.client("alice") as alice,
+        pool.client("bob") as bob,
+    ):
+        big = {"argv": ["echo", "x" * 60_000]}
+        taken = 0
+        for n in range(40):
+            try:
+                job_id = (await alice.call(Enqueue({**big, "queue": f"q{n % 3}"}, None), Enqueued)).job_id
+            except ClientError as exc:
+                refused = exc
+                break
+            await alice.call(CancelJobs([job_id]), Cancelled)
+            taken += 1
+        assert taken == 17
+        assert refused.code == ErrorCode.RESOURCE_EXHAUSTED
+        assert "user_max_stored_bytes" in refused.message
+        assert "room comes back" in refused.message
+        assert isinstance(await bob.call(Enqueue(big, None), Enqueued), Enqueued)
+
+
 async def test_submissions_are_refused_before_redis_is_full_while_cancels_and_reads_go_on(
     pool: Pool, redis_server: EmbeddedRedis
 ) -> None:
