@@ -329,7 +329,7 @@ OPTIONS: tuple[Option, ...] = (
         int,
         2**30,
         "bytes of jobs one user may submit, over every queue, within one job_retention (their specs "
-        "and about 1 KiB a record; a job's record is kept that long after it ends, cancelled or not) "
+        "and about 6 KiB a record; a job's record is kept that long after it ends, cancelled or not) "
         "(0: no bound); more are refused, saying when room comes back",
         lo=0,
     ),
