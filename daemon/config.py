@@ -325,6 +325,15 @@ OPTIONS: tuple[Option, ...] = (
         hi=10**9,
     ),
     Option(
+        "user_max_stored_bytes",
+        int,
+        2**30,
+        "bytes of jobs one user may submit, over every queue, within one job_retention (their specs "
+        "and about 6 KiB a record; a job's record is kept that long after it ends, cancelled or not) "
+        "(0: no bound); more are refused, saying when room comes back",
+        lo=0,
+    ),
+    Option(
         "job_spec_max_bytes",
         int,
         64 * 1024,
@@ -512,6 +521,7 @@ class Config:
     user_max_running_jobs: int
     user_max_gpus: int
     user_max_queued_jobs: int
+    user_max_stored_bytes: int
     job_spec_max_bytes: int
     job_name_max_chars: int
     data_dir: str

@@ -10,6 +10,8 @@ carry another (`GpupoolError(sentence, ErrorCode.UNAVAILABLE)`). Errors that nev
 
 from __future__ import annotations
 
+import time
+
 from protocol.errors import ErrorCode
 
 
@@ -97,18 +99,50 @@ class PriorityTooHigh(GpupoolError):
 class TooManyUnended(GpupoolError):
     """A submission would take its user past the most jobs they may have queued or running in one
     queue (user_max_queued_jobs, set by the pool's admin): one user cannot fill the pool's Redis.
-    UNAVAILABLE, as the pool's other "not now" answers: it goes through once some of their jobs end."""
+    RESOURCE_EXHAUSTED: nothing of the submission was written, and it goes through once some of
+    their jobs end."""
 
-    code = ErrorCode.UNAVAILABLE
+    code = ErrorCode.RESOURCE_EXHAUSTED
 
     def __init__(self, user: str, queue: str, has: int, adding: int, most: int) -> None:
         super().__init__(
             f"{user} has {has} job{'s' if has != 1 else ''} queued or running in queue {queue!r}; "
             f"{adding} more would pass the {most} one user may have there (user_max_queued_jobs in "
-            "the pool's config): wait for some to end, or cancel some, then submit again"
+            "the pool's config): nothing of this submission was queued; wait for some to end, or cancel "
+            "some, then submit again"
         )
         self.user = user
         self.queue = queue
+
+
+class TooMuchStored(GpupoolError):
+    """A submission would take its user past the bytes they may hold in the pool's Redis, over
+    every queue (user_max_stored_bytes, set by the pool's admin): a job's record stays for the
+    retention after it ends, so without this one user could fill Redis for everyone by
+    submitting and cancelling (queue/lua/store.lua). RESOURCE_EXHAUSTED: nothing of the
+    submission was written; room comes back as days of their submissions age out."""
+
+    code = ErrorCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, user: str, held: int, adding: int, most: int, back_at: float) -> None:
+        when = (
+            "a submission this large never fits: make the jobs' specs smaller, or submit fewer at once"
+            if not back_at
+            else "room comes back as their submissions of each day age out, from "
+            + time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(back_at))
+            + "; make specs smaller, or ask the pool's admin"
+        )
+        super().__init__(
+            f"{user} has submitted {_mib(held)} of jobs still kept in the pool (ended or not, for "
+            f"the retention); {_mib(adding)} more would pass the {_mib(most)} one user may hold "
+            f"(user_max_stored_bytes in the pool's config): {when}. Nothing of this submission "
+            "was queued"
+        )
+        self.user = user
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 class OverBound(GpupoolError):

@@ -6,7 +6,10 @@ item 6: one user's names of 100 KiB made `ls --all` a 73 MB reply, over the fram
 dashboard's job list 70 MiB). So a listed record is cut, every string to FIELD_CHARS characters
 and every list and map to LIST_ITEMS entries, and one that was cut says so ('shortened': true);
 `poolctl show` and the job's own page still give it whole. A listing stops adding records once
-they reach LIST_BYTES, well within one frame, whatever the row count asked for.
+they reach LIST_BYTES, well within one frame, whatever the row count asked for, and its last
+record says how many more there were (MORE), which poolctl prints: a key in a record, which
+clients that do not know it ignore, rather than a field of the reply, which every client must
+send and read (protocol/messages.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ ELLIPSIS = "…"
 LIST_ITEMS = 32  # of one list or map: arguments, variables, inputs, attempts
 LIST_BYTES = 8 * 2**20  # of a listing's records, encoded: half a frame (protocol DEFAULT_MAX_FRAME_SIZE)
 SHORTENED = "shortened"  # the key that marks a record cut for a listing
+MORE = "more_not_shown"  # the key on a listing's last record: how many records were left out
 
 
 def cut(text: str, most: int = FIELD_CHARS) -> str:
@@ -63,12 +67,15 @@ def shortened(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def within_bytes(records: Iterable[dict[str, Any]], most: int = LIST_BYTES) -> list[dict[str, Any]]:
-    """The first of `records` whose encoded sizes together stay within `most` bytes."""
+    """The first of `records` whose encoded sizes together stay within `most` bytes, the last of
+    them marked with how many were left out (MORE), where any were."""
     out: list[dict[str, Any]] = []
-    total = 0
+    total, left_out = 0, 0
     for record in records:
-        total += len(msgpack.packb(record))
-        if total > most:
-            break
-        out.append(record)
+        if left_out or (total := total + len(msgpack.packb(record))) > most:
+            left_out += 1  # (counted, not encoded)
+        else:
+            out.append(record)
+    if left_out and out:
+        out[-1] = {**out[-1], MORE: left_out}
     return out

@@ -49,6 +49,7 @@ class ErrorCode(IntEnum):
     CONFLICT = 42
     CANCELLED = 43
     PERMISSION_DENIED = 44
+    RESOURCE_EXHAUSTED = 45
 
     # 5x server
     UNAVAILABLE = 50

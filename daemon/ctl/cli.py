@@ -22,6 +22,7 @@ from daemon.ctl.enqueue_args import add_enqueue
 from daemon.ctl.pilot import add_pilot
 from daemon.ctl.session import AuthFailed, ClientError, ServerUnreachable
 from daemon.errors import GpupoolError
+from daemon.listing import MORE
 from daemon.pools import choose
 from protocol import (
     CancelJobs,
@@ -317,14 +318,7 @@ def _one_request(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueB
         case "wait":
             return _wait(to, args.jobs, args.timeout, args.json)
         case "ls":
-            q = args.array.partition("@")[0] if args.array else args.queue
-            jobs = call(ListJobs(q, args.state, args.all, args.limit), JobList).jobs
-            render.jobs(
-                [j for j in jobs if not args.array or j["spec"].get("array") == args.array],
-                as_json=args.json,
-                columns=_columns(args),
-                header=not args.no_header,
-            )
+            _ls(to, args)
         case "show":
             render.job(call(ShowJob(args.job), JobDetail).job, as_json=args.json)
         case "cancel":
@@ -345,6 +339,23 @@ def _one_request(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueB
 def _moves_data(args: argparse.Namespace) -> bool:
     """An enqueue that must pin a commit or upload first (several requests, on a loop)."""
     return args.git is not None or bool(args.input) or args.snapshot
+
+
+def _ls(to: Link, args: argparse.Namespace) -> None:
+    q = args.array.partition("@")[0] if args.array else args.queue
+    jobs = to.call(ListJobs(q, args.state, args.all, args.limit), JobList).jobs
+    render.jobs(
+        [j for j in jobs if not args.array or j["spec"].get("array") == args.array],
+        as_json=args.json,
+        columns=_columns(args),
+        header=not args.no_header,
+    )
+    if jobs and (more := jobs[-1].get(MORE)):  # (daemon/listing.py)
+        print(
+            f"poolctl: {more} more not shown (a listing's reply is bounded in size); narrow it "
+            "with --queue, --state or --limit",
+            file=sys.stderr,
+        )
 
 
 def _enqueued(reply: Enqueued, as_json: bool) -> int:

@@ -24,7 +24,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis as redis_sync
 from redis.asyncio import Redis
@@ -36,6 +36,7 @@ from daemon.queue import connection
 log = logging.getLogger(__name__)
 
 MIN_VERSION = (6, 2)  # XAUTOCLAIM, XRANGE exclusive ranges, ZADD GT/LT
+ROOM_OVER_USED = 1.1  # the least maxmemory given a server, over what it holds (_set_max_memory)
 
 
 class EmbeddedRedisError(GpupoolError):
@@ -202,6 +203,7 @@ class EmbeddedRedis:
         self.adopted = False
         self._record()
         self._wait_ready(timeout)
+        self._set_max_memory()  # (its AOF may hold more than the redis.conf's)
         log.info(
             "redis-server (pid %d) listening on %s:%d, AOF appendfsync %s",
             self.pid,
@@ -211,10 +213,27 @@ class EmbeddedRedis:
         )
 
     def _set_max_memory(self) -> None:
+        """Give the server `max_memory` as its maxmemory, but never less than ROOM_OVER_USED times
+        what it holds already: below that, every script that adds (leases' renewals, outcomes)
+        would be refused at once, as on a pool upgraded to a limit its data is already past.
+        The server then refuses new jobs at once (server/redis_room.py), and a warning says so."""
         with redis_sync.Redis(
             host=self.host, port=self.port, password=self.password, socket_timeout=2
         ) as probe:
-            probe.config_set("maxmemory", self.max_memory)
+            most = self.max_memory
+            used = int(cast(dict[str, Any], probe.info("memory"))["used_memory"])
+            if most and most < used * ROOM_OVER_USED:
+                most = int(used * ROOM_OVER_USED)
+                log.warning(
+                    "the embedded Redis already holds %d MiB, more than the %d MiB of its configured "
+                    "maxmemory (redis_max_memory, or a quarter of this machine's memory) allows: "
+                    "its maxmemory is %d MiB instead, and new jobs are refused until jobs' records "
+                    "expire; give it more with redis_max_memory",
+                    used // 2**20,
+                    self.max_memory // 2**20,
+                    most // 2**20,
+                )
+            probe.config_set("maxmemory", most)
 
     def _recorded(self) -> dict[str, object]:
         try:

@@ -20,8 +20,10 @@ one API that callers learn as a whole.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -30,7 +32,14 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 
 from daemon.config import Config
-from daemon.errors import IdempotencyConflict, InvalidJob, JobNotFound, StaleAttempt, TooManyUnended
+from daemon.errors import (
+    IdempotencyConflict,
+    InvalidJob,
+    JobNotFound,
+    StaleAttempt,
+    TooManyUnended,
+    TooMuchStored,
+)
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
 from daemon.queue.claims import Claims, Standing
@@ -45,6 +54,11 @@ log = logging.getLogger(__name__)
 DEFAULT_RETENTION = 7 * 24 * 3600
 RECLAIM_BATCH = 500
 ENQUEUE_CHUNK = 100  # jobs per enqueue_many script call: a few ms of Redis time at most
+# Bytes counted for each job's record against its user's user_max_stored_bytes, beside its spec:
+# the rest of its hash, its index and stream entries, its attempts, outcome and end event. Measured
+# on Redis 6.2: a small job cancelled while queued grew used_memory 2.7 KB, one run to its end
+# 4.5 KB (its log, bounded by job_log_max_bytes, apart).
+RECORD_BYTES = 6 * 1024
 MAX_IDEMPOTENCY_KEY = 200
 ADD_QUEUES = Command("SADD")  # name queues in the pool's queue set (`_list_queues`)
 DEFAULT_LOG_MAX_BYTES = 16 * 2**20  # per job: the first quarter is kept for good, then the newest
@@ -108,6 +122,7 @@ class JobQueue(Claims, QueueReads):
         notify_pool: bool = False,
         serve_user: str = "",
         max_unended: int = 0,
+        max_stored: int = 0,
     ) -> None:
         """`watch` is the run-id watch of `redis`'s connections (connection.connect), for whoever
         holds leases through this queue to see when Redis restarts. `ack`: the replicas an enqueue
@@ -123,9 +138,12 @@ class JobQueue(Claims, QueueReads):
         one pool user whose jobs this queue's claims take ("": any user's), for a worker that
         runs every job as its own user (claim.lua passes the others over).
         `max_unended`: the most jobs one user may have queued or running in one queue (0: no
-        bound), which the enqueue scripts keep to (_lib.lua `unended`)."""
+        bound), which the enqueue scripts keep to (_lib.lua `unended`). `max_stored`: the most
+        bytes of jobs one user may submit, over every queue, within one retention (0: no bound;
+        lua/store.lua)."""
         self.redis = redis
         self.max_unended = max_unended
+        self.max_stored = max_stored
         self.user_caps = user_caps
         self.serve_user = serve_user
         self.fairshare = frozenset(fairshare)
@@ -167,6 +185,7 @@ class JobQueue(Claims, QueueReads):
             notify_pool=bool(config.notify_url),
             serve_user=config.worker_serve_user,
             max_unended=config.user_max_queued_jobs,
+            max_stored=config.user_max_stored_bytes,
         )
 
     def batch(self, *, ack: bool = True) -> ScriptBatch:
@@ -189,6 +208,7 @@ class JobQueue(Claims, QueueReads):
         job_keys = [keys.stream(q), keys.jobs(q), keys.seq(q), keys.job(job_id)]
         if idempotency_key is not None:
             job_keys.append(keys.idempotency(q, spec.user, idempotency_key))
+        stored = await self._store({spec.user: RECORD_BYTES + len(packed)})
         listed = self._list_queues([q])
         try:
             reply = self._call.submit(
@@ -208,6 +228,8 @@ class JobQueue(Claims, QueueReads):
             got, created, *conflict = await reply
         finally:
             await self._listed(listed, [q])
+        if got == b"over" or not created:  # nothing written: what _store counted is given back
+            await self._give_back(stored)
         if got == b"over":
             raise TooManyUnended(spec.user, q, int(created), 1, self.max_unended)
         if conflict and conflict[0]:
@@ -217,24 +239,50 @@ class JobQueue(Claims, QueueReads):
 
     async def enqueue_many(self, specs: Sequence[JobSpec]) -> list[str]:
         """Enqueue several jobs in one round trip, in order: one script call per run of up to
-        ENQUEUE_CHUNK jobs of one queue, the calls pipelined."""
-        chunks: list[list[JobSpec]] = []
-        for spec in specs:
-            if chunks and chunks[-1][0].queue == spec.queue and len(chunks[-1]) < ENQUEUE_CHUNK:
-                chunks[-1].append(spec)
-            else:
-                chunks.append([spec])
+        ENQUEUE_CHUNK jobs of one queue, the calls pipelined. Judged whole: a batch that would take
+        a user past their bytes (`max_stored`) or, in a queue, past their jobs not ended
+        (`max_unended`) writes nothing (TooMuchStored, TooManyUnended). The first call of each
+        queue judges all of the batch's jobs there, and a call refused makes the later calls of its
+        queue refuse too (enqueue_many.lua); a batch over several queues is judged in each first,
+        from their counts. Should concurrent submissions fill the room after that, what the
+        calls before the refused one wrote is cancelled."""
         if not specs:
             return []
+        packed = [msgpack.packb(spec.to_dict()) for spec in specs]
+        chunks: list[list[int]] = []  # indices into specs
+        for i, spec in enumerate(specs):
+            if chunks and specs[chunks[-1][0]].queue == spec.queue and len(chunks[-1]) < ENQUEUE_CHUNK:
+                chunks[-1].append(i)
+            else:
+                chunks.append([i])
+        adding: Counter[str] = Counter()
+        for spec, p in zip(specs, packed, strict=True):
+            adding[spec.user] += RECORD_BYTES + len(p)
+        await self._judge_queues(specs)
+        stored = await self._store(adding)
         listed = self._list_queues(sorted({s.queue for s in specs}))
-        batch = self.batch()
+        batch, batch_id = self.batch(), secrets.token_hex(8)
+        judged: set[str] = set()  # queues whose first call has been added
         for chunk in chunks:
-            q = chunk[0].queue
+            q = specs[chunk[0]].queue
+            later: Counter[str] = Counter()  # jobs of the batch in q after this call, by user
+            if q not in judged:  # the first call of q judges every job of the batch in q
+                later = Counter(s.user for s in specs if s.queue == q) - Counter(specs[i].user for i in chunk)
+                judged.add(q)
             ids = [new_job_id(q) for _ in chunk]
-            args: list[Any] = [keys.GROUP, keys.queue_prefix(q), self.max_unended or ""]
-            for spec, job_id in zip(chunk, ids, strict=True):
-                args += [job_id, *_job_args(spec, msgpack.packb(spec.to_dict()), self._notify_targets(spec))]
-            job_keys = [keys.batch(q, secrets.token_hex(8)), *(keys.job(job_id) for job_id in ids)]
+            args: list[Any] = [
+                keys.GROUP,
+                keys.queue_prefix(q),
+                self.max_unended or "",
+                json.dumps(dict(later)) if later else "",
+            ]
+            for i, job_id in zip(chunk, ids, strict=True):
+                args += [job_id, *_job_args(specs[i], packed[i], self._notify_targets(specs[i]))]
+            job_keys = [
+                keys.batch(q, secrets.token_hex(8)),
+                keys.batch_refused(q, batch_id),
+                *(keys.job(job_id) for job_id in ids),
+            ]
             batch.add(
                 self.scripts.enqueue_many,
                 [keys.stream(q), keys.jobs(q), keys.seq(q), *job_keys],
@@ -245,11 +293,60 @@ class JobQueue(Claims, QueueReads):
             replies = await batch.execute()
         finally:
             await self._listed(listed, sorted({s.queue for s in specs}))
-        for chunk, reply in zip(chunks, replies, strict=True):
-            if reply and reply[0] == b"over":  # (the server checks a batch whole before: a race)
-                adding = sum(s.user == _s(reply[1]) for s in specs if s.queue == chunk[0].queue)
-                raise TooManyUnended(_s(reply[1]), chunk[0].queue, int(reply[2]), adding, self.max_unended)
+        refused = [(c, reply) for c, reply in zip(chunks, replies, strict=True) if reply[0] == b"over"]
+        if refused:
+            await self._undo(replies, stored)
+            chunk, reply = refused[0]
+            q, user = specs[chunk[0]].queue, _s(reply[1])
+            many = sum(s.user == user for s in specs if s.queue == q)
+            raise TooManyUnended(user, q, int(reply[2]), many, self.max_unended)
         return [_s(job_id) for reply in replies for job_id in reply]
+
+    async def _judge_queues(self, specs: Sequence[JobSpec]) -> None:
+        """TooManyUnended, before anything is written, when a batch over several queues would take
+        a user past `max_unended` in one of them, by the counts as they are (the scripts judge
+        each queue's part again, atomically)."""
+        per_queue = Counter((s.queue, s.user) for s in specs)
+        if not self.max_unended or len({q for q, _ in per_queue}) < 2:
+            return
+        for (q, user), n in per_queue.items():
+            has = (await self.unended(user, [q]))[q]
+            if has + n > self.max_unended:
+                raise TooManyUnended(user, q, has, n, self.max_unended)
+
+    async def _undo(self, replies: Sequence[Any], stored: Mapping[str, tuple[str, int]]) -> None:
+        """Undo a refused batch: cancel what its calls not refused wrote (concurrent submissions
+        filled the room after the first call of a queue judged it), or, where none wrote, give
+        back the bytes `_store` counted for it."""
+        written = [_s(job_id) for reply in replies if reply[0] != b"over" for job_id in reply]
+        for job_id in written:
+            await self.cancel(job_id, "its batch was refused: its user has too many jobs not ended")
+        if not written:
+            await self._give_back(stored)
+
+    async def _store(self, adding: Mapping[str, int]) -> dict[str, tuple[str, int]]:
+        """Count `adding` (user -> bytes about to be submitted) against each user's `max_stored`
+        (lua/store.lua), all or none: TooMuchStored names the first user it would take past it.
+        Returns what was counted (user -> (day, bytes)), for `_give_back`."""
+        counted: dict[str, tuple[str, int]] = {}
+        if not self.max_stored:
+            return counted
+        for user, nbytes in adding.items():
+            reply = await self._call.submit(
+                self.scripts.store, [keys.stored(user)], [nbytes, self.max_stored, self.retention]
+            )
+            if reply[0] == b"over":
+                await self._give_back(counted)
+                raise TooMuchStored(user, int(reply[1]), nbytes, self.max_stored, float(reply[2]))
+            counted[user] = (_s(reply[1]), nbytes)
+        return counted
+
+    async def _give_back(self, counted: Mapping[str, tuple[str, int]]) -> None:
+        """Give back what `_store` counted for a submission that then wrote nothing."""
+        for user, (day, nbytes) in counted.items():
+            await self._call.submit(
+                self.scripts.store, [keys.stored(user)], [-nbytes, self.max_stored, self.retention, day]
+            )
 
     def _notify_targets(self, spec: JobSpec) -> str:
         """Where the end of a job enqueued now goes, as its record names the targets (`job`: its

@@ -79,12 +79,17 @@ Per queue (``gp:{q:NAME}:…``):
                 with the job's record, `job_retention` after the job ends.
   batch:ID      the ids an enqueue_many call gave, for ten minutes, so that the call sent again
                 answers them rather than adding its jobs twice.
+  batch:ID:refused  set, for ten minutes, by an enqueue_many call refused as over its user's
+                jobs not ended: the later calls of the same batch (ID: the batch's) refuse too.
   primary       HASH: the redis-server that holds this queue as the pool knows it (its run id), and
                 since when (primary_age.lua): per queue, since on a Cluster each shard has its own.
   replicated    (Cluster only) a key a durable batch touches before its WAIT (scripts.py).
 Pool-wide (``gp:{pool}:…``):
   queues        SET of queue names that ever had a job.
   workers       HASH worker id -> registration (msgpack): host, pid, slots, GPUs, queues, state.
+  stored:USER   HASH day number (days since the epoch, Redis time) -> bytes the user submitted that
+                day, in every queue: the days within the retention are what the user may still
+                hold in Redis, kept within user_max_stored_bytes by the enqueues (lua/store.lua).
   workers:seen  ZSET worker id -> time of its last heartbeat (Redis server time, ms); a worker
                 silent for longer than its registered healthy period is shown as dead.
 Pub/sub channels (not keys: no slot, so they work the same on Redis Cluster):
@@ -199,6 +204,10 @@ def batch(queue: str, batch_id: str) -> str:
     return queue_prefix(queue) + "batch:" + batch_id
 
 
+def batch_refused(queue: str, batch_id: str) -> str:
+    return queue_prefix(queue) + "batch:" + batch_id + ":refused"
+
+
 def seq(queue: str) -> str:
     return queue_prefix(queue) + "seq"
 
@@ -241,6 +250,10 @@ POOL_PREFIX = f"{PREFIX}:{{pool}}:"
 QUEUES = POOL_PREFIX + "queues"
 WORKERS = POOL_PREFIX + "workers"
 WORKERS_SEEN = POOL_PREFIX + "workers:seen"
+
+
+def stored(user: str) -> str:
+    return f"{POOL_PREFIX}stored:{user}"
 
 
 def worker_channel(worker_id: str) -> str:

@@ -35,7 +35,7 @@ from daemon.object_store import artifact_job
 from daemon.queue.failures import out_of_memory
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.terminal_events import JobEvents
-from daemon.server.bounds import SubmitBounds, check_room
+from daemon.server.bounds import SubmitBounds
 from daemon.server.data_desk import DataDesk
 from daemon.server.dependencies import judge_held
 from daemon.server.pending import MAX_LIST, PendingReasons, WorkerLister
@@ -323,7 +323,6 @@ class Handlers:
         for job_spec in job_specs:
             self.bounds.check(job_spec)
         await self.room.check()
-        await check_room(self.queue, job_specs, user)  # the whole batch, before any of it is written
         self._check_priority(job_specs, user)
         self._check_notify(job_specs)
         await self._check_fits(job_specs)

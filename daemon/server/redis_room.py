@@ -45,7 +45,8 @@ class RedisRoom:
         self._reading: asyncio.Future[None] | None = None
 
     async def check(self) -> None:
-        """A GpupoolError (UNAVAILABLE) when Redis holds FULL of its maxmemory or more."""
+        """A GpupoolError (RESOURCE_EXHAUSTED: the submission refused whole, before any of it was
+        written) when Redis holds FULL of its maxmemory or more."""
         if time.monotonic() - self._read_at >= self.every:
             if self._reading is None or self._reading.done():
                 self._reading = asyncio.ensure_future(self._read())
@@ -53,10 +54,11 @@ class RedisRoom:
         if self.most and self.used >= self.full * self.most:
             raise GpupoolError(
                 f"the pool's Redis is full, or nearly ({_size(self.used)} of its {_size(self.most)} "
-                "maxmemory in use): no new job is taken until jobs end and free it; cancels and "
+                "maxmemory in use): nothing of this submission was queued, and no new job is taken "
+                "until jobs' records expire and free it; cancels and "
                 "running jobs go on. Retry later, and tell the pool's admin (redis_max_memory, or "
                 "the shared Redis's maxmemory)",
-                ErrorCode.UNAVAILABLE,
+                ErrorCode.RESOURCE_EXHAUSTED,
             )
 
     async def _read(self) -> None:

@@ -5,35 +5,45 @@
 -- already (two drawn in the same millisecond) is made unique where it was drawn (free_job_id), so
 -- a collision never reorders the batch. The call run again (its reply was lost) finds its batch
 -- key and answers the ids of its first run, adding nothing; the batch key lives BATCH_SECONDS. A
--- batch that would take one of its users past the most jobs they may have in the queue not ended
--- (ARGV 3; _lib.lua `unended`) is refused whole, writing nothing, in this same call. At maxmemory
--- refused whole (its first write allocates).
+-- call that would take one of its users past the most jobs they may have in the queue not ended
+-- (ARGV 3; _lib.lua `unended`) is refused whole, writing nothing, in this same call; the first
+-- call of a larger batch in this queue is also given the jobs of the batch's later calls here
+-- (ARGV 4), so it judges the whole batch, and a refused call marks the batch refused (KEYS 5),
+-- so its later calls here refuse too and none of the batch is written (job_queue.py
+-- enqueue_many). At maxmemory refused whole (its first write allocates).
 -- KEYS: 1 stream, 2 jobs index, 3 seq counter, 4 the batch key (named by a random id per call),
---       5.. one job hash per job (as proposed)
+--       5 the batch's refused mark (named by a random id per batch), 6.. one job hash per job
+--       (as proposed)
 -- ARGV: 1 group, 2 queue key prefix, 3 the most jobs one user may have not ended here ('': no
---       bound), then per job its proposed id and the job (_lib.lua JOB_ARGS)
+--       bound), 4 the batch's jobs here in later calls (JSON: user -> how many; '': none), then
+--       per job its proposed id and the job (_lib.lua JOB_ARGS)
 -- Returns the jobs' ids, in order; {'over', user, how many they have} when refused.
 local BATCH_SECONDS = 600
-local stream, index, seqkey, batch = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local stream, index, seqkey, batch, refused = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local group, prefix, most = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local done = redis.call('GET', batch)
 if done then return cjson.decode(done) end
-local n, now, ids = #KEYS - 4, now_ms(), {}
+local n, now, ids = #KEYS - 5, now_ms(), {}
 local per_job = 1 + #JOB_ARGS
 if most then
-  local adding = {}  -- user -> jobs of theirs in this batch
+  local over = redis.call('GET', refused)
+  if over then return cjson.decode(over) end
+  local adding = ARGV[4] ~= '' and cjson.decode(ARGV[4]) or {}  -- user -> jobs of theirs in the batch
   for i = 1, n do
-    local user = job_args(ARGV, 5 + (i - 1) * per_job).user or ''
+    local user = job_args(ARGV, 6 + (i - 1) * per_job).user or ''
     adding[user] = (adding[user] or 0) + 1
   end
   for user, k in pairs(adding) do
     local has = unended(prefix, user)
-    if has + k > most then return {'over', user, has} end
+    if has + k > most then
+      redis.call('SET', refused, cjson.encode({'over', user, has}), 'EX', BATCH_SECONDS)
+      return {'over', user, has}
+    end
   end
 end
 local first = reserve(stream, seqkey, group, n)
 for i = 1, n do
-  local a = 4 + (i - 1) * per_job
+  local a = 5 + (i - 1) * per_job
   local free = free_job_id(prefix, ARGV[a])  -- no spec: the batch key recognises a call run again
   local id, jobkey = free[1], free[2]
   add_job(prefix, index, jobkey, id, first + i - 1, now, job_args(ARGV, a + 1))

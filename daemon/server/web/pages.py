@@ -49,6 +49,7 @@ STATUS: dict[int, int] = {
     ErrorCode.PERMISSION_DENIED: 403,
     ErrorCode.INVALID_ARGUMENT: 400,
     ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.RESOURCE_EXHAUSTED: 503,
 }
 Page = tuple[str, dict[str, Any]]
 PageFunction = Callable[[web.Request], Awaitable[Page]]

@@ -149,14 +149,43 @@ async def test_an_array_that_waits_for_a_job_keeps_its_limit(
 async def test_an_array_whose_batch_failed_midway_is_named_for_its_cancel(
     redis_server: EmbeddedRedis, tmp_path: Path
 ) -> None:
-    """issue 43 item 1: an array's batch that fails once sent (here its Redis is full; a server
-    SIGKILLed under it is the same for poolctl) may have queued some of its jobs: poolctl says
-    the array's id, and that `cancel` takes it."""
+    """issue 43 item 1: an array's batch that fails once sent (here its Redis is full, which the
+    server's last reading of its memory did not show; a server SIGKILLed under it is the same
+    for poolctl) may have queued some of its jobs: poolctl says the array's id, and that
+    `cancel` takes it."""
     async with running_pool(redis_server, tmp_path) as pool:
+        code, _, err = await poolctl(pool.env("alice"), "enqueue", "--", "true")  # Redis read: room
+        assert code == 0, err
+        assert pool.server.listener is not None
+        pool.server.listener.handlers.room.every = 3600.0  # and not read again
         async with memory_full(redis_server):
             code, out, err = await poolctl(pool.env("alice"), "enqueue", "--array", "0-9%2", "--", "true")
         assert code == 1, err
         assert out == ""
         said = re.search(r"array (default@[0-9a-f]+) may be partly queued: .*'poolctl cancel \1'", err)
         assert said is not None, err
-        assert "the pool's Redis is full" in err
+        assert "the pool's Redis is full (maxmemory reached)" in err
+
+
+async def test_an_array_refused_whole_by_a_bound_is_not_said_partly_queued(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 44 item 6: the server refuses an array before writing any of it when its Redis is
+    nearly full or its user is over a bound, but poolctl took that refusal (UNAVAILABLE) for a
+    batch failed midway and said the array "may be partly queued". Such a refusal has its own
+    code (RESOURCE_EXHAUSTED), and poolctl says nothing was queued."""
+    async with running_pool(redis_server, tmp_path, user_max_queued_jobs=5) as pool:
+        code, _, err = await poolctl(pool.env("alice"), "enqueue", "--array", "0-9", "--", "true")
+        assert code == 1, err
+        assert "nothing of this submission was queued" in err
+        assert "user_max_queued_jobs" in err
+        assert "partly queued" not in err
+        assert pool.server.listener is not None
+        pool.server.listener.handlers.room.every = 0.0  # Redis's memory read at each submission
+        async with memory_full(redis_server):
+            code, _, err = await poolctl(pool.env("alice"), "enqueue", "--array", "0-1", "--", "true")
+        assert code == 1, err
+        assert "the pool's Redis is full, or nearly" in err
+        assert "nothing of this submission was queued" in err
+        assert "partly queued" not in err
+        assert await pool.queue.list_jobs(include_finished=True) == []

@@ -158,3 +158,32 @@ def test_the_embedded_redis_has_a_memory_limit_also_when_adopted(tmp_path: Path)
             assert r.config_get("maxmemory")["maxmemory"] == str(32 * 2**20)
     finally:
         first.kill()
+
+
+def test_maxmemory_is_never_set_below_what_redis_already_holds(tmp_path: Path) -> None:
+    """issue 44 item 6: an embedded Redis that already held more than its new maxmemory (a pool
+    upgraded to the default limit, data over a quarter of RAM) was given that limit as it was, so
+    every script that adds (leases' renewals, outcomes) was refused at once. It gets no less
+    than 1.1 times what it holds, adopted or restarted from its AOF, and a warning says so."""
+    first = EmbeddedRedis(tmp_path)
+    first.start()
+    try:
+        with redis_sync.Redis(port=first.port, password=first.password) as r:
+            r.set("filler", b"x" * 8 * 2**20)
+        adopted = EmbeddedRedis(tmp_path, max_memory=2**20)
+        adopted.start()
+        assert adopted.adopted
+        with redis_sync.Redis(port=adopted.port, password=adopted.password) as r:
+            assert int(r.config_get("maxmemory")["maxmemory"]) > 1.1 * 8 * 2**20  # (the filler alone)
+            r.set("a lease renewed", "1")  # a write that adds still goes through
+        adopted.stop()
+        restarted = EmbeddedRedis(tmp_path, max_memory=2**20)
+        restarted.start()
+        assert not restarted.adopted
+        with redis_sync.Redis(port=restarted.port, password=restarted.password) as r:
+            assert len(r.get("filler") or b"") == 8 * 2**20
+            assert int(r.config_get("maxmemory")["maxmemory"]) > 1.1 * 8 * 2**20
+            r.set("a lease renewed", "1")
+        restarted.stop()
+    finally:
+        first.kill()

@@ -13,7 +13,14 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from daemon.aio import cancel_and_wait
-from daemon.errors import IdempotencyConflict, InvalidJob, JobNotFound, StaleAttempt, TooManyUnended
+from daemon.errors import (
+    IdempotencyConflict,
+    InvalidJob,
+    JobNotFound,
+    StaleAttempt,
+    TooManyUnended,
+    TooMuchStored,
+)
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
 from daemon.queue.connection import AnyRedis
@@ -777,3 +784,57 @@ async def test_a_users_unended_jobs_are_counted_exactly_however_they_move_and_en
     assert await count() == 0
     assert await redis.hkeys(keys.unended("default")) == [b"bob"]  # a user at 0 leaves the hash
     await queue.enqueue(spec(8, user="alice"))  # room again
+
+
+async def test_a_user_who_enqueues_and_cancels_cannot_fill_redis_for_everyone(redis: AnyRedis) -> None:
+    """issue 44 item 6: a cancelled or ended job's record stays for the retention, so counting
+    only jobs not ended let one user fill Redis by enqueueing and cancelling (300 rounds of 60 KB
+    grew it 18 MiB with the count at 0). What a user submits is counted in bytes, over every
+    queue, and refused past user_max_stored_bytes, saying when room comes back; a refused
+    submission counts nothing, and another user is still served."""
+    queue = JobQueue(redis, max_unended=5, max_stored=2**20)
+    big = ("echo", "x" * 60_000)
+    refused: TooMuchStored | None = None
+    for rounds in range(100):  # (rounds: how many were taken)
+        try:
+            job_id, _ = await queue.enqueue(
+                JobSpec(argv=big, user="alice", queue=("default", "other")[rounds % 2])
+            )
+        except TooMuchStored as exc:
+            refused = exc
+            break
+        assert await queue.cancel(job_id) == "cancelled"
+    assert rounds == 15  # 15 of 66 KB (60 KB and a record's 6 KiB) within 1 MiB
+    assert refused is not None
+    assert "user_max_stored_bytes" in str(refused)
+    assert "room comes back" in str(refused)
+    assert "Nothing of this submission was queued" in str(refused)
+    with pytest.raises(TooMuchStored):  # in any queue, one at a time or in a batch
+        await queue.enqueue_many([JobSpec(argv=big, user="alice", queue="third")])
+    await queue.enqueue(JobSpec(argv=("echo", "small"), user="alice"))  # what is left still fits
+    assert [await redis.zcard(keys.jobs(q)) for q in ("default", "other", "third")] == [9, 7, 0]
+    for _ in range(5):
+        await queue.enqueue(JobSpec(argv=big, user="bob"))
+    with pytest.raises(TooManyUnended):  # refused by its count in the queue: its bytes given back
+        await queue.enqueue(JobSpec(argv=big, user="bob"))
+    await queue.enqueue(JobSpec(argv=big, user="bob", queue="other"))
+
+
+async def test_a_batch_over_the_bound_writes_none_of_its_jobs(redis: AnyRedis) -> None:
+    """issue 44 item 6: a batch went to Redis as calls of 100 jobs, each judged alone, so a
+    batch over a user's bound of jobs not ended still wrote some of them (the first call passed,
+    the second was refused, the third passed). The first call judges the whole batch, and one
+    refused makes the others refuse: nothing of it is written."""
+    queue = JobQueue(redis, max_unended=150)
+    with pytest.raises(TooManyUnended, match="250 more would pass the 150"):
+        await queue.enqueue_many([spec(i, user="alice") for i in range(250)])
+    assert await redis.zcard(keys.jobs("default")) == 0
+    assert (await queue.unended("alice", ["default"]))["default"] == 0
+    await queue.enqueue_many([spec(i, user="alice") for i in range(100)])
+    with pytest.raises(TooManyUnended):  # a batch over two queues: judged per queue
+        await queue.enqueue_many(
+            [spec(i, user="alice", queue=("default", "other")[i % 2]) for i in range(250)]
+        )
+    assert (await redis.zcard(keys.jobs("default")), await redis.zcard(keys.jobs("other"))) == (100, 0)
+    ids = await queue.enqueue_many([spec(i, user="alice") for i in range(50)] + [spec(0, user="bob")] * 120)
+    assert len(ids) == 170

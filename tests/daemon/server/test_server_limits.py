@@ -16,7 +16,7 @@ import pytest
 
 from daemon.ctl.pool_client import ClientError, PoolClient
 from daemon.job import JobSpec
-from daemon.listing import FIELD_CHARS
+from daemon.listing import FIELD_CHARS, MORE
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server.handlers import MAX_BLOCKING_PER_USER, MAX_IDS
 from daemon.server.session import FrameBudget, Limits
@@ -278,7 +278,7 @@ async def test_a_users_queued_jobs_are_bounded_even_when_sent_at_once_and_others
         queued = [a.job_id for a in answers if isinstance(a, Enqueued)]
         refused = [a for a in answers if isinstance(a, ClientError)]
         assert (len(queued), len(refused)) == (3, 5)
-        assert refused[0].code == ErrorCode.UNAVAILABLE
+        assert refused[0].code == ErrorCode.RESOURCE_EXHAUSTED
         assert "alice has 3 jobs queued or running in queue 'default'" in refused[0].message
         assert "user_max_queued_jobs" in refused[0].message
         await alice.call(CancelJobs(queued[:1]), Cancelled)
@@ -288,6 +288,34 @@ async def test_a_users_queued_jobs_are_bounded_even_when_sent_at_once_and_others
         assert len(listed.jobs) == 2  # the batch refused whole
         assert isinstance(await alice.call(Enqueue({"argv": ["true"]}, None), Enqueued), Enqueued)
         assert isinstance(await bob.call(Enqueue({"argv": ["true"]}, None), Enqueued), Enqueued)
+
+
+async def test_enqueue_then_cancel_is_bounded_in_bytes_over_every_queue(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 44 item 6: a cancelled job's record stays for the retention, so a user could fill
+    Redis by enqueueing 60 KB specs and cancelling them, counted nowhere. The server refuses
+    them past user_max_stored_bytes, over every queue, saying so; another user is served."""
+    async with (
+        running_pool(redis_server, tmp_path, user_max_stored_bytes=2**20) as pool,
+        pool.client("alice") as alice,
+        pool.client("bob") as bob,
+    ):
+        big = {"argv": ["echo", "x" * 60_000]}
+        taken = 0
+        for n in range(40):
+            try:
+                job_id = (await alice.call(Enqueue({**big, "queue": f"q{n % 3}"}, None), Enqueued)).job_id
+            except ClientError as exc:
+                refused = exc
+                break
+            await alice.call(CancelJobs([job_id]), Cancelled)
+            taken += 1
+        assert taken == 15  # of 66 KB within 1 MiB
+        assert refused.code == ErrorCode.RESOURCE_EXHAUSTED
+        assert "user_max_stored_bytes" in refused.message
+        assert "room comes back" in refused.message
+        assert isinstance(await bob.call(Enqueue(big, None), Enqueued), Enqueued)
 
 
 async def test_submissions_are_refused_before_redis_is_full_while_cancels_and_reads_go_on(
@@ -305,7 +333,7 @@ async def test_submissions_are_refused_before_redis_is_full_while_cancels_and_re
                 await asyncio.sleep(1.1)  # the server reads Redis's memory at most once a second
                 with pytest.raises(ClientError) as err:
                     await alice.call(Enqueue({"argv": ["true"]}, None), Enqueued)
-                assert err.value.code == ErrorCode.UNAVAILABLE
+                assert err.value.code == ErrorCode.RESOURCE_EXHAUSTED
                 assert "the pool's Redis is full, or nearly (" in err.value.message
                 assert "MiB of its 20.0 MiB maxmemory in use" in err.value.message
                 assert "redis_max_memory" in err.value.message
@@ -314,6 +342,25 @@ async def test_submissions_are_refused_before_redis_is_full_while_cancels_and_re
             finally:
                 await admin.config_set("maxmemory", 0)
                 await admin.delete("filler")
+
+
+async def test_a_listing_cut_at_its_bytes_says_how_many_more_there_are(pool: Pool) -> None:
+    """issue 44 item 6: a listing that stopped at its bytes (8 MiB of records, whatever the row
+    count asked for) left the rest out silently. Its last record says how many more there were,
+    and `poolctl ls` prints it with how to narrow the listing."""
+    fat = JobSpec(
+        argv=("true", *("a" * 300 for _ in range(40))),
+        env={f"V{i}_{'x' * 300}": "y" * 300 for i in range(40)},
+        user="alice",
+    )
+    await pool.queue.enqueue_many([fat] * 400)  # ~24 KiB each as listed: ~340 fit
+    code, out, err = await poolctl(pool.env("alice"), "ls", "--json")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert 300 < len(rows) < 400
+    assert rows[-1][MORE] == 400 - len(rows)
+    assert f"poolctl: {400 - len(rows)} more not shown" in err
+    assert "--queue, --state or --limit" in err
 
 
 async def test_one_users_long_fields_cannot_break_listing_for_others(pool: Pool) -> None:
