@@ -160,7 +160,7 @@ def add(where, value):  # add_key: refused in the uid's user keyrings, once a jo
 def keys(keyring):
     buf = ctypes.create_string_buffer(4096)
     n = keyctl(11, keyring, buf, 4096)  # KEYCTL_READ: 4 bytes per key
-    return n // 4 if n >= 0 else -1  # -1: unreadable
+    return n // 4 if n >= 0 else -1  # -1: unreadable (locked: the uid cannot even find it)
 persistent = keyctl(22, -1, SESSION)  # KEYCTL_GET_PERSISTENT, linked into @s
 """
 LEAVE_KEYS = (
@@ -176,6 +176,18 @@ keyctl(5, USER, 0x0b0b0000)  # KEYCTL_SETPERM: readable, never again writable (r
 keyctl(3, USER_SESSION)  # KEYCTL_REVOKE (refused)
 keyctl(3, persistent)  # allowed: the next job gets a new one
 """
+REPLACE_KEYRINGS = """
+import time
+for keyring, value in ((USER, b"alice-u"), (USER_SESSION, b"alice-us")):
+    if keyctl(21, keyring) == 0:  # KEYCTL_INVALIDATE (refused): the kernel makes the uid a new one
+        for _ in range(2000):  # once it has collected the old one
+            if keyctl(0, keyring, 1) >= 0:  # KEYCTL_GET_KEYRING_ID
+                break
+            time.sleep(0.001)
+    planted = libc.syscall(248, b"user", b"planted", value, len(value), SESSION)
+    keyctl(8, planted, keyring)  # KEYCTL_LINK into the new one
+    keyctl(5, keyring, 0x1b1b0000)  # and lock it as the worker did
+"""
 FIND_KEYS = (
     KEYCTL
     + """
@@ -186,17 +198,24 @@ print(keys(USER), keys(USER_SESSION), linked - (persistent >= 0 and linked > 0),
 )
 
 
-@pytest.mark.parametrize("changes", ["", BREAK_KEYRINGS], ids=["keys", "keyrings changed"])
+@pytest.mark.parametrize(
+    "changes",
+    ["", BREAK_KEYRINGS, REPLACE_KEYRINGS],
+    ids=["keys", "keyrings changed", "keyrings replaced"],
+)
 async def test_the_next_job_of_a_uid_finds_no_key_of_the_last(changes: str) -> None:
     """issue 44 item 7: a uid's user keyrings (and its persistent one) outlive its processes, and
     the worker's session keyring was every job's: bob's job read the key alice's job left. Nor
-    may a job, changing its uid's keyrings, keep the next job of its uid from starting."""
+    may a job, changing its uid's keyrings, keep the next job of its uid from starting, nor
+    invalidate them to be given new ones it could fill and lock as the worker did (a reviewer's
+    way round the first lock, which kept the right to search them)."""
     uid = random.randrange(62000, 63000)  # the kernel keeps a uid's keyrings as earlier runs left them
     slot = SlotIdentity(uid, uid)
     async with spawner_of() as spawner:
         await job(spawner, slot, LEAVE_KEYS + changes)
-        # each empty (@s: but for the persistent keyring's link), and the job started
-        assert (await job(spawner, slot, FIND_KEYS)).split() == ["0", "0", "0", "0"]
+        # the user keyrings out of reach, the others empty (@s: but for the persistent keyring's
+        # link), and the job started
+        assert (await job(spawner, slot, FIND_KEYS)).split() == ["-1", "-1", "0", "0"]
 
 
 MQ = """
