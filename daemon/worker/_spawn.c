@@ -374,12 +374,14 @@ static int k_is_keyring(const char *line, long len, const char *name, const char
     return 1;
 }
 
-/* 1 when /proc/keys shows the keyring `name``uid` of uid `uid`, and each one so named is locked (as
-   k_empty_user_keyrings leaves it); 0 when not; -errno. */
-static long k_keyring_locked(const char *name, const char *uid)
+/* What /proc/keys shows of the keyrings named `name``uid` of uid `uid`: KEYRING_FOUND when it lists
+   one, KEYRING_OPEN when one of them is not locked (as k_empty_user_keyrings leaves it); -errno. */
+#define KEYRING_FOUND 1
+#define KEYRING_OPEN 2
+static long k_keyrings_listed(const char *name, const char *uid)
 {
     char text[4096];
-    long kept = 0, found = 0, all_locked = 1;
+    long kept = 0, seen = 0;
     long fd = k_call(SYS_openat, AT_FDCWD, (long)"/proc/keys", O_RDONLY | O_CLOEXEC, 0, 0);
     if (fd < 0)
         return fd;
@@ -394,10 +396,8 @@ static long k_keyring_locked(const char *name, const char *uid)
             if (text[i] != '\n')
                 continue;
             int locked = 0;
-            if (k_is_keyring(text + from, i - from, name, uid, &locked)) {
-                found = 1;
-                all_locked &= locked;
-            }
+            if (k_is_keyring(text + from, i - from, name, uid, &locked))
+                seen |= KEYRING_FOUND | (locked ? 0 : KEYRING_OPEN);
             from = i + 1;
         }
         if (n == 0 || (from == 0 && end == (long)sizeof text)) /* the end, or a line too long */
@@ -406,7 +406,7 @@ static long k_keyring_locked(const char *name, const char *uid)
         kept = end - from;
     }
     (void)k_call(SYS_close, fd, 0, 0, 0, 0);
-    return found && all_locked;
+    return seen;
 }
 
 /* `uid` in decimal into `at` (32 bytes), NUL-terminated. */
@@ -437,13 +437,13 @@ static long k_empty_user_keyrings(struct birth *b)
         if (r == -ENOSYS)
             return 0;
         if (r == -ENOKEY || r == -EKEYREVOKED || r == -EKEYEXPIRED) {
-            /* locked by an earlier start, or one being collected */
-            long locked = k_keyring_locked("_uid.", uid);
-            if (locked > 0)
-                locked = k_keyring_locked("_uid_ses.", uid);
-            if (locked < 0)
-                return locked;
-            if (locked > 0)
+            /* locked by an earlier start, or one being collected: the user keyring must be listed
+               and locked, and a user-session keyring, if there is one, locked (there is none when
+               the user keyring was locked first: the kernel never gets as far as making it) */
+            long user = k_keyrings_listed("_uid.", uid), session = k_keyrings_listed("_uid_ses.", uid);
+            if (user < 0 || session < 0)
+                return user < 0 ? user : session;
+            if (user == KEYRING_FOUND && !(session & KEYRING_OPEN))
                 break;
             if (waited++ == KEYRING_WAITS) {
                 b->step = "emptying its uid's keyrings: one is neither locked as a start leaves it nor replaced";
