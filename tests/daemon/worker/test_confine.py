@@ -12,6 +12,7 @@ import errno
 import os
 import random
 import stat
+import subprocess
 from collections.abc import AsyncIterator, Collection, Iterator
 from pathlib import Path
 
@@ -216,6 +217,38 @@ async def test_the_next_job_of_a_uid_finds_no_key_of_the_last(changes: str) -> N
         # the user keyrings out of reach, the others empty (@s: but for the persistent keyring's
         # link), and the job started
         assert (await job(spawner, slot, FIND_KEYS)).split() == ["-1", "-1", "0", "0"]
+
+
+LOCK_WITH_A_KEY = (
+    KEYCTL
+    + """
+if keyctl(0, USER, 1) < 0:  # KEYCTL_GET_KEYRING_ID: locked by an earlier run's start, for good
+    sys.exit(3)
+planted = add(USER, b"left")
+assert planted > 0 and keyctl(5, USER, 0x1b1b0000) == 0  # locked as the worker once did, a key in it
+"""
+)
+
+
+async def test_a_keyring_the_uid_can_still_search_is_replaced_before_the_job_starts() -> None:
+    """issue 44 item 7: a uid's user keyring locked as the worker locked it before (unwritable,
+    searchable), with a key in it, which the start took as emptied: the next job read the key.
+    The start now replaces such a keyring (and waits for the kernel's new one) before the job
+    runs. Here the uid's own process, not a job, leaves it so, on a uid no start has locked."""
+    for uid in random.sample(range(63000, 65000), 50):  # above the leases most in use
+        as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+        done = subprocess.run(
+            [*as_uid, "/usr/bin/python3", "-c", LOCK_WITH_A_KEY],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if done.returncode != 3:
+            break
+    assert done.returncode == 0, done.stderr
+    async with spawner_of() as spawner:
+        assert (await job(spawner, SlotIdentity(uid, uid), FIND_KEYS)).split() == ["-1", "-1", "0", "0"]
 
 
 MQ = """
