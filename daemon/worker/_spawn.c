@@ -340,7 +340,8 @@ static long k_new_session_keyring(void)
    invalidated, until the kernel's garbage collector has taken it: the start then waits for the new
    one, a millisecond at a time, a few seconds at most. One the uid may search but not write (locked
    by an earlier version of this module, which kept SEARCH, or by a job) is invalidated, and the
-   kernel's new one emptied and locked. */
+   kernel's new one emptied and locked. (An earlier version meets a keyring so locked with ENOKEY
+   and fails the start: going back to one needs the machine restarted.) */
 #define KEYRING_PERM 0x03030000 /* KEY_POS_{VIEW,READ}, KEY_USR_ the same */
 #define KEYRING_PERM_TEXT "03030000" /* as /proc/keys shows it */
 #define KEYRING_WAITS 5000      /* milliseconds, for the kernel's new keyring */
