@@ -31,6 +31,7 @@ from redis.asyncio import Redis
 
 from daemon.address import fits_unix_socket
 from daemon.errors import GpupoolError
+from daemon.helper_env import helper_env
 from daemon.queue import connection
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,9 @@ def find_binary() -> Path:
 
 
 def binary_version(binary: Path) -> tuple[int, int, int]:
-    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False, timeout=10)
+    out = subprocess.run(
+        [binary, "--version"], capture_output=True, text=True, check=False, timeout=10, env=helper_env()
+    )
     m = re.search(r"v=(\d+)\.(\d+)\.(\d+)", out.stdout)
     if m is None:
         raise EmbeddedRedisError(f"{binary} --version printed no version: {out.stdout or out.stderr!r}")
@@ -198,6 +201,7 @@ class EmbeddedRedis:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=helper_env(),  # dumpable, of poold's uid: none of poold's secrets (its own are in conf)
         )
         self.pid = self._proc.pid
         self.adopted = False

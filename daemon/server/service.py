@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,7 @@ from daemon import pools, sd_notify, tokens
 from daemon.address import fits_unix_socket, is_loopback, parse_host_port
 from daemon.aio import TaskSet, start_or_undo
 from daemon.config import Config, make_data_dir
+from daemon.errors import GpupoolError
 from daemon.job import PRIORITY_MAX, JobState, queue_of
 from daemon.metrics.endpoint import MetricsServer, serve_for
 from daemon.metrics.server import ServerMetrics
@@ -50,6 +52,30 @@ class LocalSlots(Protocol):
 
 # Builds the local slots on the server's queue, configuration and object store.
 LocalSlotsFactory = Callable[[JobQueue, Config, ObjectStore], LocalSlots]
+
+
+class LocalSlotsError(GpupoolError):
+    """The local slots would hand one user's jobs the pool's credentials; the sentence says what
+    to set."""
+
+
+def refuse_shared_local_slots(config: Config, users: int) -> None:
+    """Refuse local slots that would run the jobs of `users` pool users, more than one, as the
+    server's own user, which it is when it is not root: any job could read the server's data
+    directory (every user's token, the embedded Redis's password, the stored data). A pool of one
+    user (a workstation's: only the token the server makes for its local user) is that user's own;
+    with more, `worker_serve_user` gives the slots one of them, as it gives a worker that is not
+    root (worker/non_root.py)."""
+    if os.geteuid() == 0 or config.worker_serve_user or users <= 1:
+        return
+    raise LocalSlotsError(
+        f"this server does not run as root, so its local slots would run the jobs of all {users} "
+        "users of its tokens file as its own user, and any job could read its data directory "
+        "(every user's token, the Redis password, the stored data): set worker_serve_user "
+        "(--worker-serve-user USER, GPUPOOL_WORKER_SERVE_USER) to the one user whose jobs the local "
+        "slots may run, who may then read all the server's user may (its owner), or set "
+        "worker_local_processors = 0 and run workers as root, or run the server as root"
+    )
 
 
 class PoolServer:
@@ -123,6 +149,8 @@ class PoolServer:
             make_data_dir(c.data_path())
         users = self._users()
         known_tokens = users.tokens if users is not None else None
+        if c.embedded and c.worker_local_processors > 0 and self._local_slots is not None:
+            refuse_shared_local_slots(c, len(known_tokens or ()))  # before starting anything
         host, port = c.listen_address()
         refuse_open_beyond_loopback(known_tokens, host, port)  # before starting anything
         await self.store.open()

@@ -34,7 +34,7 @@ thread's own while their memory is shared):
                  the switch    no_new_privs, no bounding or ambient capabilities, no supplementary
                                groups, all three gids, all three uids, no capability left
                  keyrings      the uid's user, user-session and persistent keyrings emptied, the
-                               first two left unwritable
+                               first two locked (see k_empty_user_keyrings)
     chdir(cwd)                 as the job's uid: a directory it may not enter fails the start
     execve                     each candidate path in turn, as execvp does with PATH
 
@@ -322,26 +322,162 @@ static long k_new_session_keyring(void)
     return r == -ENOSYS ? 0 : r;
 }
 
-/* Emptied, a uid's user keyring is left so that its possessor and its owner (the uid) may view,
-   read, search and link it, never write it or change its attributes: nothing a job could put there
-   (a job keeps its keys in its own session keyring), and nothing that would fail the next job of
-   the uid (a job that revoked the keyring, or took away the right to empty it). */
-#define KEYRING_PERM 0x1b1b0000 /* KEY_POS_{VIEW,READ,SEARCH,LINK}, KEY_USR_ the same */
+/* A uid's user and user-session keyrings outlive its processes: the kernel keeps them for the uid
+   until the machine restarts. Each start empties them and leaves them so that the uid (their owner,
+   and their possessor through KEY_SPEC_USER_KEYRING and the like) may only view and read them:
+   - no WRITE: a job cannot put a key there for the next job of its uid;
+   - no SETATTR: it cannot give itself that right back, nor expire the keyring;
+   - no SEARCH: it cannot invalidate the keyring, after which the kernel would give the uid a new
+     one, writable and the job's to lock again with a key in it (the way round a lock that kept
+     SEARCH, which a reviewer showed);
+   - no LINK: it has nothing to link it into.
+   The kernel finds a uid's keyring by searching for it, so once it may not be searched,
+   KEY_SPEC_USER_KEYRING answers ENOKEY to every process of the uid, and the kernel never makes the
+   uid another (it finds this one, and refuses). The next start, which has no more rights than the
+   job (it is the uid by then, with no capability), meets that ENOKEY too; it takes the keyring as
+   locked only when /proc/keys, which lists the keys the uid may view, shows it with exactly these
+   permissions and empty. ENOKEY is also what the uid gets for a moment after its keyring was
+   invalidated, until the kernel's garbage collector has taken it: the start then waits for the new
+   one, a millisecond at a time, a few seconds at most. One the uid may search but not write (locked
+   by an earlier version of this module, which kept SEARCH, or by a job) is invalidated, and the
+   kernel's new one emptied and locked. (An earlier version meets a keyring so locked with ENOKEY
+   and fails the start: going back to one needs the machine restarted.) */
+#define KEYRING_PERM 0x03030000 /* KEY_POS_{VIEW,READ}, KEY_USR_ the same */
+#define KEYRING_PERM_TEXT "03030000" /* as /proc/keys shows it */
+#define KEYRING_WAITS 5000      /* milliseconds, for the kernel's new keyring */
 
-static long k_empty_keyring(long keyring)
+/* Whether the line `line` (`len` bytes) of /proc/keys, "serial flags usage timeout perm uid gid type
+   description: summary" split at spaces, is the keyring `name``uid` of uid `uid` (text); *locked
+   then tells whether it has KEYRING_PERM and no link. */
+static int k_is_keyring(const char *line, long len, const char *name, const char *uid, int *locked)
 {
-    long r = k_call(SYS_keyctl, KEYCTL_CLEAR, keyring, 0, 0, 0);
-    if (r == -EACCES)
-        return 0; /* unwritable: emptied and left so by an earlier start, nothing put there since */
-    return r < 0 ? r : k_call(SYS_keyctl, KEYCTL_SETPERM, keyring, KEYRING_PERM, 0, 0);
+    const char *field[10];
+    long lengths[10], n = 0;
+    for (long i = 0; i < len && n < 10;) {
+        while (i < len && line[i] == ' ')
+            i++;
+        long from = i;
+        while (i < len && line[i] != ' ')
+            i++;
+        if (i > from) {
+            field[n] = line + from;
+            lengths[n++] = i - from;
+        }
+    }
+    long name_len = (long)strlen(name), uid_len = (long)strlen(uid);
+    if (n < 10 || lengths[7] != 7 || memcmp(field[7], "keyring", 7) != 0 ||
+        lengths[8] != name_len + uid_len + 1 || memcmp(field[8], name, (size_t)name_len) != 0 ||
+        memcmp(field[8] + name_len, uid, (size_t)uid_len) != 0 || field[8][name_len + uid_len] != ':' ||
+        lengths[5] != uid_len || memcmp(field[5], uid, (size_t)uid_len) != 0)
+        return 0;
+    *locked = lengths[4] == 8 && memcmp(field[4], KEYRING_PERM_TEXT, 8) == 0 && lengths[9] == 5 &&
+              memcmp(field[9], "empty", 5) == 0;
+    return 1;
 }
 
-static long k_empty_user_keyrings(void)
+/* What /proc/keys shows of the keyrings named `name``uid` of uid `uid`: KEYRING_FOUND when it lists
+   one, KEYRING_OPEN when one of them is not locked (as k_empty_user_keyrings leaves it); -errno. */
+#define KEYRING_FOUND 1
+#define KEYRING_OPEN 2
+static long k_keyrings_listed(const char *name, const char *uid)
 {
+    char text[4096];
+    long kept = 0, seen = 0;
+    long fd = k_call(SYS_openat, AT_FDCWD, (long)"/proc/keys", O_RDONLY | O_CLOEXEC, 0, 0);
+    if (fd < 0)
+        return fd;
+    for (;;) {
+        long n = k_call(SYS_read, fd, (long)(text + kept), (long)sizeof text - kept, 0, 0);
+        if (n < 0) {
+            (void)k_call(SYS_close, fd, 0, 0, 0, 0);
+            return n;
+        }
+        long end = kept + n, from = 0;
+        for (long i = 0; i < end; i++) {
+            if (text[i] != '\n')
+                continue;
+            int locked = 0;
+            if (k_is_keyring(text + from, i - from, name, uid, &locked))
+                seen |= KEYRING_FOUND | (locked ? 0 : KEYRING_OPEN);
+            from = i + 1;
+        }
+        if (n == 0 || (from == 0 && end == (long)sizeof text)) /* the end, or a line too long */
+            break;
+        memmove(text, text + from, (size_t)(end - from));
+        kept = end - from;
+    }
+    (void)k_call(SYS_close, fd, 0, 0, 0, 0);
+    return seen;
+}
+
+/* `uid` in decimal into `at` (32 bytes), NUL-terminated. */
+static void k_decimal(long uid, char *at)
+{
+    char digits[24];
+    int n = 0;
+    do
+        digits[n++] = (char)('0' + uid % 10);
+    while ((uid /= 10) > 0);
+    while (n > 0)
+        *at++ = digits[--n];
+    *at = '\0';
+}
+
+/* Empty the uid's user-session keyring, then its user keyring, and lock them, by serial: the kernel
+   finds either through the user keyring, so from the first lock on neither can be named. */
+static long k_empty_user_keyrings(struct birth *b)
+{
+    const struct timespec millisecond = {0, 1000000};
+    char uid[32];
+    k_decimal(b->uid, uid);
+    for (long waited = 0;;) {
+        long r, keyrings[2];
+        keyrings[0] = r = k_call(SYS_keyctl, KEYCTL_GET_KEYRING_ID, KEY_SPEC_USER_SESSION_KEYRING, 1, 0, 0);
+        if (r >= 0)
+            keyrings[1] = r = k_call(SYS_keyctl, KEYCTL_GET_KEYRING_ID, KEY_SPEC_USER_KEYRING, 1, 0, 0);
+        if (r == -ENOSYS)
+            return 0;
+        if (r == -ENOKEY || r == -EKEYREVOKED || r == -EKEYEXPIRED) {
+            /* locked by an earlier start, or one being collected: the user keyring must be listed
+               and locked, and a user-session keyring, if there is one, locked (there is none when
+               the user keyring was locked first: the kernel never gets as far as making it) */
+            long user = k_keyrings_listed("_uid.", uid), session = k_keyrings_listed("_uid_ses.", uid);
+            if (user < 0 || session < 0)
+                return user < 0 ? user : session;
+            if (user == KEYRING_FOUND && !(session & KEYRING_OPEN))
+                break;
+            if (waited++ == KEYRING_WAITS) {
+                b->step = "emptying its uid's keyrings: one is neither locked as a start leaves it nor replaced";
+                return r;
+            }
+            (void)k_call(SYS_nanosleep, (long)&millisecond, 0, 0, 0, 0);
+            continue;
+        }
+        if (r < 0)
+            return r;
+        long replaced = 0;
+        r = 0;
+        for (int i = 0; i < 2 && r == 0; i++) {
+            r = k_call(SYS_keyctl, KEYCTL_CLEAR, keyrings[i], 0, 0, 0);
+            if (r == -EACCES) { /* searchable, not writable: not as a start leaves it, so replaced */
+                b->step = "replacing its uid's keyrings";
+                r = k_call(SYS_keyctl, KEYCTL_INVALIDATE, keyrings[i], 0, 0, 0);
+                replaced = 1;
+            }
+        }
+        if (r < 0)
+            return r;
+        b->step = "emptying its uid's keyrings";
+        if (replaced)
+            continue; /* for the kernel's new ones */
+        b->step = "locking its uid's keyrings";
+        if ((r = k_call(SYS_keyctl, KEYCTL_SETPERM, keyrings[0], KEYRING_PERM, 0, 0)) < 0 ||
+            (r = k_call(SYS_keyctl, KEYCTL_SETPERM, keyrings[1], KEYRING_PERM, 0, 0)) < 0)
+            return r;
+        break;
+    }
+    b->step = "emptying its uid's persistent keyring";
     long r;
-    if ((r = k_empty_keyring(KEY_SPEC_USER_KEYRING)) < 0 ||
-        (r = k_empty_keyring(KEY_SPEC_USER_SESSION_KEYRING)) < 0)
-        return r == -ENOSYS ? 0 : r;
     /* The persistent keyring is writable by whoever links it in (and no one may change its
        attributes): emptied at every start. A job that revoked it leaves the next one a new one. */
     long persistent = k_call(SYS_keyctl, KEYCTL_GET_PERSISTENT, -1, KEY_SPEC_SESSION_KEYRING, 0, 0);
@@ -391,7 +527,7 @@ static int job_child(void *arg)
             (r = k_no_capabilities()) < 0)
             fail(b, r);
         b->step = "emptying its uid's keyrings";
-        if ((r = k_empty_user_keyrings()) < 0)
+        if ((r = k_empty_user_keyrings(b)) < 0)
             fail(b, r);
         b->step = NULL;
     }

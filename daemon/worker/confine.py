@@ -13,7 +13,8 @@ its first process is made to give up before its exec (_spawn.c does it, as root,
   namespace of its own with only its loopback, up: nothing of another job's, and no route out
   (a job that downloads anything needs "host").
 - Keyrings (always, with a uid): a session keyring of its own, and its uid's keyrings emptied (its
-  user keyrings left unwritable: a job keeps its keys in its own session keyring).
+  user keyrings locked out of the uid's reach, so that no job can put a key there or have them
+  replaced: a job keeps its keys in its own session keyring; see _spawn.c).
 
 Nothing here applies to a job running as the worker's own user (no uid of its own): it could not
 be done without privileges, and a job running as root would undo it.

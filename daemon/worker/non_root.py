@@ -4,7 +4,8 @@ Such a worker (a pilot on a batch cluster, a user's own `poold --worker`) cannot
 job it runs runs as the worker's own user, and may read whatever that user may, its config file
 with the pool's Redis password and S3 keys included. So it serves one pool user only
 (`worker_serve_user`, docs/DESIGN.md "Workers that do not run as root"): a job can then read no
-credential its own user did not hand the worker. Beside that, in depth:
+credential its own user did not hand the worker. (The local slots of a server that is not root
+hold to the same rule: server/service.py, `refuse_shared_local_slots`.) Beside that, in depth:
 
 - the worker process is made non-dumpable as soon as it starts (`make_non_dumpable`): the kernel
   then gives its /proc files to root and refuses a process of the same uid its environ, mem, fd,

@@ -37,6 +37,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from daemon.helper_env import helper_env
+
 log = logging.getLogger(__name__)
 
 CHECK_SECONDS = 0.2  # the guard looks at its pipe and its deadlines this often
@@ -164,6 +166,7 @@ class OrphanGuard:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.DEVNULL,
             start_new_session=True,
+            env=helper_env(),  # it is dumpable, and of the worker's uid: none of the worker's secrets
         )
 
     async def watch_over(self) -> None:

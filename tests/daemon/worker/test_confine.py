@@ -12,6 +12,7 @@ import errno
 import os
 import random
 import stat
+import subprocess
 from collections.abc import AsyncIterator, Collection, Iterator
 from pathlib import Path
 
@@ -160,7 +161,7 @@ def add(where, value):  # add_key: refused in the uid's user keyrings, once a jo
 def keys(keyring):
     buf = ctypes.create_string_buffer(4096)
     n = keyctl(11, keyring, buf, 4096)  # KEYCTL_READ: 4 bytes per key
-    return n // 4 if n >= 0 else -1  # -1: unreadable
+    return n // 4 if n >= 0 else -1  # -1: unreadable (locked: the uid cannot even find it)
 persistent = keyctl(22, -1, SESSION)  # KEYCTL_GET_PERSISTENT, linked into @s
 """
 LEAVE_KEYS = (
@@ -176,6 +177,18 @@ keyctl(5, USER, 0x0b0b0000)  # KEYCTL_SETPERM: readable, never again writable (r
 keyctl(3, USER_SESSION)  # KEYCTL_REVOKE (refused)
 keyctl(3, persistent)  # allowed: the next job gets a new one
 """
+REPLACE_KEYRINGS = """
+import time
+for keyring, value in ((USER, b"alice-u"), (USER_SESSION, b"alice-us")):
+    if keyctl(21, keyring) == 0:  # KEYCTL_INVALIDATE (refused): the kernel makes the uid a new one
+        for _ in range(2000):  # once it has collected the old one
+            if keyctl(0, keyring, 1) >= 0:  # KEYCTL_GET_KEYRING_ID
+                break
+            time.sleep(0.001)
+    planted = libc.syscall(248, b"user", b"planted", value, len(value), SESSION)
+    keyctl(8, planted, keyring)  # KEYCTL_LINK into the new one
+    keyctl(5, keyring, 0x1b1b0000)  # and lock it as the worker did
+"""
 FIND_KEYS = (
     KEYCTL
     + """
@@ -186,17 +199,56 @@ print(keys(USER), keys(USER_SESSION), linked - (persistent >= 0 and linked > 0),
 )
 
 
-@pytest.mark.parametrize("changes", ["", BREAK_KEYRINGS], ids=["keys", "keyrings changed"])
+@pytest.mark.parametrize(
+    "changes",
+    ["", BREAK_KEYRINGS, REPLACE_KEYRINGS],
+    ids=["keys", "keyrings changed", "keyrings replaced"],
+)
 async def test_the_next_job_of_a_uid_finds_no_key_of_the_last(changes: str) -> None:
     """issue 44 item 7: a uid's user keyrings (and its persistent one) outlive its processes, and
     the worker's session keyring was every job's: bob's job read the key alice's job left. Nor
-    may a job, changing its uid's keyrings, keep the next job of its uid from starting."""
+    may a job, changing its uid's keyrings, keep the next job of its uid from starting, nor
+    invalidate them to be given new ones it could fill and lock as the worker did (a reviewer's
+    way round the first lock, which kept the right to search them)."""
     uid = random.randrange(62000, 63000)  # the kernel keeps a uid's keyrings as earlier runs left them
     slot = SlotIdentity(uid, uid)
     async with spawner_of() as spawner:
         await job(spawner, slot, LEAVE_KEYS + changes)
-        # each empty (@s: but for the persistent keyring's link), and the job started
-        assert (await job(spawner, slot, FIND_KEYS)).split() == ["0", "0", "0", "0"]
+        # the user keyrings out of reach, the others empty (@s: but for the persistent keyring's
+        # link), and the job started
+        assert (await job(spawner, slot, FIND_KEYS)).split() == ["-1", "-1", "0", "0"]
+
+
+LOCK_WITH_A_KEY = (
+    KEYCTL
+    + """
+if keyctl(0, USER, 1) < 0:  # KEYCTL_GET_KEYRING_ID: locked by an earlier run's start, for good
+    sys.exit(3)
+planted = add(USER, b"left")
+assert planted > 0 and keyctl(5, USER, 0x1b1b0000) == 0  # locked as the worker once did, a key in it
+"""
+)
+
+
+async def test_a_keyring_the_uid_can_still_search_is_replaced_before_the_job_starts() -> None:
+    """issue 44 item 7: a uid's user keyring locked as the worker locked it before (unwritable,
+    searchable), with a key in it, which the start took as emptied: the next job read the key.
+    The start now replaces such a keyring (and waits for the kernel's new one) before the job
+    runs. Here the uid's own process, not a job, leaves it so, on a uid no start has locked."""
+    for uid in random.sample(range(63000, 65000), 50):  # above the leases most in use
+        as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+        done = subprocess.run(
+            [*as_uid, "/usr/bin/python3", "-c", LOCK_WITH_A_KEY],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if done.returncode != 3:
+            break
+    assert done.returncode == 0, done.stderr
+    async with spawner_of() as spawner:
+        assert (await job(spawner, SlotIdentity(uid, uid), FIND_KEYS)).split() == ["-1", "-1", "0", "0"]
 
 
 MQ = """

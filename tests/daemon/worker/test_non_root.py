@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from daemon.job import JobState
@@ -100,7 +101,9 @@ async def test_a_worker_not_running_as_root_runs_its_users_jobs_only_none_reads_
     the pool's credentials. Now Alice's worker passes Bob's job over (it stays queued, untouched)
     and runs Alice's, queued behind it; and that job, of the worker's own uid, can neither read
     the worker's /proc environ (its Redis password) nor open its descriptors: the worker made
-    itself non-dumpable at its start. Its data directory, made by the worker, is mode 700."""
+    itself non-dumpable at its start. Nor can it read the password in any process the worker
+    started (its orphan guard had the worker's whole environment). Its data directory, made by the
+    worker, is mode 700."""
     probe = home / "probe"
     argv = worker_argv(redis_server, home / "data", "--serve-user", "alice")
     with (
@@ -121,8 +124,12 @@ async def test_a_worker_not_running_as_root_runs_its_users_jobs_only_none_reads_
             script = (
                 f"cat /proc/{pid}/environ > {probe}.environ 2> {probe}.environ.err;"
                 f"ls /proc/{pid}/fd/ > {probe}.fd 2> {probe}.fd.err;"
-                f"cat /proc/{pid}/fd/0 < /dev/null > /dev/null 2> {probe}.fd0.err; id -u > {probe}.uid"
+                f"cat /proc/{pid}/fd/0 < /dev/null > /dev/null 2> {probe}.fd0.err; id -u > {probe}.uid;"
+                # every environment and command line it may read, each after its path
+                f"for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do printf '\\n%s\\n' $f; "
+                f"cat $f 2>/dev/null | tr '\\0' '\\n'; done > {probe}.all"
             )
+            guards = [child.pid for child in psutil.Process(pid).children() if "-I" in child.cmdline()]
             alices, _ = await queue.enqueue(sh(script, user="alice"))
             info = await wait_state(queue, alices, JobState.SUCCEEDED, JobState.FAILED, timeout=30)
             assert info.state is JobState.SUCCEEDED, info.detail
@@ -138,6 +145,13 @@ async def test_a_worker_not_running_as_root_runs_its_users_jobs_only_none_reads_
     assert "Permission denied" in Path(f"{probe}.fd.err").read_text()
     assert "Permission denied" in Path(f"{probe}.fd0.err").read_text()
     assert (home / "data").stat().st_mode & 0o777 == 0o700
+    # nor any process the worker started: its orphan guard, dumpable after its exec, had the
+    # worker's whole environment, the Redis password included
+    seen = Path(f"{probe}.all").read_text()
+    assert len(guards) == 1
+    assert f"\n/proc/{guards[0]}/environ\nPATH=" in seen  # the guard's environment, read
+    assert redis_server.password not in seen
+    assert s3_env["GPUPOOL_MAIN_SERVER_MINIO_SECRET_ACCESS_KEY"] not in seen
 
 
 CACHE_PROBE = """
