@@ -594,7 +594,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         if o.type is bool:
             group.add_argument(flag, dest=o.name, default=None, action=argparse.BooleanOptionalAction)
         else:
-            group.add_argument(flag, dest=o.name, default=None, metavar=o.name.upper(), help=o.help)
+            # argparse formats help with %: an option's text is shown as written ("90%").
+            shown = o.help.replace("%", "%%")
+            group.add_argument(flag, dest=o.name, default=None, metavar=o.name.upper(), help=shown)
         if o.secret:
             group.add_argument(
                 flag + "-file",

@@ -240,3 +240,16 @@ def test_jobs_run_as_root_only_by_an_explicit_job_uid_range_and_root_keeps_its_d
     assert config.load(flags(), env={}).data_path() == Path("/var/lib/gpupool")
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert config.load(flags(), env={}).data_path() == Path.home() / ".local" / "share" / "gpupool"
+
+
+@pytest.mark.parametrize("program", ["daemon.main", "daemon.ctl.cli"])
+def test_help_is_printed_whatever_an_options_text_holds(program: str) -> None:
+    """`poold --help` printed a traceback (issue 44 review): an option's help said "90%", which
+    argparse reads as a format. Every option's text reaches --help as written."""
+    done = subprocess.run(
+        [sys.executable, "-m", program, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    if program == "daemon.main":
+        assert "90%" in " ".join(done.stdout.split())  # redis_max_memory's help, as written
