@@ -171,6 +171,7 @@ class WebServer:
         self._app = make_app(
             handlers, snapshots, tokens, host_names(host, extra_hosts, machine), tls is not None
         )
+        self.sessions = self._app[SESSION_KEY]  # who is signed in (tests shrink its bounds)
         self._host, self._port, self._tls = host, port, tls
         self._runner: web.AppRunner | None = None
         self.port = port
