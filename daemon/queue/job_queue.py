@@ -20,6 +20,7 @@ one API that callers learn as a whole.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -195,8 +196,10 @@ class JobQueue(Claims, QueueReads):
             if self._standing and not spec.held:
                 self._send_standing(q, (packed, spec))  # an idle worker's claim, in the same round trip
             got, created, *conflict = await reply
-        finally:
-            await self._listed(listed, [q])
+        except BaseException:
+            await self._unlisted(listed)
+            raise
+        await self._listed(listed, [q])
         if conflict and conflict[0]:
             assert idempotency_key is not None
             raise IdempotencyConflict(idempotency_key, _s(got))
@@ -229,9 +232,12 @@ class JobQueue(Claims, QueueReads):
                 durable=True,
             )
         try:
-            return [_s(job_id) for reply in await batch.execute() for job_id in reply]
-        finally:
-            await self._listed(listed, sorted({s.queue for s in specs}))
+            ids = [_s(job_id) for reply in await batch.execute() for job_id in reply]
+        except BaseException:
+            await self._unlisted(listed)
+            raise
+        await self._listed(listed, sorted({s.queue for s in specs}))
+        return ids
 
     def _notify_targets(self, spec: JobSpec) -> str:
         """Where the end of a job enqueued now goes, as its record names the targets (`job`: its
@@ -254,6 +260,14 @@ class JobQueue(Claims, QueueReads):
             await sent
         except RedisError as exc:
             log.warning("could not name queues %s in the pool's queue set (%s)", ", ".join(queues), exc)
+
+    @staticmethod
+    async def _unlisted(sent: asyncio.Future[Any]) -> None:
+        """The listing sent with an enqueue that failed: nothing was queued that needs it, and the
+        enqueue's own error says what went wrong (a second warning for each refused enqueue
+        doubled what one user's flood of them wrote to the log)."""
+        with contextlib.suppress(RedisError):
+            await sent
 
     # -- work -----------------------------------------------------------------------------------
 

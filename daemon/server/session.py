@@ -237,7 +237,9 @@ class Session:
                 why = self._budget.hold(self._held, held)
                 self._held = held
                 if why is not None:
-                    log.warning("closing %s: %s", self.peer, why)
+                    self.handlers.warnings.warning(
+                        log, self._user or self.host, "closing %s: %s", self.peer, why
+                    )
                     self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}."))
                     return
             await self.writer.drain()
@@ -322,7 +324,7 @@ class Session:
                 f"{user} has {self.limits.max_connections_per_user} connections open, the "
                 "most one user may; close some (one connection carries many requests)"
             )
-            log.warning("closing %s: %s", self.peer, why)
+            self.handlers.warnings.warning(log, user, "closing %s: %s", self.peer, why)
             self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}."))
             return False
         self._users[user] += 1
@@ -348,8 +350,18 @@ class Session:
             self._write(self.conn.error(rid, ErrorCode.CANCELLED, "Cancelled at the client's request."))
         except ConnectionError:
             pass
-        except Exception:  # one broken request must not take the server down
-            log.exception("request %d (%s) from %s failed", rid, type(message).__name__, self.peer)
+        except Exception:  # noqa: BLE001 - logged with its traceback; one broken request must not end the server
+            what = type(message).__name__
+            self.handlers.warnings.warning(
+                log,
+                user,
+                "request %d (%s) from %s failed",
+                rid,
+                what,
+                self.peer,
+                level=logging.ERROR,
+                exc_info=True,
+            )
             self._write(
                 self.conn.error(rid, ErrorCode.INTERNAL, "Internal server error; see the server log.")
             )
