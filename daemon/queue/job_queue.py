@@ -597,6 +597,17 @@ class JobQueue(Claims, QueueReads):
             linger=linger,
         )
 
+    async def record_checkpoint(self, lease: Lease, name: str) -> bool:
+        """Record the complete save `name` (checkpoints.py) as the one the job's next attempt
+        restores (checkpoint.lua): False, recording nothing, when the attempt no longer holds the
+        job (its lease taken back or expired)."""
+        answer = await self._call(
+            self.scripts.checkpoint,
+            [keys.job(lease.job_id), keys.leases(lease.queue)],
+            [lease.worker, lease.attempt, lease.id, name],
+        )
+        return bool(answer)
+
     async def append_log(self, lease: Lease, number: int, chunks: Sequence[bytes]) -> None:
         """Append output of an attempt to its job's log, as the attempt's call `number` (1, 2, ...:
         a call sent again with its number is written once). Raises StaleAttempt, writing nothing,

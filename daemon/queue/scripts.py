@@ -78,6 +78,7 @@ NAMES = (
     "outbox_take",
     "outbox_settle",
     "started",
+    "checkpoint",
 )
 
 
@@ -110,6 +111,7 @@ class Scripts:
         self.outbox_take: AsyncScript = redis.register_script(source("outbox_take"))
         self.outbox_settle: AsyncScript = redis.register_script(source("outbox_settle"))
         self.started: AsyncScript = redis.register_script(source("started"))
+        self.checkpoint: AsyncScript = redis.register_script(source("checkpoint"))
 
 
 @dataclass(frozen=True, slots=True)
