@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 import struct
 from collections import Counter
@@ -293,7 +294,7 @@ class Session:
     async def _paced(self, event: Event | NeedData) -> Event | NeedData:
         """`event`, once the throttle (throttle.py) has counted an authentication's outcome and
         held its answer while the user name is in back-off; ConnectionClosed (the answer dropped,
-        a refusal sent) when its turn is too far off."""
+        a refusal sent) when its turn is too far off, or its address is in back-off."""
         match event:
             case Authenticated(user=user):
                 failed = False
@@ -301,13 +302,20 @@ class Session:
                 user, failed = self.conn.claimed_user or "", True
             case _:
                 return event
-        loop = asyncio.get_running_loop()
-        wait = self._throttle.wait(user, loop.time())
-        if failed:
-            self._throttle.failed(self.host, user, loop.time())
+        now = asyncio.get_running_loop().time()
+        # A connection opened before its address was throttled is refused here, as a new one
+        # would be at its accept (listener.py): opening many first gains no guesses.
+        backoff = self._throttle.refused(self.host, now)
+        wait = None if backoff else self._throttle.wait(user, now)
+        if failed and not backoff:
+            self._throttle.failed(self.host, user, now)
         if wait is None:
             self.conn.data_to_send()  # the verdict is never sent: a refusal says nothing of the token
-            why = f"too many failed authentications as {user}; retry in {self._throttle.most_wait:g} s"
+            why = (
+                f"too many failed authentications from {self.host}; retry in {math.ceil(backoff)} s"
+                if backoff
+                else f"too many failed authentications as {user}; retry in {self._throttle.most_wait:g} s"
+            )
             log.info("closing %s: %s", self.peer, why)
             self._write(error_frame(0, ErrorCode.TOO_MANY_REQUESTS, f"Connection closed: {why}."))
             return ConnectionClosed()

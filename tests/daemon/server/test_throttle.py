@@ -25,11 +25,23 @@ WRONG = "a-wrong-token-of-some-length"
 async def attempt(pool: Pool, user: str, token: str, source: str = "127.0.0.1") -> str:
     """One handshake from `source` as `user` with `token`: "in", "failed" (the token was checked
     and wrong) or "refused" (the server would not check it), as the server answers."""
+    return await answer(*await opened(pool, user, token, source))
+
+
+async def opened(
+    pool: Pool, user: str, token: str, source: str = "127.0.0.1"
+) -> tuple[ClientConnection, asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection from `source` that has sent its HELLO (and is ready to send its AUTH)."""
     host, port = pool.address.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port), local_addr=(source, 0))
     conn = ClientConnection(user, token.encode())
+    writer.write(conn.start())
+    return conn, reader, writer
+
+
+async def answer(conn: ClientConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
+    """The rest of `conn`'s handshake: the server's answer, as `attempt` says it."""
     try:
-        writer.write(conn.start())
         async with asyncio.timeout(30):
             while True:
                 conn.receive_data(await reader.read(65536))
@@ -61,6 +73,17 @@ async def test_a_peer_that_fails_too_often_is_refused_and_others_still_get_in(
         assert answers.count("refused") == 20 - checked
         assert await attempt(pool, "alice", pool.tokens["alice"]) == "refused"
         assert await attempt(pool, "alice", pool.tokens["alice"], source="127.0.0.2") == "in"
+
+
+async def test_connections_opened_before_the_back_off_gain_no_guesses(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 44 item 9: a guesser that opens its connections first, then fails on others, gets no
+    more guesses out of them: their answers are refusals too."""
+    async with running_pool(redis_server, tmp_path) as pool:
+        early = [await opened(pool, "alice", WRONG) for _ in range(4)]
+        assert [await attempt(pool, "alice", WRONG) for _ in range(FREE)] == ["failed"] * FREE
+        assert [await answer(*connection) for connection in early] == ["refused"] * 4
 
 
 async def test_guesses_for_one_user_from_many_peers_are_slowed_never_blocked(
