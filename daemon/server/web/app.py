@@ -108,8 +108,11 @@ async def _paced(request: web.Request, tokens: Mapping[str, bytes], token: str) 
     backoff = throttle.refused(peer, now)
     wait = None if backoff else throttle.wait(SIGN_INS, now)
     if wait is None:
-        again = math.ceil(backoff or throttle.most_wait)
-        refused = f"Too many failed sign-ins from {peer}: try again in {again} s."
+        refused = (
+            f"Too many failed sign-ins from {peer}: try again in {math.ceil(backoff)} s."
+            if backoff
+            else f"Too many failed sign-ins lately: try again in {throttle.most_wait:g} s."
+        )
         return render_page(request, "signin.html", {"open": False, "refused": refused}, status=429)
     user = user_of_token(tokens, token)
     if user is None:

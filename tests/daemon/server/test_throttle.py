@@ -119,7 +119,7 @@ async def sign_in(pool: Pool, token: str, source: str = "127.0.0.1") -> int:
         http.post(pool.server.web.address + "/signin", data={"token": token}, allow_redirects=False) as r,
     ):
         if r.status == 429:
-            assert "Too many failed sign-ins from" in await r.text()
+            assert "Too many failed sign-ins from 127.0.0.1" in await r.text()
         return r.status
 
 
