@@ -496,6 +496,8 @@ class JobInfo:
     attempts: tuple[Attempt, ...] = ()
     result: Mapping[str, Any] = field(default_factory=dict)
     lease: str = ""  # the current (or last) attempt's lease id, GPUPOOL_ATTEMPT_ID in its job
+    # The save a next attempt restores (worker/checkpoints.py), recorded by an attempt that held the job
+    checkpoint: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -77,6 +77,12 @@ class ServerConnection(Connection):
         """The authenticated user name; None until the handshake is done."""
         return self._user
 
+    @property
+    def claimed_user(self) -> str | None:
+        """The user name HELLO gave, authenticated or not (what a failed handshake tried to be, for
+        the server to throttle); None before a HELLO."""
+        return self._hello.user if self._hello is not None else None
+
     def reply(self, request_id: int, message: Reply) -> bytes:
         """Finish request ``request_id`` with its reply (b"" if the connection is closed)."""
         if self._state is State.CLOSED:

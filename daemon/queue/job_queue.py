@@ -20,6 +20,7 @@ one API that callers learn as a whole.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -226,8 +227,10 @@ class JobQueue(Claims, QueueReads):
             if self._standing and not spec.held:
                 self._send_standing(q, (packed, spec))  # an idle worker's claim, in the same round trip
             got, created, *conflict = await reply
-        finally:
-            await self._listed(listed, [q])
+        except BaseException:
+            await self._unlisted(listed)
+            raise
+        await self._listed(listed, [q])
         if got == b"over" or not created:  # nothing written: what _store counted is given back
             await self._give_back(stored)
         if got == b"over":
@@ -291,8 +294,10 @@ class JobQueue(Claims, QueueReads):
             )
         try:
             replies = await batch.execute()
-        finally:
-            await self._listed(listed, sorted({s.queue for s in specs}))
+        except BaseException:
+            await self._unlisted(listed)
+            raise
+        await self._listed(listed, sorted({s.queue for s in specs}))
         refused = [(c, reply) for c, reply in zip(chunks, replies, strict=True) if reply[0] == b"over"]
         if refused:
             await self._undo(replies, stored)
@@ -369,6 +374,14 @@ class JobQueue(Claims, QueueReads):
             await sent
         except RedisError as exc:
             log.warning("could not name queues %s in the pool's queue set (%s)", ", ".join(queues), exc)
+
+    @staticmethod
+    async def _unlisted(sent: asyncio.Future[Any]) -> None:
+        """The listing sent with an enqueue that failed: nothing was queued that needs it, and the
+        enqueue's own error says what went wrong (a second warning for each refused enqueue
+        doubled what one user's flood of them wrote to the log)."""
+        with contextlib.suppress(RedisError):
+            await sent
 
     # -- work -----------------------------------------------------------------------------------
 
@@ -697,6 +710,17 @@ class JobQueue(Claims, QueueReads):
             [lease.worker, lease.attempt, lease.id],
             linger=linger,
         )
+
+    async def record_checkpoint(self, lease: Lease, name: str) -> bool:
+        """Record the complete save `name` (checkpoints.py) as the one the job's next attempt
+        restores (checkpoint.lua): False, recording nothing, when the attempt no longer holds the
+        job (its lease taken back or expired)."""
+        answer = await self._call(
+            self.scripts.checkpoint,
+            [keys.job(lease.job_id), keys.leases(lease.queue)],
+            [lease.worker, lease.attempt, lease.id, name],
+        )
+        return bool(answer)
 
     async def append_log(self, lease: Lease, number: int, chunks: Sequence[bytes]) -> None:
         """Append output of an attempt to its job's log, as the attempt's call `number` (1, 2, ...:

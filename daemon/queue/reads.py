@@ -340,6 +340,7 @@ def _job_info(record: dict[bytes, bytes], history: list[bytes]) -> JobInfo:
         attempts=tuple(_attempt(orjson.loads(h)) for h in history),
         result=msgpack.unpackb(get(b"result")) if get(b"result") else {},
         lease=_s(get(b"lease", b"")),
+        checkpoint=_s(get(b"checkpoint", b"")),
     )
 
 

@@ -79,6 +79,7 @@ NAMES = (
     "outbox_settle",
     "started",
     "store",
+    "checkpoint",
 )
 
 
@@ -112,6 +113,7 @@ class Scripts:
         self.outbox_settle: AsyncScript = redis.register_script(source("outbox_settle"))
         self.started: AsyncScript = redis.register_script(source("started"))
         self.store: AsyncScript = redis.register_script(source("store"))
+        self.checkpoint: AsyncScript = redis.register_script(source("checkpoint"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ from daemon.queue.terminal_events import JobEvents
 from daemon.server.bounds import SubmitBounds
 from daemon.server.data_desk import DataDesk
 from daemon.server.dependencies import judge_held
+from daemon.server.log_limit import LogLimit
 from daemon.server.pending import MAX_LIST, PendingReasons, WorkerLister
 from daemon.server.redis_room import RedisRoom
 from daemon.webhook_targets import Allowed
@@ -131,6 +132,7 @@ class Handlers:
         self.metrics = metrics
         self.data = DataDesk(store) if store is not None else None
         self.pending = PendingReasons(queue, workers)  # why a queued job waits
+        self.warnings = LogLimit()  # what users' requests cause, per user (the sessions' too)
 
     async def handle(self, request: Request, user: str, send: SendStream) -> Reply:
         try:
@@ -138,19 +140,25 @@ class Handlers:
         except InvalidKey as exc:  # the caller's key, refused before the store was asked
             raise GpupoolError(exc.message, ErrorCode.INVALID_ARGUMENT) from None
         except StorageError as exc:
-            log.warning("request %s failed: object store (%s)", type(request).__name__, exc)
+            what = type(request).__name__
+            self.warnings.warning(log, user, "request %s of %s failed: object store (%s)", what, user, exc)
             raise GpupoolError(
                 f"the pool's object store failed: {exc.message}", ErrorCode.UNAVAILABLE
             ) from None
         except RedisError as exc:
+            what = type(request).__name__
             if out_of_memory(exc):
-                log.warning("request %s refused: Redis is at its maxmemory", type(request).__name__)
+                self.warnings.warning(
+                    log, user, "request %s of %s refused: Redis is at its maxmemory", what, user
+                )
                 raise GpupoolError(
                     "the pool's Redis is full (maxmemory reached): nothing new is taken until it has "
                     "room; retry later, and tell the pool's admin",
                     ErrorCode.UNAVAILABLE,
                 ) from None
-            log.warning("request %s failed: Redis unavailable (%s)", type(request).__name__, exc)
+            self.warnings.warning(
+                log, user, "request %s of %s failed: Redis unavailable (%s)", what, user, exc
+            )
             raise GpupoolError(
                 "the pool's Redis is unreachable right now; retry in a moment", ErrorCode.UNAVAILABLE
             ) from None

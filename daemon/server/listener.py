@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import math
 import os
 import ssl
 from collections import Counter
@@ -22,6 +23,7 @@ from daemon.errors import GpupoolError
 from daemon.metrics.server import ServerMetrics
 from daemon.server.handlers import Handlers
 from daemon.server.session import DECODE_INLINE, FrameBudget, Limits, Session, peer_host
+from daemon.server.throttle import Throttle
 from protocol import ErrorCode, ServerConnection
 from protocol.connection import error_frame
 
@@ -64,6 +66,7 @@ class Listener:
         limits: Limits | None = None,
         metrics: ServerMetrics | None = None,
         socket: Path | None = None,
+        throttle: Throttle | None = None,
     ) -> None:
         """`socket`: a Unix socket to listen on as well, for clients on this machine (no TCP
         stack on the way; the same handshake, tokens and TLS)."""
@@ -79,6 +82,8 @@ class Listener:
         self._local: asyncio.Server | None = None  # on `socket`
         self._budget = FrameBudget(self.limits.max_partial_frames)
         self._users: Counter[str] = Counter()  # user -> authenticated connections
+        # failed authentications, per peer and per user; the dashboard's sign-in shares it
+        self.throttle = throttle or Throttle()
         self._sessions: dict[Session, asyncio.Task[None] | None] = {}
 
     @property
@@ -159,8 +164,15 @@ class Listener:
         return len(open_)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        if self._make_room(peer_host(peer)) >= self.limits.max_connections:
+        host = peer_host(writer)
+        if backoff := self.throttle.refused(host, asyncio.get_running_loop().time()):
+            # before the handshake, whatever token it would bring: it learns nothing of one
+            why = f"too many failed authentications from {host}; retry in {math.ceil(backoff)} s"
+            log.info("refusing a connection: %s", why)
+            writer.write(error_frame(0, ErrorCode.TOO_MANY_REQUESTS, f"{why[0].upper()}{why[1:]}."))
+            writer.close()
+            return
+        if self._make_room(host) >= self.limits.max_connections:
             writer.write(
                 error_frame(0, ErrorCode.UNAVAILABLE, "The server has too many connections; retry later.")
             )
@@ -182,6 +194,7 @@ class Listener:
             on_protocol_error=on_error,
             budget=self._budget,
             users=self._users,
+            throttle=self.throttle,
         )
         self._sessions[session] = asyncio.current_task()
         if self.metrics is not None:

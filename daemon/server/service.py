@@ -223,6 +223,7 @@ class PoolServer:
                 web_port,
                 tls=self._tls(c.web_listen, protocol=False),
                 extra_hosts=c.web_hosts,
+                throttle=self.listener.throttle,
             )
             await self.web.start()
         self.metrics.watch(self.queue, self.list_workers)

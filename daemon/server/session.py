@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import socket
+import struct
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from daemon.errors import GpupoolError
 from daemon.server.handlers import Handlers
 from daemon.server.idle_watch import IdleWatch
+from daemon.server.throttle import Throttle
 from protocol import (
     DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
@@ -41,7 +45,7 @@ from protocol import (
     ServerConnection,
     StreamItem,
 )
-from protocol.connection import State
+from protocol.connection import State, error_frame
 from protocol.frames import FrameType
 from protocol.messages import Message, decode_message
 
@@ -105,12 +109,25 @@ class FrameBudget:
         return None
 
 
+PEER_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 LOCAL_PEER = "the local socket"  # what a client on the server's Unix socket is called (it has no address)
 
 
-def peer_host(peer: object) -> str:
-    """Where a connection comes from (its peername): a host, or the local socket."""
-    return str(peer[0]) if isinstance(peer, tuple) else str(peer) or LOCAL_PEER
+def peer_host(writer: asyncio.StreamWriter) -> str:
+    """Where a connection comes from: its host, or on the local socket the uid of the process
+    that connected (each local user a peer of their own, for the bounds and the throttle)."""
+    peer = writer.get_extra_info("peername")
+    if isinstance(peer, tuple):
+        return str(peer[0])
+    if str(peer):
+        return str(peer)
+    try:
+        credentials = writer.get_extra_info("socket").getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, PEER_CREDENTIALS.size
+        )
+    except (AttributeError, OSError):
+        return LOCAL_PEER
+    return f"uid {PEER_CREDENTIALS.unpack(credentials)[1]} on {LOCAL_PEER}"
 
 
 def code_name(code: int) -> str:
@@ -130,6 +147,7 @@ class Session:
         on_protocol_error: Callable[[str], None] | None = None,
         budget: FrameBudget | None = None,
         users: Counter[str] | None = None,
+        throttle: Throttle | None = None,
     ) -> None:
         self.reader = reader
         self.writer = writer
@@ -138,7 +156,7 @@ class Session:
         self.limits = limits
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer) or LOCAL_PEER
-        self.host = peer_host(peer)
+        self.host = peer_host(writer)
         self._requests: dict[int, asyncio.Task[None]] = {}
         self._closing = False
         self.opened_at = asyncio.get_running_loop().time()
@@ -148,6 +166,7 @@ class Session:
         self._on_protocol_error = on_protocol_error
         self._users = Counter[str]() if users is None else users  # user -> connections, shared
         self._user: str | None = None  # counted in _users once authenticated
+        self._throttle = throttle or Throttle()
 
     @property
     def requests(self) -> list[asyncio.Task[None]]:
@@ -219,16 +238,19 @@ class Session:
                 why = self._budget.hold(self._held, held)
                 self._held = held
                 if why is not None:
-                    log.warning("closing %s: %s", self.peer, why)
+                    self.handlers.warnings.warning(
+                        log, self._user or self.host, "closing %s: %s", self.peer, why
+                    )
                     self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}."))
                     return
             await self.writer.drain()
 
     async def _next_event(self) -> Event | NeedData:
-        """The connection's next event; a large request decoded in a thread first (DecodeNeeded)."""
+        """The connection's next event; a large request decoded in a thread first (DecodeNeeded),
+        an authentication's outcome paced by the throttle."""
         event = self.conn.next_event()
         if not isinstance(event, DecodeNeeded):
-            return event
+            return await self._paced(event)
         try:
             result: Message | RemoteProtocolError = await asyncio.to_thread(
                 decode_message, FrameType.REQUEST, event.payload
@@ -269,6 +291,40 @@ class Session:
                     if event is NEED_DATA:
                         return True
 
+    async def _paced(self, event: Event | NeedData) -> Event | NeedData:
+        """`event`, once the throttle (throttle.py) has counted an authentication's outcome and
+        held its answer while the user name is in back-off; ConnectionClosed (the answer dropped,
+        a refusal sent) when its turn is too far off, or its address is in back-off."""
+        match event:
+            case Authenticated(user=user):
+                failed = False
+            case ConnectionFailed(code=ErrorCode.AUTH_FAILED, by_peer=False):
+                user, failed = self.conn.claimed_user or "", True
+            case _:
+                return event
+        now = asyncio.get_running_loop().time()
+        # A connection opened before its address was throttled is refused here, as a new one
+        # would be at its accept (listener.py): opening many first gains no guesses.
+        backoff = self._throttle.refused(self.host, now)
+        wait = None if backoff else self._throttle.wait(user, now)
+        if failed and not backoff:
+            self._throttle.failed(self.host, user, now)
+        if wait is None:
+            self.conn.data_to_send()  # the verdict is never sent: a refusal says nothing of the token
+            why = (
+                f"too many failed authentications from {self.host}; retry in {math.ceil(backoff)} s"
+                if backoff
+                else f"too many failed authentications as {user}; retry in {self._throttle.most_wait:g} s"
+            )
+            log.info("closing %s: %s", self.peer, why)
+            self._write(error_frame(0, ErrorCode.TOO_MANY_REQUESTS, f"Connection closed: {why}."))
+            return ConnectionClosed()
+        if not failed:
+            self._throttle.succeeded(self.host, user)
+        if wait:
+            await asyncio.sleep(wait)
+        return event
+
     def _admit(self, user: str) -> bool:
         """Count the connection as `user`'s; False (and the connection ended) past their limit."""
         if self._users[user] >= self.limits.max_connections_per_user:
@@ -276,7 +332,7 @@ class Session:
                 f"{user} has {self.limits.max_connections_per_user} connections open, the "
                 "most one user may; close some (one connection carries many requests)"
             )
-            log.warning("closing %s: %s", self.peer, why)
+            self.handlers.warnings.warning(log, user, "closing %s: %s", self.peer, why)
             self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}."))
             return False
         self._users[user] += 1
@@ -302,8 +358,18 @@ class Session:
             self._write(self.conn.error(rid, ErrorCode.CANCELLED, "Cancelled at the client's request."))
         except ConnectionError:
             pass
-        except Exception:  # one broken request must not take the server down
-            log.exception("request %d (%s) from %s failed", rid, type(message).__name__, self.peer)
+        except Exception:  # noqa: BLE001 - logged with its traceback; one broken request must not end the server
+            what = type(message).__name__
+            self.handlers.warnings.warning(
+                log,
+                user,
+                "request %d (%s) from %s failed",
+                rid,
+                what,
+                self.peer,
+                level=logging.ERROR,
+                exc_info=True,
+            )
             self._write(
                 self.conn.error(rid, ErrorCode.INTERNAL, "Internal server error; see the server log.")
             )

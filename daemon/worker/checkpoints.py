@@ -15,11 +15,15 @@ number, because the number can repeat: after Redis lost a claim, the job is clai
 same number while the forgotten execution may still run and save. So no execution's saves ever
 mix with or replace another's, and a zombie cannot spoil what the attempt after it saved.
 
-Which save is restored: the job's history (`job:ID:attempts`, written by the claim) lists the
-attempts the pool knows ran, each with its lease id; the newest of them that has a complete save
-gives its newest one. A save of an execution the pool forgot (Redis lost its claim) is in no
-history, and is never restored. Attempts recorded before lease ids were (no lease in their entry)
-are matched to saves named by their number (`<attempt>.<n>`), as they were written then.
+Which save is restored: the one the job's record names (its `checkpoint` field), which an
+attempt records, after the marker, through a fenced script (queue/lua/checkpoint.lua) only while
+it holds the job and its lease has not expired. A save by an attempt the pool has taken back (a
+worker stopped past its lease: another attempt may hold the job and save by now) is written to
+the store but never recorded, so never restored; nor is a save of an execution the pool forgot
+(Redis lost its claim), which holds nothing. The record must name an attempt of the job's history
+(`job:ID:attempts`). A job with no save recorded (its saves made before saves were recorded)
+restores the newest save of its newest attempt from before lease ids (no lease in its history
+entry), matched to saves named by their number (`<attempt>.<n>`), as they were written then.
 
 A job should write its files whole (to a temporary name, then rename): a periodic save copies what
 is there at that moment.
@@ -37,6 +41,7 @@ from pathlib import Path, PurePosixPath
 
 from redis.exceptions import RedisError
 
+from daemon.errors import StaleAttempt
 from daemon.job import Attempt, Lease
 from daemon.object_store import attempt_segment, checkpoint_prefix
 from daemon.queue.job_queue import JobQueue
@@ -70,39 +75,39 @@ def saved_as(attempt: Attempt) -> str:
     return attempt_segment(attempt.lease) if attempt.lease else str(attempt.attempt)
 
 
-async def counted_attempts(queue: JobQueue, lease: Lease, lost: Callable[[], bool]) -> list[Attempt]:
-    """The attempts of `lease`'s job the pool knows ran before it, oldest first: its history in
-    Redis, whose saves alone may be restored. While Redis does not answer it is asked again, as an
-    outcome is offered, until the attempt is `lost` (its lease deadline passed unrenewed: the
-    fence; then none); a job is not failed for a Redis that is briefly away."""
+async def counted_attempts(
+    queue: JobQueue, lease: Lease, lost: Callable[[], bool]
+) -> tuple[list[Attempt], str]:
+    """The attempts of `lease`'s job the pool knows ran before it, oldest first (its history in
+    Redis, whose saves alone may be restored), and the save its record names ('' for none).
+    While Redis does not answer it is asked again, as an outcome is offered, until the attempt is
+    `lost` (its lease deadline passed unrenewed: the fence; then none); a job is not failed for a
+    Redis that is briefly away."""
     while True:
         try:
             info = await queue.get(lease.job_id)
         except RedisError as exc:
             if lost():
-                return []  # it never starts (runner.py)
+                return [], ""  # it never starts (runner.py)
             log.warning("job %s: its history cannot be read (%s); asking again", lease.job_id, exc)
             await asyncio.sleep(HISTORY_RETRY)
             continue
-        return [a for a in info.attempts if a.lease != lease.id]
+        return [a for a in info.attempts if a.lease != lease.id], info.checkpoint
 
 
 async def restore(
-    store: ObjectStore, job_id: str, history: Sequence[Attempt], dest: Path
+    store: ObjectStore, job_id: str, history: Sequence[Attempt], recorded: str, dest: Path
 ) -> tuple[Attempt, int] | None:
-    """Unpack into `dest` the newest complete save of the newest attempt of `history` (the job's
-    earlier attempts, oldest first) that has one: that attempt and the save's number, or None
-    when none has. A save by an execution not in `history` is never taken."""
+    """Unpack into `dest` the save `recorded` (the job record's, "NAME.N") when an attempt of
+    `history` (the job's earlier attempts, oldest first) made it; with none recorded, the newest
+    save of the newest attempt from before lease ids that has one. That attempt and the save's
+    number, or None when there is no such save. A save by an execution not in `history`, or one
+    made while its attempt no longer held the job (never recorded), is never taken."""
     prefix = checkpoint_prefix(job_id)
-    newest: dict[str, int] = {}
-    for obj in await store.list(prefix):
-        if (save := _save_name(prefix, obj.key)) is not None:
-            newest[save[0]] = max(save[1], newest.get(save[0], 0))
-    for attempt in reversed(history):
-        if (n := newest.get(saved_as(attempt))) is not None:
-            break
-    else:
+    chosen = _recorded(history, recorded) if recorded else await _newest_by_number(store, prefix, history)
+    if chosen is None:
         return None
+    attempt, n = chosen
     name = f"{saved_as(attempt)}.{n}"
     for obj in await store.list(f"{prefix}{name}/"):
         relative = PurePosixPath(obj.key.removeprefix(f"{prefix}{name}/"))
@@ -114,11 +119,35 @@ async def restore(
     return attempt, n
 
 
+def _recorded(history: Sequence[Attempt], recorded: str) -> tuple[Attempt, int] | None:
+    """The attempt of `history` that made the save `recorded` ("NAME.N"), and N; None for none."""
+    match = SAVE_NAME.fullmatch(recorded)
+    made_by = [a for a in history if match is not None and saved_as(a) == match[1]]
+    return (made_by[-1], int(match[2])) if match is not None and made_by else None
+
+
+async def _newest_by_number(
+    store: ObjectStore, prefix: str, history: Sequence[Attempt]
+) -> tuple[Attempt, int] | None:
+    """With no save recorded: the newest complete save of the newest attempt of `history` from
+    before lease ids (saves named by number, from before saves were recorded), and its number."""
+    newest: dict[str, int] = {}
+    for obj in await store.list(prefix):
+        if (save := _save_name(prefix, obj.key)) is not None:
+            newest[save[0]] = max(save[1], newest.get(save[0], 0))
+    for attempt in reversed([a for a in history if not a.lease]):
+        if (n := newest.get(saved_as(attempt))) is not None:
+            return attempt, n
+    return None
+
+
 class Saver:
     """The saves of one attempt: `save()` at each period and once at the end, never two at once."""
 
-    def __init__(self, store: ObjectStore, lease: Lease, source: Path) -> None:
+    def __init__(self, store: ObjectStore, queue: JobQueue, lease: Lease, source: Path) -> None:
         self.store = store
+        self.queue = queue
+        self.lease = lease
         self.prefix = checkpoint_prefix(lease.job_id)
         self.name = attempt_segment(lease.id)  # never another execution's (module docstring)
         self.attempt = lease.attempt
@@ -127,8 +156,10 @@ class Saver:
         self._lock = asyncio.Lock()
 
     async def save(self) -> int:
-        """Upload what the directory holds now, then its marker; the number of files (0: nothing
-        there, nothing saved)."""
+        """Upload what the directory holds now, then its marker, then record it for the next
+        attempt (only while this attempt holds the job); the number of files (0: nothing there,
+        nothing saved). StaleAttempt when it was saved but not recorded: the attempt no longer
+        holds the job, and its save is never restored."""
         async with self._lock:
             if not has_entries(self.source):
                 return 0
@@ -144,6 +175,8 @@ class Saver:
                 await self.store.put_stream(f"{self.prefix}{name}/{relative}", iterate_in_thread(_chunks(fd)))
                 saved += 1
             await self.store.put_bytes(f"{self.prefix}{name}{DONE}", b"")
+            if not await self.queue.record_checkpoint(self.lease, name):
+                raise StaleAttempt(self.lease.job_id, self.attempt, f"its checkpoint save {name} is not kept")
             return saved
 
     async def every(self, seconds: float) -> None:
@@ -152,6 +185,9 @@ class Saver:
             await asyncio.sleep(seconds)
             try:
                 await self.save()
+            except StaleAttempt as exc:  # taken back: it saves nothing more (its job is another's)
+                log.warning("job %s: %s", self.lease.job_id, exc)
+                return
             except Exception as exc:  # noqa: BLE001 - the job runs on; the next save may work
                 log.warning("checkpoint of attempt %d not saved (%s); trying again later", self.attempt, exc)
 

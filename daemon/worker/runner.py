@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from redis.exceptions import RedisError
+
 from daemon.aio import cancel_and_wait
-from daemon.errors import GpupoolError, JobNotFound
+from daemon.errors import GpupoolError, JobNotFound, StaleAttempt
 from daemon.git import ANY_PROTOCOL
 from daemon.job import JobState, Lease, Outcome
 from daemon.queue.job_queue import JobQueue
@@ -195,7 +197,9 @@ class JobRun:
         self.scratch = self.slot.work
         self.output_dir = self.slot.out
         self.checkpoint_dir = self.slot.ckpt
-        self._saver = checkpoints.Saver(store, lease, self.checkpoint_dir) if store is not None else None
+        self._saver = (
+            checkpoints.Saver(store, queue, lease, self.checkpoint_dir) if store is not None else None
+        )
         self._saving: asyncio.Task[None] | None = None  # the periodic saves (spec.checkpoint_every)
         self.identity = identity
         self.cgroup = cgroup
@@ -454,6 +458,7 @@ class JobRun:
             # Uploaded before the fenced complete, under this attempt's own prefix (job_data.py);
             # handed over, its output directory was empty, and is the next job's by now.
             output = None if self._handed_over else self.output_dir
+            await self.output.flush()  # the notes since the output ended (its checkpoint's) go in the copy
             uploaded = await job_data.upload_artifacts(
                 self.store, self.queue, self.lease, output, logged=self.output.written
             )
@@ -468,10 +473,12 @@ class JobRun:
         if self.lease.attempt == 1 or self.store is None:
             return
         try:
-            history = await checkpoints.counted_attempts(
+            history, recorded = await checkpoints.counted_attempts(
                 self.queue, self.lease, lambda: self.ending is Ending.LOST
             )
-            restored = await checkpoints.restore(self.store, self.lease.job_id, history, self.checkpoint_dir)
+            restored = await checkpoints.restore(
+                self.store, self.lease.job_id, history, recorded, self.checkpoint_dir
+            )
         except (StorageError, OSError, JobNotFound) as exc:
             raise job_data.DataError(f"cannot restore the job's checkpoint: {exc}") from None
         if restored is not None:
@@ -501,7 +508,7 @@ class JobRun:
         try:
             if files := await self._saver.save():
                 self.output.note(f"checkpoint saved ({files} files)")
-        except (StorageError, OSError) as exc:
+        except (StorageError, OSError, RedisError, StaleAttempt) as exc:
             self.output.note(f"checkpoint not saved: {exc}")
             log.warning(
                 "job %s attempt %d: checkpoint not saved (%s)", self.lease.job_id, self.lease.attempt, exc

@@ -2,6 +2,7 @@
 protocol error, always finish, and never buffer more than one maximal frame (docs/DESIGN.md §10)."""
 
 import contextlib
+import os
 import random
 from typing import Any
 
@@ -40,9 +41,12 @@ from protocol.record import fields
 
 from .helpers import TOKENS, Pair, drain, is_record
 
-# Deterministic for CI (no example database, fixed seed) and modest, so the suite stays fast.
+# Deterministic for CI (no example database, fixed seed) and modest, so the suite stays fast. A long run
+# asks for more inputs per test: `GPUPOOL_FUZZ_EXAMPLES=11112 pytest tests/protocol/test_fuzz.py
+# --timeout=0 --hypothesis-show-statistics` feeds the nine tests 10^5 inputs together.
+FUZZ_EXAMPLES = int(os.environ.get("GPUPOOL_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(
-    max_examples=150,
+    max_examples=FUZZ_EXAMPLES,
     derandomize=True,
     database=None,
     deadline=None,

@@ -7,7 +7,9 @@ server's certificate. It stops with the server, ending every event stream (bound
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import socket
 import ssl
 from collections import Counter
@@ -18,6 +20,7 @@ from aiohttp import web
 from daemon.errors import GpupoolError
 from daemon.server.handlers import Handlers
 from daemon.server.listener import ListenerError
+from daemon.server.throttle import Throttle
 from daemon.server.web import live, pages
 from daemon.server.web.guard import SESSION_KEY, guard, host_names, session_of
 from daemon.server.web.pages import HANDLERS, SNAPSHOTS, Handler, PageError, PageFunction
@@ -28,6 +31,8 @@ from daemon.server.web.snapshot import Snapshots
 log = logging.getLogger(__name__)
 
 TOKENS: web.AppKey[dict[str, bytes] | None] = web.AppKey("tokens")
+THROTTLE = web.AppKey("throttle", Throttle)
+SIGN_INS = " dashboard sign-ins"  # the name sign-ins' failures count under (no user's begins with a space)
 SECURE = web.AppKey("secure", bool)
 SHUTDOWN_GRACE = 3.0  # seconds open event streams get to end when the server stops
 MAX_HEAD = 8190  # bytes of a request line or header field
@@ -69,7 +74,10 @@ async def signin(request: web.Request) -> web.StreamResponse:
     if tokens is None:  # an open pool (loopback only): whoever is on the machine says who they are
         user = str(form.get("user", "")).strip() or None
     else:
-        user = user_of_token(tokens, str(form.get("token", "")))
+        paced = await _paced(request, tokens, str(form.get("token", "")))
+        if isinstance(paced, web.Response):
+            return paced
+        user = paced
     if user is None:
         log.info("dashboard: a sign-in from %s with an unknown token", request.remote)
         context = {"open": tokens is None, "failed": True}
@@ -87,6 +95,32 @@ async def signin(request: web.Request) -> web.StreamResponse:
         path="/",
     )
     return response
+
+
+async def _paced(request: web.Request, tokens: Mapping[str, bytes], token: str) -> str | web.Response | None:
+    """The user whose token `token` is (None: nobody's), as the throttle (throttle.py) paces it,
+    or the refusal to answer with: a peer in back-off is refused (429) before the token is looked
+    at; while sign-ins with a wrong token are in back-off, each waits its turn. A sign-in names no
+    user, only a token that may be anyone's, so they all count under one name of their own."""
+    throttle = request.app[THROTTLE]
+    peer = request.remote or "an unknown address"
+    now = asyncio.get_running_loop().time()
+    backoff = throttle.refused(peer, now)
+    wait = None if backoff else throttle.wait(SIGN_INS, now)
+    if wait is None:
+        refused = (
+            f"Too many failed sign-ins from {peer}: try again in {math.ceil(backoff)} s."
+            if backoff
+            else f"Too many failed sign-ins lately: try again in {throttle.most_wait:g} s."
+        )
+        return render_page(request, "signin.html", {"open": False, "refused": refused}, status=429)
+    user = user_of_token(tokens, token)
+    if user is None:
+        throttle.failed(peer, SIGN_INS, now)
+    else:
+        throttle.succeeded(peer, user)
+    await asyncio.sleep(wait)
+    return user
 
 
 async def signout(request: web.Request) -> web.StreamResponse:
@@ -113,7 +147,9 @@ def make_app(
     snapshots: Snapshots,
     tokens: Mapping[str, bytes] | None,
     hosts: frozenset[str],
+    *,
     secure: bool,
+    throttle: Throttle,
 ) -> web.Application:
     app = web.Application(middlewares=[guard(hosts)], client_max_size=64 * 1024)
     app[HANDLERS] = handlers
@@ -121,6 +157,7 @@ def make_app(
     app[SESSION_KEY] = Sessions()
     app[TOKENS] = dict(tokens) if tokens is not None else None
     app[SECURE] = secure
+    app[THROTTLE] = throttle
     app[live.LIVE] = Counter()
     app.add_routes(
         [
@@ -157,7 +194,9 @@ class WebServer:
         *,
         tls: ssl.SSLContext | None,
         extra_hosts: list[str],
+        throttle: Throttle | None = None,
     ) -> None:
+        """`throttle`: failed sign-ins, shared with the protocol's listener (one guesser, one count)."""
         if tokens is None and host not in ("127.0.0.1", "::1", "localhost"):
             raise ListenerError(
                 f"refusing to serve the dashboard on {host}:{port} without authentication: set tokens_file, "
@@ -169,8 +208,14 @@ class WebServer:
             return socket.gethostname(), socket.getfqdn()
 
         self._app = make_app(
-            handlers, snapshots, tokens, host_names(host, extra_hosts, machine), tls is not None
+            handlers,
+            snapshots,
+            tokens,
+            host_names(host, extra_hosts, machine),
+            secure=tls is not None,
+            throttle=throttle or Throttle(),
         )
+        self.sessions = self._app[SESSION_KEY]  # who is signed in (tests shrink its bounds)
         self._host, self._port, self._tls = host, port, tls
         self._runner: web.AppRunner | None = None
         self.port = port

@@ -354,6 +354,32 @@ async def test_a_wrong_token_is_401_and_sets_no_cookie(redis_server: EmbeddedRed
             assert r.status == 303
 
 
+async def test_one_users_sign_ins_end_only_their_own_oldest_sessions(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 44 item 9: any signed-in user signed everyone out by signing in past the bound on all
+    sessions (10 001 sign-ins). Now bob's sign-ins past his own bound end bob's oldest session and
+    no one else's; here the bound on all sessions is made small, so bob passes it too."""
+    async with running_pool(redis_server, tmp_path) as pool, client() as alice:
+        assert pool.server.web is not None
+        sessions = pool.server.web.sessions
+        sessions.most, sessions.most_per_user = 2 * sessions.most_per_user, 4
+        await sign_in(alice, pool, "alice")
+        cookies = []
+        async with client() as bob:
+            for _ in range(sessions.most + 1):
+                async with bob.post(
+                    base(pool) + "/signin", data={"token": pool.tokens["bob"]}, allow_redirects=False
+                ) as r:
+                    assert r.status == 303
+                    cookies.append(cookie_attributes(r)["value"])
+        async with alice.get(base(pool) + "/", allow_redirects=False) as r:
+            assert r.status == 200, "bob's sign-ins signed alice out"
+        for cookie, kept in ((cookies[0], False), (cookies[-4], True), (cookies[-5], False)):
+            async with client({COOKIE: cookie}) as bob, bob.get(base(pool) + "/", allow_redirects=False) as r:
+                assert r.status == (200 if kept else 303)
+
+
 # -- 3. no session, no page ------------------------------------------------------------------------
 
 

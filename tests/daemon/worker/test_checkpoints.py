@@ -25,7 +25,7 @@ from daemon.job import Attempt, JobState, Lease, Outcome
 from daemon.object_store import attempt_segment, checkpoint_prefix
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
-from daemon.worker.checkpoints import Saver, open_beneath, restore
+from daemon.worker.checkpoints import Saver, counted_attempts, open_beneath, restore
 from daemon.worker.runner import JobRun
 from daemon.worker.spawn import Spawner
 from storage.local import LocalStore
@@ -154,7 +154,9 @@ async def test_an_attempt_cancelled_midway_leaves_no_periodic_save_running(
         assert saving.done()
 
 
-async def test_a_file_named_like_a_marker_is_restored_as_a_file_not_taken_for_a_save(tmp_path: Path) -> None:
+async def test_a_file_named_like_a_marker_is_restored_as_a_file_not_taken_for_a_save(
+    queue: JobQueue, tmp_path: Path
+) -> None:
     """Markers are `checkpoints/JOB/LEASE.N.done`; a job's own file of that name, or of one with
     other digits than 0-9, lies inside a save and is restored as what it is."""
     source = tmp_path / "ckpt"
@@ -162,17 +164,16 @@ async def test_a_file_named_like_a_marker_is_restored_as_a_file_not_taken_for_a_
     names = ("step", "5.1.done", "w1%2F1.1.1.done", "\u00b9.1.done")
     for name in names:
         (source / name).write_text(name)
+    lease = await claimed(queue, sh("true"))
     async with LocalStore(tmp_path / "store") as store:
-        assert await Saver(store, lease_of(1, "w1/1.1"), source).save() == 4
+        assert await Saver(store, queue, lease, source).save() == 4
         dest = tmp_path / "restored"
         dest.mkdir()
-        first = attempt_of(1, "w1/1.1")
-        assert await restore(store, "default.j", [first], dest) == (first, 1)
+        info = await queue.get(lease.job_id)
+        assert info.checkpoint == f"{attempt_segment(lease.id)}.1"
+        (first,) = info.attempts
+        assert await restore(store, lease.job_id, [first], info.checkpoint, dest) == (first, 1)
     assert sorted(p.name for p in dest.iterdir()) == sorted(names)
-
-
-def lease_of(attempt: int, lease_id: str) -> Lease:
-    return Lease("default.j", attempt, lease_id.partition("/")[0], sh("true"), lease_id)
 
 
 def attempt_of(attempt: int, lease_id: str) -> Attempt:
@@ -180,47 +181,83 @@ def attempt_of(attempt: int, lease_id: str) -> Attempt:
     return Attempt(attempt, lease_id.partition("/")[0], 0.0, 1.0, "lost", lease_id)
 
 
-async def test_a_later_attempt_gets_the_newest_save_of_the_newest_attempt_its_history_knows(
+async def test_a_later_attempt_gets_the_save_the_job_record_names_if_its_history_knows_the_saver(
     tmp_path: Path,
 ) -> None:
-    """issue 43 item 7, the rule: saves are named by lease, and the history (oldest first) says
-    which count: its newest attempt that has a complete save gives its newest one; a save cut
-    short (no marker) is passed over, and one by a lease the history does not hold (an execution
-    whose claim Redis forgot) is never taken, however new. Saves named by number (written before
-    leases named them) are found for history entries without a lease id."""
-    source, dest = tmp_path / "ckpt", tmp_path / "dest"
-    source.mkdir()
+    """issue 43 item 7 and issue 44 item 9, the rule: saves are named by lease, and the job's
+    record names the one to restore (recorded, fenced, by the attempt that held the job); it is
+    restored when the history holds the attempt that made it, never when not (an execution whose
+    claim Redis forgot), however new; nothing else is restored, not a newer save of an attempt the
+    pool took back. With none recorded, saves named by number (written before leases named them)
+    are found for history entries without a lease id."""
+    dest = tmp_path / "dest"
+    prefix = checkpoint_prefix("default.j")
 
-    async def save(store: LocalStore, lease: Lease, label: str) -> Saver:
-        (source / "step").write_text(label)
-        saver = Saver(store, lease, source)
-        await saver.save()
-        return saver
+    async def saved(store: LocalStore, name: str, label: str) -> str:
+        await store.put_bytes(f"{prefix}{name}/step", label.encode())
+        await store.put_bytes(f"{prefix}{name}.done", b"")
+        return name
 
-    async def restored(store: LocalStore, *history: Attempt) -> str | None:
+    async def restored(store: LocalStore, recorded: str, *history: Attempt) -> str | None:
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir()
-        got = await restore(store, "default.j", history, dest)
+        got = await restore(store, "default.j", history, recorded, dest)
         return None if got is None else (dest / "step").read_text()
 
-    one, two, forgotten, three = "w1/1.1", "w2/4.1", "w3/1.1", "w4/2.1"
+    one, two, forgotten = "w1/1.1", "w2/4.1", "w3/1.1"
     async with LocalStore(tmp_path / "store") as store:
-        first = await save(store, lease_of(1, one), "1a")
-        (source / "step").write_text("1b")
-        await first.save()
-        await save(store, lease_of(2, two), "2a")
-        cut_short = f"{checkpoint_prefix('default.j')}{attempt_segment(two)}.2/step"
-        await store.put_bytes(cut_short, b"2b, cut short")  # its marker never written
-        await save(store, lease_of(2, forgotten), "forgotten")  # the same number as `two`, newer
-        await store.put_bytes(f"{checkpoint_prefix('default.j')}1.1/step", b"by number")
-        await store.put_bytes(f"{checkpoint_prefix('default.j')}1.1.done", b"")
+        first = await saved(store, f"{attempt_segment(one)}.2", "1b")
+        await saved(store, f"{attempt_segment(one)}.3", "1c, made after attempt 1 was taken back")
+        second = await saved(store, f"{attempt_segment(two)}.1", "2a")
+        other = await saved(store, f"{attempt_segment(forgotten)}.1", "forgotten")
+        await saved(store, "1.1", "by number")
+        known = (attempt_of(1, one), attempt_of(2, two))
 
-        assert await restored(store, attempt_of(1, one), attempt_of(2, two)) == "2a"
-        assert await restored(store, attempt_of(1, one)) == "1b"
-        # an attempt that saved nothing (it died at once) passes over to the one before
-        assert await restored(store, attempt_of(1, one), attempt_of(2, two), attempt_of(3, three)) == "2a"
-        assert await restored(store) is None
-        assert await restored(store, Attempt(1, "w0", 0.0, 1.0, "lost")) == "by number"
+        assert await restored(store, second, *known) == "2a"
+        assert await restored(store, first, *known) == "1b"  # not 1c, nor 2's: the record says
+        assert await restored(store, other, *known) is None  # no attempt the history holds made it
+        assert await restored(store, "", *known) is None  # nothing recorded: nothing of theirs
+        assert await restored(store, "", Attempt(1, "w0", 0.0, 1.0, "lost"), *known) == "by number"
+
+
+async def test_a_save_made_after_the_attempt_was_taken_back_is_never_restored(
+    redis: Redis, tmp_path: Path
+) -> None:
+    """issue 44 item 9: a periodic save by an attempt whose lease was taken away (its worker
+    stopped past the lease; the job is another attempt's now) could become what a later attempt
+    restores. Attempt 1 saves, is taken back; attempt 2 dies before it saves anything; attempt 1
+    then saves again, behind the pool's back: the save is refused its record, and attempt 3
+    starts from what attempt 1 saved while it held the job (what attempt 2 started from too)."""
+    queue = JobQueue(redis, lease_seconds=0.5)
+    source, dest = tmp_path / "ckpt", tmp_path / "dest"
+    source.mkdir()
+    dest.mkdir()
+
+    async def taken_back(worker: str) -> Lease:
+        deadline = time.monotonic() + 20
+        while not await queue.reclaim():  # as the server's reaper, once the lease has passed
+            assert time.monotonic() < deadline, "the lease was never taken back"
+            await asyncio.sleep(0.1)
+        lease = await queue.claim(worker, ["default"], 0)
+        assert lease is not None
+        return lease
+
+    await queue.enqueue(sh("true"))
+    first = await queue.claim("a", ["default"], 0)
+    assert first is not None
+    async with LocalStore(tmp_path / "store") as store:
+        zombie = Saver(store, queue, first, source)
+        (source / "step").write_text("held")
+        await zombie.save()
+        second = await taken_back("b")  # and b dies at once, saving nothing
+        (source / "step").write_text("taken back")
+        with pytest.raises(StaleAttempt):
+            await zombie.save()
+        third = await taken_back("c")
+        history, recorded = await counted_attempts(queue, third, lambda: False)
+        assert [a.lease for a in history] == [first.id, second.id]
+        assert await restore(store, third.job_id, history, recorded, dest) == (history[0], 1)
+    assert (dest / "step").read_text() == "held"
 
 
 async def test_a_job_preempted_by_a_higher_priority_one_resumes_from_its_checkpoint_after_it(
