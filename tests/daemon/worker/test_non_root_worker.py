@@ -25,6 +25,7 @@ from daemon.queue import connection
 from daemon.queue.job_queue import JobQueue
 from storage.content import content_key
 from storage.local import LocalStore
+from tests.support import unprivileged
 from tests.support.plain_uid import as_uid
 from tests.support.workers import sh, wait_state
 
@@ -42,28 +43,31 @@ async def pool_of_a_plain_uid(
     (user: token) if any; yields a queue on its Redis to enqueue jobs as the server would, for any
     user. Stopped at the end."""
     top = Path(tempfile.mkdtemp(prefix="gpupool-plain-pool-"))
-    try:
-        argv, env = await _plain_poold(top, objects, *flags, tokens=tokens)
-        log = top / "poold.log"
+    # this checkout may sit in a directory the uid cannot pass (a clone in a `mktemp -d`, or
+    # under /root): passable while the pool runs
+    with unprivileged.reachable():
         try:
-            with (
-                open(log, "wb") as out,
-                subprocess.Popen(argv, env=env, stderr=out) as proc,
-            ):
-                try:
-                    redis = await _its_redis(top / "data", log, proc)
+            argv, env = await _plain_poold(top, objects, *flags, tokens=tokens)
+            log = top / "poold.log"
+            try:
+                with (
+                    open(log, "wb") as out,
+                    subprocess.Popen(argv, env=env, stderr=out) as proc,
+                ):
                     try:
-                        yield JobQueue(redis, lease_seconds=30)
+                        redis = await _its_redis(top / "data", log, proc)
+                        try:
+                            yield JobQueue(redis, lease_seconds=30)
+                        finally:
+                            await redis.aclose()
                     finally:
-                        await redis.aclose()
-                finally:
-                    proc.terminate()
-                    proc.wait(30)
-        except BaseException:
-            sys.stderr.write(log.read_text(errors="replace"))
-            raise
-    finally:
-        shutil.rmtree(top, ignore_errors=True)
+                        proc.terminate()
+                        proc.wait(30)
+            except BaseException:
+                sys.stderr.write(log.read_text(errors="replace"))
+                raise
+        finally:
+            shutil.rmtree(top, ignore_errors=True)
 
 
 async def _plain_poold(
