@@ -148,17 +148,18 @@ async def test_a_plain_uids_server_runs_local_slots_for_one_user_only() -> None:
     Redis password, the stored data. Such a server now refuses to start, saying what to set; with
     worker_serve_user its slots run that user's jobs only, and another user's job stays queued."""
     top = Path(tempfile.mkdtemp(prefix="gpupool-plain-pool-"))  # pytest's is closed to the uid
-    try:
-        argv, env = await _plain_poold(top, {}, tokens=TWO_USERS)
-        with subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True) as proc:
-            try:
-                _, said = await asyncio.to_thread(proc.communicate, timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.terminate()  # it stops its Redis
-                proc.communicate(timeout=30)
-                pytest.fail("poold started: its slot runs every user's jobs as its own uid")
-    finally:
-        shutil.rmtree(top, ignore_errors=True)
+    with unprivileged.reachable():  # as in pool_of_a_plain_uid
+        try:
+            argv, env = await _plain_poold(top, {}, tokens=TWO_USERS)
+            with subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True) as proc:
+                try:
+                    _, said = await asyncio.to_thread(proc.communicate, timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.terminate()  # it stops its Redis
+                    proc.communicate(timeout=30)
+                    pytest.fail("poold started: its slot runs every user's jobs as its own uid")
+        finally:
+            shutil.rmtree(top, ignore_errors=True)
     assert proc.returncode == 1, said
     assert "Traceback" not in said
     assert "this server does not run as root, so its local slots would run the jobs of all 2 users" in said
