@@ -219,6 +219,35 @@ async def test_the_next_job_of_a_uid_finds_no_key_of_the_last(changes: str) -> N
         assert (await job(spawner, slot, FIND_KEYS)).split() == ["-1", "-1", "0", "0"]
 
 
+PLANT_FAKES = (
+    KEYCTL
+    + """
+uid = os.getuid()
+for name in (f"_uid.{uid}", f"_uid_ses.{uid}"):  # named as the kernel names the uid's own keyrings
+    fake = libc.syscall(248, b"keyring", name.encode(), None, 0, persistent)  # which outlives the job
+    assert fake > 0 and keyctl(5, fake, 0x3f010010) == 0  # open; any uid may link it (KEY_OTH_LINK)
+    print(fake)
+"""
+)
+KEEP_FAKES = KEYCTL + "for fake in {fakes}:\n    assert keyctl(8, fake, persistent) == 0  # KEYCTL_LINK\n"
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["planted", "kept by another uid"])
+async def test_a_keyring_a_job_names_as_its_uids_own_keeps_no_later_job_from_starting(kept: bool) -> None:
+    """issue 44 item 7: a locked user keyring answers ENOKEY, so the start judged it from
+    /proc/keys by its name alone: a job that left an open keyring named `_uid_ses.<uid>` in its
+    uid's persistent keyring (emptied only after that look) stopped every later job of its uid
+    from starting until the machine restarted. Nor may the same user's job on another slot keep
+    such a keyring alive for it, out of reach of the next start's emptying."""
+    uid = random.randrange(62000, 63000)
+    slot, helper = SlotIdentity(uid, uid), SlotIdentity(uid + 1000, uid + 1000)
+    async with spawner_of() as spawner:
+        fakes = [int(serial) for serial in (await job(spawner, slot, PLANT_FAKES)).split()]
+        if kept:
+            await job(spawner, helper, KEEP_FAKES.format(fakes=fakes))
+        assert (await job(spawner, slot, FIND_KEYS)).split() == ["-1", "-1", "0", "0"]
+
+
 LOCK_WITH_A_KEY = (
     KEYCTL
     + """
