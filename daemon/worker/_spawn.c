@@ -117,6 +117,7 @@ struct birth {
     char **hidden;                    /* device nodes it may not open, NULL-terminated (with a uid) */
     int own_ipc, own_net;             /* an IPC, a network namespace of its own (with a uid) */
     const char *volatile step;        /* what it was doing when it failed (NULL: its exec) */
+    int caller_waits;                 /* the calling thread waits for its exec (CLONE_VFORK) */
 };
 
 /* The GIL guards both lists: every function here holds it. */
@@ -341,15 +342,21 @@ static long k_new_session_keyring(void)
    them into): the kernel gives a uid's own keyrings no group, so /proc/keys shows one made by a
    process of the uid by its group, the job's, and the start never takes such a one for an open
    keyring of the uid's (one that looks locked is harmless: at worst the start goes on while the
-   kernel still makes the uid a new keyring, empty, which the next start empties and locks). ENOKEY is also what the uid gets for a moment after its keyring was
-   invalidated, until the kernel's garbage collector has taken it: the start then waits for the new
-   one, a millisecond at a time, a few seconds at most. One the uid may search but not write (locked
+   kernel still makes the uid a new keyring, empty, which the next start empties and locks).
+   ENOKEY is also what the uid gets for a moment after its keyring was invalidated, until the
+   kernel's garbage collector has taken it: the start then waits for the new one, a millisecond at
+   a time (KEYRING_WAITS). One the uid may search but not write (locked
    by an earlier version of this module, which kept SEARCH, or by a job) is invalidated, and the
    kernel's new one emptied and locked. (An earlier version meets a keyring so locked with ENOKEY
    and fails the start: going back to one needs the machine restarted.) */
 #define KEYRING_PERM 0x03030000 /* KEY_POS_{VIEW,READ}, KEY_USR_ the same */
 #define KEYRING_PERM_TEXT "03030000" /* as /proc/keys shows it */
-#define KEYRING_WAITS 5000      /* milliseconds, for the kernel's new keyring */
+/* How long a start waits for the kernel's new keyring, in milliseconds. The kernel makes it once an
+   RCU grace period has passed: about 10 ms, 48 ms at most of 1 500 replacements measured on a busy
+   2-core machine. Where the calling thread waits for the child's exec (CLONE_VFORK), so do the
+   worker's event loop and every job's heartbeat: a fifth of a second at most then. */
+#define KEYRING_WAITS 5000
+#define KEYRING_WAITS_BLOCKING 200
 
 /* strlen and memcmp, as the child may call no library function (the first call of one goes
    through the dynamic linker, which is not safe in a process sharing a thread's memory). Read
@@ -495,7 +502,7 @@ static long k_empty_user_keyrings(struct birth *b)
                 return user < 0 ? user : session;
             if (user == KEYRING_FOUND && !(session & KEYRING_OPEN))
                 break;
-            if (waited++ == KEYRING_WAITS) {
+            if (waited++ == (b->caller_waits ? KEYRING_WAITS_BLOCKING : KEYRING_WAITS)) {
                 b->step = "emptying its uid's keyrings: one is neither locked as a start leaves it nor replaced";
                 return r;
             }
@@ -726,6 +733,7 @@ static pid_t start(struct birth *b, int (*fn)(void *), int born_in, int *pidfd)
     /* glibc's clone: the child on its own stack, this thread waiting until it has exec'd */
     int flags = CLONE_VM | CLONE_VFORK | CLONE_CHILD_CLEARTID;
     b->join = b->cgroup_fd >= 0;
+    b->caller_waits = 1;
     pid_t *cleared = (pid_t *)&b->alive;
     pid = clone(fn, (char *)b + b->size, flags | CLONE_PIDFD, b, pidfd, NULL, cleared);
     if (pid < 0 && errno == EINVAL) { /* no CLONE_PIDFD (before Linux 5.2) */
