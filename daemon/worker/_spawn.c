@@ -497,7 +497,8 @@ static long k_empty_user_keyrings(struct birth *b)
             /* locked by an earlier start, or one being collected: the user keyring must be listed
                and locked, and a user-session keyring, if there is one, locked (there is none when
                the user keyring was locked first: the kernel never gets as far as making it) */
-            long user = k_keyrings_listed("_uid.", uid, gid), session = k_keyrings_listed("_uid_ses.", uid, gid);
+            long user = k_keyrings_listed("_uid.", uid, gid);
+            long session = k_keyrings_listed("_uid_ses.", uid, gid);
             if (user < 0 || session < 0)
                 return user < 0 ? user : session;
             if (user == KEYRING_FOUND && !(session & KEYRING_OPEN))
