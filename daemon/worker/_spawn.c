@@ -33,8 +33,8 @@ thread's own while their memory is shared):
                  keyrings      a new session keyring joined
                  the switch    no_new_privs, no bounding or ambient capabilities, no supplementary
                                groups, all three gids, all three uids, no capability left
-                 keyrings      the uid's user, user-session and persistent keyrings emptied, the
-                               first two locked (see k_empty_user_keyrings)
+                 keyrings      the uid's persistent keyring emptied first, then its user and
+                               user-session keyrings emptied and locked (k_empty_user_keyrings)
     chdir(cwd)                 as the job's uid: a directory it may not enter fails the start
     execve                     each candidate path in turn, as execvp does with PATH
 
@@ -117,6 +117,7 @@ struct birth {
     char **hidden;                    /* device nodes it may not open, NULL-terminated (with a uid) */
     int own_ipc, own_net;             /* an IPC, a network namespace of its own (with a uid) */
     const char *volatile step;        /* what it was doing when it failed (NULL: its exec) */
+    int caller_waits;                 /* the calling thread waits for its exec (CLONE_VFORK) */
 };
 
 /* The GIL guards both lists: every function here holds it. */
@@ -336,20 +337,54 @@ static long k_new_session_keyring(void)
    uid another (it finds this one, and refuses). The next start, which has no more rights than the
    job (it is the uid by then, with no capability), meets that ENOKEY too; it takes the keyring as
    locked only when /proc/keys, which lists the keys the uid may view, shows it with exactly these
-   permissions and empty. ENOKEY is also what the uid gets for a moment after its keyring was
-   invalidated, until the kernel's garbage collector has taken it: the start then waits for the new
-   one, a millisecond at a time, a few seconds at most. One the uid may search but not write (locked
+   permissions and empty. A job can make keyrings of those names too, and keep them past its end
+   (in its uid's persistent keyring, or another uid's that its user's job on another slot links
+   them into): the kernel gives a uid's own keyrings no group, so /proc/keys shows one made by a
+   process of the uid by its group, the job's, and the start never takes such a one for an open
+   keyring of the uid's (one that looks locked is harmless: at worst the start goes on while the
+   kernel still makes the uid a new keyring, empty, which the next start empties and locks).
+   ENOKEY is also what the uid gets for a moment after its keyring was invalidated, until the
+   kernel's garbage collector has taken it: the start then waits for the new one, a millisecond at
+   a time (KEYRING_WAITS). One the uid may search but not write (locked
    by an earlier version of this module, which kept SEARCH, or by a job) is invalidated, and the
    kernel's new one emptied and locked. (An earlier version meets a keyring so locked with ENOKEY
    and fails the start: going back to one needs the machine restarted.) */
 #define KEYRING_PERM 0x03030000 /* KEY_POS_{VIEW,READ}, KEY_USR_ the same */
 #define KEYRING_PERM_TEXT "03030000" /* as /proc/keys shows it */
-#define KEYRING_WAITS 5000      /* milliseconds, for the kernel's new keyring */
+/* How long a start waits for the kernel's new keyring, in milliseconds. The kernel makes it once an
+   RCU grace period has passed: about 10 ms, 48 ms at most of 1 500 replacements measured on a busy
+   2-core machine. Where the calling thread waits for the child's exec (CLONE_VFORK), so do the
+   worker's event loop and every job's heartbeat: a fifth of a second at most then. */
+#define KEYRING_WAITS 5000
+#define KEYRING_WAITS_BLOCKING 200
+
+/* strlen and memcmp, as the child may call no library function (the first call of one goes
+   through the dynamic linker, which is not safe in a process sharing a thread's memory). Read
+   through a volatile pointer: GCC makes a plain loop of this kind a call to strlen. */
+static long k_length(const char *text)
+{
+    const volatile char *at = text;
+    long n = 0;
+    while (at[n] != '\0')
+        n++;
+    return n;
+}
+
+static int k_same(const char *a, const char *b, long n)
+{
+    for (long i = 0; i < n; i++) {
+        if (a[i] != b[i])
+            return 0;
+    }
+    return 1;
+}
 
 /* Whether the line `line` (`len` bytes) of /proc/keys, "serial flags usage timeout perm uid gid type
    description: summary" split at spaces, is the keyring `name``uid` of uid `uid` (text); *locked
-   then tells whether it has KEYRING_PERM and no link. */
-static int k_is_keyring(const char *line, long len, const char *name, const char *uid, int *locked)
+   then tells whether it has KEYRING_PERM and no link, *made_by_uid whether its group is `gid`'s (a
+   keyring a process of the uid made: the kernel's own have none). */
+static int k_is_keyring(const char *line, long len, const char *name, const char *uid, const char *gid,
+                        int *locked, int *made_by_uid)
 {
     const char *field[10];
     long lengths[10], n = 0;
@@ -364,22 +399,24 @@ static int k_is_keyring(const char *line, long len, const char *name, const char
             lengths[n++] = i - from;
         }
     }
-    long name_len = (long)strlen(name), uid_len = (long)strlen(uid);
-    if (n < 10 || lengths[7] != 7 || memcmp(field[7], "keyring", 7) != 0 ||
-        lengths[8] != name_len + uid_len + 1 || memcmp(field[8], name, (size_t)name_len) != 0 ||
-        memcmp(field[8] + name_len, uid, (size_t)uid_len) != 0 || field[8][name_len + uid_len] != ':' ||
-        lengths[5] != uid_len || memcmp(field[5], uid, (size_t)uid_len) != 0)
+    long name_len = k_length(name), uid_len = k_length(uid), gid_len = k_length(gid);
+    if (n < 10 || lengths[7] != 7 || !k_same(field[7], "keyring", 7) ||
+        lengths[8] != name_len + uid_len + 1 || !k_same(field[8], name, name_len) ||
+        !k_same(field[8] + name_len, uid, uid_len) || field[8][name_len + uid_len] != ':' ||
+        lengths[5] != uid_len || !k_same(field[5], uid, uid_len))
         return 0;
-    *locked = lengths[4] == 8 && memcmp(field[4], KEYRING_PERM_TEXT, 8) == 0 && lengths[9] == 5 &&
-              memcmp(field[9], "empty", 5) == 0;
+    *locked = lengths[4] == 8 && k_same(field[4], KEYRING_PERM_TEXT, 8) && lengths[9] == 5 &&
+              k_same(field[9], "empty", 5);
+    *made_by_uid = lengths[6] == gid_len && k_same(field[6], gid, gid_len);
     return 1;
 }
 
 /* What /proc/keys shows of the keyrings named `name``uid` of uid `uid`: KEYRING_FOUND when it lists
-   one, KEYRING_OPEN when one of them is not locked (as k_empty_user_keyrings leaves it); -errno. */
+   one, KEYRING_OPEN when one of them is not locked (as k_empty_user_keyrings leaves it) and not
+   made by a process of the uid (in group `gid`); -errno. */
 #define KEYRING_FOUND 1
 #define KEYRING_OPEN 2
-static long k_keyrings_listed(const char *name, const char *uid)
+static long k_keyrings_listed(const char *name, const char *uid, const char *gid)
 {
     char text[4096];
     long kept = 0, seen = 0;
@@ -396,15 +433,17 @@ static long k_keyrings_listed(const char *name, const char *uid)
         for (long i = 0; i < end; i++) {
             if (text[i] != '\n')
                 continue;
-            int locked = 0;
-            if (k_is_keyring(text + from, i - from, name, uid, &locked))
+            int locked = 0, made_by_uid = 0;
+            if (k_is_keyring(text + from, i - from, name, uid, gid, &locked, &made_by_uid) &&
+                (locked || !made_by_uid))
                 seen |= KEYRING_FOUND | (locked ? 0 : KEYRING_OPEN);
             from = i + 1;
         }
         if (n == 0 || (from == 0 && end == (long)sizeof text)) /* the end, or a line too long */
             break;
-        memmove(text, text + from, (size_t)(end - from));
-        kept = end - from;
+        volatile char *to = text; /* volatile: a loop the compiler cannot make a call to memmove */
+        for (kept = 0; from + kept < end; kept++)
+            to[kept] = text[from + kept];
     }
     (void)k_call(SYS_close, fd, 0, 0, 0, 0);
     return seen;
@@ -423,13 +462,30 @@ static void k_decimal(long uid, char *at)
     *at = '\0';
 }
 
+/* Empty the uid's persistent keyring. It is writable by whoever links it in (and no one may change
+   its attributes), so it is emptied at every start, and first: what the last job left there is
+   gone before the start looks at the uid's other keyrings. A job that revoked it leaves the next
+   one a new one. */
+static long k_empty_persistent_keyring(void)
+{
+    long r, persistent = k_call(SYS_keyctl, KEYCTL_GET_PERSISTENT, -1, KEY_SPEC_SESSION_KEYRING, 0, 0);
+    if (persistent == -EOPNOTSUPP || persistent == -ENOSYS)
+        return 0;
+    if (persistent < 0)
+        return persistent;
+    if ((r = k_call(SYS_keyctl, KEYCTL_CLEAR, persistent, 0, 0, 0)) < 0)
+        return r;
+    return k_call(SYS_keyctl, KEYCTL_UNLINK, persistent, KEY_SPEC_SESSION_KEYRING, 0, 0);
+}
+
 /* Empty the uid's user-session keyring, then its user keyring, and lock them, by serial: the kernel
    finds either through the user keyring, so from the first lock on neither can be named. */
 static long k_empty_user_keyrings(struct birth *b)
 {
     const struct timespec millisecond = {0, 1000000};
-    char uid[32];
+    char uid[32], gid[32];
     k_decimal(b->uid, uid);
+    k_decimal(b->gid, gid);
     for (long waited = 0;;) {
         long r, keyrings[2];
         keyrings[0] = r = k_call(SYS_keyctl, KEYCTL_GET_KEYRING_ID, KEY_SPEC_USER_SESSION_KEYRING, 1, 0, 0);
@@ -441,12 +497,13 @@ static long k_empty_user_keyrings(struct birth *b)
             /* locked by an earlier start, or one being collected: the user keyring must be listed
                and locked, and a user-session keyring, if there is one, locked (there is none when
                the user keyring was locked first: the kernel never gets as far as making it) */
-            long user = k_keyrings_listed("_uid.", uid), session = k_keyrings_listed("_uid_ses.", uid);
+            long user = k_keyrings_listed("_uid.", uid, gid);
+            long session = k_keyrings_listed("_uid_ses.", uid, gid);
             if (user < 0 || session < 0)
                 return user < 0 ? user : session;
             if (user == KEYRING_FOUND && !(session & KEYRING_OPEN))
                 break;
-            if (waited++ == KEYRING_WAITS) {
+            if (waited++ == (b->caller_waits ? KEYRING_WAITS_BLOCKING : KEYRING_WAITS)) {
                 b->step = "emptying its uid's keyrings: one is neither locked as a start leaves it nor replaced";
                 return r;
             }
@@ -476,18 +533,7 @@ static long k_empty_user_keyrings(struct birth *b)
             return r;
         break;
     }
-    b->step = "emptying its uid's persistent keyring";
-    long r;
-    /* The persistent keyring is writable by whoever links it in (and no one may change its
-       attributes): emptied at every start. A job that revoked it leaves the next one a new one. */
-    long persistent = k_call(SYS_keyctl, KEYCTL_GET_PERSISTENT, -1, KEY_SPEC_SESSION_KEYRING, 0, 0);
-    if (persistent == -EOPNOTSUPP)
-        return 0;
-    if (persistent < 0)
-        return persistent;
-    if ((r = k_call(SYS_keyctl, KEYCTL_CLEAR, persistent, 0, 0, 0)) < 0)
-        return r;
-    return k_call(SYS_keyctl, KEYCTL_UNLINK, persistent, KEY_SPEC_SESSION_KEYRING, 0, 0);
+    return 0;
 }
 
 /* -- the children --------------------------------------------------------------------------- */
@@ -525,6 +571,9 @@ static int job_child(void *arg)
         b->step = "switching to its uid";
         if ((r = k_give_up_privileges()) < 0 || (r = k_switch_to(b->uid, b->gid)) < 0 ||
             (r = k_no_capabilities()) < 0)
+            fail(b, r);
+        b->step = "emptying its uid's persistent keyring";
+        if ((r = k_empty_persistent_keyring()) < 0)
             fail(b, r);
         b->step = "emptying its uid's keyrings";
         if ((r = k_empty_user_keyrings(b)) < 0)
@@ -685,6 +734,7 @@ static pid_t start(struct birth *b, int (*fn)(void *), int born_in, int *pidfd)
     /* glibc's clone: the child on its own stack, this thread waiting until it has exec'd */
     int flags = CLONE_VM | CLONE_VFORK | CLONE_CHILD_CLEARTID;
     b->join = b->cgroup_fd >= 0;
+    b->caller_waits = 1;
     pid_t *cleared = (pid_t *)&b->alive;
     pid = clone(fn, (char *)b + b->size, flags | CLONE_PIDFD, b, pidfd, NULL, cleared);
     if (pid < 0 && errno == EINVAL) { /* no CLONE_PIDFD (before Linux 5.2) */

@@ -13,6 +13,7 @@ import os
 import random
 import stat
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Collection, Iterator
 from pathlib import Path
 
@@ -219,6 +220,35 @@ async def test_the_next_job_of_a_uid_finds_no_key_of_the_last(changes: str) -> N
         assert (await job(spawner, slot, FIND_KEYS)).split() == ["-1", "-1", "0", "0"]
 
 
+PLANT_FAKES = (
+    KEYCTL
+    + """
+uid = os.getuid()
+for name in (f"_uid.{uid}", f"_uid_ses.{uid}"):  # named as the kernel names the uid's own keyrings
+    fake = libc.syscall(248, b"keyring", name.encode(), None, 0, persistent)  # which outlives the job
+    assert fake > 0 and keyctl(5, fake, 0x3f010010) == 0  # open; any uid may link it (KEY_OTH_LINK)
+    print(fake)
+"""
+)
+KEEP_FAKES = KEYCTL + "for fake in {fakes}:\n    assert keyctl(8, fake, persistent) == 0  # KEYCTL_LINK\n"
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["planted", "kept by another uid"])
+async def test_a_keyring_a_job_names_as_its_uids_own_keeps_no_later_job_from_starting(kept: bool) -> None:
+    """issue 44 item 7: a locked user keyring answers ENOKEY, so the start judged it from
+    /proc/keys by its name alone: a job that left an open keyring named `_uid_ses.<uid>` in its
+    uid's persistent keyring (emptied only after that look) stopped every later job of its uid
+    from starting until the machine restarted. Nor may the same user's job on another slot keep
+    such a keyring alive for it, out of reach of the next start's emptying."""
+    uid = random.randrange(62000, 63000)
+    slot, helper = SlotIdentity(uid, uid), SlotIdentity(uid + 1000, uid + 1000)
+    async with spawner_of() as spawner:
+        fakes = [int(serial) for serial in (await job(spawner, slot, PLANT_FAKES)).split()]
+        if kept:
+            await job(spawner, helper, KEEP_FAKES.format(fakes=fakes))
+        assert (await job(spawner, slot, FIND_KEYS)).split() == ["-1", "-1", "0", "0"]
+
+
 LOCK_WITH_A_KEY = (
     KEYCTL
     + """
@@ -249,6 +279,68 @@ async def test_a_keyring_the_uid_can_still_search_is_replaced_before_the_job_sta
     assert done.returncode == 0, done.stderr
     async with spawner_of() as spawner:
         assert (await job(spawner, SlotIdentity(uid, uid), FIND_KEYS)).split() == ["-1", "-1", "0", "0"]
+
+
+SHUT_AWAY = (
+    KEYCTL
+    + """
+if keyctl(0, USER, 1) < 0:  # KEYCTL_GET_KEYRING_ID: locked by an earlier run's start, for good
+    sys.exit(3)
+assert keyctl(5, USER, 0x01010000) == 0  # KEYCTL_SETPERM: view only, so never found again
+"""
+)
+WITHOUT_CLONE3 = """
+import ctypes, os, sys, time
+from daemon.worker import _spawn
+# a seccomp filter that answers clone3 ENOSYS, as Docker's default profile does: the CLONE_VFORK way
+X86_64, CLONE3, ENOSYS, ERRNO, ALLOW = 0xC000003E, 435, 38, 0x00050000, 0x7FFF0000
+program = [(0x20, 0, 0, 4), (0x15, 0, 3, X86_64), (0x20, 0, 0, 0), (0x15, 0, 1, CLONE3),
+           (0x06, 0, 0, ERRNO | ENOSYS), (0x06, 0, 0, ALLOW)]  # ld arch; jeq; ld nr; jeq; ret; ret
+class Filter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+                ("k", ctypes.c_uint)]
+class Program(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+filters = (Filter * len(program))(*program)
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(22, 2, ctypes.byref(Program(len(program), filters)), 0, 0) == 0  # PR_SET_SECCOMP
+uid = int(sys.argv[1])
+began = time.monotonic()
+pid, pidfd = _spawn.spawn([b"/bin/true"], [b"true"], [], b"/", 0, 1, uid, uid, -1, False, -100, [],
+                          False, False)
+waited = time.monotonic() - began
+print(round(waited, 3), *_spawn.reap(pid, pidfd, True))
+"""
+
+
+@pytest.mark.skipif(
+    os.uname().machine != "x86_64", reason="clone3 refused stands for the other architectures"
+)
+async def test_where_the_worker_waits_for_a_start_a_keyring_never_found_holds_it_up_briefly() -> None:
+    """issue 44 item 7: where the calling thread waits for the child's exec (CLONE_VFORK: off
+    x86-64, or where a seccomp filter refuses clone3), a start that waits for the kernel to replace
+    its uid's keyring holds up the worker's event loop as long. The kernel replaces one in an RCU
+    grace period (~10 ms, 48 ms at most of 1 500 here), so such a start gives up after ~200 ms, not
+    5 s. Here the uid itself left its user keyring unsearchable, which no start can repair."""
+    for uid in random.sample(range(63000, 65000), 50):
+        as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+        done = subprocess.run(
+            [*as_uid, "/usr/bin/python3", "-c", SHUT_AWAY],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if done.returncode != 3:
+            break
+    assert done.returncode == 0, done.stderr
+    started = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", WITHOUT_CLONE3, str(uid), stdout=subprocess.PIPE, cwd=Path(__file__).parents[3]
+    )
+    out, _ = await asyncio.wait_for(started.communicate(), 30)
+    waited, status, error, *step = out.decode().split(maxsplit=3)
+    assert (int(status), int(error)) == (127, errno.ENOKEY), step
+    assert float(waited) < 1.5
 
 
 MQ = """

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import re
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -195,3 +197,35 @@ def test_an_entry_that_goes_between_listing_and_looking_is_not_the_uids(tmp_path
         entries = list(scan)
     (tmp_path / "gone").unlink()
     assert [uid_sweep.owned_by(e, os.getuid()) for e in entries] == [False]
+
+
+CHILDREN = ("job_child", "sweeper_child")  # what a child of _spawn.c runs until its exec or exit
+ELSEWHERE = "off x86-64 the calling thread waits for the child, which then makes library calls"
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason=ELSEWHERE)
+def test_a_child_calls_no_library_function_until_its_exec() -> None:
+    """issue 44 item 7: the child shares the worker thread's memory and thread-local storage until
+    its exec, so it may make only system calls: the first call of a library function goes through
+    the dynamic linker, and the keyring listing called memcmp, memmove and strlen. Read from the
+    module as built (objdump comes with the binutils that linked it): every function the children
+    reach, and what each calls or jumps to."""
+    listing = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", _spawn.__file__], capture_output=True, text=True, check=True
+    ).stdout
+    calls: dict[str, set[str]] = {}
+    function = ""
+    for line in listing.splitlines():
+        if heading := re.fullmatch(r"[0-9a-f]+ <(.+)>:", line):
+            function = heading[1]
+            calls[function] = set()
+        elif instruction := re.search(r"\t(call|jmp)\w*\s+(.*)$", line):
+            target = re.search(r"<([^>+]+)", instruction[2])
+            calls[function].add(target[1] if target else instruction[2])  # no symbol: indirect
+    reached, todo = set(), list(CHILDREN)
+    while todo:
+        if (function := todo.pop()) not in reached:
+            reached.add(function)
+            todo.extend(calls.get(function, ()))
+    outside = {function for function in reached if "@" in function or function not in calls}
+    assert not outside, f"the children call library functions, or through pointers: {outside}"
