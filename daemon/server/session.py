@@ -306,7 +306,7 @@ class Session:
         # A connection opened before its address was throttled is refused here, as a new one
         # would be at its accept (listener.py): opening many first gains no guesses.
         backoff = self._throttle.refused(self.host, now)
-        wait = None if backoff else self._throttle.wait(user, now)
+        wait = None if backoff else self._throttle.wait(self.host, user, now)
         if failed and not backoff:
             self._throttle.failed(self.host, user, now)
         if wait is None:

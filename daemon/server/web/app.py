@@ -101,12 +101,13 @@ async def _paced(request: web.Request, tokens: Mapping[str, bytes], token: str) 
     """The user whose token `token` is (None: nobody's), as the throttle (throttle.py) paces it,
     or the refusal to answer with: a peer in back-off is refused (429) before the token is looked
     at; while sign-ins with a wrong token are in back-off, each waits its turn. A sign-in names no
-    user, only a token that may be anyone's, so they all count under one name of their own."""
+    user, only a token that may be anyone's, so they all count under one name of their own, which
+    a peer that signed in well lately is not paced by."""
     throttle = request.app[THROTTLE]
     peer = request.remote or "an unknown address"
     now = asyncio.get_running_loop().time()
     backoff = throttle.refused(peer, now)
-    wait = None if backoff else throttle.wait(SIGN_INS, now)
+    wait = None if backoff else throttle.wait(peer, SIGN_INS, now)
     if wait is None:
         refused = (
             f"Too many failed sign-ins from {peer}: try again in {math.ceil(backoff)} s."
@@ -119,6 +120,7 @@ async def _paced(request: web.Request, tokens: Mapping[str, bytes], token: str) 
         throttle.failed(peer, SIGN_INS, now)
     else:
         throttle.succeeded(peer, user)
+        throttle.know(peer, SIGN_INS)  # its next sign-ins are not paced by others' failures
     await asyncio.sleep(wait)
     return user
 
