@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from daemon.errors import GpupoolError
 from daemon.server.handlers import Handlers
 from daemon.server.idle_watch import IdleWatch
-from daemon.server.throttle import Throttle
+from daemon.server.throttle import Throttle, block
 from protocol import (
     DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
@@ -111,6 +111,13 @@ class FrameBudget:
 
 PEER_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 LOCAL_PEER = "the local socket"  # what a client on the server's Unix socket is called (it has no address)
+
+
+def warned_as(user: str | None, host: str) -> str:
+    """Whose allowance of warnings (log_limit.py) a connection's count against: its user's once
+    known, before that its address block as the throttle counts it (an IPv6 /64), so a host that
+    rotates through the addresses it is given gains no fresh allowance with each."""
+    return user or block(host)
 
 
 def peer_host(writer: asyncio.StreamWriter) -> str:
@@ -239,7 +246,7 @@ class Session:
                 self._held = held
                 if why is not None:
                     self.handlers.warnings.warning(
-                        log, self._user or self.host, "closing %s: %s", self.peer, why
+                        log, warned_as(self._user, self.host), "closing %s: %s", self.peer, why
                     )
                     self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}."))
                     return
