@@ -257,3 +257,30 @@ async def test_a_dashboard_peer_that_signed_in_lately_is_not_paced_by_others_fai
         start = loop.time()
         assert [await sign_in(pool, pool.tokens["alice"], source="127.0.0.5") for _ in range(3)] == [303] * 3
         assert loop.time() - start < 1.0
+
+
+async def test_a_connection_waiting_its_turn_is_not_the_first_closed_to_make_room(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 44 item 4 (review of item 9), feared: a connection waiting its turn (its user in
+    back-off) holds a place among those authenticating, and a flood of new connections closes the
+    oldest of those first, the real user with it. Not so: its token checked, it no longer counts
+    as authenticating (its protocol state is past AUTH), so the flood's own are closed."""
+    async with running_pool(redis_server, tmp_path, max_connections=4) as pool:
+        assert pool.server.listener is not None
+        pool.server.listener.throttle.first = 2.0
+        for n in range(FREE + 1):  # the last takes the turn now; the next is 2 s off
+            assert await attempt(pool, "alice", WRONG, source=f"127.0.1.{n}") == "failed"
+        alice = asyncio.create_task(attempt(pool, "alice", pool.tokens["alice"], source="127.0.2.1"))
+        await asyncio.sleep(0.5)  # she waits her turn
+        host, port = pool.address.rsplit(":", 1)
+        flood = [
+            await asyncio.open_connection(host, int(port), local_addr=(f"127.0.3.{n}", 0)) for n in range(4)
+        ]
+        try:
+            assert await alice == "in"
+            async with asyncio.timeout(5):  # room was made, by closing the flood's oldest
+                assert b"the oldest make room" in await flood[0][0].read()
+        finally:
+            for _, writer in flood:
+                writer.close()
