@@ -168,6 +168,7 @@ class Session:
         self._closing = False
         self.opened_at = asyncio.get_running_loop().time()
         self.evicted = False
+        self._failing = False  # its authentication failed, the verdict held for its turn (_paced)
         self._budget = budget or FrameBudget(limits.max_partial_frames)
         self._held: tuple[str, int] = ("", 0)  # (user, bytes) of a partial frame, as the budget counts it
         self._on_protocol_error = on_protocol_error
@@ -192,6 +193,13 @@ class Session:
     @property
     def authenticated(self) -> bool:
         return self.conn.state not in (State.AWAIT_HELLO, State.AWAIT_AUTH)
+
+    @property
+    def authenticating(self) -> bool:
+        """Whether it holds a place only as a connection that may yet authenticate (listener.py
+        closes the oldest of those to make room): not authenticated yet, or failed and holding
+        its verdict for its turn (a guess, which never will be)."""
+        return not self.authenticated or self._failing
 
     def evict(self, why: str) -> None:
         """Close a connection that has not authenticated, to make room for one that may (its read
@@ -329,6 +337,7 @@ class Session:
         if not failed:
             self._throttle.succeeded(self.host, user)
         if wait:
+            self._failing = failed
             await asyncio.sleep(wait)
         return event
 

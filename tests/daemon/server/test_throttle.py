@@ -264,8 +264,9 @@ async def test_a_connection_waiting_its_turn_is_not_the_first_closed_to_make_roo
 ) -> None:
     """issue 44 item 4 (review of item 9), feared: a connection waiting its turn (its user in
     back-off) holds a place among those authenticating, and a flood of new connections closes the
-    oldest of those first, the real user with it. Not so: its token checked, it no longer counts
-    as authenticating (its protocol state is past AUTH), so the flood's own are closed."""
+    oldest of those first, the real user with it. Not so: its right token checked, it no longer
+    counts as authenticating, so the flood's own are closed (a guess waiting its turn does count:
+    the next test)."""
     async with running_pool(redis_server, tmp_path, max_connections=4) as pool:
         assert pool.server.listener is not None
         pool.server.listener.throttle.first = 2.0
@@ -284,3 +285,26 @@ async def test_a_connection_waiting_its_turn_is_not_the_first_closed_to_make_roo
         finally:
             for _, writer in flood:
                 writer.close()
+
+
+async def test_guesses_waiting_their_turns_cannot_hold_every_place(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 44 item 4: a guess that failed holds its verdict for its turn, up to MOST_WAIT, past
+    AUTH: it counted as authenticated, and nothing closed it to make room, so guesses waiting
+    their turns (a few per user name, from any number of addresses) could hold every place and
+    the server refused real users. They are closed to make room, as connections still
+    authenticating are."""
+    async with running_pool(redis_server, tmp_path, max_connections=3) as pool:
+        for n in range(FREE):
+            assert await attempt(pool, "bob", WRONG, source=f"127.0.1.{n}") == "failed"
+        guesses = []
+        try:
+            for n in range(4):  # one answered now, three waiting their turns (1, 3 and 7 s off)
+                guesses.append(asyncio.create_task(attempt(pool, "bob", WRONG, source=f"127.0.4.{n}")))
+                await asyncio.sleep(0.1)  # past AUTH before the next one opens
+            assert await attempt(pool, "alice", pool.tokens["alice"], source="127.0.0.5") == "in"
+        finally:
+            for task in guesses:
+                task.cancel()
+            await asyncio.gather(*guesses, return_exceptions=True)
