@@ -103,12 +103,13 @@ class Throttle:
         self._peers.pop(block(peer), None)
         self.know(peer, user)
 
-    def know(self, peer: str, user: str) -> None:
-        """Remember `peer` as one that authenticated as `user` (the newest KNOWN per user kept)."""
+    def know(self, peer: str, user: str, *, keep: int | None = None) -> None:
+        """Remember `peer` as one that authenticated as `user` (the newest `keep` kept for that
+        name, `known` by default)."""
         peers = self._known.pop(user, None) or OrderedDict()
         peers.pop(block(peer), None)
         peers[block(peer)] = None
-        while len(peers) > self._known_per_user:
+        while len(peers) > (keep or self._known_per_user):
             peers.popitem(last=False)
         self._known[user] = peers
         while len(self._known) > self._remembered:

@@ -20,7 +20,7 @@ from aiohttp import web
 from daemon.errors import GpupoolError
 from daemon.server.handlers import Handlers
 from daemon.server.listener import ListenerError
-from daemon.server.throttle import Throttle
+from daemon.server.throttle import REMEMBERED, Throttle
 from daemon.server.web import live, pages
 from daemon.server.web.guard import SESSION_KEY, guard, host_names, session_of
 from daemon.server.web.pages import HANDLERS, SNAPSHOTS, Handler, PageError, PageFunction
@@ -120,7 +120,8 @@ async def _paced(request: web.Request, tokens: Mapping[str, bytes], token: str) 
         throttle.failed(peer, SIGN_INS, now)
     else:
         throttle.succeeded(peer, user)
-        throttle.know(peer, SIGN_INS)  # its next sign-ins are not paced by others' failures
+        # its next sign-ins are not paced by others' failures; every user's share the name
+        throttle.know(peer, SIGN_INS, keep=REMEMBERED)
     await asyncio.sleep(wait)
     return user
 
