@@ -227,9 +227,11 @@ class JobQueue(Claims, QueueReads):
             if self._standing and not spec.held:
                 self._send_standing(q, (packed, spec))  # an idle worker's claim, in the same round trip
             got, created, *conflict = await reply
-        except BaseException:
+        except BaseException as exc:
             await self._unlisted(listed)
-            raise
+            if isinstance(exc, ResponseError):  # Redis refused the script (at maxmemory): nothing written
+                await self._give_back(stored)
+            raise  # (its reply lost, it may have written: what _store counted stays, the safe side)
         await self._listed(listed, [q])
         if got == b"over" or not created:  # nothing written: what _store counted is given back
             await self._give_back(stored)
@@ -293,10 +295,14 @@ class JobQueue(Claims, QueueReads):
                 durable=True,
             )
         try:
-            replies = await batch.execute()
+            replies = await batch.execute_each()
         except BaseException:
             await self._unlisted(listed)
-            raise
+            raise  # (replies lost, the calls may have written: what _store counted stays, the safe side)
+        if errors := [reply for reply in replies if isinstance(reply, Exception)]:
+            await self._unlisted(listed)
+            await self._give_back_refused(specs, packed, chunks, replies, stored)
+            raise errors[0]
         await self._listed(listed, sorted({s.queue for s in specs}))
         refused = [(c, reply) for c, reply in zip(chunks, replies, strict=True) if reply[0] == b"over"]
         if refused:
@@ -329,6 +335,25 @@ class JobQueue(Claims, QueueReads):
         if not written:
             await self._give_back(stored)
 
+    async def _give_back_refused(
+        self,
+        specs: Sequence[JobSpec],
+        packed: Sequence[bytes],
+        chunks: Sequence[Sequence[int]],
+        replies: Sequence[Any],
+        stored: Mapping[str, tuple[str, int]],
+    ) -> None:
+        """Give back what `_store` counted for the jobs of the calls Redis refused (a ResponseError:
+        at maxmemory, the script wrote nothing); the other calls' jobs were written."""
+        not_written: Counter[str] = Counter()
+        for chunk, reply in zip(chunks, replies, strict=True):
+            if isinstance(reply, ResponseError):
+                for i in chunk:
+                    not_written[specs[i].user] += RECORD_BYTES + len(packed[i])
+        await self._give_back(
+            {user: (stored[user][0], n) for user, n in not_written.items() if user in stored}
+        )
+
     async def _store(self, adding: Mapping[str, int]) -> dict[str, tuple[str, int]]:
         """Count `adding` (user -> bytes about to be submitted) against each user's `max_stored`
         (lua/store.lua), all or none: TooMuchStored names the first user it would take past it.
@@ -347,11 +372,14 @@ class JobQueue(Claims, QueueReads):
         return counted
 
     async def _give_back(self, counted: Mapping[str, tuple[str, int]]) -> None:
-        """Give back what `_store` counted for a submission that then wrote nothing."""
+        """Give back what `_store` counted for a submission that then wrote nothing. Best effort:
+        should Redis refuse this too, the count stays over, the safe side, and the submission's
+        own error is the one to tell."""
         for user, (day, nbytes) in counted.items():
-            await self._call.submit(
-                self.scripts.store, [keys.stored(user)], [-nbytes, self.max_stored, self.retention, day]
-            )
+            with contextlib.suppress(RedisError):
+                await self._call.submit(
+                    self.scripts.store, [keys.stored(user)], [-nbytes, self.max_stored, self.retention, day]
+                )
 
     def _notify_targets(self, spec: JobSpec) -> str:
         """Where the end of a job enqueued now goes, as its record names the targets (`job`: its

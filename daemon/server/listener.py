@@ -148,7 +148,7 @@ class Listener:
         all, or of those from `host`, which a new one comes from) or hold the last places; returns
         how many connections are open after it."""
         open_ = [s for s in self._sessions if not s.evicted]
-        waiting = sorted((s for s in open_ if not s.authenticated), key=lambda s: s.opened_at)
+        waiting = sorted((s for s in open_ if s.authenticating), key=lambda s: s.opened_at)
         from_host = [s for s in waiting if s.host == host]
         while len(from_host) >= self.limits.max_unauthenticated_per_host:
             oldest = from_host.pop(0)

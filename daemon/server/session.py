@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from daemon.errors import GpupoolError
 from daemon.server.handlers import Handlers
 from daemon.server.idle_watch import IdleWatch
-from daemon.server.throttle import Throttle
+from daemon.server.throttle import Throttle, block
 from protocol import (
     DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
@@ -113,6 +113,13 @@ PEER_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 LOCAL_PEER = "the local socket"  # what a client on the server's Unix socket is called (it has no address)
 
 
+def warned_as(user: str | None, host: str) -> str:
+    """Whose allowance of warnings (log_limit.py) a connection's count against: its user's once
+    known, before that its address block as the throttle counts it (an IPv6 /64), so a host that
+    rotates through the addresses it is given gains no fresh allowance with each."""
+    return user or block(host)
+
+
 def peer_host(writer: asyncio.StreamWriter) -> str:
     """Where a connection comes from: its host, or on the local socket the uid of the process
     that connected (each local user a peer of their own, for the bounds and the throttle)."""
@@ -161,6 +168,7 @@ class Session:
         self._closing = False
         self.opened_at = asyncio.get_running_loop().time()
         self.evicted = False
+        self._failing = False  # its authentication failed, the verdict held for its turn (_paced)
         self._budget = budget or FrameBudget(limits.max_partial_frames)
         self._held: tuple[str, int] = ("", 0)  # (user, bytes) of a partial frame, as the budget counts it
         self._on_protocol_error = on_protocol_error
@@ -185,6 +193,13 @@ class Session:
     @property
     def authenticated(self) -> bool:
         return self.conn.state not in (State.AWAIT_HELLO, State.AWAIT_AUTH)
+
+    @property
+    def authenticating(self) -> bool:
+        """Whether it holds a place only as a connection that may yet authenticate (listener.py
+        closes the oldest of those to make room): not authenticated yet, or failed and holding
+        its verdict for its turn (a guess, which never will be)."""
+        return not self.authenticated or self._failing
 
     def evict(self, why: str) -> None:
         """Close a connection that has not authenticated, to make room for one that may (its read
@@ -239,7 +254,7 @@ class Session:
                 self._held = held
                 if why is not None:
                     self.handlers.warnings.warning(
-                        log, self._user or self.host, "closing %s: %s", self.peer, why
+                        log, warned_as(self._user, self.host), "closing %s: %s", self.peer, why
                     )
                     self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}."))
                     return
@@ -306,7 +321,7 @@ class Session:
         # A connection opened before its address was throttled is refused here, as a new one
         # would be at its accept (listener.py): opening many first gains no guesses.
         backoff = self._throttle.refused(self.host, now)
-        wait = None if backoff else self._throttle.wait(user, now)
+        wait = None if backoff else self._throttle.wait(self.host, user, now)
         if failed and not backoff:
             self._throttle.failed(self.host, user, now)
         if wait is None:
@@ -322,6 +337,7 @@ class Session:
         if not failed:
             self._throttle.succeeded(self.host, user)
         if wait:
+            self._failing = failed
             await asyncio.sleep(wait)
         return event
 

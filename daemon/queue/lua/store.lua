@@ -20,8 +20,13 @@
 local DAY = 86400
 local key, adding, most, retention = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 if adding < 0 then
-  if redis.call('HEXISTS', key, ARGV[4]) == 1 and redis.call('HINCRBY', key, ARGV[4], adding) < 0 then
-    redis.call('HSET', key, ARGV[4], 0)
+  -- Given back at maxmemory too, where a refused enqueue's give-back usually runs: it allocates
+  -- nothing, and Redis refuses a script's command for memory only until its first write, so the
+  -- day's count is taken out (HDEL, never refused for memory) and put back lowered.
+  local held = tonumber(redis.call('HGET', key, ARGV[4]))
+  if held ~= nil then
+    redis.call('HDEL', key, ARGV[4])
+    redis.call('HSET', key, ARGV[4], math.max(held + adding, 0))
   end
   return {'ok', ARGV[4]}
 end

@@ -20,7 +20,7 @@ from aiohttp import web
 from daemon.errors import GpupoolError
 from daemon.server.handlers import Handlers
 from daemon.server.listener import ListenerError
-from daemon.server.throttle import Throttle
+from daemon.server.throttle import REMEMBERED, Throttle
 from daemon.server.web import live, pages
 from daemon.server.web.guard import SESSION_KEY, guard, host_names, session_of
 from daemon.server.web.pages import HANDLERS, SNAPSHOTS, Handler, PageError, PageFunction
@@ -101,12 +101,13 @@ async def _paced(request: web.Request, tokens: Mapping[str, bytes], token: str) 
     """The user whose token `token` is (None: nobody's), as the throttle (throttle.py) paces it,
     or the refusal to answer with: a peer in back-off is refused (429) before the token is looked
     at; while sign-ins with a wrong token are in back-off, each waits its turn. A sign-in names no
-    user, only a token that may be anyone's, so they all count under one name of their own."""
+    user, only a token that may be anyone's, so they all count under one name of their own, which
+    a peer that signed in well lately is not paced by."""
     throttle = request.app[THROTTLE]
     peer = request.remote or "an unknown address"
     now = asyncio.get_running_loop().time()
     backoff = throttle.refused(peer, now)
-    wait = None if backoff else throttle.wait(SIGN_INS, now)
+    wait = None if backoff else throttle.wait(peer, SIGN_INS, now)
     if wait is None:
         refused = (
             f"Too many failed sign-ins from {peer}: try again in {math.ceil(backoff)} s."
@@ -119,6 +120,8 @@ async def _paced(request: web.Request, tokens: Mapping[str, bytes], token: str) 
         throttle.failed(peer, SIGN_INS, now)
     else:
         throttle.succeeded(peer, user)
+        # its next sign-ins are not paced by others' failures; every user's share the name
+        throttle.know(peer, SIGN_INS, keep=REMEMBERED)
     await asyncio.sleep(wait)
     return user
 

@@ -11,6 +11,7 @@ from typing import Any, cast
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from daemon.aio import cancel_and_wait
 from daemon.errors import (
@@ -27,6 +28,7 @@ from daemon.queue.connection import AnyRedis
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from tests.daemon.queue.conftest import Server
+from tests.support.faults import memory_full
 
 OK = Outcome(JobState.SUCCEEDED, exit_code=0)
 
@@ -818,6 +820,29 @@ async def test_a_user_who_enqueues_and_cancels_cannot_fill_redis_for_everyone(re
     with pytest.raises(TooManyUnended):  # refused by its count in the queue: its bytes given back
         await queue.enqueue(JobSpec(argv=big, user="bob"))
     await queue.enqueue(JobSpec(argv=big, user="bob", queue="other"))
+
+
+async def test_a_submission_redis_refuses_at_maxmemory_gives_its_counted_bytes_back(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """issue 44 item 7 (review of item 6): the bytes a submission counted (store.lua) stayed
+    counted when Redis then refused its enqueue, though nothing was written: at maxmemory each
+    refused submission took room from its user for the retention. A refusal (ResponseError) gives
+    them back, in one call and in a batch. Redis is full from before the count: the count gets
+    through only as a script that has written first does (it prunes a day past the retention)."""
+    async with redis_server.client() as client:
+        queue = JobQueue(client, max_stored=2**20)
+        await queue.enqueue(JobSpec(argv=("echo", "x"), user="alice"))
+        held = await client.hgetall(keys.stored("alice"))
+        for submit in (
+            lambda: queue.enqueue(JobSpec(argv=("echo", "y" * 1000), user="alice")),
+            lambda: queue.enqueue_many([JobSpec(argv=("echo", "z" * 1000), user="alice")] * 3),
+        ):
+            await client.hset(keys.stored("alice"), "1", 5)  # day 1 (1970): long past the retention
+            async with memory_full(redis_server):
+                with pytest.raises(ResponseError, match="maxmemory"):
+                    await submit()
+            assert await client.hgetall(keys.stored("alice")) == held
 
 
 async def test_a_batch_over_the_bound_writes_none_of_its_jobs(redis: AnyRedis) -> None:

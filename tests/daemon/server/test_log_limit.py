@@ -11,7 +11,8 @@ import pytest
 
 from daemon.ctl.session import ClientError
 from daemon.queue.embedded_redis import EmbeddedRedis
-from daemon.server.log_limit import BURST
+from daemon.server.log_limit import BURST, LogLimit
+from daemon.server.session import warned_as
 from protocol import Enqueue, Enqueued
 from tests.support.faults import memory_full
 from tests.support.pool import Pool, running_pool
@@ -67,3 +68,19 @@ async def test_one_users_flood_of_failing_requests_writes_a_few_lines(
     assert suppressed == f"{FLOOD - BURST} more warnings like these from alice suppressed"
     assert "of alice refused" in next_one
     assert len(warnings_written(caplog)) == BURST + 3
+
+
+def test_before_authentication_warnings_count_against_the_address_block(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """issue 44 item 5 (review of item 9): before authentication a connection's warnings counted
+    against its raw address, so a host rotating through its IPv6 /64 had a fresh allowance with
+    each address. They count against the block the throttle counts (a /64), as the session
+    names it; a user, once known, has their own."""
+    limit = LogLimit(clock=lambda: 0.0)
+    logger = logging.getLogger("test_log_limit")
+    with caplog.at_level(logging.WARNING, logger="test_log_limit"):
+        for n in range(1, 2 * BURST + 1):
+            limit.warning(logger, warned_as(None, f"2001:db8:1:2::{n:x}"), "closing a connection")
+        limit.warning(logger, warned_as("alice", "2001:db8:1:2::1"), "closing a connection")
+    assert [r.getMessage() for r in caplog.records].count("closing a connection") == BURST + 1
