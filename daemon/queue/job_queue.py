@@ -1,5 +1,6 @@
 """The job queue on Redis Streams: enqueue, claim, renew, complete, cancel, reclaim (the reads
-are reads.QueueReads, the claims claims.Claims, which JobQueue is too).
+are reads.QueueReads, the claims claims.Claims, the jobs held for others held.HeldJobs, the count of what
+each user's submissions hold user_room.UserRoom, which JobQueue is too).
 
 Every state change is one Lua script (daemon/queue/lua/, each saying what it guarantees), so a change
 either happens whole or not at all, under any number of concurrent clients and workers. Keys are
@@ -13,8 +14,9 @@ redis-py sends a command again when its reply was lost.
 
 Over ~400 lines for a reason: this is every write the pool makes to its queue, each method one
 script call with its arguments in the script's order; the reads live apart (reads.py), and so do
-the claims (claims.py), the one call with much to say; dividing the writes further would split
-one API that callers learn as a whole.
+the claims (claims.py), the one call with much to say, the calls of jobs held for others
+(held.py) and the per-user bounds of submissions (user_room.py); dividing the writes further
+would split one API that callers learn as a whole.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import logging
 import secrets
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import msgpack
 from redis.commands.core import AsyncScript
@@ -39,14 +41,15 @@ from daemon.errors import (
     JobNotFound,
     StaleAttempt,
     TooManyUnended,
-    TooMuchStored,
 )
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
 from daemon.queue.claims import Claims, Standing
 from daemon.queue.connection import AnyRedis, RunIdWatch
+from daemon.queue.held import HeldJobs
 from daemon.queue.reads import QueueReads, _s
 from daemon.queue.scripts import Command, Pipeliner, ReplicaAck, ScriptBatch, Scripts
+from daemon.queue.user_room import RECORD_BYTES, UserRoom
 from daemon.queue.work_read import WorkRead
 from daemon.webhook import TARGET_JOB, TARGET_POOL
 
@@ -55,11 +58,6 @@ log = logging.getLogger(__name__)
 DEFAULT_RETENTION = 7 * 24 * 3600
 RECLAIM_BATCH = 500
 ENQUEUE_CHUNK = 100  # jobs per enqueue_many script call: a few ms of Redis time at most
-# Bytes counted for each job's record against its user's user_max_stored_bytes, beside its spec:
-# the rest of its hash, its index and stream entries, its attempts, outcome and end event. Measured
-# on Redis 6.2: a small job cancelled while queued grew used_memory 2.7 KB, one run to its end
-# 4.5 KB (its log, bounded by job_log_max_bytes, apart).
-RECORD_BYTES = 6 * 1024
 MAX_IDEMPOTENCY_KEY = 200
 ADD_QUEUES = Command("SADD")  # name queues in the pool's queue set (`_list_queues`)
 DEFAULT_LOG_MAX_BYTES = 16 * 2**20  # per job: the first quarter is kept for good, then the newest
@@ -103,7 +101,7 @@ def _raise_if_stale(lease: Lease, reply: Sequence[Any]) -> None:
         )
 
 
-class JobQueue(Claims, QueueReads):
+class JobQueue(Claims, QueueReads, HeldJobs, UserRoom):
     """All queue operations of one pool, over one Redis client (a connection pool)."""
 
     def __init__(
@@ -313,18 +311,6 @@ class JobQueue(Claims, QueueReads):
             raise TooManyUnended(user, q, int(reply[2]), many, self.max_unended)
         return [_s(job_id) for reply in replies for job_id in reply]
 
-    async def _judge_queues(self, specs: Sequence[JobSpec]) -> None:
-        """TooManyUnended, before anything is written, when a batch over several queues would take
-        a user past `max_unended` in one of them, by the counts as they are (the scripts judge
-        each queue's part again, atomically)."""
-        per_queue = Counter((s.queue, s.user) for s in specs)
-        if not self.max_unended or len({q for q, _ in per_queue}) < 2:
-            return
-        for (q, user), n in per_queue.items():
-            has = (await self.unended(user, [q]))[q]
-            if has + n > self.max_unended:
-                raise TooManyUnended(user, q, has, n, self.max_unended)
-
     async def _undo(self, replies: Sequence[Any], stored: Mapping[str, tuple[str, int]]) -> None:
         """Undo a refused batch: cancel what its calls not refused wrote (concurrent submissions
         filled the room after the first call of a queue judged it), or, where none wrote, give
@@ -334,52 +320,6 @@ class JobQueue(Claims, QueueReads):
             await self.cancel(job_id, "its batch was refused: its user has too many jobs not ended")
         if not written:
             await self._give_back(stored)
-
-    async def _give_back_refused(
-        self,
-        specs: Sequence[JobSpec],
-        packed: Sequence[bytes],
-        chunks: Sequence[Sequence[int]],
-        replies: Sequence[Any],
-        stored: Mapping[str, tuple[str, int]],
-    ) -> None:
-        """Give back what `_store` counted for the jobs of the calls Redis refused (a ResponseError:
-        at maxmemory, the script wrote nothing); the other calls' jobs were written."""
-        not_written: Counter[str] = Counter()
-        for chunk, reply in zip(chunks, replies, strict=True):
-            if isinstance(reply, ResponseError):
-                for i in chunk:
-                    not_written[specs[i].user] += RECORD_BYTES + len(packed[i])
-        await self._give_back(
-            {user: (stored[user][0], n) for user, n in not_written.items() if user in stored}
-        )
-
-    async def _store(self, adding: Mapping[str, int]) -> dict[str, tuple[str, int]]:
-        """Count `adding` (user -> bytes about to be submitted) against each user's `max_stored`
-        (lua/store.lua), all or none: TooMuchStored names the first user it would take past it.
-        Returns what was counted (user -> (day, bytes)), for `_give_back`."""
-        counted: dict[str, tuple[str, int]] = {}
-        if not self.max_stored:
-            return counted
-        for user, nbytes in adding.items():
-            reply = await self._call.submit(
-                self.scripts.store, [keys.stored(user)], [nbytes, self.max_stored, self.retention]
-            )
-            if reply[0] == b"over":
-                await self._give_back(counted)
-                raise TooMuchStored(user, int(reply[1]), nbytes, self.max_stored, float(reply[2]))
-            counted[user] = (_s(reply[1]), nbytes)
-        return counted
-
-    async def _give_back(self, counted: Mapping[str, tuple[str, int]]) -> None:
-        """Give back what `_store` counted for a submission that then wrote nothing. Best effort:
-        should Redis refuse this too, the count stays over, the safe side, and the submission's
-        own error is the one to tell."""
-        for user, (day, nbytes) in counted.items():
-            with contextlib.suppress(RedisError):
-                await self._call.submit(
-                    self.scripts.store, [keys.stored(user)], [-nbytes, self.max_stored, self.retention, day]
-                )
 
     def _notify_targets(self, spec: JobSpec) -> str:
         """Where the end of a job enqueued now goes, as its record names the targets (`job`: its
@@ -557,102 +497,6 @@ class JobQueue(Claims, QueueReads):
         except ResponseError:  # refused at maxmemory: taken as new, the safe side
             return 0.0
         return min((int(age) / 1000 for age in ages), default=float("inf"))
-
-    # -- dependencies (daemon/after.py; the server decides, server/dependencies.py) --------------
-
-    async def note_dependents(self, jobs: Iterable[tuple[str, Sequence[str]]]) -> None:
-        """Note each job (id, what it waits for: "JOB:how" each) in the `dependents` set of every
-        job it waits for, so that their ends bring the server to judge it at once; one round trip
-        for all. What a job waits for is on its own record from its enqueue (add_job): a note that
-        never happened (the server died first) only leaves the judging to the server's sweep."""
-        batch = self.batch(ack=False)
-        for job_id, after in jobs:
-            for dep in after:
-                other = dep.rpartition(":")[0]
-                batch.add(self.scripts.note_dependent, [keys.dependents(other), keys.job(other)], [job_id])
-        await batch.execute()
-
-    async def array_jobs(self, array_id: str) -> list[str]:
-        """The jobs of array `array_id`, in their order ([] for an array the pool does not know)."""
-        return [_s(cast(bytes, i)) for i in await self.redis.zrange(keys.array(array_id), 0, -1)]
-
-    async def dependencies(self, job_id: str) -> tuple[str, ...]:
-        """What a job waits for and was not found met yet ("JOB:how" each): its enqueue's record of
-        what it waits for (add_job), less what the server's judge found met (ready.lua)."""
-        return (await self.held_records([job_id]))[job_id][1]
-
-    async def held_records(
-        self, job_ids: Sequence[str]
-    ) -> dict[str, tuple[JobState | None, tuple[str, ...]]]:
-        """Each job's state (None: not in the pool) and the dependencies it was not found to have
-        met yet, in one round trip; in enqueue order (so an array's jobs, judged ready together,
-        take their turns for its window by index)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for job_id in job_ids:
-                pipe.hmget(keys.job(job_id), ["state", "after", "after_met", "seq"])
-            records = await pipe.execute()
-        out: list[tuple[int, str, JobState | None, tuple[str, ...]]] = []
-        for job_id, (state, after, met, seq) in zip(job_ids, records, strict=True):
-            done = set(_s(met or b"").split())
-            unmet = tuple(d for d in _s(after or b"").split() if d not in done)
-            out.append((int(seq or 0), job_id, JobState(_s(state)) if state else None, unmet))
-        return {job_id: (state, unmet) for _, job_id, state, unmet in sorted(out)}
-
-    async def held_for_others(self, queue: str, page: int = 500) -> list[tuple[str, tuple[str, ...]]]:
-        """The jobs of `queue` held for others to end whose dependencies were not all found met
-        (`depends`), each with those not met yet: what the server's sweep judges. A round trip
-        per `page` jobs held, two with their records."""
-        out: list[tuple[str, tuple[str, ...]]] = []
-        start = 0
-        while ids := [
-            _s(cast(bytes, i)) for i in await self.redis.zrange(keys.depends(queue), start, start + page - 1)
-        ]:
-            for job_id, (state, unmet) in (await self.held_records(ids)).items():
-                if state is JobState.QUEUED:
-                    out.append((job_id, unmet))
-            start += page
-        return out
-
-    async def states(self, job_ids: Iterable[str]) -> dict[str, JobState | None]:
-        """The state of each job (None: not in the pool, or not any more), in one round trip."""
-        ids = list(dict.fromkeys(job_ids))
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for job_id in ids:
-                pipe.hget(keys.job(job_id), "state")
-            got = await pipe.execute()
-        return {
-            job_id: JobState(_s(state)) if state else None for job_id, state in zip(ids, got, strict=True)
-        }
-
-    async def array_window(self, array_id: str) -> tuple[int, int]:
-        """An array's jobs under way (let into its queue, not ended) and its window (0: none)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.scard(keys.array_active(array_id))
-            pipe.zrange(keys.array(array_id), 0, 0)
-            active, first = await pipe.execute()
-        window = await self.redis.hget(keys.job(_s(first[0])), "window") if first else None
-        return int(active), int(window or 0)
-
-    async def dependents(self, job_id: str) -> list[str]:
-        """The jobs that wait for `job_id` to end."""
-        return sorted(_s(i) for i in await self.redis.smembers(keys.dependents(job_id)))
-
-    async def waiting(self, queue: str) -> list[str]:
-        """The jobs of `queue` held out of it: till the jobs they wait for end, or till their
-        array's window has a place for them."""
-        return [_s(cast(bytes, i)) for i in await self.redis.zrange(keys.waiting(queue), 0, -1)]
-
-    async def ready(self, job_id: str, met: Sequence[str], *, all_met: bool = True) -> bool:
-        """The judge of a job held for others (ready.lua): `met` (the dependencies found met, with
-        those found before) is recorded on it, and with `all_met` it joins its queue, or its
-        array's turn for a place in its window. True when it moved now."""
-        joined = await self._call(
-            self.scripts.ready,
-            [keys.job(job_id)],
-            [keys.queue_prefix(queue_of(job_id)), job_id, " ".join(met), 1 if all_met else 0],
-            durable=True,
-        )
-        return bool(joined)
 
     async def set_fairshare_weights(self, weights: Mapping[str, float]) -> None:
         """Give each fair-share queue these users' weights (a user's recent use is divided by
