@@ -457,7 +457,7 @@ class Claims:
         """claim.lua's answer: (status, cursors, GPUs kept for a head job, the shared GPUs' table
         as the call left it, leases). `known`: a spec at hand, packed and as the JobSpec it was
         packed from (a standing claim's enqueue's): a job whose packed spec is those very bytes
-        has that JobSpec, not decoded again (173 us after a 50 ms idle, 28 hot)."""
+        has that JobSpec, not decoded again (a decode is dear after an idle spell)."""
         status, stream_cursor, wake_cursor, kept, left, *claimed = reply
         leases = []
         for job_id, attempt, lease_id, packed, place in (

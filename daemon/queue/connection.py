@@ -58,13 +58,13 @@ def block_limit(redis: AnyRedis) -> float:
 
 class _Packed(AbstractConnection):
     """redis-py's asyncio connection with its commands packed by hiredis (C), byte for byte as
-    its own Python packer does: a script call with a dozen arguments took ~15 us to pack, ~2 now.
+    its own Python packer does, in a fraction of its time for a script call of a dozen arguments.
 
     Its writes leave at once: a command the kernel takes whole (every command, unless the socket's
     buffer is full) is written and done, as a socket write is; only a write that must wait for
     room waits, bounded by the socket timeout. redis-py bounds every write with asyncio.wait_for,
-    which on Python 3.11 makes a task of it: one more turn of the loop and ~10 us before each
-    command leaves, and ~25 us of this process per command in all."""
+    which on Python 3.11 makes a task of it: one more turn of the loop before each command leaves,
+    and more of this process's time per command."""
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         writer = self._writer

@@ -4,7 +4,7 @@ The server runs as its own process (its own session, so a Ctrl-C meant for poold
 then stops Redis in order) bound to 127.0.0.1, with a generated password kept in the data directory
 (never on a command line) and AOF persistence. Its clients on this machine (poold itself) go through
 a Unix socket in its 0700 directory instead where the path allows one: no TCP stack on the way
-(20-40 us less per round trip on an idle pool, measured against the same server), and no other
+(less time per round trip on an idle pool than loopback TCP to the same server), and no other
 user can connect to it at all. Its state file records pid and port, so a poold that
 crashed and restarts adopts the redis-server it left running instead of starting a second one.
 """

@@ -134,7 +134,7 @@ class ReplicaAck:
 class Command:
     """A plain Redis command that travels in a batch of script calls, as `NAME KEYS... ARGS...`:
     for a write that needs no script (one command is atomic by itself), which would cost Redis
-    the script machinery and the shared helpers on every call (~35 us after an idle spell)."""
+    the script machinery and the shared helpers on every call."""
 
     name: str
 
@@ -148,7 +148,7 @@ BatchCall = tuple[
 class Lane:
     """A connection that one sender keeps from batch to batch, for one batch at a time (one
     Redis, or a Sentinel group's primary). Taking a connection from redis-py's pool and giving it
-    back cost every batch ~75 us of a cold start, on the path to a job's start: the pool's lock,
+    back cost every batch time on the path to a job's start: the pool's lock,
     a look at the socket, and four metric updates each way. A batch that finds the lane in use
     takes one from the pool, as every batch did. The connection is the pool's still (closed with
     it, remade when it broke), never given back: it is used again at once."""
@@ -226,7 +226,7 @@ class ScriptBatch:
     async def _send_to(self, exchange: Exchange, calls: Sequence[BatchCall]) -> list[Any]:
         """The calls' EVALSHAs written at once on one connection (`exchange`), their replies read
         in order, as a redis-py pipeline does without MULTI: only what a batch of script calls
-        needs of it (redis-py's Pipeline object cost a batch ~50 us of this process). Then the
+        needs of it (redis-py's Pipeline object cost each batch more of this process). Then the
         WAIT of its durable calls, if it has any."""
         commands = [
             (script.name, *keys, *args)

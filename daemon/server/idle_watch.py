@@ -1,9 +1,9 @@
 """How long a connection's read loop may wait for its next bytes, watched by one timer.
 
 A timeout context around each read (`asyncio.timeout`) makes a timer when the read starts and
-cancels it when the bytes come: for a request that arrives after an idle spell, ~50 us of the
-server's time on the path to its answer (and to a job's start), before the request's own task
-runs. Here a read only notes when it started, and sets the timer again only if its deadline came
+cancels it when the bytes come: for a request that arrives after an idle spell, time of the
+server's on the path to its answer (and to a job's start), before the request's own task runs.
+Here a read only notes when it started, and sets the timer again only if its deadline came
 nearer than the timer (the handshake's deadline gave way to a shorter idle timeout). The timer,
 when it fires, looks at the deadline as it stands now (the current read's): not reached yet, it
 sets itself again for it; reached with the read still waiting, it cancels the read, which then

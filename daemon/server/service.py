@@ -109,7 +109,7 @@ class PoolServer:
 
     def _local_socket(self) -> Path | None:
         """A single-machine pool's Unix socket, beside its data (poolctl here connects through
-        it: no TCP stack on the way, 36-75 us less to a job's start on an idle pool); None in
+        it: no TCP stack on the way to a job's start); None in
         a pool of several machines, or where the path is too long for a socket."""
         path = self.config.data_path() / "pool.sock"
         return path if self.config.embedded and fits_unix_socket(path) else None

@@ -6,7 +6,7 @@ cannot move out (it may not write another cgroup's `cgroup.procs`), so the slot'
 exactly what its job started. `cgroup.kill` (Linux >= 5.14) SIGKILLs every process in it in one
 call, racing forks included; `cgroup.procs` lists what is still there. That replaces, where it is
 available, a scan over /proc at the end of each attempt and a fork to kill the slot's uid as that
-uid (leftovers.py, uid_sweep.py): ~20 us against ~1 ms.
+uid (leftovers.py, uid_sweep.py): one write against a scan and a fork.
 
 The worker needs root (or a delegated subtree) and a cgroup v2 hierarchy: the shipped unit says
 `Delegate=yes`. Its cgroups are `gpupool-WORKER/slot-N` under its own cgroup, created at start and

@@ -143,7 +143,7 @@ class Worker(Stopping):
         self.kill_grace = kill_grace
         self.id = worker_id or registry.new_worker_id()
         # Taken once: os.environ decodes every variable on each read, and every job starts from
-        # what it passes on (a filter of ~40 variables was ~25 us of each cold start).
+        # what it passes on (a filter of every variable on each cold start was a cost to each).
         self.env = passed_env(os.environ if env is None else env)
         self.store: ObjectStore | None = None
         self.cache: ObjectCache | None = None
@@ -471,7 +471,7 @@ class Worker(Stopping):
         assert run is not None
         if log.isEnabledFor(logging.INFO):
             # Written a turn later: this step spawns the job (unless `start` did, or it has data
-            # to fetch first), and a log line (~50-90 us after an idle while, and a wake of
+            # to fetch first), and a log line (costly after an idle while, and a wake of
             # whoever reads it) is no part of a job's start.
             gpus = ", ".join(str(g.index) for g in run.gpus) or "none"
             asyncio.get_running_loop().call_soon(
