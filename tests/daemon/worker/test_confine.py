@@ -260,15 +260,13 @@ assert planted > 0 and keyctl(5, USER, 0x1b1b0000) == 0  # locked as the worker 
 )
 
 
-async def test_a_keyring_the_uid_can_still_search_is_replaced_before_the_job_starts() -> None:
-    """issue 44 item 7: a uid's user keyring locked as the worker locked it before (unwritable,
-    searchable), with a key in it, which the start took as emptied: the next job read the key.
-    The start now replaces such a keyring (and waits for the kernel's new one) before the job
-    runs. Here the uid's own process, not a job, leaves it so, on a uid no start has locked."""
-    for uid in random.sample(range(63000, 65000), 50):  # above the leases most in use
+def a_uid_left_so(program: str) -> int:
+    """A uid above the leases most in use whose own process ran `program` (its keyrings left as
+    it leaves them): one no earlier run has spoiled for good (`program` exits 3 on those)."""
+    for uid in random.sample(range(63000, 65000), 50):
         as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
         done = subprocess.run(
-            [*as_uid, "/usr/bin/python3", "-c", LOCK_WITH_A_KEY],
+            [*as_uid, "/usr/bin/python3", "-c", program],
             capture_output=True,
             text=True,
             timeout=30,
@@ -277,6 +275,15 @@ async def test_a_keyring_the_uid_can_still_search_is_replaced_before_the_job_sta
         if done.returncode != 3:
             break
     assert done.returncode == 0, done.stderr
+    return uid
+
+
+async def test_a_keyring_the_uid_can_still_search_is_replaced_before_the_job_starts() -> None:
+    """issue 44 item 7: a uid's user keyring locked as the worker locked it before (unwritable,
+    searchable), with a key in it, which the start took as emptied: the next job read the key.
+    The start now replaces such a keyring (and waits for the kernel's new one) before the job
+    runs. Here the uid's own process, not a job, leaves it so, on a uid no start has locked."""
+    uid = a_uid_left_so(LOCK_WITH_A_KEY)
     async with spawner_of() as spawner:
         assert (await job(spawner, SlotIdentity(uid, uid), FIND_KEYS)).split() == ["-1", "-1", "0", "0"]
 
@@ -322,18 +329,7 @@ async def test_where_the_worker_waits_for_a_start_a_keyring_never_found_holds_it
     its uid's keyring holds up the worker's event loop as long. The kernel replaces one in an RCU
     grace period (~10 ms, 48 ms at most of 1 500 here), so such a start gives up after ~200 ms, not
     5 s. Here the uid itself left its user keyring unsearchable, which no start can repair."""
-    for uid in random.sample(range(63000, 65000), 50):
-        as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
-        done = subprocess.run(
-            [*as_uid, "/usr/bin/python3", "-c", SHUT_AWAY],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-        if done.returncode != 3:
-            break
-    assert done.returncode == 0, done.stderr
+    uid = a_uid_left_so(SHUT_AWAY)
     started = await asyncio.create_subprocess_exec(
         sys.executable, "-c", WITHOUT_CLONE3, str(uid), stdout=subprocess.PIPE, cwd=Path(__file__).parents[3]
     )
