@@ -1,8 +1,9 @@
 """Where configuration values come from: the TOML file, ``GPUPOOL_*`` variables, flags, secret files.
 
 Each source is read into a `Layer` that remembers, for every value, where it came from (file:line,
-env var or flag), so that daemon/config.py, which merges the layers and checks the values, can name
-the source of a bad one. Nothing here knows what the options mean: only their names.
+env var or flag), so that daemon/config.py, which merges the layers, and daemon/options.py, which
+checks the values, can name the source of a bad one. Nothing here knows what the options mean:
+only their names.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from daemon.address import parse_host_port
 from daemon.aio import in_daemon_thread, start_or_undo
-from daemon.config import SERVER_METRICS_PORT, WORKER_METRICS_PORT, Config
+from daemon.config import Config
 from daemon.errors import GpupoolError
+from daemon.options import SERVER_METRICS_PORT, WORKER_METRICS_PORT
 
 log = logging.getLogger(__name__)
 

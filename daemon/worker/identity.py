@@ -32,8 +32,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.config import ROOT, uid_range_of
 from daemon.errors import GpupoolError
+from daemon.options import ROOT, uid_range_of
 
 log = logging.getLogger(__name__)
 
