@@ -61,18 +61,11 @@ def check_serve_user(config: Config) -> None:
 
 def check_data_dir(path: Path) -> None:
     """A worker that does not run as root keeps its data under a directory of its own uid that no
-    one else may enter (made so, mode 0700, when it does not exist yet); another's, or one group or
-    others may open, is refused: it may have been planted there, or show the data to others."""
+    one else may enter (config.make_data_dir makes a missing one so, mode 0700); another's, or one
+    group or others may open, is refused: it may have been planted there, or show the data to
+    others."""
     if runs_as_root():
         return
-    try:
-        path.mkdir(mode=0o700, parents=True)
-        os.chmod(path, 0o700)  # whatever the umask took
-        return
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise NonRootWorkerError(f"cannot make the data directory {path}: {exc.strerror}") from None
     st = path.stat()
     if not stat.S_ISDIR(st.st_mode):
         raise NonRootWorkerError(f"the data directory {path} is not a directory: give data_dir elsewhere")

@@ -58,8 +58,8 @@ class WorkerDaemon:
         # A worker not running as root runs every job as itself (non_root.py): one user's only,
         # its data closed to others.
         non_root.check_serve_user(c)
-        non_root.check_data_dir(c.data_path())
         await asyncio.to_thread(make_data_dir, c.data_path())
+        non_root.check_data_dir(c.data_path())
         client = await self.redis.start()
         queue = JobQueue.from_config(client, c, watch=self.redis.watch)
         self.store = await open_worker_store(c)
