@@ -19,7 +19,7 @@ from rich.table import Table
 
 from bench.common import bench_server, machine, save
 from daemon import tokens
-from daemon.ctl.pool_client import PoolClient
+from daemon.client.pool_client import PoolClient
 from daemon.job import JobSpec
 from protocol import Enqueue, EnqueueBatch, Enqueued, EnqueuedBatch
 

@@ -50,7 +50,7 @@ from bench import task_spooler
 from bench.common import bench_server, machine, save, summary_ms
 from bench.noop import noop_worker, record_completions
 from daemon import tokens
-from daemon.ctl.pool_client import PoolClient
+from daemon.client.pool_client import PoolClient
 from daemon.job import JobSpec, JobState, Lease, Outcome
 from daemon.queue.claims import Standing
 from daemon.queue.job_queue import JobQueue

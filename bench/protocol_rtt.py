@@ -20,7 +20,7 @@ from rich.table import Table
 
 from bench.common import machine, save
 from daemon import config, tokens
-from daemon.ctl.pool_client import PoolClient
+from daemon.client.pool_client import PoolClient
 from daemon.server.service import PoolServer
 from protocol import Ping, Pong
 

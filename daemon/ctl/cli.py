@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from daemon import tokens
-from daemon.ctl import one_shot, render, session
+from daemon.client import session
+from daemon.client.session import AuthFailed, ClientError, ServerUnreachable
+from daemon.ctl import one_shot, render
 from daemon.ctl.enqueue_args import add_enqueue
 from daemon.ctl.pilot import add_pilot
-from daemon.ctl.session import AuthFailed, ClientError, ServerUnreachable
 from daemon.errors import GpupoolError
 from daemon.listing import MORE
 from daemon.pools import choose
@@ -51,7 +52,7 @@ from protocol import (
 from protocol.record import Record
 
 if TYPE_CHECKING:
-    from daemon.ctl.pool_client import PoolClient
+    from daemon.client.pool_client import PoolClient
 
 R = TypeVar("R", bound=Reply)
 Call = Callable[[Request, type[R]], R]  # one request, its reply: one_shot.call, bound to the pool
@@ -225,7 +226,7 @@ class Link(Record):
 
     def client(self) -> PoolClient:
         """A connection for an event loop: streams and transfers."""
-        from daemon.ctl.pool_client import PoolClient
+        from daemon.client.pool_client import PoolClient
 
         return PoolClient(
             self.server, self.user, self.token, tls_ca=self.tls_ca, tls=self.tls, tls_pin=self.tls_pin

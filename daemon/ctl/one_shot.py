@@ -2,7 +2,7 @@
 show, cancel, workers, health, and the streamed wait, ls --watch and top). No event loop to
 import and start: importing asyncio alone took longer than connecting, authenticating and asking.
 The protocol is sans-IO (`protocol.ClientConnection`): this and the async `PoolClient` drive the
-same state machine, and session.py holds what they share (addresses, TLS and its pin, what each
+same state machine, and client/session.py holds what they share (addresses, TLS and its pin, what each
 failure means).
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from daemon.address import unix_path
-from daemon.ctl import session
-from daemon.ctl.session import ClientError
+from daemon.client import session
+from daemon.client.session import ClientError
 from protocol import (
     NEED_DATA,
     ClientConnection,

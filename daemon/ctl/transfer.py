@@ -34,8 +34,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from daemon.client.pool_client import ClientError, PoolClient
 from daemon.ctl.checkout import working_tree
-from daemon.ctl.pool_client import ClientError, PoolClient
 from daemon.errors import GpupoolError
 from protocol import (
     DownloadTicket,

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from daemon.address import parse_host_ports
-from daemon.ctl.pool_client import ClientError, PoolClient
+from daemon.client.pool_client import ClientError, PoolClient
 from daemon.queue import keys, registry
 from daemon.queue.connection import connect_sentinel
 from daemon.queue.embedded_redis import EmbeddedRedis, free_port

@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from daemon.client.pool_client import ClientError
 from daemon.ctl.arrays import array_specs
-from daemon.ctl.pool_client import ClientError
 from protocol import EnqueueBatch, EnqueuedBatch, JobDetail, ShowJob
 from protocol.errors import ErrorCode
 from tests.chaos.harness import FINAL, GPU_QUEUE, Cluster, Refused, Submitter, job_command

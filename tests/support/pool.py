@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import config
-from daemon.ctl.pool_client import PoolClient
+from daemon.client.pool_client import PoolClient
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.server.service import PoolServer

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from daemon.client.pool_client import ClientError
 from daemon.ctl.arrays import array_specs
-from daemon.ctl.pool_client import ClientError
 from daemon.job import JobSpec, JobState, Outcome
 from daemon.queue import keys
 from daemon.queue.embedded_redis import EmbeddedRedis

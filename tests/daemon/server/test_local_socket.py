@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from daemon import config, tokens
-from daemon.ctl.pool_client import ClientError, PoolClient
-from daemon.ctl.session import parse_address
+from daemon.client.pool_client import ClientError, PoolClient
+from daemon.client.session import parse_address
 from daemon.job import JobState
 from daemon.pools import LOCAL, choose
 from daemon.server.service import PoolServer

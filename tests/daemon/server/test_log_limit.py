@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.ctl.session import ClientError
+from daemon.client.session import ClientError
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server.log_limit import BURST, LogLimit
 from daemon.server.session import warned_as

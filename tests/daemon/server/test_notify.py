@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from daemon import config
-from daemon.ctl.session import ClientError
+from daemon.client.session import ClientError
 from daemon.errors import ConfigError
 from daemon.job import JobSpec, JobState, Outcome
 from daemon.queue import keys

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.ctl.pool_client import AuthFailed, ClientError
+from daemon.client.pool_client import AuthFailed, ClientError
 from daemon.job import JobState, Outcome
 from daemon.queue.embedded_redis import EmbeddedRedis
 from protocol import (

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from daemon.ctl.pool_client import ClientError
+from daemon.client.pool_client import ClientError
 from daemon.job import JobSpec
 from daemon.queue import keys
 from daemon.queue.embedded_redis import EmbeddedRedis

@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from daemon.ctl.pool_client import ClientError, PoolClient
+from daemon.client.pool_client import ClientError, PoolClient
 from daemon.job import JobSpec
 from daemon.listing import FIELD_CHARS, MORE
 from daemon.queue.embedded_redis import EmbeddedRedis

@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from daemon.ctl.pool_client import ClientError
+from daemon.client.pool_client import ClientError
 from daemon.object_store import owners_prefix, upload_key
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server.data_desk import STALE_UPLOAD_SECONDS, prune_staged

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 
 from daemon.address import unix_path
 from daemon.aio import cancel_and_wait
-from daemon.ctl import session
-from daemon.ctl.session import AuthFailed, ClientError, ServerUnreachable, parse_address
+from daemon.client import session
+from daemon.client.session import AuthFailed, ClientError, ServerUnreachable, parse_address
 from protocol import (
     NEED_DATA,
     Authenticated,

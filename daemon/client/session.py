@@ -161,7 +161,7 @@ def check_pin(
     the one pinned for `address` in known_servers (or is pinned now, on first use)."""
     if tls_ca:
         return
-    from daemon.ctl import known_servers
+    from daemon.client import known_servers
 
     der = ssl_object.getpeercert(binary_form=True)
     assert der is not None
