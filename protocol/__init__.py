@@ -29,6 +29,9 @@ from protocol.events import (
 )
 from protocol.frames import DEFAULT_MAX_FRAME_SIZE, HEADER_SIZE, PROTOCOL_VERSION
 from protocol.messages import (
+    AgentAnswer,
+    AgentCall,
+    AgentOrder,
     CancelJobs,
     Cancelled,
     DownloadTicket,
@@ -56,6 +59,8 @@ from protocol.messages import (
     Requeued,
     RequeueJobs,
     ResolveName,
+    Served,
+    ServeJobs,
     ShowJob,
     StreamItem,
     UploadTicket,
@@ -75,6 +80,9 @@ __all__ = [
     "HEADER_SIZE",
     "NEED_DATA",
     "PROTOCOL_VERSION",
+    "AgentAnswer",
+    "AgentCall",
+    "AgentOrder",
     "Authenticated",
     "CancelJobs",
     "CancelRequested",
@@ -119,6 +127,8 @@ __all__ = [
     "RequeueJobs",
     "Requeued",
     "ResolveName",
+    "ServeJobs",
+    "Served",
     "ServerConnection",
     "ShowJob",
     "State",

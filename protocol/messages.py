@@ -22,6 +22,9 @@ from protocol.record import Record, fields
 
 __all__ = [
     "NONCE_SIZE",
+    "AgentAnswer",
+    "AgentCall",
+    "AgentOrder",
     "Auth",
     "CancelJobs",
     "Cancelled",
@@ -55,6 +58,8 @@ __all__ = [
     "RequeueJobs",
     "Requeued",
     "ResolveName",
+    "ServeJobs",
+    "Served",
     "ShowJob",
     "StreamItem",
     "UploadTicket",
@@ -259,6 +264,35 @@ class PrepareDownload(Record):
     key: str
 
 
+class ServeJobs(Record):
+    """An agent worker offers its machine: ``slots`` job slots taking ``queues``, with ``gpus``
+    (one map per GPU: index, uuid, name, memory in bytes), leaving by ``leave_by`` (Unix seconds;
+    0: never), on ``host``. The server runs a worker for it, which makes every fenced write
+    (claims, renewals, outcomes) and streams AgentOrder items, what to run and stop, until that
+    worker has stopped; then it replies Served. An agent serves the jobs its user may act on."""
+
+    OP: ClassVar = "serve_jobs"
+    slots: int
+    queues: list[str]
+    gpus: list[dict[str, Any]]
+    leave_by: float
+    host: str
+
+
+class AgentCall(Record):
+    """An agent's news of, or write for, one attempt it runs (``lease_id``; "" for the agent as a
+    whole): ``call`` names it, ``args`` are its arguments (docs/PROTOCOL.md §3.4). ``worker`` and
+    ``key`` are the ones its ServeJobs stream's first order gave it: only that stream's agent may
+    call for its attempts."""
+
+    OP: ClassVar = "agent_call"
+    worker: str
+    key: bytes
+    lease_id: str
+    call: str
+    args: dict[str, Any]
+
+
 # -- replies and stream items ------------------------------------------------------------------------
 
 
@@ -402,6 +436,31 @@ class DownloadTicket(Record):
     local_store: str | None
 
 
+class AgentOrder(Record):
+    """STREAM item of ServeJobs: what the agent's worker asks of it (``act``), for one attempt
+    (``lease_id``; "" for the agent as a whole), with ``detail`` (docs/PROTOCOL.md §3.4)."""
+
+    OP: ClassVar = "agent_order"
+    act: str
+    lease_id: str
+    detail: dict[str, Any]
+
+
+class Served(Record):
+    """Final reply of ServeJobs: the agent's worker has stopped (``reason`` says why), and the
+    agent holds no attempt any more."""
+
+    OP: ClassVar = "served"
+    reason: str
+
+
+class AgentAnswer(Record):
+    """Reply to AgentCall: what the call answers (docs/PROTOCOL.md §3.4; {} for most)."""
+
+    OP: ClassVar = "agent_answer"
+    value: dict[str, Any]
+
+
 Request: TypeAlias = (
     Enqueue
     | EnqueueBatch
@@ -418,6 +477,8 @@ Request: TypeAlias = (
     | FinishUpload
     | ResolveName
     | PrepareDownload
+    | ServeJobs
+    | AgentCall
 )
 Reply: TypeAlias = (
     Enqueued
@@ -434,8 +495,10 @@ Reply: TypeAlias = (
     | UploadTicket
     | ObjectRef
     | DownloadTicket
+    | Served
+    | AgentAnswer
 )
-StreamItem: TypeAlias = LogChunk | JobEnded | PoolView
+StreamItem: TypeAlias = LogChunk | JobEnded | PoolView | AgentOrder
 Control: TypeAlias = Hello | Challenge | Auth | Welcome | ErrorMessage | Goodbye
 Message: TypeAlias = Control | Request | Reply | StreamItem
 
@@ -456,11 +519,14 @@ _REPLY_FOR: Final[dict[type[Any], type[Any]]] = {
     FinishUpload: ObjectRef,
     ResolveName: ObjectRef,
     PrepareDownload: DownloadTicket,
+    ServeJobs: Served,
+    AgentCall: AgentAnswer,
 }
 _STREAM_FOR: Final[dict[type[Any], type[Any]]] = {
     FollowLogs: LogChunk,
     WaitJobs: JobEnded,
     WatchPool: PoolView,
+    ServeJobs: AgentOrder,
 }
 
 _BY_OP: Final[dict[FrameType, dict[str, type[Any]]]] = {

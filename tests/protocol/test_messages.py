@@ -64,6 +64,13 @@ EVERY_MESSAGE: list[m.Message] = [
     m.UploadTicket("k", exists=False, url="http://s3/b/k?X-Amz-Signature=1", local_store=None),
     m.ObjectRef("imagenet", "ab" * 32, 1024, "dir"),
     m.DownloadTicket("k", 5, None, None, "/var/lib/gpupool/store"),
+    m.ServeJobs(
+        2, ["default"], [{"index": 0, "uuid": "GPU-1", "name": "H100", "memory": 80 << 30}], 0.0, "gpu-01"
+    ),
+    m.AgentOrder("run", "w/1.0", {"slot": 0, "gpus": ["GPU-1"], "valid_for": 20.0}),
+    m.Served("the pool server is stopping"),
+    m.AgentCall("w", b"\x00" * 32, "w/1.0", "append_log", {"number": 1, "chunks": [b"hi\n"]}),
+    m.AgentAnswer({}),
 ]
 
 
@@ -76,7 +83,7 @@ def test_round_trip(message: m.Message) -> None:
 def test_every_message_class_is_covered() -> None:
     defined = {cls for cls in vars(m).values() if is_record(cls)}
     assert {type(message) for message in EVERY_MESSAGE} == defined
-    assert len(defined) == 6 + 15 + 14 + 3  # control, requests, replies, stream items
+    assert len(defined) == 6 + 17 + 16 + 4  # control, requests, replies, stream items
 
 
 def test_frame_types() -> None:
