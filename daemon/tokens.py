@@ -63,9 +63,18 @@ def client_token(env: Mapping[str, str] | None = None, token_file: str | None = 
         if token_file:
             raise TokenError(f"{path}, this pool's token_file in pools.toml, does not exist") from None
         return None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):  # a password: as ssh does with a private key
-        raise TokenError(f"{path} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 {path}")
+    refuse_open(path, mode)
     return path.read_text().strip() or None
+
+
+def refuse_open(path: Path, mode: int, what: str = "") -> None:
+    """A file holding a secret (a token, a tokens file, a worker's config) must be closed to its
+    group and to others, as ssh requires of a private key: refused with the chmod that mends it.
+    `what` says what the file is, after its name."""
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise TokenError(
+            f"{path}{what} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 {path}"
+        )
 
 
 def ensure_local_token(data_dir: Path, env: Mapping[str, str] | None = None) -> Path:
@@ -108,10 +117,7 @@ def read_users(path: Path) -> Users:
         text = path.read_text()
     except OSError as exc:
         raise TokenError(f"cannot read the tokens file {path}: {exc.strerror}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise TokenError(
-            f"tokens file {path} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 it"
-        )
+    refuse_open(path, mode, ", the tokens file,")
     import tomllib  # noqa: PLC0415 - the server's side, as above
 
     from daemon.job import PRIORITY_MAX  # noqa: PLC0415 - as tomllib: poolctl reads no tokens file

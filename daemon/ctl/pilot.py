@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import stat
 import sys
 import time
 from pathlib import Path
@@ -182,17 +181,13 @@ def check_config(path: Path) -> float:
     its worker takes to leave (drain_timeout + kill_grace, and a moment to hand back)."""
     from daemon import config as config_mod
     from daemon.errors import ConfigError
-    from daemon.tokens import TokenError
+    from daemon.tokens import refuse_open
 
     try:
         mode = path.stat().st_mode
     except OSError as exc:
         raise PilotError(f"--config {path}: {exc.strerror}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise TokenError(
-            f"{path} can be read by others (mode {stat.S_IMODE(mode):03o}), and a pilot's config holds "
-            f"the pool's Redis and S3 credentials: chmod 600 {path}"
-        )
+    refuse_open(path, mode, ", a pilot's config, which names a token,")
     try:
         c = config_mod.load(None, env={}, config_file=path)
     except ConfigError as exc:
