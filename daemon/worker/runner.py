@@ -29,19 +29,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from redis.exceptions import RedisError
-
 from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError, JobNotFound, StaleAttempt
 from daemon.git import ANY_PROTOCOL
 from daemon.job import JobState, Lease, Outcome
-from daemon.queue.job_queue import JobQueue
 from daemon.worker import checkpoints, git_mirror, job_data, leftovers, scratch, spawn
 from daemon.worker.cgroups import SlotCgroup
 from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput
 from daemon.worker.orphan_guard import OrphanGuard
+from daemon.worker.pool_link import UNREACHABLE, PoolLink
 from storage.base import ObjectStore, StorageError
 from storage.cache import ObjectCache
 
@@ -155,7 +153,7 @@ class JobRun:
 
     def __init__(
         self,
-        queue: JobQueue,
+        queue: PoolLink,
         lease: Lease,
         *,
         data_dir: Path,
@@ -508,7 +506,7 @@ class JobRun:
         try:
             if files := await self._saver.save():
                 self.output.note(f"checkpoint saved ({files} files)")
-        except (StorageError, OSError, RedisError, StaleAttempt) as exc:
+        except (StorageError, OSError, StaleAttempt, *UNREACHABLE) as exc:
             self.output.note(f"checkpoint not saved: {exc}")
             log.warning(
                 "job %s attempt %d: checkpoint not saved (%s)", self.lease.job_id, self.lease.attempt, exc
