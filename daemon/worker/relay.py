@@ -34,16 +34,16 @@ T = TypeVar("T")
 
 # Answers that say the pool is out of reach for now, not that the call was wrong.
 _UNREACHABLE_CODES = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.SHUTTING_DOWN})
-_SESSION_CODES = 40  # codes below: framing and session errors, which end the connection
 
 
 class BadAnswer(GpupoolError):
     """The server answered a call with a value of another shape than §3.4 says."""
 
 
-def unreachable(exc: ClientError) -> bool:
-    """Whether a failed call failed for want of the pool (worth asking again), not on its merits."""
-    return isinstance(exc, ServerUnreachable) or exc.code in _UNREACHABLE_CODES or exc.code < _SESSION_CODES
+def unreachable(client: PoolClient, exc: ClientError) -> bool:
+    """Whether a failed call failed for want of the pool (worth asking again), not on its merits:
+    the connection is gone, or the server cannot reach its Redis, or is stopping."""
+    return isinstance(exc, ServerUnreachable) or exc.code in _UNREACHABLE_CODES or client.closed is not None
 
 
 class AgentCalls:
@@ -64,7 +64,7 @@ class AgentCalls:
         try:
             answer = await self.client.call(request, AgentAnswer)
         except ClientError as exc:
-            if unreachable(exc):
+            if unreachable(self.client, exc):
                 raise PoolUnreachable(f"{call} for {lease_id or 'the agent'}: {exc.message}") from exc
             raise
         return answer.value

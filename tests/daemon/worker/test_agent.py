@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -105,10 +104,11 @@ def test_an_agent_reads_only_a_token_file_of_its_own_closed_to_others(tmp_path: 
 
 
 class Answers(PoolClient):
-    """A client whose every call fails as the server answered it: `code` (the relay's mapping
-    of real answers is what is under test; the wire is tests/daemon/client's)."""
+    """A client, its connection open, whose every call is answered with an ERROR of `code` (the
+    relay's reading of the answers is under test; the wire is tests/daemon/client's)."""
 
     def __init__(self, code: int) -> None:
+        super().__init__("127.0.0.1:7420", "alice", None)
         self.code = code
 
     async def call(self, request: Request, reply_type: type[Any]) -> Any:
@@ -116,34 +116,36 @@ class Answers(PoolClient):
 
 
 @pytest.mark.parametrize(
-    ("code", "stale", "recorded", "missing"),
+    ("code", "append", "record", "read"),
     [
-        (ErrorCode.CONFLICT, True, False, False),
-        (ErrorCode.PERMISSION_DENIED, True, False, False),
-        (ErrorCode.NOT_FOUND, False, None, True),
-        (ErrorCode.UNAVAILABLE, None, None, None),
-        (ErrorCode.SHUTTING_DOWN, None, None, None),
+        (ErrorCode.CONFLICT, StaleAttempt, False, ClientError),
+        (ErrorCode.PERMISSION_DENIED, StaleAttempt, False, ClientError),
+        (ErrorCode.NOT_FOUND, ClientError, ClientError, JobNotFound),
+        (ErrorCode.UNKNOWN_OP, ClientError, ClientError, ClientError),  # an answer, not a lost link
+        (ErrorCode.UNAVAILABLE, PoolUnreachable, PoolUnreachable, PoolUnreachable),
+        (ErrorCode.SHUTTING_DOWN, PoolUnreachable, PoolUnreachable, PoolUnreachable),
     ],
 )
 async def test_the_servers_answers_mean_to_a_run_what_redis_answers_mean_to_a_workers(
-    code: ErrorCode, stale: bool | None, recorded: bool | None, missing: bool | None
+    code: ErrorCode, append: type[Exception], record: bool | type[Exception], read: type[Exception]
 ) -> None:
     """issue 44 item 1: an append the server refuses (no longer current, or not this agent's)
     is StaleAttempt, so the run kills the job; a refused checkpoint record is not recorded; no
     job is JobNotFound; a server without its Redis, or stopping, is PoolUnreachable, which the
-    run waits out as it waits out a Redis hiccup (None: PoolUnreachable)."""
+    run waits out as it waits out a Redis hiccup; any other answer is the server's error."""
     relay = Relay(AgentCalls(Answers(code), "w1", b"k" * 32), LEASE)
-    expected: Mapping[bool | None, type[Exception]] = {True: StaleAttempt, None: PoolUnreachable}
-    with pytest.raises(expected.get(stale, ClientError)):
+    with pytest.raises(append) as caught:
         await relay.append_log(LEASE, 1, [b"out"])
-    if recorded is None:
-        with pytest.raises(PoolUnreachable if missing is None else ClientError):
-            await relay.record_checkpoint(LEASE, "w1%2Fr1.0.1")
+    assert type(caught.value) is append
+    if isinstance(record, bool):
+        assert await relay.record_checkpoint(LEASE, "w1%2Fr1.0.1") is record
     else:
-        assert await relay.record_checkpoint(LEASE, "w1%2Fr1.0.1") is recorded
-    with pytest.raises(JobNotFound if missing else PoolUnreachable if missing is None else ClientError):
+        with pytest.raises(record):
+            await relay.record_checkpoint(LEASE, "w1%2Fr1.0.1")
+    with pytest.raises(read) as caught:
         await relay.get(LEASE.job_id)
-    with pytest.raises(JobNotFound if missing else PoolUnreachable if missing is None else ClientError):
+    assert type(caught.value) is read
+    with pytest.raises(read):
         await relay.read_log(LEASE.job_id, "0-0", count=10)
 
 
