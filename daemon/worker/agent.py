@@ -234,7 +234,7 @@ class Agent:
                 if isinstance(item, AgentOrder):
                     orders.put_nowait((boottime(), item))
         except ClientError as exc:
-            why = f"the connection to the pool server ended: {exc.message}"
+            why = f"serve_jobs ended: {exc.message}"
         finally:
             await cancel_and_wait(obeying)
             if self._hello is not None and not self._hello.done():
@@ -464,8 +464,11 @@ class Agent:
 
     async def _tell(self, lease_id: str, call: str, args: Mapping[str, Any] | None = None) -> None:
         """An `agent_call` whose answer is only {}: a failure is said, and left (the connection's
-        end, if that is why, kills the jobs)."""
+        end, if that is why, kills the jobs). Once the connection has ended nothing is sent: the
+        server's worker for this agent ended with it, and its leases lapse."""
         assert self._calls is not None
+        if self.client.closed is not None:
+            return
         try:
             await self._calls.call(lease_id, call, args)
         except (PoolUnreachable, ClientError) as exc:
