@@ -41,6 +41,7 @@ from typing import Any
 
 import aiohttp
 
+from daemon import sd_notify
 from daemon.aio import TaskSet, cancel_and_wait, start_or_undo
 from daemon.client.pool_client import ClientError, PoolClient
 from daemon.config import Config, make_data_dir
@@ -185,6 +186,8 @@ class Agent:
                     await self.ended.wait()
             if not self.ended.is_set():
                 log.warning("the pool server did not end this agent's serve in %g s; leaving", wait)
+        if self._hello is not None and not self._hello.done():
+            self._hello.cancel()  # stopped before its start ended: no one waits for it any more
         self._lose_all("the agent is stopping")
         await self._wait_for_attempts()
         if self._orders is not None:
@@ -222,14 +225,14 @@ class Agent:
         still running is killed, and `ended` and `leaving` set. Each order is stamped as it comes
         and carried out in turn by `_obey` (the first, hello, opens the slots meanwhile)."""
         orders: asyncio.Queue[tuple[float, AgentOrder] | None] = asyncio.Queue()
-        obeying = asyncio.create_task(self._obey(orders), name="agent obeys")
+        obeying = self._background.spawn(self._obey(orders), "agent obeying orders")
         why = "the pool server's serve ended"
         try:
             async for item in self.client.stream(offer):
                 if isinstance(item, Served):
                     why = f"the pool server's worker for this agent stopped: {item.reason}"
                     orders.put_nowait(None)  # what came before `served` is done first
-                    await obeying
+                    await asyncio.wait({obeying})
                     break
                 if isinstance(item, AgentOrder):
                     orders.put_nowait((boottime(), item))
@@ -533,20 +536,21 @@ def read_token(path_text: str) -> str:
 
 class AgentDaemon:
     """Worker mode through the server (`poold --worker` with `worker_via_server`): an Agent, driven
-    by main as a worker is: `start()`, `stop()` on the first signal, `force()` on a second.
-    `leaving` is set when the agent must go by itself (its serve ended, or its lifetime)."""
+    by main as a worker is: `start()`, `stop()` on the first signal, `force()` on a second, with
+    readiness and the systemd watchdog. `leaving` is set when the agent must go by itself (its
+    serve ended, or its lifetime is over)."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        # Read now, near the process's start: a bad worker_max_lifetime stops poold before it connects.
         self.lifetime = Lifetime.of(config)
         self.agent: Agent | None = None
         self.leaving = asyncio.Event()
-        self._watch: asyncio.Task[None] | None = None
+        self._tasks = TaskSet()
 
     async def start(self) -> None:
         c = self.config
         token = read_token(c.worker_token_file)
-        client = PoolClient(c.worker_via_server, c.worker_serve_user, token)
         slots = c.worker_remote_processors
         identities = slot_identities(c.job_uid_range, slots)
         if identities is not None and len(identities) < slots:
@@ -558,8 +562,10 @@ class AgentDaemon:
                 len(identities),
             )
             slots = len(identities)
+        await asyncio.to_thread(make_data_dir, c.data_path())
+        non_root.check_data_dir(c.data_path())
         self.agent = Agent(
-            client,
+            PoolClient(c.worker_via_server, c.worker_serve_user, token),
             data_dir=c.data_path() / "agent",
             slots=slots,
             queues=c.queues,
@@ -570,22 +576,24 @@ class AgentDaemon:
             cache_bytes=c.worker_cache_bytes,
             lifetime=self.lifetime,
         )
-        await asyncio.to_thread(make_data_dir, c.data_path())
-        non_root.check_data_dir(c.data_path())
         await self.agent.start()
-        self._watch = asyncio.create_task(self._leave_when_ended(self.agent), name="agent end")
+        self._tasks.spawn(self._leave_when_told(self.agent), "agent leaving")
+        if (interval := sd_notify.watchdog_interval()) is not None:
+            self._tasks.spawn(sd_notify.watchdog(interval), "watchdog")
+        a = self.agent
+        sd_notify.ready(f"agent of worker {a.worker_id}: {a.slots} slots, queues {', '.join(a.queues)}")
 
-    async def _leave_when_ended(self, agent: Agent) -> None:
-        await agent.ended.wait()
-        self.leaving.set()
+    async def _leave_when_told(self, agent: Agent) -> None:
+        await agent.leaving.wait()
+        self.leaving.set()  # main stops it, as on a signal
 
     async def stop(self) -> None:
-        if self._watch is not None:
-            await cancel_and_wait(self._watch)
-            self._watch = None
+        """Stop the agent (its drain), then the rest. Safe to call twice."""
         if self.agent is not None:
+            sd_notify.stopping(f"draining the agent of worker {self.agent.worker_id}")
             await self.agent.stop()
             self.agent = None
+        await self._tasks.stop()
 
     def force(self) -> None:
         if self.agent is not None:
