@@ -150,7 +150,7 @@ async def upload_artifacts(
             described := await _upload_log(store, queue, lease.job_id, prefix + "log")
         ):
             result["log"] = described
-    except (StorageError, *UNREACHABLE) as exc:  # the outcome matters more than its log's copy
+    except (StorageError, GpupoolError, *UNREACHABLE) as exc:  # the outcome matters more than its log's copy
         errors.append(f"log: {exc}")
     if errors:
         result["artifact_errors"] = errors
