@@ -4,6 +4,7 @@ worker (daemon/worker/hosted.py) are tested end to end with that side."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -18,13 +19,17 @@ from daemon.client.pool_client import ClientError, PoolClient, ServerUnreachable
 from daemon.errors import ConfigError, JobNotFound, StaleAttempt
 from daemon.job import JobSpec, Lease
 from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.queue.job_queue import JobQueue
 from daemon.worker.agent import AgentError, read_token
 from daemon.worker.job_output import JobOutput
 from daemon.worker.pool_link import UNREACHABLE, PoolUnreachable
 from daemon.worker.relay import AgentCalls, Relay
+from daemon.worker.runner import Ending, JobRun
+from daemon.worker.spawn import Spawner
 from protocol import ErrorCode, Request
 from tests.support.paths import ROOT
 from tests.support.pool import running_pool
+from tests.support.workers import sh
 
 LEASE = Lease("default-1", 1, "w1", JobSpec(argv=("true",)), "w1/r1.0")
 
@@ -174,3 +179,28 @@ async def test_a_run_keeps_its_output_while_the_server_is_away(
         assert output._pending()  # what is kept to send again
     finally:
         await client.close()
+
+
+async def test_a_run_says_its_first_process_ended_as_it_ends(
+    spawner: Spawner, queue: JobQueue, tmp_path: Path
+) -> None:
+    """issue 44 item 1: the agent tells the server `exited` when the job's first process ends (the
+    server's worker stops renewing an attempt whose processes are gone, as a worker does): JobRun
+    says so at that moment, before its output, checkpoint and artifacts are done with."""
+    spec = sh("sleep 0.1; echo done")
+    await queue.enqueue(spec)
+    lease = await queue.claim("w1", [spec.queue], gpus_free=8)
+    assert lease is not None
+    seen: list[tuple[bool, bool]] = []
+    run: JobRun | None = None
+
+    def exited() -> None:
+        assert run is not None
+        seen.append((run.exited, ended.done()))
+
+    run = JobRun(queue, lease, spawner=spawner, data_dir=tmp_path, on_exit=exited)
+    ended = asyncio.ensure_future(run.run())
+    result = await ended
+    assert result.ending is Ending.EXITED
+    assert seen == [(True, False)]
+    await run.tidy()
