@@ -21,8 +21,7 @@ from daemon import log_setup
 from daemon.errors import ConfigError, GpupoolError
 from daemon.server.service import PoolServer
 from daemon.worker import non_root
-from daemon.worker.agent import AgentDaemon
-from daemon.worker.service import WorkerDaemon, local_slots
+from daemon.worker.service import AgentDaemon, WorkerDaemon, local_slots
 
 log = logging.getLogger("poold")
 

@@ -20,11 +20,12 @@ from daemon.errors import ConfigError, JobNotFound, StaleAttempt
 from daemon.job import JobSpec, Lease
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
-from daemon.worker.agent import AgentError, read_token
+from daemon.worker.agent import AgentError
 from daemon.worker.job_output import JobOutput
 from daemon.worker.pool_link import UNREACHABLE, PoolUnreachable
 from daemon.worker.relay import AgentCalls, Relay
 from daemon.worker.runner import Ending, JobRun
+from daemon.worker.service import read_token
 from daemon.worker.spawn import Spawner
 from protocol import ErrorCode, Request
 from tests.support.paths import ROOT
