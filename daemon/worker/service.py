@@ -197,10 +197,10 @@ def read_token(path_text: str) -> str:
                 f"worker_token_file {path} belongs to uid {st.st_uid}, not to this agent's (uid "
                 f"{os.geteuid()}): the token must be the agent's own file, mode 600"
             )
-        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):  # (as tokens.refuse_open says it)
             raise AgentError(
-                f"worker_token_file {path} is open to others (mode {stat.S_IMODE(st.st_mode):03o}): "
-                f"anyone who reads it acts as the pool user; chmod 600 {path}"
+                f"{path}, the agent's worker_token_file, is readable by others (mode "
+                f"{stat.S_IMODE(st.st_mode):o}): chmod 600 {path}"
             )
         token = f.read().decode(errors="replace").strip()
     if not token:

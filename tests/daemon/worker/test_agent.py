@@ -16,7 +16,7 @@ import pytest
 
 from daemon import config
 from daemon.client.pool_client import ClientError, PoolClient, ServerUnreachable
-from daemon.errors import ConfigError, JobNotFound, StaleAttempt
+from daemon.errors import ConfigError, GpupoolError, JobNotFound, StaleAttempt
 from daemon.job import JobSpec, Lease
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
@@ -92,7 +92,7 @@ def test_an_agent_reads_only_a_token_file_of_its_own_closed_to_others(tmp_path: 
     token.chmod(0o600)
     assert read_token(str(token)) == "alice-secret"
     token.chmod(0o640)
-    with pytest.raises(AgentError, match=r"open to others .* chmod 600"):
+    with pytest.raises(GpupoolError, match=r"readable by others \(mode 640\): chmod 600"):
         read_token(str(token))
     token.chmod(0o600)
     os.chown(token, 61000, 61000)  # (tests run as root)
