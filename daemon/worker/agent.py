@@ -22,9 +22,10 @@ connection to the server ends, every job is killed at once: the server's worker 
 ended too, and the leases lapse and go back to their queues, as a dead worker's do.
 
 Stopping (main.py drives it as a worker): `stop()` asks the server's worker to drain (`drain`
-{now: false}), which stops taking jobs and hands back what still runs as a worker's stop does, by
-`hand_back` orders; `force()` (a second SIGTERM) asks it to stop them now; the agent leaves when
-`served` ends the stream, or after a bounded wait, killing whatever is left.
+{now: false}), which stops taking jobs and lets the running ones finish, then, after the agent's
+own `drain_timeout`, to stop them now (`drain` {now: true}), which hands them back by `hand_back`
+orders, as a worker's two-phase stop does; `force()` (a second SIGTERM) asks for that at once.
+The agent leaves when `served` ends the stream, or after a bounded wait, killing what is left.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from storage.cache import ObjectCache
 log = logging.getLogger(__name__)
 
 HELLO_SECONDS = 30.0  # how long the server has to say hello once serve_jobs is sent
-SERVED_MARGIN = 30.0  # beyond drain_timeout + kill_grace, how long a stopping agent waits for `served`
+SERVED_MARGIN = 30.0  # beyond kill_grace, how long an agent that asked for its jobs' stop waits for `served`
 LOST_SECONDS = 10.0  # how long killed jobs have to end before the agent closes their slots
 HTTP_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
 
@@ -173,17 +174,21 @@ class Agent:
         )
 
     async def stop(self) -> None:
-        """Drain: ask the server's worker to stop (`drain`), wait for `served` within the drain's
-        time, then kill what still runs and close everything. Safe to call twice."""
+        """Drain: ask the server's worker to stop (`drain`) and let the jobs run on for up to
+        `drain_timeout`, then to stop them now and hand them back (`drain` now, as `force`), wait
+        for `served` a while longer, then kill what still runs and close everything. The agent's
+        drain_timeout is the one that counts (its pilot's lifetime is reckoned with it), whatever
+        the server's is. Safe to call twice."""
         if self._calls is not None and not self.ended.is_set() and not self._draining:
             self._draining = True
             await self._tell("", "drain", {"now": False})
-            wait = self.drain_timeout + self.kill_grace + SERVED_MARGIN
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
-                    await self.ended.wait()
-            if not self.ended.is_set():
-                log.warning("the pool server did not end this agent's serve in %g s; leaving", wait)
+            if not await self._served_within(self.drain_timeout):
+                await self._tell("", "drain", {"now": True})
+                wait = self.kill_grace + SERVED_MARGIN
+                if not await self._served_within(wait):
+                    log.warning(
+                        "the pool server did not end this agent's serve %g s after its drain; leaving", wait
+                    )
         if self._hello is not None and not self._hello.done():
             self._hello.cancel()  # stopped before its start ended: no one waits for it any more
         self._lose_all("the agent is stopping")
@@ -203,6 +208,12 @@ class Agent:
             await asyncio.to_thread(self._nvml.close)
             self._nvml = None
         self.ended.set()
+
+    async def _served_within(self, seconds: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self.ended.wait()
+        return self.ended.is_set()
 
     def force(self) -> None:
         """A second signal: the server's worker stops the jobs now (still handed back)."""
