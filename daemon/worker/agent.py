@@ -265,7 +265,7 @@ class Agent:
             came, order = got
             try:
                 await self._order(order, came)
-            except (KeyError, TypeError, ValueError) as exc:  # a bug of the server's: said, and left
+            except (KeyError, TypeError, ValueError, GpupoolError) as exc:  # the server's bug: said, left
                 log.error(
                     "the pool server's %s order for %r is malformed (%r); ignored",
                     order.act,
@@ -305,13 +305,18 @@ class Agent:
         assert self._held is not None
         held = self._held.get(order.lease_id)
         run = held.run if held is not None else None
-        if held is None or not isinstance(run, JobRun):
+        if held is None or not isinstance(run, JobRun | None):
             log.warning(
                 "the pool server sent %s for attempt %s, which this agent does not run",
                 order.act,
                 order.lease_id,
             )
             return
+        if order.act == "tidy":
+            self._attempts.spawn(self._tidy(held, run), f"tidy after {held.lease.job_id}")
+            return
+        if run is None:
+            return  # never started (`_refuse`): it has ended already
         match order.act:
             case "cancel":
                 run.cancel()
@@ -321,8 +326,6 @@ class Agent:
                 )
             case "lose":
                 run.lose(str(order.detail.get("why") or "the pool server took the attempt back"))
-            case "tidy":
-                self._attempts.spawn(self._tidy(held, run), f"tidy after {held.lease.job_id}")
             case _:
                 log.warning("unknown order %r from the pool server; ignored", order.act)
 
@@ -380,22 +383,33 @@ class Agent:
         if lease.id != lease_id:
             log.error("the pool server's run order for %s carries lease %s; ignored", lease_id, lease.id)
             return
-        by_uuid = {g.uuid: g for g in self.gpus}
-        slot = int(detail["slot"])
         held = self._held.hold(lease, base + float(detail["valid_for"]))
-        try:
-            gpus = tuple(by_uuid[uuid] for uuid in detail.get("gpus", ()))
-            if not 0 <= slot < self.slots:
-                raise KeyError(f"slot {slot}")
-        except KeyError as exc:  # the server's worker has this agent's slots and GPUs: a bug there
+        slot = int(detail["slot"])
+        by_uuid = {g.uuid: g for g in self.gpus}
+        if not all(uuid in by_uuid for uuid in detail.get("gpus", ())) or not 0 <= slot < self.slots:
+            # The server's worker for this agent has its slots and GPUs: a bug there.
             log.error(
-                "job %s: the pool server asked for %s, which this agent does not have", lease.job_id, exc
+                "job %s: the pool server asked for a slot or GPUs this agent does not have", lease.job_id
             )
-            held.phase = Phase.ENDING
-            held.task = self._attempts.spawn(
-                self._report(held, RunResult(Ending.LOST, None)), f"end of {lease.job_id}"
-            )
+            self._refuse(held, RunResult(Ending.LOST, None))
             return
+        if self.identities is None and lease.spec.user != self.client.user:
+            # Its jobs run as the agent's own uid, which reads the agent's token: another user's
+            # job would act as this agent's user (an admin's, since the server sent it). Handed
+            # back untouched, and the agent leaves, saying why.
+            log.error(
+                "job %s of %s: this agent runs its jobs as its own uid, which can read its token, so "
+                "it runs %s's jobs only, yet the server sends it other users' (as to an admin's "
+                "agent): handing it back and leaving; sign the agent in as a user who is not an "
+                "admin, or run it as root with job_uid_range",
+                lease.job_id,
+                lease.spec.user,
+                self.client.user,
+            )
+            self._refuse(held, RunResult(Ending.HANDED_BACK, None))
+            self.leaving.set()
+            return
+        gpus = tuple(by_uuid[uuid] for uuid in detail.get("gpus", ()))
         store = TicketStore(self._calls, lease.id, self._http, self.data_dir / "spool")
         exited: list[asyncio.Task[None]] = []
         run = JobRun(
@@ -421,6 +435,11 @@ class Agent:
         self._held.started(held, run, slot)  # (lost there if its deadline passed: nothing starts)
         run.start()
         held.task = self._attempts.spawn(self._attempt(held, run, exited), f"job {lease.job_id}")
+
+    def _refuse(self, held: HeldAttempt, result: RunResult) -> None:
+        """An attempt not started: its end, `result`, told at once (its slot then needs no tidying)."""
+        held.phase = Phase.ENDING
+        held.task = self._attempts.spawn(self._report(held, result), f"end of {held.lease.job_id}")
 
     # -- one attempt ------------------------------------------------------------------------------
 
@@ -462,13 +481,13 @@ class Agent:
                 "killed_by": result.killed_by,
             },
         )
-        if held.run is None and self._held is not None:
-            self._held.drop(held)  # never ran: no slot to tidy
 
-    async def _tidy(self, held: HeldAttempt, run: JobRun) -> None:
-        """After its end: its slot's directories made ready for the next job, then `tidied`."""
+    async def _tidy(self, held: HeldAttempt, run: JobRun | None) -> None:
+        """After its end: its slot's directories made ready for the next job (None: it never
+        started, and touched none), then `tidied`."""
         try:
-            await run.tidy()
+            if run is not None:
+                await run.tidy()
             await self._tell(held.lease.id, "tidied")
         finally:
             if self._held is not None:
