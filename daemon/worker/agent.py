@@ -2,9 +2,13 @@
 
 `poold --worker` with `worker_via_server` runs an `Agent` instead of a Worker. It holds no Redis or
 S3 credential, only its user's token (`worker_token_file`): a job that reads whatever the agent
-can read acts at most as that user already may. It offers its slots and GPUs with `serve_jobs`;
-the server runs a real Worker for it (daemon/worker/hosted.py), which claims, renews, heartbeats
-and records every end, and streams orders: `run` an attempt on a slot with some GPUs, `cancel`,
+can read acts at most as that user already may. So an agent whose jobs run as its own uid (it is
+not root, or has no slot uids) runs its own user's jobs only: an admin's agent is sent everyone's,
+and would hand each the admin's token; it hands such a job back and leaves, saying why.
+
+It offers its slots and GPUs with `serve_jobs`; the server runs a real Worker for it
+(daemon/worker/hosted.py), which claims, renews, heartbeats and records every end, and streams
+orders: `run` an attempt on a slot with some GPUs, `cancel`,
 `hand_back` or `lose` it, `tidy` its slot, and `renewed` with how long each lease still holds.
 
 Each `run` is a real `runner.JobRun` on this machine's `slots.Slots` (scratch directories, slot
