@@ -8,8 +8,8 @@ and would hand each the admin's token; it hands such a job back and leaves, sayi
 
 It offers its slots and GPUs with `serve_jobs`; the server runs a real Worker for it
 (daemon/worker/hosted.py), which claims, renews, heartbeats and records every end, and streams
-orders: `run` an attempt on a slot with some GPUs, `cancel`,
-`hand_back` or `lose` it, `tidy` its slot, and `renewed` with how long each lease still holds.
+orders: `run` an attempt on a slot with some GPUs, `cancel`, `hand_back` or `lose` it, `tidy` its
+slot, and `renewed` with how long each lease still holds.
 
 Each `run` is a real `runner.JobRun` on this machine's `slots.Slots` (scratch directories, slot
 uids when root, cgroups, the spawner, the orphan guard), whose pool is the attempt's
