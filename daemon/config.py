@@ -88,6 +88,8 @@ class Config:
     worker_idle_exit: float
     worker_max_lifetime: float
     worker_serve_user: str
+    worker_via_server: str
+    worker_token_file: str
     job_nice: int
     job_retention: float
     retry_backoff: float
@@ -242,6 +244,18 @@ def _check_together(c: Config) -> None:
                     c.sources[name],
                     "a singlenode pool runs its own Redis, one node with no sentinels and no "
                     "replicas: set worker_mode = multinode with the pool's Redis, or leave this unset",
+                )
+    if c.worker_via_server:  # an agent worker: it signs in to the server as one user, with a token
+        for name, what in (
+            ("worker_serve_user", "the pool user it acts as"),
+            ("worker_token_file", "that user's token"),
+        ):
+            if not getattr(c, name):
+                raise ConfigError(
+                    name,
+                    c.sources[name],
+                    f"a worker through the server (worker_via_server) needs {name}: {what}, with which "
+                    "it signs in; it holds no Redis or S3 credential of its own",
                 )
     if c.redis_sentinels and c.redis_cluster_nodes:
         raise ConfigError(

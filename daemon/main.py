@@ -21,7 +21,7 @@ from daemon import log_setup
 from daemon.errors import ConfigError, GpupoolError
 from daemon.server.service import PoolServer
 from daemon.worker import non_root
-from daemon.worker.service import WorkerDaemon, local_slots
+from daemon.worker.service import AgentDaemon, WorkerDaemon, local_slots
 
 log = logging.getLogger("poold")
 
@@ -62,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning("%s", sentence)
     try:
         if args.worker:  # it may leave by itself (a pilot worker): then it stops as on a signal
-            worker = WorkerDaemon(config)
+            # Through the server (an agent: no Redis or S3 credential), or on its own.
+            worker = AgentDaemon(config) if config.worker_via_server else WorkerDaemon(config)
             return uvloop.run(_run(worker, worker.leaving))
         # The server runs an embedded pool's local slots as a Worker, which main hands it.
         return uvloop.run(_run(PoolServer(config, local_slots)))

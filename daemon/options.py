@@ -238,6 +238,21 @@ OPTIONS: tuple[Option, ...] = (
         "not run as root runs every job as itself, so it must name one",
     ),
     Option(
+        "worker_via_server",
+        str,
+        "",
+        "HOST:PORT of the pool server through which this worker takes its jobs, as an agent "
+        "(empty: it speaks to Redis and the store itself): it then holds no Redis or S3 "
+        "credential, only worker_token_file's token, and acts as worker_serve_user",
+    ),
+    Option(
+        "worker_token_file",
+        str,
+        "",
+        "file (this worker's own, mode 600) holding worker_serve_user's token, with which an agent "
+        "worker (worker_via_server) signs in to the pool server",
+    ),
+    Option(
         "job_nice",
         int,
         5,

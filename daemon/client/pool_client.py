@@ -76,6 +76,11 @@ class PoolClient:
         self._slots = asyncio.Semaphore(1)
         self._closed: ClientError | None = None
 
+    @property
+    def closed(self) -> ClientError | None:
+        """Why the connection ended (every request on it fails so), or None while it is open."""
+        return self._closed
+
     async def __aenter__(self) -> PoolClient:
         await self.connect()
         return self

@@ -39,13 +39,11 @@ import stat
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path, PurePosixPath
 
-from redis.exceptions import RedisError
-
 from daemon.errors import StaleAttempt
 from daemon.job import Attempt, Lease
 from daemon.object_store import attempt_segment, checkpoint_prefix
-from daemon.queue.job_queue import JobQueue
 from daemon.worker.job_data import files_under, has_entries
+from daemon.worker.pool_link import UNREACHABLE, PoolLink
 from storage.base import ObjectStore
 from storage.content import CHUNK, iterate_in_thread
 
@@ -76,7 +74,7 @@ def saved_as(attempt: Attempt) -> str:
 
 
 async def counted_attempts(
-    queue: JobQueue, lease: Lease, lost: Callable[[], bool]
+    queue: PoolLink, lease: Lease, lost: Callable[[], bool]
 ) -> tuple[list[Attempt], str]:
     """The attempts of `lease`'s job the pool knows ran before it, oldest first (its history in
     Redis, whose saves alone may be restored), and the save its record names ('' for none).
@@ -86,7 +84,7 @@ async def counted_attempts(
     while True:
         try:
             info = await queue.get(lease.job_id)
-        except RedisError as exc:
+        except UNREACHABLE as exc:
             if lost():
                 return [], ""  # it never starts (runner.py)
             log.warning("job %s: its history cannot be read (%s); asking again", lease.job_id, exc)
@@ -144,7 +142,7 @@ async def _newest_by_number(
 class Saver:
     """The saves of one attempt: `save()` at each period and once at the end, never two at once."""
 
-    def __init__(self, store: ObjectStore, queue: JobQueue, lease: Lease, source: Path) -> None:
+    def __init__(self, store: ObjectStore, queue: PoolLink, lease: Lease, source: Path) -> None:
         self.store = store
         self.queue = queue
         self.lease = lease

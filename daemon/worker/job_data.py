@@ -27,12 +27,10 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from daemon.errors import GpupoolError
 from daemon.job import JobSpec, Lease
 from daemon.object_store import artifact_prefix
-from daemon.queue.job_queue import JobQueue
+from daemon.worker.pool_link import UNREACHABLE, PoolLink
 from storage.base import InvalidKey, ObjectStore, StorageError
 from storage.cache import ObjectCache
 from storage.content import unpack_tar
@@ -103,7 +101,7 @@ def files_under(root: Path) -> list[tuple[str, Path]]:
     return out
 
 
-async def log_pages(queue: JobQueue, job_id: str) -> AsyncIterator[bytes]:
+async def log_pages(queue: PoolLink, job_id: str) -> AsyncIterator[bytes]:
     """The job's log as stored (every attempt's output, in order), a page of entries at a time:
     never more of it in memory than one page (LOG_PAGE chunks of at most 64 KiB)."""
     after = "0-0"
@@ -112,7 +110,7 @@ async def log_pages(queue: JobQueue, job_id: str) -> AsyncIterator[bytes]:
         after = chunks[-1][0]
 
 
-async def _upload_log(store: ObjectStore, queue: JobQueue, job_id: str, key: str) -> dict[str, Any] | None:
+async def _upload_log(store: ObjectStore, queue: PoolLink, job_id: str, key: str) -> dict[str, Any] | None:
     """Stream the job's log to `key`; its description, or None when it is empty."""
     pages = log_pages(queue, job_id)
     first = await anext(pages, b"")
@@ -129,7 +127,7 @@ async def _upload_log(store: ObjectStore, queue: JobQueue, job_id: str, key: str
 
 
 async def upload_artifacts(
-    store: ObjectStore, queue: JobQueue, lease: Lease, output: Path | None, *, logged: bool = True
+    store: ObjectStore, queue: PoolLink, lease: Lease, output: Path | None, *, logged: bool = True
 ) -> dict[str, Any]:
     """Upload the attempt's outputs (those in `output`; None: it is known to have left none) and
     the job's log (when there is any: `logged=False` says this attempt wrote none, so a first
@@ -152,7 +150,7 @@ async def upload_artifacts(
             described := await _upload_log(store, queue, lease.job_id, prefix + "log")
         ):
             result["log"] = described
-    except (StorageError, RedisError) as exc:  # the outcome matters more than its log's copy
+    except (StorageError, GpupoolError, *UNREACHABLE) as exc:  # the outcome matters more than its log's copy
         errors.append(f"log: {exc}")
     if errors:
         result["artifact_errors"] = errors

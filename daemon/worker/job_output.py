@@ -21,12 +21,10 @@ import os
 import time
 from collections.abc import Callable
 
-from redis.exceptions import RedisError
-
 from daemon.aio import cancel_and_wait
 from daemon.errors import StaleAttempt
 from daemon.job import Lease
-from daemon.queue.job_queue import JobQueue
+from daemon.worker.pool_link import UNREACHABLE, PoolLink
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +41,7 @@ class JobOutput:
     """The output of one attempt: `read_from(fd)` once its process has started, `finish()` once
     its processes are gone; `note()` adds the pool's own lines at any time."""
 
-    def __init__(self, queue: JobQueue, lease: Lease, on_refused: Callable[[str], None]) -> None:
+    def __init__(self, queue: PoolLink, lease: Lease, on_refused: Callable[[str], None]) -> None:
         self.queue = queue
         self.lease = lease
         self.on_refused = on_refused
@@ -179,10 +177,12 @@ class JobOutput:
             self._buf.clear()
             self._unsent = None
             self.on_refused("its log was refused: the attempt is no longer current")
-        except RedisError as exc:
+        except UNREACHABLE as exc:
             if not self._down:
                 log.warning(
-                    "job %s: cannot send output (%s); keeping it until Redis answers", self.lease.job_id, exc
+                    "job %s: cannot send output (%s); keeping it until the pool answers",
+                    self.lease.job_id,
+                    exc,
                 )
             self._down = True
             self._retry_at = time.monotonic() + RETRY_SECONDS

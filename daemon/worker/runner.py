@@ -29,19 +29,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from redis.exceptions import RedisError
-
 from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError, JobNotFound, StaleAttempt
 from daemon.git import ANY_PROTOCOL
 from daemon.job import JobState, Lease, Outcome
-from daemon.queue.job_queue import JobQueue
 from daemon.worker import checkpoints, git_mirror, job_data, leftovers, scratch, spawn
 from daemon.worker.cgroups import SlotCgroup
 from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput
 from daemon.worker.orphan_guard import OrphanGuard
+from daemon.worker.pool_link import UNREACHABLE, PoolLink
 from storage.base import ObjectStore, StorageError
 from storage.cache import ObjectCache
 
@@ -155,7 +153,7 @@ class JobRun:
 
     def __init__(
         self,
-        queue: JobQueue,
+        queue: PoolLink,
         lease: Lease,
         *,
         data_dir: Path,
@@ -173,6 +171,7 @@ class JobRun:
         cgroup: SlotCgroup | None = None,
         git_protocols: str = ANY_PROTOCOL,
         on_slot_free: Callable[[], None] | None = None,
+        on_exit: Callable[[], None] | None = None,
     ) -> None:
         """`slot` is the scratch directories of the slot it runs on (scratch.py; default: those
         under `slot_dir`, or `data_dir/slot`). `store` receives
@@ -181,7 +180,8 @@ class JobRun:
         processes. `identity`: the uid the job runs as (identity.py; None: the worker's own).
         `cgroup`: the slot's (cgroups.py), which holds all the job starts (None: found through
         /proc at the end). `on_slot_free` is called when the slot may take its next job before
-        this one's end is recorded (see `_hand_over`)."""
+        this one's end is recorded (see `_hand_over`). `on_exit` is called as soon as its first
+        process has ended (an agent tells its server: agent.py)."""
         self.queue = queue
         self.store = store
         self.cache = cache
@@ -217,6 +217,7 @@ class JobRun:
         self._sampler: asyncio.Task[None] | None = None  # RSS and descendants (_sample)
         self.output = JobOutput(queue, lease, self.lose)
         self.on_slot_free = on_slot_free
+        self.on_exit = on_exit or (lambda: None)
         self._handed_over = False  # its directories are the slot's next job's already
         self._descendants: dict[int, float] = {}  # pid -> create time, of every process seen
         self._peak_rss = 0
@@ -425,6 +426,7 @@ class JobRun:
         try:
             returncode = await self._proc.wait()
             ended = True
+            self.on_exit()
         finally:
             if timer is not None:
                 timer.cancel()
@@ -508,7 +510,7 @@ class JobRun:
         try:
             if files := await self._saver.save():
                 self.output.note(f"checkpoint saved ({files} files)")
-        except (StorageError, OSError, RedisError, StaleAttempt) as exc:
+        except (StorageError, OSError, StaleAttempt, *UNREACHABLE) as exc:
             self.output.note(f"checkpoint not saved: {exc}")
             log.warning(
                 "job %s attempt %d: checkpoint not saved (%s)", self.lease.job_id, self.lease.attempt, exc

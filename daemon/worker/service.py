@@ -1,15 +1,20 @@
 """Worker mode as a daemon (`poold --worker`): the pool's Redis, the object store, one Worker, its
 metrics endpoint, readiness and the systemd watchdog; and its end, for a worker that leaves by
-itself (lifetime.py: idle, or at its lifetime's end, as a pilot worker on a batch cluster does)."""
+itself (lifetime.py: idle, or at its lifetime's end, as a pilot worker on a batch cluster does).
+With `worker_via_server`, an Agent instead (agent.py), which holds no Redis or S3 credential: its
+token is read from `worker_token_file`, which must be its own and closed to others."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
 from pathlib import Path
 
 from daemon import sd_notify
 from daemon.aio import TaskSet, start_or_undo
+from daemon.client.pool_client import PoolClient
 from daemon.config import Config, make_data_dir
 from daemon.errors import GpupoolError
 from daemon.git import ANY_PROTOCOL, NETWORK_PROTOCOLS
@@ -18,6 +23,7 @@ from daemon.object_store import open_worker_store
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.pool_redis import PoolRedis
 from daemon.worker import non_root
+from daemon.worker.agent import Agent, AgentError
 from daemon.worker.dispatcher import Worker
 from daemon.worker.identity import slot_identities
 from daemon.worker.lifetime import Lifetime
@@ -158,3 +164,111 @@ def configured_worker(
 def local_slots(queue: JobQueue, config: Config, store: ObjectStore) -> Worker:
     """The slots a single-machine pool's server runs itself (`worker_local_processors`)."""
     return configured_worker(queue, config, slots=config.worker_local_processors, store=store)
+
+
+# -- through the server: an agent ------------------------------------------------------------
+
+
+def read_token(path_text: str) -> str:
+    """The agent's token from `path_text` (worker_token_file): a regular file of this uid's, closed to
+    everyone else (mode 0600 or stricter), and not empty; AgentError saying what to fix otherwise.
+    Another user's file, or one others may read, is refused: the token lets anyone who has it
+    act as the pool user."""
+    path = Path(path_text).expanduser()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise AgentError(
+            f"worker_token_file {path} does not exist: put the pool user's token there (mode 600)"
+        ) from None
+    except OSError as exc:
+        raise AgentError(
+            f"cannot read worker_token_file {path} ({exc.strerror}): it must be a plain file, this "
+            "agent's own"
+        ) from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise AgentError(
+                f"worker_token_file {path} is not a plain file: give the file that holds the token"
+            )
+        if st.st_uid != os.geteuid():
+            raise AgentError(
+                f"worker_token_file {path} belongs to uid {st.st_uid}, not to this agent's (uid "
+                f"{os.geteuid()}): the token must be the agent's own file, mode 600"
+            )
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):  # (as tokens.refuse_open says it)
+            raise AgentError(
+                f"{path}, the agent's worker_token_file, is readable by others (mode "
+                f"{stat.S_IMODE(st.st_mode):o}): chmod 600 {path}"
+            )
+        token = f.read().decode(errors="replace").strip()
+    if not token:
+        raise AgentError(f"worker_token_file {path} is empty: put the pool user's token there")
+    return token
+
+
+class AgentDaemon:
+    """Worker mode through the server (`poold --worker` with `worker_via_server`): an Agent, driven
+    by main as a worker is: `start()`, `stop()` on the first signal, `force()` on a second, with
+    readiness and the systemd watchdog. `leaving` is set when the agent must go by itself (its
+    serve ended, or its lifetime is over)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        # Read now, near the process's start: a bad worker_max_lifetime stops poold before it connects.
+        self.lifetime = Lifetime.of(config)
+        self.agent: Agent | None = None
+        self.leaving = asyncio.Event()
+        self._tasks = TaskSet()
+
+    async def start(self) -> None:
+        c = self.config
+        token = read_token(c.worker_token_file)
+        slots = c.worker_remote_processors
+        identities = slot_identities(c.job_uid_range, slots)
+        if identities is not None and len(identities) < slots:
+            log.warning(
+                "job_uid_range = %s holds %d uids for %d slots: running %d slots",
+                c.job_uid_range,
+                len(identities),
+                slots,
+                len(identities),
+            )
+            slots = len(identities)
+        await asyncio.to_thread(make_data_dir, c.data_path())
+        non_root.check_data_dir(c.data_path())
+        self.agent = Agent(
+            PoolClient(c.worker_via_server, c.worker_serve_user, token),
+            data_dir=c.data_path() / "agent",
+            slots=slots,
+            queues=c.queues,
+            drain_timeout=c.drain_timeout,
+            job_nice=c.job_nice,
+            job_network=c.job_network,
+            identities=identities,
+            cache_bytes=c.worker_cache_bytes,
+            lifetime=self.lifetime,
+        )
+        await self.agent.start()
+        self._tasks.spawn(self._leave_when_told(self.agent), "agent leaving")
+        if (interval := sd_notify.watchdog_interval()) is not None:
+            self._tasks.spawn(sd_notify.watchdog(interval), "watchdog")
+        a = self.agent
+        sd_notify.ready(f"agent of worker {a.worker_id}: {a.slots} slots, queues {', '.join(a.queues)}")
+
+    async def _leave_when_told(self, agent: Agent) -> None:
+        await agent.leaving.wait()
+        self.leaving.set()  # main stops it, as on a signal
+
+    async def stop(self) -> None:
+        """Stop the agent (its drain), then the rest. Safe to call twice."""
+        if self.agent is not None:
+            sd_notify.stopping(f"draining the agent of worker {self.agent.worker_id}")
+            await self.agent.stop()
+            self.agent = None
+        await self._tasks.stop()
+
+    def force(self) -> None:
+        if self.agent is not None:
+            self.agent.force()
