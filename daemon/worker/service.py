@@ -22,6 +22,7 @@ from daemon.metrics.endpoint import MetricsServer, serve_for
 from daemon.object_store import open_worker_store
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.pool_redis import PoolRedis
+from daemon.tokens import refuse_open
 from daemon.worker import non_root
 from daemon.worker.agent import Agent, AgentError
 from daemon.worker.dispatcher import Worker
@@ -197,11 +198,7 @@ def read_token(path_text: str) -> str:
                 f"worker_token_file {path} belongs to uid {st.st_uid}, not to this agent's (uid "
                 f"{os.geteuid()}): the token must be the agent's own file, mode 600"
             )
-        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):  # (as tokens.refuse_open says it)
-            raise AgentError(
-                f"{path}, the agent's worker_token_file, is readable by others (mode "
-                f"{stat.S_IMODE(st.st_mode):o}): chmod 600 {path}"
-            )
+        refuse_open(path, st.st_mode, ", the agent's worker_token_file,")
         token = f.read().decode(errors="replace").strip()
     if not token:
         raise AgentError(f"worker_token_file {path} is empty: put the pool user's token there")
