@@ -8,12 +8,15 @@ drained and gone before its walltime, since `--max-lifetime` is the walltime les
 jobs are chosen so that their `--timeout` ends before it must leave; what still runs at its end is
 handed back, as on SIGTERM, and runs again on another worker.
 
-The worker needs the pool's Redis and S3 credentials. They come from a pool.toml the user keeps
-readable by themselves only (the batch script names it; cluster home directories are shared with
-every node and often readable by the group); one that others may read is refused. A pilot is
-not root: it runs every job as the cluster user who submitted it, who can read that file, so it
-runs the jobs of one pool user only, the one poolctl acts as (`--serve-user`), and passes the
-others' over (daemon/worker/non_root.py). Its node-local tree (scratch, the dataset cache) is
+A pilot is not root: it runs every job as the cluster user who submitted it, and any of those
+jobs can read what that user can, the pilot's config included. So a pilot is an agent of the pool
+server (`worker_via_server`, daemon/worker/agent.py): its config names the server and a token
+file, the pool user's own token, kept readable by that user only (cluster home directories are
+shared with every node and often readable by the group); a config others may read, or one
+holding the pool's Redis password or S3 keys, is refused. The server runs a worker for it that
+makes every write, and runs there only the jobs of the pool user it acts as (`--serve-user`,
+else the one poolctl acts as), passing the others' over: a job on a pilot can act only as its
+own user already may. Its node-local tree (scratch, the dataset cache) is
 made anew for each pilot by mktemp, mode 700, under the node's TMPDIR. The script
 drops the submitting shell's GPUPOOL_* variables, so that the file alone says what the worker
 does, and it execs poold, so that the scheduler's signals reach the worker itself (a shell in
@@ -97,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         raise PilotError("--count must be at least 1, --gpus-per-node and --idle-exit at least 0")
     walltime = parse_walltime(args.walltime)
     config = Path(args.config).expanduser().resolve()
-    leave = check_config(config)
+    user = serve_user(args)
+    leave = check_config(config, user)
     lifetime = args.max_lifetime if args.max_lifetime is not None else walltime - margin(walltime)
     if not leave < lifetime <= walltime:
         raise PilotError(
@@ -113,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         gpus=args.gpus_per_node,
         partition=args.partition or args.queue,
         account=args.account,
-        worker=[*poold_command(), "--worker", "--config", str(config), "--serve-user", serve_user(args)],
+        worker=[*poold_command(), "--worker", "--config", str(config), "--serve-user", user],
         max_lifetime=lifetime,
         idle_exit=args.idle_exit,
     )
@@ -176,11 +180,15 @@ def margin(walltime: float) -> float:
     return min(300.0, max(30.0, walltime * 0.02))
 
 
-def check_config(path: Path) -> float:
-    """Refuse a config file others may read, or one that does not name a shared pool; the seconds
-    its worker takes to leave (drain_timeout + kill_grace, and a moment to hand back)."""
+def check_config(path: Path, user: str) -> float:
+    """Refuse a config file others may read, one that is not an agent's (a pilot holds its user's
+    token and no pool credential: docs/DESIGN.md, "Workers that do not run as root"), or one that
+    holds the pool's Redis password or S3 keys all the same; the seconds its worker takes to leave
+    (drain_timeout + kill_grace, and a moment to hand back). `user`: the pool user it acts as, as
+    its command line says (`--serve-user`)."""
     from daemon import config as config_mod
     from daemon.errors import ConfigError
+    from daemon.options import OPTIONS  # the secrets among them: none is a pilot's to hold
     from daemon.tokens import refuse_open
 
     try:
@@ -189,18 +197,27 @@ def check_config(path: Path) -> float:
         raise PilotError(f"--config {path}: {exc.strerror}") from None
     refuse_open(path, mode, ", a pilot's config, which names a token,")
     try:
-        c = config_mod.load(None, env={}, config_file=path)
+        c = config_mod.load(None, env={"GPUPOOL_WORKER_SERVE_USER": user}, config_file=path)
     except ConfigError as exc:
         raise PilotError(str(exc)) from None
-    if c.embedded:
+    if not c.worker_via_server:
         raise PilotError(
-            f'{path}: a pilot joins a shared pool: set worker_mode = "multinode" there, with the '
-            "pool's Redis (redis_ip, redis_port, main_server_redis_password) and S3 "
-            "(main_server_minio_*), reachable from the cluster's nodes"
+            f"{path}: a pilot is an agent of the pool server, holding its user's token and no Redis or "
+            "S3 credential (every job on it runs as you and could read them): set worker_via_server "
+            '= "HOST:PORT" of the pool server, reachable from the nodes, and worker_token_file = the '
+            "path of your token (mode 600)"
         )
-    if c.redis_ip in ("127.0.0.1", "localhost", "::1") and not (c.redis_sentinels or c.redis_cluster_nodes):
+    held = [o.name for o in OPTIONS if o.secret and getattr(c, o.name)]
+    if held:
+        raise PilotError(
+            f"{path} holds {', '.join(held)}: a pilot's jobs run as you and could read them; an agent "
+            "needs none (the server makes its writes and signs its transfers): remove them"
+        )
+    host = c.worker_via_server.rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1"):
         print(
-            f"poolctl: note: {path} names Redis on loopback, which only this node can reach", file=sys.stderr
+            f"poolctl: note: {path} names the server on loopback, which only this node can reach",
+            file=sys.stderr,
         )
     return c.leaving_seconds
 

@@ -50,8 +50,12 @@ def pilot_config(path: Path, redis_server: EmbeddedRedis, s3_env: dict[str, str]
 
 
 def plain_config(path: Path, mode: int = 0o600, **extra: object) -> Path:
-    lines = ['worker_mode = "multinode"', 'redis_ip = "10.1.2.3"', *(f"{k} = {v}" for k, v in extra.items())]
-    path.write_text("\n".join(lines) + "\n")
+    """An agent's pool.toml for a pool whose server is at 10.1.2.3: its user's token file beside it."""
+    token = path.with_name("token")
+    token.write_text("not-a-real-token\n")
+    token.chmod(0o600)
+    lines = ['worker_via_server = "10.1.2.3:7000"', f'worker_token_file = "{token}"']
+    path.write_text("\n".join([*lines, *(f"{k} = {v}" for k, v in extra.items())]) + "\n")
     path.chmod(mode)
     return path
 
@@ -147,13 +151,22 @@ async def test_a_pilot_that_cannot_be_is_refused_in_a_sentence(
     assert len(err.strip().splitlines()) == 1
 
 
-async def test_a_single_machine_config_or_a_missing_sbatch_is_refused(tmp_path: Path) -> None:
+async def test_a_config_that_is_not_an_agents_or_a_missing_sbatch_is_refused(tmp_path: Path) -> None:
+    """issue 44 item 1: a pilot's jobs run as the cluster user, and read what it reads: its config.
+    One holding the pool's Redis password or S3 keys is refused, as is one that is no agent's."""
     single = tmp_path / "single.toml"
     single.write_text("")
     single.chmod(0o600)
     code, _, err = await poolctl(env(), "pilot", "slurm", "--walltime", "1:00:00", "--config", str(single))
     assert code == 2
-    assert 'set worker_mode = "multinode" there' in err
+    assert "a pilot is an agent of the pool server, holding its user's token and no Redis or S3" in err
+    assert len(err.strip().splitlines()) == 1
+    keys = plain_config(tmp_path / "keys.toml", main_server_redis_password='"hunter2"')
+    keys.write_text(keys.read_text() + 'main_server_minio_secret_access_key = "s3cret"\n')
+    code, _, err = await poolctl(env(), "pilot", "slurm", "--walltime", "1:00:00", "--config", str(keys))
+    assert code == 2
+    assert "holds main_server_redis_password, main_server_minio_secret_access_key: a pilot's jobs" in err
+    assert "hunter2" not in err
     config = plain_config(tmp_path / "pool.toml")
     code, _, err = await poolctl(
         env(PATH=str(tmp_path)), "pilot", "slurm", "--walltime", "1:00:00", "--config", str(config)
