@@ -159,6 +159,21 @@ class OverBound(GpupoolError):
         )
 
 
+class ProjectTooLarge(GpupoolError):
+    """A job's project larger than the pool takes (project_max_bytes): datasets go with `poolctl
+    put`, once, not with every job."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+    def __init__(self, size: int, most: int, biggest: str = "") -> None:
+        super().__init__(
+            f"the project is {_mib(size)}, more than the {_mib(most)} a job's project may be "
+            f"(project_max_bytes){biggest}: list data and build output in .poolignore, and send "
+            "datasets once with `poolctl put PATH --name NAME` (then --input NAME), or run with "
+            "--workdir none"
+        )
+
+
 class StaleAttempt(GpupoolError):
     """A worker wrote for an attempt that is no longer the job's current one (fencing)."""
 

@@ -1,8 +1,8 @@
 """poolctl's side of data transfers: content-address, ask the server, move the bytes directly.
 
 The server never carries dataset or artifact bytes (see daemon/server/data_desk.py for why). For an upload
-poolctl hashes the source (a file, a directory packed as a deterministic tar, or a git working
-tree), asks `PrepareUpload`, and then either skips (already stored), PUTs the bytes to the
+poolctl hashes the source (a file, a directory packed as a deterministic tar, or a project's
+pack), asks `PrepareUpload`, and then either skips (already stored), PUTs the bytes to the
 presigned URL with the signed `x-amz-meta-sha256` header, or, on a single-machine pool, writes
 them into the local store's directory itself; then `FinishUpload` has the server check and record
 the object. A download asks `PrepareDownload` and GETs the presigned URL (or reads the local
@@ -35,7 +35,6 @@ from rich.progress import (
 )
 
 from daemon.client.pool_client import ClientError, PoolClient
-from daemon.ctl.checkout import working_tree
 from daemon.errors import GpupoolError
 from protocol import (
     DownloadTicket,
@@ -47,7 +46,14 @@ from protocol import (
     UploadTicket,
 )
 from storage.base import SHA256_META
-from storage.content import CHUNK, iterate_in_thread, pack_files, pack_tree, sha256_file, stream_sha256
+from storage.content import (
+    CHUNK,
+    iterate_in_thread,
+    pack_entries,
+    pack_tree,
+    sha256_file,
+    stream_sha256,
+)
 from storage.local import LocalStore
 
 Advance = Callable[[int], None]
@@ -59,19 +65,21 @@ class TransferError(GpupoolError):
 
 @dataclass(frozen=True, slots=True)
 class Source:
-    """Bytes to upload, content-addressed: a file, or a deterministic tar of files under `path`."""
+    """Bytes to upload, content-addressed: a file, or a deterministic tar of the tree at `path` (or
+    of `entries`: a project's pack)."""
 
     kind: str  # "file" or "dir"
     path: Path
     sha256: str
     size: int
-    names: tuple[str, ...] | None = None  # for a snapshot: only these files under `path`
+    # for a project's pack: these files, each (its name in the tar, where it is read)
+    entries: tuple[tuple[str, Path], ...] | None = None
 
     def chunks(self) -> AsyncIterator[bytes]:
         if self.kind == "file":
             return _read_file(self.path)
-        if self.names is not None:
-            return iterate_in_thread(pack_files(self.path, self.names))
+        if self.entries is not None:
+            return iterate_in_thread(pack_entries(self.entries))
         return iterate_in_thread(pack_tree(self.path))
 
 
@@ -242,14 +250,6 @@ async def resolve_input(client: PoolClient, text: str) -> dict[str, str]:
         ref = await client.call(ResolveName(what), ObjectRef)
         default = what
     return {"sha256": ref.sha256, "dest": dest or default, "kind": ref.kind}
-
-
-async def upload_snapshot(client: PoolClient, cwd: Path) -> dict[str, object]:
-    """`--snapshot`: pack and upload the working tree; the job spec's `snapshot` entry."""
-    tree = await working_tree(cwd)
-    sha, size = await asyncio.to_thread(lambda: stream_sha256(pack_files(tree.top, tree.names)))
-    await upload(client, Source("dir", tree.top, sha, size, tree.names), None, "snapshot")
-    return {"sha256": sha, "commit": tree.commit, "dirty": tree.dirty}
 
 
 def _inside(dest: Path, name: object) -> Path:

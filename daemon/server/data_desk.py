@@ -22,9 +22,9 @@ large upload everyone's latency problem. Instead the server answers small reques
 - `PrepareDownload(key)`: a presigned GET (or the local store's directory), for keys under
   `sha256/` and `artifacts/` only, with the size and sha256 the downloader verifies against.
 
-`check_inputs` refuses a job whose inputs or snapshot its user has not uploaded: a sha256 seen in a
-log or a job record must not be a way to read the bytes through a job. Objects stored before owners
-were recorded (no owner at all) are still allowed.
+`check_inputs` refuses a job whose inputs, snapshot or project packs its user has not uploaded: a
+sha256 seen in a log or a job record must not be a way to read the bytes through a job. Objects
+stored before owners were recorded (no owner at all) are still allowed.
 
 Workers do not ask: they hold the store's credentials (configured by the admin) and read and write
 it directly (`daemon/worker/job_data.py`).
@@ -149,12 +149,9 @@ class DataDesk:
             ) from None
 
     async def check_inputs(self, spec: JobSpec, user: str) -> None:
-        """PERMISSION_DENIED for the first input or snapshot of `spec` that `user` has not
-        uploaded (objects from before owners were recorded, with none at all, pass)."""
-        shas = [i["sha256"] for i in spec.inputs]
-        if spec.snapshot is not None:
-            shas.append(spec.snapshot["sha256"])
-        for sha in dict.fromkeys(shas):
+        """PERMISSION_DENIED for the first input, snapshot or project pack of `spec` that `user`
+        has not uploaded (objects from before owners were recorded, with none at all, pass)."""
+        for sha in dict.fromkeys(data_of(spec)):
             if await self.store.exists(owner_key(sha, user)):
                 continue
             if await self.store.list(owners_prefix(sha)):
@@ -185,6 +182,16 @@ class DataDesk:
         local = self._local_root()
         url = None if local is not None else await self.store.presign_get(key, URL_SECONDS)
         return DownloadTicket(key, info.size, info.sha256, url, local)
+
+
+def data_of(spec: JobSpec) -> tuple[str, ...]:
+    """The objects a job reads from the store: its inputs, its snapshot, its project's packs. The
+    spec alone says which, so whatever authorises a worker's reads can judge them from it."""
+    return (
+        tuple(i["sha256"] for i in spec.inputs)
+        + ((spec.snapshot["sha256"],) if spec.snapshot else ())
+        + (tuple(spec.project["packs"]) if spec.project else ())
+    )
 
 
 def _check_sha(sha256: str) -> str:

@@ -36,7 +36,7 @@ from daemon.queue.failures import out_of_memory
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.terminal_events import JobEvents
 from daemon.server.bounds import SubmitBounds
-from daemon.server.data_desk import DataDesk
+from daemon.server.data_desk import DataDesk, data_of
 from daemon.server.dependencies import judge_held
 from daemon.server.log_limit import LogLimit
 from daemon.server.pending import MAX_LIST, PendingReasons, WorkerLister
@@ -274,6 +274,8 @@ class Handlers:
             spec["inputs"] = [{"dest": i["dest"], "kind": i["kind"]} for i in spec.get("inputs") or ()]
             if spec.get("snapshot"):
                 spec["snapshot"] = {"commit": spec["snapshot"]["commit"]}
+            if spec.get("project"):  # its packs are keys to its files
+                spec["project"] = {k: v for k, v in spec["project"].items() if k != "packs"}
             if spec.get("git"):  # https://user:token@host/repo: the credentials are the owner's
                 spec["git"] = {**spec["git"], "repo": re.sub(r"//[^/@]*@", "//", spec["git"]["repo"])}
             if spec.get("notify"):  # a webhook's URL is often its only key
@@ -393,14 +395,13 @@ class Handlers:
                 raise PriorityTooHigh(asked, ceiling)
 
     async def _check_data(self, specs: list[JobSpec], user: str) -> None:
-        """Every input and snapshot is data `user` uploaded (admins' jobs may take any)."""
+        """Every input, snapshot and project pack is data `user` uploaded (admins' jobs may take
+        any)."""
         if self.data is None or user in self.admins:
             return
         seen: set[tuple[str, ...]] = set()
         for spec in specs:  # a batch shares its data, mostly: each set of it checked once
-            shas = tuple(i["sha256"] for i in spec.inputs) + (
-                (spec.snapshot["sha256"],) if spec.snapshot else ()
-            )
+            shas = data_of(spec)
             if shas and shas not in seen:
                 seen.add(shas)
                 await self.data.check_inputs(spec, user)

@@ -1,0 +1,145 @@
+"""A job runs in a copy of the project poolctl runs in, by default (issue 45 item 1): real poolctl
+processes, a real server and store, an in-process worker running the job."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from daemon.job import JobState
+from storage.base import ObjectStore
+from storage.local import LocalStore
+from tests.support.pool import Pool, running_pool
+from tests.support.poolctl import poolctl
+from tests.support.workers import running_worker, wait_state
+
+
+@pytest.fixture
+async def data_pool(redis_server: object, tmp_path: Path) -> AsyncIterator[Pool]:
+    async with running_pool(redis_server, tmp_path, store=LocalStore(tmp_path / "store")) as p:  # type: ignore[arg-type]
+        yield p
+
+
+def project_env(pool: Pool, tmp: Path, **extra: str) -> dict[str, str]:
+    """poolctl's environment as a researcher's: a home of its own above the project, and a cache."""
+    return pool.env("alice", XDG_CACHE_HOME=str(tmp / "cache"), **extra)
+
+
+async def enqueue(env: dict[str, str], cwd: Path, *argv: str) -> str:
+    code, out, err = await poolctl(env, "enqueue", "--", *argv, cwd=cwd)
+    assert code == 0, err
+    return out.strip()
+
+
+async def run(pool: Pool, tmp: Path, job_id: str) -> str:
+    """Run the queued job on a worker; its log."""
+    async with running_worker(pool.queue, tmp / "w", store=pool.server.store, slots=1):
+        info = await wait_state(pool.queue, job_id, JobState.SUCCEEDED, JobState.FAILED)
+    log = b"".join(data for _, data in await pool.queue.read_log(job_id, "0-0", count=1000)).decode()
+    assert info.state is JobState.SUCCEEDED, info.detail + log
+    return log
+
+
+async def stored(store: ObjectStore) -> set[str]:
+    return {o.key for o in await store.list("sha256/")}
+
+
+def git(repo: Path, *argv: str) -> None:
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *argv], cwd=repo, check=True, capture_output=True
+    )
+
+
+async def test_the_readmes_first_example_finds_train_py_in_a_project(data_pool: Pool, tmp_path: Path) -> None:
+    """issue 45 item 1: `cd myproject && poolctl enqueue -- python train.py` runs train.py, in the
+    same place within the copy as poolctl ran in the project; `show` names the snapshot."""
+    project = tmp_path / "myproject"
+    (project / "src").mkdir(parents=True)
+    (project / "pyproject.toml").write_text("[tool.ruff]\nline-length = 100\n")  # a marker, no [project]
+    (project / "train.py").write_text("print('training', open('src/data.txt').read().strip())\n")
+    (project / "src" / "data.txt").write_text("from the laptop\n")
+    env = project_env(data_pool, tmp_path)
+    job_id = await enqueue(env, project, "python", "train.py")
+    log = await run(data_pool, tmp_path, job_id)
+    assert "training from the laptop" in log
+
+    deeper = await enqueue(env, project / "src", "cat", "data.txt")  # started where poolctl ran
+    assert "from the laptop" in await run(data_pool, tmp_path, deeper)
+    code, shown, err = await poolctl(env, "show", deeper)
+    assert code == 0, err
+    [line] = [line for line in shown.splitlines() if line.startswith("project:")]
+    assert "(not in git), 3 files" in line, line
+    assert line.endswith("started in src"), line
+
+
+async def test_poolignore_gitignore_and_workdir_none(data_pool: Pool, tmp_path: Path) -> None:
+    """issue 45 item 1: a git project's untracked-not-ignored files go, .gitignore's and
+    .poolignore's do not (tracked or not), `.git` never; --workdir none is today's scratch."""
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    git(repo, "init", "-q")
+    (repo / ".gitignore").write_text("*.log\n")
+    (repo / ".poolignore").write_text("data/\n")
+    (repo / "data" / "big.bin").write_bytes(b"x" * 1000)
+    (repo / "run.sh").write_text("echo committed\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "one")
+    (repo / "new.txt").write_text("untracked\n")
+    (repo / "debug.log").write_text("ignored\n")
+    env = project_env(data_pool, tmp_path)
+    script = "find . -type f | sort"
+    log = await run(data_pool, tmp_path, await enqueue(env, repo, "sh", "-c", script))
+    listed = [line for line in log.splitlines() if line.startswith("./")]
+    assert listed == ["./.gitignore", "./.poolignore", "./new.txt", "./run.sh"], log
+
+    code, out, err = await poolctl(env, "enqueue", "--workdir", "none", "--", "sh", "-c", script, cwd=repo)
+    assert code == 0, err
+    scratch = await run(data_pool, tmp_path, out.strip())
+    assert [line for line in scratch.splitlines() if line.startswith("./")] == []
+
+
+async def test_a_resubmit_sends_only_the_pack_that_changed(data_pool: Pool, tmp_path: Path) -> None:
+    """issue 45 item 1: an unchanged resubmit stores nothing new; one changed file one new pack."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "requirements.txt").write_text("")
+    for i in range(300):  # 300 x 256 KiB: ~75 MiB, some 9 packs
+        (project / f"f{i:03d}.bin").write_bytes(os.urandom(256 * 1024))
+    env = project_env(data_pool, tmp_path)
+    store = data_pool.server.store
+    assert store is not None
+    first = await enqueue(env, project, "true")
+    objects = await stored(store)
+    assert len(objects) > 3  # packs, not one tar
+
+    await enqueue(env, project, "true")
+    assert await stored(store) == objects
+
+    (project / "f123.bin").write_bytes(os.urandom(256 * 1024))
+    changed = await enqueue(env, project, "true")
+    assert len(await stored(store) - objects) == 1
+    for job_id in (first, changed):
+        await run(data_pool, tmp_path, job_id)
+
+
+async def test_a_project_over_the_limit_is_refused_naming_its_biggest_file(
+    data_pool: Pool, tmp_path: Path
+) -> None:
+    """issue 45 item 1: a project over project_max_bytes is refused before anything is sent,
+    naming the big file and pointing to `poolctl put`; nothing is queued or stored."""
+    project = tmp_path / "proj"
+    (project / "data").mkdir(parents=True)
+    (project / "pyproject.toml").write_text("")
+    with open(project / "data" / "weights.bin", "wb") as f:  # sparse: 600 MiB, no bytes written
+        f.truncate(600 * 2**20)
+    env = project_env(data_pool, tmp_path)
+    code, _, err = await poolctl(env, "enqueue", "--", "true", cwd=project)
+    assert code == 2, err
+    assert "data/weights.bin (600.0 MiB)" in err, err
+    assert "poolctl put" in err, err
+    assert data_pool.server.store is not None
+    assert await stored(data_pool.server.store) == set()
