@@ -145,6 +145,10 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
+def _bytes(nbytes: int) -> str:
+    return _mib(nbytes) if nbytes >= 2**20 else f"{nbytes} bytes"
+
+
 class OverBound(GpupoolError):
     """A job spec larger than the pool takes (job_spec_max_bytes, job_name_max_chars): what one
     user puts in the pool's Redis, and in every listing, is bounded."""
@@ -167,7 +171,7 @@ class ProjectTooLarge(GpupoolError):
 
     def __init__(self, size: int, most: int, biggest: str = "") -> None:
         super().__init__(
-            f"the project is {_mib(size)}, more than the {_mib(most)} a job's project may be "
+            f"the project is {_bytes(size)}, more than the {_bytes(most)} a job's project may be "
             f"(project_max_bytes){biggest}: list data and build output in .poolignore, and send "
             "datasets once with `poolctl put PATH --name NAME` (then --input NAME), or run with "
             "--workdir none"

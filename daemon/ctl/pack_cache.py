@@ -52,6 +52,7 @@ class PackCache:
         self.enabled = os.environ.get(SWITCH, "on").lower() not in ("off", "0", "no", "false")
         name = hashlib.sha256(str(root).encode()).hexdigest()[:32]
         self.path = (directory or cache_dir()) / "packs" / f"{name}.json"
+        self.hits = 0  # packs whose sha256 came from here, no file read
         self._known: dict[str, list[object]] = {}
         self._now: dict[str, list[object]] = {}
         if self.enabled:
@@ -71,6 +72,7 @@ class PackCache:
         if not isinstance(sha, str) or not isinstance(size, int):
             return None
         self._now[key] = entry
+        self.hits += 1
         return sha, size
 
     def put(self, pack: Sequence[ProjectFile], sha256: str, size: int) -> None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import orjson
 import pytest
 
-from daemon.job import JobState
+from daemon.errors import InvalidJob
+from daemon.job import JobSpec, JobState, project_id
 from storage.base import ObjectStore
 from storage.local import LocalStore
 from tests.support.pool import Pool, running_pool
@@ -143,3 +146,72 @@ async def test_a_project_over_the_limit_is_refused_naming_its_biggest_file(
     assert "poolctl put" in err, err
     assert data_pool.server.store is not None
     assert await stored(data_pool.server.store) == set()
+
+
+async def test_a_bare_pyproject_is_locked_into_the_copy_never_into_the_tree(
+    data_pool: Pool, tmp_path: Path
+) -> None:
+    """issue 45 item 1: a pyproject.toml declaring a project, with no lock, is locked by `uv lock`
+    at submit and the lock goes with the job; the user's tree is left as it was. Without uv here,
+    one sentence says so and the job runs all the same."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "pyproject.toml").write_text(
+        '[project]\nname = "demo"\nversion = "0.1.0"\nrequires-python = ">=3.11"\ndependencies = []\n'
+    )
+    no_uv = project_env(data_pool, tmp_path, PATH="/usr/bin:/bin")
+    code, out, err = await poolctl(no_uv, "enqueue", "--", "ls", cwd=project)
+    assert code == 0, err
+    assert "uv is not installed here" in err
+    assert "uv.lock" not in await run(data_pool, tmp_path, out.strip())
+
+    with_uv = project_env(data_pool, tmp_path, PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin")
+    log = await run(data_pool, tmp_path, await enqueue(with_uv, project, "cat", "uv.lock"))
+    assert 'name = "demo"' in log
+    assert sorted(p.name for p in project.iterdir()) == ["pyproject.toml"]
+
+
+async def test_an_array_runs_each_of_its_jobs_in_the_project(data_pool: Pool, tmp_path: Path) -> None:
+    """issue 45 item 1: `--array` from a project: every job of it runs in the project's copy."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "requirements.txt").write_text("")
+    (project / "lr.txt").write_text("3e-4\n")
+    env = project_env(data_pool, tmp_path)
+    code, out, err = await poolctl(
+        env, "enqueue", "--json", "--array", "0-1", "--", "cat", "lr.txt", cwd=project
+    )
+    assert code == 0, err
+    for job_id in orjson.loads(out.splitlines()[0])["jobs"]:
+        assert "3e-4" in await run(data_pool, tmp_path, job_id)
+
+
+async def test_the_server_refuses_a_project_over_its_own_bound(redis_server: object, tmp_path: Path) -> None:
+    """issue 45 item 1: a poolctl that lets a larger project through is refused by the server's
+    project_max_bytes, saying so."""
+    store = LocalStore(tmp_path / "store")
+    async with running_pool(redis_server, tmp_path, store=store, project_max_bytes=1000) as pool:  # type: ignore[arg-type]
+        project = tmp_path / "proj"
+        project.mkdir()
+        (project / "requirements.txt").write_text("x" * 2000)
+        code, _, err = await poolctl(project_env(pool, tmp_path), "enqueue", "--", "true", cwd=project)
+    assert code == 2, err
+    assert "is 2000 bytes, more than the 1000 bytes a job's project may be (project_max_bytes)" in err
+
+
+def test_the_spec_takes_a_project_only_as_poolctl_makes_it() -> None:
+    """issue 45 item 1: the server checks a project's entry: its id is its packs', its dir stays
+    inside the job's directory, and it runs in no other place (--cwd, --git)."""
+    packs = ["a" * 64, "b" * 64]
+    good = {"id": project_id(packs), "packs": packs, "dir": "src", "commit": "", "dirty": True}
+    good |= {"files": 2, "size": 10}
+    assert JobSpec.from_dict({"argv": ["true"], "project": good}).project == good
+    for bad, why in [
+        ({**good, "id": "c" * 64}, "its id is not the sha256 of its packs"),
+        ({**good, "dir": "../up"}, "must be a relative path inside the project"),
+        ({**good, "packs": ["nothex"]}, "packs must be a list of at most"),
+    ]:
+        with pytest.raises(InvalidJob, match=why):
+            JobSpec.from_dict({"argv": ["true"], "project": bad})
+    with pytest.raises(InvalidJob, match="cannot be combined with cwd"):
+        JobSpec.from_dict({"argv": ["true"], "project": good, "cwd": "/data"})
