@@ -53,7 +53,7 @@ class ProjectFile:
     """One file of a project: its name in the copy, where its bytes are, and its stat."""
 
     name: str  # a relative POSIX path inside the project
-    path: Path  # where it is read from (a lock poolctl made lives outside the project)
+    path: str  # where it is read from (a lock poolctl made lives outside the project)
     size: int
     mtime_ns: int
     inode: int
@@ -139,12 +139,14 @@ def _ignored(root: Path, names: list[str]) -> list[str]:
 
 def _stat_all(root: Path, names: list[str]) -> tuple[ProjectFile, ...]:
     """Each name's file, sorted; those that are gone, directories (a submodule), special files
-    or symlinks out of the project are left out (the last said on stderr)."""
+    or symlinks out of the project are left out (the last said on stderr). Through os, not
+    pathlib: a third of the time, for the 10 000 files of a large project."""
     files, outward = [], []
+    top = str(root) + "/"
     for name in sorted(names):
-        path = root / name
+        path = top + name
         try:
-            st = path.lstat()
+            st = os.lstat(path)
         except (FileNotFoundError, NotADirectoryError):  # deleted, but still in git's index
             continue
         if stat.S_ISLNK(st.st_mode):
@@ -203,13 +205,13 @@ def has_lock(project: Project) -> bool:
     if any(lock in names for lock in LOCKS):
         return True
     requirements = names.get("requirements.txt")
-    return requirements is not None and "--hash=" in requirements.path.read_text(errors="replace")
+    return requirements is not None and "--hash=" in Path(requirements.path).read_text(errors="replace")
 
 
 def needs_lock(project: Project) -> Path | None:
     """The project's pyproject.toml where it declares a project (a [project] table) and no lock
     goes with it: the environment comes from the lock `lock_for` makes."""
-    pyproject = next((f.path for f in project.files if f.name == "pyproject.toml"), None)
+    pyproject = next((Path(f.path) for f in project.files if f.name == "pyproject.toml"), None)
     if pyproject is None or has_lock(project):
         return None
     try:
@@ -271,6 +273,6 @@ def lock_for(pyproject: Path, cache: Path) -> Path | None:
 def with_lock(project: Project, lock: Path) -> Project:
     """`project` with `lock` among its files, as uv.lock beside its pyproject.toml (at its top)."""
     st = lock.stat()
-    added = ProjectFile("uv.lock", lock, st.st_size, st.st_mtime_ns, st.st_ino, st.st_mode)
+    added = ProjectFile("uv.lock", str(lock), st.st_size, st.st_mtime_ns, st.st_ino, st.st_mode)
     files = tuple(sorted((*project.files, added), key=lambda f: f.name))
     return Project(project.root, project.dir, files, project.commit, project.dirty)

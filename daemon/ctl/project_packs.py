@@ -4,10 +4,13 @@ what changed (issue 45 item 1).
 The files, in sorted path order, are cut into runs; each run is a deterministic tar
 (storage/content.py `pack_entries`) stored as one object under its sha256, as a dataset is
 (PrepareUpload, then the bytes unless the pool has them, then FinishUpload). Where a run ends is
-decided by each file alone: a file ends its pack when a hash of its path falls below its size,
-rounded up to a power of two, over PACK_BYTES. A changed file therefore changes its own pack and
-no other (unless its size crosses a power of two, which may join or split its pack and the next),
-a file added or removed the same, and a pack holds some 8 MiB on average whatever the files.
+decided as content-defined chunking decides it, by the files and not by their place in the list:
+once a pack holds MIN_PACK bytes, a file ends it when a hash of its path falls below its size,
+rounded up to a power of two, over PACK_BYTES (a pack is ended at MAX_PACK bytes whatever the
+hashes). A file rewritten at its size changes its own pack and no other; one that grows or
+shrinks, or a file added or removed, may move the next boundary or two, after which the cuts are
+the same again. A pack holds some 7 MiB on average, whatever the files; the pack a changed file
+is in, some 9 MiB (200 MB of 20 KB files: bench/project_resubmit.py).
 
 The job spec carries the list of the packs' sha256s (daemon/job.py `project`): what a job may
 read from the store is in its spec. The worker unpacks them in order into the job's directory
@@ -28,17 +31,25 @@ from daemon.ctl.project import Project, ProjectFile
 from daemon.job import project_id
 from storage.content import pack_entries, stream_sha256
 
-# A file ends its pack with probability (its size rounded up to a power of two) / PACK_BYTES: that
-# is from 1 to 2 times size / PACK_BYTES, so a pack holds PACK_BYTES / 1.5, ~8 MiB, on average.
-PACK_BYTES = 12 * 2**20
+# Past MIN_PACK, a file ends its pack with probability (its size rounded up to a power of two) /
+# PACK_BYTES, from 1 to 2 times its size / PACK_BYTES: a pack holds MIN_PACK and some 3 MiB more
+# on average. Bounded below, packs vary less, and the pack a changed file is in (a larger pack
+# more likely holds it) is not much larger than the mean.
+MIN_PACK = 4 * 2**20
+PACK_BYTES = 4 * 2**20
+MAX_PACK = 16 * 2**20
 ASKING_AT_ONCE = 8  # packs asked about (and sent) at once: round trips overlap
 
 
 Pack = tuple[ProjectFile, ...]
 
 
-def ends_pack(f: ProjectFile) -> bool:
-    """Whether `f` is the last file of its pack: decided by its path and its size's power of two."""
+def ends_pack(f: ProjectFile, held: int) -> bool:
+    """Whether `f` is the last file of a pack that holds `held` bytes with it."""
+    if held < MIN_PACK:
+        return False
+    if held >= MAX_PACK:
+        return True
     weight = 1 << max(f.size, 1).bit_length()
     draw = int.from_bytes(hashlib.blake2b(f.name.encode(), digest_size=8).digest(), "big")
     return draw < 2**64 * weight // PACK_BYTES
@@ -48,17 +59,19 @@ def cut(files: Sequence[ProjectFile]) -> list[Pack]:
     """The files (sorted by name) in runs, each ending at a file that `ends_pack`."""
     packs: list[Pack] = []
     run: list[ProjectFile] = []
+    held = 0
     for f in files:
         run.append(f)
-        if ends_pack(f):
+        held += f.size
+        if ends_pack(f, held):
             packs.append(tuple(run))
-            run = []
+            run, held = [], 0
     if run:
         packs.append(tuple(run))
     return packs
 
 
-def entries(pack: Pack) -> list[tuple[str, Any]]:
+def entries(pack: Pack) -> list[tuple[str, str]]:
     return [(f.name, f.path) for f in pack]
 
 

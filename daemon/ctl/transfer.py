@@ -8,7 +8,9 @@ them into the local store's directory itself; then `FinishUpload` has the server
 the object. A download asks `PrepareDownload` and GETs the presigned URL (or reads the local
 store), verifying the sha256 before the file appears at its destination.
 
-Progress bars (bytes, rate, ETA) are drawn on stderr only when it is a terminal.
+Progress bars (bytes, rate, ETA) are drawn on stderr only when it is a terminal. rich (for the
+bars) and aiohttp (for presigned URLs) are imported only where they are used: a resubmit that
+sends nothing, to a pool on this machine, needs neither, and they are a third of its time.
 """
 
 from __future__ import annotations
@@ -17,22 +19,12 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import aiohttp
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
 from daemon.client.pool_client import ClientError, PoolClient
 from daemon.errors import GpupoolError
@@ -73,7 +65,7 @@ class Source:
     sha256: str
     size: int
     # for a project's pack: these files, each (its name in the tar, where it is read)
-    entries: tuple[tuple[str, Path], ...] | None = None
+    entries: tuple[tuple[str, str], ...] | None = None
 
     def chunks(self) -> AsyncIterator[bytes]:
         if self.kind == "file":
@@ -112,10 +104,19 @@ async def describe(path: Path) -> Source:
 @contextlib.contextmanager
 def progress(description: str, total: int) -> Iterator[Advance]:
     """An `advance(nbytes)` callable drawing a bar on a terminal, doing nothing otherwise."""
-    console = Console(stderr=True)
-    if not console.is_terminal:
+    if not sys.stderr.isatty():
         yield lambda n: None
         return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -123,7 +124,7 @@ def progress(description: str, total: int) -> Iterator[Advance]:
         TransferSpeedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=console, transient=False) as bar:
+    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
 
@@ -159,6 +160,8 @@ async def upload(client: PoolClient, source: Source, name: str | None, label: st
 async def _put_url(url: str, source: Source, chunks: AsyncIterator[bytes]) -> None:
     # An explicit Content-Length: S3 refuses chunked transfer encoding on a presigned PUT.
     headers = {f"x-amz-meta-{SHA256_META}": source.sha256, "Content-Length": str(source.size)}
+    import aiohttp
+
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
     async with (
         aiohttp.ClientSession(timeout=timeout) as session,
@@ -197,6 +200,8 @@ async def _get_url(ticket: DownloadTicket, dest: Path, advance: Advance) -> None
     fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
     tmp = Path(name)
     h = hashlib.sha256()
+    import aiohttp
+
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -3,6 +3,7 @@ processes, a real server and store, an in-process worker running the job."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -12,10 +13,13 @@ from pathlib import Path
 import orjson
 import pytest
 
+from daemon.client.pool_client import ClientError
 from daemon.errors import InvalidJob
 from daemon.job import JobSpec, JobState, project_id
+from protocol import Enqueue, Enqueued, ErrorCode, JobDetail, ShowJob
 from storage.base import ObjectStore
 from storage.local import LocalStore
+from tests.support.paths import ROOT
 from tests.support.pool import Pool, running_pool
 from tests.support.poolctl import poolctl
 from tests.support.workers import running_worker, wait_state
@@ -93,9 +97,14 @@ async def test_poolignore_gitignore_and_workdir_none(data_pool: Pool, tmp_path: 
     git(repo, "commit", "-q", "-m", "one")
     (repo / "new.txt").write_text("untracked\n")
     (repo / "debug.log").write_text("ignored\n")
+    (repo / "passwd").symlink_to("/etc/passwd")  # out of the project: left out, saying so
     env = project_env(data_pool, tmp_path)
-    script = "find . -type f | sort"
-    log = await run(data_pool, tmp_path, await enqueue(env, repo, "sh", "-c", script))
+    script = "find . -type f | sort; [ -L passwd ] || echo no link"
+    code, out, err = await poolctl(env, "enqueue", "--", "sh", "-c", script, cwd=repo)
+    assert code == 0, err
+    assert "left out 1 symlink(s) that point outside the project, e.g. passwd" in err
+    log = await run(data_pool, tmp_path, out.strip())
+    assert "no link" in log
     listed = [line for line in log.splitlines() if line.startswith("./")]
     assert listed == ["./.gitignore", "./.poolignore", "./new.txt", "./run.sh"], log
 
@@ -215,3 +224,37 @@ def test_the_spec_takes_a_project_only_as_poolctl_makes_it() -> None:
             JobSpec.from_dict({"argv": ["true"], "project": bad})
     with pytest.raises(InvalidJob, match="cannot be combined with cwd"):
         JobSpec.from_dict({"argv": ["true"], "project": good, "cwd": "/data"})
+
+
+async def test_another_users_packs_are_neither_runnable_nor_shown(data_pool: Pool, tmp_path: Path) -> None:
+    """issue 45 item 1: a job may name as its project only packs its user uploaded (knowing
+    sha256s is not having the files), and another user's view of a job hides its packs."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "requirements.txt").write_text("secret-sauce==1.0\n")
+    alice_env = project_env(data_pool, tmp_path)
+    job_id = await enqueue(alice_env, project, "true")
+    async with data_pool.client("alice") as alice:
+        entry = (await alice.call(ShowJob(job_id), JobDetail)).job["spec"]["project"]
+    assert entry["packs"]
+    async with data_pool.client("bob") as bob:
+        with pytest.raises(ClientError) as err:
+            await bob.call(Enqueue({"argv": ["cat", "requirements.txt"], "project": entry}, None), Enqueued)
+        assert err.value.code == ErrorCode.PERMISSION_DENIED
+        seen = (await bob.call(ShowJob(job_id), JobDetail)).job["spec"]["project"]
+    assert "packs" not in seen
+    assert seen["id"] == entry["id"]
+
+
+async def test_the_resubmit_bench_runs_at_its_smallest() -> None:
+    """issue 45 item 1: bench/project_resubmit.py keeps working (its --tiny size; it measures,
+    this asserts no speed): a resubmit of the unchanged project sends nothing."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.project_resubmit", "--tiny", cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out = (await asyncio.wait_for(proc.communicate(), 90))[0].decode()
+    assert proc.returncode == 0, out
+    [unchanged] = [line for line in out.splitlines() if "unchanged resubmit" in line]
+    assert unchanged.split("│")[3].strip() == "0", out

@@ -19,7 +19,7 @@ def listed(root: Path) -> Project:
         if path.is_file():
             st = path.lstat()
             name = path.relative_to(root).as_posix()
-            files.append(ProjectFile(name, path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_mode))
+            files.append(ProjectFile(name, str(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_mode))
     return Project(root, "", tuple(files), "", True)
 
 
@@ -102,5 +102,5 @@ def test_the_hash_cache_gives_what_reading_gives_and_sees_a_change(
     monkeypatch.setenv(SWITCH, "off")
     assert now == shas(listed(tree), PackCache(tree, cache_dir)) != truth
     monkeypatch.delenv(SWITCH)
-    [racy] = [p for p in project_packs.cut(listed(tree).files) if any(f.path == path for f in p)]
+    [racy] = [p for p in project_packs.cut(listed(tree).files) if any(f.path == str(path) for f in p)]
     assert PackCache(tree, cache_dir).get(racy) is None
