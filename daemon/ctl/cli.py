@@ -560,8 +560,7 @@ async def _get(client: PoolClient, args: argparse.Namespace) -> int:
 
 async def _attach_project(client: PoolClient, specs: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """The project the job runs in (daemon/ctl/project.py), its packs uploaded where the pool
-    lacks them, recorded in each spec. A project found here (not named) on a pool that keeps no
-    data runs the job in a scratch directory, as before projects went with jobs, saying so."""
+    lacks them, recorded in each spec."""
     if args.project_dir is None:
         return
     import asyncio  # loaded already: this runs on its loop
@@ -572,7 +571,6 @@ async def _attach_project(client: PoolClient, specs: list[dict[str, Any]], args:
     from daemon.ctl.transfer import TransferError
     from daemon.git import GitError
 
-    named = bool(args.workdir) or args.snapshot
     try:
         home = real(Path.home())
         found = await (project.named if args.workdir else project.find)(args.project_dir, home)
@@ -594,15 +592,11 @@ async def _attach_project(client: PoolClient, specs: list[dict[str, Any]], args:
         sent = await project_packs.upload(client, found, PackCache(found.root))
     except TransferError as exc:
         raise UsageError(str(exc)) from None
-    except ClientError as exc:
-        if named or exc.code != ErrorCode.UNAVAILABLE:
+    except ClientError as exc:  # the pool's store, mostly: the way round it is said
+        if isinstance(exc, ServerUnreachable | AuthFailed):
             raise
-        print(
-            f"poolctl: this pool keeps no data ({render.clean(exc)}), so the job runs in an empty "
-            f"scratch directory, not in a copy of {found.root}",
-            file=sys.stderr,
-        )
-        return
+        hint = f"{exc.message}; the job was not queued (--workdir none runs it without {found.root})"
+        raise ClientError(hint, exc.code) from None
     for spec in specs:
         spec["project"] = sent.spec
 
