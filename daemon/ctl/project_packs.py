@@ -3,7 +3,9 @@ what changed (issue 45 item 1).
 
 The files, in sorted path order, are cut into runs; each run is a deterministic tar
 (storage/content.py `pack_entries`) stored as one object under its sha256, as a dataset is
-(PrepareUpload, then the bytes unless the pool has them, then FinishUpload). Where a run ends is
+(PrepareUpload, then the bytes unless the pool has them, then FinishUpload), except those the
+pool says, in one CheckObjects for them all, the user stored already: an unchanged resubmit is
+that one request and the job's. Where a run ends is
 decided as content-defined chunking decides it, by the files and not by their place in the list:
 once a pack holds MIN_PACK bytes, a file ends it when a hash of its path falls below its size,
 rounded up to a power of two, over PACK_BYTES (a pack is ended at MAX_PACK bytes whatever the
@@ -29,6 +31,7 @@ from daemon.client.pool_client import PoolClient
 from daemon.ctl.pack_cache import PackCache
 from daemon.ctl.project import Project, ProjectFile
 from daemon.job import project_id
+from protocol import CheckObjects, ObjectsHeld
 from storage.content import pack_entries, stream_sha256
 
 # Past MIN_PACK, a file ends its pack with probability (its size rounded up to a power of two) /
@@ -111,9 +114,13 @@ async def upload(client: PoolClient, project: Project, cache: PackCache) -> Sent
     from daemon.ctl import transfer  # aiohttp: only where data moves
 
     described = await describe(project, cache)
+    packs = [sha for _, sha, _ in described]
+    held = set((await client.call(CheckObjects(packs), ObjectsHeld)).sha256s)
     limit = asyncio.Semaphore(ASKING_AT_ONCE)
 
     async def one(pack: Pack, sha: str, size: int) -> bool:
+        if sha in held:
+            return False
         async with limit:
             source = transfer.Source("dir", project.root, sha, size, entries=tuple(entries(pack)))
             _, sent = await transfer.upload(client, source, None, f"project pack {sha[:12]}")
@@ -121,7 +128,6 @@ async def upload(client: PoolClient, project: Project, cache: PackCache) -> Sent
 
     sent = await asyncio.gather(*(one(*d) for d in described))
     cache.save()
-    packs = [sha for _, sha, _ in described]
     spec = {
         "id": project_id(packs),
         "packs": packs,

@@ -45,6 +45,7 @@ from daemon.webhook_targets import Allowed
 from protocol import (
     CancelJobs,
     Cancelled,
+    CheckObjects,
     Enqueue,
     EnqueueBatch,
     Enqueued,
@@ -186,7 +187,7 @@ class Handlers:
                 return WorkerList(await self.workers())
             case Ping():
                 return Pong(time.time())
-            case PrepareUpload() | FinishUpload() | ResolveName() | PrepareDownload():
+            case PrepareUpload() | CheckObjects() | FinishUpload() | ResolveName() | PrepareDownload():
                 return await self._data(request, user)
         raise GpupoolError(f"this server does not handle {type(request).__name__}", ErrorCode.UNKNOWN_OP)
 
@@ -284,13 +285,17 @@ class Handlers:
         return record
 
     async def _data(
-        self, request: PrepareUpload | FinishUpload | ResolveName | PrepareDownload, user: str
+        self,
+        request: PrepareUpload | CheckObjects | FinishUpload | ResolveName | PrepareDownload,
+        user: str,
     ) -> Reply:
         if self.data is None:
             raise GpupoolError("this server has no object store for datasets", ErrorCode.UNAVAILABLE)
         match request:
             case PrepareUpload(sha256=sha256, size=size):
                 return await self.data.prepare_upload(sha256, size, user)
+            case CheckObjects(sha256s=sha256s):
+                return await self.data.check_objects(sha256s, user)
             case FinishUpload(sha256=sha256, kind=kind, name=name):
                 return await self.data.finish_upload(sha256, kind, name, user)
             case ResolveName(name=name):

@@ -16,7 +16,7 @@ import pytest
 from daemon.client.pool_client import ClientError
 from daemon.errors import InvalidJob
 from daemon.job import JobSpec, JobState, project_id
-from protocol import Enqueue, Enqueued, ErrorCode, JobDetail, ShowJob
+from protocol import CheckObjects, Enqueue, Enqueued, ErrorCode, JobDetail, ObjectsHeld, ShowJob
 from storage.base import ObjectStore
 from storage.local import LocalStore
 from tests.support.paths import ROOT
@@ -228,7 +228,8 @@ def test_the_spec_takes_a_project_only_as_poolctl_makes_it() -> None:
 
 async def test_another_users_packs_are_neither_runnable_nor_shown(data_pool: Pool, tmp_path: Path) -> None:
     """issue 45 item 1: a job may name as its project only packs its user uploaded (knowing
-    sha256s is not having the files), and another user's view of a job hides its packs."""
+    sha256s is not having the files, nor is a pack another's held for a resubmit), and another
+    user's view of a job hides its packs."""
     project = tmp_path / "proj"
     project.mkdir()
     (project / "requirements.txt").write_text("secret-sauce==1.0\n")
@@ -237,7 +238,10 @@ async def test_another_users_packs_are_neither_runnable_nor_shown(data_pool: Poo
     async with data_pool.client("alice") as alice:
         entry = (await alice.call(ShowJob(job_id), JobDetail)).job["spec"]["project"]
     assert entry["packs"]
+    async with data_pool.client("alice") as alice:
+        assert (await alice.call(CheckObjects(entry["packs"]), ObjectsHeld)).sha256s == entry["packs"]
     async with data_pool.client("bob") as bob:
+        assert (await bob.call(CheckObjects(entry["packs"]), ObjectsHeld)).sha256s == []  # not his
         with pytest.raises(ClientError) as err:
             await bob.call(Enqueue({"argv": ["cat", "requirements.txt"], "project": entry}, None), Enqueued)
         assert err.value.code == ErrorCode.PERMISSION_DENIED
