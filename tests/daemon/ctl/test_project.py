@@ -63,7 +63,8 @@ def git(repo: Path, *argv: str) -> None:
 
 async def test_the_readmes_first_example_finds_train_py_in_a_project(data_pool: Pool, tmp_path: Path) -> None:
     """issue 45 item 1: `cd myproject && poolctl enqueue -- python train.py` runs train.py, in the
-    same place within the copy as poolctl ran in the project; `show` names the snapshot."""
+    same place within the copy as poolctl ran in the project (or as --workdir names); `show` names
+    the snapshot."""
     project = tmp_path / "myproject"
     (project / "src").mkdir(parents=True)
     (project / "pyproject.toml").write_text("[tool.ruff]\nline-length = 100\n")  # a marker, no [project]
@@ -76,6 +77,13 @@ async def test_the_readmes_first_example_finds_train_py_in_a_project(data_pool: 
 
     deeper = await enqueue(env, project / "src", "cat", "data.txt")  # started where poolctl ran
     assert "from the laptop" in await run(data_pool, tmp_path, deeper)
+    code, out, err = await poolctl(
+        env, "enqueue", "--workdir", str(project / "src"), "--", "ls", cwd=tmp_path
+    )
+    assert code == 0, err  # named from elsewhere: the same project, started in the same place
+    assert (await data_pool.queue.get(out.strip())).spec.project == (
+        await data_pool.queue.get(deeper)
+    ).spec.project
     code, shown, err = await poolctl(env, "show", deeper)
     assert code == 0, err
     [line] = [line for line in shown.splitlines() if line.startswith("project:")]
