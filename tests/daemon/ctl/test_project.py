@@ -77,13 +77,11 @@ async def test_the_readmes_first_example_finds_train_py_in_a_project(data_pool: 
 
     deeper = await enqueue(env, project / "src", "cat", "data.txt")  # started where poolctl ran
     assert "from the laptop" in await run(data_pool, tmp_path, deeper)
-    code, out, err = await poolctl(
-        env, "enqueue", "--workdir", str(project / "src"), "--", "ls", cwd=tmp_path
-    )
-    assert code == 0, err  # named from elsewhere: the same project, started in the same place
-    assert (await data_pool.queue.get(out.strip())).spec.project == (
-        await data_pool.queue.get(deeper)
-    ).spec.project
+    named = ("--workdir", str(project / "src"))  # from elsewhere: the same project, the same place
+    code, out, err = await poolctl(env, "enqueue", *named, "--", "ls", cwd=tmp_path)
+    assert code == 0, err
+    same = await data_pool.queue.get(deeper)
+    assert (await data_pool.queue.get(out.strip())).spec.project == same.spec.project
     code, shown, err = await poolctl(env, "show", deeper)
     assert code == 0, err
     [line] = [line for line in shown.splitlines() if line.startswith("project:")]
