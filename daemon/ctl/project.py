@@ -97,15 +97,21 @@ async def _git_top(start: Path) -> Path | None:
 
 
 async def _git_project(top: Path, start: Path) -> Project:
-    try:
-        commit = await git("rev-parse", "--verify", "-q", "HEAD", cwd=top)
-    except GitError:
-        commit = ""  # no commit yet: every file is untracked
-    listed = await git("ls-files", "-co", "--exclude-standard", "-z", cwd=top, strip=False)
-    dirty = bool(await git("status", "--porcelain", cwd=top))
+    async def head() -> str:
+        try:
+            return await git("rev-parse", "--verify", "-q", "HEAD", cwd=top)
+        except GitError:
+            return ""  # no commit yet: every file is untracked
+
+    # three git processes at once: a large tree's listing and status take most of a resubmit
+    commit, listed, status = await asyncio.gather(
+        head(),
+        git("ls-files", "-co", "--exclude-standard", "-z", cwd=top, strip=False),
+        git("status", "--porcelain", cwd=top),
+    )
     names = [n for n in dict.fromkeys(listed.split("\0")) if n]
-    files = await asyncio.to_thread(_stat_all, top, _ignored(top, names))
-    return Project(top, _relative(start, top), files, commit, dirty)
+    files = await asyncio.to_thread(lambda: _stat_all(top, _ignored(top, names)))
+    return Project(top, _relative(start, top), files, commit, bool(status))
 
 
 def _plain_project(root: Path, start: Path) -> Project:
