@@ -106,6 +106,7 @@ class Config:
     user_max_queued_jobs: int
     user_max_stored_bytes: int
     job_spec_max_bytes: int
+    project_max_bytes: int
     job_name_max_chars: int
     data_dir: str
     listen: str

@@ -145,6 +145,10 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
+def _bytes(nbytes: int) -> str:
+    return _mib(nbytes) if nbytes >= 2**20 else f"{nbytes} bytes"
+
+
 class OverBound(GpupoolError):
     """A job spec larger than the pool takes (job_spec_max_bytes, job_name_max_chars): what one
     user puts in the pool's Redis, and in every listing, is bounded."""
@@ -156,6 +160,21 @@ class OverBound(GpupoolError):
             f"job {what} is {size} {unit}, more than the {most} this pool takes ({option} in the "
             "pool's config): make it shorter (a long command or environment can go in a file the "
             "job reads, with --input)"
+        )
+
+
+class ProjectTooLarge(GpupoolError):
+    """A job's project larger than the pool takes (project_max_bytes): datasets go with `poolctl
+    put`, once, not with every job."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+    def __init__(self, size: int, most: int, biggest: str = "") -> None:
+        super().__init__(
+            f"the project is {_bytes(size)}, more than the {_bytes(most)} a job's project may be "
+            f"(project_max_bytes){biggest}: list data and build output in .poolignore, and send "
+            "datasets once with `poolctl put PATH --name NAME` (then --input NAME), or run with "
+            "--workdir none"
         )
 
 

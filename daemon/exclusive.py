@@ -16,6 +16,9 @@ EXCLUSIVE = (
     ("inputs", "cwd", "inputs are placed in the job's own directory"),
     ("snapshot", "cwd", "the job runs in the snapshot"),
     ("snapshot", "git", "the job runs in the snapshot"),
+    ("project", "cwd", "the job runs in its project (--workdir none: in a scratch directory)"),
+    ("project", "git", "the job runs in its project (--workdir none: in a scratch directory)"),
+    ("project", "snapshot", "the job runs in its project"),
 )
 
 

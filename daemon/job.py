@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import random
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,9 @@ PRIORITY_MAX = 100  # the highest --priority (daemon/queue/lua/_lib.lua PRIO_MAX
 MAX_INPUTS = 256
 SHA256 = re.compile(r"[0-9a-f]{64}")
 INPUT_KINDS = ("file", "dir")
+# A project's files travel as packs (daemon/ctl/project_packs.py), each a content-addressed object
+# of ~8 MiB: a project within the default project_max_bytes holds some 64 of them.
+MAX_PROJECT_PACKS = 512
 
 
 class JobState(enum.StrEnum):
@@ -114,6 +118,10 @@ class JobSpec:
     inputs: tuple[Mapping[str, str], ...] = ()
     # The researcher's working tree as it was at enqueue: {"sha256", "commit", "dirty": bool}.
     snapshot: Mapping[str, Any] | None = None
+    # The project it runs in (daemon/ctl/project.py): its files as packs, the job's directory a
+    # copy of the project's root, the job started in `dir` within it. {"id", "packs", "dir",
+    # "commit", "dirty", "files", "size"}: `id` the sha256 of the packs' sha256s, a line each.
+    project: Mapping[str, Any] | None = None
     # Jobs it waits for, each "JOB:ok|fail|any" (daemon/after.py): held out of its queue till then.
     after: tuple[str, ...] = ()
     # One job of an array (`poolctl enqueue --array 0-99%8`): the array's id ("QUEUE@ID"), this
@@ -165,6 +173,7 @@ class JobSpec:
             ),
             **({"notify": self.notify} if self.notify else {}),  # a worker of before it refuses the key
             "snapshot": dict(self.snapshot) if self.snapshot is not None else None,
+            **({"project": _project_copy(self.project)} if self.project is not None else {}),
         }
 
     @classmethod
@@ -185,7 +194,7 @@ class JobSpec:
                 fields[name] = check(data)
         spec = cls(**fields)
         check_combination(
-            {k for k in ("cwd", "git", "inputs", "snapshot") if data.get(k) not in (None, [], ())}
+            {k for k in ("cwd", "git", "inputs", "snapshot", "project") if data.get(k) not in (None, [], ())}
         )
         check_gpu_request(spec.gpus, spec.gpu_mem)
         return spec
@@ -328,6 +337,50 @@ def _snapshot(value: object) -> dict[str, Any] | None:
     return dict(value)
 
 
+def project_id(packs: Iterable[str]) -> str:
+    """A project snapshot's id: the sha256 of its packs' sha256s, one a line (each pack is a
+    deterministic tar of its files, so the same files give the same id)."""
+    return hashlib.sha256("".join(f"{p}\n" for p in packs).encode()).hexdigest()
+
+
+_PROJECT_KEYS = {"id", "packs", "dir", "commit", "dirty", "files", "size"}
+
+
+def _project(value: object) -> dict[str, Any] | None:
+    """`project`: the packs are content addresses, `dir` a relative path inside the job's
+    directory ("" for its top), `id` the one `project_id` gives of the packs."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or set(value) != _PROJECT_KEYS:
+        raise InvalidJob("project", f"must be a map of exactly {', '.join(sorted(_PROJECT_KEYS))}")
+    packs = value["packs"]
+    if (
+        not isinstance(packs, list | tuple)
+        or len(packs) > MAX_PROJECT_PACKS
+        or not all(isinstance(p, str) and SHA256.fullmatch(p) for p in packs)
+    ):
+        raise InvalidJob("project", f"packs must be a list of at most {MAX_PROJECT_PACKS} sha256s")
+    if value["id"] != project_id(packs):
+        raise InvalidJob("project", "its id is not the sha256 of its packs")
+    if not isinstance(value["commit"], str) or not isinstance(value["dirty"], bool):
+        raise InvalidJob("project", 'takes a "commit" string and a "dirty" true or false')
+    for name in ("files", "size"):
+        if isinstance(value[name], bool) or not isinstance(value[name], int) or value[name] < 0:
+            raise InvalidJob("project", f'"{name}" must be a count from 0')
+    if value["dir"] != "":
+        try:
+            check_dest(value["dir"])
+        except InvalidJob:
+            raise InvalidJob(
+                "project", f"dir {value['dir']!r} must be a relative path inside the project"
+            ) from None
+    return _project_copy(value)
+
+
+def _project_copy(value: Mapping[str, Any]) -> dict[str, Any]:
+    return {**value, "packs": list(value["packs"])}
+
+
 def _opt_str(data: Mapping[str, Any], name: str) -> str | None:
     value = data.get(name)
     if value is not None and not isinstance(value, str):
@@ -396,6 +449,7 @@ _CHECKS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
     "git": lambda d: _git(d["git"]),
     "inputs": lambda d: _inputs(d["inputs"]),
     "snapshot": lambda d: _snapshot(d["snapshot"]),
+    "project": lambda d: _project(d["project"]),
     "after": lambda d: _after(d["after"]),
     "notify": lambda d: _notify(d["notify"]),
     "array": lambda d: _array(d["array"], d.get("queue", "default")),

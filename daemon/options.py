@@ -338,6 +338,16 @@ OPTIONS: tuple[Option, ...] = (
         hi=8 * 2**20,
     ),
     Option(
+        "project_max_bytes",
+        int,
+        512 * 2**20,
+        "bytes of the project a job runs in (the files poolctl sends from the directory it runs "
+        "in); a larger one is refused, naming its biggest files: data goes with `poolctl put` "
+        "(at most 1 GiB: a job's spec names each of its packs, 4 MiB at least)",
+        lo=0,
+        hi=2**30,
+    ),
+    Option(
         "job_name_max_chars",
         int,
         256,

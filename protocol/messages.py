@@ -29,6 +29,7 @@ __all__ = [
     "CancelJobs",
     "Cancelled",
     "Challenge",
+    "CheckObjects",
     "DownloadTicket",
     "Enqueue",
     "EnqueueBatch",
@@ -48,6 +49,7 @@ __all__ = [
     "LogEnd",
     "Message",
     "ObjectRef",
+    "ObjectsHeld",
     "Ping",
     "Pong",
     "PoolView",
@@ -240,6 +242,14 @@ class PrepareUpload(Record):
     size: int
 
 
+class CheckObjects(Record):
+    """Which of these content-addressed objects the caller has stored already (a project's packs,
+    asked about at once): those need neither PrepareUpload nor FinishUpload again."""
+
+    OP: ClassVar = "check_objects"
+    sha256s: list[str]
+
+
 class FinishUpload(Record):
     """The bytes of ``sha256`` are stored: the server checks the object and records it, under
     ``name`` too when one is given. ``kind`` is ``file`` or ``dir`` (a tar of a directory)."""
@@ -414,6 +424,14 @@ class UploadTicket(Record):
     local_store: str | None
 
 
+class ObjectsHeld(Record):
+    """Reply to CheckObjects: those of the objects asked about that are stored and recorded as the
+    caller's upload, in the order asked."""
+
+    OP: ClassVar = "objects_held"
+    sha256s: list[str]
+
+
 class ObjectRef(Record):
     """Reply to FinishUpload and ResolveName: a stored object and the name it goes by."""
 
@@ -474,6 +492,7 @@ Request: TypeAlias = (
     | ListWorkers
     | Ping
     | PrepareUpload
+    | CheckObjects
     | FinishUpload
     | ResolveName
     | PrepareDownload
@@ -493,6 +512,7 @@ Reply: TypeAlias = (
     | WorkerList
     | Pong
     | UploadTicket
+    | ObjectsHeld
     | ObjectRef
     | DownloadTicket
     | Served
@@ -516,6 +536,7 @@ _REPLY_FOR: Final[dict[type[Any], type[Any]]] = {
     ListWorkers: WorkerList,
     Ping: Pong,
     PrepareUpload: UploadTicket,
+    CheckObjects: ObjectsHeld,
     FinishUpload: ObjectRef,
     ResolveName: ObjectRef,
     PrepareDownload: DownloadTicket,

@@ -70,8 +70,8 @@ def _walk(root: Path) -> Iterator[Path]:
             yield Path(dirpath) / name
 
 
-def _info(path: Path, name: str) -> tarfile.TarInfo | None:
-    st = path.lstat()
+def _info(path: str | Path, name: str) -> tarfile.TarInfo | None:
+    st = os.lstat(path)
     info = tarfile.TarInfo(name)
     info.mtime = 0
     info.uid = info.gid = 0
@@ -116,8 +116,14 @@ def pack_files(root: Path, names: Iterable[str]) -> Generator[bytes, None, None]
 
 
 def _pack(root: Path, paths: Iterator[Path]) -> Generator[bytes, None, None]:
-    for path in paths:
-        name = path.relative_to(root).as_posix()
+    return pack_entries((path.relative_to(root).as_posix(), path) for path in paths)
+
+
+def pack_entries(entries: Iterable[tuple[str, str | Path]]) -> Generator[bytes, None, None]:
+    """A deterministic tar of `entries`, each (its name in the tar, the file or symlink to read),
+    in the order given (a project's pack, daemon/ctl/project_packs.py: some of its files, one of
+    which may be a lock written elsewhere). Blocking."""
+    for name, path in entries:
         info = _info(path, name)
         if info is None:
             continue

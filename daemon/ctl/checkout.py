@@ -1,16 +1,14 @@
-"""What poolctl reads of the user's git checkout: the exact commit `--git` names, and the files
-`--snapshot` packs.
+"""What poolctl reads of the user's git checkout for `--git`: the exact commit it names.
 
-Both pin what the job runs when it is submitted, so later commits or edits change nothing: `--git`
-without a repository resolves this checkout's origin (or its path, for a pool on this machine) at
-the commit HEAD (or `--ref`) is now; `--snapshot` takes the working tree as it is, uncommitted and
-untracked-but-not-ignored files included. Every git call goes through daemon/git.py.
+It pins what the job runs when it is submitted, so later commits change nothing: `--git` without
+a repository resolves this checkout's origin (or its path, for a pool on this machine) at the
+commit HEAD (or `--ref`) is now. (The working tree as it is, uncommitted files included, goes with
+a job by default: daemon/ctl/project.py.) Every git call goes through daemon/git.py.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from daemon.git import GitError, git
@@ -60,24 +58,3 @@ async def git_source(repo: str, ref: str | None, cwd: Path | None = None) -> dic
             file=sys.stderr,
         )
     return {"repo": source, "commit": commit}
-
-
-@dataclass(frozen=True, slots=True)
-class WorkingTree:
-    """A checkout's files as they are now, for `--snapshot`."""
-
-    top: Path
-    names: tuple[str, ...]  # committed, modified and untracked-but-not-ignored, relative to `top`
-    commit: str  # HEAD's commit, "" in a repository without commits
-    dirty: bool  # the files differ from `commit`
-
-
-async def working_tree(cwd: Path) -> WorkingTree:
-    top = Path(await _in_checkout("--snapshot", cwd, "rev-parse", "--show-toplevel"))
-    try:
-        commit = await git("rev-parse", "--verify", "-q", "HEAD", cwd=top)
-    except GitError:
-        commit = ""  # no commit yet: the snapshot is all untracked files
-    listed = await _in_checkout("--snapshot", top, "ls-files", "-co", "--exclude-standard", "-z", strip=False)
-    dirty = bool(await _in_checkout("--snapshot", top, "status", "--porcelain"))
-    return WorkingTree(top, tuple(n for n in listed.split("\0") if n), commit, dirty)

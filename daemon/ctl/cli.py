@@ -263,7 +263,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "put" and not os.path.lexists(args.path):  # the command line's mistake
         raise UsageError(f"{args.path}: no such file or directory")
     to = link(args)
-    on_loop = isinstance(request, Enqueue) and (_moves_data(args) or args.follow)
+    on_loop = request is not None and (
+        args.project_dir is not None or (isinstance(request, Enqueue) and (_moves_data(args) or args.follow))
+    )
     if args.command in ("put", "get", "logs") or on_loop:
         import asyncio
 
@@ -291,7 +293,17 @@ async def _on_loop(
             return await _get(client, args)
         case "logs":
             return await _logs(client, args.job, args.follow)
+    if isinstance(request, EnqueueBatch):  # an array, run in its project
+        await _attach_project(client, request.specs, args)
+        try:
+            ids = (await client.call(request, EnqueuedBatch)).job_ids
+        except ClientError as exc:
+            _maybe_partly_queued(exc, args)
+            raise
+        _batch_enqueued(ids, args)
+        return 0
     assert isinstance(request, Enqueue)
+    await _attach_project(client, [request.spec], args)
     await _attach_data(client, request.spec, args)
     reply = await client.call(request, Enqueued)
     if not args.follow:
@@ -339,7 +351,33 @@ def _one_request(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueB
 
 def _moves_data(args: argparse.Namespace) -> bool:
     """An enqueue that must pin a commit or upload first (several requests, on a loop)."""
-    return args.git is not None or bool(args.input) or args.snapshot
+    return args.git is not None or bool(args.input)
+
+
+def _project_start(args: argparse.Namespace) -> Path | None:
+    """Where to look for the job's project (daemon/ctl/project.py), or None for none: `--workdir
+    DIR`, else here (a cheap look for a project first: outside one, nothing is asked of git), unless
+    the job runs elsewhere (--workdir none, --cwd, --git, --from-file)."""
+    from daemon.ctl.project_root import maybe_within, real
+
+    if args.workdir == "none":
+        if args.snapshot:
+            raise UsageError("--snapshot runs the job in its project; --workdir none in a scratch directory")
+        return None
+    if args.from_file:
+        if args.workdir or args.snapshot:
+            raise UsageError("--workdir and --snapshot go with one command, not --from-file")
+        return None
+    if args.workdir:
+        if not os.path.isdir(args.workdir):
+            raise UsageError(f"--workdir {args.workdir}: no such directory")
+        return real(Path(args.workdir))
+    here = real(Path.cwd())
+    if args.cwd or args.git is not None:
+        return here if args.snapshot else None  # --snapshot with them: refused by _spec
+    if args.snapshot or maybe_within(here, real(Path.home())):
+        return here
+    return None
 
 
 def _ls(to: Link, args: argparse.Namespace) -> None:
@@ -385,11 +423,11 @@ def _maybe_partly_queued(exc: ClientError, args: argparse.Namespace) -> None:
 
 
 def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
+    args.project_dir = _project_start(args)
     if args.array or args.sweep:
-        if args.from_file or args.input or args.snapshot or args.follow or args.key:
+        if args.from_file or args.input or args.follow or args.key:
             raise UsageError(
-                "--array and --sweep go with one command, not --from-file, --input, "
-                "--snapshot, --follow or --key"
+                "--array and --sweep go with one command, not --from-file, --input, --follow or --key"
             )
         from daemon.ctl.arrays import ArrayError, array_specs, parse_array, parse_sweep
 
@@ -400,8 +438,8 @@ def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
             raise UsageError(str(exc)) from None
         return EnqueueBatch(specs)
     if args.from_file:
-        if args.input or args.snapshot:
-            raise UsageError("--input and --snapshot go with one job, not --from-file")
+        if args.input:
+            raise UsageError("--input goes with one job, not --from-file")
         if args.follow:
             raise UsageError("--follow goes with one job, not --from-file")
         import orjson
@@ -420,8 +458,8 @@ def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
 
 
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
-    """The spec the command line describes, less what must be read or uploaded (git, inputs,
-    snapshot); refused here if its parts exclude each other (the server validates the whole spec;
+    """The spec the command line describes, less what must be read or uploaded (git, inputs, the
+    project); refused here if its parts exclude each other (the server validates the whole spec;
     this spares an upload that would be refused)."""
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
@@ -454,7 +492,12 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         spec["notify"] = _notify_url(args.notify)
     if args.after:
         spec["after"] = args.after
-    given = {"cwd": args.cwd, "git": args.git is not None, "inputs": args.input, "snapshot": args.snapshot}
+    given = {
+        "cwd": args.cwd,
+        "git": args.git is not None,
+        "inputs": args.input,
+        "project": getattr(args, "project_dir", None) is not None,  # (_enqueue_request sets it)
+    }
     from daemon.exclusive import check_combination, check_gpu_request  # only enqueue asks
 
     check_combination({name for name, value in given.items() if value})
@@ -515,21 +558,61 @@ async def _get(client: PoolClient, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _attach_project(client: PoolClient, specs: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """The project the job runs in (daemon/ctl/project.py), its packs uploaded where the pool
+    lacks them, recorded in each spec."""
+    if args.project_dir is None:
+        return
+    import asyncio  # loaded already: this runs on its loop
+
+    from daemon.ctl import project, project_packs
+    from daemon.ctl.pack_cache import PackCache, cache_dir
+    from daemon.ctl.project_root import MARKERS, real
+    from daemon.ctl.transfer import TransferError
+    from daemon.git import GitError
+
+    try:
+        home = real(Path.home())
+        found = await (project.named if args.workdir else project.find)(args.project_dir, home)
+    except GitError as exc:
+        raise UsageError(f"cannot list the project's files: {exc}") from None
+    if found is None:
+        if args.snapshot:
+            raise UsageError(
+                "--snapshot needs a project here: a git working tree, or a directory holding "
+                f"{', '.join(MARKERS)}"
+            )
+        return
+    project.check_size(found, project.max_bytes())
+    pyproject = await asyncio.to_thread(project.needs_lock, found)
+    lock = pyproject and await asyncio.to_thread(project.lock_for, pyproject, cache_dir())
+    if lock:
+        found = project.with_lock(found, lock)
+    try:
+        sent = await project_packs.upload(client, found, PackCache(found.root))
+    except TransferError as exc:
+        raise UsageError(str(exc)) from None
+    except ClientError as exc:  # the pool's store, mostly: the way round it is said
+        if isinstance(exc, ServerUnreachable | AuthFailed):
+            raise
+        hint = f"{exc.message}; the job was not queued (--workdir none runs it without {found.root})"
+        raise ClientError(hint, exc.code) from None
+    for spec in specs:
+        spec["project"] = sent.spec
+
+
 async def _attach_data(client: PoolClient, spec: dict[str, Any], args: argparse.Namespace) -> None:
-    """Pin the commit --git names; upload what --input and --snapshot name; record them in the spec."""
+    """Pin the commit --git names; upload what --input names; record them in the spec."""
     if args.git is not None:
         from daemon.ctl.checkout import git_source
 
         spec["git"] = await git_source(args.git, args.ref)
-    if not (args.snapshot or args.input):
+    if not args.input:
         return
     from daemon.ctl import transfer  # aiohttp: only for the commands that move data
 
     try:
-        if args.snapshot:
-            spec["snapshot"] = await transfer.upload_snapshot(client, Path.cwd())
-        if args.input:
-            spec["inputs"] = [await transfer.resolve_input(client, text) for text in args.input]
+        spec["inputs"] = [await transfer.resolve_input(client, text) for text in args.input]
     except transfer.TransferError as exc:
         raise UsageError(str(exc)) from None
 

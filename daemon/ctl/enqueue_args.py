@@ -54,7 +54,19 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
     e.add_argument(
         "--env", action="append", default=[], metavar="K=V", help="environment variable (repeatable)"
     )
-    e.add_argument("--cwd", help="working directory on the worker (default: a fresh scratch directory)")
+    e.add_argument(
+        "--cwd",
+        help="a directory on the worker to run in, as it is there (default: a copy of the project "
+        "poolctl runs in, see --workdir)",
+    )
+    e.add_argument(
+        "--workdir",
+        metavar="DIR|none",
+        help="the project to run in a copy of (default: the one poolctl runs in: its git working "
+        "tree, or the nearest directory up with pyproject.toml, requirements.txt or uv.lock; its "
+        "files less .gitignore's and .poolignore's, sent as content-addressed packs, unchanged ones "
+        "never twice); none: an empty scratch directory",
+    )
     e.add_argument(
         "--git",
         nargs="?",
@@ -74,7 +86,8 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
     e.add_argument(
         "--snapshot",
         action="store_true",
-        help="run in a snapshot of this git working tree as it is now, uncommitted changes included",
+        help="the default now: the same as leaving it out, except that it refuses to run outside "
+        "a project (kept for the scripts that give it)",
     )
     e.add_argument("--timeout", type=float, metavar="SECONDS", help="stop the job after this long")
     e.add_argument(

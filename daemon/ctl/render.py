@@ -181,10 +181,25 @@ def _whole(text: str) -> str:
     return text.replace(".0 ", " ")
 
 
+def project_text(project: dict[str, Any] | None) -> str | None:
+    """`3f2a1b9c0d4e of commit 9c1e0f2a7b3d + uncommitted changes, 120 files, 1.2 MiB, started in
+    src`: which snapshot of its project a job ran (its id), and what that held."""
+    if not project:
+        return None
+    commit = project.get("commit") or ""
+    origin = f"of commit {commit[:12]}" + (" + uncommitted changes" if project.get("dirty") else "")
+    return (
+        f"{project.get('id', '')[:12]} {origin if commit else '(not in git)'}, "
+        f"{project.get('files', 0)} files, {size(int(project.get('size', 0)))}"
+        + (f", started in {project['dir']}" if project.get("dir") else "")
+    )
+
+
 def _data_lines(spec: dict[str, Any]) -> list[tuple[str, str | None]]:
     snap = spec.get("snapshot")
     inputs = spec.get("inputs") or []
     return [
+        ("project", project_text(spec.get("project"))),
         (
             "snapshot",
             snap

@@ -14,6 +14,9 @@ large upload everyone's latency problem. Instead the server answers small reques
   the local store (single machine: client and server share it) the answer is the store's
   directory, and the client writes through `storage.local.LocalStore` itself, with the same
   atomic-publish rules.
+- `CheckObjects(sha256s)`: which of many objects the caller has stored already (stored, and an
+  owner record of the caller's), in one request: a project's packs are asked about at once, and
+  those held need neither PrepareUpload nor FinishUpload again.
 - `FinishUpload(sha256, kind, name)`: the server reads the staged object back, hashes it, and
   only if it is what the caller claimed publishes it under its content key (a copy on the store's
   side, never over an object already there; `ObjectStore.adopt`), records the caller as an owner,
@@ -22,9 +25,9 @@ large upload everyone's latency problem. Instead the server answers small reques
 - `PrepareDownload(key)`: a presigned GET (or the local store's directory), for keys under
   `sha256/` and `artifacts/` only, with the size and sha256 the downloader verifies against.
 
-`check_inputs` refuses a job whose inputs or snapshot its user has not uploaded: a sha256 seen in a
-log or a job record must not be a way to read the bytes through a job. Objects stored before owners
-were recorded (no owner at all) are still allowed.
+`check_inputs` refuses a job whose inputs, snapshot or project packs its user has not uploaded: a
+sha256 seen in a log or a job record must not be a way to read the bytes through a job. Objects
+stored before owners were recorded (no owner at all) are still allowed.
 
 Workers do not ask: they hold the store's credentials (configured by the admin) and read and write
 it directly (`daemon/worker/job_data.py`).
@@ -50,7 +53,7 @@ from daemon.object_store import (
     owners_prefix,
     upload_key,
 )
-from protocol import DownloadTicket, ErrorCode, ObjectRef, UploadTicket
+from protocol import DownloadTicket, ErrorCode, ObjectRef, ObjectsHeld, UploadTicket
 from storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore, StorageError
 from storage.content import content_key
 from storage.local import LocalStore
@@ -68,6 +71,8 @@ MAX_PRESIGNED_PUT = 5 * 1024**3  # S3's largest single PUT
 STALE_UPLOAD_SECONDS = 3600
 PRUNE_SECONDS = 900
 READABLE_PREFIXES = ("sha256/", "artifacts/")
+MAX_CHECKED = 1024  # objects one CheckObjects may ask about (a project has at most 512 packs)
+CHECKS_AT_ONCE = 16  # store requests one CheckObjects has in flight
 
 
 class DataNotFound(GpupoolError):
@@ -104,6 +109,23 @@ class DataDesk:
         staged = upload_key(user, sha256)
         url = await self.store.presign_put(staged, PUT_URL_SECONDS, sha256=sha256)
         return UploadTicket(staged, False, url, None)
+
+    async def check_objects(self, sha256s: list[str], user: str) -> ObjectsHeld:
+        """Those of `sha256s` stored and recorded as `user`'s upload, in the order asked."""
+        if len(sha256s) > MAX_CHECKED:
+            raise BadDataRequest(f"{len(sha256s)} objects asked about at once; at most {MAX_CHECKED}")
+        for sha in sha256s:
+            _check_sha(sha)
+        limit = asyncio.Semaphore(CHECKS_AT_ONCE)
+
+        async def held(sha: str) -> bool:
+            async with limit:
+                return await self.store.exists(owner_key(sha, user)) and await self.store.exists(
+                    content_key(sha)
+                )
+
+        found = await asyncio.gather(*(held(sha) for sha in sha256s))
+        return ObjectsHeld([sha for sha, ok in zip(sha256s, found, strict=True) if ok])
 
     async def finish_upload(self, sha256: str, kind: str, name: str | None, user: str) -> ObjectRef:
         key = content_key(_check_sha(sha256))
@@ -149,12 +171,9 @@ class DataDesk:
             ) from None
 
     async def check_inputs(self, spec: JobSpec, user: str) -> None:
-        """PERMISSION_DENIED for the first input or snapshot of `spec` that `user` has not
-        uploaded (objects from before owners were recorded, with none at all, pass)."""
-        shas = [i["sha256"] for i in spec.inputs]
-        if spec.snapshot is not None:
-            shas.append(spec.snapshot["sha256"])
-        for sha in dict.fromkeys(shas):
+        """PERMISSION_DENIED for the first input, snapshot or project pack of `spec` that `user`
+        has not uploaded (objects from before owners were recorded, with none at all, pass)."""
+        for sha in dict.fromkeys(data_of(spec)):
             if await self.store.exists(owner_key(sha, user)):
                 continue
             if await self.store.list(owners_prefix(sha)):
@@ -185,6 +204,16 @@ class DataDesk:
         local = self._local_root()
         url = None if local is not None else await self.store.presign_get(key, URL_SECONDS)
         return DownloadTicket(key, info.size, info.sha256, url, local)
+
+
+def data_of(spec: JobSpec) -> tuple[str, ...]:
+    """The objects a job reads from the store: its inputs, its snapshot, its project's packs. The
+    spec alone says which, so whatever authorises a worker's reads can judge them from it."""
+    return (
+        tuple(i["sha256"] for i in spec.inputs)
+        + ((spec.snapshot["sha256"],) if spec.snapshot else ())
+        + (tuple(spec.project["packs"]) if spec.project else ())
+    )
 
 
 def _check_sha(sha256: str) -> str:

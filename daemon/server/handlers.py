@@ -36,7 +36,7 @@ from daemon.queue.failures import out_of_memory
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.terminal_events import JobEvents
 from daemon.server.bounds import SubmitBounds
-from daemon.server.data_desk import DataDesk
+from daemon.server.data_desk import DataDesk, data_of
 from daemon.server.dependencies import judge_held
 from daemon.server.log_limit import LogLimit
 from daemon.server.pending import MAX_LIST, PendingReasons, WorkerLister
@@ -45,6 +45,7 @@ from daemon.webhook_targets import Allowed
 from protocol import (
     CancelJobs,
     Cancelled,
+    CheckObjects,
     Enqueue,
     EnqueueBatch,
     Enqueued,
@@ -186,7 +187,7 @@ class Handlers:
                 return WorkerList(await self.workers())
             case Ping():
                 return Pong(time.time())
-            case PrepareUpload() | FinishUpload() | ResolveName() | PrepareDownload():
+            case PrepareUpload() | CheckObjects() | FinishUpload() | ResolveName() | PrepareDownload():
                 return await self._data(request, user)
         raise GpupoolError(f"this server does not handle {type(request).__name__}", ErrorCode.UNKNOWN_OP)
 
@@ -274,6 +275,8 @@ class Handlers:
             spec["inputs"] = [{"dest": i["dest"], "kind": i["kind"]} for i in spec.get("inputs") or ()]
             if spec.get("snapshot"):
                 spec["snapshot"] = {"commit": spec["snapshot"]["commit"]}
+            if spec.get("project"):  # its packs are keys to its files
+                spec["project"] = {k: v for k, v in spec["project"].items() if k != "packs"}
             if spec.get("git"):  # https://user:token@host/repo: the credentials are the owner's
                 spec["git"] = {**spec["git"], "repo": re.sub(r"//[^/@]*@", "//", spec["git"]["repo"])}
             if spec.get("notify"):  # a webhook's URL is often its only key
@@ -282,13 +285,17 @@ class Handlers:
         return record
 
     async def _data(
-        self, request: PrepareUpload | FinishUpload | ResolveName | PrepareDownload, user: str
+        self,
+        request: PrepareUpload | CheckObjects | FinishUpload | ResolveName | PrepareDownload,
+        user: str,
     ) -> Reply:
         if self.data is None:
             raise GpupoolError("this server has no object store for datasets", ErrorCode.UNAVAILABLE)
         match request:
             case PrepareUpload(sha256=sha256, size=size):
                 return await self.data.prepare_upload(sha256, size, user)
+            case CheckObjects(sha256s=sha256s):
+                return await self.data.check_objects(sha256s, user)
             case FinishUpload(sha256=sha256, kind=kind, name=name):
                 return await self.data.finish_upload(sha256, kind, name, user)
             case ResolveName(name=name):
@@ -393,14 +400,13 @@ class Handlers:
                 raise PriorityTooHigh(asked, ceiling)
 
     async def _check_data(self, specs: list[JobSpec], user: str) -> None:
-        """Every input and snapshot is data `user` uploaded (admins' jobs may take any)."""
+        """Every input, snapshot and project pack is data `user` uploaded (admins' jobs may take
+        any)."""
         if self.data is None or user in self.admins:
             return
         seen: set[tuple[str, ...]] = set()
         for spec in specs:  # a batch shares its data, mostly: each set of it checked once
-            shas = tuple(i["sha256"] for i in spec.inputs) + (
-                (spec.snapshot["sha256"],) if spec.snapshot else ()
-            )
+            shas = data_of(spec)
             if shas and shas not in seen:
                 seen.add(shas)
                 await self.data.check_inputs(spec, user)

@@ -1,7 +1,9 @@
-"""A job's data on the worker: its snapshot and inputs before it starts, its artifacts after it ends.
+"""A job's data on the worker: its project, snapshot and inputs before it starts, its artifacts after
+it ends.
 
-Before: the code snapshot (a deterministic tar, `poolctl enqueue --snapshot`) is unpacked as the
-job's directory, then each input is placed at its `dest` in that directory: a file as a hard link
+Before: the project's packs (deterministic tars of its files, daemon/ctl/project_packs.py) are
+unpacked in order as the job's directory, or the code snapshot (one such tar, sent by a poolctl of
+before projects), then each input is placed at its `dest` in that directory: a file as a hard link
 to the worker's cache entry (read-only; a copy across filesystems) where the job runs as a slot uid
 of its own, which cannot change an inode it does not own; as a copy of its own (a reflink where the
 file system offers one) where it runs as the worker's uid, which owns the cache's inodes and could
@@ -23,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +54,19 @@ async def prepare(
     *,
     as_cache_owner: bool,
 ) -> None:
-    """Unpack the snapshot into `workdir` (empty), then place the inputs in it. `as_cache_owner`:
-    the job runs as the uid that owns the cache (a worker with no slot uids), so each file input
-    is a copy of its own (ObjectCache.place)."""
-    if spec.snapshot is None and not spec.inputs:
+    """Unpack the project or the snapshot into `workdir` (empty), then place the inputs in it.
+    `as_cache_owner`: the job runs as the uid that owns the cache (a worker with no slot uids), so
+    each file input is a copy of its own (ObjectCache.place)."""
+    if spec.project is None and spec.snapshot is None and not spec.inputs:
         return
     if cache is None:
-        raise DataError("this worker has no object store, so it cannot fetch the job's snapshot or inputs")
+        raise DataError(
+            "this worker has no object store, so it cannot fetch the job's project, snapshot or inputs"
+        )
     try:
+        if spec.project is not None:
+            await _place_project(cache, spec.project, workdir)
+            note(project_line(spec.project))
         if spec.snapshot is not None:
             sha = spec.snapshot["sha256"]
             async with cache.use(sha) as tar:
@@ -78,6 +85,32 @@ async def prepare(
             note(f"input {item['sha256'][:12]} at {item['dest']}")
     except StorageError as exc:
         raise DataError(f"cannot fetch the job's data: {exc.message}") from None
+
+
+async def _place_project(cache: ObjectCache, project: Mapping[str, Any], workdir: Path) -> None:
+    """Each pack unpacked into `workdir` (each verified by its sha256 as the cache fetches it),
+    then the directory the job starts in made, if no file of the project is in it."""
+    for sha in project["packs"]:
+        async with cache.use(sha) as tar:
+            await asyncio.to_thread(unpack_tar, tar, workdir)
+    if project["dir"]:
+        start = workdir / project["dir"]
+        try:
+            await asyncio.to_thread(start.mkdir, parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise DataError(
+                f"the project's {project['dir']!r} is not a directory: the job cannot start in it"
+            ) from None
+
+
+def project_line(project: Mapping[str, Any]) -> str:
+    """What the job's log says of its project: its id, its commit, its files."""
+    commit = f"of commit {project['commit'][:12]}" if project["commit"] else "outside git"
+    dirty = " with uncommitted changes" if project["commit"] and project["dirty"] else ""
+    return (
+        f"project {project['id'][:12]} {commit}{dirty}: {project['files']} files, "
+        f"{project['size']} bytes in {len(project['packs'])} packs"
+    )
 
 
 def has_entries(root: Path) -> bool:

@@ -313,8 +313,12 @@ class JobRun:
 
     @property
     def cwd(self) -> Path:
-        """Where the job runs: its spec's `cwd`, else its slot's `work` directory."""
-        return Path(self.lease.spec.cwd) if self.lease.spec.cwd else self.scratch
+        """Where the job runs: its spec's `cwd`, else its slot's `work` directory (where its project
+        is, the directory in it poolctl ran in)."""
+        spec = self.lease.spec
+        if spec.cwd:
+            return Path(spec.cwd)
+        return self.scratch / spec.project["dir"] if spec.project else self.scratch
 
     def start(self) -> None:
         """Spawn the job now, in the caller's turn (the one that freed its slot, or got its claim),
@@ -376,7 +380,9 @@ class JobRun:
     def _placed(self) -> bool:
         """Whether code or data is placed in the job's directory before the spawn."""
         spec = self.lease.spec
-        return spec.git is not None or spec.snapshot is not None or bool(spec.inputs)
+        return (
+            spec.git is not None or spec.snapshot is not None or spec.project is not None or bool(spec.inputs)
+        )
 
     def _fetches(self) -> bool:
         """Whether anything is fetched before the spawn: code, data, or an earlier attempt's
@@ -390,8 +396,9 @@ class JobRun:
         if spec.git is not None:
             await self._checkout(spec.git)
         await job_data.prepare(
-            self.cache, spec, self.cwd, self.output.note, as_cache_owner=self.identity is None
-        )
+            self.cache, spec, self.scratch if spec.project else self.cwd, self.output.note,
+            as_cache_owner=self.identity is None,
+        )  # fmt: skip
         await self._restore_checkpoint()
         if self.identity is not None and not spec.cwd and self._placed():
             # its code, and the directories its inputs were placed in (not the inputs: root's)

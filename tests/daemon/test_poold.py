@@ -140,8 +140,10 @@ def test_the_embedded_pool_runs_jobs_on_its_own_slots(tmp_path: Path) -> None:
                 assert 'runs its jobs as root (job_uid_range = "root")' in said, said
 
             def poolctl(*args: str) -> subprocess.CompletedProcess[str]:
-                cmd = [sys.executable, "-m", "daemon.ctl.cli", *args]
-                return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=False)
+                cmd = [sys.executable, "-m", "daemon.ctl.cli", *args]  # in no project, unlike this checkout
+                return subprocess.run(
+                    cmd, env=env, capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path
+                )
 
             enqueued = poolctl("enqueue", "--", "sh", "-c", "echo ran-on-local-slots")
             assert enqueued.returncode == 0, enqueued.stderr

@@ -56,6 +56,7 @@ EVERY_MESSAGE: list[m.Message] = [
     m.WorkerList([{"name": "gpu-01", "slots": 2}]),
     m.Pong(1712345678.25),
     m.PrepareUpload("ab" * 32, 0),
+    m.CheckObjects(["ab" * 32, "cd" * 32]),
     m.FinishUpload("ab" * 32, "dir", "imagenet"),
     m.FinishUpload("ab" * 32, "file", None),
     m.ResolveName("imagenet"),
@@ -63,6 +64,7 @@ EVERY_MESSAGE: list[m.Message] = [
     m.UploadTicket("sha256/ab/" + "ab" * 32, exists=True, url=None, local_store=None),
     m.UploadTicket("k", exists=False, url="http://s3/b/k?X-Amz-Signature=1", local_store=None),
     m.ObjectRef("imagenet", "ab" * 32, 1024, "dir"),
+    m.ObjectsHeld(["cd" * 32]),
     m.DownloadTicket("k", 5, None, None, "/var/lib/gpupool/store"),
     m.ServeJobs(
         2, ["default"], [{"index": 0, "uuid": "GPU-1", "name": "H100", "memory": 80 << 30}], 0.0, "gpu-01"
@@ -83,7 +85,7 @@ def test_round_trip(message: m.Message) -> None:
 def test_every_message_class_is_covered() -> None:
     defined = {cls for cls in vars(m).values() if is_record(cls)}
     assert {type(message) for message in EVERY_MESSAGE} == defined
-    assert len(defined) == 6 + 17 + 16 + 4  # control, requests, replies, stream items
+    assert len(defined) == 6 + 18 + 17 + 4  # control, requests, replies, stream items
 
 
 def test_frame_types() -> None:

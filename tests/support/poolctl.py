@@ -14,7 +14,8 @@ from tests.support.paths import ROOT
 async def poolctl(
     env: dict[str, str], *args: str, cwd: Path | None = None, user: str | None = None
 ) -> tuple[int, str, str]:
-    """`poolctl ARGS` in `cwd` (default: here): exit code, stdout, stderr. Never a traceback.
+    """`poolctl ARGS` in `cwd`: exit code, stdout, stderr. Never a traceback. `cwd` by default is
+    `/`, in no project (an enqueue from a project sends it with the job: this checkout is one).
     `user`: run as that login user (its uid, gid and groups), as a cluster user runs it."""
     python, path = sys.executable, str(ROOT)
     as_user: list[str] = []
@@ -27,7 +28,7 @@ async def poolctl(
         "-m",
         "daemon.ctl.cli",
         *args,
-        cwd=cwd,
+        cwd=cwd or "/",
         env={**env, "PYTHONPATH": path},
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,

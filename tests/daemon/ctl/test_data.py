@@ -175,7 +175,7 @@ async def test_snapshot_of_a_dirty_tree_runs_the_uncommitted_change(data_pool: P
 
     code, _, err = await poolctl(env, "enqueue", "--snapshot", "--git", "--", "true", cwd=repo)
     assert code == 2
-    assert "job snapshot: cannot be combined with git: the job runs in the snapshot" in err
+    assert "job project: cannot be combined with git: the job runs in its project" in err
 
 
 async def test_a_zombie_attempts_artifacts_cannot_replace_the_committed_ones(

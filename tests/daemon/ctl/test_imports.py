@@ -40,7 +40,8 @@ async def loaded_by(tmp_path: Path, env: dict[str, str], *args: str) -> tuple[in
     """poolctl ARGS run in a fresh interpreter: its exit code, its output, the modules it loaded."""
     listing = tmp_path / "modules.json"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", RUN_AND_LIST, str(listing), *args, env=env, cwd=ROOT,
+        sys.executable, "-c", RUN_AND_LIST, str(listing), *args, env={**env, "PYTHONPATH": str(ROOT)},
+        cwd="/",  # in no project: an enqueue from this checkout would send it with the job
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), 60)

@@ -19,14 +19,14 @@ from typing import Any
 import psutil
 import pytest
 
-from daemon.job import JobInfo, JobSpec, JobState
+from daemon.job import JobInfo, JobSpec, JobState, project_id
 from daemon.queue.job_queue import JobQueue
 from daemon.worker import _spawn
 from daemon.worker.cgroups import SlotCgroups
 from daemon.worker.dispatcher import Worker
 from daemon.worker.identity import DEFAULT_UIDS, IdentityError, SlotIdentity, slot_identities
 from daemon.worker.spawn import Spawner
-from storage.content import content_key, pack_tree
+from storage.content import content_key, pack_files, pack_tree
 from storage.local import LocalStore
 from tests.support.git_repo import make_repo
 from tests.support.workers import alive, running_worker, sh, wait_file, wait_state
@@ -452,3 +452,31 @@ async def test_a_snapshot_job_runs_on_a_hardened_worker_and_can_change_its_files
     said = await output(queue, info)
     assert info.state is JobState.SUCCEEDED, said
     assert said.splitlines()[-5:] == ["snapshot", "inner", str(FIRST_UID), "changed", "done"], said
+
+
+async def test_a_project_job_runs_on_a_hardened_worker_in_its_start_directory(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """issue 45 item 1: a project's packs are unpacked by the root worker one after another into
+    the slot uid's directory, the directory the job starts in made where no file of it is there,
+    and all of it is the job's own to change."""
+    src = tmp_path / "project"
+    (src / "sub").mkdir(parents=True)
+    (src / "msg.txt").write_text("project\n")
+    (src / "sub" / "x").write_text("inner\n")
+    packs = []
+    async with LocalStore(tmp_path / "store") as store:
+        for names in (["msg.txt"], ["sub/x"]):
+            tar = b"".join(pack_files(src, names))
+            packs.append(hashlib.sha256(tar).hexdigest())
+            await store.put_bytes(content_key(packs[-1]), tar)
+        project = {"id": project_id(packs), "packs": packs, "dir": "sub/made", "commit": "", "dirty": True}
+        project |= {"files": 2, "size": 14}
+        script = "pwd; cat ../../msg.txt ../x; id -u; echo changed > ../../msg.txt; touch new; echo done"
+        async with hardened_worker(queue, store=store):
+            info = await run(queue, script, project=project)
+    said = await output(queue, info)
+    assert info.state is JobState.SUCCEEDED, said
+    lines = said.splitlines()
+    assert lines[-5].endswith("/work/sub/made"), said
+    assert lines[-4:] == ["project", "inner", str(FIRST_UID), "done"], said
