@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from daemon.client import known_servers
-from daemon.ctl import one_shot
 from daemon.client.pool_client import PoolClient, ServerUnreachable
+from daemon.ctl import one_shot
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server.certificate import certificate_fingerprint
 from protocol import Ping, Pong
