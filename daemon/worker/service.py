@@ -26,7 +26,8 @@ from daemon.tokens import refuse_open
 from daemon.worker import non_root
 from daemon.worker.agent import Agent, AgentError
 from daemon.worker.dispatcher import Worker
-from daemon.worker.identity import slot_identities
+from daemon.worker.envs import EnvSettings
+from daemon.worker.identity import SlotIdentity, lease_uids, slot_identities
 from daemon.worker.lifetime import Lifetime
 from storage.base import ObjectStore
 
@@ -141,6 +142,12 @@ def configured_worker(
             identities[0].uid,
             identities[-1].uid,
         )
+    # Environments are built as a uid of their own where jobs have theirs: a source build runs
+    # a package's code, which must reach neither the worker nor a job (worker/envs.py).
+    builder = None
+    if identities is not None:
+        uid = lease_uids(1)[0]
+        builder = SlotIdentity(uid, uid)
     return Worker(
         queue,
         data_dir=data_dir or config.data_path() / "worker",
@@ -159,6 +166,15 @@ def configured_worker(
         git_protocols=ANY_PROTOCOL if config.embedded else NETWORK_PROTOCOLS,
         gpu_max_jobs=config.gpu_max_jobs,
         lifetime=lifetime,
+        env_settings=EnvSettings(
+            budget_bytes=config.worker_env_cache_bytes,
+            index_url=config.worker_env_index_url,
+            extra_index_urls=tuple(config.worker_env_extra_index_urls),
+            find_links=tuple(config.worker_env_find_links),
+            python_downloads=config.worker_env_python_downloads,
+            source_builds=config.worker_env_allow_source_builds,
+        ),
+        env_builder=builder,
     )
 
 

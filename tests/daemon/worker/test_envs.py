@@ -1,0 +1,233 @@
+"""A job runs in the environment its lock describes (issue 45 item 2): built once per worker by
+the real uv from a local wheelhouse (hermetic: the only index the worker is given is a dead
+address, so nothing leaves the machine), shared, evicted only when unused, read-only to jobs.
+Real jobs on a root worker with slot uids, and a builder uid of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from daemon.job import JobInfo, JobSpec, JobState
+from daemon.queue.job_queue import JobQueue
+from daemon.worker.dispatcher import Worker
+from daemon.worker.envs import EnvCache, EnvSettings, find_lock, hash_pinned
+from daemon.worker.identity import SlotIdentity, slot_identities
+from tests.support.wheels import locked_project, make_wheel
+from tests.support.workers import running_worker, wait_state
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
+
+FIRST_UID = 61000
+BUILDER = SlotIdentity(61990, 61990)
+# The index is the worker's, with a credential in it: uv is given it (and, were it reached, it
+# would fail: the builds here are the wheelhouse's alone); a job must never see it.
+DEAD_INDEX = "http://builder:index-s3cret@127.0.0.1:9/simple"
+
+
+@pytest.fixture
+def place() -> Iterator[Path]:
+    """A directory every uid may pass and read (in /tmp: pytest's own are root's, 0700): the
+    wheelhouse the builder reads, the projects the jobs run in, the worker's data directory."""
+    path = Path(tempfile.mkdtemp(prefix="gpupool-envs-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def wheelhouse(place: Path) -> Path:
+    wheels = place / "wheels"
+    make_wheel(wheels, "tinypkg", "1.0")
+    make_wheel(wheels, "otherpkg", "2.0")
+    return wheels
+
+
+def project(place: Path, wheelhouse: Path, name: str, *requirements: str) -> Path:
+    path = locked_project(place / name, wheelhouse, *requirements)
+    for top, dirs, files in os.walk(path):
+        for entry in (*dirs, *files):
+            os.chmod(os.path.join(top, entry), 0o755)
+    path.chmod(0o755)
+    return path
+
+
+def settings(wheelhouse: Path, **kw: object) -> EnvSettings:
+    return EnvSettings(index_url=DEAD_INDEX, find_links=(str(wheelhouse),), **kw)  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def env_worker(queue: JobQueue, place: Path, wheelhouse: Path, **kw: object) -> AsyncIterator[Worker]:
+    identities = slot_identities(f"{FIRST_UID}-{FIRST_UID + 1}", 2)
+    env = {"PATH": os.environ["PATH"], "LANG": "C.UTF-8"}
+    data = place / "data"
+    data.mkdir(mode=0o711)
+    async with running_worker(
+        queue,
+        data / "w",
+        slots=2,
+        identities=identities,
+        env=env,
+        env_settings=settings(wheelhouse, **kw),
+        env_builder=BUILDER,
+    ) as w:
+        yield w
+
+
+async def run(queue: JobQueue, cwd: Path, script: str, **kw: object) -> JobInfo:
+    job_id, _ = await queue.enqueue(JobSpec(argv=("sh", "-c", script), cwd=str(cwd), **kw))  # type: ignore[arg-type]
+    return await wait_state(queue, job_id, JobState.SUCCEEDED, JobState.FAILED, timeout=60)
+
+
+async def output(queue: JobQueue, info: JobInfo) -> str:
+    return b"".join(data for _, data in await queue.read_log(info.id)).decode()
+
+
+async def test_a_job_imports_its_locked_package_and_never_sees_the_index(
+    queue: JobQueue, place: Path, wheelhouse: Path
+) -> None:
+    """issue 45 item 2: the job's directory has uv.lock; it runs in the environment built from
+    it (VIRTUAL_ENV, its bin first on PATH: `python` and the package's own script are the
+    environment's), and the worker's index, credential and all, is neither in the job's
+    environment nor anywhere in the environment's files."""
+    proj = project(place, wheelhouse, "proj", "tinypkg==1.0")
+    async with env_worker(queue, place, wheelhouse) as worker:
+        info = await run(queue, proj, 'python -c "import tinypkg; print(tinypkg.VERSION)"; tinypkg; env')
+        log = await output(queue, info)
+        assert info.state is JobState.SUCCEEDED, log
+        lines = log.splitlines()
+        assert "1.0" in lines
+        assert "tinypkg 1.0" in lines
+        env = dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("uv"))
+        venv = Path(env["VIRTUAL_ENV"])
+        assert venv.parent == worker.data_dir / "envs" / "built"
+        assert env["PATH"].startswith(f"{venv}/bin:")
+        assert "s3cret" not in log
+        for top, _, files in os.walk(venv):
+            for name in files:
+                path = os.path.join(top, name)
+                if not os.path.islink(path):
+                    assert b"s3cret" not in Path(path).read_bytes(), path
+
+        bare = await run(queue, proj, 'echo "${VIRTUAL_ENV:-none}"', env_from_lock=False)  # --no-env
+        assert (await output(queue, bare)).splitlines()[-1] == "none"
+
+
+async def test_two_jobs_needing_one_environment_share_one_build(
+    queue: JobQueue, place: Path, wheelhouse: Path
+) -> None:
+    """issue 45 item 2: two jobs starting together wait for one build; a later one finds it
+    built (no uv runs)."""
+    proj = project(place, wheelhouse, "proj", "tinypkg==1.0")
+    async with env_worker(queue, place, wheelhouse) as worker:
+        infos = await asyncio.gather(*(run(queue, proj, "python -c 'import tinypkg'") for _ in range(2)))
+        assert [i.state for i in infos] == [JobState.SUCCEEDED] * 2
+        assert worker.envs.builds == 1
+        later = await run(queue, proj, "python -c 'import tinypkg'")
+        assert later.state is JobState.SUCCEEDED
+        assert "(built before)" in await output(queue, later)
+        assert worker.envs.builds == 1
+
+
+async def test_a_failed_build_fails_only_its_job_with_uvs_error_in_its_log(
+    queue: JobQueue, place: Path, wheelhouse: Path
+) -> None:
+    """issue 45 item 2: a lock naming a wheel that is not to be had fails its job, with uv's own
+    words and one sentence; the worker goes on to run the next job. A lock needing a Python
+    the worker lacks (downloads off) fails its job saying so."""
+    proj = project(place, wheelhouse, "broken", "otherpkg==2.0")
+    (wheelhouse / "otherpkg-2.0-py3-none-any.whl").unlink()
+    old = project(place, wheelhouse, "old", "tinypkg==1.0")
+    (old / ".python-version").write_text("3.99\n")
+    old.joinpath(".python-version").chmod(0o644)
+    async with env_worker(queue, place, wheelhouse):
+        failed = await run(queue, proj, "echo ran")
+        log = await output(queue, failed)
+        assert failed.state is JobState.FAILED, log
+        assert "otherpkg" in log
+        assert "uv: " in log
+        assert "ran" not in log
+        assert failed.detail.startswith("cannot build the job's environment from its uv.lock")
+
+        needs = await run(queue, old, "echo ran")
+        assert needs.state is JobState.FAILED
+        assert "needs a Python this worker does not have" in needs.detail, await output(queue, needs)
+
+        fine = await run(queue, place, "echo alive")
+        assert fine.state is JobState.SUCCEEDED
+
+
+async def test_a_job_cannot_write_into_a_cached_environment(
+    queue: JobQueue, place: Path, wheelhouse: Path
+) -> None:
+    """issue 45 item 2: the environment is the worker's and read-only: a job (a slot uid) can
+    neither change a module of it, nor add a file, nor make one writable."""
+    proj = project(place, wheelhouse, "proj", "tinypkg==1.0")
+    module = 'python -c "import tinypkg; print(tinypkg.__file__)"'
+    attempts = (
+        f'f=$({module}); echo "VERSION = 666" >> "$f" && echo wrote-module; '
+        'touch "$VIRTUAL_ENV/bin/mine" && echo wrote-bin; '
+        'chmod u+w "$f" && echo chmodded; '
+        'python -c "import tinypkg; print(tinypkg.VERSION)"'
+    )
+    async with env_worker(queue, place, wheelhouse) as worker:
+        info = await run(queue, proj, attempts)
+        log = await output(queue, info)
+        assert info.state is JobState.SUCCEEDED, log
+        assert "wrote-module" not in log
+        assert "wrote-bin" not in log
+        assert "chmodded" not in log
+        assert log.splitlines()[-1] == "1.0"
+        # and no later build (the builder's uid, running a package's code) could change it either
+        venv = next((worker.data_dir / "envs" / "built").iterdir())
+        for top, dirs, files in os.walk(venv):
+            for name in (*dirs, *files):
+                st = os.lstat(os.path.join(top, name))
+                assert (st.st_uid, st.st_gid) == (0, 0), name
+                assert stat.S_ISLNK(st.st_mode) or not st.st_mode & 0o022, name
+                assert stat.S_ISLNK(st.st_mode) or stat.S_ISDIR(st.st_mode) or not st.st_mode & 0o200, name
+
+
+async def test_eviction_never_removes_an_environment_in_use(place: Path, wheelhouse: Path) -> None:
+    """issue 45 item 2: with a budget smaller than any environment, the one a job holds stays
+    through the builds of others; once let go, it is evicted."""
+    first = find_lock(project(place, wheelhouse, "first", "tinypkg==1.0"))
+    second = find_lock(project(place, wheelhouse, "second", "otherpkg==2.0"))
+    assert first is not None
+    assert second is not None
+    envs = EnvCache(place / "envs", settings(wheelhouse, budget_bytes=1), builder=BUILDER)
+    await asyncio.to_thread(envs.open)
+    try:
+        held = await envs.use(first, lambda _: None)
+        other = await envs.use(second, lambda _: None)
+        other.release()
+        await envs.evict()
+        assert held.path.is_dir()  # in use: kept, over the budget
+        assert not other.path.exists()  # let go: evicted
+        held.release()
+        await envs.evict()
+        assert not held.path.exists()
+        assert envs.size() == 0
+    finally:
+        await envs.close()
+
+
+def test_only_a_requirements_file_pinned_to_hashes_is_a_lock() -> None:
+    """issue 45 item 2: a requirements.txt is a lock only when every requirement has a version
+    and its hashes and nothing else is said (no index, no other file)."""
+    pinned = b"# locked\ntinypkg==1.0 \\\n    --hash=sha256:" + b"a" * 64 + b"\n\n"
+    assert hash_pinned(pinned)
+    assert not hash_pinned(b"tinypkg==1.0\n")
+    assert not hash_pinned(pinned + b"--index-url https://example.org/simple\n")
+    assert not hash_pinned(pinned + b"otherpkg>=2 --hash=sha256:" + b"b" * 64 + b"\n")
+    assert not hash_pinned(b"# nothing\n")
