@@ -1,0 +1,174 @@
+"""How fast a job starts in the environment its lock describes (issue 45 item 2, worker/envs.py).
+
+- warm: submit -> the job's first line (`python -c print`) in a project whose environment this
+  worker has built, next to the same job with --no-env (env_from_lock: false), alternated;
+- cold, hermetic: a fresh worker (empty environment cache, empty uv cache) builds a local
+  wheelhouse's lock, next to `uv sync --frozen` alone from an empty uv cache;
+- cold, PyPI (unless --quick, which needs no network): the same for numpy and pandas.
+
+Medians of --runs (>= 5). A real in-process Worker as this process's user, on a redis-server of
+its own. `python -m bench.env_start [--quick] [--runs N]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine, median, save
+from daemon.job import JobSpec
+from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.queue.job_queue import JobQueue
+from daemon.worker.dispatcher import Worker
+from daemon.worker.envs import EnvSettings, find_uv
+from tests.support.wheels import locked_project, make_wheel
+
+ECHO = ("sh", "-c", "echo READY")  # the start alone
+PRINT = ("python", "-c", "print('READY')")  # and a Python's (the environment's, or the worker's PATH's)
+
+
+@contextlib.asynccontextmanager
+async def worker(queue: JobQueue, data: Path, settings: EnvSettings) -> AsyncIterator[Worker]:
+    w = Worker(
+        queue,
+        data_dir=data,
+        slots=2,
+        gpus=[],
+        heartbeat_seconds=1.0,
+        drain_timeout=0.0,
+        env_settings=settings,
+    )
+    await w.start()
+    assert w.envs._pythons is not None
+    await w.envs._pythons  # the worker's start: uv lists its Pythons once, in the background
+    try:
+        yield w
+    finally:
+        await w.stop()
+
+
+async def first_line(
+    queue: JobQueue, cwd: Path, env_from_lock: bool = True, argv: tuple[str, ...] = PRINT
+) -> float:
+    """Seconds from submit to the job's first line of its own (the environment's note comes first)."""
+    started = time.perf_counter()
+    job_id, _ = await queue.enqueue(JobSpec(argv=argv, cwd=str(cwd), env_from_lock=env_from_lock))
+    after, seen = "0-0", b""
+    while b"READY" not in seen:
+        chunks = await queue.read_log(job_id, after, block=5.0)
+        if not chunks and (info := await queue.get(job_id)).state.name in {"SUCCEEDED", "FAILED"}:
+            raise RuntimeError(f"job {job_id} ended without its line: {info.detail} {seen[-2000:]!r}")
+        after, seen = chunks[-1][0], seen + b"".join(data for _, data in chunks)
+    took = time.perf_counter() - started
+    while (await queue.get(job_id)).state.name not in {"SUCCEEDED", "FAILED"}:  # noqa: ASYNC110 - a bench polls
+        await asyncio.sleep(0.01)
+    return took
+
+
+def uv_sync_alone(project: Path, scratch: Path, settings: EnvSettings) -> float:
+    """`uv sync --frozen` into a new environment from an empty uv cache: the floor."""
+    uv = find_uv()
+    assert uv is not None
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(scratch),
+        "UV_CACHE_DIR": str(scratch / "uv-cache"),
+        "UV_PROJECT_ENVIRONMENT": str(scratch / "venv"),
+        "UV_NO_CONFIG": "1",
+        "UV_PYTHON_DOWNLOADS": "never",
+        "UV_NO_PROGRESS": "1",
+        **settings.uv_env(),
+    }
+    started = time.perf_counter()
+    subprocess.run(
+        [uv, "sync", "--frozen", "--no-install-project", "--quiet", "--project", str(project)],
+        env=env,
+        check=True,
+    )
+    return time.perf_counter() - started
+
+
+async def cold(
+    queue: JobQueue, project: Path, base: Path, settings: EnvSettings, runs: int
+) -> dict[str, Any]:
+    ours, alone = [], []
+    for n in range(runs):  # alternated, each from empty caches
+        async with worker(queue, base / f"cold-{n}", settings):
+            ours.append(await first_line(queue, project))
+        alone.append(await asyncio.to_thread(uv_sync_alone, project, base / f"alone-{n}", settings))
+    return {
+        "ours_s": median(ours),
+        "uv_sync_alone_s": median(alone),
+        "ratio": median(ours) / median(alone),
+        "runs": runs,
+    }
+
+
+async def main(quick: bool, runs: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="gpupool-bench-env-") as tmp:
+        base = Path(tmp)
+        redis = EmbeddedRedis(base / "redis")
+        redis.start()
+        client = redis.client()
+        try:
+            queue = JobQueue(client)
+            wheels = base / "wheels"
+            for name in ("tinypkg", "otherpkg"):
+                make_wheel(wheels, name)
+            hermetic = locked_project(base / "hermetic", wheels, "tinypkg==1.0", "otherpkg==1.0")
+            local = EnvSettings(find_links=(str(wheels),), index_url="http://127.0.0.1:9/simple")
+
+            async with worker(queue, base / "warm", local):
+                await first_line(queue, hermetic)  # built once
+                for name, argv in (("warm_echo", ECHO), ("warm_python", PRINT)):
+                    with_env, without = [], []
+                    for _ in range(runs):
+                        with_env.append(await first_line(queue, hermetic, argv=argv))
+                        without.append(await first_line(queue, hermetic, env_from_lock=False, argv=argv))
+                    results[name] = {
+                        "with_env_s": median(with_env),
+                        "no_env_s": median(without),
+                        "difference_ms": (median(with_env) - median(without)) * 1000,
+                        "runs": runs,
+                    }
+            results["cold_hermetic"] = await cold(queue, hermetic, base, local, runs)
+            if not quick:
+                pypi = base / "pypi"
+                pypi.mkdir()
+                (pypi / "pyproject.toml").write_text(
+                    '[project]\nname = "pypi"\nversion = "0.1"\nrequires-python = ">=3.11"\n'
+                    'dependencies = ["numpy", "pandas"]\n'
+                )
+                uv = find_uv()
+                assert uv is not None
+                lock = [uv, "lock", "--quiet", "--no-config"]
+                await asyncio.to_thread(subprocess.run, lock, cwd=pypi, check=True)
+                results["cold_pypi"] = await cold(queue, pypi, base, EnvSettings(), runs)
+        finally:
+            await client.aclose()
+            redis.stop()
+    return results
+
+
+def run() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="hermetic only: no network")
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    results = asyncio.run(main(args.quick, max(args.runs, 5)))
+    for name, row in results.items():
+        print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
+    save("env_start", {"machine": machine(), **results})
+
+
+if __name__ == "__main__":
+    run()
