@@ -66,6 +66,8 @@ async def first_line(
         chunks = await queue.read_log(job_id, after, block=5.0)
         if not chunks and (info := await queue.get(job_id)).state.name in {"SUCCEEDED", "FAILED"}:
             raise RuntimeError(f"job {job_id} ended without its line: {info.detail} {seen[-2000:]!r}")
+        if not chunks:
+            continue
         after, seen = chunks[-1][0], seen + b"".join(data for _, data in chunks)
     took = time.perf_counter() - started
     while (await queue.get(job_id)).state.name not in {"SUCCEEDED", "FAILED"}:  # noqa: ASYNC110 - a bench polls
@@ -73,8 +75,9 @@ async def first_line(
     return took
 
 
-def uv_sync_alone(project: Path, scratch: Path, settings: EnvSettings) -> float:
-    """`uv sync --frozen` into a new environment from an empty uv cache: the floor."""
+def uv_sync_alone(project: Path, scratch: Path, settings: EnvSettings, compile_bytecode: bool) -> float:
+    """`uv sync --frozen` into a new environment from an empty uv cache: the floor. With
+    `compile_bytecode`, as the worker builds (its jobs cannot write .pyc files into it)."""
     uv = find_uv()
     assert uv is not None
     env = {
@@ -85,6 +88,8 @@ def uv_sync_alone(project: Path, scratch: Path, settings: EnvSettings) -> float:
         "UV_NO_CONFIG": "1",
         "UV_PYTHON_DOWNLOADS": "never",
         "UV_NO_PROGRESS": "1",
+        "UV_COMPILE_BYTECODE": "1" if compile_bytecode else "0",
+        **{k: v for k, v in os.environ.items() if k in {"SSL_CERT_FILE", "SSL_CERT_DIR"}},  # a proxy's CA
         **settings.uv_env(),
     }
     started = time.perf_counter()
@@ -99,15 +104,21 @@ def uv_sync_alone(project: Path, scratch: Path, settings: EnvSettings) -> float:
 async def cold(
     queue: JobQueue, project: Path, base: Path, settings: EnvSettings, runs: int
 ) -> dict[str, Any]:
-    ours, alone = [], []
+    ours: list[float] = []
+    alone: list[float] = []
+    compiled: list[float] = []
     for n in range(runs):  # alternated, each from empty caches
-        async with worker(queue, base / f"cold-{n}", settings):
+        async with worker(queue, base / f"cold-{project.name}-{n}", settings):
             ours.append(await first_line(queue, project))
-        alone.append(await asyncio.to_thread(uv_sync_alone, project, base / f"alone-{n}", settings))
+        for compile_bytecode, times in ((False, alone), (True, compiled)):
+            scratch = base / f"alone-{project.name}-{n}-{compile_bytecode}"
+            times.append(await asyncio.to_thread(uv_sync_alone, project, scratch, settings, compile_bytecode))
     return {
         "ours_s": median(ours),
         "uv_sync_alone_s": median(alone),
         "ratio": median(ours) / median(alone),
+        "uv_sync_compiled_alone_s": median(compiled),
+        "ratio_to_compiled": median(ours) / median(compiled),
         "runs": runs,
     }
 

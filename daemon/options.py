@@ -177,8 +177,8 @@ OPTIONS: tuple[Option, ...] = (
         "worker_env_index_url",
         str,
         "",
-        "the package index uv builds jobs' environments from (empty: PyPI); may hold credentials, "
-        "which jobs never see",
+        "the package index uv builds jobs' environments from (empty: PyPI; none: no index, "
+        "worker_env_find_links only); may hold credentials, which jobs never see",
         secret=True,
     ),
     Option(

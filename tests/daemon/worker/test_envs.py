@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import shutil
 import stat
+import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -19,8 +21,9 @@ import pytest
 from daemon.job import JobInfo, JobSpec, JobState
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.dispatcher import Worker
-from daemon.worker.envs import EnvCache, EnvSettings, find_lock, hash_pinned
+from daemon.worker.envs import NO_INDEX, EnvCache, EnvSettings, find_lock, find_uv, hash_pinned
 from daemon.worker.identity import SlotIdentity, slot_identities
+from tests.support.git_repo import git
 from tests.support.wheels import locked_project, make_wheel
 from tests.support.workers import running_worker, wait_state
 
@@ -218,6 +221,69 @@ async def test_eviction_never_removes_an_environment_in_use(place: Path, wheelho
         await envs.evict()
         assert not held.path.exists()
         assert envs.size() == 0
+    finally:
+        await envs.close()
+
+
+async def test_a_git_job_gets_the_environment_of_the_lock_at_its_commit(
+    queue: JobQueue, place: Path, wheelhouse: Path
+) -> None:
+    """issue 45 item 2: a --git job's directory is its repository at its commit, whose lock
+    gives its environment: the lock committed first (tinypkg), not the one after (otherpkg)."""
+    repo = place / "repo"
+    project(place, wheelhouse, "repo", "tinypkg==1.0")
+    git(repo, "init", "--quiet", "--initial-branch=main")
+    git(repo, "add", "pyproject.toml", "uv.lock")
+    git(repo, "commit", "--quiet", "-m", "tinypkg")
+    first = git(repo, "rev-parse", "HEAD")
+    locked_project(repo, wheelhouse, "otherpkg==2.0")
+    git(repo, "commit", "--quiet", "-am", "otherpkg")
+    script = "python -c 'import tinypkg; print(tinypkg.VERSION)'"
+    async with env_worker(queue, place, wheelhouse):
+        job_id, _ = await queue.enqueue(
+            JobSpec(argv=("sh", "-c", script), git={"repo": str(repo), "commit": first})
+        )
+        info = await wait_state(queue, job_id, JobState.SUCCEEDED, JobState.FAILED, timeout=60)
+        assert info.state is JobState.SUCCEEDED, await output(queue, info)
+        assert (await output(queue, info)).splitlines()[-1] == "1.0"
+
+
+async def test_pylock_and_hash_pinned_requirements_are_locks_too(place: Path, wheelhouse: Path) -> None:
+    """issue 45 item 2: a pylock.toml, and a requirements.txt pinned to hashes, each give an
+    environment, built from the worker's find-links alone (worker_env_index_url = "none")."""
+    source = project(place, wheelhouse, "source", "tinypkg==1.0")
+    uv = find_uv()
+    assert uv is not None
+    pylock = place / "pylock"
+    pylock.mkdir()
+    export = [uv, "export", "--frozen", "--quiet", "--no-config", "--project", str(source)]
+    subprocess.run(
+        [*export, "--format", "pylock.toml", "-o", str(pylock / "pylock.toml")], check=True, timeout=60
+    )
+    pinned = place / "pinned"
+    pinned.mkdir()
+    digest = hashlib.sha256((wheelhouse / "tinypkg-1.0-py3-none-any.whl").read_bytes()).hexdigest()
+    (pinned / "requirements.txt").write_text(f"tinypkg==1.0 \\\n    --hash=sha256:{digest}\n")
+    envs = EnvCache(
+        place / "envs", EnvSettings(index_url=NO_INDEX, find_links=(str(wheelhouse),)), builder=BUILDER
+    )
+    await asyncio.to_thread(envs.open)
+    try:
+        for directory, kind in ((pylock, "pylock.toml"), (pinned, "requirements.txt")):
+            lock = find_lock(directory)
+            assert lock is not None
+            assert lock.kind == kind
+            held = await envs.use(lock, lambda _: None)
+            python = held.path / "bin" / "python"
+            out = subprocess.run(
+                [python, "-c", "import tinypkg; print(tinypkg.VERSION)"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert out.stdout == "1.0\n", out.stderr
+            held.release()
+        assert envs.builds == 2
     finally:
         await envs.close()
 
