@@ -75,9 +75,12 @@ async def first_line(
     return took
 
 
-def uv_sync_alone(project: Path, scratch: Path, settings: EnvSettings, compile_bytecode: bool) -> float:
-    """`uv sync --frozen` into a new environment from an empty uv cache: the floor. With
-    `compile_bytecode`, as the worker builds (its jobs cannot write .pyc files into it)."""
+def uv_sync_alone(
+    project: Path, scratch: Path, settings: EnvSettings, compile_bytecode: bool, imports: str
+) -> tuple[float, float]:
+    """`uv sync --frozen` into a new environment from an empty uv cache (with `compile_bytecode`,
+    as the worker builds: its jobs cannot write .pyc files into the environment), then the first
+    `import` of `imports` in it, as a laptop's first run: (seconds to sync, seconds to import)."""
     uv = find_uv()
     assert uv is not None
     env = {
@@ -93,34 +96,43 @@ def uv_sync_alone(project: Path, scratch: Path, settings: EnvSettings, compile_b
         **settings.uv_env(),
     }
     started = time.perf_counter()
-    subprocess.run(
-        [uv, "sync", "--frozen", "--no-install-project", "--quiet", "--project", str(project)],
-        env=env,
-        check=True,
-    )
-    return time.perf_counter() - started
+    sync = [uv, "sync", "--frozen", "--no-install-project", "--quiet", "--project", str(project)]
+    subprocess.run(sync, env=env, check=True)
+    synced = time.perf_counter()
+    subprocess.run([scratch / "venv" / "bin" / "python", "-c", f"import {imports}"], check=True)
+    return synced - started, time.perf_counter() - synced
 
 
 async def cold(
-    queue: JobQueue, project: Path, base: Path, settings: EnvSettings, runs: int
+    queue: JobQueue, project: Path, base: Path, settings: EnvSettings, runs: int, *, imports: str
 ) -> dict[str, Any]:
-    ours: list[float] = []
-    alone: list[float] = []
-    compiled: list[float] = []
-    for n in range(runs):  # alternated, each from empty caches
-        async with worker(queue, base / f"cold-{project.name}-{n}", settings):
-            ours.append(await first_line(queue, project))
-        for compile_bytecode, times in ((False, alone), (True, compiled)):
-            scratch = base / f"alone-{project.name}-{n}-{compile_bytecode}"
-            times.append(await asyncio.to_thread(uv_sync_alone, project, scratch, settings, compile_bytecode))
-    return {
-        "ours_s": median(ours),
-        "uv_sync_alone_s": median(alone),
-        "ratio": median(ours) / median(alone),
-        "uv_sync_compiled_alone_s": median(compiled),
-        "ratio_to_compiled": median(ours) / median(compiled),
-        "runs": runs,
-    }
+    """Each run from empty caches: our first line (a bare print, and after importing `imports`)
+    from a fresh worker (and the import once more, warm, its bytecode made), and uv alone
+    (without and with bytecode, then the first import), alternated."""
+    times: dict[str, list[float]] = {}
+    importing = ("python", "-c", f"import {imports}; print('READY')")
+    for n in range(runs):
+        for name, argv in (("ours_print", PRINT), ("ours_import", importing)):
+            async with worker(queue, base / f"cold-{project.name}-{name}-{n}", settings) as w:
+                times.setdefault(name, []).append(await first_line(queue, project, argv=argv))
+                if argv is importing:  # and once its bytecode is made: every later job's start
+                    await w.envs.settled()
+                    times.setdefault("ours_import_warm", []).append(
+                        await first_line(queue, project, argv=argv)
+                    )
+        for compiled in (False, True):
+            scratch = base / f"alone-{project.name}-{n}-{compiled}"
+            sync, first = await asyncio.to_thread(
+                uv_sync_alone, project, scratch, settings, compiled, imports
+            )
+            times.setdefault(f"uv_sync{'_compiled' if compiled else ''}", []).append(sync)
+            times.setdefault(f"uv_sync{'_compiled' if compiled else ''}_then_import", []).append(sync + first)
+    row: dict[str, Any] = {f"{name}_s": median(values) for name, values in times.items()}
+    row["ratio_print_to_uv_sync"] = row["ours_print_s"] / row["uv_sync_s"]
+    row["ratio_print_to_uv_sync_compiled"] = row["ours_print_s"] / row["uv_sync_compiled_s"]
+    row["ratio_import_to_uv_sync_then_import"] = row["ours_import_s"] / row["uv_sync_then_import_s"]
+    row["runs"] = runs
+    return row
 
 
 async def main(quick: bool, runs: int) -> dict[str, Any]:
@@ -151,7 +163,9 @@ async def main(quick: bool, runs: int) -> dict[str, Any]:
                         "difference_ms": (median(with_env) - median(without)) * 1000,
                         "runs": runs,
                     }
-            results["cold_hermetic"] = await cold(queue, hermetic, base, local, runs)
+            results["cold_hermetic"] = await cold(
+                queue, hermetic, base, local, runs, imports="tinypkg, otherpkg"
+            )
             if not quick:
                 pypi = base / "pypi"
                 pypi.mkdir()
@@ -163,7 +177,9 @@ async def main(quick: bool, runs: int) -> dict[str, Any]:
                 assert uv is not None
                 lock = [uv, "lock", "--quiet", "--no-config"]
                 await asyncio.to_thread(subprocess.run, lock, cwd=pypi, check=True)
-                results["cold_pypi"] = await cold(queue, pypi, base, EnvSettings(), runs)
+                results["cold_pypi"] = await cold(
+                    queue, pypi, base, EnvSettings(), runs, imports="numpy, pandas"
+                )
         finally:
             await client.aclose()
             redis.stop()

@@ -217,7 +217,7 @@ class Worker(Stopping):
         try:
             await self._slots.open()
             await asyncio.to_thread(self.envs.open)
-            self.envs.start()
+            await self.envs.start()
             if not await self.heartbeat.beat_and_apply():
                 raise RedisUnavailable(
                     f"worker {self.id} cannot register: Redis did not take its first heartbeat "

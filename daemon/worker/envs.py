@@ -108,6 +108,9 @@ class EnvSettings:
     find_links: tuple[str, ...] = ()
     python_downloads: bool = False
     source_builds: bool = False
+    # The speed switch (BYTECODE below): publish an environment before its bytecode is made,
+    # then make it behind the jobs' backs. Off: uv makes it in the build, before any job runs.
+    bytecode_later: bool = True
 
     def uv_env(self) -> dict[str, str]:
         """The settings as uv's environment variables: never on a command line, which any
@@ -266,6 +269,7 @@ class EnvCache:
         self._uv_cache = self.root / "uv-cache"
         self._python = self.root / "python"
         self._inflight: dict[str, asyncio.Task[Path]] = {}
+        self._compiling: set[asyncio.Task[None]] = set()  # bytecode being made (BYTECODE below)
         self._one_build = asyncio.Lock()  # the builder's uid is swept after each: one at a time
         self._pythons: asyncio.Task[str] | None = None  # uv's version and the builder's Pythons
         self._over = False  # the last eviction left the cache over its budget (environments in use)
@@ -318,14 +322,24 @@ class EnvCache:
         finally:
             os.close(fd)
 
-    def start(self) -> None:
-        """Learn the builder's Pythons in the background, so the first job does not wait for it."""
+    async def start(self) -> None:
+        """End what a worker that died left running as the builder's uid (a build in progress),
+        then learn the builder's Pythons in the background, so the first job need not wait."""
+        if self.builder is not None and self._sweep is not None:
+            await _maybe_await(self._sweep(self.builder))
+        self._learn_toolchain()
+
+    def _learn_toolchain(self) -> None:
         if self._pythons is None:
             self._pythons = asyncio.ensure_future(self._toolchain())
 
     async def close(self) -> None:
         """Stop the builds still running (their jobs have all gone)."""
-        tasks = [*self._inflight.values(), *(t for t in (self._pythons, self._evicting) if t is not None)]
+        tasks = [
+            *self._inflight.values(),
+            *self._compiling,
+            *(t for t in (self._pythons, self._evicting) if t is not None),
+        ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -334,13 +348,15 @@ class EnvCache:
 
     async def key(self, lock: Lock) -> str:
         """The environment's name: what it is built from, with, and for."""
-        self.start()
+        self._learn_toolchain()
         assert self._pythons is not None
         described = {
             "lock": lock.digest(),
             "toolchain": await asyncio.shield(self._pythons),
             "platform": [sys.platform, platform.machine(), *platform.libc_ver()],
-            "settings": dataclasses.asdict(dataclasses.replace(self.settings, budget_bytes=0)),
+            "settings": dataclasses.asdict(
+                dataclasses.replace(self.settings, budget_bytes=0, bytecode_later=True)
+            ),
         }
         return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
@@ -415,6 +431,10 @@ class EnvCache:
                     self.builds += 1
                     (self._used / key).write_text(str(size))
                     os.symlink(f"../built/{name}", self._links / key)  # published
+                    if self.settings.bytecode_later:
+                        task = asyncio.ensure_future(self._make_bytecode(key, target))
+                        self._compiling.add(task)
+                        task.add_done_callback(self._compiling.discard)
                 except BaseException:
                     await asyncio.to_thread(_remove_tree, target)
                     raise
@@ -456,7 +476,8 @@ class EnvCache:
             # Hard-linked from uv's cache where uv can (a copy costs a cold numpy and pandas
             # ~0.75 s more); copied where a sealed environment holds the cache's inode.
             "UV_LINK_MODE": "hardlink",
-            "UV_COMPILE_BYTECODE": "1",  # the jobs cannot write the .pyc files: made once here
+            # The jobs cannot write .pyc files into the environment: made once, by the builder.
+            "UV_COMPILE_BYTECODE": "0" if self.settings.bytecode_later else "1",
         }
 
     def _commands(self, work: Path, target: Path, lock: Lock) -> list[list[str]]:
@@ -578,6 +599,83 @@ class EnvCache:
         except (ValueError, AttributeError):
             pythons = found  # type: ignore[assignment] # (described as uv said it)
         return json.dumps({"uv": version, "pythons": pythons})
+
+    # -- BYTECODE: made after the environment is published --------------------------------------
+    # A speed mechanism behind EnvSettings.bytecode_later. A job cannot write .pyc files into its
+    # read-only environment, so they are made for it; made in the build, they cost a cold numpy
+    # and pandas ~2.3 s before the first job starts (uv compiles every module; a laptop's first
+    # run compiles those it imports, as it imports them). Made after, the first jobs compile
+    # what they import in memory, as that first run would, and the rest find them made.
+
+    async def settled(self) -> None:
+        """Wait for the bytecode being made (tests, benchmarks)."""
+        while self._compiling:
+            await asyncio.gather(*self._compiling, return_exceptions=True)
+
+    async def _make_bytecode(self, key: str, target: Path) -> None:
+        """Compile the environment's modules as the builder, into a tree of its own (Python's
+        pycache_prefix: the environment is the worker's, read-only), then, its processes gone,
+        give each file to the worker and move it into its `__pycache__`. Held in use meanwhile;
+        after the other builds, one at a time (each sweeps the builder's uid)."""
+        fd = os.open(self._inuse / key, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        work = self._work / f"{key}.{secrets.token_hex(4)}"
+        try:
+            await _flock(fd, fcntl.LOCK_SH)
+            async with self._one_build:
+                if self._published(key) != target:
+                    return  # evicted meanwhile
+                await asyncio.to_thread(self._lay_out, work, work / "pyc", None)
+                sites = await asyncio.to_thread(
+                    lambda: [str(p) for p in target.glob("lib/python*/site-packages")]
+                )
+                argv = [str(target / "bin" / "python"), "-I", "-S", "-X", f"pycache_prefix={work / 'pyc'}"]
+                argv += ["-m", "compileall", "-q", "-j", "0", *sites]
+                try:
+                    # (a module that does not compile, as some packages ship, leaves it out)
+                    await self._run(argv, self._uv_environment(work), work)
+                finally:
+                    if self.builder is not None and self._sweep is not None:
+                        await _maybe_await(self._sweep(self.builder))
+                added = await asyncio.to_thread(self._place_bytecode, work / "pyc", target)
+                with contextlib.suppress(FileNotFoundError, ValueError):
+                    stamp = self._used / key
+                    stamp.write_text(str(int(stamp.read_text()) + added))
+        except (OSError, EnvError) as exc:  # the environment works without: its jobs compile
+            log.warning("envs: no bytecode made for %s: %s", key[:12], exc)
+        finally:
+            os.close(fd)
+            await asyncio.to_thread(_remove_tree, work)
+
+    def _place_bytecode(self, made: Path, target: Path) -> int:
+        """Move the .pyc files `made` holds for `target` into its `__pycache__` directories, the
+        worker's and read-only like the rest of it. Only plain files of the builder's with one
+        link: a hard link to another file would have its mode changed. Bytes moved. Blocking."""
+        builder = self.builder.uid if self.builder is not None else os.geteuid()
+        uid, gid = os.geteuid(), os.getegid()
+        mirror = made / target.relative_to(target.anchor)
+        added = 0
+        for top, _, files in os.walk(mirror):
+            source_dir = target / Path(top).relative_to(mirror)
+            if not source_dir.is_dir() or source_dir.is_symlink():
+                continue
+            for name in files:
+                path = os.path.join(top, name)
+                st = os.lstat(path)
+                if not (name.endswith(".pyc") and stat.S_ISREG(st.st_mode)):
+                    continue
+                if st.st_uid != builder or st.st_nlink != 1:
+                    continue
+                cache = source_dir / "__pycache__"
+                if not cache.is_dir():
+                    cache.mkdir()
+                    cache.chmod(0o755)
+                if os.path.lexists(cache / name):
+                    continue
+                os.chown(path, uid, gid)
+                os.chmod(path, 0o444)
+                os.rename(path, cache / name)
+                added += st.st_size
+        return added
 
     # -- eviction -------------------------------------------------------------------------------
 

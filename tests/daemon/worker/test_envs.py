@@ -96,15 +96,17 @@ async def output(queue: JobQueue, info: JobInfo) -> str:
     return b"".join(data for _, data in await queue.read_log(info.id)).decode()
 
 
+@pytest.mark.parametrize("bytecode_later", [True, False], ids=["bytecode later", "bytecode in the build"])
 async def test_a_job_imports_its_locked_package_and_never_sees_the_index(
-    queue: JobQueue, place: Path, wheelhouse: Path
+    queue: JobQueue, place: Path, wheelhouse: Path, bytecode_later: bool
 ) -> None:
     """issue 45 item 2: the job's directory has uv.lock; it runs in the environment built from
     it (VIRTUAL_ENV, its bin first on PATH: `python` and the package's own script are the
     environment's), and the worker's index, credential and all, is neither in the job's
-    environment nor anywhere in the environment's files."""
+    environment nor anywhere in the environment's files. With the bytecode made after the
+    environment is published (the speed switch), and without."""
     proj = project(place, wheelhouse, "proj", "tinypkg==1.0")
-    async with env_worker(queue, place, wheelhouse) as worker:
+    async with env_worker(queue, place, wheelhouse, bytecode_later=bytecode_later) as worker:
         info = await run(queue, proj, 'python -c "import tinypkg; print(tinypkg.VERSION)"; tinypkg; env')
         log = await output(queue, info)
         assert info.state is JobState.SUCCEEDED, log
@@ -116,6 +118,8 @@ async def test_a_job_imports_its_locked_package_and_never_sees_the_index(
         assert venv.parent == worker.data_dir / "envs" / "built"
         assert env["PATH"].startswith(f"{venv}/bin:")
         assert "s3cret" not in log
+        await worker.envs.settled()
+        assert list((venv / "lib").glob("python3*/site-packages/tinypkg/__pycache__/__init__.*.pyc"))
         for top, _, files in os.walk(venv):
             for name in files:
                 path = os.path.join(top, name)
@@ -191,8 +195,11 @@ async def test_a_job_cannot_write_into_a_cached_environment(
         assert "wrote-bin" not in log
         assert "chmodded" not in log
         assert log.splitlines()[-1] == "1.0"
-        # and no later build (the builder's uid, running a package's code) could change it either
+        # and no later build (the builder's uid, running a package's code) could change it either,
+        # its bytecode, made later by that uid, included
+        await worker.envs.settled()
         venv = next((worker.data_dir / "envs" / "built").iterdir())
+        assert list(venv.glob("lib/python3*/site-packages/tinypkg/__pycache__/*.pyc"))
         for top, dirs, files in os.walk(venv):
             for name in (*dirs, *files):
                 st = os.lstat(os.path.join(top, name))
@@ -214,6 +221,7 @@ async def test_eviction_never_removes_an_environment_in_use(place: Path, wheelho
         held = await envs.use(first, lambda _: None)
         other = await envs.use(second, lambda _: None)
         other.release()
+        await envs.settled()  # (its bytecode being made holds it too)
         await envs.evict()
         assert held.path.is_dir()  # in use: kept, over the budget
         assert not other.path.exists()  # let go: evicted
