@@ -238,9 +238,10 @@ def find_uv() -> str | None:
 
 
 class EnvCache:
-    """The environments of the worker with data directory `root`'s parent, built as `builder`
-    (None: as the worker's own uid) with `uv`; `sweep` kills what the builder's uid left after
-    each build (the spawner's). `builds` counts the builds this process ran (tests count them)."""
+    """A worker's environments, kept under `root` (its data_dir/envs) as `settings` say, built
+    with `uv` as `builder` (None: the worker's own uid); `sweep` kills every process of the
+    builder's uid (the spawner's), after each build. `open()` (in a thread) and `start()`, then
+    `close()`. `builds` counts the builds this process ran (tests count them)."""
 
     def __init__(
         self,
@@ -607,6 +608,14 @@ class EnvCache:
     # run compiles those it imports, as it imports them). Made after, the first jobs compile
     # what they import in memory, as that first run would, and the rest find them made.
 
+    # compileall on every core, but only where a core is idle (SCHED_IDLE, which its workers
+    # inherit): the first jobs, importing what they need, must not wait for it.
+    COMPILE_WHEN_IDLE = (
+        "import os, runpy, sys; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); "
+        "sys.argv[1:1] = ['-q', '-j', '0']; "
+        "runpy.run_module('compileall', run_name='__main__', alter_sys=True)"
+    )
+
     async def settled(self) -> None:
         """Wait for the bytecode being made (tests, benchmarks)."""
         while self._compiling:
@@ -618,18 +627,20 @@ class EnvCache:
         give each file to the worker and move it into its `__pycache__`. Held in use meanwhile;
         after the other builds, one at a time (each sweeps the builder's uid)."""
         fd = os.open(self._inuse / key, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        building = os.open(self._locks / key, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         work = self._work / f"{key}.{secrets.token_hex(4)}"
         try:
             await _flock(fd, fcntl.LOCK_SH)
             async with self._one_build:
+                await _flock(building, fcntl.LOCK_EX)  # (its work directory is then no dead build's)
                 if self._published(key) != target:
                     return  # evicted meanwhile
                 await asyncio.to_thread(self._lay_out, work, work / "pyc", None)
                 sites = await asyncio.to_thread(
                     lambda: [str(p) for p in target.glob("lib/python*/site-packages")]
                 )
-                argv = [str(target / "bin" / "python"), "-I", "-S", "-X", f"pycache_prefix={work / 'pyc'}"]
-                argv += ["-m", "compileall", "-q", "-j", "0", *sites]
+                python = [str(target / "bin" / "python"), "-I", "-S", "-X", f"pycache_prefix={work / 'pyc'}"]
+                argv = [*python, "-c", self.COMPILE_WHEN_IDLE, *sites]
                 try:
                     # (a module that does not compile, as some packages ship, leaves it out)
                     await self._run(argv, self._uv_environment(work), work)
@@ -645,6 +656,7 @@ class EnvCache:
         finally:
             os.close(fd)
             await asyncio.to_thread(_remove_tree, work)
+            os.close(building)
 
     def _place_bytecode(self, made: Path, target: Path) -> int:
         """Move the .pyc files `made` holds for `target` into its `__pycache__` directories, the
