@@ -4,7 +4,9 @@
   worker has built, next to the same job with --no-env (env_from_lock: false), alternated;
 - cold, hermetic: a fresh worker (empty environment cache, empty uv cache) builds a local
   wheelhouse's lock, next to `uv sync --frozen` alone from an empty uv cache;
-- cold, PyPI (unless --quick, which needs no network): the same for numpy and pandas.
+- cold, PyPI (unless --quick, which needs no network): the same for numpy and pandas;
+- the peer, with --ray-python (a Python with ray[default]): Ray Jobs running the same locks
+  with `working_dir` and `uv run --frozen`, cold and warm (bench/peer_apps/ray_env.py).
 
 Medians of --runs (>= 5). A real in-process Worker as this process's user, on a redis-server of
 its own. `python -m bench.env_start [--quick] [--runs N]`.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import tempfile
@@ -135,7 +138,23 @@ async def cold(
     return row
 
 
-async def main(quick: bool, runs: int) -> dict[str, Any]:
+def ray_peer(ray_python: str, project: Path, imports: str, runs: int) -> dict[str, Any]:
+    """Ray Jobs' submit -> first line for the same lock, cold and warm (its own process)."""
+    helper = Path(__file__).parent / "peer_apps" / "ray_env.py"
+    uv = find_uv()
+    assert uv is not None
+    out = subprocess.run(
+        [ray_python, str(helper), str(project), uv, imports, str(runs)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=1800,
+    )
+    times = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"ray_cold_s": median(times["cold"]), "ray_warm_s": median(times["warm"]), "runs": runs}
+
+
+async def main(quick: bool, runs: int, ray_python: str | None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="gpupool-bench-env-") as tmp:
         base = Path(tmp)
@@ -163,6 +182,10 @@ async def main(quick: bool, runs: int) -> dict[str, Any]:
                         "difference_ms": (median(with_env) - median(without)) * 1000,
                         "runs": runs,
                     }
+            if ray_python:
+                results["ray_hermetic"] = await asyncio.to_thread(
+                    ray_peer, ray_python, hermetic, "tinypkg, otherpkg", runs
+                )
             results["cold_hermetic"] = await cold(
                 queue, hermetic, base, local, runs, imports="tinypkg, otherpkg"
             )
@@ -177,6 +200,10 @@ async def main(quick: bool, runs: int) -> dict[str, Any]:
                 assert uv is not None
                 lock = [uv, "lock", "--quiet", "--no-config"]
                 await asyncio.to_thread(subprocess.run, lock, cwd=pypi, check=True)
+                if ray_python:
+                    results["ray_pypi"] = await asyncio.to_thread(
+                        ray_peer, ray_python, pypi, "numpy, pandas", runs
+                    )
                 results["cold_pypi"] = await cold(
                     queue, pypi, base, EnvSettings(), runs, imports="numpy, pandas"
                 )
@@ -190,8 +217,9 @@ def run() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="hermetic only: no network")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--ray-python", metavar="PYTHON", help="a Python with ray[default]: Ray Jobs beside")
     args = parser.parse_args()
-    results = asyncio.run(main(args.quick, max(args.runs, 5)))
+    results = asyncio.run(main(args.quick, max(args.runs, 5), args.ray_python))
     for name, row in results.items():
         print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
     save("env_start", {"machine": machine(), **results})
