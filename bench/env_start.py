@@ -50,8 +50,6 @@ async def worker(queue: JobQueue, data: Path, settings: EnvSettings) -> AsyncIte
         env_settings=settings,
     )
     await w.start()
-    assert w.envs._pythons is not None
-    await w.envs._pythons  # the worker's start: uv lists its Pythons once, in the background
     try:
         yield w
     finally:

@@ -4,9 +4,10 @@ read-only by every job that needs it.
 A job whose directory holds a lock (`uv.lock` with its `pyproject.toml`, else `pylock.toml`, else
 a `requirements.txt` whose every requirement is pinned with a hash) runs in the environment that
 lock describes: VIRTUAL_ENV names it and its `bin` comes first on PATH. The environment is found
-by its key, the sha256 of the lock's bytes (and the pyproject's, and a `.python-version`), the
-Pythons the builder can use, the platform, uv's version and the worker's index settings: a job
-whose environment is built costs a stat and a shared flock, no uv at all.
+by its key, the sha256 of the lock's bytes (and the pyproject's, and a `.python-version`), uv and
+the Pythons it may build on (as they were when the worker started), the platform and the
+worker's index settings: a job whose environment is built costs a readlink and a shared flock,
+no uv at all.
 
 Layout under `root` (data_dir/envs):
 
@@ -17,7 +18,9 @@ Layout under `root` (data_dir/envs):
                           own path), then given to the worker and made read-only (dirs 0755, files
                           without write bits): a job with a slot uid can run it, never change it.
     used/<key>            its LRU stamp (mtime, not atime) holding its size in bytes
-    locks/<key>           flock'd exclusively by the one process building it
+    locks/<key>           flock'd exclusively by the one process building it (or making its
+                          bytecode). Lock files are never removed: a waiter would hold a lock on
+                          a file no longer there, which the next one would not see
     inuse/<key>           flock'd shared by every job using it, for as long as it runs; eviction
                           takes it exclusively without waiting, or leaves the environment alone
     work/<key>.<random>   a build's inputs (the lock's files, copied) and the builder's home and
@@ -36,7 +39,8 @@ package's code, which must reach neither the worker nor the jobs), with binary w
 the operator allows source builds; after each, every process of the builder's uid is killed. The
 index, extra indexes and find-links reach uv through its environment, which jobs never see, and
 are written nowhere in the environment. A build that fails fails the jobs that wanted it, each
-with uv's own error in its log and one sentence; never the worker.
+with uv's own error in its log and one sentence; never the worker. The bytecode is made once the
+environment is published (BYTECODE below, a speed mechanism behind one switch).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import json
 import logging
 import os
 import platform
+import re
 import secrets
 import shutil
 import signal
@@ -76,6 +81,7 @@ UV_LOCK, PYPROJECT, PYLOCK, REQUIREMENTS, PYTHON_VERSION = (
     ".python-version",
 )
 LOCK_NAMES = (UV_LOCK, PYLOCK, REQUIREMENTS)
+PYTHON_NAME = re.compile(r"(python|pypy)(3(\.\d+)?t?)?")  # the interpreters' names on PATH
 MAX_LOCK_BYTES = 16 * 2**20  # of one lock file: a lock of thousands of packages is a few MB
 NO_INDEX = "none"  # worker_env_index_url's value for no index at all (find-links only)
 ERROR_LINES = 40  # of uv's output kept for the job's log when a build fails
@@ -272,7 +278,7 @@ class EnvCache:
         self._inflight: dict[str, asyncio.Task[Path]] = {}
         self._compiling: set[asyncio.Task[None]] = set()  # bytecode being made (BYTECODE below)
         self._one_build = asyncio.Lock()  # the builder's uid is swept after each: one at a time
-        self._pythons: asyncio.Task[str] | None = None  # uv's version and the builder's Pythons
+        self._pythons: str | None = None  # uv and the Pythons it may build on (_toolchain)
         self._over = False  # the last eviction left the cache over its budget (environments in use)
         self._evicting: asyncio.Task[None] | None = None  # one started when a job let go of one
 
@@ -324,22 +330,16 @@ class EnvCache:
             os.close(fd)
 
     async def start(self) -> None:
-        """End what a worker that died left running as the builder's uid (a build in progress),
-        then learn the builder's Pythons in the background, so the first job need not wait."""
+        """End what a worker that died left running as the builder's uid (a build in progress)."""
         if self.builder is not None and self._sweep is not None:
             await _maybe_await(self._sweep(self.builder))
-        self._learn_toolchain()
-
-    def _learn_toolchain(self) -> None:
-        if self._pythons is None:
-            self._pythons = asyncio.ensure_future(self._toolchain())
 
     async def close(self) -> None:
         """Stop the builds still running (their jobs have all gone)."""
         tasks = [
             *self._inflight.values(),
             *self._compiling,
-            *(t for t in (self._pythons, self._evicting) if t is not None),
+            *([self._evicting] if self._evicting is not None else []),
         ]
         for task in tasks:
             task.cancel()
@@ -349,11 +349,11 @@ class EnvCache:
 
     async def key(self, lock: Lock) -> str:
         """The environment's name: what it is built from, with, and for."""
-        self._learn_toolchain()
-        assert self._pythons is not None
+        if self._pythons is None:
+            self._pythons = await asyncio.to_thread(self._toolchain)
         described = {
             "lock": lock.digest(),
-            "toolchain": await asyncio.shield(self._pythons),
+            "toolchain": self._pythons,
             "platform": [sys.platform, platform.machine(), *platform.libc_ver()],
             "settings": dataclasses.asdict(
                 dataclasses.replace(self.settings, budget_bytes=0, bytecode_later=True)
@@ -522,11 +522,9 @@ class EnvCache:
             f"(status {code}; its error is above)"
         )
 
-    async def _run(
-        self, argv: list[str], env: Mapping[str, str], cwd: Path, *, errors: bool = True
-    ) -> tuple[int, list[str]]:
-        """Run uv as the builder, in a session of its own; its exit status and the lines it
-        wrote (its errors too, unless `errors` is false). Killed if the caller is cancelled.
+    async def _run(self, argv: list[str], env: Mapping[str, str], cwd: Path) -> tuple[int, list[str]]:
+        """Run uv (or Python) as the builder, in a session of its own; its exit status and the
+        lines it wrote, errors too. Killed if the caller is cancelled.
         (subprocess's, in a thread: the worker's loop, uvloop, cannot start a process as
         another uid.)"""
         ids: dict[str, Any] = {}
@@ -539,7 +537,7 @@ class EnvCache:
                 env=dict(env),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT if errors else subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
                 **ids,
             )
@@ -580,26 +578,27 @@ class EnvCache:
         os.chmod(target, 0o755)  # noqa: S103 - the same
         return size
 
-    async def _toolchain(self) -> str:
-        """uv's version and the Pythons the builder can use, as uv finds them: part of every key
-        (an environment is built by that uv on one of them). Once per worker: uv looks at every
-        interpreter on PATH, which takes a while."""
-        if self.uv is None:
-            return ""
-        work = self._work / f"pythons.{secrets.token_hex(4)}"
-        await asyncio.to_thread(self._lay_out, work, None, None)
-        try:
-            env = self._uv_environment(work)
-            _, version = await self._run([self.uv, "--version"], env, work)
-            argv = [self.uv, "python", "list", "--only-installed", "--output-format", "json"]
-            _, found = await self._run(argv, env, work, errors=False)
-        finally:
-            await asyncio.to_thread(_remove_tree, work)
-        try:
-            pythons = sorted((p.get("key"), p.get("path")) for p in json.loads("".join(found) or "[]"))
-        except (ValueError, AttributeError):
-            pythons = found  # type: ignore[assignment] # (described as uv said it)
-        return json.dumps({"uv": version, "pythons": pythons})
+    def _toolchain(self) -> str:
+        """uv and the Pythons it may build on, part of every key: uv's binary and each
+        interpreter on PATH and among those uv downloaded, by real path, size and mtime. Looked
+        at once per worker, without running them (uv would run each, most of a second where
+        pyenv's shims are on PATH). Blocking."""
+
+        def identity(path: str) -> list[object]:
+            st = os.stat(path)
+            return [os.path.realpath(path), st.st_size, st.st_mtime_ns]
+
+        pythons: list[list[object]] = []
+        for directory in self._path.split(os.pathsep):
+            with contextlib.suppress(OSError), os.scandir(directory or ".") as entries:
+                for entry in entries:
+                    if PYTHON_NAME.fullmatch(entry.name):
+                        with contextlib.suppress(OSError):
+                            pythons.append([directory, entry.name, *identity(entry.path)])
+        with contextlib.suppress(OSError):
+            pythons += [["managed", name] for name in sorted(os.listdir(self._python))]
+        uv = identity(self.uv) if self.uv is not None else []
+        return json.dumps({"uv": uv, "pythons": pythons})
 
     # -- BYTECODE: made after the environment is published --------------------------------------
     # A speed mechanism behind EnvSettings.bytecode_later. A job cannot write .pyc files into its
