@@ -9,7 +9,8 @@
   with `working_dir` and `uv run --frozen`, cold and warm (bench/peer_apps/ray_env.py).
 
 Medians of --runs (>= 5). A real in-process Worker as this process's user, on a redis-server of
-its own. `python -m bench.env_start [--quick] [--runs N]`.
+its own. `python -m bench.env_start [--quick] [--runs N] [--ray-python PYTHON]`; `make bench` runs
+it (with --quick: no network).
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def ray_peer(ray_python: str, project: Path, imports: str, runs: int) -> dict[st
     return {"ray_cold_s": median(times["cold"]), "ray_warm_s": median(times["warm"]), "runs": runs}
 
 
-async def main(quick: bool, runs: int, ray_python: str | None) -> dict[str, Any]:
+async def measure(quick: bool, runs: int, ray_python: str | None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="gpupool-bench-env-") as tmp:
         base = Path(tmp)
@@ -211,17 +212,17 @@ async def main(quick: bool, runs: int, ray_python: str | None) -> dict[str, Any]
     return results
 
 
-def run() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="hermetic only: no network")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--ray-python", metavar="PYTHON", help="a Python with ray[default]: Ray Jobs beside")
-    args = parser.parse_args()
-    results = asyncio.run(main(args.quick, max(args.runs, 5), args.ray_python))
+    args = parser.parse_args(argv)
+    results = asyncio.run(measure(args.quick, max(args.runs, 5), args.ray_python))
     for name, row in results.items():
         print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
     save("env_start", {"machine": machine(), **results})
 
 
 if __name__ == "__main__":
-    run()
+    main()
