@@ -423,12 +423,21 @@ class JobRun:
             # its code, and the directories its inputs were placed in (not the inputs: root's)
             await asyncio.to_thread(self.identity.own_tree, self.scratch)
 
+    def _lock_dir(self) -> Path | None:
+        """Where the job's lock is: its directory, or, for a project job started in a directory
+        below the project's top, the nearest above it up to that top (where uv, run there,
+        would find it). None: no lock."""
+        places = [self.cwd]
+        if self.lease.spec.project and not self.lease.spec.cwd:
+            places += [p for p in self.cwd.parents if p.is_relative_to(self.scratch)]
+        return next((place for place in places if has_lock(place)), None)
+
     async def _take_environment(self) -> None:
-        """The environment its directory's lock describes (envs.py), built if this worker has
-        not built it yet, and held until the attempt ends: VIRTUAL_ENV and PATH name it."""
-        if self.envs is None or not self.lease.spec.env_from_lock or not has_lock(self.cwd):
+        """The environment its lock describes (envs.py), built if this worker has not built it
+        yet, and held until the attempt ends: VIRTUAL_ENV and PATH name it."""
+        if self.envs is None or not self.lease.spec.env_from_lock or (where := self._lock_dir()) is None:
             return
-        lock = await asyncio.to_thread(find_lock, self.cwd)
+        lock = await asyncio.to_thread(find_lock, where)
         if lock is None:
             self.output.note(
                 "requirements.txt is not hash-pinned: the job runs without an environment of its own"

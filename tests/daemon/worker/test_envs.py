@@ -21,11 +21,15 @@ import pytest
 from daemon.ctl import cli
 from daemon.errors import InvalidJob
 from daemon.job import JobInfo, JobSpec, JobState
+from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.dispatcher import Worker
 from daemon.worker.envs import NO_INDEX, EnvCache, EnvSettings, find_lock, find_uv, hash_pinned
 from daemon.worker.identity import SlotIdentity, slot_identities
+from storage.local import LocalStore
 from tests.support.git_repo import git
+from tests.support.pool import running_pool
+from tests.support.poolctl import poolctl
 from tests.support.wheels import locked_project, make_wheel
 from tests.support.workers import running_worker, wait_state
 
@@ -320,3 +324,24 @@ def test_no_env_is_sent_only_when_asked_for() -> None:
     assert "env_from_lock" not in JobSpec.from_dict(plain).to_dict()
     with pytest.raises(InvalidJob, match="env_from_lock"):
         JobSpec.from_dict({"argv": ["true"], "env_from_lock": "no"})
+
+
+async def test_a_project_job_started_below_its_top_runs_in_the_projects_environment(
+    redis_server: EmbeddedRedis, tmp_path: Path, place: Path, wheelhouse: Path
+) -> None:
+    """issue 45 item 2 with item 1: `poolctl enqueue` from a directory inside a locked project
+    sends the project; the job, started in that directory, runs in the environment of the lock
+    at the project's top, as `uv run` there would."""
+    proj = project(place, wheelhouse, "proj", "tinypkg==1.0")
+    (proj / "src").mkdir()
+    (proj / "src" / "train.py").write_text("import tinypkg\nprint('trained with', tinypkg.VERSION)\n")
+    async with running_pool(redis_server, tmp_path, store=LocalStore(tmp_path / "store")) as pool:
+        env = pool.env("alice", XDG_CACHE_HOME=str(tmp_path / "cache"))
+        code, out, err = await poolctl(env, "enqueue", "--", "python", "train.py", cwd=proj / "src")
+        assert code == 0, err
+        async with running_worker(pool.queue, tmp_path / "w", store=pool.server.store, slots=1) as worker:
+            info = await wait_state(pool.queue, out.strip(), JobState.SUCCEEDED, JobState.FAILED, timeout=60)
+            log = await output(pool.queue, info)
+            assert info.state is JobState.SUCCEEDED, log
+            assert "trained with 1.0" in log
+            assert worker.envs.builds == 1
