@@ -302,6 +302,26 @@ async def test_pylock_and_hash_pinned_requirements_are_locks_too(place: Path, wh
         await envs.close()
 
 
+async def test_two_workers_sharing_a_machines_cache_build_once(place: Path, wheelhouse: Path) -> None:
+    """issue 45 item 2: two caches on one directory (two workers of a machine: each its own lock
+    files' descriptors, as two processes have) asked for one environment at once: one builds,
+    the other waits for its lock and finds it built."""
+    lock = find_lock(project(place, wheelhouse, "proj", "tinypkg==1.0"))
+    assert lock is not None
+    caches = [EnvCache(place / "envs", settings(wheelhouse), builder=BUILDER) for _ in range(2)]
+    for envs in caches:
+        await asyncio.to_thread(envs.open)
+    try:
+        first, second = await asyncio.gather(*(envs.use(lock, lambda _: None) for envs in caches))
+        assert first.path == second.path
+        assert sum(envs.builds for envs in caches) == 1
+        first.release()
+        second.release()
+    finally:
+        for envs in caches:
+            await envs.close()
+
+
 def test_only_a_requirements_file_pinned_to_hashes_is_a_lock() -> None:
     """issue 45 item 2: a requirements.txt is a lock only when every requirement has a version
     and its hashes and nothing else is said (no index, no other file)."""
