@@ -452,9 +452,11 @@ class EnvCache:
         uv builds into (`target`). Blocking."""
         project = work / "project"
         for path in (work, project, work / "home", work / "tmp", *([target] if target else [])):
-            path.mkdir(mode=0o755)
+            path.mkdir()
+            path.chmod(0o755)
         for name, data in (lock.files if lock is not None else {}).items():
             (project / name).write_bytes(data)
+            (project / name).chmod(0o644)
         cache = self._uv_cache / str(self.builder.uid if self.builder is not None else os.geteuid())
         cache.mkdir(mode=0o700, exist_ok=True)
         if self.builder is not None:

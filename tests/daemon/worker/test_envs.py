@@ -80,7 +80,8 @@ async def env_worker(queue: JobQueue, place: Path, wheelhouse: Path, **kw: objec
     identities = slot_identities(f"{FIRST_UID}-{FIRST_UID + 1}", 2)
     env = {"PATH": os.environ["PATH"], "LANG": "C.UTF-8"}
     data = place / "data"
-    data.mkdir(mode=0o711)
+    data.mkdir()
+    data.chmod(0o711)
     async with running_worker(
         queue,
         data / "w",
@@ -140,8 +141,17 @@ async def test_two_jobs_needing_one_environment_share_one_build(
     queue: JobQueue, place: Path, wheelhouse: Path
 ) -> None:
     """issue 45 item 2: two jobs starting together wait for one build; a later one finds it
-    built (no uv runs)."""
+    built (no uv runs). Under the shipped units' umask (0027), which the builder and the jobs,
+    other uids than the worker's, must not feel."""
     proj = project(place, wheelhouse, "proj", "tinypkg==1.0")
+    umask = os.umask(0o027)
+    try:
+        await _share_one_build(queue, place, wheelhouse, proj)
+    finally:
+        os.umask(umask)
+
+
+async def _share_one_build(queue: JobQueue, place: Path, wheelhouse: Path, proj: Path) -> None:
     async with env_worker(queue, place, wheelhouse) as worker:
         infos = await asyncio.gather(*(run(queue, proj, "python -c 'import tinypkg'") for _ in range(2)))
         assert [i.state for i in infos] == [JobState.SUCCEEDED] * 2
