@@ -541,6 +541,9 @@ class EnvCache:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                # what it makes readable by the jobs' uids whatever the worker's umask (the
+                # shipped units' is 0027): a Python uv downloads, which environments link to
+                umask=0o022,
                 **ids,
             )
         except OSError as exc:
