@@ -10,7 +10,18 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from bench import enqueue, failover, latency, peers, policies, protocol_rtt, queue_rates, scale, throughput
+from bench import (
+    enqueue,
+    env_start,
+    failover,
+    latency,
+    peers,
+    policies,
+    protocol_rtt,
+    queue_rates,
+    scale,
+    throughput,
+)
 from bench.common import RESULTS
 
 
@@ -93,6 +104,7 @@ def main(argv: list[str]) -> None:
     scale.main(["--quick"] if quick else ["--workers", "100,1000", "--jobs", "50000", "--seconds", "10"])
     failover.main(quick)
     policies.main(quick)
+    env_start.main(quick)
     Console().print(summary())
 
 

@@ -77,6 +77,12 @@ class Config:
     worker_local_processors: int
     worker_remote_processors: int
     worker_cache_bytes: int
+    worker_env_cache_bytes: int
+    worker_env_index_url: str
+    worker_env_extra_index_urls: list[str]
+    worker_env_find_links: list[str]
+    worker_env_python_downloads: bool
+    worker_env_allow_source_builds: bool
     gpu_max_jobs: int
     worker_healthy_response_period: float
     redis_events_block_ms: float

@@ -133,6 +133,9 @@ class JobSpec:
     array_limit: int = 0
     # An http(s) URL the server POSTs the job's final record to when it ends (daemon/webhook.py).
     notify: str = ""
+    # Run in the environment built from the lock in its directory (worker/envs.py); false:
+    # `poolctl enqueue --no-env`, the worker's own Python.
+    env_from_lock: bool = True
 
     @property
     def held(self) -> bool:
@@ -172,6 +175,7 @@ class JobSpec:
                 else {}
             ),
             **({"notify": self.notify} if self.notify else {}),  # a worker of before it refuses the key
+            **({} if self.env_from_lock else {"env_from_lock": False}),  # the same
             "snapshot": dict(self.snapshot) if self.snapshot is not None else None,
             **({"project": _project_copy(self.project)} if self.project is not None else {}),
         }
@@ -452,6 +456,7 @@ _CHECKS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
     "project": lambda d: _project(d["project"]),
     "after": lambda d: _after(d["after"]),
     "notify": lambda d: _notify(d["notify"]),
+    "env_from_lock": lambda d: _bool(d, "env_from_lock"),
     "array": lambda d: _array(d["array"], d.get("queue", "default")),
     "array_index": lambda d: _int(d, "array_index", 0, 0, 2**31),
     "array_pos": lambda d: _int(d, "array_pos", 0, 0, MAX_ARRAY),

@@ -166,6 +166,44 @@ OPTIONS: tuple[Option, ...] = (
         lo=0,
     ),
     Option(
+        "worker_env_cache_bytes",
+        int,
+        20 * 1024**3,
+        "bytes of Python environments a worker keeps, built from jobs' lock files (worker/envs.py); "
+        "the least recently used beyond are evicted, never one a running job uses",
+        lo=0,
+    ),
+    Option(
+        "worker_env_index_url",
+        str,
+        "",
+        "the package index uv builds jobs' environments from (empty: PyPI; none: no index, "
+        "worker_env_find_links only); may hold credentials, which jobs never see",
+        secret=True,
+    ),
+    Option(
+        "worker_env_extra_index_urls",
+        list,
+        [],
+        "more package indexes for jobs' environments (credentials never reach jobs)",
+        secret=True,
+    ),
+    Option("worker_env_find_links", list, [], "directories or URLs of wheels for jobs' environments"),
+    Option(
+        "worker_env_python_downloads",
+        bool,
+        False,
+        "let uv download a Python that a job's lock needs and the worker lacks (off: such a job "
+        "fails, saying so)",
+    ),
+    Option(
+        "worker_env_allow_source_builds",
+        bool,
+        False,
+        "let uv build packages from source for jobs' environments, which runs their code as the "
+        "builder's uid (off: binary wheels only)",
+    ),
+    Option(
         "gpu_max_jobs",
         int,
         4,

@@ -490,6 +490,8 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         spec["gpu_mem"] = args.gpu_mem
     if args.notify:  # the same; checked here too, before any upload
         spec["notify"] = _notify_url(args.notify)
+    if args.no_env:  # the same
+        spec["env_from_lock"] = False
     if args.after:
         spec["after"] = args.after
     given = {

@@ -147,6 +147,12 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
         "--max-attempts", type=int, default=3, help="attempts lost to dead workers before giving up"
     )
     e.add_argument(
+        "--no-env",
+        action="store_true",
+        help="run with the worker's own Python, not in the environment the worker builds from the "
+        "lock in the job's directory (uv.lock, pylock.toml or a hash-pinned requirements.txt)",
+    )
+    e.add_argument(
         "--notify",
         metavar="URL",
         help="when the job ends, the server POSTs its final record (JSON, signed with a key made from "

@@ -54,6 +54,7 @@ from daemon.job import JobSpec, Lease
 from daemon.worker import non_root
 from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime
 from daemon.worker.confine import Confinement
+from daemon.worker.envs import EnvCache, EnvSettings
 from daemon.worker.gpus import GpuInfo, GpuProbe, Nvml, discover
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.lifetime import Lifetime
@@ -103,6 +104,8 @@ class Agent:
         git_protocols: str = NETWORK_PROTOCOLS,
         lifetime: Lifetime | None = None,
         host: str | None = None,
+        env_settings: EnvSettings | None = None,
+        env_builder: SlotIdentity | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError("an agent needs at least one slot")
@@ -132,6 +135,8 @@ class Agent:
         self._hello: asyncio.Future[None] | None = None
         self._calls: AgentCalls | None = None
         self._slots: Slots | None = None
+        self._env_settings, self._env_builder = env_settings or EnvSettings(), env_builder
+        self.envs: EnvCache | None = None  # its jobs' environments (envs.py), once its slots are
         self._held: Holdings | None = None
         self._http: aiohttp.ClientSession | None = None
         self._orders: asyncio.Task[None] | None = None
@@ -202,6 +207,9 @@ class Agent:
         await self._background.stop()
         await self._attempts.stop()
         await self.client.close()
+        if self.envs is not None:  # (its builds sweep the builder's uid with the slots' spawner)
+            await self.envs.close()
+            self.envs = None
         if self._slots is not None:
             await self._slots.close()
             self._slots = None
@@ -350,6 +358,15 @@ class Agent:
             confinement=self.confinement,
         )
         await self._slots.open()
+        self.envs = EnvCache(
+            self.data_dir / "envs",
+            self._env_settings,
+            builder=self._env_builder,
+            sweep=self._slots.spawner.sweep,
+            env=self.env,
+        )
+        await asyncio.to_thread(self.envs.open)
+        await self.envs.start()
         self._held = Holdings(self._slots.guard)
         self._background.spawn(self._slots.guard.watch_over(), "agent orphan guard watch")
         self._background.spawn(
@@ -428,6 +445,7 @@ class Agent:
             spawner=self._slots.spawner,
             store=store,
             cache=ObjectCache(self.data_dir / "cache", store, self.cache_bytes),
+            envs=self.envs,
             slot=self._slots.scratch[slot],
             identity=self._slots.identity(slot),
             cgroup=self._slots.cgroup(slot),

@@ -59,6 +59,7 @@ from daemon.worker import look_ahead
 from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime, latest_ends
 from daemon.worker.claim_gate import ClaimGate
 from daemon.worker.confine import Confinement
+from daemon.worker.envs import EnvCache, EnvSettings
 from daemon.worker.gpu_readings import GpuReadings
 from daemon.worker.gpus import (
     GpuAllocator,
@@ -117,6 +118,8 @@ class Worker(Stopping):
         gpu_sampler: GpuSampler | None = None,
         look_ahead_below: float = look_ahead.BELOW,
         look_ahead_hold: float = look_ahead.HOLD,
+        env_settings: EnvSettings | None = None,
+        env_builder: SlotIdentity | None = None,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
         (the seam) and optionally a probe. `env` is the base of every job's environment (default:
@@ -128,7 +131,9 @@ class Worker(Stopping):
         jobs with a uid of their own (confine.py). `lifetime`: its end, if any (lifetime.py).
         `gpu_sampler` reads given `gpus` live (discovered ones are read by NVML). Without GPUs, jobs
         are claimed ahead of a free slot while jobs end within `look_ahead_below` seconds, and
-        handed back if not started after `look_ahead_hold` (look_ahead.py)."""
+        handed back if not started after `look_ahead_hold` (look_ahead.py). A job whose directory
+        holds a lock runs in the environment built from it, kept under `data_dir/envs` as
+        `env_settings` say, built as `env_builder` (None: this process's uid) (envs.py)."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         if identities is not None and len(identities) < slots:
@@ -167,6 +172,13 @@ class Worker(Stopping):
         # directories, uids, cgroups, the spawner and the orphan guard (slots.py)
         confinement = Confinement(job_network)
         self._slots = Slots(self.data_dir, self.id, slots, self.identities, job_nice, confinement=confinement)
+        self.envs = EnvCache(
+            self.data_dir / "envs",
+            env_settings or EnvSettings(),
+            builder=env_builder,
+            sweep=self._slots.spawner.sweep,
+            env=self.env,
+        )
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known, as are
         self.readings = GpuReadings(None, heartbeat_seconds)  # their readings, for the registration
         self._nvml: Nvml | None = None
@@ -204,6 +216,8 @@ class Worker(Stopping):
         self._registration.started_at = time.time()
         try:
             await self._slots.open()
+            await asyncio.to_thread(self.envs.open)
+            await self.envs.start()
             if not await self.heartbeat.beat_and_apply():
                 raise RedisUnavailable(
                     f"worker {self.id} cannot register: Redis did not take its first heartbeat "
@@ -211,6 +225,7 @@ class Worker(Stopping):
                 )
             await self._gate.at_start()
         except BaseException:
+            await self.envs.close()
             await self._slots.close()
             await self._close_nvml()
             raise
@@ -435,6 +450,7 @@ class Worker(Stopping):
             spawner=self._slots.spawner,
             store=self.store,
             cache=self.cache,
+            envs=self.envs,
             slot=self._slots.scratch[slot],
             identity=self._slots.identity(slot),
             cgroup=self._slots.cgroup(slot),

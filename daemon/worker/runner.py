@@ -35,6 +35,7 @@ from daemon.git import ANY_PROTOCOL
 from daemon.job import JobState, Lease, Outcome
 from daemon.worker import checkpoints, git_mirror, job_data, leftovers, scratch, spawn
 from daemon.worker.cgroups import SlotCgroup
+from daemon.worker.envs import EnvCache, InUse, find_lock, has_lock
 from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput
@@ -165,6 +166,7 @@ class JobRun:
         spawner: spawn.Spawner,
         store: ObjectStore | None = None,
         cache: ObjectCache | None = None,
+        envs: EnvCache | None = None,
         slot_dir: Path | None = None,
         slot: scratch.SlotScratch | None = None,
         identity: SlotIdentity | None = None,
@@ -174,9 +176,10 @@ class JobRun:
         on_exit: Callable[[], None] | None = None,
     ) -> None:
         """`slot` is the scratch directories of the slot it runs on (scratch.py; default: those
-        under `slot_dir`, or `data_dir/slot`). `store` receives
-        the artifacts; `cache` fetches the snapshot and inputs (None: a worker without an object
-        store; jobs with data then fail saying so). `spawner` starts, reaps and kills its
+        under `slot_dir`, or `data_dir/slot`). `store` receives the artifacts; `cache` fetches the
+        snapshot and inputs (None: a worker without an object store; jobs with data then fail
+        saying so). `envs`: the worker's environments, one of which the job runs in when its
+        directory holds a lock (envs.py; None: none does). `spawner` starts, reaps and kills its
         processes. `identity`: the uid the job runs as (identity.py; None: the worker's own).
         `cgroup`: the slot's (cgroups.py), which holds all the job starts (None: found through
         /proc at the end). `on_slot_free` is called when the slot may take its next job before
@@ -185,6 +188,8 @@ class JobRun:
         self.queue = queue
         self.store = store
         self.cache = cache
+        self.envs = envs
+        self._env_held: InUse | None = None  # the environment it runs in, held till its end
         self.lease = lease
         self.gpus = tuple(gpus)
         self.kill_grace = kill_grace
@@ -304,6 +309,8 @@ class JobRun:
         finally:  # the periodic saves end with the attempt however it ends, before the slot's tidying
             if self._saving is not None:
                 await cancel_and_wait(self._saving)
+            if self._env_held is not None:  # its environment may be evicted now
+                self._env_held.release()
 
     async def tidy(self) -> None:
         """The slot's directories back to a new one's state for its next job, which waits for
@@ -326,7 +333,12 @@ class JobRun:
         directories free and surely as new (scratch.py `take`). It saves a turn of the loop
         between one job's end and the next one's start, most of a short job's wait. `run` then
         supervises it (or, if the spawn failed, records why); else `run` prepares and spawns."""
-        if self.ending is not None or self._fetches() or not self.slot.take(self._scratch_dirs()):
+        if (
+            self.ending is not None
+            or self._fetches()
+            or self._may_have_lock()
+            or not self.slot.take(self._scratch_dirs())
+        ):
             return
         self._started = time.time()
         try:
@@ -384,6 +396,12 @@ class JobRun:
             spec.git is not None or spec.snapshot is not None or spec.project is not None or bool(spec.inputs)
         )
 
+    def _may_have_lock(self) -> bool:
+        """Whether the job runs in a directory of its own (`cwd`) that holds a lock: then its
+        environment comes first. (Code placed in its directory is looked at once placed.)"""
+        spec = self.lease.spec
+        return self.envs is not None and spec.env_from_lock and spec.cwd is not None and has_lock(self.cwd)
+
     def _fetches(self) -> bool:
         """Whether anything is fetched before the spawn: code, data, or an earlier attempt's
         checkpoint (`_restore_checkpoint`)."""
@@ -400,9 +418,33 @@ class JobRun:
             as_cache_owner=self.identity is None,
         )  # fmt: skip
         await self._restore_checkpoint()
+        await self._take_environment()
         if self.identity is not None and not spec.cwd and self._placed():
             # its code, and the directories its inputs were placed in (not the inputs: root's)
             await asyncio.to_thread(self.identity.own_tree, self.scratch)
+
+    def _lock_dir(self) -> Path | None:
+        """Where the job's lock is: its directory, or, for a project job started in a directory
+        below the project's top, the nearest above it up to that top (where uv, run there,
+        would find it). None: no lock."""
+        places = [self.cwd]
+        if self.lease.spec.project and not self.lease.spec.cwd:
+            places += [p for p in self.cwd.parents if p.is_relative_to(self.scratch)]
+        return next((place for place in places if has_lock(place)), None)
+
+    async def _take_environment(self) -> None:
+        """The environment its lock describes (envs.py), built if this worker has not built it
+        yet, and held until the attempt ends: VIRTUAL_ENV and PATH name it."""
+        if self.envs is None or not self.lease.spec.env_from_lock or (where := self._lock_dir()) is None:
+            return
+        lock = await asyncio.to_thread(find_lock, where)
+        if lock is None:
+            self.output.note(
+                "requirements.txt is not hash-pinned: the job runs without an environment of its own"
+            )
+            return
+        self._env_held = await self.envs.use(lock, self.output.note)
+        self._env.update(self._env_held.variables(self._env.get("PATH", "")))
 
     async def _not_started(self, exc: OSError | GpupoolError, cwd: Path, started: float) -> RunResult:
         """The job could not start (its data, its program, its directory): EXITED, saying why."""

@@ -26,7 +26,8 @@ from daemon.tokens import refuse_open
 from daemon.worker import non_root
 from daemon.worker.agent import Agent, AgentError
 from daemon.worker.dispatcher import Worker
-from daemon.worker.identity import slot_identities
+from daemon.worker.envs import EnvSettings
+from daemon.worker.identity import SlotIdentity, lease_uids, slot_identities
 from daemon.worker.lifetime import Lifetime
 from storage.base import ObjectStore
 
@@ -159,7 +160,30 @@ def configured_worker(
         git_protocols=ANY_PROTOCOL if config.embedded else NETWORK_PROTOCOLS,
         gpu_max_jobs=config.gpu_max_jobs,
         lifetime=lifetime,
+        env_settings=env_settings(config),
+        env_builder=env_builder(identities),
     )
+
+
+def env_settings(config: Config) -> EnvSettings:
+    """How a worker (or an agent) builds its jobs' environments (worker/envs.py)."""
+    return EnvSettings(
+        budget_bytes=config.worker_env_cache_bytes,
+        index_url=config.worker_env_index_url,
+        extra_index_urls=tuple(config.worker_env_extra_index_urls),
+        find_links=tuple(config.worker_env_find_links),
+        python_downloads=config.worker_env_python_downloads,
+        source_builds=config.worker_env_allow_source_builds,
+    )
+
+
+def env_builder(identities: list[SlotIdentity] | None) -> SlotIdentity | None:
+    """Who builds the environments: a uid of their own where jobs have theirs (a source build
+    runs a package's code, which must reach neither the worker nor a job); else the worker's."""
+    if identities is None:
+        return None
+    uid = lease_uids(1)[0]
+    return SlotIdentity(uid, uid)
 
 
 def local_slots(queue: JobQueue, config: Config, store: ObjectStore) -> Worker:
@@ -246,6 +270,8 @@ class AgentDaemon:
             identities=identities,
             cache_bytes=c.worker_cache_bytes,
             lifetime=self.lifetime,
+            env_settings=env_settings(c),
+            env_builder=env_builder(identities),
         )
         await self.agent.start()
         self._tasks.spawn(self._leave_when_told(self.agent), "agent leaving")

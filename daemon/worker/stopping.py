@@ -33,6 +33,7 @@ from daemon.worker.attempt import boottime
 if TYPE_CHECKING:
     from daemon.queue.job_queue import JobQueue
     from daemon.queue.registry import Registration
+    from daemon.worker.envs import EnvCache
     from daemon.worker.gpus import Nvml
     from daemon.worker.look_ahead import LookAhead
     from daemon.worker.runner import Run
@@ -57,6 +58,7 @@ class Stopping:
     queue: JobQueue
     drain_timeout: float
     cache: ObjectCache | None
+    envs: EnvCache
     _stage: Stage
     _stopped: asyncio.Event
     _forced: asyncio.Event
@@ -164,6 +166,7 @@ class Stopping:
             await registry.unregister(self.queue.redis, self.id)
         except RedisError as exc:
             log.warning("could not unregister worker %s (%s); it will show as dead", self.id, exc)
+        await self.envs.close()  # (its builds sweep the builder's uid with the slots' spawner)
         await self._slots.close()
         if self.cache is not None:
             await self.cache.close()
