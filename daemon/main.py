@@ -21,6 +21,7 @@ from daemon import log_setup
 from daemon.errors import ConfigError, GpupoolError
 from daemon.server.service import PoolServer
 from daemon.worker import non_root
+from daemon.worker.hosted import hosted_worker
 from daemon.worker.service import WorkerDaemon, local_slots
 
 log = logging.getLogger("poold")
@@ -64,8 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.worker:  # it may leave by itself (a pilot worker): then it stops as on a signal
             worker = WorkerDaemon(config)
             return uvloop.run(_run(worker, worker.leaving))
-        # The server runs an embedded pool's local slots as a Worker, which main hands it.
-        return uvloop.run(_run(PoolServer(config, local_slots)))
+        # The server runs an embedded pool's local slots as a Worker, and a Worker for each agent
+        # (worker/hosted.py), which main hands it.
+        return uvloop.run(_run(PoolServer(config, local_slots, hosted_worker)))
     except GpupoolError as exc:
         log.error("%s", exc)
         return 1

@@ -117,6 +117,7 @@ class Worker(Stopping):
         gpu_sampler: GpuSampler | None = None,
         look_ahead_below: float = look_ahead.BELOW,
         look_ahead_hold: float = look_ahead.HOLD,
+        local: bool = True,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
         (the seam) and optionally a probe. `env` is the base of every job's environment (default:
@@ -128,7 +129,8 @@ class Worker(Stopping):
         jobs with a uid of their own (confine.py). `lifetime`: its end, if any (lifetime.py).
         `gpu_sampler` reads given `gpus` live (discovered ones are read by NVML). Without GPUs, jobs
         are claimed ahead of a free slot while jobs end within `look_ahead_below` seconds, and
-        handed back if not started after `look_ahead_hold` (look_ahead.py)."""
+        handed back if not started after `look_ahead_hold` (look_ahead.py). `local`: False for an
+        agent's slots (hosted.py): nothing of this machine is opened for them (slots.py)."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         if identities is not None and len(identities) < slots:
@@ -166,7 +168,9 @@ class Worker(Stopping):
         self.lifetime, self._registration.leave_by = lifetime, lifetime.leave_by if lifetime else 0.0
         # directories, uids, cgroups, the spawner and the orphan guard (slots.py)
         confinement = Confinement(job_network)
-        self._slots = Slots(self.data_dir, self.id, slots, self.identities, job_nice, confinement=confinement)
+        self._slots = Slots(
+            self.data_dir, self.id, slots, self.identities, job_nice, confinement=confinement, local=local
+        )
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known, as are
         self.readings = GpuReadings(None, heartbeat_seconds)  # their readings, for the registration
         self._nvml: Nvml | None = None
