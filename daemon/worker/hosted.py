@@ -354,6 +354,7 @@ class HostedWorker(Worker):
             if self._stopped.is_set():  # (not where a second call's wait was cancelled)
                 if self._due is not None:
                     self._due.cancel()
+                await self.queue.close()  # its view of the pool's queue is done with
                 self._orders.put_nowait(None)  # the stream ends
 
     async def abandon(self, why: str) -> None:

@@ -21,6 +21,7 @@ import pytest
 from daemon.client.pool_client import ClientError, PoolClient
 from daemon.job import JobSpec, JobState
 from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.server import agents
 from daemon.worker.hosted import hosted_worker
 from protocol import (
     AgentAnswer,
@@ -41,6 +42,7 @@ from tests.support.s3server import S3Server
 
 LEASE = 2.0  # worker_healthy_response_period: a dropped agent's lease lapses this soon
 WAIT = 10.0  # the longest any one step may take
+DRAIN = 0.5  # drain_timeout: how long a stopping worker lets its jobs run before it hands them back
 SUCCEEDED = {"state": "succeeded", "exit_code": 0, "detail": "", "result": {}}
 
 
@@ -82,13 +84,21 @@ class ScriptedAgent:
 
     async def next(self, act: str) -> AgentOrder:
         """The next order other than `renewed` (unless that is asked for); it must be `act`."""
-        while True:
-            async with asyncio.timeout(WAIT):
+        async with asyncio.timeout(WAIT):
+            while True:
                 order = await self.orders.get()
-            assert isinstance(order, AgentOrder), order
-            if order.act != "renewed" or act == "renewed":
-                assert order.act == act, order
-                return order
+                assert isinstance(order, AgentOrder), order
+                if order.act != "renewed" or act == "renewed":
+                    assert order.act == act, order
+                    return order
+
+    async def served(self) -> Served:
+        """The stream's end, after any `renewed` orders still on their way."""
+        async with asyncio.timeout(WAIT):
+            while isinstance(item := await self.orders.get(), AgentOrder) and item.act == "renewed":
+                pass
+        assert isinstance(item, Served), item
+        return item
 
     async def call(
         self, lease_id: str, call: str, args: dict[str, Any] | None = None, **kw: Any
@@ -118,6 +128,7 @@ async def pool(redis_server: EmbeddedRedis, tmp_path: Path) -> AsyncIterator[Poo
         admins=("root",),
         agent_workers=hosted_worker,
         worker_healthy_response_period=LEASE,
+        drain_timeout=DRAIN,
     ) as p:
         yield p
 
@@ -132,6 +143,11 @@ async def wait_for(pool: Pool, job_id: str) -> dict[str, Any]:
         waited = await c.call(WaitJobs([job_id], WAIT), Waited)
     assert not waited.timed_out
     return waited.jobs[0]
+
+
+def connections_held(pool: Pool) -> int:
+    """Connections of the server's Redis client taken from its pool now (redis-py's books)."""
+    return len(pool.queue.redis.connection_pool._in_use_connections)  # type: ignore[union-attr]
 
 
 async def refused(call: Any, code: ErrorCode = ErrorCode.PERMISSION_DENIED) -> str:
@@ -299,3 +315,54 @@ async def test_an_attempts_store_urls_reach_its_own_keys_only(s3_pool: Pool) -> 
             ErrorCode.INVALID_ARGUMENT,
         )
         await agent.run_to_success(run)
+
+
+async def test_a_drained_agent_hands_its_job_back_and_is_served(pool: Pool) -> None:
+    """issue 44 item 1: the agent's `drain` (its SIGTERM) stops its worker as a worker stops:
+    the job it runs is ordered handed back, goes back to its queue, and the stream ends with
+    `served` once the worker has stopped, holding none of the server's Redis connections."""
+    job_id = await enqueue(pool, "alice")
+    held = connections_held(pool)
+    async with ScriptedAgent(pool, "alice") as agent:
+        run = await agent.next("run")
+        await agent.call("", "drain", {"now": True})
+        stop = await agent.next("hand_back")
+        assert stop.lease_id == run.lease_id
+        assert stop.detail["now"] is True
+        await agent.call(run.lease_id, "ended", {"ending": "handed back", "outcome": None, "dirty_gpus": {}})
+        await agent.next("tidy")
+        await agent.call(run.lease_id, "tidied")
+        assert "drained" in (await agent.served()).reason
+        assert connections_held(pool) == held  # none kept for a worker that is gone
+    job = await pool.queue.get(job_id)
+    assert job.state is JobState.QUEUED
+    assert [a.how for a in job.attempts] == ["released"]
+
+
+async def test_the_server_stops_its_agents_as_workers_and_bounds_them(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue 44 item 1: an agent offers at most MAX_AGENT_SLOTS slots, a user runs at most
+    MAX_AGENTS_PER_USER agents (an admin is not bounded so), each refusal a sentence; and at the
+    server's stop each agent's job is ordered handed back and its stream ends with `served`."""
+    monkeypatch.setattr(agents, "MAX_AGENTS_PER_USER", 1)
+    async with pool.client("alice") as alice:
+        too_many = ServeJobs(agents.MAX_AGENT_SLOTS + 1, ["default"], [], 0.0, "node-a")
+        message = await refused(alice.call(too_many, Served), ErrorCode.INVALID_ARGUMENT)
+        assert f"1 to {agents.MAX_AGENT_SLOTS} slots" in message
+    job_id = await enqueue(pool, "alice")
+    async with ScriptedAgent(pool, "alice") as agent, ScriptedAgent(pool, "root", host="node-b") as admins:
+        async with pool.client("alice") as alice:
+            message = await refused(alice.call(agent.offer, Served), ErrorCode.RESOURCE_EXHAUSTED)
+        assert "alice already has 1 agents" in message
+        run = await agent.next("run")
+        stopping = asyncio.create_task(pool.server.stop())
+        await agent.next("hand_back")
+        await agent.call(run.lease_id, "ended", {"ending": "handed back", "outcome": None, "dirty_gpus": {}})
+        await agent.next("tidy")
+        await agent.call(run.lease_id, "tidied")
+        for each in (agent, admins):
+            assert "the server is stopping" in (await each.served()).reason
+        assert [a.how for a in (await pool.queue.get(job_id)).attempts] == ["released"]
+    async with asyncio.timeout(WAIT):  # (the agents' connections closed, as agents close them)
+        await stopping
