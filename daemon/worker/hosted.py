@@ -311,13 +311,14 @@ class HostedWorker(Worker):
     # -- heartbeat target ----------------------------------------------------------------------------
 
     def renewed(self, statuses: Mapping[str, RenewStatus], until: float) -> None:
-        """As a worker's, then the agent is told how long each attempt it runs now holds."""
+        """As a worker's, then the agent is told how long each attempt it runs now holds: every
+        lease renewed, those being cancelled or handed back too (their stop takes a while)."""
         super().renewed(statuses, until)
         now = boottime()
         valid_for = {
             lease_id: max(0.0, held.deadline - now)
             for lease_id, status in statuses.items()
-            if status is RenewStatus.OK
+            if status is not RenewStatus.LOST
             and (held := self._held.get(lease_id)) is not None
             and (run := self._remote.get(lease_id)) is not None
             and run.phase is RemotePhase.RUNNING

@@ -27,6 +27,8 @@ from protocol import (
     AgentAnswer,
     AgentCall,
     AgentOrder,
+    CancelJobs,
+    Cancelled,
     Enqueue,
     Enqueued,
     ErrorCode,
@@ -197,6 +199,25 @@ async def test_bobs_job_is_passed_over_by_alices_agent_and_run_by_an_admins(pool
             assert run.detail["lease"]["job_id"] == bobs
             await admins.run_to_success(run)
             assert (await wait_for(pool, bobs))["state"] == JobState.SUCCEEDED
+
+
+async def test_a_cancelled_job_is_ordered_stopped_and_its_lease_still_renewed(pool: Pool) -> None:
+    """issue 44 item 1: alice cancels her job while her agent runs it: the agent is ordered to
+    cancel it, and told its lease holds on while it stops (its SIGTERM grace may outlast a lease's
+    renewal period), and the end it reports is recorded: CANCELLED."""
+    job_id = await enqueue(pool, "alice")
+    async with ScriptedAgent(pool, "alice") as agent:
+        run = await agent.next("run")
+        async with pool.client("alice") as alice:
+            assert (await alice.call(CancelJobs([job_id]), Cancelled)).states[job_id] == "cancelling"
+        await agent.next("cancel")
+        renewed = await agent.next("renewed")
+        assert 0 < renewed.detail["valid_for"][run.lease_id] <= LEASE
+        cancelled = {"state": "cancelled", "exit_code": 143, "detail": "cancelled", "result": {}}
+        await agent.call(
+            run.lease_id, "ended", {"ending": "cancelled", "outcome": cancelled, "dirty_gpus": {}}
+        )
+        assert (await wait_for(pool, job_id))["state"] == JobState.CANCELLED
 
 
 async def test_a_wrong_key_or_an_attempt_not_held_is_refused_and_writes_nothing(pool: Pool) -> None:
