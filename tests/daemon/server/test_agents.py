@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import secrets
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -364,13 +365,18 @@ async def test_the_server_stops_its_agents_as_workers_and_bounds_them(
     pool: Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """issue 44 item 1: an agent offers at most MAX_AGENT_SLOTS slots, a user runs at most
-    MAX_AGENTS_PER_USER agents (an admin is not bounded so), each refusal a sentence; and at the
-    server's stop each agent's job is ordered handed back and its stream ends with `served`."""
+    MAX_AGENTS_PER_USER agents (an admin is not bounded so), and no agent is served that must
+    leave (leave_by) before it could drain, each refusal a sentence; and at the server's stop each
+    agent's job is ordered handed back and its stream ends with `served`."""
     monkeypatch.setattr(agents, "MAX_AGENTS_PER_USER", 1)
     async with pool.client("alice") as alice:
         too_many = ServeJobs(agents.MAX_AGENT_SLOTS + 1, ["default"], [], 0.0, "node-a")
         message = await refused(alice.call(too_many, Served), ErrorCode.INVALID_ARGUMENT)
         assert f"1 to {agents.MAX_AGENT_SLOTS} slots" in message
+        leaving = ServeJobs(1, ["default"], [], time.time() + DRAIN, "node-a")  # a pilot at its end
+        message = await refused(alice.call(leaving, Served), ErrorCode.INVALID_ARGUMENT)
+        assert "takes" in message
+        assert "to leave" in message
     job_id = await enqueue(pool, "alice")
     async with ScriptedAgent(pool, "alice") as agent, ScriptedAgent(pool, "root", host="node-b") as admins:
         async with pool.client("alice") as alice:
