@@ -21,6 +21,7 @@ from daemon import log_setup
 from daemon.errors import ConfigError, GpupoolError
 from daemon.server.service import PoolServer
 from daemon.worker import non_root
+from daemon.worker.hosted import hosted_worker
 from daemon.worker.service import AgentDaemon, WorkerDaemon, local_slots
 
 log = logging.getLogger("poold")
@@ -65,8 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Through the server (an agent: no Redis or S3 credential), or on its own.
             worker = AgentDaemon(config) if config.worker_via_server else WorkerDaemon(config)
             return uvloop.run(_run(worker, worker.leaving))
-        # The server runs an embedded pool's local slots as a Worker, which main hands it.
-        return uvloop.run(_run(PoolServer(config, local_slots)))
+        # The server runs an embedded pool's local slots as a Worker, and a Worker for each agent
+        # (worker/hosted.py), which main hands it.
+        return uvloop.run(_run(PoolServer(config, local_slots, hosted_worker)))
     except GpupoolError as exc:
         log.error("%s", exc)
         return 1

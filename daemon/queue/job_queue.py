@@ -187,6 +187,11 @@ class JobQueue(Claims, QueueReads, HeldJobs, UserRoom):
             max_stored=config.user_max_stored_bytes,
         )
 
+    async def close(self) -> None:
+        """Done with this queue while its Redis client goes on (another's view: its connection
+        kept for its script calls goes back to the client's pool)."""
+        await self._call.close()
+
     def batch(self, *, ack: bool = True) -> ScriptBatch:
         """A batch of script calls on this queue's Redis (its durable calls acknowledged as the
         queue's are, unless not `ack`), its nodes told to the queue's watch."""

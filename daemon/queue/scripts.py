@@ -466,6 +466,16 @@ class Pipeliner:
         self._linger: asyncio.TimerHandle | None = None
         self._company = asyncio.Event()
 
+    async def close(self) -> None:
+        """Give the lane's connection back to the pool, for a queue that is done with (an agent's
+        view, worker/hosted.py: the pool would hold one per view ever made). A call made after
+        takes a connection of the pool's as usual."""
+        lane = self._lane
+        if lane is not None and lane.connection is not None and not lane.busy:
+            connection, lane.connection = lane.connection, None
+            assert isinstance(self.redis, Redis)
+            await self.redis.connection_pool.release(connection)
+
     async def __call__(
         self,
         script: ScriptOrCommand,

@@ -35,6 +35,7 @@ from daemon.object_store import artifact_job
 from daemon.queue.failures import out_of_memory
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.terminal_events import JobEvents
+from daemon.server.agents import Agents
 from daemon.server.bounds import SubmitBounds
 from daemon.server.data_desk import DataDesk, data_of
 from daemon.server.dependencies import judge_held
@@ -43,6 +44,7 @@ from daemon.server.pending import MAX_LIST, PendingReasons, WorkerLister
 from daemon.server.redis_room import RedisRoom
 from daemon.webhook_targets import Allowed
 from protocol import (
+    AgentCall,
     CancelJobs,
     Cancelled,
     CheckObjects,
@@ -70,6 +72,7 @@ from protocol import (
     Requeued,
     RequeueJobs,
     ResolveName,
+    ServeJobs,
     ShowJob,
     StreamItem,
     Waited,
@@ -113,13 +116,15 @@ class Handlers:
         default_max_priority: int = 0,
         notify_allowed: Allowed | None = None,
         bounds: SubmitBounds | None = None,
+        agents: Agents | None = None,
     ) -> None:
         """`admins` may act on every user's jobs; everyone else on their own (docs/SECURITY.md).
         A job's --priority may reach its user's `max_priority` (an admin's: any), else
         `default_max_priority`. A job's --notify URL may name an address only where
         `notify_allowed` allows it (config notify_allow; webhook_targets.py). `bounds`: how
         large a job's spec and name may be; a user's jobs queued or running in one queue are
-        bounded by `queue.max_unended` (bounds.py)."""
+        bounded by `queue.max_unended` (bounds.py). `agents`: the agent workers' requests
+        (agents.py; None: refused)."""
         self.queue = queue
         self.bounds = bounds or SubmitBounds()
         self.room = RedisRoom(queue.redis)  # new jobs refused before Redis is full
@@ -134,9 +139,12 @@ class Handlers:
         self.data = DataDesk(store) if store is not None else None
         self.pending = PendingReasons(queue, workers)  # why a queued job waits
         self.warnings = LogLimit()  # what users' requests cause, per user (the sessions' too)
+        self.agents = agents
 
     async def handle(self, request: Request, user: str, send: SendStream) -> Reply:
         try:
+            if isinstance(request, ServeJobs | AgentCall):
+                return await self._agent(request, user, send)
             return await self._dispatch(request, user, send)
         except InvalidKey as exc:  # the caller's key, refused before the store was asked
             raise GpupoolError(exc.message, ErrorCode.INVALID_ARGUMENT) from None
@@ -208,6 +216,15 @@ class Handlers:
                     return await self._logs(job_id, follow, offset, send)
         with self.blocking_read(user):
             return await self._watch(request, user, send)
+
+    async def _agent(self, request: ServeJobs | AgentCall, user: str, send: SendStream) -> Reply:
+        """An agent's requests (agents.py). A serve_jobs lasts as long as its agent: it is bounded
+        there, per user, not among the user's blocking reads."""
+        if self.agents is None:
+            raise GpupoolError("this server runs no agent workers", ErrorCode.UNAVAILABLE)
+        if isinstance(request, ServeJobs):
+            return await self.agents.serve(request, user, send)
+        return await self.agents.call(request, user)
 
     async def _expand(self, ids: list[str]) -> list[str]:
         """Job ids, an array's id ("QUEUE@ID") standing for all its jobs (one the pool does not

@@ -23,6 +23,7 @@ from daemon.queue.job_queue import JobQueue
 from daemon.queue.pool_redis import PoolRedis
 from daemon.queue.terminal_events import JobEvents, Terminal
 from daemon.server import reaper
+from daemon.server.agents import Agents, AgentWorkerFactory
 from daemon.server.bounds import SubmitBounds
 from daemon.server.certificate import certificate_fingerprint, ensure_certificate
 from daemon.server.data_desk import prune_staged_forever
@@ -81,11 +82,19 @@ def refuse_shared_local_slots(config: Config, users: int) -> None:
 class PoolServer:
     """`start()` brings the pool up; `stop()` takes it down in reverse order and is safe to call twice."""
 
-    def __init__(self, config: Config, local_slots: LocalSlotsFactory | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        local_slots: LocalSlotsFactory | None = None,
+        agent_workers: AgentWorkerFactory | None = None,
+    ) -> None:
         """`local_slots` builds the slots an embedded pool runs itself (`worker_local_processors`
-        of them; none without it)."""
+        of them; none without it); `agent_workers` the worker the server runs for each agent that
+        offers its machine (server/agents.py; without it, serve_jobs is refused)."""
         self.config = config
         self._local_slots = local_slots
+        self._agent_workers = agent_workers
+        self.agents: Agents | None = None  # at start: the agents' workers
         self.redis = PoolRedis(config)
         self.queue: JobQueue | None = None
         self.listener: Listener | None = None
@@ -181,21 +190,7 @@ class PoolServer:
             reaper.run(self.queue, reap_every, self._reclaimed, c.dead_worker_retention), "reaper"
         )
         self._tasks.spawn(prune_staged_forever(self.store), "staged-upload prune")
-        handlers = Handlers(
-            self.queue,
-            events,
-            self.list_workers,
-            self.metrics,
-            self.store,
-            admins=users.admins if users is not None else frozenset(),
-            notify_allowed=Allowed.parse(c.notify_allow),
-            max_priority=dict(users.max_priority) if users is not None else None,
-            # a single machine's pool, and an open one (loopback only), set no ceiling
-            default_max_priority=(
-                c.default_max_priority if users is not None and not c.embedded else PRIORITY_MAX
-            ),
-            bounds=SubmitBounds.of(c),
-        )
+        handlers = self._handlers(self.queue, events, users)
         self.listener = Listener(
             handlers,
             known_tokens,
@@ -255,6 +250,28 @@ class PoolServer:
             self._tasks.spawn(sd_notify.watchdog(interval), "watchdog")
         sd_notify.ready(f"serving on {self.listener.address}")
 
+    def _handlers(self, queue: JobQueue, events: JobEvents, users: tokens.Users | None) -> Handlers:
+        """What the server does for each request, the agents' workers' requests among them."""
+        c = self.config
+        admins = users.admins if users is not None else frozenset()
+        self.agents = Agents(self._agent_workers, queue, c, self.store, admins)
+        return Handlers(
+            queue,
+            events,
+            self.list_workers,
+            self.metrics,
+            self.store,
+            admins=admins,
+            notify_allowed=Allowed.parse(c.notify_allow),
+            max_priority=dict(users.max_priority) if users is not None else None,
+            # a single machine's pool, and an open one (loopback only), set no ceiling
+            default_max_priority=(
+                c.default_max_priority if users is not None and not c.embedded else PRIORITY_MAX
+            ),
+            bounds=SubmitBounds.of(c),
+            agents=self.agents,
+        )
+
     def _finished(self, event: Terminal) -> None:
         if self.dependencies is not None:
             self.dependencies.ended(event.job_id)
@@ -274,14 +291,19 @@ class PoolServer:
         return await registry.list_workers(self.queue.redis)
 
     def force(self) -> None:
-        """A second stop signal: local jobs are stopped and handed back now, not drained."""
+        """A second stop signal: local and agents' jobs are stopped and handed back now, not drained."""
         if self.local is not None:
             self.local.force()
+        if self.agents is not None:
+            self.agents.force()
 
     async def stop(self) -> None:
-        """Drain the local slots, close the metrics and the listener, stop the background tasks, then
-        Redis. Safe to call twice."""
+        """Drain the local slots and the agents' workers (while the listener still carries the
+        agents' streams: bounded, agents.py), close the metrics and the listener, stop the
+        background tasks, then Redis. Safe to call twice."""
         sd_notify.stopping("stopping")
+        if self.agents is not None:
+            await self.agents.stop()
         if self.local is not None:
             await self.local.stop()
             self.local = None

@@ -120,6 +120,7 @@ class Worker(Stopping):
         look_ahead_hold: float = look_ahead.HOLD,
         env_settings: EnvSettings | None = None,
         env_builder: SlotIdentity | None = None,
+        local: bool = True,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
         (the seam) and optionally a probe. `env` is the base of every job's environment (default:
@@ -133,7 +134,8 @@ class Worker(Stopping):
         are claimed ahead of a free slot while jobs end within `look_ahead_below` seconds, and
         handed back if not started after `look_ahead_hold` (look_ahead.py). A job whose directory
         holds a lock runs in the environment built from it, kept under `data_dir/envs` as
-        `env_settings` say, built as `env_builder` (None: this process's uid) (envs.py)."""
+        `env_settings` say, built as `env_builder` (None: this process's uid) (envs.py). `local`:
+        False for an agent's slots (hosted.py): nothing of this machine is opened for them."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         if identities is not None and len(identities) < slots:
@@ -171,7 +173,9 @@ class Worker(Stopping):
         self.lifetime, self._registration.leave_by = lifetime, lifetime.leave_by if lifetime else 0.0
         # directories, uids, cgroups, the spawner and the orphan guard (slots.py)
         confinement = Confinement(job_network)
-        self._slots = Slots(self.data_dir, self.id, slots, self.identities, job_nice, confinement=confinement)
+        self._slots = Slots(
+            self.data_dir, self.id, slots, self.identities, job_nice, confinement=confinement, local=local
+        )
         self.envs = EnvCache(
             self.data_dir / "envs",
             env_settings or EnvSettings(),
@@ -216,8 +220,9 @@ class Worker(Stopping):
         self._registration.started_at = time.time()
         try:
             await self._slots.open()
-            await asyncio.to_thread(self.envs.open)
-            await self.envs.start()
+            if self._slots.local:  # an agent's jobs get their environments on its own machine
+                await asyncio.to_thread(self.envs.open)
+                await self.envs.start()
             if not await self.heartbeat.beat_and_apply():
                 raise RedisUnavailable(
                     f"worker {self.id} cannot register: Redis did not take its first heartbeat "

@@ -7,6 +7,9 @@ the others need: the directories first (they say which workers are dead, whose c
 guard before any job can start; closed the other way round. With slot uids, the data directory is
 made passable (never listable) to them, and each uid is swept at the start (its processes,
 temporary files and IPC objects, uid_sweep.py): a worker that died may have left them.
+
+A worker the server runs for an agent (hosted.py) has slots that are another machine's: its
+`Slots` are not `local`, and nothing of this machine is opened or closed for them.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ log = logging.getLogger(__name__)
 class Slots:
     """`count` slots of worker `worker_id` under `data_dir`; `identities`: one uid per slot, or
     None (the jobs run as the worker's own); `job_nice`: how much nicer than the worker its jobs
-    run; `confinement`: what jobs with a uid give up (confine.py). `open()` once, `close()` at
-    the end (safe twice)."""
+    run; `confinement`: what jobs with a uid give up (confine.py); `local`: False for slots on
+    another machine (an agent's, hosted.py), for which nothing here is opened: no directories,
+    uids, cgroups or orphan guard. `open()` once, `close()` at the end (safe twice)."""
 
     def __init__(
         self,
@@ -44,8 +48,10 @@ class Slots:
         job_nice: int = 0,
         *,
         confinement: Confinement | None = None,
+        local: bool = True,
     ) -> None:
         self.data_dir = data_dir
+        self.local = local
         self.worker_id = worker_id
         self.count = count
         self.identities = list(identities) if identities is not None else None
@@ -71,7 +77,8 @@ class Slots:
 
     async def open(self) -> None:
         """Everything the slots need, in order; on failure what was opened is closed again."""
-        await start_or_undo(self._open, self.close)
+        if self.local:
+            await start_or_undo(self._open, self.close)
 
     async def _open(self) -> None:
         self._prepare_data_dir()
@@ -95,6 +102,8 @@ class Slots:
         """The spawner, the guard, the cgroups, the directories' lock: every job has ended.
         Safe after a failed open, and twice."""
         await self.spawner.close()
+        if not self.local:
+            return  # nothing else was opened
         await self.guard.stop()
         if self.cgroups is not None:
             await asyncio.to_thread(self.cgroups.close)

@@ -13,6 +13,7 @@ from daemon import config
 from daemon.client.pool_client import PoolClient
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
+from daemon.server.agents import AgentWorkerFactory
 from daemon.server.service import PoolServer
 from storage.base import ObjectStore
 
@@ -100,12 +101,14 @@ async def running_pool(
     admins: tuple[str, ...] = (),
     *,
     max_priority: Mapping[str, int] | None = None,
+    agent_workers: AgentWorkerFactory | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Pool]:
     """A started server with a token for each of `users`; `store` replaces the one its
-    configuration names (the server opens and closes it)."""
+    configuration names (the server opens and closes it); `agent_workers` builds the worker it
+    runs for each agent (daemon.worker.hosted.hosted_worker; None: it runs none)."""
     cfg = pool_config(redis_server, tmp, users, admins, max_priority=max_priority, **overrides)
-    server = PoolServer(cfg)
+    server = PoolServer(cfg, agent_workers=agent_workers)
     if store is not None:
         server.store = store
     await server.start()

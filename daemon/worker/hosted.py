@@ -1,0 +1,398 @@
+"""The worker the server runs for an agent (docs/PROTOCOL.md §3.4): a real `Worker` whose jobs run
+on the agent's machine, while every fenced write (claims, renewals, heartbeats, outcomes, log
+chunks, checkpoint records) is made here, by the server's code with the server's Redis
+credentials, as a worker makes them on its own machine.
+
+`HostedWorker` differs from a worker on its own machine in three things only. Its slots are the
+agent's: nothing of the server's machine is opened for them (no directory, uid, cgroup, spawner or
+orphan guard: slots.py, `local=False`). Its `make_run` is a `RemoteRun`, the Run protocol
+(runner.py) as `agent_order` items of the agent's `serve_jobs` stream, told how the attempt went by
+the agent's calls (`exited`, `ended`, `tidied`). And its JobQueue is a view of its own on the
+server's Redis client: the read cursors and the standing claim of one worker's wait for work are
+kept per JobQueue, and the view's claims take only the agent's user's jobs (`serve_user`), unless
+that user is a pool admin, whose agent serves everyone. (A standing claim on the view is never sent
+by an enqueue, which goes through the server's own JobQueue: the view's blocking read wakes it.)
+
+The agent's connection is the worker's life. When it ends (`abandon`), every RemoteRun ends LOST at
+once: nothing is recorded or handed back for what the agent ran, and those leases lapse for the
+reaper to reclaim, as a dead worker's do. By then the agent has killed those jobs: it kills all it
+runs when its connection ends, and each whose `valid_for` passes with no `renewed` order, which
+this worker sends after every heartbeat that renewed leases, with each one's seconds left (its
+deadline, attempt.py, which keeps the worker's margin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from daemon.config import Config
+from daemon.errors import GpupoolError
+from daemon.job import JobState, Lease, Outcome, RenewStatus
+from daemon.queue.job_queue import JobQueue
+from daemon.worker.attempt import boottime
+from daemon.worker.dispatcher import Worker
+from daemon.worker.gpus import GpuInfo
+from daemon.worker.lifetime import Lifetime
+from daemon.worker.runner import Ending, RunResult
+from protocol import AgentOrder, ErrorCode, ServeJobs
+
+log = logging.getLogger(__name__)
+
+KEY_BYTES = 32  # the key every agent_call of the agent carries (hello)
+# How long a run ordered lost waits for the agent's `ended` before it is taken as over: the
+# agent kills at once, so only an agent that stopped answering takes this long.
+LOSE_WAIT = 10.0
+
+Order = Callable[[str, str, dict[str, Any]], None]  # (act, lease id, detail): one agent_order
+
+
+class RemotePhase(enum.Enum):
+    """Where a RemoteRun is; it only moves down this list."""
+
+    NEW = "new"  # not ordered yet (one lost now goes straight to DONE)
+    RUNNING = "running"  # `run` sent: the agent's calls for it are taken until its `ended`
+    ENDED = "ended"  # the agent said how it ended (or was taken to have: gone, or lost)
+    TIDYING = "tidying"  # `tidy` sent: its `tidied` is awaited
+    DONE = "done"
+
+
+def invalid(what: str) -> GpupoolError:
+    return GpupoolError(what, ErrorCode.INVALID_ARGUMENT)
+
+
+def lease_map(lease: Lease) -> dict[str, Any]:
+    """The attempt's lease as a `run` order carries it."""
+    return {
+        "job_id": lease.job_id,
+        "attempt": lease.attempt,
+        "worker": lease.worker,
+        "spec": lease.spec.to_dict(),
+        "id": lease.id,
+        "shared_gpu": lease.shared_gpu,
+        "ahead": lease.ahead,
+    }
+
+
+def run_result(args: Mapping[str, Any], gpus: tuple[GpuInfo, ...]) -> RunResult:
+    """What an `ended` call says, as the worker records it (INVALID_ARGUMENT for a call that
+    does not say it well): an ending, an outcome exactly where the ending has one, the attempt's
+    own GPUs left dirty, the signal that killed it."""
+    try:
+        ending = Ending(str(args.get("ending")))
+    except ValueError:
+        raise invalid(f"ending must be one of {', '.join(e.value for e in Ending)}") from None
+    outcome = None
+    if ending in (Ending.HANDED_BACK, Ending.LOST):
+        if args.get("outcome") is not None:
+            raise invalid(f"an attempt {ending.value} has no outcome: send outcome nil")
+    else:
+        given = args.get("outcome")
+        if not isinstance(given, Mapping):
+            raise invalid(
+                f"an attempt that {ending.value} needs its outcome (state, exit_code, detail, result)"
+            )
+        try:
+            outcome = Outcome(
+                JobState(str(given.get("state"))),
+                _optional_int(given.get("exit_code"), "outcome exit_code"),
+                str(given.get("detail") or ""),
+                dict(given.get("result") or {}),
+            )
+        except (ValueError, TypeError):
+            raise invalid("outcome state must be succeeded, failed or cancelled, result a map") from None
+    dirty = args.get("dirty_gpus") or {}
+    if not isinstance(dirty, Mapping):
+        raise invalid("dirty_gpus must map GPU uuids to why")
+    own = {g.uuid for g in gpus}  # an attempt speaks for its own GPUs only
+    dirty_gpus = {str(uuid): str(why) for uuid, why in dirty.items() if uuid in own}
+    return RunResult(ending, outcome, dirty_gpus, _optional_int(args.get("killed_by"), "killed_by"))
+
+
+def _optional_int(value: Any, what: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise invalid(f"{what} must be an integer or nil")
+    return value
+
+
+class RemoteRun:
+    """One attempt run by the agent (the Run protocol, runner.py). `start` orders it run;
+    `cancel`, `hand_back` and `lose` order it stopped; `run` returns what the agent's `ended`
+    said: LOST once the agent is gone (`gone`), or LOSE_WAIT after `lose` with no word from it."""
+
+    def __init__(
+        self,
+        order: Order,
+        lease: Lease,
+        gpus: tuple[GpuInfo, ...],
+        slot: int,
+        valid_for: Callable[[], float],
+    ) -> None:
+        """`order` sends an agent_order; `valid_for` says how long the lease surely holds now."""
+        self.lease = lease
+        self.gpus = gpus
+        self.slot = slot
+        self.phase = RemotePhase.NEW
+        self._order = order
+        self._valid_for = valid_for
+        self._exited = False
+        self._result: asyncio.Future[RunResult] = asyncio.get_running_loop().create_future()
+        self._tidied = asyncio.Event()
+
+    @property
+    def exited(self) -> bool:
+        return self._exited
+
+    def start(self) -> None:
+        if self.phase is not RemotePhase.NEW or self._result.done():
+            return  # lost before it started (its claim came too late, or the agent is gone)
+        self.phase = RemotePhase.RUNNING
+        detail = {
+            "lease": lease_map(self.lease),
+            "gpus": [g.uuid for g in self.gpus],
+            "slot": self.slot,
+            "valid_for": self._valid_for(),
+        }
+        self._order("run", self.lease.id, detail)
+
+    async def run(self) -> RunResult:
+        if self.phase is RemotePhase.NEW:
+            self._settle(RunResult(Ending.LOST, None))  # never ordered: nothing ran
+        return await asyncio.shield(self._result)
+
+    async def tidy(self) -> None:
+        """Order the slot made ready for its next job, and wait until the agent says it is (or is
+        gone). An attempt never ordered run left nothing to tidy."""
+        if self.phase is not RemotePhase.ENDED:
+            return
+        self.phase = RemotePhase.TIDYING
+        self._order("tidy", self.lease.id, {})
+        await self._tidied.wait()
+        self.phase = RemotePhase.DONE
+
+    def cancel(self) -> None:
+        self._stop("cancel", {})
+
+    def hand_back(self, now: bool = False, why: str = "the worker is stopping") -> None:
+        self._stop("hand_back", {"now": now, "why": why})
+
+    def lose(self, why: str) -> None:
+        """As JobRun's: killed now, nothing recorded; once its process has ended, no change."""
+        if self.phase is RemotePhase.NEW:
+            self._settle(RunResult(Ending.LOST, None))
+        elif self.phase is RemotePhase.RUNNING and not self._exited:
+            self._stop("lose", {"why": why})
+            lost = RunResult(Ending.LOST, None)
+            asyncio.get_running_loop().call_later(LOSE_WAIT, self._settle, lost)
+
+    def _stop(self, act: str, detail: dict[str, Any]) -> None:
+        if self.phase is RemotePhase.RUNNING:
+            self._order(act, self.lease.id, detail)
+
+    def _settle(self, result: RunResult) -> None:
+        if not self._result.done():
+            self._result.set_result(result)
+        if self.phase is RemotePhase.NEW:
+            self.phase = RemotePhase.DONE  # never ordered run: nothing to tidy
+        elif self.phase is RemotePhase.RUNNING:
+            self.phase = RemotePhase.ENDED
+
+    # -- what the agent tells (agent_call) -------------------------------------------------------
+
+    def told(self, call: str, args: Mapping[str, Any]) -> None:
+        """The agent's `exited`, `ended` or `tidied` for this attempt (`accepts` said it may)."""
+        if call == "exited":
+            self._exited = True
+        elif call == "ended":
+            self._settle(run_result(args, self.gpus))
+        elif call == "tidied":
+            self._tidied.set()
+
+    def accepts(self, call: str) -> bool:
+        """Whether the agent may make `call` for this attempt now: any while it runs (`run`
+        sent, `ended` not yet answered); `tidied` once `tidy` is sent."""
+        if call == "tidied":
+            return self.phase is RemotePhase.TIDYING
+        return self.phase is RemotePhase.RUNNING
+
+    def gone(self) -> None:
+        """The agent's connection ended: the attempt is lost (its lease lapses), nothing waits."""
+        self._settle(RunResult(Ending.LOST, None))
+        self.phase = RemotePhase.DONE
+        self._tidied.set()
+
+
+class HostedWorker(Worker):
+    """A Worker for the agent that offered its machine with `offer` (see the module doc). The
+    server streams `next_order()` to the agent until it returns None (the worker has stopped);
+    `attempt(lease_id, call)` is the RemoteRun that may take the agent's call; `drain` is its
+    `drain` call; `abandon` is its connection's end."""
+
+    def __init__(
+        self,
+        queue: JobQueue,
+        offer: ServeJobs,
+        *,
+        data_dir: Path,
+        heartbeat_seconds: float = 30.0,
+        drain_timeout: float = 60.0,
+        kill_grace: float = 10.0,
+        gpu_max_jobs: int = 4,
+        lifetime: Lifetime | None = None,
+    ) -> None:
+        """`queue`: a view of the pool's queue of this worker's own (the module doc says why);
+        `data_dir` is never written (nothing of this machine is used for the slots)."""
+        self.key = secrets.token_bytes(KEY_BYTES)
+        self.why = ""  # why it stopped, for the agent's `served`
+        self._orders: asyncio.Queue[AgentOrder | None] = asyncio.Queue()
+        self._remote: dict[str, RemoteRun] = {}  # by lease id, from its run to its tidying
+        self._gone = False
+        self._due: asyncio.Task[None] | None = None  # the wait for its lifetime's end
+        self._stopper: asyncio.Task[None] | None = None  # stop(), when it leaves by itself
+        gpus = [
+            GpuInfo(int(g["index"]), str(g["uuid"]), str(g["name"]), int(g["memory"])) for g in offer.gpus
+        ]
+        super().__init__(
+            queue,
+            data_dir=data_dir,
+            slots=offer.slots,
+            queues=offer.queues,
+            heartbeat_seconds=heartbeat_seconds,
+            drain_timeout=drain_timeout,
+            kill_grace=kill_grace,
+            gpus=gpus,
+            worker_id=f"{offer.host}-agent-{secrets.token_hex(3)}",
+            env={},  # nothing of the server's environment: the agent's jobs get the agent's
+            make_run=self._remote_run,
+            gpu_max_jobs=gpu_max_jobs,
+            lifetime=lifetime,
+            local=False,
+        )
+        self._registration.host = offer.host
+        hello = {"worker": self.id, "key": self.key, "lease_seconds": queue.lease_ms / 1000}
+        self._order("hello", "", hello | {"kill_grace": kill_grace})
+
+    # -- the agent's stream ------------------------------------------------------------------------
+
+    def _order(self, act: str, lease_id: str, detail: dict[str, Any]) -> None:
+        if not self._gone:
+            self._orders.put_nowait(AgentOrder(act, lease_id, detail))
+
+    async def next_order(self) -> AgentOrder | None:
+        """The next order for the agent, in the order they were made; None once the worker has
+        stopped (the stream's end)."""
+        return await self._orders.get()
+
+    def attempt(self, lease_id: str, call: str) -> RemoteRun | None:
+        """The attempt `lease_id` if the agent may make `call` for it now, else None."""
+        run = self._remote.get(lease_id)
+        return run if run is not None and run.accepts(call) else None
+
+    def _remote_run(self, lease: Lease, gpus: tuple[GpuInfo, ...], slot: int) -> RemoteRun:
+        held = self._held.get(lease.id)  # (held from just before this: dispatcher._launch)
+        deadline = held.deadline if held is not None else boottime()
+        run = RemoteRun(self._order, lease, gpus, slot, lambda: max(0.0, deadline - boottime()))
+        if self._gone:
+            run.gone()
+        else:
+            # (those done are let go here: the map holds what the slots and look-ahead hold)
+            self._remote = {i: r for i, r in self._remote.items() if r.phase is not RemotePhase.DONE}
+            self._remote[lease.id] = run
+        return run
+
+    # -- heartbeat target ----------------------------------------------------------------------------
+
+    def renewed(self, statuses: Mapping[str, RenewStatus], until: float) -> None:
+        """As a worker's, then the agent is told how long each attempt it runs now holds: every
+        lease renewed, those being cancelled or handed back too (their stop takes a while)."""
+        super().renewed(statuses, until)
+        now = boottime()
+        valid_for = {
+            lease_id: max(0.0, held.deadline - now)
+            for lease_id, status in statuses.items()
+            if status is not RenewStatus.LOST
+            and (held := self._held.get(lease_id)) is not None
+            and (run := self._remote.get(lease_id)) is not None
+            and run.phase is RemotePhase.RUNNING
+        }
+        if valid_for:
+            self._order("renewed", "", {"valid_for": valid_for})
+
+    # -- life cycle ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await super().start()
+        if self.lifetime is not None:
+            self._due = asyncio.create_task(self._leave_when_due(self.lifetime), name=f"lifetime {self.id}")
+
+    async def _leave_when_due(self, lifetime: Lifetime) -> None:
+        self.leave(await lifetime.due(self.idle_for))
+
+    def leave(self, why: str) -> None:
+        """Stop as SIGTERM stops a worker (stop(): drain, then hand back), saying `why`."""
+        self.why = self.why or why
+        if self._stopper is None and not self.draining():
+            self._stopper = asyncio.create_task(self.stop(), name=f"stop {self.id}")
+
+    def drain(self, now: bool) -> None:
+        """The agent's `drain` call: as its first SIGTERM, or with `now` its second."""
+        if now:
+            self.force()
+        self.leave("drained at the agent's request")
+
+    async def stop(self, drain_timeout: float | None = None) -> None:
+        try:
+            await super().stop(drain_timeout)
+        finally:
+            if self._stopped.is_set():  # (not where a second call's wait was cancelled)
+                if self._due is not None:
+                    self._due.cancel()
+                await self.queue.close()  # its view of the pool's queue is done with
+                self._orders.put_nowait(None)  # the stream ends
+
+    async def abandon(self, why: str) -> None:
+        """The agent's connection ended: every attempt it ran is lost, nothing is handed back
+        for them (their leases lapse), and the worker stops at once."""
+        self.why = self.why or why
+        self._gone = True
+        for run in self._remote.values():
+            run.gone()
+        self._remote.clear()
+        self.force()
+        await self.stop(drain_timeout=0)
+
+
+def hosted_worker(queue: JobQueue, config: Config, offer: ServeJobs, serve_user: str) -> HostedWorker:
+    """The worker for an agent's `offer`, on a view of the server's `queue` whose claims take only
+    `serve_user`'s jobs ("": everyone's, for an admin's agent), with the configuration's timings.
+    An offer whose `leave_by` leaves no time to work is refused (INVALID_ARGUMENT)."""
+    view = JobQueue.from_config(queue.redis, config, watch=queue.watch)
+    view.serve_user = serve_user
+    lifetime = None
+    if offer.leave_by:
+        now = time.time()
+        lifetime = Lifetime(0.0, offer.leave_by - now, config.drain_timeout, config.kill_grace, now)
+        if lifetime.max_lifetime <= config.leaving_seconds:
+            raise invalid(
+                f"leave_by is {lifetime.max_lifetime:.0f} s from now, and a worker of this pool takes "
+                f"{config.leaving_seconds:g} s to leave (drain_timeout + kill_grace + hand-back): offer "
+                "the machine while it has longer to live, or with leave_by 0 (no end)"
+            )
+    return HostedWorker(
+        view,
+        offer,
+        data_dir=config.data_path() / "agents",
+        heartbeat_seconds=config.heartbeat_seconds,
+        drain_timeout=config.drain_timeout,
+        kill_grace=config.kill_grace,
+        gpu_max_jobs=config.gpu_max_jobs,
+        lifetime=lifetime,
+    )
