@@ -19,9 +19,9 @@ goes back by `agent_call`: `exited` when its first process ends, `ended` with ho
 server records it), `tidied` when its slot is ready again.
 
 Fences, as a worker's own (attempt.py): each attempt holds its lease until a deadline, set by the
-`run` order's `valid_for` and moved by each `renewed`, counted from when the order came (or from
-the agent's last call before it, if that is earlier); the fence kills an attempt whose deadline
-passes, and the orphan guard holds the same deadlines, should the agent be frozen. When the
+`run` order's `valid_for` and moved by each `renewed`, counted from when the order came (the
+server counts it from its heartbeat's start, less the worker's margin); the fence kills an
+attempt whose deadline passes, and the orphan guard holds the same deadlines, should the agent be frozen. When the
 connection to the server ends, every job is killed at once: the server's worker for this agent has
 ended too, and the leases lapse and go back to their queues, as a dead worker's do.
 
@@ -142,7 +142,6 @@ class Agent:
         self._orders: asyncio.Task[None] | None = None
         self._attempts = TaskSet("%s failed in the agent; its lease will lapse")
         self._background = TaskSet("%s failed: the agent no longer works as it should", logging.CRITICAL)
-        self._last_order = 0.0  # boottime() when the previous order came
         self._draining = False
 
     # -- life cycle -------------------------------------------------------------------------------
@@ -286,10 +285,7 @@ class Agent:
                 )
 
     async def _order(self, order: AgentOrder, came: float) -> None:
-        base = came
-        if self._calls is not None and self._calls.last_sent > self._last_order:
-            base = min(came, self._calls.last_sent)  # (docs/PROTOCOL.md §3.4, `renewed`)
-        self._last_order = came
+        base = came  # the time it took to come is within the worker's margin (PROTOCOL.md §3.4)
         if order.act == "hello":
             assert self._hello is not None
             try:

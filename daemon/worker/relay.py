@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 from daemon.client.pool_client import ClientError, PoolClient, ServerUnreachable
 from daemon.errors import GpupoolError, JobNotFound, StaleAttempt
 from daemon.job import Attempt, Lease
-from daemon.worker.attempt import boottime
 from daemon.worker.pool_link import PoolUnreachable
 from protocol import AgentAnswer, AgentCall, ErrorCode
 
@@ -47,20 +46,17 @@ def unreachable(client: PoolClient, exc: ClientError) -> bool:
 
 
 class AgentCalls:
-    """The agent's `agent_call`s on `client`, as the worker `worker` with the stream's `key`.
-    `last_sent` is when the latest call left (boottime()): a `renewed` order counts from it."""
+    """The agent's `agent_call`s on `client`, as the worker `worker` with the stream's `key`."""
 
     def __init__(self, client: PoolClient, worker: str, key: bytes) -> None:
         self.client = client
         self.worker = worker
         self.key = key
-        self.last_sent = 0.0
 
     async def call(self, lease_id: str, call: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The value of call `call` for attempt `lease_id` ("" for the agent as a whole). Raises
         PoolUnreachable when the pool is out of reach, else the server's ClientError."""
         request = AgentCall(self.worker, self.key, lease_id, call, dict(args or {}))
-        self.last_sent = boottime()
         try:
             answer = await self.client.call(request, AgentAnswer)
         except ClientError as exc:
