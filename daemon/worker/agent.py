@@ -21,9 +21,9 @@ server records it), `tidied` when its slot is ready again.
 Fences, as a worker's own (attempt.py): each attempt holds its lease until a deadline, set by the
 `run` order's `valid_for` and moved by each `renewed`, counted from when the order came (the
 server counts it from its heartbeat's start, less the worker's margin); the fence kills an
-attempt whose deadline passes, and the orphan guard holds the same deadlines, should the agent be frozen. When the
-connection to the server ends, every job is killed at once: the server's worker for this agent has
-ended too, and the leases lapse and go back to their queues, as a dead worker's do.
+attempt whose deadline passes, and the orphan guard holds the same deadlines, should the agent be
+frozen. When the connection to the server ends, every job is killed at once: the server's worker
+for this agent has ended too, and the leases lapse and go back to their queues, as a dead worker's do.
 
 Stopping (main.py drives it as a worker): `stop()` asks the server's worker to drain (`drain`
 {now: false}), which stops taking jobs and lets the running ones finish, then, after the agent's
