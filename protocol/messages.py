@@ -279,7 +279,8 @@ class ServeJobs(Record):
     (one map per GPU: index, uuid, name, memory in bytes), leaving by ``leave_by`` (Unix seconds;
     0: never), on ``host``. The server runs a worker for it, which makes every fenced write
     (claims, renewals, outcomes) and streams AgentOrder items, what to run and stop, until that
-    worker has stopped; then it replies Served. An agent serves the jobs its user may act on."""
+    worker has stopped; then it replies Served. An agent serves the jobs its user may act on;
+    with ``shared_uid`` (its jobs run as its own uid, and so may read its token) its user's only."""
 
     OP: ClassVar = "serve_jobs"
     slots: int
@@ -287,6 +288,7 @@ class ServeJobs(Record):
     gpus: list[dict[str, Any]]
     leave_by: float
     host: str
+    shared_uid: bool
 
 
 class AgentCall(Record):

@@ -185,7 +185,9 @@ class Agents:
             raise GpupoolError("this server runs no agent workers", ErrorCode.UNAVAILABLE)
         check_offer(offer)
         self._check_room(user)
-        worker = self.factory(self.queue, self.config, offer, "" if user in self.admins else user)
+        # An admin's agent serves everyone, unless its jobs run as its own uid and could read its token.
+        everyone = user in self.admins and not offer.shared_uid
+        worker = self.factory(self.queue, self.config, offer, "" if everyone else user)
         self._live[worker.id] = LiveAgent(user, worker)
         try:
             await worker.start()  # on failure nothing of it runs

@@ -3,8 +3,9 @@
 `poold --worker` with `worker_via_server` runs an `Agent` instead of a Worker. It holds no Redis or
 S3 credential, only its user's token (`worker_token_file`): a job that reads whatever the agent
 can read acts at most as that user already may. So an agent whose jobs run as its own uid (it is
-not root, or has no slot uids) runs its own user's jobs only: an admin's agent is sent everyone's,
-and would hand each the admin's token; it hands such a job back and leaves, saying why.
+not root, or has no slot uids) runs its own user's jobs only, an admin's included: it says so in
+its offer (`shared_uid`), and the server sends it no other user's; should one come all the same,
+it hands the job back untouched and leaves, saying why.
 
 It offers its slots and GPUs with `serve_jobs`; the server runs a real Worker for it
 (daemon/worker/hosted.py), which claims, renews, heartbeats and records every end, and streams
@@ -163,6 +164,7 @@ class Agent:
             gpus=[g.to_dict() for g in self.gpus],
             leave_by=self.lifetime.leave_by if self.lifetime is not None else 0.0,
             host=self.host,
+            shared_uid=self.identities is None,  # its jobs read its token: its user's jobs only
         )
         self._orders = asyncio.create_task(self._serve(offer), name="agent orders")
         try:
@@ -412,13 +414,13 @@ class Agent:
             return
         if self.identities is None and lease.spec.user != self.client.user:
             # Its jobs run as the agent's own uid, which reads the agent's token: another user's
-            # job would act as this agent's user (an admin's, since the server sent it). Handed
-            # back untouched, and the agent leaves, saying why.
+            # job would act as this agent's user. Its offer said so (shared_uid), so a server
+            # that sends one all the same is not to be served: handed back untouched, and the
+            # agent leaves, saying why.
             log.error(
                 "job %s of %s: this agent runs its jobs as its own uid, which can read its token, so "
-                "it runs %s's jobs only, yet the server sends it other users' (as to an admin's "
-                "agent): handing it back and leaving; sign the agent in as a user who is not an "
-                "admin, or run it as root with job_uid_range",
+                "it runs %s's jobs only, yet the pool server sends it other users' (a server older "
+                "than this agent?): handing it back and leaving",
                 lease.job_id,
                 lease.spec.user,
                 self.client.user,

@@ -67,7 +67,12 @@ EVERY_MESSAGE: list[m.Message] = [
     m.ObjectsHeld(["cd" * 32]),
     m.DownloadTicket("k", 5, None, None, "/var/lib/gpupool/store"),
     m.ServeJobs(
-        2, ["default"], [{"index": 0, "uuid": "GPU-1", "name": "H100", "memory": 80 << 30}], 0.0, "gpu-01"
+        2,
+        ["default"],
+        [{"index": 0, "uuid": "GPU-1", "name": "H100", "memory": 80 << 30}],
+        0.0,
+        "gpu-01",
+        True,
     ),
     m.AgentOrder("run", "w/1.0", {"slot": 0, "gpus": ["GPU-1"], "valid_for": 20.0}),
     m.Served("the pool server is stopping"),

@@ -52,9 +52,11 @@ SUCCEEDED = {"state": "succeeded", "exit_code": 0, "detail": "", "result": {}}
 class ScriptedAgent:
     """An agent by hand: `serve_jobs` on its own connection, its orders read into a queue."""
 
-    def __init__(self, pool: Pool, user: str, host: str = "node-a", slots: int = 1) -> None:
+    def __init__(
+        self, pool: Pool, user: str, host: str = "node-a", slots: int = 1, shared_uid: bool = False
+    ) -> None:
         self.client = pool.client(user)
-        self.offer = ServeJobs(slots, ["default"], [], 0.0, host)
+        self.offer = ServeJobs(slots, ["default"], [], 0.0, host, shared_uid)
         self.orders: asyncio.Queue[AgentOrder | Served | ClientError] = asyncio.Queue()
         self.worker = ""
         self.key = b""
@@ -184,7 +186,8 @@ async def test_alices_job_is_ordered_to_her_agent_and_recorded_by_the_server(poo
 
 async def test_bobs_job_is_passed_over_by_alices_agent_and_run_by_an_admins(pool: Pool) -> None:
     """issue 44 item 1: alice's agent is never ordered bob's job, though it heads the queue: it
-    is given alice's, queued after it. An admin's agent serves everyone's, bob's included."""
+    is given alice's, queued after it. An admin's agent serves everyone's, bob's included, unless
+    its jobs run as its own uid (`shared_uid`), where every job could read the admin's token."""
     bobs = await enqueue(pool, "bob")
     alices = await enqueue(pool, "alice")
     async with ScriptedAgent(pool, "alice", slots=2) as agent:
@@ -194,6 +197,11 @@ async def test_bobs_job_is_passed_over_by_alices_agent_and_run_by_an_admins(pool
         with pytest.raises(TimeoutError):  # a slot free, bob's job queued: still never ordered
             async with asyncio.timeout(1.0):
                 await agent.next("run")
+        assert (await pool.queue.get(bobs)).state is JobState.QUEUED
+        async with ScriptedAgent(pool, "root", host="node-b", shared_uid=True) as own_uid:
+            with pytest.raises(TimeoutError):  # bob's job would read root's token there
+                async with asyncio.timeout(1.0):
+                    await own_uid.next("run")
         assert (await pool.queue.get(bobs)).state is JobState.QUEUED
         async with ScriptedAgent(pool, "root", host="node-b") as admins:
             run = await admins.next("run")
@@ -370,10 +378,10 @@ async def test_the_server_stops_its_agents_as_workers_and_bounds_them(
     agent's job is ordered handed back and its stream ends with `served`."""
     monkeypatch.setattr(agents, "MAX_AGENTS_PER_USER", 1)
     async with pool.client("alice") as alice:
-        too_many = ServeJobs(agents.MAX_AGENT_SLOTS + 1, ["default"], [], 0.0, "node-a")
+        too_many = ServeJobs(agents.MAX_AGENT_SLOTS + 1, ["default"], [], 0.0, "node-a", False)
         message = await refused(alice.call(too_many, Served), ErrorCode.INVALID_ARGUMENT)
         assert f"1 to {agents.MAX_AGENT_SLOTS} slots" in message
-        leaving = ServeJobs(1, ["default"], [], time.time() + DRAIN, "node-a")  # a pilot at its end
+        leaving = ServeJobs(1, ["default"], [], time.time() + DRAIN, "node-a", False)  # a pilot at its end
         message = await refused(alice.call(leaving, Served), ErrorCode.INVALID_ARGUMENT)
         assert "takes" in message
         assert "to leave" in message
