@@ -280,7 +280,8 @@ class ServeJobs(Record):
     0: never), on ``host``. The server runs a worker for it, which makes every fenced write
     (claims, renewals, outcomes) and streams AgentOrder items, what to run and stop, until that
     worker has stopped; then it replies Served. An agent serves the jobs its user may act on;
-    with ``shared_uid`` (its jobs run as its own uid, and so may read its token) its user's only."""
+    with ``shared_uid`` (its jobs run as its own uid, and so may read its token) its user's only.
+    ``machine``: what `poolctl workers` shows of it (pid, cpus, memory, batch_job; each optional)."""
 
     OP: ClassVar = "serve_jobs"
     slots: int
@@ -289,6 +290,7 @@ class ServeJobs(Record):
     leave_by: float
     host: str
     shared_uid: bool
+    machine: dict[str, Any]
 
 
 class AgentCall(Record):

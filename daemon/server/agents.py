@@ -47,6 +47,14 @@ MAX_AGENTS = 256
 MAX_AGENT_SLOTS = 64
 MAX_AGENT_GPUS = 1024
 MAX_LOG_PAGE = 1000  # chunks one read_log answers at most
+BATCH_JOB = re.compile(r"(?:slurm|pbs):[A-Za-z0-9._\[\]-]{1,64}")
+# What a registration shows of an agent's machine (registry.Registration), each value judged.
+MACHINE: dict[str, Callable[[Any], bool]] = {
+    "pid": lambda v: isinstance(v, int) and 0 <= v < 2**31,
+    "cpus": lambda v: isinstance(v, int) and 0 <= v < 2**20,
+    "memory": lambda v: isinstance(v, int) and 0 <= v < 2**62,
+    "batch_job": lambda v: isinstance(v, str) and (v == "" or BATCH_JOB.fullmatch(v) is not None),
+}
 HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # it names the worker: WORKER/REQUEST.INDEX
 STREAM_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
 STOP_SLACK = 10.0  # seconds beyond drain_timeout + kill_grace the agents have to end at a server stop
@@ -121,6 +129,12 @@ def check_offer(offer: ServeJobs) -> None:
         )
     if offer.leave_by < 0:
         raise _invalid("leave_by must be Unix seconds, or 0 for no end")
+    for key, value in offer.machine.items():
+        if key not in MACHINE or not MACHINE[key](value):
+            raise _invalid(
+                f"machine's {key!r} is not one the server shows (pid, cpus and memory: whole numbers "
+                "at least 0; batch_job: slurm:ID or pbs:ID)"
+            )
     if len(offer.gpus) > MAX_AGENT_GPUS:
         raise _invalid(f"an agent offers at most {MAX_AGENT_GPUS} GPUs")
     uuids = set()

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 
 from daemon.aio import TaskSet, cancel_and_wait, start_or_undo
 from daemon.client.pool_client import ClientError, PoolClient
@@ -52,6 +53,7 @@ from daemon.config import make_data_dir
 from daemon.errors import GpupoolError
 from daemon.git import NETWORK_PROTOCOLS
 from daemon.job import JobSpec, Lease
+from daemon.queue import registry
 from daemon.worker import non_root
 from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime
 from daemon.worker.confine import Confinement
@@ -165,6 +167,12 @@ class Agent:
             leave_by=self.lifetime.leave_by if self.lifetime is not None else 0.0,
             host=self.host,
             shared_uid=self.identities is None,  # its jobs read its token: its user's jobs only
+            machine={
+                "pid": os.getpid(),
+                "cpus": os.cpu_count() or 1,
+                "memory": psutil.virtual_memory().total,
+                "batch_job": registry.batch_job(),
+            },
         )
         self._orders = asyncio.create_task(self._serve(offer), name="agent orders")
         try:

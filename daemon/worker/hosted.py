@@ -277,6 +277,8 @@ class HostedWorker(Worker):
             local=False,
         )
         self._registration.host = offer.host
+        for key, value in offer.machine.items():  # checked by the server (agents.check_offer)
+            setattr(self._registration, key, value)
         hello = {"worker": self.id, "key": self.key, "lease_seconds": queue.lease_ms / 1000}
         self._order("hello", "", hello | {"kill_grace": kill_grace})
 

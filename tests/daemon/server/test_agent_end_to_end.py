@@ -1,6 +1,6 @@
 """An agent worker end to end (issue 44 item 1): the real agent (daemon/worker/agent.py), holding
 only alice's token, on a real server that runs its worker (daemon/worker/hosted.py), with a real
-Redis and a real S3, running real processes. Skipped where the agent side is not in the tree."""
+Redis and a real S3, running real processes."""
 
 from __future__ import annotations
 
@@ -13,14 +13,13 @@ import pytest
 
 from daemon.job import JobSpec
 from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.worker import agent
 from daemon.worker.hosted import hosted_worker
 from protocol import Waited, WaitJobs
 from storage.content import content_key
 from storage.s3 import S3Store
 from tests.support.pool import Pool, running_pool
 from tests.support.s3server import S3Server
-
-agent = pytest.importorskip("daemon.worker.agent")
 
 LEASE = 2.0
 SAVE_THEN_FAIL = (

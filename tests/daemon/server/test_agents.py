@@ -56,7 +56,7 @@ class ScriptedAgent:
         self, pool: Pool, user: str, host: str = "node-a", slots: int = 1, shared_uid: bool = False
     ) -> None:
         self.client = pool.client(user)
-        self.offer = ServeJobs(slots, ["default"], [], 0.0, host, shared_uid)
+        self.offer = ServeJobs(slots, ["default"], [], 0.0, host, shared_uid, {"batch_job": "slurm:7"})
         self.orders: asyncio.Queue[AgentOrder | Served | ClientError] = asyncio.Queue()
         self.worker = ""
         self.key = b""
@@ -176,6 +176,7 @@ async def test_alices_job_is_ordered_to_her_agent_and_recorded_by_the_server(poo
         assert 0 < renewed.detail["valid_for"][run.lease_id] <= LEASE
         workers = {w["id"]: w for w in await pool.server.list_workers()}
         assert workers[agent.worker]["host"] == "node-a"
+        assert workers[agent.worker]["batch_job"] == "slurm:7"
         assert workers[agent.worker]["serves"] == "alice"
         await agent.run_to_success(run, b"epoch 1: loss 0.3\n")
         job = await wait_for(pool, job_id)
@@ -378,10 +379,12 @@ async def test_the_server_stops_its_agents_as_workers_and_bounds_them(
     agent's job is ordered handed back and its stream ends with `served`."""
     monkeypatch.setattr(agents, "MAX_AGENTS_PER_USER", 1)
     async with pool.client("alice") as alice:
-        too_many = ServeJobs(agents.MAX_AGENT_SLOTS + 1, ["default"], [], 0.0, "node-a", False)
+        too_many = ServeJobs(agents.MAX_AGENT_SLOTS + 1, ["default"], [], 0.0, "node-a", False, {})
         message = await refused(alice.call(too_many, Served), ErrorCode.INVALID_ARGUMENT)
         assert f"1 to {agents.MAX_AGENT_SLOTS} slots" in message
-        leaving = ServeJobs(1, ["default"], [], time.time() + DRAIN, "node-a", False)  # a pilot at its end
+        leaving = ServeJobs(
+            1, ["default"], [], time.time() + DRAIN, "node-a", False, {}
+        )  # a pilot at its end
         message = await refused(alice.call(leaving, Served), ErrorCode.INVALID_ARGUMENT)
         assert "takes" in message
         assert "to leave" in message
