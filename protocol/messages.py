@@ -281,7 +281,9 @@ class ServeJobs(Record):
     (claims, renewals, outcomes) and streams AgentOrder items, what to run and stop, until that
     worker has stopped; then it replies Served. An agent serves the jobs its user may act on;
     with ``shared_uid`` (its jobs run as its own uid, and so may read its token) its user's only.
-    ``machine``: what `poolctl workers` shows of it (pid, cpus, memory, batch_job; each optional)."""
+    ``machine``: what `poolctl workers` shows of it (pid, cpus, memory, batch_job; each optional).
+    ``drain_timeout`` and ``kill_grace`` are the agent's own: its worker takes the shorter of each
+    and the server's (a pilot reckons its lifetime with its own)."""
 
     OP: ClassVar = "serve_jobs"
     slots: int
@@ -291,6 +293,8 @@ class ServeJobs(Record):
     host: str
     shared_uid: bool
     machine: dict[str, Any]
+    drain_timeout: float
+    kill_grace: float
 
 
 class AgentCall(Record):

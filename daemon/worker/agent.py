@@ -98,6 +98,7 @@ class Agent:
         slots: int = 2,
         queues: Sequence[str] = ("default",),
         drain_timeout: float = 60.0,
+        kill_grace: float = 10.0,
         job_nice: int = 0,
         job_network: str = "host",
         gpus: Sequence[GpuInfo] | None = None,
@@ -132,7 +133,7 @@ class Agent:
         self.probe: GpuProbe | None = None
         self._nvml: Nvml | None = None
         self.worker_id = ""  # the server's worker for this agent (its hello)
-        self.kill_grace = 10.0  # the server's (its hello)
+        self.kill_grace = kill_grace  # then the one the server's hello says its worker takes
         self.ended = asyncio.Event()
         self.leaving = asyncio.Event()
         self._hello: asyncio.Future[None] | None = None
@@ -146,6 +147,7 @@ class Agent:
         self._attempts = TaskSet("%s failed in the agent; its lease will lapse")
         self._background = TaskSet("%s failed: the agent no longer works as it should", logging.CRITICAL)
         self._draining = False
+        self._served = False  # `served` came: the server's worker for this agent has stopped
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -167,6 +169,8 @@ class Agent:
             leave_by=self.lifetime.leave_by if self.lifetime is not None else 0.0,
             host=self.host,
             shared_uid=self.identities is None,  # its jobs read its token: its user's jobs only
+            drain_timeout=self.drain_timeout,
+            kill_grace=self.kill_grace,
             machine={
                 "pid": os.getpid(),
                 "cpus": os.cpu_count() or 1,
@@ -229,6 +233,7 @@ class Agent:
             await asyncio.to_thread(self._nvml.close)
             self._nvml = None
         self.ended.set()
+        log.info("agent of worker %s stopped", self.worker_id)
 
     async def _served_within(self, seconds: float) -> bool:
         with contextlib.suppress(TimeoutError):
@@ -260,6 +265,7 @@ class Agent:
         try:
             async for item in self.client.stream(offer):
                 if isinstance(item, Served):
+                    self._served = True
                     why = f"the pool server's worker for this agent stopped: {item.reason}"
                     orders.put_nowait(None)  # what came before `served` is done first
                     await asyncio.wait({obeying})
@@ -531,7 +537,10 @@ class Agent:
         try:
             await self._calls.call(lease_id, call, args)
         except (PoolUnreachable, ClientError) as exc:
-            log.warning("cannot tell the pool server %s for %s: %s", call, lease_id or "the agent", exc)
+            # Once `served` has come, the server's worker for this agent is gone: no news to it.
+            (log.debug if self._served else log.warning)(
+                "cannot tell the pool server %s for %s: %s", call, lease_id or "the agent", exc
+            )
 
     def _lose_all(self, why: str) -> int:
         """Kill every job still running now (nothing of theirs is recorded); how many there were."""

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from daemon.config import Config
+from daemon.config import HAND_BACK_SECONDS, Config
 from daemon.errors import GpupoolError
 from daemon.job import JobState, Lease, Outcome, RenewStatus
 from daemon.queue.job_queue import JobQueue
@@ -378,23 +378,27 @@ def hosted_worker(queue: JobQueue, config: Config, offer: ServeJobs, serve_user:
     An offer whose `leave_by` leaves no time to work is refused (INVALID_ARGUMENT)."""
     view = JobQueue.from_config(queue.redis, config, watch=queue.watch)
     view.serve_user = serve_user
+    # The agent's own timings where shorter: a pilot reckons its lifetime with them.
+    drain = min(config.drain_timeout, max(0.0, offer.drain_timeout))
+    grace = min(config.kill_grace, max(0.0, offer.kill_grace))
     lifetime = None
     if offer.leave_by:
         now = time.time()
-        lifetime = Lifetime(0.0, offer.leave_by - now, config.drain_timeout, config.kill_grace, now)
-        if lifetime.max_lifetime <= config.leaving_seconds:
+        lifetime = Lifetime(0.0, offer.leave_by - now, drain, grace, now)
+        if lifetime.max_lifetime <= (leaving := drain + grace + HAND_BACK_SECONDS):
             raise invalid(
-                f"leave_by is {lifetime.max_lifetime:.0f} s from now, and a worker of this pool takes "
-                f"{config.leaving_seconds:g} s to leave (drain_timeout + kill_grace + hand-back): offer "
-                "the machine while it has longer to live, or with leave_by 0 (no end)"
+                f"leave_by is {lifetime.max_lifetime:.0f} s from now, and this agent's worker takes "
+                f"{leaving:g} s to leave (drain_timeout + kill_grace + hand-back, the shorter of the "
+                "agent's and the server's): offer the machine while it has longer to live, or with "
+                "leave_by 0 (no end)"
             )
     return HostedWorker(
         view,
         offer,
         data_dir=config.data_path() / "agents",
         heartbeat_seconds=config.heartbeat_seconds,
-        drain_timeout=config.drain_timeout,
-        kill_grace=config.kill_grace,
+        drain_timeout=drain,
+        kill_grace=grace,
         gpu_max_jobs=config.gpu_max_jobs,
         lifetime=lifetime,
     )

@@ -265,6 +265,7 @@ class AgentDaemon:
             slots=slots,
             queues=c.queues,
             drain_timeout=c.drain_timeout,
+            kill_grace=c.kill_grace,
             job_nice=c.job_nice,
             job_network=c.job_network,
             identities=identities,

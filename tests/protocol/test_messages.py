@@ -74,6 +74,8 @@ EVERY_MESSAGE: list[m.Message] = [
         "gpu-01",
         True,
         {"pid": 7, "batch_job": "slurm:12"},
+        4.0,
+        2.0,
     ),
     m.AgentOrder("run", "w/1.0", {"slot": 0, "gpus": ["GPU-1"], "valid_for": 20.0}),
     m.Served("the pool server is stopping"),

@@ -9,6 +9,7 @@ over that Slurm, joins, runs a job and leaves."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -16,37 +17,51 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from daemon.job import JobState
 from daemon.queue import registry
 from daemon.queue.embedded_redis import EmbeddedRedis
-from daemon.queue.job_queue import JobQueue
+from daemon.worker.hosted import hosted_worker
+from protocol import CancelJobs, Cancelled
 from tests.support import unprivileged
-from tests.support.pool import running_pool
+from tests.support.pool import Pool, running_pool
 from tests.support.poolctl import poolctl
 from tests.support.slurm import SlurmCluster, missing
 from tests.support.workers import JOBS_AS_ROOT, sh, wait_state, wait_until
 
 
-def pilot_config(path: Path, redis_server: EmbeddedRedis, s3_env: dict[str, str], **extra: object) -> Path:
-    """A worker's pool.toml: the pool's Redis and S3, mode 600."""
+def pilot_config(path: Path, pool: Pool, user: str, owner: str | None = None, **extra: object) -> Path:
+    """An agent's pool.toml, mode 600: the pool's server and `user`'s token (in a file beside it,
+    mode 600), no Redis or S3 credential; both files `owner`'s (a cluster user), else root's."""
+    token = path.with_name(f"{path.stem}.token")
+    token.write_text(pool.tokens[user] + "\n")
     values: dict[str, object] = {
-        "worker_mode": "multinode",
-        "redis_ip": "127.0.0.1",
-        "redis_port": redis_server.port,
-        "main_server_redis_password": redis_server.password,
-        **{k.removeprefix("GPUPOOL_").lower(): v for k, v in s3_env.items()},
+        "worker_via_server": pool.address,
+        "worker_token_file": str(token),
         "metrics_listen": "127.0.0.1:0",  # two pilots on one node
         **{k.removeprefix("GPUPOOL_").lower(): v for k, v in JOBS_AS_ROOT.items()},
         **extra,
     }
     path.write_text("".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in values.items()))
-    path.chmod(0o600)
+    for made in (token, path):
+        made.chmod(0o600)
+        if owner is not None:
+            os.chown(made, pwd.getpwnam(owner).pw_uid, pwd.getpwnam(owner).pw_gid)
     return path
+
+
+@contextlib.asynccontextmanager
+async def s3_pool(redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp: Path) -> AsyncIterator[Pool]:
+    """A running pool on S3 whose server runs a worker for each agent, as poold's does."""
+    tmp.mkdir()
+    s3: dict[str, Any] = {k.removeprefix("GPUPOOL_").lower(): v for k, v in s3_env.items()}
+    async with running_pool(redis_server, tmp, agent_workers=hosted_worker, **s3) as pool:
+        yield pool
 
 
 def plain_config(path: Path, mode: int = 0o600, **extra: object) -> Path:
@@ -223,23 +238,25 @@ async def test_pilots_of_a_cluster_user_serve_their_pool_user_only_keep_secrets_
 ) -> None:
     """Two pilots submitted by an unprivileged cluster user, as `poolctl pilot` runs them, acting
     as pool user alice: they run alice's jobs, pass over one whose time limit would outlive them and
-    one with none (issue 43 item 5), drain and end well. Issue 44 item 1: bob's job, queued before
-    alice's, is never claimed by them, and does not hold alice's back; a job there (of the cluster
-    user's uid) cannot read the pilot's /proc environ nor open its descriptors. Item 3: each pilot's
-    node-local tree is made by mktemp, mode 700, not the predictable gpupool-pilot-USER."""
+    one with none (issue 43 item 5), drain and end well. Issue 44 item 1: they are agents of the
+    pool server, holding alice's token and no pool credential; bob's job, queued before alice's,
+    is never run by them, and does not hold alice's back; a job there (of the cluster user's uid)
+    reads the pilot's config and its token, finds no Redis password or S3 key in any, and with
+    that token can act as alice only (bob's job is not hers to cancel); it cannot read the
+    pilot's /proc environ nor open its descriptors. Item 3: each pilot's node-local tree is made
+    by mktemp, mode 700, not the predictable gpupool-pilot-USER."""
     name, home = cluster_user
-    config = pilot_config(
-        home / "pilot.toml",
-        redis_server,
-        s3_env,
-        drain_timeout=4.0,
-        kill_grace=2.0,
-        heartbeat_interval=1.0,
-    )
-    os.chown(config, pwd.getpwnam(name).pw_uid, pwd.getpwnam(name).pw_gid)
     marks: dict[str, float] = {}
-    (tmp_path / "pool").mkdir()
-    async with running_pool(redis_server, tmp_path / "pool") as pool:
+    async with s3_pool(redis_server, s3_env, tmp_path / "pool") as pool:
+        config = pilot_config(
+            home / "pilot.toml",
+            pool,
+            "alice",
+            owner=name,
+            drain_timeout=4.0,
+            kill_grace=2.0,
+            heartbeat_interval=1.0,
+        )
         bobs = (await pool.queue.enqueue(sh("true", timeout=5.0, user="bob")))[0]
         t0 = time.monotonic()
         code, out, err = await poolctl(
@@ -258,7 +275,11 @@ async def test_pilots_of_a_cluster_user_serve_their_pool_user_only_keep_secrets_
             workers = await registry.list_workers(pool.queue.redis)
             return sorted(w["batch_job"] for w in workers) == sorted(f"slurm:{j}" for j in jobs)
 
-        await wait_until(both_registered, 30, "both pilots to register")
+        try:
+            await wait_until(both_registered, 30, "both pilots to register")
+        except AssertionError:  # what the pilots said
+            logs = [f.read_text() for f in home.glob("gpupool-pilot-*.out")]
+            raise AssertionError("\n".join(logs) or "the pilots wrote no log") from None
         marks["ready"] = time.monotonic() - t0
         workers = await registry.list_workers(pool.queue.redis)
         assert all(0 < w["leave_by"] - time.time() <= LIFETIME for w in workers)
@@ -279,7 +300,11 @@ async def test_pilots_of_a_cluster_user_serve_their_pool_user_only_keep_secrets_
         # what a job can reach of the worker that started it (its parent) and where it runs
         script = (
             f"tr '\\0' ' ' < /proc/$PPID/cmdline > {probe}.cmdline; pwd > {probe}.cwd;"
-            f"cat /proc/$PPID/environ > {probe}.environ 2>&1; ls /proc/$PPID/fd/ > {probe}.fd 2>&1; true"
+            f"cat /proc/$PPID/environ > {probe}.environ 2>&1; ls /proc/$PPID/fd/ > {probe}.fd 2>&1;"
+            # the config named on the pilot's command line, and every file it names
+            f"c=$(tr '\\0' '\\n' < /proc/$PPID/cmdline | grep -A1 -x -- --config | tail -1);"
+            f"cat $c > {probe}.config; for f in $(grep -o '\"/[^\"]*\"' $c | tr -d '\"'); do "
+            f"cat $f; done > {probe}.named 2>&1; true"
         )
         short.append((await pool.queue.enqueue(sh(script, timeout=5.0, user="alice")))[0])
         # a time limit past the pilots' end, or none: passed over, never started here
@@ -314,8 +339,18 @@ async def test_pilots_of_a_cluster_user_serve_their_pool_user_only_keep_secrets_
             info = await pool.queue.get(job_id)
             assert (info.state, info.attempt) == (JobState.QUEUED, 0), info
         print("pilot timeline (s from the submit):", {k: round(v, 1) for k, v in marks.items()})
-    # the probe looked at the pilot itself, and was refused its secrets
+        # what the job read lets it act as alice only: bob's job is not hers to cancel
+        named = Path(f"{probe}.named").read_text()
+        async with pool.client("alice", named.split()[0]) as found:
+            assert (await found.call(CancelJobs([bobs]), Cancelled)).states[bobs] == "not_yours"
+    # the probe looked at the pilot itself, and was refused its secrets; its config and the files
+    # it names hold no pool credential
     assert "daemon.main --worker --config" in Path(f"{probe}.cmdline").read_text()
+    seen = Path(f"{probe}.config").read_text() + named
+    assert "worker_via_server" in seen
+    assert pool.tokens["alice"] in named
+    for secret in (redis_server.password, s3_env["GPUPOOL_MAIN_SERVER_MINIO_SECRET_ACCESS_KEY"]):
+        assert secret not in seen
     assert "Permission denied" in Path(f"{probe}.environ").read_text()
     assert "Permission denied" in Path(f"{probe}.fd").read_text()
     # each pilot's tree: made anew by mktemp, the cluster user's own, mode 700
@@ -342,7 +377,7 @@ async def test_sbatch_refusing_the_script_is_one_sentence(tmp_path: Path, slurm:
 
 @pytest.mark.timeout(90)
 async def test_a_pbs_pilot_submitted_through_a_real_qsub_joins_runs_a_job_and_leaves(
-    redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp_path: Path, queue: JobQueue, slurm: SlurmCluster
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp_path: Path, slurm: SlurmCluster
 ) -> None:
     """issue 43 item 5 (what to build): `poolctl pilot pbs` submitted for real, through the qsub
     of Debian's slurm-wlm-torque, which hands a PBS script to the local Slurm. That qsub reads no
@@ -351,8 +386,16 @@ async def test_a_pbs_pilot_submitted_through_a_real_qsub_joins_runs_a_job_and_le
     batch job ends COMPLETED, its log in NAME.oJOBID where it was submitted."""
     if shutil.which("qsub", path=slurm.env.get("PATH")) is None:
         pytest.skip("no qsub here: apt-get install slurm-wlm-torque (PBS commands over the local Slurm)")
-    timings = {"drain_timeout": 1.0, "kill_grace": 1.0, "heartbeat_interval": 1.0}
-    config = pilot_config(tmp_path / "pilot.toml", redis_server, s3_env, **timings)
+    timings: dict[str, object] = {"drain_timeout": 1.0, "kill_grace": 1.0, "heartbeat_interval": 1.0}
+    async with s3_pool(redis_server, s3_env, tmp_path / "pool") as pool:
+        config = pilot_config(tmp_path / "pilot.toml", pool, "alice", None, **timings)
+        await _a_pbs_pilot_joins_runs_and_leaves(pool, config, tmp_path, slurm)
+
+
+async def _a_pbs_pilot_joins_runs_and_leaves(
+    pool: Pool, config: Path, tmp_path: Path, slurm: SlurmCluster
+) -> None:
+    queue = pool.queue
     ran = tmp_path / "ran"
     job_id, _ = await queue.enqueue(sh(f"echo $GPUPOOL_WORKER > {ran}", timeout=10.0, user="alice"))
     code, out, err = await poolctl(

@@ -56,7 +56,9 @@ class ScriptedAgent:
         self, pool: Pool, user: str, host: str = "node-a", slots: int = 1, shared_uid: bool = False
     ) -> None:
         self.client = pool.client(user)
-        self.offer = ServeJobs(slots, ["default"], [], 0.0, host, shared_uid, {"batch_job": "slurm:7"})
+        self.offer = ServeJobs(
+            slots, ["default"], [], 0.0, host, shared_uid, {"batch_job": "slurm:7"}, 600.0, 60.0
+        )
         self.orders: asyncio.Queue[AgentOrder | Served | ClientError] = asyncio.Queue()
         self.worker = ""
         self.key = b""
@@ -379,12 +381,13 @@ async def test_the_server_stops_its_agents_as_workers_and_bounds_them(
     agent's job is ordered handed back and its stream ends with `served`."""
     monkeypatch.setattr(agents, "MAX_AGENTS_PER_USER", 1)
     async with pool.client("alice") as alice:
-        too_many = ServeJobs(agents.MAX_AGENT_SLOTS + 1, ["default"], [], 0.0, "node-a", False, {})
+        too_many = ServeJobs(
+            agents.MAX_AGENT_SLOTS + 1, ["default"], [], 0.0, "node-a", False, {}, 60.0, 10.0
+        )
         message = await refused(alice.call(too_many, Served), ErrorCode.INVALID_ARGUMENT)
         assert f"1 to {agents.MAX_AGENT_SLOTS} slots" in message
-        leaving = ServeJobs(
-            1, ["default"], [], time.time() + DRAIN, "node-a", False, {}
-        )  # a pilot at its end
+        # a pilot at its end: the server's timings, shorter than its own, leave it no time to work
+        leaving = ServeJobs(1, ["default"], [], time.time() + DRAIN, "node-a", False, {}, 600.0, 60.0)
         message = await refused(alice.call(leaving, Served), ErrorCode.INVALID_ARGUMENT)
         assert "takes" in message
         assert "to leave" in message
