@@ -2,8 +2,9 @@
 §3.4: `store_get`, `store_list`, `store_put`). The agent holds no store credential: the server signs
 one URL at a time, each for one key the attempt's own lease entitles it to.
 
-- Read (`store_get`): the attempt's inputs, which are the content keys of its job's snapshot and
-  `--input` objects (`sha256/..`, as the worker's cache fetches them: storage/cache.py), and its
+- Read (`store_get`): the attempt's inputs, which are the content keys of its job's snapshot,
+  `--input` objects and project packs (`data_desk.data_of`; `sha256/..`, as the worker's cache
+  fetches them: storage/cache.py), and its
   job's checkpoint saves (`checkpoints/JOB/`), which a later attempt restores from. Nothing else:
   knowing another object's sha256 or another job's id is no key to its bytes.
 - List (`store_list`): its job's checkpoint saves only.
@@ -24,6 +25,7 @@ from typing import Any
 from daemon.errors import GpupoolError
 from daemon.job import SHA256, Lease
 from daemon.object_store import artifact_prefix, attempt_segment, checkpoint_prefix
+from daemon.server.data_desk import data_of
 from protocol import ErrorCode
 from storage.base import ObjectNotFound, ObjectStore, check_key
 from storage.content import content_key
@@ -33,10 +35,8 @@ MAX_PUT = 5 * 1024**3  # S3's largest single PUT
 
 
 def inputs_of(lease: Lease) -> set[str]:
-    """The content keys of the attempt's snapshot and inputs."""
-    spec = lease.spec
-    shas = [i["sha256"] for i in spec.inputs] + ([spec.snapshot["sha256"]] if spec.snapshot else [])
-    return {content_key(sha) for sha in shas}
+    """The content keys of what the attempt's job reads: its inputs, snapshot, project packs."""
+    return {content_key(sha) for sha in data_of(lease.spec)}
 
 
 def may_read(lease: Lease, key: str) -> bool:
@@ -75,8 +75,8 @@ class AgentStore:
     async def _get(self, lease: Lease, key: str) -> dict[str, Any]:
         if not may_read(lease, key):
             raise _refused(
-                f"{key!r} is not this attempt's to read: only its job's inputs and snapshot, and its "
-                f"job's saves ({checkpoint_prefix(lease.job_id)})"
+                f"{key!r} is not this attempt's to read: only its job's inputs, snapshot and project, "
+                f"and its job's saves ({checkpoint_prefix(lease.job_id)})"
             )
         try:
             info = await self.store.head(key)

@@ -2,7 +2,7 @@
 
 An agent (agent.py) holds no S3 credential. For each object one of its attempts reads or writes it
 asks the pool server (`store_get`, `store_list`, `store_put`: docs/PROTOCOL.md §3.4), which signs
-a URL for that attempt's own keys only (its inputs and snapshot, its job's checkpoints, its own
+a URL for that attempt's own keys only (its inputs, snapshot and project, its job's checkpoints, its own
 artifacts and saves), and the bytes go straight between the agent and the store over HTTP.
 
 Data is verified end to end as every store does (storage/base.py): a download is hashed as it

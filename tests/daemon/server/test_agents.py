@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from daemon.client.pool_client import ClientError, PoolClient
-from daemon.job import JobSpec, JobState
+from daemon.job import JobSpec, JobState, project_id
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server import agents
 from daemon.worker.hosted import hosted_worker
@@ -305,29 +305,35 @@ async def s3_pool(redis_server: EmbeddedRedis, tmp_path: Path, s3_server: S3Serv
 
 
 async def test_an_attempts_store_urls_reach_its_own_keys_only(s3_pool: Pool) -> None:
-    """issue 44 item 1: an agent's attempt is signed a GET of its own input and a PUT under its
-    own artifacts; a PUT outside its attempt's prefix (another attempt's, another job's, a
-    content key) and a GET of another job's input are PERMISSION_DENIED."""
+    """issue 44 item 1: an agent's attempt is signed a GET of its own input and of its project's
+    packs (issue 45 item 1), and a PUT under its own artifacts; a PUT outside its attempt's prefix
+    (another attempt's, another job's, a content key) and a GET of another job's input are
+    PERMISSION_DENIED."""
     store = s3_pool.server.store
-    mine, theirs = b"alice's dataset", b"bob's dataset"
+    mine, theirs, pack = b"alice's dataset", b"bob's dataset", b"alice's project, packed"
     keys = {}
-    for data in (mine, theirs):
+    for data in (mine, theirs, pack):
         sha = hashlib.sha256(data).hexdigest()
         keys[data] = content_key(sha)
         await store.put_bytes(keys[data], data)
 
-    def spec(data: bytes, **more: str) -> JobSpec:
+    def spec(data: bytes, **more: object) -> JobSpec:
         inputs = [{"sha256": hashlib.sha256(data).hexdigest(), "dest": "d", "kind": "file"}]
         return JobSpec.from_dict({"argv": ["train"], "inputs": inputs, **more})
 
-    job_id, _ = await s3_pool.queue.enqueue(spec(mine, user="alice"))
+    packs = [hashlib.sha256(pack).hexdigest()]
+    project = {"id": project_id(packs), "packs": packs, "dir": "", "commit": "", "dirty": True}
+    job_id, _ = await s3_pool.queue.enqueue(
+        spec(mine, user="alice", project=project | {"files": 1, "size": 23})
+    )
     bobs_job, _ = await s3_pool.queue.enqueue(spec(theirs, user="bob", queue="other"))
     async with ScriptedAgent(s3_pool, "alice") as agent:
         run = await agent.next("run")
         assert run.detail["lease"]["job_id"] == job_id
-        got = await agent.call(run.lease_id, "store_get", {"key": keys[mine]})
-        async with aiohttp.ClientSession() as http, http.get(got["url"]) as r:
-            assert await r.read() == mine
+        for data in (mine, pack):
+            got = await agent.call(run.lease_id, "store_get", {"key": keys[data]})
+            async with aiohttp.ClientSession() as http, http.get(got["url"]) as r:
+                assert await r.read() == data
         await refused(agent.call(run.lease_id, "store_get", {"key": keys[theirs]}))
         await refused(agent.call(run.lease_id, "store_get", {"key": f"checkpoints/{bobs_job}/x.1.done"}))
         sha = hashlib.sha256(b"weights").hexdigest()
