@@ -18,12 +18,15 @@ hold to the same rule: server/service.py, `refuse_shared_local_slots`.) Beside t
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import stat
 from pathlib import Path
 
 from daemon.config import Config
 from daemon.errors import GpupoolError
+
+log = logging.getLogger(__name__)
 
 PR_SET_DUMPABLE = 4  # <linux/prctl.h>
 
@@ -48,14 +51,22 @@ def make_non_dumpable() -> None:
 
 
 def check_serve_user(config: Config) -> None:
-    """Refuse a worker that does not run as root and would serve every pool user's jobs."""
-    if runs_as_root() or config.embedded or config.worker_serve_user:
+    """Refuse a worker that does not run as root and would serve every pool user's jobs; say at
+    every start of one that serves one user that its jobs can read the pool's credentials."""
+    if runs_as_root() or config.embedded:
         return
-    raise NonRootWorkerError(
-        "this worker does not run as root, so it runs every job as its own user, and any job could "
-        "read its config (the pool's Redis password and S3 keys): set worker_serve_user "
-        "(--serve-user USER, GPUPOOL_WORKER_SERVE_USER) to the one pool user whose jobs it may run, "
-        "the user whose credentials these are, or run it as root with job_uid_range"
+    if not config.worker_serve_user:
+        raise NonRootWorkerError(
+            "this worker does not run as root, so it runs every job as its own user, and any job could "
+            "read its config (the pool's Redis password and S3 keys): run it as an agent of the pool "
+            "server (worker_via_server, worker_token_file: it then holds only a user's token), or set "
+            "worker_serve_user (--serve-user USER, GPUPOOL_WORKER_SERVE_USER) to the one pool user whose "
+            "jobs it may run, trusted with those credentials, or run it as root with job_uid_range"
+        )
+    log.warning(
+        "this worker does not run as root and holds the pool's Redis password and S3 keys, which "
+        "%s's jobs here can read: an agent (worker_via_server, worker_token_file) holds only a token",
+        config.worker_serve_user,
     )
 
 

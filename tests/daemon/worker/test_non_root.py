@@ -81,6 +81,7 @@ def test_a_worker_not_running_as_root_must_serve_one_user_and_keep_its_data_clos
     said = refusal(worker_argv(redis_server, home / "data"), env)
     assert "this worker does not run as root" in said
     assert "set worker_serve_user (--serve-user USER" in said
+    assert "run it as an agent of the pool server (worker_via_server, worker_token_file" in said
     assert not (home / "data").exists()
     planted = home / "planted"
     planted.mkdir(mode=0o755)
@@ -140,6 +141,8 @@ async def test_a_worker_not_running_as_root_runs_its_users_jobs_only_none_reads_
             await asyncio.to_thread(proc.wait, 30)
     log_text = (home / "worker.log").read_text()
     assert Path(f"{probe}.uid").read_text().strip() == str(UID), log_text  # the worker's own uid
+    # its one user's jobs can read the pool's credentials in its config: it says so, and the way out
+    assert "holds the pool's Redis password and S3 keys, which alice's jobs here can read" in log_text
     assert Path(f"{probe}.environ").read_text() == ""
     assert "Permission denied" in Path(f"{probe}.environ.err").read_text()
     assert "Permission denied" in Path(f"{probe}.fd.err").read_text()
