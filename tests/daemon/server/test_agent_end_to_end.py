@@ -1,6 +1,7 @@
 """An agent worker end to end (issue 44 item 1): the real agent (daemon/worker/agent.py), holding
 only alice's token, on a real server that runs its worker (daemon/worker/hosted.py), with a real
-Redis and a real S3, running real processes."""
+Redis and a real S3, running real processes: a job with its data, saves and artifacts, and a
+project sent by poolctl from its directory, run in the environment built from its lock."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ import pytest
 from daemon.job import JobSpec
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.worker import agent
+from daemon.worker.envs import NO_INDEX, EnvSettings
 from daemon.worker.hosted import hosted_worker
 from protocol import Waited, WaitJobs
 from storage.content import content_key
 from storage.s3 import S3Store
 from tests.support.pool import Pool, running_pool
+from tests.support.poolctl import poolctl
 from tests.support.s3server import S3Server
+from tests.support.wheels import locked_project, make_wheel
 
 LEASE = 2.0
 SAVE_THEN_FAIL = (
@@ -85,3 +89,33 @@ async def test_an_agent_runs_alices_jobs_with_their_data_saves_and_artifacts(
     log = b"".join(d for _, d in await s3_pool.queue.read_log(resumed))
     assert b"restored into $GPUPOOL_CHECKPOINT_DIR" in log
     assert log.count(b"\n1\n") == 1  # the second attempt read the first's save
+
+
+async def test_an_agent_runs_a_project_from_its_directory_in_its_locked_environment(
+    s3_pool: Pool, tmp_path: Path
+) -> None:
+    """issue 44 item 1 with issue 45: alice's project, sent by poolctl from its directory as packs,
+    runs on her agent, which fetches the packs on URLs the server signs for the attempt, and in
+    the environment the agent builds from the project's lock (a local wheelhouse, no index)."""
+    wheelhouse = tmp_path / "wheels"
+    make_wheel(wheelhouse, "tinypkg", "1.3")
+    project = locked_project(tmp_path / "myproject", wheelhouse, "tinypkg==1.3")
+    (project / "train.py").write_text("import tinypkg\nprint('trained with tinypkg', tinypkg.VERSION)\n")
+    settings = EnvSettings(index_url=NO_INDEX, find_links=(str(wheelhouse),))
+    worker = agent.Agent(
+        s3_pool.client("alice"),
+        data_dir=tmp_path / "agent",
+        slots=1,
+        gpus=[],
+        drain_timeout=1.0,
+        env_settings=settings,
+    )
+    await worker.start()
+    try:
+        code, out, err = await poolctl(
+            s3_pool.env(), "enqueue", "-f", "--", "python", "train.py", cwd=project
+        )
+    finally:
+        await worker.stop()
+    assert code == 0, err
+    assert "trained with tinypkg 1.3" in out
