@@ -413,3 +413,44 @@ async def test_the_server_stops_its_agents_as_workers_and_bounds_them(
         assert [a.how for a in (await pool.queue.get(job_id)).attempts] == ["released"]
     async with asyncio.timeout(WAIT):  # (the agents' connections closed, as agents close them)
         await stopping
+
+
+async def test_what_an_agent_sends_is_bounded_as_a_workers_is(pool: Pool) -> None:
+    """issue 44 item 1, a reviewer: anyone with a token could offer a machine and fill the pool's
+    Redis: append_log calls of 100 000 chunks each grew a log far past log_max_bytes (log.lua trims
+    1000 entries a call), an outcome's detail and result of megabytes were recorded as they came,
+    and an offer of 5000 queues made the server read them all on every wait for work. Now a call
+    carries at most what a worker's own sends (16 chunks of 64 KiB), an outcome a bounded detail
+    and result whose artifacts lie under the attempt's own prefix, an offer a few queues; each
+    refusal a sentence, nothing written. And each agent's worker id is its own."""
+    async with pool.client("alice") as alice:
+        many = ServeJobs(1, [f"q{i}" for i in range(1000)], [], 0.0, "node-a", False, {}, 60.0, 10.0)
+        message = await refused(alice.call(many, Served), ErrorCode.INVALID_ARGUMENT)
+        assert f"at most {agents.MAX_AGENT_QUEUES} queues" in message
+    job_id = await enqueue(pool, "alice")
+    async with ScriptedAgent(pool, "alice") as agent, ScriptedAgent(pool, "alice") as twin:
+        assert agent.worker != twin.worker
+        assert len(agent.worker.rsplit("-", 1)[1]) >= 16  # 64 random bits, not 24
+        run = await agent.next("run")
+        flood = {"number": 1, "chunks": [b"x"] * (agents.MAX_LOG_CHUNKS + 1)}
+        message = await refused(agent.call(run.lease_id, "append_log", flood), ErrorCode.INVALID_ARGUMENT)
+        assert f"at most {agents.MAX_LOG_CHUNKS} chunks" in message
+        big = {"number": 1, "chunks": [b"x" * (agents.MAX_LOG_CHUNK + 1)]}
+        await refused(agent.call(run.lease_id, "append_log", big), ErrorCode.INVALID_ARGUMENT)
+        assert await pool.queue.read_log(job_id) == []
+        await agent.call(run.lease_id, "exited")
+        huge = dict(SUCCEEDED, detail="d" * 100_000)
+        ended = {"ending": "exited", "outcome": huge, "dirty_gpus": {}}
+        message = await refused(agent.call(run.lease_id, "ended", ended), ErrorCode.INVALID_ARGUMENT)
+        assert "detail" in message
+        stolen = {
+            "artifacts": [{"name": "m", "size": 1, "key": "artifacts/default.other/x/out/m", "sha256": ""}]
+        }
+        ended["outcome"] = dict(SUCCEEDED, result=stolen)
+        message = await refused(agent.call(run.lease_id, "ended", ended), ErrorCode.INVALID_ARGUMENT)
+        assert "its own" in message
+        assert (await pool.queue.get(job_id)).state is JobState.RUNNING
+        await agent.call(run.lease_id, "ended", {"ending": "exited", "outcome": SUCCEEDED, "dirty_gpus": {}})
+        await agent.next("tidy")
+        await agent.call(run.lease_id, "tidied")
+        assert (await wait_for(pool, job_id))["state"] == JobState.SUCCEEDED
