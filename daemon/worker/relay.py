@@ -19,6 +19,7 @@ the JobRun of an agent is the JobRun of a worker. What the server's answers mean
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -53,12 +54,23 @@ class AgentCalls:
         self.worker = worker
         self.key = key
 
-    async def call(self, lease_id: str, call: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    async def call(
+        self,
+        lease_id: str,
+        call: str,
+        args: Mapping[str, Any] | None = None,
+        within: float | None = None,
+    ) -> dict[str, Any]:
         """The value of call `call` for attempt `lease_id` ("" for the agent as a whole). Raises
-        PoolUnreachable when the pool is out of reach, else the server's ClientError."""
+        PoolUnreachable when the pool is out of reach, or gives no answer `within` that many
+        seconds (a half-open connection, a frozen server), else the server's ClientError."""
         request = AgentCall(self.worker, self.key, lease_id, call, dict(args or {}))
         try:
-            answer = await self.client.call(request, AgentAnswer)
+            async with asyncio.timeout(within):
+                answer = await self.client.call(request, AgentAnswer)
+        except TimeoutError:
+            what = f"{call} for {lease_id or 'the agent'}"
+            raise PoolUnreachable(f"{what}: no answer in {within:g} s") from None
         except ClientError as exc:
             if unreachable(self.client, exc):
                 raise PoolUnreachable(f"{call} for {lease_id or 'the agent'}: {exc.message}") from exc
