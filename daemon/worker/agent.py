@@ -144,6 +144,7 @@ class Agent:
         self.lease_seconds = 30.0  # then the hello's: with no beat answered for this long, it leaves
         self._beat_now = asyncio.Event()
         self._ending = ""  # why the agent itself ended its serve (its beats went unanswered)
+        self._provisional: set[str] = set()  # leases whose deadline is still their run order's
         self.ended = asyncio.Event()
         self.leaving = asyncio.Event()
         self._hello: asyncio.Future[None] | None = None
@@ -312,7 +313,7 @@ class Agent:
                 )
 
     async def _order(self, order: AgentOrder, came: float) -> None:
-        base = came  # the time it took to come is within the worker's margin (PROTOCOL.md §3.4)
+        base = came  # a run's valid_for is provisional: the first beat's answer replaces it
         if order.act == "hello":
             assert self._hello is not None
             try:
@@ -441,13 +442,20 @@ class Agent:
 
     def _renewed(self, valid_for: Mapping[str, float], sent: float) -> None:
         """A beat's answer: each lease holds `valid_for` seconds from when the server took the beat,
-        so at least that long from `sent`, when the agent sent it."""
+        so at least that long from `sent`, when the agent sent it. The first answer for an attempt
+        sets its deadline, earlier too: its run order's `valid_for`, counted from when the order
+        came, may have waited in the server's queue or on the connection."""
         assert self._held is not None
         for lease_id, seconds in valid_for.items():
             held = self._held.get(lease_id)
+            first = lease_id in self._provisional
+            self._provisional.discard(lease_id)
             if held is None or (held.run is not None and held.run.exited):
                 continue  # ended, or its processes are gone: its deadline stays where the end found it
-            if held.renewed(sent + float(seconds)):
+            if first:
+                held.deadline = sent + float(seconds)
+                self._held.guard.hold(lease_id, held.deadline)
+            elif held.renewed(sent + float(seconds)):
                 self._held.guard.hold(lease_id, held.deadline)
 
     def _run(self, lease_id: str, detail: Mapping[str, Any], base: float) -> None:
@@ -470,6 +478,7 @@ class Agent:
             log.error("the pool server's run order for %s carries lease %s; ignored", lease_id, lease.id)
             return
         held = self._held.hold(lease, base + float(detail["valid_for"]))
+        self._provisional.add(lease.id)
         self._beat_now.set()  # the order's valid_for is provisional: a beat's answer follows
         slot = int(detail["slot"])
         by_uuid = {g.uuid: g for g in self.gpus}
@@ -585,6 +594,7 @@ class Agent:
                     )
             await self._tell(held.lease.id, "tidied")
         finally:
+            self._provisional.discard(held.lease.id)
             if self._held is not None:
                 self._held.drop(held)
 
