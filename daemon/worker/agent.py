@@ -368,7 +368,8 @@ class Agent:
         self.kill_grace = float(detail.get("kill_grace", self.kill_grace))
         self.lease_seconds = float(detail["lease_seconds"])
         self.beat_seconds = float(detail.get("beat_seconds", self.lease_seconds / 3))
-        self._calls = AgentCalls(self.client, self.worker_id, bytes(detail["key"]))
+        # Every call is bounded: a half-open connection must not hold a run, a tidy or a stop.
+        self._calls = AgentCalls(self.client, self.worker_id, bytes(detail["key"]), self.lease_seconds)
         self._http = aiohttp.ClientSession(timeout=HTTP_TIMEOUT)
         await asyncio.to_thread(make_data_dir, self.data_dir)
         non_root.check_data_dir(self.data_dir)
@@ -610,7 +611,7 @@ class Agent:
         if self.client.closed is not None:
             return
         try:
-            await self._calls.call(lease_id, call, args, self.lease_seconds if within is None else within)
+            await self._calls.call(lease_id, call, args, within)
         except (PoolUnreachable, ClientError) as exc:
             # Once `served` has come, the server's worker for this agent is gone: no news to it.
             (log.debug if self._served else log.warning)(

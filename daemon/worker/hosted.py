@@ -306,7 +306,7 @@ class HostedWorker(Worker):
             setattr(self._registration, key, value)
         # The agent beats at the heartbeat's pace; a beat missing for the lease less the heartbeat's
         # margin ends the worker (`_watch_beats`), and no renewal goes past that either.
-        self.beat_seconds = self.heartbeat.interval
+        self.beat_seconds = min(self.heartbeat.interval, self.heartbeat.lease / 3)
         self.beat_window = self.heartbeat.lease - self.heartbeat.margin
         hello = {"worker": self.id, "key": self.key, "lease_seconds": self.heartbeat.lease}
         self._order("hello", "", hello | {"kill_grace": kill_grace, "beat_seconds": self.beat_seconds})

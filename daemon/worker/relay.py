@@ -47,12 +47,14 @@ def unreachable(client: PoolClient, exc: ClientError) -> bool:
 
 
 class AgentCalls:
-    """The agent's `agent_call`s on `client`, as the worker `worker` with the stream's `key`."""
+    """The agent's `agent_call`s on `client`, as the worker `worker` with the stream's `key`, each
+    answered within `within` seconds unless a call says otherwise (None: no bound)."""
 
-    def __init__(self, client: PoolClient, worker: str, key: bytes) -> None:
+    def __init__(self, client: PoolClient, worker: str, key: bytes, within: float | None = None) -> None:
         self.client = client
         self.worker = worker
         self.key = key
+        self.within = within
 
     async def call(
         self,
@@ -65,6 +67,7 @@ class AgentCalls:
         PoolUnreachable when the pool is out of reach, or gives no answer `within` that many
         seconds (a half-open connection, a frozen server), else the server's ClientError."""
         request = AgentCall(self.worker, self.key, lease_id, call, dict(args or {}))
+        within = self.within if within is None else within
         try:
             async with asyncio.timeout(within):
                 answer = await self.client.call(request, AgentAnswer)
