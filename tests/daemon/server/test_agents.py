@@ -24,6 +24,7 @@ from daemon.client.pool_client import ClientError, PoolClient
 from daemon.job import JobSpec, JobState, project_id
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server import agents
+from daemon.worker import hosted
 from daemon.worker.hosted import hosted_worker
 from protocol import (
     AgentAnswer,
@@ -320,6 +321,25 @@ async def test_an_agent_that_stops_beating_has_its_job_reclaimed_and_run_elsewhe
         assert held.attempt == 1
         await beating.run_to_success(mine)
         assert (await wait_for(pool, kept))["state"] == JobState.SUCCEEDED
+
+
+async def test_a_tidy_that_goes_unanswered_does_not_hold_the_workers_stop(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue 44 item 1: an agent that beats but never says `tidied` does not hold its worker for
+    ever: after its kill grace plus TIDY_SLACK the server's worker takes the slot as ready, so its
+    stop (the agent's drain) ends, with `served`."""
+    monkeypatch.setattr(hosted, "TIDY_SLACK", 0.5)
+    await enqueue(pool, "alice")
+    agent = ScriptedAgent(pool, "alice")
+    agent.offer = ServeJobs(1, ["default"], [], 0.0, "node-a", False, {}, 600.0, 0.5)  # kill_grace 0.5
+    async with agent:
+        run = await agent.next("run")
+        await agent.call(run.lease_id, "exited")
+        await agent.call(run.lease_id, "ended", {"ending": "exited", "outcome": SUCCEEDED, "dirty_gpus": {}})
+        await agent.next("tidy")  # and never a `tidied`
+        await agent.call("", "drain", {"now": True})
+        assert "drained" in (await agent.served()).reason
 
 
 async def http_put(url: str, data: bytes, sha256: str) -> None:
