@@ -415,10 +415,11 @@ class Agent:
             sent = boottime()
             try:
                 answer = await self._calls.call("", "beat", within=self.beat_seconds)
-                valid_for = answer["valid_for"]
-                if not isinstance(valid_for, Mapping):
-                    raise TypeError("valid_for is not a map")
-            except (PoolUnreachable, ClientError, KeyError, TypeError) as exc:
+                valid_for = {str(k): float(v) for k, v in answer["valid_for"].items()}
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:  # the server's bug: said
+                log.error("the pool server's answer to beat is malformed (%r); taken as none", exc)
+                failing = True
+            except (PoolUnreachable, ClientError) as exc:
                 if self._served or self.ended.is_set():
                     return
                 if not failing:
