@@ -7,7 +7,8 @@ never imports worker code), whose orders this request streams until that worker 
 is handed back for what the agent ran, and the leases lapse for the reaper, as a dead worker's do.
 
 Each `agent_call` names the worker and carries the key of its stream's `hello`, from a connection
-of the same user (else PERMISSION_DENIED, with nothing written), and, but for `drain`, an attempt
+of the same user (else PERMISSION_DENIED, with nothing written), and, but for `beat` and `drain`
+(the agent's own: `beat` keeps its worker alive, worker/hosted.py), an attempt
 that worker has ordered the agent to run and that has not ended (else PERMISSION_DENIED). What it
 asks is done with that attempt's own lease, so Redis fences every write as a worker's, and the
 store calls (agent_store.py) sign only that attempt's own keys. An agent of a non-admin user is
@@ -88,6 +89,9 @@ class AgentWorker(Protocol):
     def leave(self, why: str) -> None: ...
 
     def drain(self, now: bool) -> None: ...
+
+    def beat(self) -> dict[str, float]:
+        """The agent's `beat`: it is alive; seconds each lease it runs surely holds from now."""
 
     async def abandon(self, why: str) -> None: ...
 
@@ -234,9 +238,11 @@ class Agents:
                 "calls carry the worker and key of its serve_jobs stream's hello, while it lasts"
             )
         args = request.args if isinstance(request.args, Mapping) else {}
-        if request.call == "drain":
+        if request.call in ("beat", "drain"):
             if request.lease_id:
-                raise _invalid("drain is the agent's, not an attempt's: send it with lease_id \"\"")
+                raise _invalid(f"{request.call} is the agent's, not an attempt's: send it with lease_id \"\"")
+            if request.call == "beat":
+                return AgentAnswer({"valid_for": live.worker.beat()})
             live.worker.drain(bool(args.get("now")))
             return AgentAnswer({})
         attempt = live.worker.attempt(request.lease_id, request.call)

@@ -9,8 +9,9 @@ it hands the job back untouched and leaves, saying why.
 
 It offers its slots and GPUs with `serve_jobs`; the server runs a real Worker for it
 (daemon/worker/hosted.py), which claims, renews, heartbeats and records every end, and streams
-orders: `run` an attempt on a slot with some GPUs, `cancel`, `hand_back` or `lose` it, `tidy` its
-slot, and `renewed` with how long each lease still holds.
+orders: `run` an attempt on a slot with some GPUs, `cancel`, `hand_back` or `lose` it, and `tidy`
+its slot. The agent calls `beat` every `beat_seconds` (the hello says it): that keeps the server's
+worker alive, and its answer says how long each lease still holds.
 
 Each `run` is a real `runner.JobRun` on this machine's `slots.Slots` (scratch directories, slot
 uids when root, cgroups, the spawner, the orphan guard), whose pool is the attempt's
@@ -20,11 +21,15 @@ goes back by `agent_call`: `exited` when its first process ends, `ended` with ho
 server records it), `tidied` when its slot is ready again.
 
 Fences, as a worker's own (attempt.py): each attempt holds its lease until a deadline, set by the
-`run` order's `valid_for` and moved by each `renewed`, counted from when the order came (the
-server counts it from its heartbeat's start, less the worker's margin); the fence kills an
+`run` order's `valid_for` (provisional: counted from when the order came; the agent beats at once)
+and moved by each answered `beat`, whose seconds the server counts from when the beat came, and
+the agent from when it sent it, which is before: sound whatever the delays. The fence kills an
 attempt whose deadline passes, and the orphan guard holds the same deadlines, should the agent be
-frozen. When the connection to the server ends, every job is killed at once: the server's worker
-for this agent has ended too, and the leases lapse and go back to their queues, as a dead worker's do.
+frozen. A beat unanswered in `beat_seconds` failed; once no beat has been answered for a lease the
+agent ends its serve, as when the connection to the server ends: every job is killed at once (the
+server's worker for this agent has ended too, or soon will, and the leases lapse and go back to
+their queues, as a dead worker's do). Every call has a bound, so a half-open connection never
+holds the agent.
 
 Stopping (main.py drives it as a worker): `stop()` asks the server's worker to drain (`drain`
 {now: false}), which stops taking jobs and lets the running ones finish, then, after the agent's
@@ -74,6 +79,7 @@ log = logging.getLogger(__name__)
 HELLO_SECONDS = 30.0  # how long the server has to say hello once serve_jobs is sent
 SERVED_MARGIN = 30.0  # beyond kill_grace, how long an agent that asked for its jobs' stop waits for `served`
 LOST_SECONDS = 10.0  # how long killed jobs have to end before the agent closes their slots
+DRAIN_CALL_SECONDS = 5.0  # how long a `drain` call may take to be answered
 HTTP_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
 
 
@@ -134,6 +140,11 @@ class Agent:
         self._nvml: Nvml | None = None
         self.worker_id = ""  # the server's worker for this agent (its hello)
         self.kill_grace = kill_grace  # then the one the server's hello says its worker takes
+        self.beat_seconds = 10.0  # then the hello's: how often it beats, and how long a beat may take
+        self.lease_seconds = 30.0  # then the hello's: with no beat answered for this long, it leaves
+        self._beat_now = asyncio.Event()
+        self._ending = ""  # why the agent itself ended its serve (its beats went unanswered)
+        self._provisional: set[str] = set()  # leases whose deadline is still their run order's
         self.ended = asyncio.Event()
         self.leaving = asyncio.Event()
         self._hello: asyncio.Future[None] | None = None
@@ -203,9 +214,9 @@ class Agent:
         the server's is. Safe to call twice."""
         if self._calls is not None and not self.ended.is_set() and not self._draining:
             self._draining = True
-            await self._tell("", "drain", {"now": False})
+            await self._tell("", "drain", {"now": False}, DRAIN_CALL_SECONDS)
             if not await self._served_within(self.drain_timeout):
-                await self._tell("", "drain", {"now": True})
+                await self._tell("", "drain", {"now": True}, DRAIN_CALL_SECONDS)
                 wait = self.kill_grace + SERVED_MARGIN
                 if not await self._served_within(wait):
                     log.warning(
@@ -245,7 +256,8 @@ class Agent:
         """A second signal: the server's worker stops the jobs now (still handed back)."""
         if self._calls is not None and not self.ended.is_set():
             self._draining = True
-            self._background.spawn(self._tell("", "drain", {"now": True}), "agent drain now")
+            drain = self._tell("", "drain", {"now": True}, DRAIN_CALL_SECONDS)
+            self._background.spawn(drain, "agent drain now")
 
     async def _leave_when_due(self, lifetime: Lifetime) -> None:
         assert self._held is not None
@@ -273,7 +285,7 @@ class Agent:
                 if isinstance(item, AgentOrder):
                     orders.put_nowait((boottime(), item))
         except ClientError as exc:
-            why = f"serve_jobs ended: {exc.message}"
+            why = self._ending or f"serve_jobs ended: {exc.message}"
         finally:
             await cancel_and_wait(obeying)
             if self._hello is not None and not self._hello.done():
@@ -301,7 +313,7 @@ class Agent:
                 )
 
     async def _order(self, order: AgentOrder, came: float) -> None:
-        base = came  # the time it took to come is within the worker's margin (PROTOCOL.md §3.4)
+        base = came  # a run's valid_for is provisional: the first beat's answer replaces it
         if order.act == "hello":
             assert self._hello is not None
             try:
@@ -315,9 +327,6 @@ class Agent:
             return
         if self._held is None:
             log.error("the pool server sent %s before hello; ignored", order.act)
-            return
-        if order.act == "renewed":
-            self._renewed(order.detail.get("valid_for", {}), base)
             return
         if order.act == "run":
             self._run(order.lease_id, order.detail, base)
@@ -357,7 +366,10 @@ class Agent:
         """The server's worker for this agent: its id and key, then the slots opened under it."""
         self.worker_id = str(detail["worker"])
         self.kill_grace = float(detail.get("kill_grace", self.kill_grace))
-        self._calls = AgentCalls(self.client, self.worker_id, bytes(detail["key"]))
+        self.lease_seconds = float(detail["lease_seconds"])
+        self.beat_seconds = float(detail.get("beat_seconds", self.lease_seconds / 3))
+        # Every call is bounded: a half-open connection must not hold a run, a tidy or a stop.
+        self._calls = AgentCalls(self.client, self.worker_id, bytes(detail["key"]), self.lease_seconds)
         self._http = aiohttp.ClientSession(timeout=HTTP_TIMEOUT)
         await asyncio.to_thread(make_data_dir, self.data_dir)
         non_root.check_data_dir(self.data_dir)
@@ -387,14 +399,65 @@ class Agent:
             ),
             "agent fence",
         )
+        self._background.spawn(self._beat(), "agent beats")
 
-    def _renewed(self, valid_for: Mapping[str, float], base: float) -> None:
+    async def _beat(self) -> None:
+        """Call `beat` every beat_seconds, and at once when a job is ordered run, until the serve
+        ends: each answer moves the deadlines from when its beat was sent. Once none has been
+        answered for a lease, the server's worker for this agent has abandoned it, or will before
+        the agent could hear so: the agent ends its serve (closing its connection), which kills
+        every job."""
+        assert self._calls is not None
+        answered = boottime()  # the hello: its worker counts it as a beat
+        failing = False
+        while not self.ended.is_set() and not self._served:
+            self._beat_now.clear()
+            sent = boottime()
+            try:
+                answer = await self._calls.call("", "beat", within=self.beat_seconds)
+                valid_for = {str(k): float(v) for k, v in answer["valid_for"].items()}
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:  # the server's bug: said
+                log.error("the pool server's answer to beat is malformed (%r); taken as none", exc)
+                failing = True
+            except (PoolUnreachable, ClientError) as exc:
+                if self._served or self.ended.is_set():
+                    return
+                if not failing:
+                    log.warning("beat unanswered (%s); jobs are killed if none is answered in time", exc)
+                failing = True
+            else:
+                if failing:
+                    log.info("beats answered again after %.1f s", boottime() - answered)
+                answered, failing = sent, False
+                self._renewed(valid_for, sent)
+            if (silent := boottime() - answered) >= self.lease_seconds:
+                self._ending = f"no beat answered by the pool server for {silent:.1f} s, a lease"
+                log.error("%s: ending this agent's serve", self._ending)
+                self._lose_all(self._ending)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(DRAIN_CALL_SECONDS):
+                        await self.client.close()  # the serve ends with its connection
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, sent + self.beat_seconds - boottime())):
+                    await self._beat_now.wait()
+
+    def _renewed(self, valid_for: Mapping[str, float], sent: float) -> None:
+        """A beat's answer: each lease holds `valid_for` seconds from when the server took the beat,
+        so at least that long from `sent`, when the agent sent it. The first answer for an attempt
+        sets its deadline, earlier too: its run order's `valid_for`, counted from when the order
+        came, may have waited in the server's queue or on the connection."""
         assert self._held is not None
         for lease_id, seconds in valid_for.items():
             held = self._held.get(lease_id)
+            first = lease_id in self._provisional
+            self._provisional.discard(lease_id)
             if held is None or (held.run is not None and held.run.exited):
                 continue  # ended, or its processes are gone: its deadline stays where the end found it
-            if held.renewed(base + float(seconds)):
+            if first:
+                held.deadline = sent + float(seconds)
+                self._held.guard.hold(lease_id, held.deadline)
+            elif held.renewed(sent + float(seconds)):
                 self._held.guard.hold(lease_id, held.deadline)
 
     def _run(self, lease_id: str, detail: Mapping[str, Any], base: float) -> None:
@@ -417,6 +480,8 @@ class Agent:
             log.error("the pool server's run order for %s carries lease %s; ignored", lease_id, lease.id)
             return
         held = self._held.hold(lease, base + float(detail["valid_for"]))
+        self._provisional.add(lease.id)
+        self._beat_now.set()  # the order's valid_for is provisional: a beat's answer follows
         slot = int(detail["slot"])
         by_uuid = {g.uuid: g for g in self.gpus}
         if not all(uuid in by_uuid for uuid in detail.get("gpus", ())) or not 0 <= slot < self.slots:
@@ -521,21 +586,33 @@ class Agent:
         started, and touched none), then `tidied`."""
         try:
             if run is not None:
-                await run.tidy()
+                try:
+                    await run.tidy()
+                except Exception:  # said; the server's worker must not wait on it
+                    log.exception(
+                        "job %s: slot %s could not be tidied; telling the pool server it is",
+                        held.lease.job_id,
+                        held.slot,
+                    )
             await self._tell(held.lease.id, "tidied")
         finally:
+            self._provisional.discard(held.lease.id)
             if self._held is not None:
                 self._held.drop(held)
 
-    async def _tell(self, lease_id: str, call: str, args: Mapping[str, Any] | None = None) -> None:
-        """An `agent_call` whose answer is only {}: a failure is said, and left (the connection's
-        end, if that is why, kills the jobs). Once the connection has ended nothing is sent: the
-        server's worker for this agent ended with it, and its leases lapse."""
+    async def _tell(
+        self, lease_id: str, call: str, args: Mapping[str, Any] | None = None, within: float | None = None
+    ) -> None:
+        """An `agent_call` whose answer is only {}, answered `within` seconds (default: a lease,
+        after which the server's worker for this agent is gone anyway): a failure is said, and
+        left (the connection's end, if that is why, kills the jobs). Once the connection has
+        ended nothing is sent: the server's worker for this agent ended with it, and its leases
+        lapse."""
         assert self._calls is not None
         if self.client.closed is not None:
             return
         try:
-            await self._calls.call(lease_id, call, args)
+            await self._calls.call(lease_id, call, args, within)
         except (PoolUnreachable, ClientError) as exc:
             # Once `served` has come, the server's worker for this agent is gone: no news to it.
             (log.debug if self._served else log.warning)(

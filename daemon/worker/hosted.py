@@ -13,12 +13,17 @@ kept per JobQueue, and the view's claims take only the agent's user's jobs (`ser
 that user is a pool admin, whose agent serves everyone. (A standing claim on the view is never sent
 by an enqueue, which goes through the server's own JobQueue: the view's blocking read wakes it.)
 
-The agent's connection is the worker's life. When it ends (`abandon`), every RemoteRun ends LOST at
-once: nothing is recorded or handed back for what the agent ran, and those leases lapse for the
-reaper to reclaim, as a dead worker's do. By then the agent has killed those jobs: it kills all it
-runs when its connection ends, and each whose `valid_for` passes with no `renewed` order, which
-this worker sends after every heartbeat that renewed leases, with each one's seconds left (its
-deadline, attempt.py, which keeps the worker's margin).
+The agent's connection, and its beats, are the worker's life. The agent calls `beat` every
+`beat_seconds` (the hello says it: the heartbeat's interval); the answer says how long each lease
+it runs surely holds, counted from when the beat came (its deadline, attempt.py, which keeps the
+worker's margin, less now), and the agent counts that from when it sent the beat, which is before.
+When the connection ends, or no beat has come for the lease less the heartbeat's margin (a frozen
+agent, a dead node, a partition: TCP may not say so for many minutes), the worker abandons itself
+(`abandon`): every RemoteRun ends LOST at once, nothing is recorded or handed back for what the
+agent ran, and those leases lapse for the reaper to reclaim, as a dead worker's do. Until then it
+never renews a lease past its last beat plus that window. By then the agent has killed those
+jobs: it kills all it runs when its connection ends, each whose deadline passes with no beat
+answered to move it, and all of them once no beat has been answered for a lease.
 """
 
 from __future__ import annotations
@@ -28,13 +33,13 @@ import enum
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from daemon.config import HAND_BACK_SECONDS, Config
 from daemon.errors import GpupoolError
-from daemon.job import JobState, Lease, Outcome, RenewStatus
+from daemon.job import JobState, Lease, Outcome
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.attempt import boottime
 from daemon.worker.dispatcher import Worker
@@ -46,6 +51,9 @@ from protocol import AgentOrder, ErrorCode, ServeJobs
 log = logging.getLogger(__name__)
 
 KEY_BYTES = 32  # the key every agent_call of the agent carries (hello)
+# Beyond kill_grace, how long a RemoteRun waits for the agent's `tidied` before it takes the slot
+# as ready (an agent that stopped answering is abandoned for want of beats well before).
+TIDY_SLACK = 10.0
 # How long a run ordered lost waits for the agent's `ended` before it is taken as over: the
 # agent kills at once, so only an agent that stopped answering takes this long.
 LOSE_WAIT = 10.0
@@ -135,14 +143,18 @@ class RemoteRun:
         gpus: tuple[GpuInfo, ...],
         slot: int,
         valid_for: Callable[[], float],
+        *,
+        kill_grace: float = 10.0,
     ) -> None:
-        """`order` sends an agent_order; `valid_for` says how long the lease surely holds now."""
+        """`order` sends an agent_order; `valid_for` says how long the lease surely holds now;
+        `kill_grace` bounds, with TIDY_SLACK, the wait for `tidied`."""
         self.lease = lease
         self.gpus = gpus
         self.slot = slot
         self.phase = RemotePhase.NEW
         self._order = order
         self._valid_for = valid_for
+        self._tidy_wait = kill_grace + TIDY_SLACK
         self._exited = False
         self._result: asyncio.Future[RunResult] = asyncio.get_running_loop().create_future()
         self._tidied = asyncio.Event()
@@ -170,12 +182,23 @@ class RemoteRun:
 
     async def tidy(self) -> None:
         """Order the slot made ready for its next job, and wait until the agent says it is (or is
-        gone). An attempt never ordered run left nothing to tidy."""
+        gone), or at most kill_grace + TIDY_SLACK, then takes it as ready all the same: a slot is
+        the agent's, and a worker must not wait for ever on a peer. An attempt never ordered run
+        left nothing to tidy."""
         if self.phase is not RemotePhase.ENDED:
             return
         self.phase = RemotePhase.TIDYING
         self._order("tidy", self.lease.id, {})
-        await self._tidied.wait()
+        try:
+            async with asyncio.timeout(self._tidy_wait):
+                await self._tidied.wait()
+        except TimeoutError:
+            log.warning(
+                "job %s: the agent did not say its slot %d was tidied in %g s; taking it as ready",
+                self.lease.job_id,
+                self.slot,
+                self._tidy_wait,
+            )
         self.phase = RemotePhase.DONE
 
     def cancel(self) -> None:
@@ -233,8 +256,8 @@ class RemoteRun:
 class HostedWorker(Worker):
     """A Worker for the agent that offered its machine with `offer` (see the module doc). The
     server streams `next_order()` to the agent until it returns None (the worker has stopped);
-    `attempt(lease_id, call)` is the RemoteRun that may take the agent's call; `drain` is its
-    `drain` call; `abandon` is its connection's end."""
+    `attempt(lease_id, call)` is the RemoteRun that may take the agent's call; `beat` and `drain`
+    are its `beat` and `drain` calls; `abandon` is its connection's end (or its beats')."""
 
     def __init__(
         self,
@@ -257,6 +280,8 @@ class HostedWorker(Worker):
         self._gone = False
         self._due: asyncio.Task[None] | None = None  # the wait for its lifetime's end
         self._stopper: asyncio.Task[None] | None = None  # stop(), when it leaves by itself
+        self._beats: asyncio.Task[None] | None = None  # the watch on the agent's beats
+        self._last_beat = boottime()  # the hello counts as one
         gpus = [
             GpuInfo(int(g["index"]), str(g["uuid"]), str(g["name"]), int(g["memory"])) for g in offer.gpus
         ]
@@ -279,8 +304,12 @@ class HostedWorker(Worker):
         self._registration.host = offer.host
         for key, value in offer.machine.items():  # checked by the server (agents.check_offer)
             setattr(self._registration, key, value)
-        hello = {"worker": self.id, "key": self.key, "lease_seconds": queue.lease_ms / 1000}
-        self._order("hello", "", hello | {"kill_grace": kill_grace})
+        # The agent beats at the heartbeat's pace; a beat missing for the lease less the heartbeat's
+        # margin ends the worker (`_watch_beats`), and no renewal goes past that either.
+        self.beat_seconds = min(self.heartbeat.interval, self.heartbeat.lease / 3)
+        self.beat_window = self.heartbeat.lease - self.heartbeat.margin
+        hello = {"worker": self.id, "key": self.key, "lease_seconds": self.heartbeat.lease}
+        self._order("hello", "", hello | {"kill_grace": kill_grace, "beat_seconds": self.beat_seconds})
 
     # -- the agent's stream ------------------------------------------------------------------------
 
@@ -301,7 +330,8 @@ class HostedWorker(Worker):
     def _remote_run(self, lease: Lease, gpus: tuple[GpuInfo, ...], slot: int) -> RemoteRun:
         held = self._held.get(lease.id)  # (held from just before this: dispatcher._launch)
         deadline = held.deadline if held is not None else boottime()
-        run = RemoteRun(self._order, lease, gpus, slot, lambda: max(0.0, deadline - boottime()))
+        valid_for = lambda: max(0.0, deadline - boottime())  # noqa: E731 - read at the run order
+        run = RemoteRun(self._order, lease, gpus, slot, valid_for, kill_grace=self.kill_grace)
         if self._gone:
             run.gone()
         else:
@@ -310,28 +340,45 @@ class HostedWorker(Worker):
             self._remote[lease.id] = run
         return run
 
-    # -- heartbeat target ----------------------------------------------------------------------------
+    # -- the agent's beats, and the heartbeat's target ------------------------------------------------
 
-    def renewed(self, statuses: Mapping[str, RenewStatus], until: float) -> None:
-        """As a worker's, then the agent is told how long each attempt it runs now holds: every
-        lease renewed, those being cancelled or handed back too (their stop takes a while)."""
-        super().renewed(statuses, until)
-        now = boottime()
-        valid_for = {
+    def beat(self) -> dict[str, float]:
+        """The agent's `beat` call: it is alive now. How long each attempt it runs surely holds its
+        lease from now (deadline less now; 0 once passed), every one ordered run and not ended:
+        those being cancelled or handed back too (their stop takes a while)."""
+        self._last_beat = now = boottime()
+        return {
             lease_id: max(0.0, held.deadline - now)
-            for lease_id, status in statuses.items()
-            if status is not RenewStatus.LOST
-            and (held := self._held.get(lease_id)) is not None
-            and (run := self._remote.get(lease_id)) is not None
-            and run.phase is RemotePhase.RUNNING
+            for lease_id, run in self._remote.items()
+            if run.phase is RemotePhase.RUNNING and (held := self._held.get(lease_id)) is not None
         }
-        if valid_for:
-            self._order("renewed", "", {"valid_for": valid_for})
+
+    def _silent_for(self) -> float:
+        return boottime() - self._last_beat
+
+    def leases(self) -> Sequence[Lease]:
+        """As a worker's, but none once the agent has not beaten for the window: a lease is never
+        renewed past the last beat plus the window, for what the agent runs may be dead, or may
+        run on unchecked after a partition."""
+        return [] if self._silent_for() > self.beat_window else super().leases()
+
+    async def _watch_beats(self) -> None:
+        """Abandon the worker once no beat has come for the window, as if the connection ended:
+        looked at every heartbeat interval."""
+        while True:
+            if (silent := self._silent_for()) > self.beat_window:
+                break
+            await asyncio.sleep(min(self.beat_seconds, self.beat_window - silent + 0.01))
+        why = f"no beat from the agent for {silent:.1f} s (its lease is {self.heartbeat.lease:g} s)"
+        log.warning("agent worker %s: %s; abandoning its jobs to lapse", self.id, why)
+        self._stopper = asyncio.create_task(self.abandon(why), name=f"abandon {self.id}")
 
     # -- life cycle ------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         await super().start()
+        self._last_beat = boottime()
+        self._beats = asyncio.create_task(self._watch_beats(), name=f"beats of {self.id}")
         if self.lifetime is not None:
             self._due = asyncio.create_task(self._leave_when_due(self.lifetime), name=f"lifetime {self.id}")
 
@@ -355,8 +402,9 @@ class HostedWorker(Worker):
             await super().stop(drain_timeout)
         finally:
             if self._stopped.is_set():  # (not where a second call's wait was cancelled)
-                if self._due is not None:
-                    self._due.cancel()
+                for task in (self._due, self._beats):
+                    if task is not None:
+                        task.cancel()
                 await self.queue.close()  # its view of the pool's queue is done with
                 self._orders.put_nowait(None)  # the stream ends
 

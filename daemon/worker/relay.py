@@ -19,6 +19,7 @@ the JobRun of an agent is the JobRun of a worker. What the server's answers mean
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -46,19 +47,33 @@ def unreachable(client: PoolClient, exc: ClientError) -> bool:
 
 
 class AgentCalls:
-    """The agent's `agent_call`s on `client`, as the worker `worker` with the stream's `key`."""
+    """The agent's `agent_call`s on `client`, as the worker `worker` with the stream's `key`, each
+    answered within `within` seconds unless a call says otherwise (None: no bound)."""
 
-    def __init__(self, client: PoolClient, worker: str, key: bytes) -> None:
+    def __init__(self, client: PoolClient, worker: str, key: bytes, within: float | None = None) -> None:
         self.client = client
         self.worker = worker
         self.key = key
+        self.within = within
 
-    async def call(self, lease_id: str, call: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    async def call(
+        self,
+        lease_id: str,
+        call: str,
+        args: Mapping[str, Any] | None = None,
+        within: float | None = None,
+    ) -> dict[str, Any]:
         """The value of call `call` for attempt `lease_id` ("" for the agent as a whole). Raises
-        PoolUnreachable when the pool is out of reach, else the server's ClientError."""
+        PoolUnreachable when the pool is out of reach, or gives no answer `within` that many
+        seconds (a half-open connection, a frozen server), else the server's ClientError."""
         request = AgentCall(self.worker, self.key, lease_id, call, dict(args or {}))
+        within = self.within if within is None else within
         try:
-            answer = await self.client.call(request, AgentAnswer)
+            async with asyncio.timeout(within):
+                answer = await self.client.call(request, AgentAnswer)
+        except TimeoutError:
+            what = f"{call} for {lease_id or 'the agent'}"
+            raise PoolUnreachable(f"{what}: no answer in {within:g} s") from None
         except ClientError as exc:
             if unreachable(self.client, exc):
                 raise PoolUnreachable(f"{call} for {lease_id or 'the agent'}: {exc.message}") from exc

@@ -9,6 +9,7 @@ docs/PROTOCOL.md §3.4 says an agent does."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import secrets
 import time
@@ -23,6 +24,7 @@ from daemon.client.pool_client import ClientError, PoolClient
 from daemon.job import JobSpec, JobState, project_id
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server import agents
+from daemon.worker import hosted
 from daemon.worker.hosted import hosted_worker
 from protocol import (
     AgentAnswer,
@@ -50,7 +52,8 @@ SUCCEEDED = {"state": "succeeded", "exit_code": 0, "detail": "", "result": {}}
 
 
 class ScriptedAgent:
-    """An agent by hand: `serve_jobs` on its own connection, its orders read into a queue."""
+    """An agent by hand: `serve_jobs` on its own connection, its orders read into a queue, and a
+    `beat` every beat_seconds (the hello's) until `silence()`, as an agent that froze."""
 
     def __init__(
         self, pool: Pool, user: str, host: str = "node-a", slots: int = 1, shared_uid: bool = False
@@ -63,19 +66,34 @@ class ScriptedAgent:
         self.worker = ""
         self.key = b""
         self._reader: asyncio.Task[None] | None = None
+        self._beats: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> ScriptedAgent:
         await self.client.connect()
         self._reader = asyncio.create_task(self._read())
         hello = await self.next("hello")
         self.worker, self.key = hello.detail["worker"], hello.detail["key"]
+        self._beats = asyncio.create_task(self._beat(float(hello.detail.get("beat_seconds", 0.5))))
         return self
+
+    async def _beat(self, every: float) -> None:
+        while True:
+            with contextlib.suppress(ClientError):
+                await self.call("", "beat")
+            await asyncio.sleep(every)
+
+    async def silence(self) -> None:
+        """No more beats; the connection stays up (a frozen agent: the kernel keeps TCP)."""
+        if self._beats is not None:
+            self._beats.cancel()
+            await asyncio.gather(self._beats, return_exceptions=True)
 
     async def __aexit__(self, *exc: object) -> None:
         await self.drop()
 
     async def drop(self) -> None:
         """The agent's connection ends (as when its machine dies)."""
+        await self.silence()
         await self.client.close()
         if self._reader is not None:
             self._reader.cancel()
@@ -90,20 +108,17 @@ class ScriptedAgent:
             self.orders.put_nowait(exc)
 
     async def next(self, act: str) -> AgentOrder:
-        """The next order other than `renewed` (unless that is asked for); it must be `act`."""
+        """The next order; it must be `act`."""
         async with asyncio.timeout(WAIT):
-            while True:
-                order = await self.orders.get()
-                assert isinstance(order, AgentOrder), order
-                if order.act != "renewed" or act == "renewed":
-                    assert order.act == act, order
-                    return order
+            order = await self.orders.get()
+        assert isinstance(order, AgentOrder), order
+        assert order.act == act, order
+        return order
 
     async def served(self) -> Served:
-        """The stream's end, after any `renewed` orders still on their way."""
+        """The stream's end."""
         async with asyncio.timeout(WAIT):
-            while isinstance(item := await self.orders.get(), AgentOrder) and item.act == "renewed":
-                pass
+            item = await self.orders.get()
         assert isinstance(item, Served), item
         return item
 
@@ -174,8 +189,8 @@ async def test_alices_job_is_ordered_to_her_agent_and_recorded_by_the_server(poo
         assert run.detail["lease"]["job_id"] == job_id
         assert run.detail["lease"]["spec"]["argv"] == ["train"]
         assert 0 < run.detail["valid_for"] <= LEASE
-        renewed = await agent.next("renewed")  # the lease's news, after each heartbeat
-        assert 0 < renewed.detail["valid_for"][run.lease_id] <= LEASE
+        beat = await agent.call("", "beat")  # the lease's news, counted from the beat's arrival
+        assert 0 < beat["valid_for"][run.lease_id] <= LEASE
         workers = {w["id"]: w for w in await pool.server.list_workers()}
         assert workers[agent.worker]["host"] == "node-a"
         assert workers[agent.worker]["batch_job"] == "slurm:7"
@@ -223,8 +238,9 @@ async def test_a_cancelled_job_is_ordered_stopped_and_its_lease_still_renewed(po
         async with pool.client("alice") as alice:
             assert (await alice.call(CancelJobs([job_id]), Cancelled)).states[job_id] == "cancelling"
         await agent.next("cancel")
-        renewed = await agent.next("renewed")
-        assert 0 < renewed.detail["valid_for"][run.lease_id] <= LEASE
+        await asyncio.sleep(LEASE)  # renewed meanwhile, while it stops
+        beat = await agent.call("", "beat")
+        assert 0 < beat["valid_for"][run.lease_id] <= LEASE
         cancelled = {"state": "cancelled", "exit_code": 143, "detail": "cancelled", "result": {}}
         await agent.call(
             run.lease_id, "ended", {"ending": "cancelled", "outcome": cancelled, "dirty_gpus": {}}
@@ -275,6 +291,55 @@ async def test_an_agent_whose_connection_drops_leaves_its_lease_to_lapse(pool: P
         job_record = await wait_for(pool, job_id)
     assert job_record["state"] == JobState.SUCCEEDED
     assert [a["how"] for a in job_record["attempts"]] == ["lost", "succeeded"]
+
+
+async def test_an_agent_that_stops_beating_has_its_job_reclaimed_and_run_elsewhere(pool: Pool) -> None:
+    """issue 44 item 1: an agent that stops beating but keeps its connection up (frozen: SIGSTOP,
+    a Slurm suspend; or a partition TCP has not noticed) is abandoned by its worker within a
+    lease: the worker leaves the registry, renews nothing more, and the job's lease lapses, so
+    it runs again, attempt 2, on an agent that beats; while an agent that beats keeps its job."""
+    kept = await enqueue(pool, "bob")
+    job_id = await enqueue(pool, "alice")
+    async with ScriptedAgent(pool, "bob", host="node-c") as beating, ScriptedAgent(pool, "alice") as frozen:
+        mine = await beating.next("run")
+        run = await frozen.next("run")
+        await frozen.silence()
+        async with ScriptedAgent(pool, "alice", host="node-b") as second:
+            again = await second.next("run")  # (WAIT is five leases)
+            assert again.detail["lease"]["job_id"] == job_id
+            assert again.detail["lease"]["attempt"] == 2
+            assert again.lease_id != run.lease_id
+            workers = {w["id"] for w in await pool.server.list_workers()}
+            assert frozen.worker not in workers
+            assert {second.worker, beating.worker} <= workers
+            assert "no beat" in (await frozen.served()).reason
+            await second.run_to_success(again)
+            job = await wait_for(pool, job_id)
+        assert [a["how"] for a in job["attempts"]] == ["lost", "succeeded"]
+        held = await pool.queue.get(kept)
+        assert held.state is JobState.RUNNING
+        assert held.attempt == 1
+        await beating.run_to_success(mine)
+        assert (await wait_for(pool, kept))["state"] == JobState.SUCCEEDED
+
+
+async def test_a_tidy_that_goes_unanswered_does_not_hold_the_workers_stop(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue 44 item 1: an agent that beats but never says `tidied` does not hold its worker for
+    ever: after its kill grace plus TIDY_SLACK the server's worker takes the slot as ready, so its
+    stop (the agent's drain) ends, with `served`."""
+    monkeypatch.setattr(hosted, "TIDY_SLACK", 0.5)
+    await enqueue(pool, "alice")
+    agent = ScriptedAgent(pool, "alice")
+    agent.offer = ServeJobs(1, ["default"], [], 0.0, "node-a", False, {}, 600.0, 0.5)  # kill_grace 0.5
+    async with agent:
+        run = await agent.next("run")
+        await agent.call(run.lease_id, "exited")
+        await agent.call(run.lease_id, "ended", {"ending": "exited", "outcome": SUCCEEDED, "dirty_gpus": {}})
+        await agent.next("tidy")  # and never a `tidied`
+        await agent.call("", "drain", {"now": True})
+        assert "drained" in (await agent.served()).reason
 
 
 async def http_put(url: str, data: bytes, sha256: str) -> None:

@@ -35,7 +35,9 @@ class SigningServer(AgentCalls):
         self.store = store
         self.asked: list[tuple[str, str, dict[str, Any]]] = []
 
-    async def call(self, lease_id: str, call: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    async def call(
+        self, lease_id: str, call: str, args: Mapping[str, Any] | None = None, within: float | None = None
+    ) -> dict[str, Any]:
         args = dict(args or {})
         self.asked.append((lease_id, call, args))
         if call == "store_get":
