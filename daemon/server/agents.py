@@ -47,6 +47,11 @@ MAX_AGENTS_PER_USER = 16
 MAX_AGENTS = 256
 MAX_AGENT_SLOTS = 64
 MAX_AGENT_GPUS = 1024
+MAX_AGENT_QUEUES = 16  # each a stream its worker reads on every wait for work
+# What one append_log carries at most: what a worker's own JobOutput sends (worker/job_output.py),
+# so that log.lua's trim keeps a log within log_max_bytes as it does a worker's.
+MAX_LOG_CHUNKS = 16
+MAX_LOG_CHUNK = 64 * 1024
 MAX_LOG_PAGE = 1000  # chunks one read_log answers at most
 BATCH_JOB = re.compile(r"(?:slurm|pbs):[A-Za-z0-9._\[\]-]{1,64}")
 # What a registration shows of an agent's machine (registry.Registration), each value judged.
@@ -127,6 +132,8 @@ def check_offer(offer: ServeJobs) -> None:
         raise _invalid(f"an agent offers 1 to {MAX_AGENT_SLOTS} slots, not {offer.slots}: run several agents")
     if not offer.queues or any(not isinstance(q, str) or not QUEUE_NAME.fullmatch(q) for q in offer.queues):
         raise _invalid("queues must name one or more queues (1-64 of A-Za-z0-9_-)")
+    if len(offer.queues) > MAX_AGENT_QUEUES:
+        raise _invalid(f"an agent takes at most {MAX_AGENT_QUEUES} queues, not {len(offer.queues)}")
     if not isinstance(offer.host, str) or not HOST_NAME.fullmatch(offer.host):
         raise _invalid(
             "host must be the machine's name: 1-63 of A-Za-z0-9._-, starting with a letter or digit"
@@ -206,6 +213,8 @@ class Agents:
         # An admin's agent serves everyone, unless its jobs run as its own uid and could read its token.
         everyone = user in self.admins and not offer.shared_uid
         worker = self.factory(self.queue, self.config, offer, "" if everyone else user)
+        if worker.id in self._live:  # 64 random bits: never, but one agent's id is never another's
+            raise GpupoolError("an agent's worker id came out taken; offer again", ErrorCode.UNAVAILABLE)
         self._live[worker.id] = LiveAgent(user, worker)
         try:
             await worker.start()  # on failure nothing of it runs
@@ -276,6 +285,11 @@ class Agents:
                     raise _invalid("append_log's number counts the attempt's calls from 1")
                 if not isinstance(chunks, list) or not all(isinstance(c, bytes) for c in chunks):
                     raise _invalid("append_log's chunks must be a list of bytes")
+                if len(chunks) > MAX_LOG_CHUNKS or any(len(c) > MAX_LOG_CHUNK for c in chunks):
+                    raise _invalid(
+                        f"append_log carries at most {MAX_LOG_CHUNKS} chunks of at most "
+                        f"{MAX_LOG_CHUNK // 1024} KiB each, as a worker's own output does"
+                    )
                 await self.queue.append_log(lease, number, chunks)  # StaleAttempt: CONFLICT
                 return {}
             case "record_checkpoint":

@@ -37,9 +37,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from daemon.config import HAND_BACK_SECONDS, Config
 from daemon.errors import GpupoolError
 from daemon.job import JobState, Lease, Outcome
+from daemon.object_store import artifact_prefix
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.attempt import boottime
 from daemon.worker.dispatcher import Worker
@@ -88,7 +91,7 @@ def lease_map(lease: Lease) -> dict[str, Any]:
     }
 
 
-def run_result(args: Mapping[str, Any], gpus: tuple[GpuInfo, ...]) -> RunResult:
+def run_result(args: Mapping[str, Any], gpus: tuple[GpuInfo, ...], lease: Lease) -> RunResult:
     """What an `ended` call says, as the worker records it (INVALID_ARGUMENT for a call that
     does not say it well): an ending, an outcome exactly where the ending has one, the attempt's
     own GPUs left dirty, the signal that killed it."""
@@ -115,12 +118,34 @@ def run_result(args: Mapping[str, Any], gpus: tuple[GpuInfo, ...]) -> RunResult:
             )
         except (ValueError, TypeError):
             raise invalid("outcome state must be succeeded, failed or cancelled, result a map") from None
+        check_outcome(outcome, lease)
     dirty = args.get("dirty_gpus") or {}
     if not isinstance(dirty, Mapping):
         raise invalid("dirty_gpus must map GPU uuids to why")
     own = {g.uuid for g in gpus}  # an attempt speaks for its own GPUs only
     dirty_gpus = {str(uuid): str(why) for uuid, why in dirty.items() if uuid in own}
     return RunResult(ending, outcome, dirty_gpus, _optional_int(args.get("killed_by"), "killed_by"))
+
+
+# What an agent's outcome may carry (a worker's own keeps within these: a short sentence, a
+# result of a tail of output and the list of its artifacts): Redis keeps it for job_retention.
+MAX_DETAIL = 4096
+MAX_RESULT_BYTES = 1 << 20
+
+
+def check_outcome(outcome: Outcome, lease: Lease) -> None:
+    """An outcome within the bounds a worker's keeps to, whose artifacts (and log copy) lie under
+    the attempt's own prefix; else INVALID_ARGUMENT, nothing recorded."""
+    if len(outcome.detail) > MAX_DETAIL:
+        raise invalid(f"an outcome's detail is a sentence: at most {MAX_DETAIL} characters")
+    if len(orjson.dumps(outcome.result, default=str)) > MAX_RESULT_BYTES:
+        raise invalid(
+            f"an outcome's result takes at most {MAX_RESULT_BYTES >> 10} KiB (its artifacts listed)"
+        )
+    own = artifact_prefix(lease.job_id, lease.id)
+    described = [*(outcome.result.get("artifacts") or []), outcome.result.get("log") or {"key": own}]
+    if not all(isinstance(a, Mapping) and str(a.get("key", "")).startswith(own) for a in described):
+        raise invalid(f"an outcome names artifacts under its own attempt's prefix only ({own})")
 
 
 def _optional_int(value: Any, what: str) -> int | None:
@@ -235,7 +260,7 @@ class RemoteRun:
         if call == "exited":
             self._exited = True
         elif call == "ended":
-            self._settle(run_result(args, self.gpus))
+            self._settle(run_result(args, self.gpus, self.lease))
         elif call == "tidied":
             self._tidied.set()
 
@@ -294,7 +319,7 @@ class HostedWorker(Worker):
             drain_timeout=drain_timeout,
             kill_grace=kill_grace,
             gpus=gpus,
-            worker_id=f"{offer.host}-agent-{secrets.token_hex(3)}",
+            worker_id=f"{offer.host}-agent-{secrets.token_hex(8)}",
             env={},  # nothing of the server's environment: the agent's jobs get the agent's
             make_run=self._remote_run,
             gpu_max_jobs=gpu_max_jobs,
