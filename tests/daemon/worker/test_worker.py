@@ -57,12 +57,13 @@ async def test_fifo_start_order_across_two_workers_with_two_slots(
     # exec, so two jobs claimed back to back may swap, and a job whose exec the scheduler preempts
     # (two cores for two workers, their jobs and Redis) may be overtaken by any job claimed and
     # not yet started: each worker holds up to four (its two slots' and the two it claims ahead,
-    # look_ahead.py), the other worker's four and its own worker's three others. So none starts
-    # more than seven places from its enqueue position (six was seen in 1 of 15 runs, before and after the
-    # standing claim; 2 to 5 in the rest), and a dispatch out of FIFO order is far beyond that.
+    # look_ahead.py), the other worker's four and its own worker's three others: seven places.
+    # The line each job appends is one more step the scheduler may preempt after its start, and a
+    # preempted job may be overtaken so twice over. So none is more than 14 places from its enqueue
+    # position, while a dispatch out of FIFO order (LIFO, or any order by chance) moves jobs dozens.
     started = order.read_text().split()
     assert sorted(started) == sorted(ids)
-    assert all(abs(started.index(job_id) - n) < 8 for n, job_id in enumerate(ids)), started
+    assert all(abs(started.index(job_id) - n) <= 14 for n, job_id in enumerate(ids)), started
 
 
 async def test_cancel_through_the_queue_kills_grandchildren(queue: JobQueue, tmp_path: Path) -> None:
