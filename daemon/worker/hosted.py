@@ -401,7 +401,11 @@ class HostedWorker(Worker):
     # -- life cycle ------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await super().start()
+        try:
+            await super().start()  # on failure nothing of the worker runs: its view goes too
+        except BaseException:
+            await self.queue.close()
+            raise
         self._last_beat = boottime()
         self._beats = asyncio.create_task(self._watch_beats(), name=f"beats of {self.id}")
         if self.lifetime is not None:
