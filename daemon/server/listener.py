@@ -28,6 +28,7 @@ from protocol import ErrorCode, ServerConnection
 from protocol.connection import error_frame
 
 log = logging.getLogger(__name__)
+STOP_ROUNDS = 3  # rounds of cancelling sessions at the stop: connections accepted as it closed
 
 
 class ListenerError(GpupoolError):
@@ -223,7 +224,13 @@ class Listener:
         running = [task for session in self._sessions for task in session.requests]
         if running:
             await asyncio.wait(running, timeout=grace)
-        # cancel_and_wait, not `suppress(CancelledError)`: that would swallow a cancellation of stop()
-        tasks = [t for t in self._sessions.values() if t is not None]
-        await asyncio.gather(*(cancel_and_wait(task) for task in tasks))
+        # cancel_and_wait, not `suppress(CancelledError)`: that would swallow a cancellation of stop().
+        # Again while any is left: a connection the loop had accepted as the listener closed starts
+        # its session after, and would outlive the server (its transport open at the loop's end).
+        for _ in range(STOP_ROUNDS):
+            tasks = [t for t in self._sessions.values() if t is not None]
+            if not tasks:
+                break
+            await asyncio.gather(*(cancel_and_wait(task) for task in tasks))
+            await asyncio.sleep(0)  # a callback the loop holds for such a connection runs now
         self._server = None
