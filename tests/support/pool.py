@@ -16,6 +16,8 @@ from daemon.queue.job_queue import JobQueue
 from daemon.server.agents import AgentWorkerFactory
 from daemon.server.service import PoolServer
 from storage.base import ObjectStore
+from storage.s3 import S3Store
+from tests.support.s3server import S3Server
 
 USERS = ("alice", "bob")
 
@@ -120,3 +122,17 @@ async def running_pool(
         yield Pool(server, server.listener.address, tokens, Path(cfg.tokens_file))
     finally:
         await server.stop()
+
+
+async def fresh_bucket(s3_server: S3Server) -> S3Store:
+    """A store on a new bucket of the session's S3 server, for a pool of a test's own (the
+    server that is handed it opens and closes it)."""
+    store = S3Store(
+        s3_server.endpoint.removeprefix("http://"),
+        f"p-{secrets.token_hex(6)}",
+        s3_server.access_key,
+        s3_server.secret_key,
+    )
+    async with store:
+        await store.ensure_bucket()
+    return store

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -29,10 +28,9 @@ from daemon.worker.envs import NO_INDEX, EnvSettings
 from daemon.worker.hosted import hosted_worker
 from protocol import Waited, WaitJobs
 from storage.content import content_key
-from storage.s3 import S3Store
 from tests.daemon.server.test_agents import ScriptedAgent, wait_for
 from tests.support.paths import ROOT
-from tests.support.pool import Pool, running_pool
+from tests.support.pool import Pool, fresh_bucket, running_pool
 from tests.support.poolctl import poolctl
 from tests.support.s3server import S3Server
 from tests.support.wheels import locked_project, make_wheel
@@ -46,18 +44,10 @@ SAVE_THEN_FAIL = (
 
 @pytest.fixture
 async def s3_pool(redis_server: EmbeddedRedis, tmp_path: Path, s3_server: S3Server) -> AsyncIterator[Pool]:
-    store = S3Store(
-        s3_server.endpoint.removeprefix("http://"),
-        f"e-{secrets.token_hex(6)}",
-        s3_server.access_key,
-        s3_server.secret_key,
-    )
-    async with store:
-        await store.ensure_bucket()
     async with running_pool(
         redis_server,
         tmp_path,
-        store=store,
+        store=await fresh_bucket(s3_server),
         agent_workers=hosted_worker,
         worker_healthy_response_period=LEASE,
         retry_backoff=LEASE + 1.0,  # the agent hears nothing from the server meanwhile

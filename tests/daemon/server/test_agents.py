@@ -41,8 +41,7 @@ from protocol import (
     WaitJobs,
 )
 from storage.content import content_key
-from storage.s3 import S3Store
-from tests.support.pool import Pool, running_pool
+from tests.support.pool import Pool, fresh_bucket, running_pool
 from tests.support.s3server import S3Server
 
 LEASE = 2.0  # worker_healthy_response_period: a dropped agent's lease lapses this soon
@@ -350,18 +349,10 @@ async def http_put(url: str, data: bytes, sha256: str) -> None:
 
 @pytest.fixture
 async def s3_pool(redis_server: EmbeddedRedis, tmp_path: Path, s3_server: S3Server) -> AsyncIterator[Pool]:
-    store = S3Store(
-        s3_server.endpoint.removeprefix("http://"),
-        f"a-{secrets.token_hex(6)}",
-        s3_server.access_key,
-        s3_server.secret_key,
-    )
-    async with store:
-        await store.ensure_bucket()
     async with running_pool(
         redis_server,
         tmp_path,
-        store=store,
+        store=await fresh_bucket(s3_server),
         users=("alice", "bob"),
         agent_workers=hosted_worker,
         worker_healthy_response_period=LEASE,
