@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -32,11 +32,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _schedule(ends: Sequence[tuple[float | None, int]]) -> str:
-    """When a worker's running jobs end at the latest, as claim.lua reads it ('MS:GPUS ...')."""
-    return " ".join(f"{-1 if t is None else max(0, round(t * 1000))}:{g}" for t, g in ends if g)
-
-
 class SharedGpu(NamedTuple):
     """A worker's GPU that can take a --gpu-mem job, as a claim weighs it: its place in the
     worker's list of GPUs, the bytes it has left, how many more jobs it may take, and whether
@@ -48,9 +43,96 @@ class SharedGpu(NamedTuple):
     shared: bool
 
 
-def _rooms(shared: Sequence[SharedGpu]) -> str:
-    """The GPUs that can take a --gpu-mem job, as claim.lua reads them ('N:MIB:JOBS:S ...')."""
-    return " ".join(f"{r.place}:{r.avail // 2**20}:{r.jobs}:{int(r.shared)}" for r in shared)
+@dataclass(frozen=True)
+class Capacity:
+    """What a worker can take now, as a claim weighs it, described once (in GPUs, bytes and
+    seconds): the GPUs it has free whole, what a job asking for none gets (a slot's share), its
+    GPUs in all (None: as many as are free), when its running jobs end at the latest (seconds from
+    now, None for no time limit; their GPUs: backfill), its stop grace, the GPUs that can take a
+    --gpu-mem job and its largest GPU's bytes (packing), and the seconds a pilot has left (None:
+    no end; a job whose time limit and stop grace run past it is passed over, and so is every job
+    without a time limit)."""
+
+    gpus_free: int = 0
+    slot_gpus: int = 0
+    gpus_total: int | None = None
+    ends: Sequence[tuple[float | None, int]] = ()
+    grace: float = 0.0
+    shared: Sequence[SharedGpu] = ()
+    largest_gpu: int = 0
+    lifetime: float | None = None
+
+    @property
+    def total(self) -> int:
+        return self.gpus_free if self.gpus_total is None else self.gpus_total
+
+    def after(self, reply: ClaimReply) -> Capacity:
+        """What is left for the next queue's claim once `reply`'s jobs are counted out."""
+        return dataclasses.replace(
+            self, gpus_free=reply.gpus_free, shared=reply.shared, gpus_total=self.total
+        )
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """One claim.lua call: `count` jobs of `queue` for `worker` (its request number `request`; a
+    request sent again answers the same leases), of which `slots` go to slots free now (the others
+    are claimed ahead of a free slot), on `capacity`, with `kept` GPUs kept for a head job reserved
+    on the worker in a queue it claimed from before this one. `policy` is the queue's: its caps per
+    user, fair share's half-life, whether priorities preempt, the one user the worker serves and
+    the lease length. Packed once, as one msgpack map that claim/request.lua unpacks once."""
+
+    worker: str
+    queue: str
+    request: int
+    count: int
+    slots: int
+    capacity: Capacity
+    policy: Mapping[str, object]
+    kept: int = 0
+
+    def keys(self) -> list[str]:
+        q = self.queue
+        return [keys.stream(q), keys.retry(q), keys.leases(q), keys.claims(q, self.worker), keys.parked(q)]
+
+    def packed(self) -> bytes:
+        room = self.capacity
+        packed: bytes = msgpack.packb(
+            {
+                "prefix": keys.queue_prefix(self.queue),
+                "group": keys.GROUP,
+                "worker": self.worker,
+                "request": self.request,
+                "count": self.count,
+                "slots": self.slots,
+                "gpus_free": room.gpus_free,
+                "gpus_total": room.total,
+                "slot_gpus": room.slot_gpus,
+                "shared": [list(g) for g in room.shared],
+                "largest_gpu": room.largest_gpu,
+                "ends": [[-1 if t is None else max(0, round(t * 1000)), g] for t, g in room.ends if g],
+                "grace_ms": round(room.grace * 1000),
+                "lifetime_ms": 0 if room.lifetime is None else max(1, round(room.lifetime * 1000)),
+                "kept": self.kept,
+                **self.policy,
+            }
+        )
+        return packed
+
+
+@dataclass(frozen=True)
+class ClaimReply:
+    """claim.lua's answer (claim/ledger.lua `reply`): why claiming stopped (b'claimed', b'empty',
+    b'blocked' or b'preempting'), the stream ids to wait after for more (stream, wake), the GPUs
+    kept for a head job reserved on the worker, what the call left of the worker's GPUs (free
+    whole, and the shared GPUs' table), and the leases."""
+
+    status: bytes
+    cursors: tuple[str, str]
+    kept: int
+    gpus_free: int
+    shared: tuple[SharedGpu, ...]
+    leases: list[Lease]
 
 
 def _boottime() -> float:
@@ -62,20 +144,6 @@ def _ahead_past(leases: list[Lease], slots: int) -> list[Lease]:
     """A claim's leases, those past the first `slots` (for slots free when it was made) marked as
     claimed ahead of a free slot, as claim.lua marked their jobs."""
     return [dataclasses.replace(lease, ahead=True) if i >= slots else lease for i, lease in enumerate(leases)]
-
-
-def _opened(before: str, after: str) -> int:
-    """GPUs a claim put a first shared job on: free whole in the table `before`, shared `after`."""
-    was = {row.split(":")[0] for row in before.split() if row.endswith(":1")}
-    return sum(1 for row in after.split() if row.endswith(":1") and row.split(":")[0] not in was)
-
-
-class ClaimReply(NamedTuple):
-    status: bytes  # b'claimed', b'empty', b'blocked' or b'preempting' (claim.lua)
-    cursors: tuple[str, str]  # the stream ids to wait after for more (stream, wake)
-    kept: int  # GPUs kept for a head job reserved on the worker
-    left: str  # the shared GPUs' table as the call left it
-    leases: list[Lease]
 
 
 @dataclass(eq=False)
@@ -94,9 +162,7 @@ class Standing:
     worker: str
     queues: tuple[str, ...]
     count: int
-    gpus: tuple[int, int, int]
-    backfill: tuple[str, int, int]
-    memory: tuple[str, int]
+    capacity: Capacity
     ends_at: float | None
     ready: Callable[[], bool] | None = None
     slots: int | None = None  # of `count`, for slots free now (claim_many's `slots`)
@@ -126,18 +192,11 @@ class Claims:
         raise NotImplementedError  # JobQueue's
 
     async def claim(
-        self,
-        worker: str,
-        queues: Sequence[str],
-        gpus_free: int = 0,
-        default_gpus: int = 0,
-        *,
-        gpus_total: int | None = None,
+        self, worker: str, queues: Sequence[str], capacity: Capacity | None = None
     ) -> Lease | None:
         """The next job for `worker`, trying `queues` in priority order; None when none has work
-        this worker can take. Never blocks: see `wait_for_work`. The GPU arguments are those of
-        `claim_many`."""
-        leases = await self.claim_many(worker, queues, 1, gpus_free, default_gpus, gpus_total=gpus_total)
+        this worker can take. Never blocks: see `wait_for_work`."""
+        leases = await self.claim_many(worker, queues, 1, capacity)
         return leases[0] if leases else None
 
     async def claim_many(
@@ -145,25 +204,16 @@ class Claims:
         worker: str,
         queues: Sequence[str],
         count: int,
-        gpus_free: int = 0,
-        default_gpus: int = 0,
+        capacity: Capacity | None = None,
         *,
-        gpus_total: int | None = None,
-        ends: Sequence[tuple[float | None, int]] = (),
-        grace: float = 0.0,
-        shared: Sequence[SharedGpu] = (),
-        mem_most: int = 0,
-        lifetime: float | None = None,
         urgent: bool = True,
         slots: int | None = None,
     ) -> list[Lease]:
-        """Up to `count` next jobs for `worker` (a worker with that many free slots), in queue
-        priority order then each queue's order, one script call per queue tried. A job asking for
-        0 GPUs needs `default_gpus` free (a worker's share per slot); a job needing more than
-        `gpus_free` blocks its queue here (head of line), unless it needs more than `gpus_total`
-        (the worker's GPUs in all, default `gpus_free`), which this worker could never give it: it
-        is passed over. The GPUs a claimed job takes are counted out for the next. [] when none
-        has work.
+        """Up to `count` next jobs for `worker` (a worker with that many free slots and
+        `capacity`), in queue priority order then each queue's order, one script call per queue
+        tried (claim.lua: what a job needs, and which waits, is its parts' to say). The GPUs a
+        claimed job takes are counted out for the next queue's call, and so are the GPUs kept for
+        a head job reserved on the worker (backfill). [] when none has work.
 
         Each script call is a numbered request (claim.lua): one whose reply never came (a broken
         connection, a timeout, the caller cancelled) is sent again, first, by the worker's next
@@ -175,17 +225,6 @@ class Claims:
         not running here meanwhile. One that no replica confirmed raises NotReplicated and is
         sent again, as one unanswered, until one does.
 
-        Backfill (claim.lua): `ends` says when each job running on the worker ends at the latest,
-        (seconds from now, or None for no time limit; its GPUs), and `grace` is the worker's stop
-        grace: with them a queue's head job that must wait for GPUs reserves this worker, and only
-        jobs that cannot delay it start here meanwhile, from its queue and those tried after it.
-
-        GPU memory (claim.lua): `shared` lists the worker's GPUs that can take a --gpu-mem job
-        (each by its place in the worker's list), `mem_most` is its largest GPU's memory (bytes);
-        a lease's `shared_gpu` is the place of the GPU its job goes on. `lifetime`: the seconds a
-        pilot worker has left; a job whose time limit (and stop grace) runs past it is passed over,
-        and so is every job without a time limit (None: no end).
-
         `urgent`: a slot waits for what it claims, and its calls go ahead of the others
         (`_claim_call`). A claim made while every slot is taken (look_ahead.py) is not: it travels
         with the calls made in its turn (an attempt's outcome, say), one write and one wakeup of
@@ -195,9 +234,7 @@ class Claims:
         ahead of a free slot: their leases say `ahead`, and each counts as never started (a
         reclaim of it is no loss, and bills nothing) until `mark_started` says it started; none is
         taken from the front of a queue, where the claim stops instead (claim.lua)."""
-        total = gpus_free if gpus_total is None else gpus_total
-        rooms = _rooms(shared)
-        schedule = _schedule(ends)
+        room = capacity or Capacity()
         kept = 0
         todo: list[tuple[str, int]] = []
         if (pending := self._unanswered.pop(worker, None)) is not None:
@@ -211,17 +248,9 @@ class Claims:
             free = 0 if todo else count if slots is None else max(0, slots - len(leases))
             request = todo.pop()[1] if todo else self._next_request(worker)
             try:
-                status, cursors, kept, left, got = await self._claim_call(
-                    worker,
-                    q,
-                    request,
-                    count - len(leases),
-                    (gpus_free, default_gpus, total),
-                    backfill=(schedule, round(grace * 1000), kept),
-                    memory=(rooms, mem_most // 2**20),
-                    lifetime=lifetime,
+                got = await self._claim_call(
+                    self._request(worker, q, request, count - len(leases), room, slots=free, kept=kept),
                     urgent=urgent,
-                    slots=free,
                 )
             except (RedisError, NotReplicated, asyncio.CancelledError) as exc:
                 if unanswered(exc):
@@ -233,46 +262,22 @@ class Claims:
                 # Claimed jobs are this worker's now: hand them out rather than strand them.
                 log.warning("claiming from queue %s failed; running the %d jobs claimed", q, len(leases))
                 break
-            got = _ahead_past(got, free)
-            for lease in got:
-                gpus_free -= 0 if lease.spec.gpu_mem else lease.spec.gpus or default_gpus
-            gpus_free -= _opened(rooms, left)  # GPUs free whole before, shared now
-            rooms = left
-            leases += got
-            if status != b"claimed":
-                self._cursors[q] = cursors
+            room, kept = room.after(got), got.kept
+            leases += _ahead_past(got.leases, free)
+            if got.status != b"claimed":
+                self._cursors[q] = got.cursors
         return leases
 
-    async def preempt_check(
-        self,
-        worker: str,
-        queues: Sequence[str],
-        gpus_free: int,
-        default_gpus: int,
-        *,
-        gpus_total: int,
-        ends: Sequence[tuple[float | None, int]] = (),
-        grace: float = 0.0,
-        lifetime: float | None = None,
-    ) -> bool:
+    async def preempt_check(self, worker: str, queues: Sequence[str], capacity: Capacity) -> bool:
         """For a worker whose slots are all taken: in each of `queues` where priorities preempt,
         should the highest-priority job waiting stop lower ones here to make room (claim.lua with
-        no job wanted)? True when some were asked to. Claims nothing. `lifetime`, as claim_many's:
-        a pilot stops nothing for a job it would pass over."""
-        schedule = _schedule(ends)
+        no job wanted)? True when some were asked to. Claims nothing. A pilot (`lifetime`) stops
+        nothing for a job it would pass over."""
         asked = False
         for q in [q for q in queues if q in self.preempt]:
-            status, cursors, _, _, _ = await self._claim_call(
-                worker,
-                q,
-                self._next_request(worker),
-                0,
-                (gpus_free, default_gpus, gpus_total),
-                backfill=(schedule, round(grace * 1000), 0),
-                lifetime=lifetime,
-            )
-            self._cursors[q] = cursors
-            asked = asked or status == b"preempting"
+            got = await self._claim_call(self._request(worker, q, self._next_request(worker), 0, capacity))
+            self._cursors[q] = got.cursors
+            asked = asked or got.status == b"preempting"
         return asked
 
     async def settle_claims(self, worker: str) -> list[Lease]:
@@ -287,28 +292,21 @@ class Claims:
             return leases
         q, request = pending
         try:
-            _, _, _, _, got = await self._claim_call(worker, q, request, 0, (0, 0, 0))
+            got = await self._claim_call(self._request(worker, q, request, 0, Capacity()))
         except (RedisError, NotReplicated, asyncio.CancelledError) as exc:
             if unanswered(exc):
                 self._unanswered[worker] = pending
             self._stranded.setdefault(worker, []).extend(leases)
             raise
-        return leases + got
+        return leases + got.leases
 
     def stand(
         self,
         worker: str,
         queues: Sequence[str],
         count: int,
-        gpus_free: int = 0,
-        default_gpus: int = 0,
+        capacity: Capacity | None = None,
         *,
-        gpus_total: int | None = None,
-        ends: Sequence[tuple[float | None, int]] = (),
-        grace: float = 0.0,
-        shared: Sequence[SharedGpu] = (),
-        mem_most: int = 0,
-        lifetime: float | None = None,
         ready: Callable[[], bool] | None = None,
         slots: int | None = None,
     ) -> Standing | None:
@@ -320,17 +318,9 @@ class Claims:
         down while it stands (Standing)."""
         if worker in self._unanswered:
             return None
-        standing = Standing(
-            worker,
-            tuple(queues),
-            count,
-            (gpus_free, default_gpus, gpus_free if gpus_total is None else gpus_total),
-            (_schedule(ends), round(grace * 1000), 0),
-            (_rooms(shared), mem_most // 2**20),
-            None if lifetime is None else _boottime() + lifetime,
-            ready,
-            slots,
-        )
+        room = capacity or Capacity()
+        ends_at = None if room.lifetime is None else _boottime() + room.lifetime
+        standing = Standing(worker, tuple(queues), count, room, ends_at, ready, slots)
         self._standing.append(standing)
         return standing
 
@@ -349,18 +339,13 @@ class Claims:
             if q in standing.queues and (standing.ready is None or standing.ready()):
                 self._standing.remove(standing)
                 request = self._next_request(standing.worker)
-                call = self._claim_request(
-                    standing.worker,
-                    q,
-                    request,
-                    standing.count,
-                    standing.gpus,
-                    backfill=standing.backfill,
-                    memory=standing.memory,
-                    lifetime=None if standing.ends_at is None else max(0.001, standing.ends_at - _boottime()),
-                    slots=standing.slots,
+                room = standing.capacity
+                if standing.ends_at is not None:
+                    room = dataclasses.replace(room, lifetime=max(0.001, standing.ends_at - _boottime()))
+                claim = self._request(standing.worker, q, request, standing.count, room, slots=standing.slots)
+                reply = self._call.submit(
+                    self.scripts.claim, claim.keys(), [claim.packed()], durable=True, first=True
                 )
-                reply = self._call.submit(self.scripts.claim, *call, durable=True, first=True)
                 standing.sent = (q, request, reply, enqueued)
                 self._unanswered[standing.worker] = (q, request)  # until its reply is read
                 standing.taken.set()
@@ -388,77 +373,45 @@ class Claims:
         self._requests[worker] = number = self._requests.get(worker, 0) + 1
         return number
 
-    async def _claim_call(
+    def _request(
         self,
         worker: str,
         q: str,
         request: int,
         count: int,
-        gpus: tuple[int, int, int],
+        capacity: Capacity,
         *,
-        backfill: tuple[str, int, int] = ("", 0, 0),
-        memory: tuple[str, int] = ("", 0),
-        lifetime: float | None = None,
-        urgent: bool = True,
         slots: int | None = None,
-    ) -> ClaimReply:
-        """One claim.lua call; `gpus` is (free, default per job, total), `backfill` (when the
-        worker's running jobs end, its stop grace in ms, GPUs it keeps for a head job). `urgent`,
-        it goes ahead of the other calls (scripts.Pipeliner): the outcome of the job whose slot it
-        fills follows it. `memory`: the shared GPUs' table and the largest GPU's MiB. `slots`: how
-        many of the `count` go to slots free now (None: all; claim_many)."""
-        call = self._claim_request(
-            worker, q, request, count, gpus, backfill=backfill, memory=memory, lifetime=lifetime, slots=slots
+        kept: int = 0,
+    ) -> ClaimRequest:
+        """A claim request of `worker`'s in queue `q`, under this queue's policy there."""
+        policy: Mapping[str, object] = {
+            "lease_ms": self.lease_ms,
+            "max_jobs": self.user_caps[0],
+            "max_gpus": self.user_caps[1],
+            "half_life_ms": self.half_life_ms if q in self.fairshare else 0,
+            "preempt": q in self.preempt,
+            "serves": self.serve_user,
+        }
+        return ClaimRequest(
+            worker, q, request, count, count if slots is None else slots, capacity, policy, kept
         )
-        reply = await self._call(self.scripts.claim, *call, ahead=urgent, durable=True)
-        return await self._claim_reply(worker, q, reply)
 
-    def _claim_request(
-        self,
-        worker: str,
-        q: str,
-        request: int,
-        count: int,
-        gpus: tuple[int, int, int],
-        *,
-        backfill: tuple[str, int, int] = ("", 0, 0),
-        memory: tuple[str, int] = ("", 0),
-        lifetime: float | None = None,
-        slots: int | None = None,
-    ) -> tuple[list[str], list[object]]:
-        """claim.lua's keys and arguments (see `_claim_call`)."""
-        free, default, total = gpus
-        return (
-            [keys.stream(q), keys.retry(q), keys.leases(q), keys.claims(q, worker), keys.parked(q)],
-            [
-                keys.queue_prefix(q),
-                keys.GROUP,
-                worker,
-                free,
-                self.lease_ms,
-                default,
-                count,
-                total,
-                request,
-                *self.user_caps,
-                self.half_life_ms if q in self.fairshare else 0,
-                *backfill,
-                1 if q in self.preempt else 0,
-                *memory,
-                0 if lifetime is None else max(1, round(lifetime * 1000)),
-                count if slots is None else slots,
-                self.serve_user,
-            ],
+    async def _claim_call(self, claim: ClaimRequest, *, urgent: bool = True) -> ClaimReply:
+        """One claim.lua call. `urgent`, it goes ahead of the other calls (scripts.Pipeliner): the
+        outcome of the job whose slot it fills follows it."""
+        reply = await self._call(
+            self.scripts.claim, claim.keys(), [claim.packed()], ahead=urgent, durable=True
         )
+        return await self._claim_reply(claim.worker, claim.queue, reply)
 
     async def _claim_reply(
         self, worker: str, q: str, reply: list[Any], known: tuple[bytes, JobSpec] | None = None
     ) -> ClaimReply:
-        """claim.lua's answer: (status, cursors, GPUs kept for a head job, the shared GPUs' table
-        as the call left it, leases). `known`: a spec at hand, packed and as the JobSpec it was
-        packed from (a standing claim's enqueue's): a job whose packed spec is those very bytes
-        has that JobSpec, not decoded again (a decode is dear after an idle spell)."""
-        status, stream_cursor, wake_cursor, kept, left, *claimed = reply
+        """claim.lua's answer, read (ClaimReply). `known`: a spec at hand, packed and as the
+        JobSpec it was packed from (a standing claim's enqueue's): a job whose packed spec is those
+        very bytes has that JobSpec, not decoded again (a decode is dear after an idle spell)."""
+        status, stream_cursor, wake_cursor, kept, gpus_free, shared, *claimed = reply
         leases = []
         for job_id, attempt, lease_id, packed, place in (
             claimed[i : i + 5] for i in range(0, len(claimed), 5)
@@ -477,7 +430,10 @@ class Claims:
         if status == b"preempting":  # the worker's jobs asked to make room: it hears at its next beat,
             with contextlib.suppress(RedisError):  # or now (best effort: the leases are what count)
                 await self.redis.publish(keys.worker_channel(worker), q)
-        return ClaimReply(status, (_s(stream_cursor), _s(wake_cursor)), int(kept), _s(left), leases)
+        table = tuple(SharedGpu(int(p), int(left), int(n), bool(int(sh))) for p, left, n, sh in shared)
+        return ClaimReply(
+            status, (_s(stream_cursor), _s(wake_cursor)), int(kept), int(gpus_free), table, leases
+        )
 
     async def _unreadable(self, lease: Lease, exc: Exception) -> None:
         """A claimed job whose spec this worker cannot read: it fails, saying why, rather than go

@@ -63,11 +63,6 @@ ADD_QUEUES = Command("SADD")  # name queues in the pool's queue set (`_list_queu
 DEFAULT_LOG_MAX_BYTES = 16 * 2**20  # per job: the first quarter is kept for good, then the newest
 
 
-def mib(nbytes: int) -> int:
-    """Memory as a claim weighs it: whole MiB, rounded up (a job asking for any gets at least 1)."""
-    return -(-nbytes // 2**20)
-
-
 def _stream_id(entry_id: str) -> tuple[int, int]:
     """A stream entry id ('MS-SEQ'), ordered as Redis orders them."""
     ms, _, seq = entry_id.partition("-")
@@ -84,12 +79,14 @@ def _job_args(spec: JobSpec, packed: bytes, notify: str) -> list[Any]:
         spec.retries,
         spec.priority,
         spec.user,
-        mib(spec.gpu_mem),
+        spec.gpu_mem,
         " ".join(spec.after),
         spec.array,
         spec.array_pos,
         spec.array_limit if spec.array else 0,
         notify,
+        0 if spec.timeout is None else round(spec.timeout * 1000),
+        -1 if spec.stop_grace is None else round(spec.stop_grace * 1000),
     ]
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import msgpack
@@ -22,24 +21,6 @@ from daemon.errors import JobNotFound
 from daemon.job import Attempt, JobInfo, JobSpec, JobState, queue_of
 from daemon.queue import keys
 from daemon.queue.connection import AnyRedis, block_limit
-
-
-@dataclass
-class Standing:
-    """A user in a fair-share queue (QueueReads.fair_standing): their recent use in GPU-seconds
-    (decayed), weight, and the jobs and GPUs they run there; `waiting`: they have jobs waiting."""
-
-    use: float = 0.0
-    weight: float = 1.0
-    running: int = 0
-    gpus: int = 0
-    waiting: bool = False
-
-    @property
-    def rank(self) -> tuple[float, int]:
-        """Who a claim starts first: the least use per weight, then the fewest jobs running."""
-        return (self.use / self.weight, self.running)
-
 
 LOG_GAP = "[gpupool] {} bytes of output dropped here: a log keeps its first {} and its last {}\n"
 
@@ -192,13 +173,6 @@ class QueueReads:
         running = {_s(i) for i in cast(list[bytes], await self.redis.zrange(keys.leases(queue), 0, -1))}
         return [i for i in await self._active_ids(queue, limit) if i not in running]
 
-    async def users_of(self, job_ids: Sequence[str]) -> set[str]:
-        """The users whose jobs `job_ids` are (one field of each record, in one round trip)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for job_id in job_ids:
-                pipe.hget(keys.job(job_id), "user")
-            return {_s(u) for u in await pipe.execute() if u}
-
     async def _active_ids(self, queue: str, limit: int) -> list[str]:
         """Running (leases), front (retry), parked, held at a cap, retries backing off (by when they
         are due) and priority jobs of one queue, then up to
@@ -231,10 +205,6 @@ class QueueReads:
         at = await self.redis.zscore(keys.backoff(queue_of(job_id)), job_id)
         return None if at is None else at / 1000
 
-    async def held_at_cap(self, job_id: str) -> bool:
-        """Whether a queued job is held aside because its user is at a cap (claim.lua)."""
-        return await self.redis.zscore(keys.capped(queue_of(job_id)), job_id) is not None
-
     async def reservation(self, job_id: str) -> tuple[str, float] | None:
         """When `job_id` heads its queue waiting for GPUs and holds a live reservation (claim.lua's
         backfill): the worker it reserved and when it could start there at the earliest (a Unix
@@ -244,38 +214,6 @@ class QueueReads:
         if job != job_id or worker is None or until is None or float(until) < time.time() * 1000:
             return None
         return worker, float(at or 0) / 1000
-
-    async def fair_standing(self, queue: str, half_life_ms: int) -> dict[str, Standing]:
-        """Each user of a fair-share queue with jobs waiting or running there: their recent use
-        (GPU-seconds, decayed as claim.lua decays it), weight and what they run, for `show` to say
-        who goes first. Read in two round trips; a glance, not a script's atomic view."""
-        q = queue
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(keys.fairshare(q))
-            pipe.zrange(keys.capped_users(q), 0, -1)
-            pipe.zrange(keys.leases(q), 0, -1)
-            stored, waiting, running = await pipe.execute()
-        now = time.time() * 1000
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for job_id in running:
-                pipe.hmget(keys.job(_s(job_id)), "user", "held_gpus", "started_at")
-            jobs = await pipe.execute()
-        fields = {_s(k): float(v) for k, v in stored.items()}
-        out = {_s(u): Standing() for u in waiting}
-        for user, gpus, started in jobs:
-            if user is None:
-                continue
-            st = out.setdefault(_s(user), Standing())
-            g = int(gpus or 0)
-            st.running, st.gpus = st.running + 1, st.gpus + g
-            st.use += max(1, g) * max(0.001, (now - float(started or now)) / 1000)
-        for user, st in out.items():
-            if f"u:{user}" in fields:
-                age = now - fields.get(f"t:{user}", now)
-                st.use += fields[f"u:{user}"] / 1000 * 2 ** (-age / half_life_ms)
-            st.weight = fields.get(f"w:{user}", 1.0)
-            st.waiting = user in {_s(u) for u in waiting}
-        return out
 
     async def leases_held(self, queues: Sequence[str]) -> int:
         """Running attempts (leases) in `queues`, in one round trip."""

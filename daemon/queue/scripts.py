@@ -62,6 +62,7 @@ NAMES = (
     "enqueue",
     "enqueue_many",
     "claim",
+    "explain",
     "renew",
     "complete",
     "cancel",
@@ -83,10 +84,18 @@ NAMES = (
 )
 
 
+INCLUDE = "--! include "
+
+
 def source(name: str) -> str:
-    """The full text of a script as Redis runs it: the shared helpers, then the script."""
+    """The full text of a script as Redis runs it: the shared helpers, then the script, each of its
+    `--! include PATH` lines replaced by that file of lua/ (the scheduler's parts: lua/claim/)."""
     lua = resources.files("daemon.queue") / "lua"
-    return (lua / "_lib.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+    lines = []
+    for line in (lua / f"{name}.lua").read_text().splitlines(keepends=True):
+        part = line[len(INCLUDE) :].strip() if line.startswith(INCLUDE) else None
+        lines.append((lua / part).read_text() if part else line)
+    return (lua / "_lib.lua").read_text() + "\n" + "".join(lines)
 
 
 class Scripts:
@@ -96,6 +105,7 @@ class Scripts:
         self.enqueue: AsyncScript = redis.register_script(source("enqueue"))
         self.enqueue_many: AsyncScript = redis.register_script(source("enqueue_many"))
         self.claim: AsyncScript = redis.register_script(source("claim"))
+        self.explain: AsyncScript = redis.register_script(source("explain"))
         self.renew: AsyncScript = redis.register_script(source("renew"))
         self.complete: AsyncScript = redis.register_script(source("complete"))
         self.cancel: AsyncScript = redis.register_script(source("cancel"))

@@ -1,6 +1,8 @@
 """Why a queued job waits, in the sentence `poolctl show` and the dashboard give: what it waits
 for (a job it depends on, GPUs reserved for it, a worker with enough GPUs, a worker for its queue,
-its user's cap or turn in a fair-share queue), else its place in line."""
+its user's cap or turn in a fair-share queue), else its place in line. What the scheduler decides
+(caps, fair share's ranking, a job too big for every worker) is its own verdict, read through
+queue/explain.py: it is put in words here, never judged again."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from typing import Any
 
 from daemon.errors import JobNotFound
 from daemon.job import JobInfo, JobState
+from daemon.queue.explain import Explanation, explain
 from daemon.queue.job_queue import JobQueue
-from daemon.queue.reads import Standing
 from daemon.server.dependencies import weigh
 
 MAX_LIST = 10_000  # the most jobs listed (ls), read for a reason, or asked about at once
@@ -27,7 +29,7 @@ class PendingReasons:
     async def of(self, job_ids: list[str]) -> dict[str, str]:
         """Why each of the queued `job_ids` waits, as `show` says it (a job that is not queued, or
         not known, is left out); what the jobs share (a queue's order, the workers) is read once."""
-        memo: dict[str, Any] = {}
+        memo: dict[str, Any] = {"asked": job_ids[:MAX_LIST]}
         out = {}
         for job_id in job_ids[:MAX_LIST]:
             with contextlib.suppress(JobNotFound):
@@ -68,7 +70,8 @@ class PendingReasons:
             )
         if (workers := memo.get("workers")) is None:
             workers = memo["workers"] = [w for w in await self.workers() if w.get("health") == "healthy"]
-        if info.spec.gpus and not any(len(w.get("gpus", ())) >= info.spec.gpus for w in workers):
+        judged = await self._explained(info, workers, memo)
+        if judged.verdict == "park":
             return (
                 f"needs {info.spec.gpus} GPUs, and no live worker has that many: the jobs behind it "
                 "run meanwhile, and it starts when such a worker joins"
@@ -82,15 +85,27 @@ class PendingReasons:
             f"{ahead} job(s) ahead of it in queue {info.spec.queue!r}" if ahead else "next to start"
         ) + rank
         fair = info.spec.queue in self.queue.fairshare and not info.spec.priority
-        if not fair and await self.queue.held_at_cap(info.id):
+        if judged.verdict == "hold" or (not fair and judged.place == "held"):
             return self._cap_reason(info)
         if not any(info.spec.queue in w.get("queues", ()) for w in workers):
             return f"no live worker serves queue {info.spec.queue!r} (when one does: {place})"
         if fair:  # its user's turn comes by recent use, not by place
-            if (users := memo.get(f"users:{info.spec.queue}")) is None:  # whose jobs wait there
-                users = memo[f"users:{info.spec.queue}"] = await self.queue.users_of(queued)
-            return await self._fair_reason(info, users)
+            return self._fair_reason(info, judged)
         return place
+
+    async def _explained(
+        self, info: JobInfo, workers: list[dict[str, Any]], memo: dict[str, Any]
+    ) -> Explanation:
+        """The scheduler's verdict on `info` (queue/explain.py), as judged by a claim of the
+        queue's biggest live worker; the queued jobs of its queue that `of` was asked about are
+        judged in the same call."""
+        q = info.spec.queue
+        judged: dict[str, Explanation] = memo.setdefault(f"explained:{q}", {})
+        if info.id not in judged:
+            asked = [i for i in memo.get("asked", ()) if i not in judged and i.startswith(f"{q}.")]
+            most = max((len(w.get("gpus", ())) for w in workers if q in w.get("queues", ())), default=0)
+            judged |= await explain(self.queue, q, list(dict.fromkeys([info.id, *asked])), most)
+        return judged[info.id]
 
     async def _held_reason(self, info: JobInfo) -> str:
         """A job held out of its queue: what it waits for, or its array's window."""
@@ -114,25 +129,11 @@ class PendingReasons:
             "starts, before the jobs behind it, once one of theirs there ends"
         )
 
-    async def _fair_reason(self, info: JobInfo, waiting: set[str]) -> str:
-        """A job waiting its user's turn in a fair-share queue: who goes first, and why.
-        `waiting`: the users with jobs waiting there, as listed."""
+    def _fair_reason(self, info: JobInfo, judged: Explanation) -> str:
+        """A job waiting its user's turn in a fair-share queue: who goes first, and why."""
         q, user = info.spec.queue, info.spec.user
-        standing = await self.queue.fair_standing(q, self.queue.half_life_ms)
-        for u in waiting:
-            standing.setdefault(u, Standing()).waiting = True
-        me = standing.get(user, Standing())
-        jobs_cap, gpus_cap = self.queue.user_caps
-        if me.running and (
-            (jobs_cap and me.running >= jobs_cap) or (gpus_cap and me.gpus + info.spec.gpus > gpus_cap)
-        ):
-            return self._cap_reason(info)
-        first = sorted(
-            (u for u, st in standing.items() if u != user and st.waiting and st.rank < me.rank),
-            key=lambda u: standing[u].rank,
-        )
-        mine = f"{user}: {me.use / 3600:.2f} GPU-hours of recent use, weight {me.weight:g}"
-        if first:
+        mine = f"{user}: {judged.use / 3600:.2f} GPU-hours of recent use, weight {judged.weight:g}"
+        if first := judged.first:
             who = ", ".join(first[:5]) + (f" and {len(first) - 5} more" if len(first) > 5 else "")
             verb = "goes" if len(first) == 1 else "go"
             return f"fair share in queue {q!r}: {who} {verb} first: less recent use ({mine})"

@@ -35,6 +35,7 @@ work_watch.py (its wait for work).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -52,7 +53,7 @@ from daemon.job import Lease, RenewStatus
 from daemon.metrics.transfers import MeteredStore
 from daemon.metrics.worker import GpuSampler, WorkerMetrics
 from daemon.queue import keys, registry
-from daemon.queue.claims import SharedGpu
+from daemon.queue.claims import Capacity, SharedGpu
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import Registration
 from daemon.worker import look_ahead
@@ -284,7 +285,7 @@ class Worker(Stopping):
             try:
                 if full and not ahead:  # every slot taken: claim nothing, see if a job should preempt here
                     self._wake.clear()
-                    await self.queue.preempt_check(self.id, self.queues, **await self._room(shared=False))
+                    await self.queue.preempt_check(self.id, self.queues, await self._room(shared=False))
                     claimed = False
                 elif claim_first or self._wake.is_set():
                     # Cleared before the claim: GPUs freed while it is in flight still wake the wait below.
@@ -306,29 +307,31 @@ class Worker(Stopping):
                 await woken_or(self._wake, backoff)
                 backoff = min(backoff * 2, 5.0)
 
-    async def _room(self, *, shared: bool = True) -> dict[str, Any]:
-        """What a claim needs to know of this worker's GPUs (JobQueue.claim_many): free whole, a
-        slot's share, in all, when the attempts holding some end at the latest (backfill), the
-        time a pilot has left (a preemption check says it too: a pilot stops nothing for a job it
-        would not take), and with `shared` those that can take a --gpu-mem job (NVML's free
-        memory read now)."""
-        room: dict[str, Any] = {
-            "gpus_free": self.allocator.free_count(),
-            "default_gpus": self.allocator.share,
-            "gpus_total": len(self.allocator.gpus),
-            "ends": latest_ends(self._held, self._gpus_held, self.kill_grace),
-            "grace": self.kill_grace,
-        }
-        room |= self.lifetime.claim_room() if self.lifetime else {}
+    async def _room(self, *, shared: bool = True) -> Capacity:
+        """What this worker can take now (claims.Capacity): its GPUs free whole, a slot's share, in
+        all, when the attempts holding some end at the latest (backfill), the time a pilot has left
+        (a preemption check says it too: a pilot stops nothing for a job it would not take), and
+        with `shared` those that can take a --gpu-mem job (NVML's free memory read now)."""
+        room = Capacity(
+            gpus_free=self.allocator.free_count(),
+            slot_gpus=self.allocator.share,
+            gpus_total=len(self.allocator.gpus),
+            ends=latest_ends(self._held, self._gpus_held, self.kill_grace),
+            grace=self.kill_grace,
+            lifetime=self.lifetime.claim_lifetime() if self.lifetime else None,
+        )
         if shared and self.allocator.gpus:
             uuids = [g.uuid for g in self.allocator.gpus]
             free = await asyncio.to_thread(self._nvml.free_memory, uuids) if self._nvml is not None else None
             whole = {g.uuid for g in self.allocator.free()}
-            room["shared"] = [
-                SharedGpu(uuids.index(r.uuid), r.avail, r.jobs, r.uuid not in whole)
-                for r in self.allocator.shared_table(free)
-            ]
-            room["mem_most"] = max(g.memory for g in self.allocator.gpus)
+            room = dataclasses.replace(
+                room,
+                shared=[
+                    SharedGpu(uuids.index(r.uuid), r.avail, r.jobs, r.uuid not in whole)
+                    for r in self.allocator.shared_table(free)
+                ],
+                largest_gpu=max(g.memory for g in self.allocator.gpus),
+            )
         return room
 
     async def _claim(self) -> bool:
@@ -340,9 +343,7 @@ class Worker(Stopping):
         free = self.slots - self._busy()
         wanted = free + self._ahead.wanted()
         room = await self._room()
-        leases = await self.queue.claim_many(
-            self.id, self.queues, wanted, urgent=free > 0, slots=free, **room
-        )
+        leases = await self.queue.claim_many(self.id, self.queues, wanted, room, urgent=free > 0, slots=free)
         return await self._claimed(leases, wanted, generation, sent)
 
     def _generation(self) -> int:
@@ -410,7 +411,12 @@ class Worker(Stopping):
         wanted = free + self._ahead.wanted()
         claim = None  # none stands on a GPU worker (work_watch.py)
         if not self.allocator.gpus:  # and none goes while claims may not (claim_gate.py)
-            claim = {"count": wanted, "slots": free, "ready": self._gate.open_now, **await self._room()}
+            claim = {
+                "count": wanted,
+                "slots": free,
+                "ready": self._gate.open_now,
+                "capacity": await self._room(),
+            }
         leases = await self._watch.wait(self._wake, claim)
         return leases is None or await self._claimed(leases, wanted, generation, sent)
 

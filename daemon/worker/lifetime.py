@@ -7,7 +7,7 @@ worker gives it back (idle: no attempt held, none running, none claimed; the clo
 each attempt), and a worker with an end never holds a job past it:
 
 - it claims only jobs that end, their time limit and stop grace counted from the claim, before
-  its drain would have to stop them (`claim_room`, which claim.lua reads as `lifetime`); a job
+  its drain would have to stop them (`claim_lifetime`, which claim.lua reads as `lifetime_ms`); a job
   without a time limit could run past any end, so a pilot never claims one: it stays queued for
   the workers without an end;
 - each job it runs is stopped in time for its own stop grace (`stop_in_time`): its stop signal
@@ -94,15 +94,15 @@ class Lifetime:
             return None
         return self._until(self.leave_by - self.drain_timeout - self.kill_grace - HAND_BACK_SECONDS)
 
-    def claim_room(self) -> dict[str, float]:
-        """What a claim must know (JobQueue.claim_many's `lifetime`): the seconds until this worker's
+    def claim_lifetime(self) -> float | None:
+        """What a claim must know (claims.Capacity's `lifetime`): the seconds until this worker's
         drain ends and it stops what still runs. A job whose time limit and stop grace fit in them
         has ended by then if it starts at once, however long it runs (claim.lua passes over the
-        others, and every job without a time limit); an empty dict for a worker with no end."""
+        others, and every job without a time limit); None for a worker with no end."""
         if not self.max_lifetime:
-            return {}
+            return None
         drain_ends = self.leave_by - self.kill_grace - HAND_BACK_SECONDS
-        return {"lifetime": max(0.001, self._until(drain_ends))}
+        return max(0.001, self._until(drain_ends))
 
     def stop_in(self, grace: float) -> float | None:
         """Seconds until a job whose stop grace is `grace` must be sent its stop signal, so that it

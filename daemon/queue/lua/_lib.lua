@@ -321,14 +321,16 @@ end
 -- (claim.lua). PRIO_SEQ (above, with `join`) exceeds any seq a queue will reach.
 
 -- What an enqueue script is given of each job, in this order in its ARGV (job_queue.py
--- `_job_args` writes them so): its spec (msgpack, opaque here), the GPUs it wants, its max
--- attempts and retries, its priority (0: none), its user (whose caps it counts against), the MiB
--- it asks for on one shared GPU (0: whole GPUs), what it waits for ("JOB:how ...", daemon/after.py;
--- '' for nothing), its array ('QUEUE@NAME'; '' for none), its place in it, the array's window
--- (the most of it under way at once; 0: no limit), and where its end is notified ('job', 'pool',
--- both space-separated, or '': to_outbox).
-local JOB_ARGS = {'spec', 'gpus', 'max_attempts', 'retries', 'priority', 'user', 'gpu_mem', 'after', 'array',
-  'array_pos', 'window', 'notify'}
+-- `_job_args` writes them so): its spec (msgpack, opaque to every script), the GPUs it wants, its
+-- max attempts and retries, its priority (0: none), its user (whose caps it counts against), the
+-- bytes it asks for on one shared GPU (0: whole GPUs), what it waits for ("JOB:how ...",
+-- daemon/after.py; '' for nothing), its array ('QUEUE@NAME'; '' for none), its place in it, the
+-- array's window (the most of it under way at once; 0: no limit), where its end is notified
+-- ('job', 'pool', both space-separated, or '': to_outbox), its time limit (ms; 0: none) and its
+-- own stop grace (ms; -1: the worker's). The scheduler reads what it needs of a job from these
+-- named fields of its record (claim/job.lua), never from the spec.
+local JOB_ARGS = {'spec', 'gpus', 'max_attempts', 'retries', 'priority', 'user', 'gpu_mem_bytes', 'after', 'array',
+  'array_pos', 'window', 'notify', 'time_limit_ms', 'stop_grace_ms'}
 
 -- The job given at ARGV[first] and on, as a table keyed by JOB_ARGS.
 local function job_args(argv, first)
@@ -347,7 +349,9 @@ local function add_job(prefix, index, jobkey, id, seq, now, a)
   local priority, pos, window = tonumber(a.priority) or 0, tonumber(a.array_pos) or 0, tonumber(a.window) or 0
   redis.call('HSET', jobkey, 'id', id, 'state', 'queued', 'seq', seq, 'attempt', 0, 'spec', a.spec,
     'gpus', a.gpus, 'max_attempts', a.max_attempts, 'retries', a.retries, 'failures', 0, 'losses', 0,
-    'enqueued_at', now, 'entry', '', 'priority', priority, 'user', a.user or '', 'gpu_mem', tonumber(a.gpu_mem) or 0,
+    'enqueued_at', now, 'entry', '', 'priority', priority, 'user', a.user or '',
+    'gpu_mem_bytes', tonumber(a.gpu_mem_bytes) or 0, 'time_limit_ms', tonumber(a.time_limit_ms) or 0,
+    'stop_grace_ms', tonumber(a.stop_grace_ms) or -1,
     'after', a.after or '', 'array', a.array or '', 'array_pos', pos, 'window', window, 'counted', 1)
   if a.notify and a.notify ~= '' then redis.call('HSET', jobkey, 'notify', a.notify) end
   redis.call('ZADD', index, seq, id)

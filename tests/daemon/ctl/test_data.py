@@ -19,6 +19,7 @@ from daemon.errors import GpupoolError, InvalidJob, StaleAttempt
 from daemon.job import JobSpec, JobState, Outcome
 from daemon.object_store import artifact_prefix, open_worker_store
 from daemon.queue import keys
+from daemon.queue.claims import Capacity
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.dispatcher import Worker
 from daemon.worker.job_data import upload_artifacts
@@ -184,11 +185,11 @@ async def test_a_zombie_attempts_artifacts_cannot_replace_the_committed_ones(
     queue: JobQueue = data_pool.queue
     store = data_pool.server.store
     job_id, _ = await queue.enqueue(JobSpec(argv=("true",), user="alice"))
-    zombie = await queue.claim("w-zombie", ["default"], 0)
+    zombie = await queue.claim("w-zombie", ["default"], Capacity(0))
     assert zombie is not None
     await queue.redis.zadd(keys.leases("default"), {job_id: 0})  # its lease ran out: reclaimed
     await queue.reclaim()
-    current = await queue.claim("w-new", ["default"], 0)
+    current = await queue.claim("w-new", ["default"], Capacity(0))
     assert current is not None
     assert current.attempt == 2
 
@@ -216,7 +217,7 @@ async def finished_with(
     uploaded (what a forged record would hold)."""
     queue: JobQueue = data_pool.queue
     job_id, _ = await queue.enqueue(JobSpec(argv=("true",), user="alice"))
-    lease = await queue.claim("w1", ["default"], 0)
+    lease = await queue.claim("w1", ["default"], Capacity(0))
     assert lease is not None
     out = tmp_path / "out"
     out.mkdir()

@@ -8,6 +8,7 @@ import pytest
 
 from daemon.job import JobSpec, JobState, Lease, Outcome
 from daemon.queue import keys
+from daemon.queue.claims import Capacity
 from daemon.queue.connection import AnyRedis
 from daemon.queue.job_queue import JobQueue
 
@@ -26,7 +27,7 @@ def spec(n: int, gpus: int, timeout: float | None = None, **kw: object) -> JobSp
 async def claim(
     queue: JobQueue, worker: str, free: int, ends: list[tuple[float | None, int]], count: int = 4
 ) -> list[str]:
-    got = await queue.claim_many(worker, ["default"], count, free, gpus_total=4, ends=ends, grace=1)
+    got = await queue.claim_many(worker, ["default"], count, Capacity(free, gpus_total=4, ends=ends, grace=1))
     return [lease.job_id for lease in got]
 
 
@@ -65,7 +66,7 @@ async def test_a_running_job_without_a_time_limit_leaves_no_room_to_backfill_on_
 async def test_the_reserved_head_starts_as_soon_as_its_worker_has_the_gpus(redis: AnyRedis) -> None:
     queue = JobQueue(redis, lease_seconds=30)
     (running,) = await queue.enqueue_many([spec(0, 2, timeout=100)])
-    (lease,) = await queue.claim_many("w1", ["default"], 1, 4, gpus_total=4)
+    (lease,) = await queue.claim_many("w1", ["default"], 1, Capacity(4, gpus_total=4))
     head, *small = await queue.enqueue_many([spec(1, 4), *(spec(2 + i, 1, timeout=10) for i in range(3))])
     assert await claim(queue, "w1", 2, [(101, 2)], count=2) == small[:2]
     # A steady stream of small jobs: once w1's GPUs are free, the head goes first, not them.
@@ -95,9 +96,11 @@ async def test_a_head_reserved_in_one_queue_keeps_its_gpus_from_the_next(redis: 
     (head,) = await queue.enqueue_many([spec(1, 4, queue="urgent")])
     (other,) = await queue.enqueue_many([spec(2, 1)])
     got: list[Lease] = await queue.claim_many(
-        "w1", ["urgent", "default"], 2, 2, gpus_total=4, ends=[(None, 2)], grace=1
+        "w1", ["urgent", "default"], 2, Capacity(2, gpus_total=4, ends=[(None, 2)], grace=1)
     )
     assert got == []  # the urgent head keeps w1's free GPUs, from the default queue too
-    got = await queue.claim_many("w2", ["urgent", "default"], 2, 2, gpus_total=4, ends=[(None, 2)], grace=1)
+    got = await queue.claim_many(
+        "w2", ["urgent", "default"], 2, Capacity(2, gpus_total=4, ends=[(None, 2)], grace=1)
+    )
     assert [lease.job_id for lease in got] == [other]  # w2 is not reserved: it backfills
     assert (await queue.get(head)).state is JobState.QUEUED

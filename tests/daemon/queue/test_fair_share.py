@@ -9,7 +9,9 @@ import pytest
 
 from daemon.job import JobSpec, JobState, Lease, Outcome
 from daemon.queue import keys
+from daemon.queue.claims import Capacity
 from daemon.queue.connection import AnyRedis
+from daemon.queue.explain import explain
 from daemon.queue.job_queue import JobQueue
 
 OK = Outcome(JobState.SUCCEEDED, exit_code=0)
@@ -97,13 +99,13 @@ async def test_fair_share_keeps_caps_priorities_the_front_and_head_of_line(redis
     urgent = await enqueue(queue, "carol", 1, gpus=1, priority=5)
     # carol's priority job first; then alice's (oldest, no use); bob's 2 GPUs wait at the head,
     # and alice, at her cap of one job, is passed over.
-    got = await queue.claim_many("w1", ["default"], 4, gpus_free=3, gpus_total=4)
+    got = await queue.claim_many("w1", ["default"], 4, Capacity(gpus_free=3, gpus_total=4))
     assert [lease.job_id for lease in got] == [urgent[0], alice[0]]
-    assert await queue.claim_many("w1", ["default"], 4, gpus_free=1, gpus_total=4) == []
+    assert await queue.claim_many("w1", ["default"], 4, Capacity(gpus_free=1, gpus_total=4)) == []
     await queue.release(got[1])  # alice's job handed back: the front, before every line
-    again = await queue.claim_many("w1", ["default"], 4, gpus_free=2, gpus_total=4)
+    again = await queue.claim_many("w1", ["default"], 4, Capacity(gpus_free=2, gpus_total=4))
     assert [(lease.job_id, lease.attempt) for lease in again] == [(alice[0], 2)]
-    rest = await queue.claim_many("w2", ["default"], 4, gpus_free=4, gpus_total=4)
+    rest = await queue.claim_many("w2", ["default"], 4, Capacity(gpus_free=4, gpus_total=4))
     assert [lease.job_id for lease in rest] == [bob[0]]  # alice still at her cap
     assert await queue.cancel(alice[1]) == "cancelled"  # a job in a line cancelled never starts
     for lease in [got[0], *again, *rest]:
@@ -121,9 +123,8 @@ async def test_a_job_in_a_line_is_listed_shown_and_never_lost_to_a_reclaim(redis
     assert await queue.depth("default") == 2
     listed = [j.id for j in await queue.list_jobs() if j.state is JobState.QUEUED]
     assert listed == alice[1:]
-    standing = await queue.fair_standing("default", queue.half_life_ms)
-    assert standing["alice"].waiting
-    assert standing["alice"].running == 1
+    judged = await explain(queue, "default", listed, 1)  # as `show` judges them: in alice's line
+    assert [(j.place, j.verdict, j.running) for j in judged.values()] == [("held", "start", 1)] * 2
     await redis.zadd(keys.leases("default"), {lease.job_id: 0})  # its worker went silent
     assert await queue.reclaim() == [(alice[0], JobState.QUEUED)]
     again = await queue.claim_many("w2", ["default"], 3)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from daemon.job import JobSpec
-from daemon.queue.claims import SharedGpu
+from daemon.queue.claims import Capacity, SharedGpu
 from daemon.queue.connection import AnyRedis
 from daemon.queue.job_queue import JobQueue
 
@@ -32,16 +32,24 @@ async def test_two_jobs_share_a_gpu_a_third_waits_and_whole_gpu_jobs_never_share
     a, b, c, big = await queue.enqueue_many([mem(0, 30), mem(1, 30), mem(2, 30), whole(3, 1)])
     # One 80 GiB GPU, free whole: the first two jobs share it; the third does not fit beside them.
     table = [SharedGpu(0, 80 * GIB, 4, shared=False)]
-    got = await queue.claim_many("w1", ["default"], 4, 1, gpus_total=1, shared=table, mem_most=80 * GIB)
+    got = await queue.claim_many(
+        "w1", ["default"], 4, Capacity(1, gpus_total=1, shared=table, largest_gpu=80 * GIB)
+    )
     assert [(lease.job_id, lease.shared_gpu) for lease in got] == [(a, 0), (b, 0)]
     # As the worker sees it then: the GPU shared, 20 GiB left. The third waits at the head, and the
     # whole-GPU job behind it waits too (head of line): the one GPU is not free whole.
     table = [SharedGpu(0, 20 * GIB, 2, shared=True)]
     assert (
-        await queue.claim_many("w1", ["default"], 2, 0, gpus_total=1, shared=table, mem_most=80 * GIB) == []
+        await queue.claim_many(
+            "w1", ["default"], 2, Capacity(0, gpus_total=1, shared=table, largest_gpu=80 * GIB)
+        )
+        == []
     )
     got = await queue.claim_many(
-        "w1", ["default"], 2, 0, gpus_total=1, shared=[SharedGpu(0, 50 * GIB, 3, True)], mem_most=80 * GIB
+        "w1",
+        ["default"],
+        2,
+        Capacity(0, gpus_total=1, shared=[SharedGpu(0, 50 * GIB, 3, True)], largest_gpu=80 * GIB),
     )
     assert [(lease.job_id, lease.shared_gpu) for lease in got] == [(c, 0)]
     assert big not in [lease.job_id for lease in got]
@@ -55,7 +63,9 @@ async def test_shared_jobs_pack_onto_the_fullest_gpu_and_leave_the_others_whole(
         SharedGpu(0, 80 * GIB, 4, shared=False),
         SharedGpu(2, 80 * GIB, 4, shared=False),
     ]
-    got = await queue.claim_many("w1", ["default"], 2, 2, gpus_total=3, shared=table, mem_most=80 * GIB)
+    got = await queue.claim_many(
+        "w1", ["default"], 2, Capacity(2, gpus_total=3, shared=table, largest_gpu=80 * GIB)
+    )
     # The 10 GiB job goes beside the others on GPU 1; both free GPUs stay whole for the 2-GPU job.
     assert [(lease.job_id, lease.shared_gpu) for lease in got] == [(small, 1), (two, -1)]
 
@@ -64,7 +74,9 @@ async def test_opening_a_free_gpu_to_share_takes_it_from_the_whole_gpu_jobs(redi
     queue = JobQueue(redis, lease_seconds=30)
     shared, one = await queue.enqueue_many([mem(0, 10), whole(1, 1)])
     table = [SharedGpu(0, 80 * GIB, 4, shared=False)]
-    got = await queue.claim_many("w1", ["default"], 2, 1, gpus_total=1, shared=table, mem_most=80 * GIB)
+    got = await queue.claim_many(
+        "w1", ["default"], 2, Capacity(1, gpus_total=1, shared=table, largest_gpu=80 * GIB)
+    )
     assert [lease.job_id for lease in got] == [shared]  # the one GPU is shared now: `one` waits
     assert one not in [lease.job_id for lease in got]
 
@@ -73,6 +85,8 @@ async def test_a_job_asking_more_memory_than_the_workers_largest_gpu_is_passed_o
     queue = JobQueue(redis, lease_seconds=30)
     huge, after = await queue.enqueue_many([mem(0, 100), whole(1, 1)])
     table = [SharedGpu(0, 80 * GIB, 4, shared=False)]
-    got = await queue.claim_many("w1", ["default"], 2, 1, gpus_total=1, shared=table, mem_most=80 * GIB)
+    got = await queue.claim_many(
+        "w1", ["default"], 2, Capacity(1, gpus_total=1, shared=table, largest_gpu=80 * GIB)
+    )
     assert [lease.job_id for lease in got] == [after]
     assert (await queue.get(huge)).state.value == "queued"

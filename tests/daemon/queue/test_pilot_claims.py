@@ -12,6 +12,7 @@ import pytest
 
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus
 from daemon.queue import keys
+from daemon.queue.claims import Capacity
 from daemon.queue.connection import AnyRedis
 from daemon.queue.job_queue import JobQueue
 
@@ -83,7 +84,10 @@ async def behind_a_head(redis: AnyRedis, limit: float | None, owners: tuple[str,
     queue = JobQueue(redis, lease_seconds=30)
     jobs = [job(0, 10, gpus=4), job(1, limit, gpus=1, user=owners[0]), job(2, 10, gpus=1, user=owners[1])]
     _, outlives, fits = await queue.enqueue_many(jobs)
-    assert await queue.claim_many("w2", ["default"], 1, 2, gpus_total=4, ends=[(None, 2)], grace=1) == []
+    assert (
+        await queue.claim_many("w2", ["default"], 1, Capacity(2, gpus_total=4, ends=[(None, 2)], grace=1))
+        == []
+    )
     assert (await redis.hget(keys.reservation("default"), "worker")) == b"w2"
     return queue, outlives, fits, {"gpus_free": 2, "gpus_total": 4, "ends": [(None, 2)], "grace": 1}
 
@@ -102,7 +106,7 @@ async def test_a_pilot_passes_over_a_job_that_could_outlive_it_on_every_claim_pa
     is claimed now; the job behind goes, and a worker without an end takes the one passed over."""
     queue, outlives, fits, room = await setup(redis, limit)
     before = await queue.get(outlives)
-    got = await queue.claim_many("pilot", ["default"], 2, lifetime=LEFT, **room)  # type: ignore[arg-type]
+    got = await queue.claim_many("pilot", ["default"], 2, Capacity(lifetime=LEFT, **room))  # type: ignore[arg-type]
     assert [lease.job_id for lease in got] == [fits]
     after = await queue.get(outlives)
     assert (after.state, after.attempt) == (JobState.QUEUED, before.attempt)
@@ -112,7 +116,7 @@ async def test_a_pilot_passes_over_a_job_that_could_outlive_it_on_every_claim_pa
         room = {"gpus_free": 8, "gpus_total": 8}  # room for the head too, which goes first
     else:
         room = {k: v for k, v in room.items() if k.startswith("gpus")}
-    got = await queue.claim_many("w9", ["default"], 3, **room)  # type: ignore[arg-type]
+    got = await queue.claim_many("w9", ["default"], 3, Capacity(**room))  # type: ignore[arg-type]
     assert outlives in [lease.job_id for lease in got]
 
 
@@ -131,7 +135,7 @@ async def test_one_users_worker_passes_over_another_users_job_on_every_claim_pat
     queue, bobs, alices, room = await setup(redis, 10.0, ("bob", "alice"))
     before = await queue.get(bobs)
     queue.serve_user = "alice"  # as JobQueue.from_config sets it from worker_serve_user
-    got = await queue.claim_many("alices", ["default"], 2, **room)  # type: ignore[arg-type]
+    got = await queue.claim_many("alices", ["default"], 2, Capacity(**room))  # type: ignore[arg-type]
     assert [lease.job_id for lease in got] == [alices]
     after = await queue.get(bobs)
     assert (after.state, after.attempt) == (JobState.QUEUED, before.attempt)
@@ -142,7 +146,7 @@ async def test_one_users_worker_passes_over_another_users_job_on_every_claim_pat
         room = {"gpus_free": 8, "gpus_total": 8}
     else:
         room = {k: v for k, v in room.items() if k.startswith("gpus")}
-    got = await queue.claim_many("w9", ["default"], 3, **room)  # type: ignore[arg-type]
+    got = await queue.claim_many("w9", ["default"], 3, Capacity(**room))  # type: ignore[arg-type]
     assert bobs in [lease.job_id for lease in got]
 
 
@@ -152,7 +156,7 @@ async def running(queue: JobQueue, worker: str, specs: list[JobSpec], gpus: int)
     for spec in specs:
         await queue.enqueue(spec)
         free = gpus - sum(lease.spec.gpus for lease in leases)
-        (lease,) = await queue.claim_many(worker, ["default"], 1, free, gpus_total=gpus)
+        (lease,) = await queue.claim_many(worker, ["default"], 1, Capacity(free, gpus_total=gpus))
         leases.append(lease)
     return leases
 
@@ -166,7 +170,7 @@ async def test_a_full_pilot_preempts_nothing_for_a_job_that_could_outlive_it(
     queue = JobQueue(redis, lease_seconds=30, preempt=["default"])
     low = await running(queue, "pilot", [job(0, 10, gpus=1), job(1, 10, gpus=1)], gpus=4)
     await queue.enqueue(job(9, limit, gpus=1, priority=5))
-    asked = await queue.preempt_check("pilot", ["default"], 2, 0, gpus_total=4, lifetime=LEFT)
+    asked = await queue.preempt_check("pilot", ["default"], Capacity(2, 0, gpus_total=4, lifetime=LEFT))
     assert asked is preempts
     got = await queue.renew("pilot", low)
     want = [RenewStatus.OK, RenewStatus.PREEMPT if preempts else RenewStatus.OK]
@@ -182,14 +186,16 @@ async def test_a_pilot_keeps_no_gpus_for_a_job_it_preempted_for_once_it_no_longe
     queue = JobQueue(redis, lease_seconds=30, preempt=["default"])
     (low,) = await running(queue, "pilot", [job(0, 10, gpus=2)], gpus=2)
     urgent, _ = await queue.enqueue(job(9, 20, gpus=2, priority=5))
-    assert await queue.preempt_check("pilot", ["default"], 0, 0, gpus_total=2, lifetime=LEFT)
+    assert await queue.preempt_check("pilot", ["default"], Capacity(0, 0, gpus_total=2, lifetime=LEFT))
     assert (await queue.renew("pilot", [low]))[low.id] is RenewStatus.PREEMPT
     await queue.complete(low, OK)  # it ended meanwhile
     spare, _ = await queue.enqueue(job(5, 2, gpus=1, queue="spare"))
     # 15 s left: the urgent job (20 s) no longer fits; the spare queue's (2 s) does
-    got = await queue.claim_many("pilot", ["default", "spare"], 1, 2, gpus_total=2, grace=1, lifetime=15)
+    got = await queue.claim_many(
+        "pilot", ["default", "spare"], 1, Capacity(2, gpus_total=2, grace=1, lifetime=15)
+    )
     assert [lease.job_id for lease in got] == [spare]
     assert await redis.hget(keys.reservation("default"), "worker") != b"pilot"
     assert (await queue.get(urgent)).state is JobState.QUEUED
-    got = await queue.claim_many("w9", ["default"], 1, 2, gpus_total=2)
+    got = await queue.claim_many("w9", ["default"], 1, Capacity(2, gpus_total=2))
     assert [lease.job_id for lease in got] == [urgent]

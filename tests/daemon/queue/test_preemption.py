@@ -8,7 +8,7 @@ import pytest
 
 from daemon.job import JobSpec, JobState, Lease, RenewStatus
 from daemon.queue import keys
-from daemon.queue.claims import SharedGpu
+from daemon.queue.claims import Capacity, SharedGpu
 from daemon.queue.connection import AnyRedis
 from daemon.queue.job_queue import JobQueue
 
@@ -28,7 +28,7 @@ async def fill(queue: JobQueue, worker: str, jobs: list[JobSpec]) -> list[Lease]
     for job in jobs:
         await queue.enqueue(job)
         free = 4 - sum(lease.spec.gpus for lease in leases)
-        (lease,) = await queue.claim_many(worker, ["default"], 1, free, gpus_total=4)
+        (lease,) = await queue.claim_many(worker, ["default"], 1, Capacity(free, gpus_total=4))
         leases.append(lease)
     return leases
 
@@ -43,7 +43,7 @@ async def test_a_priority_job_stops_as_few_lower_ones_as_make_room_and_goes_firs
     low, newer, mid = await fill(queue, "w1", [spec(0, 1), spec(1, 1), spec(2, 1, priority=3)])
     urgent, _ = await queue.enqueue(spec(9, 2, priority=5))
     # 1 GPU free, 2 needed: one job must go, the lowest priority, the latest started of those.
-    assert await queue.claim_many("w1", ["default"], 1, 1, gpus_total=4, ends=[(None, 3)]) == []
+    assert await queue.claim_many("w1", ["default"], 1, Capacity(1, gpus_total=4, ends=[(None, 3)])) == []
     assert await statuses(queue, "w1", [low, newer, mid]) == [
         RenewStatus.OK,
         RenewStatus.PREEMPT,
@@ -51,9 +51,9 @@ async def test_a_priority_job_stops_as_few_lower_ones_as_make_room_and_goes_firs
     ]
     assert await queue.release(newer) is JobState.QUEUED  # the worker stopped it and handed it back
     # Back at the front, the preempted job would go first; the job that preempted it does.
-    got = await queue.claim_many("w1", ["default"], 1, 2, gpus_total=4, ends=[(None, 2)])
+    got = await queue.claim_many("w1", ["default"], 1, Capacity(2, gpus_total=4, ends=[(None, 2)]))
     assert [lease.job_id for lease in got] == [urgent]
-    again = await queue.claim_many("w2", ["default"], 1, 1, gpus_total=1)
+    again = await queue.claim_many("w2", ["default"], 1, Capacity(1, gpus_total=1))
     assert [(lease.job_id, lease.attempt) for lease in again] == [(newer.job_id, 2)]
 
 
@@ -61,10 +61,10 @@ async def test_only_where_enabled_and_only_lower_priorities_are_preempted(redis:
     plain = JobQueue(redis, lease_seconds=30)
     running = await fill(plain, "w1", [spec(0, 2, priority=5), spec(1, 2)])
     await plain.enqueue(spec(9, 4, priority=5))
-    assert await plain.claim_many("w1", ["default"], 1, 0, gpus_total=4) == []
+    assert await plain.claim_many("w1", ["default"], 1, Capacity(0, gpus_total=4)) == []
     assert await statuses(plain, "w1", running) == [RenewStatus.OK, RenewStatus.OK]  # not enabled
     preempting = JobQueue(redis, lease_seconds=30, preempt=["default"])
-    assert await preempting.claim_many("w2", ["default"], 1, 0, gpus_total=4) == []
+    assert await preempting.claim_many("w2", ["default"], 1, Capacity(0, gpus_total=4)) == []
     # Enabled, but one of the two it would need has the same priority: nobody is stopped for nothing.
     assert await statuses(preempting, "w1", running) == [RenewStatus.OK, RenewStatus.OK]
 
@@ -74,12 +74,14 @@ async def test_a_full_worker_is_asked_for_a_slot_by_a_job_with_a_priority(redis:
     running = await fill(queue, "w1", [spec(0, 1), spec(1, 1)])
     urgent, _ = await queue.enqueue(spec(9, 1, priority=5))
     # Both slots taken, 2 GPUs free: the worker claims nothing, but looks whether to preempt.
-    assert await queue.preempt_check("w1", ["default"], 2, 0, gpus_total=4)
+    assert await queue.preempt_check("w1", ["default"], Capacity(2, 0, gpus_total=4))
     assert await statuses(queue, "w1", running) == [RenewStatus.OK, RenewStatus.PREEMPT]
-    assert not await queue.preempt_check("w1", ["default"], 2, 0, gpus_total=4)  # asked once is enough
+    assert not await queue.preempt_check(
+        "w1", ["default"], Capacity(2, 0, gpus_total=4)
+    )  # asked once is enough
     assert await statuses(queue, "w1", running) == [RenewStatus.OK, RenewStatus.PREEMPT]
     await queue.release(running[1])
-    got = await queue.claim_many("w1", ["default"], 1, 3, gpus_total=4)
+    got = await queue.claim_many("w1", ["default"], 1, Capacity(3, gpus_total=4))
     assert [lease.job_id for lease in got] == [urgent]
 
 
@@ -90,8 +92,8 @@ async def test_a_job_that_preempted_on_one_worker_does_not_preempt_on_another_to
     first = await fill(queue, "w1", [spec(0, 1), spec(1, 1)])
     second = await fill(queue, "w2", [spec(2, 1), spec(3, 1)])
     await queue.enqueue(spec(9, 1, priority=5))
-    assert await queue.preempt_check("w1", ["default"], 2, 0, gpus_total=4)
-    assert not await queue.preempt_check("w2", ["default"], 2, 0, gpus_total=4)
+    assert await queue.preempt_check("w1", ["default"], Capacity(2, 0, gpus_total=4))
+    assert not await queue.preempt_check("w2", ["default"], Capacity(2, 0, gpus_total=4))
     assert await statuses(queue, "w1", first) == [RenewStatus.OK, RenewStatus.PREEMPT]
     assert await statuses(queue, "w2", second) == [RenewStatus.OK, RenewStatus.OK]
 
@@ -104,7 +106,9 @@ async def test_a_job_waiting_for_gpu_memory_preempts_nobody(redis: AnyRedis) -> 
     (low,) = await fill(queue, "w1", [spec(0, 1)])
     await queue.enqueue(JobSpec(argv=("echo", "9"), gpu_mem=60 * 2**30, priority=5))
     table = [SharedGpu(1, 24 * 2**30, 4, shared=False)]  # a free GPU, too small
-    got = await queue.claim_many("w1", ["default"], 1, 1, gpus_total=2, shared=table, mem_most=141 * 2**30)
+    got = await queue.claim_many(
+        "w1", ["default"], 1, Capacity(1, gpus_total=2, shared=table, largest_gpu=141 * 2**30)
+    )
     assert got == []
     assert await statuses(queue, "w1", [low]) == [RenewStatus.OK]
     assert await redis.hget(keys.reservation("default"), "preempt") != b"1"
@@ -115,15 +119,15 @@ async def test_a_preempting_job_starts_only_within_its_users_cap(redis: AnyRedis
     user's cap, which its user may have reached elsewhere meanwhile."""
     queue = JobQueue(redis, lease_seconds=30, preempt=["default"], user_caps=(1, 0))
     await queue.enqueue(JobSpec(argv=("low",), gpus=2, user="bob"))
-    (low,) = await queue.claim_many("w1", ["default"], 1, 2, gpus_total=2)  # w1: 2 GPUs, both busy
+    (low,) = await queue.claim_many("w1", ["default"], 1, Capacity(2, gpus_total=2))  # w1: 2 GPUs, both busy
     urgent, _ = await queue.enqueue(JobSpec(argv=("urgent",), gpus=2, priority=5, user="alice"))
-    assert await queue.claim_many("w1", ["default"], 1, 0, gpus_total=2, ends=[(None, 2)]) == []
+    assert await queue.claim_many("w1", ["default"], 1, Capacity(0, gpus_total=2, ends=[(None, 2)])) == []
     assert await statuses(queue, "w1", [low]) == [RenewStatus.PREEMPT]
     await queue.enqueue(JobSpec(argv=("other",), priority=6, user="alice"))
-    got = await queue.claim_many("w2", ["default"], 1, 4, gpus_total=4)
+    got = await queue.claim_many("w2", ["default"], 1, Capacity(4, gpus_total=4))
     assert [lease.spec.argv for lease in got] == [("other",)]  # alice at her cap of 1 now
     await queue.release(low)
-    assert [lease.spec.argv for lease in await queue.claim_many("w1", ["default"], 1, 2, gpus_total=2)] != [
-        ("urgent",)
-    ]
+    assert [
+        lease.spec.argv for lease in await queue.claim_many("w1", ["default"], 1, Capacity(2, gpus_total=2))
+    ] != [("urgent",)]
     assert (await queue.get(urgent)).state is JobState.QUEUED

@@ -24,6 +24,7 @@ from daemon.errors import (
 )
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
+from daemon.queue.claims import Capacity
 from daemon.queue.connection import AnyRedis
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
@@ -46,7 +47,7 @@ def spec(n: int = 0, **kw: object) -> JobSpec:
 async def claim(
     queue: JobQueue, worker: str = "w1", queues: tuple[str, ...] = ("default",), gpus: int = 0
 ) -> Lease:
-    lease = await queue.claim(worker, queues, gpus)
+    lease = await queue.claim(worker, queues, Capacity(gpus))
     assert lease is not None
     return lease
 
@@ -209,11 +210,14 @@ async def test_claim_many_counts_out_the_gpus_of_what_it_claims(queue: JobQueue)
     share, _ = await queue.enqueue(spec())  # asks for none: gets the slot's share (1 here)
     too_big, _ = await queue.enqueue(spec(gpus=2))
     after, _ = await queue.enqueue(spec())
-    got = await queue.claim_many("w1", ["default"], 4, gpus_free=4, default_gpus=1)
+    got = await queue.claim_many("w1", ["default"], 4, Capacity(gpus_free=4, slot_gpus=1))
     # 2 + 1 of 4 GPUs are taken: the next job needs 2, so it waits at the head, and so does `after`
     assert [x.job_id for x in got] == [two, share]
     assert (await queue.get(too_big)).state is JobState.QUEUED
-    assert [x.job_id for x in await queue.claim_many("w2", ["default"], 4, 3, 1)] == [too_big, after]
+    assert [x.job_id for x in await queue.claim_many("w2", ["default"], 4, Capacity(3, 1))] == [
+        too_big,
+        after,
+    ]
 
 
 async def test_every_job_claimed_once_by_concurrent_batch_claimers(queue: JobQueue, server: Server) -> None:
@@ -458,7 +462,7 @@ async def test_gpu_jobs_wait_for_a_worker_with_free_gpus(queue: JobQueue) -> Non
     gpu_job, _ = await queue.enqueue(spec(gpus=2))
     cpu_job, _ = await queue.enqueue(spec())
     # head of line: a worker that has the GPUs, busy now, waits for them before the jobs behind
-    assert await queue.claim("busy-gpu", ["default"], gpus_free=1, gpus_total=2) is None
+    assert await queue.claim("busy-gpu", ["default"], Capacity(gpus_free=1, gpus_total=2)) is None
     assert (await claim(queue, "big", gpus=2)).job_id == gpu_job
     assert (await claim(queue, "cpu-worker", gpus=0)).job_id == cpu_job
 
@@ -571,12 +575,12 @@ async def test_a_priority_job_waits_for_gpus_at_the_head_and_one_too_big_is_pass
     small, _ = await queue.enqueue(spec(0, gpus=1))
     big, _ = await queue.enqueue(spec(1, gpus=2, priority=9))
     # A worker of 2 GPUs with 1 free: the priority job heads the line and waits for its GPUs.
-    assert await queue.claim("w1", ["default"], gpus_free=1, gpus_total=2) is None
+    assert await queue.claim("w1", ["default"], Capacity(gpus_free=1, gpus_total=2)) is None
     # A worker of 1 GPU can never hold it: passed over, the job behind it starts.
-    lease = await queue.claim("w2", ["default"], gpus_free=1, gpus_total=1)
+    lease = await queue.claim("w2", ["default"], Capacity(gpus_free=1, gpus_total=1))
     assert lease is not None
     assert lease.job_id == small
-    lease = await queue.claim("w1", ["default"], gpus_free=2, gpus_total=2)
+    lease = await queue.claim("w1", ["default"], Capacity(gpus_free=2, gpus_total=2))
     assert lease is not None
     assert lease.job_id == big  # parked, and found there by a worker big enough
 
@@ -606,10 +610,10 @@ async def test_a_gpu_cap_holds_a_users_jobs_but_never_all_of_them(redis: AnyRedi
     big, _ = await queue.enqueue(spec(0, user="alice", gpus=4))  # over the cap alone: runs alone
     small = [(await queue.enqueue(spec(i, user="alice", gpus=1)))[0] for i in range(2)]
     other, _ = await queue.enqueue(spec(9, user="bob", gpus=2))
-    got = await queue.claim_many("w1", ["default"], 4, gpus_free=8, gpus_total=8)
+    got = await queue.claim_many("w1", ["default"], 4, Capacity(gpus_free=8, gpus_total=8))
     assert [lease.job_id for lease in got] == [big, other]  # alice at 4 GPUs: hers wait
     await queue.complete(got[0], OK)
-    got = await queue.claim_many("w1", ["default"], 4, gpus_free=6, gpus_total=8)
+    got = await queue.claim_many("w1", ["default"], 4, Capacity(gpus_free=6, gpus_total=8))
     assert [lease.job_id for lease in got] == small  # 1 + 1 GPUs: within her cap of 2
 
 
@@ -618,10 +622,10 @@ async def test_a_held_job_too_big_for_a_worker_does_not_hide_its_users_others(re
     first, big, small = [
         (await queue.enqueue(spec(i, user="alice", gpus=g)))[0] for i, g in enumerate((1, 8, 1))
     ]
-    running = await queue.claim_many("big-worker", ["default"], 3, gpus_free=8, gpus_total=8)
+    running = await queue.claim_many("big-worker", ["default"], 3, Capacity(gpus_free=8, gpus_total=8))
     assert [lease.job_id for lease in running] == [first]  # the other two held: alice is at her cap
     await queue.complete(running[0], OK)
-    lease = await queue.claim("small-worker", ["default"], gpus_free=1, gpus_total=1)
+    lease = await queue.claim("small-worker", ["default"], Capacity(gpus_free=1, gpus_total=1))
     assert lease is not None
     assert lease.job_id == small  # her 8-GPU job, older, waits for a worker big enough
     assert (await queue.get(big)).state is JobState.QUEUED

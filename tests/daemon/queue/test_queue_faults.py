@@ -14,6 +14,7 @@ from redis.exceptions import RedisError
 from daemon.errors import StaleAttempt
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus
 from daemon.queue import keys, registry
+from daemon.queue.claims import Capacity
 from daemon.queue.connection import connect
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.failures import out_of_memory
@@ -32,7 +33,7 @@ def spec(n: int = 0, **kw: object) -> JobSpec:
 
 
 async def claim(queue: JobQueue, worker: str = "w1", gpus: int = 0) -> Lease:
-    lease = await queue.claim(worker, ["default"], gpus)
+    lease = await queue.claim(worker, ["default"], Capacity(gpus))
     assert lease is not None
     return lease
 
@@ -52,7 +53,7 @@ async def test_a_job_too_big_for_a_worker_is_passed_over_not_waited_for(queue: J
     assert (await claim(queue, "cpu-worker")).job_id == small[1]
     assert (await queue.get(big)).state is JobState.QUEUED
     # head of line holds among workers that can hold the job: a 4-GPU worker with 2 free waits
-    assert await queue.claim("busy-big", ["default"], 2, gpus_total=4) is None
+    assert await queue.claim("busy-big", ["default"], Capacity(2, gpus_total=4)) is None
     assert (await claim(queue, "big-worker", gpus=4)).job_id == big
     assert (await claim(queue, "cpu-worker")).job_id == small[2]
     assert await queue.depth("default") == 0
@@ -180,17 +181,9 @@ async def test_a_claim_cancelled_in_flight_is_settled_and_a_late_copy_claims_not
     finally:
         await client.aclose()
         await proxy.stop()
-    late = await queue.scripts.claim(  # request 1 again, after request 2
-        keys=[
-            keys.stream("default"),
-            keys.retry("default"),
-            keys.leases("default"),
-            keys.claims("default", "w1"),
-            keys.parked("default"),
-        ],
-        args=[keys.queue_prefix("default"), keys.GROUP, "w1", 0, 30000, 0, 1, 0, 1],
-    )
-    assert len(late) == 5  # status, cursors, GPUs kept and the shared GPUs: no job
+    late = queue._request("w1", "default", 1, 1, Capacity())  # request 1 again, after request 2
+    reply = await queue.scripts.claim(keys=late.keys(), args=[late.packed()])
+    assert len(reply) == 6  # status, cursors, GPUs kept, GPUs free and the shared GPUs: no job
     assert (await queue.get(third)).state is JobState.QUEUED
 
 

@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 
 from daemon.job import JobSpec, JobState
 from daemon.queue import keys
+from daemon.queue.claims import Capacity
 from daemon.queue.job_queue import JobQueue
 from tests.daemon.queue.test_scripts import counting_round_trips
 
@@ -84,7 +85,7 @@ async def test_a_standing_claim_counts_the_time_it_stood_against_a_pilots_lifeti
     sent it has that much less, and passes over a job that would now run past the pilot's end."""
     await queue.enqueue(spec(0))  # scripts loaded: the batch below runs as sent
     assert await queue.claim("w0", ["default"]) is not None
-    standing = queue.stand("pilot", ["default"], 1, lifetime=2.0)
+    standing = queue.stand("pilot", ["default"], 1, Capacity(lifetime=2.0))
     assert standing is not None
     await asyncio.sleep(1.0)  # it stands: 1 s of the pilot's 2 left
     job_id, _ = await queue.enqueue(JobSpec(argv=("true",), timeout=1.4, stop_grace=0.1))

@@ -10,6 +10,7 @@ import pytest
 
 from daemon.client.pool_client import AuthFailed, ClientError
 from daemon.job import JobState, Outcome
+from daemon.queue.claims import Capacity
 from daemon.queue.embedded_redis import EmbeddedRedis
 from protocol import (
     CancelJobs,
@@ -220,12 +221,15 @@ async def test_show_says_a_head_job_is_reserved_on_a_worker_and_when_it_could_st
         running = (
             await c.call(Enqueue(job(gpus=2, timeout=600, wait_for_worker=True), None), Enqueued)
         ).job_id
-        assert [x.job_id for x in await pool.queue.claim_many("w1", ["default"], 1, 4, gpus_total=4)] == [
-            running
-        ]
+        assert [
+            x.job_id for x in await pool.queue.claim_many("w1", ["default"], 1, Capacity(4, gpus_total=4))
+        ] == [running]
         head = (await c.call(Enqueue(job(gpus=4, wait_for_worker=True), None), Enqueued)).job_id
         # as the worker would claim: 2 GPUs free, the other 2 busy for 600 s at most
-        assert await pool.queue.claim_many("w1", ["default"], 1, 2, gpus_total=4, ends=[(600, 2)]) == []
+        assert (
+            await pool.queue.claim_many("w1", ["default"], 1, Capacity(2, gpus_total=4, ends=[(600, 2)]))
+            == []
+        )
         reason = (await c.call(ShowJob(head), JobDetail)).job["pending_reason"]
     assert reason.startswith("waiting for 4 GPUs; reserved on w1, expected by ")
     assert reason.endswith(

@@ -18,6 +18,7 @@ from daemon import config
 from daemon.client.pool_client import ClientError, PoolClient, ServerUnreachable
 from daemon.errors import ConfigError, GpupoolError, JobNotFound, StaleAttempt
 from daemon.job import JobSpec, Lease
+from daemon.queue.claims import Capacity
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.agent import AgentError
@@ -190,7 +191,7 @@ async def test_a_run_says_its_first_process_ended_as_it_ends(
     says so at that moment, before its output, checkpoint and artifacts are done with."""
     spec = sh("sleep 0.1; echo done")
     await queue.enqueue(spec)
-    lease = await queue.claim("w1", [spec.queue], gpus_free=8)
+    lease = await queue.claim("w1", [spec.queue], Capacity(gpus_free=8))
     assert lease is not None
     seen: list[tuple[bool, bool]] = []
     run: JobRun | None = None

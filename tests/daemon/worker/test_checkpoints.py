@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 from daemon.errors import StaleAttempt
 from daemon.job import Attempt, JobState, Lease, Outcome
 from daemon.object_store import attempt_segment, checkpoint_prefix
+from daemon.queue.claims import Capacity
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.checkpoints import Saver, counted_attempts, open_beneath, restore
@@ -238,12 +239,12 @@ async def test_a_save_made_after_the_attempt_was_taken_back_is_never_restored(
         while not await queue.reclaim():  # as the server's reaper, once the lease has passed
             assert time.monotonic() < deadline, "the lease was never taken back"
             await asyncio.sleep(0.1)
-        lease = await queue.claim(worker, ["default"], 0)
+        lease = await queue.claim(worker, ["default"], Capacity(0))
         assert lease is not None
         return lease
 
     await queue.enqueue(sh("true"))
-    first = await queue.claim("a", ["default"], 0)
+    first = await queue.claim("a", ["default"], Capacity(0))
     assert first is not None
     async with LocalStore(tmp_path / "store") as store:
         zombie = Saver(store, queue, first, source)
@@ -311,9 +312,9 @@ async def test_two_executions_of_one_attempt_number_never_share_a_save_and_the_f
     queue = JobQueue(redis, lease_seconds=30)
     await queue.enqueue(sh(WHO_SAVED, retries=1))
     before = aof_copy(redis_server)
-    forgotten = await queue.claim("a", ["default"], 0)
+    forgotten = await queue.claim("a", ["default"], Capacity(0))
     roll_back(redis_server, before)
-    counted = await queue.claim("b", ["default"], 0)
+    counted = await queue.claim("b", ["default"], Capacity(0))
     assert forgotten is not None
     assert counted is not None
     assert forgotten.attempt == counted.attempt == 1
@@ -338,7 +339,7 @@ async def test_two_executions_of_one_attempt_number_never_share_a_save_and_the_f
         assert await store.get_bytes(ours["key"]) == b"b\n"  # what b's outcome says is there
         assert counted_result["log"]["key"] != forgotten_result["log"]["key"]
 
-        again = await queue.claim("c", ["default"], 0)
+        again = await queue.claim("c", ["default"], Capacity(0))
         assert again is not None
         assert again.attempt == 2
         # the history names the executions the pool knows: b's, not the forgotten a's
@@ -355,12 +356,12 @@ async def test_an_attempt_whose_history_cannot_be_read_waits_for_redis_and_resum
     fails the job: it resumes from its save once Redis is back."""
     queue = JobQueue(redis, lease_seconds=30)
     await queue.enqueue(sh(WHO_SAVED, retries=1))
-    first = await queue.claim("b", ["default"], 0)
+    first = await queue.claim("b", ["default"], Capacity(0))
     assert first is not None
     async with LocalStore(tmp_path / "store") as store:
         await executed(queue, store, spawner, first, tmp_path / "b")
         assert await queue.complete(first, FAILED) is JobState.QUEUED
-        again = await queue.claim("c", ["default"], 0)
+        again = await queue.claim("c", ["default"], Capacity(0))
         assert again is not None
         redis_server.kill()
         try:

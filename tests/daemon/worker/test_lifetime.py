@@ -96,12 +96,12 @@ def test_the_drain_begins_early_enough_for_the_drain_the_kill_grace_and_the_hand
     assert life.drain_in() == pytest.approx(100 - 10 - 20 - 5 - config.HAND_BACK_SECONDS, abs=0.5)
     # a claim may take what ends before the drain stops what still runs: the end less the kill grace
     # and the hand-back
-    assert life.claim_room()["lifetime"] == pytest.approx(100 - 10 - 5 - config.HAND_BACK_SECONDS, abs=0.5)
+    assert life.claim_lifetime() == pytest.approx(100 - 10 - 5 - config.HAND_BACK_SECONDS, abs=0.5)
     # a job is stopped its own stop grace and the hand-back before the end
     assert life.stop_in(30.0) == pytest.approx(100 - 10 - 30 - config.HAND_BACK_SECONDS, abs=0.5)
     idle_only = Lifetime.of(lifetime_config(worker_idle_exit=60.0))
     assert idle_only is not None
-    assert (idle_only.leave_by, idle_only.drain_in(), idle_only.claim_room()) == (0.0, None, {})
+    assert (idle_only.leave_by, idle_only.drain_in(), idle_only.claim_lifetime()) == (0.0, None, None)
     assert idle_only.stop_in(30.0) is None
     with pytest.raises(GpupoolError, match="must exceed drain_timeout"):
         Lifetime.of(lifetime_config(worker_max_lifetime=25.0, drain_timeout=20.0, kill_grace=5.0))

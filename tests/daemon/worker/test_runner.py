@@ -11,6 +11,7 @@ from redis.asyncio import Redis
 
 from daemon.job import JobSpec, JobState, Lease
 from daemon.queue import keys
+from daemon.queue.claims import Capacity
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.runner import Ending, JobRun, RunResult
 from daemon.worker.spawn import Spawner
@@ -19,7 +20,7 @@ from tests.support.workers import alive, fake_gpus, sh, wait_dead, wait_file
 
 async def claimed(queue: JobQueue, spec: JobSpec, worker: str = "w1") -> Lease:
     await queue.enqueue(spec)
-    lease = await queue.claim(worker, [spec.queue], gpus_free=8)
+    lease = await queue.claim(worker, [spec.queue], Capacity(gpus_free=8))
     assert lease is not None
     return lease
 

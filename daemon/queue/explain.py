@@ -1,0 +1,62 @@
+"""Why queued jobs wait, as the scheduler itself judges them (lua/explain.lua runs the claim's own
+parts, read only): where each job sits, the verdict a claim by the queue's biggest live worker
+would give it now and why, and in a fair-share queue its user's standing. `poolctl show`, `ls` and
+the dashboard put these in words (server/pending.py); no policy is written twice."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from daemon.queue.claims import Capacity
+from daemon.queue.reads import _s
+
+if TYPE_CHECKING:
+    from daemon.queue.claims import Claims
+
+EXPLAINED_AT_ONCE = 500  # job ids per script call: a bounded stretch of Redis time
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """One queued job, as a claim judges it (claim/fit.lua `verdict`): `place` ('front', 'parked',
+    'held', 'prio', 'stream', 'waiting', 'backoff', 'running', 'gone'), `verdict` ('start', 'wait',
+    'hold', 'park', 'gone') and its `reason` code; its user's recent use (GPU-seconds), weight and
+    jobs running in the queue; and, with fair share, the users whose turn comes first."""
+
+    job_id: str
+    place: str
+    verdict: str
+    reason: str
+    use: float
+    weight: float
+    running: int
+    first: tuple[str, ...]
+
+
+ANY_GPU_MEMORY = 2**50  # a shared GPU's memory is judged where the job lands (gpus.py), not here
+
+
+async def explain(queue: Claims, q: str, job_ids: Sequence[str], gpus_most: int) -> dict[str, Explanation]:
+    """How a claim in queue `q` by a worker of `gpus_most` GPUs, all free, would judge each of
+    `job_ids` (jobs of `q`) now."""
+    out: dict[str, Explanation] = {}
+    capacity = Capacity(gpus_free=gpus_most, gpus_total=gpus_most, largest_gpu=ANY_GPU_MEMORY)
+    request = queue._request("explain", q, 0, 0, capacity)
+    for i in range(0, len(job_ids), EXPLAINED_AT_ONCE):
+        rows = await queue.scripts.explain(
+            keys=request.keys(), args=[request.packed(), *job_ids[i : i + EXPLAINED_AT_ONCE]]
+        )
+        for job_id, place, verdict, reason, use, weight, running, first in rows:
+            out[_s(job_id)] = Explanation(
+                _s(job_id),
+                _s(place),
+                _s(verdict),
+                _s(reason),
+                float(use) / 1000,
+                float(weight),
+                int(running),
+                tuple(_s(first).split()),
+            )
+    return out

@@ -1,0 +1,95 @@
+-- claim/backfill.lua: the head of line, its reservation and backfill. When the next job needs more
+-- GPUs than the claimer has free (less what this call already handed out), claiming stops there
+-- and that job waits for them (the head). The head reserves this worker (`reservation`: one per
+-- queue, for a lease, renewed by each claim of its worker; a worker that dies lets it lapse),
+-- unless another live worker holds its reservation. Jobs behind it may then start: on any worker
+-- the head is not reserved on; on the one it is, only a job whose time limit (plus stop grace)
+-- ends before the head could start there (the running jobs' limits say when: one without a limit
+-- may end any moment). So no job it waits behind can delay it, and it starts once its reserved
+-- worker has its GPUs. A worker holding a reservation keeps those GPUs from the queues it claims
+-- from after this one too (the request's `kept`).
+
+-- When the running jobs here end at the latest: {ms from now, GPUs}, the soonest first.
+local ends = {}
+for _, e in ipairs(req.ends) do ends[#ends + 1] = {math.max(0, e[1]), e[2]} end
+table.sort(ends, function(a, b) return a[1] < b[1] end)
+
+-- When `g` GPUs could be free here at the earliest (ms from now): the running jobs end at their
+-- limits, and GPUs in use that `ends` does not account for (jobs without a limit, jobs claimed in
+-- this very call) may come back any moment.
+local function earliest(g)
+  local free = gpus_total
+  for _, e in ipairs(ends) do free = free - e[2] end
+  if free >= g then return 0 end
+  for _, e in ipairs(ends) do
+    free = free + e[2]
+    if free >= g then return e[1] end
+  end
+  return 0
+end
+
+local function keep_for_head(gpus)
+  head_need, head_at = gpus, earliest(gpus)
+end
+if req.kept > 0 then keep_for_head(req.kept) end
+
+-- Start, behind the head job `head`, the jobs that may start here (verdict 'start'), in the order
+-- a claim looks (places.lua), at most LOOK of each place. Each taken out of turn from the stream
+-- is deleted undelivered, as a priority job's is.
+local function backfill(head)
+  local function may(id)
+    if id == head then return nil end
+    local j = job_of(id)
+    local v, _, gpus = verdict(j)
+    if v == 'start' then return j, gpus end
+    return nil
+  end
+  for _, place in ipairs({front, parked}) do
+    for _, id in ipairs(redis.call('ZRANGE', place, 0, LOOK - 1)) do
+      if #ids == wanted or #ids >= slots then break end  -- (the front is never claimed ahead)
+      local j, gpus = may(id)
+      if j then take_from_front(j, place); start(j, gpus) end
+    end
+  end
+  for _, id in ipairs(redis.call('ZRANGE', prio, 0, LOOK - 1)) do
+    if #ids == wanted then return end
+    local j, gpus = may(id)
+    if j then take_from_prio(j); start(j, gpus) end
+  end
+  for _, user in ipairs(redis.call('ZRANGE', capped_users, 0, LOOK - 1)) do
+    for _, id in ipairs(redis.call('ZRANGE', prefix .. 'capped:' .. user, 0, HELD_LOOK - 1)) do
+      if #ids == wanted then return end
+      local j, gpus = may(id)
+      if j then take_from_held(j); start(j, gpus) end
+    end
+  end
+  if redis.call('EXISTS', stream) == 0 then return end
+  for _, e in ipairs(redis.call('XRANGE', stream, '(' .. delivered(), '+', 'COUNT', LOOK)) do
+    if #ids == wanted then return end
+    local j, gpus = nil, nil
+    if e[2][1] == 'job' then j, gpus = may(e[2][2]) end
+    if j then take_from_prio(j); start(j, gpus) end
+  end
+end
+
+-- Job `j`, the first that must wait for its `gpus` here: it reserves this worker unless another
+-- live one holds its reservation (or GPUs here are kept for a head already) or it is not for this
+-- worker (fit.lua `passed_over`); it may preempt jobs here; the jobs behind it that may start do
+-- (backfill); and the claim stops.
+local function blocked(j, gpus)
+  local status = 'blocked'
+  if not head_need and not passed_over(j) then
+    local r = redis.call('HMGET', reservation, 'job', 'worker', 'until')
+    if not (r[1] == j.id and r[2] ~= consumer and tonumber(r[3]) > now) then
+      keep_for_head(gpus)
+      redis.call('HSET', reservation, 'job', j.id, 'worker', consumer, 'until', now + lease_ms, 'at', now + head_at,
+        'preempt', '0')
+      if may_preempt(j) and preempt(gpus, j.priority, false) then
+        redis.call('HSET', reservation, 'preempt', '1')
+        status = 'preempting'
+      end
+    end
+  end
+  backfill(j.id)
+  return stop(status, newest())
+end

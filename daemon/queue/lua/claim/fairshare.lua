@@ -1,0 +1,115 @@
+-- claim/fairshare.lua: fair share (the request's half_life_ms; 0: FIFO). The stream's entries join
+-- their users' lines (`capped:USER`, by seq) as they are read, and after the front and the
+-- priorities the next start goes to the user ranked first: the least recent use per weight (their
+-- decayed use, _lib.lua `charge`, plus what their running jobs here used so far, each counted as
+-- at least one GPU-ms, so that a burst of starts alternates; the weight is the queue's `fairshare`
+-- 'w:USER', 1 by default), then fewer jobs running, then the older job; FIFO within one user. The
+-- chosen job waits for GPUs at the head as a stream entry would. A job from the front held at its
+-- user's cap waits in their line marked 'front', and goes before every line once they are below
+-- it, as the front does.
+
+-- The queue's stored use, half-life and weights, read once per call.
+local share = nil
+local function stored_share()
+  if not share then
+    share = {}
+    local all = redis.call('HGETALL', prefix .. 'fairshare')
+    for i = 1, #all, 2 do share[all[i]] = tonumber(all[i + 1]) end
+  end
+  return share
+end
+
+-- A user's decayed use in whole GPU-ms (as _lib.lua's `decayed`: decayed away is 0), and weight.
+local function use_and_weight(user)
+  local s, use = stored_share(), 0
+  if s['u:' .. user] then
+    use = math.floor(s['u:' .. user] * 2 ^ (-(now - s['t:' .. user]) / half_life))
+  end
+  return use, s['w:' .. user] or 1
+end
+
+-- A user's rank for their next job (its seq; `front`: held from the front): {class, use per
+-- weight, jobs running, seq}, the least first.
+local function rank(user, seq, front)
+  if front then return {0, seq, 0, 0} end  -- from the front (held at a cap): before any line
+  local use, weight = use_and_weight(user)
+  local u = use_of(user)
+  return {1, (use + u[3]) / weight, u[1], seq}
+end
+
+local function ranks_before(a, b)
+  for i = 1, 4 do
+    if a[i] ~= b[i] then return a[i] < b[i] end
+  end
+  return false
+end
+
+-- The stream's new entries join their users' lines (pending under 'reclaimed', as a parked job's,
+-- so never trimmed); a job with a priority stays in `prio`, which deletes its entry as it starts.
+local function read_into_lines()
+  local fs = prefix .. 'fairshare'
+  if tonumber(redis.call('HGET', fs, 'half_life')) ~= half_life then
+    redis.call('HSET', fs, 'half_life', half_life)  -- what attempts ending here charge by (_lib.lua)
+  end
+  local read = redis.call('XREADGROUP', 'GROUP', group, 'reclaimed', 'COUNT', STREAM_READ + wanted,
+    'STREAMS', stream, '>')
+  local entries = read and read[1][2] or {}
+  local listed = {}  -- the users whose line this call added to: listed in `capped_users` already
+  for _, e in ipairs(entries) do
+    local j = e[2][1] == 'job' and job_of(e[2][2]) or nil
+    if not j or j.state ~= 'queued' then
+      drop_entry(stream, group, e[1])
+    elseif j.priority > 0 and redis.call('ZSCORE', prio, j.id) then
+      redis.call('XACK', stream, group, e[1])
+    elseif need_of(j) > gpus_total then
+      park(j, need_of(j))
+    else
+      hold(prefix, j.user, j.id, j.seq, listed[j.user])
+      listed[j.user] = true
+    end
+  end
+  return #entries
+end
+
+-- Starts from the users' lines, the user ranked first each time. Each user's next job is looked
+-- up once per call, and again for the user whose job just started or could not start here (too
+-- big, or at a cap: the next of theirs, up to HELD_LOOK deep). Returns the reply.
+local function take_lines()
+  local read = read_into_lines()
+  local next_of = {}  -- user -> {id, seq, place in their line, held from the front} or false
+  local function look(user, place)
+    next_of[user] = false
+    if place >= HELD_LOOK then return end
+    local held = redis.call('ZRANGE', prefix .. 'capped:' .. user, place, place, 'WITHSCORES')
+    if held[1] then
+      next_of[user] = {held[1], tonumber(held[2]), place, redis.call('HGET', job_key(prefix, held[1]), 'front')}
+    end
+  end
+  local users = redis.call('ZRANGE', capped_users, 0, -1)
+  for _, user in ipairs(users) do look(user, 0) end
+  while #ids < wanted do
+    local best, best_rank, best_user = nil, nil, nil
+    for _, user in ipairs(users) do
+      local job = next_of[user]
+      if job then
+        local r = rank(user, job[2], job[4])
+        if not best or ranks_before(r, best_rank) then best, best_rank, best_user = job, r, user end
+      end
+    end
+    if not best then break end
+    local j = job_of(best[1])
+    local v, _, gpus = verdict(j)
+    if v == 'wait' then return blocked(j, gpus) end
+    if v == 'start' then
+      local top = unhold(prefix, best_user, j.id)
+      redis.call('XCLAIM', stream, group, consumer, 0, j.entry, 'JUSTID')
+      start(j, gpus)
+      next_of[best_user] = false
+      if top[1] then look(best_user, 0) end
+    else
+      look(best_user, best[3] + 1)  -- passed over here: the next of theirs
+    end
+  end
+  if #ids == wanted or read == STREAM_READ + wanted then return stop('claimed', '0-0') end
+  return stop('empty', delivered())
+end

@@ -1,0 +1,65 @@
+-- claim/fit.lua: a job's fit on this worker, and the verdict a claim gives every job it meets.
+
+-- The GPUs a job needs here: what it asks for, or a slot's share when it asks for 0; a job asking
+-- for memory on one shared GPU needs one (more than the worker has, when its largest GPU is too
+-- small: it is then passed over as a job of too many GPUs is).
+local function need_of(j)
+  if j.mem > 0 then return j.mem <= largest_gpu and 1 or gpus_total + 1 end
+  return j.gpus == 0 and slot_gpus or j.gpus
+end
+
+-- Whether a job needing `gpus` fits this worker's GPUs now (or a shared GPU's memory).
+local function fits_now(j, gpus)
+  if j.mem > 0 then return gpu_for(j.mem) ~= nil end
+  return gpus <= gpus_free
+end
+
+-- The longest a job may run here, in ms: its time limit and stop grace; nil with no time limit.
+local function run_limit(j)
+  if not j.limit_ms then return nil end
+  return j.limit_ms + (j.grace_ms or grace_ms)
+end
+
+-- Why a job is not for this claimer at all, or nil: it could run past the claimer's own end (a
+-- pilot's lifetime left; a job with no time limit always could), or it is another user's than the
+-- one this claimer serves (a worker not running as root serves one pool user: docs/DESIGN.md).
+-- Such a job is never waited for: no reservation, no preemption for it.
+local function passed_over(j)
+  if serves ~= '' and j.user ~= serves then return 'serves' end
+  if lifetime <= 0 then return nil end
+  local limit = run_limit(j)
+  if limit == nil or limit > lifetime then return 'outlives' end
+  return nil
+end
+
+-- Why a job of `gpus` GPUs may not start here now, or nil: its GPUs (or memory) are not free, it
+-- is not for this claimer, or with a head job's GPUs kept here it is not sure to end before the
+-- head could start (backfill.lua).
+local function cannot_start(j, gpus)
+  if not fits_now(j, gpus) then return j.mem > 0 and 'memory' or 'gpus' end
+  local passed = passed_over(j)
+  if passed then return passed end
+  if not head_need then return nil end
+  local limit = run_limit(j)
+  if limit ~= nil and limit <= head_at then return nil end
+  return 'reserved'
+end
+
+-- The verdict on a job a claim meets, and its reason code (explain.lua says them in words):
+--   'gone'  not queued any more (cancelled, or taken): dropped where it is met;
+--   'park'  needs more GPUs (or memory) than this worker has at all ('too_big'): left for a
+--           worker big enough, never blocking this one;
+--   'hold'  its user is at a cap here ('cap');
+--   'wait'  must wait here: its GPUs are not free ('gpus', 'memory'), it is not for this worker
+--           ('outlives', 'serves'), or it could delay a reserved head ('reserved');
+--   'start' ('fits').
+-- Every place a claim takes jobs from applies the verdict with its own moves (places.lua).
+local function verdict(j)
+  if j.state ~= 'queued' then return 'gone', 'gone', 0 end
+  local gpus = need_of(j)
+  if gpus > gpus_total then return 'park', 'too_big', gpus end
+  if not under_cap(j.user, gpus) then return 'hold', 'cap', gpus end
+  local why = cannot_start(j, gpus)
+  if why then return 'wait', why, gpus end
+  return 'start', 'fits', gpus
+end

@@ -1,0 +1,103 @@
+-- claim/places.lua: the places a queued job waits in, and the moves between them. A claim looks
+-- at them in this fixed order (claim.lua):
+--   1. the front: `retry` (reclaimed, handed back, retried), the `parked` jobs this worker can
+--      hold, and the jobs held at a cap whose user is below it now; the lowest seq first;
+--   2. `prio`: jobs with a priority, the highest first, the lowest seq among equals;
+--   3. with fair share, the users' lines (`capped:USER`), the user ranked first next (fairshare.lua);
+--   4. the stream's entries, strictly in enqueue order.
+-- A job in the stream is also in `prio` while it has a priority; every other job is in one place.
+-- A job's stream entry is pending (never trimmed) while it waits anywhere but the stream: owned by
+-- the 'reclaimed' consumer, or by the worker once it starts.
+
+-- Pass a job over for a worker big enough for it: queued, in `parked`, scored GPUs * SEQ + seq,
+-- so that a claimer finds the oldest job it can hold with one look per GPU count present.
+local function park(j, gpus)
+  redis.call('ZADD', parked, gpus * SEQ + j.seq, j.id)
+  wake(prefix)
+end
+
+-- Out of the front (`retry` or `parked`), to start: its pending entry becomes this worker's.
+local function take_from_front(j, place)
+  redis.call('ZREM', place, j.id)
+  redis.call('XCLAIM', stream, group, consumer, 0, j.entry, 'JUSTID')
+end
+
+-- Out of its user's held line, to start.
+local function take_from_held(j)
+  unhold(prefix, j.user, j.id)
+  redis.call('XCLAIM', stream, group, consumer, 0, j.entry, 'JUSTID')
+end
+
+-- Out of `prio` (or the stream, not delivered), to start or move: its entry is deleted
+-- undelivered, so the stream never offers it again.
+local function take_from_prio(j)
+  redis.call('ZREM', prio, j.id)
+  redis.call('XDEL', stream, j.entry)
+end
+
+-- The oldest parked job this worker can hold, and its seq (nil when there is none).
+local function oldest_parked()
+  local best, best_seq, from = nil, nil, '-inf'
+  local upto = '(' .. string.format('%d', (gpus_total + 1) * SEQ)
+  while true do
+    local p = redis.call('ZRANGEBYSCORE', parked, from, upto, 'WITHSCORES', 'LIMIT', 0, 1)
+    if not p[1] then return best, best_seq end
+    local score = tonumber(p[2])
+    local g = math.floor(score / SEQ)
+    if not best_seq or score - g * SEQ < best_seq then best, best_seq = p[1], score - g * SEQ end
+    from = string.format('%d', (g + 1) * SEQ)  -- the next GPU count present
+  end
+end
+
+-- The oldest job held at a cap that this worker can hold and whose user is below the caps now,
+-- its seq and its user; nil when there is none. A look per user holding jobs, at their oldest
+-- HELD_LOOK held jobs: one too big for this worker or for the GPU cap does not hide the others.
+local function oldest_released()
+  if redis.call('EXISTS', capped_users) == 0 then return nil end
+  local best, best_seq, best_user = nil, nil, nil
+  for _, user in ipairs(redis.call('ZRANGE', capped_users, 0, -1)) do
+    local held = redis.call('ZRANGE', prefix .. 'capped:' .. user, 0, HELD_LOOK - 1, 'WITHSCORES')
+    for i = 1, #held, 2 do
+      local seq = tonumber(held[i + 1])
+      if best_seq and seq >= best_seq then break end
+      local g = need_of(job_of(held[i]))
+      if g <= gpus_total and under_cap(user, g) then
+        best, best_seq, best_user = held[i], seq, user
+        break
+      end
+    end
+  end
+  return best, best_seq, best_user
+end
+
+-- The stream's newest entry, and the last the group delivered: where a claimer that found nothing
+-- more waits after.
+local function newest()
+  local top = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
+  return top and top[1] or '0-0'
+end
+
+local function delivered()
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local fields = {}
+    for i = 1, #g, 2 do fields[g[i]] = g[i + 1] end
+    if fields['name'] == group then return fields['last-delivered-id'] end
+  end
+  return '0-0'
+end
+
+-- Out of whichever place it waits in, to start now (a preempting head's: front.lua): a pending
+-- entry becomes this worker's, one never delivered is deleted.
+local function take_from_anywhere(j)
+  local pending = redis.call('ZREM', front, j.id) + redis.call('ZREM', parked, j.id)
+  if redis.call('ZSCORE', prefix .. 'capped', j.id) then
+    unhold(prefix, j.user, j.id)
+    pending = 1
+  end
+  redis.call('ZREM', prio, j.id)
+  if pending > 0 then
+    redis.call('XCLAIM', stream, group, consumer, 0, j.entry, 'JUSTID')
+  else
+    redis.call('XDEL', stream, j.entry)
+  end
+end
