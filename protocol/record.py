@@ -1,9 +1,9 @@
 """Record: a frozen, slotted class of named fields, declared as a frozen dataclass is, made cheaply.
 
 The wire's vocabulary is some forty small immutable classes, and every `poolctl` command defines
-them all before it sends a byte. As frozen, slotted dataclasses they cost about 9 ms to import
-`dataclasses` (it pulls in `inspect`) and 0.6 ms a class (each is built twice for its slots, and
-half a dozen methods are compiled for it): over a third of a command's start. A `Record` is
+them all before it sends a byte. As frozen, slotted dataclasses they cost an import of
+`dataclasses` (it pulls in `inspect`) and a build of each class (twice, for its slots, with half a
+dozen methods compiled for it): a large part of a command's start. A `Record` is
 built once, with one compiled `__init__`; equality, hashing and repr are shared by all. (msgspec's
 Struct does the same in C but takes longer to import than the classes it saves.)
 

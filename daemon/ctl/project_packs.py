@@ -12,7 +12,7 @@ rounded up to a power of two, over PACK_BYTES (a pack is ended at MAX_PACK bytes
 hashes). A file rewritten at its size changes its own pack and no other; one that grows or
 shrinks, or a file added or removed, may move the next boundary or two, after which the cuts are
 the same again. A pack holds some 7 MiB on average, whatever the files; the pack a changed file
-is in, some 9 MiB (200 MB of 20 KB files: bench/project_resubmit.py).
+is in is somewhat larger, as a larger pack more likely holds it (bench/project_resubmit.py).
 
 The job spec carries the list of the packs' sha256s (daemon/job.py `project`): what a job may
 read from the store is in its spec. The worker unpacks them in order into the job's directory

@@ -92,7 +92,7 @@ def plain_lines(table: Rows, header: bool = True) -> list[str]:
 
 
 def _table(table: Rows, header: bool = True) -> None:
-    if sys.stdout.isatty() and header:  # rich only then: importing it is a third of a command's start
+    if sys.stdout.isatty() and header:  # rich only then: importing it is a large part of a command's start
         from rich.console import Console
 
         Console().print(rich_table(table))

@@ -10,7 +10,7 @@ store), verifying the sha256 before the file appears at its destination.
 
 Progress bars (bytes, rate, ETA) are drawn on stderr only when it is a terminal. rich (for the
 bars) and aiohttp (for presigned URLs) are imported only where they are used: a resubmit that
-sends nothing, to a pool on this machine, needs neither, and they are a third of its time.
+sends nothing, to a pool on this machine, needs neither, and importing them is much of its time.
 """
 
 from __future__ import annotations

@@ -420,7 +420,7 @@ async def _exchange(connection: AbstractConnection, commands: list[tuple[Any, ..
     """Send `commands` in one write; their replies, an error reply (NoScriptError included) as
     the exception in its place. The replies come within the socket timeout, all of them under one
     timer: redis-py's read makes a timeout context for each reply (a timer armed and cancelled,
-    ~3 % of a draining worker's loop). Past it the connection is dropped and redis-py's
+    for every reply of every batch). Past it the connection is dropped and redis-py's
     TimeoutError raised, as its own read does (the client's Retry sends the batch again)."""
     await connection.send_packed_command(connection.pack_commands(commands))
     replies: list[Any] = []

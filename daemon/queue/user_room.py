@@ -24,9 +24,9 @@ from daemon.queue.reads import _s
 from daemon.queue.scripts import Pipeliner, Scripts
 
 # Bytes counted for each job's record against its user's user_max_stored_bytes, beside its spec:
-# the rest of its hash, its index and stream entries, its attempts, outcome and end event. Measured
-# on Redis 6.2: a small job cancelled while queued grew used_memory 2.7 KB, one run to its end
-# 4.5 KB (its log, bounded by job_log_max_bytes, apart).
+# the rest of its hash, its index and stream entries, its attempts, outcome and end event: above
+# what one job run to its end adds to Redis's used_memory (its log, bounded by job_log_max_bytes,
+# apart).
 RECORD_BYTES = 6 * 1024
 
 

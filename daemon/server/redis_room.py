@@ -4,8 +4,8 @@ At its `maxmemory` (noeviction) Redis refuses every script that adds (_lib.lua, 
 pool survives; but a Redis that is full refuses the pool's own small writes too, and one user's
 submissions could bring it there for everyone. So the server refuses new jobs from FULL of
 `maxmemory`, leaving the rest for what is already in the pool: leases, outcomes, logs, cancels,
-which go on working, as reads do. It reads `used_memory` and `maxmemory` (INFO memory, about a
-hundred microseconds of Redis's time) at most once every READ_EVERY seconds, however many
+which go on working, as reads do. It reads `used_memory` and `maxmemory` (INFO memory, a call of
+its own to Redis) at most once every READ_EVERY seconds, however many
 submissions come; a Redis without a `maxmemory` (a shared one whose operator set none:
 docs/OPERATIONS.md says to) is never judged full here. On a Redis Cluster the fullest primary
 speaks for all.

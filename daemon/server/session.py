@@ -52,8 +52,8 @@ from protocol.messages import Message, decode_message
 log = logging.getLogger(__name__)
 
 READ_SIZE = 256 * 1024
-# A request payload larger than this is decoded in a thread: at worst (tiny values) msgpack and
-# the checks take ~20 ms per 64 KiB, which the loop may spend inline.
+# A request payload larger than this is decoded in a thread: msgpack and the checks take time in
+# proportion to its size (most with tiny values), and below it the loop may spend that inline.
 DECODE_INLINE = 64 * 1024
 
 

@@ -352,8 +352,8 @@ static long k_new_session_keyring(void)
 #define KEYRING_PERM 0x03030000 /* KEY_POS_{VIEW,READ}, KEY_USR_ the same */
 #define KEYRING_PERM_TEXT "03030000" /* as /proc/keys shows it */
 /* How long a start waits for the kernel's new keyring, in milliseconds. The kernel makes it once an
-   RCU grace period has passed: about 10 ms, 48 ms at most of 1 500 replacements measured on a busy
-   2-core machine. Where the calling thread waits for the child's exec (CLONE_VFORK), so do the
+   RCU grace period has passed, which a busy machine makes longer: the bound leaves room for the
+   slowest. Where the calling thread waits for the child's exec (CLONE_VFORK), so do the
    worker's event loop and every job's heartbeat: a fifth of a second at most then. */
 #define KEYRING_WAITS 5000
 #define KEYRING_WAITS_BLOCKING 200
@@ -957,7 +957,7 @@ static PyObject *reap(PyObject *self, PyObject *args)
 PyDoc_STRVAR(sysv_objects_doc,
 "sysv_objects() -> bool\n\n"
 "Whether the machine has any System V shared memory segment, semaphore set or message queue\n"
-"(or cannot tell): three system calls, where reading /proc/sysvipc takes ten times as long.");
+"(or cannot tell): three system calls, far cheaper than reading /proc/sysvipc.");
 
 static PyObject *sysv_objects(PyObject *self, PyObject *unused)
 {

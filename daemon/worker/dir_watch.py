@@ -2,8 +2,8 @@
 
 Each job gets its slot's directories empty and as new (scratch.py). Making sure of that took a
 look at each directory before the job and after it: an lstat, a directory read and an xattr
-list, seven system calls a directory, a few dozen microseconds a job on the worker's one event
-loop, paid even by the most common job of all, one that leaves its directories as it found them.
+list, seven system calls a directory, for every job, on the worker's one event loop, paid even
+by the most common job of all, one that leaves its directories as it found them.
 
 The kernel says it instead. An inotify watch on each directory reports every change to it, by any
 process: an entry made, removed or renamed in it (IN_CREATE, IN_DELETE, IN_MOVED_*), its mode,

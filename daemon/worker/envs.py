@@ -476,8 +476,8 @@ class EnvCache:
             "UV_PYTHON_INSTALL_DIR": str(self._python),
             "UV_NO_CONFIG": "1",  # neither the worker's uv.toml nor the user's: these settings only
             "UV_NO_PROGRESS": "1",
-            # Hard-linked from uv's cache where uv can (a copy costs a cold numpy and pandas
-            # ~0.75 s more); copied where a sealed environment holds the cache's inode.
+            # Hard-linked from uv's cache where uv can (a copy writes every file of the
+            # environment again); copied where a sealed environment holds the cache's inode.
             "UV_LINK_MODE": "hardlink",
             # The jobs cannot write .pyc files into the environment: made once, by the builder.
             "UV_COMPILE_BYTECODE": "0" if self.settings.bytecode_later else "1",
@@ -607,10 +607,10 @@ class EnvCache:
 
     # -- BYTECODE: made after the environment is published --------------------------------------
     # A speed mechanism behind EnvSettings.bytecode_later. A job cannot write .pyc files into its
-    # read-only environment, so they are made for it; made in the build, they cost a cold numpy
-    # and pandas ~2.3 s before the first job starts (uv compiles every module; a laptop's first
-    # run compiles those it imports, as it imports them). Made after, the first jobs compile
-    # what they import in memory, as that first run would, and the rest find them made.
+    # read-only environment, so they are made for it; made in the build, they delay the first job
+    # by the compiling of every module (uv compiles them all; a laptop's first run compiles those
+    # it imports, as it imports them). Made after, the first jobs compile what they import in
+    # memory, as that first run would, and the rest find them made.
 
     # compileall on every core, but only where a core is idle (SCHED_IDLE, which its workers
     # inherit): the first jobs, importing what they need, must not wait for it.

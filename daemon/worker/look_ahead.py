@@ -1,8 +1,8 @@
 """Look-ahead: jobs claimed before a slot is free, while this worker's jobs are short.
 
-A slot that claims only once it is free waits a round trip to Redis between two jobs (~0.3 ms on
-loopback, a third of what `true` takes), which a local queue does not: at two slots of
-millisecond jobs that round trip is what keeps a worker from the speed of the machine. So while
+A slot that claims only once it is free waits a round trip to Redis between two jobs, which a
+local queue does not: at two slots of millisecond jobs (`true`), that round trip, a good part of
+each job's cycle, is what keeps a worker from the speed of the machine. So while
 every slot is taken and the last job to end here ran less than `below` seconds, the dispatcher
 claims DEPTH jobs more in one claim and keeps them here; each slot that frees starts the oldest at
 once, and once none is left the next claim travels while they run: one claim, and one round

@@ -47,7 +47,7 @@ from storage.cache import ObjectCache
 log = logging.getLogger(__name__)
 
 SAMPLE_SECONDS = 0.5  # RSS sampling period
-FIRST_SAMPLE_SECONDS = 0.05  # a job that ends sooner is not sampled (a scan costs ~1 ms)
+FIRST_SAMPLE_SECONDS = 0.05  # a job that ends sooner is not sampled (a scan is not free)
 TAIL_LINES = 20  # lines of output kept in the outcome
 GPU_SETTLE_SECONDS = 3.0  # how long a GPU may take to free a dead process's memory
 LEFTOVERS_SECONDS = 5.0  # how long killed leftovers of a job may take to die

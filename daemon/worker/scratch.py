@@ -4,7 +4,7 @@ job: those a job changed (inotify says which: dir_watch.py) are reset after it, 
 next job at the latest.
 
 Reusing a slot's directories saves creating and removing them for every job (a metadata write
-each, on ext4 ~0.2 ms a directory: a third of a short job); the reset makes that safe: a job
+each, which a short job would pay for every directory); the reset makes that safe: a job
 always starts in empty, real directories whatever the last one left (files, read-only trees, a
 symlink in place of a directory), and in the state a new one would have. The last job owned them
 and may have opened them to every uid (their mode, a default ACL): the next job of the slot is

@@ -89,7 +89,7 @@ def sweep_ipc(uid: int) -> None:
     """Remove the System V shared memory, semaphores and message queues `uid` owns or made: they
     outlive their processes."""
     if not _spawn.sysv_objects():
-        return  # mostly: three system calls, where reading the tables takes ten times as long
+        return  # mostly: three system calls, far cheaper than reading the tables
     for kind, (owner, creator) in SYSV_UID_COLUMNS.items():
         try:
             with open(f"/proc/sysvipc/{kind}") as table:
