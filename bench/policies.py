@@ -40,6 +40,7 @@ from rich.table import Table
 
 from bench.common import machine, save, summary_ms
 from daemon.job import JobSpec, JobState, Outcome
+from daemon.queue.claims import Capacity
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 
@@ -74,11 +75,10 @@ async def drain(queue: JobQueue, name: str, jobs: int, slots: int, *, gpus: bool
     started = time.perf_counter()
     while done < jobs:
         free = GPUS - sum(lease.spec.gpus for lease in running)
-        room = {"gpus_free": free, "gpus_total": GPUS, "ends": [(30.0, lease.spec.gpus) for lease in running]}
+        ends = [(30.0, lease.spec.gpus) for lease in running]
+        room = Capacity(gpus_free=free, gpus_total=GPUS, ends=ends) if gpus else None
         t = time.perf_counter()
-        leases = await queue.claim_many(
-            "bench-worker", [name], slots - len(running), **(room if gpus else {})
-        )
+        leases = await queue.claim_many("bench-worker", [name], slots - len(running), room)
         claims.append(time.perf_counter() - t)
         running += leases
         if not leases and not running:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from daemon.queue.claims import Capacity
+from daemon.queue.claims import Capacity, SharedGpu
 from daemon.queue.reads import _s
 
 if TYPE_CHECKING:
@@ -35,14 +35,14 @@ class Explanation:
     first: tuple[str, ...]
 
 
-ANY_GPU_MEMORY = 2**50  # a shared GPU's memory is judged where the job lands (gpus.py), not here
-
-
-async def explain(queue: Claims, q: str, job_ids: Sequence[str], gpus_most: int) -> dict[str, Explanation]:
-    """How a claim in queue `q` by a worker of `gpus_most` GPUs, all free, would judge each of
-    `job_ids` (jobs of `q`) now."""
+async def explain(
+    queue: Claims, q: str, job_ids: Sequence[str], gpus_most: int, largest_gpu: int = 0
+) -> dict[str, Explanation]:
+    """How a claim in queue `q` by a worker of `gpus_most` GPUs, all free, whose largest GPU has
+    `largest_gpu` bytes, would judge each of `job_ids` (jobs of `q`) now."""
     out: dict[str, Explanation] = {}
-    capacity = Capacity(gpus_free=gpus_most, gpus_total=gpus_most, largest_gpu=ANY_GPU_MEMORY)
+    whole = [SharedGpu(0, largest_gpu, 2**31, shared=False)] if gpus_most and largest_gpu else []
+    capacity = Capacity(gpus_free=gpus_most, gpus_total=gpus_most, shared=whole, largest_gpu=largest_gpu)
     request = queue._request("explain", q, 0, 0, capacity)
     for i in range(0, len(job_ids), EXPLAINED_AT_ONCE):
         rows = await queue.scripts.explain(

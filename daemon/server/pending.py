@@ -71,11 +71,13 @@ class PendingReasons:
         if (workers := memo.get("workers")) is None:
             workers = memo["workers"] = [w for w in await self.workers() if w.get("health") == "healthy"]
         judged = await self._explained(info, workers, memo)
-        if judged.verdict == "park":
-            return (
-                f"needs {info.spec.gpus} GPUs, and no live worker has that many: the jobs behind it "
-                "run meanwhile, and it starts when such a worker joins"
+        if judged.verdict == "park":  # more than every live worker has (claim/fit.lua)
+            need = (
+                f"{_memory(info.spec.gpu_mem)} on one GPU, and no live worker's GPU has that much"
+                if judged.reason == "no_gpu_memory"
+                else f"{info.spec.gpus} GPUs, and no live worker has that many"
             )
+            return f"needs {need}: the jobs behind it run meanwhile, and it starts when such a worker joins"
         rank = (
             f" (priority {info.spec.priority}: before the queue's jobs of lower priority)"
             if info.spec.priority
@@ -96,15 +98,17 @@ class PendingReasons:
     async def _explained(
         self, info: JobInfo, workers: list[dict[str, Any]], memo: dict[str, Any]
     ) -> Explanation:
-        """The scheduler's verdict on `info` (queue/explain.py), as judged by a claim of the
-        queue's biggest live worker; the queued jobs of its queue that `of` was asked about are
-        judged in the same call."""
+        """The scheduler's verdict on `info` (queue/explain.py), as judged by a claim of a worker
+        as big as the biggest live one (its GPUs, and its largest GPU's memory); the queued jobs
+        of its queue that `of` was asked about are judged in the same call."""
         q = info.spec.queue
         judged: dict[str, Explanation] = memo.setdefault(f"explained:{q}", {})
         if info.id not in judged:
             asked = [i for i in memo.get("asked", ()) if i not in judged and i.startswith(f"{q}.")]
-            most = max((len(w.get("gpus", ())) for w in workers if q in w.get("queues", ())), default=0)
-            judged |= await explain(self.queue, q, list(dict.fromkeys([info.id, *asked])), most)
+            gpus = [w.get("gpus", ()) for w in workers]
+            most = max((len(g) for g in gpus), default=0)
+            memory = max((int(one.get("memory", 0)) for g in gpus for one in g), default=0)
+            judged |= await explain(self.queue, q, list(dict.fromkeys([info.id, *asked])), most, memory)
         return judged[info.id]
 
     async def _held_reason(self, info: JobInfo) -> str:
@@ -141,3 +145,7 @@ class PendingReasons:
             f"fair share in queue {q!r}: {user} goes next, with the least recent use of those "
             f"waiting ({mine})"
         )
+
+
+def _memory(nbytes: int) -> str:
+    return f"{nbytes / 2**30:g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:g} MiB"

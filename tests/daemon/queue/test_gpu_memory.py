@@ -4,12 +4,16 @@ have. Against one redis-server and a Redis Cluster."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from daemon.job import JobSpec
 from daemon.queue.claims import Capacity, SharedGpu
 from daemon.queue.connection import AnyRedis
+from daemon.queue.explain import explain
 from daemon.queue.job_queue import JobQueue
+from daemon.server.pending import PendingReasons
 
 GIB = 2**30
 
@@ -90,3 +94,27 @@ async def test_a_job_asking_more_memory_than_the_workers_largest_gpu_is_passed_o
     )
     assert [lease.job_id for lease in got] == [after]
     assert (await queue.get(huge)).state.value == "queued"
+
+
+async def test_show_says_when_no_live_gpu_has_the_memory_a_job_asks_for(redis: AnyRedis) -> None:
+    """issue 46: a --gpu-mem job bigger than every live worker's largest GPU was explained as
+    "needs 0 GPUs, and no live worker has that many". The scheduler's own verdict says why
+    (claim/fit.lua: 'no_gpu_memory'), and `show` puts that in words; a job that fits waits in line."""
+    queue = JobQueue(redis, lease_seconds=30)
+    big, fits = await queue.enqueue_many([mem(0, 100), mem(1, 30)])
+    judged = await explain(queue, "default", [big, fits], 2, 80 * GIB)
+    assert [(judged[i].verdict, judged[i].reason) for i in (big, fits)] == [
+        ("park", "no_gpu_memory"),
+        ("start", "fits"),
+    ]
+
+    async def workers() -> list[dict[str, Any]]:
+        gpu = {"memory": 80 * GIB}
+        return [{"health": "healthy", "queues": ["default"], "gpus": [gpu, gpu]}]
+
+    reasons = await PendingReasons(queue, workers).of([big, fits])
+    assert reasons == {
+        big: "needs 100 GiB on one GPU, and no live worker's GPU has that much: the jobs behind it "
+        "run meanwhile, and it starts when such a worker joins",
+        fits: "1 job(s) ahead of it in queue 'default'",
+    }

@@ -47,8 +47,8 @@ end
 
 -- The verdict on a job a claim meets, and its reason code (explain.lua says them in words):
 --   'gone'  not queued any more (cancelled, or taken): dropped where it is met;
---   'park'  needs more GPUs (or memory) than this worker has at all ('too_big'): left for a
---           worker big enough, never blocking this one;
+--   'park'  needs more GPUs than this worker has at all ('too_big'), or more memory than its
+--           largest GPU ('no_gpu_memory'): left for a worker big enough, never blocking this one;
 --   'hold'  its user is at a cap here ('cap');
 --   'wait'  must wait here: its GPUs are not free ('gpus', 'memory'), it is not for this worker
 --           ('outlives', 'serves'), or it could delay a reserved head ('reserved');
@@ -57,7 +57,7 @@ end
 local function verdict(j)
   if j.state ~= 'queued' then return 'gone', 'gone', 0 end
   local gpus = need_of(j)
-  if gpus > gpus_total then return 'park', 'too_big', gpus end
+  if gpus > gpus_total then return 'park', j.mem > 0 and 'no_gpu_memory' or 'too_big', gpus end
   if not under_cap(j.user, gpus) then return 'hold', 'cap', gpus end
   local why = cannot_start(j, gpus)
   if why then return 'wait', why, gpus end

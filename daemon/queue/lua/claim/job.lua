@@ -1,12 +1,19 @@
 -- claim/job.lua: a queued job as the scheduler sees it, read by name from its record. What the
 -- scheduler needs of a job is copied into named fields when it is enqueued (_lib.lua add_job):
--- the spec stays opaque here.
+-- the spec stays opaque here, read only to hand it to the worker that starts the job (read with
+-- the rest: most jobs a claim reads, it starts).
 local JOB_FIELDS = {'state', 'gpus', 'attempt', 'user', 'seq', 'priority', 'entry', 'gpu_mem_bytes',
-  'time_limit_ms', 'stop_grace_ms', 'gpu_mem'}
+  'time_limit_ms', 'stop_grace_ms', 'spec'}
+
+-- A record of before 'gpu_mem_bytes' says MiB, in 'gpu_mem' (looked up only for such a record: a
+-- field a record lacks costs a whole scan of a small one).
+local function old_gpu_mem(key)
+  return (tonumber(redis.call('HGET', key, 'gpu_mem')) or 0) * 1048576
+end
 
 -- Job `id`: {id, key, state, gpus (asked; 0: a slot's share), attempt, user, seq, priority, entry,
 -- mem (bytes on one shared GPU; 0: whole GPUs), limit_ms (its time limit; nil: none),
--- grace_ms (its own stop grace; nil: the worker's)}.
+-- grace_ms (its own stop grace; nil: the worker's), spec (packed, opaque)}.
 local function job_of(id)
   local key = job_key(prefix, id)
   local v = redis.call('HMGET', key, unpack(JOB_FIELDS))
@@ -14,8 +21,7 @@ local function job_of(id)
   return {
     id = id, key = key, state = v[1], gpus = tonumber(v[2]) or 0, attempt = tonumber(v[3]) or 0,
     user = v[4] or '', seq = tonumber(v[5]), priority = tonumber(v[6]) or 0, entry = v[7],
-    -- (a record of before 'gpu_mem_bytes' says MiB)
-    mem = tonumber(v[8]) or (tonumber(v[11]) or 0) * 1048576,
-    limit_ms = limit > 0 and limit or nil, grace_ms = grace >= 0 and grace or nil,
+    mem = tonumber(v[8]) or old_gpu_mem(key),
+    limit_ms = limit > 0 and limit or nil, grace_ms = grace >= 0 and grace or nil, spec = v[11],
   }
 end

@@ -74,7 +74,9 @@ local function start(j, gpus)
   redis.call('ZADD', leases, now + lease_ms, j.id)
   redis.call('RPUSH', j.key .. ':attempts',
     cjson.encode({attempt = attempt, worker = consumer, started_at = now, how = 'running', lease = lease}))
-  reply_row(j.id, j.key)
+  local n = #claimed
+  claimed[n + 1], claimed[n + 2], claimed[n + 3] = j.id, attempt, lease
+  claimed[n + 4], claimed[n + 5] = j.spec, place
 end
 
 -- The same request again (its reply was lost): the leases it got that are still this worker's
