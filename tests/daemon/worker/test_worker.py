@@ -45,7 +45,7 @@ async def test_fifo_start_order_across_two_workers_with_two_slots(
 
     # Dispatch is strictly FIFO: the claim times (Redis clock) rise in enqueue order, among the
     # jobs claimed once. One kept ahead of a free slot whose slot did not free within the hold
-    # (look_ahead.py; a loaded machine) is handed back to the front and claimed again, later than
+    # (fast_path.py; a loaded machine) is handed back to the front and claimed again, later than
     # jobs behind it that were claimed meanwhile: its claim time is its second (as the chaos
     # checker judges FIFO, on jobs never reclaimed).
     once = [info for info in infos if len(info.attempts) == 1]
@@ -57,7 +57,7 @@ async def test_fifo_start_order_across_two_workers_with_two_slots(
     # exec, so two jobs claimed back to back may swap, and a job whose exec the scheduler preempts
     # (two cores for two workers, their jobs and Redis) may be overtaken by any job claimed and
     # not yet started: each worker holds up to four (its two slots' and the two it claims ahead,
-    # look_ahead.py), the other worker's four and its own worker's three others: seven places.
+    # fast_path.py), the other worker's four and its own worker's three others: seven places.
     # The line each job appends is one more step the scheduler may preempt after its start, and a
     # preempted job may be overtaken so twice over. So none is more than 14 places from its enqueue
     # position, while a dispatch out of FIFO order (LIFO, or any order by chance) moves jobs dozens.
