@@ -357,7 +357,7 @@ def _answer(answers: list[tuple[Call, Any]]) -> None:
 
 @dataclass(eq=False)
 class Standing:
-    """A claim an idle worker leaves with its JobQueue (`Claims.stand`), as `claim_many` would make
+    """A claim an idle worker leaves with its JobQueue (`StandingClaims.stand`), as `claim_many` would make
     it: the first `enqueue` through that JobQueue to one of `queues` sends it right after its own
     call, in the same round trip. So in a single-machine pool, whose server enqueues through the
     JobQueue its slots claim through, a job is claimed for an idle slot with no round trip of its

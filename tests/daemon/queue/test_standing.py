@@ -1,4 +1,4 @@
-"""A standing claim (claims.Standing): an idle worker's next claim, sent by the next enqueue
+"""A standing claim (fast_path.Standing): an idle worker's next claim, sent by the next enqueue
 through the same JobQueue in that enqueue's round trip, against a real redis-server; and what
 that round trip makes Redis run, which is on the path to the job's start."""
 
