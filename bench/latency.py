@@ -52,7 +52,7 @@ from bench.noop import noop_worker, record_completions
 from daemon import tokens
 from daemon.client.pool_client import PoolClient
 from daemon.job import JobSpec, JobState, Lease, Outcome
-from daemon.queue.claims import Standing
+from daemon.queue.fast_path import Standing
 from daemon.queue.job_queue import JobQueue
 from daemon.server.service import PoolServer
 from daemon.worker import spawn

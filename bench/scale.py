@@ -57,7 +57,6 @@ from daemon.queue import keys
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import Registration, add_heartbeat, new_worker_id
-from daemon.queue.scripts import ScriptBatch
 from daemon.queue.terminal_events import JobEvents
 from tests.support.cluster import ClusterGroup, ClusterServer
 
@@ -106,7 +105,7 @@ async def simulated_worker(
             running[got.job_id] = (got, time.monotonic() + job_seconds)
         if now >= next_beat:
             reg.running = len(running)
-            batch = ScriptBatch(queue.redis)
+            batch = queue.batch(ack=False)  # as a worker's heartbeat makes it
             add_heartbeat(batch, queue.scripts, reg)
             answers = queue.add_renewals(batch, reg.id, [lease for lease, _ in running.values()])
             answers(await batch.execute())

@@ -84,6 +84,7 @@ class Config:
     worker_env_python_downloads: bool
     worker_env_allow_source_builds: bool
     gpu_max_jobs: int
+    fast_path: bool
     worker_healthy_response_period: float
     redis_events_block_ms: float
     heartbeat_interval: float

@@ -485,7 +485,7 @@ class Lease:
     spec: JobSpec
     id: str
     shared_gpu: int = -1  # a --gpu-mem job's GPU: its place in the worker's list (claim.lua)
-    # Claimed ahead of a free slot (look_ahead.py): counts as never started until its worker
+    # Claimed ahead of a free slot (worker/fast_path.py): counts as never started until its worker
     # says it started (JobQueue.mark_started), so a reclaim of it is no loss (claim.lua).
     ahead: bool = False
 

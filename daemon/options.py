@@ -212,6 +212,14 @@ OPTIONS: tuple[Option, ...] = (
         lo=1,
     ),
     Option(
+        "fast_path",
+        bool,
+        True,
+        "the fast path for short jobs on workers without GPUs: claims ahead of a free slot, an "
+        "idle worker's claim sent with the next enqueue, outcomes batched (off: each claim for a "
+        "free slot, each call by itself; what is decided is the same)",
+    ),
+    Option(
         "worker_healthy_response_period",
         float,
         300.0,

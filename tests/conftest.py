@@ -167,8 +167,15 @@ async def spawner() -> AsyncIterator[Spawner]:
 
 
 @pytest.fixture
-async def queue(redis: Redis) -> JobQueue:
-    return JobQueue(redis, lease_seconds=30)
+def fast_path() -> bool:
+    """The GPU-less fast path's switch for the test's queues (daemon/queue/fast_path.py): on, as
+    by default; tests marked `both_paths` run with it off too (tests/daemon/worker/conftest.py)."""
+    return True
+
+
+@pytest.fixture
+async def queue(redis: Redis, fast_path: bool) -> JobQueue:
+    return JobQueue(redis, lease_seconds=30, fast_path=fast_path)
 
 
 @pytest.fixture(scope="session")

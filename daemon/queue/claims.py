@@ -12,8 +12,8 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
@@ -27,7 +27,7 @@ from daemon.queue.reads import _s
 
 if TYPE_CHECKING:
     from daemon.queue.connection import AnyRedis
-    from daemon.queue.scripts import Pipeliner, Scripts
+    from daemon.queue.scripts import Calls, Scripts
 
 log = logging.getLogger(__name__)
 
@@ -146,36 +146,12 @@ def _ahead_past(leases: list[Lease], slots: int) -> list[Lease]:
     return [dataclasses.replace(lease, ahead=True) if i >= slots else lease for i, lease in enumerate(leases)]
 
 
-@dataclass(eq=False)
-class Standing:
-    """A claim an idle worker leaves with its JobQueue (`Claims.stand`), as `claim_many` would make
-    it: the first `enqueue` through that JobQueue to one of `queues` sends it right after its own
-    call, in the same round trip. So in a single-machine pool, whose server enqueues through the
-    JobQueue its slots claim through, a job is claimed for an idle slot with no round trip of its
-    own. `taken` is set once it is sent; `sent` is then its queue, request number, reply and the
-    spec whose enqueue sent it (packed, and as the JobSpec it was packed from: a claim that gets a
-    job of that very spec has it at hand, validated, not decoded again). A
-    pilot's lifetime is kept as its end (`ends_at`, CLOCK_BOOTTIME) and sent as what is left of
-    it then: a claim that stood a while has that much less. While `ready()` is false (the
-    worker may not claim now: worker/claim_gate.py) no enqueue sends it."""
-
-    worker: str
-    queues: tuple[str, ...]
-    count: int
-    capacity: Capacity
-    ends_at: float | None
-    ready: Callable[[], bool] | None = None
-    slots: int | None = None  # of `count`, for slots free now (claim_many's `slots`)
-    taken: asyncio.Event = field(default_factory=asyncio.Event)
-    sent: tuple[str, int, asyncio.Future[Any], tuple[bytes, JobSpec]] | None = None
-
-
 class Claims:
     """The claim calls of a JobQueue (which sets these attributes)."""
 
     redis: AnyRedis
     scripts: Scripts
-    _call: Pipeliner
+    _call: Calls
     lease_ms: int
     user_caps: tuple[int, int]
     serve_user: str
@@ -186,7 +162,6 @@ class Claims:
     _requests: dict[str, int]
     _unanswered: dict[str, tuple[str, int]]
     _stranded: dict[str, list[Lease]]
-    _standing: list[Standing]
 
     async def complete(self, lease: Lease, outcome: Outcome) -> JobState:
         raise NotImplementedError  # JobQueue's
@@ -226,7 +201,7 @@ class Claims:
         sent again, as one unanswered, until one does.
 
         `urgent`: a slot waits for what it claims, and its calls go ahead of the others
-        (`_claim_call`). A claim made while every slot is taken (look_ahead.py) is not: it travels
+        (`_claim_call`). A claim made while every slot is taken (worker/fast_path.py) is not: it travels
         with the calls made in its turn (an attempt's outcome, say), one write and one wakeup of
         Redis for both, and its jobs wait for a slot anyway.
 
@@ -300,75 +275,6 @@ class Claims:
             raise
         return leases + got.leases
 
-    def stand(
-        self,
-        worker: str,
-        queues: Sequence[str],
-        count: int,
-        capacity: Capacity | None = None,
-        *,
-        ready: Callable[[], bool] | None = None,
-        slots: int | None = None,
-    ) -> Standing | None:
-        """Leave `worker`'s next claim, for up to `count` jobs as `claim_many` takes its arguments,
-        for the next `enqueue` to one of `queues` to send (see Standing); `withdraw` it when the
-        worker goes on otherwise. None while a claim of the worker's is unanswered: that one goes
-        again first, in its next `claim_many`. Only a worker without GPUs leaves one: its `ends`
-        (backfill) are empty, and no NVML reading ages in it; a pilot's `lifetime` is counted
-        down while it stands (Standing)."""
-        if worker in self._unanswered:
-            return None
-        room = capacity or Capacity()
-        ends_at = None if room.lifetime is None else _boottime() + room.lifetime
-        standing = Standing(worker, tuple(queues), count, room, ends_at, ready, slots)
-        self._standing.append(standing)
-        return standing
-
-    def withdraw(self, standing: Standing) -> bool:
-        """Take a standing claim back: True if it was never sent (it claimed nothing), False if it
-        was, and `standing_claimed` says what it got."""
-        with contextlib.suppress(ValueError):
-            self._standing.remove(standing)
-        return standing.sent is None
-
-    def _send_standing(self, q: str, enqueued: tuple[bytes, JobSpec]) -> None:
-        """An enqueue to `q` has queued its call in this turn, of `enqueued` (its spec, packed and
-        as the JobSpec): the first claim standing for `q` goes right after it, in its batch
-        (scripts.Pipeliner), and so sees its job."""
-        for standing in self._standing:
-            if q in standing.queues and (standing.ready is None or standing.ready()):
-                self._standing.remove(standing)
-                request = self._next_request(standing.worker)
-                room = standing.capacity
-                if standing.ends_at is not None:
-                    room = dataclasses.replace(room, lifetime=max(0.001, standing.ends_at - _boottime()))
-                claim = self._request(standing.worker, q, request, standing.count, room, slots=standing.slots)
-                reply = self._call.submit(
-                    self.scripts.claim, claim.keys(), [claim.packed()], durable=True, first=True
-                )
-                standing.sent = (q, request, reply, enqueued)
-                self._unanswered[standing.worker] = (q, request)  # until its reply is read
-                standing.taken.set()
-                return
-
-    async def standing_claimed(self, standing: Standing) -> list[Lease]:
-        """The jobs a sent standing claim got. Until its reply is read here it counts as
-        unanswered: should it never be (an error, or the worker cancelled meanwhile), the worker's
-        next claim (or `settle_claims`) sends it again first, as any of `claim_many`'s."""
-        assert standing.sent is not None
-        q, request, reply, enqueued = standing.sent
-        try:
-            got = await self._claim_reply(standing.worker, q, await reply, enqueued)
-        except (RedisError, NotReplicated) as exc:
-            if not unanswered(exc) and self._unanswered.get(standing.worker) == (q, request):
-                del self._unanswered[standing.worker]  # Redis refused it: it claimed nothing
-            raise
-        if self._unanswered.get(standing.worker) == (q, request):
-            del self._unanswered[standing.worker]
-        if got.status != b"claimed":
-            self._cursors[q] = got.cursors
-        return _ahead_past(got.leases, standing.count if standing.slots is None else standing.slots)
-
     def _next_request(self, worker: str) -> int:
         self._requests[worker] = number = self._requests.get(worker, 0) + 1
         return number
@@ -398,7 +304,7 @@ class Claims:
         )
 
     async def _claim_call(self, claim: ClaimRequest, *, urgent: bool = True) -> ClaimReply:
-        """One claim.lua call. `urgent`, it goes ahead of the other calls (scripts.Pipeliner): the
+        """One claim.lua call. `urgent`, it goes ahead of the other calls (queue/fast_path.py Pipeliner): the
         outcome of the job whose slot it fills follows it."""
         reply = await self._call(
             self.scripts.claim, claim.keys(), [claim.packed()], ahead=urgent, durable=True

@@ -13,7 +13,7 @@ from daemon.job import JobState, queue_of
 from daemon.queue import keys
 from daemon.queue.connection import AnyRedis
 from daemon.queue.reads import _s
-from daemon.queue.scripts import Pipeliner, ScriptBatch, Scripts
+from daemon.queue.scripts import Calls, ScriptBatch, Scripts
 
 
 class HeldJobs:
@@ -21,7 +21,7 @@ class HeldJobs:
 
     redis: AnyRedis
     scripts: Scripts
-    _call: Pipeliner
+    _call: Calls
 
     def batch(self, *, ack: bool = True) -> ScriptBatch:
         raise NotImplementedError  # JobQueue's

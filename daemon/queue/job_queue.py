@@ -44,11 +44,11 @@ from daemon.errors import (
 )
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus, new_job_id, queue_of
 from daemon.queue import keys
-from daemon.queue.claims import Claims, Standing
 from daemon.queue.connection import AnyRedis, RunIdWatch
+from daemon.queue.fast_path import Standing, StandingClaims, batch_transport, script_calls
 from daemon.queue.held import HeldJobs
 from daemon.queue.reads import QueueReads, _s
-from daemon.queue.scripts import Command, Pipeliner, ReplicaAck, ScriptBatch, Scripts
+from daemon.queue.scripts import Command, ReplicaAck, ScriptBatch, Scripts
 from daemon.queue.user_room import RECORD_BYTES, UserRoom
 from daemon.queue.work_read import WorkRead
 from daemon.webhook import TARGET_JOB, TARGET_POOL
@@ -98,7 +98,7 @@ def _raise_if_stale(lease: Lease, reply: Sequence[Any]) -> None:
         )
 
 
-class JobQueue(Claims, QueueReads, HeldJobs, UserRoom):
+class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
     """All queue operations of one pool, over one Redis client (a connection pool)."""
 
     def __init__(
@@ -119,6 +119,7 @@ class JobQueue(Claims, QueueReads, HeldJobs, UserRoom):
         serve_user: str = "",
         max_unended: int = 0,
         max_stored: int = 0,
+        fast_path: bool = True,
     ) -> None:
         """`watch` is the run-id watch of `redis`'s connections (connection.connect), for whoever
         holds leases through this queue to see when Redis restarts. `ack`: the replicas an enqueue
@@ -136,8 +137,10 @@ class JobQueue(Claims, QueueReads, HeldJobs, UserRoom):
         `max_unended`: the most jobs one user may have queued or running in one queue (0: no
         bound), which the enqueue scripts keep to (_lib.lua `unended`). `max_stored`: the most
         bytes of jobs one user may submit, over every queue, within one retention (0: no bound;
-        lua/store.lua)."""
+        lua/store.lua). `fast_path`: the GPU-less fast path's switch (queue/fast_path.py; off:
+        each script call by itself through plain redis-py, and no claim left standing)."""
         self.redis = redis
+        self.fast_path = fast_path
         self.max_unended = max_unended
         self.max_stored = max_stored
         self.user_caps = user_caps
@@ -154,8 +157,9 @@ class JobQueue(Claims, QueueReads, HeldJobs, UserRoom):
         self.log_head = log_max_bytes // 4
         self.log_tail = log_max_bytes - self.log_head
         self.scripts = Scripts(redis)
-        # Script calls made in one event-loop turn share a round trip (scripts.Pipeliner).
-        self._call = Pipeliner(redis, ack, watch)
+        # With the fast path on, script calls made in one event-loop turn share a round trip.
+        self._call = script_calls(redis, ack, watch, fast_path)
+        self._transport = batch_transport(fast_path)  # how `batch()`es travel
         self._cursors: dict[str, tuple[str, str]] = {}  # queue -> (stream, wake) ids to wait after
         # Claim requests, numbered per worker (claim.lua's memo); a request whose reply never came
         # is sent again, with its number, before any new one: (queue, number) by worker.
@@ -182,6 +186,7 @@ class JobQueue(Claims, QueueReads, HeldJobs, UserRoom):
             serve_user=config.worker_serve_user,
             max_unended=config.user_max_queued_jobs,
             max_stored=config.user_max_stored_bytes,
+            fast_path=config.fast_path,
         )
 
     async def close(self) -> None:
@@ -192,7 +197,7 @@ class JobQueue(Claims, QueueReads, HeldJobs, UserRoom):
     def batch(self, *, ack: bool = True) -> ScriptBatch:
         """A batch of script calls on this queue's Redis (its durable calls acknowledged as the
         queue's are, unless not `ack`), its nodes told to the queue's watch."""
-        return ScriptBatch(self.redis, self.ack if ack else None, self.watch)
+        return ScriptBatch(self.redis, self.ack if ack else None, self.watch, self._transport)
 
     # -- submit ---------------------------------------------------------------------------------
 
@@ -426,7 +431,7 @@ class JobQueue(Claims, QueueReads, HeldJobs, UserRoom):
         goes back for a retry). Raises StaleAttempt, changing nothing, when `lease` is no longer the
         job's current one (it was reclaimed, or ended otherwise). The same call made again (its
         reply was lost) answers as the first did. `linger`: seconds the call may wait for others
-        to travel with (scripts.Pipeliner)."""
+        to travel with (fast_path.Pipeliner)."""
         q = lease.queue
         return await self._end_attempt(
             self.scripts.complete,

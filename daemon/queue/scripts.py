@@ -6,18 +6,11 @@ and fall back to loading the script on NOSCRIPT, so they survive a Redis restart
 `ScriptBatch` sends several script calls in ONE round trip. redis-py's own pipelined scripts ask
 Redis `SCRIPT EXISTS` before every pipeline, a second round trip; a batch sends EVALSHA straight
 away and only on a NOSCRIPT answer (Redis restarted or flushed its script cache) loads the
-missing scripts and re-sends the calls that were refused, which therefore never ran.
-
-`Pipeliner` batches without being asked (auto-pipelining, as ioredis and node-redis offer): script
-calls made in the same turn of the event loop go out together, as ScriptBatches of up to MAX_BATCH
-calls side by side (a lone call as a plain EVALSHA). The completes of attempts that end together
-share a round trip. No call waits for a timer: the first call of a turn starts the batch's
-sender, whose first step (the next turn) takes every call made until then and writes them at
-once. A claim a slot waits for goes ahead of the others, alone (`submit`'s `ahead` says why). A
-call that may `linger` (an outcome on a worker draining short jobs) waits a little for company:
-its batch leaves once a call that may not is made, or when the call has waited its linger.
-Its batches go out on a connection it keeps (`Lane`) while that one is free, on one from the pool
-while it is not.
+missing scripts and re-sends the calls that were refused, which therefore never ran. How a batch
+travels is its `Transport`: `PlainTransport`, redis-py's own pipeline (a Cluster node's
+connection, as redis-py's cluster pipeline uses it), or, with the fast path on, the fast path's
+(queue/fast_path.py). `PlainCalls` sends each script call by itself, as it is made: what a
+JobQueue calls with while the fast path is off (its auto-pipelining `Pipeliner` otherwise).
 
 Durable calls (enqueues, outcomes) are acknowledged only once `ReplicaAck.replicas` replicas have
 them: a batch holding one ends with a WAIT, in the same round trip, which covers every write the
@@ -29,17 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import functools
-import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, NamedTuple
+from typing import Any, Protocol
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.commands.core import AsyncScript
 from redis.exceptions import (
@@ -155,26 +145,6 @@ BatchCall = tuple[
 ]  # script or command, keys, args, durable
 
 
-class Lane:
-    """A connection that one sender keeps from batch to batch, for one batch at a time (one
-    Redis, or a Sentinel group's primary). Taking a connection from redis-py's pool and giving it
-    back cost every batch time on the path to a job's start: the pool's lock,
-    a look at the socket, and four metric updates each way. A batch that finds the lane in use
-    takes one from the pool, as every batch did. The connection is the pool's still (closed with
-    it, remade when it broke), never given back: it is used again at once."""
-
-    def __init__(self) -> None:
-        self.connection: AbstractConnection | None = None
-        self.busy = False
-        self.stale = False  # to be closed before its next batch
-
-    def drop(self) -> None:
-        """The next batch on the lane connects anew (and, in a Sentinel group, asks the sentinels
-        where the primary is). A batch out on it now is left to finish: closing the connection
-        under it would only make it send everything again."""
-        self.stale = True
-
-
 class ScriptBatch:
     """Script calls collected with `add`, then sent together by `execute` in one round trip;
     with `ack`, the durable ones acknowledged once on enough replicas (see the module doc)."""
@@ -184,14 +154,14 @@ class ScriptBatch:
         redis: AnyRedis,
         ack: ReplicaAck | None = None,
         watch: RunIdWatch | None = None,
-        lane: Lane | None = None,
+        transport: Transport | None = None,
     ) -> None:
         """`watch`: told which node each call goes to, on a Cluster (`RunIdWatch.serving`).
-        `lane`: a connection to send on when it is free (one Redis only)."""
+        `transport`: how the batch travels (None: `PlainTransport`, redis-py's own pipeline)."""
         self.redis = redis
         self.ack = ack
         self.watch = watch
-        self.lane = lane
+        self.transport = transport or PLAIN
         self._calls: list[BatchCall] = []
 
     def __len__(self) -> int:
@@ -231,7 +201,7 @@ class ScriptBatch:
         """The calls' replies, on one node or, on a Redis Cluster, on the node of each call's slot."""
         if isinstance(self.redis, RedisCluster):
             return await self._send_by_node(calls)
-        return await self._send_to(self._exchange, calls)
+        return await self._send_to(functools.partial(self.transport.exchange, self.redis), calls)
 
     async def _send_to(self, exchange: Exchange, calls: Sequence[BatchCall]) -> list[Any]:
         """The calls' EVALSHAs written at once on one connection (`exchange`), their replies read
@@ -306,7 +276,9 @@ class ScriptBatch:
                     self.watch.serving(name)
             results = await asyncio.gather(
                 *(
-                    self._send_to(functools.partial(_exchange_on, node), [calls[i] for i in group])
+                    self._send_to(
+                        functools.partial(self.transport.exchange_on, node), [calls[i] for i in group]
+                    )
                     for node, group in groups.values()
                 ),
                 return_exceptions=True,
@@ -344,41 +316,7 @@ class ScriptBatch:
         if isinstance(pool, SentinelConnectionPool):
             with contextlib.suppress(RedisError):
                 await pool.get_master_address()  # type: ignore[no-untyped-call]
-        if self.lane is not None:  # the pool drops only the connections it holds idle
-            self.lane.drop()
-
-    async def _exchange(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        assert isinstance(self.redis, Redis)
-        pool = self.redis.connection_pool
-        lane = self.lane
-        if lane is not None and not lane.busy:
-            lane.busy = True
-            try:
-                if lane.stale:  # before any await: a drop while this one connects stands
-                    lane.stale = False
-                    if lane.connection is not None:
-                        await lane.connection.disconnect(nowait=True)
-                if lane.connection is None:
-                    lane.connection = await pool.get_connection()  # type: ignore[no-untyped-call]
-                kept = lane.connection
-                try:
-                    return await _exchange_retried(kept, commands)
-                except BaseException:
-                    # Stopped between its write and its last reply (an error, a cancel), it could
-                    # have replies to come that the next batch would take for its own. redis-py
-                    # closes a connection whose write or read was interrupted; closed here too,
-                    # so that no later version can leave one open, and given back to the pool.
-                    lane.connection = None
-                    await kept.disconnect(nowait=True)
-                    await pool.release(kept)
-                    raise
-            finally:
-                lane.busy = False
-        connection: AbstractConnection = await pool.get_connection()  # type: ignore[no-untyped-call]
-        try:
-            return await _exchange_retried(connection, commands)
-        finally:
-            await pool.release(connection)
+        self.transport.drop()  # the pool drops only the connections it holds idle
 
 
 Exchange = Callable[[list[tuple[Any, ...]]], Awaitable[list[Any]]]
@@ -395,96 +333,105 @@ def moving(reply: object) -> bool:
 MARK_MS = 24 * 3600 * 1000
 
 
-async def _exchange_on(node: ClusterNode, commands: list[tuple[Any, ...]]) -> list[Any]:
-    """`_exchange` on a connection of a Cluster node; one that failed is dropped."""
-    connection = node.acquire_connection()
-    try:
-        return await _exchange(connection, commands)
-    except BaseException:
-        await connection.disconnect()
-        raise
-    finally:
-        node.release(connection)
+class Transport(Protocol):
+    """How a batch's commands reach Redis and their replies come back: every command written at
+    once on one connection, the replies read in order, an error reply (NoScriptError included)
+    as the exception in its place."""
+
+    async def exchange(self, redis: Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """On one Redis (or a Sentinel group's primary)."""
+        ...
+
+    async def exchange_on(self, node: ClusterNode, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """On a connection of a Cluster node."""
+        ...
+
+    def drop(self) -> None:
+        """The primary may have moved: connections kept from batch to batch are made anew."""
+        ...
 
 
-async def _exchange_retried(connection: AbstractConnection, commands: list[tuple[Any, ...]]) -> list[Any]:
-    """`_exchange`; a broken connection is dropped and the whole batch sent again on it, made
-    anew, as the client's Retry says: every script is safe to run twice (lua/_lib.lua)."""
-    replies: list[Any] = await connection.retry.call_with_retry(
-        lambda: _exchange(connection, commands), lambda _error: connection.disconnect()
-    )
-    return replies
+class PlainTransport:
+    """A batch as redis-py sends a pipeline without MULTI: its Pipeline object on one Redis (its
+    retry, its timeouts, its reply parsing), and on a Cluster node the connection calls redis-py's
+    own cluster pipeline makes. The truth the fast path's transport (queue/fast_path.py) must
+    match, and the transport while that is off."""
 
+    async def exchange(self, redis: Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
+        pipe = redis.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        return replies
 
-async def _exchange(connection: AbstractConnection, commands: list[tuple[Any, ...]]) -> list[Any]:
-    """Send `commands` in one write; their replies, an error reply (NoScriptError included) as
-    the exception in its place. The replies come within the socket timeout, all of them under one
-    timer: redis-py's read makes a timeout context for each reply (a timer armed and cancelled,
-    for every reply of every batch). Past it the connection is dropped and redis-py's
-    TimeoutError raised, as its own read does (the client's Retry sends the batch again)."""
-    await connection.send_packed_command(connection.pack_commands(commands))
-    replies: list[Any] = []
-    try:
-        async with asyncio.timeout(connection.socket_timeout):
+    async def exchange_on(self, node: ClusterNode, commands: list[tuple[Any, ...]]) -> list[Any]:
+        connection = node.acquire_connection()
+        try:
+            await connection.send_packed_command(connection.pack_commands(commands))
+            replies: list[Any] = []
             for _ in commands:
                 try:
-                    replies.append(await connection.read_response(timeout=math.inf))  # (no timer)
+                    replies.append(await connection.read_response())
                 except ResponseError as exc:
                     replies.append(exc)
-    except TimeoutError:  # the timer's (redis-py's read, cancelled by it, closed the connection)
-        await connection.disconnect(nowait=True)
-        raise RedisTimeoutError("Timeout reading the replies of a batch from Redis") from None
-    return replies
+            return replies
+        except BaseException:  # stopped between its write and its last reply: never used again
+            await connection.disconnect()
+            raise
+        finally:
+            node.release(connection)
+
+    def drop(self) -> None:
+        """Nothing is kept: redis-py's pool drops its idle connections itself."""
 
 
-class Call(NamedTuple):
-    """One caller's call, queued for a batch (Pipeliner.submit says what `first` is)."""
-
-    script: ScriptOrCommand
-    keys: Sequence[Any]
-    args: Sequence[Any]
-    durable: bool
-    future: asyncio.Future[Any]
-    first: bool
+PLAIN = PlainTransport()
 
 
-MAX_BATCH = 32  # calls per pipeline; more in one turn go out as several pipelines at once
+class Calls(Protocol):
+    """How a JobQueue makes its script calls: `await calls(script, keys, args)` for the reply, or
+    `calls.submit(...)` for a future of it (queued in this turn, in call order). `ahead`, `first`
+    and `linger` are the fast path's hints (queue/fast_path.py `Pipeliner`), which plain calls
+    need not heed."""
+
+    async def __call__(
+        self,
+        script: ScriptOrCommand,
+        keys: Sequence[Any],
+        args: Sequence[Any],
+        *,
+        ahead: bool = False,
+        durable: bool = False,
+        linger: float = 0.0,
+    ) -> Any: ...
+
+    def submit(
+        self,
+        script: ScriptOrCommand,
+        keys: Sequence[Any],
+        args: Sequence[Any],
+        *,
+        ahead: bool = False,
+        durable: bool = False,
+        first: bool = False,
+        linger: float = 0.0,
+    ) -> asyncio.Future[Any]: ...
+
+    async def close(self) -> None: ...
 
 
-class Pipeliner:
-    """`await pipeliner(script, keys, args)`: one script call, sent with the others made in the
-    same event-loop turn (see the module doc). A call's error is raised to its caller alone; a
-    connection error to every caller of its batch. A caller that is cancelled while its batch is
-    in flight cannot unsend its call, as with any Redis command. With `ack`, durable calls are
-    acknowledged once on that many replicas (ScriptBatch)."""
+class PlainCalls:
+    """Each script call sent by itself when it is made, through plain redis-py (a ScriptBatch of
+    one call on `PlainTransport`): the JobQueue's calls while the fast path is off. The fast
+    path's hints are not heeded: every call is as urgent as any other, and none waits."""
 
     def __init__(
         self, redis: AnyRedis, ack: ReplicaAck | None = None, watch: RunIdWatch | None = None
     ) -> None:
         self.redis = redis
         self.ack = ack
-        self.watch = watch  # see ScriptBatch
-        self._pending: list[Call] = []
-        self._ahead: list[Call] = []  # calls that go before the others (`submit(ahead=True)`)
-        self._ahead_answered: asyncio.Future[None] | None = None  # while those are in flight
-        self._in_flight: set[asyncio.Task[None]] = set()
-        self._lane = None if isinstance(redis, RedisCluster) else Lane()
-        # While every pending call may linger: the loop time until which the first of them may
-        # wait. The sender waits for `_company` meanwhile, set by `_hurry`: at that time (the
-        # `_linger` timer), or when a call that may not wait is made.
-        self._linger_until: float | None = None
-        self._linger: asyncio.TimerHandle | None = None
-        self._company = asyncio.Event()
-
-    async def close(self) -> None:
-        """Give the lane's connection back to the pool, for a queue that is done with (an agent's
-        view, worker/hosted.py: the pool would hold one per view ever made). A call made after
-        takes a connection of the pool's as usual."""
-        lane = self._lane
-        if lane is not None and lane.connection is not None and not lane.busy:
-            connection, lane.connection = lane.connection, None
-            assert isinstance(self.redis, Redis)
-            await self.redis.connection_pool.release(connection)
+        self.watch = watch
+        self._in_flight: set[asyncio.Future[Any]] = set()  # submitted, owned here until answered
 
     async def __call__(
         self,
@@ -496,7 +443,7 @@ class Pipeliner:
         durable: bool = False,
         linger: float = 0.0,
     ) -> Any:
-        return await self.submit(script, keys, args, ahead=ahead, durable=durable, linger=linger)
+        return await self._one(script, keys, args, durable)
 
     def submit(
         self,
@@ -509,118 +456,22 @@ class Pipeliner:
         first: bool = False,
         linger: float = 0.0,
     ) -> asyncio.Future[Any]:
-        """Queue one call for this turn's batch; its reply, or its error, comes in the future.
-        `ahead`: a call on the path to a job's start (a claim), which no other script may delay:
-        it travels in a batch of its own, and the calls made with it or while it is in flight
-        leave once it is answered (Redis answers a batch once it has run it all, and then a claim
-        would wait for the outcome of the job whose slot it fills). `first`: a call on that path
-        that travels with others (a standing claim, after its enqueue): its caller has its reply
-        a turn before theirs, so the job starts before their next steps (a reply to a client).
-        `linger`: seconds the call may wait for others to share its round trip (an outcome while
-        more end soon: one write, and one wake of Redis, for several); any call made meanwhile
-        that may not wait sends them all at once."""
-        loop = asyncio.get_running_loop()
-        if not self._pending and not self._ahead:
-            # The batch's sender, which takes every call made before its first step (in this
-            # turn, and those ahead of it in the next) and writes them at once.
-            self._own(loop.create_task(self._send_pending()))
-            self._linger_until = loop.time() + linger if linger > 0 and not ahead else None
-        elif linger <= 0 or ahead:
-            self._hurry()
-        future: asyncio.Future[Any] = loop.create_future()
-        (self._ahead if ahead else self._pending).append(Call(script, keys, args, durable, future, first))
-        return future
-
-    def _own(self, task: asyncio.Task[None]) -> None:
-        self._in_flight.add(task)  # owned here until it has answered every caller
+        """The call, sent from a task of its own: tasks begin in the order they were made, so
+        calls submitted in one turn leave in that order."""
+        task = asyncio.ensure_future(self._one(script, keys, args, durable))
+        self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
+        return task
 
-    async def _send_pending(self) -> None:
-        """Send what is queued, the calls ahead first, until nothing is left: a call queued while
-        this sender waits (while another sender is between its steps, no new one is started)."""
-        while True:
-            # A caller cancelled before its batch left: its call is dropped, never sent.
-            ahead, self._ahead = [c for c in self._ahead if not c.future.done()], []
-            if ahead:
-                answered = self._ahead_answered = asyncio.get_running_loop().create_future()
-                try:
-                    await self._send(ahead)
-                finally:
-                    answered.set_result(None)
-                await asyncio.sleep(0)  # its callers go on first (a job's start), then the rest
-                continue
-            if self._ahead_answered is not None and not self._ahead_answered.done():
-                await asyncio.shield(self._ahead_answered)  # another sender's, still on its way
-                continue
-            if self._linger_until is not None:
-                try:
-                    await self._wait_for_company(self._linger_until)
-                except asyncio.CancelledError:  # the loop is shutting down: they never leave
-                    for call in self._pending:
-                        call.future.cancel()
-                    self._pending = []
-                    raise
-                continue  # (a call ahead may have come meanwhile)
-            calls, self._pending = [c for c in self._pending if not c.future.done()], []
-            if not calls:
-                return
-            # Batches of at most MAX_BATCH calls, each on its own connection: a caller waits for
-            # its batch's replies to be read, so a huge batch would make every caller wait long.
-            for start in range(MAX_BATCH, len(calls), MAX_BATCH):
-                self._own(asyncio.ensure_future(self._send(calls[start : start + MAX_BATCH])))
-            await self._send(calls[:MAX_BATCH])
+    async def close(self) -> None:
+        """Nothing is kept between calls."""
 
-    async def _wait_for_company(self, until: float) -> None:
-        """Every call pending may linger: wait until the first of them has waited its linger, or
-        a call that may not wait is made (a second sender, between its steps, waits with it)."""
-        if self._linger is None:
-            self._company.clear()
-            self._linger = asyncio.get_running_loop().call_at(until, self._hurry)
-        await self._company.wait()
-
-    def _hurry(self) -> None:
-        """The calls pending leave now."""
-        self._linger_until = None
-        if self._linger is not None:
-            self._linger.cancel()
-            self._linger = None
-            self._company.set()
-
-    async def _send(self, calls: list[Call]) -> None:
-        batch = ScriptBatch(self.redis, self.ack, self.watch, self._lane)
-        for call in calls:
-            batch.add(call.script, call.keys, call.args, durable=call.durable)
-        try:
-            replies = await batch.execute_each()
-        except asyncio.CancelledError:  # the loop is shutting down
-            for call in calls:
-                call.future.cancel()
-            raise
-        except Exception as exc:  # noqa: BLE001 - handed to the callers, who raise it
-            for call in calls:
-                if not call.future.done():  # a copy each: one object raised in many tasks tangles them
-                    call.future.set_exception(copy.copy(exc))
-            return
-        answers = list(zip(calls, replies, strict=True))
-        if any(call.first for call in calls):
-            _answer([(call, reply) for call, reply in answers if call.first])
-            answers = [(call, reply) for call, reply in answers if not call.first]
-            try:
-                await asyncio.sleep(0)  # their callers go on first (a job's start), then the rest
-            except asyncio.CancelledError:
-                for call, _ in answers:
-                    call.future.cancel()
-                raise
-        _answer(answers)
-
-
-def _answer(answers: list[tuple[Call, Any]]) -> None:
-    """Each call's reply (or error reply) to its caller, unless the caller was cancelled."""
-    for call, reply in answers:
-        future = call.future
-        if future.done():
-            continue
+    async def _one(
+        self, script: ScriptOrCommand, keys: Sequence[Any], args: Sequence[Any], durable: bool
+    ) -> Any:
+        batch = ScriptBatch(self.redis, self.ack, self.watch)
+        batch.add(script, keys, args, durable=durable)
+        (reply,) = await batch.execute_each()
         if isinstance(reply, Exception):
-            future.set_exception(reply)
-        else:
-            future.set_result(reply)
+            raise reply
+        return reply

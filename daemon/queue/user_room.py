@@ -21,7 +21,7 @@ from daemon.errors import TooManyUnended, TooMuchStored
 from daemon.job import JobSpec
 from daemon.queue import keys
 from daemon.queue.reads import _s
-from daemon.queue.scripts import Pipeliner, Scripts
+from daemon.queue.scripts import Calls, Scripts
 
 # Bytes counted for each job's record against its user's user_max_stored_bytes, beside its spec:
 # the rest of its hash, its index and stream entries, its attempts, outcome and end event: above
@@ -34,7 +34,7 @@ class UserRoom:
     """The per-user bounds of a JobQueue's submissions (which sets these attributes)."""
 
     scripts: Scripts
-    _call: Pipeliner
+    _call: Calls
     max_stored: int
     max_unended: int
     retention: int

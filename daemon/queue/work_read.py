@@ -4,7 +4,7 @@ One XREAD BLOCK (JobQueue.read_for_work), on a connection of its own from the cl
 sent once, then `answer()` awaits its reply, and may be cancelled any number of times without
 losing the reply or the connection (redis-py drops a connection whose read was cancelled). So
 nobody reads it between a worker's waits, and a reply that comes then stays in the socket until
-the next wait: a job enqueued with an idle worker's standing claim (claims.Standing) wakes this
+the next wait: a job enqueued with an idle worker's standing claim (fast_path.Standing) wakes this
 read too, Redis answers the read first, and the job's start no longer waits behind its parsing.
 
 On a Redis Cluster a read may span several slots (`reads.xread`): there it runs as a task of its

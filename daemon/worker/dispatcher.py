@@ -10,7 +10,7 @@ jobs are given theirs (gpus.GpuAllocator). Each claim is told when the worker's 
 at the latest (backfill); while every slot is taken, in a queue where priorities preempt, the
 dispatcher claims nothing but looks at each new job whether it should stop lower ones here. A
 worker without GPUs whose jobs are short claims two more while every slot is taken, and starts
-each on a slot as it frees (look_ahead.py).
+each on a slot as it frees: the fast path (fast_path.py), which the dispatcher asks.
 
 Every attempt the worker holds is one `attempt.HeldAttempt`, in one map keyed by lease id, from its
 claim until its end is recorded; it runs as a `runner.JobRun` in a task of its own. Its slot is
@@ -26,7 +26,7 @@ process is frozen. Claims wait while the heartbeat fails, and for a while after 
 Stopping is two-phase: stopping.py. Why one class of ~550 lines: its life cycle, its claims and
 its attempts share one set of books (the held attempts, the slots, the GPUs) and the events that
 wake the dispatcher; the parts that stand alone live beside it: attempt.py (the record and its
-fence), claim_gate.py, heartbeat.py, look_ahead.py, outcomes.py (recording an attempt's end),
+fence), claim_gate.py, fast_path.py, heartbeat.py, outcomes.py (recording an attempt's end),
 runner.py (the processes), slots.py (what the machine gives the slots: directories, uids, cgroups,
 the spawner and the orphan guard), stopping.py (its stop, a mixin on the same books),
 work_watch.py (its wait for work).
@@ -56,11 +56,12 @@ from daemon.queue import keys, registry
 from daemon.queue.claims import Capacity, SharedGpu
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import Registration
-from daemon.worker import look_ahead
+from daemon.worker import fast_path
 from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime, latest_ends
 from daemon.worker.claim_gate import ClaimGate
 from daemon.worker.confine import Confinement
 from daemon.worker.envs import EnvCache, EnvSettings
+from daemon.worker.fast_path import FastPath
 from daemon.worker.gpu_readings import GpuReadings
 from daemon.worker.gpus import (
     GpuAllocator,
@@ -75,7 +76,6 @@ from daemon.worker.gpus import (
 from daemon.worker.heartbeat import Heartbeat
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.lifetime import Lifetime
-from daemon.worker.look_ahead import LookAhead
 from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult, passed_env
 from daemon.worker.slots import Slots
@@ -117,8 +117,8 @@ class Worker(Stopping):
         gpu_max_jobs: int = 4,
         lifetime: Lifetime | None = None,
         gpu_sampler: GpuSampler | None = None,
-        look_ahead_below: float = look_ahead.BELOW,
-        look_ahead_hold: float = look_ahead.HOLD,
+        look_ahead_below: float = fast_path.BELOW,
+        look_ahead_hold: float = fast_path.HOLD,
         env_settings: EnvSettings | None = None,
         env_builder: SlotIdentity | None = None,
         local: bool = True,
@@ -131,12 +131,13 @@ class Worker(Stopping):
         this dispatcher without processes. `identities` (one per slot, identity.py) are the uids
         the slots' jobs run as; None: the worker's own. `job_network`: "host" or "private", for
         jobs with a uid of their own (confine.py). `lifetime`: its end, if any (lifetime.py).
-        `gpu_sampler` reads given `gpus` live (discovered ones are read by NVML). Without GPUs, jobs
-        are claimed ahead of a free slot while jobs end within `look_ahead_below` seconds, and
-        handed back if not started after `look_ahead_hold` (look_ahead.py). A job whose directory
-        holds a lock runs in the environment built from it, kept under `data_dir/envs` as
-        `env_settings` say, built as `env_builder` (None: this process's uid) (envs.py). `local`:
-        False for an agent's slots (hosted.py): nothing of this machine is opened for them."""
+        `gpu_sampler` reads given `gpus` live (discovered ones are read by NVML). Without GPUs and
+        with the queue's `fast_path` on, jobs are claimed ahead of a free slot while jobs end
+        within `look_ahead_below` seconds, and handed back if not started after
+        `look_ahead_hold` (fast_path.py). A job whose directory holds a lock runs in the
+        environment built from it, kept under `data_dir/envs` as `env_settings` say, built as
+        `env_builder` (None: this process's uid) (envs.py). `local`: False for an agent's slots
+        (hosted.py): nothing of this machine is opened for them."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         if identities is not None and len(identities) < slots:
@@ -188,8 +189,9 @@ class Worker(Stopping):
         self.readings = GpuReadings(None, heartbeat_seconds)  # their readings, for the registration
         self._nvml: Nvml | None = None
         self._held = Holdings(self._slots.guard)  # every attempt this worker holds, by lease id
-        # the jobs claimed before a slot is free, on a worker of short jobs
-        self._ahead = LookAhead(self._held, below=look_ahead_below, hold=look_ahead_hold)
+        # what the fast path does here, and the jobs it claimed before a slot is free
+        self._fast = FastPath(queue.fast_path, self._held, below=look_ahead_below, hold=look_ahead_hold)
+        self._ahead = self._fast.look_ahead
         self._attempts = TaskSet("%s failed in the worker; its lease will expire")  # one per attempt
         # heartbeat, cancel nudges, dispatcher, fence, restart watch, quarantine checks
         self._background = TaskSet("%s failed: the worker no longer works as it should", logging.CRITICAL)
@@ -213,7 +215,7 @@ class Worker(Stopping):
             self.allocator = GpuAllocator(gpus, self.slots, self.gpu_max_jobs)
             self.probe = self.probe or self._nvml
         gpus = self.allocator.gpus
-        self._ahead.enabled = not gpus
+        self._fast.begin(gpus)
         sampler = functools.partial(sample_gpus, gpus) if self._nvml is not None else self._given_sampler
         self.metrics = WorkerMetrics(gpus, sampler)  # NVML is read by sample_gpus, never by metrics/
         self.readings = GpuReadings(sampler, self.heartbeat.interval)
@@ -391,7 +393,7 @@ class Worker(Stopping):
 
     async def _wait_for_a_slot(self) -> None:
         """Every slot is taken: wait until one is free, handing back the jobs kept ahead if none is
-        free by the time it has waited its longest (look_ahead.py)."""
+        free by the time it has waited its longest (fast_path.py)."""
         try:
             async with asyncio.timeout(self._ahead.due_in()):
                 await self._slot_freed.wait()
@@ -402,15 +404,15 @@ class Worker(Stopping):
 
     async def _wait_for_work(self) -> bool:
         """Block until a queue gets a new entry, or `_wake` is set, leaving this worker's next
-        claim standing meanwhile where it has no GPUs (work_watch.py); what that claim got, once
+        claim standing meanwhile where the fast path says so (work_watch.py); what that claim got, once
         an enqueue sent it, is started here. True when the next step is a claim; False when the
         standing claim got fewer jobs than it asked for: it found the queues empty, as a claim
         that returned does (`_claim`), and the next step waits again."""
         generation, sent = self._generation(), boottime()
         free = self.slots - self._busy()
         wanted = free + self._ahead.wanted()
-        claim = None  # none stands on a GPU worker (work_watch.py)
-        if not self.allocator.gpus:  # and none goes while claims may not (claim_gate.py)
+        claim = None  # none stands on a GPU worker (work_watch.py), nor with the fast path off
+        if self._fast.stands():  # and none goes while claims may not (claim_gate.py)
             claim = {
                 "count": wanted,
                 "slots": free,
@@ -443,7 +445,7 @@ class Worker(Stopping):
         self._held.started(held, run, slot)  # (lost there if its deadline passed: nothing starts)
         if not held.fenced:
             if lease.ahead:  # it counts as started from here
-                look_ahead.say_started(self.queue, lease, self._ahead.flowing())
+                self._fast.say_started(self.queue, lease)
             self.metrics.job_started(lease.spec.queue)
         run.start()  # now, when nothing has to come first; else its task prepares and starts it
         held.task = self._attempts.spawn(self._attempt(held), f"job {lease.job_id}")
@@ -466,7 +468,8 @@ class Worker(Stopping):
             identity=self._slots.identity(slot),
             cgroup=self._slots.cgroup(slot),
             git_protocols=self.git_protocols,
-            on_slot_free=functools.partial(self._slot_free, lease.id),
+            eager=self._fast.eager,
+            on_slot_free=functools.partial(self._slot_free, lease.id) if self._fast.eager else None,
         )
 
     def _slot_free(self, lease_id: str) -> None:
@@ -532,8 +535,7 @@ class Worker(Stopping):
                 # guard, while this worker was frozen). Not the job's outcome: the lease decides.
                 result = RunResult(Ending.LOST, None, result.dirty_gpus, result.killed_by)
             # While short jobs flow and another runs, its end comes soon: this outcome may wait for it.
-            linger = look_ahead.LINGER if self._ahead.flowing() and self._busy() else 0.0
-            await self._outcomes.report(held.lease, result, linger)
+            await self._outcomes.report(held.lease, result, self._fast.linger(self._busy()))
         finally:
             self._held.drop(held)
 

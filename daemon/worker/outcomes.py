@@ -37,7 +37,8 @@ class Outcomes:
     async def report(self, lease: Lease, result: RunResult, linger: float = 0.0) -> None:
         """Record how the attempt ended: its outcome, or a hand-back when it has none (stopped by
         the worker); nothing when its lease was lost (the attempt is another's to end). An
-        outcome may wait `linger` seconds for others to share its round trip (scripts.Pipeliner)."""
+        outcome may wait `linger` seconds for others to share its round trip (the fast path's
+        Pipeliner, queue/fast_path.py)."""
         job, n = lease.job_id, lease.attempt
         if result.ending is Ending.LOST:
             log.warning("job %s attempt %d: killed, nothing recorded: the lease was lost", job, n)

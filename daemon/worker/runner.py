@@ -172,6 +172,7 @@ class JobRun:
         identity: SlotIdentity | None = None,
         cgroup: SlotCgroup | None = None,
         git_protocols: str = ANY_PROTOCOL,
+        eager: bool = True,
         on_slot_free: Callable[[], None] | None = None,
         on_exit: Callable[[], None] | None = None,
     ) -> None:
@@ -182,9 +183,10 @@ class JobRun:
         directory holds a lock (envs.py; None: none does). `spawner` starts, reaps and kills its
         processes. `identity`: the uid the job runs as (identity.py; None: the worker's own).
         `cgroup`: the slot's (cgroups.py), which holds all the job starts (None: found through
-        /proc at the end). `on_slot_free` is called when the slot may take its next job before
-        this one's end is recorded (see `_hand_over`). `on_exit` is called as soon as its first
-        process has ended (an agent tells its server: agent.py)."""
+        /proc at the end). `eager`: `start` may spawn the job in its caller's turn; `on_slot_free`
+        is called when the slot may take its next job before this one's end is recorded (see
+        `_hand_over`; None: never). Both are the fast path's (worker/fast_path.py). `on_exit` is
+        called as soon as its first process has ended (an agent tells its server: agent.py)."""
         self.queue = queue
         self.store = store
         self.cache = cache
@@ -209,6 +211,7 @@ class JobRun:
         self.identity = identity
         self.cgroup = cgroup
         self.git_protocols = git_protocols  # what a job's repository may be fetched over
+        self.eager = eager  # `start` may spawn in its caller's turn (worker/fast_path.py)
         self.tmp_dir = self.slot.tmp
         home, tmp = (self.scratch, self.tmp_dir) if identity is not None else (None, None)
         self._env = job_env(os.environ if env is None else env, lease, self.gpus, home, tmp)
@@ -334,7 +337,8 @@ class JobRun:
         between one job's end and the next one's start, most of a short job's wait. `run` then
         supervises it (or, if the spawn failed, records why); else `run` prepares and spawns."""
         if (
-            self.ending is not None
+            not self.eager
+            or self.ending is not None
             or self._fetches()
             or self._may_have_lock()
             or not self.slot.take(self._scratch_dirs())

@@ -7,7 +7,7 @@ A Worker installs no signal handler: `main` does, for `WorkerDaemon` (worker mod
 running local slots.
 
 A claim that was in flight when the dispatcher ended is asked again, and what it got handed back
-(`JobQueue.settle_claims`); jobs kept ahead of a free slot (look_ahead.py) go back first, as they
+(`JobQueue.settle_claims`); jobs kept ahead of a free slot (fast_path.py) go back first, as they
 never started.
 
 `Stopping` is the stopping half of `dispatcher.Worker`, a mixin on the Worker's own books (as
@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from daemon.queue.job_queue import JobQueue
     from daemon.queue.registry import Registration
     from daemon.worker.envs import EnvCache
+    from daemon.worker.fast_path import LookAhead
     from daemon.worker.gpus import Nvml
-    from daemon.worker.look_ahead import LookAhead
     from daemon.worker.runner import Run
     from daemon.worker.slots import Slots
     from storage.cache import ObjectCache

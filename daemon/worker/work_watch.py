@@ -11,18 +11,17 @@ what the claim saw, goes on waiting. A job taken by the standing claim below wak
 read too (the read was sent before it): that answer is neither parsed on the way to the job's
 start nor followed by a claim.
 
-A worker without GPUs also leaves its next claim standing with its JobQueue while it waits
-(claims.Standing): the first enqueue to one of its queues through that JobQueue sends the claim
-right after its own call, in the same round trip, and the job starts with no claim round trip
-after its enqueue. In a single-machine pool the server enqueues through the JobQueue its slots
-claim through, so an idle pool starts a job one round trip to Redis after the client's request
-reached the server. What the claim takes is what any claim takes (claim.lua: the head of the
-queue, FIFO), and it stays unanswered until its reply is read here, as any claim does, so a
-worker stopped in between settles it (JobQueue.settle_claims). It goes only while the worker may
-claim (its heartbeats succeed, no pause after a Redis restart: claim_gate.py), and a pilot's
-lifetime in it is counted down while it stands. A GPU worker leaves none: its claim carries NVML's
-readings of free memory, which would age while it stands.
-"""
+A worker without GPUs also leaves its next claim standing with its JobQueue while it waits, while
+the fast path is on (fast_path.py; queue/fast_path.py `Standing`): the first enqueue to one of its
+queues through that JobQueue sends the claim right after its own call, in the same round trip, and
+the job starts with no claim round trip after its enqueue. In a single-machine pool the server
+enqueues through the JobQueue its slots claim through, so an idle pool starts a job one round trip
+to Redis after the client's request reached the server. What the claim takes is what any claim
+takes (claim.lua: the head of the queue, FIFO), and it stays unanswered until its reply is read
+here, as any claim does, so a worker stopped in between settles it (JobQueue.settle_claims). It
+goes only while the worker may claim (its heartbeats succeed, no pause after a Redis restart:
+claim_gate.py), and a pilot's lifetime in it is counted down while it stands. A GPU worker leaves
+none: its claim carries NVML's readings of free memory, which would age while it stands."""
 
 from __future__ import annotations
 

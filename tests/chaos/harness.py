@@ -6,7 +6,7 @@ microseconds` lines to the ledger (one short O_APPEND write per line, atomic bet
 `start`, then a `tick` every TICK seconds while it runs, then `end`. A job killed before its end
 leaves its last tick as the last sign it was alive. Most jobs run JOB_SECONDS; every SHORT_EVERY-th
 is short (a start and an end, milliseconds), after which a worker claims jobs ahead of a free slot
-(daemon/worker/look_ahead.py); every LONG_EVERY-th runs LONG_SECONDS, longer than the two leases a
+(daemon/worker/fast_path.py); every LONG_EVERY-th runs LONG_SECONDS, longer than the two leases a
 frozen worker stays frozen, so that its orphan guard has to kill it. Faults are real: SIGKILL and
 SIGSTOP/SIGCONT of worker processes, kill -9 and restart of redis-server on its AOF, the same
 restart from an older copy of the AOF (Redis loses its last writes), Redis at its maxmemory,

@@ -258,3 +258,18 @@ def test_help_is_printed_whatever_an_options_text_holds(program: str) -> None:
     assert "Traceback" not in done.stderr
     if program == "daemon.main":
         assert "90%" in " ".join(done.stdout.split())  # redis_max_memory's help, as written
+
+
+def test_the_fast_path_is_one_switch_on_by_default_that_reaches_the_queue() -> None:
+    """issue 46: the GPU-less fast path has one switch, `fast_path`, on unless set off, and the
+    JobQueue a daemon builds from its configuration carries it (daemon/queue/fast_path.py)."""
+    from redis.asyncio import Redis
+
+    from daemon.queue.job_queue import JobQueue
+
+    assert config.load(flags(), env={}).fast_path is True
+    off = config.load(flags("--no-fast-path"), env={})
+    assert off.fast_path is False
+    assert config.load(flags(), env={"GPUPOOL_FAST_PATH": "false"}).fast_path is False
+    assert JobQueue.from_config(Redis(), off).fast_path is False
+    assert JobQueue.from_config(Redis(), config.load(flags(), env={})).fast_path is True

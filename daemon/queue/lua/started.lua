@@ -1,4 +1,4 @@
--- started: a job its worker claimed ahead of a free slot (claim.lua ARGV 20, look_ahead.py) has
+-- started: a job its worker claimed ahead of a free slot (claim.lua ARGV 20, worker/fast_path.py) has
 -- started there now.
 -- Guarantees: only the job's current lease, under this worker, is marked (the fence), once. Until
 -- this mark an attempt claimed ahead counts as never started: taken back from a dead or frozen

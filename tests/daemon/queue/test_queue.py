@@ -676,7 +676,7 @@ async def test_a_requeued_job_is_handed_back_to_the_front_and_runs_again_once(qu
 async def test_a_job_claimed_ahead_that_never_started_is_no_loss_and_costs_its_user_nothing(
     redis: AnyRedis,
 ) -> None:
-    """issue 43 item 7 (look-ahead): jobs a worker claimed ahead of a free slot (look_ahead.py)
+    """issue 43 item 7 (look-ahead): jobs a worker claimed ahead of a free slot (worker/fast_path.py)
     that never started, because the worker froze or died first, were taken back as losses: a
     `--max-attempts 1` job was dead-lettered unrun, and fair share billed its user for the time it
     was held. A claim now says which of its jobs go to free slots; the others are marked until

@@ -17,13 +17,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from daemon.queue.connection import RETRIES, connect
 from daemon.queue.embedded_redis import EmbeddedRedis
-from daemon.queue.scripts import MAX_BATCH, Command, Pipeliner
+from daemon.queue.fast_path import MAX_BATCH, Pipeliner
+from daemon.queue.scripts import Command
 
 
 def counting_round_trips(redis: Redis) -> list[int]:
     """Patch `redis` so each round trip it makes is counted: each writes its commands at once (a
     command, a pipeline, a batch of script calls alike), on any connection of its pool, a
-    Pipeliner's kept one (scripts.Lane) included."""
+    Pipeliner's kept one (fast_path.Lane) included."""
     made: list[int] = []
     pool = redis.connection_pool
 
@@ -225,7 +226,7 @@ async def test_a_cancelled_caller_leaves_the_others_their_answers(redis: Redis) 
 
 
 async def test_one_callers_batches_go_out_on_one_kept_connection(redis: Redis) -> None:
-    """A Pipeliner keeps a connection for its batches (scripts.Lane): taking one from redis-py's
+    """A Pipeliner keeps a connection for its batches (fast_path.Lane): taking one from redis-py's
     pool and giving it back was the larger part of what a batch cost this process after an idle
     spell. Batches one after the other take none from the pool after the first."""
     call = Pipeliner(redis)
@@ -343,7 +344,7 @@ async def test_a_lane_dropped_while_its_batch_connects_is_still_made_anew(redis:
 async def test_a_batch_redis_does_not_answer_times_out_and_the_next_one_is_answered(
     redis_server: EmbeddedRedis,
 ) -> None:
-    """A batch's replies are read under one timer, the client's socket timeout (scripts._exchange),
+    """A batch's replies are read under one timer, the client's socket timeout (fast_path._exchange),
     not one per reply: a frozen Redis fails the batch's callers with redis-py's TimeoutError once
     each of the client's few tries has timed out (never a wait without end), and, Redis back, the
     next batch is answered on a connection made anew."""

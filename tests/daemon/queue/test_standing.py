@@ -1,4 +1,4 @@
-"""A standing claim (claims.Standing): an idle worker's next claim, sent by the next enqueue
+"""A standing claim (fast_path.Standing): an idle worker's next claim, sent by the next enqueue
 through the same JobQueue in that enqueue's round trip, against a real redis-server; and what
 that round trip makes Redis run, which is on the path to the job's start."""
 
@@ -140,7 +140,7 @@ async def test_a_claim_no_slot_waits_for_rides_with_the_calls_of_its_turn(
     redis: Redis, queue: JobQueue
 ) -> None:
     """A claim a slot waits for goes ahead of the calls made with it, in a round trip of its own
-    (scripts.Pipeliner); one made while every slot is taken (`urgent=False`: look_ahead.py) is in
+    (fast_path.Pipeliner); one made while every slot is taken (`urgent=False`: look-ahead) is in
     no hurry, and shares the round trip of the calls made in its turn (an outcome, say)."""
     for n in range(4):
         await queue.enqueue(spec(n))

@@ -1,4 +1,4 @@
-"""Look-ahead (daemon/worker/look_ahead.py), with a real redis-server and real processes: a worker
+"""Look-ahead (daemon/worker/fast_path.py), with a real redis-server and real processes: a worker
 of short jobs keeps jobs claimed ahead of a free slot, and each thing that could make such a job
 wait, run twice or run when it should not is tried: a long job in the way, another worker idle, a
 cancel, a drain, a worker with GPUs."""
@@ -12,7 +12,7 @@ from pathlib import Path
 from daemon.job import JobState, Lease, Outcome
 from daemon.queue import keys
 from daemon.queue.job_queue import JobQueue
-from daemon.worker import look_ahead
+from daemon.worker import fast_path as look_ahead
 from daemon.worker.dispatcher import Worker
 from tests.support.workers import fake_gpus, running_worker, sh, wait_file, wait_state, wait_until
 

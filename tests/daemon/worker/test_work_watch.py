@@ -45,7 +45,7 @@ async def test_an_idle_worker_gets_a_job_enqueued_through_its_queue_with_no_clai
     queue: JobQueue, tmp_path: Path
 ) -> None:
     """A single-machine pool's server enqueues through the JobQueue its slots claim through: an
-    idle slot's claim stands there and goes in the enqueue's round trip (claims.Standing), so the
+    idle slot's claim stands there and goes in the enqueue's round trip (fast_path.Standing), so the
     job starts without a claim round trip after it."""
     async with running_worker(queue, tmp_path / "w", slots=1, heartbeat_seconds=600):
         # (not a short job, after which it would claim ahead; and the enqueue script loaded: a

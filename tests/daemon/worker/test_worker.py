@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from redis.asyncio import Redis
 
 from daemon.job import JobState
@@ -28,12 +29,13 @@ from tests.support.workers import (
 )
 
 
+@pytest.mark.both_paths
 async def test_fifo_start_order_across_two_workers_with_two_slots(
-    redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path
+    redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path, fast_path: bool
 ) -> None:
     order = tmp_path / "order"
     clients = [redis_server.client() for _ in range(2)]  # separate workers, separate connections
-    queues = [JobQueue(c, lease_seconds=30) for c in clients]
+    queues = [JobQueue(c, lease_seconds=30, fast_path=fast_path) for c in clients]
     ids = await queue.enqueue_many([sh(f"echo $GPUPOOL_JOB_ID >> {order}") for _ in range(100)])
     async with (
         running_worker(queues[0], tmp_path / "w1", slots=2),
@@ -45,7 +47,7 @@ async def test_fifo_start_order_across_two_workers_with_two_slots(
 
     # Dispatch is strictly FIFO: the claim times (Redis clock) rise in enqueue order, among the
     # jobs claimed once. One kept ahead of a free slot whose slot did not free within the hold
-    # (look_ahead.py; a loaded machine) is handed back to the front and claimed again, later than
+    # (fast_path.py; a loaded machine) is handed back to the front and claimed again, later than
     # jobs behind it that were claimed meanwhile: its claim time is its second (as the chaos
     # checker judges FIFO, on jobs never reclaimed).
     once = [info for info in infos if len(info.attempts) == 1]
@@ -57,7 +59,7 @@ async def test_fifo_start_order_across_two_workers_with_two_slots(
     # exec, so two jobs claimed back to back may swap, and a job whose exec the scheduler preempts
     # (two cores for two workers, their jobs and Redis) may be overtaken by any job claimed and
     # not yet started: each worker holds up to four (its two slots' and the two it claims ahead,
-    # look_ahead.py), the other worker's four and its own worker's three others: seven places.
+    # fast_path.py), the other worker's four and its own worker's three others: seven places.
     # The line each job appends is one more step the scheduler may preempt after its start, and a
     # preempted job may be overtaken so twice over. So none is more than 14 places from its enqueue
     # position, while a dispatch out of FIFO order (LIFO, or any order by chance) moves jobs dozens.
@@ -66,6 +68,7 @@ async def test_fifo_start_order_across_two_workers_with_two_slots(
     assert all(abs(started.index(job_id) - n) <= 14 for n, job_id in enumerate(ids)), started
 
 
+@pytest.mark.both_paths
 async def test_cancel_through_the_queue_kills_grandchildren(queue: JobQueue, tmp_path: Path) -> None:
     script = 'sleep 300 & echo "$$ $!" > pids.tmp; mv pids.tmp pids; sleep 300'
     job_id, _ = await queue.enqueue(sh(script, cwd=str(tmp_path)))
@@ -78,12 +81,13 @@ async def test_cancel_through_the_queue_kills_grandchildren(queue: JobQueue, tmp
     assert [a.how for a in info.attempts] == ["cancelled"]
 
 
+@pytest.mark.both_paths
 async def test_cancel_reaches_the_worker_without_waiting_for_its_heartbeat(
-    queue: JobQueue, tmp_path: Path
+    queue: JobQueue, tmp_path: Path, fast_path: bool
 ) -> None:
     # Heartbeats every 10 minutes: only the cancel nudge (pub/sub) can stop the job within the
     # test's bound. The lease is long enough that nothing else intervenes.
-    lease_queue = JobQueue(queue.redis, lease_seconds=3600)
+    lease_queue = JobQueue(queue.redis, lease_seconds=3600, fast_path=fast_path)
     job_id, _ = await lease_queue.enqueue(sh("echo started > started; sleep 300", cwd=str(tmp_path)))
     async with running_worker(lease_queue, tmp_path / "w", heartbeat_seconds=600):
         await wait_file(tmp_path / "started")
@@ -92,13 +96,14 @@ async def test_cancel_reaches_the_worker_without_waiting_for_its_heartbeat(
     assert [a.how for a in info.attempts] == ["cancelled"]
 
 
+@pytest.mark.both_paths
 async def test_a_requeued_job_gets_sigterm_and_runs_again_with_the_next_attempt(
-    queue: JobQueue, tmp_path: Path
+    queue: JobQueue, tmp_path: Path, fast_path: bool
 ) -> None:
     """poolctl requeue's path, with a real worker: the job is told (SIGTERM) and stops, its attempt
     is handed back, and it runs again, at once, as attempt 2, which ends it. Heartbeats 10 minutes
     apart: the requeue reaches the worker by its nudge."""
-    lease_queue = JobQueue(queue.redis, lease_seconds=3600)
+    lease_queue = JobQueue(queue.redis, lease_seconds=3600, fast_path=fast_path)
     script = (
         'echo "start $GPUPOOL_ATTEMPT" >> log; '
         'if [ "$GPUPOOL_ATTEMPT" = 1 ]; then trap "echo term >> log; exit 0" TERM; sleep 300 & wait; fi; '
@@ -131,6 +136,7 @@ async def test_a_job_is_stopped_with_the_signal_and_grace_it_asked_for(
     assert (tmp_path / "log").read_text().split() == ["up", "usr1", "saved"]
 
 
+@pytest.mark.both_paths
 async def test_a_timed_out_job_is_killed_with_its_grandchildren(queue: JobQueue, tmp_path: Path) -> None:
     script = 'sleep 300 & echo "$$ $!" > pids.tmp; mv pids.tmp pids; sleep 300'
     job_id, _ = await queue.enqueue(sh(script, cwd=str(tmp_path), timeout=0.5))
@@ -140,6 +146,7 @@ async def test_a_timed_out_job_is_killed_with_its_grandchildren(queue: JobQueue,
     await wait_dead([int(p) for p in (tmp_path / "pids").read_text().split()])
 
 
+@pytest.mark.both_paths
 async def test_graceful_stop_lets_a_short_job_finish_and_hands_a_long_one_back(
     queue: JobQueue, redis: Redis, tmp_path: Path
 ) -> None:
@@ -170,6 +177,7 @@ async def test_graceful_stop_lets_a_short_job_finish_and_hands_a_long_one_back(
     assert await queue.reclaim() == [(long, JobState.QUEUED)]
 
 
+@pytest.mark.both_paths
 async def test_a_second_stop_kills_at_once_and_still_hands_back(queue: JobQueue, tmp_path: Path) -> None:
     job_id, _ = await queue.enqueue(sh("echo $$ > pid; trap '' TERM; sleep 300", cwd=str(tmp_path)))
     worker_ctx = running_worker(queue, tmp_path / "w", kill_grace=300, drain_timeout=300)

@@ -49,14 +49,15 @@ async def test_an_idle_worker_keeps_waiting_without_timeouts(
         await client.aclose()
 
 
+@pytest.mark.both_paths
 async def test_at_maxmemory_a_worker_claims_nothing_and_keeps_what_it_runs(
-    redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path
+    redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path, fast_path: bool
 ) -> None:
     """Item 2: with Redis at maxmemory its heartbeats were refused but its claims were not: the
     worker fenced its running job, then claimed the next one, which ran unrenewed and unfenced
     until the reaper gave it to another worker while it still ran. Now a worker whose heartbeat is
     refused claims nothing, and its running jobs keep their leases (renewing takes no memory)."""
-    short = JobQueue(queue.redis, lease_seconds=1.5)
+    short = JobQueue(queue.redis, lease_seconds=1.5, fast_path=fast_path)
     await short.enqueue(sh(f"echo $$ > {tmp_path / 'a'}; exec sleep 60"))
     ending, _ = await short.enqueue(sh(f"touch {tmp_path / 'c'}; sleep 1"))  # frees a slot at maxmemory
     behind, _ = await short.enqueue(sh(f"echo $$ > {tmp_path / 'b'}; exec sleep 60"))
@@ -73,8 +74,9 @@ async def test_at_maxmemory_a_worker_claims_nothing_and_keeps_what_it_runs(
         assert alive(first)
 
 
+@pytest.mark.both_paths
 async def test_a_late_lost_answer_for_one_attempt_leaves_the_next_attempt_alone(
-    redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path
+    redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path, fast_path: bool
 ) -> None:
     """Item 3: renewal answers were keyed by job id, so a LOST meant for attempt 1, arriving late,
     killed attempt 2 of the same job on the same worker, which then stayed `running` in Redis
@@ -88,7 +90,7 @@ async def test_a_late_lost_answer_for_one_attempt_leaves_the_next_attempt_alone(
     proxy = Proxy(redis_server.port)
     await proxy.start()
     client = connect("127.0.0.1", proxy.port, password=redis_server.password)
-    through = JobQueue(client, lease_seconds=60)
+    through = JobQueue(client, lease_seconds=60, fast_path=fast_path)
     try:
         async with running_worker(through, tmp_path / "w", slots=2, heartbeat_seconds=30) as worker:
             await wait_file(marker)
@@ -111,8 +113,9 @@ async def _upheld(proxy: Proxy) -> bool:
     return any(link.upheld for link in proxy.links)
 
 
+@pytest.mark.both_paths
 async def test_a_redis_restart_makes_the_worker_revalidate_its_leases_at_once(
-    redis_server: EmbeddedRedis, tmp_path: Path
+    redis_server: EmbeddedRedis, tmp_path: Path, fast_path: bool
 ) -> None:
     """Item 4: after Redis restarted having lost its last writes (here: from an AOF copied before
     the claim), a worker ran on an attempt Redis no longer knew of until its next heartbeat, a
@@ -120,7 +123,7 @@ async def test_a_redis_restart_makes_the_worker_revalidate_its_leases_at_once(
     Redis (its run id) on reconnecting and re-validates its leases at once."""
     watch = RunIdWatch()
     client = redis_server.client(watch=watch)
-    queue = JobQueue(client, lease_seconds=120, watch=watch)
+    queue = JobQueue(client, lease_seconds=120, watch=watch, fast_path=fast_path)
     await queue.enqueue(sh(f"echo $$ > {tmp_path / 'pid'}; exec sleep 120"))
     before = aof_copy(redis_server)
     try:
@@ -158,8 +161,9 @@ async def test_an_outcome_reached_while_redis_is_away_is_recorded_when_it_return
     assert "killing" not in caplog.text
 
 
+@pytest.mark.both_paths
 async def test_a_job_whose_claim_is_answered_after_its_deadline_never_starts(
-    redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path
+    redis_server: EmbeddedRedis, queue: JobQueue, tmp_path: Path, fast_path: bool
 ) -> None:
     """Issue 43, found by the chaos suite (its workflow run, seed 19: one worker's replies came
     late): a claim answered after the worker's own deadline for its lease started the job all the
@@ -170,7 +174,7 @@ async def test_a_job_whose_claim_is_answered_after_its_deadline_never_starts(
     proxy = Proxy(redis_server.port)
     await proxy.start()
     client = connect("127.0.0.1", proxy.port, password=redis_server.password)
-    through = JobQueue(client, lease_seconds=1.0)
+    through = JobQueue(client, lease_seconds=1.0, fast_path=fast_path)
     runs: dict[tuple[str, int], Run] = {}  # (job, attempt) -> its run
     workers: list[Worker] = []
 

@@ -1,18 +1,35 @@
-"""Look-ahead: jobs claimed before a slot is free, while this worker's jobs are short.
+"""The GPU-less fast path, the worker's part: every mechanism of the worker that exists only for
+short jobs on workers without GPUs, behind one switch (`fast_path` in the config, carried by the
+worker's JobQueue; queue/fast_path.py is the queue's part). The dispatcher asks `FastPath` what
+to do and never checks itself whether it has GPUs. With the switch off a worker claims only for
+its free slots, waits for work without a claim standing, records each outcome as it comes, and
+spawns each job from its attempt's task once its slot's directories are reset: the plain path,
+what a GPU worker always does, and what the tests check the fast path against.
 
-A slot that claims only once it is free waits a round trip to Redis between two jobs, which a
-local queue does not: at two slots of millisecond jobs (`true`), that round trip, a good part of
-each job's cycle, is what keeps a worker from the speed of the machine. So while
-every slot is taken and the last job to end here ran less than `below` seconds, the dispatcher
-claims DEPTH jobs more in one claim and keeps them here; each slot that frees starts the oldest at
-once, and once none is left the next claim travels while they run: one claim, and one round
-trip, for every DEPTH jobs. No slot waits for that claim, so it does not go ahead of the other
-script calls, alone, as a claim for a free slot does: it rides in the batch of its turn, with the
-outcome of the job that just ended (`claim_many(urgent=False)`). While short jobs flow and
-another runs here, an outcome may also wait up to LINGER for the next one (scripts.Pipeliner's
-`linger`), or for the next claim: the ends of several jobs then share one write, and one wake of
-Redis, which are most of what recording a short job's end costs both sides. It changes when an
-outcome is recorded, by at most LINGER, never what is recorded nor under which lease.
+The mechanisms:
+
+- Look-ahead (`LookAhead`): jobs claimed before a slot is free, while this worker's jobs are
+  short. A slot that claims only once it is free waits a round trip to Redis between two jobs,
+  which a local queue does not: at two slots of millisecond jobs that round trip is what keeps a
+  worker from the speed of the machine. So while every slot is taken and the last job to end here
+  ran less than `below` seconds, the dispatcher claims DEPTH jobs more in one claim and keeps them
+  here; each slot that frees starts the oldest at once, and once none is left the next claim
+  travels while they run: one claim, and one round trip, for every DEPTH jobs. No slot waits for
+  that claim, so it does not go ahead of the other script calls, alone, as a claim for a free slot
+  does: it rides in the batch of its turn, with the outcome of the job that just ended
+  (`claim_many(urgent=False)`).
+- Lingering outcomes (`FastPath.linger`): while short jobs flow and another runs here, an outcome
+  may wait up to LINGER for the next one (queue/fast_path.py `Pipeliner`), or for the next claim:
+  the ends of several jobs then share one write, and one wake of Redis, which are most of what
+  recording a short job's end costs both sides. It changes when an outcome is recorded, by at
+  most LINGER, never what is recorded nor under which lease.
+- The standing claim (`FastPath.stands`): an idle worker leaves its next claim with its JobQueue,
+  for the next enqueue through it to send (work_watch.py, queue/fast_path.py `Standing`).
+- Eager start and hand-over (`FastPath.eager`): a job that needs nothing fetched is spawned in the
+  turn that freed its slot or got its claim (runner.py `JobRun.start`), and a job that changed
+  none of its directories and holds no GPUs frees its slot before its end is recorded
+  (runner.py `_hand_over`). They save a turn of the loop, and a reset of the directories, between
+  one short job and the next.
 
 What the guarantees keep (docs/GUARANTEES.md, 4):
 - each is claimed as any job is: from the head of its queue at the time (FIFO), under a lease
@@ -25,8 +42,8 @@ What the guarantees keep (docs/GUARANTEES.md, 4):
   jobs, once;
 - one cancelled, requeued or preempted while it waits is handed back (release.lua ends a
   cancelled one cancelled); a draining worker hands them back first, as they never started;
-- only on a worker without GPUs. There a claim never waits for GPUs, so a look-ahead claim can
-  neither reserve the worker for a head job (backfill) nor ask a running job to make room
+- only on a worker without GPUs (`FastPath.begin`). There a claim never waits for GPUs, so a
+  look-ahead claim can neither reserve the worker for a head job (backfill) nor ask a running job to make room
   (preemption); on a GPU worker a job takes seconds to start on its GPUs, and a round trip is
   nothing beside that.
 """
@@ -36,12 +53,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from daemon.job import Lease
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.attempt import HeldAttempt, Holdings, boottime
+from daemon.worker.gpus import GpuInfo
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +69,50 @@ DEPTH = 2  # jobs claimed ahead in one claim, once none is kept
 LINGER = 0.002  # the longest an outcome waits for company while short jobs flow (seconds)
 
 
+class FastPath:
+    """What the fast path does on one worker: on (the switch) and, from `begin`, whether the
+    worker has no GPUs. The dispatcher asks it, never the switch nor its GPUs."""
+
+    def __init__(self, on: bool, held: Holdings, *, below: float = BELOW, hold: float = HOLD) -> None:
+        self.on = on
+        self.look_ahead = LookAhead(held, below=below, hold=hold)
+        self._gpuless = False
+
+    def begin(self, gpus: Sequence[GpuInfo]) -> None:
+        """The worker's GPUs are known (at its start): look-ahead and the standing claim serve only
+        a worker without any."""
+        self._gpuless = not gpus
+        self.look_ahead.enabled = self.on and self._gpuless
+
+    def stands(self) -> bool:
+        """Whether the worker leaves its next claim standing while it waits for work (a GPU
+        worker's claim carries NVML's readings of free memory, which would age while it stands)."""
+        return self.on and self._gpuless
+
+    @property
+    def eager(self) -> bool:
+        """Whether a job is spawned in the turn that freed its slot or got its claim, and a slot
+        handed over before its job's end is recorded (runner.py). Each checks for itself that the
+        job allows it (nothing to fetch, no GPUs held, its directories unchanged)."""
+        return self.on
+
+    def linger(self, busy: int) -> float:
+        """Seconds an outcome may wait for company: LINGER while short jobs flow and `busy` slots
+        (another job) run here, whose end comes soon; else none."""
+        return LINGER if self.look_ahead.flowing() and busy else 0.0
+
+    def say_started(self, queue: JobQueue, lease: Lease) -> None:
+        """A job claimed ahead of a free slot starts now (`say_started`)."""
+        say_started(queue, lease, self.look_ahead.flowing())
+
+
 class LookAhead:
     """The attempts claimed ahead of a free slot (at most DEPTH), in claim order, and whether the
     worker looks ahead now. They are held in `held` (renewed by the heartbeat) all the while."""
 
     def __init__(self, held: Holdings, *, below: float = BELOW, hold: float = HOLD) -> None:
         self.below, self.hold = below, hold
-        self.enabled = False  # set once the worker knows it has no GPUs
+        self.enabled = False  # set by FastPath.begin, on a worker without GPUs
         self._held = held
         self._kept: collections.deque[HeldAttempt] = collections.deque()
         self._short = False  # the last job to end here ran less than `below`
