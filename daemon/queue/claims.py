@@ -93,7 +93,7 @@ class ClaimRequest:
 
     def keys(self) -> list[str]:
         q = self.queue
-        return [keys.stream(q), keys.retry(q), keys.leases(q), keys.claims(q, self.worker), keys.parked(q)]
+        return [keys.stream(q), keys.front(q), keys.leases(q), keys.claims(q, self.worker), keys.parked(q)]
 
     def packed(self) -> bytes:
         room = self.capacity

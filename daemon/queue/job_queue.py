@@ -436,7 +436,7 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
         return await self._end_attempt(
             self.scripts.complete,
             lease,
-            [keys.stream(q), keys.leases(q), keys.events(q), keys.retry(q)],
+            [keys.stream(q), keys.leases(q), keys.events(q), keys.front(q)],
             str(outcome.state),
             "" if outcome.exit_code is None else outcome.exit_code,
             outcome.detail,
@@ -447,16 +447,16 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
             linger=linger,
         )
 
-    async def release(self, lease: Lease) -> JobState:
+    async def hand_back(self, lease: Lease) -> JobState:
         """Hand an attempt back that this worker stopped before its job finished (a drain): the job
         goes to the front of its queue and is claimed next with attempt+1; a hand-back does not
         count towards max_attempts. Returns QUEUED, or CANCELLED when the user cancelled it
         meanwhile. Raises StaleAttempt, changing nothing, when `lease` is no longer current."""
         q = lease.queue
         return await self._end_attempt(
-            self.scripts.release,
+            self.scripts.hand_back,
             lease,
-            [keys.stream(q), keys.retry(q), keys.leases(q), keys.events(q)],
+            [keys.stream(q), keys.front(q), keys.leases(q), keys.events(q)],
             self.retention,
         )
 
@@ -469,7 +469,7 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
         durable: bool = False,
         linger: float = 0.0,
     ) -> JobState:
-        """Run a script that ends `lease`'s attempt (complete.lua, release.lua), fenced by the lease:
+        """Run a script that ends `lease`'s attempt (complete.lua, hand_back.lua), fenced by the lease:
         the job's state afterwards, or StaleAttempt when the lease is no longer current. `durable`:
         acknowledged once on the replicas asked for (an outcome; a hand-back need not be: lost
         with a primary, the attempt's lease expires and the job runs again)."""
@@ -534,7 +534,7 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
         state = _s(
             await self._call(
                 self.scripts.cancel,
-                [keys.stream(q), keys.retry(q), keys.events(q)],
+                [keys.stream(q), keys.front(q), keys.events(q)],
                 [keys.queue_prefix(q), keys.GROUP, job_id, self.retention, detail],
             )
         )
@@ -564,7 +564,7 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
             for q in todo:
                 batch.add(
                     self.scripts.reclaim,
-                    [keys.stream(q), keys.retry(q), keys.leases(q), keys.events(q)],
+                    [keys.stream(q), keys.front(q), keys.leases(q), keys.events(q)],
                     [keys.queue_prefix(q), keys.GROUP, RECLAIM_BATCH, self.retention],
                 )
             more = []

@@ -8,16 +8,17 @@ Per queue (``gp:{q:NAME}:…``):
   stream        Redis Stream of entries ``job=<id>`` in enqueue order; consumer group ``workers``. An
                 entry stays in the group's pending list while its job runs and is deleted when the
                 job ends.
-  retry         ZSET id -> enqueue seq: the front of the queue, claimed before any entry of the
-                stream: jobs reclaimed, handed back, or retried after a failure.
+  retry         (`front`) ZSET id -> enqueue seq: the front of the queue, claimed before any entry
+                of the stream: jobs reclaimed, handed back, or retried after a failure. The key
+                keeps its first name, so a pool upgraded in place keeps the jobs waiting there.
   backoff       ZSET id -> when (Redis time, ms) a failed job with retries left may go back to the
                 front (retry_backoff, complete.lua); the reaper's pass (reclaim.lua) moves it
                 then. Its entry stays pending, as a front job's.
   parked        ZSET id -> GPUs needed * 2**32 + enqueue seq: queued jobs passed over by workers too
                 small for them; a claimer looks only at those it can hold, and takes the oldest of
-                them and `retry`'s head first.
+                them and the front's head first.
   prio          ZSET id -> (100 - priority) * 2**32 + enqueue seq: the queued jobs enqueued with a
-                priority, claimed after `retry` and before the stream, the highest first; each
+                priority, claimed after the front and before the stream, the highest first; each
                 also has its stream entry until a claim takes it from here and deletes it.
   capped        ZSET id -> seq: queued jobs held aside while their user is at a cap (claim.lua),
                 with capped:USER (the same, per user) and capped_users (each user holding jobs,
@@ -115,7 +116,10 @@ def stream(queue: str) -> str:
     return queue_prefix(queue) + "stream"
 
 
-def retry(queue: str) -> str:
+def front(queue: str) -> str:
+    """The front of a queue: jobs reclaimed, handed back or retried, served before any job not yet
+    started (claim/places.lua). Its key says 'retry', as it did before it took more than retries:
+    a pool upgraded in place keeps the jobs waiting there."""
     return queue_prefix(queue) + "retry"
 
 

@@ -181,7 +181,7 @@ class QueueReads:
         others to end (daemon/after.py)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrange(keys.leases(queue), 0, -1)
-            for aside in (keys.retry(queue), keys.parked(queue), keys.capped(queue)):
+            for aside in (keys.front(queue), keys.parked(queue), keys.capped(queue)):
                 pipe.zrange(aside, 0, limit - 1, withscores=True)
             pipe.zrange(keys.backoff(queue), 0, limit - 1)
             pipe.zrange(keys.priority(queue), 0, limit - 1)
@@ -232,7 +232,7 @@ class QueueReads:
         """`depth` of each of `queues`, in one round trip whatever their number."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for q in queues:
-                for aside in (keys.retry(q), keys.parked(q), keys.capped(q), keys.backoff(q)):
+                for aside in (keys.front(q), keys.parked(q), keys.capped(q), keys.backoff(q)):
                     pipe.zcard(aside)
                 pipe.xlen(keys.stream(q))
                 pipe.xpending(keys.stream(q), keys.GROUP)

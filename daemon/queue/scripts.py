@@ -59,7 +59,7 @@ NAMES = (
     "requeue",
     "reclaim",
     "log",
-    "release",
+    "hand_back",
     "heartbeat",
     "prune_workers",
     "primary_age",
@@ -102,7 +102,7 @@ class Scripts:
         self.requeue: AsyncScript = redis.register_script(source("requeue"))
         self.reclaim: AsyncScript = redis.register_script(source("reclaim"))
         self.log: AsyncScript = redis.register_script(source("log"))
-        self.release: AsyncScript = redis.register_script(source("release"))
+        self.hand_back: AsyncScript = redis.register_script(source("hand_back"))
         self.heartbeat: AsyncScript = redis.register_script(source("heartbeat"))
         self.prune_workers: AsyncScript = redis.register_script(source("prune_workers"))
         self.primary_age: AsyncScript = redis.register_script(source("primary_age"))

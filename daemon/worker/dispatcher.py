@@ -287,7 +287,7 @@ class Worker(Stopping):
             try:
                 if full and not ahead:  # every slot taken: claim nothing, see if a job should preempt here
                     self._wake.clear()
-                    await self.queue.preempt_check(self.id, self.queues, await self._room(shared=False))
+                    await self.queue.preempt_check(self.id, self.queues, await self._capacity(shared=False))
                     claimed = False
                 elif claim_first or self._wake.is_set():
                     # Cleared before the claim: GPUs freed while it is in flight still wake the wait below.
@@ -309,7 +309,7 @@ class Worker(Stopping):
                 await woken_or(self._wake, backoff)
                 backoff = min(backoff * 2, 5.0)
 
-    async def _room(self, *, shared: bool = True) -> Capacity:
+    async def _capacity(self, *, shared: bool = True) -> Capacity:
         """What this worker can take now (claims.Capacity): its GPUs free whole, a slot's share, in
         all, when the attempts holding some end at the latest (backfill), the time a pilot has left
         (a preemption check says it too: a pilot stops nothing for a job it would not take), and
@@ -344,7 +344,7 @@ class Worker(Stopping):
         generation, sent = self._generation(), boottime()
         free = self.slots - self._busy()
         wanted = free + self._ahead.wanted()
-        room = await self._room()
+        room = await self._capacity()
         leases = await self.queue.claim_many(self.id, self.queues, wanted, room, urgent=free > 0, slots=free)
         return await self._claimed(leases, wanted, generation, sent)
 
@@ -362,7 +362,7 @@ class Worker(Stopping):
             return False
         deadline = sent + self.heartbeat.lease - self.heartbeat.margin
         if self.draining():  # the drain began during the claim: the jobs go back first
-            self._give_back(leases, deadline)
+            self._hand_back(leases, deadline)
             return True
         if self._generation() != generation:
             # Claimed from a Redis that had just restarted: the pause is for these too. Held (and
@@ -374,7 +374,7 @@ class Worker(Stopping):
             for h in held:
                 self._held.drop(h)
             if self.draining():
-                self._give_back([h.lease for h in still], deadline)
+                self._hand_back([h.lease for h in still], deadline)
                 return True
             for h in still:
                 self._start_or_keep(h.lease, h.deadline)  # as renewed while it waited
@@ -400,7 +400,7 @@ class Worker(Stopping):
         except TimeoutError:
             for held in self._ahead.give_up():
                 log.info("job %s: no slot free in %g s; handing it back", held.lease.job_id, self._ahead.hold)
-                self._give_back([held.lease], held.deadline)
+                self._hand_back([held.lease], held.deadline)
 
     async def _wait_for_work(self) -> bool:
         """Block until a queue gets a new entry, or `_wake` is set, leaving this worker's next
@@ -417,7 +417,7 @@ class Worker(Stopping):
                 "count": wanted,
                 "slots": free,
                 "ready": self._gate.open_now,
-                "capacity": await self._room(),
+                "capacity": await self._capacity(),
             }
         leases = await self._watch.wait(self._wake, claim)
         return leases is None or await self._claimed(leases, wanted, generation, sent)
@@ -438,7 +438,7 @@ class Worker(Stopping):
                 gpus = self.allocator.allocate(lease.id, lease.spec.gpus, slot)
         except NotEnoughGpus as exc:  # claims are sized by free GPUs, so this is a bug: say so
             log.error("%s; handing the attempt back", exc)
-            self._give_back([lease], deadline)
+            self._hand_back([lease], deadline)
             return
         held = self._held.hold(lease, deadline)
         run = self._make_run(lease, gpus, slot)
@@ -480,14 +480,14 @@ class Worker(Stopping):
             held.phase = Phase.ENDING
             self._free(held, None)
 
-    def _give_back(self, leases: Iterable[Lease], deadline: float) -> None:
+    def _hand_back(self, leases: Iterable[Lease], deadline: float) -> None:
         """Hand back attempts that never ran (held, so renewed, until the hand-back is recorded)."""
         for lease in leases:
             held = self._held.hold(lease, deadline)
             held.phase = Phase.ENDING
-            held.task = self._attempts.spawn(self._release(held), f"hand back {lease.job_id}")
+            held.task = self._attempts.spawn(self._hand_back_now(held), f"hand back {lease.job_id}")
 
-    async def _release(self, held: HeldAttempt) -> None:
+    async def _hand_back_now(self, held: HeldAttempt) -> None:
         lease = held.lease
         try:
             await self._outcomes.hand_back(lease)
@@ -612,7 +612,7 @@ class Worker(Stopping):
         if self._ahead:  # cancelled, requeued or preempted before it started: handed back
             stop = (RenewStatus.CANCEL, RenewStatus.REQUEUE, RenewStatus.PREEMPT)
             for held in self._ahead.give_up(i for i, status in statuses.items() if status in stop):
-                self._give_back([held.lease], held.deadline)
+                self._hand_back([held.lease], held.deadline)
 
     # -- reads ------------------------------------------------------------------------------------
 

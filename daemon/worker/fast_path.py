@@ -36,11 +36,11 @@ What the guarantees keep (docs/GUARANTEES.md, 4):
   the heartbeat renews with the others, counted towards its user's caps, reclaimed if this
   worker dies; on this worker it starts before any job claimed after it;
 - none waits long behind a job that is not short: once the oldest has not started within `hold`
-  seconds, those kept are handed back to the front of their queue (release.lua: a hand-back,
+  seconds, those kept are handed back to the front of their queue (hand_back.lua: a hand-back,
   never a failure), and the worker looks ahead again only once a short job has ended here. A
   worker of long jobs never looks ahead, and one whose jobs turn long hands back at most DEPTH
   jobs, once;
-- one cancelled, requeued or preempted while it waits is handed back (release.lua ends a
+- one cancelled, requeued or preempted while it waits is handed back (hand_back.lua ends a
   cancelled one cancelled); a draining worker hands them back first, as they never started;
 - only on a worker without GPUs (`FastPath.begin`). There a claim never waits for GPUs, so a
   look-ahead claim can neither reserve the worker for a head job (backfill) nor ask a running job to make room
@@ -153,7 +153,7 @@ class LookAhead:
 
     def give_up(self, lease_ids: Iterable[str] | None = None) -> list[HeldAttempt]:
         """The attempts kept (those of `lease_ids`, or all), no longer kept nor held, for the
-        caller to hand back (release.lua is fenced: one whose lease lapsed meanwhile is left as
+        caller to hand back (hand_back.lua is fenced: one whose lease lapsed meanwhile is left as
         Redis has it). Giving up all of them (they waited too long, or the worker drains)
         also stops looking ahead until the next short job."""
         ids = None if lease_ids is None else set(lease_ids)

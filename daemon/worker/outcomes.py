@@ -1,6 +1,6 @@
 """How a worker records the end of an attempt: its outcome, or its hand-back to the queue.
 
-Each is one fenced script call (complete.lua, release.lua): Redis decides whether the write still
+Each is one fenced script call (complete.lua, hand_back.lua): Redis decides whether the write still
 counts, since only the lease's current holder may end an attempt (StaleAttempt when it passed on).
 While Redis does not answer, the call is made again until it does (the heartbeat keeps renewing
 the lease meanwhile, and both scripts are idempotent, so a call whose reply was lost is safe to
@@ -60,8 +60,8 @@ class Outcomes:
                 log.info("job %s attempt %d: %s", job, n, how)
 
     async def hand_back(self, lease: Lease) -> JobState | None:
-        """Put the attempt back at the front of its queue (release.lua); None if not recorded."""
-        return await self._record(lease, "hand back", lambda: self.queue.release(lease))
+        """Put the attempt back at the front of its queue (hand_back.lua); None if not recorded."""
+        return await self._record(lease, "hand back", lambda: self.queue.hand_back(lease))
 
     async def _record(
         self, lease: Lease, what: str, call: Callable[[], Awaitable[JobState]]

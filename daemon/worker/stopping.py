@@ -1,7 +1,7 @@
 """How a worker stops: in two phases, as SAQ and uvicorn do. `stop()` first stops claiming and
 lets running jobs finish for up to `drain_timeout` seconds; then it stops the rest (SIGTERM,
 SIGKILL after `kill_grace`) and hands their attempts back to the front of their queues
-(`JobQueue.release`), so another worker takes them first. `force()` (a second signal) cuts the
+(`JobQueue.hand_back`), so another worker takes them first. `force()` (a second signal) cuts the
 wait short and kills at once; the attempts are still handed back. `stop()` is safe to call twice.
 A Worker installs no signal handler: `main` does, for `WorkerDaemon` (worker mode) and the server
 running local slots.
@@ -75,7 +75,7 @@ class Stopping:
     def _runs(self) -> list[Run]:
         raise NotImplementedError  # the Worker's
 
-    def _give_back(self, leases: Iterable[Lease], deadline: float) -> None:
+    def _hand_back(self, leases: Iterable[Lease], deadline: float) -> None:
         raise NotImplementedError  # the Worker's
 
     async def stop(self, drain_timeout: float | None = None) -> None:
@@ -119,7 +119,7 @@ class Stopping:
                 await cancel_and_wait(self._dispatcher)
         await self._settle_claims()
         for held in self._ahead.give_up():  # never started: back to the front first
-            self._give_back([held.lease], held.deadline)
+            self._hand_back([held.lease], held.deadline)
         if not self._attempts:
             return
         log.info("draining: waiting up to %g s for %d running jobs", grace, len(self._attempts))
@@ -148,7 +148,7 @@ class Stopping:
             )
             return
         if leases:
-            self._give_back(leases, boottime())
+            self._hand_back(leases, boottime())
 
     async def _hand_back_the_rest(self) -> None:
         self._stage = Stage.HANDING_BACK

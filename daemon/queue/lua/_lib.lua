@@ -104,7 +104,7 @@ local function holds(j, attempt, consumer, lease)
   return j[1] == 'running' and j[2] == attempt and j[3] == consumer and j[4] == lease
 end
 
--- Wake workers blocked on the queue (XREAD on its `wake` stream): something went to `retry`, or a
+-- Wake workers blocked on the queue (XREAD on its `wake` stream): something went to the front, or a
 -- user's attempt ended while jobs are held at a cap.
 local function wake(prefix)
   redis.call('XADD', prefix .. 'wake', 'MAXLEN', '~', 100, '*', 'w', '1')
@@ -274,11 +274,11 @@ local function unhold(prefix, user, id)
   return top
 end
 
--- Put a job at the front of its queue: `retry` is served before the stream, in enqueue order; its
+-- Put a job at the front of its queue (`front`, keys.py): served before the stream, in enqueue order; its
 -- entry stays pending (owned by the 'reclaimed' consumer) so it is never trimmed.
-local function to_front(prefix, stream, group, retry, id)
+local function to_front(prefix, stream, group, front, id)
   local j = redis.call('HMGET', job_key(prefix, id), 'seq', 'entry')
-  redis.call('ZADD', retry, j[1], id)
+  redis.call('ZADD', front, j[1], id)
   redis.call('XCLAIM', stream, group, 'reclaimed', 0, j[2], 'JUSTID')
 end
 
@@ -289,9 +289,9 @@ local function unstarted(prefix, id)
 end
 
 -- Put a started job back at the front of its queue, to be claimed again with attempt+1.
-local function requeue(prefix, stream, group, retry, id)
+local function requeue(prefix, stream, group, front, id)
   unstarted(prefix, id)
-  to_front(prefix, stream, group, retry, id)
+  to_front(prefix, stream, group, front, id)
   wake(prefix)
 end
 
@@ -300,8 +300,8 @@ end
 -- this one, at most `most`: queued meanwhile in `backoff` (scored by when it is due), its entry
 -- pending under 'reclaimed' as a front job's, where no claim looks; the reaper's pass
 -- (reclaim.lua) puts it at the front once due.
-local function retry_after(prefix, stream, group, retry_key, id, failures, base, most, now)
-  if base <= 0 then return requeue(prefix, stream, group, retry_key, id) end
+local function retry_after(prefix, stream, group, front, id, failures, base, most, now)
+  if base <= 0 then return requeue(prefix, stream, group, front, id) end
   unstarted(prefix, id)
   redis.call('ZADD', prefix .. 'backoff', now + math.min(base * 2 ^ (failures - 1), most), id)
   redis.call('XCLAIM', stream, group, 'reclaimed', 0, redis.call('HGET', job_key(prefix, id), 'entry'), 'JUSTID')

@@ -21,7 +21,7 @@
 --  * at maxmemory the claim is refused whole: its first write is the memo (see _lib.lua);
 --  * bounded: every loop stops at a named bound (claim/request.lua) and answers 'claimed', so the
 --    caller asks again; cancelled jobs met on the way are acknowledged and deleted, never run.
--- KEYS: 1 stream, 2 the front (`retry`), 3 leases, 4 the worker's claim memo, 5 parked
+-- KEYS: 1 stream, 2 the front (keys.py `front`), 3 leases, 4 the worker's claim memo, 5 parked
 -- ARGV: 1 the request, one msgpack map (daemon/queue/claims.py `ClaimRequest`)
 -- Returns {status, stream cursor, wake cursor, GPUs kept for a head, GPUs free whole left, the
 -- shared GPUs' table left, then id, attempt, lease, spec, shared GPU's place (-1: whole GPUs) of

@@ -8,12 +8,12 @@
 -- `failures`, apart from losses. The same call again (its reply
 -- was lost), or any later complete of this lease, answers as the first did and changes nothing. At maxmemory it still runs (its first
 -- write is a deletion): recording outcomes is how the pool frees memory.
--- KEYS: 1 stream, 2 leases, 3 events, 4 retry
+-- KEYS: 1 stream, 2 leases, 3 events, 4 the front
 -- ARGV: 1 queue key prefix, 2 group, 3 consumer, 4 job id, 5 attempt, 6 lease id, 7 state,
 --       8 exit code ('' if none), 9 detail, 10 result (msgpack, opaque here), 11 retention (s),
 --       12 a retry's back-off (ms; 0: none) before its failure count doubles it, 13 its most (ms)
 -- Returns {state afterwards} (the outcome's, or 'queued' for a retry) | {'stale', state, attempt}.
-local stream, leases, events, retry = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local stream, leases, events, front = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, group, consumer, id = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local attempt, lease, state = ARGV[5], ARGV[6], ARGV[7]
 local jobkey = job_key(prefix, id)
@@ -32,7 +32,7 @@ if state == 'failed' and j[7] ~= '1' and tonumber(j[5]) < tonumber(j[6]) then
   outcome[#outcome + 1], outcome[#outcome + 2] = 'ended_as', 'queued'
   redis.call('HSET', jobkey, unpack(outcome))
   local failures = redis.call('HINCRBY', jobkey, 'failures', 1)
-  retry_after(prefix, stream, group, retry, id, failures, tonumber(ARGV[12]) or 0, tonumber(ARGV[13]) or 0, now)
+  retry_after(prefix, stream, group, front, id, failures, tonumber(ARGV[12]) or 0, tonumber(ARGV[13]) or 0, now)
   return {'queued'}
 end
 outcome[#outcome + 1], outcome[#outcome + 2] = 'ended_as', state

@@ -1,7 +1,7 @@
 -- requeue: ask that a running job go back to the front of its queue (poolctl requeue).
 -- Guarantees: only a running job is flagged; its worker learns it on its next renewal (renew.lua
 -- answers 'requeue'), stops the job's processes (SIGTERM, then SIGKILL after its grace) and hands
--- the attempt back (release.lua), which clears the flag: the job is claimed next, before every job
+-- the attempt back (hand_back.lua), which clears the flag: the job is claimed next, before every job
 -- that has not started, under the same id with attempt + 1, and counts no loss. A job being
 -- cancelled stays cancelled. Safe to run twice (the flag is set again). At maxmemory it still
 -- runs: its first write frees (a deletion of nothing, as renew's), and setting the flag of an

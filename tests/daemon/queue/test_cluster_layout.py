@@ -12,7 +12,7 @@ from tests.support.cluster import ClusterGroup
 
 PER_QUEUE = (
     keys.stream,
-    keys.retry,
+    keys.front,
     keys.leases,
     keys.jobs,
     keys.ended,

@@ -102,7 +102,7 @@ async def test_fair_share_keeps_caps_priorities_the_front_and_head_of_line(redis
     got = await queue.claim_many("w1", ["default"], 4, Capacity(gpus_free=3, gpus_total=4))
     assert [lease.job_id for lease in got] == [urgent[0], alice[0]]
     assert await queue.claim_many("w1", ["default"], 4, Capacity(gpus_free=1, gpus_total=4)) == []
-    await queue.release(got[1])  # alice's job handed back: the front, before every line
+    await queue.hand_back(got[1])  # alice's job handed back: the front, before every line
     again = await queue.claim_many("w1", ["default"], 4, Capacity(gpus_free=2, gpus_total=4))
     assert [(lease.job_id, lease.attempt) for lease in again] == [(alice[0], 2)]
     rest = await queue.claim_many("w2", ["default"], 4, Capacity(gpus_free=4, gpus_total=4))

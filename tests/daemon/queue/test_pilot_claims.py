@@ -58,7 +58,7 @@ async def at_the_front(redis: AnyRedis, limit: float | None, owners: tuple[str, 
     queue = JobQueue(redis, lease_seconds=30)
     (outlives,) = await queue.enqueue_many([job(0, limit, user=owners[0])])
     (lease,) = await queue.claim_many("w0", ["default"], 1)
-    assert await queue.release(lease) is JobState.QUEUED  # handed back: at the front
+    assert await queue.hand_back(lease) is JobState.QUEUED  # handed back: at the front
     (fits,) = await queue.enqueue_many([job(1, 10, user=owners[1])])
     return queue, outlives, fits, {}
 

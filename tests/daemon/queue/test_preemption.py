@@ -49,7 +49,7 @@ async def test_a_priority_job_stops_as_few_lower_ones_as_make_room_and_goes_firs
         RenewStatus.PREEMPT,
         RenewStatus.OK,
     ]
-    assert await queue.release(newer) is JobState.QUEUED  # the worker stopped it and handed it back
+    assert await queue.hand_back(newer) is JobState.QUEUED  # the worker stopped it and handed it back
     # Back at the front, the preempted job would go first; the job that preempted it does.
     got = await queue.claim_many("w1", ["default"], 1, Capacity(2, gpus_total=4, ends=[(None, 2)]))
     assert [lease.job_id for lease in got] == [urgent]
@@ -80,7 +80,7 @@ async def test_a_full_worker_is_asked_for_a_slot_by_a_job_with_a_priority(redis:
         "w1", ["default"], Capacity(2, 0, gpus_total=4)
     )  # asked once is enough
     assert await statuses(queue, "w1", running) == [RenewStatus.OK, RenewStatus.PREEMPT]
-    await queue.release(running[1])
+    await queue.hand_back(running[1])
     got = await queue.claim_many("w1", ["default"], 1, Capacity(3, gpus_total=4))
     assert [lease.job_id for lease in got] == [urgent]
 
@@ -126,7 +126,7 @@ async def test_a_preempting_job_starts_only_within_its_users_cap(redis: AnyRedis
     await queue.enqueue(JobSpec(argv=("other",), priority=6, user="alice"))
     got = await queue.claim_many("w2", ["default"], 1, Capacity(4, gpus_total=4))
     assert [lease.spec.argv for lease in got] == [("other",)]  # alice at her cap of 1 now
-    await queue.release(low)
+    await queue.hand_back(low)
     assert [
         lease.spec.argv for lease in await queue.claim_many("w1", ["default"], 1, Capacity(2, gpus_total=2))
     ] != [("urgent",)]

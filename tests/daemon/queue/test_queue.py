@@ -661,7 +661,7 @@ async def test_a_requeued_job_is_handed_back_to_the_front_and_runs_again_once(qu
     assert await queue.requeue(behind) == "queued"  # not started: nothing to do
     assert await queue.requeue(job_id) == "requeueing"
     assert await queue.renew("w1", [lease]) == {lease.id: RenewStatus.REQUEUE}
-    assert await queue.release(lease) is JobState.QUEUED  # the worker stopped it and handed it back
+    assert await queue.hand_back(lease) is JobState.QUEUED  # the worker stopped it and handed it back
     again = await claim(queue, "w2")
     assert (again.job_id, again.attempt) == (job_id, 2)  # at the front, before the job behind it
     assert await queue.renew("w2", [again]) == {again.id: RenewStatus.OK}  # asked for once, done once
@@ -766,7 +766,7 @@ async def test_a_users_unended_jobs_are_counted_exactly_however_they_move_and_en
     await expire(queue, redis, lease)
     lease = await claim(queue, "w2")
     await queue.requeue(first)
-    assert await queue.release(lease) is JobState.QUEUED
+    assert await queue.hand_back(lease) is JobState.QUEUED
     lease = await claim(queue, "w3")
     assert await queue.complete(lease, Outcome(JobState.FAILED, exit_code=1)) is JobState.QUEUED
     assert await count() == 5

@@ -22,7 +22,7 @@ local function take_preempting_head()
   end
 end
 
--- The front: `retry` (lowest seq first), the parked jobs this worker can hold and the jobs held at
+-- The front (lowest seq first), the parked jobs this worker can hold and the jobs held at
 -- a cap whose user is below it now, the oldest first. A job too big for this worker moves to
 -- `parked`; one whose user is at a cap is held aside (with fair share it keeps its place at the
 -- front of its user's line: 'front'); the first that must wait here blocks (backfill.lua). The

@@ -1,6 +1,6 @@
 -- claim/places.lua: the places a queued job waits in, and the moves between them. A claim looks
 -- at them in this fixed order (claim.lua):
---   1. the front: `retry` (reclaimed, handed back, retried), the `parked` jobs this worker can
+--   1. the front (reclaimed, handed back, retried jobs), the `parked` jobs this worker can
 --      hold, and the jobs held at a cap whose user is below it now; the lowest seq first;
 --   2. `prio`: jobs with a priority, the highest first, the lowest seq among equals;
 --   3. with fair share, the users' lines (`capped:USER`), the user ranked first next (fairshare.lua);
@@ -16,7 +16,7 @@ local function park(j, gpus)
   wake(prefix)
 end
 
--- Out of the front (`retry` or `parked`), to start: its pending entry becomes this worker's.
+-- Out of the front (the front's own ZSET, or `parked`), to start: its pending entry becomes this worker's.
 local function take_from_front(j, place)
   redis.call('ZREM', place, j.id)
   redis.call('XCLAIM', stream, group, consumer, 0, j.entry, 'JUSTID')

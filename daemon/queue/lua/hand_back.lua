@@ -1,15 +1,15 @@
--- release: a worker hands back an attempt it stopped before the job finished (a draining worker
+-- hand_back: a worker hands back an attempt it stopped before the job finished (a draining worker
 -- past its drain timeout, one told to stop at once, or one that claimed a job it cannot start).
 -- Guarantees: only the job's current lease, running under this worker, is handed back (the
 -- fencing token); otherwise nothing changes and the answer is {'stale', state, attempt}. A
--- handed-back job goes to the front of its queue (`retry`, before every job not yet started) and
+-- handed-back job goes to the front of its queue (before every job not yet started) and
 -- is claimed next with attempt+1; the hand-back is counted in `handbacks`, never as a loss
 -- towards max_attempts. A job the user cancelled meanwhile becomes cancelled. The same call again
 -- answers as the first did. At maxmemory it still runs (its first write is a deletion).
--- KEYS: 1 stream, 2 retry, 3 leases, 4 events
+-- KEYS: 1 stream, 2 the front, 3 leases, 4 events
 -- ARGV: 1 queue key prefix, 2 group, 3 consumer, 4 job id, 5 attempt, 6 lease id, 7 retention (s)
 -- Returns {'queued'} | {'cancelled'} | {'stale', state, attempt}.
-local stream, retry, leases, events = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local stream, front, leases, events = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, group, consumer, id, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local jobkey = job_key(prefix, id)
 local j = redis.call('HMGET', jobkey, 'state', 'attempt', 'worker', 'lease', 'cancel', 'ended_by', 'ended_as')
@@ -27,7 +27,7 @@ if j[5] == '1' then
   answer = 'cancelled'
 else
   redis.call('HINCRBY', jobkey, 'handbacks', 1)
-  requeue(prefix, stream, group, retry, id)
+  requeue(prefix, stream, group, front, id)
 end
 redis.call('HSET', jobkey, 'ended_by', lease, 'ended_as', answer)
 return {answer}
