@@ -17,6 +17,7 @@ from tests.support.paths import ROOT
     [
         ("bench.agent_start", "agent / worker"),  # issue 44 item 1: a start on an agent
         ("bench.env_start", "cold_hermetic"),  # issue 45 item 2: hermetic only, no network
+        ("bench.policies", "ratio to FIFO"),  # issue 46: the scheduler's parts, each policy's cost
     ],
 )
 def test_a_bench_program_runs_at_its_smallest(program: str, says: str) -> None:
