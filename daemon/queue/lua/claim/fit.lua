@@ -16,8 +16,9 @@ end
 
 -- The longest a job may run here, in ms: its time limit and stop grace; nil with no time limit.
 local function run_limit(j)
-  if not j.limit_ms then return nil end
-  return j.limit_ms + (j.grace_ms or grace_ms)
+  local limit, grace = limits_of(j)
+  if not limit then return nil end
+  return limit + (grace or grace_ms)
 end
 
 -- Why a job is not for this claimer at all, or nil: it could run past the claimer's own end (a

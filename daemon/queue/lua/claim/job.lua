@@ -2,8 +2,7 @@
 -- scheduler needs of a job is copied into named fields when it is enqueued (_lib.lua add_job):
 -- the spec stays opaque here, read only to hand it to the worker that starts the job (read with
 -- the rest: most jobs a claim reads, it starts).
-local JOB_FIELDS = {'state', 'gpus', 'attempt', 'user', 'seq', 'priority', 'entry', 'gpu_mem_bytes',
-  'time_limit_ms', 'stop_grace_ms', 'spec'}
+local JOB_FIELDS = {'state', 'gpus', 'attempt', 'user', 'seq', 'priority', 'entry', 'gpu_mem_bytes', 'spec'}
 
 -- A record of before 'gpu_mem_bytes' says MiB, in 'gpu_mem' (looked up only for such a record: a
 -- field a record lacks costs a whole scan of a small one).
@@ -12,16 +11,24 @@ local function old_gpu_mem(key)
 end
 
 -- Job `id`: {id, key, state, gpus (asked; 0: a slot's share), attempt, user, seq, priority, entry,
--- mem (bytes on one shared GPU; 0: whole GPUs), limit_ms (its time limit; nil: none),
--- grace_ms (its own stop grace; nil: the worker's), spec (packed, opaque)}.
+-- mem (bytes on one shared GPU; 0: whole GPUs), spec (packed, opaque)}.
 local function job_of(id)
   local key = job_key(prefix, id)
   local v = redis.call('HMGET', key, unpack(JOB_FIELDS))
-  local limit, grace = tonumber(v[9]) or 0, tonumber(v[10]) or -1
   return {
     id = id, key = key, state = v[1], gpus = tonumber(v[2]) or 0, attempt = tonumber(v[3]) or 0,
     user = v[4] or '', seq = tonumber(v[5]), priority = tonumber(v[6]) or 0, entry = v[7],
-    mem = tonumber(v[8]) or old_gpu_mem(key),
-    limit_ms = limit > 0 and limit or nil, grace_ms = grace >= 0 and grace or nil, spec = v[11],
+    mem = tonumber(v[8]) or old_gpu_mem(key), spec = v[9],
   }
+end
+
+-- A job's time limit and its own stop grace (ms; nil: none, and the worker's), read the first
+-- time a claim needs them (backfill and a pilot's end do; most claims never ask).
+local function limits_of(j)
+  if j.limits == nil then
+    local v = redis.call('HMGET', j.key, 'time_limit_ms', 'stop_grace_ms')
+    local limit, grace = tonumber(v[1]) or 0, tonumber(v[2]) or -1
+    j.limits = {limit > 0 and limit or nil, grace >= 0 and grace or nil}
+  end
+  return j.limits[1], j.limits[2]
 end
