@@ -24,7 +24,9 @@ Per queue (``gp:{q:NAME}:…``):
                 with capped:USER (the same, per user) and capped_users (each user holding jobs,
                 scored no later than their oldest held job's seq); back at the front, by seq,
                 once the user is below the caps. What a user runs is counted from `leases` at
-                each claim: no counter to drift.
+                each claim: no counter to drift. capped_front (ZSET id -> seq): those held from
+                the front in a fair-share queue, which go before the priorities once their user
+                is below the caps, as the front does.
   fairshare     HASH (fair-share queues, config fairshare_queues): 'half_life' (ms) its claims decay
                 use by, each user's use ('u:USER', GPU-ms, as of 't:USER', ms; charged as each
                 attempt ends, _lib.lua) and weight ('w:USER', from the tokens file; 1 if absent).
@@ -153,6 +155,10 @@ def capped(queue: str) -> str:
 
 def capped_users(queue: str) -> str:
     return queue_prefix(queue) + "capped_users"
+
+
+def capped_front(queue: str) -> str:
+    return queue_prefix(queue) + "capped_front"
 
 
 def waiting(queue: str) -> str:

@@ -56,7 +56,7 @@ end
 
 -- With fair share, the users waiting whose next job ranks before `j` (fairshare.lua `rank`).
 local function ranked_before(j)
-  if half_life == 0 then return '' end
+  if half_life == 0 or j.state ~= 'queued' then return '' end
   local mine = rank(j.user, j.seq, redis.call('HGET', j.key, 'front'))
   local first = {}
   for user, nxt in pairs(users_next()) do

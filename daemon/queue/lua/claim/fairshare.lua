@@ -45,7 +45,9 @@ local function ranks_before(a, b)
 end
 
 -- The stream's new entries join their users' lines (pending under 'reclaimed', as a parked job's,
--- so never trimmed); a job with a priority stays in `prio`, which deletes its entry as it starts.
+-- so never trimmed), whatever their size: a job too big for this worker waits in its line, in
+-- its user's order, for a worker big enough (parked, it would go before its user's older jobs);
+-- a job with a priority stays in `prio`, which deletes its entry as it starts.
 local function read_into_lines()
   local fs = prefix .. 'fairshare'
   if tonumber(redis.call('HGET', fs, 'half_life')) ~= half_life then
@@ -61,8 +63,6 @@ local function read_into_lines()
       drop_entry(stream, group, e[1])
     elseif j.priority > 0 and redis.call('ZSCORE', prio, j.id) then
       redis.call('XACK', stream, group, e[1])
-    elseif need_of(j) > gpus_total then
-      park(j, need_of(j))
     else
       hold(prefix, j.user, j.id, j.seq, listed[j.user])
       listed[j.user] = true
@@ -72,14 +72,17 @@ local function read_into_lines()
 end
 
 -- Starts from the users' lines, the user ranked first each time. Each user's next job is looked
--- up once per call, and again for the user whose job just started or could not start here (too
--- big, or at a cap: the next of theirs, up to HELD_LOOK deep). Returns the reply.
+-- up once per call, and again for the user whose job just started or could not start here (at a
+-- cap: the next of theirs, up to HELD_LOOK deep; too big for this worker: the next, past as many
+-- such as the call's MOVES allow, so a run of big jobs does not hide a user's small ones).
+-- Returns the reply.
 local function take_lines()
   local read = read_into_lines()
   local next_of = {}  -- user -> {id, seq, place in their line, held from the front} or false
+  local too_big, passed = {}, 0  -- per user, and in all: jobs too big for this worker passed
   local function look(user, place)
     next_of[user] = false
-    if place >= HELD_LOOK then return end
+    if place >= HELD_LOOK + (too_big[user] or 0) then return end
     local held = redis.call('ZRANGE', prefix .. 'capped:' .. user, place, place, 'WITHSCORES')
     if held[1] then
       next_of[user] = {held[1], tonumber(held[2]), place, redis.call('HGET', job_key(prefix, held[1]), 'front')}
@@ -107,6 +110,11 @@ local function take_lines()
       next_of[best_user] = false
       if top[1] then look(best_user, 0) end
     else
+      if v == 'park' then
+        passed = passed + 1
+        if passed >= MOVES then return stop('claimed', '0-0') end  -- cut short: asked again
+        too_big[best_user] = (too_big[best_user] or 0) + 1
+      end
       look(best_user, best[3] + 1)  -- passed over here: the next of theirs
     end
   end

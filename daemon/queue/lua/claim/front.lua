@@ -42,21 +42,23 @@ local function take_front()
       local place, pick_seq = front, j and j.seq
       local p, p_seq = oldest_parked()
       if p and (not j or p_seq < pick_seq) then j, place, pick_seq = job_of(p), parked, p_seq end
-      if half_life == 0 then  -- (with fair share the held jobs wait their turn: fairshare.lua)
-        local c, c_seq = oldest_released()
-        if c and (not j or c_seq < pick_seq) then j, place = job_of(c), nil end
-      end
+      local c, c_seq = oldest_released()
+      if c and (not j or c_seq < pick_seq) then j, place = job_of(c), nil end
       if not j then break end
       if #ids >= slots then return stop('blocked', newest()), moved end
       local v, _, gpus = verdict(j)
       if v == 'gone' then  -- (ended meanwhile: cancel.lua takes it out; this is a bounded tidy)
         if place then redis.call('ZREM', place, j.id) else unhold(prefix, j.user, j.id) end
         moved = moved + 1
+      elseif v == 'park' and place then  -- parked by a worker with fewer GPUs, too big here too
+        if moved >= MOVES then return stop('claimed', '0-0'), moved end
+        redis.call('ZREM', place, j.id)
+        park(j, gpus)  -- under this worker's need: the GPU counts it looks at no longer hold it
+        moved = moved + 1
       elseif v == 'hold' and place then
         if moved >= MOVES then return stop('claimed', '0-0'), moved end
         redis.call('ZREM', place, j.id)  -- its entry stays pending
-        hold(prefix, j.user, j.id, j.seq)
-        if half_life > 0 then redis.call('HSET', j.key, 'front', '1') end
+        hold(prefix, j.user, j.id, j.seq, false, half_life > 0)
         moved = moved + 1
       elseif v == 'start' then
         if place then take_from_front(j, place) else take_from_held(j) end

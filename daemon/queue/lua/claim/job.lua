@@ -22,11 +22,21 @@ local function job_of(id)
   }
 end
 
+-- A record of before 'time_limit_ms' has its limits in its spec only: {time limit, stop grace} in
+-- ms as the enqueue scripts now copy them out (0: none; -1: the worker's grace).
+local function old_limits(spec)
+  local ok, s = pcall(cmsgpack.unpack, spec or '')
+  if not ok or type(s) ~= 'table' then return {0, -1} end
+  local limit = type(s.timeout) == 'number' and s.timeout * 1000 or 0
+  return {limit, type(s.stop_grace) == 'number' and s.stop_grace * 1000 or -1}
+end
+
 -- A job's time limit and its own stop grace (ms; nil: none, and the worker's), read the first
 -- time a claim needs them (backfill and a pilot's end do; most claims never ask).
 local function limits_of(j)
   if j.limits == nil then
     local v = redis.call('HMGET', j.key, 'time_limit_ms', 'stop_grace_ms')
+    if not v[1] then v = old_limits(j.spec) end
     local limit, grace = tonumber(v[1]) or 0, tonumber(v[2]) or -1
     j.limits = {limit > 0 and limit or nil, grace >= 0 and grace or nil}
   end

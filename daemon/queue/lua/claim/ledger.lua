@@ -79,9 +79,28 @@ local function start(j, gpus)
   claimed[n + 4], claimed[n + 5] = j.spec, place
 end
 
+-- A job answered again holds what it took then: the worker, which never heard of it, sent its
+-- GPUs (or its shared GPU's room) as free, and the claims it makes next in other queues must not
+-- count them twice.
+local function counted_out(jobkey)
+  local h = redis.call('HMGET', jobkey, 'held_gpus', 'shared_gpu', 'gpu_mem_bytes', 'gpu_mem')
+  local place = tonumber(h[2]) or -1
+  if place < 0 then
+    gpus_free = gpus_free - (tonumber(h[1]) or 0)
+    return
+  end
+  for _, g in ipairs(shared_gpus) do
+    if g.place == place then
+      if not g.shared then gpus_free, g.shared = gpus_free - 1, true end
+      g.left = g.left - (tonumber(h[3]) or (tonumber(h[4]) or 0) * 1048576)
+      g.jobs = g.jobs - 1
+    end
+  end
+end
+
 -- The same request again (its reply was lost): the leases it got that are still this worker's
--- and unexpired, each renewed from now (the worker counts its deadline from this call). An older
--- request arriving late claims nothing. Else the memo is written: the call's first write, which
+-- and unexpired, each renewed from now (the worker counts its deadline from this call), and
+-- counted out of what the worker has free. An older request arriving late claims nothing. Else the memo is written: the call's first write, which
 -- at maxmemory refuses the claim whole (_lib.lua).
 local function answered_before()
   local seen = redis.call('HMGET', memo, 'request', 'jobs')
@@ -100,6 +119,7 @@ local function answered_before()
       if j[1] == 'running' and j[2] == consumer and j[3] == lease_of(i) and until_ms and until_ms > now then
         redis.call('ZADD', leases, 'XX', now + lease_ms, id)
         reply_row(id, jobkey)
+        counted_out(jobkey)
       end
     end
   end

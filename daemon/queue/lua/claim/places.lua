@@ -52,7 +52,19 @@ end
 -- The oldest job held at a cap that this worker can hold and whose user is below the caps now,
 -- its seq and its user; nil when there is none. A look per user holding jobs, at their oldest
 -- HELD_LOOK held jobs: one too big for this worker or for the GPU cap does not hide the others.
+-- In a fair-share queue, where the users' lines hold every job read from the stream, only those
+-- held from the front (`capped_front`, HELD_LOOK of them): they go before the priorities, as
+-- the front does; the others wait their turn (fairshare.lua).
 local function oldest_released()
+  if half_life > 0 then
+    local held = redis.call('ZRANGE', prefix .. 'capped_front', 0, HELD_LOOK - 1, 'WITHSCORES')
+    for i = 1, #held, 2 do
+      local j = job_of(held[i])
+      local g = need_of(j)
+      if g <= gpus_total and under_cap(j.user, g) then return held[i], tonumber(held[i + 1]), j.user end
+    end
+    return nil
+  end
   if redis.call('EXISTS', capped_users) == 0 then return nil end
   local best, best_seq, best_user = nil, nil, nil
   for _, user in ipairs(redis.call('ZRANGE', capped_users, 0, -1)) do

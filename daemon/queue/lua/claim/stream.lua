@@ -24,11 +24,11 @@ local function judged(fields)
   return j, v, gpus
 end
 
--- Every GPU this claimer has is free, nothing is kept for a head, no shared GPU, no lifetime, any
--- user's job: no job can make it wait (one asking for more than it has is passed over), so the
--- next entry is taken as it is delivered, without a look first.
+-- Every GPU this claimer has is free, nothing is kept for a head, no GPU to share (so a --gpu-mem
+-- job is too big here), no lifetime, any user's job: no job can make it wait (one asking for more
+-- than it has is passed over), so the next entry is taken as it is delivered, without a look first.
 local function nothing_can_wait()
-  return gpus_free >= gpus_total and not head_need and #shared_gpus == 0 and lifetime <= 0 and serves == ''
+  return gpus_free >= gpus_total and not head_need and largest_gpu == 0 and lifetime <= 0 and serves == ''
 end
 
 local function take_stream()
