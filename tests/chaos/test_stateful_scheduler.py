@@ -8,17 +8,19 @@ from __future__ import annotations
 import time
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from daemon.queue.embedded_redis import EmbeddedRedis
 from tests.support.scheduler_model import STATS, run_machine
 
 LONG = settings(
-    max_examples=1000,
-    stateful_step_count=80,
+    max_examples=600,
+    stateful_step_count=60,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
+    # No explain phase: it reruns a failing example at length, after the shrink that says more.
+    phases=[Phase.explicit, Phase.generate, Phase.shrink],
 )
 
 

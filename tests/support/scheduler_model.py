@@ -36,6 +36,7 @@ The invariants (docs/GUARANTEES.md):
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 import time
 from collections import Counter
@@ -156,6 +157,19 @@ class Worker:
         self.allocator.release(lease.id)
 
 
+def earliest_ms(room: dict[str, Any], need: int) -> int:
+    """When `need` GPUs could be free at the earliest on a worker whose claim said `room`, in ms
+    from now, as claim.lua's backfill reckons it: its running jobs end at their limits (one
+    without a limit any moment), and GPUs in use that no end accounts for any moment too."""
+    ends = sorted((0 if t is None else max(0, round(t * 1000)), g) for t, g in room["ends"])
+    free = room["gpus_total"] - sum(g for _ms, g in ends)
+    for ms, g in [(0, 0), *ends]:
+        free += g
+        if free >= need:
+            return ms
+    return 0
+
+
 def job_specs() -> st.SearchStrategy[JobSpec]:
     """A job as users submit them: a few users, some priorities, whole GPUs (5: more than any
     worker has) or memory on a shared GPU, with and without a time limit."""
@@ -274,8 +288,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.run(self.q.preempt_check(name, [QUEUE], **worker.room(shared=False)))
             return
         head = self.expected_head(worker)
-        leases = self.run(self.q.claim_many(name, [QUEUE], free, slots=free, **worker.room()))
+        room = worker.room()
+        leases = self.run(self.q.claim_many(name, [QUEUE], free, slots=free, **room))
         STATS["claims"] += 1
+        self.check_backfill(worker, room, leases)
         leases.sort(key=lambda lease: not lease.spec.gpu_mem)  # shared ones first, as the dispatcher
         for lease in leases:
             self.started(worker, lease)
@@ -411,15 +427,20 @@ class SchedulerMachine(RuleBasedStateMachine):
                 )
 
     def known_fifo_bug(self, job: Job, older: Job) -> bool:
-        """A FIFO break the model found that is not fixed yet, left out here so that the model
-        goes on finding others: its plain regression test is xfail(strict) in
-        tests/daemon/queue/test_stateful_scheduler.py, and once the fix makes that pass, this
-        exemption goes too. In a fair-share queue a job parked by a worker too small for it is
-        served as the front, before the older jobs of its user still waiting in their line
-        (test_a_parked_job_does_not_pass_an_older_one_of_its_user_in_a_fair_share_line)."""
+        """FIFO breaks the model found that are not fixed yet, left out here so that the model goes
+        on finding others: each has its plain regression test, xfail(strict), in
+        tests/daemon/queue/test_stateful_scheduler.py; once a fix makes that test pass, its
+        exemption goes too. Both are in fair-share queues, where the older job waits in its
+        user's line: a job parked by a worker too small for it is served as the front, before
+        that line (test_a_parked_job_does_not_pass_an_older_one_of_its_user_in_a_fair_share_line);
+        and a priority job parked, then held at its user's cap from the front, waits in the line
+        while the priority jobs go first
+        (test_a_job_held_from_the_front_goes_before_the_priorities_in_a_fair_share_queue)."""
         before = self.snapshot.places if self.snapshot is not None else {}
         return (
-            self.config.fairshare and before.get(job.id) == ["parked"] and before.get(older.id) == ["capped"]
+            self.config.fairshare
+            and before.get(older.id) == ["capped"]
+            and before.get(job.id) in (["parked"], ["prio"])
         )
 
     def ended_attempt(self, job: Job, state: JobState) -> None:
@@ -485,6 +506,35 @@ class SchedulerMachine(RuleBasedStateMachine):
         if need > worker.gpus:
             return False
         return found[0] == "parked" or snap.under_cap(spec.user, need, self.config.caps)
+
+    def check_backfill(self, worker: Worker, room: dict[str, Any], leases: list[Lease]) -> None:
+        """A claim by the worker a head is reserved on, the head still waiting after it: every job it
+        started from behind the head (a stream entry enqueued after it) ends before the head could
+        start there, by its time limit and stop grace (§4: "nothing started out of order can
+        delay the head on its worker"). In a FIFO queue, where "behind" is the enqueue order."""
+        if self.config.fairshare or self.snapshot is None or not leases:
+            return
+        reservation = {
+            _text(k): _text(v) for k, v in self.run(self.redis.hgetall(keys.reservation(QUEUE))).items()
+        }
+        head = self.jobs.get(reservation.get("job", ""))
+        if reservation.get("worker") != worker.name or head is None or head.ended or head.lease:
+            return
+        if head.id in [lease.job_id for lease in leases]:
+            return
+        need = 1 if head.spec.gpu_mem else head.spec.gpus or worker.allocator.share
+        could_start = earliest_ms(room, need)
+        for lease in leases:
+            job = self.jobs[lease.job_id]
+            if job.order < head.order or self.snapshot.places.get(job.id) != ["stream"]:
+                continue
+            STATS["jobs backfilled behind a reserved head"] += 1
+            t = job.spec.timeout
+            limit = math.inf if t is None else round((t + GRACE) * 1000)
+            assert limit <= could_start, (
+                f"{job.id} (time limit {t}) started on {worker.name} behind {head.id}, reserved "
+                f"there, which could start in {could_start} ms"
+            )
 
     # -- invariants ---------------------------------------------------------------------------
 
