@@ -36,6 +36,8 @@ The invariants (docs/GUARANTEES.md):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import math
 import sys
 import time
@@ -63,11 +65,13 @@ from daemon.queue.connection import AnyRedis
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.gpus import GpuAllocator, GpuInfo, NotEnoughGpus
+from tests.support.cluster import ClusterServer
 from tests.support.queue_places import places
 
 T = TypeVar("T")
 
-QUEUE = "default"
+# Each example has a queue of its own (no flush between examples, so the model runs on a Cluster too).
+QUEUES = itertools.count()
 USERS = ("alice", "bob", "carol")
 GIB = 2**30
 GPU_MEMORY = 16 * GIB
@@ -180,7 +184,6 @@ def job_specs() -> st.SearchStrategy[JobSpec]:
     return st.builds(
         lambda user, priority, size, timeout, retries, attempts: JobSpec(
             argv=("true",),
-            queue=QUEUE,
             user=user,
             priority=priority,
             gpus=size[0],
@@ -193,7 +196,7 @@ def job_specs() -> st.SearchStrategy[JobSpec]:
         st.sampled_from(USERS),
         st.sampled_from([0, 0, 0, 10, 50]),
         size,
-        st.sampled_from([None, 5.0, 500.0]),
+        st.sampled_from([None, 5.0, 500.0, 500.0]),
         st.sampled_from([0, 0, 1]),
         st.sampled_from([1, 3]),
     )
@@ -223,8 +226,8 @@ CANCELLED = Outcome(JobState.CANCELLED, detail="cancelled")
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """The state machine; a test binds `redis` (a client of a redis-server of its own, flushed at
-    each example) and `loop` (the event loop the client lives on) in a subclass."""
+    """The state machine; a test binds `redis` (a client of a Redis of its own: each example has a
+    queue of its own there) and `loop` (the event loop the client lives on) in a subclass (`bind`)."""
 
     redis: ClassVar[AnyRedis]
     loop: ClassVar[asyncio.AbstractEventLoop]
@@ -232,6 +235,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.config = Config((0, 0), False, False, 0.0)
+        self.name = ""  # the example's queue
         self.queue: JobQueue | None = None
         self.jobs: dict[str, Job] = {}
         self.workers = {name: Worker(name, gpus, slots) for name, gpus, slots in WORKERS}
@@ -253,19 +257,20 @@ class SchedulerMachine(RuleBasedStateMachine):
     def configure(self, config: Config) -> None:
         self.config = config
         STATS["examples"] += 1
-        self.run(self.redis.flushall())
+        self.name = f"model{next(QUEUES)}"
         self.queue = JobQueue(
             self.redis,
             lease_seconds=300,
             user_caps=config.caps,
-            fairshare=[QUEUE] if config.fairshare else [],
+            fairshare=[self.name] if config.fairshare else [],
             fairshare_half_life=3600.0,
-            preempt=[QUEUE] if config.preempt else [],
+            preempt=[self.name] if config.preempt else [],
             retry_backoff=(config.backoff, config.backoff),
         )
 
     @rule(specs=st.lists(job_specs(), min_size=1, max_size=2))
     def enqueue(self, specs: list[JobSpec]) -> None:
+        specs = [dataclasses.replace(spec, queue=self.name) for spec in specs]
         ids = self.run(self.q.enqueue_many(specs))
         for job_id, spec in zip(ids, specs, strict=True):
             self.jobs[job_id] = Job(job_id, len(self.jobs), spec)
@@ -278,6 +283,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         spec = data.draw(st.sampled_from([j.spec for j in self.jobs.values()]))
         self.enqueue([spec] * copies)
 
+    @rule(
+        user=st.sampled_from(USERS),
+        before=st.integers(1, 2),
+        after=st.integers(1, 2),
+        limits=st.sampled_from([(5.0, 500.0), (500.0, 5.0), (None, 5.0)]),
+    )
+    def enqueue_a_head_among_small_jobs(
+        self, user: str, before: int, after: int, limits: tuple[float | None, float]
+    ) -> None:
+        """Jobs of one GPU, a job of all the big worker's GPUs, more jobs of one GPU: what makes a
+        head wait for GPUs behind running jobs, reserve a worker, and the jobs behind it backfill
+        (or not, by their time limits and those of the jobs before it)."""
+        first, behind = limits
+        head = JobSpec(argv=("true",), user=user, gpus=4, stop_grace=GRACE)
+        small = [JobSpec(argv=("true",), user=user, gpus=1, timeout=first, stop_grace=GRACE)] * before
+        more = [JobSpec(argv=("true",), user=user, gpus=1, timeout=behind, stop_grace=GRACE)] * after
+        self.enqueue([*small, head, *more])
+
     @rule(name=st.sampled_from([w[0] for w in WORKERS]))
     def claim(self, name: str) -> None:
         """A worker claims for its free slots (a full one only asks whether to preempt)."""
@@ -285,11 +308,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         free = worker.slots - len(worker.held)
         if free == 0:
             if self.config.preempt:
-                self.run(self.q.preempt_check(name, [QUEUE], **worker.room(shared=False)))
+                self.run(self.q.preempt_check(name, [self.name], **worker.room(shared=False)))
             return
         head = self.expected_head(worker)
         room = worker.room()
-        leases = self.run(self.q.claim_many(name, [QUEUE], free, slots=free, **room))
+        leases = self.run(self.q.claim_many(name, [self.name], free, slots=free, **room))
         STATS["claims"] += 1
         self.check_backfill(worker, room, leases)
         leases.sort(key=lambda lease: not lease.spec.gpu_mem)  # shared ones first, as the dispatcher
@@ -305,11 +328,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.reserved_worker() is not None)
     @rule()
     def reserved_worker_frees_and_claims(self) -> None:
-        """The worker a head is reserved on ends its attempts, one at a time, claiming after each:
-        the path on which the reservation's promise is tested."""
+        """The worker a head is reserved on claims, then ends its attempts one at a time, claiming
+        after each: the path on which backfill and the reservation's promise are tested."""
         worker = self.reserved_worker()
         assert worker is not None
         STATS["reserved worker frees"] += 1
+        self.claim(worker.name)  # as it is: only jobs sure to end before the head may start
+        self.consistent()
         for lease, _slot, _since in list(worker.held.values()):
             self.ended_attempt(self.jobs[lease.job_id], self.run(self.q.complete(lease, OK)))
             self.consistent()
@@ -375,19 +400,19 @@ class SchedulerMachine(RuleBasedStateMachine):
     def reclaim(self, data: st.DataObject) -> None:
         """One attempt's lease runs out (its worker froze) and the reaper takes it back."""
         job = data.draw(st.sampled_from(self.running()))
-        self.run(self.redis.zadd(keys.leases(QUEUE), {job.id: 0}, xx=True))
-        self.reaped(self.run(self.q.reclaim([QUEUE])))
+        self.run(self.redis.zadd(keys.leases(self.name), {job.id: 0}, xx=True))
+        self.reaped(self.run(self.q.reclaim([self.name])))
 
     @rule(name=st.sampled_from([w[0] for w in WORKERS]))
     def worker_dies(self, name: str) -> None:
         """A worker dies: every lease it held runs out, and so does a reservation it holds."""
         leases = [lease for lease, _, _ in self.workers[name].held.values()]
         if leases:
-            self.run(self.redis.zadd(keys.leases(QUEUE), {lease.job_id: 0 for lease in leases}, xx=True))
-        reservation = keys.reservation(QUEUE)
+            self.run(self.redis.zadd(keys.leases(self.name), {lease.job_id: 0 for lease in leases}, xx=True))
+        reservation = keys.reservation(self.name)
         if self.run(self.redis.hget(reservation, "worker")) == name.encode():
             self.run(self.redis.hset(reservation, "until", 0))
-        self.reaped(self.run(self.q.reclaim([QUEUE])))
+        self.reaped(self.run(self.q.reclaim([self.name])))
 
     # -- the model's bookkeeping --------------------------------------------------------------
 
@@ -515,13 +540,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.config.fairshare or self.snapshot is None or not leases:
             return
         reservation = {
-            _text(k): _text(v) for k, v in self.run(self.redis.hgetall(keys.reservation(QUEUE))).items()
+            _text(k): _text(v) for k, v in self.run(self.redis.hgetall(keys.reservation(self.name))).items()
         }
         head = self.jobs.get(reservation.get("job", ""))
         if reservation.get("worker") != worker.name or head is None or head.ended or head.lease:
             return
         if head.id in [lease.job_id for lease in leases]:
             return
+        if self.run(places(self.redis, self.name, [head.id]))[head.id] == ["capped"]:
+            return  # held at its user's cap, it is no head: the jobs behind it go on (§4)
         need = 1 if head.spec.gpu_mem else head.spec.gpus or worker.allocator.share
         could_start = earliest_ms(room, need)
         for lease in leases:
@@ -544,7 +571,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         STATS["steps"] += 1
         try:
-            self.snapshot = snap = self.run(Snapshot.read(self.redis, list(self.jobs)))
+            self.snapshot = snap = self.run(Snapshot.read(self.redis, self.name, list(self.jobs)))
             if snap.reservation:
                 STATS["steps with a reservation"] += 1
             for job in self.jobs.values():
@@ -610,7 +637,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.ended_attempt(job, self.run(self.q.complete(job.lease, CANCELLED)))
         self.consistent()
         assert all(job.ended is not None for job in self.jobs.values())
-        left = self.run(leftovers(self.redis))
+        left = self.run(leftovers(self.redis, self.name))
         assert not left, f"keys left with every job ended: {left}"
 
 
@@ -628,19 +655,19 @@ EMPTY_AT_END: tuple[Callable[[str], str], ...] = (
 )
 
 
-async def leftovers(redis: AnyRedis) -> dict[str, int]:
+async def leftovers(redis: AnyRedis, queue: str) -> dict[str, int]:
     """The queue's keys that still hold something, with how much: none once all jobs ended."""
     pipe = redis.pipeline(transaction=False)
     for key in EMPTY_AT_END:
-        pipe.type(key(QUEUE))
-    pipe.xlen(keys.stream(QUEUE))
+        pipe.type(key(queue))
+    pipe.xlen(keys.stream(queue))
     kinds = await pipe.execute()
     out = {}
     for key, kind in zip(EMPTY_AT_END, kinds[:-1], strict=True):
         if kind != b"none":
-            out[key(QUEUE)] = 1
+            out[key(queue)] = 1
     if kinds[-1]:
-        out[keys.stream(QUEUE)] = int(kinds[-1])
+        out[keys.stream(queue)] = int(kinds[-1])
     return out
 
 
@@ -659,15 +686,15 @@ class Snapshot:
     now_ms: int
 
     @classmethod
-    async def read(cls, redis: AnyRedis, ids: list[str]) -> Snapshot:
-        found = await places(redis, QUEUE, ids)
+    async def read(cls, redis: AnyRedis, queue: str, ids: list[str]) -> Snapshot:
+        found = await places(redis, queue, ids)
         pipe = redis.pipeline(transaction=False)
         for job_id in ids:
             pipe.hmget(keys.job(job_id), *RECORD_FIELDS)
-        pipe.xrange(keys.events(QUEUE), "-", "+")
-        pipe.hgetall(keys.reservation(QUEUE))
-        pipe.time()
-        *rows, events, reservation, (sec, usec) = await pipe.execute()
+        pipe.xrange(keys.events(queue), "-", "+")
+        pipe.hgetall(keys.reservation(queue))
+        *rows, events, reservation = await pipe.execute()
+        sec, usec = await redis.time()  # (apart: a Cluster's pipeline takes no command without a key)
         records = {
             job_id: {f: _text(v) for f, v in zip(RECORD_FIELDS, row, strict=True)}
             for job_id, row in zip(ids, rows, strict=True)
@@ -712,10 +739,10 @@ def bind(redis: AnyRedis, loop: asyncio.AbstractEventLoop) -> type[SchedulerMach
     return type("BoundSchedulerMachine", (SchedulerMachine,), {"redis": redis, "loop": loop})
 
 
-def run_machine(server: EmbeddedRedis, config: settings) -> None:
-    """Run the machine against `server` (a redis-server of the test's own: each example flushes
-    it) under hypothesis `config`, on an event loop of its own (the machine's rules are plain
-    calls, each running its queue calls to the end)."""
+def run_machine(server: EmbeddedRedis | ClusterServer, config: settings) -> None:
+    """Run the machine against `server` (a redis-server or a Redis Cluster of the test's own)
+    under hypothesis `config`, on an event loop of its own (the machine's rules are plain calls,
+    each running its queue calls to the end)."""
     loop = uvloop.new_event_loop()
     try:
         redis = server.client()

@@ -19,7 +19,7 @@ from tests.support.scheduler_model import STATS, run_machine
 
 # Derandomized, with no example database: every run of `make test` draws the same examples.
 BOUNDED = settings(
-    max_examples=120,
+    max_examples=100,
     stateful_step_count=50,
     deadline=None,
     derandomize=True,
