@@ -30,7 +30,7 @@ BOUNDED = settings(
 )
 
 
-@pytest.mark.timeout(300)  # a passing run takes ~11 s; a failing one shrinks its steps, longer
+@pytest.mark.timeout(300)  # a passing run takes ~13 s; a failing one shrinks its steps, longer
 def test_stateful_scheduler_keeps_its_invariants(redis_server: EmbeddedRedis) -> None:
     """Issue 46: after every step of random work on the queue, every job not ended is in exactly
     one place, no worker holds more than it has, no user runs over the caps, FIFO holds within
