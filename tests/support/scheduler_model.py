@@ -479,19 +479,20 @@ class SchedulerMachine(RuleBasedStateMachine):
     def known_fifo_bug(self, job: Job, older: Job) -> bool:
         """FIFO breaks the model found that are not fixed yet, left out here so that the model goes
         on finding others: each has its plain regression test, xfail(strict), in
-        tests/daemon/queue/test_stateful_scheduler.py; once a fix makes that test pass, its
-        exemption goes too. Both are in fair-share queues, where the older job waits in its
-        user's line: a job parked by a worker too small for it is served as the front, before
-        that line (test_a_parked_job_does_not_pass_an_older_one_of_its_user_in_a_fair_share_line);
-        and a priority job parked, then held at its user's cap from the front, waits in the line
-        while the priority jobs go first
-        (test_a_job_held_from_the_front_goes_before_the_priorities_in_a_fair_share_queue)."""
+        tests/daemon/queue/test_stateful_scheduler.py; once a fix makes those tests pass, this
+        goes too. In each the older job waits in `capped` (held at its user's cap, or in a
+        fair-share queue in its user's line) and the younger one passes it:
+          * from `parked`, served as the front before the fair-share lines
+            (test_a_parked_job_does_not_pass_an_older_one_of_its_user_in_a_fair_share_line), or
+            by a backfill, which looks at every parked job before the jobs released from a cap
+            (test_backfill_takes_the_front_in_enqueue_order);
+          * from `prio`, in a fair-share queue, where the older one was held from the front and
+            waits in the line while the priorities go first
+            (test_a_job_held_from_the_front_goes_before_the_priorities_in_a_fair_share_queue)."""
         before = self.snapshot.places if self.snapshot is not None else {}
-        return (
-            self.config.fairshare
-            and before.get(older.id) == ["capped"]
-            and before.get(job.id) in (["parked"], ["prio"])
-        )
+        if before.get(older.id) != ["capped"]:
+            return False
+        return before.get(job.id) == ["parked"] or (self.config.fairshare and before.get(job.id) == ["prio"])
 
     def ended_attempt(self, job: Job, state: JobState) -> None:
         """The worker's attempt of `job` is over (completed, handed back): its slot and GPUs are

@@ -7,6 +7,7 @@ after every step. Bounded here (make test); tests/chaos/test_stateful_scheduler.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -74,8 +75,13 @@ def two_gpus(user: str) -> JobSpec:
     return JobSpec(argv=("true",), user=user, gpus=2)
 
 
-async def claimed(queue: JobQueue, worker: str, *, count: int, gpus: int) -> list[str]:
-    leases = await queue.claim_many(worker, ["default"], count, gpus, gpus_total=gpus)
+async def claimed(
+    queue: JobQueue, worker: str, *, count: int, gpus: int, ends: Sequence[tuple[float | None, int]] = ()
+) -> list[str]:
+    """What `worker` claims with `gpus` free; `ends`, when its running jobs (of the GPUs it has
+    beyond those) end at the latest."""
+    total = gpus + sum(g for _t, g in ends)
+    leases = await queue.claim_many(worker, ["default"], count, gpus, gpus_total=total, ends=ends, grace=1)
     return [lease.job_id for lease in leases]
 
 
@@ -106,5 +112,33 @@ async def test_a_job_held_from_the_front_goes_before_the_priorities_in_a_fair_sh
     assert (await queue.get(newer)).state is JobState.QUEUED
 
 
-def one_gpu(user: str, priority: int) -> JobSpec:
-    return JobSpec(argv=("true",), user=user, gpus=1, priority=priority)
+def one_gpu(user: str, priority: int, timeout: float | None = None) -> JobSpec:
+    return JobSpec(argv=("true",), user=user, gpus=1, priority=priority, timeout=timeout, stop_grace=1)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 46, found by the model: backfill looks at `parked` before the jobs released from "
+    "a cap, so a younger parked job starts before an older one of its user (claim.lua `backfill`)",
+)
+async def test_backfill_takes_the_front_in_enqueue_order(redis: Redis) -> None:
+    """Issue 46: a job held at its user's cap goes back to the front "by its enqueue order", a job
+    passed over waits "by its enqueue order among those", and among one user's jobs of one size
+    it is FIFO (docs/GUARANTEES.md §4). The front of a claim merges the two by enqueue order; its
+    backfill behind a waiting head takes every parked job first, so carol's job parked by a
+    worker without GPUs starts before her older one of the same size released from her cap."""
+    queue = JobQueue(redis, lease_seconds=300, user_caps=(2, 0))
+    running, other = await queue.enqueue_many([one_gpu("carol", 0, 500)] * 2)
+    assert await claimed(queue, "four", count=1, gpus=4) == [running]
+    (elsewhere,) = await queue.claim_many("two", ["default"], 1, 2, gpus_total=2)
+    assert elsewhere.job_id == other  # carol runs two jobs: at her cap
+    head, older = await queue.enqueue_many(
+        [JobSpec(argv=("true",), user="carol", gpus=4), one_gpu("carol", 0, 5)]
+    )
+    assert await claimed(queue, "four", count=2, gpus=3, ends=[(501, 1)]) == []  # both held at her cap
+    (younger,) = await queue.enqueue_many([one_gpu("carol", 0, 5)])
+    assert await claimed(queue, "none", count=1, gpus=0) == []  # parked: too big for a worker without GPUs
+    await queue.complete(elsewhere, OK)  # carol below her cap: the head waits for the 4 GPUs
+    assert await claimed(queue, "four", count=2, gpus=3, ends=[(501, 1)]) == [older]
+    assert (await queue.get(head)).state is JobState.QUEUED
+    assert (await queue.get(younger)).state is JobState.QUEUED
