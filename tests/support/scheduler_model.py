@@ -44,8 +44,8 @@ import itertools
 import math
 import sys
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import uvloop
@@ -61,23 +61,20 @@ from hypothesis.stateful import (
 
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus
 from daemon.queue import keys
-from daemon.queue.claims import SharedGpu
 from daemon.queue.connection import AnyRedis
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
-from daemon.worker.gpus import GpuAllocator, GpuInfo, NotEnoughGpus
+from daemon.worker.gpus import NotEnoughGpus
 from tests.support.cluster import ClusterServer
+from tests.support.model_worker import GIB, GPU_MEMORY, GRACE, JOBS_PER_GPU, Worker, earliest_ms
 from tests.support.queue_places import places
+from tests.support.queue_snapshot import Snapshot, leftovers, text
 
 T = TypeVar("T")
 
 # Each example has a queue of its own (no flush between examples, so the model runs on a Cluster too).
 QUEUES = itertools.count()
 USERS = ("alice", "bob", "carol")
-GIB = 2**30
-GPU_MEMORY = 16 * GIB
-JOBS_PER_GPU = 2  # gpu_max_jobs of every worker here
-GRACE = 1.0  # every job's stop grace, and the workers' kill grace
 # The workers: name, GPUs, slots. One without GPUs, a small one and a big one, so that jobs are
 # passed over (parked), wait for GPUs at the head (reservations) and backfill.
 WORKERS = (("cpu", 0, 2), ("small", 2, 2), ("big", 4, 3))
@@ -106,67 +103,6 @@ class Job:
         return (s.user, s.priority, s.gpus, s.gpu_mem, s.timeout)
 
 
-@dataclass
-class Worker:
-    """One worker's own side: its GPUs (the real allocator a worker keeps) and what it holds."""
-
-    name: str
-    gpus: int
-    slots: int
-    allocator: GpuAllocator = field(init=False)
-    # lease id -> (lease, its slot, when it started on the model's clock)
-    held: dict[str, tuple[Lease, int, float]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        infos = [GpuInfo(i, f"GPU-{self.name}-{i}", "model", GPU_MEMORY) for i in range(self.gpus)]
-        self.allocator = GpuAllocator(infos, self.slots, JOBS_PER_GPU)
-
-    def room(self, *, shared: bool = True) -> dict[str, Any]:
-        """What this worker's claims say of it, as worker/dispatcher.py `_room` builds it."""
-        a = self.allocator
-        now = CLOCK
-        ends: list[tuple[float | None, int]] = []
-        for lease, _slot, since in self.held.values():
-            if g := len(a.held_by(lease.id)):
-                t = lease.spec.timeout
-                ends.append((None if t is None else max(0.0, since + t + GRACE - now), g))
-        room: dict[str, Any] = {
-            "gpus_free": a.free_count(),
-            "default_gpus": a.share,
-            "gpus_total": len(a.gpus),
-            "ends": ends,
-            "grace": GRACE,
-        }
-        if shared and a.gpus:
-            uuids = [g.uuid for g in a.gpus]
-            whole = {g.uuid for g in a.free()}
-            room["shared"] = [
-                SharedGpu(uuids.index(r.uuid), r.avail, r.jobs, r.uuid not in whole) for r in a.shared_table()
-            ]
-            room["mem_most"] = GPU_MEMORY
-        return room
-
-    def take(self, lease: Lease) -> None:
-        """Give a claimed job its slot and GPUs as the dispatcher does; a claim beyond this worker's
-        means fails here (NotEnoughGpus), as it would there."""
-        slot = min(set(range(self.slots)) - {s for _, s, _ in self.held.values()})
-        if lease.spec.gpu_mem:
-            uuid = self.allocator.gpus[lease.shared_gpu].uuid
-            self.allocator.allocate_shared(lease.id, uuid, lease.spec.gpu_mem)
-        else:
-            self.allocator.allocate(lease.id, lease.spec.gpus, slot)
-        self.held[lease.id] = (lease, slot, CLOCK)
-
-    def drop(self, lease: Lease) -> None:
-        del self.held[lease.id]
-        self.allocator.release(lease.id)
-
-
-# The model's clock stands still: every attempt has all of its time limit left, as it nearly has
-# in the few milliseconds an example takes. So what a claim is told of its worker (`ends`) is the
-# same each time hypothesis replays an example, and so is what the claim does.
-CLOCK = 0.0
-
 # Which job a rule acts on: drawn as a number, whatever the jobs are then (a draw shaped by the
 # state, `sampled_from(jobs)`, would make hypothesis see its data generation change between the
 # runs of one example when Redis's answers do: fair share ranks by the milliseconds jobs ran).
@@ -175,19 +111,6 @@ PICK = st.integers(0, 255)
 
 def picked(pick: int, jobs: list[Job]) -> Job | None:
     return jobs[pick % len(jobs)] if jobs else None
-
-
-def earliest_ms(room: dict[str, Any], need: int) -> int:
-    """When `need` GPUs could be free at the earliest on a worker whose claim said `room`, in ms
-    from now, as claim.lua's backfill reckons it: its running jobs end at their limits (one
-    without a limit any moment), and GPUs in use that no end accounts for any moment too."""
-    ends = sorted((0 if t is None else max(0, round(t * 1000)), g) for t, g in room["ends"])
-    free = room["gpus_total"] - sum(g for _ms, g in ends)
-    for ms, g in [(0, 0), *ends]:
-        free += g
-        if free >= need:
-            return ms
-    return 0
 
 
 def job_specs() -> st.SearchStrategy[JobSpec]:
@@ -566,7 +489,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.config.fairshare or self.snapshot is None or not leases:
             return
         reservation = {
-            _text(k): _text(v) for k, v in self.run(self.redis.hgetall(keys.reservation(self.name))).items()
+            text(k): text(v) for k, v in self.run(self.redis.hgetall(keys.reservation(self.name))).items()
         }
         head = self.jobs.get(reservation.get("job", ""))
         if reservation.get("worker") != worker.name or head is None or head.ended or head.lease:
@@ -665,99 +588,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(job.ended is not None for job in self.jobs.values())
         left = self.run(leftovers(self.redis, self.name))
         assert not left, f"keys left with every job ended: {left}"
-
-
-# Keys that must be empty once every job of the queue has ended.
-EMPTY_AT_END: tuple[Callable[[str], str], ...] = (
-    keys.retry,
-    keys.backoff,
-    keys.parked,
-    keys.capped,
-    keys.capped_users,
-    keys.priority,
-    keys.waiting,
-    keys.leases,
-    keys.unended,
-)
-
-
-async def leftovers(redis: AnyRedis, queue: str) -> dict[str, int]:
-    """The queue's keys that still hold something, with how much: none once all jobs ended."""
-    pipe = redis.pipeline(transaction=False)
-    for key in EMPTY_AT_END:
-        pipe.type(key(queue))
-    pipe.xlen(keys.stream(queue))
-    kinds = await pipe.execute()
-    out = {}
-    for key, kind in zip(EMPTY_AT_END, kinds[:-1], strict=True):
-        if kind != b"none":
-            out[key(queue)] = 1
-    if kinds[-1]:
-        out[keys.stream(queue)] = int(kinds[-1])
-    return out
-
-
-RECORD_FIELDS = ("state", "attempt", "worker", "lease", "held_gpus", "gpu_mem", "shared_gpu", "user")
-
-
-@dataclass
-class Snapshot:
-    """What Redis says after a step: each job's record and places, its terminal events, the
-    queue's reservation, and Redis's clock."""
-
-    records: dict[str, dict[str, str]]
-    places: dict[str, list[str]]
-    ends: Counter[str]
-    reservation: dict[str, str]
-    now_ms: int
-
-    @classmethod
-    async def read(cls, redis: AnyRedis, queue: str, ids: list[str]) -> Snapshot:
-        found = await places(redis, queue, ids)
-        pipe = redis.pipeline(transaction=False)
-        for job_id in ids:
-            pipe.hmget(keys.job(job_id), *RECORD_FIELDS)
-        pipe.xrange(keys.events(queue), "-", "+")
-        pipe.hgetall(keys.reservation(queue))
-        *rows, events, reservation = await pipe.execute()
-        sec, usec = await redis.time()  # (apart: a Cluster's pipeline takes no command without a key)
-        records = {
-            job_id: {f: _text(v) for f, v in zip(RECORD_FIELDS, row, strict=True)}
-            for job_id, row in zip(ids, rows, strict=True)
-        }
-        ends = Counter(_text(fields[b"job"]) for _id, fields in events)
-        held = {_text(k): _text(v) for k, v in reservation.items()}
-        return cls(records, found, ends, held, int(sec) * 1000 + int(usec) // 1000)
-
-    def users(self) -> Iterator[tuple[str, int, int]]:
-        """Each user running jobs in the queue: (user, jobs, GPUs held)."""
-        jobs: Counter[str] = Counter()
-        gpus: Counter[str] = Counter()
-        for r in self.records.values():
-            if r["state"] == "running":
-                jobs[r["user"]] += 1
-                gpus[r["user"]] += int(r["held_gpus"])
-        for user, n in jobs.items():
-            yield user, n, gpus[user]
-
-    def under_cap(self, user: str, need: int, caps: tuple[int, int]) -> bool:
-        """Whether `user` may start one more job of `need` GPUs (claim.lua's rule, §4)."""
-        most_jobs, most_gpus = caps
-        for name, n, gpus in self.users():
-            if name == user:
-                return (most_jobs == 0 or n < most_jobs) and (most_gpus == 0 or gpus + need <= most_gpus)
-        return True
-
-    def check_caps(self, caps: tuple[int, int]) -> None:
-        most_jobs, most_gpus = caps
-        for user, n, gpus in self.users():
-            if n >= 2:
-                assert most_jobs == 0 or n <= most_jobs, f"{user} runs {n} jobs, over the cap of {most_jobs}"
-                assert most_gpus == 0 or gpus <= most_gpus, f"{user} holds {gpus} GPUs, over {most_gpus}"
-
-
-def _text(value: bytes | str | None) -> str:
-    return value.decode() if isinstance(value, bytes) else value or ""
 
 
 def bind(redis: AnyRedis, loop: asyncio.AbstractEventLoop) -> type[SchedulerMachine]:
