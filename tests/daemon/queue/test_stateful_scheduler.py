@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, Phase, settings
 from redis.asyncio import Redis
 
 from daemon.job import JobSpec, JobState, Outcome
+from daemon.queue import keys
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from tests.support.scheduler_model import STATS, run_machine
@@ -142,3 +143,31 @@ async def test_backfill_takes_the_front_in_enqueue_order(redis: Redis) -> None:
     assert await claimed(queue, "four", count=2, gpus=3, ends=[(501, 1)]) == [older]
     assert (await queue.get(head)).state is JobState.QUEUED
     assert (await queue.get(younger)).state is JobState.QUEUED
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 46, found by the model: a job that preempted for its place starts on its reserved "
+    "worker while it waits out a retry back-off, and stays in `backoff` (claim.lua `take_out`)",
+)
+async def test_a_preempting_job_waits_out_its_retry_back_off(redis: Redis) -> None:
+    """Issue 46: a failed job with retries left goes back to the front once its back-off is over
+    (docs/GUARANTEES.md §4), and a job not ended is in exactly one place. Here a priority job
+    reserves a worker and preempts there, starts elsewhere meanwhile, and fails: queued in
+    `backoff` for 60 s, its preempting reservation still starts it on that worker at the next
+    claim, and leaves it in `backoff` too, running."""
+    queue = JobQueue(redis, lease_seconds=300, preempt=["default"], retry_backoff=(60.0, 60.0))
+    (low,) = await queue.enqueue_many([one_gpu("alice", 0)])
+    (preempted,) = await queue.claim_many("two", ["default"], 1, 2, gpus_total=2)
+    assert preempted.job_id == low
+    (high,) = await queue.enqueue_many(
+        [JobSpec(argv=("true",), user="alice", gpus=2, priority=10, retries=1)]
+    )
+    # `high` waits for the 2 GPUs of "two", reserves them and preempts `low` there.
+    assert await queue.claim_many("two", ["default"], 1, 1, gpus_total=2) == []
+    (elsewhere,) = await queue.claim_many("four", ["default"], 1, 4, gpus_total=4)
+    assert elsewhere.job_id == high
+    await queue.release(preempted)  # handed back, as preempted
+    assert await queue.complete(elsewhere, Outcome(JobState.FAILED, exit_code=1)) is JobState.QUEUED
+    assert await claimed(queue, "two", count=2, gpus=2) == [low]
+    assert await redis.zscore(keys.backoff("default"), high) is not None
