@@ -5,11 +5,11 @@ as claim.lua's backfill reckons it."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 from daemon.job import Lease
-from daemon.queue.claims import SharedGpu
+from daemon.queue.claims import Capacity, SharedGpu
 from daemon.worker.gpus import GpuAllocator, GpuInfo
 
 GIB = 2**30
@@ -38,8 +38,8 @@ class Worker:
         infos = [GpuInfo(i, f"GPU-{self.name}-{i}", "model", GPU_MEMORY) for i in range(self.gpus)]
         self.allocator = GpuAllocator(infos, self.slots, JOBS_PER_GPU)
 
-    def room(self, *, shared: bool = True) -> dict[str, Any]:
-        """What this worker's claims say of it, as worker/dispatcher.py `_room` builds it."""
+    def room(self, *, shared: bool = True) -> Capacity:
+        """What this worker's claims say of it, as worker/dispatcher.py `_capacity` builds it."""
         a = self.allocator
         now = CLOCK
         ends: list[tuple[float | None, int]] = []
@@ -47,20 +47,14 @@ class Worker:
             if g := len(a.held_by(lease.id)):
                 t = lease.spec.timeout
                 ends.append((None if t is None else max(0.0, since + t + GRACE - now), g))
-        room: dict[str, Any] = {
-            "gpus_free": a.free_count(),
-            "default_gpus": a.share,
-            "gpus_total": len(a.gpus),
-            "ends": ends,
-            "grace": GRACE,
-        }
+        room = Capacity(a.free_count(), a.share, len(a.gpus), ends, GRACE)
         if shared and a.gpus:
             uuids = [g.uuid for g in a.gpus]
             whole = {g.uuid for g in a.free()}
-            room["shared"] = [
+            table = [
                 SharedGpu(uuids.index(r.uuid), r.avail, r.jobs, r.uuid not in whole) for r in a.shared_table()
             ]
-            room["mem_most"] = GPU_MEMORY
+            room = dataclasses.replace(room, shared=table, largest_gpu=GPU_MEMORY)
         return room
 
     def take(self, lease: Lease) -> None:
@@ -79,12 +73,12 @@ class Worker:
         self.allocator.release(lease.id)
 
 
-def earliest_ms(room: dict[str, Any], need: int) -> int:
+def earliest_ms(room: Capacity, need: int) -> int:
     """When `need` GPUs could be free at the earliest on a worker whose claim said `room`, in ms
     from now, as claim.lua's backfill reckons it: its running jobs end at their limits (one
     without a limit any moment), and GPUs in use that no end accounts for any moment too."""
-    ends = sorted((0 if t is None else max(0, round(t * 1000)), g) for t, g in room["ends"])
-    free = room["gpus_total"] - sum(g for _ms, g in ends)
+    ends = sorted((0 if t is None else max(0, round(t * 1000)), g) for t, g in room.ends)
+    free = room.total - sum(g for _ms, g in ends)
     for ms, g in [(0, 0), *ends]:
         free += g
         if free >= need:

@@ -29,7 +29,7 @@ from daemon.queue.connection import AnyRedis
 
 # The sorted sets a queued or running job may sit in, by the place they are.
 SET_PLACES = {
-    "front": keys.retry,
+    "front": keys.front,
     "backoff": keys.backoff,
     "parked": keys.parked,
     "capped": keys.capped,

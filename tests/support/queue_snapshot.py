@@ -14,7 +14,7 @@ from tests.support.queue_places import places
 
 # Keys that must be empty once every job of the queue has ended.
 EMPTY_AT_END: tuple[Callable[[str], str], ...] = (
-    keys.retry,
+    keys.front,
     keys.backoff,
     keys.parked,
     keys.capped,
@@ -42,7 +42,7 @@ async def leftovers(redis: AnyRedis, queue: str) -> dict[str, int]:
     return out
 
 
-RECORD_FIELDS = ("state", "attempt", "worker", "lease", "held_gpus", "gpu_mem", "shared_gpu", "user")
+RECORD_FIELDS = ("state", "attempt", "worker", "lease", "held_gpus", "gpu_mem_bytes", "shared_gpu", "user")
 
 
 @dataclass

@@ -46,7 +46,7 @@ import sys
 from collections import Counter
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 import uvloop
 from hypothesis import settings
@@ -61,6 +61,7 @@ from hypothesis.stateful import (
 
 from daemon.job import JobSpec, JobState, Lease, Outcome, RenewStatus
 from daemon.queue import keys
+from daemon.queue.claims import Capacity
 from daemon.queue.connection import AnyRedis
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
@@ -246,11 +247,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         free = worker.slots - len(worker.held)
         if free == 0:
             if self.config.preempt:
-                self.run(self.q.preempt_check(name, [self.name], **worker.room(shared=False)))
+                self.run(self.q.preempt_check(name, [self.name], worker.room(shared=False)))
             return
         head = self.expected_head(worker)
         room = worker.room()
-        leases = self.run(self.q.claim_many(name, [self.name], free, slots=free, **room))
+        leases = self.run(self.q.claim_many(name, [self.name], free, room, slots=free))
         STATS["claims"] += 1
         self.check_backfill(worker, room, leases)
         leases.sort(key=lambda lease: not lease.spec.gpu_mem)  # shared ones first, as the dispatcher
@@ -318,7 +319,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if (job := picked(pick, self.running())) is None:
             return
         assert job.lease is not None
-        self.ended_attempt(job, self.run(self.q.release(job.lease)))
+        self.ended_attempt(job, self.run(self.q.hand_back(job.lease)))
 
     @rule(name=st.sampled_from([w[0] for w in WORKERS]))
     def heartbeat(self, name: str) -> None:
@@ -337,7 +338,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.ended_attempt(job, self.run(self.q.complete(lease, CANCELLED)))
             elif answer in (RenewStatus.REQUEUE, RenewStatus.PREEMPT):
                 STATS["preempted" if answer is RenewStatus.PREEMPT else "requeued"] += 1
-                self.ended_attempt(job, self.run(self.q.release(lease)))
+                self.ended_attempt(job, self.run(self.q.hand_back(lease)))
 
     @rule(pick=PICK)
     def reclaim(self, pick: int) -> None:
@@ -392,30 +393,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         if preempting and snap is not None and snap.reservation.get("job") == job.id:
             return  # the job that preempted goes before anything else (see the top)
         for other in self.jobs.values():
-            if other.order < job.order and other.size == job.size and not self.known_fifo_bug(job, other):
+            if other.order < job.order and other.size == job.size:
                 STATS["FIFO pairs"] += 1
                 assert other.started is not None or other.ended is not None, (
                     f"{job.id} started before {other.id}, older, of the same user, priority and "
                     f"size {job.size}, which is still queued"
                 )
-
-    def known_fifo_bug(self, job: Job, older: Job) -> bool:
-        """FIFO breaks the model found that are not fixed yet, left out here so that the model goes
-        on finding others: each has its plain regression test, xfail(strict), in
-        tests/daemon/queue/test_stateful_scheduler.py; once a fix makes those tests pass, this
-        goes too. In each the older job waits in `capped` (held at its user's cap, or in a
-        fair-share queue in its user's line) and the younger one passes it:
-          * from `parked`, served as the front before the fair-share lines
-            (test_a_parked_job_does_not_pass_an_older_one_of_its_user_in_a_fair_share_line), or
-            by a backfill, which looks at every parked job before the jobs released from a cap
-            (test_backfill_takes_the_front_in_enqueue_order);
-          * from `prio`, in a fair-share queue, where the older one was held from the front and
-            waits in the line while the priorities go first
-            (test_a_job_held_from_the_front_goes_before_the_priorities_in_a_fair_share_queue)."""
-        before = self.snapshot.places if self.snapshot is not None else {}
-        if before.get(older.id) != ["capped"]:
-            return False
-        return before.get(job.id) == ["parked"] or (self.config.fairshare and before.get(job.id) == ["prio"])
 
     def ended_attempt(self, job: Job, state: JobState) -> None:
         """The worker's attempt of `job` is over (completed, handed back): its slot and GPUs are
@@ -481,7 +464,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return False
         return found[0] == "parked" or snap.under_cap(spec.user, need, self.config.caps)
 
-    def check_backfill(self, worker: Worker, room: dict[str, Any], leases: list[Lease]) -> None:
+    def check_backfill(self, worker: Worker, room: Capacity, leases: list[Lease]) -> None:
         """A claim by the worker a head is reserved on, the head still waiting after it: every job it
         started from behind the head (a stream entry enqueued after it) ends before the head could
         start there, by its time limit and stop grace (§4: "nothing started out of order can
@@ -544,11 +527,6 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert ends == 1, f"{job.id} ended {state} with {ends} terminal events"
             return
         assert ends == 0, f"{job.id} is {state} with {ends} terminal events"
-        if sorted(found) == ["backoff", "running"]:
-            # A known break, not fixed yet: a job that preempted for its place starts while it
-            # waits out a retry back-off, and stays in `backoff`
-            # (test_a_preempting_job_waits_out_its_retry_back_off, xfail(strict)).
-            found = ["running"]
         assert len(found) == 1, f"{job.id} ({state}) is in {found or 'no place'}"
         if job.lease is None:
             assert state is JobState.QUEUED, f"{job.id}: {state} in {found}, the model has it queued"
@@ -562,15 +540,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         for worker in self.workers.values():
             mine = [r for r in snap.records.values() if (r["state"], r["worker"]) == ("running", worker.name)]
             assert len(mine) <= worker.slots, f"{worker.name} runs {len(mine)} jobs on {worker.slots} slots"
-            whole = sum(int(r["held_gpus"]) for r in mine if r["gpu_mem"] == "0")
+            whole = sum(int(r["held_gpus"]) for r in mine if r["gpu_mem_bytes"] == "0")
             shared: dict[str, list[int]] = {}
             for r in mine:
-                if r["gpu_mem"] != "0":
-                    shared.setdefault(r["shared_gpu"], []).append(int(r["gpu_mem"]))
+                if r["gpu_mem_bytes"] != "0":
+                    shared.setdefault(r["shared_gpu"], []).append(int(r["gpu_mem_bytes"]))
             assert whole + len(shared) <= worker.gpus, f"{worker.name} holds {whole} GPUs and shares {shared}"
             for place, mems in shared.items():
                 assert len(mems) <= JOBS_PER_GPU, f"{worker.name}'s GPU {place} runs {len(mems)} jobs"
-                assert sum(mems) * 2**20 <= GPU_MEMORY, f"{worker.name}'s GPU {place} shared by {mems} MiB"
+                assert sum(mems) <= GPU_MEMORY, f"{worker.name}'s GPU {place} shared by {mems} bytes"
 
     def teardown(self) -> None:
         """Every job cancelled or finished: each ends exactly once, and nothing is left behind."""

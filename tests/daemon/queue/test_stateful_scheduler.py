@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 
 from daemon.job import JobSpec, JobState, Outcome
 from daemon.queue import keys
+from daemon.queue.claims import Capacity
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from tests.support.scheduler_model import STATS, run_machine
@@ -47,11 +48,6 @@ def test_stateful_scheduler_keeps_its_invariants(redis_server: EmbeddedRedis) ->
 # -- what the model found, each shrunk to a plain test ---------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 46, found by the model: in a fair-share queue a parked job is served as the front, "
-    "before the older jobs of its user still in their line (claim.lua's front loop)",
-)
 async def test_a_parked_job_does_not_pass_an_older_one_of_its_user_in_a_fair_share_line(redis: Redis) -> None:
     """Issue 46: FIFO within one user in a fair-share queue (docs/GUARANTEES.md §4). A claim reads
     the stream's new entries into their users' lines; one by a worker too small for a job parks
@@ -82,15 +78,12 @@ async def claimed(
     """What `worker` claims with `gpus` free; `ends`, when its running jobs (of the GPUs it has
     beyond those) end at the latest."""
     total = gpus + sum(g for _t, g in ends)
-    leases = await queue.claim_many(worker, ["default"], count, gpus, gpus_total=total, ends=ends, grace=1)
+    leases = await queue.claim_many(
+        worker, ["default"], count, Capacity(gpus, gpus_total=total, ends=ends, grace=1)
+    )
     return [lease.job_id for lease in leases]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 46, found by the model: in a fair-share queue a job held at its user's cap from "
-    "the front waits in their line after the priority jobs (claim.lua serves the lines after `prio`)",
-)
 async def test_a_job_held_from_the_front_goes_before_the_priorities_in_a_fair_share_queue(
     redis: Redis,
 ) -> None:
@@ -103,7 +96,7 @@ async def test_a_job_held_from_the_front_goes_before_the_priorities_in_a_fair_sh
     queue = JobQueue(redis, lease_seconds=300, user_caps=(1, 0), fairshare=["default"])
     older, first = await queue.enqueue_many([one_gpu("alice", 10), JobSpec(argv=("true",), user="alice")])
     # A worker without GPUs parks the GPU job and starts alice's job that needs none.
-    (running,) = await queue.claim_many("none", ["default"], 1, 0, gpus_total=0)
+    (running,) = await queue.claim_many("none", ["default"], 1, Capacity(0, gpus_total=0))
     assert running.job_id == first
     # A worker with GPUs finds the parked ones at the front, alice at her cap: held in her line.
     assert await claimed(queue, "two", count=1, gpus=2) == []
@@ -117,11 +110,6 @@ def one_gpu(user: str, priority: int, timeout: float | None = None) -> JobSpec:
     return JobSpec(argv=("true",), user=user, gpus=1, priority=priority, timeout=timeout, stop_grace=1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 46, found by the model: backfill looks at `parked` before the jobs released from "
-    "a cap, so a younger parked job starts before an older one of its user (claim.lua `backfill`)",
-)
 async def test_backfill_takes_the_front_in_enqueue_order(redis: Redis) -> None:
     """Issue 46: a job held at its user's cap goes back to the front "by its enqueue order", a job
     passed over waits "by its enqueue order among those", and among one user's jobs of one size
@@ -131,7 +119,7 @@ async def test_backfill_takes_the_front_in_enqueue_order(redis: Redis) -> None:
     queue = JobQueue(redis, lease_seconds=300, user_caps=(2, 0))
     running, other = await queue.enqueue_many([one_gpu("carol", 0, 500)] * 2)
     assert await claimed(queue, "four", count=1, gpus=4) == [running]
-    (elsewhere,) = await queue.claim_many("two", ["default"], 1, 2, gpus_total=2)
+    (elsewhere,) = await queue.claim_many("two", ["default"], 1, Capacity(2, gpus_total=2))
     assert elsewhere.job_id == other  # carol runs two jobs: at her cap
     head, older = await queue.enqueue_many(
         [JobSpec(argv=("true",), user="carol", gpus=4), one_gpu("carol", 0, 5)]
@@ -145,11 +133,6 @@ async def test_backfill_takes_the_front_in_enqueue_order(redis: Redis) -> None:
     assert (await queue.get(younger)).state is JobState.QUEUED
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 46, found by the model: a job that preempted for its place starts on its reserved "
-    "worker while it waits out a retry back-off, and stays in `backoff` (claim.lua `take_out`)",
-)
 async def test_a_preempting_job_waits_out_its_retry_back_off(redis: Redis) -> None:
     """Issue 46: a failed job with retries left goes back to the front once its back-off is over
     (docs/GUARANTEES.md §4), and a job not ended is in exactly one place. Here a priority job
@@ -158,16 +141,16 @@ async def test_a_preempting_job_waits_out_its_retry_back_off(redis: Redis) -> No
     claim, and leaves it in `backoff` too, running."""
     queue = JobQueue(redis, lease_seconds=300, preempt=["default"], retry_backoff=(60.0, 60.0))
     (low,) = await queue.enqueue_many([one_gpu("alice", 0)])
-    (preempted,) = await queue.claim_many("two", ["default"], 1, 2, gpus_total=2)
+    (preempted,) = await queue.claim_many("two", ["default"], 1, Capacity(2, gpus_total=2))
     assert preempted.job_id == low
     (high,) = await queue.enqueue_many(
         [JobSpec(argv=("true",), user="alice", gpus=2, priority=10, retries=1)]
     )
     # `high` waits for the 2 GPUs of "two", reserves them and preempts `low` there.
-    assert await queue.claim_many("two", ["default"], 1, 1, gpus_total=2) == []
-    (elsewhere,) = await queue.claim_many("four", ["default"], 1, 4, gpus_total=4)
+    assert await queue.claim_many("two", ["default"], 1, Capacity(1, gpus_total=2)) == []
+    (elsewhere,) = await queue.claim_many("four", ["default"], 1, Capacity(4, gpus_total=4))
     assert elsewhere.job_id == high
-    await queue.release(preempted)  # handed back, as preempted
+    await queue.hand_back(preempted)  # handed back, as preempted
     assert await queue.complete(elsewhere, Outcome(JobState.FAILED, exit_code=1)) is JobState.QUEUED
     assert await claimed(queue, "two", count=2, gpus=2) == [low]
     assert await redis.zscore(keys.backoff("default"), high) is not None

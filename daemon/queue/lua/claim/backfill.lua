@@ -33,9 +33,32 @@ local function keep_for_head(gpus)
 end
 if req.kept > 0 then keep_for_head(req.kept) end
 
+-- The front's jobs a backfill looks at, in the front's own order (front.lua): the front's ZSET,
+-- the parked jobs and the jobs held at a cap that are part of the front (every one in a FIFO
+-- queue, those held from the front with fair share), LOOK of each, merged by enqueue seq.
+local function front_in_order()
+  local out = {}
+  local function add(id, seq, place) out[#out + 1] = {id = id, seq = seq, place = place} end
+  local got = redis.call('ZRANGE', front, 0, LOOK - 1, 'WITHSCORES')
+  for i = 1, #got, 2 do add(got[i], tonumber(got[i + 1]), front) end
+  got = redis.call('ZRANGE', parked, 0, LOOK - 1, 'WITHSCORES')
+  for i = 1, #got, 2 do add(got[i], tonumber(got[i + 1]) % SEQ, parked) end
+  if half_life > 0 then
+    got = redis.call('ZRANGE', prefix .. 'capped_front', 0, LOOK - 1, 'WITHSCORES')
+    for i = 1, #got, 2 do add(got[i], tonumber(got[i + 1]), nil) end
+  else
+    for _, user in ipairs(redis.call('ZRANGE', capped_users, 0, LOOK - 1)) do
+      got = redis.call('ZRANGE', prefix .. 'capped:' .. user, 0, HELD_LOOK - 1, 'WITHSCORES')
+      for i = 1, #got, 2 do add(got[i], tonumber(got[i + 1]), nil) end
+    end
+  end
+  table.sort(out, function(a, b) return a.seq < b.seq end)
+  return out
+end
+
 -- Start, behind the head job `head`, the jobs that may start here (verdict 'start'), in the order
--- a claim looks (places.lua), at most LOOK of each place. Each taken out of turn from the stream
--- is deleted undelivered, as a priority job's is.
+-- a claim looks (places.lua), a bounded look at each place. Each taken out of turn from the
+-- stream is deleted undelivered, as a priority job's is.
 local function backfill(head)
   local function may(id)
     if id == head then return nil end
@@ -44,23 +67,24 @@ local function backfill(head)
     if v == 'start' then return j, gpus end
     return nil
   end
-  for _, place in ipairs({front, parked}) do
-    for _, id in ipairs(redis.call('ZRANGE', place, 0, LOOK - 1)) do
-      if #ids == wanted or #ids >= slots then break end  -- (the front is never claimed ahead)
-      local j, gpus = may(id)
-      if j then take_from_front(j, place); start(j, gpus) end
-    end
+  for _, c in ipairs(front_in_order()) do
+    if #ids == wanted or #ids >= slots then break end  -- (the front is never claimed ahead)
+    local j, gpus = may(c.id)
+    if j and c.place then take_from_front(j, c.place); start(j, gpus)
+    elseif j then take_from_held(j); start(j, gpus) end
   end
   for _, id in ipairs(redis.call('ZRANGE', prio, 0, LOOK - 1)) do
     if #ids == wanted then return end
     local j, gpus = may(id)
     if j then take_from_prio(j); start(j, gpus) end
   end
-  for _, user in ipairs(redis.call('ZRANGE', capped_users, 0, LOOK - 1)) do
-    for _, id in ipairs(redis.call('ZRANGE', prefix .. 'capped:' .. user, 0, HELD_LOOK - 1)) do
-      if #ids == wanted then return end
-      local j, gpus = may(id)
-      if j then take_from_held(j); start(j, gpus) end
+  if half_life > 0 then  -- the users' lines (a job started from the front above is 'gone' here)
+    for _, user in ipairs(redis.call('ZRANGE', capped_users, 0, LOOK - 1)) do
+      for _, id in ipairs(redis.call('ZRANGE', prefix .. 'capped:' .. user, 0, HELD_LOOK - 1)) do
+        if #ids == wanted then return end
+        local j, gpus = may(id)
+        if j then take_from_held(j); start(j, gpus) end
+      end
     end
   end
   if redis.call('EXISTS', stream) == 0 then return end

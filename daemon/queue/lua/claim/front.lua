@@ -2,13 +2,15 @@
 
 -- A job that preempted jobs here goes first, as soon as it fits; until then nothing that could
 -- delay it starts here (its reservation is renewed by each claim of this worker). A pilot whose
--- time left ran short of it since keeps no GPUs for it: the reservation is dropped.
+-- time left ran short of it since keeps no GPUs for it, and nor does a job that failed meanwhile
+-- and waits out its retry back-off (it comes back to the front once that is over): the
+-- reservation is dropped.
 local function take_preempting_head()
   local r = redis.call('HMGET', reservation, 'job', 'worker', 'until', 'preempt')
   if not (r[4] == '1' and r[2] == consumer and tonumber(r[3]) > now) then return end
   local j = job_of(r[1])
   if j.state ~= 'queued' then return end
-  if passed_over(j) then
+  if passed_over(j) or redis.call('ZSCORE', prefix .. 'backoff', j.id) then
     redis.call('DEL', reservation)
     return
   end
