@@ -24,7 +24,7 @@ MAX_ARGV_BYTES = 256 * 1024
 FULL_SHA = re.compile(r"[0-9a-f]{40}")
 MAX_ATTEMPTS_LIMIT = 100
 GPU_MEM_MAX = 2**50  # bytes a --gpu-mem job may declare (a PiB: no GPU comes near it)
-PRIORITY_MAX = 100  # the highest --priority (daemon/queue/lua/_lib.lua PRIO_MAX says the same)
+PRIORITY_MAX = 100  # the highest --priority (daemon/queue/lua/lib/arrays.lua PRIO_MAX says the same)
 MAX_INPUTS = 256
 SHA256 = re.compile(r"[0-9a-f]{64}")
 INPUT_KINDS = ("file", "dir")
@@ -64,7 +64,7 @@ JOB_ID = re.compile(r"([A-Za-z0-9_-]{1,64})\.([0-9a-z]{8,32})")
 
 def new_job_id(queue: str) -> str:
     """`QUEUE.` + milliseconds in base 36 + 5 random base-36 digits: short, sortable, unique enough
-    (an id that exists already is made unique by the enqueue scripts, lua/_lib.lua free_job_id)."""
+    (an id that exists already is made unique by the enqueue scripts, lua/lib/record.lua free_job_id)."""
     # Not secret (ids are not credentials; a collision is caught by the scripts), so the fast
     # generator, which the random module reseeds in a forked child.
     rand = _base36(36**5 + random.randrange(36**5))[1:]
@@ -126,7 +126,7 @@ class JobSpec:
     after: tuple[str, ...] = ()
     # One job of an array (`poolctl enqueue --array 0-99%8`): the array's id ("QUEUE@ID"), this
     # job's index ($GPUPOOL_ARRAY_INDEX), its place in the array from 0, and the most of the array
-    # under way at once (0: no limit; the rest wait their turn, by place: _lib.lua `admit`).
+    # under way at once (0: no limit; the rest wait their turn, by place: lib/arrays.lua `admit`).
     array: str = ""
     array_index: int = 0
     array_pos: int = 0

@@ -70,7 +70,7 @@ def _stream_id(entry_id: str) -> tuple[int, int]:
 
 
 def _job_args(spec: JobSpec, packed: bytes, notify: str) -> list[Any]:
-    """What the enqueue scripts are given of one job, in the order of _lib.lua's JOB_ARGS;
+    """What the enqueue scripts are given of one job, in the order of lib/enqueue.lua's JOB_ARGS;
     `notify`: where its end goes (JobQueue._notify_targets)."""
     return [
         packed,
@@ -135,7 +135,7 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
         one pool user whose jobs this queue's claims take ("": any user's), for a worker that
         runs every job as its own user (claim.lua passes the others over).
         `max_unended`: the most jobs one user may have queued or running in one queue (0: no
-        bound), which the enqueue scripts keep to (_lib.lua `unended`). `max_stored`: the most
+        bound), which the enqueue scripts keep to (lib/finish.lua `unended`). `max_stored`: the most
         bytes of jobs one user may submit, over every queue, within one retention (0: no bound;
         lua/store.lua). `fast_path`: the GPU-less fast path's switch (queue/fast_path.py; off:
         each script call by itself through plain redis-py, and no claim left standing)."""

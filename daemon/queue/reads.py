@@ -118,7 +118,7 @@ class QueueReads:
         return sorted(_s(q) for q in await self.redis.smembers(keys.QUEUES))
 
     async def unended(self, user: str, queues: Sequence[str]) -> dict[str, int]:
-        """How many jobs `user` has queued or running in each of `queues` (_lib.lua `unended`)."""
+        """How many jobs `user` has queued or running in each of `queues` (lib/finish.lua `unended`)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for q in queues:
                 pipe.hget(keys.unended(q), user)

@@ -26,6 +26,7 @@ import functools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
+from importlib.resources.abc import Traversable
 from typing import Any, Protocol
 
 from redis.asyncio import Redis
@@ -77,15 +78,21 @@ NAMES = (
 INCLUDE = "--! include "
 
 
-def source(name: str) -> str:
-    """The full text of a script as Redis runs it: the shared helpers, then the script, each of its
-    `--! include PATH` lines replaced by that file of lua/ (the scheduler's parts: lua/claim/)."""
-    lua = resources.files("daemon.queue") / "lua"
+def _included(lua: Traversable, name: str) -> str:
+    """A file of lua/ with each of its `--! include PATH` lines replaced by that file of lua/."""
     lines = []
-    for line in (lua / f"{name}.lua").read_text().splitlines(keepends=True):
+    for line in (lua / name).read_text().splitlines(keepends=True):
         part = line[len(INCLUDE) :].strip() if line.startswith(INCLUDE) else None
         lines.append((lua / part).read_text() if part else line)
-    return (lua / "_lib.lua").read_text() + "\n" + "".join(lines)
+    return "".join(lines)
+
+
+def source(name: str) -> str:
+    """The full text of a script as Redis runs it: the shared helpers (`_lib.lua` and its parts,
+    lib/), then the script with its parts (the scheduler's: claim/), each put in at its include
+    line."""
+    lua = resources.files("daemon.queue") / "lua"
+    return _included(lua, "_lib.lua") + "\n" + _included(lua, f"{name}.lua")
 
 
 class Scripts:

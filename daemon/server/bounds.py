@@ -5,7 +5,7 @@ user's listing. A job's spec is bounded in bytes (`job_spec_max_bytes`: its comm
 and the rest, as stored) and its name in characters (`job_name_max_chars`), and the jobs a user has
 queued or running in one queue (`user_max_queued_jobs`) and the bytes a user submits over every
 queue within one retention (`user_max_stored_bytes`): the queue keeps those two itself, a batch
-judged whole (job_queue.py `enqueue_many`, _lib.lua `unended`, lua/store.lua). A refusal says the
+judged whole (job_queue.py `enqueue_many`, lib/finish.lua `unended`, lua/store.lua). A refusal says the
 bound and the option that sets it.
 
 A job's project (issue 45 item 1) is bounded in bytes too (`project_max_bytes`): poolctl refuses a

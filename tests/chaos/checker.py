@@ -161,7 +161,7 @@ async def check_unexpected(v: Verdict, queue: JobQueue, known: set[str]) -> None
 
 async def check_counts(v: Verdict, queue: JobQueue) -> None:
     """miscounted = 0: what each user has not ended in each queue, as the scripts count it
-    (_lib.lua `unended`, by which user_max_queued_jobs is kept), is what the records say, after
+    (lib/finish.lua `unended`, by which user_max_queued_jobs is kept), is what the records say, after
     every fault: the jobs counted ('counted') that are queued or running."""
     for q in await queue.queues():
         records: Counter[str] = Counter()

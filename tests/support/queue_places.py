@@ -93,7 +93,7 @@ async def _undelivered(redis: AnyRedis, queue: str, entries: list[Any]) -> set[s
 
 async def _lines(redis: AnyRedis, queue: str, users: set[str]) -> dict[str, set[str]]:
     """Each user's line of jobs held at a cap or waiting their turn (`capped:USER`: keys.capped's
-    key and the user, as _lib.lua `hold` names it; keys.py has no name of its own for it)."""
+    key and the user, as lib/caps.lua `hold` names it; keys.py has no name of its own for it)."""
     if not users:
         return {}
     pipe = redis.pipeline(transaction=False)

@@ -1,6 +1,6 @@
 -- cancel: stop a job. A queued job never starts: it becomes cancelled at once (out of the front,
 -- `parked`, `prio`, `backoff`, `waiting`, `depends` and the jobs held at a cap, its entry deleted,
--- so no claim can deliver it; out of its array's window, _lib.lua `finish`). A running job is
+-- so no claim can deliver it; out of its array's window, lib/finish.lua `finish`). A running job is
 -- flagged: its worker learns it
 -- on its next renew, stops the process and completes the attempt as cancelled; if that worker is
 -- dead, the reaper cancels the job instead of requeueing it. A finished job is left as it is.

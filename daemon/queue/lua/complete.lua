@@ -4,7 +4,7 @@
 -- nothing changes and the answer is {'stale', state, attempt}. When accepted, the lease, the stream
 -- entry (acked and deleted), the job's state and its history change together, and a terminal event
 -- goes to `events`. A failed attempt with retries left goes back to the front of the queue instead
--- (queued), after its back-off (ARGV 12, 13; _lib.lua `retry_after`); retries are counted in
+-- (queued), after its back-off (ARGV 12, 13; lib/front.lua `retry_after`); retries are counted in
 -- `failures`, apart from losses. The same call again (its reply
 -- was lost), or any later complete of this lease, answers as the first did and changes nothing. At maxmemory it still runs (its first
 -- write is a deletion): recording outcomes is how the pool frees memory.

@@ -6,12 +6,12 @@
 -- (a conflict: the key was reused for another submission); an id that exists already is made unique
 -- (free_job_id), unless it holds this very spec, which is this call run again (its reply was lost)
 -- and is answered as the first run was. A job that would take its user past the most jobs they
--- may have in the queue not ended (ARGV 3; _lib.lua `unended`) is refused, writing nothing, in
+-- may have in the queue not ended (ARGV 3; lib/finish.lua `unended`) is refused, writing nothing, in
 -- this same call: concurrent enqueues cannot pass the bound together. At maxmemory refused
 -- whole (its first write allocates).
 -- KEYS: 1 stream, 2 jobs index, 3 seq counter, 4 job hash (as proposed), 5 idempotency key (optional)
 -- ARGV: 1 group, 2 queue key prefix, 3 the most jobs one user may have not ended here ('': no
---       bound), 4 job id, 5.. the job (_lib.lua JOB_ARGS, its spec first)
+--       bound), 4 job id, 5.. the job (lib/enqueue.lua JOB_ARGS, its spec first)
 -- Returns {job id, 1} when created, {first job id, 0, conflict} for a known idempotency key
 -- (conflict: 1 when the first job's spec is not this one, else 0), {'over', how many the user
 -- has} when refused.

@@ -6,7 +6,7 @@
 -- a collision never reorders the batch. The call run again (its reply was lost) finds its batch
 -- key and answers the ids of its first run, adding nothing; the batch key lives BATCH_SECONDS. A
 -- call that would take one of its users past the most jobs they may have in the queue not ended
--- (ARGV 3; _lib.lua `unended`) is refused whole, writing nothing, in this same call; the first
+-- (ARGV 3; lib/finish.lua `unended`) is refused whole, writing nothing, in this same call; the first
 -- call of a larger batch in this queue is also given the jobs of the batch's later calls here
 -- (ARGV 4), so it judges the whole batch, and a refused call marks the batch refused (KEYS 5),
 -- so its later calls here refuse too and none of the batch is written (job_queue.py
@@ -16,7 +16,7 @@
 --       (as proposed)
 -- ARGV: 1 group, 2 queue key prefix, 3 the most jobs one user may have not ended here ('': no
 --       bound), 4 the batch's jobs here in later calls (JSON: user -> how many; '': none), then
---       per job its proposed id and the job (_lib.lua JOB_ARGS)
+--       per job its proposed id and the job (lib/enqueue.lua JOB_ARGS)
 -- Returns the jobs' ids, in order; {'over', user, how many they have} when refused.
 local BATCH_SECONDS = 600
 local stream, index, seqkey, batch, refused = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]

@@ -1,6 +1,6 @@
 -- ready: the server's judge of a job held for others to end (daemon/after.py): the dependencies it
 -- found met are recorded on the job ('after_met'), and once all are, the job joins its queue at its
--- tail, or, in an array with a window, takes its turn for a place in it (_lib.lua `take_turn`).
+-- tail, or, in an array with a window, takes its turn for a place in it (lib/arrays.lua `take_turn`).
 -- Guarantees: only a job still queued and held in `depends` is written, so a job cancelled or
 -- let in meanwhile is left as it is; a dependency recorded as met stays met, so the expiry of its
 -- job's record (job_retention after it ended) cannot cancel a job that still waits for another.

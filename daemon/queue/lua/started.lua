@@ -3,7 +3,7 @@
 -- Guarantees: only the job's current lease, under this worker, is marked (the fence), once. Until
 -- this mark an attempt claimed ahead counts as never started: taken back from a dead or frozen
 -- worker it is a hand-back, not a loss (reclaim.lua), and fair share bills none of its hold
--- (_lib.lua `charge`). From it, the attempt counts as run, and fair share bills it from now (the
+-- (lib/use.lua `charge`). From it, the attempt counts as run, and fair share bills it from now (the
 -- record's 'ran_from'; its 'started_at' stays the claim's, the time FIFO is judged by). Safe to
 -- run twice (the second finds no mark to take). At maxmemory it still runs: its first write is a
 -- deletion.

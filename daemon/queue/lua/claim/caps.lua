@@ -1,6 +1,6 @@
 -- claim/caps.lua: caps per user (max_jobs, max_gpus; 0: none). A job whose user already runs that
 -- many jobs, or would hold more than that many GPUs, in this queue is held aside (`capped`, by
--- seq; _lib.lua `hold`) rather than started or waited for, and the jobs behind it go on; it
+-- seq; lib/caps.lua `hold`) rather than started or waited for, and the jobs behind it go on; it
 -- returns to the front, by its seq, once its user is below the caps (counted from the queue's
 -- leases at each call: ledger.lua `use_of`). A user with nothing running here always gets one
 -- job, however big: no cap can starve a user.

@@ -1,7 +1,7 @@
 -- claim/fairshare.lua: fair share (the request's half_life_ms; 0: FIFO). The stream's entries join
 -- their users' lines (`capped:USER`, by seq) as they are read, and after the front and the
 -- priorities the next start goes to the user ranked first: the least recent use per weight (their
--- decayed use, _lib.lua `charge`, plus what their running jobs here used so far, each counted as
+-- decayed use, lib/use.lua `charge`, plus what their running jobs here used so far, each counted as
 -- at least one GPU-ms, so that a burst of starts alternates; the weight is the queue's `fairshare`
 -- 'w:USER', 1 by default), then fewer jobs running, then the older job; FIFO within one user. The
 -- chosen job waits for GPUs at the head as a stream entry would. A job from the front held at its
@@ -19,7 +19,7 @@ local function stored_share()
   return share
 end
 
--- A user's decayed use in whole GPU-ms (as _lib.lua's `decayed`: decayed away is 0), and weight.
+-- A user's decayed use in whole GPU-ms (as lib/use.lua's `decayed`: decayed away is 0), and weight.
 local function use_and_weight(user)
   local s, use = stored_share(), 0
   if s['u:' .. user] then

@@ -1,5 +1,5 @@
 -- claim/job.lua: a queued job as the scheduler sees it, read by name from its record. What the
--- scheduler needs of a job is copied into named fields when it is enqueued (_lib.lua add_job):
+-- scheduler needs of a job is copied into named fields when it is enqueued (lib/enqueue.lua add_job):
 -- the spec stays opaque here, read only to hand it to the worker that starts the job (read with
 -- the rest: most jobs a claim reads, it starts).
 local JOB_FIELDS = {'state', 'gpus', 'attempt', 'user', 'seq', 'priority', 'entry', 'gpu_mem_bytes', 'spec'}
