@@ -12,7 +12,7 @@ from typing import Any
 
 import psutil
 
-from daemon.job import JobInfo, JobSpec, JobState
+from daemon.job import JobInfo, JobSpec, JobState, Lease, Outcome
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.dispatcher import Worker
 from daemon.worker.gpus import GpuInfo
@@ -21,6 +21,20 @@ from daemon.worker.gpus import GpuInfo
 def sh(script: str, **kw: object) -> JobSpec:
     """A job that runs `script` with sh."""
     return JobSpec(argv=("sh", "-c", script), **kw)  # type: ignore[arg-type]
+
+
+def note_lingers(queue: JobQueue) -> dict[str, float]:
+    """How long each outcome recorded through `queue` from now on may wait for company (its
+    `linger`), by job id: the fast path's lingering outcomes, seen from outside."""
+    lingers: dict[str, float] = {}
+    complete = queue.complete
+
+    async def noted(lease: Lease, outcome: Outcome, *, linger: float = 0.0) -> JobState:
+        lingers[lease.job_id] = linger
+        return await complete(lease, outcome, linger=linger)
+
+    queue.complete = noted  # type: ignore[method-assign]
+    return lingers
 
 
 def fake_gpus(n: int) -> list[GpuInfo]:

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from daemon.job import JobState, Lease, Outcome
+from daemon.job import JobState
 from daemon.queue.job_queue import JobQueue
 from tests.daemon.queue.test_plain_path import break_fast_transport
 from tests.daemon.worker.test_look_ahead import held_until_released, marks
-from tests.support.workers import running_worker, sh, wait_file, wait_state, wait_until
+from tests.support.workers import note_lingers, running_worker, sh, wait_file, wait_state, wait_until
 
 
 @pytest.fixture
@@ -60,14 +60,7 @@ async def test_with_the_fast_path_off_outcomes_never_linger_and_no_claim_stands(
     comes (no linger: with it on, some wait for company, test_look_ahead.py), and an idle
     worker's wait leaves no claim with its queue for an enqueue to send: the job enqueued then
     is claimed by the worker, woken, as a GPU worker's is."""
-    lingers: dict[str, float] = {}
-    complete = plain.complete
-
-    async def noted(lease: Lease, outcome: Outcome, *, linger: float = 0.0) -> JobState:
-        lingers[lease.job_id] = linger
-        return await complete(lease, outcome, linger=linger)
-
-    plain.complete = noted  # type: ignore[method-assign]
+    lingers = note_lingers(plain)
     stood: list[object] = []
     stand = plain.stand
 

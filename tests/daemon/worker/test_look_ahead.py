@@ -9,12 +9,20 @@ import asyncio
 import time
 from pathlib import Path
 
-from daemon.job import JobState, Lease, Outcome
+from daemon.job import JobState, Lease
 from daemon.queue import keys
 from daemon.queue.job_queue import JobQueue
 from daemon.worker import fast_path as look_ahead
 from daemon.worker.dispatcher import Worker
-from tests.support.workers import fake_gpus, running_worker, sh, wait_file, wait_state, wait_until
+from tests.support.workers import (
+    fake_gpus,
+    note_lingers,
+    running_worker,
+    sh,
+    wait_file,
+    wait_state,
+    wait_until,
+)
 
 
 def held_until_released(tmp_path: Path, name: str) -> str:
@@ -144,14 +152,7 @@ async def test_outcomes_wait_for_company_only_while_short_jobs_flow_and_another_
     """While short jobs flow, an outcome may wait a little for the next job's (look_ahead.LINGER),
     to share its round trip; a job that ends with nothing else running is recorded at once. Each
     job still runs once, and is recorded once."""
-    lingers: dict[str, float] = {}
-    complete = queue.complete
-
-    async def noted(lease: Lease, outcome: Outcome, *, linger: float = 0.0) -> JobState:
-        lingers[lease.job_id] = linger
-        return await complete(lease, outcome, linger=linger)
-
-    queue.complete = noted  # type: ignore[method-assign]
+    lingers = note_lingers(queue)
     flow = [(await queue.enqueue(sh("true")))[0] for _ in range(30)]
     async with running_worker(queue, tmp_path / "w", slots=2) as worker:
         infos = [await wait_state(queue, job_id, JobState.SUCCEEDED) for job_id in flow]
