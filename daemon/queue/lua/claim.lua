@@ -10,7 +10,7 @@
 --    delay it start behind it; a job that needs more than this worker has at all never blocks it
 --    (parked); one not for this worker (a pilot's end, another user's on a one-user worker) is
 --    never waited for (claim/fit.lua);
---  * every job met gets one verdict with a reason code (claim/fit.lua `verdict`), which each place
+--  * every job met gets one verdict with a reason code (claim/fit.lua `fit.verdict`), which each place
 --    applies with its own moves; `poolctl show` says the same verdict in words (explain.lua);
 --  * caps per user (claim/caps.lua), fair share (claim/fairshare.lua), backfill with a
 --    reservation (claim/backfill.lua), preemption (claim/preempt.lua), GPU-memory packing
@@ -21,11 +21,11 @@
 --  * at maxmemory the claim is refused whole: its first write is the memo (see _lib.lua);
 --  * bounded: every loop stops at a named bound (claim/request.lua) and answers 'claimed', so the
 --    caller asks again; cancelled jobs met on the way are acknowledged and deleted, never run.
--- KEYS: 1 stream, 2 the front (keys.py `front`), 3 leases, 4 the worker's claim memo, 5 parked
+-- KEYS: 1 stream, 2 the front (keys.py `key.front`), 3 leases, 4 the worker's claim memo, 5 parked
 -- ARGV: 1 the request, one msgpack map (daemon/queue/claims.py `ClaimRequest`)
 -- Returns {status, stream cursor, wake cursor, GPUs kept for a head, GPUs free whole left, the
 -- shared GPUs' table left, then id, attempt, lease, spec, shared GPU's place (-1: whole GPUs) of
--- each job claimed} (claim/ledger.lua `reply`). Status: 'claimed' (N jobs, a request answered
+-- each job claimed} (claim/ledger.lua `ledger.reply`). Status: 'claimed' (N jobs, a request answered
 -- again, or cut short at a bound), 'empty' (nothing more), 'blocked' (the next job must wait for
 -- GPUs here) or 'preempting' (blocked, and jobs here were asked to make room for it). The cursors
 -- are the stream ids to wait after (XREAD BLOCK on the stream and the `wake` stream).
@@ -43,19 +43,19 @@
 --! include claim/fairshare.lua
 --! include claim/stream.lua
 
-if answered_before() then return reply('claimed', '0-0') end
-take_preempting_head()
-if wanted == 0 then return preempt_check() end
+if ledger.answered_before() then return ledger.reply('claimed', '0-0') end
+front.take_preempting_head()
+if req.count == 0 then return preempt.check() end
 
 -- One look for all the places before the stream (most claims find none of them).
-if redis.call('EXISTS', front, parked, capped_users, prio) > 0 then
-  local ended, moved = take_front()
+if redis.call('EXISTS', key.front, key.parked, key.capped_users, key.prio) > 0 then
+  local ended, moved = front.take()
   if ended then return ended end
-  if #ids == wanted then return stop('claimed', '0-0') end
-  ended = take_priorities(moved)
+  if #ledger.ids == req.count then return ledger.stop('claimed', '0-0') end
+  ended = priorities.take(moved)
   if ended then return ended end
 end
-if #ids == wanted then return stop('claimed', '0-0') end
-if redis.call('EXISTS', stream) == 0 then return stop('empty', '0-0') end
-if half_life > 0 then return take_lines() end
-return take_stream()
+if #ledger.ids == req.count then return ledger.stop('claimed', '0-0') end
+if redis.call('EXISTS', key.stream) == 0 then return ledger.stop('empty', '0-0') end
+if req.half_life_ms > 0 then return fairshare.take() end
+return stream.take()

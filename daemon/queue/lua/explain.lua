@@ -9,7 +9,7 @@
 -- decay plus what they run here), their weight, jobs they run here, the users whose turn comes
 -- first (fair share; space-separated)}. Place: 'front', 'parked', 'held' (at a cap, or in its
 -- user's line), 'prio', 'stream', 'waiting' (for others, or its array's window), 'backoff',
--- 'running' or 'gone'; verdict and reason: claim/fit.lua `verdict`'s.
+-- 'running' or 'gone'; verdict and reason: claim/fit.lua `fit.verdict`'s.
 --! include claim/request.lua
 --! include claim/job.lua
 --! include claim/packing.lua
@@ -19,8 +19,8 @@
 --! include claim/places.lua
 --! include claim/fairshare.lua
 
-local PLACES = {{front, 'front'}, {parked, 'parked'}, {prefix .. 'capped', 'held'}, {prio, 'prio'},
-  {prefix .. 'waiting', 'waiting'}, {prefix .. 'backoff', 'backoff'}, {leases, 'running'}}
+local PLACES = {{key.front, 'front'}, {key.parked, 'parked'}, {req.prefix .. 'capped', 'held'}, {key.prio, 'prio'},
+  {req.prefix .. 'waiting', 'waiting'}, {req.prefix .. 'backoff', 'backoff'}, {key.leases, 'running'}}
 
 local function place_of(j)
   if j.state ~= 'queued' and j.state ~= 'running' then return 'gone' end
@@ -37,15 +37,15 @@ local next_jobs = nil
 local function users_next()
   if next_jobs then return next_jobs end
   next_jobs = {}
-  for _, user in ipairs(redis.call('ZRANGE', capped_users, 0, -1)) do
-    local top = redis.call('ZRANGE', prefix .. 'capped:' .. user, 0, 0, 'WITHSCORES')
+  for _, user in ipairs(redis.call('ZRANGE', key.capped_users, 0, -1)) do
+    local top = redis.call('ZRANGE', req.prefix .. 'capped:' .. user, 0, 0, 'WITHSCORES')
     if top[1] then
-      next_jobs[user] = {tonumber(top[2]), redis.call('HGET', job_key(prefix, top[1]), 'front')}
+      next_jobs[user] = {tonumber(top[2]), redis.call('HGET', job_key(req.prefix, top[1]), 'front')}
     end
   end
-  if redis.call('EXISTS', stream) == 1 then
-    for _, e in ipairs(redis.call('XRANGE', stream, '(' .. delivered(), '+', 'COUNT', STREAM_READ)) do
-      local j = e[2][1] == 'job' and job_of(e[2][2]) or nil
+  if redis.call('EXISTS', key.stream) == 1 then
+    for _, e in ipairs(redis.call('XRANGE', key.stream, '(' .. places.delivered(), '+', 'COUNT', STREAM_READ)) do
+      local j = e[2][1] == 'job' and job.of(e[2][2]) or nil
       if j and j.state == 'queued' and j.priority == 0 and not next_jobs[j.user] then
         next_jobs[j.user] = {j.seq, false}
       end
@@ -54,13 +54,13 @@ local function users_next()
   return next_jobs
 end
 
--- With fair share, the users waiting whose next job ranks before `j` (fairshare.lua `rank`).
+-- With fair share, the users waiting whose next job ranks before `j` (fairshare.lua `fairshare.rank`).
 local function ranked_before(j)
-  if half_life == 0 or j.state ~= 'queued' then return '' end
-  local mine = rank(j.user, j.seq, redis.call('HGET', j.key, 'front'))
+  if req.half_life_ms == 0 or j.state ~= 'queued' then return '' end
+  local mine = fairshare.rank(j.user, j.seq, redis.call('HGET', j.key, 'front'))
   local first = {}
   for user, nxt in pairs(users_next()) do
-    if user ~= j.user and ranks_before(rank(user, nxt[1], nxt[2]), mine) then first[#first + 1] = user end
+    if user ~= j.user and fairshare.ranks_before(fairshare.rank(user, nxt[1], nxt[2]), mine) then first[#first + 1] = user end
   end
   table.sort(first)
   return table.concat(first, ' ')
@@ -68,11 +68,11 @@ end
 
 local out = {}
 for i = 2, #ARGV do
-  local j = job_of(ARGV[i])
-  local v, why = verdict(j)
+  local j = job.of(ARGV[i])
+  local v, why = fit.verdict(j)
   local use, weight = 0, 1
-  if half_life > 0 then use, weight = use_and_weight(j.user) end
-  local u = use_of(j.user)
+  if req.half_life_ms > 0 then use, weight = fairshare.use_and_weight(j.user) end
+  local u = ledger.use_of(j.user)
   out[#out + 1] = {j.id, place_of(j), v, why, tostring(use + u[3]), tostring(weight), u[1], ranked_before(j)}
 end
 return out

@@ -1,6 +1,6 @@
 -- claim/backfill.lua: the head of line, its reservation and backfill. When the next job needs more
 -- GPUs than the claimer has free (less what this call already handed out), claiming stops there
--- and that job waits for them (the head). The head reserves this worker (`reservation`: one per
+-- and that job waits for them (the head). The head reserves this worker (`key.reservation`: one per
 -- queue, for a lease, renewed by each claim of its worker; a worker that dies lets it lapse),
 -- unless another live worker holds its reservation. Jobs behind it may then start: on any worker
 -- the head is not reserved on; on the one it is, only a job whose time limit (plus stop grace)
@@ -10,45 +10,45 @@
 -- from after this one too (the request's `kept`).
 
 -- When the running jobs here end at the latest: {ms from now, GPUs}, the soonest first.
-local ends = {}
-for _, e in ipairs(req.ends) do ends[#ends + 1] = {math.max(0, e[1]), e[2]} end
-table.sort(ends, function(a, b) return a[1] < b[1] end)
+backfill.ends = {}
+for _, e in ipairs(req.ends) do backfill.ends[#backfill.ends + 1] = {math.max(0, e[1]), e[2]} end
+table.sort(backfill.ends, function(a, b) return a[1] < b[1] end)
 
 -- When `g` GPUs could be free here at the earliest (ms from now): the running jobs end at their
--- limits, and GPUs in use that `ends` does not account for (jobs without a limit, jobs claimed in
+-- limits, and GPUs in use that `backfill.ends` does not account for (jobs without a limit, jobs claimed in
 -- this very call) may come back any moment.
-local function earliest(g)
-  local free = gpus_total
-  for _, e in ipairs(ends) do free = free - e[2] end
+function backfill.earliest(g)
+  local free = req.gpus_total
+  for _, e in ipairs(backfill.ends) do free = free - e[2] end
   if free >= g then return 0 end
-  for _, e in ipairs(ends) do
+  for _, e in ipairs(backfill.ends) do
     free = free + e[2]
     if free >= g then return e[1] end
   end
   return 0
 end
 
-local function keep_for_head(gpus)
-  head_need, head_at = gpus, earliest(gpus)
+function backfill.keep_for_head(gpus)
+  ledger.head_need, ledger.head_at = gpus, backfill.earliest(gpus)
 end
-if req.kept > 0 then keep_for_head(req.kept) end
+if req.kept > 0 then backfill.keep_for_head(req.kept) end
 
 -- The front's jobs a backfill looks at, in the front's own order (front.lua): the front's ZSET,
 -- the parked jobs and the jobs held at a cap that are part of the front (every one in a FIFO
 -- queue, those held from the front with fair share), LOOK of each, merged by enqueue seq.
-local function front_in_order()
+function backfill.front_in_order()
   local out = {}
   local function add(id, seq, place) out[#out + 1] = {id = id, seq = seq, place = place} end
-  local got = redis.call('ZRANGE', front, 0, LOOK - 1, 'WITHSCORES')
-  for i = 1, #got, 2 do add(got[i], tonumber(got[i + 1]), front) end
-  got = redis.call('ZRANGE', parked, 0, LOOK - 1, 'WITHSCORES')
-  for i = 1, #got, 2 do add(got[i], tonumber(got[i + 1]) % SEQ, parked) end
-  if half_life > 0 then
-    got = redis.call('ZRANGE', prefix .. 'capped_front', 0, LOOK - 1, 'WITHSCORES')
+  local got = redis.call('ZRANGE', key.front, 0, LOOK - 1, 'WITHSCORES')
+  for i = 1, #got, 2 do add(got[i], tonumber(got[i + 1]), key.front) end
+  got = redis.call('ZRANGE', key.parked, 0, LOOK - 1, 'WITHSCORES')
+  for i = 1, #got, 2 do add(got[i], tonumber(got[i + 1]) % SEQ, key.parked) end
+  if req.half_life_ms > 0 then
+    got = redis.call('ZRANGE', req.prefix .. 'capped_front', 0, LOOK - 1, 'WITHSCORES')
     for i = 1, #got, 2 do add(got[i], tonumber(got[i + 1]), nil) end
   else
-    for _, user in ipairs(redis.call('ZRANGE', capped_users, 0, LOOK - 1)) do
-      got = redis.call('ZRANGE', prefix .. 'capped:' .. user, 0, HELD_LOOK - 1, 'WITHSCORES')
+    for _, user in ipairs(redis.call('ZRANGE', key.capped_users, 0, LOOK - 1)) do
+      got = redis.call('ZRANGE', req.prefix .. 'capped:' .. user, 0, HELD_LOOK - 1, 'WITHSCORES')
       for i = 1, #got, 2 do add(got[i], tonumber(got[i + 1]), nil) end
     end
   end
@@ -59,61 +59,61 @@ end
 -- Start, behind the head job `head`, the jobs that may start here (verdict 'start'), in the order
 -- a claim looks (places.lua), a bounded look at each place. Each taken out of turn from the
 -- stream is deleted undelivered, as a priority job's is.
-local function backfill(head)
+function backfill.behind(head)
   local function may(id)
     if id == head then return nil end
-    local j = job_of(id)
-    local v, _, gpus = verdict(j)
+    local j = job.of(id)
+    local v, _, gpus = fit.verdict(j)
     if v == 'start' then return j, gpus end
     return nil
   end
-  for _, c in ipairs(front_in_order()) do
-    if #ids == wanted or #ids >= slots then break end  -- (the front is never claimed ahead)
+  for _, c in ipairs(backfill.front_in_order()) do
+    if #ledger.ids == req.count or #ledger.ids >= req.slots then break end  -- (the front is never claimed ahead)
     local j, gpus = may(c.id)
-    if j and c.place then take_from_front(j, c.place); start(j, gpus)
-    elseif j then take_from_held(j); start(j, gpus) end
+    if j and c.place then places.take_from_front(j, c.place); ledger.start(j, gpus)
+    elseif j then places.take_from_held(j); ledger.start(j, gpus) end
   end
-  for _, id in ipairs(redis.call('ZRANGE', prio, 0, LOOK - 1)) do
-    if #ids == wanted then return end
+  for _, id in ipairs(redis.call('ZRANGE', key.prio, 0, LOOK - 1)) do
+    if #ledger.ids == req.count then return end
     local j, gpus = may(id)
-    if j then take_from_prio(j); start(j, gpus) end
+    if j then places.take_from_prio(j); ledger.start(j, gpus) end
   end
-  if half_life > 0 then  -- the users' lines (a job started from the front above is 'gone' here)
-    for _, user in ipairs(redis.call('ZRANGE', capped_users, 0, LOOK - 1)) do
-      for _, id in ipairs(redis.call('ZRANGE', prefix .. 'capped:' .. user, 0, HELD_LOOK - 1)) do
-        if #ids == wanted then return end
+  if req.half_life_ms > 0 then  -- the users' lines (a job started from the front above is 'gone' here)
+    for _, user in ipairs(redis.call('ZRANGE', key.capped_users, 0, LOOK - 1)) do
+      for _, id in ipairs(redis.call('ZRANGE', req.prefix .. 'capped:' .. user, 0, HELD_LOOK - 1)) do
+        if #ledger.ids == req.count then return end
         local j, gpus = may(id)
-        if j then take_from_held(j); start(j, gpus) end
+        if j then places.take_from_held(j); ledger.start(j, gpus) end
       end
     end
   end
-  if redis.call('EXISTS', stream) == 0 then return end
-  for _, e in ipairs(redis.call('XRANGE', stream, '(' .. delivered(), '+', 'COUNT', LOOK)) do
-    if #ids == wanted then return end
+  if redis.call('EXISTS', key.stream) == 0 then return end
+  for _, e in ipairs(redis.call('XRANGE', key.stream, '(' .. places.delivered(), '+', 'COUNT', LOOK)) do
+    if #ledger.ids == req.count then return end
     local j, gpus = nil, nil
     if e[2][1] == 'job' then j, gpus = may(e[2][2]) end
-    if j then take_from_prio(j); start(j, gpus) end
+    if j then places.take_from_prio(j); ledger.start(j, gpus) end
   end
 end
 
 -- Job `j`, the first that must wait for its `gpus` here: it reserves this worker unless another
 -- live one holds its reservation (or GPUs here are kept for a head already) or it is not for this
--- worker (fit.lua `passed_over`); it may preempt jobs here; the jobs behind it that may start do
+-- worker (fit.lua `fit.passed_over`); it may preempt jobs here; the jobs behind it that may start do
 -- (backfill); and the claim stops.
-local function blocked(j, gpus)
+function backfill.blocked(j, gpus)
   local status = 'blocked'
-  if not head_need and not passed_over(j) then
-    local r = redis.call('HMGET', reservation, 'job', 'worker', 'until')
-    if not (r[1] == j.id and r[2] ~= consumer and tonumber(r[3]) > now) then
-      keep_for_head(gpus)
-      redis.call('HSET', reservation, 'job', j.id, 'worker', consumer, 'until', now + lease_ms, 'at', now + head_at,
+  if not ledger.head_need and not fit.passed_over(j) then
+    local r = redis.call('HMGET', key.reservation, 'job', 'worker', 'until')
+    if not (r[1] == j.id and r[2] ~= req.worker and tonumber(r[3]) > now) then
+      backfill.keep_for_head(gpus)
+      redis.call('HSET', key.reservation, 'job', j.id, 'worker', req.worker, 'until', now + req.lease_ms, 'at', now + ledger.head_at,
         'preempt', '0')
-      if may_preempt(j) and preempt(gpus, j.priority, false) then
-        redis.call('HSET', reservation, 'preempt', '1')
+      if preempt.may(j) and preempt.make_room(gpus, j.priority, false) then
+        redis.call('HSET', key.reservation, 'preempt', '1')
         status = 'preempting'
       end
     end
   end
-  backfill(j.id)
-  return stop(status, newest())
+  backfill.behind(j.id)
+  return ledger.stop(status, places.newest())
 end

@@ -3,46 +3,46 @@
 -- The GPUs a job needs here: what it asks for, or a slot's share when it asks for 0; a job asking
 -- for memory on one shared GPU needs one (more than the worker has, when its largest GPU is too
 -- small: it is then passed over as a job of too many GPUs is).
-local function need_of(j)
-  if j.mem > 0 then return j.mem <= largest_gpu and 1 or gpus_total + 1 end
-  return j.gpus == 0 and slot_gpus or j.gpus
+function fit.need_of(j)
+  if j.mem > 0 then return j.mem <= req.largest_gpu and 1 or req.gpus_total + 1 end
+  return j.gpus == 0 and req.slot_gpus or j.gpus
 end
 
 -- Whether a job needing `gpus` fits this worker's GPUs now (or a shared GPU's memory).
-local function fits_now(j, gpus)
-  if j.mem > 0 then return gpu_for(j.mem) ~= nil end
-  return gpus <= gpus_free
+function fit.fits_now(j, gpus)
+  if j.mem > 0 then return packing.gpu_for(j.mem) ~= nil end
+  return gpus <= ledger.gpus_free
 end
 
 -- The longest a job may run here, in ms: its time limit and stop grace; nil with no time limit.
-local function run_limit(j)
-  local limit, grace = limits_of(j)
+function fit.run_limit(j)
+  local limit, grace = job.limits_of(j)
   if not limit then return nil end
-  return limit + (grace or grace_ms)
+  return limit + (grace or req.grace_ms)
 end
 
 -- Why a job is not for this claimer at all, or nil: it could run past the claimer's own end (a
 -- pilot's lifetime left; a job with no time limit always could), or it is another user's than the
 -- one this claimer serves (a worker not running as root serves one pool user: docs/DESIGN.md).
 -- Such a job is never waited for: no reservation, no preemption for it.
-local function passed_over(j)
-  if serves ~= '' and j.user ~= serves then return 'serves' end
-  if lifetime <= 0 then return nil end
-  local limit = run_limit(j)
-  if limit == nil or limit > lifetime then return 'outlives' end
+function fit.passed_over(j)
+  if req.serves ~= '' and j.user ~= req.serves then return 'serves' end
+  if req.lifetime_ms <= 0 then return nil end
+  local limit = fit.run_limit(j)
+  if limit == nil or limit > req.lifetime_ms then return 'outlives' end
   return nil
 end
 
 -- Why a job of `gpus` GPUs may not start here now, or nil: its GPUs (or memory) are not free, it
 -- is not for this claimer, or with a head job's GPUs kept here it is not sure to end before the
 -- head could start (backfill.lua).
-local function cannot_start(j, gpus)
-  if not fits_now(j, gpus) then return j.mem > 0 and 'memory' or 'gpus' end
-  local passed = passed_over(j)
+function fit.cannot_start(j, gpus)
+  if not fit.fits_now(j, gpus) then return j.mem > 0 and 'memory' or 'gpus' end
+  local passed = fit.passed_over(j)
   if passed then return passed end
-  if not head_need then return nil end
-  local limit = run_limit(j)
-  if limit ~= nil and limit <= head_at then return nil end
+  if not ledger.head_need then return nil end
+  local limit = fit.run_limit(j)
+  if limit ~= nil and limit <= ledger.head_at then return nil end
   return 'reserved'
 end
 
@@ -55,12 +55,12 @@ end
 --           ('outlives', 'serves'), or it could delay a reserved head ('reserved');
 --   'start' ('fits').
 -- Every place a claim takes jobs from applies the verdict with its own moves (places.lua).
-local function verdict(j)
+function fit.verdict(j)
   if j.state ~= 'queued' then return 'gone', 'gone', 0 end
-  local gpus = need_of(j)
-  if gpus > gpus_total then return 'park', j.mem > 0 and 'no_gpu_memory' or 'too_big', gpus end
-  if not under_cap(j.user, gpus) then return 'hold', 'cap', gpus end
-  local why = cannot_start(j, gpus)
+  local gpus = fit.need_of(j)
+  if gpus > req.gpus_total then return 'park', j.mem > 0 and 'no_gpu_memory' or 'too_big', gpus end
+  if not caps.under_cap(j.user, gpus) then return 'hold', 'cap', gpus end
+  local why = fit.cannot_start(j, gpus)
   if why then return 'wait', why, gpus end
   return 'start', 'fits', gpus
 end

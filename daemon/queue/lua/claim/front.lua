@@ -5,68 +5,68 @@
 -- time left ran short of it since keeps no GPUs for it, and nor does a job that failed meanwhile
 -- and waits out its retry back-off (it comes back to the front once that is over): the
 -- reservation is dropped.
-local function take_preempting_head()
-  local r = redis.call('HMGET', reservation, 'job', 'worker', 'until', 'preempt')
-  if not (r[4] == '1' and r[2] == consumer and tonumber(r[3]) > now) then return end
-  local j = job_of(r[1])
+function front.take_preempting_head()
+  local r = redis.call('HMGET', key.reservation, 'job', 'worker', 'until', 'preempt')
+  if not (r[4] == '1' and r[2] == req.worker and tonumber(r[3]) > now) then return end
+  local j = job.of(r[1])
   if j.state ~= 'queued' then return end
-  if passed_over(j) or redis.call('ZSCORE', prefix .. 'backoff', j.id) then
-    redis.call('DEL', reservation)
+  if fit.passed_over(j) or redis.call('ZSCORE', req.prefix .. 'backoff', j.id) then
+    redis.call('DEL', key.reservation)
     return
   end
-  local gpus = need_of(j)
-  redis.call('HSET', reservation, 'until', now + lease_ms)
-  if wanted > 0 and fits_now(j, gpus) and under_cap(j.user, gpus) then
-    take_from_anywhere(j)
-    start(j, gpus)
-  elseif not head_need then
-    keep_for_head(gpus)
+  local gpus = fit.need_of(j)
+  redis.call('HSET', key.reservation, 'until', now + req.lease_ms)
+  if req.count > 0 and fit.fits_now(j, gpus) and caps.under_cap(j.user, gpus) then
+    places.take_from_anywhere(j)
+    ledger.start(j, gpus)
+  elseif not ledger.head_need then
+    backfill.keep_for_head(gpus)
   end
 end
 
 -- The front (lowest seq first), the parked jobs this worker can hold and the jobs held at
 -- a cap whose user is below it now, the oldest first. A job too big for this worker moves to
--- `parked`; one whose user is at a cap is held aside (with fair share it keeps its place at the
+-- `key.parked`; one whose user is at a cap is held aside (with fair share it keeps its place at the
 -- front of its user's line: 'front'); the first that must wait here blocks (backfill.lua). The
 -- front is never claimed ahead of a free slot: the claim stops there instead. Returns the reply
 -- when the claim ends here, else the number of jobs moved aside.
-local function take_front()
+function front.take()
   local moved = 0
-  while #ids < wanted do
-    local r = redis.call('ZRANGE', front, 0, 0, 'WITHSCORES')
-    local j = r[1] and job_of(r[1])
-    if j and need_of(j) > gpus_total then
-      if moved >= MOVES then return stop('claimed', '0-0'), moved end  -- cut short: asked again
-      redis.call('ZREM', front, j.id)  -- too big for this worker: parked (its entry stays pending)
-      park(j, need_of(j))
+  while #ledger.ids < req.count do
+    local r = redis.call('ZRANGE', key.front, 0, 0, 'WITHSCORES')
+    local j = r[1] and job.of(r[1])
+    if j and fit.need_of(j) > req.gpus_total then
+      if moved >= MOVES then return ledger.stop('claimed', '0-0'), moved end  -- cut short: asked again
+      redis.call('ZREM', key.front, j.id)  -- too big for this worker: parked (its entry stays pending)
+      places.park(j, fit.need_of(j))
       moved = moved + 1
     else
-      local place, pick_seq = front, j and j.seq
-      local p, p_seq = oldest_parked()
-      if p and (not j or p_seq < pick_seq) then j, place, pick_seq = job_of(p), parked, p_seq end
-      local c, c_seq = oldest_released()
-      if c and (not j or c_seq < pick_seq) then j, place = job_of(c), nil end
+      local place, pick_seq = key.front, j and j.seq
+      local p, p_seq = places.oldest_parked()
+      if p and (not j or p_seq < pick_seq) then j, place, pick_seq = job.of(p), key.parked, p_seq end
+      local c, c_seq = places.oldest_released()
+      if c and (not j or c_seq < pick_seq) then j, place = job.of(c), nil end
       if not j then break end
-      if #ids >= slots then return stop('blocked', newest()), moved end
-      local v, _, gpus = verdict(j)
+      if #ledger.ids >= req.slots then return ledger.stop('blocked', places.newest()), moved end
+      local v, _, gpus = fit.verdict(j)
       if v == 'gone' then  -- (ended meanwhile: cancel.lua takes it out; this is a bounded tidy)
-        if place then redis.call('ZREM', place, j.id) else unhold(prefix, j.user, j.id) end
+        if place then redis.call('ZREM', place, j.id) else unhold(req.prefix, j.user, j.id) end
         moved = moved + 1
       elseif v == 'park' and place then  -- parked by a worker with fewer GPUs, too big here too
-        if moved >= MOVES then return stop('claimed', '0-0'), moved end
+        if moved >= MOVES then return ledger.stop('claimed', '0-0'), moved end
         redis.call('ZREM', place, j.id)
-        park(j, gpus)  -- under this worker's need: the GPU counts it looks at no longer hold it
+        places.park(j, gpus)  -- under this worker's need: the GPU counts it looks at no longer hold it
         moved = moved + 1
       elseif v == 'hold' and place then
-        if moved >= MOVES then return stop('claimed', '0-0'), moved end
+        if moved >= MOVES then return ledger.stop('claimed', '0-0'), moved end
         redis.call('ZREM', place, j.id)  -- its entry stays pending
-        hold(prefix, j.user, j.id, j.seq, false, half_life > 0)
+        hold(req.prefix, j.user, j.id, j.seq, false, req.half_life_ms > 0)
         moved = moved + 1
       elseif v == 'start' then
-        if place then take_from_front(j, place) else take_from_held(j) end
-        start(j, gpus)
+        if place then places.take_from_front(j, place) else places.take_from_held(j) end
+        ledger.start(j, gpus)
       else
-        return blocked(j, gpus), moved
+        return backfill.blocked(j, gpus), moved
       end
     end
   end

@@ -5,14 +5,14 @@
 -- table. Such a job counts as one GPU towards caps and fair share.
 
 -- The worker's table: {place in its list of GPUs, bytes left, jobs it may take yet, shared already}.
-local shared_gpus = {}
-for _, r in ipairs(req.shared) do shared_gpus[#shared_gpus + 1] = {place = r[1], left = r[2], jobs = r[3], shared = r[4]} end
+packing.gpus = {}
+for _, r in ipairs(req.shared) do packing.gpus[#packing.gpus + 1] = {place = r[1], left = r[2], jobs = r[3], shared = r[4]} end
 
 -- The GPU a job asking for `mem` bytes would go on here now; nil when none has room.
-local function gpu_for(mem)
+function packing.gpu_for(mem)
   local best = nil
-  for _, g in ipairs(shared_gpus) do
-    if g.jobs > 0 and g.left >= mem and (g.shared or gpus_free > 0) then
+  for _, g in ipairs(packing.gpus) do
+    if g.jobs > 0 and g.left >= mem and (g.shared or ledger.gpus_free > 0) then
       if not best or (g.shared and not best.shared) or (g.shared == best.shared and g.left < best.left) then
         best = g
       end
@@ -22,16 +22,16 @@ local function gpu_for(mem)
 end
 
 -- Put a job asking for `mem` bytes on its GPU (gpu_for found one); its place in the worker's list.
-local function pack(mem)
-  local g = gpu_for(mem)
-  if not g.shared then gpus_free, g.shared = gpus_free - 1, true end  -- no longer free whole
+function packing.pack(mem)
+  local g = packing.gpu_for(mem)
+  if not g.shared then ledger.gpus_free, g.shared = ledger.gpus_free - 1, true end  -- no longer free whole
   g.left, g.jobs = g.left - mem, g.jobs - 1
   return g.place
 end
 
 -- The table as this call leaves it, for the reply.
-local function packing_left()
+function packing.left()
   local rows = {}
-  for _, g in ipairs(shared_gpus) do rows[#rows + 1] = {g.place, g.left, g.jobs, g.shared and 1 or 0} end
+  for _, g in ipairs(packing.gpus) do rows[#rows + 1] = {g.place, g.left, g.jobs, g.shared and 1 or 0} end
   return rows
 end

@@ -1,16 +1,18 @@
 -- claim/request.lua: what the claim is asked (ARGV[1], one msgpack map: daemon/queue/claims.py
--- `ClaimRequest.packed`, which names every field), and the bounds every part of a claim keeps.
--- Capacity is in GPUs, bytes and ms; nothing here is parsed from a string.
+-- `ClaimRequest.packed`, which names every field: req.count, req.slots, req.gpus_total, ...), the
+-- keys it works on, and the bounds every part of a claim keeps. Capacity is in GPUs, bytes and ms;
+-- nothing here is parsed from a string.
 local req = cmsgpack.unpack(ARGV[1])
-local prefix, group, consumer = req.prefix, req.group, req.worker
-local request, wanted, slots, lease_ms = req.request, req.count, req.slots, req.lease_ms
-local gpus_free, gpus_total, slot_gpus = req.gpus_free, req.gpus_total, req.slot_gpus
-local largest_gpu = req.largest_gpu  -- bytes of the worker's largest GPU (0: no shared GPU table)
-local grace_ms, lifetime, serves = req.grace_ms, req.lifetime_ms, req.serves
-local max_jobs, max_gpus, half_life, preempts = req.max_jobs, req.max_gpus, req.half_life_ms, req.preempt
-local stream, front, leases, memo, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local prio, capped_users, reservation = prefix .. 'prio', prefix .. 'capped_users', prefix .. 'reservation'
+local key = {stream = KEYS[1], front = KEYS[2], leases = KEYS[3], memo = KEYS[4], parked = KEYS[5],
+  prio = req.prefix .. 'prio', capped_users = req.prefix .. 'capped_users', reservation = req.prefix .. 'reservation'}
 local now = now_ms()
+
+-- The parts of a claim, one table of functions per file of claim/ (`fit.verdict` is claim/fit.lua's
+-- verdict), declared before any is filled in since they call each other. A call builds every
+-- function anew (Redis runs a script's whole body at each call), so each captures a few tables,
+-- not one local per name: what a function captures, Lua looks up when it builds it.
+local job, packing, ledger, caps, fit, places, preempt = {}, {}, {}, {}, {}, {}, {}
+local backfill, front, priorities, fairshare, stream = {}, {}, {}, {}, {}
 
 -- Bounds: each claim call does a bounded amount of work, and says 'claimed' (ask again at once)
 -- when it stops at one rather than at the end of the queue.
