@@ -93,3 +93,17 @@ async def test_a_gpu_mem_job_on_a_worker_with_no_gpu_to_share_waits_rather_than_
     table = [SharedGpu(0, 80 * GIB, 4, shared=False)]
     room = Capacity(2, gpus_total=2, shared=table, largest_gpu=80 * GIB)
     assert [lease.job_id for lease in await queue.claim_many("w1", ["default"], 1, room)] == [job]
+
+
+async def test_a_job_queued_before_the_upgrade_backfills_by_its_time_limit(redis: AnyRedis) -> None:
+    """issue 46: a backfill looks at the jobs behind a head reading only what a verdict needs
+    (claim/job.lua `peek`), not their specs; a record of before 'time_limit_ms' has its limit in
+    its spec alone, and must still be seen to end before the head can start."""
+    queue = JobQueue(redis, lease_seconds=30)
+    _head, old = await queue.enqueue_many(
+        [JobSpec(argv=("true",), gpus=4), JobSpec(argv=("true",), gpus=1, timeout=5.0)]
+    )
+    await redis.hdel(keys.job(old), "time_limit_ms", "stop_grace_ms")  # as enqueued before
+    room = Capacity(2, gpus_total=4, ends=[(60.0, 2)])  # the head waits a minute for 2 GPUs
+    got = await queue.claim_many("w1", ["default"], 2, room)
+    assert [lease.job_id for lease in got] == [old]

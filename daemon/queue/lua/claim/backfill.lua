@@ -62,9 +62,8 @@ end
 function backfill.behind(head)
   local function may(id)
     if id == head then return nil end
-    local j = job.of(id)
-    local v, _, gpus = fit.verdict(j)
-    if v == 'start' then return j, gpus end
+    local v, _, gpus = fit.verdict(job.peek(id))
+    if v == 'start' then return job.of(id), gpus end
     return nil
   end
   for _, c in ipairs(backfill.front_in_order()) do

@@ -59,7 +59,7 @@ function places.oldest_released()
   if req.half_life_ms > 0 then
     local held = redis.call('ZRANGE', req.prefix .. 'capped_front', 0, HELD_LOOK - 1, 'WITHSCORES')
     for i = 1, #held, 2 do
-      local j = job.of(held[i])
+      local j = job.peek(held[i])
       local g = fit.need_of(j)
       if g <= req.gpus_total and caps.under_cap(j.user, g) then return held[i], tonumber(held[i + 1]), j.user end
     end
@@ -72,7 +72,7 @@ function places.oldest_released()
     for i = 1, #held, 2 do
       local seq = tonumber(held[i + 1])
       if best_seq and seq >= best_seq then break end
-      local g = fit.need_of(job.of(held[i]))
+      local g = fit.need_of(job.peek(held[i]))
       if g <= req.gpus_total and caps.under_cap(user, g) then
         best, best_seq, best_user = held[i], seq, user
         break
