@@ -1,4 +1,4 @@
-"""The queue's Lua scripts, loaded from daemon/queue/lua/ with the shared helpers of `_lib.lua` prepended.
+"""The queue's Lua scripts, loaded from daemon/queue/lua/ with the helpers of lua/lib/ each one calls.
 
 Each script's header comment says what it guarantees. redis-py's Script objects run by EVALSHA
 and fall back to loading the script on NOSCRIPT, so they survive a Redis restart.
@@ -78,21 +78,26 @@ NAMES = (
 INCLUDE = "--! include "
 
 
-def _included(lua: Traversable, name: str) -> str:
-    """A file of lua/ with each of its `--! include PATH` lines replaced by that file of lua/."""
+def _included(lua: Traversable, name: str, seen: set[str]) -> str:
+    """A file of lua/ with each of its `--! include PATH` lines replaced by that file of lua/, its
+    own includes put in too; a file already put in (`seen`) is not put in again."""
     lines = []
     for line in (lua / name).read_text().splitlines(keepends=True):
         part = line[len(INCLUDE) :].strip() if line.startswith(INCLUDE) else None
-        lines.append((lua / part).read_text() if part else line)
+        if part is None:
+            lines.append(line)
+        elif part not in seen:
+            seen.add(part)
+            lines.append(_included(lua, part, seen))
     return "".join(lines)
 
 
 def source(name: str) -> str:
-    """The full text of a script as Redis runs it: the shared helpers (`_lib.lua` and its parts,
-    lib/), then the script with its parts (the scheduler's: claim/), each put in at its include
-    line."""
+    """The full text of a script as Redis runs it: `_lib.lua`'s rules, then the script with the
+    helpers of lib/ it calls and its parts (the scheduler's: claim/), each put in once, at the
+    first line that includes it."""
     lua = resources.files("daemon.queue") / "lua"
-    return _included(lua, "_lib.lua") + "\n" + _included(lua, f"{name}.lua")
+    return _included(lua, "_lib.lua", set()) + "\n" + _included(lua, f"{name}.lua", set())
 
 
 class Scripts:

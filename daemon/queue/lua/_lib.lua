@@ -22,11 +22,8 @@
 --   their leases, and ending jobs is how the pool gets its memory back. A worker whose heartbeat
 --   is refused claims nothing (worker/claim_gate.py).
 --
--- The helpers, by concept, in lib/ (each says what it holds), in the order they build on each other:
---! include lib/record.lua
---! include lib/use.lua
---! include lib/arrays.lua
---! include lib/finish.lua
---! include lib/caps.lua
---! include lib/front.lua
---! include lib/enqueue.lua
+-- The helpers, by concept, in lib/ (each says what it holds): lib/record.lua, lib/use.lua,
+-- lib/arrays.lua, lib/finish.lua, lib/caps.lua, lib/front.lua, lib/enqueue.lua. A script includes
+-- those it calls (`--! include lib/NAME.lua`) and each part those it builds on, each put in once,
+-- where it is first named: Redis runs a script's whole text at every call, helpers it never calls
+-- included.

@@ -10,6 +10,9 @@
 -- ARGV: 1 queue key prefix, 2 group, 3 job id, 4 retention (s), 5 why (optional: the record's
 --       detail, for a job cancelled by the pool, as one whose dependency can no longer be met)
 -- Returns the job's state afterwards: 'cancelled' | 'cancelling' | the terminal state | 'missing'.
+--! include lib/record.lua
+--! include lib/finish.lua
+--! include lib/caps.lua
 local stream, front, events = KEYS[1], KEYS[2], KEYS[3]
 local prefix, group, id = ARGV[1], ARGV[2], ARGV[3]
 local jobkey = job_key(prefix, id)

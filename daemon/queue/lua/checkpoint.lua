@@ -9,6 +9,7 @@
 -- KEYS: 1 the job's record, 2 the queue's leases
 -- ARGV: 1 worker, 2 attempt, 3 lease id, 4 the save's name (checkpoints.py: NAME.N)
 -- Returns 1 when recorded, 0 when the attempt no longer holds the job.
+--! include lib/record.lua
 local jobkey, leases = KEYS[1], KEYS[2]
 local j = redis.call('HMGET', jobkey, 'state', 'attempt', 'worker', 'lease', 'id')
 local deadline = j[5] and redis.call('ZSCORE', leases, j[5])

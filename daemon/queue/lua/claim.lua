@@ -29,6 +29,8 @@
 -- again, or cut short at a bound), 'empty' (nothing more), 'blocked' (the next job must wait for
 -- GPUs here) or 'preempting' (blocked, and jobs here were asked to make room for it). The cursors
 -- are the stream ids to wait after (XREAD BLOCK on the stream and the `wake` stream).
+--! include lib/record.lua
+--! include lib/caps.lua
 --! include claim/request.lua
 --! include claim/job.lua
 --! include claim/packing.lua

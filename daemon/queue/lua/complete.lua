@@ -13,6 +13,10 @@
 --       8 exit code ('' if none), 9 detail, 10 result (msgpack, opaque here), 11 retention (s),
 --       12 a retry's back-off (ms; 0: none) before its failure count doubles it, 13 its most (ms)
 -- Returns {state afterwards} (the outcome's, or 'queued' for a retry) | {'stale', state, attempt}.
+--! include lib/record.lua
+--! include lib/use.lua
+--! include lib/finish.lua
+--! include lib/front.lua
 local stream, leases, events, front = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, group, consumer, id = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local attempt, lease, state = ARGV[5], ARGV[6], ARGV[7]

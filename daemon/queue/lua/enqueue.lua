@@ -15,6 +15,9 @@
 -- Returns {job id, 1} when created, {first job id, 0, conflict} for a known idempotency key
 -- (conflict: 1 when the first job's spec is not this one, else 0), {'over', how many the user
 -- has} when refused.
+--! include lib/record.lua
+--! include lib/finish.lua
+--! include lib/enqueue.lua
 local stream, index, seqkey, idem = KEYS[1], KEYS[2], KEYS[3], KEYS[5]
 local group, prefix, most = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local job = job_args(ARGV, 5)

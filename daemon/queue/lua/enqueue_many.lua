@@ -18,6 +18,9 @@
 --       bound), 4 the batch's jobs here in later calls (JSON: user -> how many; '': none), then
 --       per job its proposed id and the job (lib/enqueue.lua JOB_ARGS)
 -- Returns the jobs' ids, in order; {'over', user, how many they have} when refused.
+--! include lib/record.lua
+--! include lib/finish.lua
+--! include lib/enqueue.lua
 local BATCH_SECONDS = 600
 local stream, index, seqkey, batch, refused = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local group, prefix, most = ARGV[1], ARGV[2], tonumber(ARGV[3])

@@ -10,6 +10,8 @@
 -- first (fair share; space-separated)}. Place: 'front', 'parked', 'held' (at a cap, or in its
 -- user's line), 'prio', 'stream', 'waiting' (for others, or its array's window), 'backoff',
 -- 'running' or 'gone'; verdict and reason: claim/fit.lua `fit.verdict`'s.
+--! include lib/record.lua
+--! include lib/caps.lua
 --! include claim/request.lua
 --! include claim/job.lua
 --! include claim/packing.lua

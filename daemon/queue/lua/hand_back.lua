@@ -9,6 +9,10 @@
 -- KEYS: 1 stream, 2 the front, 3 leases, 4 events
 -- ARGV: 1 queue key prefix, 2 group, 3 consumer, 4 job id, 5 attempt, 6 lease id, 7 retention (s)
 -- Returns {'queued'} | {'cancelled'} | {'stale', state, attempt}.
+--! include lib/record.lua
+--! include lib/use.lua
+--! include lib/finish.lua
+--! include lib/front.lua
 local stream, front, leases, events = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, group, consumer, id, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local jobkey = job_key(prefix, id)

@@ -8,6 +8,7 @@
 -- KEYS: 1 workers (hash), 2 workers:seen (zset), 3 queues (set)
 -- ARGV: 1 worker id, 2 registration (msgpack, opaque here), 3.. the queues it serves
 -- Returns the Redis server time of the heartbeat (ms).
+--! include lib/record.lua
 local now = now_ms()
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('ZADD', KEYS[2], now, ARGV[1])

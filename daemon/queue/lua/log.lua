@@ -14,6 +14,7 @@
 -- the output until Redis takes it.
 -- KEYS: 1 job hash, 2 log stream
 -- ARGV: 1 consumer, 2 attempt, 3 lease id, 4 call number, 5 head bytes, 6 tail bytes, 7.. chunks
+--! include lib/record.lua
 local ENTRY_COST = 64
 local job, stream = KEYS[1], KEYS[2]
 local j = redis.call('HMGET', job, 'state', 'attempt', 'worker', 'lease', 'log_n', 'log_head', 'log_hbytes',

@@ -12,6 +12,7 @@
 -- ARGV: 1 queue key prefix, 2 member ('ID/TARGET'), 3 fence, 4 'done' | 'retry' | 'back',
 --       5 pause (ms, for 'retry')
 -- Returns 1 when the entry was the caller's and is settled, 0 when it was not.
+--! include lib/record.lua
 local outbox = KEYS[1]
 local prefix, member, fence, verdict = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local score = redis.call('ZSCORE', outbox, member)

@@ -14,6 +14,8 @@
 --       count of those the cap pushed out, handed to this sweep alone (the counter is reset)
 -- Returns {pushed out, expired, ms until the first entry left is due (0: now; -1: none left),
 -- then per entry taken: member, fence, attempts made before}.
+--! include lib/record.lua
+--! include lib/caps.lua
 local outbox, pushed = KEYS[1], KEYS[2]
 local prefix, hold, most = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local now = now_ms()

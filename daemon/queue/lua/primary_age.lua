@@ -10,6 +10,7 @@
 -- At maxmemory refused whole (its first write allocates): the caller then takes the age as 0.
 -- KEYS: 1 the record (hash: run_id, since)
 -- Returns the age in ms.
+--! include lib/record.lua
 local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
 local now = now_ms()
 local seen = redis.call('HMGET', KEYS[1], 'run_id', 'since')

@@ -5,6 +5,7 @@
 -- KEYS: 1 workers (hash), 2 workers:seen (zset)
 -- ARGV: 1 retention (ms)
 -- Returns the ids forgotten.
+--! include lib/record.lua
 local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms() - tonumber(ARGV[1]), 'LIMIT', 0, 100)
 if #old > 0 then
   redis.call('HDEL', KEYS[1], unpack(old))

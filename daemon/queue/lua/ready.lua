@@ -12,6 +12,7 @@
 --       those found before), 4 '1' when all it waits for are
 -- Returns 1 when the job joined its queue, 2 when it took its turn for its array's window, 0
 -- when it was not held for others (any more), or is not ready yet.
+--! include lib/arrays.lua
 local jobkey = KEYS[1]
 local prefix, id, met, all = ARGV[1], ARGV[2], ARGV[3], ARGV[4] == '1'
 local j = redis.call('HMGET', jobkey, 'state', 'priority', 'seq', 'array', 'array_pos', 'window')

@@ -15,6 +15,10 @@
 -- ARGV: 1 queue key prefix, 2 group, 3 most to take in one call, 4 retention (s)
 -- Returns a flat list: how many leases it took (up to the limit), then job id, new state, job id,
 -- new state, ... for those whose job was running.
+--! include lib/record.lua
+--! include lib/use.lua
+--! include lib/finish.lua
+--! include lib/front.lua
 local stream, front, leases, events = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, group, limit, retention = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local now = now_ms()

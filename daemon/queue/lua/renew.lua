@@ -12,6 +12,7 @@
 -- ARGV: 1 queue key prefix, 2 consumer, 3 lease duration (ms), then triples of job id, attempt,
 --       lease id
 -- Returns one of 'ok' | 'cancel' | 'requeue' | 'preempt' | 'lost' per triple, in order.
+--! include lib/record.lua
 local leases = KEYS[1]
 local prefix, consumer, lease_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local deadline = now_ms() + lease_ms

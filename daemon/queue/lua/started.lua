@@ -10,6 +10,7 @@
 -- KEYS: 1 the job's record
 -- ARGV: 1 worker, 2 attempt, 3 lease id
 -- Returns 1 when the mark was taken now, 0 otherwise.
+--! include lib/record.lua
 local jobkey = KEYS[1]
 local j = redis.call('HMGET', jobkey, 'state', 'attempt', 'worker', 'lease', 'ahead')
 if not holds(j, ARGV[2], ARGV[1], ARGV[3]) or j[5] ~= '1' then return 0 end

@@ -17,6 +17,7 @@
 --       4 the day to give back to (with a negative count)
 -- Returns {'ok', day counted in} or {'over', bytes held, when room comes back (s since the
 -- epoch; 0: never, the submission alone is larger than the bound)}.
+--! include lib/record.lua
 local DAY = 86400
 local key, adding, most, retention = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 if adding < 0 then

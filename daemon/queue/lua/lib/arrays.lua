@@ -1,4 +1,5 @@
 -- lib/arrays.lua: a job joining its queue, and arrays with a window.
+--! include lib/record.lua
 
 -- Arrays (`poolctl enqueue --array 0-99%N`): the jobs of array QUEUE@NAME are in its queue's
 -- `array:NAME` (ZSET id -> place), the record the commands that take the array's id read. With a

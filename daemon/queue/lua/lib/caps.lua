@@ -1,4 +1,5 @@
 -- lib/caps.lua: jobs held aside at their user's cap.
+--! include lib/record.lua
 
 -- Caps per user (claim.lua): a queued job whose user is at a cap is held aside, in the queue's
 -- `capped` ZSET and its user's `capped:USER` (both by seq); `capped_users` lists each such user

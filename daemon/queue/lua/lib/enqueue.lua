@@ -1,4 +1,5 @@
 -- lib/enqueue.lua: what the enqueue scripts add: sequence numbers and a job's record.
+--! include lib/arrays.lua
 
 -- Take `n` sequence numbers of a queue, creating its stream and consumer group the first time.
 -- Returns the first of them.

@@ -1,4 +1,6 @@
 -- lib/finish.lua: the one end of every job: counts, notifications, events, retention.
+--! include lib/record.lua
+--! include lib/arrays.lua
 
 -- How many finished jobs of a queue to forget per job that finishes, once past retention: the
 -- index stays bounded by the jobs of the last `retention` seconds at a constant cost per finish.

@@ -1,4 +1,5 @@
 -- lib/front.lua: a job back at the front of its queue: handed back, reclaimed, retried.
+--! include lib/record.lua
 
 -- Put a job at the front of its queue (`front`, keys.py): served before the stream, in enqueue order; its
 -- entry stays pending (owned by the 'reclaimed' consumer) so it is never trimmed.
