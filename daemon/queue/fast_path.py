@@ -280,6 +280,8 @@ class Pipeliner:
                 await asyncio.sleep(0)  # its callers go on first (a job's start), then the rest
                 continue
             if self._ahead_answered is not None and not self._ahead_answered.done():
+                if not self._pending:  # none waits for it here: a call made later starts a sender
+                    return
                 await asyncio.shield(self._ahead_answered)  # another sender's, still on its way
                 continue
             if self._linger_until is not None:

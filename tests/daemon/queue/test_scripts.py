@@ -136,6 +136,23 @@ async def test_a_call_made_ahead_while_a_sender_is_between_its_batches_is_sent(r
     assert await outcome == b"outcome"
 
 
+async def test_claims_made_one_after_another_keep_one_sender_not_one_each(redis: Redis) -> None:
+    """Found measuring issue 46: each claim made as the last one was answered started a sender of
+    its own, and the senders before it stayed, each waiting for the next claim's answer to wake,
+    look and wait again: after N claims N senders woke at every answer (the claim drain's client
+    spent ~750 callbacks a claim). A sender with nothing to send after a claim in flight ends."""
+    call = Pipeliner(redis)
+    echo = redis.register_script("return ARGV[1]")
+    await redis.script_load(echo.script)
+    most = 0
+    for i in range(100):
+        assert await call(echo, [], [str(i)], ahead=True) == str(i).encode()
+        most = max(most, len(call._in_flight))
+    assert most <= 2
+    await asyncio.sleep(0.01)
+    assert not call._in_flight  # all gone once the claims stop
+
+
 async def test_calls_that_may_linger_made_in_turns_apart_share_one_round_trip(redis: Redis) -> None:
     """Outcomes of jobs that end one after another (`linger`) wait for each other: one round trip
     for all, once the first has waited its linger; a call alone waits its linger, then goes."""
