@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from daemon import tokens
+from daemon import pools, tokens
 from daemon.client import session
 from daemon.client.session import AuthFailed, ClientError, ServerUnreachable
 from daemon.ctl import one_shot, render
@@ -214,6 +214,7 @@ class Link(Record):
     tls_ca: str | None
     tls: str  # auto: TLS beyond loopback; on; off (GPUPOOL_TLS means the same as poold's `tls`)
     tls_pin: str | None
+    name: str | None = None  # the pool's, in pools.toml, when it was chosen by one
 
     def call(
         self, request: Request, reply_type: type[R], on_item: Callable[[StreamItem], None] | None = None
@@ -238,12 +239,15 @@ def link(args: argparse.Namespace) -> Link:
     GPUPOOL_POOL, pools.toml), its addresses checked (one server, or several of the pool,
     comma-separated), and its user and token."""
     pool = choose(args.server, args.pool)
+    if pool.note is not None:  # another pool could be meant: say which this is
+        print(f"poolctl: {pool.note}", file=sys.stderr)
     try:
         session.addresses(pool.server)
     except ClientError as exc:
         raise UsageError(f"{exc} (pool {pool.name})" if pool.name else str(exc)) from None
     return Link(
         server=pool.server,
+        name=pool.name,
         user=tokens.local_user(pool_user=pool.user),
         token=tokens.client_token(token_file=pool.token_file),
         tls_ca=args.tls_ca or os.environ.get("GPUPOOL_TLS_CA") or pool.tls_ca,
@@ -263,6 +267,16 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "put" and not os.path.lexists(args.path):  # the command line's mistake
         raise UsageError(f"{args.path}: no such file or directory")
     to = link(args)
+    try:
+        return _talk(to, args, request)
+    except ServerUnreachable:  # a single-machine pool's entry, left when it stopped?
+        if to.name is not None and (stale := pools.not_running(to.name, to.server)) is not None:
+            raise ServerUnreachable(stale) from None
+        raise
+
+
+def _talk(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueBatch | None) -> int:
+    """The command's requests to the pool at `to`."""
     on_loop = request is not None and (
         args.project_dir is not None or (isinstance(request, Enqueue) and (_moves_data(args) or args.follow))
     )

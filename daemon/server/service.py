@@ -230,9 +230,9 @@ class PoolServer:
             await local.start()  # leaves nothing running if it fails
             self.local = local
         if c.embedded:  # poolctl on this machine finds it with no set-up: pools.toml's "local"
-            try:
+            try:  # or a name of its own, when another single-machine pool runs there
                 token_file = tokens.client_dir() / "token"
-                pools.register_local(self.listener.local_address, token_file, self.own_certificate)
+                log.info(pools.register_local(self.listener.local_address, token_file, self.own_certificate))
             except pools.PoolsError as exc:
                 log.warning("%s; poolctl here needs --server %s", exc, self.listener.local_address)
         where = f"embedded, data in {c.data_path()}" if self.redis.embedded else c.worker_mode

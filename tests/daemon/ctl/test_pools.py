@@ -5,6 +5,9 @@ poolctl run against real servers, one of them over TLS with its certificate pinn
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +16,12 @@ from daemon import pools
 from daemon.pools import LOCAL, Pool, PoolsError, choose, register_local
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server.certificate import certificate_fingerprint
+from tests.daemon.test_poold import redis_pid
+from tests.support.paths import ROOT
 from tests.support.pool import Pool as RunningPool
 from tests.support.pool import running_pool
 from tests.support.poolctl import poolctl
+from tests.support.workers import JOBS_AS_ROOT
 
 LAB = """\
 # my pools
@@ -112,19 +118,22 @@ def test_the_local_pool_registers_itself_and_keeps_the_rest_of_the_file(tmp_path
     inode = path.stat().st_ino
     register_local("127.0.0.1:7420", tmp_path / "token", env=env)  # unchanged: not rewritten
     assert path.stat().st_ino == inode
-    register_local("127.0.0.1:7555", tmp_path / "token", "SHA256:ff", env=env)  # moved, now with TLS
-    assert choose(None, "local", env) == Pool(
-        "127.0.0.1:7555", LOCAL, str(tmp_path / "token"), tls_pin="SHA256:ff"
-    )
-    assert path.read_text().startswith(LAB)
-    assert path.read_text().count("[pools.local]") == 1
-
     fresh = env_with(tmp_path / "fresh", None)
-    register_local("127.0.0.1:1", tmp_path / "token", env=fresh)
+    assert register_local("127.0.0.1:1", tmp_path / "token", env=fresh) == (
+        f"registered as pool 'local' in {pools.pools_file(fresh)}"
+    )
     assert choose(None, None, fresh).server == "127.0.0.1:1"  # no file before: local is the default
+    # restarted on another port, now with TLS: nothing answers at the old address, so it is taken
+    said = register_local("127.0.0.1:9", tmp_path / "token", "SHA256:ff", env=fresh)
+    assert "'local' in" in said
+    assert "was registered at 127.0.0.1:1, which runs no more" in said
+    assert choose(None, "local", fresh) == Pool(
+        "127.0.0.1:9", LOCAL, str(tmp_path / "token"), tls_pin="SHA256:ff"
+    )
+    assert pools.pools_file(fresh).read_text().count("[pools.local]") == 1
 
     broken = env_with(tmp_path / "broken", "[pools\n")
-    with pytest.raises(PoolsError, match="could not register this pool as 'local'"):
+    with pytest.raises(PoolsError, match="could not register this pool in"):
         register_local("127.0.0.1:1", tmp_path / "token", env=broken)
     assert pools.pools_file(broken).read_text() == "[pools\n"  # a file it cannot read is left alone
 
@@ -205,3 +214,93 @@ async def test_a_pinned_tls_pool_is_trusted_by_its_pin_alone(
         assert code == 1
         assert "not the SHA256:000" in err
         assert "nothing was sent" in err
+
+
+def start_poold(home: Path, data_dir: Path) -> subprocess.Popen[str]:
+    """`make run` in `data_dir` by a user whose home is `home` (their pools.toml there)."""
+    argv = [sys.executable, "-m", "daemon.main", "--data-dir", str(data_dir), "--listen", "127.0.0.1:0"]
+    argv += ["--metrics-listen", "127.0.0.1:0", "--web-listen", "off", "--worker-local-processors", "1"]
+    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / "xdg"), **JOBS_AS_ROOT}
+    return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def registered(proc: subprocess.Popen[str]) -> str:
+    """What poold logged about its entry in pools.toml, read until it said it was ready."""
+    assert proc.stderr is not None
+    lines = []
+    for line in proc.stderr:  # bounded: poold logs ready, or exits, within its start-up
+        lines.append(line)
+        if "server ready on" in line:
+            return "".join(line for line in lines if "pools.toml" in line)
+    raise AssertionError("poold exited before it was ready:\n" + "".join(lines))
+
+
+def plain_poolctl(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`poolctl ARGS` with no --pool, --server or GPUPOOL_*: the pool is pools.toml's to choose."""
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "XDG_CONFIG_HOME": str(home / "xdg")}
+    done = subprocess.run(
+        [sys.executable, "-m", "daemon.ctl.cli", *args],
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd="/",
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+def test_two_single_machine_pools_have_a_name_each_and_a_killed_one_is_said_stale(tmp_path: Path) -> None:
+    """issue 47 item 1: a second `make run` on the same machine took over the name `local` in
+    pools.toml without a word, so plain poolctl talked to it; once it stopped, plain poolctl said
+    "cannot reach" while the first still ran. Proves, with real poold processes on one HOME: the
+    second registers as local-2 and says so, leaving the first's entry; plain poolctl still talks
+    to the first and says which, and how to choose; a pool killed (SIGKILL: it could clean up
+    nothing) is said to be registered but not running, with the pool that runs; and the next
+    pool to start takes its stale name, saying so."""
+    path = tmp_path / "xdg" / "gpupool" / "pools.toml"
+    user = {"XDG_CONFIG_HOME": str(tmp_path / "xdg")}  # choose() as poolctl reads that file
+    first = start_poold(tmp_path, tmp_path / "a")
+    second = third = None
+    try:
+        assert f"registered as pool 'local' in {path}" in registered(first)
+        second = start_poold(tmp_path, tmp_path / "b")
+        said = registered(second)
+        assert f"registered as pool 'local-2' in {path}: local is another pool, still running" in said
+        assert "poolctl --pool local-2 reaches this one" in said
+        a, b = (choose(None, name, user).server for name in ("local", "local-2"))
+        assert (a, b) == (f"unix:{tmp_path / 'a' / 'pool.sock'}", f"unix:{tmp_path / 'b' / 'pool.sock'}")
+
+        listed = plain_poolctl(tmp_path, "workers")
+        assert listed.returncode == 0, listed.stderr
+        assert (
+            f"poolctl: talking to pool 'local' ({a}); local-2 in {path} runs too: choose with --pool NAME"
+            in listed.stderr
+        )
+
+        first.kill()
+        first.wait(10)
+        stale = plain_poolctl(tmp_path, "ls")
+        assert stale.returncode == 3, stale.stderr
+        assert (
+            f"poolctl: pool 'local' is registered in {path} but not running (nothing answers at {a}). "
+            "Start it again (`make run` in its directory), or choose one that runs: --pool local-2"
+        ) in stale.stderr
+
+        third = start_poold(tmp_path, tmp_path / "c")
+        assert (
+            f"pool 'local' in {path} was registered at {a}, which runs no more: registered this pool as"
+            in registered(third)
+        )
+        assert choose(None, None, user).server == f"unix:{tmp_path / 'c' / 'pool.sock'}"
+    finally:  # each pool stopped, and the killed one's Redis, which it could not stop
+        for proc in (first, second, third):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in (first, second, third):
+            if proc is not None and proc.stderr is not None:
+                proc.wait(30)
+                proc.stderr.close()
+        if first.returncode == -signal.SIGKILL:
+            os.kill(redis_pid(tmp_path / "a"), signal.SIGKILL)
