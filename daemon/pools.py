@@ -19,15 +19,15 @@
     # tls = "on"                        # auto (TLS beyond loopback), on, off
 
 Each single-machine pool on this machine has a name of its own (`register_local`): the one it had,
-found by its address (a pool keeps its name across restarts), else the first of local, local-2,
-local-3... that is free or whose pool runs no more (nothing answers at its address: a stale entry,
-replaced and said so). A live pool's entry is never taken.
+found by its address (a pool keeps its name across restarts, and its user may rename its entry),
+else the first of local, local-2, local-3... that is free or whose pool runs no more (nothing
+answers at its address: a stale entry, replaced and said so). A live pool's entry is never taken.
 
 Which pool a command talks to: the first of `--server HOST:PORT`, `--pool NAME`, GPUPOOL_SERVER,
 GPUPOOL_POOL, the file's `default`, its `local` pool, 127.0.0.1:7420 (`choose`). When `local` is
-chosen for want of any other choice and another single-machine pool runs too, poolctl says which it
-talks to and how to choose (`Pool.note`); when a single-machine pool's entry is chosen and nothing
-answers there, it says the pool is registered but not running (`not_running`). Reading costs
+chosen for want of any other choice and another pool on this machine runs too, poolctl says which
+it talks to and how to choose (`Pool.note`); when a pool on this machine is chosen and nothing
+answers at its address, it says the pool is registered but not running (`not_running`). Reading costs
 poolctl a TOML parser only when the file exists; the server edits the file with tomlkit, which
 keeps the user's comments and order, and never imports it anywhere poolctl does.
 """
@@ -40,7 +40,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from daemon.address import SERVER_PORT, parse_host_port, unix_path
+from daemon.address import SERVER_PORT, is_loopback, parse_host_port, unix_path
 from daemon.errors import GpupoolError
 from daemon.tokens import client_dir, write_private
 from protocol import ErrorCode
@@ -157,8 +157,15 @@ def local_names() -> Iterator[str]:
         yield f"{LOCAL}-{n}"
 
 
-def is_local_name(name: str) -> bool:
-    return name == LOCAL or (name.startswith(f"{LOCAL}-") and name[len(LOCAL) + 1 :].isdigit())
+def on_this_machine(server: str) -> bool:
+    """Whether `server` is one address on this machine (a Unix socket, or loopback): a pool whose
+    address answers nothing there is not running, rather than beyond a network."""
+    if unix_path(server) is not None:
+        return True
+    try:
+        return is_loopback(parse_host_port(server)[0])
+    except ValueError:
+        return False
 
 
 def answers(server: str) -> bool:
@@ -181,7 +188,7 @@ def answers(server: str) -> bool:
 
 
 def running_locals(data: Mapping[str, Any], but: str) -> list[str]:
-    """The single-machine pools of the file `data` (read's) that answer, `but` aside."""
+    """The pools of the file `data` (read's) on this machine that answer, `but` aside."""
     pools = data.get("pools", {})
     if not isinstance(pools, dict):
         return []
@@ -189,17 +196,17 @@ def running_locals(data: Mapping[str, Any], but: str) -> list[str]:
         name
         for name, entry in sorted(pools.items())
         if name != but
-        and is_local_name(name)
         and isinstance(entry, dict)
         and isinstance(entry.get("server"), str)
+        and on_this_machine(entry["server"])
         and answers(entry["server"])
     ]
 
 
 def not_running(name: str, server: str, env: Mapping[str, str] | None = None) -> str | None:
-    """When the pool `name` is a single-machine pool's entry and nothing answers at its `server`:
-    the sentence that says so, and which pools run instead; else None (it is elsewhere, or up)."""
-    if not is_local_name(name) or answers(server):
+    """When the pool `name` is on this machine and nothing answers at its `server`: the sentence
+    that says so, and which pools here run instead; else None (it is elsewhere, or up)."""
+    if not on_this_machine(server) or answers(server):
         return None
     env = os.environ if env is None else env
     path = pools_file(env)
@@ -238,7 +245,9 @@ def register_local(
             document = tomlkit.parse(path.read_text()) if path.exists() else tomlkit.document()
             pools = document.setdefault("pools", tomlkit.table(is_super_table=True))
             name, said = _name_for(server, pools, path)
-            entry = {"server": server, "token_file": str(token_file)}
+            entry: dict[str, Any] = {"server": server, "token_file": str(token_file)}
+            if isinstance(before := pools.get(name), Mapping) and before.get("server") == server:
+                entry |= {k: v for k, v in before.items() if k not in (*entry, "tls_pin")}  # its user's
             if tls_pin:
                 entry["tls_pin"] = tls_pin
             if pools.get(name) != entry:
@@ -260,8 +269,8 @@ def _name_for(server: str, pools: Mapping[str, Any], path: Path) -> tuple[str, s
         return entry.get("server") if isinstance(entry, Mapping) else None
 
     names = list(local_names())
-    for name in names:
-        if server_of(name) == server:  # its own, from before
+    for name in [*names, *pools]:  # its own, from before, under the name it was given or renamed to
+        if server_of(name) == server:
             return name, f"registered as pool {name!r} in {path}"
     live: list[str] = []
     for name in names:

@@ -131,6 +131,13 @@ def test_the_local_pool_registers_itself_and_keeps_the_rest_of_the_file(tmp_path
         "127.0.0.1:9", LOCAL, str(tmp_path / "token"), tls_pin="SHA256:ff"
     )
     assert pools.pools_file(fresh).read_text().count("[pools.local]") == 1
+    # its user renamed it (and gave a key of theirs): it keeps that name, and their key
+    renamed = pools.pools_file(fresh).read_text().replace("[pools.local]", '[pools.mine]\nuser = "al"')
+    pools.pools_file(fresh).write_text(renamed)
+    said = register_local("127.0.0.1:9", tmp_path / "token", env=fresh)  # and no longer TLS
+    assert said == f"registered as pool 'mine' in {pools.pools_file(fresh)}"
+    assert choose(None, "mine", fresh) == Pool("127.0.0.1:9", "mine", str(tmp_path / "token"), "al")
+    assert "[pools.local]" not in pools.pools_file(fresh).read_text()
 
     broken = env_with(tmp_path / "broken", "[pools\n")
     with pytest.raises(PoolsError, match="could not register this pool in"):
