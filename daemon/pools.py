@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +244,10 @@ def register_local(
             fcntl.flock(lock, fcntl.LOCK_EX)
             document = tomlkit.parse(path.read_text()) if path.exists() else tomlkit.document()
             pools = document.setdefault("pools", tomlkit.table(is_super_table=True))
+            if not isinstance(pools, MutableMapping):
+                raise PoolsError(
+                    f"could not register this pool in {path}: its pools must be [pools.NAME] tables"
+                )
             name, said = _name_for(server, pools, path)
             entry: dict[str, Any] = {"server": server, "token_file": str(token_file)}
             if isinstance(before := pools.get(name), Mapping) and before.get("server") == server:
@@ -256,7 +260,7 @@ def register_local(
             return said
         finally:
             os.close(lock)  # and with it the lock
-    except (OSError, TOMLKitError, AttributeError) as exc:  # AttributeError: `pools` not a table
+    except (OSError, TOMLKitError) as exc:
         raise PoolsError(f"could not register this pool in {path}: {exc}") from None
 
 

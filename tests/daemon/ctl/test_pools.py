@@ -143,6 +143,9 @@ def test_the_local_pool_registers_itself_and_keeps_the_rest_of_the_file(tmp_path
     with pytest.raises(PoolsError, match="could not register this pool in"):
         register_local("127.0.0.1:1", tmp_path / "token", env=broken)
     assert pools.pools_file(broken).read_text() == "[pools\n"  # a file it cannot read is left alone
+    not_tables = env_with(tmp_path / "not_tables", "pools = 3\n")
+    with pytest.raises(PoolsError, match=r"its pools must be \[pools.NAME\] tables"):
+        register_local("127.0.0.1:1", tmp_path / "token", env=not_tables)
 
 
 def pool_env(pool: RunningPool, **extra: str) -> dict[str, str]:
