@@ -238,7 +238,7 @@ def registered(proc: subprocess.Popen[str]) -> str:
     """What poold logged about its entry in pools.toml, read until it said it was ready."""
     assert proc.stderr is not None
     lines = []
-    for line in proc.stderr:  # bounded: poold logs ready, or exits, within its start-up
+    for line in proc.stderr:  # poold logs ready, or exits (and the suite's timeout bounds it)
         lines.append(line)
         if "server ready on" in line:
             return "".join(line for line in lines if "pools.toml" in line)
@@ -274,13 +274,14 @@ def test_two_single_machine_pools_have_a_name_each_and_a_killed_one_is_said_stal
     first = start_poold(tmp_path, tmp_path / "a")
     second = third = None
     try:
-        assert f"registered as pool 'local' in {path}" in registered(first)
+        said = registered(first)
         second = start_poold(tmp_path, tmp_path / "b")
-        said = registered(second)
-        assert f"registered as pool 'local-2' in {path}: local is another pool, still running" in said
-        assert "poolctl --pool local-2 reaches this one" in said
+        said += registered(second)
         a, b = (choose(None, name, user).server for name in ("local", "local-2"))
         assert (a, b) == (f"unix:{tmp_path / 'a' / 'pool.sock'}", f"unix:{tmp_path / 'b' / 'pool.sock'}")
+        assert f"registered as pool 'local' in {path}\n" in said
+        assert f"registered as pool 'local-2' in {path}: local is another pool, still running" in said
+        assert "poolctl --pool local-2 reaches this one" in said
 
         listed = plain_poolctl(tmp_path, "workers")
         assert listed.returncode == 0, listed.stderr
