@@ -1,11 +1,16 @@
 # gpupool: `make run` starts a pool on this machine, `make test` checks everything.
 # Both work on a fresh clone with nothing but Python >= 3.11: the first target that needs the
-# virtual environment builds it (gpupool is installed into its own venv; see README).
+# virtual environment builds it (gpupool is installed into its own venv; see README). Each installs
+# what it needs and no more: `make run` the package and its dependencies, `make test` the test and
+# dev extras too (pyproject.toml), several times as large.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+RUN_STAMP  := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
+TEST_EXTRAS  := [test,dev]
+BENCH_EXTRAS := [test,dev,bench]
 
 .PHONY: install run test lint typecheck pytest test-packages chaos bench clean
 
@@ -17,26 +22,36 @@ STAMP  := $(VENV)/.installed
 # Installed when this runs as root with apt-get, as CI does; elsewhere those tests skip, saying why.
 TEST_PACKAGES := zsh fish slurm-wlm slurm-wlm-torque munge chromium chromium-driver prometheus
 
-install: $(STAMP)
-
-$(STAMP): pyproject.toml setup.py daemon/worker/_spawn.c
+# $(call venv_with,EXTRAS): the venv, made if missing, with gpupool in it (editable) and EXTRAS.
+# One resolver run for everything: aiobotocore pins a narrow botocore range.
+define venv_with
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	# One resolver run for everything: aiobotocore pins a narrow botocore range.
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,dev]'
-	@touch $(STAMP)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.$(1)'
+endef
 
-run: $(STAMP)
+install: $(RUN_STAMP)
+
+$(RUN_STAMP): pyproject.toml setup.py daemon/worker/_spawn.c
+	$(call venv_with,)
+	@touch $@
+
+# what running needs is part of it: a venv made for the tests needs no second install to run
+$(TEST_STAMP): pyproject.toml setup.py daemon/worker/_spawn.c
+	$(call venv_with,$(TEST_EXTRAS))
+	@touch $@ $(RUN_STAMP)
+
+run: $(RUN_STAMP)
 	$(BIN)/poold $(ARGS)
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-typecheck: $(STAMP)
+typecheck: $(TEST_STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP) test-packages
+pytest: $(TEST_STAMP) test-packages
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-packages:
@@ -51,12 +66,12 @@ test-packages:
 
 test: lint typecheck pytest
 
-chaos: $(STAMP)
+chaos: $(TEST_STAMP)
 	$(BIN)/python -m pytest -m slow tests/chaos $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	# The peers (Celery, RQ, SAQ, Dramatiq) are the bench extra, in one resolver run with the rest.
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,dev,bench]'
+	$(call venv_with,$(BENCH_EXTRAS))
 	$(BIN)/python -m bench $(ARGS)
 
 clean:

@@ -20,7 +20,7 @@ from daemon import config as config_mod
 from daemon import log_setup
 from daemon.errors import ConfigError, GpupoolError
 from daemon.server.service import PoolServer
-from daemon.worker import non_root
+from daemon.worker import native, non_root
 from daemon.worker.hosted import hosted_worker
 from daemon.worker.service import AgentDaemon, WorkerDaemon, local_slots
 
@@ -45,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.worker:  # before anything secret is read: no process of this uid may read it out of us
         try:
+            native.require()  # a package built without the worker's C module (setup.py)
             non_root.make_non_dumpable()
         except GpupoolError as exc:
             print(f"poold: {exc}", file=sys.stderr)
@@ -58,6 +59,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, value in config.shown().items():
             print(f"{name} = {value!r}  # {config.sources[name]}")
         return 0
+    try:  # before anything starts: the server's own slots are a worker's (native.py)
+        if config.embedded and config.worker_local_processors > 0:
+            native.require(", or run only the server here with worker_local_processors = 0")
+    except native.NotBuilt as exc:
+        print(f"poold: {exc}", file=sys.stderr)
+        return 1
     log_setup.setup(config.log_format, config.log_level)
     for sentence in config.renamed:
         log.warning("%s", sentence)

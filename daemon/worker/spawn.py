@@ -36,10 +36,11 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 from daemon.aio import TaskSet
-from daemon.worker import _spawn, leftovers, uid_sweep
+from daemon.worker import leftovers, uid_sweep
 from daemon.worker.cgroups import SlotCgroup
 from daemon.worker.confine import NOTHING, Confinement
 from daemon.worker.identity import IdentityError, SlotIdentity
+from daemon.worker.native import _spawn
 
 log = logging.getLogger(__name__)
 

