@@ -106,7 +106,7 @@ async def _run(
     main_task = asyncio.current_task()
     loop = asyncio.get_running_loop()
     started = False
-    reloads = TaskSet("SIGHUP: the reload %s failed")
+    reloads = TaskSet("SIGHUP: %s failed")
 
     def on_signal(sig: signal.Signals) -> None:
         if not stop.is_set():
@@ -120,7 +120,7 @@ async def _run(
 
     def on_hangup() -> None:
         if started and not stop.is_set():
-            reloads.spawn(reload(), "reload")
+            reloads.spawn(reload(), "the reload")
         else:
             log.info("SIGHUP: nothing reloaded while poold %s", "stops" if started else "starts")
 

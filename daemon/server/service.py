@@ -290,6 +290,8 @@ class PoolServer:
         if users is not None and self.local is not None:
             refuse_shared_local_slots(config, len(users.tokens))  # as at the start
         if users is not None and self.known_tokens is not None:
+            if config.fairshare_queues:  # first: should Redis fail, nothing has changed yet
+                await self.queue.set_fairshare_weights(dict(users.weights))
             before = self.known_tokens.copy()
             self.known_tokens.clear()  # in place: the listener and the dashboard read this map
             self.known_tokens.update(users.tokens)
@@ -297,8 +299,6 @@ class PoolServer:
             self.handlers.max_priority = dict(users.max_priority)
             if self.agents is not None:
                 self.agents.admins = users.admins
-            if config.fairshare_queues:
-                await self.queue.set_fairshare_weights(dict(users.weights))
             path = config.tokens_file or str(config.data_path() / "tokens.toml")
             said.append(_tokens_change(path, before, users))
         self.handlers.bounds = SubmitBounds.of(config)

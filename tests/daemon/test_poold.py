@@ -261,12 +261,12 @@ def test_sighup_reloads_and_poold_outlives_its_terminal(tmp_path: Path) -> None:
     """issue 47 item 2: SIGHUP (a closed terminal, a dropped ssh session) killed poold at once,
     and its running jobs with it. poold is started here as from a terminal (a pty, its controlling
     terminal, on its stdin, stdout and stderr). A job runs; a configuration that does not load
-    is refused by SIGHUP, which changes nothing; then a user is added to the tokens file and the
-    log level and a connection limit changed in the configuration file: SIGHUP reloads the first
-    two and says so, and that the limit waits for a restart, and the new user is let in where
-    they were refused. Then the terminal is closed (the kernel hangs poold up, and its log lines
-    fail with EIO). poold goes on serving, the job ends as it would have, and SIGTERM still stops
-    poold cleanly."""
+    is refused by SIGHUP, which changes nothing; then a user is added to the tokens file, and the
+    log level, the bound on job names and a connection limit changed in the configuration file:
+    SIGHUP reloads the first three and says so, and that the limit waits for a restart; the new
+    user is let in where they were refused, and a name the new bound does not allow is refused.
+    Then the terminal is closed (the kernel hangs poold up, and its log lines fail with EIO).
+    poold goes on serving, the job ends as it would have, and SIGTERM still stops it cleanly."""
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "xdg"), **JOBS_AS_ROOT}
     data = tmp_path / "data"
     config = tmp_path / "pool.toml"
@@ -310,16 +310,16 @@ def test_sighup_reloads_and_poold_outlives_its_terminal(tmp_path: Path) -> None:
             config.write_text('log_level = "loud"\n')
             proc.send_signal(signal.SIGHUP)
             read_until(master, said, "SIGHUP: nothing reloaded, the running configuration is kept")
-            config.write_text('log_level = "debug"\nmax_connections = 50\n')
+            config.write_text('log_level = "debug"\njob_name_max_chars = 16\nmax_connections = 50\n')
             proc.send_signal(signal.SIGHUP)
             log = read_until(master, said, "takes effect only at a restart")
-            reloaded = (
-                f"reloaded log_level = 'debug'; tokens file {data / 'tokens.toml'}: 2 users (added newcomer)"
-            )
-            assert reloaded in log, log
+            tokens = f"tokens file {data / 'tokens.toml'}: 2 users (added newcomer)"
+            assert f"reloaded job_name_max_chars = 16; log_level = 'debug'; {tokens}" in log, log
             assert "SIGHUP: max_connections changed, which takes effect only at a restart" in log, log
             listed = poolctl("ls", **newcomer)
             assert listed.returncode == 0, listed.stderr
+            named = poolctl("enqueue", "--name", "seventeen-letters", "--", "true")
+            assert "job_name_max_chars" in named.stderr, named.stdout + named.stderr
             os.close(master)  # the terminal is gone: the kernel sends poold SIGHUP
             master = -1
             proc.send_signal(signal.SIGHUP)  # its log lines now fail with EIO
