@@ -3,6 +3,9 @@
 The level given applies to gpupool's own loggers only; every other library logs warnings and
 worse. Libraries at debug level print what they handle: botocore prints the S3 access key id and
 signed headers, redis-py the commands it sends (with their arguments).
+
+A line that cannot be written (stderr was a terminal that is gone: EIO; a pipe whose reader
+exited: EPIPE) is dropped by logging itself, and poold goes on (tests/daemon/test_poold.py).
 """
 
 from __future__ import annotations
@@ -46,7 +49,13 @@ def setup(fmt: str = "text", level: str = "info") -> None:
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]
+    set_level(level)
+
+
+def set_level(level: str) -> None:
+    """`level` for gpupool's own loggers, warnings and worse for every other: at the start, and at
+    a reload (daemon/reload.py)."""
     own = logging.getLevelName(level.upper())
-    root.setLevel(max(own, logging.WARNING))
+    logging.getLogger().setLevel(max(own, logging.WARNING))
     for name in OWN_LOGGERS:
         logging.getLogger(name).setLevel(own)

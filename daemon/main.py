@@ -2,6 +2,9 @@
 
 Shutdown is two-phase: the first SIGINT/SIGTERM asks the daemon to stop (drain, then tidy up);
 a second one cancels what is left at once. Either way the embedded redis-server is stopped.
+SIGHUP reloads what can change without a restart (daemon/reload.py) and stops nothing: a closed
+terminal or a dropped ssh session sends it. Nor does the loss of that terminal stop poold: a log
+line it cannot write there is dropped (log_setup.py).
 """
 
 from __future__ import annotations
@@ -11,14 +14,16 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Protocol
 
 import uvloop
 
 from daemon import config as config_mod
 from daemon import log_setup
+from daemon.aio import TaskSet
 from daemon.errors import ConfigError, GpupoolError
+from daemon.reload import LIVE_EVERYWHERE, LIVE_ON_SERVER, Reloader
 from daemon.server.service import PoolServer
 from daemon.worker import native, non_root
 from daemon.worker.hosted import hosted_worker
@@ -42,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Until the event loop handles it (_run), and after: a lost terminal's SIGHUP kills no poold.
+    # Ignored, not handled, only while no child is started: an ignored signal stays so in a child.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     args = parser().parse_args(argv)
     if args.worker:  # before anything secret is read: no process of this uid may read it out of us
         try:
@@ -72,10 +80,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.worker:  # it may leave by itself (a pilot worker): then it stops as on a signal
             # Through the server (an agent: no Redis or S3 credential), or on its own.
             worker = AgentDaemon(config) if config.worker_via_server else WorkerDaemon(config)
-            return uvloop.run(_run(worker, worker.leaving))
+            return uvloop.run(_run(worker, worker.leaving, Reloader(args, config, LIVE_EVERYWHERE)))
         # The server runs an embedded pool's local slots as a Worker, and a Worker for each agent
         # (worker/hosted.py), which main hands it.
-        return uvloop.run(_run(PoolServer(config, local_slots, hosted_worker)))
+        server = PoolServer(config, local_slots, hosted_worker)
+        return uvloop.run(_run(server, None, Reloader(args, config, LIVE_ON_SERVER, server.reload)))
     except GpupoolError as exc:
         log.error("%s", exc)
         return 1
@@ -84,22 +93,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 class Daemon(Protocol):
     """What main drives: the server (PoolServer) or a worker (WorkerDaemon)."""
 
-    async def start(self) -> None: ...
+    async def start(self) -> None:
+        """Start; one that fails or is cancelled has stopped what it started (aio.start_or_undo)."""
 
     async def stop(self) -> None: ...
 
     def force(self) -> None: ...
 
 
-async def _run(daemon: Daemon, stop: asyncio.Event | None = None) -> int:
+async def _run(
+    daemon: Daemon, stop: asyncio.Event | None, reload: Callable[[], Coroutine[Any, Any, None]]
+) -> int:
     """Start `daemon`, wait for SIGINT/SIGTERM, stop it. While starting, a signal gives up at once;
     once started, the first asks for a graceful stop (running jobs may finish) and a second makes
-    the daemon stop its jobs now (`force`). `stop()` always runs, so nothing is left behind. The
-    daemon may set `stop` itself, to leave: that counts as the first signal."""
+    the daemon stop its jobs now (`force`). A started daemon is always stopped, and one whose start
+    failed has stopped itself, so nothing is left behind. The daemon may set `stop` itself, to
+    leave: that counts as the first signal. SIGHUP, while it runs, calls `reload`."""
     stop = asyncio.Event() if stop is None else stop
     main_task = asyncio.current_task()
     loop = asyncio.get_running_loop()
     started = False
+    reloads = TaskSet("SIGHUP: %s failed")
 
     def on_signal(sig: signal.Signals) -> None:
         if not stop.is_set():
@@ -111,19 +125,32 @@ async def _run(daemon: Daemon, stop: asyncio.Event | None = None) -> int:
         if not started and main_task is not None:
             main_task.cancel()  # still starting (e.g. waiting for Redis): give up at once
 
+    def on_hangup() -> None:
+        if started and not stop.is_set():
+            reloads.spawn(reload(), "the reload")
+        else:
+            log.info("SIGHUP: nothing reloaded while poold %s", "stops" if started else "starts")
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
     try:
-        await daemon.start()
+        try:
+            await daemon.start()
+        except asyncio.CancelledError:
+            if not stop.is_set():
+                raise
+            return 0
         started = True
-        await stop.wait()
-    except asyncio.CancelledError:
-        if not stop.is_set():
-            raise
+        try:
+            await stop.wait()
+        finally:
+            await reloads.stop()
+            await daemon.stop()
     finally:
-        await daemon.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as before the loop: to the process's end
     return 0
 
 

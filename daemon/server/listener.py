@@ -86,6 +86,7 @@ class Listener:
         # failed authentications, per peer and per user; the dashboard's sign-in shares it
         self.throttle = throttle or Throttle()
         self._sessions: dict[Session, asyncio.Task[None] | None] = {}
+        self._stopping = False  # stop() has begun: it ends the sessions left
 
     @property
     def address(self) -> str:
@@ -202,6 +203,11 @@ class Listener:
             self.metrics.connection_opened()
         try:
             await session.run()
+        except asyncio.CancelledError:
+            # Ended by stop(), which closed it: the connection's end, no error. Returned, not
+            # raised: asyncio's stream server (3.11) would log the cancellation as a traceback.
+            if not self._stopping:
+                raise
         finally:
             del self._sessions[session]
             if self.metrics is not None:
@@ -212,6 +218,7 @@ class Listener:
         close every connection. Safe to call twice."""
         if self._server is None:
             return
+        self._stopping = True
         self._server.close()
         if self._local is not None:
             self._local.close()

@@ -107,9 +107,13 @@ class PoolServer:
         self._tasks = TaskSet()
         self.dependencies: Dependencies | None = None  # at start: jobs that wait for others
         self.notifier: Notifier | None = None  # at start: --notify and notify_url
+        # At start: each user's token (None: an open pool), the listener's and the dashboard's,
+        # which a reload changes in place.
+        self.known_tokens: dict[str, bytes] | None = None
+        self.handlers: Handlers | None = None
 
-    def _users(self) -> tokens.Users | None:
-        c = self.config
+    def _users(self, config: Config | None = None) -> tokens.Users | None:
+        c = self.config if config is None else config
         if c.tokens_file:
             return tokens.read_users(Path(c.tokens_file))
         if c.embedded:  # a single-machine pool authenticates its local user with no set-up
@@ -157,7 +161,7 @@ class PoolServer:
         if c.embedded:  # before anything is written in it (the local token, Redis, the store)
             make_data_dir(c.data_path())
         users = self._users()
-        known_tokens = users.tokens if users is not None else None
+        self.known_tokens = known_tokens = dict(users.tokens) if users is not None else None
         if c.embedded and c.worker_local_processors > 0 and self._local_slots is not None:
             refuse_shared_local_slots(c, len(known_tokens or ()))  # before starting anything
         host, port = c.listen_address()
@@ -190,7 +194,7 @@ class PoolServer:
             reaper.run(self.queue, reap_every, self._reclaimed, c.dead_worker_retention), "reaper"
         )
         self._tasks.spawn(prune_staged_forever(self.store), "staged-upload prune")
-        handlers = self._handlers(self.queue, events, users)
+        self.handlers = handlers = self._handlers(self.queue, events, users)
         self.listener = Listener(
             handlers,
             known_tokens,
@@ -264,13 +268,45 @@ class PoolServer:
             admins=admins,
             notify_allowed=Allowed.parse(c.notify_allow),
             max_priority=dict(users.max_priority) if users is not None else None,
-            # a single machine's pool, and an open one (loopback only), set no ceiling
-            default_max_priority=(
-                c.default_max_priority if users is not None and not c.embedded else PRIORITY_MAX
-            ),
+            default_max_priority=self._default_max_priority(c, users),
             bounds=SubmitBounds.of(c),
             agents=self.agents,
         )
+
+    @staticmethod
+    def _default_max_priority(c: Config, users: tokens.Users | None) -> int:
+        # a single machine's pool, and an open one (loopback only), set no ceiling
+        return c.default_max_priority if users is not None and not c.embedded else PRIORITY_MAX
+
+    async def reload(self, config: Config) -> list[str]:
+        """SIGHUP (daemon/reload.py): read the tokens file again, and take `config`'s bounds on
+        what a user may submit. Returns a sentence for each thing reloaded. A tokens file that does
+        not read raises TokenError with nothing changed. Connections already signed in keep going:
+        a user removed, or given a new token, is refused at their next connection."""
+        if self.handlers is None or self.queue is None:
+            return []
+        said = []
+        users = self._users(config) if self.known_tokens is not None else None
+        if users is not None and self.local is not None:
+            refuse_shared_local_slots(config, len(users.tokens))  # as at the start
+        if users is not None and self.known_tokens is not None:
+            if config.fairshare_queues:  # first: should Redis fail, nothing has changed yet
+                await self.queue.set_fairshare_weights(dict(users.weights))
+            before = self.known_tokens.copy()
+            self.known_tokens.clear()  # in place: the listener and the dashboard read this map
+            self.known_tokens.update(users.tokens)
+            self.handlers.admins = users.admins
+            self.handlers.max_priority = dict(users.max_priority)
+            if self.agents is not None:
+                self.agents.admins = users.admins
+            path = config.tokens_file or str(config.data_path() / "tokens.toml")
+            said.append(_tokens_change(path, before, users))
+        self.handlers.bounds = SubmitBounds.of(config)
+        self.handlers.default_max_priority = self._default_max_priority(config, users)
+        self.queue.max_unended = config.user_max_queued_jobs
+        self.queue.max_stored = config.user_max_stored_bytes
+        self.config = config
+        return said
 
     def _finished(self, event: Terminal) -> None:
         if self.dependencies is not None:
@@ -323,3 +359,18 @@ class PoolServer:
         await self.redis.stop()
         await self.store.close()
         log.info("gpupool server stopped")
+
+
+def _tokens_change(path: str, before: dict[str, bytes], users: tokens.Users) -> str:
+    """What a reload of the tokens file changed, in one sentence."""
+    now = users.tokens
+    added = sorted(set(now) - set(before))
+    removed = sorted(set(before) - set(now))
+    new_token = sorted(u for u in set(now) & set(before) if now[u] != before[u])
+    parts = [
+        f"{what} {', '.join(names)}"
+        for what, names in (("added", added), ("removed", removed), ("new token for", new_token))
+        if names
+    ]
+    admins = f", {len(users.admins)} admins" if users.admins else ""
+    return f"tokens file {path}: {len(now)} users{admins} ({'; '.join(parts) or 'no user added or removed'})"

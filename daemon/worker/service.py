@@ -244,6 +244,10 @@ class AgentDaemon:
         self._tasks = TaskSet()
 
     async def start(self) -> None:
+        """Start the agent; a failed start stops what did start (aio.start_or_undo)."""
+        await start_or_undo(self._start, self.stop)
+
+    async def _start(self) -> None:
         c = self.config
         token = read_token(c.worker_token_file)
         slots = c.worker_remote_processors

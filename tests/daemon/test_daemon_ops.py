@@ -174,6 +174,11 @@ async def test_a_live_worker_exports_its_slots_and_heartbeats(
             samples = await scrape_until(port, ("gpupool_heartbeat_roundtrip_seconds_count", ()), 3)
             assert samples[("gpupool_heartbeat_roundtrip_seconds_count", ())] >= 1
             assert samples[("process_resident_memory_bytes", ())] > 0
+            # issue 47 item 2: SIGHUP killed the worker and its job; it reloads now, and both go on.
+            proc.send_signal(signal.SIGHUP)
+            await wait_until(lambda: _logged(tmp_path / "worker.log", b"SIGHUP: reloaded"), 10, "the reload")
+            samples = await scrape_until(port, ("gpupool_worker_slots", busy), 1)
+            assert proc.poll() is None
         finally:
             proc.send_signal(signal.SIGTERM)
             # Two signals sent back to back can reach the handler as one: send the second (stop

@@ -88,6 +88,8 @@ def test_unit_settings(name: str) -> None:
         service["ExecStart"]
         == f"{SHIPPED_POOLD} {'--worker ' if worker else ''}--config /etc/gpupool/pool.toml"
     )
+    # issue 47 item 2: `systemctl reload` sends SIGHUP, which poold reloads on (daemon/reload.py).
+    assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
     # Stopping must outlast a drain: drain_timeout up to 300 s, plus kill_grace, plus hand-back.
     assert int(service["TimeoutStopSec"]) > 300 + config.BY_NAME["kill_grace"].default
 

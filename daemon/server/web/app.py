@@ -30,7 +30,8 @@ from daemon.server.web.snapshot import Snapshots
 
 log = logging.getLogger(__name__)
 
-TOKENS: web.AppKey[dict[str, bytes] | None] = web.AppKey("tokens")
+# The server's own map, not a copy: a reload (SIGHUP) changes it in place.
+TOKENS: web.AppKey[Mapping[str, bytes] | None] = web.AppKey("tokens")
 THROTTLE = web.AppKey("throttle", Throttle)
 SIGN_INS = " dashboard sign-ins"  # the name sign-ins' failures count under (no user's begins with a space)
 SECURE = web.AppKey("secure", bool)
@@ -158,7 +159,7 @@ def make_app(
     app[HANDLERS] = handlers
     app[SNAPSHOTS] = snapshots
     app[SESSION_KEY] = Sessions()
-    app[TOKENS] = dict(tokens) if tokens is not None else None
+    app[TOKENS] = tokens
     app[SECURE] = secure
     app[THROTTLE] = throttle
     app[live.LIVE] = Counter()
