@@ -50,6 +50,10 @@ def watch(
     def draw(item: StreamItem) -> None:
         if not isinstance(item, PoolView):
             return
+        if (request.user is not None or request.name is not None) and not item.filtered:
+            from daemon.ctl.cli import OlderServer  # a server older than the filters lists all
+
+            raise OlderServer.cannot_select()
         if as_json:
             view = {"at": item.at, "jobs": item.jobs} | ({"workers": item.workers} if top else {})
             print(render.json_text(view), flush=True)
