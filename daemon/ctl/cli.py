@@ -165,7 +165,7 @@ def parser() -> argparse.ArgumentParser:
     requeue.add_argument("--json", action="store_true", help="one JSON object per job")
 
     wait = sub.add_parser("wait", help="wait for jobs to end; exit 0 only if all succeeded")
-    wait.add_argument("jobs", nargs="+", metavar="JOB")
+    wait.add_argument("jobs", nargs="*", metavar="JOB", help="none: nothing to wait for (exit 0)")
     wait.add_argument("--timeout", type=float, metavar="SECONDS")
     wait.add_argument("--json", action="store_true", help="each job's record as it ends, a line each")
 
@@ -284,6 +284,9 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.path}: no such file or directory")
     if args.command == "cancel":
         _check_cancel(args)
+    if args.command == "wait" and not args.jobs:  # `poolctl wait $(poolctl ls --format id --no-header)`
+        print("poolctl: nothing to wait for", file=sys.stderr)
+        return 0
     to = link(args)
     on_loop = request is not None and (
         args.project_dir is not None or (isinstance(request, Enqueue) and (_moves_data(args) or args.follow))

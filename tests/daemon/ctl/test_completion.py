@@ -37,7 +37,8 @@ async def test_ls_format_prints_the_columns_asked_for(pool: Pool) -> None:
     assert (code, err.strip()) == (
         2,
         "poolctl: --format: no column 'colour'; "
-        "the columns are id, name, user, queue, state, attempt, worker, waited, ran",
+        "the columns are id, name, user, queue, state, attempt, worker, waited, ran, index, gpus, "
+        "priority, exit, reason",
     )
 
 

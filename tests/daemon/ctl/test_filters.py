@@ -15,7 +15,7 @@ import termios
 import orjson
 import pytest
 
-from daemon.job import JobState
+from daemon.job import JobState, Outcome
 from protocol import JobList, ListJobs
 from protocol.frames import FrameType, pack_payload
 from protocol.messages import decode_message
@@ -144,3 +144,35 @@ async def test_cancel_by_selection_asks_first_and_cancels_only_what_it_may(pool:
     assert (await pool.queue.get(bobs)).state is JobState.QUEUED
     code, _, err = await poolctl(alice, "cancel", "--me", "--state", "queued", "--name", "none*", "--yes")
     assert (code, err.strip()) == (0, "poolctl: your queued jobs named 'none*': none: nothing to cancel")
+
+
+async def test_an_arrays_tasks_are_told_apart_and_waited_for_with_a_bar(pool: Pool) -> None:
+    """issue 47 item 8: `ls` shows an INDEX column for an array's tasks and a long command cut in
+    its middle (a sweep's values are at its end); --format has index, gpus, priority, exit and
+    reason; `wait ARRAY_ID` draws a bar on a terminal; `wait` with no ids has nothing to wait for."""
+    alice = pool.env("alice")
+    long = ["python", "train_a_rather_long_model_name.py", "--data", "/datasets/imagenet", "--lr", "{lr}"]
+    array_id = await _queued(alice, "--array", "0-1", "--sweep", "lr=1e-3,3e-4", "--", *long)
+    lease = await pool.queue.claim("stand-in", ["default"])
+    assert lease is not None
+    await pool.queue.complete(lease, Outcome(JobState.FAILED, exit_code=3, detail="exited with status 3"))
+
+    code, out, _ = await poolctl(alice, "ls", "--all")
+    header, *rows = [line.split() for line in out.splitlines()]
+    assert header[:3] == ["ID", "INDEX", "NAME"]
+    assert sorted(row[1] for row in rows) == ["0", "0", "1", "1"]
+    assert out.count("python train_a_rath…s/imagenet --lr 3e-4 ") == 2  # the value told apart
+
+    code, out, err = await poolctl(alice, "ls", "--all", "--format", "index,state,gpus,priority,exit,reason")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["INDEX", "STATE", "GPUS", "PRIORITY", "EXIT", "REASON"]
+    assert lines[1].split() == ["0", "failed", "0", "0", "3", "exited", "with", "status", "3"]
+    assert sorted(line.split()[0] for line in lines[2:]) == ["0", "1", "1"]
+    assert all(line.split()[1:] == ["queued", "0", "0", "-", "-"] for line in lines[2:])
+
+    code, out, err = await poolctl(alice, "wait")
+    assert (code, out, err) == (0, "", "poolctl: nothing to wait for\n")
+    code, text = await on_terminal(alice, "wait", "--timeout", "0.5", array_id)
+    assert code == 124
+    assert "1/4" in text, text
