@@ -167,6 +167,7 @@ class ListJobs(Record):
     limit: int
     user: str | None = None
     name: str | None = None
+    reasons: bool = False  # each queued job's pending_reason too (`ls --format ...,reason`)
 
 
 class ShowJob(Record):
@@ -214,6 +215,7 @@ class WatchPool(Record):
     count: int
     user: str | None = None  # (as ListJobs)
     name: str | None = None
+    reasons: bool = False
 
 
 class FollowLogs(Record):

@@ -456,11 +456,13 @@ def _listed(to: Link, request: ListJobs) -> list[dict[str, Any]]:
 
 def _ls(to: Link, args: argparse.Namespace) -> None:
     q = args.array.partition("@")[0] if args.array else args.queue
-    jobs = _listed(to, ListJobs(q, args.state, args.all, args.limit, _whose(to, args), args.name))
+    columns = _columns(args)
+    request = ListJobs(q, args.state, args.all, args.limit, _whose(to, args), args.name, _reasons(columns))
+    jobs = _listed(to, request)
     render.jobs(
         [j for j in jobs if not args.array or j["spec"].get("array") == args.array],
         as_json=args.json,
-        columns=_columns(args),
+        columns=columns,
         header=not args.no_header,
     )
     if jobs and (more := jobs[-1].get(MORE)):  # (daemon/listing.py)
@@ -766,6 +768,11 @@ def _columns(args: argparse.Namespace) -> list[int] | None:
         raise UsageError(str(exc)) from None
 
 
+def _reasons(columns: list[int] | None) -> bool:
+    """Whether the columns show why each queued job waits, which the server works out on request."""
+    return columns is not None and render.JOB_COLUMNS.index("reason") in columns
+
+
 def _watch(to: Link, args: argparse.Namespace) -> int:
     """`ls --watch` and `top`: one streamed request, drawn as each view arrives."""
     from daemon.ctl import live
@@ -777,10 +784,12 @@ def _watch(to: Link, args: argparse.Namespace) -> int:
     if top:
         request = WatchPool(None, None, False, MAX_VIEW_JOBS, interval, args.views)
         return live.watch(to, request, top=True, columns=None, as_json=args.json)
+    columns = _columns(args)
     request = WatchPool(
-        args.queue, args.state, args.all, args.limit, interval, args.views, _whose(to, args), args.name
-    )
-    return live.watch(to, request, top=False, columns=_columns(args), as_json=args.json)
+        args.queue, args.state, args.all, args.limit, interval, args.views, _whose(to, args), args.name,
+        _reasons(columns),
+    )  # fmt: skip
+    return live.watch(to, request, top=False, columns=columns, as_json=args.json)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def _json_lines(items: Sequence[dict[str, Any]]) -> None:
 JOB_COLUMNS = (
     *("id", "name", "user", "queue", "state", "attempt", "worker", "waited", "ran"),  # ls's own
     *("index", "gpus", "priority", "exit", "reason"),  # for --format (INDEX: ls's, given an array)
-)
+)  # REASON: why a queued job waits (as show says it), or why one ended
 SHOWN = JOB_COLUMNS.index("ran") + 1  # the columns ls prints by default
 INDEX = JOB_COLUMNS.index("index")
 NAME_CHARS = 40  # of a command shown as a job's name: its start and its end, an ellipsis between

@@ -474,9 +474,17 @@ class Handlers:
                 and selected(j.spec.user, j.spec.name, j.spec.argv, request.user, request.name)
             ]
             jobs = jobs[-limit:] if finished else jobs[:limit]  # the newest; the soonest to start
+        why = (
+            await self.pending.of([j.id for j in jobs if j.state is JobState.QUEUED])
+            if request.reasons
+            else {}
+        )
         # Each record cut to what a listing shows, the whole within its bytes (daemon/listing.py):
         # one user's long fields cannot make the reply too large to send to anyone.
-        return within_bytes(shortened(self._view(j, user)) for j in jobs)
+        return within_bytes(
+            shortened(self._view(j, user) | ({"pending_reason": why[j.id]} if j.id in why else {}))
+            for j in jobs
+        )
 
     async def _check_queue(self, name: str) -> None:
         """A queue the pool knows: one that ever had a job, or that a worker serves."""
