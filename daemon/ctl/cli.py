@@ -468,7 +468,7 @@ def _ls(to: Link, args: argparse.Namespace) -> None:
     if jobs and (more := jobs[-1].get(MORE)):  # (daemon/listing.py)
         print(
             f"poolctl: {more} more not shown (a listing's reply is bounded in size); narrow it "
-            "with --queue, --state or --limit",
+            "with --me, --name, --queue, --state or --limit",
             file=sys.stderr,
         )
 
