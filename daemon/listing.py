@@ -14,7 +14,8 @@ send and read (protocol/messages.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from fnmatch import fnmatchcase
 from typing import Any
 
 import msgpack
@@ -25,6 +26,20 @@ LIST_ITEMS = 32  # of one list or map: arguments, variables, inputs, attempts
 LIST_BYTES = 8 * 2**20  # of a listing's records, encoded: half a frame (protocol DEFAULT_MAX_FRAME_SIZE)
 SHORTENED = "shortened"  # the key that marks a record cut for a listing
 MORE = "more_not_shown"  # the key on a listing's last record: how many records were left out
+
+
+def shown_name(name: str, argv: Sequence[str]) -> str:
+    """What a listing names a job by: its --name, or its command where it has none."""
+    return name or " ".join(argv)
+
+
+def selected(owner: str, name: str, argv: Sequence[str], user: str | None, pattern: str | None) -> bool:
+    """Whether a job of `owner`'s, named `name` and running `argv`, is among those a listing asks
+    for: `user`'s (None: anyone's) whose shown name matches the glob `pattern` (None: any), the
+    name being what `ls` names the job by (shown_name: its command whole, where ls cuts it)."""
+    return (user is None or owner == user) and (
+        pattern is None or fnmatchcase(shown_name(name, argv), pattern)
+    )
 
 
 def cut(text: str, most: int = FIELD_CHARS) -> str:

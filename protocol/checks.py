@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, Final, TypeAlias
 
 from protocol.errors import ErrorCode, RemoteProtocolError
-from protocol.record import field_types
+from protocol.record import defaults, field_types
 
 __all__ = ["bad_field", "build", "schema"]
 
@@ -114,9 +114,14 @@ def _name(cls: type[Any]) -> str:
 
 
 def build(cls: type[Any], payload: dict[str, Any]) -> Any:
-    """Check ``payload`` against the fields of ``cls`` and construct it; unknown keys are ignored."""
+    """Check ``payload`` against the fields of ``cls`` and construct it; unknown keys are ignored.
+    A field with a default was added by a later version: a sender that predates it leaves it out,
+    and means its default."""
     values = {}
     for name, check in schema(cls):
+        if name not in payload and name in defaults(cls):
+            values[name] = defaults(cls)[name]
+            continue
         if name not in payload:
             raise RemoteProtocolError(
                 ErrorCode.BAD_PAYLOAD,

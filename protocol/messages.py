@@ -2,10 +2,11 @@
 
 Handshake, ERROR and GOODBYE frames carry one fixed message type each. REQUEST, REPLY and STREAM
 frames carry a map whose ``"op"`` string names the message; decoding dispatches on it. Every field
-is required (``None`` is sent as nil where the type allows it); keys a receiver does not know are
-ignored, which is how later versions can add fields. A field of the wrong type is a BAD_PAYLOAD
-protocol error naming the field: types are checked here, meaning (is that job id real? is the
-spec valid?) is the daemon's business.
+is required (``None`` is sent as nil where the type allows it), but for a field a later version
+added, which has a default: a sender that predates it leaves it out and means the default; keys a
+receiver does not know are ignored, which is how later versions can add fields. A field of the
+wrong type is a BAD_PAYLOAD protocol error naming the field: types are checked here, meaning (is
+that job id real? is the spec valid?) is the daemon's business.
 
 Job specs, jobs and workers are ``dict[str, Any]`` here; the daemon owns their schema.
 
@@ -155,13 +156,18 @@ class EnqueueBatch(Record):
 
 
 class ListJobs(Record):
-    """List jobs, optionally filtered by queue and state."""
+    """List jobs, optionally filtered by queue, state, user and name (a glob, of the name `ls`
+    shows). ``user`` and ``name`` came later: a server that predates them ignores them, and its
+    reply's ``filtered`` says so."""
 
     OP: ClassVar = "list_jobs"
     queue: str | None
     state: str | None
     include_finished: bool
     limit: int
+    user: str | None = None
+    name: str | None = None
+    reasons: bool = False  # each queued job's pending_reason too (`ls --format ...,reason`)
 
 
 class ShowJob(Record):
@@ -207,6 +213,9 @@ class WatchPool(Record):
     limit: int
     interval: float
     count: int
+    user: str | None = None  # (as ListJobs)
+    name: str | None = None
+    reasons: bool = False
 
 
 class FollowLogs(Record):
@@ -330,10 +339,12 @@ class EnqueuedBatch(Record):
 
 
 class JobList(Record):
-    """Reply to ListJobs."""
+    """Reply to ListJobs. ``filtered``: the server applied ``user`` and ``name`` (one that predates
+    them leaves it out, which reads as false)."""
 
     OP: ClassVar = "job_list"
     jobs: list[dict[str, Any]]
+    filtered: bool = False
 
 
 class JobDetail(Record):
@@ -389,6 +400,7 @@ class PoolView(Record):
     jobs: list[dict[str, Any]]
     workers: list[dict[str, Any]]
     at: float
+    filtered: bool = False  # (as JobList)
 
 
 class WatchEnded(Record):

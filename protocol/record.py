@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, dataclass_transform
 
-__all__ = ["Record", "field_types", "fields"]
+__all__ = ["Record", "defaults", "field_types", "fields"]
 
 _IMMUTABLE_DEFAULTS = (type(None), bool, int, float, str, bytes, tuple, frozenset)
 
@@ -46,6 +46,7 @@ class _RecordMeta(type):
         namespace["__slots__"] = names
         namespace["__match_args__"] = names
         namespace["__record_fields__"] = names
+        namespace["__record_defaults__"] = defaults
         if names:
             namespace["__init__"] = _make_init(name, names, defaults)
         return super().__new__(mcs, name, bases, namespace)
@@ -73,6 +74,7 @@ def _make_init(name: str, names: tuple[str, ...], defaults: dict[str, Any]) -> A
 class Record(metaclass=_RecordMeta):
     __slots__ = ()
     __record_fields__: ClassVar[tuple[str, ...]] = ()
+    __record_defaults__: ClassVar[dict[str, Any]] = {}
 
     def _values(self) -> tuple[Any, ...]:
         return tuple(getattr(self, n) for n in self.__record_fields__)
@@ -102,6 +104,11 @@ class Record(metaclass=_RecordMeta):
 def fields(cls: type[Record] | Record) -> tuple[str, ...]:
     """The names of a record's fields, in order."""
     return cls.__record_fields__
+
+
+def defaults(cls: type[Record]) -> dict[str, Any]:
+    """The fields of a record that have a default, and that default."""
+    return cls.__record_defaults__
 
 
 def field_types(cls: type[Record]) -> dict[str, Any]:

@@ -77,11 +77,22 @@ EXIT_FOR_CODE: dict[int, int] = {
 }
 
 
+def _add_selection(command: argparse.ArgumentParser, verb: str) -> None:
+    """The options that select jobs by their user and name (`ls`, `cancel`), as Slurm's."""
+    whose = command.add_mutually_exclusive_group()
+    whose.add_argument("--me", action="store_true", help=f"{verb} only your own jobs (squeue --me)")
+    whose.add_argument("--user", "-u", metavar="USER", help=f"{verb} only USER's jobs")
+    command.add_argument(
+        "--name", metavar="PATTERN", help=f"{verb} only the jobs whose NAME (as ls shows it) matches the glob"
+    )
+
+
 def _add_ls(sub: Any) -> None:  # argparse's _SubParsersAction, which it does not export
     ls = sub.add_parser("ls", help="list queued and running jobs (like squeue)")
     ls.add_argument("--queue", "-q")
     ls.add_argument("--array", metavar="QUEUE@ID", help="only the jobs of this array (--array, --sweep)")
     ls.add_argument("--state", "-s")
+    _add_selection(ls, "list")
     ls.add_argument("--all", "-a", action="store_true", help="include finished jobs")
     ls.add_argument("--limit", type=int, default=1000)
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -132,8 +143,17 @@ def parser() -> argparse.ArgumentParser:
     logs.add_argument("job")
     logs.add_argument("-f", "--follow", action="store_true")
 
-    cancel = sub.add_parser("cancel", help="cancel jobs")
-    cancel.add_argument("jobs", nargs="+", metavar="JOB")
+    cancel = sub.add_parser(
+        "cancel",
+        help="cancel jobs, by id or by --me, --user, --name and --state (your own unless --user "
+        "names another's)",
+    )
+    cancel.add_argument("jobs", nargs="*", metavar="JOB")
+    _add_selection(cancel, "cancel")
+    cancel.add_argument("--state", "-s", help="cancel only the jobs in this state")
+    cancel.add_argument(
+        "--yes", "-y", action="store_true", help="cancel what the filters select without asking"
+    )
     cancel.add_argument("--json", action="store_true", help="one JSON object per job")
 
     requeue = sub.add_parser(
@@ -145,7 +165,7 @@ def parser() -> argparse.ArgumentParser:
     requeue.add_argument("--json", action="store_true", help="one JSON object per job")
 
     wait = sub.add_parser("wait", help="wait for jobs to end; exit 0 only if all succeeded")
-    wait.add_argument("jobs", nargs="+", metavar="JOB")
+    wait.add_argument("jobs", nargs="*", metavar="JOB", help="none: nothing to wait for (exit 0)")
     wait.add_argument("--timeout", type=float, metavar="SECONDS")
     wait.add_argument("--json", action="store_true", help="each job's record as it ends, a line each")
 
@@ -266,6 +286,11 @@ def _run(args: argparse.Namespace) -> int:
     request = _enqueue_request(args) if args.command == "enqueue" else None  # checked before connecting
     if args.command == "put" and not os.path.lexists(args.path):  # the command line's mistake
         raise UsageError(f"{args.path}: no such file or directory")
+    if args.command == "cancel":
+        _check_cancel(args)
+    if args.command == "wait" and not args.jobs:  # `poolctl wait $(poolctl ls --format id --no-header)`
+        print("poolctl: nothing to wait for", file=sys.stderr)
+        return 0
     to = link(args)
     try:
         return _talk(to, args, request)
@@ -349,8 +374,7 @@ def _one_request(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueB
         case "show":
             render.job(call(ShowJob(args.job), JobDetail).job, as_json=args.json)
         case "cancel":
-            states = call(CancelJobs(args.jobs), Cancelled).states
-            return _states(states, args.jobs, args.json, "cancel")
+            return _cancel(to, args)
         case "requeue":
             states = call(RequeueJobs(args.jobs), Requeued).states
             return _states(states, args.jobs, args.json, "requeue")
@@ -394,19 +418,71 @@ def _project_start(args: argparse.Namespace) -> Path | None:
     return None
 
 
+def _cancel(to: Link, args: argparse.Namespace) -> int:
+    """Cancel the jobs named, or those the options select (daemon/ctl/selection.py)."""
+    if args.jobs:
+        states = to.call(CancelJobs(args.jobs), Cancelled).states
+        return _states(states, args.jobs, args.json, "cancel")
+    from daemon.ctl import selection
+
+    picked = _listed(to, selection.request(args, to.user))
+    return selection.cancel(picked, selection.described(args, to.user), args, lambda r: to.call(r, Cancelled))
+
+
+def _check_cancel(args: argparse.Namespace) -> None:
+    """`cancel` takes job ids, or options that select jobs (daemon/ctl/selection.py), not both."""
+    selects = args.me or args.user or args.name or args.state
+    if args.jobs and selects:
+        raise UsageError("cancel takes job ids, or --me, --user, --name and --state, not both")
+    if not args.jobs and not selects:
+        raise UsageError(
+            "cancel what? give job ids, or select jobs with --me, --user, --name or --state "
+            "(e.g. poolctl cancel --me --state queued)"
+        )
+
+
+def _whose(to: Link, args: argparse.Namespace) -> str | None:
+    """The user whose jobs --me or --user selects (None: anyone's)."""
+    return to.user if args.me else args.user
+
+
+class OlderServer(GpupoolError):
+    """The pool's server predates what the command asks of it; exits EXIT_FAILED."""
+
+    code = ErrorCode.UNKNOWN_OP
+
+    @classmethod
+    def cannot_select(cls) -> OlderServer:
+        return cls(
+            "this pool's server is older than --me, --user and --name and cannot select jobs by "
+            "user or name: ask its admin to upgrade poold (meanwhile `poolctl ls --json` lists all)"
+        )
+
+
+def _listed(to: Link, request: ListJobs) -> list[dict[str, Any]]:
+    """The jobs `request` selects; refused where the server ignored its user and name (one older
+    than they are lists everyone's)."""
+    reply = to.call(request, JobList)
+    if (request.user is not None or request.name is not None) and not reply.filtered:
+        raise OlderServer.cannot_select()
+    return reply.jobs
+
+
 def _ls(to: Link, args: argparse.Namespace) -> None:
     q = args.array.partition("@")[0] if args.array else args.queue
-    jobs = to.call(ListJobs(q, args.state, args.all, args.limit), JobList).jobs
+    columns = _columns(args)
+    request = ListJobs(q, args.state, args.all, args.limit, _whose(to, args), args.name, _reasons(columns))
+    jobs = _listed(to, request)
     render.jobs(
         [j for j in jobs if not args.array or j["spec"].get("array") == args.array],
         as_json=args.json,
-        columns=_columns(args),
+        columns=columns,
         header=not args.no_header,
     )
     if jobs and (more := jobs[-1].get(MORE)):  # (daemon/listing.py)
         print(
             f"poolctl: {more} more not shown (a listing's reply is bounded in size); narrow it "
-            "with --queue, --state or --limit",
+            "with --me, --name, --queue, --state or --limit",
             file=sys.stderr,
         )
 
@@ -706,6 +782,11 @@ def _columns(args: argparse.Namespace) -> list[int] | None:
         raise UsageError(str(exc)) from None
 
 
+def _reasons(columns: list[int] | None) -> bool:
+    """Whether the columns show why each queued job waits, which the server works out on request."""
+    return columns is not None and render.JOB_COLUMNS.index("reason") in columns
+
+
 def _watch(to: Link, args: argparse.Namespace) -> int:
     """`ls --watch` and `top`: one streamed request, drawn as each view arrives."""
     from daemon.ctl import live
@@ -717,8 +798,12 @@ def _watch(to: Link, args: argparse.Namespace) -> int:
     if top:
         request = WatchPool(None, None, False, MAX_VIEW_JOBS, interval, args.views)
         return live.watch(to, request, top=True, columns=None, as_json=args.json)
-    request = WatchPool(args.queue, args.state, args.all, args.limit, interval, args.views)
-    return live.watch(to, request, top=False, columns=_columns(args), as_json=args.json)
+    columns = _columns(args)
+    request = WatchPool(
+        args.queue, args.state, args.all, args.limit, interval, args.views, _whose(to, args), args.name,
+        _reasons(columns),
+    )  # fmt: skip
+    return live.watch(to, request, top=False, columns=columns, as_json=args.json)
 
 
 if __name__ == "__main__":

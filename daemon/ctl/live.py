@@ -16,7 +16,19 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from daemon.ctl import render
 from daemon.ctl.render import Rows
-from protocol import JobEnded, PoolView, Reply, Request, StreamItem, Waited, WaitJobs, WatchEnded, WatchPool
+from protocol import (
+    JobDetail,
+    JobEnded,
+    PoolView,
+    Reply,
+    Request,
+    ShowJob,
+    StreamItem,
+    Waited,
+    WaitJobs,
+    WatchEnded,
+    WatchPool,
+)
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -50,6 +62,10 @@ def watch(
     def draw(item: StreamItem) -> None:
         if not isinstance(item, PoolView):
             return
+        if (request.user is not None or request.name is not None) and not item.filtered:
+            from daemon.ctl.cli import OlderServer  # a server older than the filters lists all
+
+            raise OlderServer.cannot_select()
         if as_json:
             view = {"at": item.at, "jobs": item.jobs} | ({"workers": item.workers} if top else {})
             print(render.json_text(view), flush=True)
@@ -139,13 +155,13 @@ def wait(pool: Streams, job_ids: list[str], limit: float | None, as_json: bool =
     reply (every job as it is at the end). `as_json`: each job's record, a line each, no bar."""
     line = render.json_text if as_json else job_line
     progress = None
-    if sys.stdout.isatty() and len(job_ids) > 1 and not as_json:
+    if sys.stdout.isatty() and not as_json and (total := _jobs_in(pool, job_ids)) > 1:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         progress = Progress(
             TextColumn("waiting"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
         )
-        task = progress.add_task("", total=len(set(job_ids)))
+        task = progress.add_task("", total=total)
         progress.start()
 
     printed: set[str] = set()
@@ -170,6 +186,21 @@ def wait(pool: Streams, job_ids: list[str], limit: float | None, as_json: bool =
             printed.add(job["id"])
             print(line(job))
     return reply
+
+
+def _jobs_in(pool: Streams, job_ids: list[str]) -> int:
+    """How many jobs `job_ids` stand for, an array's id ("QUEUE@ID") for each of its jobs: what a
+    bar counts to. An id the pool does not know counts once (the wait itself says so)."""
+    from daemon.errors import GpupoolError
+
+    total = 0
+    for job_id in set(job_ids):
+        try:
+            job = pool.call(ShowJob(job_id), JobDetail).job if "@" in job_id else {}
+        except GpupoolError:
+            job = {}
+        total += int(job["array"]["jobs"]) if "array" in job else 1
+    return total
 
 
 def job_line(job: dict[str, Any]) -> str:

@@ -113,7 +113,13 @@ def _json_lines(items: Sequence[dict[str, Any]]) -> None:
         sys.stdout.write(json_text(item) + "\n")
 
 
-JOB_COLUMNS = ("id", "name", "user", "queue", "state", "attempt", "worker", "waited", "ran")
+JOB_COLUMNS = (
+    *("id", "name", "user", "queue", "state", "attempt", "worker", "waited", "ran"),  # ls's own
+    *("index", "gpus", "priority", "exit", "reason"),  # for --format (INDEX: ls's, given an array)
+)  # REASON: why a queued job waits (as show says it), or why one ended
+SHOWN = JOB_COLUMNS.index("ran") + 1  # the columns ls prints by default
+INDEX = JOB_COLUMNS.index("index")
+NAME_CHARS = 40  # of a command shown as a job's name: its start and its end, an ellipsis between
 
 
 def columns(text: str) -> list[int]:
@@ -139,28 +145,57 @@ def jobs(
     _table(job_rows(items, columns), header=header)
 
 
+def middle_cut(text: str, most: int = NAME_CHARS) -> str:
+    """`text`, or its start and its end with an ellipsis between where it is longer than `most`:
+    an array's or a sweep's commands differ at their ends (`train.py --lr 3e-4`)."""
+    if len(text) <= most:
+        return text
+    head = (most - 1) // 2
+    return text[:head] + "…" + text[len(text) - (most - 1 - head) :]
+
+
+def _name(spec: dict[str, Any]) -> str:
+    """The NAME column: the job's name, or its command (cut in its middle)."""
+    return spec["name"] or middle_cut(" ".join(spec["argv"]))
+
+
+def _gpus_asked(spec: dict[str, Any]) -> str:
+    """The GPUS column: how many, or the memory of a shared one (--gpu-mem)."""
+    return f"{_whole(size(spec['gpu_mem']))} shared" if spec.get("gpu_mem") else str(spec["gpus"])
+
+
 def job_rows(items: Sequence[dict[str, Any]], columns: Sequence[int] | None = None) -> Rows:
-    """Jobs as `ls` shows them, in the `columns` asked for (all of JOB_COLUMNS by default)."""
+    """Jobs as `ls` shows them, in the `columns` asked for: by default the first SHOWN of
+    JOB_COLUMNS, and INDEX after ID where any is of an array (its tasks told apart)."""
     now = time.time()
     rows = []
     for j in items:
+        spec = j["spec"]
         started, ended = j["started_at"], j["ended_at"]
         waited = (started or (None if ended else now)) and ((started or now) - j["enqueued_at"])
         ran = started and ((ended or now) - started)
         rows.append(
             [
                 j["id"],
-                j["spec"]["name"] or " ".join(j["spec"]["argv"])[:30],
-                j["spec"]["user"],
-                j["spec"]["queue"],
+                _name(spec),
+                spec["user"],
+                spec["queue"],
                 j["state"],
                 str(j["attempt"]),
                 j["worker"] or "-",
                 duration(waited),
                 duration(ran),
+                str(spec["array_index"]) if spec.get("array") else "-",
+                _gpus_asked(spec),
+                str(spec.get("priority") or 0),
+                "-" if j["exit_code"] is None else str(j["exit_code"]),
+                j.get("pending_reason") or j["detail"] or "-",
             ]
         )
-    picked = list(range(len(JOB_COLUMNS))) if columns is None else list(columns)
+    if columns is None:
+        arrays = any(j["spec"].get("array") for j in items)
+        columns = [0, *([INDEX] if arrays else []), *range(1, SHOWN)]
+    picked = list(columns)
     headers = [JOB_COLUMNS[i].upper() for i in picked]
     state = picked.index(4) if 4 in picked else None
     return Rows(headers, [[row[i] for i in picked] for row in rows], state)

@@ -29,7 +29,7 @@ from daemon.errors import (
     PriorityTooHigh,
 )
 from daemon.job import ARRAY_ID, JobInfo, JobSpec, JobState
-from daemon.listing import shortened, within_bytes
+from daemon.listing import selected, shortened, within_bytes
 from daemon.metrics.server import ServerMetrics
 from daemon.object_store import artifact_job
 from daemon.queue.failures import out_of_memory
@@ -178,8 +178,8 @@ class Handlers:
                 return await self._enqueue(spec, key, user)
             case EnqueueBatch(specs=specs):
                 return await self._enqueue_batch(specs, user)
-            case ListJobs(queue=q, state=state, include_finished=everything, limit=limit):
-                return JobList(await self._list(q, state, everything, limit, user))
+            case ListJobs():
+                return JobList(await self._list(request, user), filtered=True)
             case ShowJob(job_id=job_id) if ARRAY_ID.fullmatch(job_id):
                 return JobDetail(await self._array_summary(job_id))
             case ShowJob(job_id=job_id):
@@ -449,21 +449,42 @@ class Handlers:
                 needs = f"{spec.gpus} GPU{'s' if spec.gpus != 1 else ''}"
                 raise NoWorkerFits(needs, spec.queue, None if largest is None else str(largest))
 
-    async def _list(
-        self, q: str | None, state: str | None, everything: bool, limit: int, user: str
-    ) -> list[dict[str, Any]]:
+    async def _list(self, request: ListJobs | WatchPool, user: str) -> list[dict[str, Any]]:
+        """The jobs `request` asks for. Its filters (state, user, name) are applied here, to the
+        most jobs a listing reads (MAX_LIST), before its limit: a user's own jobs are found among
+        everyone's, and no one else's are sent."""
+        state = request.state
         if state is not None and state not in set(JobState):
             raise GpupoolError(
                 f"unknown state {state!r}; one of {', '.join(JobState)}", ErrorCode.INVALID_ARGUMENT
             )
-        if q is not None:
-            await self._check_queue(q)
-        limit = max(1, min(limit, MAX_LIST))
-        finished = everything or (state is not None and JobState(state).terminal)
-        jobs = await self.queue.list_jobs(q, include_finished=finished, limit=limit)
+        if request.queue is not None:
+            await self._check_queue(request.queue)
+        limit = max(1, min(request.limit, MAX_LIST))
+        finished = request.include_finished or (state is not None and JobState(state).terminal)
+        narrowed = state is not None or request.user is not None or request.name is not None
+        jobs = await self.queue.list_jobs(
+            request.queue, include_finished=finished, limit=MAX_LIST if narrowed else limit
+        )
+        if narrowed:
+            jobs = [
+                j
+                for j in jobs
+                if (state is None or j.state == state)
+                and selected(j.spec.user, j.spec.name, j.spec.argv, request.user, request.name)
+            ]
+            jobs = jobs[-limit:] if finished else jobs[:limit]  # the newest; the soonest to start
+        why = (
+            await self.pending.of([j.id for j in jobs if j.state is JobState.QUEUED])
+            if request.reasons
+            else {}
+        )
         # Each record cut to what a listing shows, the whole within its bytes (daemon/listing.py):
         # one user's long fields cannot make the reply too large to send to anyone.
-        return within_bytes(shortened(self._view(j, user)) for j in jobs if state is None or j.state == state)
+        return within_bytes(
+            shortened(self._view(j, user) | ({"pending_reason": why[j.id]} if j.id in why else {}))
+            for j in jobs
+        )
 
     async def _check_queue(self, name: str) -> None:
         """A queue the pool knows: one that ever had a job, or that a worker serves."""
@@ -536,10 +557,8 @@ class Handlers:
         interval = min(max(request.interval, WATCH_INTERVAL[0]), WATCH_INTERVAL[1])
         views = 0
         while True:
-            jobs = await self._list(
-                request.queue, request.state, request.include_finished, request.limit, user
-            )
-            await send(PoolView(jobs, await self.workers(), time.time()))
+            jobs = await self._list(request, user)
+            await send(PoolView(jobs, await self.workers(), time.time(), filtered=True))
             views += 1
             if views == request.count:
                 return WatchEnded(views)

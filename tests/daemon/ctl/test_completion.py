@@ -17,6 +17,7 @@ import pytest
 from daemon.ctl.completion import ASK_SECONDS
 from daemon.queue.registry import Registration, add_heartbeat
 from daemon.queue.scripts import ScriptBatch
+from tests.support.paths import ROOT
 from tests.support.pool import Pool
 from tests.support.poolctl import poolctl
 
@@ -37,14 +38,15 @@ async def test_ls_format_prints_the_columns_asked_for(pool: Pool) -> None:
     assert (code, err.strip()) == (
         2,
         "poolctl: --format: no column 'colour'; "
-        "the columns are id, name, user, queue, state, attempt, worker, waited, ran",
+        "the columns are id, name, user, queue, state, attempt, worker, waited, ran, index, gpus, "
+        "priority, exit, reason",
     )
 
 
 async def run(argv: list[str], env: dict[str, str]) -> str:
     """`argv` run in a throwaway home (no user's shell config can interfere): its output."""
     home = env["HOME"]
-    env = {**env, "POOLCTL": POOLCTL, "ZDOTDIR": home}
+    env = {**env, "POOLCTL": POOLCTL, "ZDOTDIR": home, "PYTHONPATH": str(ROOT)}  # this checkout's poolctl
     env |= {f"XDG_{d}_HOME": f"{home}/xdg-{d.lower()}" for d in ("CONFIG", "DATA", "CACHE")}
     proc = await asyncio.create_subprocess_exec(
         *argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
@@ -154,6 +156,8 @@ async def test_each_shell_completes_commands_options_job_ids_and_queues(
     }
     assert "--follow" in await complete(env, ["poolctl", "enqueue", "--fo"])
     assert "--no-header" in await complete(env, ["poolctl", "--server", pool.address, "ls", "--"])
+    selects = {"--me", "--user", "--name", "--state", "--yes"}  # issue 47 item 5: cancel by selection
+    assert selects <= set(await complete(env, ["poolctl", "cancel", "--"]))
     assert sorted(await complete(env, ["poolctl", "show", ""])) == sorted(job_ids)
     assert await complete(env, ["poolctl", "logs", "-f", job_ids[0][:10]]) == [job_ids[0]]
     assert sorted(await complete(env, ["poolctl", "ls", "-q", ""])) == ["default", "gpu", "train"]

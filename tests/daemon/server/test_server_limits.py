@@ -360,7 +360,7 @@ async def test_a_listing_cut_at_its_bytes_says_how_many_more_there_are(pool: Poo
     assert 300 < len(rows) < 400
     assert rows[-1][MORE] == 400 - len(rows)
     assert f"poolctl: {400 - len(rows)} more not shown" in err
-    assert "--queue, --state or --limit" in err
+    assert "--me, --name, --queue, --state or --limit" in err
 
 
 async def test_one_users_long_fields_cannot_break_listing_for_others(pool: Pool) -> None:
