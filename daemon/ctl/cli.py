@@ -176,7 +176,9 @@ def parser() -> argparse.ArgumentParser:
     )
     completion.add_argument("shell", nargs="?", choices=["bash", "zsh", "fish"])
     # what the scripts ask on a TAB (job ids, queue names), one a line; silent when it fails
-    completion.add_argument("--words", choices=["jobs", "queues"], help=argparse.SUPPRESS)
+    completion.add_argument(
+        "--words", choices=["jobs", "cancellable", "queues", "pools"], help=argparse.SUPPRESS
+    )
     return p
 
 
