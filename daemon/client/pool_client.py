@@ -154,6 +154,11 @@ class PoolClient:
         except OSError as exc:  # reset while letting this client in
             await self.close()
             raise session.unreachable(self.address, exc) from None
+        except session.ClosedAtHandshake:
+            await self.close()
+            if not self.tls and (why := await asyncio.to_thread(session.plain_to_tls, self.address)):
+                raise why from None
+            raise
         except BaseException:  # refused (AuthFailed), or gone (ServerUnreachable): nothing left open
             await self.close()
             raise

@@ -56,6 +56,13 @@ class AuthFailed(ClientError):
     pass
 
 
+class ClosedAtHandshake(ServerUnreachable):
+    """The server closed the connection before it let poolctl in (before a word of refusal)."""
+
+
+TLS_PROBE_SECONDS = 2.0  # to connect again and finish a TLS handshake, when asking whether it speaks TLS
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """(host, port); for a Unix socket's address (unix:PATH), the address whole and port 0."""
     if (path := unix_path(address)) is not None:
@@ -193,8 +200,38 @@ def handshake_outcome(event: Event, address: str, user: str) -> Authenticated | 
                 )
             raise ClientError(f"the server refused the connection: {message}", code)
         case ConnectionClosed():
-            raise ServerUnreachable(f"the server at {address} closed the connection")
+            raise ClosedAtHandshake(f"the server at {address} closed the connection")
     return None
+
+
+def plain_to_tls(address: str) -> ServerUnreachable | None:
+    """Why a server that closed a plain connection at its handshake did so, when the reason is that
+    it speaks TLS only (poolctl speaks plain to a server on this machine unless told otherwise):
+    what to set to reach it. None when it does not finish a TLS handshake either. Blocking, for
+    at most TLS_PROBE_SECONDS; nothing is sent over the TLS connection, so its certificate goes
+    unchecked."""
+    import socket
+
+    host, port = parse_address(address)
+    path = unix_path(host)
+    try:
+        if path is None:
+            sock = socket.create_connection((host, port), timeout=TLS_PROBE_SECONDS)
+        else:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(TLS_PROBE_SECONDS)
+            sock.connect(path)
+        with tls_context(None).wrap_socket(sock, server_hostname=tls_name(host)):
+            pass  # the handshake finished: the server speaks TLS
+    except OSError:  # refused, reset, timed out, or no TLS (ssl.SSLError): not that
+        return None
+    from daemon.pools import pools_file
+
+    return ServerUnreachable(
+        f"the server at {address} speaks TLS only, and poolctl spoke plain to it: reach it with "
+        f'TLS, with tls = "on" and its tls_pin (the fingerprint its poold logged at start) in its '
+        f"entry in {pools_file()}, or GPUPOOL_TLS=on"
+    )
 
 
 def connection_ended(event: ConnectionFailed | ConnectionClosed, address: str) -> ClientError:

@@ -22,7 +22,7 @@ from daemon.client.session import AuthFailed, ClientError, ServerUnreachable
 from daemon.ctl import one_shot, render
 from daemon.ctl.enqueue_args import add_enqueue
 from daemon.ctl.pilot import add_pilot
-from daemon.errors import GpupoolError
+from daemon.errors import GpupoolError, NotYours
 from daemon.listing import MORE
 from daemon.pools import choose
 from protocol import (
@@ -196,7 +196,9 @@ def parser() -> argparse.ArgumentParser:
     )
     completion.add_argument("shell", nargs="?", choices=["bash", "zsh", "fish"])
     # what the scripts ask on a TAB (job ids, queue names), one a line; silent when it fails
-    completion.add_argument("--words", choices=["jobs", "queues"], help=argparse.SUPPRESS)
+    completion.add_argument(
+        "--words", choices=["jobs", "cancellable", "queues", "pools"], help=argparse.SUPPRESS
+    )
     return p
 
 
@@ -639,6 +641,8 @@ async def _get(client: PoolClient, args: argparse.Namespace) -> int:
             status = max(status, await _get(client, one))
         return status
 
+    if job.get("withheld"):  # the server keeps its result from this user: another user's job
+        raise NotYours(job["id"], job["spec"]["user"], "download the artifacts of")
     if job["state"] not in TERMINAL_STATES:
         print(f"poolctl: job {args.job} has not finished ({job['state']}): no artifacts yet", file=sys.stderr)
         return EXIT_FAILED

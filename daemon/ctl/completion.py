@@ -3,9 +3,11 @@ they offer exactly the commands and options there are: one `Table` of what to of
 small renderer per shell.
 
 What only the pool knows (job ids, queue names) the scripts ask poolctl for on each TAB:
-`poolctl completion --words jobs|queues` prints one word a line. It is hidden from --help, gives
-the pool two seconds, and prints nothing and exits 0 when there is no pool or anything fails: a TAB
-must never write errors into the terminal. One place asks, so the three scripts cannot drift.
+`poolctl completion --words jobs|cancellable|queues|pools` prints one word a line (`cancel` is
+offered only the user's own jobs that have not ended; `--pool`, the pools named in pools.toml).
+It is hidden from --help, gives the pool two seconds, and prints nothing and exits 0 when there is
+no pool or anything fails: a TAB must never write errors into the terminal. One place asks, so the
+three scripts cannot drift.
 
 Install: bash `source <(poolctl completion bash)` in ~/.bashrc; zsh `source <(poolctl completion
 zsh)` in ~/.zshrc (after compinit); fish `poolctl completion fish >
@@ -38,8 +40,21 @@ class Words:
     ask: str | None = None
 
 
-JOBS, QUEUES = Words(ask="jobs"), Words(ask="queues")
-ASKED = {"job": JOBS, "jobs": JOBS, "queue": QUEUES}  # argparse dests whose values the pool knows
+JOBS, CANCELLABLE, QUEUES, POOLS = (Words(ask=a) for a in ("jobs", "cancellable", "queues", "pools"))
+# argparse dests whose values only the pool (or pools.toml) knows, by command ("" for poolctl's own
+# options; None for any command)
+ASKED = {
+    (None, "job"): JOBS,
+    (None, "jobs"): JOBS,
+    ("cancel", "jobs"): CANCELLABLE,  # a finished job, or another user's, cannot be cancelled
+    (None, "queue"): QUEUES,
+    ("", "pool"): POOLS,
+}
+
+
+def asked(command: str, dest: str) -> Words | None:
+    """What to offer for `command`'s argument `dest`, when the pool or pools.toml knows it."""
+    return ASKED.get((command, dest)) or (ASKED.get((None, dest)) if command else None)
 
 
 @dataclass
@@ -62,17 +77,20 @@ def table(parser: argparse.ArgumentParser) -> Table:
         options={"": _long(own)},
         skip=[s for a in own if a.nargs != 0 for s in a.option_strings],
     )
+    for a in own:  # the value of poolctl's own option: never a command (a file's name, maybe)
+        if a.nargs != 0 and a.option_strings:
+            t.values.update({("", s): asked("", a.dest) or Words() for s in a.option_strings})
     for name, command in sub.choices.items():
         actions = _shown(command)
         t.options[name] = _long(actions)
         for a in actions:
-            if a.option_strings and a.dest in ASKED:
-                t.values.update({(name, s): ASKED[a.dest] for s in a.option_strings})
+            if a.option_strings and (w := asked(name, a.dest)):
+                t.values.update({(name, s): w for s in a.option_strings})
             elif not a.option_strings and name not in t.arguments:  # the first positional decides
                 if a.choices:
                     t.arguments[name] = Words(fixed=tuple(a.choices))
-                elif a.dest in ASKED:
-                    t.arguments[name] = ASKED[a.dest]
+                elif w := asked(name, a.dest):
+                    t.arguments[name] = w
     return t
 
 
@@ -102,10 +120,11 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def words(args: argparse.Namespace, kind: str) -> int:
-    """Print the pool's words of `kind` (jobs, queues), one a line; nothing, and exit 0, when the
-    pool cannot be asked or does not answer within ASK_SECONDS. The asking runs on a daemon thread
-    so that the wait is bounded however the connection stalls (one_shot.call waits for a reply as
-    long as it takes); a thread left waiting ends with the process."""
+    """Print the pool's words of `kind` (jobs, cancellable, queues, pools), one a line; nothing,
+    and exit 0, when the pool cannot be asked or does not answer within ASK_SECONDS. The asking
+    runs on a daemon thread so that the wait is bounded however the connection stalls
+    (one_shot.call waits for a reply as long as it takes); a thread left waiting ends with the
+    process."""
     found: list[str] = []
 
     def ask() -> None:
@@ -121,11 +140,18 @@ def words(args: argparse.Namespace, kind: str) -> int:
 
 
 def _ask(args: argparse.Namespace, kind: str) -> list[str]:
-    """The words, asked of the pool that every other command would ask, as it would ask it."""
+    """The words, asked of the pool that every other command would ask, as it would ask it (the
+    pools' names, of pools.toml: no pool is asked)."""
+    if kind == "pools":
+        from daemon import pools
+
+        return sorted(pools.read(os.environ).get("pools") or {})
     to = link(args)
-    jobs = to.call(ListJobs(None, None, True, JOBS_LISTED), JobList).jobs
+    jobs = to.call(ListJobs(None, None, kind != "cancellable", JOBS_LISTED), JobList).jobs
     if kind == "jobs":
         return [str(j["id"]) for j in jobs]
+    if kind == "cancellable":  # not ended (ListJobs without the finished), and the user's own
+        return [str(j["id"]) for j in jobs if j["spec"]["user"] == to.user]
     served = {str(q) for w in to.call(ListWorkers(), WorkerList).workers for q in w.get("queues") or ()}
     return sorted(served | {str(j["spec"]["queue"]) for j in jobs})
 
@@ -212,6 +238,8 @@ if [[ $funcstack[1] == _poolctl ]]; then _poolctl "$@"; else compdef _poolctl po
 
 def zsh(t: Table, program: str) -> str:
     def offer(w: Words) -> str:
+        if not w.ask and not w.fixed:  # no words of its own: a file's name, maybe
+            return "(); _files; return"
         return f'(${{(f)"$(_poolctl_words {w.ask})"}})' if w.ask else f"({' '.join(w.fixed)})"
 
     return ZSH % {"program": shlex.quote(program), "skip": "|".join(t.skip), "arms": _arms(t, offer)}
@@ -255,14 +283,16 @@ def fish(t: Table, program: str) -> str:
 
     lines = [f"{when('')} -f -a {offer(Words(fixed=tuple(t.commands)))}"]
     for command, options in t.options.items():
-        taking = [o for o in options if not command and o in t.skip]  # poolctl's own, with a value
-        plain = [o for o in options if o not in taking and (command, o) not in t.values]
+        asks = [o for o in options if t.values.get((command, o), Words()) != Words()]
+        taking = [o for o in options if not command and o in t.skip and o not in asks]  # files, maybe
+        plain = [o for o in options if o not in taking and o not in asks]
         lines.append(f"{when(command)} {flags(plain)}")
         if taking:
             lines.append(f"{when(command)} {flags(taking)} -r")
     asked: dict[tuple[str, Words], list[str]] = {}
     for (command, option), w in t.values.items():
-        asked.setdefault((command, w), []).append(option)
+        if w != Words():
+            asked.setdefault((command, w), []).append(option)
     lines += [f"{when(c)} {flags(o)} -x -a {offer(w)}" for (c, w), o in asked.items()]
     lines += [f"{when(c)} -f -a {offer(w)}" for c, w in t.arguments.items()]
     return FISH % {"program": shlex.quote(program), "skip": " ".join(t.skip), "lines": "\n".join(lines)}

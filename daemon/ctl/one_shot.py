@@ -152,6 +152,11 @@ def _open(  # noqa: PLR0917
         while session.handshake_outcome(next(events), address, user) is None:
             pass
         sock.settimeout(None)
+    except session.ClosedAtHandshake:
+        sock.close()
+        if not use_tls and (why := session.plain_to_tls(address)) is not None:
+            raise why from None
+        raise
     except BaseException:
         sock.close()
         raise

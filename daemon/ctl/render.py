@@ -80,13 +80,23 @@ def rich_table(table: Rows, title: str | None = None) -> Table:
     return drawn
 
 
+def width(text: str) -> int:
+    """The columns `text` takes on a terminal: two for a wide character (CJK, most emoji), none for
+    a combining mark, as rich measures them. ASCII is one a character, and spares importing rich."""
+    if text.isascii():
+        return len(text)
+    from rich.cells import cell_len
+
+    return cell_len(text)
+
+
 def plain_lines(table: Rows, header: bool = True) -> list[str]:
-    """`table` as aligned text, for a pipe."""
+    """`table` as aligned text, for a pipe: each column as wide as its widest cell shows."""
     rows = [[clean(cell) for cell in row] for row in table.rows]
     headers = list(table.headers)
-    widths = [max([len(h) if header else 0, *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    widths = [max([width(h) if header else 0, *(width(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     return [
-        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        "  ".join(cell + " " * (w - width(cell)) for cell, w in zip(line, widths, strict=True)).rstrip()
         for line in ([headers, *rows] if header else rows)
     ]
 
@@ -266,6 +276,8 @@ def _when(ts: float | None) -> str:
 
 
 def job(j: dict[str, Any], *, as_json: bool) -> None:
+    import shlex  # only show asks
+
     if as_json:
         _json_lines([j])
         return
@@ -281,7 +293,7 @@ def job(j: dict[str, Any], *, as_json: bool) -> None:
         ("name", spec["name"] or None),
         ("user", spec["user"]),
         ("queue", spec["queue"]),
-        ("command", " ".join(spec["argv"])),
+        ("command", shlex.join(spec["argv"])),  # as a shell takes it back: quoted where it must be
         ("gpus", None if spec.get("gpu_mem") else str(spec["gpus"])),
         ("gpu mem", f"{_whole(size(spec['gpu_mem']))} on a shared GPU" if spec.get("gpu_mem") else None),
         ("priority", str(spec["priority"]) if spec.get("priority") else None),

@@ -284,9 +284,11 @@ class Handlers:
         """The job's record as `user` may see it: whole for its owner and admins; for anyone else,
         what it is and where it stands, never its secrets: environment values, the content
         addresses of its data (each one a key to the bytes), its --notify URL, its outcome's result
-        (output tail, artifacts)."""
+        (output tail, artifacts). Such a record says so (`withheld`): a client then knows that an
+        empty result is not the job's, and that the job is not this user's to act on."""
         record = info.to_dict()
         if not self._may_act_on(info, user):
+            record["withheld"] = True
             spec = record["spec"]
             spec["env"] = dict.fromkeys(spec.get("env") or {}, HIDDEN)
             spec["inputs"] = [{"dest": i["dest"], "kind": i["kind"]} for i in spec.get("inputs") or ()]

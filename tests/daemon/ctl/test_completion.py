@@ -17,6 +17,7 @@ import pytest
 from daemon.ctl.completion import ASK_SECONDS
 from daemon.queue.registry import Registration, add_heartbeat
 from daemon.queue.scripts import ScriptBatch
+from protocol import Enqueue, Enqueued
 from tests.support.paths import ROOT
 from tests.support.pool import Pool
 from tests.support.poolctl import poolctl
@@ -169,3 +170,24 @@ async def test_each_shell_completes_commands_options_job_ids_and_queues(
     assert await complete(down, ["poolctl", "show", ""]) == []
     assert await complete(down, ["poolctl", "ls", "--queue", ""]) == []
     assert time.monotonic() - started < 2 * ASK_SECONDS
+
+
+async def test_cancel_is_offered_what_can_be_cancelled_and_pool_the_pools(pool: Pool) -> None:
+    """Issue 47 item 9: `cancel` was offered every job, finished ones and other users' too (each
+    refused), and the word after `--pool` was offered poolctl's commands. `cancel` is offered
+    the user's own jobs that have not ended; `--pool`, the pools named in pools.toml; the value
+    of --server and --tls-ca, never a command. In bash (zsh and fish share the table; each costs
+    seconds more)."""
+    complete = bash
+    env, (queued, _finished) = await jobs_and_queues(pool)
+    async with pool.client("bob") as bob:
+        await bob.call(Enqueue({"argv": ["true"]}, None), Enqueued)
+    assert await complete(env, ["poolctl", "cancel", ""]) == [queued]
+    assert await complete(env, ["poolctl", "cancel", "--json", queued, ""]) == [queued]
+    pools_toml = Path(env["HOME"], "xdg-config", "gpupool", "pools.toml")
+    pools_toml.parent.mkdir(parents=True)
+    pools_toml.write_text('[pools.lab]\nserver = "lab:7420"\n[pools.gpu-head]\nserver = "gpu:7420"\n')
+    assert sorted(await complete(env, ["poolctl", "--pool", ""])) == ["gpu-head", "lab"]
+    assert await complete(env, ["poolctl", "--pool", "l"]) == ["lab"]
+    for option in ("--server", "--tls-ca"):
+        assert not {"ls", "cancel", "enqueue"} & set(await complete(env, ["poolctl", option, ""]))

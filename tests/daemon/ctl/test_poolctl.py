@@ -313,6 +313,24 @@ async def test_another_users_job_is_shown_without_secrets_and_cannot_be_cancelle
     assert (code, out.split()) == (0, [job_id, "cancelled"])
 
 
+async def test_get_of_another_users_job_says_it_is_theirs(pool: Pool) -> None:
+    """Issue 47 item 9: `get` of another user's job said "has not finished" while it ran, and
+    "has no artifacts" once it ended (the server keeps its result from others). The server marks
+    the record it withholds from a user, and `get` says the job is another user's (exit 6), as the
+    download itself would be refused; its owner is still told it has not finished."""
+    env = pool.env("alice")
+    running = (await poolctl(env, "enqueue", "--", "sleep", "9"))[1].strip()
+    ended = (await poolctl(env, "enqueue", "--", "true"))[1].strip()
+    assert (await poolctl(env, "cancel", ended))[0] == 0
+    for job_id in (running, ended):
+        code, out, err = await poolctl(pool.env("bob"), "get", job_id)
+        assert (code, out) == (6, ""), err
+        only = "only its owner or a pool admin may download the artifacts of it"
+        assert err.strip() == f"poolctl: job {job_id} belongs to alice: {only}"
+    code, _, err = await poolctl(env, "get", running)
+    assert (code, err.strip()) == (1, f"poolctl: job {running} has not finished (queued): no artifacts yet")
+
+
 async def test_requeue_says_what_it_did_with_each_job(pool: Pool) -> None:
     code, job_id, _ = await poolctl(pool.env("alice"), "enqueue", "--", "true")
     assert code == 0

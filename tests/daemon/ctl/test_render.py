@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import pty
+import re
+import shlex
 import sys
 
 import pytest
@@ -117,3 +119,49 @@ async def test_ls_renders_every_shape_of_table_piped_and_on_a_terminal(pool: Poo
     assert "ID" in drawn
     assert all(job_id in drawn for job_id in ids)  # never cut or wrapped away, however long the row
     assert "\x1b]0;" not in drawn
+
+
+WIDE = ["训练模型", "🚀 launch", "plain", "café"]  # two columns a character, emoji, ASCII, a 2-byte one
+
+
+def starts(line: str, word: str) -> int:
+    """The terminal column `word` starts at in `line` (a wide character takes two)."""
+    from rich.cells import cell_len
+
+    return cell_len(line[: line.index(word)])
+
+
+async def test_wide_characters_keep_the_columns_aligned(pool: Pool) -> None:
+    """Issue 47 item 9: a job named in CJK or with an emoji pushed the columns after it out of
+    line when piped (padded by characters, not by the columns a terminal gives them). Each row's
+    USER, QUEUE and STATE now start where their headers do: piped, in a live view, and on a
+    terminal (rich draws it there)."""
+    env = pool.env("alice")
+    async with pool.client("alice") as c:
+        for name in WIDE:
+            await c.call(Enqueue({"argv": ["true"], "name": name}, None), Enqueued)
+    code, listed, _ = await poolctl(env, "ls")
+    assert code == 0
+    code, watched, _ = await poolctl(env, "ls", "--watch", "0.5", "-n", "1", "--format", "name,user,state")
+    assert code == 0
+    drawn = re.sub(r"\x1b\[[0-9;]*m", "", await in_a_terminal(env, "ls"))  # rich's styles
+    for out in (listed, watched, drawn):
+        lines = [line for line in out.splitlines() if "USER" in line or "alice" in line]
+        assert len(lines) == 1 + len(WIDE), out
+        for header, cell in (("USER", "alice"), ("STATE", "queued")):
+            assert {starts(line, header if line is lines[0] else cell) for line in lines} == {
+                starts(lines[0], header)
+            }, out
+
+
+async def test_show_prints_the_command_as_a_shell_takes_it(pool: Pool) -> None:
+    """Issue 47 item 9: `show` joined the command's words with spaces, so `python -c "print(1)"`
+    read as `python -c print(1)` and a path with a space as two words. It prints the command
+    quoted as a shell needs it: pasted back, it runs the same words."""
+    argv = ["python", "-c", "print('hi there')", "a b", "$HOME", "plain"]
+    _, out, _ = await poolctl(pool.env("alice"), "enqueue", "--", *argv)
+    code, out, _ = await poolctl(pool.env("alice"), "show", out.strip())
+    assert code == 0
+    command = next(line for line in out.splitlines() if line.startswith("command:"))
+    assert command.split(":", 1)[1].strip() == shlex.join(argv)
+    assert shlex.split(command.split(":", 1)[1]) == argv

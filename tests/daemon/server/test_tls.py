@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.server.certificate import certificate_fingerprint
 from protocol import Ping, Pong
 from tests.support.pool import running_pool
+from tests.support.poolctl import poolctl
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
@@ -118,3 +120,38 @@ def test_beyond_loopback_poolctl_speaks_tls_unless_told_otherwise() -> None:
     assert not PoolClient("127.0.0.1:7420", "alice", None).tls
     assert PoolClient("127.0.0.1:7420", "alice", None, tls="on").tls
     assert not PoolClient("10.1.2.3:7420", "alice", None, tls="off").tls
+
+
+async def test_a_plain_client_is_told_the_server_speaks_tls(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """Issue 47 item 9: poolctl speaking plain to a server that speaks TLS only (on this machine,
+    where poolctl speaks plain unless told otherwise) said only "closed the connection". It says
+    the server speaks TLS and what to set to reach it (README: the pool's entry's tls and
+    tls_pin), from a one-request command and from a streaming one alike (exit 3 as before); told
+    so, it gets in. A server that closes a plain connection without speaking TLS is not said to."""
+    async with running_pool(redis_server, tmp_path, tls="on") as pool:
+        env = pool.env("alice")
+        for command in (["ls"], ["logs", "default.0000000000aa"]):  # a blocking socket; PoolClient
+            code, _, err = await poolctl(env, *command)
+            assert code == 3, err
+            assert f"the server at {pool.address} speaks TLS only, and poolctl spoke plain to it" in err
+            assert 'tls = "on" and its tls_pin' in err
+            assert "GPUPOOL_TLS=on" in err
+        assert (await poolctl({**env, "GPUPOOL_TLS": "on"}, "ls"))[0] == 0
+    with socket.socket() as closing:  # accepts, reads, closes: no TLS
+        closing.bind(("127.0.0.1", 0))
+        closing.listen(4)
+        closing.settimeout(10)
+        address = f"127.0.0.1:{closing.getsockname()[1]}"
+
+        def close_each(n: int) -> None:
+            for _ in range(n):
+                conn, _ = closing.accept()
+                conn.recv(1024)
+                conn.close()
+
+        closer = asyncio.get_running_loop().run_in_executor(None, close_each, 2)  # the call, a probe
+        code, _, err = await poolctl({**env, "GPUPOOL_SERVER": address}, "ls")
+        await asyncio.wait_for(closer, 10)
+    assert (code, err.strip()) == (3, f"poolctl: the server at {address} closed the connection")
