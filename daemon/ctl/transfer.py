@@ -30,6 +30,7 @@ from daemon.client.pool_client import ClientError, PoolClient
 from daemon.errors import GpupoolError
 from protocol import (
     DownloadTicket,
+    ErrorCode,
     FinishUpload,
     ObjectRef,
     PrepareDownload,
@@ -282,6 +283,19 @@ def _recorded(item: dict[str, Any]) -> str:
             f"the job's record holds no sha256 for {item.get('key')!r}: refused, nothing fetched"
         )
     return sha256
+
+
+def make_dest(dest: Path) -> None:
+    """`get`'s DEST as a directory, made if missing; a DEST that is a file or cannot be made is the
+    command line's mistake (INVALID_ARGUMENT), said before anything is fetched."""
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = "is not a directory" if dest.exists() else f"cannot be created ({exc.strerror})"
+        raise TransferError(
+            f"DEST {dest} {why}: give a directory to write the job's files into (made if missing)",
+            ErrorCode.INVALID_ARGUMENT,
+        ) from None
 
 
 async def get_artifacts(client: PoolClient, job: dict[str, Any], dest: Path) -> list[tuple[str, int]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 
-from daemon.job import JobState, Outcome
+from daemon.job import JobSpec, JobState, Outcome
 from daemon.queue.embedded_redis import EmbeddedRedis, free_port
 from tests.support.pool import Pool, running_pool
 from tests.support.poolctl import poolctl
@@ -194,18 +194,27 @@ BAD_INPUTS = [
     ),
     (("enqueue", "--queue", "bad queue!", "--", "true"), 2, "is not a queue name"),
     (("enqueue", "--timeout", "-5", "--", "true"), 2, "positive number of seconds"),
+    # {job} has ended (cancelled); {tmp}/a-file is a file
+    (("get", "{job}", "{tmp}/a-file"), 2, "DEST {tmp}/a-file is not a directory"),
+    (("get", "{job}", "{tmp}/a-file/sub"), 2, "DEST {tmp}/a-file/sub cannot be created (Not a directory)"),
 ]
 
 
 async def test_a_bad_input_gets_one_sentence_and_its_exit_code(pool: Pool, tmp_path: Path) -> None:
+    """Each of BAD_INPUTS; `get` into a DEST that is a file or cannot be made among them (issue 47
+    item 3: it printed a traceback)."""
     env = pool.env("alice")
+    job = (await pool.queue.enqueue(JobSpec(argv=("true",), user="alice")))[0]
+    await pool.queue.cancel(job)
+    (tmp_path / "a-file").write_text("mine\n")
     for template, code, says in BAD_INPUTS:
-        args = tuple(a.format(tmp=tmp_path) for a in template)
+        args = tuple(a.format(tmp=tmp_path, job=job) for a in template)
         got, out, err = await poolctl(env, *args)
         assert (got, out) == (code, ""), (args, err)
         assert err.startswith("poolctl: "), (args, err)
         assert err.count("\n") == 1, (args, err)  # one sentence, one line: never a traceback
         assert says.format(tmp=tmp_path) in err, (args, err)
+    assert (tmp_path / "a-file").read_text() == "mine\n"
 
 
 async def test_a_token_file_others_can_read_is_refused_saying_how_to_mend_it(pool: Pool) -> None:
