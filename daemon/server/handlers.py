@@ -546,22 +546,33 @@ class Handlers:
             await asyncio.sleep(interval)
 
     async def _logs(self, job_id: str, follow: bool, offset: str, send: SendStream) -> LogEnd:
+        """The job's log after `offset`; with `follow`, until the job has ended and its last chunk
+        is sent, which is as soon as it ends (follow_log wakes at its queue's terminal events)."""
         info = await self.queue.get(job_id)  # NOT_FOUND before anything is streamed
         after = offset or "0-0"
-        while True:
-            chunks = await self.queue.read_log(job_id, after, block=LOG_BLOCK_SECONDS if follow else None)
+
+        async def forward(chunks: list[tuple[str, bytes]]) -> None:
+            nonlocal after
             for entry_id, data in chunks:
                 await send(LogChunk(data, entry_id))
                 after = entry_id
-            if chunks:
-                continue
-            if not follow:
-                break
+
+        while follow and not info.state.terminal:
+            # The queue's newest end first, then the job's state: an end after the mark wakes the
+            # read below at once. Looked at again at each end in the queue, and every
+            # LOG_BLOCK_SECONDS in any case (an event may be lost).
+            ended_mark = await self.queue.last_event_id(info.spec.queue)
             info = await self.queue.get(job_id)
-            if info.state.terminal:  # one last non-blocking read: output written just before the end
-                for entry_id, data in await self.queue.read_log(job_id, after):
-                    await send(LogChunk(data, entry_id))
-                break
+            look_again = info.state.terminal
+            while not look_again:
+                chunks, one_ended = await self.queue.follow_log(
+                    job_id, after, ended_mark, block=LOG_BLOCK_SECONDS
+                )
+                await forward(chunks)
+                look_again = one_ended or not chunks
+        # The rest: with the job ended, all of its output (written before its end).
+        while chunks := await self.queue.read_log(job_id, after):
+            await forward(chunks)
         return LogEnd(str(info.state), info.exit_code)
 
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from pathlib import Path
 
 import orjson
+import pytest
 
 from daemon.job import JobSpec, JobState, Outcome
 from daemon.queue.embedded_redis import EmbeddedRedis, free_port
+from daemon.server import handlers
 from tests.support.pool import Pool, running_pool
 from tests.support.poolctl import poolctl
 
@@ -89,7 +92,13 @@ async def test_a_priority_job_is_listed_and_shown_as_next_to_start(
         assert "1 job(s) ahead of it" in out
 
 
-async def test_logs_follow_prints_live_output_and_exits_with_the_job_code(pool: Pool) -> None:
+async def test_logs_follow_prints_live_output_and_exits_with_the_job_code(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`logs -f` ends as soon as the job has ended and its last lines are printed, and at once for
+    a job that ended before (issue 47 item 6: each waited out a blocking read of the log first,
+    here made as long as a read may block, so that its wait cannot hide in a process's start)."""
+    monkeypatch.setattr(handlers, "LOG_BLOCK_SECONDS", 2.5)
     env = pool.env("bob")
     _, out, _ = await poolctl(env, "enqueue", "--", "python", "-c", "print('hi')")
     job_id = out.strip()
@@ -101,14 +110,24 @@ async def test_logs_follow_prints_live_output_and_exits_with_the_job_code(pool: 
     assert not follower.done()
     await pool.queue.append_log(lease, 2, [b"bye\n"])
     await pool.queue.complete(lease, Outcome(JobState.FAILED, exit_code=7))
+    ended = time.monotonic()
     code, out, _ = await follower
     assert (code, out) == (7, "hi\nbye\n")
+    assert time.monotonic() - ended < 1.5  # not a read's 2.5 s later
     code, out, _ = await poolctl(env, "logs", job_id)
     assert (code, out) == (0, "hi\nbye\n")
+    started = time.monotonic()
+    code, out, _ = await poolctl(env, "logs", "-f", job_id)
+    assert (code, out) == (7, "hi\nbye\n")
+    assert time.monotonic() - started < 2.5  # a process's start, not that and a read's 2.5 s
 
 
-async def test_enqueue_follow_prints_the_jobs_output_and_exits_with_its_code(pool: Pool) -> None:
-    """`enqueue -f`: submit and follow in one command, as Ray's job submit does."""
+async def test_enqueue_follow_prints_the_jobs_output_and_exits_with_its_code(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`enqueue -f`: submit and follow in one command, as Ray's job submit does; it ends as soon
+    as the job has (issue 47 item 6: it waited out a blocking read of the log first)."""
+    monkeypatch.setattr(handlers, "LOG_BLOCK_SECONDS", 2.5)
     env = pool.env("bob")
     follower = asyncio.create_task(poolctl(env, "enqueue", "-f", "--", "sh", "-c", "echo hi; exit 5"))
     lease = None
@@ -121,8 +140,10 @@ async def test_enqueue_follow_prints_the_jobs_output_and_exits_with_its_code(poo
     await asyncio.sleep(0.3)
     assert not follower.done()  # following: the job has not ended
     await pool.queue.complete(lease, Outcome(JobState.FAILED, exit_code=5))
+    ended = time.monotonic()
     code, out, err = await follower
     assert (code, out) == (5, "hi\n")
+    assert time.monotonic() - ended < 1.5  # not a read's 2.5 s later
     assert (
         err.strip()
         == f"poolctl: {lease.job_id} queued; following its output (Ctrl-C stops following, not the job)"
