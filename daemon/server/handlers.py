@@ -26,6 +26,7 @@ from daemon.errors import (
     NotReplicated,
     NotYours,
     NoWorkerFits,
+    NoWorkerServes,
     PriorityTooHigh,
 )
 from daemon.job import ARRAY_ID, JobInfo, JobSpec, JobState
@@ -429,14 +430,21 @@ class Handlers:
                 await self.data.check_inputs(spec, user)
 
     async def _check_fits(self, specs: list[JobSpec]) -> None:
-        """Refuse a job that asks for more GPUs than every registered worker serving its queue has
-        (dead ones included: they may come back), unless it asks to wait for such a worker. Such a
-        job would never start; queued anyway, workers pass it over (claim.lua)."""
-        wanting = [s for s in specs if (s.gpus or s.gpu_mem) and not s.wait_for_worker]
-        if not wanting:
+        """Refuse a job for a queue that no registered worker serves, or that asks for more GPUs
+        than every registered worker serving its queue has (dead ones included: they may come
+        back), unless it asks to wait for such a worker: it would never start (queued anyway,
+        workers pass it over: claim.lua). A pool that no worker has joined yet (a server started
+        before its workers) takes a job for any queue, and refuses only a GPU job."""
+        checked = [s for s in specs if not s.wait_for_worker]
+        if not checked:
             return
         workers = await self.workers()
-        for spec in wanting:
+        served = {q for w in workers for q in w.get("queues") or ()}
+        for spec in checked:
+            if workers and spec.queue not in served:
+                raise NoWorkerServes(spec.queue, sorted(served))
+            if not (spec.gpus or spec.gpu_mem):
+                continue
             serving = [w.get("gpus", ()) for w in workers if spec.queue in w.get("queues", ())]
             if spec.gpu_mem:  # memory on one GPU: the largest GPU of any worker serving the queue
                 most = max((int(g.get("memory", 0)) for gpus in serving for g in gpus), default=None)

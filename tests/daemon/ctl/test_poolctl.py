@@ -370,3 +370,23 @@ async def test_requeue_of_a_job_that_ended_says_so_and_fails(pool: Pool) -> None
     assert code == 1
     assert out.split() == [job_id, "succeeded"]
     assert f"job {job_id} has ended (succeeded): requeue puts back only a running job" in err
+
+
+async def test_a_queue_no_worker_serves_is_refused_naming_those_served(pool: Pool, tmp_path: Path) -> None:
+    """Issue 47 item 4: `--queue nosuchqueue` was queued and waited forever. Once a worker has
+    joined, a queue none serves is refused, naming the queues served, as a --gpus job no worker
+    could hold is; --wait-for-worker queues it all the same."""
+    from tests.support.workers import running_worker
+
+    env = pool.env("alice")
+    async with running_worker(pool.queue, tmp_path / "w", queues=["default", "gpu"], slots=1):
+        code, out, err = await poolctl(env, "enqueue", "--queue", "nosuchqueue", "--", "true")
+        assert (code, out) == (2, "")
+        assert err == (
+            "poolctl: no worker of this pool serves queue 'nosuchqueue' (its workers serve: default, "
+            "gpu). Enqueue it with --wait-for-worker to keep it queued until such a worker joins\n"
+        )
+        code, out, _ = await poolctl(
+            env, "enqueue", "--queue", "nosuchqueue", "--wait-for-worker", "--", "true"
+        )
+        assert (code, out.startswith("nosuchqueue.")) == (0, True)
