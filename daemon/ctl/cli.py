@@ -535,8 +535,6 @@ async def _put(client: PoolClient, args: argparse.Namespace) -> int:
 
 
 async def _get(client: PoolClient, args: argparse.Namespace) -> int:
-    import asyncio  # loaded already: this runs on its loop
-
     from daemon.ctl import transfer
 
     job = (await client.call(ShowJob(args.job), JobDetail)).job
@@ -554,9 +552,7 @@ async def _get(client: PoolClient, args: argparse.Namespace) -> int:
     if job["state"] not in TERMINAL_STATES:
         print(f"poolctl: job {args.job} has not finished ({job['state']}): no artifacts yet", file=sys.stderr)
         return EXIT_FAILED
-    dest = Path(args.dest or args.job)
-    await asyncio.to_thread(transfer.make_dest, dest)
-    written = await transfer.get_artifacts(client, job, dest)
+    written = await transfer.get_artifacts(client, job, Path(args.dest or args.job))
     for path, size in written:
         print(render.json_text({"path": str(path), "size": size}) if args.json else f"{path}\t{size}")
     if not written:

@@ -300,14 +300,16 @@ def make_dest(dest: Path) -> None:
 
 async def get_artifacts(client: PoolClient, job: dict[str, Any], dest: Path) -> list[tuple[str, int]]:
     """`poolctl get`: the committed attempt's artifacts under `dest`, and its log as
-    `dest/<job>.log`. Every path is checked before anything is fetched, and every object against
-    the sha256 the job's record holds. Returns (path written, size) pairs."""
+    `dest/<job>.log`. Every path is checked before anything is fetched (DEST made, if missing,
+    only then), and every object against the sha256 the job's record holds. Returns (path
+    written, size) pairs."""
     result = job.get("result") or {}
     wanted = [
         (a["key"], _inside(dest, a["name"]), a["name"], _recorded(a)) for a in result.get("artifacts", [])
     ]
     if log := result.get("log"):
         wanted.append((log["key"], _inside(dest, f"{job['id']}.log"), "log", _recorded(log)))
+    await asyncio.to_thread(make_dest, dest)
     written = []
     for key, path, label, sha256 in wanted:
         size = await download(client, key, path, label, sha256)
