@@ -65,6 +65,19 @@ class NoWorkerFits(GpupoolError):
         )
 
 
+class NoWorkerServes(GpupoolError):
+    """A job names a queue that no worker of the pool serves (a typo, mostly): it would wait
+    forever. `served` are the queues the pool's workers serve."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+    def __init__(self, queue: str, served: list[str]) -> None:
+        super().__init__(
+            f"no worker of this pool serves queue {queue!r} (its workers serve: {', '.join(served)}). "
+            "Enqueue it with --wait-for-worker to keep it queued until such a worker joins"
+        )
+
+
 class JobNotFound(GpupoolError):
     code = ErrorCode.NOT_FOUND
 

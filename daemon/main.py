@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name} = {value!r}  # {config.sources[name]}")
         return 0
     try:  # before anything starts: the server's own slots are a worker's (native.py)
-        if config.embedded and config.worker_local_processors > 0:
+        if config.embedded and config.worker_local_processors != 0:
             native.require(", or run only the server here with worker_local_processors = 0")
     except native.NotBuilt as exc:
         print(f"poold: {exc}", file=sys.stderr)

@@ -155,7 +155,13 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("local_minio_port", int, 9000, "port of a MinIO the server machine runs", lo=1, hi=65535),
     Option(
-        "worker_local_processors", int, 32, "slots the server runs itself in singlenode mode", lo=0, hi=4096
+        "worker_local_processors",
+        int,
+        -1,
+        "slots the server runs itself in singlenode mode; -1: one per GPU of the machine, or one per "
+        "CPU core on a machine without GPUs",
+        lo=-1,
+        hi=4096,
     ),
     Option("worker_remote_processors", int, 2, "slots per worker", lo=1, hi=4096),
     Option(

@@ -48,7 +48,7 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
         "--wait-for-worker",
         action="store_true",
         help="queue a --gpus (or --gpu-mem) job even if no worker in the pool has that many GPUs (or a "
-        "GPU that large) yet",
+        "GPU that large) yet, or a job for a --queue no worker serves yet",
     )
     e.add_argument("--name", default="")
     e.add_argument(

@@ -41,6 +41,7 @@ STATE_STYLE = {
     "dead": "bold red",
     "healthy": "green",
     "draining": "yellow",
+    "late": "bold yellow",  # a worker whose heartbeats stopped: dead if they do not come back
 }
 
 

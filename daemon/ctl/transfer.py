@@ -30,6 +30,7 @@ from daemon.client.pool_client import ClientError, PoolClient
 from daemon.errors import GpupoolError
 from protocol import (
     DownloadTicket,
+    ErrorCode,
     FinishUpload,
     ObjectRef,
     PrepareDownload,
@@ -284,16 +285,31 @@ def _recorded(item: dict[str, Any]) -> str:
     return sha256
 
 
+def make_dest(dest: Path) -> None:
+    """`get`'s DEST as a directory, made if missing; a DEST that is a file or cannot be made is the
+    command line's mistake (INVALID_ARGUMENT), said before anything is fetched."""
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = "is not a directory" if dest.exists() else f"cannot be created ({exc.strerror})"
+        raise TransferError(
+            f"DEST {dest} {why}: give a directory to write the job's files into (made if missing)",
+            ErrorCode.INVALID_ARGUMENT,
+        ) from None
+
+
 async def get_artifacts(client: PoolClient, job: dict[str, Any], dest: Path) -> list[tuple[str, int]]:
     """`poolctl get`: the committed attempt's artifacts under `dest`, and its log as
-    `dest/<job>.log`. Every path is checked before anything is fetched, and every object against
-    the sha256 the job's record holds. Returns (path written, size) pairs."""
+    `dest/<job>.log`. Every path is checked before anything is fetched (DEST made, if missing,
+    only then), and every object against the sha256 the job's record holds. Returns (path
+    written, size) pairs."""
     result = job.get("result") or {}
     wanted = [
         (a["key"], _inside(dest, a["name"]), a["name"], _recorded(a)) for a in result.get("artifacts", [])
     ]
     if log := result.get("log"):
         wanted.append((log["key"], _inside(dest, f"{job['id']}.log"), "log", _recorded(log)))
+    await asyncio.to_thread(make_dest, dest)
     written = []
     for key, path, label, sha256 in wanted:
         size = await download(client, key, path, label, sha256)

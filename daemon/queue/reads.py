@@ -97,6 +97,21 @@ class QueueReads:
         else:
             got = await xread(self.redis, {stream: after}, count=count, block=block)
             entries = got[0][1] if got else []
+        return await self._chunks(job_id, entries)
+
+    async def follow_log(
+        self, job_id: str, after: str, ended_after: str, *, block: float, count: int = 200
+    ) -> tuple[list[tuple[str, bytes]], bool]:
+        """Waits up to `block` seconds for log chunks after `after` (as `read_log` returns them) or
+        for a terminal event of the job's queue after the entry id `ended_after`, whichever comes
+        first: one blocking read of both streams, so that a follower learns of the job's end at
+        once rather than when its read times out. Returns the chunks and whether a job of the
+        queue (this one, perhaps) has ended since `ended_after`."""
+        log, events = keys.log(job_id), keys.events(queue_of(job_id))
+        got = dict(await xread(self.redis, {log: after, events: ended_after}, count=count, block=block))
+        return await self._chunks(job_id, got.get(log, [])), events in got
+
+    async def _chunks(self, job_id: str, entries: Entries) -> list[tuple[str, bytes]]:
         out = []
         for entry_id, fields in entries:
             data = fields.get(b"d", b"")

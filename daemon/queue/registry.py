@@ -18,6 +18,7 @@ import importlib.metadata
 import os
 import secrets
 import socket
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,10 @@ from daemon.queue.scripts import ScriptBatch, Scripts
 
 HEALTHY = "healthy"
 DRAINING = "draining"
+LATE = "late"  # its heartbeats have stopped coming, for less than its healthy period so far
 DEAD = "dead"
+# Beats a worker may miss before it is shown late: two, and half a beat's grace for a slow one.
+LATE_AFTER_BEATS = 2.5
 
 
 def new_worker_id(host: str | None = None) -> str:
@@ -65,6 +69,7 @@ class Registration:
     slots: int
     queues: Sequence[str]
     healthy_period: float  # seconds of silence after which the worker is dead (its lease length)
+    heartbeat_every: float = 0.0  # seconds between its heartbeats (0: not said; a tenth of the above)
     gpus: list[dict[str, Any]] = field(default_factory=list)
     state: str = HEALTHY
     running: int = 0
@@ -93,6 +98,7 @@ class Registration:
             "state": self.state,
             "started_at": self.started_at,
             "healthy_period": self.healthy_period,
+            "heartbeat_every": self.heartbeat_every,
             "batch_job": self.batch_job,
             "leave_by": self.leave_by,
             "serves": self.serves,
@@ -130,8 +136,10 @@ CLOCK = "return redis.call('TIME')"
 
 async def list_workers(redis: AnyRedis) -> list[dict[str, Any]]:
     """Every registered worker's record plus `last_heartbeat_age` (seconds, by Redis's clock; None
-    if it never beat) and `health` (healthy, draining, or dead when silent for longer than its
-    healthy period), sorted by host then id. One round trip."""
+    if it never beat) and `health`: healthy or draining as it said; late when it has missed
+    LATE_AFTER_BEATS of its heartbeats; dead when silent for longer than its healthy period. Its
+    `running` is what the queues know runs there (their leases), not what its last heartbeat said,
+    which may be a heartbeat's period old. Sorted by host then id. Three round trips."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.hgetall(keys.WORKERS)
         pipe.zrange(keys.WORKERS_SEEN, 0, -1, withscores=True)
@@ -145,11 +153,38 @@ async def list_workers(redis: AnyRedis) -> list[dict[str, Any]]:
         seen_ms = last.get(_s(worker_id))
         age = max(0.0, (now_ms - seen_ms) / 1000) if seen_ms is not None else None
         record["last_heartbeat_age"] = age
-        silent = age is None or age > float(record.get("healthy_period", 300.0))
-        record["health"] = DEAD if silent else str(record.get("state", HEALTHY))
+        period = float(record.get("healthy_period", 300.0))
+        beat = float(record.get("heartbeat_every") or period / 10)
+        if age is None or age > period:
+            record["health"] = DEAD
+        elif age > LATE_AFTER_BEATS * beat:
+            record["health"] = LATE
+        else:
+            record["health"] = str(record.get("state", HEALTHY))
         out.append(record)
+    running = await running_by_worker(redis, sorted({q for r in out for q in r.get("queues") or ()}))
+    for record in out:
+        record["running"] = running.get(str(record.get("id")), 0)
     out.sort(key=lambda r: (str(r.get("host", "")), str(r.get("id", ""))))
     return out
+
+
+async def running_by_worker(redis: AnyRedis, queues: Sequence[str]) -> dict[str, int]:
+    """How many running attempts of `queues` each worker holds, by worker id: the queues' leases,
+    each job's record naming its worker (two round trips)."""
+    if not queues:
+        return {}
+    async with redis.pipeline(transaction=False) as pipe:
+        for q in queues:
+            pipe.zrange(keys.leases(q), 0, -1)
+        leased = [_s(job_id) for ids in await pipe.execute() for job_id in ids]
+    if not leased:
+        return {}
+    async with redis.pipeline(transaction=False) as pipe:
+        for job_id in leased:
+            pipe.hget(keys.job(job_id), "worker")
+        holders = await pipe.execute()
+    return Counter(_s(w) for w in holders if w)
 
 
 def _s(value: bytes | str) -> str:

@@ -26,6 +26,7 @@ from daemon.errors import (
     NotReplicated,
     NotYours,
     NoWorkerFits,
+    NoWorkerServes,
     PriorityTooHigh,
 )
 from daemon.job import ARRAY_ID, JobInfo, JobSpec, JobState
@@ -431,14 +432,21 @@ class Handlers:
                 await self.data.check_inputs(spec, user)
 
     async def _check_fits(self, specs: list[JobSpec]) -> None:
-        """Refuse a job that asks for more GPUs than every registered worker serving its queue has
-        (dead ones included: they may come back), unless it asks to wait for such a worker. Such a
-        job would never start; queued anyway, workers pass it over (claim.lua)."""
-        wanting = [s for s in specs if (s.gpus or s.gpu_mem) and not s.wait_for_worker]
-        if not wanting:
+        """Refuse a job for a queue that no registered worker serves, or that asks for more GPUs
+        than every registered worker serving its queue has (dead ones included: they may come
+        back), unless it asks to wait for such a worker: it would never start (queued anyway,
+        workers pass it over: claim.lua). A pool that no worker has joined yet (a server started
+        before its workers) takes a job for any queue, and refuses only a GPU job."""
+        checked = [s for s in specs if not s.wait_for_worker]
+        if not checked:
             return
         workers = await self.workers()
-        for spec in wanting:
+        served = {q for w in workers for q in w.get("queues") or ()}
+        for spec in checked:
+            if workers and spec.queue not in served:
+                raise NoWorkerServes(spec.queue, sorted(served))
+            if not (spec.gpus or spec.gpu_mem):
+                continue
             serving = [w.get("gpus", ()) for w in workers if spec.queue in w.get("queues", ())]
             if spec.gpu_mem:  # memory on one GPU: the largest GPU of any worker serving the queue
                 most = max((int(g.get("memory", 0)) for gpus in serving for g in gpus), default=None)
@@ -567,22 +575,33 @@ class Handlers:
             await asyncio.sleep(interval)
 
     async def _logs(self, job_id: str, follow: bool, offset: str, send: SendStream) -> LogEnd:
+        """The job's log after `offset`; with `follow`, until the job has ended and its last chunk
+        is sent, which is as soon as it ends (follow_log wakes at its queue's terminal events)."""
         info = await self.queue.get(job_id)  # NOT_FOUND before anything is streamed
         after = offset or "0-0"
-        while True:
-            chunks = await self.queue.read_log(job_id, after, block=LOG_BLOCK_SECONDS if follow else None)
+
+        async def forward(chunks: list[tuple[str, bytes]]) -> None:
+            nonlocal after
             for entry_id, data in chunks:
                 await send(LogChunk(data, entry_id))
                 after = entry_id
-            if chunks:
-                continue
-            if not follow:
-                break
+
+        while follow and not info.state.terminal:
+            # The queue's newest end first, then the job's state: an end after the mark wakes the
+            # read below at once. Looked at again at each end in the queue, and every
+            # LOG_BLOCK_SECONDS in any case (an event may be lost).
+            ended_mark = await self.queue.last_event_id(info.spec.queue)
             info = await self.queue.get(job_id)
-            if info.state.terminal:  # one last non-blocking read: output written just before the end
-                for entry_id, data in await self.queue.read_log(job_id, after):
-                    await send(LogChunk(data, entry_id))
-                break
+            look_again = info.state.terminal
+            while not look_again:
+                chunks, one_ended = await self.queue.follow_log(
+                    job_id, after, ended_mark, block=LOG_BLOCK_SECONDS
+                )
+                await forward(chunks)
+                look_again = one_ended or not chunks
+        # The rest: with the job ended, all of its output (written before its end).
+        while chunks := await self.queue.read_log(job_id, after):
+            await forward(chunks)
         return LogEnd(str(info.state), info.exit_code)
 
 

@@ -162,7 +162,7 @@ class PoolServer:
             make_data_dir(c.data_path())
         users = self._users()
         self.known_tokens = known_tokens = dict(users.tokens) if users is not None else None
-        if c.embedded and c.worker_local_processors > 0 and self._local_slots is not None:
+        if c.embedded and c.worker_local_processors != 0 and self._local_slots is not None:
             refuse_shared_local_slots(c, len(known_tokens or ()))  # before starting anything
         host, port = c.listen_address()
         refuse_open_beyond_loopback(known_tokens, host, port)  # before starting anything
@@ -229,7 +229,7 @@ class PoolServer:
         self.metrics_server = await serve_for(
             self.metrics.registry, c, worker=False, before_scrape=self.metrics.refresh
         )
-        if c.embedded and c.worker_local_processors > 0 and self._local_slots is not None:
+        if c.embedded and c.worker_local_processors != 0 and self._local_slots is not None:
             local = self._local_slots(self.queue, c, self.store)
             await local.start()  # leaves nothing running if it fails
             self.local = local

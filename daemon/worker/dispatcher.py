@@ -170,6 +170,7 @@ class Worker(Stopping):
             slots=slots,
             queues=self.queues,
             healthy_period=queue.lease_ms / 1000,
+            heartbeat_every=heartbeat_seconds,
             serves=queue.serve_user,
         )
         self.lifetime, self._registration.leave_by = lifetime, lifetime.leave_by if lifetime else 0.0

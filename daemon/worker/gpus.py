@@ -190,6 +190,21 @@ def _mig_devices(gpu: GpuInfo, handle: object) -> list[GpuInfo]:
     return out
 
 
+def count() -> int:
+    """How many GPUs a worker on this machine would find (`discover`), said quietly: 0 without a
+    usable driver."""
+    try:
+        nvml = Nvml()
+    except pynvml.NVMLError:
+        return 0
+    try:
+        return len(nvml.gpus())
+    except pynvml.NVMLError:
+        return 0
+    finally:
+        nvml.close()
+
+
 def discover() -> tuple[list[GpuInfo], Nvml | None]:
     """This machine's GPUs and the NVML handle to probe them with, or ([], None) for a CPU worker.
     Logs which, once: call it once per worker."""

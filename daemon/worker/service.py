@@ -23,7 +23,7 @@ from daemon.object_store import open_worker_store
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.pool_redis import PoolRedis
 from daemon.tokens import refuse_open
-from daemon.worker import non_root
+from daemon.worker import gpus, non_root
 from daemon.worker.agent import Agent, AgentError
 from daemon.worker.dispatcher import Worker
 from daemon.worker.envs import EnvSettings
@@ -123,7 +123,8 @@ def configured_worker(
     n = config.worker_remote_processors if slots is None else slots
     identities = slot_identities(config.job_uid_range, n)
     if identities is not None and len(identities) < n:
-        # Fewer slots, each safe, rather than no pool (an embedded pool has 32 slots by default).
+        # Fewer slots, each safe, rather than no pool (an embedded pool has a slot per GPU or core by
+        # default).
         log.warning(
             "job_uid_range = %s holds %d uids for %d slots: running %d slots (give it %d uids "
             "to run them all)",
@@ -188,7 +189,15 @@ def env_builder(identities: list[SlotIdentity] | None) -> SlotIdentity | None:
 
 def local_slots(queue: JobQueue, config: Config, store: ObjectStore) -> Worker:
     """The slots a single-machine pool's server runs itself (`worker_local_processors`)."""
-    return configured_worker(queue, config, slots=config.worker_local_processors, store=store)
+    return configured_worker(queue, config, slots=local_slot_count(config), store=store)
+
+
+def local_slot_count(config: Config) -> int:
+    """`worker_local_processors`, or for -1 (its default) what the machine can run at once: a job
+    on each of its GPUs, or on each of its CPU cores where it has none."""
+    if config.worker_local_processors >= 0:
+        return config.worker_local_processors
+    return gpus.count() or os.cpu_count() or 1
 
 
 # -- through the server: an agent ------------------------------------------------------------

@@ -24,7 +24,7 @@ def flags(*argv: str) -> argparse.Namespace:
 def test_defaults_match_the_design_table() -> None:
     c = config.load(flags(), env={})
     assert (c.worker_mode, c.redis_ip, c.redis_port, c.redis_db) == ("singlenode", "127.0.0.1", 6379, 0)
-    assert (c.worker_local_processors, c.worker_remote_processors) == (32, 2)
+    assert (c.worker_local_processors, c.worker_remote_processors) == (-1, 2)
     assert c.worker_healthy_response_period == 300.0
     assert c.redis_events_block_ms == 1000.0
     assert c.main_server_minio_bucket == "gpupool"
@@ -273,3 +273,15 @@ def test_the_fast_path_is_one_switch_on_by_default_that_reaches_the_queue() -> N
     assert config.load(flags(), env={"GPUPOOL_FAST_PATH": "false"}).fast_path is False
     assert JobQueue.from_config(Redis(), off).fast_path is False
     assert JobQueue.from_config(Redis(), config.load(flags(), env={})).fast_path is True
+
+
+def test_the_local_slots_by_default_are_the_machines_gpus_or_else_its_cores() -> None:
+    """Issue 47 item 7: a single-machine pool ran 32 slots by default, on a 2-core machine too.
+    By default it runs a job on each GPU NVML finds, or on each CPU core where it finds none; a
+    number given is kept, 0 (no local slots) among them."""
+    from daemon.worker import gpus
+    from daemon.worker.service import local_slot_count
+
+    assert local_slot_count(config.load(flags(), env={})) == (gpus.count() or os.cpu_count())
+    for given in ("0", "3"):
+        assert local_slot_count(config.load(flags("--worker-local-processors", given), env={})) == int(given)

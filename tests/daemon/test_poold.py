@@ -220,7 +220,7 @@ def run_a_job(top: Path, poolctl: Poolctl) -> tuple[int, str]:
 @root_only
 def test_make_run_as_root_runs_jobs_as_leased_slot_uids_not_root() -> None:
     """issue 44 item 8: a root `poold` with no job_uid_range (`make run` as root) ran every
-    user's job as root. Now it leases a uid of no one's for each of its 32 slots, its jobs run
+    user's job as root. Now it leases a uid of no one's for each of its slots, its jobs run
     as one of them, and they still run a command and write their output."""
     with root_pool() as (top, poolctl, said):
         assert [stat.S_IMODE((top / d).stat().st_mode) for d in ("fresh", "fresh/data")] == [0o711, 0o711]
@@ -236,7 +236,11 @@ def test_a_fresh_root_pool_with_fewer_uids_than_slots_starts_and_says_so() -> No
     data directory it had just made itself (0700: "the jobs' uids cannot pass through"), and
     the 32 slots of a single-machine pool wanted 32 uids. It makes that directory 0711 now, and
     runs as many slots as it has uids, saying so."""
-    with root_pool("--job-uid-range", "61100-61103") as (top, poolctl, said):
+    with root_pool("--job-uid-range", "61100-61103", "--worker-local-processors", "32") as (
+        top,
+        poolctl,
+        said,
+    ):
         assert "holds 4 uids for 32 slots: running 4 slots (give it 32 uids to run them all)" in said, said
         uid, output = run_a_job(top, poolctl)
     assert uid in range(61100, 61104)

@@ -104,11 +104,12 @@ async def serving(pool: Pool, worker: str, queues: list[str]) -> None:
 
 
 async def jobs_and_queues(pool: Pool) -> tuple[dict[str, str], list[str]]:
-    """A pool with a worker serving gpu and default, a job queued on train and a finished one:
+    """A pool with a worker serving gpu and default, a job queued on train (which none serves:
+    --wait-for-worker) and a finished one:
     alice's environment, and the two jobs' ids."""
     env = pool.env("alice")
     await serving(pool, "w1", ["gpu", "default"])
-    _, out, _ = await poolctl(env, "enqueue", "--queue", "train", "--", "true")
+    _, out, _ = await poolctl(env, "enqueue", "--queue", "train", "--wait-for-worker", "--", "true")
     queued = out.strip()
     _, out, _ = await poolctl(env, "enqueue", "--", "true")
     finished = out.strip()

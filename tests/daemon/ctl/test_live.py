@@ -4,12 +4,19 @@ one streamed request to a real server (WatchPool, WaitJobs), piped and on a term
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import orjson
 
 from daemon.job import JobState, Outcome
+from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.queue.registry import list_workers
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -28,6 +35,7 @@ from tests.daemon.ctl.test_render import HOSTILE, hostile_job, in_a_terminal
 from tests.support.paths import ROOT
 from tests.support.pool import Pool
 from tests.support.poolctl import poolctl
+from tests.support.workers import JOBS_AS_ROOT
 
 
 async def test_one_watch_request_streams_views_that_follow_the_pool(pool: Pool) -> None:
@@ -167,3 +175,55 @@ async def test_wait_and_cancel_speak_json_a_line_each(pool: Pool) -> None:
     records = [orjson.loads(line) for line in out.splitlines()]
     assert sorted(r["id"] for r in records) == sorted(ids)
     assert {r["state"] for r in records} == {"cancelled"}
+
+
+async def test_busy_slots_are_the_running_jobs_and_a_silent_worker_is_late(
+    pool: Pool, redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 47 item 7. `top` counted busy slots from each worker's last heartbeat, up to a period
+    old, beside the running jobs the queue knows (`slots 0/2 busy ... 1 running`): both now come
+    from the queue. And a worker whose heartbeats stopped (a real poold, SIGSTOPped) was shown
+    healthy until its healthy period ran out: it is late once it has missed its beats."""
+    from tests.support.workers import running_worker, sh, wait_file
+
+    env = pool.env("alice")
+    await pool.queue.enqueue(sh("echo started > started; sleep 30", cwd=str(tmp_path), user="alice"))
+    # a heartbeat every 30 s: the one before the job started is the last the view could have seen
+    async with running_worker(pool.queue, tmp_path / "w", slots=2, heartbeat_seconds=30.0):
+        await wait_file(tmp_path / "started")
+        code, out, err = await poolctl(env, "top", "-n", "1")
+        assert code == 0, err
+        assert "1 worker(s), 1 healthy; slots 1/2 busy; GPUs 0/0 busy; 0 queued, 1 running" in out
+
+        period, beat = 60.0, 0.2  # late after 0.5 s of silence, dead after 60 s
+        with _worker_process(redis_server, tmp_path / "frozen", s3_env, period, beat) as frozen:
+            for _ in range(200):  # a bound, not a speed assertion: until it has registered
+                if len(await list_workers(pool.queue.redis)) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            frozen.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(3 * beat)
+            code, out, err = await poolctl(env, "workers")
+            assert code == 0, err
+            states = {line.split()[0]: line.split()[2] for line in out.splitlines()[1:]}
+            assert sorted(states.values()) == ["healthy", "late"], out
+            code, out, _ = await poolctl(env, "health")
+            assert "1 healthy worker(s)" in out
+
+
+@contextmanager
+def _worker_process(
+    redis_server: EmbeddedRedis, data_dir: Path, s3_env: dict[str, str], period: float, beat: float
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A worker `poold` of the pool on `redis_server`, heartbeating every `beat` seconds."""
+    env = dict(os.environ, GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password, **s3_env, **JOBS_AS_ROOT)
+    argv = [sys.executable, "-m", "daemon.main", "--worker", "--worker-mode", "multinode"]
+    argv += ["--redis-port", str(redis_server.port), "--metrics-listen", "127.0.0.1:0"]
+    argv += ["--worker-healthy-response-period", str(period), "--heartbeat-interval", str(beat)]
+    argv += ["--data-dir", str(data_dir), "--drain-timeout", "0", "--log-level", "warning"]
+    with subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL) as proc:
+        try:
+            yield proc
+        finally:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()

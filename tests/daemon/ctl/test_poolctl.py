@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from pathlib import Path
 
 import orjson
+import pytest
 
-from daemon.job import JobState, Outcome
+from daemon.job import JobSpec, JobState, Outcome
 from daemon.queue.embedded_redis import EmbeddedRedis, free_port
+from daemon.server import handlers
 from tests.support.pool import Pool, running_pool
 from tests.support.poolctl import poolctl
 
@@ -89,7 +92,13 @@ async def test_a_priority_job_is_listed_and_shown_as_next_to_start(
         assert "1 job(s) ahead of it" in out
 
 
-async def test_logs_follow_prints_live_output_and_exits_with_the_job_code(pool: Pool) -> None:
+async def test_logs_follow_prints_live_output_and_exits_with_the_job_code(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`logs -f` ends as soon as the job has ended and its last lines are printed, and at once for
+    a job that ended before (issue 47 item 6: each waited out a blocking read of the log first,
+    here made as long as a read may block, so that its wait cannot hide in a process's start)."""
+    monkeypatch.setattr(handlers, "LOG_BLOCK_SECONDS", 2.5)
     env = pool.env("bob")
     _, out, _ = await poolctl(env, "enqueue", "--", "python", "-c", "print('hi')")
     job_id = out.strip()
@@ -101,14 +110,24 @@ async def test_logs_follow_prints_live_output_and_exits_with_the_job_code(pool: 
     assert not follower.done()
     await pool.queue.append_log(lease, 2, [b"bye\n"])
     await pool.queue.complete(lease, Outcome(JobState.FAILED, exit_code=7))
+    ended = time.monotonic()
     code, out, _ = await follower
     assert (code, out) == (7, "hi\nbye\n")
+    assert time.monotonic() - ended < 1.5  # not a read's 2.5 s later
     code, out, _ = await poolctl(env, "logs", job_id)
     assert (code, out) == (0, "hi\nbye\n")
+    started = time.monotonic()
+    code, out, _ = await poolctl(env, "logs", "-f", job_id)
+    assert (code, out) == (7, "hi\nbye\n")
+    assert time.monotonic() - started < 2.5  # a process's start, not that and a read's 2.5 s
 
 
-async def test_enqueue_follow_prints_the_jobs_output_and_exits_with_its_code(pool: Pool) -> None:
-    """`enqueue -f`: submit and follow in one command, as Ray's job submit does."""
+async def test_enqueue_follow_prints_the_jobs_output_and_exits_with_its_code(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`enqueue -f`: submit and follow in one command, as Ray's job submit does; it ends as soon
+    as the job has (issue 47 item 6: it waited out a blocking read of the log first)."""
+    monkeypatch.setattr(handlers, "LOG_BLOCK_SECONDS", 2.5)
     env = pool.env("bob")
     follower = asyncio.create_task(poolctl(env, "enqueue", "-f", "--", "sh", "-c", "echo hi; exit 5"))
     lease = None
@@ -121,8 +140,10 @@ async def test_enqueue_follow_prints_the_jobs_output_and_exits_with_its_code(poo
     await asyncio.sleep(0.3)
     assert not follower.done()  # following: the job has not ended
     await pool.queue.complete(lease, Outcome(JobState.FAILED, exit_code=5))
+    ended = time.monotonic()
     code, out, err = await follower
     assert (code, out) == (5, "hi\n")
+    assert time.monotonic() - ended < 1.5  # not a read's 2.5 s later
     assert (
         err.strip()
         == f"poolctl: {lease.job_id} queued; following its output (Ctrl-C stops following, not the job)"
@@ -194,18 +215,27 @@ BAD_INPUTS = [
     ),
     (("enqueue", "--queue", "bad queue!", "--", "true"), 2, "is not a queue name"),
     (("enqueue", "--timeout", "-5", "--", "true"), 2, "positive number of seconds"),
+    # {job} has ended (cancelled); {tmp}/a-file is a file
+    (("get", "{job}", "{tmp}/a-file"), 2, "DEST {tmp}/a-file is not a directory"),
+    (("get", "{job}", "{tmp}/a-file/sub"), 2, "DEST {tmp}/a-file/sub cannot be created (Not a directory)"),
 ]
 
 
 async def test_a_bad_input_gets_one_sentence_and_its_exit_code(pool: Pool, tmp_path: Path) -> None:
+    """Each of BAD_INPUTS; `get` into a DEST that is a file or cannot be made among them (issue 47
+    item 3: it printed a traceback)."""
     env = pool.env("alice")
+    job = (await pool.queue.enqueue(JobSpec(argv=("true",), user="alice")))[0]
+    await pool.queue.cancel(job)
+    (tmp_path / "a-file").write_text("mine\n")
     for template, code, says in BAD_INPUTS:
-        args = tuple(a.format(tmp=tmp_path) for a in template)
+        args = tuple(a.format(tmp=tmp_path, job=job) for a in template)
         got, out, err = await poolctl(env, *args)
         assert (got, out) == (code, ""), (args, err)
         assert err.startswith("poolctl: "), (args, err)
         assert err.count("\n") == 1, (args, err)  # one sentence, one line: never a traceback
         assert says.format(tmp=tmp_path) in err, (args, err)
+    assert (tmp_path / "a-file").read_text() == "mine\n"
 
 
 async def test_a_token_file_others_can_read_is_refused_saying_how_to_mend_it(pool: Pool) -> None:
@@ -358,3 +388,23 @@ async def test_requeue_of_a_job_that_ended_says_so_and_fails(pool: Pool) -> None
     assert code == 1
     assert out.split() == [job_id, "succeeded"]
     assert f"job {job_id} has ended (succeeded): requeue puts back only a running job" in err
+
+
+async def test_a_queue_no_worker_serves_is_refused_naming_those_served(pool: Pool, tmp_path: Path) -> None:
+    """Issue 47 item 4: `--queue nosuchqueue` was queued and waited forever. Once a worker has
+    joined, a queue none serves is refused, naming the queues served, as a --gpus job no worker
+    could hold is; --wait-for-worker queues it all the same."""
+    from tests.support.workers import running_worker
+
+    env = pool.env("alice")
+    async with running_worker(pool.queue, tmp_path / "w", queues=["default", "gpu"], slots=1):
+        code, out, err = await poolctl(env, "enqueue", "--queue", "nosuchqueue", "--", "true")
+        assert (code, out) == (2, "")
+        assert err == (
+            "poolctl: no worker of this pool serves queue 'nosuchqueue' (its workers serve: default, "
+            "gpu). Enqueue it with --wait-for-worker to keep it queued until such a worker joins\n"
+        )
+        code, out, _ = await poolctl(
+            env, "enqueue", "--queue", "nosuchqueue", "--wait-for-worker", "--", "true"
+        )
+        assert (code, out.startswith("nosuchqueue.")) == (0, True)
