@@ -111,9 +111,24 @@ class Machine:
         return self.local(start).split(), env
 
 
+def verify_unit(text: str, copy: Path) -> None:
+    """`systemd-analyze verify` prints nothing for the unit (as the guide says to run it), with
+    ExecStart naming this venv's poold, which it insists exists (test_systemd_units.py)."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        return  # test_systemd_units.py says it is skipped there
+    copy.write_text(text.replace(POOLD, str(Path(sys.executable).parent / "poold")))
+    argv = [analyze, "verify", str(copy)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert (done.returncode, done.stdout + done.stderr) == (0, "")
+
+
 @contextmanager
-def started(argv: list[str], env: dict[str, str], log: Path, ready: str) -> Iterator[subprocess.Popen[bytes]]:
-    """A process of the guide's, until `ready` shows in its log (bounded); stopped at the end."""
+def started(
+    argv: list[str], env: dict[str, str], log: Path, ready: str, grace: float = 30
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A process of the guide's, until `ready` shows in its log (bounded); stopped at the end
+    (SIGTERM, SIGKILL after `grace` seconds)."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             argv, env={**os.environ, **env}, cwd=ROOT, stdout=out, stderr=out, start_new_session=True
@@ -128,7 +143,7 @@ def started(argv: list[str], env: dict[str, str], log: Path, ready: str) -> Iter
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(30)
+            proc.wait(grace)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
@@ -178,7 +193,8 @@ async def test_the_guide_sets_up_a_pool_whose_two_workers_on_one_machine_take_jo
         (secrets / "tokens.toml").write_text('alice = "a-long-random-token-for-the-test"\n')
         (secrets / "tokens.toml").chmod(0o600)
         weed_log = tmp_path / "weed.log"
-        stack.enter_context(started(["bash", "-c", pool_1.local(serve)], {}, weed_log, ""))
+        # weed's own stop is not under test (it takes seconds): 0.5 s, then SIGKILL.
+        stack.enter_context(started(["bash", "-c", pool_1.local(serve)], {}, weed_log, "", grace=0.5))
         s3_answers(f"http://127.0.0.1:{weed[0]}")
 
         # §5: pool-1's configuration, then the bucket.
@@ -206,6 +222,7 @@ async def test_the_guide_sets_up_a_pool_whose_two_workers_on_one_machine_take_jo
             "ReadWritePaths=/var/lib/gpupool-b\n",
         ):
             assert changed in unit_b  # each of the guide's `sed -e` matched the shipped unit
+        verify_unit(unit_b, machines / "pool-worker-b.service")
         units = {
             "a": ROOT / "systemd" / "pool-worker.service",
             "b": gpu_1.root / "units" / "pool-worker-b.service",
