@@ -70,15 +70,15 @@ class Machine:
     def local(self, text: str) -> str:
         """`text` with this machine's directories, 127.0.0.1 and the test's ports."""
         # Paths as the guide writes them (not inside one already made local: so this is idempotent);
-        # /var/lib only in a quoted value. A `sed` pattern (`s|PATTERN|`) names the shipped unit's
-        # lines as they are: it is kept as written.
+        # /var/lib/ in a quoted value and weed's own directory. A `sed` pattern (`s|PATTERN|`)
+        # names the shipped unit's lines as they are: it is kept as written.
         patterns = re.findall(r"(?<=s\|)[^|]*(?=\|)", text)
         for n, pattern in enumerate(patterns):
             text = text.replace(f"s|{pattern}|", f"s|\0{n}\0|", 1)
         for old, new in (
             (r"(?<![\w.-])/etc/systemd/system", str(self.root / "units")),
             (r"(?<![\w.-])/etc/gpupool", str(self.root / "etc" / "gpupool")),
-            (r'(?<=")/var/lib/', str(self.root / "var" / "lib") + "/"),
+            (r'(?<=")/var/lib/|(?<![\w.-])/var/lib/(?=seaweedfs)', str(self.root / "var" / "lib") + "/"),
             (re.escape(POOLD), f"{sys.executable} -m daemon.main"),
             (r"/opt/seaweedfs/bin/weed", weed_binary()),
             (r"10\.0\.0\.(10|21)\b", "127.0.0.1"),
@@ -86,6 +86,10 @@ class Machine:
             text = re.sub(old, new.replace("\\", r"\\"), text)
         for old_port, new_port in self.ports.items():
             text = re.sub(rf"(?<=[:= ]){old_port}\b", str(new_port), text)
+        # Nothing it runs may touch this machine's own /etc or /var (a sed expression only edits text).
+        rest = re.sub(r"s\|[^|]*\|[^|]*\||" + re.escape(str(self.root)) + r"\S*", "", text)
+        outside = re.findall(r"(?<![\w.-])/(?:etc|var)/\S*", rest)
+        assert not outside, f"the test would touch this machine's {outside}: make them local"
         for n, pattern in enumerate(patterns):
             text = text.replace(f"s|\0{n}\0|", f"s|{pattern}|", 1)
         return text
