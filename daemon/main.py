@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import uvloop
 
 from daemon import config as config_mod
-from daemon import log_setup
+from daemon import log_setup, object_store
 from daemon.aio import TaskSet
 from daemon.errors import ConfigError, GpupoolError
 from daemon.reload import LIVE_EVERYWHERE, LIVE_ON_SERVER, Reloader
@@ -36,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="poold", description="gpupool daemon: the pool server, or a worker.")
     p.add_argument("--worker", action="store_true", help="run as a worker on this machine's GPUs")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
+    bucket = "create the S3 bucket the configuration names (main_server_minio_*), if missing, and exit"
+    p.add_argument("--make-bucket", action="store_true", help=bucket)
     # The issue's names for a pilot worker's options (also --worker-idle-exit, --worker-max-lifetime,
     # --worker-serve-user)
     for flag, name in (("--idle-exit", "worker_idle_exit"), ("--max-lifetime", "worker_max_lifetime")):
@@ -63,10 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"poold: {exc}", file=sys.stderr)
         return 2
-    if args.print_config:
-        for name, value in config.shown().items():
-            print(f"{name} = {value!r}  # {config.sources[name]}")
-        return 0
+    if args.print_config or args.make_bucket:
+        return _one_shot(args, config)
     try:  # before anything starts: the server's own slots are a worker's (native.py)
         if config.embedded and config.worker_local_processors != 0:
             native.require(", or run only the server here with worker_local_processors = 0")
@@ -88,6 +88,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GpupoolError as exc:
         log.error("%s", exc)
         return 1
+
+
+def _one_shot(args: argparse.Namespace, config: config_mod.Config) -> int:
+    """`--print-config` or `--make-bucket`: do it and exit, starting nothing."""
+    if args.print_config:
+        for name, value in config.shown().items():
+            print(f"{name} = {value!r}  # {config.sources[name]}")
+        return 0
+    try:  # the one thing a multinode pool needs that no poold creates by itself
+        print(f"poold: {uvloop.run(object_store.make_bucket(config))}")
+    except GpupoolError as exc:
+        print(f"poold: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 class Daemon(Protocol):

@@ -3,8 +3,8 @@
 Single machine (`worker_mode = singlenode`): a `LocalStore` under the data directory, shared by the
 server, its local slots and `poolctl` on the same machine. Multi-node: an `S3Store` on
 `main_server_minio_*`. The server only opens it (no network: it presigns URLs and heads objects on
-request); a worker also waits for the bucket at start (`main_server_minio_bucket_ping_timeout`) and
-refuses to run without it, naming the endpoint and bucket.
+request); both it and a worker wait for the bucket at start (`main_server_minio_bucket_ping_timeout`)
+and refuse to run without it, naming the endpoint and bucket and how to create it (`poold --make-bucket`).
 """
 
 from __future__ import annotations
@@ -37,19 +37,51 @@ def make_store(config: Config) -> ObjectStore:
     )
 
 
-async def open_worker_store(config: Config) -> ObjectStore:
-    """Open the store for a worker; on S3, wait for the bucket. Raises GpupoolError with the
-    store's own sentence (endpoint, bucket, reason) when it is not there in time."""
-    store = make_store(config)
+# How an operator makes the bucket a server or worker found missing: with the pool's own tool and
+# the daemon's own configuration, so the sentence is true wherever poold runs.
+MAKE_BUCKET = "create it with `poold --make-bucket` and this configuration (docs/OPERATIONS.md §3)"
+
+
+async def open_checked(store: ObjectStore, config: Config, role: str) -> None:
+    """Open `store` for the server or a worker (`role`); on S3, wait for the bucket for
+    `main_server_minio_bucket_ping_timeout`. A daemon that started without it would fail every
+    upload and every job later, far from the cause, so it refuses now: GpupoolError, one sentence
+    naming the endpoint, the bucket, why, and how to create it."""
     try:
         await store.open()
         if isinstance(store, S3Store):
             await store.wait_for_bucket(config.main_server_minio_bucket_ping_timeout)
     except StorageError as exc:
         await store.close()
-        raise GpupoolError(f"the worker cannot start without its object store: {exc.message}") from None
+        why = f"the {role} cannot start without its object store: {exc.message}; {MAKE_BUCKET}"
+        raise GpupoolError(why) from None
     log.info("object store: %s", store.location)
+
+
+async def open_worker_store(config: Config) -> ObjectStore:
+    """Open the store for a worker (open_checked)."""
+    store = make_store(config)
+    await open_checked(store, config, "worker")
     return store
+
+
+async def make_bucket(config: Config) -> str:
+    """Create the bucket `config` names, if it does not exist (`poold --make-bucket`), and check it
+    answers; returns a sentence saying where it is. Raises GpupoolError for a single-machine pool
+    (its store is a directory) or a store that refuses (its own sentence)."""
+    store = make_store(config)
+    if not isinstance(store, S3Store):
+        raise GpupoolError(
+            "a single-machine pool (worker_mode = singlenode) keeps its data under data_dir: "
+            "there is no bucket to make"
+        )
+    try:
+        async with store:
+            await store.ensure_bucket()
+            await store.wait_for_bucket(config.main_server_minio_bucket_ping_timeout)
+    except StorageError as exc:
+        raise GpupoolError(f"cannot make the bucket: {exc.message}") from None
+    return f"bucket {store.bucket!r} at {store.endpoint} is ready"
 
 
 def name_key(user: str, name: str) -> str:

@@ -150,7 +150,7 @@ OPTIONS: tuple[Option, ...] = (
         "main_server_minio_bucket_ping_timeout",
         float,
         30.0,
-        "seconds a worker waits for the bucket at start",
+        "seconds the server or a worker waits for the bucket at start",
         lo=0,
     ),
     Option("local_minio_port", int, 9000, "port of a MinIO the server machine runs", lo=1, hi=65535),

@@ -31,7 +31,7 @@ from daemon.worker.spawn import Spawner
 from storage.s3 import S3Store
 from tests.support.cluster import ClusterGroup, ClusterServer
 from tests.support.pool import Pool, running_pool
-from tests.support.s3server import S3Server
+from tests.support.s3server import S3Server, shared_s3
 from tests.support.sentinel import SentinelGroup
 
 # Every server a test starts, in this process or as a poold of its own, serves its dashboard on a
@@ -179,11 +179,9 @@ async def queue(redis: Redis, fast_path: bool) -> JobQueue:
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(tmp_path_factory.mktemp("s3"))
-    server.start()
-    yield server
-    server.stop()
+def s3_server() -> S3Server:
+    """The process's S3 endpoint (tests/support/s3server.py), which the pools of the tests share."""
+    return shared_s3()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from daemon.errors import GpupoolError
 from daemon.job import PRIORITY_MAX, JobState, queue_of
 from daemon.metrics.endpoint import MetricsServer, serve_for
 from daemon.metrics.server import ServerMetrics
-from daemon.object_store import make_store
+from daemon.object_store import make_store, open_checked
 from daemon.queue import registry
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.pool_redis import PoolRedis
@@ -166,7 +166,7 @@ class PoolServer:
             refuse_shared_local_slots(c, len(known_tokens or ()))  # before starting anything
         host, port = c.listen_address()
         refuse_open_beyond_loopback(known_tokens, host, port)  # before starting anything
-        await self.store.open()
+        await open_checked(self.store, c, "server")  # S3: its bucket, or no server
         client = await self.redis.start()
         self.queue = JobQueue.from_config(client, c, watch=self.redis.watch)
         if c.fairshare_queues:

@@ -50,6 +50,7 @@ from tests.support.cluster import ClusterGroup, ClusterServer
 from tests.support.faults import aof_copy, memory_full, roll_back
 from tests.support.proxy import Proxy
 from tests.support.redis_group import Process
+from tests.support.s3server import shared_s3_env
 from tests.support.sentinel import MASTER, SentinelGroup
 from tests.support.workers import JOBS_AS_ROOT
 
@@ -200,7 +201,7 @@ class Cluster:
             "GPUPOOL_NOTIFY_ALLOW": "127.0.0.1/32",  # the receiver's loopback, which a pool refuses
         }
         self.requeueable: set[str] = set()  # jobs that checkpoint: the requeue fault stops them
-        self.s3_env = s3_env or {}  # a worker needs its bucket
+        self.s3_env = s3_env or shared_s3_env()  # a worker, and the server, need their bucket
         self.redis = redis
         self.lease = lease
         self.slots = slots

@@ -17,7 +17,7 @@ from daemon.server.agents import AgentWorkerFactory
 from daemon.server.service import PoolServer
 from storage.base import ObjectStore
 from storage.s3 import S3Store
-from tests.support.s3server import S3Server
+from tests.support.s3server import S3Server, shared_s3_env
 
 USERS = ("alice", "bob")
 
@@ -86,12 +86,18 @@ def pool_config(
         "tokens_file": str(tokens_file),
         "data_dir": str(tmp / "data"),
         "redis_events_block_ms": 1000.0,
+        **shared_bucket(),  # a multinode server refuses to start without its bucket
         **overrides,
     }
     c = config.load(None, env={}, config_file=None)
     import dataclasses
 
     return dataclasses.replace(c, **values)
+
+
+def shared_bucket() -> dict[str, str]:
+    """The main_server_minio_* options naming the test process's shared bucket (s3server.py)."""
+    return {k.removeprefix("GPUPOOL_").lower(): v for k, v in shared_s3_env().items()}
 
 
 @asynccontextmanager

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from daemon.queue.embedded_redis import EmbeddedRedis
 from tests.support.cluster import ClusterGroup
+from tests.support.s3server import shared_s3_env
 from tests.support.sentinel import MASTER, SentinelGroup
 
 
@@ -37,7 +38,10 @@ def poold_process(
     tokens_file.write_text("".join(f'{u} = "{t}"\n' for u, t in tokens.items()))
     tokens_file.chmod(0o600)
     env = dict(
-        os.environ, XDG_CONFIG_HOME=str(tmp / "xdg"), GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password
+        os.environ,
+        XDG_CONFIG_HOME=str(tmp / "xdg"),
+        GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password,
+        **shared_s3_env(),  # a multinode server refuses to start without its bucket
     )
     where: list[str] = []  # a group is named in the environment
     if isinstance(redis_server, SentinelGroup):

@@ -7,7 +7,11 @@ auth is off and signing bugs would pass unnoticed).
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import concurrent.futures
 import contextlib
+import functools
 import os
 import secrets
 import shutil
@@ -15,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -137,3 +142,42 @@ class S3Server:
             self._proc.wait(5)
         self._proc = None
         self._log.close()
+
+
+# One endpoint per test process, with one bucket that every server of the tests may use: a multinode
+# server refuses to start without its bucket, so tests that start one (tests/support/pool.py,
+# poold_proc.py) need a real one even when they move no data.
+SHARED_BUCKET = "gpupool-tests"
+
+
+@functools.cache
+def shared_s3() -> S3Server:
+    """The process's S3 endpoint, started on first use (SHARED_BUCKET made) and stopped at exit."""
+    directory = Path(tempfile.mkdtemp(prefix="gpupool-s3-"))
+    server = S3Server(directory)
+    server.start()
+    atexit.register(shutil.rmtree, directory, True)
+    atexit.register(server.stop)
+    with concurrent.futures.ThreadPoolExecutor(1) as one:  # callers may be in an event loop
+        one.submit(asyncio.run, _make_bucket(server, SHARED_BUCKET)).result(60)
+    return server
+
+
+def shared_s3_env() -> dict[str, str]:
+    """GPUPOOL_* variables naming SHARED_BUCKET of the process's endpoint."""
+    s3 = shared_s3()
+    return {
+        "GPUPOOL_MAIN_SERVER_MINIO_ADDRESS": s3.endpoint.removeprefix("http://"),
+        "GPUPOOL_MAIN_SERVER_MINIO_BUCKET": SHARED_BUCKET,
+        "GPUPOOL_MAIN_SERVER_MINIO_ACCESS_KEY_ID": s3.access_key,
+        "GPUPOOL_MAIN_SERVER_MINIO_SECRET_ACCESS_KEY": s3.secret_key,
+    }
+
+
+async def _make_bucket(server: S3Server, bucket: str) -> None:
+    from storage.s3 import S3Store
+
+    async with S3Store(
+        server.endpoint.removeprefix("http://"), bucket, server.access_key, server.secret_key
+    ) as s:
+        await s.ensure_bucket()
