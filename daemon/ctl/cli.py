@@ -21,6 +21,7 @@ from daemon.client import session
 from daemon.client.session import AuthFailed, ClientError, ServerUnreachable
 from daemon.ctl import one_shot, render
 from daemon.ctl.enqueue_args import add_enqueue
+from daemon.ctl.parsing import Parser, seconds, whole
 from daemon.ctl.pilot import add_pilot
 from daemon.errors import GpupoolError
 from daemon.listing import MORE
@@ -83,7 +84,7 @@ def _add_ls(sub: Any) -> None:  # argparse's _SubParsersAction, which it does no
     ls.add_argument("--array", metavar="QUEUE@ID", help="only the jobs of this array (--array, --sweep)")
     ls.add_argument("--state", "-s")
     ls.add_argument("--all", "-a", action="store_true", help="include finished jobs")
-    ls.add_argument("--limit", type=int, default=1000)
+    ls.add_argument("--limit", type=whole(1, MAX_VIEW_JOBS), default=1000, metavar="N")
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
     ls.add_argument(
         "--format",
@@ -96,16 +97,16 @@ def _add_ls(sub: Any) -> None:  # argparse's _SubParsersAction, which it does no
         "--watch",
         "-w",
         nargs="?",
-        type=float,
+        type=seconds(),
         const=2.0,
         metavar="SECONDS",
         help="redraw it as it changes, every SECONDS (default 2) until Ctrl-C",
     )
-    ls.add_argument("-n", "--views", type=int, default=0, metavar="N", help="with --watch: stop after N")
+    ls.add_argument("-n", "--views", type=whole(0), default=0, metavar="N", help="with --watch: stop after N")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="poolctl", description="Queue and follow jobs on a gpupool pool.")
+    p = Parser(prog="poolctl", description="Queue and follow jobs on a gpupool pool.")
     p.add_argument(
         "--server",
         metavar="HOST:PORT",
@@ -146,12 +147,14 @@ def parser() -> argparse.ArgumentParser:
 
     wait = sub.add_parser("wait", help="wait for jobs to end; exit 0 only if all succeeded")
     wait.add_argument("jobs", nargs="+", metavar="JOB")
-    wait.add_argument("--timeout", type=float, metavar="SECONDS")
+    wait.add_argument(
+        "--timeout", type=seconds(above=False), metavar="SECONDS", help="stop waiting after this long"
+    )
     wait.add_argument("--json", action="store_true", help="each job's record as it ends, a line each")
 
     top = sub.add_parser("top", help="a live full-screen view of queues, workers and running jobs")
-    top.add_argument("-d", "--delay", type=float, default=2.0, metavar="SECONDS", help="between views")
-    top.add_argument("-n", "--views", type=int, default=0, metavar="N", help="stop after N views")
+    top.add_argument("-d", "--delay", type=seconds(), default=2.0, metavar="SECONDS", help="between views")
+    top.add_argument("-n", "--views", type=whole(0), default=0, metavar="N", help="stop after N views")
     top.add_argument("--json", action="store_true", help="one JSON object per view")
 
     sub.add_parser("workers", help="the pool's workers").add_argument("--json", action="store_true")
@@ -711,9 +714,7 @@ def _watch(to: Link, args: argparse.Namespace) -> int:
     from daemon.ctl import live
 
     top = args.command == "top"
-    interval = args.delay if top else args.watch
-    if interval <= 0 or args.views < 0:
-        raise UsageError("the interval must be above 0 seconds, and -n at least 0 (0: until Ctrl-C)")
+    interval = args.delay if top else args.watch  # above 0, and -n at least 0: their types say
     if top:
         request = WatchPool(None, None, False, MAX_VIEW_JOBS, interval, args.views)
         return live.watch(to, request, top=True, columns=None, as_json=args.json)

@@ -194,14 +194,48 @@ BAD_INPUTS = [
     ),
     (("enqueue", "--queue", "bad queue!", "--", "true"), 2, "is not a queue name"),
     (("enqueue", "--timeout", "-5", "--", "true"), 2, "positive number of seconds"),
+    # issue 47 item 9: a mistake argparse finds is its one line and where the usage is, no usage
+    (("ls", "--limit", "many"), 2, "--limit: expected a whole number from 1 to 10000, not 'many' (see "),
+    (("enqueue", "--gpus", "two", "--", "true"), 2, "--gpus: expected a whole number from 0 to 1024"),
+    (("ls", "--bogus"), 2, "unrecognized arguments: --bogus (see poolctl --help)"),
+    (("show",), 2, "the following arguments are required: job (see poolctl show --help)"),
+    ((), 2, "the following arguments are required: COMMAND (see poolctl --help)"),
+    (("completion", "tcsh"), 2, "invalid choice: 'tcsh'"),
+    # issue 47 item 9: every number of every command in its range (daemon/ctl/parsing.py)
+    (("ls", "--limit", "-1"), 2, "--limit: expected a whole number from 1 to 10000, not '-1'"),
+    (("ls", "--limit", "0"), 2, "--limit: expected a whole number from 1 to 10000, not '0'"),
+    (("ls", "--watch", "0"), 2, "--watch/-w: expected a positive number of seconds, not '0'"),
+    (("ls", "--watch", "1", "-n", "-1"), 2, "-n/--views: expected a whole number of at least 0"),
+    (("wait", "--timeout", "-5", "default.zzzzzzzzzzzz"), 2, "--timeout: expected a number of seconds of"),
+    (("wait", "--timeout", "nan", "default.zzzzzzzzzzzz"), 2, "at least 0, not 'nan'"),
+    (("top", "-d", "inf"), 2, "-d/--delay: expected a positive number of seconds, not 'inf'"),
+    (("top", "-n", "-2"), 2, "-n/--views: expected a whole number of at least 0, not '-2'"),
+    (("enqueue", "--gpus", "1025", "--", "true"), 2, "--gpus: expected a whole number from 0 to 1024"),
+    (("enqueue", "--priority", "101", "--", "true"), 2, "--priority: expected a whole number from 0 to 100"),
+    (("enqueue", "--retries", "-1", "--", "true"), 2, "--retries: expected a whole number from 0 to 100"),
+    (("enqueue", "--max-attempts", "0", "--", "true"), 2, "--max-attempts: expected a whole number from 1"),
+    (("enqueue", "--stop-grace", "3601", "--", "true"), 2, "positive number of seconds up to 3600"),
+    (("enqueue", "--checkpoint-every", "0", "--", "true"), 2, "--checkpoint-every: expected a positive"),
+    (("pilot", "slurm", "--config", "c", "--walltime", "1:00:00", "--count", "0"), 2, "--count: expected"),
+    (("pilot", "pbs", "--config", "c", "--walltime", "1:00:00", "--gpus-per-node", "-1"), 2, "of at least 0"),
+    (("pilot", "pbs", "--config", "c", "--walltime", "1:00:00", "--max-lifetime", "0"), 2, "a positive"),
+    (("pilot", "pbs", "--config", "c", "--walltime", "1:00:00", "--idle-exit", "-1"), 2, "--idle-exit: "),
 ]
 
 
 async def test_a_bad_input_gets_one_sentence_and_its_exit_code(pool: Pool, tmp_path: Path) -> None:
+    """Each of BAD_INPUTS is refused in one line that says what was wrong, with its exit code.
+    issue 47 item 9: argparse's mistakes without the usage, and every numeric option range-checked."""
     env = pool.env("alice")
-    for template, code, says in BAD_INPUTS:
-        args = tuple(a.format(tmp=tmp_path) for a in template)
-        got, out, err = await poolctl(env, *args)
+    cases = [tuple(a.format(tmp=tmp_path) for a in template) for template, _, _ in BAD_INPUTS]
+    side_by_side = asyncio.Semaphore(4)  # each is a fresh interpreter: their startups overlap
+
+    async def run(args: tuple[str, ...]) -> tuple[int, str, str]:
+        async with side_by_side:
+            return await poolctl(env, *args)
+
+    answers = await asyncio.gather(*(run(args) for args in cases))
+    for args, (_, code, says), (got, out, err) in zip(cases, BAD_INPUTS, answers, strict=True):
         assert (got, out) == (code, ""), (args, err)
         assert err.startswith("poolctl: "), (args, err)
         assert err.count("\n") == 1, (args, err)  # one sentence, one line: never a traceback
