@@ -459,18 +459,9 @@ def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
             raise UsageError("--input goes with one job, not --from-file")
         if args.follow:
             raise UsageError("--follow goes with one job, not --from-file")
-        import orjson
+        from daemon.ctl.jobs_file import read_jobs
 
-        try:
-            lines = Path(args.from_file).read_bytes().splitlines()
-            specs = [orjson.loads(line) for line in lines if line.strip()]
-        except OSError as exc:
-            raise UsageError(f"cannot read jobs from {args.from_file}: {exc.strerror}") from None
-        except orjson.JSONDecodeError as exc:
-            raise UsageError(f"cannot read jobs from {args.from_file}: {exc}") from None
-        if not all(isinstance(s, dict) for s in specs):
-            raise UsageError(f"{args.from_file}: each line must be a JSON object (a job spec)")
-        return EnqueueBatch(specs)
+        return EnqueueBatch(read_jobs(args.from_file))
     return Enqueue(_spec(args), args.key)
 
 

@@ -194,6 +194,10 @@ BAD_INPUTS = [
     ),
     (("enqueue", "--queue", "bad queue!", "--", "true"), 2, "is not a queue name"),
     (("enqueue", "--timeout", "-5", "--", "true"), 2, "positive number of seconds"),
+    # issue 47 item 9: a bad --from-file line is named FILE:LINE (the files: test_a_bad_input_...)
+    (("enqueue", "--from-file", "{tmp}/not-json.jsonl"), 2, "{tmp}/not-json.jsonl:3: not JSON ("),
+    (("enqueue", "--from-file", "{tmp}/array.jsonl"), 2, "{tmp}/array.jsonl:2: a JSON array, not an object"),
+    (("enqueue", "--from-file", "{tmp}/huge.jsonl"), 2, "{tmp}/huge.jsonl:2: a job spec of 20.0 MiB, more"),
     # issue 47 item 9: a mistake argparse finds is its one line and where the usage is, no usage
     (("ls", "--limit", "many"), 2, "--limit: expected a whole number from 1 to 10000, not 'many' (see "),
     (("enqueue", "--gpus", "two", "--", "true"), 2, "--gpus: expected a whole number from 0 to 1024"),
@@ -225,8 +229,13 @@ BAD_INPUTS = [
 
 async def test_a_bad_input_gets_one_sentence_and_its_exit_code(pool: Pool, tmp_path: Path) -> None:
     """Each of BAD_INPUTS is refused in one line that says what was wrong, with its exit code.
-    issue 47 item 9: argparse's mistakes without the usage, and every numeric option range-checked."""
+    issue 47 item 9: argparse's mistakes without the usage, every numeric option range-checked,
+    and a --from-file line that is no job spec, or 20 MB, named FILE:LINE (not "unreachable")."""
     env = pool.env("alice")
+    job = b'{"argv": ["true"]}\n'
+    (tmp_path / "not-json.jsonl").write_bytes(job + b"\n" + b'{"argv": [tru\n')
+    (tmp_path / "array.jsonl").write_bytes(job + b'["true"]\n')
+    (tmp_path / "huge.jsonl").write_bytes(job + b'{"argv": ["%s"]}\n' % (b"x" * (20 * 2**20 - 14)))
     cases = [tuple(a.format(tmp=tmp_path) for a in template) for template, _, _ in BAD_INPUTS]
     side_by_side = asyncio.Semaphore(4)  # each is a fresh interpreter: their startups overlap
 
@@ -240,6 +249,24 @@ async def test_a_bad_input_gets_one_sentence_and_its_exit_code(pool: Pool, tmp_p
         assert err.startswith("poolctl: "), (args, err)
         assert err.count("\n") == 1, (args, err)  # one sentence, one line: never a traceback
         assert says.format(tmp=tmp_path) in err, (args, err)
+
+
+async def test_a_batch_too_large_for_one_message_says_its_size_and_the_limit(
+    pool: Pool, tmp_path: Path
+) -> None:
+    """issue 47 item 9: a request larger than the server takes in one message read "the server
+    at ... is closing this connection" (exit 3, as if the pool were down); it is a usage error,
+    exit 2, saying the request's size and the server's limit, and nothing is queued."""
+    env = pool.env("alice")
+    job = orjson.dumps({"argv": ["true"], "env": {"X": "x" * 60_000}}) + b"\n"  # each a spec it takes
+    (tmp_path / "many.jsonl").write_bytes(job * 300)
+    code, out, err = await poolctl(env, "enqueue", "--from-file", str(tmp_path / "many.jsonl"))
+    assert (code, out) == (2, "")
+    assert err == (
+        "poolctl: the request is 17.2 MiB, more than the 16.0 MiB the server takes in one message "
+        "(max_frame_size in its config): send less at once\n"
+    )
+    assert await pool.queue.list_jobs(None, include_finished=True, limit=10) == []
 
 
 async def test_a_token_file_others_can_read_is_refused_saying_how_to_mend_it(pool: Pool) -> None:
