@@ -12,6 +12,7 @@ import orjson
 
 from daemon.job import JobState, Outcome
 from daemon.queue.embedded_redis import EmbeddedRedis, free_port
+from tests.support.git_repo import git, make_repo
 from tests.support.pool import Pool, running_pool
 from tests.support.poolctl import poolctl
 
@@ -267,6 +268,35 @@ async def test_a_batch_too_large_for_one_message_says_its_size_and_the_limit(
         "(max_frame_size in its config): send less at once\n"
     )
     assert await pool.queue.list_jobs(None, include_finished=True, limit=10) == []
+
+
+async def test_git_at_a_commit_origin_lacks_is_refused_saying_how_to_push_it(
+    pool: Pool, tmp_path: Path
+) -> None:
+    """issue 47 item 9: `--git` at a commit origin lacks warned, then queued a job that had to fail
+    (no worker can fetch that commit). It is refused, exit 2, as `--gpus` with no such worker is,
+    saying how to push it or what to pass instead, and nothing is queued; once pushed, it is."""
+    env = pool.env("alice")
+    repo, origin = tmp_path / "repo", tmp_path / "origin.git"
+    make_repo(repo)
+    git(tmp_path, "clone", "--quiet", "--bare", str(repo), str(origin))
+    git(repo, "remote", "add", "origin", str(origin))
+    git(repo, "fetch", "--quiet", "origin")
+    (repo / "version.txt").write_text("three\n")
+    git(repo, "commit", "--quiet", "-am", "three")  # on no branch of origin yet
+    head = git(repo, "rev-parse", "HEAD")
+    code, out, err = await poolctl(env, "enqueue", "--git", "--", "true", cwd=repo)
+    assert (code, out) == (2, "")
+    assert err == (
+        f"poolctl: --git: commit {head[:12]} is on no branch of origin, so no worker can fetch it; "
+        "the job was not queued: push it first (git push), pass --ref with a commit origin has, "
+        "or leave --git out to send the working tree with the job\n"
+    )
+    assert await pool.queue.list_jobs(None, include_finished=True, limit=10) == []
+    git(repo, "push", "--quiet", "origin", "main")
+    code, out, err = await poolctl(env, "enqueue", "--git", "--", "true", cwd=repo)
+    assert code == 0, err
+    assert (await pool.queue.list_jobs(None, limit=10))[0].spec.git == {"repo": str(origin), "commit": head}
 
 
 async def test_a_token_file_others_can_read_is_refused_saying_how_to_mend_it(pool: Pool) -> None:
