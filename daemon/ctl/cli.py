@@ -105,7 +105,7 @@ def _add_ls(sub: Any) -> None:  # argparse's _SubParsersAction, which it does no
     ls.add_argument("-n", "--views", type=whole(0), default=0, metavar="N", help="with --watch: stop after N")
 
 
-def parser() -> argparse.ArgumentParser:
+def parser() -> Parser:
     p = Parser(prog="poolctl", description="Queue and follow jobs on a gpupool pool.")
     p.add_argument(
         "--server",
@@ -185,7 +185,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
-    args = p.parse_args(argv)
+    args = p.parse_all(argv)
     if args.command == "completion":  # a script, or the words a script asks for (never an error)
         from daemon.ctl import completion
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 
@@ -21,6 +22,16 @@ class Parser(argparse.ArgumentParser):
         """One line and exit status 2 (a usage error): what was wrong, and where the usage is."""
         what = message.removeprefix("argument ")
         self.exit(2, f"poolctl: {what} (see {self.prog} --help)\n")
+
+    def parse_all(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
+        """parse_args, except that an argument no command takes is refused by the command's own
+        parser, whose --help lists what it does take (argparse leaves that to poolctl's)."""
+        args, extra = self.parse_known_args(argv)
+        if extra:
+            commands = next(a for a in self._actions if isinstance(a, argparse._SubParsersAction))
+            command: argparse.ArgumentParser = commands.choices[getattr(args, commands.dest)]
+            command.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args
 
     def add_argument(self, *name_or_flags: str, **kwargs: Any) -> argparse.Action:
         """An option; one that takes a number must say its range, with a `Number` type."""

@@ -202,7 +202,8 @@ BAD_INPUTS = [
     # issue 47 item 9: a mistake argparse finds is its one line and where the usage is, no usage
     (("ls", "--limit", "many"), 2, "--limit: expected a whole number from 1 to 10000, not 'many' (see "),
     (("enqueue", "--gpus", "two", "--", "true"), 2, "--gpus: expected a whole number from 0 to 1024"),
-    (("ls", "--bogus"), 2, "unrecognized arguments: --bogus (see poolctl --help)"),
+    (("ls", "--bogus"), 2, "unrecognized arguments: --bogus (see poolctl ls --help)"),
+    (("--pool", "p", "ls", "x"), 2, "unrecognized arguments: x (see poolctl ls --help)"),
     (("show",), 2, "the following arguments are required: job (see poolctl show --help)"),
     ((), 2, "the following arguments are required: COMMAND (see poolctl --help)"),
     (("completion", "tcsh"), 2, "invalid choice: 'tcsh'"),
