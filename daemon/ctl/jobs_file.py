@@ -1,6 +1,10 @@
 """What `poolctl enqueue --from-file` reads: a job spec (a JSON object) a line, blank lines
 skipped. A line that is not one, or too large to send, is named FILE:LINE, as a compiler names
 the line of a mistake, so that a file of ten thousand jobs is mended where it is wrong.
+
+Each spec is checked here by the job model the server checks it with (daemon/job.py), since the
+server refuses a batch whole, without saying which of its jobs was wrong; the server still
+checks every spec, and what only it knows (the pool's bounds and queues, the user's ceiling).
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from typing import Any
 import orjson
 
 from daemon.client.session import mib
-from daemon.errors import GpupoolError
+from daemon.errors import GpupoolError, InvalidJob
+from daemon.job import JobSpec
 from protocol import DEFAULT_MAX_FRAME_SIZE, ErrorCode
 
 # The most one request carries by default (the server's max_frame_size; a spec is bounded far lower, by
@@ -68,4 +73,8 @@ def _spec(path: str, number: int, line: bytes) -> dict[str, Any] | None:
             f"{path}:{number}: a JSON {_JSON_NAMES.get(type(spec), 'value')}, not an object: each "
             "line must be a job spec, a JSON object"
         )
+    try:
+        JobSpec.from_dict(spec)  # the server's own check of each spec, run here to name the line
+    except InvalidJob as exc:
+        raise JobsFileError(f"{path}:{number}: {exc}") from None
     return spec

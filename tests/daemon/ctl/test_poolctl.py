@@ -198,6 +198,7 @@ BAD_INPUTS = [
     # issue 47 item 9: a bad --from-file line is named FILE:LINE (the files: test_a_bad_input_...)
     (("enqueue", "--from-file", "{tmp}/not-json.jsonl"), 2, "{tmp}/not-json.jsonl:3: not JSON ("),
     (("enqueue", "--from-file", "{tmp}/array.jsonl"), 2, "{tmp}/array.jsonl:2: a JSON array, not an object"),
+    (("enqueue", "--from-file", "{tmp}/no-gpus.jsonl"), 2, "{tmp}/no-gpus.jsonl:2: job gpus: must be an"),
     (("enqueue", "--from-file", "{tmp}/huge.jsonl"), 2, "{tmp}/huge.jsonl:2: a job spec of 20.0 MiB, more"),
     # issue 47 item 9: a mistake argparse finds is its one line and where the usage is, no usage
     (("ls", "--limit", "many"), 2, "--limit: expected a whole number from 1 to 10000, not 'many' (see "),
@@ -237,6 +238,7 @@ async def test_a_bad_input_gets_one_sentence_and_its_exit_code(pool: Pool, tmp_p
     job = b'{"argv": ["true"]}\n'
     (tmp_path / "not-json.jsonl").write_bytes(job + b"\n" + b'{"argv": [tru\n')
     (tmp_path / "array.jsonl").write_bytes(job + b'["true"]\n')
+    (tmp_path / "no-gpus.jsonl").write_bytes(job + b'{"argv": ["true"], "gpus": -1}\n')
     (tmp_path / "huge.jsonl").write_bytes(job + b'{"argv": ["%s"]}\n' % (b"x" * (20 * 2**20 - 14)))
     cases = [tuple(a.format(tmp=tmp_path) for a in template) for template, _, _ in BAD_INPUTS]
     side_by_side = asyncio.Semaphore(4)  # each is a fresh interpreter: their startups overlap
