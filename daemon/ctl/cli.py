@@ -61,6 +61,7 @@ Call = Callable[[Request, type[R]], R]  # one request, its reply: one_shot.call,
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH, EXIT_NOT_FOUND, EXIT_NOT_YOURS = 1, 2, 3, 4, 5, 6
 EXIT_TIMEOUT = 124
 MAX_VIEW_JOBS = 10_000  # the jobs `top` asks for: all there are, as far as the server lists
+MAX_VIEWS = 1_000_000  # -n: days of views at the shortest interval; 0 (until Ctrl-C) for more
 
 
 class UsageError(GpupoolError):
@@ -102,7 +103,9 @@ def _add_ls(sub: Any) -> None:  # argparse's _SubParsersAction, which it does no
         metavar="SECONDS",
         help="redraw it as it changes, every SECONDS (default 2) until Ctrl-C",
     )
-    ls.add_argument("-n", "--views", type=whole(0), default=0, metavar="N", help="with --watch: stop after N")
+    ls.add_argument(
+        "-n", "--views", type=whole(0, MAX_VIEWS), default=0, metavar="N", help="with --watch: stop after N"
+    )
 
 
 def parser() -> Parser:
@@ -154,7 +157,9 @@ def parser() -> Parser:
 
     top = sub.add_parser("top", help="a live full-screen view of queues, workers and running jobs")
     top.add_argument("-d", "--delay", type=seconds(), default=2.0, metavar="SECONDS", help="between views")
-    top.add_argument("-n", "--views", type=whole(0), default=0, metavar="N", help="stop after N views")
+    top.add_argument(
+        "-n", "--views", type=whole(0, MAX_VIEWS), default=0, metavar="N", help="stop after N views"
+    )
     top.add_argument("--json", action="store_true", help="one JSON object per view")
 
     sub.add_parser("workers", help="the pool's workers").add_argument("--json", action="store_true")

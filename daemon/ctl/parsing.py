@@ -76,20 +76,24 @@ class Number:
         """The values it takes, in words: "a whole number from 1 to 10000"."""
         noun = "a whole number" if self.kind is int else "a number"
         noun += f" of {self.unit}" if self.unit else ""
+        least, most = _written(self.least), None if self.most is None else _written(self.most)
         if self.above and self.least == 0:
             noun = noun.replace("a ", "a positive ", 1)
-            return noun if self.most is None else f"{noun} up to {self.most:g}"
-        if self.above:
-            least = f"above {self.least:g}"
-        elif self.most is None:
-            least = f"of at least {self.least:g}"
-        else:
-            return f"{noun} from {self.least:g} to {self.most:g}"
-        return f"{noun} {least}" + ("" if self.most is None else f" and at most {self.most:g}")
+            return noun if most is None else f"{noun} up to {most}"
+        if not self.above and most is not None:
+            return f"{noun} from {least} to {most}"
+        lower = f"above {least}" if self.above else f"of at least {least}"
+        return f"{noun} {lower}" + ("" if most is None else f" and at most {most}")
 
 
-def whole(least: int, most: int | None = None) -> Number:
-    """A whole number from `least` to `most`."""
+def _written(number: float) -> str:
+    """A bound as a person writes it: 1000000, 0.5 (not 1e+06, 1000000.0)."""
+    return str(int(number)) if number == int(number) else f"{number:g}"
+
+
+def whole(least: int, most: int) -> Number:
+    """A whole number from `least` to `most`: bounded above too, since a number past what the
+    wire carries (msgpack: 64 bits) would fail as it is sent, not as it is read."""
     return Number(int, least, most)
 
 
