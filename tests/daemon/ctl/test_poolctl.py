@@ -240,11 +240,11 @@ async def test_a_bad_input_gets_one_sentence_and_its_exit_code(pool: Pool, tmp_p
     issue 47 item 9: argparse's mistakes without the usage, every numeric option range-checked,
     and a --from-file line that is no job spec, or 20 MB, named FILE:LINE (not "unreachable")."""
     env = pool.env("alice")
-    job = b'{"argv": ["true"]}\n'
-    (tmp_path / "not-json.jsonl").write_bytes(job + b"\n" + b'{"argv": [tru\n')
-    (tmp_path / "array.jsonl").write_bytes(job + b'["true"]\n')
-    (tmp_path / "no-gpus.jsonl").write_bytes(job + b'{"argv": ["true"], "gpus": -1}\n')
-    (tmp_path / "huge.jsonl").write_bytes(job + b'{"argv": ["%s"]}\n' % (b"x" * (20 * 2**20 - 14)))
+    one = b'{"argv": ["true"]}\n'  # a good line, before the bad one
+    (tmp_path / "not-json.jsonl").write_bytes(one + b"\n" + b'{"argv": [tru\n')
+    (tmp_path / "array.jsonl").write_bytes(one + b'["true"]\n')
+    (tmp_path / "no-gpus.jsonl").write_bytes(one + b'{"argv": ["true"], "gpus": -1}\n')
+    (tmp_path / "huge.jsonl").write_bytes(one + b'{"argv": ["%s"]}\n' % (b"x" * (20 * 2**20 - 14)))
     cases = [tuple(a.format(tmp=tmp_path) for a in template) for template, _, _ in BAD_INPUTS]
     side_by_side = asyncio.Semaphore(4)  # each is a fresh interpreter: their startups overlap
 
