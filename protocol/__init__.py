@@ -11,7 +11,7 @@ from protocol.connection import (
     DEFAULT_MAX_IN_FLIGHT,
     State,
 )
-from protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
+from protocol.errors import ErrorCode, FrameTooLarge, LocalProtocolError, ProtocolError, RemoteProtocolError
 from protocol.events import (
     NEED_DATA,
     Authenticated,
@@ -103,6 +103,7 @@ __all__ = [
     "Event",
     "FinishUpload",
     "FollowLogs",
+    "FrameTooLarge",
     "GoodbyeReceived",
     "JobDetail",
     "JobEnded",

@@ -85,5 +85,19 @@ class LocalProtocolError(ProtocolError):
     """We were about to send something illegal: a bug in the caller, nothing went on the wire."""
 
 
+class FrameTooLarge(LocalProtocolError):
+    """A message larger than the peer takes in one frame: its `size` and the peer's `limit`, in
+    bytes, so that the caller can say what was too big and by how much."""
+
+    def __init__(self, kind: str, size: int, limit: int) -> None:
+        super().__init__(
+            ErrorCode.FRAME_TOO_LARGE,
+            f"A {kind} payload of {size} bytes exceeds the peer's limit of {limit} bytes; send less "
+            "per frame (page or stream the data).",
+        )
+        self.size = size
+        self.limit = limit
+
+
 class RemoteProtocolError(ProtocolError):
     """The peer sent something illegal; the connection answers with an ERROR frame and closes."""

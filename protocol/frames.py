@@ -24,7 +24,7 @@ from typing import Any, Final
 
 import msgpack
 
-from protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from protocol.errors import ErrorCode, FrameTooLarge, LocalProtocolError, RemoteProtocolError
 from protocol.record import Record
 
 __all__ = [
@@ -124,11 +124,7 @@ def encode_frame(
     if problem is not None:
         raise LocalProtocolError(ErrorCode.BAD_HEADER, f"Cannot send: {problem}.")
     if len(payload) > max_frame_size:
-        raise LocalProtocolError(
-            ErrorCode.FRAME_TOO_LARGE,
-            f"A {frame_type.name} payload of {len(payload)} bytes exceeds the peer's limit of "
-            f"{max_frame_size} bytes; send less per frame (page or stream the data).",
-        )
+        raise FrameTooLarge(frame_type.name, len(payload), max_frame_size)
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, frame_type, 0, 0, request_id, len(payload)) + payload
 
 

@@ -19,13 +19,12 @@ from typing import Any, TypeVar
 from daemon.address import unix_path
 from daemon.aio import cancel_and_wait
 from daemon.client import session
-from daemon.client.session import AuthFailed, ClientError, ServerUnreachable, parse_address
+from daemon.client.session import AuthFailed, ClientError, ServerUnreachable, not_sent, parse_address
 from protocol import (
     NEED_DATA,
     Authenticated,
     ConnectionClosed,
     ConnectionFailed,
-    ErrorCode,
     GoodbyeReceived,
     LocalProtocolError,
     PongReceived,
@@ -216,13 +215,8 @@ class PoolClient:
         async with self._slots:
             try:
                 rid, data = self.conn.request(request)
-            except LocalProtocolError as exc:
-                if exc.code is not ErrorCode.SHUTTING_DOWN:
-                    raise
-                # The server said goodbye (it is restarting or stopping) before this request left.
-                raise ServerUnreachable(
-                    f"the server at {self.address} is closing this connection; connect again"
-                ) from None
+            except LocalProtocolError as exc:  # too large, or the server said goodbye first
+                raise not_sent(exc, self.address) from None
             q: asyncio.Queue[_Item] = asyncio.Queue()
             self._pending[rid] = q
             self._writer.write(data)

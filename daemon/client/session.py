@@ -24,8 +24,10 @@ from protocol import (
     ErrorCode,
     Event,
     FollowLogs,
+    FrameTooLarge,
     ListJobs,
     ListWorkers,
+    LocalProtocolError,
     Ping,
     PrepareDownload,
     Request,
@@ -61,6 +63,36 @@ class ClosedAtHandshake(ServerUnreachable):
 
 
 TLS_PROBE_SECONDS = 2.0  # to connect again and finish a TLS handshake, when asking whether it speaks TLS
+
+
+class RequestTooLarge(ClientError):
+    """A request larger than the server takes in one message (its max_frame_size); nothing of it
+    was sent. `size` and `limit` are in bytes: a caller that knows what made it large says so."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(
+            f"the request is {mib(size)}, more than the {mib(limit)} the server takes in one "
+            "message (max_frame_size in its config): send less at once"
+        )
+        self.size = size
+        self.limit = limit
+
+
+def mib(nbytes: int) -> str:
+    """A size as a person reads it: "20.0 MiB"."""
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def not_sent(exc: LocalProtocolError, address: str) -> ClientError:
+    """Why a request could not leave: too large for the server, or the server said goodbye first
+    (it is restarting or stopping). Any other reason is a bug of the caller's, raised as it is."""
+    if isinstance(exc, FrameTooLarge):
+        return RequestTooLarge(exc.size, exc.limit)
+    if exc.code is ErrorCode.SHUTTING_DOWN:
+        return ServerUnreachable(f"the server at {address} is closing this connection; connect again")
+    raise exc
 
 
 def parse_address(address: str) -> tuple[str, int]:

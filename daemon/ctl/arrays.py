@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 MAX_JOBS = 10_000  # one batch (the server's MAX_BATCH)
+MAX_INDEX = 2**31  # the job model's bound on $GPUPOOL_ARRAY_INDEX (daemon/job.py array_index)
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -34,11 +35,15 @@ def parse_array(text: str) -> tuple[list[int], int]:
         lo, hi = int(m[1]), int(m[2] if m[2] is not None else m[1])
         if hi < lo:
             raise ArrayError(f"--array {text!r}: {part} runs backwards")
-        indices += range(lo, hi + 1)
-        if len(indices) > MAX_JOBS:
+        if hi > MAX_INDEX:
+            raise ArrayError(f"--array {text!r}: an index is at most {MAX_INDEX}")
+        if len(indices) + hi - lo + 1 > MAX_JOBS:  # counted before the range is made: 0-1000000000
             raise ArrayError(f"--array {text!r}: at most {MAX_JOBS} jobs in one array")
-    if limit and (not limit.isdigit() or int(limit) < 1):
-        raise ArrayError(f"--array {text!r}: %N is the most to run at once, a whole number from 1")
+        indices += range(lo, hi + 1)
+    if limit and (not limit.isdigit() or not 1 <= int(limit) <= MAX_JOBS):
+        raise ArrayError(
+            f"--array {text!r}: %N is the most to run at once, a whole number from 1 to {MAX_JOBS}"
+        )
     if len(set(indices)) != len(indices):
         raise ArrayError(f"--array {text!r}: an index is given twice")
     return indices, int(limit or 0)

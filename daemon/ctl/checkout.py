@@ -2,8 +2,9 @@
 
 It pins what the job runs when it is submitted, so later commits change nothing: `--git` without
 a repository resolves this checkout's origin (or its path, for a pool on this machine) at the
-commit HEAD (or `--ref`) is now. (The working tree as it is, uncommitted files included, goes with
-a job by default: daemon/ctl/project.py.) Every git call goes through daemon/git.py.
+commit HEAD (or `--ref`) is now; a commit that origin lacks is refused, since no worker could
+fetch it. (The working tree as it is, uncommitted files included, goes with a job by default:
+daemon/ctl/project.py.) Every git call goes through daemon/git.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ class NotACheckout(GitError):
     code = ErrorCode.INVALID_ARGUMENT
 
 
+class UnpushedCommit(GitError):
+    """`--git` without a repository names a commit its origin lacks: a job pinned to it would be
+    queued only to fail, since no worker can fetch it."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+
 async def _in_checkout(option: str, cwd: Path | None, *args: str, strip: bool = True) -> str:
     try:
         return await git(*args, cwd=cwd, strip=strip)
@@ -32,7 +40,8 @@ async def _in_checkout(option: str, cwd: Path | None, *args: str, strip: bool = 
 async def git_source(repo: str, ref: str | None, cwd: Path | None = None) -> dict[str, str]:
     """The spec's `git` entry for `--git [REPO] [--ref REF]`. With REPO, a full commit id is pinned as
     given and anything else is a ref the worker resolves; without REPO, this checkout at the exact
-    commit HEAD (or REF) names now, with a warning on stderr for what the job will not see."""
+    commit HEAD (or REF) names now, with a warning on stderr for uncommitted changes, which the job
+    will not see; UnpushedCommit if origin lacks that commit."""
     if repo:
         return (
             {"repo": repo, "commit": ref}
@@ -47,14 +56,15 @@ async def git_source(repo: str, ref: str | None, cwd: Path | None = None) -> dic
     commit = await run("rev-parse", "--verify", f"{ref or 'HEAD'}^{{commit}}")
     remotes = (await run("remote")).split()
     source = await run("remote", "get-url", "origin") if "origin" in remotes else top
+    if "origin" in remotes and not await run("branch", "-r", "--contains", commit):
+        raise UnpushedCommit(
+            f"--git: commit {commit[:12]} is on no branch of origin, so no worker can fetch "
+            "it; the job was not queued: push it first (git push), pass --ref with a commit "
+            "origin has, or leave --git out to send the working tree with the job"
+        )
     if await run("status", "--porcelain", "--untracked-files=no"):
         print(
             "poolctl: uncommitted changes are not part of the job: it runs commit " + commit[:12],
-            file=sys.stderr,
-        )
-    if "origin" in remotes and not await run("branch", "-r", "--contains", commit):
-        print(
-            f"poolctl: commit {commit[:12]} is on no branch of origin: push it, or no worker can fetch it",
             file=sys.stderr,
         )
     return {"repo": source, "commit": commit}

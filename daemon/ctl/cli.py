@@ -21,6 +21,7 @@ from daemon.client import session
 from daemon.client.session import AuthFailed, ClientError, ServerUnreachable
 from daemon.ctl import one_shot, render
 from daemon.ctl.enqueue_args import add_enqueue
+from daemon.ctl.parsing import Parser, seconds, whole
 from daemon.ctl.pilot import add_pilot
 from daemon.errors import GpupoolError, NotYours
 from daemon.listing import MORE
@@ -60,6 +61,7 @@ Call = Callable[[Request, type[R]], R]  # one request, its reply: one_shot.call,
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH, EXIT_NOT_FOUND, EXIT_NOT_YOURS = 1, 2, 3, 4, 5, 6
 EXIT_TIMEOUT = 124
 MAX_VIEW_JOBS = 10_000  # the jobs `top` asks for: all there are, as far as the server lists
+MAX_VIEWS = 1_000_000  # -n: days of views at the shortest interval; 0 (until Ctrl-C) for more
 
 
 class UsageError(GpupoolError):
@@ -94,7 +96,7 @@ def _add_ls(sub: Any) -> None:  # argparse's _SubParsersAction, which it does no
     ls.add_argument("--state", "-s")
     _add_selection(ls, "list")
     ls.add_argument("--all", "-a", action="store_true", help="include finished jobs")
-    ls.add_argument("--limit", type=int, default=1000)
+    ls.add_argument("--limit", type=whole(1, MAX_VIEW_JOBS), default=1000, metavar="N")
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
     ls.add_argument(
         "--format",
@@ -107,16 +109,18 @@ def _add_ls(sub: Any) -> None:  # argparse's _SubParsersAction, which it does no
         "--watch",
         "-w",
         nargs="?",
-        type=float,
+        type=seconds(),
         const=2.0,
         metavar="SECONDS",
         help="redraw it as it changes, every SECONDS (default 2) until Ctrl-C",
     )
-    ls.add_argument("-n", "--views", type=int, default=0, metavar="N", help="with --watch: stop after N")
+    ls.add_argument(
+        "-n", "--views", type=whole(0, MAX_VIEWS), default=0, metavar="N", help="with --watch: stop after N"
+    )
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="poolctl", description="Queue and follow jobs on a gpupool pool.")
+def parser() -> Parser:
+    p = Parser(prog="poolctl", description="Queue and follow jobs on a gpupool pool.")
     p.add_argument(
         "--server",
         metavar="HOST:PORT",
@@ -166,12 +170,16 @@ def parser() -> argparse.ArgumentParser:
 
     wait = sub.add_parser("wait", help="wait for jobs to end; exit 0 only if all succeeded")
     wait.add_argument("jobs", nargs="*", metavar="JOB", help="none: nothing to wait for (exit 0)")
-    wait.add_argument("--timeout", type=float, metavar="SECONDS")
+    wait.add_argument(
+        "--timeout", type=seconds(above=False), metavar="SECONDS", help="stop waiting after this long"
+    )
     wait.add_argument("--json", action="store_true", help="each job's record as it ends, a line each")
 
     top = sub.add_parser("top", help="a live full-screen view of queues, workers and running jobs")
-    top.add_argument("-d", "--delay", type=float, default=2.0, metavar="SECONDS", help="between views")
-    top.add_argument("-n", "--views", type=int, default=0, metavar="N", help="stop after N views")
+    top.add_argument("-d", "--delay", type=seconds(), default=2.0, metavar="SECONDS", help="between views")
+    top.add_argument(
+        "-n", "--views", type=whole(0, MAX_VIEWS), default=0, metavar="N", help="stop after N views"
+    )
     top.add_argument("--json", action="store_true", help="one JSON object per view")
 
     sub.add_parser("workers", help="the pool's workers").add_argument("--json", action="store_true")
@@ -204,7 +212,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
-    args = p.parse_args(argv)
+    args = p.parse_all(argv)
     if args.command == "completion":  # a script, or the words a script asks for (never an error)
         from daemon.ctl import completion
 
@@ -534,18 +542,9 @@ def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
             raise UsageError("--input goes with one job, not --from-file")
         if args.follow:
             raise UsageError("--follow goes with one job, not --from-file")
-        import orjson
+        from daemon.ctl.jobs_file import read_jobs
 
-        try:
-            lines = Path(args.from_file).read_bytes().splitlines()
-            specs = [orjson.loads(line) for line in lines if line.strip()]
-        except OSError as exc:
-            raise UsageError(f"cannot read jobs from {args.from_file}: {exc.strerror}") from None
-        except orjson.JSONDecodeError as exc:
-            raise UsageError(f"cannot read jobs from {args.from_file}: {exc}") from None
-        if not all(isinstance(s, dict) for s in specs):
-            raise UsageError(f"{args.from_file}: each line must be a JSON object (a job spec)")
-        return EnqueueBatch(specs)
+        return EnqueueBatch(read_jobs(args.from_file))
     return Enqueue(_spec(args), args.key)
 
 
@@ -796,9 +795,7 @@ def _watch(to: Link, args: argparse.Namespace) -> int:
     from daemon.ctl import live
 
     top = args.command == "top"
-    interval = args.delay if top else args.watch
-    if interval <= 0 or args.views < 0:
-        raise UsageError("the interval must be above 0 seconds, and -n at least 0 (0: until Ctrl-C)")
+    interval = args.delay if top else args.watch  # above 0, and -n at least 0: their types say
     if top:
         request = WatchPool(None, None, False, MAX_VIEW_JOBS, interval, args.views)
         return live.watch(to, request, top=True, columns=None, as_json=args.json)

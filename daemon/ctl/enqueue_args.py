@@ -12,7 +12,11 @@ import re
 from decimal import Decimal
 from typing import Any
 
-GPU_MEM_MAX = 2**50  # daemon/job.py's limit, said again so that ctl need not import the job model
+from daemon.ctl.parsing import seconds, whole
+
+# daemon/job.py's limits, said again so that ctl need not import the job model (a test checks)
+GPU_MEM_MAX = 2**50
+GPUS_MAX, ATTEMPTS_MAX, PRIORITY_MAX, STOP_GRACE_MAX = 1024, 100, 100, 3600.0
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?|\.\d+)\s*(?:(?P<unit>[kmgt])(?:i?b)?|b)?", re.IGNORECASE)
 
@@ -35,7 +39,7 @@ def gpu_mem_size(text: str) -> int:
 def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it does not export
     e = sub.add_parser("enqueue", help="queue a job: poolctl enqueue [options] -- CMD [ARG...]")
     e.add_argument("--queue", "-q", default="default")
-    e.add_argument("--gpus", type=int, default=0, help="GPUs the job needs")
+    e.add_argument("--gpus", type=whole(0, GPUS_MAX), default=0, help="GPUs the job needs")
     e.add_argument(
         "--gpu-mem",
         type=gpu_mem_size,
@@ -89,7 +93,7 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
         help="the default now: the same as leaving it out, except that it refuses to run outside "
         "a project (kept for the scripts that give it)",
     )
-    e.add_argument("--timeout", type=float, metavar="SECONDS", help="stop the job after this long")
+    e.add_argument("--timeout", type=seconds(), metavar="SECONDS", help="stop the job after this long")
     e.add_argument(
         "--stop-signal",
         "--signal",
@@ -101,19 +105,21 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
     e.add_argument(
         "--stop-grace",
         "--checkpoint-grace",
-        type=float,
+        type=seconds(most=STOP_GRACE_MAX),
         metavar="SECONDS",
         help="how long the job has after that signal, to save its state, before SIGKILL "
         "(default: the worker's kill_grace; at most 3600)",
     )
     e.add_argument(
         "--checkpoint-every",
-        type=float,
+        type=seconds(),
         metavar="SECONDS",
         help="save $GPUPOOL_CHECKPOINT_DIR this often while the job runs (it is saved at every "
         "attempt's end anyway; the next attempt starts with the newest save)",
     )
-    e.add_argument("--retries", type=int, default=0, help="extra attempts after a non-zero exit")
+    e.add_argument(
+        "--retries", type=whole(0, ATTEMPTS_MAX), default=0, help="extra attempts after a non-zero exit"
+    )
     e.add_argument(
         "--array",
         metavar="0-99[%N]",
@@ -138,13 +144,16 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
     )
     e.add_argument(
         "--priority",
-        type=int,
+        type=whole(0, PRIORITY_MAX),
         default=0,
         metavar="N",
         help="start before the queue's jobs of lower priority (0-100, up to your ceiling; default 0)",
     )
     e.add_argument(
-        "--max-attempts", type=int, default=3, help="attempts lost to dead workers before giving up"
+        "--max-attempts",
+        type=whole(1, ATTEMPTS_MAX),
+        default=3,
+        help="attempts lost to dead workers before giving up",
     )
     e.add_argument(
         "--no-env",

@@ -85,8 +85,8 @@ def _call(  # noqa: PLR0917
     try:
         try:
             request_id, data = conn.request(request)
-        except LocalProtocolError as exc:  # the server said goodbye before the request left
-            raise session.ServerUnreachable(f"the server at {address} is closing this connection") from exc
+        except LocalProtocolError as exc:  # too large, or the server said goodbye before it left
+            raise session.not_sent(exc, address) from None
         try:
             sock.sendall(data)
         except OSError as exc:  # some of it may have arrived: sent, as far as a retry is concerned

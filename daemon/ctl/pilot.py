@@ -43,12 +43,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from daemon.ctl.enqueue_args import GPUS_MAX
+from daemon.ctl.parsing import seconds, whole
 from daemon.errors import GpupoolError
 from protocol import ErrorCode
 
 SUBMIT = {"slurm": "sbatch", "pbs": "qsub"}
 DEFAULT_IDLE_EXIT = 600.0  # an idle pilot holds its allocation (and its user's share) for this long
 SUBMIT_TIMEOUT = 60.0  # seconds one sbatch/qsub may take (they retry a busy controller themselves)
+MAX_PILOTS = 10_000  # --count: Slurm's own default MaxJobCount; more is a typo, not a plan
 
 
 class PilotError(GpupoolError):
@@ -66,8 +69,12 @@ def add_pilot(sub: Any) -> None:
     p.add_argument("scheduler", choices=sorted(SUBMIT), help="the cluster's batch system")
     p.add_argument("--config", required=True, metavar="FILE", help="the workers' pool.toml (mode 600)")
     p.add_argument("--walltime", required=True, metavar="H:MM:SS", help="each pilot's walltime")
-    p.add_argument("--count", type=int, default=1, metavar="N", help="pilots to submit (default 1)")
-    p.add_argument("--gpus-per-node", type=int, default=1, metavar="G", help="GPUs each pilot asks for")
+    p.add_argument(
+        "--count", type=whole(1, MAX_PILOTS), default=1, metavar="N", help="pilots to submit (default 1)"
+    )
+    p.add_argument(
+        "--gpus-per-node", type=whole(0, GPUS_MAX), default=1, metavar="G", help="GPUs each pilot asks for"
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--partition", metavar="P", help="Slurm partition (or PBS queue)")
     where.add_argument("--queue", metavar="Q", help="PBS queue (or Slurm partition)")
@@ -75,13 +82,13 @@ def add_pilot(sub: Any) -> None:
     p.add_argument("--name", default="gpupool-pilot", help="the batch jobs' name")
     p.add_argument(
         "--max-lifetime",
-        type=float,
+        type=seconds(),
         metavar="SECONDS",
         help="when each pilot has left (default: the walltime less a margin for its start and end)",
     )
     p.add_argument(
         "--idle-exit",
-        type=float,
+        type=seconds(above=False),
         default=DEFAULT_IDLE_EXIT,
         metavar="SECONDS",
         help=f"a pilot with no job for this long leaves (default {DEFAULT_IDLE_EXIT:g}; 0: never)",
@@ -96,8 +103,6 @@ def add_pilot(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the script; print it (--dry-run) or submit it `--count` times, printing each job id."""
-    if args.count < 1 or args.gpus_per_node < 0 or args.idle_exit < 0:
-        raise PilotError("--count must be at least 1, --gpus-per-node and --idle-exit at least 0")
     walltime = parse_walltime(args.walltime)
     config = Path(args.config).expanduser().resolve()
     user = serve_user(args)

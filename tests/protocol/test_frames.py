@@ -6,7 +6,7 @@ import struct
 import msgpack
 import pytest
 
-from protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from protocol.errors import ErrorCode, FrameTooLarge, LocalProtocolError, RemoteProtocolError
 from protocol.frames import (
     HEADER_SIZE,
     MAX_CONTAINERS,
@@ -169,9 +169,13 @@ def test_long_stream_is_consumed_incrementally() -> None:
 
 
 def test_encode_checks() -> None:
-    with pytest.raises(LocalProtocolError) as caught:
+    with pytest.raises(FrameTooLarge) as too_large:  # its sizes, for the caller's sentence
         encode_frame(FrameType.REQUEST, 1, b"x" * 11, max_frame_size=10)
-    assert caught.value.code is ErrorCode.FRAME_TOO_LARGE
+    assert (too_large.value.code, too_large.value.size, too_large.value.limit) == (
+        ErrorCode.FRAME_TOO_LARGE,
+        11,
+        10,
+    )
     with pytest.raises(LocalProtocolError):
         encode_frame(FrameType.REQUEST, 1 << 32, b"")
     with pytest.raises(LocalProtocolError):

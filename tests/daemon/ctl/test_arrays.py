@@ -26,6 +26,11 @@ def test_indices_and_the_limit_are_read_as_slurm_writes_them() -> None:
     for bad in ("", "a-b", "3-1", "0-9%0", "0-9%x", "1,1", "0-20000"):
         with pytest.raises(ArrayError, match="--array"):
             parse_array(bad)
+    # issue 47 item 9: a %N or an index msgpack cannot pack (a traceback once sent), and a range
+    # refused only once it was made, a list of a billion (a hang)
+    for bad in ("0-3%" + "9" * 20, "9" * 20, "0-1000000000"):
+        with pytest.raises(ArrayError, match="--array"):
+            parse_array(bad)
 
 
 def test_a_sweep_is_the_cartesian_product_and_fills_the_command() -> None:

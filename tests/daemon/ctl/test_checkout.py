@@ -1,5 +1,6 @@
 """What poolctl reads of the user's checkout: `--git` without a repository pins this checkout's
-commit, and warns of what the job will not see."""
+commit, warns of what the job will not see, and refuses a commit its origin lacks (that one:
+test_poolctl.py, through poolctl)."""
 
 from __future__ import annotations
 

@@ -114,10 +114,14 @@ async def test_top_and_ls_watch_piped_print_each_view(pool: Pool) -> None:
 
 async def test_bad_intervals_are_refused_with_a_sentence(pool: Pool) -> None:
     env = pool.env("alice")
-    for args in (("ls", "--watch", "0"), ("top", "-d", "-1"), ("top", "-n", "-2")):
+    for args, says in (
+        (("ls", "--watch", "0"), "--watch/-w: expected a positive number of seconds, not '0'"),
+        (("top", "-d", "-1"), "-d/--delay: expected a positive number of seconds, not '-1'"),
+        (("top", "-n", "-2"), "-n/--views: expected a whole number from 0 to 1000000, not '-2'"),
+    ):
         code, _, err = await poolctl(env, *args)
         assert code == 2, args
-        assert "the interval must be above 0 seconds" in err
+        assert says in err
 
 
 async def test_wait_on_many_jobs_prints_each_as_it_ends(pool: Pool) -> None:

@@ -152,7 +152,7 @@ async def test_the_pbs_script_carries_what_qsub_must_read(tmp_path: Path) -> Non
         (("--walltime", "0:00:50"), 0o600, 2, "would have 20 s to live"),
         (("--walltime", "1:00:00", "--max-lifetime", "4000"), 0o600, 2, "at most the walltime"),
         (("--walltime", "1:00:00"), 0o640, 4, "readable by others (mode 640)"),
-        (("--walltime", "1:00:00", "--count", "0"), 0o600, 2, "--count must be at least 1"),
+        (("--walltime", "1:00:00", "--count", "0"), 0o600, 2, "--count: expected a whole number from 1"),
     ],
     ids=["bare-number", "too-short", "outlives", "readable", "count"],
 )

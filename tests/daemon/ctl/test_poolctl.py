@@ -15,6 +15,7 @@ import pytest
 from daemon.job import JobSpec, JobState, Outcome
 from daemon.queue.embedded_redis import EmbeddedRedis, free_port
 from daemon.server import handlers
+from tests.support.git_repo import git, make_repo
 from tests.support.pool import Pool, running_pool
 from tests.support.poolctl import poolctl
 
@@ -218,24 +219,121 @@ BAD_INPUTS = [
     # {job} has ended (cancelled); {tmp}/a-file is a file
     (("get", "{job}", "{tmp}/a-file"), 2, "DEST {tmp}/a-file is not a directory"),
     (("get", "{job}", "{tmp}/a-file/sub"), 2, "DEST {tmp}/a-file/sub cannot be created (Not a directory)"),
+    # issue 47 item 9: a bad --from-file line is named FILE:LINE (the files: test_a_bad_input_...)
+    (("enqueue", "--from-file", "{tmp}/not-json.jsonl"), 2, "{tmp}/not-json.jsonl:3: not JSON ("),
+    (("enqueue", "--from-file", "{tmp}/array.jsonl"), 2, "{tmp}/array.jsonl:2: a JSON array, not an object"),
+    (("enqueue", "--from-file", "{tmp}/no-gpus.jsonl"), 2, "{tmp}/no-gpus.jsonl:2: job gpus: must be an"),
+    (("enqueue", "--from-file", "{tmp}/huge.jsonl"), 2, "{tmp}/huge.jsonl:2: a job spec of 20.0 MiB, more"),
+    # issue 47 item 9: a mistake argparse finds is its one line and where the usage is, no usage
+    (("ls", "--limit", "many"), 2, "--limit: expected a whole number from 1 to 10000, not 'many' (see "),
+    (("enqueue", "--gpus", "two", "--", "true"), 2, "--gpus: expected a whole number from 0 to 1024"),
+    (("ls", "--bogus"), 2, "unrecognized arguments: --bogus (see poolctl ls --help)"),
+    (("--pool", "p", "ls", "x"), 2, "unrecognized arguments: x (see poolctl ls --help)"),
+    (("show",), 2, "the following arguments are required: job (see poolctl show --help)"),
+    ((), 2, "the following arguments are required: COMMAND (see poolctl --help)"),
+    (("completion", "tcsh"), 2, "invalid choice: 'tcsh'"),
+    # issue 47 item 9: every number of every command in its range (daemon/ctl/parsing.py)
+    (("ls", "--limit", "-1"), 2, "--limit: expected a whole number from 1 to 10000, not '-1'"),
+    (("ls", "--limit", "0"), 2, "--limit: expected a whole number from 1 to 10000, not '0'"),
+    (("ls", "--watch", "0"), 2, "--watch/-w: expected a positive number of seconds, not '0'"),
+    (("ls", "--watch", "1", "-n", "-1"), 2, "-n/--views: expected a whole number from 0 to 1000000"),
+    (("ls", "--watch", "1", "-n", "9" * 20), 2, "-n/--views: expected a whole number from 0 to 1000000"),
+    (("wait", "--timeout", "-5", "default.zzzzzzzzzzzz"), 2, "--timeout: expected a number of seconds of"),
+    (("wait", "--timeout", "nan", "default.zzzzzzzzzzzz"), 2, "at least 0, not 'nan'"),
+    (("top", "-d", "inf"), 2, "-d/--delay: expected a positive number of seconds, not 'inf'"),
+    (("top", "-n", "-2"), 2, "-n/--views: expected a whole number from 0 to 1000000, not '-2'"),
+    (("enqueue", "--gpus", "1025", "--", "true"), 2, "--gpus: expected a whole number from 0 to 1024"),
+    (("enqueue", "--priority", "101", "--", "true"), 2, "--priority: expected a whole number from 0 to 100"),
+    (("enqueue", "--retries", "-1", "--", "true"), 2, "--retries: expected a whole number from 0 to 100"),
+    (("enqueue", "--max-attempts", "0", "--", "true"), 2, "--max-attempts: expected a whole number from 1"),
+    (("enqueue", "--stop-grace", "3601", "--", "true"), 2, "positive number of seconds up to 3600"),
+    (("enqueue", "--checkpoint-every", "0", "--", "true"), 2, "--checkpoint-every: expected a positive"),
+    (("pilot", "slurm", "--config", "c", "--walltime", "1:00:00", "--count", "0"), 2, "--count: expected"),
+    (
+        ("pilot", "pbs", "--config", "c", "--walltime", "1:00:00", "--gpus-per-node", "-1"),
+        2,
+        "from 0 to 1024",
+    ),
+    (("pilot", "pbs", "--config", "c", "--walltime", "1:00:00", "--max-lifetime", "0"), 2, "a positive"),
+    (("pilot", "pbs", "--config", "c", "--walltime", "1:00:00", "--idle-exit", "-1"), 2, "--idle-exit: "),
 ]
 
 
 async def test_a_bad_input_gets_one_sentence_and_its_exit_code(pool: Pool, tmp_path: Path) -> None:
-    """Each of BAD_INPUTS; `get` into a DEST that is a file or cannot be made among them (issue 47
-    item 3: it printed a traceback)."""
+    """Each of BAD_INPUTS is refused in one line that says what was wrong, with its exit code.
+    issue 47 item 3: `get` into a DEST that is a file or cannot be made printed a traceback.
+    issue 47 item 9: argparse's mistakes without the usage, every numeric option range-checked,
+    and a --from-file line that is no job spec, or 20 MB, named FILE:LINE (not "unreachable")."""
     env = pool.env("alice")
     job = (await pool.queue.enqueue(JobSpec(argv=("true",), user="alice")))[0]
     await pool.queue.cancel(job)
     (tmp_path / "a-file").write_text("mine\n")
-    for template, code, says in BAD_INPUTS:
-        args = tuple(a.format(tmp=tmp_path, job=job) for a in template)
-        got, out, err = await poolctl(env, *args)
+    one = b'{"argv": ["true"]}\n'  # a good line, before the bad one
+    (tmp_path / "not-json.jsonl").write_bytes(one + b"\n" + b'{"argv": [tru\n')
+    (tmp_path / "array.jsonl").write_bytes(one + b'["true"]\n')
+    (tmp_path / "no-gpus.jsonl").write_bytes(one + b'{"argv": ["true"], "gpus": -1}\n')
+    (tmp_path / "huge.jsonl").write_bytes(one + b'{"argv": ["%s"]}\n' % (b"x" * (20 * 2**20 - 14)))
+    cases = [tuple(a.format(tmp=tmp_path, job=job) for a in template) for template, _, _ in BAD_INPUTS]
+    side_by_side = asyncio.Semaphore(4)  # each is a fresh interpreter: their startups overlap
+
+    async def run(args: tuple[str, ...]) -> tuple[int, str, str]:
+        async with side_by_side:
+            return await poolctl(env, *args)
+
+    answers = await asyncio.gather(*(run(args) for args in cases))
+    for args, (_, code, says), (got, out, err) in zip(cases, BAD_INPUTS, answers, strict=True):
         assert (got, out) == (code, ""), (args, err)
         assert err.startswith("poolctl: "), (args, err)
         assert err.count("\n") == 1, (args, err)  # one sentence, one line: never a traceback
         assert says.format(tmp=tmp_path) in err, (args, err)
     assert (tmp_path / "a-file").read_text() == "mine\n"
+
+
+async def test_a_batch_too_large_for_one_message_says_its_size_and_the_limit(
+    pool: Pool, tmp_path: Path
+) -> None:
+    """issue 47 item 9: a request larger than the server takes in one message read "the server
+    at ... is closing this connection" (exit 3, as if the pool were down); it is a usage error,
+    exit 2, saying the request's size and the server's limit, and nothing is queued."""
+    env = pool.env("alice")
+    job = orjson.dumps({"argv": ["true"], "env": {"X": "x" * 60_000}}) + b"\n"  # each a spec it takes
+    (tmp_path / "many.jsonl").write_bytes(job * 300)
+    code, out, err = await poolctl(env, "enqueue", "--from-file", str(tmp_path / "many.jsonl"))
+    assert (code, out) == (2, "")
+    assert err == (
+        "poolctl: the request is 17.2 MiB, more than the 16.0 MiB the server takes in one message "
+        "(max_frame_size in its config): send less at once\n"
+    )
+    assert await pool.queue.list_jobs(None, include_finished=True, limit=10) == []
+
+
+async def test_git_at_a_commit_origin_lacks_is_refused_saying_how_to_push_it(
+    pool: Pool, tmp_path: Path
+) -> None:
+    """issue 47 item 9: `--git` at a commit origin lacks warned, then queued a job that had to fail
+    (no worker can fetch that commit). It is refused, exit 2, as `--gpus` with no such worker is,
+    saying how to push it or what to pass instead, and nothing is queued; once pushed, it is."""
+    env = pool.env("alice")
+    repo, origin = tmp_path / "repo", tmp_path / "origin.git"
+    make_repo(repo)
+    git(tmp_path, "clone", "--quiet", "--bare", str(repo), str(origin))
+    git(repo, "remote", "add", "origin", str(origin))
+    git(repo, "fetch", "--quiet", "origin")
+    (repo / "version.txt").write_text("three\n")
+    git(repo, "commit", "--quiet", "-am", "three")  # on no branch of origin yet
+    head = git(repo, "rev-parse", "HEAD")
+    code, out, err = await poolctl(env, "enqueue", "--git", "--", "true", cwd=repo)
+    assert (code, out) == (2, "")
+    assert err == (
+        f"poolctl: --git: commit {head[:12]} is on no branch of origin, so no worker can fetch it; "
+        "the job was not queued: push it first (git push), pass --ref with a commit origin has, "
+        "or leave --git out to send the working tree with the job\n"
+    )
+    assert await pool.queue.list_jobs(None, include_finished=True, limit=10) == []
+    git(repo, "push", "--quiet", "origin", "main")
+    code, out, err = await poolctl(env, "enqueue", "--git", "--", "true", cwd=repo)
+    assert code == 0, err
+    assert (await pool.queue.list_jobs(None, limit=10))[0].spec.git == {"repo": str(origin), "commit": head}
 
 
 async def test_a_token_file_others_can_read_is_refused_saying_how_to_mend_it(pool: Pool) -> None:
