@@ -20,9 +20,9 @@ from daemon import pools, tokens
 from daemon.client import session
 from daemon.client.session import AuthFailed, ClientError, ServerUnreachable
 from daemon.ctl import one_shot, render
-from daemon.ctl.enqueue_args import add_enqueue
-from daemon.ctl.parsing import Parser, seconds, whole
-from daemon.ctl.pilot import add_pilot
+from daemon.ctl.commands import MAX_VIEW_JOBS, parser
+from daemon.ctl.enqueue_spec import enqueue_request
+from daemon.ctl.parsing import UsageError
 from daemon.errors import GpupoolError, NotYours
 from daemon.listing import MORE
 from daemon.pools import choose
@@ -60,14 +60,6 @@ Call = Callable[[Request, type[R]], R]  # one request, its reply: one_shot.call,
 
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH, EXIT_NOT_FOUND, EXIT_NOT_YOURS = 1, 2, 3, 4, 5, 6
 EXIT_TIMEOUT = 124
-MAX_VIEW_JOBS = 10_000  # the jobs `top` asks for: all there are, as far as the server lists
-MAX_VIEWS = 1_000_000  # -n: days of views at the shortest interval; 0 (until Ctrl-C) for more
-
-
-class UsageError(GpupoolError):
-    """The command line asks for something poolctl cannot do; exits EXIT_USAGE."""
-
-    code = ErrorCode.INVALID_ARGUMENT
 
 
 # What each error's wire code means for the exit status; any other error is EXIT_FAILED.
@@ -77,137 +69,6 @@ EXIT_FOR_CODE: dict[int, int] = {
     ErrorCode.CONFLICT: EXIT_USAGE,  # an idempotency key reused for another spec
     ErrorCode.PERMISSION_DENIED: EXIT_NOT_YOURS,
 }
-
-
-def _add_selection(command: argparse.ArgumentParser, verb: str) -> None:
-    """The options that select jobs by their user and name (`ls`, `cancel`), as Slurm's."""
-    whose = command.add_mutually_exclusive_group()
-    whose.add_argument("--me", action="store_true", help=f"{verb} only your own jobs (squeue --me)")
-    whose.add_argument("--user", "-u", metavar="USER", help=f"{verb} only USER's jobs")
-    command.add_argument(
-        "--name", metavar="PATTERN", help=f"{verb} only the jobs whose NAME (as ls shows it) matches the glob"
-    )
-
-
-def _add_ls(sub: Any) -> None:  # argparse's _SubParsersAction, which it does not export
-    ls = sub.add_parser("ls", help="list queued and running jobs (like squeue)")
-    ls.add_argument("--queue", "-q")
-    ls.add_argument("--array", metavar="QUEUE@ID", help="only the jobs of this array (--array, --sweep)")
-    ls.add_argument("--state", "-s")
-    _add_selection(ls, "list")
-    ls.add_argument("--all", "-a", action="store_true", help="include finished jobs")
-    ls.add_argument("--limit", type=whole(1, MAX_VIEW_JOBS), default=1000, metavar="N")
-    ls.add_argument("--json", action="store_true", help="one JSON object per line")
-    ls.add_argument(
-        "--format",
-        "-o",
-        metavar="COLUMNS",
-        help=f"the columns to print, in order, e.g. id,state (of: {', '.join(render.JOB_COLUMNS)})",
-    )
-    ls.add_argument("--no-header", action="store_true", help="the rows alone")
-    ls.add_argument(
-        "--watch",
-        "-w",
-        nargs="?",
-        type=seconds(),
-        const=2.0,
-        metavar="SECONDS",
-        help="redraw it as it changes, every SECONDS (default 2) until Ctrl-C",
-    )
-    ls.add_argument(
-        "-n", "--views", type=whole(0, MAX_VIEWS), default=0, metavar="N", help="with --watch: stop after N"
-    )
-
-
-def parser() -> Parser:
-    p = Parser(prog="poolctl", description="Queue and follow jobs on a gpupool pool.")
-    p.add_argument(
-        "--server",
-        metavar="HOST:PORT",
-        help="pool server, or several of one pool, comma-separated (default: GPUPOOL_SERVER, or the "
-        "local pool)",
-    )
-    p.add_argument(
-        "--pool", metavar="NAME", help="a pool named in ~/.config/gpupool/pools.toml (or GPUPOOL_POOL)"
-    )
-    p.add_argument(
-        "--tls-ca", metavar="FILE", help="CA certificate to verify a TLS server (or GPUPOOL_TLS_CA)"
-    )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    add_enqueue(sub)
-
-    _add_ls(sub)
-
-    show = sub.add_parser("show", help="everything known about a job")
-    show.add_argument("job")
-    show.add_argument("--json", action="store_true")
-
-    logs = sub.add_parser("logs", help="a job's output; -f follows it live and exits with the job's code")
-    logs.add_argument("job")
-    logs.add_argument("-f", "--follow", action="store_true")
-
-    cancel = sub.add_parser(
-        "cancel",
-        help="cancel jobs, by id or by --me, --user, --name and --state (your own unless --user "
-        "names another's)",
-    )
-    cancel.add_argument("jobs", nargs="*", metavar="JOB")
-    _add_selection(cancel, "cancel")
-    cancel.add_argument("--state", "-s", help="cancel only the jobs in this state")
-    cancel.add_argument(
-        "--yes", "-y", action="store_true", help="cancel what the filters select without asking"
-    )
-    cancel.add_argument("--json", action="store_true", help="one JSON object per job")
-
-    requeue = sub.add_parser(
-        "requeue",
-        help="stop running jobs (SIGTERM, then SIGKILL after the worker's grace) and put them back "
-        "at the front of their queues, to run again with attempt + 1",
-    )
-    requeue.add_argument("jobs", nargs="+", metavar="JOB")
-    requeue.add_argument("--json", action="store_true", help="one JSON object per job")
-
-    wait = sub.add_parser("wait", help="wait for jobs to end; exit 0 only if all succeeded")
-    wait.add_argument("jobs", nargs="*", metavar="JOB", help="none: nothing to wait for (exit 0)")
-    wait.add_argument(
-        "--timeout", type=seconds(above=False), metavar="SECONDS", help="stop waiting after this long"
-    )
-    wait.add_argument("--json", action="store_true", help="each job's record as it ends, a line each")
-
-    top = sub.add_parser("top", help="a live full-screen view of queues, workers and running jobs")
-    top.add_argument("-d", "--delay", type=seconds(), default=2.0, metavar="SECONDS", help="between views")
-    top.add_argument(
-        "-n", "--views", type=whole(0, MAX_VIEWS), default=0, metavar="N", help="stop after N views"
-    )
-    top.add_argument("--json", action="store_true", help="one JSON object per view")
-
-    sub.add_parser("workers", help="the pool's workers").add_argument("--json", action="store_true")
-    add_pilot(sub)
-
-    put = sub.add_parser("put", help="upload a file or directory as a dataset (skipped if already stored)")
-    put.add_argument("path", metavar="PATH")
-    put.add_argument("--name", help="a name to use it by: poolctl enqueue --input NAME")
-    put.add_argument("--json", action="store_true")
-
-    get = sub.add_parser("get", help="download a finished job's artifacts and log")
-    get.add_argument("job")
-    get.add_argument("dest", nargs="?", metavar="DEST", help="directory (default: ./JOB)")
-    get.add_argument("--json", action="store_true", help="one JSON object per file written")
-
-    sub.add_parser("health", help="exit 0 when the server and its Redis answer (for scripts and probes)")
-    completion = sub.add_parser(
-        "completion",
-        help="shell completion: source <(poolctl completion bash) in ~/.bashrc; "
-        "source <(poolctl completion zsh) in ~/.zshrc; "
-        "poolctl completion fish > ~/.config/fish/completions/poolctl.fish",
-    )
-    completion.add_argument("shell", nargs="?", choices=["bash", "zsh", "fish"])
-    # what the scripts ask on a TAB (job ids, queue names), one a line; silent when it fails
-    completion.add_argument(
-        "--words", choices=["jobs", "cancellable", "queues", "pools"], help=argparse.SUPPRESS
-    )
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -293,7 +154,7 @@ def _run(args: argparse.Namespace) -> int:
         from daemon.ctl import pilot
 
         return pilot.run(args)
-    request = _enqueue_request(args) if args.command == "enqueue" else None  # checked before connecting
+    request = enqueue_request(args) if args.command == "enqueue" else None  # checked before connecting
     if args.command == "put" and not os.path.lexists(args.path):  # the command line's mistake
         raise UsageError(f"{args.path}: no such file or directory")
     if args.command == "cancel":
@@ -402,32 +263,6 @@ def _moves_data(args: argparse.Namespace) -> bool:
     return args.git is not None or bool(args.input)
 
 
-def _project_start(args: argparse.Namespace) -> Path | None:
-    """Where to look for the job's project (daemon/ctl/project.py), or None for none: `--workdir
-    DIR`, else here (a cheap look for a project first: outside one, nothing is asked of git), unless
-    the job runs elsewhere (--workdir none, --cwd, --git, --from-file)."""
-    from daemon.ctl.project_root import maybe_within, real
-
-    if args.workdir == "none":
-        if args.snapshot:
-            raise UsageError("--snapshot runs the job in its project; --workdir none in a scratch directory")
-        return None
-    if args.from_file:
-        if args.workdir or args.snapshot:
-            raise UsageError("--workdir and --snapshot go with one command, not --from-file")
-        return None
-    if args.workdir:
-        if not os.path.isdir(args.workdir):
-            raise UsageError(f"--workdir {args.workdir}: no such directory")
-        return real(Path(args.workdir))
-    here = real(Path.cwd())
-    if args.cwd or args.git is not None:
-        return here if args.snapshot else None  # --snapshot with them: refused by _spec
-    if args.snapshot or maybe_within(here, real(Path.home())):
-        return here
-    return None
-
-
 def _cancel(to: Link, args: argparse.Namespace) -> int:
     """Cancel the jobs named, or those the options select (daemon/ctl/selection.py)."""
     if args.jobs:
@@ -520,93 +355,6 @@ def _maybe_partly_queued(exc: ClientError, args: argparse.Namespace) -> None:
         from daemon.ctl.arrays import partly_queued
 
         print(f"poolctl: {partly_queued(array_id)}", file=sys.stderr)
-
-
-def _enqueue_request(args: argparse.Namespace) -> Enqueue | EnqueueBatch:
-    args.project_dir = _project_start(args)
-    if args.array or args.sweep:
-        if args.from_file or args.input or args.follow or args.key:
-            raise UsageError(
-                "--array and --sweep go with one command, not --from-file, --input, --follow or --key"
-            )
-        from daemon.ctl.arrays import ArrayError, array_specs, parse_array, parse_sweep
-
-        try:
-            indices, limit = parse_array(args.array) if args.array else (None, 0)
-            args.array_id, specs = array_specs(_spec(args), indices, parse_sweep(args.sweep), limit)
-        except ArrayError as exc:
-            raise UsageError(str(exc)) from None
-        return EnqueueBatch(specs)
-    if args.from_file:
-        if args.input:
-            raise UsageError("--input goes with one job, not --from-file")
-        if args.follow:
-            raise UsageError("--follow goes with one job, not --from-file")
-        from daemon.ctl.jobs_file import read_jobs
-
-        return EnqueueBatch(read_jobs(args.from_file))
-    return Enqueue(_spec(args), args.key)
-
-
-def _spec(args: argparse.Namespace) -> dict[str, Any]:
-    """The spec the command line describes, less what must be read or uploaded (git, inputs, the
-    project); refused here if its parts exclude each other (the server validates the whole spec;
-    this spares an upload that would be refused)."""
-    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
-    if not argv:
-        raise UsageError("nothing to run: give the command after --, e.g. poolctl enqueue -- python train.py")
-    env = {}
-    for item in args.env:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise UsageError(f"--env {item!r}: expected NAME=VALUE")
-        env[name] = value
-    spec: dict[str, Any] = {
-        "argv": argv,
-        "queue": args.queue,
-        "name": args.name,
-        "env": env,
-        "gpus": args.gpus,
-        "wait_for_worker": args.wait_for_worker,
-        "timeout": args.timeout,
-        "retries": args.retries,
-        "priority": args.priority,
-        "checkpoint_every": args.checkpoint_every,
-        "stop_signal": args.stop_signal,
-        "stop_grace": args.stop_grace,
-        "max_attempts": args.max_attempts,
-        "cwd": str(Path(args.cwd).resolve()) if args.cwd else None,
-    }
-    if args.gpu_mem:  # sent only when asked for: a server that does not know it refuses the field
-        spec["gpu_mem"] = args.gpu_mem
-    if args.notify:  # the same; checked here too, before any upload
-        spec["notify"] = _notify_url(args.notify)
-    if args.no_env:  # the same
-        spec["env_from_lock"] = False
-    if args.after:
-        spec["after"] = args.after
-    given = {
-        "cwd": args.cwd,
-        "git": args.git is not None,
-        "inputs": args.input,
-        "project": getattr(args, "project_dir", None) is not None,  # (_enqueue_request sets it)
-    }
-    from daemon.exclusive import check_combination, check_gpu_request  # only enqueue asks
-
-    check_combination({name for name, value in given.items() if value})
-    check_gpu_request(args.gpus, args.gpu_mem)
-    if args.ref and args.git is None:
-        raise UsageError("--ref goes with --git")
-    return spec
-
-
-def _notify_url(url: str) -> str:
-    from daemon.webhook import check_url  # only enqueue asks
-
-    try:
-        return check_url(url)
-    except ValueError as exc:
-        raise UsageError(f"--notify {url!r}: {exc}") from None
 
 
 async def _put(client: PoolClient, args: argparse.Namespace) -> int:

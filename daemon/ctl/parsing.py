@@ -14,6 +14,15 @@ import math
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from daemon.errors import GpupoolError
+from protocol import ErrorCode
+
+
+class UsageError(GpupoolError):
+    """The command line asks for something poolctl cannot do; exits EXIT_USAGE."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
 
 class Parser(argparse.ArgumentParser):
     """poolctl's parser and, through add_subparsers, each command's."""

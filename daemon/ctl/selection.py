@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from daemon.ctl import render
+from daemon.ctl.parsing import UsageError
 from daemon.job import TERMINAL_STATES
 from daemon.listing import MORE
 from protocol import CancelJobs, Cancelled, ListJobs
@@ -28,7 +29,6 @@ CANCELLED = ("cancelled", "cancelling")  # a cancel's answers for a job it stopp
 def request(args: argparse.Namespace, me: str) -> ListJobs:
     """The listing of what `cancel`'s options select: the active jobs (queued, running), of the
     caller unless --user names another."""
-    from daemon.ctl.cli import UsageError
 
     if args.state in TERMINAL_STATES:
         raise UsageError(
@@ -53,7 +53,7 @@ def cancel(
     """Cancel `jobs` (`what` the selection says in words) once the user agrees: a line per job as
     `cancel JOB` prints, and on stderr how many it cancelled. Exit status: 0, or EXIT_NOT_YOURS
     where some were another user's, EXIT_USAGE where nobody could be asked."""
-    from daemon.ctl.cli import EXIT_NOT_YOURS, UsageError
+    from daemon.ctl.cli import EXIT_NOT_YOURS
 
     if not jobs:
         print(f"poolctl: {what}: none: nothing to cancel", file=sys.stderr)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from daemon import job
-from daemon.ctl import cli, enqueue_args, render
+from daemon.ctl import commands, enqueue_args, render
+from daemon.ctl.enqueue_spec import spec_of
 from daemon.errors import InvalidJob
 from tests.support.pool import Pool
 from tests.support.poolctl import poolctl
@@ -43,7 +44,7 @@ def test_anything_else_is_not_a_size(text: str) -> None:
 
 def test_a_bad_size_is_a_usage_error_of_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
-        cli.parser().parse_args(["enqueue", "--gpu-mem", "lots", "--", "true"])
+        commands.parser().parse_args(["enqueue", "--gpu-mem", "lots", "--", "true"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err == (
@@ -53,14 +54,14 @@ def test_a_bad_size_is_a_usage_error_of_one_line(capsys: pytest.CaptureFixture[s
 
 
 def test_the_spec_carries_it_only_when_asked_and_never_with_gpus() -> None:
-    args = cli.parser().parse_args(["enqueue", "--gpu-mem", "20G", "--", "python", "train.py"])
-    spec = cli._spec(args)
+    args = commands.parser().parse_args(["enqueue", "--gpu-mem", "20G", "--", "python", "train.py"])
+    spec = spec_of(args)
     assert (spec["gpu_mem"], spec["gpus"]) == (20 * G, 0)
     assert job.JobSpec.from_dict(spec).gpu_mem == 20 * G
-    assert "gpu_mem" not in cli._spec(cli.parser().parse_args(["enqueue", "--gpus", "2", "--", "true"]))
-    both = cli.parser().parse_args(["enqueue", "--gpus", "1", "--gpu-mem", "20G", "--", "true"])
+    assert "gpu_mem" not in spec_of(commands.parser().parse_args(["enqueue", "--gpus", "2", "--", "true"]))
+    both = commands.parser().parse_args(["enqueue", "--gpus", "1", "--gpu-mem", "20G", "--", "true"])
     with pytest.raises(InvalidJob, match=r"--gpu-mem asks for memory on one shared GPU; drop --gpus"):
-        cli._spec(both)
+        spec_of(both)
 
 
 def test_poolctl_says_the_same_limit_as_the_job_model() -> None:
@@ -123,5 +124,5 @@ def test_the_issues_names_for_the_stop_signal_and_grace_are_the_same_options() -
     """Issue 17 writes `--signal` and `--checkpoint-grace`; poolctl's names are `--stop-signal` and
     `--stop-grace` (they stop a cancel and a timeout too): both spellings work."""
     argv = ["enqueue", "--signal", "USR1", "--checkpoint-grace", "120", "--", "python", "train.py"]
-    spec = cli._spec(cli.parser().parse_args(argv))
+    spec = spec_of(commands.parser().parse_args(argv))
     assert (spec["stop_signal"], spec["stop_grace"]) == ("USR1", 120.0)

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from daemon.ctl import cli
+from daemon.ctl.commands import parser as poolctl_parser
 from daemon.ctl.enqueue_args import gpu_mem_size
 from daemon.ctl.parsing import Number, Parser
 
@@ -23,7 +23,7 @@ def test_every_numeric_option_of_every_command_states_its_range() -> None:
     int or float takes any number; each is now a Number, whose range refuses such a value."""
     numeric = {
         f"{name} {action.option_strings[0]}": action.type
-        for name, parser in commands(cli.parser()).items()
+        for name, parser in commands(poolctl_parser()).items()
         for action in parser._actions
         if action.type in (int, float)
         or isinstance(action.type, Number)

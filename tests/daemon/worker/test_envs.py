@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.ctl import cli
+from daemon.ctl import commands
+from daemon.ctl.enqueue_spec import spec_of
 from daemon.errors import InvalidJob
 from daemon.job import JobInfo, JobSpec, JobState
 from daemon.queue.embedded_redis import EmbeddedRedis
@@ -346,10 +347,10 @@ def test_only_a_requirements_file_pinned_to_hashes_is_a_lock() -> None:
 def test_no_env_is_sent_only_when_asked_for() -> None:
     """issue 45 item 2: `poolctl enqueue --no-env` sends `env_from_lock: false`, which a spec
     keeps; a spec without it says nothing (a worker from before refuses a field it does not know)."""
-    spec = cli._spec(cli.parser().parse_args(["enqueue", "--no-env", "--", "python", "train.py"]))
+    spec = spec_of(commands.parser().parse_args(["enqueue", "--no-env", "--", "python", "train.py"]))
     assert spec["env_from_lock"] is False
     assert JobSpec.from_dict(spec).to_dict()["env_from_lock"] is False
-    plain = cli._spec(cli.parser().parse_args(["enqueue", "--", "python", "train.py"]))
+    plain = spec_of(commands.parser().parse_args(["enqueue", "--", "python", "train.py"]))
     assert "env_from_lock" not in plain
     assert "env_from_lock" not in JobSpec.from_dict(plain).to_dict()
     with pytest.raises(InvalidJob, match="env_from_lock"):
