@@ -135,11 +135,22 @@ CLOCK = "return redis.call('TIME')"
 
 
 async def list_workers(redis: AnyRedis) -> list[dict[str, Any]]:
+    """Every registered worker (`registered_workers`) with its `running`: what the queues know runs
+    there (their leases), not what its last heartbeat said, which may be a heartbeat's period old.
+    Sorted by host then id. Three round trips."""
+    out = await registered_workers(redis)
+    running = await running_by_worker(redis, sorted({q for r in out for q in r.get("queues") or ()}))
+    for record in out:
+        record["running"] = running.get(str(record.get("id")), 0)
+    return out
+
+
+async def registered_workers(redis: AnyRedis) -> list[dict[str, Any]]:
     """Every registered worker's record plus `last_heartbeat_age` (seconds, by Redis's clock; None
     if it never beat) and `health`: healthy or draining as it said; late when it has missed
     LATE_AFTER_BEATS of its heartbeats; dead when silent for longer than its healthy period. Its
-    `running` is what the queues know runs there (their leases), not what its last heartbeat said,
-    which may be a heartbeat's period old. Sorted by host then id. Three round trips."""
+    `running` as its last heartbeat said. Sorted by host then id. One round trip: what a check of
+    what the workers serve needs, at every enqueue."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.hgetall(keys.WORKERS)
         pipe.zrange(keys.WORKERS_SEEN, 0, -1, withscores=True)
@@ -162,9 +173,6 @@ async def list_workers(redis: AnyRedis) -> list[dict[str, Any]]:
         else:
             record["health"] = str(record.get("state", HEALTHY))
         out.append(record)
-    running = await running_by_worker(redis, sorted({q for r in out for q in r.get("queues") or ()}))
-    for record in out:
-        record["running"] = running.get(str(record.get("id")), 0)
     out.sort(key=lambda r: (str(r.get("host", "")), str(r.get("id", ""))))
     return out
 

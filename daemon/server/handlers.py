@@ -35,6 +35,7 @@ from daemon.metrics.server import ServerMetrics
 from daemon.object_store import artifact_job
 from daemon.queue.failures import out_of_memory
 from daemon.queue.job_queue import JobQueue
+from daemon.queue.registry import registered_workers
 from daemon.queue.terminal_events import JobEvents
 from daemon.server.agents import Agents
 from daemon.server.bounds import SubmitBounds
@@ -440,7 +441,7 @@ class Handlers:
         checked = [s for s in specs if not s.wait_for_worker]
         if not checked:
             return
-        workers = await self.workers()
+        workers = await registered_workers(self.queue.redis)  # what they serve, not what runs
         served = {q for w in workers for q in w.get("queues") or ()}
         for spec in checked:
             if workers and spec.queue not in served:
@@ -501,7 +502,7 @@ class Handlers:
         known = set(await self.queue.queues())
         if name in known:
             return
-        known |= {q for w in await self.workers() for q in w.get("queues") or ()}
+        known |= {q for w in await registered_workers(self.queue.redis) for q in w.get("queues") or ()}
         if name not in known:
             raise GpupoolError(
                 f"no queue {name!r} in this pool: no job was ever queued there and no worker serves it "
