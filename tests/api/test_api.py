@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import io
+import re
 import signal
 import subprocess
 import sys
@@ -292,3 +295,19 @@ def test_logs_artifacts_and_the_executor(pool: gpupool.Pool, tmp_path: Path) -> 
     paths = job.artifacts(tmp_path / "got")
     assert (tmp_path / "got" / "said.txt").read_text() == "hi"
     assert tmp_path / "got" / "said.txt" in paths
+
+
+def test_the_readmes_from_python_example_runs(
+    as_alice: ApiPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue 48, README's "From Python": its example (the block marked doc-test: from-python) runs
+    as written against a real pool, here from a directory outside any project."""
+    readme = (ROOT / "README.md").read_text()
+    (block,) = re.findall(r"<!-- doc-test: from-python -->\n```python\n(.*?)\n```", readme, re.S)
+    monkeypatch.chdir(tmp_path)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        exec(compile(block, "README.md", "exec"), {"__name__": "readme_example"})
+    job_line, loss_line = said.getvalue().splitlines()
+    assert job_line.startswith("default.")
+    assert float(loss_line) == pytest.approx(0.99**50)
