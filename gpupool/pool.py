@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from daemon.client.pool_client import ClientError, PoolClient
 from daemon.ctl import project_send
-from daemon.ctl.arrays import array_specs
+from daemon.ctl.arrays import MAX_JOBS, array_specs
 from daemon.errors import GpupoolError, NotYours
 from gpupool import _loop, shipping
 from gpupool.errors import BadArgument, Error, JobFailed
@@ -157,6 +157,10 @@ class Pool:
         job's options given (the executor's way in)."""
         if not calls:
             return []
+        if len(calls) > MAX_JOBS:
+            raise BadArgument(
+                f"{len(calls)} calls in one map; at most {MAX_JOBS} in one array: map them in parts"
+            )
         data = shipping.archive(fn, calls)
         return self._track(self._enqueue(options, data, len(calls), _name_of(fn)))
 

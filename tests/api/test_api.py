@@ -124,15 +124,24 @@ def _python(code: str, env: dict[str, str]) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+BANNED_TOPS = ("redis", "aiobotocore", "botocore")
+BANNED_ROOMS = ("daemon.server", "daemon.worker", "daemon.queue", "daemon.metrics", "daemon.object_store")
+
+
 def test_a_job_is_found_again_by_its_id_from_another_process(pool: gpupool.Pool, api_pool: ApiPool) -> None:
     """issue 48, "reattach by id from a new process": a process that never submitted the job
-    gets its result by its id alone (the result's artifact found from the job's record)."""
+    gets its result by its id alone (the result's artifact found from the job's record); and
+    loads nothing gpupool/ruff.toml bans (ruff sees only import statements)."""
     job = pool.submit(sleep_then, 0.3, {"answer": 42})
-    code = f"import gpupool; print(gpupool.connect(project=False).job({job.id!r}).result({WAIT}))"
+    code = (
+        f"import gpupool, sys; print(gpupool.connect(project=False).job({job.id!r}).result({WAIT})); "
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {BANNED_TOPS!r} "
+        f"or m.startswith({BANNED_ROOMS!r})))"
+    )
     with _python(code, api_pool.env("alice")) as proc:
         out, err = proc.communicate(timeout=WAIT)
     assert proc.returncode == 0, err
-    assert out.strip() == "{'answer': 42}"
+    assert out.splitlines() == ["{'answer': 42}", "[]"]
     assert job.result(WAIT) == {"answer": 42}
 
 
@@ -233,6 +242,7 @@ def test_bob_cannot_reattach_alices_job(api_pool: ApiPool, monkeypatch: pytest.M
         (lambda pool: pool.submit(add, threading.Lock(), 2), r"the arguments of add cannot be pickled"),
         (lambda pool: pool.map(add, [1], retries="x"), r"retries='x': a whole number"),
         (lambda pool: pool.executor(gpu=1), r"no job option 'gpu'"),
+        (lambda pool: pool.map(str, range(10_001)), r"at most 10000 in one array"),
         (lambda pool: pool.run("python train.py"), r"the command as a list of strings"),
         (lambda pool: pool.job("default.nosuchjob"), r"no job 'default.nosuchjob' in this pool"),
     ],
