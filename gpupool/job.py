@@ -14,7 +14,7 @@ import concurrent.futures
 import queue
 from collections.abc import Generator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from daemon.job import TERMINAL_STATES
 from gpupool import _loop
@@ -61,7 +61,13 @@ class Job(concurrent.futures.Future[Any]):
         self.pool.forget(self.id)
         return super().cancel()
 
-    def logs(self, follow: bool = False) -> Any:
+    @overload
+    def logs(self, follow: Literal[False] = False) -> str: ...
+
+    @overload
+    def logs(self, follow: Literal[True]) -> Iterator[str]: ...
+
+    def logs(self, follow: bool = False) -> str | Iterator[str]:
         """The job's output so far, as text; with `follow`, an iterator of its output as it comes,
         until the job ends (one that has ended gives its whole log)."""
         if not follow:
@@ -101,6 +107,8 @@ class Job(concurrent.futures.Future[Any]):
         return [Path(path) for path, _ in _loop.run(fetch())]
 
     def __await__(self) -> Generator[Any, None, Any]:
+        """`await job`: its result, in asyncio code. The awaiting task cancelled (a timeout of
+        `asyncio.wait_for`) cancels the job too, as a Future's waiter does."""
         return asyncio.wrap_future(self).__await__()
 
 

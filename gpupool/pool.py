@@ -71,7 +71,8 @@ def _known(options: dict[str, Any]) -> dict[str, Any]:
 
 
 class Pool:
-    """A connected pool. Use it as a context manager, or `close()` it."""
+    """A connected pool. Use it as a context manager, or `close()` it. It belongs to the process
+    that connected: a forked child connects a pool of its own."""
 
     def __init__(self, to: Link, defaults: Options) -> None:
         self.link = to

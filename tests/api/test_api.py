@@ -184,12 +184,16 @@ def test_a_100_mb_result_comes_through_the_object_store(pool: gpupool.Pool) -> N
 
 async def test_inside_a_running_event_loop(pool: gpupool.Pool) -> None:
     """issue 48, "the API used inside a running event loop": blocking calls from a coroutine of
-    a running loop (as in a notebook) work, and so does `await job`."""
+    a running loop (as in a notebook) work, and so does `await job`; a wait cut short cancels."""
     asyncio.get_running_loop()  # a loop runs here
     assert pool.submit(add, 20, 22).result(WAIT) == 42
     assert await asyncio.wait_for(pool.submit(add, 1, 2), WAIT) == 3
     jobs = pool.map(str, [7, 8])
     assert await asyncio.gather(*jobs) == ["7", "8"]
+    slow = pool.submit(sleep_then, 60, "late")
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(slow, 0.1)
+    assert slow.cancelled()
 
 
 def test_another_user_cannot_read_a_jobs_call_or_result(pool: gpupool.Pool, api_pool: ApiPool) -> None:
