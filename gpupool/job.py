@@ -30,7 +30,9 @@ _END = object()  # the end of a followed log, in its queue
 class Job(concurrent.futures.Future[Any]):
     """A job of `pool`, by its id. `result()` is what its function returned (a command's job: its
     exit status, 0), or raises: the function's own exception, with the job's traceback as its
-    cause; gpupool.JobFailed when the job ended without a result; CancelledError after `cancel()`."""
+    cause; gpupool.JobFailed when the job ended without a result; CancelledError after `cancel()`.
+    Ctrl-C interrupts `result()` and `exception()`, and stops only the wait: the job goes on in the
+    pool, and `pool.job(job.id)` waits for it again."""
 
     def __init__(self, pool: Pool, job_id: str) -> None:
         super().__init__()
@@ -44,7 +46,7 @@ class Job(concurrent.futures.Future[Any]):
     def state(self) -> str:
         """The job's state in the pool now (queued, running, succeeded, failed, cancelled, dead),
         asked of the server."""
-        return self.record()["state"]  # type: ignore[no-any-return]
+        return str(self.record()["state"])
 
     def record(self) -> dict[str, Any]:
         """The job's record as the pool holds it (`poolctl show --json`'s)."""

@@ -253,8 +253,9 @@ class Pool:
         if record["state"] == "succeeded" and not shipping.is_function_job(record):
             return record.get("exit_code", 0)
         result = record.get("result") or {}
-        tail = result.get("tail") or []
-        raise JobFailed(record["id"], record["state"], record.get("detail") or "", "\n".join(tail))
+        why = [record.get("detail") or "", *(result.get("artifact_errors") or [])]  # an upload failed
+        tail = "\n".join(result.get("tail") or [])
+        raise JobFailed(record["id"], record["state"], "; ".join(w for w in why if w), tail)
 
     # -- the enqueue (on the API's loop) ------------------------------------------------------
 
