@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
+from hydra.errors import CompactHydraException
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -88,9 +89,15 @@ class GpupoolLauncher(Launcher):
             with open_dict(config):
                 config.hydra.job.num = num
             runs.append(Run(self.task_function, config, self.hydra_context, singleton_state))
-        with gpupool.connect(self.pool_name) as pool:
-            jobs = pool.map(run, runs, **self.job_options)
-            return [collect(job, one.config) for job, one in zip(jobs, runs, strict=True)]
+        try:
+            with gpupool.connect(self.pool_name) as pool:
+                jobs = pool.map(run, runs, **self.job_options)
+                log.info("Sent as %d jobs: %s", len(jobs), " ".join(job.id for job in jobs))
+                return [collect(job, one.config) for job, one in zip(jobs, runs, strict=True)]
+        except gpupool.Error as exc:
+            # No pool answering, options it cannot use, an output directory that could not come
+            # back: its sentence alone, as Hydra prints a mistake in its own configuration.
+            raise CompactHydraException(f"hydra/launcher=gpupool: {exc}") from exc
 
 
 def collect(job: gpupool.Job, config: DictConfig) -> JobReturn:

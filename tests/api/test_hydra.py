@@ -79,7 +79,11 @@ class RecordingSweeper(BasicSweeper):
 """
 
 SWEEP_SECONDS = 90
-SWEEPS = {"sweep-ok": ("lr=1e-3,3e-4", "seed=1,2"), "sweep-fails": ("seed=2,-1",)}
+SWEEPS = {
+    "sweep-ok": ("lr=1e-3,3e-4", "seed=1,2"),
+    "sweep-fails": ("seed=2,-1",),
+    "sweep-refused": ("seed=1,2", "hydra.launcher.gpus=-1"),
+}
 HYDRA_FILES = (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
 
 
@@ -180,3 +184,14 @@ def test_a_failed_run_is_reported_as_hydra_reports_one(sweeps: dict[str, Sweep])
     assert remote.endswith('ValueError: seed -1 is negative\n"""\n\n')
     assert (sweep.sweep_dir / "0" / "model.txt").is_file()
     assert OmegaConf.load(sweep.sweep_dir / "1" / ".hydra" / "config.yaml") == {"lr": 0.1, "seed": -1}
+
+
+def test_a_sweep_the_pool_cannot_take_is_one_sentence(sweeps: dict[str, Sweep]) -> None:
+    """issue 48, bad input gets a sentence: launcher options the pool cannot use (gpus=-1) end the
+    app with what was wrong, as Hydra reports a mistake in its own configuration, not a traceback."""
+    sweep = sweeps["sweep-refused"]
+    assert sweep.returncode == 1, sweep.stderr
+    assert sweep.stderr == (
+        "hydra/launcher=gpupool: gpus=-1: a whole number from 0 to 1024\n"
+        "\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n"
+    )
