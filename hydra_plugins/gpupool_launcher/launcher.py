@@ -26,7 +26,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 import hydra_plugins.gpupool_launcher as plugin_package
-from hydra_plugins.gpupool_launcher.in_job import Run, run
+from hydra_plugins.gpupool_launcher.in_job import Runs
 
 if TYPE_CHECKING:
     import gpupool
@@ -81,19 +81,19 @@ class GpupoolLauncher(Launcher):
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         log.info("Launching %d jobs on gpupool", len(job_overrides))
-        singleton_state = Singleton.get_state()
-        runs = []
+        configs = []
         for num, overrides in enumerate(job_overrides, start=initial_job_idx):
             log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
             config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
             with open_dict(config):
                 config.hydra.job.num = num
-            runs.append(Run(self.task_function, config, self.hydra_context, singleton_state))
+            configs.append(config)
+        runs = Runs(self.task_function, self.hydra_context, Singleton.get_state())
         try:
             with gpupool.connect(self.pool_name) as pool:
-                jobs = pool.map(run, runs, **self.job_options)
+                jobs = pool.map(runs, configs, **self.job_options)
                 log.info("Sent as %d jobs: %s", len(jobs), " ".join(job.id for job in jobs))
-                return [collect(job, one.config) for job, one in zip(jobs, runs, strict=True)]
+                return [collect(job, config) for job, config in zip(jobs, configs, strict=True)]
         except gpupool.Error as exc:
             # No pool answering, options it cannot use, an output directory that could not come
             # back: its sentence alone, as Hydra prints a mistake in its own configuration.
