@@ -3,9 +3,9 @@ below into a git repository of its own, as a researcher's project is) runs as a 
 `-m`, its sweep goes to the module's pool (tests/api/conftest.py) as one array, and each run's
 return value and output directory come back.
 
-The app's sweeper is Hydra's basic one, less nothing, plus a record: it writes what each run
-returned, as Hydra received it, to $RETURNS, which is the only way to see a sweep's return values
-from outside its process (Hydra's sweepers, Optuna's for one, read them; `-m` prints nothing)."""
+The app's sweeper is Hydra's basic one plus a record: it writes what each run returned, as Hydra
+received it, and the output directory its JobReturn names, to $RETURNS, the only way to see them
+from outside the app's process (Hydra's sweepers, Optuna's for one, read them; `-m` prints nothing)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,11 @@ ConfigStore.instance().store(group="hydra/sweeper", name="recording", node=Recor
 class RecordingSweeper(BasicSweeper):
     def sweep(self, arguments):
         returns = super().sweep(arguments)
-        values = [r.return_value for batch in returns for r in batch]
+        values = [
+            {**r.return_value, "output_dir": r.hydra_cfg.hydra.runtime.output_dir}
+            for batch in returns
+            for r in batch
+        ]
         Path(os.environ["RETURNS"]).write_text(json.dumps(values))
         return returns
 """
@@ -167,6 +171,7 @@ def test_a_sweep_goes_as_one_array_and_each_run_comes_back(
         assert (run_dir / "model.txt").read_text() == f"lr={lr} seed={seed} job={run['job']}"
         files = {p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*") if p.is_file()}
         assert files == {*HYDRA_FILES, "model.txt", "my_app.log", f"{run['job']}.log"}
+        assert run["output_dir"] == str(run_dir)  # the JobReturn says where its output is now
     assert (sweep.sweep_dir / "multirun.yaml").is_file()
 
 
