@@ -13,7 +13,6 @@ import contextlib
 import copy
 import logging
 from collections.abc import Sequence
-from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,10 +102,7 @@ class GpupoolLauncher(Launcher):
 def collect(job: gpupool.Job, config: DictConfig) -> JobReturn:
     """Wait for `job`, download its output directory, and return its run's JobReturn: the one the
     job returned, or, for a job that failed, one that carries its exception, as run_job's do."""
-    try:
-        error = job.exception()
-    except CancelledError as cancelled:  # cancelled by hand (poolctl cancel): the run failed
-        error = cancelled
+    error = job.exception()  # a job cancelled, killed or timed out: gpupool.JobFailed, saying so
     output_dir = local_output_dir(config, job.id)
     job.artifacts(output_dir)
     drop_outcome(output_dir)
