@@ -1,5 +1,8 @@
 """The launcher's configuration, `hydra/launcher=gpupool`: where the sweep goes and what each run
-needs, in the words of `gpupool.connect` and `Pool.map`."""
+needs, in the words of `gpupool.connect` and `Pool.map`.
+
+No `from __future__ import annotations` here: Hydra's plugin scan runs this module before it is in
+sys.modules, where `dataclass` looks up the module of a string annotation, and fails."""
 
 from dataclasses import dataclass
 
@@ -8,8 +11,9 @@ from hydra.core.config_store import ConfigStore
 
 @dataclass
 class GpupoolLauncherConf:
-    """Each field but `pool` is passed to `Pool.map` as it is, for every run of the sweep alike;
-    `hydra.launcher.gpus=1` on the command line sets it for one sweep."""
+    """Each field but `pool` is passed to `Pool.map` as it is (one left None: the pool's default),
+    for every run of the sweep alike; `hydra.launcher.gpus=1` on the command line sets it for one
+    sweep."""
 
     _target_: str = "hydra_plugins.gpupool_launcher.launcher.GpupoolLauncher"
     # The pool, by its name in pools.toml; None: the one poolctl would talk to (GPUPOOL_POOL, the

@@ -2,7 +2,10 @@
 directory in `GPUPOOL_OUTPUT`, whose files come back as the job's artifacts.
 
 Nothing here is composed again in the job: the client composed each run's configuration with its
-overrides, where the config files and the command line are, and the job only runs it."""
+overrides, where the config files and the command line are, and the job only runs it.
+
+No `from __future__ import annotations` here: Hydra's plugin scan runs this module before it is in
+sys.modules, where `dataclass` looks up the module of a string annotation, and fails."""
 
 import os
 from dataclasses import dataclass
