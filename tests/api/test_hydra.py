@@ -136,14 +136,18 @@ def sweeps(tmp_path_factory: pytest.TempPathFactory, api_pool: ApiPool) -> dict[
         argv += [f"hydra.launcher.name={name}", "hydra/sweeper=recording"]
         started[name] = app, subprocess.Popen(argv, cwd=app, env=env, stderr=subprocess.PIPE, text=True)
     finished = {}
-    for name, (app, proc) in started.items():
-        _, stderr = proc.communicate(timeout=SWEEP_SECONDS)
-        made = list(app.glob("multirun/*/*"))
-        assert len(made) == 1, stderr  # Hydra made its sweep's directory, and only one
-        [sweep_dir] = made
-        returned = app / "returns.json"
-        returns = json.loads(returned.read_text()) if returned.exists() else None
-        finished[name] = Sweep(proc.returncode, stderr, sweep_dir, returns)
+    try:
+        for name, (app, proc) in started.items():
+            _, stderr = proc.communicate(timeout=SWEEP_SECONDS)
+            made = list(app.glob("multirun/*/*"))
+            assert len(made) == 1, stderr  # Hydra made its sweep's directory, and only one
+            returned = app / "returns.json"
+            returns = json.loads(returned.read_text()) if returned.exists() else None
+            finished[name] = Sweep(proc.returncode, stderr, made[0], returns)
+    finally:
+        for _, proc in started.values():  # none left running when one hung or failed
+            proc.kill()
+            proc.wait()
     return finished
 
 
