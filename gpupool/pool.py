@@ -10,7 +10,6 @@ project this process runs in, with its environment (`Options.project`), as `pool
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 from collections.abc import Callable, Iterable, Sequence
@@ -18,7 +17,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from daemon.client.pool_client import ClientError, PoolClient
 from daemon.ctl import project_send
-from daemon.ctl.arrays import array_specs
+from daemon.ctl.arrays import MAX_JOBS, array_specs
+from daemon.ctl.link import Link, reach
+from daemon.ctl.parsing import UsageError
 from daemon.errors import GpupoolError, NotYours
 from gpupool import _loop, shipping
 from gpupool.errors import BadArgument, Error, JobFailed
@@ -38,7 +39,6 @@ from protocol import (
 )
 
 if TYPE_CHECKING:
-    from daemon.ctl.cli import Link
     from gpupool.executor import PoolExecutor
 
 R = TypeVar("R", bound=Reply)
@@ -49,11 +49,11 @@ def connect(pool: str | None = None, *, server: str | None = None, **defaults: A
     poolctl would talk to; `defaults`: job options for every job submitted through it (gpus=,
     queue=, project=..., gpupool.options.Options). Connects at once: a pool that does not answer,
     or refuses the token, raises here."""
-    from daemon.ctl.cli import link
-
-    chosen = Pool(
-        link(argparse.Namespace(server=server, pool=pool, tls_ca=None)), Options(**_known(defaults))
-    )
+    try:
+        to = reach(server, pool, None, who="gpupool")
+    except UsageError as exc:  # an address that cannot be one
+        raise BadArgument(exc.message) from None
+    chosen = Pool(to, Options(**_known(defaults)))
     try:
         _loop.run(chosen.client())
     except BaseException:
@@ -71,7 +71,8 @@ def _known(options: dict[str, Any]) -> dict[str, Any]:
 
 
 class Pool:
-    """A connected pool. Use it as a context manager, or `close()` it."""
+    """A connected pool. Use it as a context manager, or `close()` it. It belongs to the process
+    that connected: a forked child connects a pool of its own."""
 
     def __init__(self, to: Link, defaults: Options) -> None:
         self.link = to
@@ -157,6 +158,10 @@ class Pool:
         job's options given (the executor's way in)."""
         if not calls:
             return []
+        if len(calls) > MAX_JOBS:
+            raise BadArgument(
+                f"{len(calls)} calls in one map; at most {MAX_JOBS} in one array: map them in parts"
+            )
         data = shipping.archive(fn, calls)
         return self._track(self._enqueue(options, data, len(calls), _name_of(fn)))
 
@@ -248,8 +253,9 @@ class Pool:
         if record["state"] == "succeeded" and not shipping.is_function_job(record):
             return record.get("exit_code", 0)
         result = record.get("result") or {}
-        tail = result.get("tail") or []
-        raise JobFailed(record["id"], record["state"], record.get("detail") or "", "\n".join(tail))
+        why = [record.get("detail") or "", *(result.get("artifact_errors") or [])]  # an upload failed
+        tail = "\n".join(result.get("tail") or [])
+        raise JobFailed(record["id"], record["state"], "; ".join(w for w in why if w), tail)
 
     # -- the enqueue (on the API's loop) ------------------------------------------------------
 
