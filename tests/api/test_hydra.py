@@ -10,10 +10,8 @@ from outside the app's process (Hydra's sweepers, Optuna's for one, read them; `
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,8 +25,6 @@ from tests.support.paths import ROOT
 
 APP = """\
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -53,8 +49,6 @@ if __name__ == "__main__":
 RECORDING_SWEEPER = """\
 import json
 import os
-from dataclasses import dataclass
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,16 +83,6 @@ SWEEPS = {
     "sweep-refused": ("seed=1,2", "hydra.launcher.gpus=-1"),
 }
 HYDRA_FILES = (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def workers_python_has_hydra() -> Iterator[None]:
-    """The jobs' `python` is this venv's, which has Hydra, as a team's worker has its Python (or a
-    project's lock its environment): the module's worker takes its jobs' PATH from this process's
-    as it starts, after this fixture (autouse comes first in its scope)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-        yield
 
 
 def hydra_app(where: Path) -> Path:
