@@ -153,6 +153,7 @@ def test_a_sweep_goes_as_one_array_and_each_run_comes_back(
     assert len({r["id"] for r in records}) == 4
     [array] = {r["spec"]["array"] for r in records}
     assert array, records
+    assert {r["spec"]["name"] for r in records} == {"sweep-ok"}  # hydra.launcher.name
     for num, ((lr, seed), run) in enumerate(zip(points, sweep.returns, strict=True)):
         run_dir = sweep.sweep_dir / str(num)
         assert OmegaConf.load(run_dir / ".hydra" / "config.yaml") == {"lr": lr, "seed": seed}
