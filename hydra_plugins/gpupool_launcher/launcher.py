@@ -117,8 +117,8 @@ def collect(job: gpupool.Job, config: DictConfig) -> JobReturn:
 
 def drop_outcome(output_dir: Path) -> None:
     """Remove the function call's outcome from the run's files: the job's runner left it in
-    GPUPOOL_OUTPUT, for the client, which has read it as the job's result (gpupool/shipping.py)."""
-    from gpupool.shipping import RESULT  # noqa: PLC0415 - as launch imports gpupool
+    GPUPOOL_OUTPUT, for the client, which has read it as the job's result (gpupool/_runner.py)."""
+    from gpupool._runner import RESULT  # noqa: PLC0415 - as launch imports gpupool
 
     outcome = output_dir / RESULT
     outcome.unlink(missing_ok=True)
