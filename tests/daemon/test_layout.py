@@ -10,7 +10,7 @@ import re
 
 from tests.support.paths import ROOT
 
-CODE_FOLDERS = ("protocol", "storage", "daemon", "gpupool")
+CODE_FOLDERS = ("protocol", "storage", "daemon", "gpupool", "hydra_plugins")
 
 
 def readme_rooms() -> dict[str, set[str]]:

