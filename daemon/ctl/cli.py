@@ -402,46 +402,18 @@ async def _get(client: PoolClient, args: argparse.Namespace) -> int:
 
 
 async def _attach_project(client: PoolClient, specs: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    """The project the job runs in (daemon/ctl/project.py), its packs uploaded where the pool
-    lacks them, recorded in each spec."""
+    """The project the job runs in (daemon/ctl/project_send.py), recorded in each spec."""
     if args.project_dir is None:
         return
-    import asyncio  # loaded already: this runs on its loop
+    from daemon.ctl import project_send
 
-    from daemon.ctl import project, project_packs
-    from daemon.ctl.pack_cache import PackCache, cache_dir
-    from daemon.ctl.project_root import MARKERS, real
-    from daemon.ctl.transfer import TransferError
-    from daemon.git import GitError
-
-    try:
-        home = real(Path.home())
-        found = await (project.named if args.workdir else project.find)(args.project_dir, home)
-    except GitError as exc:
-        raise UsageError(f"cannot list the project's files: {exc}") from None
-    if found is None:
-        if args.snapshot:
-            raise UsageError(
-                "--snapshot needs a project here: a git working tree, or a directory holding "
-                f"{', '.join(MARKERS)}"
-            )
+    sent = await project_send.send(
+        client, args.project_dir, named=bool(args.workdir), required=bool(args.snapshot)
+    )
+    if sent is None:
         return
-    project.check_size(found, project.max_bytes())
-    pyproject = await asyncio.to_thread(project.needs_lock, found)
-    lock = pyproject and await asyncio.to_thread(project.lock_for, pyproject, cache_dir())
-    if lock:
-        found = project.with_lock(found, lock)
-    try:
-        sent = await project_packs.upload(client, found, PackCache(found.root))
-    except TransferError as exc:
-        raise UsageError(str(exc)) from None
-    except ClientError as exc:  # the pool's store, mostly: the way round it is said
-        if isinstance(exc, ServerUnreachable | AuthFailed):
-            raise
-        hint = f"{exc.message}; the job was not queued (--workdir none runs it without {found.root})"
-        raise ClientError(hint, exc.code) from None
     for spec in specs:
-        spec["project"] = sent.spec
+        spec["project"] = sent
 
 
 async def _attach_data(client: PoolClient, spec: dict[str, Any], args: argparse.Namespace) -> None:

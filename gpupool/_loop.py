@@ -1,0 +1,66 @@
+"""The API's own event loop: one per process, in a daemon thread, never the caller's.
+
+Every request to the pool runs as a coroutine on this loop, and the caller waits on a
+`concurrent.futures.Future`: so the blocking API works where an event loop already runs (a Jupyter
+kernel, a coroutine) without touching that loop, and a wait is a lock's wait, which Ctrl-C (SIGINT)
+interrupts in the main thread. A process forked from one with the loop starts its own: the thread
+does not survive a fork.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Running:
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+    pid: int
+
+
+_lock = threading.Lock()
+_running: list[_Running] = []  # this process's, once started: at most one
+
+
+def loop() -> asyncio.AbstractEventLoop:
+    """The process's loop, started on first use (and again in a forked child)."""
+    with _lock:
+        if not _running or _running[0].pid != os.getpid():
+            new = asyncio.new_event_loop()
+            thread = threading.Thread(target=new.run_forever, name="gpupool-loop", daemon=True)
+            thread.start()
+            _running[:] = [_Running(new, thread, os.getpid())]
+        return _running[0].loop
+
+
+def on_loop() -> bool:
+    """Whether the caller runs on the loop's own thread (where a blocking wait would never end)."""
+    return bool(_running) and threading.current_thread() is _running[0].thread
+
+
+def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """Run `coro` on the loop; its outcome comes in the Future returned."""
+    return asyncio.run_coroutine_threadsafe(coro, loop())
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    """Run `coro` on the loop and wait for its outcome (TimeoutError after `timeout` seconds).
+    Ctrl-C interrupts the wait and cancels the coroutine."""
+    if on_loop():
+        coro.close()
+        raise RuntimeError("a blocking gpupool call from inside gpupool's own loop would never return")
+    future = submit(coro)
+    try:
+        return future.result(timeout)
+    except (KeyboardInterrupt, concurrent.futures.TimeoutError):
+        future.cancel()
+        raise

@@ -1,0 +1,120 @@
+"""`gpupool.Job`: a job in the pool as a `concurrent.futures.Future`.
+
+It works with `concurrent.futures.wait` and `as_completed`, and `await job` works in asyncio code.
+Its outcome is set by its Pool's one watch over all the jobs it waits for (gpupool/watch.py), never
+by a connection of its own. A Ctrl-C during `result()` stops the wait, not the job: it runs on in
+the pool, and `pool.job(job.id)` (in this process or another) waits for it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import concurrent.futures
+import queue
+from collections.abc import Generator, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from daemon.job import TERMINAL_STATES
+from gpupool import _loop
+from gpupool.errors import Error
+from protocol import CancelJobs, Cancelled, FollowLogs, JobDetail, LogChunk, ShowJob
+
+if TYPE_CHECKING:
+    from gpupool.pool import Pool
+
+_END = object()  # the end of a followed log, in its queue
+
+
+class Job(concurrent.futures.Future[Any]):
+    """A job of `pool`, by its id. `result()` is what its function returned (a command's job: its
+    exit status, 0), or raises: the function's own exception, with the job's traceback as its
+    cause; gpupool.JobFailed when the job ended without a result; CancelledError after `cancel()`."""
+
+    def __init__(self, pool: Pool, job_id: str) -> None:
+        super().__init__()
+        self.pool = pool
+        self.id = job_id
+
+    def __repr__(self) -> str:
+        return f"<gpupool.Job {self.id} {self._state.lower()}>"  # the future's state: no request
+
+    @property
+    def state(self) -> str:
+        """The job's state in the pool now (queued, running, succeeded, failed, cancelled, dead),
+        asked of the server."""
+        return self.record()["state"]  # type: ignore[no-any-return]
+
+    def record(self) -> dict[str, Any]:
+        """The job's record as the pool holds it (`poolctl show --json`'s)."""
+        return self.pool.call(ShowJob(self.id), JobDetail).job
+
+    def cancel(self) -> bool:
+        """Cancel the job in the pool (a running one is stopped with its stop signal); True when it
+        was cancelled, and this future with it. False when it had ended (or this future was done)."""
+        if self.done():
+            return False
+        state = self.pool.call(CancelJobs([self.id]), Cancelled).states.get(self.id)
+        if state not in ("cancelled", "cancelling"):
+            return False
+        self.pool.forget(self.id)
+        return super().cancel()
+
+    def logs(self, follow: bool = False) -> Any:
+        """The job's output so far, as text; with `follow`, an iterator of its output as it comes,
+        until the job ends (one that has ended gives its whole log)."""
+        if not follow:
+            return "".join(self._follow(False))
+        return self._follow(True)
+
+    def _follow(self, follow: bool) -> Iterator[str]:
+        chunks: queue.Queue[object] = queue.Queue()
+
+        async def stream() -> None:
+            try:
+                client = await self.pool.client()
+                async for item in client.stream(FollowLogs(self.id, follow, "")):
+                    if isinstance(item, LogChunk):
+                        chunks.put(item.data)
+            except BaseException as exc:  # noqa: BLE001 - handed to the reader, who raises it
+                chunks.put(exc)
+            finally:
+                chunks.put(_END)
+
+        running = _loop.submit(stream())
+        return _text(chunks, running)
+
+    def artifacts(self, dest: str | Path) -> list[Path]:
+        """Download the files the job left in $GPUPOOL_OUTPUT (and its log, as JOB.log) under
+        `dest` (made if missing), each checked against the sha256 the worker recorded; the paths
+        written. The job must have ended."""
+        from daemon.ctl import transfer
+
+        async def fetch() -> list[tuple[str, int]]:
+            client = await self.pool.client()
+            record = (await client.call(ShowJob(self.id), JobDetail)).job
+            if record["state"] not in TERMINAL_STATES:
+                raise Error(f"job {self.id} has not ended ({record['state']}): no artifacts yet")
+            return await transfer.get_artifacts(client, record, Path(dest))
+
+        return [Path(path) for path, _ in _loop.run(fetch())]
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return asyncio.wrap_future(self).__await__()
+
+
+def _text(chunks: queue.Queue[object], running: concurrent.futures.Future[None]) -> Iterator[str]:
+    """The log's bytes from `chunks` as text; the stream stops if the reader stops early."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    try:
+        while (item := chunks.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, bytes)
+            if text := decoder.decode(item):
+                yield text
+        if tail := decoder.decode(b"", final=True):
+            yield tail
+    finally:
+        running.cancel()

@@ -1,0 +1,293 @@
+"""`gpupool.connect()`: a Pool, the one connection through which this process submits, waits,
+cancels and fetches.
+
+The pool is chosen as poolctl chooses it (daemon/pools.py `choose`: server=, pool=,
+GPUPOOL_SERVER, GPUPOOL_POOL, pools.toml, 127.0.0.1:7420), with the same user and token. Its
+connection (daemon/client/pool_client.py) lives on the API's own loop (gpupool/_loop.py); every
+blocking method runs its requests there and waits for them. Jobs run the call in a copy of the
+project this process runs in, with its environment (`Options.project`), as `poolctl enqueue` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from daemon.client.pool_client import ClientError, PoolClient
+from daemon.ctl import project_send
+from daemon.ctl.arrays import array_specs
+from daemon.errors import GpupoolError
+from gpupool import _loop, shipping
+from gpupool.errors import BadArgument, Error, JobFailed
+from gpupool.job import Job
+from gpupool.options import Options
+from gpupool.watch import Watch
+from protocol import (
+    Enqueue,
+    EnqueueBatch,
+    Enqueued,
+    EnqueuedBatch,
+    ErrorCode,
+    JobDetail,
+    Reply,
+    Request,
+    ShowJob,
+)
+
+if TYPE_CHECKING:
+    from daemon.ctl.cli import Link
+    from gpupool.executor import PoolExecutor
+
+R = TypeVar("R", bound=Reply)
+
+
+def connect(pool: str | None = None, *, server: str | None = None, **defaults: Any) -> Pool:
+    """The pool named `pool` in pools.toml, or at `server` (HOST:PORT, unix:PATH), or the one
+    poolctl would talk to; `defaults`: job options for every job submitted through it (gpus=,
+    queue=, project=..., gpupool.options.Options). Connects at once: a pool that does not answer,
+    or refuses the token, raises here."""
+    from daemon.ctl.cli import link
+
+    chosen = Pool(
+        link(argparse.Namespace(server=server, pool=pool, tls_ca=None)), Options(**_known(defaults))
+    )
+    try:
+        _loop.run(chosen.client())
+    except BaseException:
+        chosen.close()
+        raise
+    return chosen
+
+
+def _known(options: dict[str, Any]) -> dict[str, Any]:
+    from gpupool.options import names
+
+    if unknown := sorted(set(options) - set(names())):
+        raise BadArgument(f"no job option {unknown[0]!r}; the options: {', '.join(names())}")
+    return options
+
+
+class Pool:
+    """A connected pool. Use it as a context manager, or `close()` it."""
+
+    def __init__(self, to: Link, defaults: Options) -> None:
+        self.link = to
+        self.defaults = defaults
+        self._client: PoolClient | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._jobs: dict[str, Job] = {}  # those waited for, by id: the watch sets their outcomes
+        self._watch = Watch(self.client, self._ended, self._failed)
+        self._finishing: set[asyncio.Task[None]] = set()  # outcomes being fetched
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<gpupool.Pool {self.link.name or self.link.server} as {self.link.user}>"
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the connection (on the API's loop) ----------------------------------------------------
+
+    async def client(self) -> PoolClient:
+        """The open connection, opened (again) when there is none."""
+        if self._closed:
+            raise Error("this pool was closed: gpupool.connect() again")
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._client is None or self._client.closed is not None:
+                if self._client is not None:
+                    await self._client.close()
+                client = self.link.client()
+                await client.connect()
+                self._client = client
+            return self._client
+
+    def call(self, request: Request, reply_type: type[R]) -> R:
+        """One request and its reply (blocking)."""
+
+        async def call() -> R:
+            return await (await self.client()).call(request, reply_type)
+
+        return _loop.run(call())
+
+    # -- submitting ----------------------------------------------------------------------------
+
+    def submit(
+        self,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        gpus: int | None = None,
+        gpu_mem: int | str | None = None,
+        queue: str | None = None,
+        timeout: float | None = None,
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> Job:
+        """Run `fn(*args, **kwargs)` in a job; its Job. The keyword options (None: the pool's
+        defaults) are the job's; a keyword argument of `fn` named like one goes through
+        functools.partial. Other options: `pool.executor(**options)`."""
+        chosen = {"gpus": gpus, "gpu_mem": gpu_mem, "queue": queue, "timeout": timeout, "name": name}
+        options = self.defaults.replace(**{k: v for k, v in chosen.items() if v is not None})
+        return self.submit_with(options, fn, args, kwargs)
+
+    def submit_with(
+        self, options: Options, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> Job:
+        """`submit` with all of a job's options given (the executor's way in)."""
+        data = shipping.archive(fn, [(tuple(args), dict(kwargs))])  # pickled here: the caller's objects
+        ids = self._enqueue(options, data, 1, _name_of(fn))
+        return self._track(ids)[0]
+
+    def map(self, fn: Callable[..., Any], iterable: Iterable[Any], /, **options: Any) -> list[Job]:
+        """`fn(item)` for each item, as one array of jobs (one upload, one request); their Jobs, in
+        the order of the items. `options` as submit's (and the other job options)."""
+        chosen = self.defaults.replace(**_known(options))
+        items = list(iterable)
+        if not items:
+            return []
+        data = shipping.archive(fn, [((item,), {}) for item in items])
+        return self._track(self._enqueue(chosen, data, len(items), _name_of(fn)))
+
+    def run(self, argv: Sequence[str], /, **options: Any) -> Job:
+        """Run the command `argv` (no shell) in a job, in the project as `poolctl enqueue` does;
+        `result()` is its exit status, 0, and a job that fails raises gpupool.JobFailed."""
+        if isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv):
+            raise BadArgument(f"run({argv!r}): the command as a list of strings, e.g. ['python', 'train.py']")
+        chosen = self.defaults.replace(**_known(options))
+        return self._track(self._enqueue(chosen, list(argv), 1, ""))[0]
+
+    def job(self, job_id: str) -> Job:
+        """The job `job_id` (its own, or one submitted from another process): a Job whose result
+        comes as it would have to the process that submitted it."""
+        if (known := self._jobs.get(job_id)) is not None:
+            return known
+        try:
+            record = self.call(ShowJob(job_id), JobDetail).job
+        except ClientError as exc:
+            if exc.code == ErrorCode.NOT_FOUND:
+                raise BadArgument(f"no job {job_id!r} in this pool") from None
+            raise
+        if "array" in record:
+            raise BadArgument(f"{job_id} is an array's id: give one of its jobs' ids")
+        return self._track([record["id"]])[0]
+
+    def executor(self, **options: Any) -> PoolExecutor:
+        """A concurrent.futures.Executor whose `submit` returns Jobs with these options."""
+        from gpupool.executor import PoolExecutor
+
+        return PoolExecutor(self, self.defaults.replace(**_known(options)))
+
+    def close(self) -> None:
+        """Close the connection. Jobs not yet ended run on; their Jobs here fail (`pool.job(id)`
+        from a new connection waits for them again)."""
+        if self._closed:
+            return
+
+        async def close() -> None:
+            await self._watch.close()
+            if self._client is not None:
+                await self._client.close()
+            for job_id in list(self._jobs):
+                self._failed(job_id, Error(f"the pool was closed before job {job_id} ended; it runs on"))
+
+        if not _loop.on_loop():
+            _loop.run(close())
+        self._closed = True
+
+    # -- what the watch and the jobs call back (on the API's loop) ----------------------------
+
+    def forget(self, job_id: str) -> None:
+        """Wait no more for `job_id` (cancelled)."""
+        self._jobs.pop(job_id, None)
+        _loop.loop().call_soon_threadsafe(self._watch.drop, job_id)
+
+    def _track(self, job_ids: list[str]) -> list[Job]:
+        jobs = [self._jobs.setdefault(job_id, Job(self, job_id)) for job_id in job_ids]
+        _loop.loop().call_soon_threadsafe(self._watch.add, job_ids)
+        return jobs
+
+    def _ended(self, record: dict[str, Any]) -> None:
+        job = self._jobs.pop(record["id"], None)
+        if job is not None and not job.done():
+            task = asyncio.create_task(self._finish(job, record), name=f"gpupool-finish-{job.id}")
+            self._finishing.add(task)
+            task.add_done_callback(self._finishing.discard)
+
+    def _failed(self, job_id: str, error: BaseException) -> None:
+        job = self._jobs.pop(job_id, None)
+        if job is not None:
+            _settle(job, error=error)
+
+    async def _finish(self, job: Job, record: dict[str, Any]) -> None:
+        try:
+            value = await self._outcome(record)
+        except BaseException as exc:  # noqa: BLE001 - the job's outcome, for whoever waits on it
+            _settle(job, error=exc)
+        else:
+            _settle(job, value=value)
+
+    async def _outcome(self, record: dict[str, Any]) -> Any:
+        item = shipping.result_artifact(record)
+        if item is not None:
+            data = await shipping.fetch(await self.client(), record, item)
+            return shipping.outcome(data)
+        if record["state"] == "succeeded" and not shipping.is_function_job(record):
+            return record.get("exit_code", 0)
+        result = record.get("result") or {}
+        tail = result.get("tail") or []
+        raise JobFailed(record["id"], record["state"], record.get("detail") or "", "\n".join(tail))
+
+    # -- the enqueue (on the API's loop) ------------------------------------------------------
+
+    def _enqueue(self, options: Options, what: bytes | list[str], count: int, name: str) -> list[str]:
+        """Queue `count` jobs (an array when more than one) running the archive `what` (a
+        function's) or the command `what`; their ids."""
+        spec = options.spec(what if isinstance(what, list) else ["python"], name)
+        try:
+            return _loop.run(self._send(options, spec, what, count))
+        except BadArgument:
+            raise
+        except GpupoolError as exc:  # a refusal of what was asked (a queue no worker serves...)
+            if exc.code == ErrorCode.INVALID_ARGUMENT:
+                raise BadArgument(exc.message) from None
+            raise
+
+    async def _send(
+        self, options: Options, spec: dict[str, Any], what: bytes | list[str], count: int
+    ) -> list[str]:
+        client = await self.client()
+        if (start := options.project_dir()) is not None:
+            project = await project_send.send(client, start[0], named=start[1], required=False)
+            if project is not None:
+                spec["project"] = project
+        if isinstance(what, bytes):
+            spec["inputs"] = [await shipping.upload(client, what, spec["name"] or "a function's call")]
+            spec["argv"] = shipping.argv(spec.get("project"))
+        if count == 1:
+            return [(await client.call(Enqueue(spec, None), Enqueued)).job_id]
+        _, specs = array_specs(spec, list(range(count)), [], 0)
+        return (await client.call(EnqueueBatch(specs), EnqueuedBatch)).job_ids
+
+
+def _name_of(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return name[:128]
+
+
+def _settle(job: Job, *, value: Any = None, error: BaseException | None = None) -> None:
+    """Set `job`'s outcome, unless it has one (it was cancelled meanwhile)."""
+    try:
+        if error is not None:
+            job.set_exception(error)
+        else:
+            job.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        pass
