@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from daemon.client.pool_client import ClientError, PoolClient
 from daemon.ctl import project_send
 from daemon.ctl.arrays import array_specs
-from daemon.errors import GpupoolError
+from daemon.errors import GpupoolError, NotYours
 from gpupool import _loop, shipping
 from gpupool.errors import BadArgument, Error, JobFailed
 from gpupool.job import Job
@@ -150,11 +150,15 @@ class Pool:
         """`fn(item)` for each item, as one array of jobs (one upload, one request); their Jobs, in
         the order of the items. `options` as submit's (and the other job options)."""
         chosen = self.defaults.replace(**_known(options))
-        items = list(iterable)
-        if not items:
+        return self.map_with(chosen, fn, [((item,), {}) for item in iterable])
+
+    def map_with(self, options: Options, fn: Callable[..., Any], calls: Sequence[shipping.Call]) -> list[Job]:
+        """`fn(*args, **kwargs)` for each (args, kwargs) of `calls`, as one array, with all of a
+        job's options given (the executor's way in)."""
+        if not calls:
             return []
-        data = shipping.archive(fn, [((item,), {}) for item in items])
-        return self._track(self._enqueue(chosen, data, len(items), _name_of(fn)))
+        data = shipping.archive(fn, calls)
+        return self._track(self._enqueue(options, data, len(calls), _name_of(fn)))
 
     def run(self, argv: Sequence[str], /, **options: Any) -> Job:
         """Run the command `argv` (no shell) in a job, in the project as `poolctl enqueue` does;
@@ -177,6 +181,8 @@ class Pool:
             raise
         if "array" in record:
             raise BadArgument(f"{job_id} is an array's id: give one of its jobs' ids")
+        if record.get("withheld"):  # the server keeps another user's call and result from us
+            raise NotYours(record["id"], record["spec"]["user"], "wait for the result of")
         return self._track([record["id"]])[0]
 
     def executor(self, **options: Any) -> PoolExecutor:
