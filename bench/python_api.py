@@ -19,24 +19,25 @@ notebook's function is) returns x + 1, the wall clock when it ran, and when its 
 Each round runs one trip of each, their order turning round, so that the machine's drift reaches
 all alike; a first trip of each comes before the rounds, reported apart (a notebook's first call:
 gpupool ships the project and builds its environment then). Reported: p50, p99, min, p25, p75 and
-max of submit -> `result()` returned, and each step's median:
+max of submit -> `result()` returned, and each step's p50 (a column of the steps' table):
 - submit(): the call itself (pickling; gpupool's project check, upload and enqueue; submitit's
   sbatch);
-- -> process: submit -> the job's process started (queueing, scheduling; gpupool's claim and the
+- process: submit -> the job's process started (queueing, scheduling; gpupool's claim and the
   job's directory: project, inputs, environment);
-- -> first act: the process started -> the function ran, by its own clock (the interpreter's
+- first act: the process started -> the function ran, by its own clock (the interpreter's
   start, the call unpickled);
-- -> recorded: the function ran -> its result recorded (gpupool: the job's end recorded, after its
+- recorded: the function ran -> its result recorded (gpupool: the job's end recorded, after its
   result was pickled and uploaded; submitit: its result pickle written, which a side thread of the
   bench looks for every 5 ms);
-- -> result(): recorded -> `result()` returned (the caller learning of the end and reading the
+- result(): recorded -> `result()` returned (the caller learning of the end and reading the
   result: gpupool's wait and download; submitit looks at its folder once a second).
 gpupool's job record adds `to_enqueued` and `to_started` (its claim) in the JSON.
 
 submitit keeps no state here: Slurm's accounting is off (sacct answers "Slurm accounting storage
 is disabled"), so submitit warns at each of its status checks and finds the end by its result
 file alone; its warnings and sacct's (the rounds' stderr) go to bench/results/python_api.stderr.log.
-Every trip is bounded (`LIMIT`). `python -m bench.python_api [--rounds N] [--quick]`.
+Every trip is bounded (`LIMIT`).
+`python -m bench.python_api [--rounds N] [--quick] [--slurm-no-batch-delay]`.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import RESULTS, machine, median, percentile, save, summary_ms
+from bench.common import RESULTS, machine, percentile, save, summary_ms
 from bench.trivial import trivial
 from tests.support import slurm
 
@@ -302,8 +303,8 @@ def measure(rounds: int, *, quick: bool = False, no_batch_delay: bool = False) -
         "rounds": rounds,
         "slurm": why_not or {"batch_sched_delay": "0" if no_batch_delay else "default (3 s)"},
         "round_trip_ms": {name: spread([t.intervals()["total"] for t in ts]) for name, ts in trips.items()},
-        "median_ms": {name: medians(ts) for name, ts in trips.items()},
-        "first_trip_ms": {name: medians([t]) for name, t in first.items()},
+        "step_p50_ms": {name: step_p50s(ts) for name, ts in trips.items()},
+        "first_trip_ms": {name: step_p50s([t]) for name, t in first.items()},
         "trips_ms": {name: [t.intervals()["total"] * 1000 for t in ts] for name, ts in trips.items()},
     }
 
@@ -314,9 +315,9 @@ def spread(seconds: list[float]) -> dict[str, float]:
     return {**summary_ms(seconds), "min": min(ms), "p25": percentile(ms, 25), "p75": percentile(ms, 75)}
 
 
-def medians(trips: list[Trip]) -> dict[str, float]:
-    """Each interval's median over `trips`, in ms."""
-    return {k: median([t.intervals()[k] for t in trips]) * 1000 for k in trips[0].intervals()}
+def step_p50s(trips: list[Trip]) -> dict[str, float]:
+    """Each interval's p50 over `trips` (nearest rank, as the round trip's p50), in ms."""
+    return {k: percentile([t.intervals()[k] for t in trips], 50) * 1000 for k in trips[0].intervals()}
 
 
 STEPS = {  # the columns of "where the time goes": the docstring says what each holds
@@ -349,11 +350,11 @@ def main(argv: list[str] | None = None) -> None:
     for name, s in result["round_trip_ms"].items():
         t.add_row(name, *(f"{s[k]:.1f}" for k in ("p50", "p99", "min", "p25", "p75", "max")))
     console.print(t)
-    t = Table(title="where the time goes: each step's median, ms (the submit() call, then to the next)")
+    t = Table(title="where the time goes: each step's p50, ms (the submit() call, then to the next)")
     t.add_column("", no_wrap=True)
     for col in STEPS.values():
         t.add_column(col, justify="right")
-    for label, table in (("", result["median_ms"]), (", first", result["first_trip_ms"])):
+    for label, table in (("", result["step_p50_ms"]), (", first", result["first_trip_ms"])):
         for name, m in table.items():
             t.add_row(f"{name}{label}", *(f"{m[k]:.1f}" for k in STEPS))
     console.print(t)
