@@ -19,7 +19,9 @@ notebook's function is) returns x + 1, the wall clock when it ran, and when its 
 Each round runs one trip of each, their order turning round, so that the machine's drift reaches
 all alike; a first trip of each comes before the rounds, reported apart (a notebook's first call:
 gpupool ships the project and builds its environment then). Reported: p50, p99, min, p25, p75 and
-max of submit -> `result()` returned, and each step's p50 (a column of the steps' table):
+max of submit -> `result()` returned, and the p50 of submit -> the result recorded (what a
+caller that looked for it without pause would wait), and each step's p50 (a column of the steps'
+table):
 - submit(): the call itself (pickling; gpupool's project check, upload and enqueue; submitit's
   sbatch);
 - process: submit -> the job's process started (queueing, scheduling; gpupool's claim and the
@@ -95,6 +97,7 @@ class Trip:
             "to_first_act": self.ran - self.process_started,
             "to_recorded": self.recorded - self.ran,
             "to_returned": self.returned - self.recorded,
+            "until_recorded": self.recorded - self.submitted,  # what a caller that never slept would wait
             **{f"to_{k}": v - self.submitted for k, v in self.pool_times.items()},
         }
 
@@ -345,10 +348,13 @@ def main(argv: list[str] | None = None) -> None:
         console.print(f"submitit on Slurm left out: {result['slurm']}")
     t = Table(title=f"submit -> result(), a trivial function, {result['rounds']} round trips (ms)")
     t.add_column("", no_wrap=True)
-    for col in ("p50", "p99", "min", "p25", "p75", "max"):
+    for col in ("p50", "p99", "min", "p25", "p75", "max", "p50 to recorded"):
         t.add_column(col, justify="right")
     for name, s in result["round_trip_ms"].items():
-        t.add_row(name, *(f"{s[k]:.1f}" for k in ("p50", "p99", "min", "p25", "p75", "max")))
+        recorded = result["step_p50_ms"][name]["until_recorded"]
+        t.add_row(
+            name, *(f"{s[k]:.1f}" for k in ("p50", "p99", "min", "p25", "p75", "max")), f"{recorded:.1f}"
+        )
     console.print(t)
     t = Table(title="where the time goes: each step's p50, ms (the submit() call, then to the next)")
     t.add_column("", no_wrap=True)
