@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from daemon.client.pool_client import ClientError, PoolClient
 from daemon.ctl import project_send
-from daemon.ctl.arrays import array_specs
+from daemon.ctl.arrays import MAX_JOBS, array_specs
 from daemon.errors import GpupoolError, NotYours
 from gpupool import _loop, shipping
 from gpupool.errors import BadArgument, Error, JobFailed
@@ -71,7 +71,8 @@ def _known(options: dict[str, Any]) -> dict[str, Any]:
 
 
 class Pool:
-    """A connected pool. Use it as a context manager, or `close()` it."""
+    """A connected pool. Use it as a context manager, or `close()` it. It belongs to the process
+    that connected: a forked child connects a pool of its own."""
 
     def __init__(self, to: Link, defaults: Options) -> None:
         self.link = to
@@ -157,6 +158,10 @@ class Pool:
         job's options given (the executor's way in)."""
         if not calls:
             return []
+        if len(calls) > MAX_JOBS:
+            raise BadArgument(
+                f"{len(calls)} calls in one map; at most {MAX_JOBS} in one array: map them in parts"
+            )
         data = shipping.archive(fn, calls)
         return self._track(self._enqueue(options, data, len(calls), _name_of(fn)))
 
@@ -248,8 +253,9 @@ class Pool:
         if record["state"] == "succeeded" and not shipping.is_function_job(record):
             return record.get("exit_code", 0)
         result = record.get("result") or {}
-        tail = result.get("tail") or []
-        raise JobFailed(record["id"], record["state"], record.get("detail") or "", "\n".join(tail))
+        why = [record.get("detail") or "", *(result.get("artifact_errors") or [])]  # an upload failed
+        tail = "\n".join(result.get("tail") or [])
+        raise JobFailed(record["id"], record["state"], "; ".join(w for w in why if w), tail)
 
     # -- the enqueue (on the API's loop) ------------------------------------------------------
 

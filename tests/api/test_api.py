@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import io
+import re
 import signal
 import subprocess
 import sys
@@ -121,15 +124,24 @@ def _python(code: str, env: dict[str, str]) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+BANNED_TOPS = ("redis", "aiobotocore", "botocore")
+BANNED_ROOMS = ("daemon.server", "daemon.worker", "daemon.queue", "daemon.metrics", "daemon.object_store")
+
+
 def test_a_job_is_found_again_by_its_id_from_another_process(pool: gpupool.Pool, api_pool: ApiPool) -> None:
     """issue 48, "reattach by id from a new process": a process that never submitted the job
-    gets its result by its id alone (the result's artifact found from the job's record)."""
+    gets its result by its id alone (the result's artifact found from the job's record); and
+    loads nothing gpupool/ruff.toml bans (ruff sees only import statements)."""
     job = pool.submit(sleep_then, 0.3, {"answer": 42})
-    code = f"import gpupool; print(gpupool.connect(project=False).job({job.id!r}).result({WAIT}))"
+    code = (
+        f"import gpupool, sys; print(gpupool.connect(project=False).job({job.id!r}).result({WAIT})); "
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {BANNED_TOPS!r} "
+        f"or m.startswith({BANNED_ROOMS!r})))"
+    )
     with _python(code, api_pool.env("alice")) as proc:
         out, err = proc.communicate(timeout=WAIT)
     assert proc.returncode == 0, err
-    assert out.strip() == "{'answer': 42}"
+    assert out.splitlines() == ["{'answer': 42}", "[]"]
     assert job.result(WAIT) == {"answer": 42}
 
 
@@ -172,12 +184,16 @@ def test_a_100_mb_result_comes_through_the_object_store(pool: gpupool.Pool) -> N
 
 async def test_inside_a_running_event_loop(pool: gpupool.Pool) -> None:
     """issue 48, "the API used inside a running event loop": blocking calls from a coroutine of
-    a running loop (as in a notebook) work, and so does `await job`."""
+    a running loop (as in a notebook) work, and so does `await job`; a wait cut short cancels."""
     asyncio.get_running_loop()  # a loop runs here
     assert pool.submit(add, 20, 22).result(WAIT) == 42
     assert await asyncio.wait_for(pool.submit(add, 1, 2), WAIT) == 3
     jobs = pool.map(str, [7, 8])
     assert await asyncio.gather(*jobs) == ["7", "8"]
+    slow = pool.submit(sleep_then, 60, "late")
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(slow, 0.1)
+    assert slow.cancelled()
 
 
 def test_another_user_cannot_read_a_jobs_call_or_result(pool: gpupool.Pool, api_pool: ApiPool) -> None:
@@ -230,6 +246,7 @@ def test_bob_cannot_reattach_alices_job(api_pool: ApiPool, monkeypatch: pytest.M
         (lambda pool: pool.submit(add, threading.Lock(), 2), r"the arguments of add cannot be pickled"),
         (lambda pool: pool.map(add, [1], retries="x"), r"retries='x': a whole number"),
         (lambda pool: pool.executor(gpu=1), r"no job option 'gpu'"),
+        (lambda pool: pool.map(str, range(10_001)), r"at most 10000 in one array"),
         (lambda pool: pool.run("python train.py"), r"the command as a list of strings"),
         (lambda pool: pool.job("default.nosuchjob"), r"no job 'default.nosuchjob' in this pool"),
     ],
@@ -292,3 +309,19 @@ def test_logs_artifacts_and_the_executor(pool: gpupool.Pool, tmp_path: Path) -> 
     paths = job.artifacts(tmp_path / "got")
     assert (tmp_path / "got" / "said.txt").read_text() == "hi"
     assert tmp_path / "got" / "said.txt" in paths
+
+
+def test_the_readmes_from_python_example_runs(
+    as_alice: ApiPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue 48, README's "From Python": its example (the block marked doc-test: from-python) runs
+    as written against a real pool, here from a directory outside any project."""
+    readme = (ROOT / "README.md").read_text()
+    (block,) = re.findall(r"<!-- doc-test: from-python -->\n```python\n(.*?)\n```", readme, re.S)
+    monkeypatch.chdir(tmp_path)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        exec(compile(block, "README.md", "exec"), {"__name__": "readme_example"})
+    job_line, loss_line = said.getvalue().splitlines()
+    assert job_line.startswith("default.")
+    assert float(loss_line) == pytest.approx(0.99**50)
