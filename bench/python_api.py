@@ -24,8 +24,8 @@ caller that looked for it without pause would wait), and each step's p50 (a colu
 table):
 - submit(): the call itself (pickling; gpupool's project check, upload and enqueue; submitit's
   sbatch);
-- process: submit -> the job's process started (queueing, scheduling; gpupool's claim and the
-  job's directory: project, inputs, environment);
+- process: submit() returned -> the job's process started (queueing, scheduling; gpupool's claim
+  and the job's directory: project, inputs, environment);
 - first act: the process started -> the function ran, by its own clock (the interpreter's
   start, the call unpickled);
 - recorded: the function ran -> its result recorded (gpupool: the job's end recorded, after its
@@ -93,7 +93,7 @@ class Trip:
         return {
             "total": self.returned - self.submitted,
             "submit": self.submit_returned - self.submitted,
-            "to_process": self.process_started - self.submitted,
+            "to_process": self.process_started - self.submit_returned,  # < 0: it started first
             "to_first_act": self.ran - self.process_started,
             "to_recorded": self.recorded - self.ran,
             "to_returned": self.returned - self.recorded,
@@ -308,7 +308,9 @@ def measure(rounds: int, *, quick: bool = False, no_batch_delay: bool = False) -
         "round_trip_ms": {name: spread([t.intervals()["total"] for t in ts]) for name, ts in trips.items()},
         "step_p50_ms": {name: step_p50s(ts) for name, ts in trips.items()},
         "first_trip_ms": {name: step_p50s([t]) for name, t in first.items()},
-        "trips_ms": {name: [t.intervals()["total"] * 1000 for t in ts] for name, ts in trips.items()},
+        "trips_ms": {
+            name: [{k: v * 1000 for k, v in t.intervals().items()} for t in ts] for name, ts in trips.items()
+        },
     }
 
 
