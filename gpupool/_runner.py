@@ -23,7 +23,7 @@ import pickle
 import sys
 import zipimport
 
-RESULT = os.path.join("gpupool", "result.pickle")
+RESULT = "gpupool/result.pickle"  # under $GPUPOOL_OUTPUT: the artifact's name (shipping.py)
 Outcome = tuple[str, str, bytes]
 
 

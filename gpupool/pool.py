@@ -10,7 +10,6 @@ project this process runs in, with its environment (`Options.project`), as `pool
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 from collections.abc import Callable, Iterable, Sequence
@@ -19,6 +18,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from daemon.client.pool_client import ClientError, PoolClient
 from daemon.ctl import project_send
 from daemon.ctl.arrays import MAX_JOBS, array_specs
+from daemon.ctl.link import Link, reach
+from daemon.ctl.parsing import UsageError
 from daemon.errors import GpupoolError, NotYours
 from gpupool import _loop, shipping
 from gpupool.errors import BadArgument, Error, JobFailed
@@ -38,7 +39,6 @@ from protocol import (
 )
 
 if TYPE_CHECKING:
-    from daemon.ctl.cli import Link
     from gpupool.executor import PoolExecutor
 
 R = TypeVar("R", bound=Reply)
@@ -49,11 +49,11 @@ def connect(pool: str | None = None, *, server: str | None = None, **defaults: A
     poolctl would talk to; `defaults`: job options for every job submitted through it (gpus=,
     queue=, project=..., gpupool.options.Options). Connects at once: a pool that does not answer,
     or refuses the token, raises here."""
-    from daemon.ctl.cli import link
-
-    chosen = Pool(
-        link(argparse.Namespace(server=server, pool=pool, tls_ca=None)), Options(**_known(defaults))
-    )
+    try:
+        to = reach(server, pool, None, who="gpupool")
+    except UsageError as exc:  # an address that cannot be one
+        raise BadArgument(exc.message) from None
+    chosen = Pool(to, Options(**_known(defaults)))
     try:
         _loop.run(chosen.client())
     except BaseException:

@@ -182,10 +182,12 @@ def test_a_100_mb_result_comes_through_the_object_store(pool: gpupool.Pool) -> N
     assert artifact["size"] > 100 * 2**20
 
 
-async def test_inside_a_running_event_loop(pool: gpupool.Pool) -> None:
+async def test_inside_a_running_event_loop(as_alice: ApiPool) -> None:
     """issue 48, "the API used inside a running event loop": blocking calls from a coroutine of
-    a running loop (as in a notebook) work, and so does `await job`; a wait cut short cancels."""
+    a running loop (as in a notebook: connect, submit, result) work, and so does `await job`; a
+    wait cut short cancels the job."""
     asyncio.get_running_loop()  # a loop runs here
+    pool = gpupool.connect(project=False)
     assert pool.submit(add, 20, 22).result(WAIT) == 42
     assert await asyncio.wait_for(pool.submit(add, 1, 2), WAIT) == 3
     jobs = pool.map(str, [7, 8])
@@ -194,6 +196,7 @@ async def test_inside_a_running_event_loop(pool: gpupool.Pool) -> None:
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(slow, 0.1)
     assert slow.cancelled()
+    pool.close()
 
 
 def test_another_user_cannot_read_a_jobs_call_or_result(pool: gpupool.Pool, api_pool: ApiPool) -> None:
