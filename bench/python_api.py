@@ -274,7 +274,7 @@ def measure(rounds: int, *, quick: bool = False, no_batch_delay: bool = False) -
     systems: dict[str, Callable[[int], Trip]] = {}
     with tempfile.TemporaryDirectory(prefix="gpupool-bench-api-") as tmp_name:
         tmp = Path(tmp_name)
-        tmp.chmod(0o711)  # the jobs' uids pass through it to their directories under data/worker
+        tmp.chmod(0o711)  # poold checks that a job's uid could pass through it to data/worker
         with contextlib.ExitStack() as stack:
             proc = stack.enter_context(local_pool(tmp))
             if why_not is None:  # Slurm starts while poold does
