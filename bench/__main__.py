@@ -18,6 +18,7 @@ from bench import (
     peers,
     policies,
     protocol_rtt,
+    python_api,
     queue_rates,
     scale,
     throughput,
@@ -105,6 +106,7 @@ def main(argv: list[str]) -> None:
     failover.main(quick)
     policies.main(quick)
     env_start.main(quick)
+    python_api.main(quick)
     Console().print(summary())
 
 

@@ -19,6 +19,8 @@ from tests.support.paths import ROOT
         ("bench.env_start", "cold_hermetic", ["--quick"]),  # issue 45 item 2: hermetic only, no network
         # issue 46: the scheduler's parts, each policy's cost
         ("bench.policies", "ratio to FIFO", ["--jobs", "200", "--rounds", "1"]),
+        # issue 48: a function's round trip through the Python API, beside submitit on Slurm
+        ("bench.python_api", "round trip p50", ["--quick"]),
     ],
 )
 def test_a_bench_program_runs_at_its_smallest(program: str, says: str, size: list[str]) -> None:

@@ -47,7 +47,9 @@ def _binary(name: str) -> str:
 class SlurmCluster:
     """`start()`, then submit with `env` (SLURM_CONF) in the environment; `stop()` at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra_config: str = "") -> None:
+        """`extra_config`: lines added to slurm.conf (a bench's scheduler parameters)."""
+        self.extra_config = extra_config
         self.dir = Path(tempfile.mkdtemp(prefix="gpupool-slurm-"))
         self.dir.chmod(0o755)
         self.conf = self.dir / "slurm.conf"
@@ -114,7 +116,7 @@ SlurmctldLogFile={d / "slurmctld.log"}
 SlurmdLogFile={d / "slurmd.log"}
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
-"""
+{self.extra_config}"""
 
     def _spawn(self, name: str, *args: str) -> None:
         with open(self.dir / f"{name}.out", "ab") as out:
