@@ -1,0 +1,116 @@
+"""A submitit Job that is a gpupool job: its state, result, cancel and log come from the pool.
+
+submitit's own Jobs read result pickles from a folder the cluster shares with the client; a gpupool
+job shares no folder with it, so this Job holds the gpupool Job (gpupool's Python API) and asks it:
+the result comes back as gpupool brings any function's result (an artifact, verified, unpickled
+only here), and submitit's folder is not used.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import traceback
+from pathlib import Path
+from typing import Any
+
+from submitit.core.core import Job, R
+from submitit.core.utils import DelayedSubmission, FailedJobError, UncompletedJobError
+
+import gpupool
+
+# gpupool's states in Slurm's words, which submitit's users test `job.state` against.
+SLURM_STATES = {
+    "queued": "PENDING",
+    "running": "RUNNING",
+    "succeeded": "COMPLETED",
+    "failed": "FAILED",
+    "cancelled": "CANCELLED",
+    "dead": "NODE_FAIL",  # its workers died under it more often than it may be retried
+}
+
+
+class GpupoolJob(Job[R]):
+    """submitit's Job for one gpupool job (an array's jobs are one each, as Slurm's are)."""
+
+    def __init__(self, folder: str | Path, job: gpupool.Job, submission: DelayedSubmission) -> None:
+        self._job = job
+        self._submission = submission
+        super().__init__(folder, job.id)
+
+    def _register_in_watcher(self) -> None:
+        """Nothing to register: the gpupool Job follows its own state (submitit's watcher polls
+        sacct for Slurm's jobs)."""
+
+    @property
+    def state(self) -> str:
+        """The job's state in Slurm's words (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED)."""
+        state = self._job.state
+        return SLURM_STATES.get(state, state.upper())
+
+    def get_info(self, mode: str = "force") -> dict[str, str]:
+        return {"State": self.state}
+
+    def done(self, force_check: bool = False) -> bool:
+        return self._job.done()
+
+    def wait(self) -> None:
+        concurrent.futures.wait([self._job])
+
+    def cancel(self, check: bool = True) -> None:
+        """Cancel the job: a queued one never runs, a running one is stopped (its stop signal,
+        then SIGKILL); one that has ended is left as it is."""
+        self._job.cancel()
+
+    def submission(self) -> DelayedSubmission:
+        """The call submitted (with attributes `function`, `args` and `kwargs`)."""
+        return self._submission
+
+    def results(self) -> list[R]:
+        """The function's return value, in a list as submitit's are (one task); its exception
+        raises FailedJobError carrying the job's traceback (the exception itself is its
+        `__cause__`), and a job that ended without a result raises UncompletedJobError."""
+        try:
+            return [self._job.result()]
+        except (gpupool.JobFailed, concurrent.futures.CancelledError) as exc:
+            raise UncompletedJobError(f"job {self.job_id} has no result: {exc}") from exc
+        except gpupool.RemoteError as exc:
+            raise self._failed(str(exc)) from exc
+        except gpupool.Error:
+            raise  # the pool's, not the job's: the job may still have a result to give
+        except Exception as exc:  # the function's own, raised again with the job's traceback
+            raise self._failed(_remote_traceback(exc)) from exc
+
+    def exception(self) -> UncompletedJobError | FailedJobError | None:
+        """What `result()` would raise, or None."""
+        try:
+            self.results()
+        except (UncompletedJobError, FailedJobError) as exc:
+            return exc
+        return None
+
+    def stdout(self) -> str | None:
+        """The job's log so far (its stdout and stderr, merged as gpupool keeps them)."""
+        log: str = self._job.logs()
+        return log
+
+    def stderr(self) -> str | None:
+        """The same log as stdout(): gpupool keeps the two streams merged."""
+        return self.stdout()
+
+    def __del__(self) -> None:
+        if self._cancel_at_deletion and not self.done():
+            self.cancel(check=False)
+
+    def _failed(self, trace: str) -> FailedJobError:
+        return FailedJobError(
+            f"Job {self.job_id} failed during processing with trace:\n"
+            f"----------------------\n{trace}\n----------------------\n"
+            f"You can check its full log with 'job.stdout()' or 'poolctl logs {self.job_id}'"
+        )
+
+
+def _remote_traceback(exc: BaseException) -> str:
+    """The job's traceback of `exc` (gpupool sets it as the `__cause__`), else this process's."""
+    cause: Any = exc.__cause__
+    tb = getattr(cause, "tb", None)
+    return tb if isinstance(tb, str) else "".join(traceback.format_exception(exc))

@@ -1,0 +1,161 @@
+"""issue 48: submitit's own API on a real pool (tests/api/conftest.py): `submitit.AutoExecutor(folder,
+cluster="gpupool")` found through gpupool's entry points, its parameters mapped, submit, map_array,
+result, cancel, state, and checkpoint-and-requeue, the calls pickled here and run in the worker's
+jobs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+import submitit
+from submitit.core.utils import FailedJobError, UncompletedJobError
+
+import gpupool
+from gpupool_submitit.job import GpupoolJob
+from tests.api.conftest import ApiPool
+from tests.support.paths import ROOT
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the jobs cannot import tests/
+
+WAIT = 30.0
+
+
+@pytest.fixture
+def pool(as_alice: ApiPool) -> Iterator[gpupool.Pool]:
+    with gpupool.connect(project=False) as pool:
+        yield pool
+
+
+@pytest.fixture
+def executor(pool: gpupool.Pool, tmp_path: Path) -> submitit.AutoExecutor:
+    return submitit.AutoExecutor(tmp_path, cluster="gpupool", gpupool_pool=pool)
+
+
+def inside() -> dict[str, Any]:
+    """What the job sees: submitit's JobEnvironment, and any module of gpupool it loaded."""
+    env = submitit.JobEnvironment()
+    ours = sorted(m for m in sys.modules if m.split(".")[0] in ("gpupool", "gpupool_submitit", "daemon"))
+    return {"cluster": env.cluster, "job_id": env.job_id, "rank": env.global_rank, "gpupool_modules": ours}
+
+
+def fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def test_auto_executor_runs_a_call_through_gpupool_with_submitits_parameters(
+    executor: submitit.AutoExecutor, pool: gpupool.Pool
+) -> None:
+    """issue 48, "AutoExecutor(cluster="gpupool"), submit, job.result()": the cluster is found
+    through the entry points; timeout_min, gpus_per_node and name become the job's timeout, GPUs
+    and name, gpupool_queue its queue, and mem_gb (which gpupool cannot honour) warns; the call runs
+    in a job whose submitit.JobEnvironment is gpupool's, with nothing of gpupool imported there;
+    its result and state come back; an exception comes back as submitit's FailedJobError with the
+    job's traceback."""
+    assert submitit.AutoExecutor.which() != "gpupool"  # only when named: nobody's default moves
+    with pytest.warns(UserWarning, match="mem_gb is ignored on gpupool"):
+        executor.update_parameters(
+            timeout_min=2, gpus_per_node=0, name="where", mem_gb=4, gpupool_queue="default"
+        )
+    job = executor.submit(inside)
+    assert isinstance(job, GpupoolJob)
+    seen = job.result()
+    assert seen == {"cluster": "gpupool", "job_id": job.job_id, "rank": 0, "gpupool_modules": []}
+    assert job.done()
+    assert job.state == "COMPLETED"
+    spec = pool.job(job.job_id).record()["spec"]
+    assert (spec["timeout"], spec["gpus"], spec["name"], spec["queue"]) == (120, 0, "where", "default")
+
+    failing = executor.submit(fail, "no luck")
+    with pytest.raises(FailedJobError, match=r"(?s)in fail\n.*ValueError: no luck") as caught:
+        failing.result()
+    assert isinstance(caught.value.__cause__, ValueError)
+    assert isinstance(failing.exception(), FailedJobError)
+    assert failing.state == "FAILED"
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def test_map_array_is_one_gpupool_array(executor: submitit.AutoExecutor, pool: gpupool.Pool) -> None:
+    """issue 48, "map_array (as ONE gpupool array)": one array id for all its jobs, the results in
+    the order of the arguments, each job named for the function."""
+    jobs = executor.map_array(add, [1, 2, 3, 4], [10, 20, 30, 40])
+    assert [job.result() for job in jobs] == [11, 22, 33, 44]
+    specs = [pool.job(job.job_id).record()["spec"] for job in jobs]
+    assert len({spec["array"] for spec in specs}) == 1
+    assert {spec["name"] for spec in specs} == {"add"}
+
+
+def test_cancel_stops_the_job_and_its_result_says_so(executor: submitit.AutoExecutor) -> None:
+    """issue 48, "job.cancel()": the job is cancelled in the pool, done, CANCELLED, and its result
+    raises submitit's UncompletedJobError."""
+    job = executor.submit(time.sleep, 60)
+    job.cancel()
+    assert job.done()
+    with pytest.raises(UncompletedJobError, match=f"job {job.job_id} has no result"):
+        job.result()
+    deadline = time.monotonic() + WAIT
+    while job.state != "CANCELLED" and time.monotonic() < deadline:  # a running one stops first
+        time.sleep(0.05)
+    assert job.state == "CANCELLED"
+
+
+class Steps(submitit.helpers.Checkpointable):
+    """Counts to `total`, noting which attempt made each step; the first attempt stops after
+    three and waits to be stopped. Checkpointable's checkpoint() resubmits this object as it is."""
+
+    def __init__(self) -> None:
+        self.made: list[int] = []
+
+    def __call__(self, total: int) -> list[int]:
+        attempt = int(os.environ["GPUPOOL_ATTEMPT"])
+        while len(self.made) < total:
+            self.made.append(attempt)
+            print(f"step {len(self.made)}", flush=True)
+            if attempt == 1 and len(self.made) == 3:
+                time.sleep(60)  # until the requeue's stop signal
+        return self.made
+
+
+def test_a_checkpointable_call_requeued_mid_run_resumes_from_its_checkpoint(
+    executor: submitit.AutoExecutor, pool: gpupool.Pool, api_pool: ApiPool
+) -> None:
+    """issue 48, "checkpoint-and-requeue": `poolctl requeue` stops the job mid-run; its stop signal
+    has the callable checkpointed into $GPUPOOL_CHECKPOINT_DIR, and the next attempt, restored from
+    it, goes on from step 4: a start over would have made every step in attempt 2."""
+    job = executor.submit(Steps(), 5)
+    log = ""
+    for chunk in pool.job(job.job_id).logs(follow=True):
+        log += chunk
+        if "step 3\n" in log:
+            break
+    requeue = subprocess.run(
+        [sys.executable, "-m", "daemon.ctl.cli", "requeue", job.job_id],
+        env={**api_pool.env("alice"), "PYTHONPATH": str(ROOT)},
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        check=False,
+    )
+    assert requeue.returncode == 0, requeue.stderr
+    assert job.result() == [1, 1, 1, 2, 2]
+
+
+def test_parameters_gpupool_cannot_honour_are_refused_with_a_sentence(tmp_path: Path) -> None:
+    """issue 48, parameters mapped: several tasks or nodes per call are refused before anything is
+    submitted, naming what to do instead (no pool needed: nothing is sent)."""
+    executor = submitit.AutoExecutor(tmp_path, cluster="gpupool")
+    with pytest.raises(ValueError, match=r"nodes=2: .* leave nodes at 1"):
+        executor.update_parameters(nodes=2)
+    with pytest.raises(ValueError, match=r"tasks_per_node=4: .* leave tasks_per_node at 1"):
+        executor.update_parameters(tasks_per_node=4)
