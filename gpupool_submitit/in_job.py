@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -94,7 +95,13 @@ def _checkpoint_and_exit(
             resume.set_timeout(delayed._timeout_min, delayed._timeout_countdown)
             with utils.temporary_save_path(path) as partial:  # whole or not at all
                 resume.dump(partial)
-        raise SystemExit(128 + signum)  # as the signal's default action would report it
+        # Then end as the signal would have ended the job without this handler: no outcome is
+        # written (an exception raised here would be the call's outcome, raised again in the
+        # client), so a job stopped for good (a cancel, a timeout) ends without a result.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     return handler
 

@@ -126,20 +126,20 @@ class Steps(submitit.helpers.Checkpointable):
         return self.made
 
 
-def test_a_checkpointable_call_requeued_mid_run_resumes_from_its_checkpoint(
-    executor: submitit.AutoExecutor, pool: gpupool.Pool, api_pool: ApiPool
-) -> None:
-    """issue 48, "checkpoint-and-requeue": `poolctl requeue` stops the job mid-run; its stop signal
-    has the callable checkpointed into $GPUPOOL_CHECKPOINT_DIR, and the next attempt, restored from
-    it, goes on from step 4: a start over would have made every step in attempt 2."""
-    job = executor.submit(Steps(), 5)
+def wait_for_line(pool: gpupool.Pool, job_id: str, line: str) -> None:
+    """Follow the job's log until `line` has been printed (the test's timeout bounds it)."""
     log = ""
-    for chunk in pool.job(job.job_id).logs(follow=True):
+    for chunk in pool.job(job_id).logs(follow=True):
         log += chunk
-        if "step 3\n" in log:
-            break
-    requeue = subprocess.run(
-        [sys.executable, "-m", "daemon.ctl.cli", "requeue", job.job_id],
+        if f"{line}\n" in log:
+            return
+    raise AssertionError(f"job {job_id} ended without printing {line!r}: {log}")
+
+
+def poolctl(api_pool: ApiPool, *args: str) -> None:
+    """`poolctl ARGS` as alice, from another process, as a researcher would stop a job."""
+    done = subprocess.run(
+        [sys.executable, "-m", "daemon.ctl.cli", *args],
         env={**api_pool.env("alice"), "PYTHONPATH": str(ROOT)},
         cwd="/",
         capture_output=True,
@@ -147,8 +147,20 @@ def test_a_checkpointable_call_requeued_mid_run_resumes_from_its_checkpoint(
         timeout=WAIT,
         check=False,
     )
-    assert requeue.returncode == 0, requeue.stderr
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_checkpointable_call_requeued_mid_run_resumes_from_its_checkpoint(
+    executor: submitit.AutoExecutor, pool: gpupool.Pool, api_pool: ApiPool
+) -> None:
+    """issue 48, "checkpoint-and-requeue": `poolctl requeue` stops the job mid-run; its stop signal
+    has the callable checkpointed into $GPUPOOL_CHECKPOINT_DIR, and the next attempt, restored from
+    it, goes on from step 4: a start over would have made every step in attempt 2."""
+    job = executor.submit(Steps(), 5)
+    wait_for_line(pool, job.job_id, "step 3")
+    poolctl(api_pool, "requeue", job.job_id)
     assert job.result() == [1, 1, 1, 2, 2]
+    assert "step 5\n" in (job.stdout() or "")
 
 
 def test_parameters_gpupool_cannot_honour_are_refused_with_a_sentence(tmp_path: Path) -> None:
@@ -159,3 +171,18 @@ def test_parameters_gpupool_cannot_honour_are_refused_with_a_sentence(tmp_path: 
         executor.update_parameters(nodes=2)
     with pytest.raises(ValueError, match=r"tasks_per_node=4: .* leave tasks_per_node at 1"):
         executor.update_parameters(tasks_per_node=4)
+
+
+def test_a_checkpointable_call_cancelled_by_poolctl_has_no_result(
+    executor: submitit.AutoExecutor, pool: gpupool.Pool, api_pool: ApiPool
+) -> None:
+    """issue 48, the stop signal wired: a job stopped for good (`poolctl cancel` from another
+    process here; a timeout alike) after its checkpoint was saved ends as the signal ends it, with
+    no result, so `result()` raises UncompletedJobError (not the SystemExit a handler that
+    exits would leave behind as the call's outcome, raised again here)."""
+    job = executor.submit(Steps(), 5)
+    wait_for_line(pool, job.job_id, "step 3")
+    poolctl(api_pool, "cancel", job.job_id)
+    with pytest.raises(UncompletedJobError, match=f"job {job.job_id} has no result"):
+        job.result()
+    assert job.state == "CANCELLED"
