@@ -95,16 +95,25 @@ def test_map_array_is_one_gpupool_array(executor: submitit.AutoExecutor, pool: g
     assert {spec["name"] for spec in specs} == {"add"}
 
 
-def test_cancel_stops_the_job_and_its_result_says_so(executor: submitit.AutoExecutor) -> None:
-    """issue 48, "job.cancel()": the job is cancelled in the pool, done, CANCELLED, and its result
-    raises submitit's UncompletedJobError."""
-    job = executor.submit(time.sleep, 60)
+def nap(seconds: float) -> None:
+    print("started", flush=True)
+    time.sleep(seconds)
+
+
+def test_cancel_stops_the_job_and_its_result_says_so(
+    executor: submitit.AutoExecutor, pool: gpupool.Pool
+) -> None:
+    """issue 48, "job.cancel()": a running job is stopped in the pool: done, CANCELLED, and its
+    result raises submitit's UncompletedJobError."""
+    job = executor.submit(nap, 60)
+    wait_for_line(pool, job.job_id, "started")
+    assert job.state == "RUNNING"
     job.cancel()
     assert job.done()
     with pytest.raises(UncompletedJobError, match=f"job {job.job_id} has no result"):
         job.result()
     deadline = time.monotonic() + WAIT
-    while job.state != "CANCELLED" and time.monotonic() < deadline:  # a running one stops first
+    while job.state != "CANCELLED" and time.monotonic() < deadline:  # its process stops first
         time.sleep(0.05)
     assert job.state == "CANCELLED"
 
