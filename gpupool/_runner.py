@@ -21,19 +21,20 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-import traceback
-import zipfile
-from typing import Any
+import zipimport
 
-RESULT = os.path.join("gpupool", "result.pickle")
+RESULT = "gpupool/result.pickle"  # under $GPUPOOL_OUTPUT: the artifact's name (shipping.py)
 Outcome = tuple[str, str, bytes]
 
 
-def _call(archive: str) -> Any:
+def _call(archive: str) -> object:
     index = int(os.environ.get("GPUPOOL_ARRAY_INDEX") or 0)
-    with zipfile.ZipFile(archive) as z:
-        fn_bytes = z.read("fn.pickle")
-        args_bytes = z.read(f"args/{index}.pickle")
+    # Read by zipimport, which loaded this file (its index of the archive is kept): no zipfile
+    # (or traceback, or typing) is imported on a call's way, as a small job's time is mostly
+    # its imports.
+    archived = zipimport.zipimporter(archive)
+    fn_bytes = archived.get_data(os.path.join(archive, "fn.pickle"))
+    args_bytes = archived.get_data(os.path.join(archive, "args", f"{index}.pickle"))
     sys.path.insert(1, os.getcwd())  # behind the archive, which holds no module but cloudpickle
     # The user's own call, from their own client: this job is theirs alone (shipping.py says why).
     fn = pickle.loads(fn_bytes)  # noqa: S301 - cloudpickle's: it imports cloudpickle where it must
@@ -57,6 +58,8 @@ def _outcome(archive: str) -> tuple[int, Outcome]:
     try:
         value = _call(archive)
     except BaseException as exc:  # noqa: BLE001 - what ended the call comes back, SystemExit too
+        import traceback
+
         tb = traceback.format_exc()
         traceback.print_exc()
         try:
@@ -69,6 +72,8 @@ def _outcome(archive: str) -> tuple[int, Outcome]:
     except Exception as why:  # noqa: BLE001 - pickling raises what a __reduce__ raises
         said = f"the function returned a {type(value).__qualname__}, which could not be pickled: {why}"
         print(said, file=sys.stderr)
+        import traceback
+
         return 1, ("raised-text", f"{said}\n{traceback.format_exc()}", b"")
 
 

@@ -32,7 +32,7 @@ class JobFailed(Error):
     def __init__(self, job_id: str, state: str, detail: str, log_tail: str) -> None:
         why = f" ({detail})" if detail else ""
         tail = f"; the end of its log:\n{log_tail.rstrip()}" if log_tail.strip() else "; its log is empty"
-        super().__init__(f"job {job_id} ended {state}{why} without a result{tail}")
+        super().__init__(f"job {job_id} ended {state}{why} with no result{tail}")
         self.job_id = job_id
         self.state = state
         self.detail = detail

@@ -46,10 +46,7 @@ class PoolExecutor(concurrent.futures.Executor):
             raise RuntimeError("cannot submit after shutdown")
         if not iterables:
             raise BadArgument("map needs at least one iterable")
-        if len(iterables) == 1:
-            jobs = self.pool.map(fn, iterables[0], **_fields(self.options))
-        else:
-            jobs = self.pool.map(_Star(fn), zip(*iterables, strict=False), **_fields(self.options))
+        jobs = self.pool.map_with(self.options, fn, [(args, {}) for args in zip(*iterables, strict=False)])
         self._jobs += jobs
         deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -66,23 +63,3 @@ class PoolExecutor(concurrent.futures.Executor):
                 job.cancel()
         if wait:
             concurrent.futures.wait(self._jobs)
-
-
-class _Star:
-    """`fn(*item)`: Executor.map over several iterables, as one function of one item."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
-
-    def __call__(self, item: tuple[Any, ...]) -> Any:
-        return self.fn(*item)
-
-
-def _fields(options: Options) -> dict[str, Any]:
-    from gpupool.options import names
-
-    return {name: getattr(options, name) for name in names()}
-
-
-__all__ = ["PoolExecutor"]

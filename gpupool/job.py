@@ -14,7 +14,7 @@ import concurrent.futures
 import queue
 from collections.abc import Generator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from daemon.job import TERMINAL_STATES
 from gpupool import _loop
@@ -30,7 +30,9 @@ _END = object()  # the end of a followed log, in its queue
 class Job(concurrent.futures.Future[Any]):
     """A job of `pool`, by its id. `result()` is what its function returned (a command's job: its
     exit status, 0), or raises: the function's own exception, with the job's traceback as its
-    cause; gpupool.JobFailed when the job ended without a result; CancelledError after `cancel()`."""
+    cause; gpupool.JobFailed when the job ended without a result; CancelledError after `cancel()`.
+    Ctrl-C interrupts `result()` and `exception()`, and stops only the wait: the job goes on in the
+    pool, and `pool.job(job.id)` waits for it again."""
 
     def __init__(self, pool: Pool, job_id: str) -> None:
         super().__init__()
@@ -44,7 +46,7 @@ class Job(concurrent.futures.Future[Any]):
     def state(self) -> str:
         """The job's state in the pool now (queued, running, succeeded, failed, cancelled, dead),
         asked of the server."""
-        return self.record()["state"]  # type: ignore[no-any-return]
+        return str(self.record()["state"])
 
     def record(self) -> dict[str, Any]:
         """The job's record as the pool holds it (`poolctl show --json`'s)."""
@@ -61,7 +63,13 @@ class Job(concurrent.futures.Future[Any]):
         self.pool.forget(self.id)
         return super().cancel()
 
-    def logs(self, follow: bool = False) -> Any:
+    @overload
+    def logs(self, follow: Literal[False] = False) -> str: ...
+
+    @overload
+    def logs(self, follow: Literal[True]) -> Iterator[str]: ...
+
+    def logs(self, follow: bool = False) -> str | Iterator[str]:
         """The job's output so far, as text; with `follow`, an iterator of its output as it comes,
         until the job ends (one that has ended gives its whole log)."""
         if not follow:
@@ -101,6 +109,8 @@ class Job(concurrent.futures.Future[Any]):
         return [Path(path) for path, _ in _loop.run(fetch())]
 
     def __await__(self) -> Generator[Any, None, Any]:
+        """`await job`: its result, in asyncio code. The awaiting task cancelled (a timeout of
+        `asyncio.wait_for`) cancels the job too, as a Future's waiter does."""
         return asyncio.wrap_future(self).__await__()
 
 

@@ -10,7 +10,6 @@ project this process runs in, with its environment (`Options.project`), as `pool
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 from collections.abc import Callable, Iterable, Sequence
@@ -18,8 +17,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from daemon.client.pool_client import ClientError, PoolClient
 from daemon.ctl import project_send
-from daemon.ctl.arrays import array_specs
-from daemon.errors import GpupoolError
+from daemon.ctl.arrays import MAX_JOBS, array_specs
+from daemon.ctl.link import Link, reach
+from daemon.ctl.parsing import UsageError
+from daemon.errors import GpupoolError, NotYours
 from gpupool import _loop, shipping
 from gpupool.errors import BadArgument, Error, JobFailed
 from gpupool.job import Job
@@ -38,7 +39,6 @@ from protocol import (
 )
 
 if TYPE_CHECKING:
-    from daemon.ctl.cli import Link
     from gpupool.executor import PoolExecutor
 
 R = TypeVar("R", bound=Reply)
@@ -49,11 +49,11 @@ def connect(pool: str | None = None, *, server: str | None = None, **defaults: A
     poolctl would talk to; `defaults`: job options for every job submitted through it (gpus=,
     queue=, project=..., gpupool.options.Options). Connects at once: a pool that does not answer,
     or refuses the token, raises here."""
-    from daemon.ctl.cli import link
-
-    chosen = Pool(
-        link(argparse.Namespace(server=server, pool=pool, tls_ca=None)), Options(**_known(defaults))
-    )
+    try:
+        to = reach(server, pool, None, who="gpupool")
+    except UsageError as exc:  # an address that cannot be one
+        raise BadArgument(exc.message) from None
+    chosen = Pool(to, Options(**_known(defaults)))
     try:
         _loop.run(chosen.client())
     except BaseException:
@@ -71,7 +71,8 @@ def _known(options: dict[str, Any]) -> dict[str, Any]:
 
 
 class Pool:
-    """A connected pool. Use it as a context manager, or `close()` it."""
+    """A connected pool. Use it as a context manager, or `close()` it. It belongs to the process
+    that connected: a forked child connects a pool of its own."""
 
     def __init__(self, to: Link, defaults: Options) -> None:
         self.link = to
@@ -150,11 +151,19 @@ class Pool:
         """`fn(item)` for each item, as one array of jobs (one upload, one request); their Jobs, in
         the order of the items. `options` as submit's (and the other job options)."""
         chosen = self.defaults.replace(**_known(options))
-        items = list(iterable)
-        if not items:
+        return self.map_with(chosen, fn, [((item,), {}) for item in iterable])
+
+    def map_with(self, options: Options, fn: Callable[..., Any], calls: Sequence[shipping.Call]) -> list[Job]:
+        """`fn(*args, **kwargs)` for each (args, kwargs) of `calls`, as one array, with all of a
+        job's options given (the executor's way in)."""
+        if not calls:
             return []
-        data = shipping.archive(fn, [((item,), {}) for item in items])
-        return self._track(self._enqueue(chosen, data, len(items), _name_of(fn)))
+        if len(calls) > MAX_JOBS:
+            raise BadArgument(
+                f"{len(calls)} calls in one map; at most {MAX_JOBS} in one array: map them in parts"
+            )
+        data = shipping.archive(fn, calls)
+        return self._track(self._enqueue(options, data, len(calls), _name_of(fn)))
 
     def run(self, argv: Sequence[str], /, **options: Any) -> Job:
         """Run the command `argv` (no shell) in a job, in the project as `poolctl enqueue` does;
@@ -177,6 +186,8 @@ class Pool:
             raise
         if "array" in record:
             raise BadArgument(f"{job_id} is an array's id: give one of its jobs' ids")
+        if record.get("withheld"):  # the server keeps another user's call and result from us
+            raise NotYours(record["id"], record["spec"]["user"], "wait for the result of")
         return self._track([record["id"]])[0]
 
     def executor(self, **options: Any) -> PoolExecutor:
@@ -242,8 +253,9 @@ class Pool:
         if record["state"] == "succeeded" and not shipping.is_function_job(record):
             return record.get("exit_code", 0)
         result = record.get("result") or {}
-        tail = result.get("tail") or []
-        raise JobFailed(record["id"], record["state"], record.get("detail") or "", "\n".join(tail))
+        why = [record.get("detail") or "", *(result.get("artifact_errors") or [])]  # an upload failed
+        tail = "\n".join(result.get("tail") or [])
+        raise JobFailed(record["id"], record["state"], "; ".join(w for w in why if w), tail)
 
     # -- the enqueue (on the API's loop) ------------------------------------------------------
 

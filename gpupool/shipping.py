@@ -30,10 +30,10 @@ import cloudpickle
 
 from daemon.client.pool_client import PoolClient
 from daemon.ctl import transfer
+from gpupool._runner import RESULT
 from gpupool.errors import BadArgument, RemoteError, RemoteTraceback
 
 ARCHIVE = ".gpupool-call.pyz"  # where the archive is placed, at the top of the job's directory
-RESULT = "gpupool/result.pickle"  # the outcome's artifact: its name under $GPUPOOL_OUTPUT
 _RUNNER = Path(__file__).with_name("_runner.py")
 _STAMP = (1980, 1, 1, 0, 0, 0)  # every member's time: the same calls make the same archive
 Call = tuple[tuple[Any, ...], dict[str, Any]]

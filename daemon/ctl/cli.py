@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from daemon import pools, tokens
 from daemon.client import session
 from daemon.client.session import AuthFailed, ClientError, ServerUnreachable
-from daemon.ctl import one_shot, render
+from daemon.ctl import render
 from daemon.ctl.commands import MAX_VIEW_JOBS, parser
 from daemon.ctl.enqueue_spec import enqueue_request
+from daemon.ctl.link import Link, reach
 from daemon.ctl.parsing import UsageError
 from daemon.errors import GpupoolError, NotYours
 from daemon.listing import MORE
-from daemon.pools import choose
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -46,11 +46,9 @@ from protocol import (
     Requeued,
     RequeueJobs,
     ShowJob,
-    StreamItem,
     WatchPool,
     WorkerList,
 )
-from protocol.record import Record
 
 if TYPE_CHECKING:
     from daemon.client.pool_client import PoolClient
@@ -96,55 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-class Link(Record):
-    """How poolctl reaches its pool: where, as whom, and how it trusts the server."""
-
-    server: str
-    user: str
-    token: str | None
-    tls_ca: str | None
-    tls: str  # auto: TLS beyond loopback; on; off (GPUPOOL_TLS means the same as poold's `tls`)
-    tls_pin: str | None
-    name: str | None = None  # the pool's, in pools.toml, when it was chosen by one
-
-    def call(
-        self, request: Request, reply_type: type[R], on_item: Callable[[StreamItem], None] | None = None
-    ) -> R:
-        """One request and its reply, over a blocking socket (one_shot.py); streamed items to `on_item`."""
-        return one_shot.call(
-            self.server, self.user, self.token, request, reply_type,
-            tls_ca=self.tls_ca, tls=self.tls, tls_pin=self.tls_pin, on_item=on_item,
-        )  # fmt: skip
-
-    def client(self) -> PoolClient:
-        """A connection for an event loop: streams and transfers."""
-        from daemon.client.pool_client import PoolClient
-
-        return PoolClient(
-            self.server, self.user, self.token, tls_ca=self.tls_ca, tls=self.tls, tls_pin=self.tls_pin
-        )
-
-
 def link(args: argparse.Namespace) -> Link:
-    """The pool to talk to (daemon/pools.py says which of --server, --pool, GPUPOOL_SERVER,
-    GPUPOOL_POOL, pools.toml), its addresses checked (one server, or several of the pool,
-    comma-separated), and its user and token."""
-    pool = choose(args.server, args.pool)
-    if pool.note is not None:  # another pool could be meant: say which this is
-        print(f"poolctl: {pool.note}", file=sys.stderr)
-    try:
-        session.addresses(pool.server)
-    except ClientError as exc:
-        raise UsageError(f"{exc} (pool {pool.name})" if pool.name else str(exc)) from None
-    return Link(
-        server=pool.server,
-        name=pool.name,
-        user=tokens.local_user(pool_user=pool.user),
-        token=tokens.client_token(token_file=pool.token_file),
-        tls_ca=args.tls_ca or os.environ.get("GPUPOOL_TLS_CA") or pool.tls_ca,
-        tls=os.environ.get("GPUPOOL_TLS") or pool.tls or "auto",
-        tls_pin=pool.tls_pin,
-    )
+    """The pool to talk to, as --server, --pool and --tls-ca say (daemon/ctl/link.py)."""
+    return reach(args.server, args.pool, args.tls_ca)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -37,7 +37,7 @@ R = TypeVar("R", bound=Reply)
 
 
 class Streams(Protocol):
-    """What these views ask through (cli.Link): one request, each item it streams to `on_item`."""
+    """What these views ask through (link.Link): one request, each item it streams to `on_item`."""
 
     def call(
         self, request: Request, reply_type: type[R], on_item: Callable[[StreamItem], None] | None = None
