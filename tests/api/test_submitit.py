@@ -6,6 +6,7 @@ jobs."""
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -98,6 +99,25 @@ def test_map_array_is_one_gpupool_array(executor: submitit.AutoExecutor, pool: g
 def nap(seconds: float) -> None:
     print("started", flush=True)
     time.sleep(seconds)
+
+
+def test_a_pickled_job_is_followed_again_from_another_process(
+    executor: submitit.AutoExecutor, api_pool: ApiPool, tmp_path: Path
+) -> None:
+    """issue 48, "reattach", as submitit users do it: a Job pickled here and unpickled in a new
+    process follows the same gpupool job there, through a connection of its own, to its result."""
+    job = executor.submit(add, 2, 3)
+    (tmp_path / "job.pkl").write_bytes(pickle.dumps(job))
+    again = "import pickle, sys; job = pickle.load(open(sys.argv[1], 'rb')); print(job.result(), job.state)"
+    done = subprocess.run(
+        [sys.executable, "-c", again, str(tmp_path / "job.pkl")],
+        env={**api_pool.env("alice"), "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        check=False,
+    )
+    assert (done.returncode, done.stdout) == (0, "5 COMPLETED\n"), done.stderr
 
 
 def test_cancel_stops_the_job_and_its_result_says_so(
