@@ -93,8 +93,11 @@ def _checkpoint_and_exit(
         resume = delayed._checkpoint_function()  # None: not checkpointable, the next attempt starts over
         if resume is not None:
             resume.set_timeout(delayed._timeout_min, delayed._timeout_countdown)
-            with utils.temporary_save_path(path) as partial:  # whole or not at all
-                resume.dump(partial)
+            # Whole or not at all: a save cut short by SIGKILL leaves only the partial file, which
+            # the next stop overwrites (submitit's temporary_save_path would refuse to).
+            partial = path.with_name(f"{path.name}.partial")
+            resume.dump(partial)
+            os.replace(partial, path)
         # Then end as the signal would have ended the job without this handler: no outcome is
         # written (an exception raised here would be the call's outcome, raised again in the
         # client), so a job stopped for good (a cancel, a timeout) ends without a result.
