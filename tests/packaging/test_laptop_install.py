@@ -27,7 +27,16 @@ from tests.support.paths import ROOT
 from tests.support.pool import Pool
 
 # What the wheel is built from: the package's sources and what pyproject.toml reads.
-SOURCES = ("pyproject.toml", "setup.py", "README.md", "daemon", "protocol", "storage", "gpupool")
+SOURCES = (
+    "pyproject.toml",
+    "setup.py",
+    "README.md",
+    "daemon",
+    "protocol",
+    "storage",
+    "gpupool",
+    "gpupool_submitit",
+)
 # What a server refusing for the same reason adds (it runs slots of its own by default).
 SERVER_HINT = ", or run only the server here with worker_local_processors = 0"
 # Where the installed copy's modules are, and whether the C module is among them.
