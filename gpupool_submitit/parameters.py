@@ -46,7 +46,8 @@ def checked(params: Mapping[str, Any]) -> dict[str, Any]:
             )
     for name in sorted(params.keys() & IGNORED.keys() - _warned):
         _warned.add(name)
-        warnings.warn(f"submitit's {name} is ignored on gpupool: {IGNORED[name]}", stacklevel=4)
+        # stacklevel: the line that called AutoExecutor.update_parameters
+        warnings.warn(f"submitit's {name} is ignored on gpupool: {IGNORED[name]}", stacklevel=5)
     return dict(params)
 
 

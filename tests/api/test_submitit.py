@@ -88,12 +88,16 @@ def add(a: int, b: int) -> int:
 
 def test_map_array_is_one_gpupool_array(executor: submitit.AutoExecutor, pool: gpupool.Pool) -> None:
     """issue 48, "map_array (as ONE gpupool array)": one array id for all its jobs, the results in
-    the order of the arguments, each job named for the function."""
+    the order of the arguments, each job named for the function; the submissions of a `with
+    executor.batch()` are one array as well."""
     jobs = executor.map_array(add, [1, 2, 3, 4], [10, 20, 30, 40])
-    assert [job.result() for job in jobs] == [11, 22, 33, 44]
+    with executor.batch():
+        batched = [executor.submit(add, 5, 5), executor.submit(add, 6, 6)]
+    assert [job.result() for job in jobs + batched] == [11, 22, 33, 44, 10, 12]
     specs = [pool.job(job.job_id).record()["spec"] for job in jobs]
     assert len({spec["array"] for spec in specs}) == 1
     assert {spec["name"] for spec in specs} == {"add"}
+    assert len({pool.job(job.job_id).record()["spec"]["array"] for job in batched}) == 1
 
 
 def nap(seconds: float) -> None:
