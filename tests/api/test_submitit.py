@@ -17,6 +17,7 @@ from typing import Any
 import cloudpickle
 import pytest
 import submitit
+from submitit.core import plugins
 from submitit.core.utils import FailedJobError, UncompletedJobError
 
 import gpupool
@@ -37,6 +38,10 @@ def pool(as_alice: ApiPool) -> Iterator[gpupool.Pool]:
 
 @pytest.fixture
 def executor(pool: gpupool.Pool, tmp_path: Path) -> submitit.AutoExecutor:
+    assert "gpupool" in plugins.get_executors(), (
+        "submitit finds no gpupool cluster: the installed metadata predates its entry points "
+        "(pip install -e . again)"
+    )
     return submitit.AutoExecutor(tmp_path, cluster="gpupool", gpupool_pool=pool)
 
 
