@@ -9,7 +9,6 @@ only here), and submitit's folder is not used.
 from __future__ import annotations
 
 import concurrent.futures
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +81,12 @@ class GpupoolJob(Job[R]):
             raise UncompletedJobError(f"job {self.job_id} has no result: {exc}") from exc
         except gpupool.RemoteError as exc:
             raise self._failed(str(exc)) from exc
-        except gpupool.Error:
-            raise  # the pool's, not the job's: the job may still have a result to give
-        except Exception as exc:  # the function's own, raised again with the job's traceback
-            raise self._failed(_remote_traceback(exc)) from exc
+        except BaseException as exc:
+            # The function's own, SystemExit included, carries the job's traceback as its cause;
+            # anything else is this process's (Ctrl-C, the pool out of reach), not the job's.
+            if not isinstance(exc.__cause__, gpupool.RemoteTraceback):
+                raise
+            raise self._failed(exc.__cause__.tb) from exc
 
     def exception(self) -> UncompletedJobError | FailedJobError | None:
         """What `result()` would raise, or None."""
@@ -137,10 +138,3 @@ def _pool_reached(name: str | None, server: str | None) -> gpupool.Pool:
     if (name, server) not in _reached:
         _reached[name, server] = gpupool.connect(name, server=server)
     return _reached[name, server]
-
-
-def _remote_traceback(exc: BaseException) -> str:
-    """The job's traceback of `exc` (gpupool sets it as the `__cause__`), else this process's."""
-    cause: Any = exc.__cause__
-    tb = getattr(cause, "tb", None)
-    return tb if isinstance(tb, str) else "".join(traceback.format_exception(exc))

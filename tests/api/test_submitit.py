@@ -63,8 +63,8 @@ def test_auto_executor_runs_a_call_through_gpupool_with_submitits_parameters(
     through the entry points; timeout_min, gpus_per_node and name become the job's timeout, GPUs
     and name, gpupool_queue its queue, and mem_gb (which gpupool cannot honour) warns; the call runs
     in a job whose submitit.JobEnvironment is gpupool's, with nothing of gpupool imported there;
-    its result and state come back; an exception comes back as submitit's FailedJobError with the
-    job's traceback."""
+    its result and state come back; an exception (SystemExit too) comes back as submitit's
+    FailedJobError with the job's traceback."""
     assert submitit.AutoExecutor.which() != "gpupool"  # only when named: nobody's default moves
     with pytest.warns(UserWarning, match="mem_gb is ignored on gpupool"):
         executor.update_parameters(
@@ -85,6 +85,9 @@ def test_auto_executor_runs_a_call_through_gpupool_with_submitits_parameters(
     assert isinstance(caught.value.__cause__, ValueError)
     assert isinstance(failing.exception(), FailedJobError)
     assert failing.state == "FAILED"
+    exiting = executor.submit(sys.exit, 3)  # raised again here, it would end this process
+    with pytest.raises(FailedJobError, match="SystemExit: 3"):
+        exiting.result()
 
 
 def add(a: int, b: int) -> int:
