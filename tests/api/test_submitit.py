@@ -61,14 +61,19 @@ def test_auto_executor_runs_a_call_through_gpupool_with_submitits_parameters(
 ) -> None:
     """issue 48, "AutoExecutor(cluster="gpupool"), submit, job.result()": the cluster is found
     through the entry points; timeout_min, gpus_per_node and name become the job's timeout, GPUs
-    and name, gpupool_queue its queue, and mem_gb (which gpupool cannot honour) warns; the call runs
-    in a job whose submitit.JobEnvironment is gpupool's, with nothing of gpupool imported there;
-    its result and state come back; an exception (SystemExit too) comes back as submitit's
-    FailedJobError with the job's traceback."""
+    and name, gpupool_queue and gpupool_stop_grace its own, and mem_gb (which gpupool cannot
+    honour) warns; the call runs in a job whose submitit.JobEnvironment is gpupool's, with nothing
+    of gpupool imported there; its result and state come back; an exception (SystemExit too)
+    comes back as submitit's FailedJobError with the job's traceback."""
     assert submitit.AutoExecutor.which() != "gpupool"  # only when named: nobody's default moves
     with pytest.warns(UserWarning, match="mem_gb is ignored on gpupool"):
         executor.update_parameters(
-            timeout_min=2, gpus_per_node=0, name="where", mem_gb=4, gpupool_queue="default"
+            timeout_min=2,
+            gpus_per_node=0,
+            name="where",
+            mem_gb=4,
+            gpupool_queue="default",
+            gpupool_stop_grace=7,
         )
     job = executor.submit(inside)
     assert isinstance(job, GpupoolJob)
@@ -78,6 +83,7 @@ def test_auto_executor_runs_a_call_through_gpupool_with_submitits_parameters(
     assert job.state == "COMPLETED"
     spec = pool.job(job.job_id).record()["spec"]
     assert (spec["timeout"], spec["gpus"], spec["name"], spec["queue"]) == (120, 0, "where", "default")
+    assert spec["stop_grace"] == 7
 
     failing = executor.submit(fail, "no luck")
     with pytest.raises(FailedJobError, match=r"(?s)in fail\n.*ValueError: no luck") as caught:
