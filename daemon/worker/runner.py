@@ -273,7 +273,7 @@ class JobRun:
         if now:
             self.output.note(f"{why}: killing the job now")
             self._signal(signal.SIGKILL)
-        elif first:
+        elif self._killer is None:  # not yet asked: a stop noted before the start is sent now
             sig, grace = self.stop_signal, self.stop_grace
             self.output.note(f"{why}: stopping the job ({sig.name}, then SIGKILL after {grace:g} s)")
             self._killer = asyncio.create_task(self._terminate(), name=f"stop {self.lease.job_id}")

@@ -2,7 +2,8 @@
 
 README's layout section has one line per room of daemon/, naming every module in it, so a reader finds
 any concept from the README and the tree alike. docs/DESIGN.md §5 ("Every module, room by room") names
-every module of protocol/, storage/, daemon/ and gpupool/ with one line saying what it holds."""
+every module of protocol/, storage/, daemon/, gpupool/ and gpupool_submitit/ with one line saying what
+it holds."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 
 from tests.support.paths import ROOT
 
-CODE_FOLDERS = ("protocol", "storage", "daemon", "gpupool", "hydra_plugins")
+CODE_FOLDERS = ("protocol", "storage", "daemon", "gpupool", "gpupool_submitit", "hydra_plugins")
 
 
 def readme_rooms() -> dict[str, set[str]]:

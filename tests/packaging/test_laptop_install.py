@@ -36,6 +36,7 @@ SOURCES = (
     "storage",
     "gpupool",
     "hydra_plugins",
+    "gpupool_submitit",
 )
 # What a server refusing for the same reason adds (it runs slots of its own by default).
 SERVER_HINT = ", or run only the server here with worker_local_processors = 0"

@@ -372,3 +372,34 @@ async def test_an_attempt_whose_history_cannot_be_read_waits_for_redis_and_resum
             redis_server.start()
         said = (await asyncio.wait_for(task, 30))["tail"]
     assert [line for line in said if not line.startswith("[gpupool]")] == ["by-b", "who", "b"], said
+
+
+async def test_a_cancel_while_the_attempt_is_prepared_stops_the_job_once_it_starts(
+    redis_server: EmbeddedRedis, redis: Redis, spawner: Spawner, tmp_path: Path
+) -> None:
+    """issue 48 (found by the submitit plugin's cancel test, under load): a cancel that comes while
+    the attempt is still being prepared (here a later attempt, waiting for Redis to read its
+    history before it restores its checkpoint) stops the job with its stop signal as soon as it
+    has started. The cancel was noted, and then no signal ever sent: the job ran its whole course,
+    whatever else asked it to stop."""
+    queue = JobQueue(redis, lease_seconds=30)
+    await queue.enqueue(sh("sleep 30", retries=1))
+    first = await queue.claim("a", ["default"], Capacity(0))
+    assert first is not None
+    assert await queue.complete(first, FAILED) is JobState.QUEUED
+    again = await queue.claim("b", ["default"], Capacity(0))
+    assert again is not None
+    async with LocalStore(tmp_path / "store") as store:
+        run = JobRun(queue, again, data_dir=tmp_path / "b", spawner=spawner, store=store, kill_grace=1)
+        redis_server.kill()
+        try:
+            task = asyncio.ensure_future(run.run())
+            await asyncio.sleep(0.5)
+            assert not task.done()  # still reading its history
+            run.cancel()
+        finally:
+            redis_server.start()
+        result = await asyncio.wait_for(task, 15)  # the job sleeps 30 s unless stopped
+        await run.tidy()
+    assert result.outcome is not None
+    assert result.outcome.state is JobState.CANCELLED  # by its stop signal, or SIGKILL after its grace
