@@ -40,8 +40,9 @@ class JobFailed(Error):
 
 
 class RemoteError(Error):
-    """The function raised an exception that could not be pickled to come back: its type and
-    message, and the job's traceback, as text."""
+    """The function raised an exception that could not be pickled to come back, or one that is
+    not an Exception (SystemExit, KeyboardInterrupt: raised again here, it would end the caller):
+    its type and message, and the job's traceback."""
 
 
 class RemoteTraceback(Exception):

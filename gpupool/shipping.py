@@ -123,7 +123,8 @@ async def fetch(client: PoolClient, job: dict[str, Any], item: dict[str, Any]) -
 
 def outcome(data: bytes) -> Any:
     """What the call returned; or the exception it raised, raised again with the job's traceback
-    as its cause (RemoteError where the exception cannot be rebuilt here)."""
+    as its cause (RemoteError where the exception cannot be rebuilt here, or is not an Exception:
+    a SystemExit raised here would end the caller)."""
     what, tb, inner = pickle.loads(data)  # noqa: S301 - the user's own job's, its sha256 checked
     if what == "returned":
         return cloudpickle.loads(inner)
@@ -134,6 +135,9 @@ def outcome(data: bytes) -> Any:
             raise RemoteError(
                 f"the job raised an exception that cannot be rebuilt here ({why}):\n{tb}"
             ) from None
-        if isinstance(exc, BaseException):
+        if isinstance(exc, Exception):
             raise exc from RemoteTraceback(tb)
+        if isinstance(exc, BaseException):  # SystemExit, KeyboardInterrupt: raised here, they would
+            # end the caller's script (or interrupt it) for what ended the job
+            raise RemoteError(f"the job raised {type(exc).__name__}: {exc}") from RemoteTraceback(tb)
     raise RemoteError(tb.rstrip())

@@ -70,6 +70,19 @@ def test_an_exception_is_raised_again_with_the_remote_traceback(pool: gpupool.Po
     assert job.state == "failed"
 
 
+def test_a_system_exit_in_the_job_is_an_error_here_not_an_exit(pool: gpupool.Pool) -> None:
+    """issue 48, a helper's finding: `sys.exit(3)` (or a KeyboardInterrupt) raised by the function
+    came back and was raised again as it was, so `result()` ended the client's script (a notebook
+    its cell, as an exit). An exception that is not an Exception comes back as a RemoteError
+    saying what the job raised, with its traceback; the job failed."""
+    job = pool.submit(sys.exit, 3)
+    with pytest.raises(gpupool.RemoteError, match=r"the job raised SystemExit: 3") as caught:
+        job.result(WAIT)
+    assert isinstance(caught.value.__cause__, gpupool.RemoteTraceback)
+    assert isinstance(job.exception(0), gpupool.RemoteError)
+    assert job.state == "failed"
+
+
 def square(x: int) -> int:
     return x * x
 
