@@ -85,6 +85,16 @@ async def output(queue: JobQueue, info: JobInfo) -> str:
     return b"".join(data for _, data in await queue.read_log(info.id)).decode()
 
 
+def uid_processes(uids: set[int]) -> list[int]:
+    """The pids of live processes of `uids`. A process that ends while the list is read (on a
+    machine that runs other tests meanwhile, many do) is left out, not raised as NoSuchProcess."""
+    return [
+        p.info["pid"]
+        for p in psutil.process_iter(["pid", "uids", "status"])
+        if p.info["uids"] is not None and p.info["uids"].real in uids and p.info["status"] != "zombie"
+    ]
+
+
 async def test_a_job_runs_as_its_slots_uid_without_capabilities_or_the_daemons_environment(
     queue: JobQueue, worker: Worker
 ) -> None:
@@ -152,7 +162,7 @@ async def test_nothing_of_a_job_outlives_it_however_it_escaped(
     # init's to reap: a zombie at most).
     assert not alive(escaped)
     uids = {FIRST_UID, FIRST_UID + 1}
-    assert [p.pid for p in psutil.process_iter() if p.uids().real in uids and p.status() != "zombie"] == []
+    assert uid_processes(uids) == []
 
 
 async def test_a_job_cannot_make_itself_less_nice_than_the_configured_niceness(
@@ -252,9 +262,7 @@ async def test_a_process_hopping_pids_in_a_fork_loop_is_killed_too(queue: JobQue
     uids = {FIRST_UID, FIRST_UID + 1}
     for _ in range(3):  # none of the uid's, at three looks in a row
         await asyncio.sleep(0.1)
-        assert [
-            p.pid for p in psutil.process_iter() if p.uids().real in uids and p.status() != "zombie"
-        ] == []
+        assert uid_processes(uids) == []
 
 
 async def test_under_a_strict_umask_a_job_still_reaches_its_home_and_output(
@@ -386,7 +394,7 @@ async def test_a_job_stopping_everything_of_its_uid_cannot_stop_the_worker(
     second = await run(queue, "echo still served")
     assert "still served" in await output(queue, second)
     uids = {FIRST_UID, FIRST_UID + 1}
-    assert [p.pid for p in psutil.process_iter() if p.uids().real in uids and p.status() != "zombie"] == []
+    assert uid_processes(uids) == []
 
 
 async def test_killing_a_uid_that_stops_its_killer_returns_all_the_same(spawner: Spawner) -> None:
