@@ -44,7 +44,9 @@ def start_poold(data_dir: Path) -> subprocess.Popen[str]:
         ],
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, **JOBS_AS_ROOT},  # its local slots' jobs: the tests' own, as before
+        # Its local slots' jobs: the tests' own, as before. It registers itself as a pool of this
+        # machine's user (pools.toml, a token): in the test's directory, not in root's own ~/.config.
+        env={**os.environ, "XDG_CONFIG_HOME": str(data_dir / "xdg"), **JOBS_AS_ROOT},
     )
 
 
