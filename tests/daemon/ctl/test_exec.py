@@ -177,3 +177,24 @@ async def test_the_jobs_end_ends_its_exec(
             err
             == f"poolctl: job {job_id} is cancelled, not running: exec runs a command inside a running job\n"
         )
+
+
+async def test_exec_into_a_queued_job_or_an_agents_is_refused_in_a_sentence(pool: Pool) -> None:
+    """Issue 49, `exec`'s refusals: a job not running yet, and one running on an agent's machine
+    (which the server reaches only through the agent's own connection: not supported yet), each
+    get a sentence saying so and exit status 2, and nothing is sent to any worker."""
+    env = pool.env("alice")
+    queued, _ = await pool.queue.enqueue(JobSpec(argv=("true",), user="alice"))
+    code, _, err = await poolctl(env, "exec", queued, "--", "true")
+    assert code == 2
+    assert err == f"poolctl: job {queued} is queued, not running: exec runs a command inside a running job\n"
+    agent = registry.agent_worker_id("laptop")
+    lease = await pool.queue.claim(agent, ["default"])
+    assert lease is not None
+    assert lease.job_id == queued
+    code, _, err = await poolctl(env, "exec", queued, "--", "true")
+    assert code == 2
+    assert err == (
+        f"poolctl: job {queued} runs on an agent's machine ({agent}), where exec is not supported yet; "
+        "run the command from the job itself\n"
+    )
