@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 KINDS = frozenset({"exec"})
 MAX_ARGV_BYTES = 128 * 1024  # a command line longer than this is no command typed at a prompt
-REFRESH_SECONDS = channels.CHANNEL_IDLE / 3  # how often an open channel's record is kept alive
+REFRESH_SECONDS = channels.CHANNEL_IDLE / 3  # how often an open channel's keys are kept alive
 ENDED_LOOKS = 2  # reads that found the job ended and no exit from its worker: the channel ends
 
 
@@ -121,15 +121,16 @@ class Relay:
 
     async def run(self) -> ChannelClosed:
         await self._open()
-        up = asyncio.ensure_future(self._up())
+        helpers = [asyncio.ensure_future(self._up()), asyncio.ensure_future(self._keep())]
         ended = False
         try:
             closed = await self._down()
             ended = True
             return closed
         finally:
-            up.cancel()
-            await asyncio.gather(up, return_exceptions=True)
+            for helper in helpers:
+                helper.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
             # The client cancelled or went away: the worker kills the command. Shielded: this
             # task is being cancelled, and the kill must still be written.
             if not ended:
@@ -169,6 +170,17 @@ class Relay:
         message = keys.channel_message(self.info.id, self.session)
         await self.redis.publish(keys.worker_channel(self.info.worker), message)
 
+    async def _keep(self) -> None:
+        """Keep the channel's keys from expiring while it is open, however long its ends are quiet
+        (a client that reads no output for minutes): the worker ends a channel whose record has
+        gone, and a Stream that expired would lose what its reader has not taken yet."""
+        while True:
+            await asyncio.sleep(REFRESH_SECONDS)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key in (self.record, self.to_worker, self.from_worker):
+                    pipe.expire(key, channels.CHANNEL_IDLE)
+                await pipe.execute()
+
     async def _up(self) -> None:
         """The client's input into the worker's Stream, coalesced: at most IN_ENTRIES entries wait
         for the worker at once, whatever sizes the client sends."""
@@ -191,17 +203,14 @@ class Relay:
         """The worker's entries to the client, each as the client's window has room; the final
         reply once the command has ended (or its job has)."""
         after, heard, ended_looks = "0-0", False, 0
-        refreshed = time.monotonic()
         while True:
             entries = await channels.read(self.redis, self.from_worker, after)
-            if time.monotonic() - refreshed > REFRESH_SECONDS or not entries:
-                refreshed = time.monotonic()
-                await self.redis.expire(self.record, channels.CHANNEL_IDLE)
             if not entries:
                 info = await self.queue.get(self.info.id)
                 ended_looks = ended_looks + 1 if info.state is not JobState.RUNNING else 0
                 if ended_looks >= ENDED_LOOKS:
-                    return ChannelClosed(None, f"the job ended ({info.state})")
+                    ended = "ended" if info.state.terminal else "lost its worker"
+                    return ChannelClosed(None, f"the job {ended} ({info.state})")
                 if not heard:  # the worker may have missed the news (resubscribing): tell it again
                     await self._tell_worker()
                 continue

@@ -28,6 +28,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, cast
 
 import msgpack
+from redis.exceptions import RedisError
 
 from daemon.queue import channels, keys
 from daemon.queue.connection import AnyRedis
@@ -87,6 +88,12 @@ class Execs:
         return None
 
     async def _serve(self, job_id: str, session: str) -> None:
+        try:
+            await self._serve_in(job_id, session)
+        except (RedisError, OSError) as exc:  # the channel's, not the worker's: it goes on
+            log.warning("channel %s into job %s failed: %s", session, job_id, exc)
+
+    async def _serve_in(self, job_id: str, session: str) -> None:
         record = cast(dict[bytes, bytes], await self.redis.hgetall(keys.channel(job_id, session)))
         if not record:
             return  # expired: its server has gone
@@ -186,6 +193,8 @@ class ExecCommand:
             return (code, f"{why} ({killed_why})") if killed_why else (code, why)
         finally:
             job_ended.cancel()
+            if not ended.done():  # this task was cancelled (the worker stops): the command goes too
+                _kill_group(child.pid)
 
     async def _pump(self, fd: int, tag: bytes) -> None:
         """Relay pipe `fd` as entries `tag=BYTES`, within the window the server acknowledges."""
