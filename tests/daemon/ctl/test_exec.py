@@ -204,22 +204,29 @@ async def test_an_exec_ends_when_its_client_goes_away_and_when_its_job_ends(
         )
 
 
-async def test_exec_into_a_queued_job_or_an_agents_is_refused_in_a_sentence(pool: Pool) -> None:
+async def test_exec_into_a_queued_job_or_an_agents_is_refused_in_a_sentence(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
     """Issue 49, `exec`'s refusals: a job not running yet, and one running on an agent's machine
     (which the server reaches only through the agent's own connection: not supported yet), each
-    get a sentence saying so and exit status 2, and nothing is sent to any worker."""
-    env = pool.env("alice")
-    queued, _ = await pool.queue.enqueue(JobSpec(argv=("true",), user="alice"))
-    code, _, err = await poolctl(env, "exec", queued, "--", "true")
-    assert code == 2
-    assert err == f"poolctl: job {queued} is queued, not running: exec runs a command inside a running job\n"
-    agent = registry.agent_worker_id("laptop")
-    lease = await pool.queue.claim(agent, ["default"])
-    assert lease is not None
-    assert lease.job_id == queued
-    code, _, err = await poolctl(env, "exec", queued, "--", "true")
-    assert code == 2
-    assert err == (
-        f"poolctl: job {queued} runs on an agent's machine ({agent}), where exec is not supported yet; "
-        "run the command from the job itself\n"
-    )
+    get a sentence saying so and exit status 2, and nothing is sent to any worker. A pool admin
+    passes the owner's check (and meets the same refusals); bob does not (exit 6)."""
+    users = ("alice", "bob", "carol")
+    async with running_pool(redis_server, tmp_path, users=users, admins=("carol",)) as pool:
+        queued, _ = await pool.queue.enqueue(JobSpec(argv=("true",), user="alice"))
+        not_running = f"job {queued} is queued, not running: exec runs a command inside a running job"
+        for user in ("alice", "carol"):
+            said = await poolctl(pool.env(user), "exec", queued, "--", "true")
+            assert said == (2, "", f"poolctl: {not_running}\n")
+        code, _, _ = await poolctl(pool.env("bob"), "exec", queued, "--", "true")
+        assert code == 6
+        agent = registry.agent_worker_id("laptop")
+        lease = await pool.queue.claim(agent, ["default"])
+        assert lease is not None
+        assert lease.job_id == queued
+        code, _, err = await poolctl(pool.env("alice"), "exec", queued, "--", "true")
+        assert code == 2
+        assert err == (
+            f"poolctl: job {queued} runs on an agent's machine ({agent}), where exec is not supported yet; "
+            "run the command from the job itself\n"
+        )
