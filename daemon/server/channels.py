@@ -24,9 +24,11 @@ import secrets
 import shlex
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgpack
 
+from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
 from daemon.job import JobInfo, JobState
 from daemon.queue import channels, keys
@@ -135,10 +137,16 @@ class Relay:
 
     async def run(self) -> ChannelClosed:
         await self._open()
-        helpers = [asyncio.ensure_future(self._up()), asyncio.ensure_future(self._keep())]
+        down = asyncio.ensure_future(self._down())
+        helpers = [down, asyncio.ensure_future(self._up()), asyncio.ensure_future(self._keep())]
         ended = False
         try:
-            closed = await self._down()
+            waiting: set[asyncio.Future[Any]] = set(helpers)
+            while not down.done():
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for helper in done - {down}:
+                    helper.result()  # a helper's failure (Redis gone) is the channel's
+            closed = down.result()
             ended = True
             return closed
         finally:
@@ -151,8 +159,7 @@ class Relay:
                 self._relayed,
             )
             for helper in helpers:
-                helper.cancel()
-            await asyncio.gather(*helpers, return_exceptions=True)
+                await cancel_and_wait(helper)
             # The client cancelled or went away: the worker kills the command. Shielded: this
             # task is being cancelled, and the kill must still be written.
             if not ended:
