@@ -3,6 +3,7 @@
 from typing import cast
 
 from protocol import auth
+from protocol.channels import Channel
 from protocol.connection import EMPTY_PAYLOAD, Connection, Role, State
 from protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from protocol.events import Authenticated, Event, ReplyReceived, RequestFailed
@@ -17,8 +18,16 @@ from protocol.frames import (
 from protocol.messages import (
     Auth,
     Challenge,
+    ChannelAck,
+    ChannelCredit,
+    ChannelData,
+    ChannelEnd,
+    ChannelInput,
+    ChannelOutput,
     ErrorMessage,
     Hello,
+    Message,
+    OpenChannel,
     Reply,
     Request,
     StreamItem,
@@ -81,7 +90,47 @@ class ClientConnection(Connection):
         request_id = self._allocate_id()
         data = self._send(encode_message(message), request_id)
         self._in_flight[request_id] = type(message)
+        if isinstance(message, OpenChannel):
+            self._channels[request_id] = Channel(message.stdin)
         return request_id, data
+
+    def input_room(self, request_id: int) -> int:
+        """How many bytes of ChannelData open channel ``request_id`` may be sent now (0 once its
+        input has ended, or the channel has): wait for a ChannelCredit before sending more."""
+        channel = self._channels.get(request_id)
+        return channel.input_room if channel is not None else 0
+
+    def channel_data(self, request_id: int, data: bytes) -> bytes:
+        """Input for open channel ``request_id``: at most ``input_room`` bytes."""
+        return self._channel_input(request_id, ChannelData(data))
+
+    def channel_end(self, request_id: int) -> bytes:
+        """The end of the channel's input (an exec's stdin EOF)."""
+        return self._channel_input(request_id, ChannelEnd())
+
+    def channel_ack(self, request_id: int, size: int) -> bytes:
+        """We have taken ``size`` bytes of the channel's output: the server may send as many more.
+        b"" once the channel has ended (its output no longer counts)."""
+        if request_id not in self._channels or self._state is State.CLOSED:
+            return b""
+        return self._channel_input(request_id, ChannelAck(size))
+
+    def _channel_input(self, request_id: int, message: ChannelInput) -> bytes:
+        channel = self._channels.get(request_id)
+        if channel is None:
+            raise LocalProtocolError(
+                ErrorCode.UNEXPECTED_FRAME, f"Request {request_id} is not an open channel."
+            )
+        match message:
+            case ChannelData(data=data):
+                refusal = channel.add_input(len(data))
+            case ChannelEnd():
+                refusal = channel.end_input()
+            case ChannelAck(size=size):
+                refusal = channel.ack_output(size)
+        if refusal is not None:
+            raise LocalProtocolError(refusal[0], f"{refusal[1]}.")
+        return self._send(encode_message(message), request_id)
 
     def cancel(self, request_id: int) -> bytes:
         """Ask the server to stop a request; it still ends with a final frame. b"" if not in flight."""
@@ -148,16 +197,38 @@ class ClientConnection(Connection):
             )
         message = decode_message(frame.type, frame.payload)
         if isinstance(message, ErrorMessage):
-            del self._in_flight[frame.request_id]
+            self._finish(frame.request_id)
             return RequestFailed(frame.request_id, ErrorCode.coerce(message.code), message.message)
         final = frame.type is FrameType.REPLY
-        expected = reply_type(request_class) if final else stream_type(request_class)
-        if type(message) is not expected:
+        expected = (reply_type(request_class),) if final else stream_type(request_class)
+        if type(message) not in expected:
             raise RemoteProtocolError(
                 ErrorCode.BAD_PAYLOAD,
                 f"Request {frame.request_id} ({request_class.OP}) got a {type(message).__name__} in answer.",
             )
+        self._count(frame.request_id, message)
         if final:
-            del self._in_flight[frame.request_id]
+            self._finish(frame.request_id)
         # The type check above proved it is the reply or stream class of this request.
         return ReplyReceived(frame.request_id, cast(Reply | StreamItem, message), final)
+
+    def _count(self, request_id: int, message: Message) -> None:
+        """A channel's output and credit, held to its window: a server that sends past it breaks
+        the protocol."""
+        refusal = None
+        match message:
+            case ChannelOutput(data=data):
+                refusal = self._channels[request_id].add_output(len(data))
+            case ChannelCredit(size=size):
+                refusal = self._channels[request_id].credit_input(size)
+            case _:
+                pass
+        if refusal is not None:
+            code, problem = refusal
+            raise RemoteProtocolError(
+                code, f"{problem} (request {request_id}); the server breaks the protocol."
+            )
+
+    def _finish(self, request_id: int) -> None:
+        del self._in_flight[request_id]
+        self._channels.pop(request_id, None)

@@ -32,6 +32,7 @@ READY with nothing ``in_flight`` the idle timeout, and either ends with ``abort(
 from enum import Enum
 from typing import Any, ClassVar, Final
 
+from protocol.channels import Channel
 from protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from protocol.events import (
     NEED_DATA,
@@ -115,10 +116,13 @@ TRANSITIONS: Final[dict[tuple[Role, State, Direction], dict[FrameType, State]]] 
     # -- server ----------------------------------------------------------------------------------------
     (_S, _WAIT_HELLO, _IN): {_T.HELLO: _WAIT_AUTH},  # answered with CHALLENGE
     (_S, _WAIT_AUTH, _IN): {_T.AUTH: _READY},  # answered with WELCOME, or fatal AUTH_FAILED
-    (_S, _READY, _IN): {**_stay(_READY, _T.REQUEST, _T.CANCEL, _T.PING, _T.PONG), _T.GOODBYE: _CLOSING},
+    (_S, _READY, _IN): {
+        **_stay(_READY, _T.REQUEST, _T.CANCEL, _T.CHANNEL, _T.PING, _T.PONG),
+        _T.GOODBYE: _CLOSING,
+    },
     (_S, _READY, _OUT): {**_stay(_READY, _T.REPLY, _T.STREAM, _T.ERROR, _T.PING), _T.GOODBYE: _CLOSING},
     # A REQUEST that crossed our GOODBYE on the wire is answered SHUTTING_DOWN, not a violation.
-    (_S, _CLOSING, _IN): _stay(_CLOSING, _T.REQUEST, _T.CANCEL, _T.PING, _T.PONG, _T.GOODBYE),
+    (_S, _CLOSING, _IN): _stay(_CLOSING, _T.REQUEST, _T.CANCEL, _T.CHANNEL, _T.PING, _T.PONG, _T.GOODBYE),
     (_S, _CLOSING, _OUT): _stay(_CLOSING, _T.REPLY, _T.STREAM, _T.ERROR, _T.PING, _T.GOODBYE),
     # -- client ----------------------------------------------------------------------------------------
     (_C, State.START, _OUT): {_T.HELLO: State.AWAIT_CHALLENGE},
@@ -128,9 +132,9 @@ TRANSITIONS: Final[dict[tuple[Role, State, Direction], dict[FrameType, State]]] 
         **_stay(_READY, _T.REPLY, _T.STREAM, _T.ERROR, _T.PING, _T.PONG),
         _T.GOODBYE: _CLOSING,
     },
-    (_C, _READY, _OUT): {**_stay(_READY, _T.REQUEST, _T.CANCEL, _T.PING), _T.GOODBYE: _CLOSING},
+    (_C, _READY, _OUT): {**_stay(_READY, _T.REQUEST, _T.CANCEL, _T.CHANNEL, _T.PING), _T.GOODBYE: _CLOSING},
     (_C, _CLOSING, _IN): _stay(_CLOSING, _T.REPLY, _T.STREAM, _T.ERROR, _T.PING, _T.PONG, _T.GOODBYE),
-    (_C, _CLOSING, _OUT): _stay(_CLOSING, _T.CANCEL, _T.PING, _T.GOODBYE),  # no new requests
+    (_C, _CLOSING, _OUT): _stay(_CLOSING, _T.CANCEL, _T.CHANNEL, _T.PING, _T.GOODBYE),  # no new requests
 }
 
 
@@ -146,6 +150,7 @@ class Connection:
         self._decoder = FrameDecoder(HANDSHAKE_MAX_FRAME_SIZE)
         self._outbox = bytearray()
         self._in_flight: dict[int, type[Any]] = {}  # request id -> request class
+        self._channels: dict[int, Channel] = {}  # request id of an open channel -> its flow control
         self._eof = False
 
     @property
@@ -267,6 +272,7 @@ class Connection:
     def _close(self) -> None:
         self._state = State.CLOSED
         self._in_flight.clear()
+        self._channels.clear()
         self._decoder = FrameDecoder(0)  # drop buffered input; nothing more will be read
 
     def _queue(self, data: bytes) -> None:
@@ -288,9 +294,10 @@ class Connection:
         return data
 
 
-# The frames whose payload may be as large as the frame limit; every other one (control frames,
+# The frames whose payload may be as large as the frame limit (a channel's data is bounded by its
+# window besides); every other one (control frames,
 # errors) is small, and a large one is refused from its size before it is decoded.
-_MAY_BE_LARGE = frozenset({_T.REQUEST, _T.REPLY, _T.STREAM})
+_MAY_BE_LARGE = frozenset({_T.REQUEST, _T.REPLY, _T.STREAM, _T.CHANNEL})
 
 
 def error_frame(request_id: int, code: ErrorCode, message: str) -> bytes:

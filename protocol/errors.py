@@ -42,6 +42,7 @@ class ErrorCode(IntEnum):
     TOO_MANY_REQUESTS = 25
     DUPLICATE_REQUEST_ID = 26
     UNKNOWN_OP = 27
+    FLOW_CONTROL = 28
 
     # 4x request
     INVALID_ARGUMENT = 40

@@ -14,6 +14,9 @@ __all__ = [
     "NEED_DATA",
     "Authenticated",
     "CancelRequested",
+    "ChannelAcked",
+    "ChannelDataReceived",
+    "ChannelEndReceived",
     "ConnectionClosed",
     "ConnectionFailed",
     "DecodeNeeded",
@@ -75,6 +78,27 @@ class CancelRequested(Record):
     request_id: int
 
 
+class ChannelDataReceived(Record):
+    """Server: input on open channel ``request_id``; once the far end has taken it, give its size
+    back with ``ServerConnection.credit`` (the client sends no more than the window until then)."""
+
+    request_id: int
+    data: bytes
+
+
+class ChannelEndReceived(Record):
+    """Server: the client's input on open channel ``request_id`` has ended (an exec's stdin EOF)."""
+
+    request_id: int
+
+
+class ChannelAcked(Record):
+    """Server: the client took ``size`` more bytes of the channel's output: as many more may go."""
+
+    request_id: int
+    size: int
+
+
 class ReplyReceived(Record):
     """Client: an answer; ``final`` False for a STREAM item, True for the REPLY that ends it."""
 
@@ -128,6 +152,9 @@ Event: TypeAlias = (
     | RequestReceived
     | DecodeNeeded
     | CancelRequested
+    | ChannelDataReceived
+    | ChannelEndReceived
+    | ChannelAcked
     | ReplyReceived
     | RequestFailed
     | PongReceived

@@ -75,6 +75,7 @@ class FrameType(IntEnum):
     REPLY = 0x11
     STREAM = 0x12
     CANCEL = 0x13
+    CHANNEL = 0x14
     ERROR = 0x20
     PING = 0x21
     PONG = 0x22
@@ -86,7 +87,9 @@ class FrameType(IntEnum):
 _ZERO_ID: Final = frozenset(
     {FrameType.HELLO, FrameType.CHALLENGE, FrameType.AUTH, FrameType.WELCOME, FrameType.GOODBYE}
 )
-_NONZERO_ID: Final = frozenset({FrameType.REQUEST, FrameType.REPLY, FrameType.STREAM, FrameType.CANCEL})
+_NONZERO_ID: Final = frozenset(
+    {FrameType.REQUEST, FrameType.REPLY, FrameType.STREAM, FrameType.CANCEL, FrameType.CHANNEL}
+)
 _FRAME_TYPES: Final = frozenset(int(t) for t in FrameType)
 
 

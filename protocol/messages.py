@@ -22,6 +22,7 @@ from protocol.frames import FrameType, pack_payload, unpack_payload
 from protocol.record import Record, fields
 
 __all__ = [
+    "CHANNEL_WINDOW",
     "NONCE_SIZE",
     "AgentAnswer",
     "AgentCall",
@@ -30,6 +31,13 @@ __all__ = [
     "CancelJobs",
     "Cancelled",
     "Challenge",
+    "ChannelAck",
+    "ChannelClosed",
+    "ChannelCredit",
+    "ChannelData",
+    "ChannelEnd",
+    "ChannelInput",
+    "ChannelOutput",
     "CheckObjects",
     "DownloadTicket",
     "Enqueue",
@@ -51,6 +59,7 @@ __all__ = [
     "Message",
     "ObjectRef",
     "ObjectsHeld",
+    "OpenChannel",
     "Ping",
     "Pong",
     "PoolView",
@@ -79,6 +88,9 @@ __all__ = [
 ]
 
 NONCE_SIZE: Final = 32
+# Bytes of channel data either side may send on one channel beyond what the other has acknowledged
+# (ChannelAck for output, ChannelCredit for input): what one channel can make its peer buffer.
+CHANNEL_WINDOW: Final = 256 * 1024
 MAC_SIZE: Final = 32  # HMAC-SHA256
 MAX_USER_BYTES: Final = 255
 
@@ -320,6 +332,43 @@ class AgentCall(Record):
     args: dict[str, Any]
 
 
+class OpenChannel(Record):
+    """Open a bidirectional channel into running job ``job_id``: ``kind`` "exec" runs ``argv``
+    in the job's allocation. Its output comes back as ChannelOutput items, the credit for the
+    client's input as ChannelCredit items, its end as ChannelClosed; the client sends its input
+    on the same request id in CHANNEL frames (ChannelData, ChannelEnd, ChannelAck). ``stdin``
+    False: the command's stdin is empty, and ChannelData is refused."""
+
+    OP: ClassVar = "open_channel"
+    job_id: str
+    kind: str
+    argv: list[str]
+    stdin: bool
+
+
+# -- channel input (CHANNEL frames, client → server, on an open channel's request id) ---------------
+
+
+class ChannelData(Record):
+    """Bytes for the channel's far end (an exec's stdin): at most the window's room."""
+
+    OP: ClassVar = "channel_data"
+    data: bytes
+
+
+class ChannelEnd(Record):
+    """No more data from the client (an exec's stdin reaches its end); nothing may follow."""
+
+    OP: ClassVar = "channel_end"
+
+
+class ChannelAck(Record):
+    """The client has taken ``size`` more bytes of ChannelOutput: the server may send as many again."""
+
+    OP: ClassVar = "channel_ack"
+    size: int
+
+
 # -- replies and stream items ------------------------------------------------------------------------
 
 
@@ -401,6 +450,31 @@ class PoolView(Record):
     workers: list[dict[str, Any]]
     at: float
     filtered: bool = False  # (as JobList)
+
+
+class ChannelOutput(Record):
+    """STREAM item of OpenChannel: bytes the far end wrote on ``stream`` ("stdout" or "stderr")."""
+
+    OP: ClassVar = "channel_output"
+    stream: str
+    data: bytes
+
+
+class ChannelCredit(Record):
+    """STREAM item of OpenChannel: the far end has taken ``size`` more bytes of the client's
+    ChannelData: the client may send as many again."""
+
+    OP: ClassVar = "channel_credit"
+    size: int
+
+
+class ChannelClosed(Record):
+    """Final reply of OpenChannel: the far end has ended; ``exit_code`` is an exec's (None when it
+    never ran or was killed without one), ``reason`` says how it ended."""
+
+    OP: ClassVar = "channel_closed"
+    exit_code: int | None
+    reason: str
 
 
 class WatchEnded(Record):
@@ -518,6 +592,7 @@ Request: TypeAlias = (
     | PrepareDownload
     | ServeJobs
     | AgentCall
+    | OpenChannel
 )
 Reply: TypeAlias = (
     Enqueued
@@ -537,12 +612,14 @@ Reply: TypeAlias = (
     | DownloadTicket
     | Served
     | AgentAnswer
+    | ChannelClosed
 )
-StreamItem: TypeAlias = LogChunk | JobEnded | PoolView | AgentOrder
+StreamItem: TypeAlias = LogChunk | JobEnded | PoolView | AgentOrder | ChannelOutput | ChannelCredit
+ChannelInput: TypeAlias = ChannelData | ChannelEnd | ChannelAck
 Control: TypeAlias = Hello | Challenge | Auth | Welcome | ErrorMessage | Goodbye
-Message: TypeAlias = Control | Request | Reply | StreamItem
+Message: TypeAlias = Control | Request | Reply | StreamItem | ChannelInput
 
-# Which reply ends each request, and which item (if any) it may stream before that.
+# Which reply ends each request, and which items (if any) it may stream before that.
 _REPLY_FOR: Final[dict[type[Any], type[Any]]] = {
     Enqueue: Enqueued,
     EnqueueBatch: EnqueuedBatch,
@@ -562,18 +639,23 @@ _REPLY_FOR: Final[dict[type[Any], type[Any]]] = {
     PrepareDownload: DownloadTicket,
     ServeJobs: Served,
     AgentCall: AgentAnswer,
+    OpenChannel: ChannelClosed,
 }
-_STREAM_FOR: Final[dict[type[Any], type[Any]]] = {
-    FollowLogs: LogChunk,
-    WaitJobs: JobEnded,
-    WatchPool: PoolView,
-    ServeJobs: AgentOrder,
+_STREAM_FOR: Final[dict[type[Any], tuple[type[Any], ...]]] = {
+    FollowLogs: (LogChunk,),
+    WaitJobs: (JobEnded,),
+    WatchPool: (PoolView,),
+    ServeJobs: (AgentOrder,),
+    OpenChannel: (ChannelOutput, ChannelCredit),
 }
+_STREAMED: Final[frozenset[type[Any]]] = frozenset(c for classes in _STREAM_FOR.values() for c in classes)
+_CHANNEL_INPUT: Final[tuple[type[Any], ...]] = (ChannelData, ChannelEnd, ChannelAck)
 
 _BY_OP: Final[dict[FrameType, dict[str, type[Any]]]] = {
     FrameType.REQUEST: {cls.OP: cls for cls in _REPLY_FOR},
     FrameType.REPLY: {cls.OP: cls for cls in _REPLY_FOR.values()},
-    FrameType.STREAM: {cls.OP: cls for cls in _STREAM_FOR.values()},
+    FrameType.STREAM: {cls.OP: cls for cls in _STREAMED},
+    FrameType.CHANNEL: {cls.OP: cls for cls in _CHANNEL_INPUT},
 }
 _CONTROL: Final[dict[FrameType, type[Any]]] = {
     cls.FRAME: cls for cls in (Hello, Challenge, Auth, Welcome, ErrorMessage, Goodbye)
@@ -581,7 +663,7 @@ _CONTROL: Final[dict[FrameType, type[Any]]] = {
 
 
 # Every field of every message has a checker: fail at import, not on the first message received.
-for _cls in (*_CONTROL.values(), *_REPLY_FOR, *_REPLY_FOR.values(), *_STREAM_FOR.values()):
+for _cls in (*_CONTROL.values(), *_REPLY_FOR, *_REPLY_FOR.values(), *_STREAMED, *_CHANNEL_INPUT):
     schema(_cls)
 
 
@@ -590,9 +672,9 @@ def reply_type(request: type[Any]) -> type[Any]:
     return _REPLY_FOR[request]
 
 
-def stream_type(request: type[Any]) -> type[Any] | None:
-    """The STREAM item class a request of class ``request`` may produce, or None."""
-    return _STREAM_FOR.get(request)
+def stream_type(request: type[Any]) -> tuple[type[Any], ...]:
+    """The STREAM item classes a request of class ``request`` may produce (none: empty)."""
+    return _STREAM_FOR.get(request, ())
 
 
 def _validate_control(message: Any) -> None:
@@ -629,11 +711,12 @@ def encode_message(message: Message) -> tuple[FrameType, bytes]:
     cls: type[Any] = type(message)
     if cls in _CONTROL.values():
         return cls.FRAME, pack_payload(body)
-    frame_type = (
-        FrameType.STREAM
-        if cls in _STREAM_FOR.values()
-        else (FrameType.REQUEST if cls in _REPLY_FOR else FrameType.REPLY)
-    )
+    if cls in _STREAMED:
+        frame_type = FrameType.STREAM
+    elif cls in _CHANNEL_INPUT:
+        frame_type = FrameType.CHANNEL
+    else:
+        frame_type = FrameType.REQUEST if cls in _REPLY_FOR else FrameType.REPLY
     return frame_type, pack_payload({"op": cls.OP, **body})
 
 

@@ -4,12 +4,16 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from protocol import auth
+from protocol.channels import Channel
 from protocol.connection import DEFAULT_MAX_IN_FLIGHT, Connection, Role, State, error_frame
 from protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from protocol.events import (
     NEED_DATA,
     Authenticated,
     CancelRequested,
+    ChannelAcked,
+    ChannelDataReceived,
+    ChannelEndReceived,
     DecodeNeeded,
     Event,
     NeedData,
@@ -26,9 +30,15 @@ from protocol.frames import (
 from protocol.messages import (
     Auth,
     Challenge,
+    ChannelAck,
+    ChannelCredit,
+    ChannelData,
+    ChannelEnd,
+    ChannelOutput,
     ErrorMessage,
     Hello,
     Message,
+    OpenChannel,
     Reply,
     Request,
     StreamItem,
@@ -87,7 +97,7 @@ class ServerConnection(Connection):
         """Finish request ``request_id`` with its reply (b"" if the connection is closed)."""
         if self._state is State.CLOSED:
             return b""
-        self._check_answer(request_id, message, reply_type(self._request_class(request_id)))
+        self._check_answer(request_id, message, (reply_type(self._request_class(request_id)),))
         data = self._send(encode_message(message), request_id)
         self._finish(request_id)
         return data
@@ -97,7 +107,30 @@ class ServerConnection(Connection):
         if self._state is State.CLOSED:
             return b""
         self._check_answer(request_id, message, stream_type(self._request_class(request_id)))
+        refusal = None
+        match message:
+            case ChannelOutput(data=data):
+                refusal = self._channels[request_id].add_output(len(data))
+            case ChannelCredit(size=size):
+                refusal = self._channels[request_id].credit_input(size)
+            case _:
+                pass
+        if refusal is not None:
+            raise LocalProtocolError(*refusal)
         return self._send(encode_message(message), request_id)
+
+    def output_room(self, request_id: int) -> int:
+        """How many bytes of ChannelOutput open channel ``request_id`` may be sent now (0 once it
+        has ended): send no more until a ChannelAcked event makes room."""
+        channel = self._channels.get(request_id)
+        return channel.output_room if channel is not None else 0
+
+    def credit(self, request_id: int, size: int) -> bytes:
+        """The far end of channel ``request_id`` has taken ``size`` bytes of its input: the
+        ChannelCredit that lets the client send as many again (b"" once it has ended)."""
+        if self._state is State.CLOSED or request_id not in self._channels:
+            return b""
+        return self.stream(request_id, ChannelCredit(size))
 
     def error(self, request_id: int, code: ErrorCode, message: str) -> bytes:
         """Finish request ``request_id`` with an error; the connection stays open."""
@@ -117,16 +150,17 @@ class ServerConnection(Connection):
         return cls
 
     @staticmethod
-    def _check_answer(request_id: int, message: Message, expected: type[Any] | None) -> None:
-        if type(message) is not expected:
+    def _check_answer(request_id: int, message: Message, expected: tuple[type[Any], ...]) -> None:
+        if type(message) not in expected:
+            names = " or ".join(cls.__name__ for cls in expected) or "no stream item"
             raise LocalProtocolError(
                 ErrorCode.BAD_PAYLOAD,
-                f"Request {request_id} cannot be answered with {type(message).__name__} "
-                f"(expected {expected.__name__ if expected else 'no stream item'}).",
+                f"Request {request_id} cannot be answered with {type(message).__name__} (expected {names}).",
             )
 
     def _finish(self, request_id: int) -> None:
         del self._in_flight[request_id]
+        self._channels.pop(request_id, None)
         self._cancelled.discard(request_id)
 
     def _handle(self, frame: Frame) -> Event | None:
@@ -145,8 +179,40 @@ class ServerConnection(Connection):
                     return None
                 self._cancelled.add(frame.request_id)
                 return CancelRequested(frame.request_id)
+            case FrameType.CHANNEL:
+                return self._on_channel(frame)
             case _:
                 return super()._handle(frame)
+
+    def _on_channel(self, frame: Frame) -> Event | None:
+        """Input on an open channel, within its window. A frame for a request that has finished
+        crossed its final answer on the wire: dropped, as a late CANCEL is (it costs nothing to
+        keep). One for a request in flight that is no channel breaks the protocol."""
+        rid = frame.request_id
+        message = decode_message(FrameType.CHANNEL, frame.payload)
+        channel = self._channels.get(rid)
+        if channel is None:
+            if rid in self._in_flight:
+                raise RemoteProtocolError(
+                    ErrorCode.UNEXPECTED_FRAME,
+                    f"A CHANNEL frame for request {rid}, which is not a channel; only an "
+                    "open_channel request takes channel input.",
+                )
+            return None
+        event: Event
+        match message:
+            case ChannelData(data=data):
+                refusal, event = channel.add_input(len(data)), ChannelDataReceived(rid, data)
+            case ChannelEnd():
+                refusal, event = channel.end_input(), ChannelEndReceived(rid)
+            case ChannelAck(size=size):
+                refusal, event = channel.ack_output(size), ChannelAcked(rid, size)
+            case _:
+                raise AssertionError(f"{type(message).__name__} is not channel input")
+        if refusal is not None:
+            code, problem = refusal
+            raise RemoteProtocolError(code, f"{problem} (request {rid}); the client breaks the protocol.")
+        return event
 
     def _on_hello(self, frame: Frame) -> None:
         hello = decode_message(FrameType.HELLO, frame.payload)
@@ -234,6 +300,8 @@ class ServerConnection(Connection):
             )
             return None
         self._in_flight[request_id] = type(message)
+        if isinstance(message, OpenChannel):
+            self._channels[request_id] = Channel(message.stdin)
         # decode_message(REQUEST, ...) only ever builds request classes.
         return RequestReceived(request_id, cast(Request, message))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from daemon.address import unix_path
@@ -23,10 +23,14 @@ from daemon.client.session import AuthFailed, ClientError, ServerUnreachable, no
 from protocol import (
     NEED_DATA,
     Authenticated,
+    ChannelClosed,
+    ChannelCredit,
+    ChannelOutput,
     ConnectionClosed,
     ConnectionFailed,
     GoodbyeReceived,
     LocalProtocolError,
+    OpenChannel,
     PongReceived,
     Reply,
     ReplyReceived,
@@ -237,6 +241,76 @@ class PoolClient:
                 writer = self._writer  # None once close() has run
                 if rid in self.conn.in_flight and writer is not None and not writer.is_closing():
                     writer.write(self.conn.cancel(rid))
+
+    async def channel(
+        self,
+        request: OpenChannel,
+        output: Callable[[str, bytes], Awaitable[None]],
+        stdin: AsyncIterator[bytes] | None = None,
+    ) -> ChannelClosed:
+        """Open a channel (docs/PROTOCOL.md §5): each piece of output goes to `output(stream,
+        data)` and is acknowledged once it returns; `stdin` (when `request.stdin`) is sent as the
+        window's credit allows, then its end. Returns the final ChannelClosed; raises ClientError.
+        Cancelling it cancels the channel (the server kills the command)."""
+        if self._closed is not None:
+            raise self._closed
+        assert self._writer is not None
+        async with self._slots:
+            try:
+                rid, data = self.conn.request(request)
+            except LocalProtocolError as exc:
+                raise not_sent(exc, self.address) from None
+            q: asyncio.Queue[_Item] = asyncio.Queue()
+            self._pending[rid] = q
+            self._writer.write(data)
+            credit = asyncio.Event()
+            feeding = asyncio.ensure_future(self._feed(rid, stdin, credit)) if stdin is not None else None
+            try:
+                return await self._channel_answers(rid, q, output, credit)
+            finally:
+                if feeding is not None:
+                    await cancel_and_wait(feeding)
+                del self._pending[rid]
+                writer = self._writer
+                if rid in self.conn.in_flight and writer is not None and not writer.is_closing():
+                    writer.write(self.conn.cancel(rid))
+
+    async def _channel_answers(
+        self,
+        rid: int,
+        q: asyncio.Queue[_Item],
+        output: Callable[[str, bytes], Awaitable[None]],
+        credit: asyncio.Event,
+    ) -> ChannelClosed:
+        assert self._writer is not None
+        while True:
+            match await q.get():
+                case ReplyReceived(message=ChannelOutput(stream=stream, data=data)):
+                    await output(stream, data)
+                    self._writer.write(self.conn.channel_ack(rid, len(data)))
+                case ReplyReceived(message=ChannelCredit()):
+                    credit.set()
+                case ReplyReceived(message=ChannelClosed() as closed):
+                    return closed
+                case RequestFailed(code=code, message=message):
+                    raise ClientError(message, code)
+                case _:
+                    raise self._closed or ClientError("the connection closed")
+
+    async def _feed(self, rid: int, stdin: AsyncIterator[bytes], credit: asyncio.Event) -> None:
+        """Send `stdin` on channel `rid` within its window, then its end."""
+        assert self._writer is not None
+        async for data in stdin:
+            view = memoryview(data)
+            while view:
+                while not (room := self.conn.input_room(rid)):  # 0 too once the channel has ended
+                    credit.clear()
+                    await credit.wait()
+                piece, view = view[:room], view[room:]
+                self._writer.write(self.conn.channel_data(rid, bytes(piece)))
+                await self._writer.drain()
+        if rid in self.conn.in_flight:  # not once the channel has ended
+            self._writer.write(self.conn.channel_end(rid))
 
     async def call(self, request: Request, reply_type: type[R]) -> R:
         """Send `request` and return its final reply, checked to be a `reply_type`."""

@@ -83,6 +83,14 @@ def parser() -> Parser:
     logs.add_argument("job")
     logs.add_argument("-f", "--follow", action="store_true")
 
+    inside = sub.add_parser(
+        "exec",
+        help="run a command inside a running job (its uid, GPUs, environment and directory); "
+        "piped stdin goes to it; exits with its code",
+    )
+    inside.add_argument("job")
+    inside.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+
     cancel = sub.add_parser(
         "cancel",
         help="cancel jobs, by id or by --me, --user, --name and --state (your own unless --user "

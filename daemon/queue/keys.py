@@ -71,6 +71,14 @@ Per queue (``gp:{q:NAME}:…``):
   job:ID:attempts  LIST of JSON objects, one per attempt (worker, lease id, start, end, how it ended):
                 the attempts the pool knows ran, which a checkpoint restore trusts (worker/checkpoints.py).
   job:ID:log    Stream of the job's output chunks, bounded in bytes (head and tail kept, log.lua).
+  job:ID:channel:S  HASH: channel S into running job ID (poolctl exec): its kind, argv, stdin,
+                user, worker and when it was opened, written by the server (server/channels.py),
+                which keeps it from expiring while the channel is open: a worker ends a channel
+                whose record has gone. With job:ID:channel:S:in, a Stream of what the server
+                relays to the worker (the client's input, acknowledgements, a kill), and
+                job:ID:channel:S:out, one of what the worker relays back (output, credit, the
+                exit): each entry a map (docs/PROTOCOL.md's channel, in Redis: worker/execs.py),
+                each XADD capped, each key expiring CHANNEL_IDLE after its last write.
   outbox        ZSET 'ID/TARGET' -> when it is due (Redis server time, ms): job ends to notify
                 (TARGET `job`: the job's --notify URL; `pool`: notify_url), put there by the
                 script that ends the job, for the targets its record names ('notify', written
@@ -97,7 +105,8 @@ Pool-wide (``gp:{pool}:…``):
                 silent for longer than its registered healthy period is shown as dead.
 Pub/sub channels (not keys: no slot, so they work the same on Redis Cluster):
   gp:worker:ID  a nudge to worker ID to heartbeat now (a job of its was cancelled); best effort,
-                the next regular heartbeat brings the same news.
+                the next regular heartbeat brings the same news. A message `channel:S:JOB` is
+                no nudge but news of channel S into its job JOB (channel_message).
 """
 
 from __future__ import annotations
@@ -242,6 +251,18 @@ def log(job_id: str) -> str:
     return job(job_id) + ":log"
 
 
+def channel(job_id: str, session: str) -> str:
+    return job(job_id) + ":channel:" + session
+
+
+def channel_in(job_id: str, session: str) -> str:
+    return channel(job_id, session) + ":in"
+
+
+def channel_out(job_id: str, session: str) -> str:
+    return channel(job_id, session) + ":out"
+
+
 def outbox(queue: str) -> str:
     return queue_prefix(queue) + "outbox"
 
@@ -268,6 +289,15 @@ def stored(user: str) -> str:
 
 def worker_channel(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}"
+
+
+CHANNEL_MESSAGE = "channel:"
+
+
+def channel_message(job_id: str, session: str) -> str:
+    """What the server publishes on a worker's channel to tell it of channel `session` into its
+    job `job_id` (the session is hex, so the first colon after the prefix ends it)."""
+    return f"{CHANNEL_MESSAGE}{session}:{job_id}"
 
 
 # A channel nobody listens on: a durable batch publishes to it before its WAIT (scripts.py), a

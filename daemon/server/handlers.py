@@ -37,18 +37,22 @@ from daemon.queue.failures import out_of_memory
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import registered_workers
 from daemon.queue.terminal_events import JobEvents
+from daemon.server import channels
 from daemon.server.agents import Agents
 from daemon.server.bounds import SubmitBounds
+from daemon.server.channels import ClientEnd
 from daemon.server.data_desk import DataDesk, data_of
 from daemon.server.dependencies import judge_held
 from daemon.server.log_limit import LogLimit
 from daemon.server.pending import MAX_LIST, PendingReasons, WorkerLister
 from daemon.server.redis_room import RedisRoom
+from daemon.server.relay_budget import RelayBudget
 from daemon.webhook_targets import Allowed
 from protocol import (
     AgentCall,
     CancelJobs,
     Cancelled,
+    ChannelClosed,
     CheckObjects,
     Enqueue,
     EnqueueBatch,
@@ -64,6 +68,7 @@ from protocol import (
     ListWorkers,
     LogChunk,
     LogEnd,
+    OpenChannel,
     Ping,
     Pong,
     PoolView,
@@ -142,11 +147,18 @@ class Handlers:
         self.pending = PendingReasons(queue, workers)  # why a queued job waits
         self.warnings = LogLimit()  # what users' requests cause, per user (the sessions' too)
         self.agents = agents
+        self.relay_budget = RelayBudget()  # each user's share of what channels relay (poolctl exec)
 
-    async def handle(self, request: Request, user: str, send: SendStream) -> Reply:
+    async def handle(
+        self, request: Request, user: str, send: SendStream, client: ClientEnd | None = None
+    ) -> Reply:
+        """`client`: an open_channel's client end (the session's: channels.py)."""
         try:
             if isinstance(request, ServeJobs | AgentCall):
                 return await self._agent(request, user, send)
+            if isinstance(request, OpenChannel):
+                assert client is not None, "a channel needs its client's end"
+                return await self._channel(request, user, client)
             return await self._dispatch(request, user, send)
         except InvalidKey as exc:  # the caller's key, refused before the store was asked
             raise GpupoolError(exc.message, ErrorCode.INVALID_ARGUMENT) from None
@@ -218,6 +230,17 @@ class Handlers:
                     return await self._logs(job_id, follow, offset, send)
         with self.blocking_read(user):
             return await self._watch(request, user, send)
+
+    async def _channel(self, request: OpenChannel, user: str, client: ClientEnd) -> ChannelClosed:
+        """A channel into a running job (channels.py): its owner's or an admin's; it holds one of
+        the user's blocking reads while it lasts (it reads Redis as `logs -f` does)."""
+        channels.check_request(request)
+        info = await self.queue.get(request.job_id)
+        self._check_owner(info, user, "exec in")
+        channels.check_running(info)
+        with self.blocking_read(user):
+            relay = channels.Relay(self.queue, info, request, user, client=client, budget=self.relay_budget)
+            return await relay.run()
 
     async def _agent(self, request: ServeJobs | AgentCall, user: str, send: SendStream) -> Reply:
         """An agent's requests (agents.py). A serve_jobs lasts as long as its agent: it is bounded

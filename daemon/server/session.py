@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from daemon.errors import GpupoolError
+from daemon.server.channels import ClientEnd
 from daemon.server.handlers import Handlers
 from daemon.server.idle_watch import IdleWatch
 from daemon.server.throttle import Throttle, block
@@ -32,6 +33,9 @@ from protocol import (
     NEED_DATA,
     Authenticated,
     CancelRequested,
+    ChannelAcked,
+    ChannelDataReceived,
+    ChannelEndReceived,
     ConnectionClosed,
     ConnectionFailed,
     DecodeNeeded,
@@ -39,6 +43,7 @@ from protocol import (
     Event,
     GoodbyeReceived,
     NeedData,
+    OpenChannel,
     RemoteProtocolError,
     Request,
     RequestReceived,
@@ -165,6 +170,7 @@ class Session:
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer) or LOCAL_PEER
         self.host = peer_host(writer)
         self._requests: dict[int, asyncio.Task[None]] = {}
+        self._channels: dict[int, ClientEnd] = {}  # the open channels' client ends, by request id
         self._closing = False
         self.opened_at = asyncio.get_running_loop().time()
         self.evicted = False
@@ -286,9 +292,8 @@ class Session:
                     self._requests[rid] = asyncio.create_task(
                         self._serve(rid, message), name=f"request-{rid}"
                     )
-                case CancelRequested(request_id=rid):
-                    if task := self._requests.get(rid):
-                        task.cancel()
+                case CancelRequested() | ChannelDataReceived() | ChannelEndReceived() | ChannelAcked():
+                    self._to_request(event)
                 case Authenticated(user=user, peer=client):
                     log.debug("%s authenticated as %s (%s)", self.peer, user, client)
                     if not self._admit(user):
@@ -305,6 +310,25 @@ class Session:
                 case _:
                     if event is NEED_DATA:
                         return True
+
+    def _to_request(
+        self, event: CancelRequested | ChannelDataReceived | ChannelEndReceived | ChannelAcked
+    ) -> None:
+        """A cancel to its request's task; input of an open channel to its relay (none: its
+        request is ending, and the input is dropped)."""
+        end = self._channels.get(event.request_id)
+        match event:
+            case CancelRequested(request_id=rid):
+                if task := self._requests.get(rid):
+                    task.cancel()
+            case ChannelDataReceived(data=data) if end is not None:
+                end.received(data)
+            case ChannelEndReceived() if end is not None:
+                end.ended()
+            case ChannelAcked() if end is not None:
+                end.acked()
+            case _:
+                pass
 
     async def _paced(self, event: Event | NeedData) -> Event | NeedData:
         """`event`, once the throttle (throttle.py) has counted an authentication's outcome and
@@ -362,8 +386,15 @@ class Session:
             self._write(self.conn.stream(rid, item))
             await self.writer.drain()
 
+        client = None
+        if isinstance(message, OpenChannel):
+            client = self._channels[rid] = ClientEnd(
+                send,
+                lambda: self.conn.output_room(rid),
+                lambda size: self._write(self.conn.credit(rid, size)),
+            )
         try:
-            reply = await self.handlers.handle(message, user, send)
+            reply = await self.handlers.handle(message, user, send, client)
             self._write(self.conn.reply(rid, reply))
         except GpupoolError as exc:
             self._write(self.conn.error(rid, ErrorCode(exc.code), exc.message))
@@ -391,6 +422,7 @@ class Session:
             )
         finally:
             self._requests.pop(rid, None)
+            self._channels.pop(rid, None)
 
     def _write(self, data: bytes) -> None:
         if data and not self.writer.is_closing():

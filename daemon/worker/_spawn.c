@@ -27,7 +27,8 @@ thread's own while their memory is shared):
     signals                    every disposition back to the default, then an empty mask
     setsid                     a session, and so a process group, of its own
     (nice)                     nicer than the worker: the pool's own work is never starved by jobs
-    0, 1, 2                    stdin, and stdout+stderr into the job's output pipe
+    0, 1, 2                    stdin, and stdout+stderr into the job's output pipe (an exec's
+                               stderr into a pipe of its own)
     close_range(3, ~0)         nothing else of the worker's
     (with a uid) namespaces    IPC, network (loopback up), mounts hiding GPUs not given: as asked
                  keyrings      a new session keyring joined
@@ -110,7 +111,7 @@ struct birth {
     char **argv;
     char **envp;
     const char *cwd;
-    int stdin_fd, out_fd, cgroup_fd; /* cgroup_fd: the cgroup's directory, or -1 */
+    int stdin_fd, out_fd, err_fd, cgroup_fd; /* cgroup_fd: the cgroup's directory, or -1 */
     int join;                         /* the child joins the cgroup first thing (cgroup.procs) */
     int nice;                         /* its niceness; NO_NICE: the worker's */
     long uid, gid;                    /* -1: keep the worker's */
@@ -557,7 +558,7 @@ static int job_child(void *arg)
     if (b->nice != NO_NICE && (r = k_call(SYS_setpriority, PRIO_PROCESS, 0, b->nice, 0, 0)) < 0)
         fail(b, r);
     if ((r = k_dup_onto(b->stdin_fd, 0)) < 0 || (r = k_dup_onto(b->out_fd, 1)) < 0 ||
-        (r = k_dup_onto(b->out_fd, 2)) < 0)
+        (r = k_dup_onto(b->err_fd, 2)) < 0)
         fail(b, r);
 #ifdef SYS_close_range
     (void)k_call(SYS_close_range, 3, ~0U, 0, 0, 0); /* ENOSYS before 5.9: all is close-on-exec */
@@ -682,7 +683,7 @@ static struct birth *new_birth(size_t extra)
     memset(b, 0, sizeof *b);
     b->size = size;
     b->alive = 1;
-    b->stdin_fd = b->out_fd = b->cgroup_fd = -1;
+    b->stdin_fd = b->out_fd = b->err_fd = b->cgroup_fd = -1;
     b->nice = NO_NICE;
     b->uid = b->gid = -1;
     return b;
@@ -812,10 +813,10 @@ static char **take_array(char **at, PyObject *seq)
 
 PyDoc_STRVAR(spawn_doc,
 "spawn(paths, argv, envp, cwd, stdin_fd, out_fd, uid, gid, cgroup_fd, born_in, nice, hidden, own_ipc,\n"
-"      own_net) -> (pid, pidfd)\n\n"
+"      own_net, err_fd=-1) -> (pid, pidfd)\n\n"
 "Start the first of `paths` that execs (bytes each; argv and envp lists of bytes, envp as\n"
 "b'KEY=value') in `cwd`, in a session of its own, with stdin from `stdin_fd` and stdout and\n"
-"stderr into `out_fd`, as `uid`/`gid` unless -1 (then without privileges to gain), in the cgroup\n"
+"stderr into `out_fd` (stderr into `err_fd` instead unless -1), as `uid`/`gid` unless -1 (then without privileges to gain), in the cgroup\n"
 "whose directory is open as `cgroup_fd` unless -1: born in it if `born_in` (where the kernel\n"
 "can), else joining it first thing, at niceness `nice` unless -100 (the caller's). With a uid:\n"
 "a session keyring of its own, the uid's keyrings emptied, an IPC namespace of its own if\n"
@@ -830,11 +831,11 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     const char *cwd;
     Py_ssize_t cwd_len;
     PyObject *hidden_obj;
-    int stdin_fd, out_fd, cgroup_fd, born_in, nice, own_ipc, own_net;
+    int stdin_fd, out_fd, cgroup_fd, born_in, nice, own_ipc, own_net, err_fd = -1;
     long uid, gid;
-    if (!PyArg_ParseTuple(args, "OOOy#iillipiOpp", &paths_obj, &argv_obj, &envp_obj, &cwd, &cwd_len,
+    if (!PyArg_ParseTuple(args, "OOOy#iillipiOpp|i", &paths_obj, &argv_obj, &envp_obj, &cwd, &cwd_len,
                           &stdin_fd, &out_fd, &uid, &gid, &cgroup_fd, &born_in, &nice, &hidden_obj, &own_ipc,
-                          &own_net))
+                          &own_net, &err_fd))
         return NULL;
     if (nice != NO_NICE && (nice < -20 || nice > 19)) {
         PyErr_SetString(PyExc_ValueError, "spawn: a niceness from -20 to 19, or -100 (the caller's)");
@@ -883,6 +884,7 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     b->cwd = at;
     b->stdin_fd = stdin_fd;
     b->out_fd = out_fd;
+    b->err_fd = err_fd >= 0 ? err_fd : out_fd;
     b->cgroup_fd = cgroup_fd;
     b->uid = uid;
     b->gid = gid;

@@ -16,6 +16,7 @@ def spawn(
     hidden: Sequence[bytes],
     own_ipc: bool,
     own_net: bool,
+    err_fd: int = -1,
     /,
 ) -> tuple[int, int]: ...
 def sweep(uid: int, gid: int, /) -> tuple[int, int]: ...

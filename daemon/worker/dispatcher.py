@@ -61,6 +61,7 @@ from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime, latest
 from daemon.worker.claim_gate import ClaimGate
 from daemon.worker.confine import Confinement
 from daemon.worker.envs import EnvCache, EnvSettings
+from daemon.worker.execs import Execs
 from daemon.worker.fast_path import FastPath
 from daemon.worker.gpu_readings import GpuReadings
 from daemon.worker.gpus import (
@@ -241,7 +242,11 @@ class Worker(Stopping):
         self._spawn(self._slots.guard.watch_over(), "orphan guard watch")
         self._spawn(self.heartbeat.run(), "heartbeat")
         self._spawn(self.readings.run(), "GPU readings")
-        self._spawn(self.heartbeat.listen_for_pokes(keys.worker_channel(self.id)), "cancel nudges")
+        execs = Execs(self.queue.redis, self._held, self._slots.spawner, self._spawn)
+        self._spawn(
+            self.heartbeat.listen_for_pokes(keys.worker_channel(self.id), execs.message),
+            "cancel nudges and channels",
+        )
         fence = (
             f"no lease renewal for {self.heartbeat.lease - self.heartbeat.margin:.1f} s: the lease "
             "may have passed to another worker"

@@ -80,15 +80,20 @@ class Heartbeat:
         """Beat now rather than at the next interval (news is waiting, e.g. a cancel)."""
         self._poked.set()
 
-    async def listen_for_pokes(self, channel: str) -> None:
-        """Subscribe to `channel` and beat at once on every message, until cancelled. Best effort:
-        while the subscription is down (Redis restarting), the regular beats carry the news."""
+    async def listen_for_pokes(self, channel: str, other: Callable[[str], bool] | None = None) -> None:
+        """Subscribe to `channel` and beat at once on every message, until cancelled; but for a
+        message that `other` takes (it returns True: news of a channel, worker/execs.py). Best
+        effort: while the subscription is down (Redis restarting), the regular beats carry the
+        news (a channel opened meanwhile is told again by its server: server/channels.py)."""
         while True:
             pubsub = self.queue.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel)
-                async for _ in pubsub.listen():
-                    self.poke()
+                async for message in pubsub.listen():
+                    data = message.get("data")
+                    text = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
+                    if other is None or not other(text):
+                        self.poke()
             except (RedisError, OSError) as exc:
                 log.debug("pokes on %s interrupted (%s); resubscribing", channel, exc)
             finally:

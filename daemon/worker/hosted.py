@@ -43,6 +43,7 @@ from daemon.config import HAND_BACK_SECONDS, Config
 from daemon.errors import GpupoolError
 from daemon.job import JobState, Lease, Outcome
 from daemon.object_store import artifact_prefix
+from daemon.queue import registry
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.attempt import boottime
 from daemon.worker.dispatcher import Worker
@@ -319,7 +320,7 @@ class HostedWorker(Worker):
             drain_timeout=drain_timeout,
             kill_grace=kill_grace,
             gpus=gpus,
-            worker_id=f"{offer.host}-agent-{secrets.token_hex(8)}",
+            worker_id=registry.agent_worker_id(offer.host),
             env={},  # nothing of the server's environment: the agent's jobs get the agent's
             make_run=self._remote_run,
             gpu_max_jobs=gpu_max_jobs,

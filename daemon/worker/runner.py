@@ -234,6 +234,16 @@ class JobRun:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    @property
+    def first_process(self) -> spawn.Child | None:
+        """The job's first process once spawned (a command run inside the job ends with it)."""
+        return self._proc
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The job's environment, as its first process got it (a copy)."""
+        return dict(self._env)
+
     # -- stopping ---------------------------------------------------------------------------------
 
     def cancel(self) -> None:

@@ -55,9 +55,10 @@ class Child:
     caller's to read and close), `await wait()` for its status once all it started is gone.
     `start_error` tells, once it has ended, why it never ran its program (None: it did)."""
 
-    def __init__(self, pid: int, output: int) -> None:
+    def __init__(self, pid: int, output: int, errors: int = -1) -> None:
         self.pid = pid
         self.output = output
+        self.errors = errors  # an exec's stderr, apart from its stdout (-1: merged into `output`)
         self.start_error: OSError | None = None
         self.start_step: str | None = None  # what it was doing then (None: looking for its program)
         self._ended: asyncio.Future[tuple[int, list[int]]] = asyncio.get_running_loop().create_future()
@@ -115,11 +116,44 @@ class Spawner:
         such program, no such directory, one the uid may not enter, a namespace the kernel
         refused) ends at once with `start_error` set. Raises OSError when no process could be
         made."""
+        return self._spawn(argv, cwd, env, identity, cgroup, gpus, stdin=None, in_job=False)
+
+    def spawn_in_job(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: Path,
+        env: Mapping[str, str],
+        identity: SlotIdentity | None,
+        cgroup: SlotCgroup | None,
+        gpus: Collection[int] | None,
+        stdin: int | None,
+    ) -> Child:
+        """A command run inside a running job (`poolctl exec`, execs.py), as `spawn` starts the
+        job's first process, but: stdin from `stdin` (a read end, the caller's to close; None:
+        /dev/null), stderr into a pipe of its own (`Child.errors`), and its end ends nothing
+        else: its uid and cgroup are its job's, whose end ends them (its caller kills its
+        process group)."""
+        return self._spawn(argv, cwd, env, identity, cgroup, gpus, stdin=stdin, in_job=True)
+
+    def _spawn(  # noqa: PLR0917 - spawn's and spawn_in_job's arguments, passed on as they came
+        self,
+        argv: Sequence[str],
+        cwd: Path,
+        env: Mapping[str, str],
+        identity: SlotIdentity | None,
+        cgroup: SlotCgroup | None,
+        gpus: Collection[int] | None,
+        *,
+        stdin: int | None,
+        in_job: bool,
+    ) -> Child:
         plan = NOTHING
         if identity is not None:
             uid_sweep.sweep_ipc(identity.uid)  # what another uid made and gave this one (IPC_SET)
             plan = self.confinement.plan(gpus)
         read, write = os.pipe()
+        errors_read, errors_write = os.pipe() if in_job else (-1, -1)
         try:
             place, born_in = cgroup.birthplace() if cgroup is not None else (-1, False)
             pid, pidfd = _spawn.spawn(
@@ -127,7 +161,7 @@ class Spawner:
                 [os.fsencode(arg) for arg in argv],
                 [f"{k}={v}".encode(FS_ENCODING, "surrogateescape") for k, v in env.items()],
                 os.fsencode(cwd),
-                self._devnull,
+                self._devnull if stdin is None else stdin,
                 write,
                 identity.uid if identity is not None else -1,
                 identity.gid if identity is not None else -1,
@@ -137,21 +171,24 @@ class Spawner:
                 plan.hidden,
                 plan.own_ipc,
                 plan.own_net,
+                *((errors_write,) if in_job else ()),  # a job's own: one pipe (and any build of _spawn.c)
             )
         except ValueError as exc:  # a NUL byte (the server refuses such specs): no exec could take it
-            os.close(read)
+            _close(read, errors_read)
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL)) from exc
         except BaseException:
-            os.close(read)
+            _close(read, errors_read)
             raise
         finally:
-            os.close(write)
-        child = Child(pid, read)
+            _close(write, errors_write)
+        child = Child(pid, read, errors_read)
+        # An exec in a job ends nothing at its end: its job's end does (below, for the job's own).
+        ends = (None, None) if in_job else (identity, cgroup)
         if pidfd >= 0:
             loop = asyncio.get_running_loop()
-            loop.add_reader(pidfd, self._exited, child, pidfd, identity, cgroup)
+            loop.add_reader(pidfd, self._exited, child, pidfd, *ends)
         else:  # a kernel without pidfds (before 5.2): a thread waits, as asyncio's own watcher does
-            threading.Thread(target=self._wait_in_thread, args=(child, identity, cgroup), daemon=True).start()
+            threading.Thread(target=self._wait_in_thread, args=(child, *ends), daemon=True).start()
         return child
 
     def _exited(
@@ -273,6 +310,12 @@ class Spawner:
         if self._devnull >= 0:
             os.close(self._devnull)
             self._devnull = -1
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        if fd >= 0:
+            os.close(fd)
 
 
 @functools.lru_cache(maxsize=256)  # a worker runs the same few programs with the same PATH

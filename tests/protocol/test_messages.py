@@ -81,6 +81,14 @@ EVERY_MESSAGE: list[m.Message] = [
     m.Served("the pool server is stopping"),
     m.AgentCall("w", b"\x00" * 32, "w/1.0", "append_log", {"number": 1, "chunks": [b"hi\n"]}),
     m.AgentAnswer({}),
+    m.OpenChannel("default.1", "exec", ["sh", "-c", "echo hi"], stdin=True),
+    m.ChannelOutput("stderr", b"\x00oops\n"),
+    m.ChannelCredit(4096),
+    m.ChannelClosed(3, "exited"),
+    m.ChannelClosed(None, "the job ended"),
+    m.ChannelData(b"hi\n"),
+    m.ChannelEnd(),
+    m.ChannelAck(65536),
 ]
 
 
@@ -93,7 +101,7 @@ def test_round_trip(message: m.Message) -> None:
 def test_every_message_class_is_covered() -> None:
     defined = {cls for cls in vars(m).values() if is_record(cls)}
     assert {type(message) for message in EVERY_MESSAGE} == defined
-    assert len(defined) == 6 + 18 + 17 + 4  # control, requests, replies, stream items
+    assert len(defined) == 6 + 19 + 18 + 6 + 3  # control, requests, replies, stream items, channel input
 
 
 def test_frame_types() -> None:
@@ -102,6 +110,7 @@ def test_frame_types() -> None:
     assert m.encode_message(m.LogChunk(b"", ""))[0] is FrameType.STREAM
     assert m.encode_message(m.LogEnd("x", None))[0] is FrameType.REPLY
     assert m.encode_message(m.Goodbye(""))[0] is FrameType.GOODBYE
+    assert m.encode_message(m.ChannelData(b""))[0] is FrameType.CHANNEL
 
 
 def test_op_names_are_on_the_wire() -> None:
@@ -118,10 +127,11 @@ def test_messages_are_frozen_and_slotted() -> None:
 
 def test_reply_and_stream_types() -> None:
     assert m.reply_type(m.FollowLogs) is m.LogEnd
-    assert m.stream_type(m.FollowLogs) is m.LogChunk
-    assert m.stream_type(m.WaitJobs) is m.JobEnded
-    assert m.stream_type(m.WatchPool) is m.PoolView
-    assert m.stream_type(m.Enqueue) is None
+    assert m.stream_type(m.FollowLogs) == (m.LogChunk,)
+    assert m.stream_type(m.WaitJobs) == (m.JobEnded,)
+    assert m.stream_type(m.WatchPool) == (m.PoolView,)
+    assert m.stream_type(m.OpenChannel) == (m.ChannelOutput, m.ChannelCredit)
+    assert m.stream_type(m.Enqueue) == ()
 
 
 def test_unknown_keys_are_ignored() -> None:

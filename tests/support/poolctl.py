@@ -12,11 +12,16 @@ from tests.support.paths import ROOT
 
 
 async def poolctl(
-    env: dict[str, str], *args: str, cwd: Path | None = None, user: str | None = None
+    env: dict[str, str],
+    *args: str,
+    cwd: Path | None = None,
+    user: str | None = None,
+    stdin: bytes | None = None,
 ) -> tuple[int, str, str]:
     """`poolctl ARGS` in `cwd`: exit code, stdout, stderr. Never a traceback. `cwd` by default is
     `/`, in no project (an enqueue from a project sends it with the job: this checkout is one).
-    `user`: run as that login user (its uid, gid and groups), as a cluster user runs it."""
+    `user`: run as that login user (its uid, gid and groups), as a cluster user runs it. `stdin`:
+    piped in (None: /dev/null)."""
     python, path = sys.executable, str(ROOT)
     as_user: list[str] = []
     if user is not None:
@@ -30,10 +35,11 @@ async def poolctl(
         *args,
         cwd=cwd or "/",
         env={**env, "PYTHONPATH": path},
+        stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    out, err = await asyncio.wait_for(proc.communicate(stdin), 60)
     assert b"Traceback" not in err, err.decode()
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()

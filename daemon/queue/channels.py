@@ -1,0 +1,51 @@
+"""A channel's relay through Redis: how the server and the worker running a job talk about one
+channel into it (`poolctl exec`), with nothing new to open on the worker.
+
+The server (server/channels.py) writes the channel's record (keys.channel) and tells the job's
+worker with a message on the worker's pub/sub channel (keys.channel_message); from then on each
+side appends to one Stream and reads the other's:
+
+  in   (server → worker)  d=BYTES  the client's input           e=1   the input has ended
+                          a=N      N more output entries taken   k=WHY kill the command
+  out  (worker → server)  o=BYTES  stdout    s=BYTES  stderr     c=N   N bytes of input taken
+                          x=CODE   the end: exit code ('' none)  r=WHY how it ended (with x)
+
+Both directions are held to a window, so Redis holds at most that much of one channel whatever
+its ends do: the worker has at most OUT_WINDOW bytes and OUT_ENTRIES entries of output not yet
+taken by the server (`a`), which takes output only as its client acknowledges it; the server has
+at most IN_ENTRIES entries of input not yet taken by the worker (`c`, one per `d`), and the
+client's window bounds their bytes. Each append is capped all the same (MAXLEN), and each key
+expires CHANNEL_IDLE after its last write: a channel whose ends have both gone leaves nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final
+
+from daemon.queue.connection import AnyRedis
+from daemon.queue.reads import Entries, xread
+from protocol import CHANNEL_WINDOW
+
+OUT_WINDOW: Final = CHANNEL_WINDOW
+OUT_ENTRIES: Final = 64
+IN_ENTRIES: Final = 64
+READ_CHUNK: Final = 64 * 1024  # the most one output entry carries
+MAXLEN: Final = 4 * (OUT_ENTRIES + IN_ENTRIES)  # a cap no honest channel reaches (the windows)
+CHANNEL_IDLE: Final = 30  # seconds: the server refreshes the record more often while it relays
+BLOCK: Final = 1.0  # seconds a blocking read waits at most: each side looks at its other end then
+
+
+async def append(redis: AnyRedis, key: str, entry: Mapping[bytes, bytes]) -> None:
+    """Append `entry` to the channel's Stream `key`, and keep the key CHANNEL_IDLE from now."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.xadd(key, dict(entry), maxlen=MAXLEN, approximate=False)  # type: ignore[arg-type]
+        pipe.expire(key, CHANNEL_IDLE)
+        await pipe.execute()
+
+
+async def read(redis: AnyRedis, key: str, after: str, block: float = BLOCK) -> Entries:
+    """The entries of Stream `key` after entry `after` ("0-0": all), waiting up to `block` seconds
+    for one; [] when none came."""
+    answer = await xread(redis, {key: after}, block=block, count=OUT_ENTRIES)
+    return answer[0][1] if answer else []

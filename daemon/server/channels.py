@@ -1,0 +1,280 @@
+"""The server's end of a channel into a running job (`poolctl exec`): a relay between the client's
+connection and the job's worker, through Redis (daemon/queue/channels.py).
+
+`ClientEnd` is what the client's session (session.py) hands a channel: the client's input as it
+comes (ChannelData, ChannelEnd, ChannelAck events of its connection), the room its window has for
+output, and the way to send. `open_channel` authorises the channel, writes its record, tells the
+job's worker, and relays both ways until the command has ended (its exit code is the reply), the
+job has, or the client cancels or goes away (the worker is then told to kill the command).
+
+Time: every byte relayed counts against its user's share (relay_budget.py), so one user's channels
+cannot take the server from everyone else.
+
+Memory: the client's input waits here at most one window (the protocol's: the client is credited
+only once the worker has written it into the command), and output is taken from Redis only as
+the client's window has room for it: one entry at a time waits here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import shlex
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgpack
+
+from daemon.aio import cancel_and_wait
+from daemon.errors import GpupoolError
+from daemon.job import JobInfo, JobState
+from daemon.queue import channels, keys
+from daemon.queue.job_queue import JobQueue
+from daemon.queue.registry import is_agent_worker
+from daemon.server.relay_budget import RelayBudget
+from protocol import ChannelClosed, ChannelOutput, ErrorCode, OpenChannel, StreamItem
+
+log = logging.getLogger(__name__)
+
+KINDS = frozenset({"exec"})
+MAX_ARGV_BYTES = 128 * 1024  # a command line longer than this is no command typed at a prompt
+REFRESH_SECONDS = channels.CHANNEL_IDLE / 3  # how often an open channel's keys are kept alive
+ENDED_LOOKS = 2  # reads that found the job ended and no exit from its worker: the channel ends
+
+
+class ClientEnd:
+    """The client's side of one open channel, as its session feeds it."""
+
+    def __init__(
+        self,
+        send: Callable[[StreamItem], Awaitable[None]],
+        output_room: Callable[[], int],
+        credit: Callable[[int], None],
+    ) -> None:
+        self.send = send
+        self.output_room = output_room
+        self.credit = credit
+        self.input = bytearray()  # received, not yet relayed: within the protocol's window
+        self.input_ended = False
+        self.input_changed = asyncio.Event()
+        self.room_changed = asyncio.Event()
+
+    def received(self, data: bytes) -> None:
+        self.input += data
+        self.input_changed.set()
+
+    def ended(self) -> None:
+        self.input_ended = True
+        self.input_changed.set()
+
+    def acked(self) -> None:
+        self.room_changed.set()
+
+
+def check_request(request: OpenChannel) -> None:
+    if request.kind not in KINDS:
+        raise GpupoolError(
+            f"no channel of kind {request.kind!r}; this server opens {', '.join(sorted(KINDS))}",
+            ErrorCode.INVALID_ARGUMENT,
+        )
+    if not request.argv or not request.argv[0]:
+        raise GpupoolError("exec needs a command: poolctl exec JOB -- COMMAND", ErrorCode.INVALID_ARGUMENT)
+    if sum(len(arg.encode()) for arg in request.argv) > MAX_ARGV_BYTES or any(
+        "\0" in a for a in request.argv
+    ):
+        raise GpupoolError(
+            f"the command is over {MAX_ARGV_BYTES // 1024} KiB or holds a NUL byte; pass long input on stdin",
+            ErrorCode.INVALID_ARGUMENT,
+        )
+
+
+def check_running(info: JobInfo) -> None:
+    """Refuse a channel into a job that is not running on a worker of the pool's own."""
+    if info.state is not JobState.RUNNING:
+        raise GpupoolError(
+            f"job {info.id} is {info.state}, not running: exec runs a command inside a running job",
+            ErrorCode.CONFLICT,
+        )
+    if is_agent_worker(info.worker):
+        raise GpupoolError(
+            f"job {info.id} runs on an agent's machine ({info.worker}), where exec is not supported "
+            "yet; run the command from the job itself",
+            ErrorCode.INVALID_ARGUMENT,
+        )
+
+
+class Relay:
+    """One channel's relay between its client (`client`) and its job's worker, through Redis."""
+
+    def __init__(
+        self,
+        queue: JobQueue,
+        info: JobInfo,
+        request: OpenChannel,
+        user: str,
+        *,
+        client: ClientEnd,
+        budget: RelayBudget,
+    ) -> None:
+        """`budget`: every user's share of what the server relays (relay_budget.py)."""
+        self.queue = queue
+        self.budget = budget
+        self.redis = queue.redis
+        self.info = info
+        self.request = request
+        self.user = user
+        self.client = client
+        self.session = secrets.token_hex(8)
+        job_id = info.id
+        self.record = keys.channel(job_id, self.session)
+        self.to_worker = keys.channel_in(job_id, self.session)
+        self.from_worker = keys.channel_out(job_id, self.session)
+        self._input_entries = 0  # input entries the worker has not credited yet
+        self._relayed = 0  # bytes, both ways
+
+    async def run(self) -> ChannelClosed:
+        await self._open()
+        down = asyncio.ensure_future(self._down())
+        helpers = [down, asyncio.ensure_future(self._up()), asyncio.ensure_future(self._keep())]
+        ended = False
+        try:
+            waiting: set[asyncio.Future[Any]] = set(helpers)
+            while not down.done():
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for helper in done - {down}:
+                    helper.result()  # a helper's failure (Redis gone) is the channel's
+            closed = down.result()
+            ended = True
+            return closed
+        finally:
+            log.info(
+                "exec by %s in job %s (channel %s) %s: %d bytes relayed",
+                self.user,
+                self.info.id,
+                self.session,
+                "ended" if ended else "cancelled",
+                self._relayed,
+            )
+            for helper in helpers:
+                await cancel_and_wait(helper)
+            # The client cancelled or went away: the worker kills the command. Shielded: this
+            # task is being cancelled, and the kill must still be written.
+            if not ended:
+                why = b"the client went away"
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(channels.append(self.redis, self.to_worker, {b"k": why}))
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.redis.delete(self.record))
+
+    async def _open(self) -> None:
+        argv = self.request.argv
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(
+                self.record,
+                mapping={
+                    "kind": self.request.kind,
+                    "argv": msgpack.packb(argv),
+                    "stdin": "1" if self.request.stdin else "0",
+                    "user": self.user,
+                    "worker": self.info.worker,
+                    "created": str(time.time()),
+                },
+            )
+            pipe.expire(self.record, channels.CHANNEL_IDLE)
+            await pipe.execute()
+        log.info(
+            "exec by %s in job %s on worker %s (channel %s): %s",
+            self.user,
+            self.info.id,
+            self.info.worker,
+            self.session,
+            shlex.join(argv),
+        )
+        await self._tell_worker()
+
+    async def _tell_worker(self) -> None:
+        message = keys.channel_message(self.info.id, self.session)
+        await self.redis.publish(keys.worker_channel(self.info.worker), message)
+
+    async def _keep(self) -> None:
+        """Keep the channel's keys from expiring while it is open, however long its ends are quiet
+        (a client that reads no output for minutes): the worker ends a channel whose record has
+        gone, and a Stream that expired would lose what its reader has not taken yet."""
+        while True:
+            await asyncio.sleep(REFRESH_SECONDS)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key in (self.record, self.to_worker, self.from_worker):
+                    pipe.expire(key, channels.CHANNEL_IDLE)
+                await pipe.execute()
+
+    async def _up(self) -> None:
+        """The client's input into the worker's Stream, coalesced: at most IN_ENTRIES entries wait
+        for the worker at once, whatever sizes the client sends."""
+        client = self.client
+        end_sent = False
+        while not end_sent:
+            while self._input_entries >= channels.IN_ENTRIES or not (client.input or client.input_ended):
+                client.input_changed.clear()
+                await client.input_changed.wait()
+            if client.input:
+                data = bytes(client.input)
+                client.input.clear()
+                self._input_entries += 1
+                await self._spend(len(data))
+                await channels.append(self.redis, self.to_worker, {b"d": data})
+            else:
+                await channels.append(self.redis, self.to_worker, {b"e": b"1"})
+                end_sent = True
+
+    async def _down(self) -> ChannelClosed:
+        """The worker's entries to the client, each as the client's window has room; the final
+        reply once the command has ended (or its job has)."""
+        after, heard, ended_looks = "0-0", False, 0
+        while True:
+            entries = await channels.read(self.redis, self.from_worker, after)
+            if not entries:
+                info = await self.queue.get(self.info.id)
+                ended_looks = ended_looks + 1 if info.state is not JobState.RUNNING else 0
+                if ended_looks >= ENDED_LOOKS:
+                    ended = "ended" if info.state.terminal else "lost its worker"
+                    return ChannelClosed(None, f"the job {ended} ({info.state})")
+                if not heard:  # the worker may have missed the news (resubscribing): tell it again
+                    await self._tell_worker()
+                continue
+            heard, taken = True, 0
+            for entry_id, fields in entries:
+                after = entry_id.decode()
+                if (closed := await self._entry(fields)) is not None:
+                    return closed
+                taken += b"o" in fields or b"s" in fields
+            if taken:
+                await channels.append(self.redis, self.to_worker, {b"a": str(taken).encode()})
+
+    async def _spend(self, size: int) -> None:
+        """Count `size` bytes against the user, and wait while the user is over their share."""
+        self._relayed += size
+        wait = self.budget.delay(self.user, size, asyncio.get_running_loop().time())
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+    async def _entry(self, fields: dict[bytes, bytes]) -> ChannelClosed | None:
+        client = self.client
+        for tag, stream in ((b"o", "stdout"), (b"s", "stderr")):
+            if (data := fields.get(tag)) is not None:
+                while client.output_room() < len(data):
+                    client.room_changed.clear()
+                    await client.room_changed.wait()
+                await self._spend(len(data))
+                await client.send(ChannelOutput(stream, data))
+                return None
+        if (size := fields.get(b"c")) is not None:
+            self._input_entries -= 1
+            client.credit(int(size))
+            client.input_changed.set()
+            return None
+        if (code := fields.get(b"x")) is not None:
+            return ChannelClosed(int(code) if code else None, fields.get(b"r", b"").decode())
+        return None
