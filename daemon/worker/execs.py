@@ -94,9 +94,12 @@ class Execs:
             log.warning("channel %s into job %s failed: %s", session, job_id, exc)
 
     async def _serve_in(self, job_id: str, session: str) -> None:
-        record = cast(dict[bytes, bytes], await self.redis.hgetall(keys.channel(job_id, session)))
+        key = keys.channel(job_id, session)
+        record = cast(dict[bytes, bytes], await self.redis.hgetall(key))
         if not record:
             return  # expired: its server has gone
+        if not await self.redis.hsetnx(key, "taken", "1"):
+            return  # served already: its server told again before it heard from the first (channels.py)
         run = self._run_of(job_id)
         out = keys.channel_out(job_id, session)
         if run is None:
