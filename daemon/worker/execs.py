@@ -106,6 +106,12 @@ class Execs:
             why = "the job is not running on its worker any more"
             await channels.append(self.redis, out, {b"x": b"", b"r": why.encode()})
             return
+        if record.get(b"kind") == b"forward":  # a TCP connection, not a command: forwards.py
+            from daemon.worker.forwards import Forward  # noqa: PLC0415 - it builds on this module
+
+            port = int(record[b"port"])
+            await Forward(self.redis, job_id, session, run, port=port).serve(record[b"user"].decode())
+            return
         argv = [str(arg) for arg in msgpack.unpackb(record[b"argv"])]
         command = ExecCommand(self.redis, job_id, session, run, argv=argv, stdin=record[b"stdin"] == b"1")
         await command.run(self.spawner, record[b"user"].decode())
@@ -207,18 +213,22 @@ class ExecCommand:
             lambda: asyncio.StreamReaderProtocol(reader, loop=loop), os.fdopen(fd, "rb", buffering=0)
         )
         try:
-            while True:
-                while self._unread_bytes >= channels.OUT_WINDOW or len(self._unread) >= channels.OUT_ENTRIES:
-                    self._taken.clear()
-                    await self._taken.wait()
-                data = await reader.read(min(channels.READ_CHUNK, channels.OUT_WINDOW - self._unread_bytes))
-                if not data:
-                    return
-                self._unread.append(len(data))
-                self._unread_bytes += len(data)
-                await channels.append(self.redis, self.out, {tag: data})
+            await self._relay(reader, tag)
         finally:
             transport.close()
+
+    async def _relay(self, reader: asyncio.StreamReader, tag: bytes) -> None:
+        """Relay what `reader` reads, until its end, as entries `tag=BYTES` within the window."""
+        while True:
+            while self._unread_bytes >= channels.OUT_WINDOW or len(self._unread) >= channels.OUT_ENTRIES:
+                self._taken.clear()
+                await self._taken.wait()
+            data = await reader.read(min(channels.READ_CHUNK, channels.OUT_WINDOW - self._unread_bytes))
+            if not data:
+                return
+            self._unread.append(len(data))
+            self._unread_bytes += len(data)
+            await channels.append(self.redis, self.out, {tag: data})
 
     async def _inbound(self) -> str:
         """Read what the server relays until it asks for a kill; returns why. Also returns when
