@@ -115,3 +115,30 @@ async def test_forward_serves_many_connections_only_for_its_owner_and_ends_with_
         code, _, err = await poolctl(pool.env("alice"), "forward", job_id, str(port))
         assert code == 2
         assert "not running: forward reaches a port inside a running job" in err
+
+
+async def test_forward_reaches_the_loopback_of_a_job_with_a_network_of_its_own(
+    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
+) -> None:
+    """Issue 49, `forward` "as the job sees it": where jobs have a network of their own
+    (`job_network = "private"`), a forward reaches the port on the job's loopback, which the
+    worker's own loopback does not have (a connection there is refused)."""
+    port = free_port()
+    job = running_job(
+        redis_server,
+        tmp_path,
+        s3_env,
+        command=serving(port),
+        ready_line="Serving HTTP",
+        worker_options=("--job-network", "private"),
+    )
+    async with job as (pool, job_id, _), forwarding(pool.env("alice"), job_id, port) as (proc, local):
+        assert await asyncio.gather(fetch(local), fetch(local)) == [DATA, DATA]
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except ConnectionRefusedError:
+            pass
+        else:
+            writer.close()
+            raise AssertionError(f"port {port} is open on the worker's loopback: the job shares it")
+        assert proc.returncode is None
