@@ -75,11 +75,12 @@ Per queue (``gp:{q:NAME}:…``):
                 stdin, port, user, worker and when it was opened, written by the server
                 (server/channels.py), which keeps it from expiring while the channel is open:
                 a worker ends a channel whose record has gone; `taken` once a worker serves it
-                (only one does: the server may tell it twice). With job:ID:channel:S:in, a Stream of what the server
-                relays to the worker (the client's input, acknowledgements, a kill), and
-                job:ID:channel:S:out, one of what the worker relays back (output, credit, the
-                exit): each entry a map (docs/PROTOCOL.md's channel, in Redis: worker/execs.py),
-                each XADD capped, each key expiring CHANNEL_IDLE after its last write.
+                (only one does: the server may tell it twice). With job:ID:channel:S:in, a
+                Stream of what the server relays to the worker (the client's input,
+                acknowledgements, a kill), and job:ID:channel:S:out, one of what the worker
+                relays back (output, credit, the exit): each entry a map (docs/PROTOCOL.md's
+                channel, in Redis: worker/execs.py), each XADD capped, each key expiring
+                CHANNEL_IDLE after its last write.
   outbox        ZSET 'ID/TARGET' -> when it is due (Redis server time, ms): job ends to notify
                 (TARGET `job`: the job's --notify URL; `pool`: notify_url), put there by the
                 script that ends the job, for the targets its record names ('notify', written

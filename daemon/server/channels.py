@@ -7,6 +7,9 @@ output, and the way to send. `open_channel` authorises the channel, writes its r
 job's worker, and relays both ways until the command has ended (its exit code is the reply), the
 job has, or the client cancels or goes away (the worker is then told to kill the command).
 
+Time: every byte relayed counts against its user's share (relay_budget.py), so one user's channels
+cannot take the server from everyone else.
+
 Memory: the client's input waits here at most one window (the protocol's: the client is credited
 only once the worker has written it into the command), and output is taken from Redis only as
 the client's window has room for it: one entry at a time waits here.
@@ -21,13 +24,16 @@ import secrets
 import shlex
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgpack
 
+from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
 from daemon.job import JobInfo, JobState, is_agent_worker
 from daemon.queue import channels, keys
 from daemon.queue.job_queue import JobQueue
+from daemon.server.relay_budget import RelayBudget
 from protocol import ChannelClosed, ChannelOutput, ErrorCode, OpenChannel, StreamItem
 
 log = logging.getLogger(__name__)
@@ -118,9 +124,18 @@ class Relay:
     """One channel's relay between its client (`client`) and its job's worker, through Redis."""
 
     def __init__(
-        self, queue: JobQueue, info: JobInfo, request: OpenChannel, user: str, client: ClientEnd
+        self,
+        queue: JobQueue,
+        info: JobInfo,
+        request: OpenChannel,
+        user: str,
+        *,
+        client: ClientEnd,
+        budget: RelayBudget,
     ) -> None:
+        """`budget`: every user's share of what the server relays (relay_budget.py)."""
         self.queue = queue
+        self.budget = budget
         self.redis = queue.redis
         self.info = info
         self.request = request
@@ -132,19 +147,33 @@ class Relay:
         self.to_worker = keys.channel_in(job_id, self.session)
         self.from_worker = keys.channel_out(job_id, self.session)
         self._input_entries = 0  # input entries the worker has not credited yet
+        self._relayed = 0  # bytes, both ways
 
     async def run(self) -> ChannelClosed:
         await self._open()
-        helpers = [asyncio.ensure_future(self._up()), asyncio.ensure_future(self._keep())]
+        down = asyncio.ensure_future(self._down())
+        helpers = [down, asyncio.ensure_future(self._up()), asyncio.ensure_future(self._keep())]
         ended = False
         try:
-            closed = await self._down()
+            waiting: set[asyncio.Future[Any]] = set(helpers)
+            while not down.done():
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for helper in done - {down}:
+                    helper.result()  # a helper's failure (Redis gone) is the channel's
+            closed = down.result()
             ended = True
             return closed
         finally:
+            log.info(
+                "exec by %s in job %s (channel %s) %s: %d bytes relayed",
+                self.user,
+                self.info.id,
+                self.session,
+                "ended" if ended else "cancelled",
+                self._relayed,
+            )
             for helper in helpers:
-                helper.cancel()
-            await asyncio.gather(*helpers, return_exceptions=True)
+                await cancel_and_wait(helper)
             # The client cancelled or went away: the worker kills the command. Shielded: this
             # task is being cancelled, and the kill must still be written.
             if not ended:
@@ -211,6 +240,7 @@ class Relay:
                 data = bytes(client.input)
                 client.input.clear()
                 self._input_entries += 1
+                await self._spend(len(data))
                 await channels.append(self.redis, self.to_worker, {b"d": data})
             else:
                 await channels.append(self.redis, self.to_worker, {b"e": b"1"})
@@ -240,6 +270,13 @@ class Relay:
             if taken:
                 await channels.append(self.redis, self.to_worker, {b"a": str(taken).encode()})
 
+    async def _spend(self, size: int) -> None:
+        """Count `size` bytes against the user, and wait while the user is over their share."""
+        self._relayed += size
+        wait = self.budget.delay(self.user, size, asyncio.get_running_loop().time())
+        if wait > 0:
+            await asyncio.sleep(wait)
+
     async def _entry(self, fields: dict[bytes, bytes]) -> ChannelClosed | None:
         client = self.client
         for tag, stream in ((b"o", "stdout"), (b"s", "stderr")):
@@ -247,6 +284,7 @@ class Relay:
                 while client.output_room() < len(data):
                     client.room_changed.clear()
                     await client.room_changed.wait()
+                await self._spend(len(data))
                 await client.send(ChannelOutput(stream, data))
                 return None
         if (size := fields.get(b"c")) is not None:

@@ -46,6 +46,7 @@ from daemon.server.dependencies import judge_held
 from daemon.server.log_limit import LogLimit
 from daemon.server.pending import MAX_LIST, PendingReasons, WorkerLister
 from daemon.server.redis_room import RedisRoom
+from daemon.server.relay_budget import RelayBudget
 from daemon.webhook_targets import Allowed
 from protocol import (
     AgentCall,
@@ -146,6 +147,7 @@ class Handlers:
         self.pending = PendingReasons(queue, workers)  # why a queued job waits
         self.warnings = LogLimit()  # what users' requests cause, per user (the sessions' too)
         self.agents = agents
+        self.relay_budget = RelayBudget()  # each user's share of what channels relay (poolctl exec)
 
     async def handle(
         self, request: Request, user: str, send: SendStream, client: ClientEnd | None = None
@@ -237,7 +239,8 @@ class Handlers:
         self._check_owner(info, user, "forward to" if request.kind == "forward" else "exec in")
         channels.check_running(info, request.kind)
         with self.blocking_read(user):
-            return await channels.Relay(self.queue, info, request, user, client).run()
+            relay = channels.Relay(self.queue, info, request, user, client=client, budget=self.relay_budget)
+            return await relay.run()
 
     async def _agent(self, request: ServeJobs | AgentCall, user: str, send: SendStream) -> Reply:
         """An agent's requests (agents.py). A serve_jobs lasts as long as its agent: it is bounded

@@ -10,8 +10,10 @@ client, its exit code ends the channel.
 
 It ends when it exits; when its job's first process ends (the job's end ends everything of it
 anyway: its cgroup is killed, or its uid swept); when the server asks (the client cancelled or
-went away: `k`); or when the channel's record expires (its server went away). Every command run
-so is written in the job's log as a line of the pool's own.
+went away: `k`); or when the channel's record expires (its server went away); and, should the
+worker be frozen or killed, its orphan guard kills it as it kills the job (it watches its process
+group under the job's lease). Every command run so is written in the job's log as a line of the
+pool's own.
 """
 
 from __future__ import annotations
@@ -163,6 +165,8 @@ class ExecCommand:
         finally:
             if stdin_read >= 0:
                 os.close(stdin_read)
+        if run.guard is not None:  # a frozen or killed worker's guard kills it as it kills the job
+            run.guard.watch(child.pid, run.lease.id)
         run.output.note(f"exec by {user} (pid {child.pid}): {shlex.join(self.argv)}")
         log.info("exec by %s in job %s (pid %d): %s", user, self.job_id, child.pid, shlex.join(self.argv))
         pumps = [
@@ -175,6 +179,8 @@ class ExecCommand:
         try:
             return await self._until_ended(child, job, inbound, pumps)
         finally:
+            if run.guard is not None:
+                run.guard.forget(child.pid)
             for task in helpers:
                 task.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)

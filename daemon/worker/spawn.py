@@ -171,7 +171,7 @@ class Spawner:
                 plan.hidden,
                 plan.own_ipc,
                 plan.own_net,
-                errors_write,
+                *((errors_write,) if in_job else ()),  # a job's own: one pipe (and any build of _spawn.c)
             )
         except ValueError as exc:  # a NUL byte (the server refuses such specs): no exec could take it
             _close(read, errors_read)

@@ -5,6 +5,9 @@ bytes. These tests drive a connected client/server pair by hand, including a hos
 frames must never make the server hold more than one window per channel."""
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from protocol import (
     CHANNEL_WINDOW,
@@ -179,3 +182,90 @@ def test_channel_frames_need_a_request_id() -> None:
     frame = HEADER.pack(b"GP", 1, FrameType.CHANNEL, 0, 0, 0, len(payload)) + payload
     events = pair.to_server(frame)
     assert_server_failed(pair, events, ErrorCode.BAD_HEADER)
+
+
+class ChannelModel(RuleBasedStateMachine):
+    """Issue 49, a model of one channel (STYLE §18): random interleavings of the owners' legal
+    moves on both sides, with bytes delivered whole or not yet, checked after every step against a
+    plain count of what is in flight each way: neither side ever refuses a legal move, and neither
+    has more than one window of the other's data unacknowledged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair, self.rid = opened()
+        self.to_server = bytearray()  # bytes the client wrote that the server has not read yet
+        self.to_client = bytearray()
+        self.input_unacked = 0  # ChannelData bytes not yet credited (as the client counts them)
+        self.output_unacked = 0
+        self.output_untaken = 0  # output the client received and has not acknowledged yet
+        self.input_ended = False
+
+    @rule(size=st.integers(1, CHANNEL_WINDOW))
+    def client_sends(self, size: int) -> None:
+        room = self.pair.client.input_room(self.rid)
+        assert room == (0 if self.input_ended else CHANNEL_WINDOW - self.input_unacked)
+        if room:
+            self.to_server += self.pair.client.channel_data(self.rid, b"i" * min(size, room))
+            self.input_unacked += min(size, room)
+
+    @rule()
+    def client_ends(self) -> None:
+        if not self.input_ended:
+            self.to_server += self.pair.client.channel_end(self.rid)
+            self.input_ended = True
+
+    @rule(size=st.integers(1, CHANNEL_WINDOW))
+    def server_sends(self, size: int) -> None:
+        room = self.pair.server.output_room(self.rid)
+        assert room == CHANNEL_WINDOW - self.output_unacked
+        if room:
+            self.to_client += self.pair.server.stream(
+                self.rid, ChannelOutput("stdout", b"o" * min(size, room))
+            )
+            self.output_unacked += min(size, room)
+
+    @precondition(lambda self: self.to_server)  # b"" would be the end of input
+    @rule()
+    def server_reads(self) -> None:
+        for event in self.pair.to_server(bytes(self.to_server)):
+            match event:
+                case ChannelDataReceived(data=data):  # the far end takes it at once
+                    self.to_client += self.pair.server.credit(self.rid, len(data))
+                case ChannelAcked(size=size):
+                    self.output_unacked -= size
+                case ChannelEndReceived():
+                    pass
+                case _:
+                    raise AssertionError(event)
+        self.to_server.clear()
+
+    @precondition(lambda self: self.to_client)
+    @rule()
+    def client_reads(self) -> None:
+        for event in self.pair.to_client(bytes(self.to_client)):
+            assert isinstance(event, ReplyReceived), event
+            match event.message:
+                case ChannelOutput(data=data):
+                    self.output_untaken += len(data)
+                case ChannelCredit(size=size):
+                    self.input_unacked -= size
+        self.to_client.clear()
+
+    @rule()
+    def client_acks(self) -> None:
+        if self.output_untaken:
+            self.to_server += self.pair.client.channel_ack(self.rid, self.output_untaken)
+            self.output_untaken = 0
+
+    @invariant()
+    def within_the_windows(self) -> None:
+        assert 0 <= self.input_unacked <= CHANNEL_WINDOW
+        assert 0 <= self.output_unacked <= CHANNEL_WINDOW
+        assert self.pair.server.state is State.READY
+        assert self.pair.client.state is State.READY
+
+
+ChannelModel.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, derandomize=True, database=None, deadline=None
+)
+test_the_channel_model = ChannelModel.TestCase

@@ -149,22 +149,54 @@ async def test_exec_runs_in_the_jobs_allocation_with_stdin_and_its_exit_code_and
         assert "bob" not in text
 
 
-async def test_the_jobs_end_ends_its_exec(
+def tagged(tag: str, uid: str) -> list[dict[str, object]]:
+    """The processes of a command tagged `tag` (its sh, its `sleep 600` of the job's `uid`); one
+    that ends while they are listed is left out (psutil skips it)."""
+    return [
+        p.info
+        for p in psutil.process_iter(["cmdline", "uids"])
+        if tag in " ".join(p.info["cmdline"] or [])
+        or (p.info["cmdline"] == ["sleep", "600"] and str(getattr(p.info["uids"], "real", "")) == uid)
+    ]
+
+
+async def test_an_exec_ends_when_its_client_goes_away_and_when_its_job_ends(
     redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
 ) -> None:
-    """Issue 49, `exec` done-when: a command still running inside a job when the job ends (here
-    cancelled) is killed with it, and `poolctl exec` returns at once, saying so, with the exit
-    status of a command killed by SIGKILL (137); a job not running is refused."""
+    """Issue 49, `exec` done-when: a command running inside a job is killed when its `poolctl`
+    goes away (killed: the server sees the connection end), the job running on; and when the job
+    ends (here cancelled), when `poolctl exec` returns at once, saying so, with the exit status of
+    a command killed by SIGKILL (137). A job not running any more is refused."""
     async with running_job(redis_server, tmp_path, s3_env) as (pool, job_id, said):
         env = pool.env("alice")
+
+        async def started(tag: str) -> None:
+            async def seen() -> bool:
+                return tag in await log_text(pool.queue, job_id)
+
+            await wait_until(seen, 30, "the exec to start")
+
         tag = secrets.token_hex(6)
         command = f"sleep 600; : {tag}"  # sh stays, its command line tagged; sleep is its child
+        gone = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "daemon.ctl.cli", "exec", job_id, "--", "sh", "-c", command,
+            env={**env, "PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        await started(tag)
+        assert tagged(tag, said[1])
+        gone.kill()
+        await gone.wait()
+
+        async def killed() -> bool:
+            return not tagged(tag, said[1])
+
+        await wait_until(killed, 10, "the command of a client gone to be killed")
+        assert (await pool.queue.get(job_id)).state is JobState.RUNNING
+
+        tag = secrets.token_hex(6)
+        command = f"sleep 600; : {tag}"
         execing = asyncio.ensure_future(poolctl(env, "exec", job_id, "--", "sh", "-c", command))
-
-        async def started() -> bool:
-            return tag in await log_text(pool.queue, job_id)
-
-        await wait_until(started, 30, "the exec to start")
+        await started(tag)
         await pool.queue.cancel(job_id)
         began = time.monotonic()
         code, _, err = await asyncio.wait_for(execing, 30)
@@ -172,13 +204,7 @@ async def test_the_jobs_end_ends_its_exec(
         assert code == 137, err
         assert err == f"poolctl: sh in {job_id}: killed by SIGKILL (the job ended)\n"
         await wait_state(pool.queue, job_id, JobState.CANCELLED)
-        left = [
-            p.info
-            for p in psutil.process_iter(["cmdline", "uids"])
-            if tag in " ".join(p.info["cmdline"] or [])
-            or (p.info["cmdline"] == ["sleep", "600"] and str(p.info["uids"].real) == said[1])
-        ]
-        assert not left
+        assert not tagged(tag, said[1])
 
         code, _, err = await poolctl(env, "exec", job_id, "--", "true")
         assert code == 2
@@ -188,22 +214,29 @@ async def test_the_jobs_end_ends_its_exec(
         )
 
 
-async def test_exec_into_a_queued_job_or_an_agents_is_refused_in_a_sentence(pool: Pool) -> None:
+async def test_exec_into_a_queued_job_or_an_agents_is_refused_in_a_sentence(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
     """Issue 49, `exec`'s refusals: a job not running yet, and one running on an agent's machine
     (which the server reaches only through the agent's own connection: not supported yet), each
-    get a sentence saying so and exit status 2, and nothing is sent to any worker."""
-    env = pool.env("alice")
-    queued, _ = await pool.queue.enqueue(JobSpec(argv=("true",), user="alice"))
-    code, _, err = await poolctl(env, "exec", queued, "--", "true")
-    assert code == 2
-    assert err == f"poolctl: job {queued} is queued, not running: exec runs a command inside a running job\n"
-    agent = registry.agent_worker_id("laptop")
-    lease = await pool.queue.claim(agent, ["default"])
-    assert lease is not None
-    assert lease.job_id == queued
-    code, _, err = await poolctl(env, "exec", queued, "--", "true")
-    assert code == 2
-    assert err == (
-        f"poolctl: job {queued} runs on an agent's machine ({agent}), where exec is not supported yet; "
-        "run the command from the job itself\n"
-    )
+    get a sentence saying so and exit status 2, and nothing is sent to any worker. A pool admin
+    passes the owner's check (and meets the same refusals); bob does not (exit 6)."""
+    users = ("alice", "bob", "carol")
+    async with running_pool(redis_server, tmp_path, users=users, admins=("carol",)) as pool:
+        queued, _ = await pool.queue.enqueue(JobSpec(argv=("true",), user="alice"))
+        not_running = f"job {queued} is queued, not running: exec runs a command inside a running job"
+        for user in ("alice", "carol"):
+            said = await poolctl(pool.env(user), "exec", queued, "--", "true")
+            assert said == (2, "", f"poolctl: {not_running}\n")
+        code, _, _ = await poolctl(pool.env("bob"), "exec", queued, "--", "true")
+        assert code == 6
+        agent = registry.agent_worker_id("laptop")
+        lease = await pool.queue.claim(agent, ["default"])
+        assert lease is not None
+        assert lease.job_id == queued
+        code, _, err = await poolctl(pool.env("alice"), "exec", queued, "--", "true")
+        assert code == 2
+        assert err == (
+            f"poolctl: job {queued} runs on an agent's machine ({agent}), where exec is not supported yet; "
+            "run the command from the job itself\n"
+        )

@@ -133,7 +133,7 @@ async def test_forward_reaches_the_loopback_of_a_job_with_a_network_of_its_own(
         worker_options=("--job-network", "private"),
     )
     async with job as (pool, job_id, _), forwarding(pool.env("alice"), job_id, port) as (proc, local):
-        assert await asyncio.gather(fetch(local), fetch(local)) == [DATA, DATA]
+        assert [*await asyncio.gather(fetch(local), fetch(local))] == [DATA, DATA]
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", port)
         except ConnectionRefusedError:
