@@ -13,12 +13,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from daemon.job import JobState
+from daemon.job import JobSpec
+from daemon.queue import registry
 from daemon.queue.embedded_redis import EmbeddedRedis
 from tests.daemon.ctl.test_exec import log_text, running_job
 from tests.support.paths import ROOT
+from tests.support.pool import running_pool
 from tests.support.poolctl import poolctl
-from tests.support.workers import wait_state, wait_until
+from tests.support.workers import wait_until
 
 DATA = "".join(f"{n}\n" for n in range(1, 20001)).encode()  # `seq 1 20000`: 109 KiB, more than a chunk
 GET = b"GET /data.txt HTTP/1.0\r\n\r\n"
@@ -111,10 +113,6 @@ async def test_forward_serves_many_connections_only_for_its_owner_and_ends_with_
             assert proc.stderr is not None
             said = (await proc.stderr.read()).decode()
             assert said.endswith(f"poolctl: job {job_id} cancelled: its forward has ended\n"), said
-        await wait_state(pool.queue, job_id, JobState.CANCELLED)
-        code, _, err = await poolctl(pool.env("alice"), "forward", job_id, str(port))
-        assert code == 2
-        assert "not running: forward reaches a port inside a running job" in err
 
 
 async def test_forward_reaches_the_loopback_of_a_job_with_a_network_of_its_own(
@@ -142,3 +140,34 @@ async def test_forward_reaches_the_loopback_of_a_job_with_a_network_of_its_own(
             writer.close()
             raise AssertionError(f"port {port} is open on the worker's loopback: the job shares it")
         assert proc.returncode is None
+
+
+async def test_forward_into_a_queued_job_or_an_agents_is_refused_in_a_sentence(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """Issue 49, `forward`'s refusals, as exec's: a job not running yet, and one running on an
+    agent's machine, each get a sentence saying so and exit status 2 before anything listens; a
+    pool admin passes the owner's check (and meets the refusal of a job not running); bob does
+    not (exit 6). A port out of range is a usage error."""
+    async with running_pool(
+        redis_server, tmp_path, users=("alice", "bob", "carol"), admins=("carol",)
+    ) as pool:
+        queued, _ = await pool.queue.enqueue(JobSpec(argv=("true",), user="alice"))
+        not_running = f"job {queued} is queued, not running: forward reaches a port inside a running job"
+        said = await poolctl(pool.env("carol"), "forward", queued, "8888")
+        assert said == (2, "", f"poolctl: {not_running}\n")
+        code, _, _ = await poolctl(pool.env("bob"), "forward", queued, "8888")
+        assert code == 6
+        agent = registry.agent_worker_id("laptop")
+        lease = await pool.queue.claim(agent, ["default"])
+        assert lease is not None
+        assert lease.job_id == queued
+        code, out, err = await poolctl(pool.env("alice"), "forward", queued, "8888")
+        assert (code, out) == (2, "")
+        assert err == (
+            f"poolctl: job {queued} runs on an agent's machine ({agent}), where forward is not supported "
+            "yet; serve the port from the pool's own workers\n"
+        )
+        code, _, err = await poolctl(pool.env("alice"), "forward", queued, "8888:0")
+        assert code == 2
+        assert "'8888:0' is no [LOCAL:]PORT" in err
