@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from daemon.job import JobSpec
-from daemon.queue import registry
+from daemon.queue import channels, registry
 from daemon.queue.embedded_redis import EmbeddedRedis
 from tests.daemon.ctl.test_exec import log_text, running_job
 from tests.support.paths import ROOT
@@ -78,8 +78,9 @@ async def test_forward_serves_many_connections_only_for_its_owner_and_ends_with_
     """Issue 49, `forward` done-when: `poolctl forward` to an HTTP server inside a running job
     (on the job's loopback, the worker's network) relays 20 concurrent requests, each with the
     right bytes, each recorded in the job's log; bob is refused with a sentence and exit 6 before
-    anything is listened on or connected; the job's end ends `poolctl forward` (exit 0) and closes
-    a connection still open through it."""
+    anything is listened on or connected; a quiet connection is made once, however long it
+    waits; the job's end ends `poolctl forward` (exit 0) and closes a connection still open
+    through it."""
     port = free_port()
     job = running_job(redis_server, tmp_path, s3_env, command=serving(port), ready_line="Serving HTTP")
     async with job as (pool, job_id, _):
@@ -103,7 +104,17 @@ async def test_forward_serves_many_connections_only_for_its_owner_and_ends_with_
             assert text.count(f"[gpupool] forward by alice to port {port}") == 20, text
             assert "bob" not in text
 
-            reader, writer = await asyncio.open_connection("127.0.0.1", local)  # open, idle
+            # A connection open and quiet for longer than the server waits to hear from the
+            # worker (channels.BLOCK), which then tells the worker again: it is still one.
+            reader, writer = await asyncio.open_connection("127.0.0.1", local)
+            lines = f"[gpupool] forward by alice to port {port}"
+
+            async def connected() -> bool:
+                return (await log_text(pool.queue, job_id)).count(lines) == 21
+
+            await wait_until(connected, 10, "the quiet connection to be made")
+            await asyncio.sleep(channels.BLOCK * 1.2)
+            assert (await log_text(pool.queue, job_id)).count(lines) == 21
             await pool.queue.cancel(job_id)
             began = time.monotonic()
             assert await asyncio.wait_for(reader.read(), 10) == b""  # closed with the job
