@@ -96,12 +96,18 @@ class Execs:
             log.warning("channel %s into job %s failed: %s", session, job_id, exc)
 
     async def _serve_in(self, job_id: str, session: str) -> None:
+        # Taken once: its server tells again when it has not heard from the worker yet (channels.py).
         key = keys.channel(job_id, session)
-        record = cast(dict[bytes, bytes], await self.redis.hgetall(key))
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(key)
+            pipe.hsetnx(key, "taken", "1")
+            pipe.expire(key, channels.CHANNEL_IDLE)  # were it gone, the key `taken` made goes too
+            found, first, _ = await pipe.execute()
+        record = cast(dict[bytes, bytes], found)
         if not record:
             return  # expired: its server has gone
-        if not await self.redis.hsetnx(key, "taken", "1"):
-            return  # served already: its server told again before it heard from the first (channels.py)
+        if not first:
+            return  # served already, by this worker's first telling
         run = self._run_of(job_id)
         out = keys.channel_out(job_id, session)
         if run is None:
