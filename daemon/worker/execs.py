@@ -114,14 +114,14 @@ class Execs:
             why = "the job is not running on its worker any more"
             await channels.append(self.redis, out, {b"x": b"", b"r": why.encode()})
             return
+        command: ExecCommand
         if record.get(b"kind") == b"forward":  # a TCP connection, not a command: forwards.py
             from daemon.worker.forwards import Forward  # noqa: PLC0415 - it builds on this module
 
-            port = int(record[b"port"])
-            await Forward(self.redis, job_id, session, run, port=port).serve(record[b"user"].decode())
-            return
-        argv = [str(arg) for arg in msgpack.unpackb(record[b"argv"])]
-        command = ExecCommand(self.redis, job_id, session, run, argv=argv, stdin=record[b"stdin"] == b"1")
+            command = Forward(self.redis, job_id, session, run, port=int(record[b"port"]))
+        else:
+            argv = [str(arg) for arg in msgpack.unpackb(record[b"argv"])]
+            command = ExecCommand(self.redis, job_id, session, run, argv=argv, stdin=record[b"stdin"] == b"1")
         await command.run(self.spawner, record[b"user"].decode())
 
 

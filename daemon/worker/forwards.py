@@ -30,6 +30,7 @@ from daemon.queue import channels
 from daemon.queue.connection import AnyRedis
 from daemon.worker.execs import ExecCommand
 from daemon.worker.runner import JobRun
+from daemon.worker.spawn import Spawner
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,9 @@ class Forward(ExecCommand):
         super().__init__(redis, job_id, session, run, argv=[], stdin=True)
         self.port = port
 
-    async def serve(self, user: str) -> None:
+    async def run(self, spawner: Spawner, user: str) -> None:
+        """Relay the connection until it ends, then its end (`spawner`: none is started)."""
+        del spawner
         code, why = await self._connected(user)
         log.info("forward by %s to port %d in job %s ended: %s", user, self.port, self.job_id, why)
         await channels.append(self.redis, self.out, {b"x": code, b"r": why.encode()})
