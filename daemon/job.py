@@ -62,6 +62,15 @@ QUEUE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 JOB_ID = re.compile(r"([A-Za-z0-9_-]{1,64})\.([0-9a-z]{8,32})")
 
 
+AGENT_ID = re.compile(r"-agent-[0-9a-f]{16}\Z")  # what ends an agent's worker's id, never another's
+
+
+def is_agent_worker(worker_id: str) -> bool:
+    """Whether `worker_id` is an agent's worker (its jobs run on the agent's machine, which the
+    server reaches only through the agent's connection; queue/registry.py names them)."""
+    return AGENT_ID.search(worker_id) is not None
+
+
 def new_job_id(queue: str) -> str:
     """`QUEUE.` + milliseconds in base 36 + 5 random base-36 digits: short, sortable, unique enough
     (an id that exists already is made unique by the enqueue scripts, lua/lib/record.lua free_job_id)."""

@@ -334,7 +334,8 @@ class AgentCall(Record):
 
 class OpenChannel(Record):
     """Open a bidirectional channel into running job ``job_id``: ``kind`` "exec" runs ``argv``
-    in the job's allocation. Its output comes back as ChannelOutput items, the credit for the
+    in the job's allocation; "forward" (``argv`` empty, ``stdin`` True) connects to 127.0.0.1:
+    ``port`` as the job sees it. Its output comes back as ChannelOutput items, the credit for the
     client's input as ChannelCredit items, its end as ChannelClosed; the client sends its input
     on the same request id in CHANNEL frames (ChannelData, ChannelEnd, ChannelAck). ``stdin``
     False: the command's stdin is empty, and ChannelData is refused."""
@@ -344,6 +345,7 @@ class OpenChannel(Record):
     kind: str
     argv: list[str]
     stdin: bool
+    port: int = 0  # a forward's
 
 
 # -- channel input (CHANNEL frames, client → server, on an open channel's request id) ---------------
@@ -453,7 +455,8 @@ class PoolView(Record):
 
 
 class ChannelOutput(Record):
-    """STREAM item of OpenChannel: bytes the far end wrote on ``stream`` ("stdout" or "stderr")."""
+    """STREAM item of OpenChannel: bytes the far end wrote on ``stream`` ("stdout" or "stderr";
+    a forward's connection: "stdout")."""
 
     OP: ClassVar = "channel_output"
     stream: str

@@ -4,7 +4,8 @@ Exit status: 0 success; 1 a job failed or the request failed; 2 bad usage or inp
 unreachable; 4 authentication refused, or a token file others can read; 5 unknown job; 6 another
 user's job (only its owner or a pool admin may act on it); 124 `wait` timed out; 130 Ctrl-C (how
 `top` and `ls --watch` end, unless given -n); `logs -f` and `enqueue -f` exit with the job's own
-exit code, `exec` with its command's; `health` exits 0 only when the server and its Redis answer.
+exit code, `exec` with its command's, `forward` 0 when its job ends; `health` exits 0 only when
+the server and its Redis answer.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def _talk(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueBatch | 
     on_loop = request is not None and (
         args.project_dir is not None or (isinstance(request, Enqueue) and (_moves_data(args) or args.follow))
     )
-    if args.command in ("put", "get", "logs", "exec") or on_loop:
+    if args.command in ("put", "get", "logs", "exec", "forward") or on_loop:
         import asyncio
 
         from storage.base import StorageError
@@ -159,6 +160,10 @@ async def _on_loop(
             from daemon.ctl import job_exec
 
             return await job_exec.run(client, args.job, args.argv)
+        case "forward":
+            from daemon.ctl import job_forward
+
+            return await job_forward.run(client, args.job, args.ports)
     if isinstance(request, EnqueueBatch):  # an array, run in its project
         await _attach_project(client, request.specs, args)
         try:

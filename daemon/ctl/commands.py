@@ -91,6 +91,14 @@ def parser() -> Parser:
     inside.add_argument("job")
     inside.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
 
+    forward = sub.add_parser(
+        "forward",
+        help="forward 127.0.0.1:LOCAL here to PORT inside a running job (its loopback), each "
+        "connection through the server, until the job ends; LOCAL 0: any free port, printed",
+    )
+    forward.add_argument("job")
+    forward.add_argument("ports", metavar="[LOCAL:]PORT")
+
     cancel = sub.add_parser(
         "cancel",
         help="cancel jobs, by id or by --me, --user, --name and --state (your own unless --user "

@@ -71,14 +71,16 @@ Per queue (``gp:{q:NAME}:…``):
   job:ID:attempts  LIST of JSON objects, one per attempt (worker, lease id, start, end, how it ended):
                 the attempts the pool knows ran, which a checkpoint restore trusts (worker/checkpoints.py).
   job:ID:log    Stream of the job's output chunks, bounded in bytes (head and tail kept, log.lua).
-  job:ID:channel:S  HASH: channel S into running job ID (poolctl exec): its kind, argv, stdin,
-                user, worker and when it was opened, written by the server (server/channels.py),
-                which keeps it from expiring while the channel is open: a worker ends a channel
-                whose record has gone. With job:ID:channel:S:in, a Stream of what the server
-                relays to the worker (the client's input, acknowledgements, a kill), and
-                job:ID:channel:S:out, one of what the worker relays back (output, credit, the
-                exit): each entry a map (docs/PROTOCOL.md's channel, in Redis: worker/execs.py),
-                each XADD capped, each key expiring CHANNEL_IDLE after its last write.
+  job:ID:channel:S  HASH: channel S into running job ID (poolctl exec, forward): its kind, argv,
+                stdin, port, user, worker and when it was opened, written by the server
+                (server/channels.py), which keeps it from expiring while the channel is open:
+                a worker ends a channel whose record has gone; `taken` once a worker serves it
+                (only one does: the server may tell it twice). With job:ID:channel:S:in, a
+                Stream of what the server relays to the worker (the client's input,
+                acknowledgements, a kill), and job:ID:channel:S:out, one of what the worker
+                relays back (output, credit, the exit): each entry a map (docs/PROTOCOL.md's
+                channel, in Redis: worker/execs.py), each XADD capped, each key expiring
+                CHANNEL_IDLE after its last write.
   outbox        ZSET 'ID/TARGET' -> when it is due (Redis server time, ms): job ends to notify
                 (TARGET `job`: the job's --notify URL; `pool`: notify_url), put there by the
                 script that ends the job, for the targets its record names ('notify', written

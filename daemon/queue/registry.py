@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import re
 import secrets
 import socket
 from collections import Counter
@@ -44,19 +43,10 @@ def new_worker_id(host: str | None = None) -> str:
     return f"{host or socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-AGENT_ID = re.compile(r"-agent-[0-9a-f]{16}\Z")  # what ends an agent's worker's id, never another's
-
-
 def agent_worker_id(host: str) -> str:
     """`HOST-agent-RANDOM` (16 hex digits): the worker the server runs for an agent (hosted.py);
     unlike `new_worker_id`'s, its end says what it is (`is_agent_worker`)."""
     return f"{host}-agent-{secrets.token_hex(8)}"
-
-
-def is_agent_worker(worker_id: str) -> bool:
-    """Whether `worker_id` is an agent's worker (its jobs run on the agent's machine, which the
-    server reaches only through the agent's connection)."""
-    return AGENT_ID.search(worker_id) is not None
 
 
 def version() -> str:

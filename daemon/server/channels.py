@@ -30,16 +30,15 @@ import msgpack
 
 from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
-from daemon.job import JobInfo, JobState
+from daemon.job import JobInfo, JobState, is_agent_worker
 from daemon.queue import channels, keys
 from daemon.queue.job_queue import JobQueue
-from daemon.queue.registry import is_agent_worker
 from daemon.server.relay_budget import RelayBudget
 from protocol import ChannelClosed, ChannelOutput, ErrorCode, OpenChannel, StreamItem
 
 log = logging.getLogger(__name__)
 
-KINDS = frozenset({"exec"})
+KINDS = frozenset({"exec", "forward"})  # a command run in the job; a TCP connection to its port
 MAX_ARGV_BYTES = 128 * 1024  # a command line longer than this is no command typed at a prompt
 REFRESH_SECONDS = channels.CHANNEL_IDLE / 3  # how often an open channel's keys are kept alive
 ENDED_LOOKS = 2  # reads that found the job ended and no exit from its worker: the channel ends
@@ -80,6 +79,13 @@ def check_request(request: OpenChannel) -> None:
             f"no channel of kind {request.kind!r}; this server opens {', '.join(sorted(KINDS))}",
             ErrorCode.INVALID_ARGUMENT,
         )
+    if request.kind == "forward":
+        if not 0 < request.port < 65536 or request.argv or not request.stdin:
+            raise GpupoolError(
+                f"a forward reaches a TCP port (1 to 65535, not {request.port}) and runs no command",
+                ErrorCode.INVALID_ARGUMENT,
+            )
+        return
     if not request.argv or not request.argv[0]:
         raise GpupoolError("exec needs a command: poolctl exec JOB -- COMMAND", ErrorCode.INVALID_ARGUMENT)
     if sum(len(arg.encode()) for arg in request.argv) > MAX_ARGV_BYTES or any(
@@ -91,17 +97,25 @@ def check_request(request: OpenChannel) -> None:
         )
 
 
-def check_running(info: JobInfo) -> None:
+# What each kind of channel does, for the sentences that refuse one.
+DOES = {"exec": "exec runs a command", "forward": "forward reaches a port"}
+INSTEAD = {
+    "exec": "run the command from the job itself",
+    "forward": "serve the port from the pool's own workers",
+}
+
+
+def check_running(info: JobInfo, kind: str = "exec") -> None:
     """Refuse a channel into a job that is not running on a worker of the pool's own."""
     if info.state is not JobState.RUNNING:
         raise GpupoolError(
-            f"job {info.id} is {info.state}, not running: exec runs a command inside a running job",
+            f"job {info.id} is {info.state}, not running: {DOES[kind]} inside a running job",
             ErrorCode.CONFLICT,
         )
     if is_agent_worker(info.worker):
         raise GpupoolError(
-            f"job {info.id} runs on an agent's machine ({info.worker}), where exec is not supported "
-            "yet; run the command from the job itself",
+            f"job {info.id} runs on an agent's machine ({info.worker}), where {kind} is not supported "
+            f"yet; {INSTEAD[kind]}",
             ErrorCode.INVALID_ARGUMENT,
         )
 
@@ -178,6 +192,7 @@ class Relay:
                     "kind": self.request.kind,
                     "argv": msgpack.packb(argv),
                     "stdin": "1" if self.request.stdin else "0",
+                    "port": str(self.request.port),
                     "user": self.user,
                     "worker": self.info.worker,
                     "created": str(time.time()),
@@ -185,13 +200,15 @@ class Relay:
             )
             pipe.expire(self.record, channels.CHANNEL_IDLE)
             await pipe.execute()
+        what = f"to port {self.request.port}" if self.request.kind == "forward" else shlex.join(argv)
         log.info(
-            "exec by %s in job %s on worker %s (channel %s): %s",
+            "%s by %s in job %s on worker %s (channel %s): %s",
+            self.request.kind,
             self.user,
             self.info.id,
             self.info.worker,
             self.session,
-            shlex.join(argv),
+            what,
         )
         await self._tell_worker()
 

@@ -17,7 +17,7 @@ import math
 import socket
 import struct
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from daemon.errors import GpupoolError
@@ -289,6 +289,8 @@ class Session:
             self._write(self.conn.data_to_send())
             match event:
                 case RequestReceived(request_id=rid, message=message):
+                    if isinstance(message, OpenChannel):  # now: its input may be in these very bytes
+                        self._channels[rid] = self._client_end(rid)
                     self._requests[rid] = asyncio.create_task(
                         self._serve(rid, message), name=f"request-{rid}"
                     )
@@ -379,22 +381,25 @@ class Session:
         self._user = user
         return True
 
-    async def _serve(self, rid: int, message: Request) -> None:
-        user = self.conn.user or ""
+    def _client_end(self, rid: int) -> ClientEnd:
+        return ClientEnd(
+            self._sender(rid),
+            lambda: self.conn.output_room(rid),
+            lambda size: self._write(self.conn.credit(rid, size)),
+        )
 
+    def _sender(self, rid: int) -> Callable[[StreamItem], Awaitable[None]]:
         async def send(item: StreamItem) -> None:
             self._write(self.conn.stream(rid, item))
             await self.writer.drain()
 
-        client = None
-        if isinstance(message, OpenChannel):
-            client = self._channels[rid] = ClientEnd(
-                send,
-                lambda: self.conn.output_room(rid),
-                lambda size: self._write(self.conn.credit(rid, size)),
-            )
+        return send
+
+    async def _serve(self, rid: int, message: Request) -> None:
+        user = self.conn.user or ""
+        send = self._sender(rid)
         try:
-            reply = await self.handlers.handle(message, user, send, client)
+            reply = await self.handlers.handle(message, user, send, self._channels.get(rid))
             self._write(self.conn.reply(rid, reply))
         except GpupoolError as exc:
             self._write(self.conn.error(rid, ErrorCode(exc.code), exc.message))

@@ -96,17 +96,32 @@ class Execs:
             log.warning("channel %s into job %s failed: %s", session, job_id, exc)
 
     async def _serve_in(self, job_id: str, session: str) -> None:
-        record = cast(dict[bytes, bytes], await self.redis.hgetall(keys.channel(job_id, session)))
+        # Taken once: its server tells again when it has not heard from the worker yet (channels.py).
+        key = keys.channel(job_id, session)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(key)
+            pipe.hsetnx(key, "taken", "1")
+            pipe.expire(key, channels.CHANNEL_IDLE)  # were it gone, the key `taken` made goes too
+            found, first, _ = await pipe.execute()
+        record = cast(dict[bytes, bytes], found)
         if not record:
             return  # expired: its server has gone
+        if not first:
+            return  # served already, by this worker's first telling
         run = self._run_of(job_id)
         out = keys.channel_out(job_id, session)
         if run is None:
             why = "the job is not running on its worker any more"
             await channels.append(self.redis, out, {b"x": b"", b"r": why.encode()})
             return
-        argv = [str(arg) for arg in msgpack.unpackb(record[b"argv"])]
-        command = ExecCommand(self.redis, job_id, session, run, argv=argv, stdin=record[b"stdin"] == b"1")
+        command: ExecCommand
+        if record.get(b"kind") == b"forward":  # a TCP connection, not a command: forwards.py
+            from daemon.worker.forwards import Forward  # noqa: PLC0415 - it builds on this module
+
+            command = Forward(self.redis, job_id, session, run, port=int(record[b"port"]))
+        else:
+            argv = [str(arg) for arg in msgpack.unpackb(record[b"argv"])]
+            command = ExecCommand(self.redis, job_id, session, run, argv=argv, stdin=record[b"stdin"] == b"1")
         await command.run(self.spawner, record[b"user"].decode())
 
 
@@ -210,18 +225,22 @@ class ExecCommand:
             lambda: asyncio.StreamReaderProtocol(reader, loop=loop), os.fdopen(fd, "rb", buffering=0)
         )
         try:
-            while True:
-                while self._unread_bytes >= channels.OUT_WINDOW or len(self._unread) >= channels.OUT_ENTRIES:
-                    self._taken.clear()
-                    await self._taken.wait()
-                data = await reader.read(min(channels.READ_CHUNK, channels.OUT_WINDOW - self._unread_bytes))
-                if not data:
-                    return
-                self._unread.append(len(data))
-                self._unread_bytes += len(data)
-                await channels.append(self.redis, self.out, {tag: data})
+            await self._relay(reader, tag)
         finally:
             transport.close()
+
+    async def _relay(self, reader: asyncio.StreamReader, tag: bytes) -> None:
+        """Relay what `reader` reads, until its end, as entries `tag=BYTES` within the window."""
+        while True:
+            while self._unread_bytes >= channels.OUT_WINDOW or len(self._unread) >= channels.OUT_ENTRIES:
+                self._taken.clear()
+                await self._taken.wait()
+            data = await reader.read(min(channels.READ_CHUNK, channels.OUT_WINDOW - self._unread_bytes))
+            if not data:
+                return
+            self._unread.append(len(data))
+            self._unread_bytes += len(data)
+            await channels.append(self.redis, self.out, {tag: data})
 
     async def _inbound(self) -> str:
         """Read what the server relays until it asks for a kill; returns why. Also returns when

@@ -34,16 +34,18 @@ LOOK = 'echo "$CUDA_VISIBLE_DEVICES $GPUPOOL_JOB_ID"; id -u; pwd'
 
 
 @contextlib.contextmanager
-def gpu_worker(redis_server: EmbeddedRedis, log_to: Path, s3_env: dict[str, str]) -> Iterator[None]:
-    """A `poold --worker` with two made-up GPUs; as root, its jobs run as uids it leases. Its data
-    is in /tmp, passable by those uids (pytest's own directories are root's, 0700)."""
+def gpu_worker(
+    redis_server: EmbeddedRedis, log_to: Path, s3_env: dict[str, str], *options: str
+) -> Iterator[None]:
+    """A `poold --worker` with two made-up GPUs (and `options`); as root, its jobs run as uids it
+    leases. Its data is in /tmp, passable by those uids (pytest's own directories are root's, 0700)."""
     data_dir = Path(tempfile.mkdtemp(prefix="gpupool-exec-"))
     data_dir.chmod(0o711)
     argv = [
         sys.executable, "-m", "daemon.main", "--worker", "--worker-mode", "multinode",
         "--redis-port", str(redis_server.port), "--metrics-listen", "127.0.0.1:0",
         "--data-dir", str(data_dir), "--heartbeat-interval", "0.5", "--kill-grace", "1",
-        "--drain-timeout", "0", "--worker-remote-processors", "2",
+        "--drain-timeout", "0", "--worker-remote-processors", "2", *options,
     ]  # fmt: skip
     path = os.pathsep.join([str(NVML_SEAM), str(ROOT)])
     env = dict(
@@ -71,24 +73,31 @@ def gpu_worker(redis_server: EmbeddedRedis, log_to: Path, s3_env: dict[str, str]
 
 @asynccontextmanager
 async def running_job(
-    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
+    redis_server: EmbeddedRedis,
+    tmp_path: Path,
+    s3_env: dict[str, str],
+    *,
+    command: str = JOB,
+    ready_line: str = "ready",
+    worker_options: tuple[str, ...] = (),
 ) -> AsyncIterator[tuple[Pool, str, list[str]]]:
-    """A pool, its GPU worker, and alice's job of one GPU running there; with what the job said
-    of itself (its CUDA_VISIBLE_DEVICES and id, uid, directory)."""
+    """A pool, its GPU worker, and alice's job of one GPU running there (`sh -c COMMAND`, ready
+    once its log has a line starting `ready_line`); with the job's first three lines (JOB's: its
+    CUDA_VISIBLE_DEVICES and id, uid, directory)."""
     async with running_pool(redis_server, tmp_path) as pool:
-        with gpu_worker(redis_server, tmp_path / "worker.log", s3_env):
+        with gpu_worker(redis_server, tmp_path / "worker.log", s3_env, *worker_options):
             queue = pool.queue
 
             async def registered() -> bool:
                 return len(await registry.list_workers(queue.redis)) == 1
 
             await wait_until(registered, 30, "the worker to register")
-            job_id, _ = await queue.enqueue(JobSpec(argv=("sh", "-c", JOB), gpus=1, user="alice"))
+            job_id, _ = await queue.enqueue(JobSpec(argv=("sh", "-c", command), gpus=1, user="alice"))
             said: list[str] = []
 
             async def ready() -> bool:
                 said[:] = b"".join(d for _, d in await queue.read_log(job_id)).decode().splitlines()
-                return "ready" in said
+                return any(line.startswith(ready_line) for line in said)
 
             await wait_until(ready, 30, "the job to start")
             yield pool, job_id, said[:3]

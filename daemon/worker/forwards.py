@@ -1,0 +1,156 @@
+"""TCP connections to a port inside a running job (`poolctl forward`): the worker's end of a
+channel of kind "forward".
+
+Each channel is one connection, to 127.0.0.1:PORT as the job sees it: the worker's own loopback
+when the job shares the worker's network namespace, the job's when it has one of its own
+(`job_network = "private"`). There the socket is made by a thread of its own that joins the
+job's namespace (setns(2) on /proc/PID/ns/net of the job's first process), connects, and ends:
+a socket keeps the namespace it was made in, and the thread, in a namespace not the worker's,
+serves nothing else (never a pool's thread, which would go on to run the worker's own work there).
+
+Bytes go both ways through the channel's Streams, held to its windows as an exec's output and
+input are (execs.py, whose relaying this reuses): what the job's end of the connection sends
+comes back as output; the client's input is written to it, and the client's end of input
+half-closes it (shutdown SHUT_WR). It ends when the job's end closes it (after all it sent is
+relayed), when the client cancels or goes away, or when the job ends. Every connection is written
+in the job's log as a line of the pool's own, and in the worker's log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import socket
+import threading
+
+from daemon.queue import channels
+from daemon.queue.connection import AnyRedis
+from daemon.worker.execs import ExecCommand
+from daemon.worker.runner import JobRun
+from daemon.worker.spawn import Spawner
+
+log = logging.getLogger(__name__)
+
+CLONE_NEWNET = 0x40000000  # <sched.h>: setns(2)'s nstype for a network namespace
+CONNECT_SECONDS = 10.0  # a connection to a loopback port is answered at once, unless its backlog is full
+
+
+class Forward(ExecCommand):
+    """One connection to port `port` inside a job, relayed until either end closes it."""
+
+    def __init__(self, redis: AnyRedis, job_id: str, session: str, run: JobRun, *, port: int) -> None:
+        super().__init__(redis, job_id, session, run, argv=[], stdin=True)
+        self.port = port
+
+    async def run(self, spawner: Spawner, user: str) -> None:
+        """Relay the connection until it ends, then its end (`spawner`: none is started)."""
+        del spawner
+        code, why = await self._connected(user)
+        log.info("forward by %s to port %d in job %s ended: %s", user, self.port, self.job_id, why)
+        await channels.append(self.redis, self.out, {b"x": code, b"r": why.encode()})
+
+    async def _connected(self, user: str) -> tuple[bytes, str]:
+        """The connection relayed until it ends: its exit code (b"0" closed, b"" never open) and why."""
+        job = self.run_.first_process
+        assert job is not None
+        try:
+            sock = await connect_in_job(job.pid, self.port)
+        except OSError as exc:
+            why = f"cannot connect to port {self.port} inside the job: {exc.strerror or exc}"
+            log.info("forward by %s in job %s: %s", user, self.job_id, why)
+            return b"", why
+        self.run_.output.note(f"forward by {user} to port {self.port}")
+        log.info("forward by %s to port %d in job %s", user, self.port, self.job_id)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=channels.READ_CHUNK)
+        pump = asyncio.ensure_future(self._relay(reader, b"o"))
+        inbound = asyncio.ensure_future(self._inbound())
+        feed = asyncio.ensure_future(self._write(writer))
+        job_ended = asyncio.ensure_future(job.wait())
+        helpers = (pump, inbound, feed, job_ended)
+        try:
+            await asyncio.wait({pump, inbound, job_ended}, return_when=asyncio.FIRST_COMPLETED)
+            if pump.done():
+                failed = pump.exception()
+                return b"0", f"closed inside the job ({failed})" if failed else "closed inside the job"
+            return b"0", "the job ended" if job_ended.done() else inbound.result()
+        finally:
+            for task in helpers:
+                task.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+            writer.close()
+
+    async def _write(self, writer: asyncio.StreamWriter) -> None:
+        """Write the client's input to the connection, crediting each piece once written (or
+        dropped: a connection the job's end has shut takes no more, and its client must not
+        wait); the input's end half-closes it."""
+        while (data := await self._input.get()) is not None:
+            with contextlib.suppress(ConnectionError):
+                writer.write(data)
+                await writer.drain()
+            await channels.append(self.redis, self.out, {b"c": str(len(data)).encode()})
+        with contextlib.suppress(OSError):
+            writer.write_eof()
+
+
+async def connect_in_job(pid: int, port: int) -> socket.socket:
+    """A connected, non-blocking socket to 127.0.0.1:`port` in the network namespace of process
+    `pid` (a job's first process, the worker's child: its pid is not reused while it is unreaped)."""
+    loop = asyncio.get_running_loop()
+    theirs = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if os.fstat(theirs).st_ino == os.stat("/proc/self/ns/net").st_ino:  # the worker's own
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, ("127.0.0.1", port)), CONNECT_SECONDS)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+        made: asyncio.Future[socket.socket] = loop.create_future()
+        thread = threading.Thread(target=_connect_in, args=(theirs, port, loop, made), daemon=True)
+        thread.start()
+        theirs = -1  # the thread's to close
+        return await made
+    finally:
+        if theirs >= 0:
+            os.close(theirs)
+
+
+def _connect_in(
+    netns: int, port: int, loop: asyncio.AbstractEventLoop, made: asyncio.Future[socket.socket]
+) -> None:
+    """A thread's whole life: join namespace `netns` (closed here), connect to `port` there, and
+    hand the socket (or the OSError) to `made` on `loop`. The thread ends in that namespace."""
+    result: socket.socket | OSError
+    try:
+        try:
+            if _setns(netns, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"cannot enter the job's network namespace: {os.strerror(err)}")
+        finally:
+            os.close(netns)
+        result = socket.create_connection(("127.0.0.1", port), timeout=CONNECT_SECONDS)
+        result.setblocking(False)
+    except OSError as exc:
+        result = exc
+    with contextlib.suppress(RuntimeError):  # the loop has closed: the worker is gone
+        loop.call_soon_threadsafe(_hand_over, made, result)
+
+
+def _hand_over(made: asyncio.Future[socket.socket], result: socket.socket | OSError) -> None:
+    if made.done():  # its waiter was cancelled: nobody takes the socket
+        if isinstance(result, socket.socket):
+            result.close()
+    elif isinstance(result, OSError):
+        made.set_exception(result)
+    else:
+        made.set_result(result)
+
+
+_setns = ctypes.CDLL(None, use_errno=True).setns
+_setns.argtypes = (ctypes.c_int, ctypes.c_int)
+_setns.restype = ctypes.c_int
