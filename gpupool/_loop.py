@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,6 +29,8 @@ class _Running:
 
 _lock = threading.Lock()
 _running: list[_Running] = []  # this process's, once started: at most one
+SETTLERS = 4  # threads that set futures' outcomes (and run their callbacks), started as needed
+_settlers: list[tuple[concurrent.futures.ThreadPoolExecutor, int]] = []  # with the pid they belong to
 
 
 def loop() -> asyncio.AbstractEventLoop:
@@ -45,6 +47,21 @@ def loop() -> asyncio.AbstractEventLoop:
 def on_loop() -> bool:
     """Whether the caller runs on the loop's own thread (where a blocking wait would never end)."""
     return bool(_running) and threading.current_thread() is _running[0].thread
+
+
+def settle(fn: Callable[[], None]) -> None:
+    """Run `fn` (a future's outcome being set) on one of the process's settling threads, never on
+    the loop: the futures' done-callbacks run there, and may block (submit the next job, wait for
+    one) as they could not on the loop."""
+    with _lock:
+        if not _settlers or _settlers[0][1] != os.getpid():
+            _settlers[:] = [
+                (
+                    concurrent.futures.ThreadPoolExecutor(SETTLERS, thread_name_prefix="gpupool-settle"),
+                    os.getpid(),
+                )
+            ]
+        _settlers[0][0].submit(fn)
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:

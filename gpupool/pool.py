@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from daemon.aio import cancel_and_wait
 from daemon.client.pool_client import ClientError, PoolClient
 from daemon.ctl import project_send
 from daemon.ctl.arrays import MAX_JOBS, array_specs
@@ -25,7 +28,7 @@ from gpupool import _loop, shipping
 from gpupool.errors import BadArgument, Error, JobFailed
 from gpupool.job import Job
 from gpupool.options import Options
-from gpupool.watch import Watch
+from gpupool.watch import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, REFUSALS, watch_for
 from protocol import (
     Enqueue,
     EnqueueBatch,
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
     from gpupool.executor import PoolExecutor
 
 R = TypeVar("R", bound=Reply)
+log = logging.getLogger(__name__)
 
 
 def connect(pool: str | None = None, *, server: str | None = None, **defaults: Any) -> Pool:
@@ -79,10 +83,10 @@ class Pool:
         self.defaults = defaults
         self._client: PoolClient | None = None
         self._connecting: asyncio.Lock | None = None
-        self._jobs: dict[str, Job] = {}  # those waited for, by id: the watch sets their outcomes
-        self._watch = Watch(self.client, self._ended, self._failed)
-        self._finishing: set[asyncio.Task[None]] = set()  # outcomes being fetched
+        self._jobs: dict[str, Job] = {}  # those waited for, by id: the watch tells of their ends
+        self._finishing: dict[asyncio.Task[None], Job] = {}  # outcomes being fetched
         self._closed = False
+        self._pid = os.getpid()  # the process it belongs to: a forked child shares its socket
 
     def __repr__(self) -> str:
         return f"<gpupool.Pool {self.link.name or self.link.server} as {self.link.user}>"
@@ -95,10 +99,20 @@ class Pool:
 
     # -- the connection (on the API's loop) ----------------------------------------------------
 
+    def _mine(self) -> None:
+        """Refuse use from a process this Pool does not belong to (a forked child): its
+        connection is the parent's, and a request from here would mix with the parent's."""
+        if os.getpid() != self._pid:
+            raise Error(
+                f"this Pool belongs to process {self._pid}: gpupool.connect() in the child (process "
+                f"{os.getpid()}) for a pool of its own"
+            )
+
     async def client(self) -> PoolClient:
         """The open connection, opened (again) when there is none."""
         if self._closed:
             raise Error("this pool was closed: gpupool.connect() again")
+        self._mine()
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         async with self._connecting:
@@ -112,6 +126,8 @@ class Pool:
 
     def call(self, request: Request, reply_type: type[R]) -> R:
         """One request and its reply (blocking)."""
+
+        self._mine()
 
         async def call() -> R:
             return await (await self.client()).call(request, reply_type)
@@ -143,6 +159,7 @@ class Pool:
         self, options: Options, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
     ) -> Job:
         """`submit` with all of a job's options given (the executor's way in)."""
+        self._mine()
         data = shipping.archive(fn, [(tuple(args), dict(kwargs))])  # pickled here: the caller's objects
         ids = self._enqueue(options, data, 1, _name_of(fn))
         return self._track(ids)[0]
@@ -156,6 +173,7 @@ class Pool:
     def map_with(self, options: Options, fn: Callable[..., Any], calls: Sequence[shipping.Call]) -> list[Job]:
         """`fn(*args, **kwargs)` for each (args, kwargs) of `calls`, as one array, with all of a
         job's options given (the executor's way in)."""
+        self._mine()
         if not calls:
             return []
         if len(calls) > MAX_JOBS:
@@ -198,39 +216,54 @@ class Pool:
 
     def close(self) -> None:
         """Close the connection. Jobs not yet ended run on; their Jobs here fail (`pool.job(id)`
-        from a new connection waits for them again)."""
+        from a new connection waits for them again). In a forked child it only marks the Pool
+        closed: the connection is the parent's."""
         if self._closed:
             return
-
-        async def close() -> None:
-            await self._watch.close()
-            if self._client is not None:
-                await self._client.close()
-            for job_id in list(self._jobs):
-                self._failed(job_id, Error(f"the pool was closed before job {job_id} ended; it runs on"))
-
-        if not _loop.on_loop():
-            _loop.run(close())
         self._closed = True
+        if os.getpid() != self._pid:
+            return
+        if _loop.on_loop():  # from a done-callback's coroutine, say: closed when the loop gets to it
+            _loop.loop().create_task(self._close())
+        else:
+            _loop.run(self._close())
+
+    async def _close(self) -> None:
+        watch = watch_for(self.link)
+        for job_id in list(self._jobs):
+            watch.drop(job_id, self)
+        for task in list(self._finishing):
+            await cancel_and_wait(task)
+        if self._client is not None:
+            await self._client.close()
+        for job_id, job in [*self._jobs.items(), *((j.id, j) for j in self._finishing.values())]:
+            _settle(job, error=Error(f"the pool was closed before job {job_id} ended; it runs on"))
+        self._jobs.clear()
+        self._finishing.clear()
 
     # -- what the watch and the jobs call back (on the API's loop) ----------------------------
 
     def forget(self, job_id: str) -> None:
         """Wait no more for `job_id` (cancelled)."""
         self._jobs.pop(job_id, None)
-        _loop.loop().call_soon_threadsafe(self._watch.drop, job_id)
+        _loop.loop().call_soon_threadsafe(watch_for(self.link).drop, job_id, self)
 
     def _track(self, job_ids: list[str]) -> list[Job]:
         jobs = [self._jobs.setdefault(job_id, Job(self, job_id)) for job_id in job_ids]
-        _loop.loop().call_soon_threadsafe(self._watch.add, job_ids)
+
+        def add() -> None:
+            if not self._closed:
+                watch_for(self.link).add(job_ids, self)
+
+        _loop.loop().call_soon_threadsafe(add)
         return jobs
 
     def _ended(self, record: dict[str, Any]) -> None:
         job = self._jobs.pop(record["id"], None)
         if job is not None and not job.done():
             task = asyncio.create_task(self._finish(job, record), name=f"gpupool-finish-{job.id}")
-            self._finishing.add(task)
-            task.add_done_callback(self._finishing.discard)
+            self._finishing[task] = job
+            task.add_done_callback(self._finishing.pop)
 
     def _failed(self, job_id: str, error: BaseException) -> None:
         job = self._jobs.pop(job_id, None)
@@ -238,18 +271,39 @@ class Pool:
             _settle(job, error=error)
 
     async def _finish(self, job: Job, record: dict[str, Any]) -> None:
-        try:
-            value = await self._outcome(record)
-        except BaseException as exc:  # noqa: BLE001 - the job's outcome, for whoever waits on it
-            _settle(job, error=exc)
-        else:
-            _settle(job, value=value)
+        """Fetch the ended job's outcome, through connections that fail and come back (its bytes
+        only: `Job.result` unpickles them), and set it."""
+        backoff = FIRST_BACKOFF_SECONDS
+        while True:
+            try:
+                value = await self._outcome(record)
+            except ClientError as exc:
+                if exc.code in REFUSALS or self._closed:
+                    _settle(job, error=exc)
+                    return
+                log.warning("fetching the result of job %s failed (%s); trying again", job.id, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+            except Exception as exc:  # noqa: BLE001 - the job's outcome, for whoever waits on it
+                _settle(job, error=exc)
+                return
+            else:
+                _settle(job, value=value)
+                return
 
     async def _outcome(self, record: dict[str, Any]) -> Any:
         item = shipping.result_artifact(record)
         if item is not None:
+            owner = record["spec"]["user"]
+            if owner != self.link.user:  # an admin's view of another's job: her pickle would run here
+                raise Error(
+                    f"job {record['id']} belongs to {owner}: its result is a pickle that {owner}'s job "
+                    f"wrote, and loading it would run that job's code here as {self.link.user}; "
+                    "job.artifacts(dest) downloads it as a file",
+                    ErrorCode.PERMISSION_DENIED,
+                )
             data = await shipping.fetch(await self.client(), record, item)
-            return shipping.outcome(data)
+            return shipping.Fetched(record["id"], record["state"], record.get("detail") or "", data)
         if record["state"] == "succeeded" and not shipping.is_function_job(record):
             return record.get("exit_code", 0)
         result = record.get("result") or {}
@@ -295,11 +349,16 @@ def _name_of(fn: Callable[..., Any]) -> str:
 
 
 def _settle(job: Job, *, value: Any = None, error: BaseException | None = None) -> None:
-    """Set `job`'s outcome, unless it has one (it was cancelled meanwhile)."""
-    try:
-        if error is not None:
-            job.set_exception(error)
-        else:
-            job.set_result(value)
-    except concurrent.futures.InvalidStateError:
-        pass
+    """Set `job`'s outcome, unless it has one (it was cancelled meanwhile), on a settling thread:
+    its done-callbacks run there, not on the API's loop (gpupool/_loop.py `settle`)."""
+
+    def settle() -> None:
+        try:
+            if error is not None:
+                job.set_exception(error)
+            else:
+                job.set_result(value)
+        except concurrent.futures.InvalidStateError:
+            pass
+
+    _loop.settle(settle)
