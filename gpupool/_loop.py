@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Coroutine
@@ -29,6 +30,7 @@ class _Running:
 
 _lock = threading.Lock()
 _running: list[_Running] = []  # this process's, once started: at most one
+STOP_SECONDS = 5.0  # at exit, the most the loop's thread is waited for
 SETTLERS = 4  # threads that set futures' outcomes (and run their callbacks), started as needed
 _settlers: list[tuple[concurrent.futures.ThreadPoolExecutor, int]] = []  # with the pid they belong to
 
@@ -61,7 +63,32 @@ def settle(fn: Callable[[], None]) -> None:
                     os.getpid(),
                 )
             ]
-        _settlers[0][0].submit(fn)
+        settlers = _settlers[0][0]
+    try:
+        settlers.submit(fn)
+    except RuntimeError:  # the interpreter is exiting (its threads' pools shut down): here, then
+        fn()
+
+
+def stop() -> None:
+    """Stop this process's loop and wait for its thread (at exit, every Pool closed)."""
+    with _lock:
+        if not _running or _running[0].pid != os.getpid():
+            return
+        running = _running.pop()
+
+    async def end_tasks() -> None:  # each its `finally` (a watch closes its connection)
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    with contextlib.suppress(Exception):
+        asyncio.run_coroutine_threadsafe(end_tasks(), running.loop).result(STOP_SECONDS)
+    running.loop.call_soon_threadsafe(running.loop.stop)
+    running.thread.join(STOP_SECONDS)
+    if not running.thread.is_alive():
+        running.loop.close()
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:

@@ -11,9 +11,12 @@ project this process runs in, with its environment (`Options.project`), as `pool
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -24,10 +27,11 @@ from daemon.ctl.arrays import MAX_JOBS, array_specs
 from daemon.ctl.link import Link, reach
 from daemon.ctl.parsing import UsageError
 from daemon.errors import GpupoolError, NotYours
+from daemon.job import ARRAY_ID, JOB_ID
 from gpupool import _loop, shipping
 from gpupool.errors import BadArgument, Error, JobFailed
 from gpupool.job import Job
-from gpupool.options import Options
+from gpupool.options import Options, names
 from gpupool.watch import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, REFUSALS, watch_for
 from protocol import (
     Enqueue,
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
     from gpupool.executor import PoolExecutor
 
 R = TypeVar("R", bound=Reply)
+UNSET: Any = object()  # an option submit was not given: the pool's default (None clears one)
 log = logging.getLogger(__name__)
 
 
@@ -60,15 +65,35 @@ def connect(pool: str | None = None, *, server: str | None = None, **defaults: A
     chosen = Pool(to, Options(**_known(defaults)))
     try:
         _loop.run(chosen.client())
+    except GpupoolError as exc:
+        chosen.close()
+        exc.message = in_api_words(exc.message)
+        exc.args = (exc.message, *exc.args[1:])
+        raise
     except BaseException:
         chosen.close()
         raise
     return chosen
 
 
-def _known(options: dict[str, Any]) -> dict[str, Any]:
-    from gpupool.options import names
+POOLCTL_WORDS = (  # what a sentence written for poolctl says, and what it means here
+    (
+        "point poolctl at yours with --server HOST:PORT",
+        "point gpupool.connect at yours with server='HOST:PORT'",
+    ),
+    ("--wait-for-worker", "wait_for_worker=True"),
+    ("--workdir none", "project=False"),
+)
 
+
+def in_api_words(sentence: str) -> str:
+    """A sentence of the pool's (written for poolctl's flags) in the API's keywords."""
+    for flag, keyword in POOLCTL_WORDS:
+        sentence = sentence.replace(flag, keyword)
+    return sentence
+
+
+def _known(options: dict[str, Any]) -> dict[str, Any]:
     if unknown := sorted(set(options) - set(names())):
         raise BadArgument(f"no job option {unknown[0]!r}; the options: {', '.join(names())}")
     return options
@@ -87,6 +112,7 @@ class Pool:
         self._finishing: dict[asyncio.Task[None], Job] = {}  # outcomes being fetched
         self._closed = False
         self._pid = os.getpid()  # the process it belongs to: a forked child shares its socket
+        _open.add(self)
 
     def __repr__(self) -> str:
         return f"<gpupool.Pool {self.link.name or self.link.server} as {self.link.user}>"
@@ -141,18 +167,26 @@ class Pool:
         fn: Callable[..., Any],
         /,
         *args: Any,
-        gpus: int | None = None,
-        gpu_mem: int | str | None = None,
-        queue: str | None = None,
-        timeout: float | None = None,
-        name: str | None = None,
+        gpus: int = UNSET,
+        gpu_mem: int | str | None = UNSET,
+        queue: str | None = UNSET,
+        timeout: float | None = UNSET,
+        name: str | None = UNSET,
         **kwargs: Any,
     ) -> Job:
-        """Run `fn(*args, **kwargs)` in a job; its Job. The keyword options (None: the pool's
-        defaults) are the job's; a keyword argument of `fn` named like one goes through
-        functools.partial. Other options: `pool.executor(**options)`."""
+        """Run `fn(*args, **kwargs)` in a job; its Job. The keyword options are the job's (left
+        out: the pool's defaults; None clears one, as gpu_mem=None with gpus=1 on a pool connected
+        with gpu_mem="20G"). A keyword of `fn` named like a job option is refused, not sent to
+        `fn` nor taken as the job's: `pool.executor(**options).submit` for the other job options,
+        functools.partial for the function's own."""
+        if taken := sorted(set(kwargs) & set(names())):
+            raise BadArgument(
+                f"{taken[0]}= is a job option that submit does not take: "
+                f"pool.executor({taken[0]}=...).submit(fn, ...) gives it to the job, and "
+                f"submit(functools.partial(fn, {taken[0]}=...), ...) to the function"
+            )
         chosen = {"gpus": gpus, "gpu_mem": gpu_mem, "queue": queue, "timeout": timeout, "name": name}
-        options = self.defaults.replace(**{k: v for k, v in chosen.items() if v is not None})
+        options = self.defaults.replace(**{k: v for k, v in chosen.items() if v is not UNSET})
         return self.submit_with(options, fn, args, kwargs)
 
     def submit_with(
@@ -194,6 +228,8 @@ class Pool:
     def job(self, job_id: str) -> Job:
         """The job `job_id` (its own, or one submitted from another process): a Job whose result
         comes as it would have to the process that submitted it."""
+        if not isinstance(job_id, str) or not (JOB_ID.fullmatch(job_id) or ARRAY_ID.fullmatch(job_id)):
+            raise BadArgument(f"pool.job({job_id!r}): a job's id, QUEUE.ID, e.g. 'default.mx6abc123'")
         if (known := self._jobs.get(job_id)) is not None:
             return known
         try:
@@ -221,6 +257,7 @@ class Pool:
         if self._closed:
             return
         self._closed = True
+        _open.discard(self)
         if os.getpid() != self._pid:
             return
         if _loop.on_loop():  # from a done-callback's coroutine, say: closed when the loop gets to it
@@ -323,7 +360,7 @@ class Pool:
             raise
         except GpupoolError as exc:  # a refusal of what was asked (a queue no worker serves...)
             if exc.code == ErrorCode.INVALID_ARGUMENT:
-                raise BadArgument(exc.message) from None
+                raise BadArgument(in_api_words(exc.message)) from None
             raise
 
     async def _send(
@@ -341,6 +378,20 @@ class Pool:
             return [(await client.call(Enqueue(spec, None), Enqueued)).job_id]
         _, specs = array_specs(spec, list(range(count)), [], 0)
         return (await client.call(EnqueueBatch(specs), EnqueuedBatch)).job_ids
+
+
+_open: weakref.WeakSet[Pool] = weakref.WeakSet()  # this process's Pools not closed
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the Pools left open, then stop the loop: their connections and watch end cleanly
+    instead of asyncio's complaints about tasks destroyed while pending."""
+    for pool in list(_open):
+        if pool._pid == os.getpid():
+            with contextlib.suppress(Exception):
+                pool.close()
+    _loop.stop()
 
 
 def _name_of(fn: Callable[..., Any]) -> str:

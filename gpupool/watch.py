@@ -82,6 +82,7 @@ class Watch:
             waiters.discard(waiter)
             if not waiters:
                 del self._ids[job_id]
+                self._changed.set()  # the request is made again without it (or ends: none left)
 
     async def _run(self) -> None:
         backoff = FIRST_BACKOFF_SECONDS

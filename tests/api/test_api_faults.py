@@ -12,6 +12,7 @@ import os
 import pathlib
 import pickle
 import queue
+import subprocess
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ import gpupool
 import gpupool.watch
 from daemon.server import handlers
 from tests.api.conftest import ApiPool
+from tests.support.paths import ROOT
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the jobs cannot import tests/
 
@@ -252,3 +254,58 @@ def test_a_timeout_is_not_reported_as_the_calls_keyboardinterrupt(pool: gpupool.
         job.result(WAIT)
     assert isinstance(caught.value.__cause__, gpupool.RemoteTraceback)
     assert "KeyboardInterrupt" in caught.value.__cause__.tb
+
+
+@pytest.mark.parametrize(
+    ("call", "said"),
+    [
+        (lambda pool: pool.submit(add, 1, 2, retries=2), r"^retries= is a job option that submit does not"),
+        (lambda pool: pool.job("x y"), r"^pool.job\('x y'\): a job's id, QUEUE.ID"),
+        (lambda pool: pool.job(""), r"^pool.job\(''\): a job's id"),
+        (
+            lambda pool: gpupool.connect(server="127.0.0.1:1"),
+            r"point gpupool.connect at yours with server='HOST:PORT'",
+        ),
+    ],
+)
+def test_a_mistake_is_said_in_the_apis_words(pool: gpupool.Pool, call: Any, said: str) -> None:
+    """issue 48, review findings 10 and 13: a job option submit does not take is refused (it went
+    to the function, which failed in the job), an id that cannot be one is a BadArgument, and a
+    pool that does not answer is told in the API's keywords, not poolctl's flags."""
+    with pytest.raises(gpupool.Error, match=said) as caught:
+        call(pool)
+    assert "--" not in str(caught.value)
+
+
+def test_none_clears_a_pools_default(as_alice: ApiPool) -> None:
+    """issue 48, review finding 10: an option given as None to submit clears the pool's default
+    (it was taken as "not given", so connect(gpu_mem="20G") then submit(fn, gpus=1) could not
+    be asked for)."""
+    with gpupool.connect(project=False, name="fixed") as pool:
+        assert pool.submit(add, 1, 2).record()["spec"]["name"] == "fixed"
+        job = pool.submit(add, 1, 2, name=None)
+        assert job.record()["spec"]["name"] == "add"
+        assert job.result(WAIT) == 3
+
+
+LEFT_OPEN = """
+import gpupool
+pool = gpupool.connect(project=False)
+job = pool.submit(__import__("time").sleep, 60)
+print(job.id, flush=True)
+"""
+
+
+def test_a_pool_left_open_is_closed_at_exit(pool: gpupool.Pool, api_pool: ApiPool) -> None:
+    """issue 48, review finding 9: a script that ends with its Pool open and a job waited for
+    exits at once and quietly (asyncio printed "Task was destroyed but it is pending!"); the
+    job runs on."""
+    proc = subprocess.run(
+        [sys.executable, "-c", LEFT_OPEN], env=api_pool.env("alice"), cwd=ROOT,
+        capture_output=True, text=True, timeout=WAIT, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    job = pool.job(proc.stdout.strip())
+    assert job.state in ("queued", "running")
+    assert job.cancel()
