@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from gpupool.executor import PoolExecutor
 
 R = TypeVar("R", bound=Reply)
+AGAIN = "pool.job(id) from a new connection waits for it again"
 UNSET: Any = object()  # an option submit was not given: the pool's default (None clears one)
 log = logging.getLogger(__name__)
 
@@ -269,14 +270,16 @@ class Pool:
         watch = watch_for(self.link)
         for job_id in list(self._jobs):
             watch.drop(job_id, self)
+        finishing = list(self._finishing.values())  # each task's end takes it out of the dict
         for task in list(self._finishing):
             await cancel_and_wait(task)
         if self._client is not None:
             await self._client.close()
-        for job_id, job in [*self._jobs.items(), *((j.id, j) for j in self._finishing.values())]:
-            _settle(job, error=Error(f"the pool was closed before job {job_id} ended; it runs on"))
+        for job_id, job in self._jobs.items():
+            _settle(job, error=Error(f"the pool was closed before job {job_id} ended; it runs on: {AGAIN}"))
+        for job in finishing:
+            _settle(job, error=Error(f"the pool was closed while the result of job {job.id} came: {AGAIN}"))
         self._jobs.clear()
-        self._finishing.clear()
 
     # -- what the watch and the jobs call back (on the API's loop) ----------------------------
 

@@ -118,6 +118,8 @@ class Watch:
                     waiter._failed(job_id, fault)
         finally:
             await self._close_client()
+        if self._ids:  # added while the connection closed: `add` saw this task not yet done
+            self._task = asyncio.create_task(self._run(), name="gpupool-watch")
 
     async def _wait_or_change(self, job_ids: list[str], limit: float | None) -> bool:
         """Wait for `job_ids` until the set waited for changes; True when the request ended of

@@ -309,3 +309,24 @@ def test_a_pool_left_open_is_closed_at_exit(pool: gpupool.Pool, api_pool: ApiPoo
     job = pool.job(proc.stdout.strip())
     assert job.state in ("queued", "running")
     assert job.cancel()
+
+
+def test_a_pool_closed_while_a_result_comes_says_which_job(as_alice: ApiPool) -> None:
+    """issue 48, review finding 12: close() while a job's result is being fetched (or before it
+    ended) fails that Job with a sentence naming it and how to get it again, not "the client
+    closed this connection"."""
+    pool = gpupool.connect(project=False)
+    try:
+        job = pool.submit(bytes, 60 * 2**20)
+        deadline = time.monotonic() + WAIT
+        while job.record()["state"] != "succeeded":
+            assert time.monotonic() < deadline, f"job {job.id} has not ended"
+            time.sleep(0.02)
+    finally:
+        pool.close()
+    with pytest.raises(
+        gpupool.Error, match=rf"^the pool was closed (before|while the result of) job {job.id}"
+    ):
+        job.result(WAIT)
+    with gpupool.connect(project=False) as again:
+        assert len(again.job(job.id).result(WAIT)) == 60 * 2**20
