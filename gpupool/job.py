@@ -1,8 +1,10 @@
 """`gpupool.Job`: a job in the pool as a `concurrent.futures.Future`.
 
 It works with `concurrent.futures.wait` and `as_completed`, and `await job` works in asyncio code.
-Its outcome is set by its Pool's one watch over all the jobs it waits for (gpupool/watch.py), never
-by a connection of its own. A Ctrl-C during `result()` stops the wait, not the job: it runs on in
+It is told that its job ended by the process's one watch over the jobs of its pool
+(gpupool/watch.py), never by a connection of its own. The outcome is set off the API's loop (its
+done-callbacks may block), as the verified bytes the job left: they are unpickled in the thread
+that asks for the result, once. A Ctrl-C during `result()` stops the wait, not the job: it runs on in
 the pool, and `pool.job(job.id)` (in this process or another) waits for it again.
 """
 
@@ -12,6 +14,7 @@ import asyncio
 import codecs
 import concurrent.futures
 import queue
+import threading
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from daemon.job import TERMINAL_STATES
 from gpupool import _loop
 from gpupool.errors import Error
+from gpupool.shipping import Fetched
 from protocol import CancelJobs, Cancelled, FollowLogs, JobDetail, LogChunk, ShowJob
 
 if TYPE_CHECKING:
@@ -38,6 +42,39 @@ class Job(concurrent.futures.Future[Any]):
         super().__init__()
         self.pool = pool
         self.id = job_id
+        self._loading = threading.Lock()
+        self._loaded: tuple[bool, Any] | None = None  # (raised, what) once its bytes were loaded
+
+    def result(self, timeout: float | None = None) -> Any:
+        """What the job's function returned, or raises (the class's docstring says what)."""
+        got = super().result(timeout)
+        if not isinstance(got, Fetched):
+            return got
+        raised, what = self._load(got)
+        if raised:
+            raise what
+        return what
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The exception `result()` raises, or None."""
+        error = super().exception(timeout)
+        if error is not None:
+            return error
+        got = super().result(0)
+        if not isinstance(got, Fetched):
+            return None
+        raised, what = self._load(got)
+        return what if raised else None
+
+    def _load(self, fetched: Fetched) -> tuple[bool, Any]:
+        """The outcome's bytes unpickled, once, in the caller's thread (never the API's loop)."""
+        with self._loading:
+            if self._loaded is None:
+                try:
+                    self._loaded = (False, fetched.load())
+                except Exception as exc:  # noqa: BLE001 - the function's own exception, or ours
+                    self._loaded = (True, exc)
+            return self._loaded
 
     def __repr__(self) -> str:
         return f"<gpupool.Job {self.id} {self._state.lower()}>"  # the future's state: no request

@@ -12,7 +12,8 @@ $GPUPOOL_ARRAY_INDEX.
 
 Back: the runner writes the outcome to $GPUPOOL_OUTPUT/gpupool/result.pickle; the worker uploads it
 as an artifact and records its sha256; the client downloads it through `transfer.download`, which
-checks that sha256 before the file is read, and only then unpickles it (`outcome`).
+checks that sha256 before the file is read; the bytes are unpickled only in the thread that asks
+for the result (`Fetched.load`), and only for the user's own function's job.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pickle
 import tempfile
 import zipfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ import cloudpickle
 from daemon.client.pool_client import PoolClient
 from daemon.ctl import transfer
 from gpupool._runner import RESULT
-from gpupool.errors import BadArgument, RemoteError, RemoteTraceback
+from gpupool.errors import BadArgument, JobFailed, RemoteError, RemoteTraceback
 
 ARCHIVE = ".gpupool-call.pyz"  # where the archive is placed, at the top of the job's directory
 _RUNNER = Path(__file__).with_name("_runner.py")
@@ -100,7 +102,10 @@ def argv(project: dict[str, Any] | None) -> list[str]:
 
 
 def result_artifact(job: dict[str, Any]) -> dict[str, Any] | None:
-    """The outcome's artifact in a job's record (its key and recorded sha256), or None."""
+    """The outcome's artifact in the record of a function's job (its key and recorded sha256),
+    or None: a command's job has none, whatever files it left (what it wrote is never unpickled)."""
+    if not is_function_job(job):
+        return None
     for item in (job.get("result") or {}).get("artifacts") or []:
         if item.get("name") == RESULT:
             return dict(item)
@@ -108,36 +113,78 @@ def result_artifact(job: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def is_function_job(job: dict[str, Any]) -> bool:
-    """Whether the job's command is a runner's (a function's job, not a command's)."""
-    argv = (job.get("spec") or {}).get("argv") or []
-    return len(argv) == 2 and argv[1].endswith(ARCHIVE)
+    """Whether the job is one the API made for a function: its command is the runner's
+    (`python ../ARCHIVE`, as `argv` makes it) on an archive that is its own input."""
+    spec = job.get("spec") or {}
+    args = spec.get("argv") or []
+    ours = len(args) == 2 and args == argv(spec.get("project"))
+    return ours and any(
+        i.get("dest") == ARCHIVE and i.get("kind") == "file" and i.get("sha256")
+        for i in spec.get("inputs") or []
+    )
 
 
 async def fetch(client: PoolClient, job: dict[str, Any], item: dict[str, Any]) -> bytes:
-    """The outcome's bytes, downloaded and checked against the sha256 the worker recorded."""
+    """The outcome's bytes, downloaded and checked against the sha256 the worker recorded (a
+    record without one is refused), here again after the download."""
+    digest = transfer.recorded_sha256(item)
     with tempfile.TemporaryDirectory(prefix="gpupool-") as scratch:
         dest = Path(scratch) / "result.pickle"
-        await transfer.download(client, item["key"], dest, f"the result of job {job['id']}", item["sha256"])
-        return dest.read_bytes()
+        await transfer.download(client, item["key"], dest, f"the result of job {job['id']}", digest)
+        data = dest.read_bytes()
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise RemoteError(f"the result of job {job['id']} is not what its job stored (its sha256 differs)")
+    return data
 
 
-def outcome(data: bytes) -> Any:
-    """What the call returned; or the exception it raised, raised again with the job's traceback
-    as its cause (RemoteError where the exception cannot be rebuilt here, or is not an Exception:
-    a SystemExit raised here would end the caller)."""
-    what, tb, inner = pickle.loads(data)  # noqa: S301 - the user's own job's, its sha256 checked
-    if what == "returned":
-        return cloudpickle.loads(inner)
-    if what == "raised":
+@dataclass(frozen=True)
+class Fetched:
+    """A job's outcome as its verified bytes, fetched on the API's loop and loaded (unpickled) in
+    the thread that asks for it (`load`): an import that unpickling makes, or a class that only the
+    job has, never blocks nor breaks the loop."""
+
+    job_id: str
+    state: str  # the job's, as its record says
+    detail: str
+    data: bytes = field(repr=False)
+
+    def load(self) -> Any:
+        """What the call returned; or the exception it raised, raised again with the job's
+        traceback as its cause (RemoteError where the exception cannot be rebuilt here, or is not
+        an Exception: a SystemExit raised here would end the caller; JobFailed when such a one
+        is what a timeout or a cancel left)."""
         try:
-            exc = cloudpickle.loads(inner)
-        except Exception as why:  # noqa: BLE001 - unpickling raises what a class's __setstate__ raises
-            raise RemoteError(
-                f"the job raised an exception that cannot be rebuilt here ({why}):\n{tb}"
-            ) from None
-        if isinstance(exc, Exception):
-            raise exc from RemoteTraceback(tb)
-        if isinstance(exc, BaseException):  # SystemExit, KeyboardInterrupt: raised here, they would
-            # end the caller's script (or interrupt it) for what ended the job
-            raise RemoteError(f"the job raised {type(exc).__name__}: {exc}") from RemoteTraceback(tb)
-    raise RemoteError(tb.rstrip())
+            what, tb, inner = pickle.loads(self.data)  # noqa: S301 - the user's own job's, its sha256 checked
+        except Exception as why:  # noqa: BLE001 - unpickling raises anything
+            raise self._unloadable(why) from None
+        if what == "returned":
+            try:
+                return cloudpickle.loads(inner)
+            except Exception as why:  # noqa: BLE001 - a class only the job has, a CUDA tensor...
+                raise self._unloadable(why) from None
+        if what == "raised":
+            try:
+                exc = cloudpickle.loads(inner)
+            except Exception as why:  # noqa: BLE001 - unpickling raises what a class's __setstate__ raises
+                raise RemoteError(
+                    f"the job raised an exception that cannot be rebuilt here ({why}):\n{tb}"
+                ) from None
+            if isinstance(exc, Exception):
+                raise exc from RemoteTraceback(tb)
+            if isinstance(exc, BaseException):  # SystemExit, KeyboardInterrupt: raised here, they
+                # would end the caller's script (or interrupt it) for what ended the job
+                if self.stopped:  # what the stop signal of a timeout or cancel raised in the job
+                    raise JobFailed(self.job_id, self.state, self.detail, "") from RemoteTraceback(tb)
+                raise RemoteError(f"the job raised {type(exc).__name__}: {exc}") from RemoteTraceback(tb)
+        raise RemoteError(tb.rstrip())
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the pool stopped the job (a cancel, a timeout), as its record says."""
+        return self.state == "cancelled" or self.detail.startswith("timed out")
+
+    def _unloadable(self, why: Exception) -> RemoteError:
+        return RemoteError(
+            f"job {self.job_id} {self.state} but its result cannot be loaded here "
+            f"({type(why).__name__}: {why}); job.artifacts(dest) downloads it as a file"
+        )

@@ -275,7 +275,7 @@ def _inside(dest: Path, name: object) -> Path:
     return dest / name
 
 
-def _recorded(item: dict[str, Any]) -> str:
+def recorded_sha256(item: dict[str, Any]) -> str:
     """The sha256 a job's record holds for an object it uploaded; a record without one is refused."""
     sha256 = item.get("sha256")
     if not isinstance(sha256, str) or len(sha256) != 64:
@@ -305,10 +305,11 @@ async def get_artifacts(client: PoolClient, job: dict[str, Any], dest: Path) -> 
     written, size) pairs."""
     result = job.get("result") or {}
     wanted = [
-        (a["key"], _inside(dest, a["name"]), a["name"], _recorded(a)) for a in result.get("artifacts", [])
+        (a["key"], _inside(dest, a["name"]), a["name"], recorded_sha256(a))
+        for a in result.get("artifacts", [])
     ]
     if log := result.get("log"):
-        wanted.append((log["key"], _inside(dest, f"{job['id']}.log"), "log", _recorded(log)))
+        wanted.append((log["key"], _inside(dest, f"{job['id']}.log"), "log", recorded_sha256(log)))
     await asyncio.to_thread(make_dest, dest)
     written = []
     for key, path, label, sha256 in wanted:

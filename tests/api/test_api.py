@@ -114,7 +114,8 @@ def sleep_then(seconds: float, value: object) -> object:
 
 def test_cancel_stops_the_job_in_the_pool(pool: gpupool.Pool) -> None:
     """issue 48, "cancel": `job.cancel()` cancels the job in the pool (True), the future is
-    cancelled with it, and the pool records the job as cancelled; an ended job is not cancelled."""
+    cancelled with it, and the pool records the job as cancelled, whether it was queued or
+    running (its process stopped); an ended job is not cancelled."""
     job = pool.submit(sleep_then, 60, "never")
     assert job.cancel()
     assert job.cancelled()
@@ -124,6 +125,15 @@ def test_cancel_stops_the_job_in_the_pool(pool: gpupool.Pool) -> None:
     while job.state != "cancelled":
         assert time.monotonic() < deadline, f"job {job.id} still {job.state}"
         time.sleep(0.05)
+    running = pool.submit(sleep_then, 60, "never")  # and one that runs: its process is stopped
+    while running.state != "running":
+        assert time.monotonic() < deadline, f"job {running.id} still {running.state}"
+        time.sleep(0.05)
+    assert running.cancel()
+    while (state := running.state) != "cancelled":
+        assert time.monotonic() < deadline, f"job {running.id} still {state}"
+        time.sleep(0.05)
+    assert running.record()["detail"].startswith("cancelled")
     done = pool.submit(add, 1, 1)
     assert done.result(WAIT) == 2
     assert not done.cancel()
@@ -201,15 +211,17 @@ async def test_inside_a_running_event_loop(as_alice: ApiPool) -> None:
     wait cut short cancels the job."""
     asyncio.get_running_loop()  # a loop runs here
     pool = gpupool.connect(project=False)
-    assert pool.submit(add, 20, 22).result(WAIT) == 42
-    assert await asyncio.wait_for(pool.submit(add, 1, 2), WAIT) == 3
-    jobs = pool.map(str, [7, 8])
-    assert await asyncio.gather(*jobs) == ["7", "8"]
-    slow = pool.submit(sleep_then, 60, "late")
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(slow, 0.1)
-    assert slow.cancelled()
-    pool.close()
+    try:
+        assert pool.submit(add, 20, 22).result(WAIT) == 42
+        assert await asyncio.wait_for(pool.submit(add, 1, 2), WAIT) == 3
+        jobs = pool.map(str, [7, 8])
+        assert await asyncio.gather(*jobs) == ["7", "8"]
+        slow = pool.submit(sleep_then, 60, "late")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(slow, 0.1)
+        assert slow.cancelled()
+    finally:
+        pool.close()
 
 
 def test_another_user_cannot_read_a_jobs_call_or_result(pool: gpupool.Pool, api_pool: ApiPool) -> None:
@@ -257,7 +269,10 @@ def test_bob_cannot_reattach_alices_job(api_pool: ApiPool, monkeypatch: pytest.M
     [
         (lambda pool: pool.submit(add, 1, 2, gpus=-1), r"gpus=-1: a whole number from 0 to 1024"),
         (lambda pool: pool.submit(add, 1, 2, gpu_mem="lots"), r"gpu_mem: 'lots' is not a size"),
-        (lambda pool: pool.submit(add, 1, 2, queue="nowhere"), r"nowhere"),
+        (
+            lambda pool: pool.submit(add, 1, 2, queue="nowhere"),
+            r"^no worker of this pool serves queue 'nowhere' .*Enqueue it with wait_for_worker=True to keep",
+        ),
         (lambda pool: pool.submit(42), r"42 is not callable"),
         (lambda pool: pool.submit(add, threading.Lock(), 2), r"the arguments of add cannot be pickled"),
         (lambda pool: pool.map(add, [1], retries="x"), r"retries='x': a whole number"),

@@ -5,10 +5,12 @@ jobs."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,7 +80,7 @@ def test_auto_executor_runs_a_call_through_gpupool_with_submitits_parameters(
         )
     job = executor.submit(inside)
     assert isinstance(job, GpupoolJob)
-    seen = job.result()
+    seen = within(job)
     assert seen == {"cluster": "gpupool", "job_id": job.job_id, "rank": 0}
     assert job.done()
     assert job.state == "COMPLETED"
@@ -88,13 +90,13 @@ def test_auto_executor_runs_a_call_through_gpupool_with_submitits_parameters(
 
     failing = executor.submit(fail, "no luck")
     with pytest.raises(FailedJobError, match=r"(?s)in fail\n.*ValueError: no luck") as caught:
-        failing.result()
+        within(failing)
     assert isinstance(caught.value.__cause__, ValueError)
     assert isinstance(failing.exception(), FailedJobError)
     assert failing.state == "FAILED"
     exiting = executor.submit(sys.exit, 3)  # raised again here, it would end this process
     with pytest.raises(FailedJobError, match="SystemExit: 3"):
-        exiting.result()
+        within(exiting)
 
 
 def add(a: int, b: int) -> int:
@@ -108,7 +110,7 @@ def test_map_array_is_one_gpupool_array(executor: submitit.AutoExecutor, pool: g
     jobs = executor.map_array(add, [1, 2, 3, 4], [10, 20, 30, 40])
     with executor.batch():
         batched = [executor.submit(add, 5, 5), executor.submit(add, 6, 6)]
-    assert [job.result() for job in jobs + batched] == [11, 22, 33, 44, 10, 12]
+    assert [within(job) for job in jobs + batched] == [11, 22, 33, 44, 10, 12]
     specs = [pool.job(job.job_id).record()["spec"] for job in jobs]
     assert len({spec["array"] for spec in specs}) == 1
     assert {spec["name"] for spec in specs} == {"add"}
@@ -150,7 +152,7 @@ def test_cancel_stops_the_job_and_its_result_says_so(
     job.cancel()
     assert job.done()
     with pytest.raises(UncompletedJobError, match=f"job {job.job_id} has no result"):
-        job.result()
+        within(job)
     deadline = time.monotonic() + WAIT
     while job.state != "CANCELLED" and time.monotonic() < deadline:  # its process stops first
         time.sleep(0.05)
@@ -175,13 +177,31 @@ class Steps(submitit.helpers.Checkpointable):
 
 
 def wait_for_line(pool: gpupool.Pool, job_id: str, line: str) -> None:
-    """Follow the job's log until `line` has been printed (the test's timeout bounds it)."""
-    log = ""
-    for chunk in pool.job(job_id).logs(follow=True):
-        log += chunk
-        if f"{line}\n" in log:
-            return
-    raise AssertionError(f"job {job_id} ended without printing {line!r}: {log}")
+    """Follow the job's log until `line` has been printed: an AssertionError after WAIT seconds
+    (the follow, in a thread of its own, is given up), not a hang."""
+    seen: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def follow() -> None:
+        log = ""
+        for chunk in pool.job(job_id).logs(follow=True):
+            log += chunk
+            if f"{line}\n" in log:
+                seen.set_result(None)
+                return
+        seen.set_exception(AssertionError(f"job {job_id} ended without printing {line!r}: {log}"))
+
+    threading.Thread(target=follow, name=f"follow-{job_id}", daemon=True).start()
+    seen.result(WAIT)
+
+
+def within(job: Any, seconds: float = WAIT) -> Any:
+    """submitit's `job.result()` (which takes no timeout) once the job is done: an AssertionError
+    after `seconds`, not a hang."""
+    deadline = time.monotonic() + seconds
+    while not job.done():
+        assert time.monotonic() < deadline, f"job {job.job_id} not done after {seconds} s"
+        time.sleep(0.05)
+    return job.result()
 
 
 def poolctl(api_pool: ApiPool, *args: str) -> None:
@@ -207,7 +227,7 @@ def test_a_checkpointable_call_requeued_mid_run_resumes_from_its_checkpoint(
     job = executor.submit(Steps(), 5)
     wait_for_line(pool, job.job_id, "step 3")
     poolctl(api_pool, "requeue", job.job_id)
-    assert job.result() == [1, 1, 1, 2, 2]
+    assert within(job) == [1, 1, 1, 2, 2]
     assert "step 5\n" in (job.stdout() or "")
 
 
@@ -232,5 +252,5 @@ def test_a_checkpointable_call_cancelled_by_poolctl_has_no_result(
     wait_for_line(pool, job.job_id, "step 3")
     poolctl(api_pool, "cancel", job.job_id)
     with pytest.raises(UncompletedJobError, match=f"job {job.job_id} has no result"):
-        job.result()
+        within(job)
     assert job.state == "CANCELLED"

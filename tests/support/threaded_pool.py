@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.server.service import PoolServer
 from tests.support.pool import fresh_bucket, running_pool
 from tests.support.s3server import S3Server
 from tests.support.workers import running_worker
@@ -24,9 +27,33 @@ START_SECONDS = 60.0
 
 @dataclass(frozen=True)
 class ThreadedPool:
+    """alice and bob are users; carol is the pool's admin."""
+
     address: str
     tokens: dict[str, str]
     home: Path
+    server: PoolServer = field(repr=False)
+    loop: asyncio.AbstractEventLoop = field(repr=False)
+
+    def restart(self, down_seconds: float) -> None:
+        """Stop the server's listener (every connection closed, as when poold stops), keep it
+        down `down_seconds`, then listen again on the same address (as poold started again)."""
+
+        async def restart() -> None:
+            listener = self.server.listener
+            assert listener is not None
+            await listener.stop(grace=0.1)
+            # A connection cut by the stop can leave its transport to the garbage collector, which
+            # would close its descriptor whenever it runs, and by then the number may be another
+            # connection's: collected now, while no new one is open (its ResourceWarning unsaid).
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ResourceWarning)
+                gc.collect()
+            await asyncio.sleep(down_seconds)
+            listener._stopping = False  # a stopped listener that starts again takes connections
+            await listener.start()
+
+        asyncio.run_coroutine_threadsafe(restart(), self.loop).result(START_SECONDS)
 
     def env(self, user: str = "alice") -> dict[str, str]:
         """The environment of a process that reaches this pool as `user` (gpupool.connect()
@@ -50,8 +77,8 @@ def job_env() -> dict[str, str]:
 
 @contextmanager
 def threaded_pool(tmp: Path, s3_server: S3Server, slots: int = 8) -> Iterator[ThreadedPool]:
-    """A pool with users alice and bob, its worker running `slots` jobs at once, until the end
-    of the block."""
+    """A pool with users alice and bob and the admin carol, its worker running `slots` jobs at
+    once, until the end of the block."""
     redis = EmbeddedRedis(tmp / "redis", appendfsync="always")
     redis.start()
     started: concurrent.futures.Future[tuple[ThreadedPool, asyncio.AbstractEventLoop, asyncio.Event]] = (
@@ -61,13 +88,14 @@ def threaded_pool(tmp: Path, s3_server: S3Server, slots: int = 8) -> Iterator[Th
     async def serve() -> None:
         store = await fresh_bucket(s3_server)
         async with (
-            running_pool(redis, tmp, store=store) as pool,
+            running_pool(redis, tmp, store=store, users=("alice", "bob", "carol"), admins=("carol",)) as pool,
             running_worker(pool.queue, tmp / "w", store=pool.server.store, slots=slots, env=job_env()),
         ):
             stop = asyncio.Event()
             (tmp / "home").mkdir()
+            loop = asyncio.get_running_loop()
             started.set_result(
-                (ThreadedPool(pool.address, pool.tokens, tmp / "home"), asyncio.get_running_loop(), stop)
+                (ThreadedPool(pool.address, pool.tokens, tmp / "home", pool.server, loop), loop, stop)
             )
             await stop.wait()
 
