@@ -444,8 +444,12 @@ class Session:
         self._held = ("", 0)
         for task in list(self._requests.values()):
             task.cancel()
-        if self._requests:
-            await asyncio.gather(*self._requests.values(), return_exceptions=True)
-        self.writer.close()
+        try:
+            if self._requests:
+                await asyncio.gather(*self._requests.values(), return_exceptions=True)
+        finally:
+            # Closed even when this wait is cancelled again (the listener's stop re-cancels every
+            # RECANCEL_SECONDS): a request slow to end must not leave the transport to the GC.
+            self.writer.close()
         with contextlib.suppress(ConnectionError, OSError):
             await self.writer.wait_closed()

@@ -120,6 +120,10 @@ def test_a_result_not_what_the_job_stored_is_refused(
     assert not marker.exists()
 
 
+# The restarted listener can leave one server-side transport of a connection cut as it stopped
+# to the garbage collector (threaded_pool.py restart() says what is known): its warning, when the
+# collector runs in this test, is the listener's, not what this test checks.
+@pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_server_restart_is_waited_out(pool: gpupool.Pool, api_pool: ApiPool) -> None:
     """issue 48, review finding 3: the server stopping (every connection closed) and starting
     again on the same address 4 s later does not fail the future of a job that runs on meanwhile:

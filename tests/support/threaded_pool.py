@@ -43,9 +43,11 @@ class ThreadedPool:
             listener = self.server.listener
             assert listener is not None
             await listener.stop(grace=0.1)
-            # A connection cut by the stop can leave its transport to the garbage collector, which
-            # would close its descriptor whenever it runs, and by then the number may be another
-            # connection's: collected now, while no new one is open (its ResourceWarning unsaid).
+            # A connection cut by the stop can still leave its transport to the garbage collector
+            # (one the listener accepted as it stopped, it seems: the session's own end closes its
+            # transport now, session.py `_finish`), which would close its descriptor whenever it
+            # runs, and by then the number may be another connection's: collected now, while no
+            # new one is open (its ResourceWarning unsaid). The listener's flaw is left to mend.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", ResourceWarning)
                 gc.collect()
