@@ -45,7 +45,7 @@ ALIVE_SECONDS = 10.0  # the record's `alive_until`: a worker ends a channel whos
 ENDED_LOOKS = 2  # looks that found the job ended and no exit from its worker: the channel ends
 ANSWER_SECONDS = 10.0  # a worker that has written nothing this long after the news never will
 CLOSE_SECONDS = 5.0  # the most a channel's end waits for Redis (its keys expire by themselves)
-KILL_LINGER = 5  # seconds the input Stream stays after a kill: the worker's next read takes it
+KILL_LINGER = 2  # seconds the input Stream stays after a kill: the worker's next read takes it
 
 
 class ClientEnd:
@@ -284,7 +284,7 @@ class Relay:
                     continue
                 if asyncio.get_running_loop().time() > give_up:
                     raise GpupoolError(
-                        f"the job's worker ({self.info.worker}) did not answer in {ANSWER_SECONDS:.0f} s; "
+                        f"the job's worker ({self.info.worker}) did not answer in {ANSWER_SECONDS:g} s; "
                         "try again, and if it goes on, see `poolctl workers`",
                         ErrorCode.CONFLICT,
                     )

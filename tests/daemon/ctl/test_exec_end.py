@@ -35,7 +35,7 @@ async def test_an_exec_leaves_nothing_running_and_no_key_however_its_client_ends
     then closes the connection: two cancellations of the server's task) kills the command and
     leaves no channel key within seconds; a command whose output poolctl can no longer write
     (`| head -c 10`) is killed too, poolctl exiting 141; a command's channel holds about a window
-    of output in Redis while it streams 12 MB, and none of its keys once it has ended; a command
+    of output in Redis while it streams 6 MB, and none of its keys once it has ended; a command
     line of 5000 arguments is refused in a sentence."""
     async with running_job(redis_server, tmp_path, s3_env) as (pool, job_id, said):
         env = {**pool.env("alice"), "PYTHONPATH": str(ROOT)}
@@ -50,25 +50,26 @@ async def test_an_exec_leaves_nothing_running_and_no_key_however_its_client_ends
 
             await wait_until(seen, 30, "the exec to start")
 
-        tag = secrets.token_hex(6)
+        tag, piped_tag = secrets.token_hex(6), secrets.token_hex(6)
         interrupted = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "daemon.ctl.cli", "exec", job_id, "--", "sh", "-c", f"sleep 600; : {tag}",
             env=env, stdin=subprocess.DEVNULL,
         )  # fmt: skip
-        await started(tag)
-        interrupted.send_signal(signal.SIGINT)
-        assert await asyncio.wait_for(interrupted.wait(), 10) == 130
-        await wait_until(lambda: nothing_left(tag), 6, "the command and the keys of a Ctrl-C'd exec to go")
-
-        tag = secrets.token_hex(6)
-        command = f"{sys.executable} -m daemon.ctl.cli exec {job_id} -- sh -c 'cat /dev/zero; : {tag}'"
+        command = f"{sys.executable} -m daemon.ctl.cli exec {job_id} -- sh -c 'cat /dev/zero; : {piped_tag}'"
         piped = await asyncio.create_subprocess_exec(
             "bash", "-c", f"{command} | head -c 10 >/dev/null; echo ${{PIPESTATUS[0]}}",
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         )  # fmt: skip
+        await started(tag)
+        interrupted.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(interrupted.wait(), 10) == 130
         out, _ = await asyncio.wait_for(piped.communicate(), 20)
         assert out == b"141\n"
-        await wait_until(lambda: nothing_left(tag), 6, "the command and the keys of a `| head` exec to go")
+
+        async def neither_left() -> bool:
+            return await nothing_left(tag) and await nothing_left(piped_tag)
+
+        await wait_until(neither_left, 6, "the commands and the keys of a Ctrl-C'd and a `| head` exec to go")
 
         peak = 0
 
@@ -80,7 +81,7 @@ async def test_an_exec_leaves_nothing_running_and_no_key_however_its_client_ends
                 await asyncio.sleep(0.01)
 
         watching = asyncio.ensure_future(watch_output())
-        size = 12_000_000
+        size = 6_000_000
         streaming = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "daemon.ctl.cli", "exec", job_id, "--",
             "head", "-c", f"{size}", "/dev/zero",
@@ -106,7 +107,7 @@ async def test_an_exec_gives_up_on_a_worker_that_does_not_answer(
     """Issue 49, finding 8: a job running on a worker that never takes the channel (here a worker
     id with no process behind it) gets a sentence and exit status 2 once ANSWER_SECONDS have
     passed, instead of waiting for good; of its channel's keys, only the kill is left, for moments."""
-    monkeypatch.setattr(server_channels, "ANSWER_SECONDS", 1.0, raising=False)
+    monkeypatch.setattr(server_channels, "ANSWER_SECONDS", 0.5, raising=False)
     async with running_pool(redis_server, tmp_path) as pool:
         job_id, _ = await pool.queue.enqueue(JobSpec(argv=("true",), user="alice"))
         lease = await pool.queue.claim("ghost-worker", ["default"])
@@ -115,7 +116,7 @@ async def test_an_exec_gives_up_on_a_worker_that_does_not_answer(
         code, _, err = await asyncio.wait_for(poolctl(pool.env("alice"), "exec", job_id, "--", "true"), 15)
         assert code == 2
         assert err == (
-            "poolctl: the job's worker (ghost-worker) did not answer in 1 s; try again, and if it "
+            "poolctl: the job's worker (ghost-worker) did not answer in 0.5 s; try again, and if it "
             "goes on, see `poolctl workers`\n"
         )
         redis = pool.queue.redis
