@@ -152,7 +152,7 @@ class Relay:
         self.from_worker = keys.channel_out(job_id, self.session)
         self._input_entries = 0  # input entries the worker has not credited yet
         self._relayed = 0  # bytes, both ways
-        self._exited = False  # the worker said the command ended (`x`): nothing is left to kill
+        self._ended = False  # the command has ended (`x`), or its job has: nothing is left to kill
 
     async def run(self) -> ChannelClosed:
         """Relay until the channel ends; its end (the keys deleted, the worker told to kill what
@@ -173,7 +173,7 @@ class Relay:
     async def _close(self, helpers: Sequence[asyncio.Future[Any]]) -> None:
         for helper in helpers:
             await cancel_and_wait(helper)
-        how = "ended" if self._exited else "cancelled"
+        how = "ended" if self._ended else "cancelled"
         log.info(
             "%s by %s in job %s (channel %s) %s: %d bytes relayed",
             self.request.kind,
@@ -186,7 +186,7 @@ class Relay:
         async with asyncio.timeout(CLOSE_SECONDS):  # Redis gone: the keys expire by themselves
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.delete(self.record, self.from_worker)
-                if self._exited:
+                if self._ended:
                     pipe.delete(self.to_worker)
                 else:  # the command may still run: the worker kills it, and its input goes soon
                     channels.add_entry(pipe, self.to_worker, {b"k": b"the client went away"})
@@ -247,7 +247,7 @@ class Relay:
             info = await self.queue.get(self.info.id)
             ended_looks = ended_looks + 1 if info.state is not JobState.RUNNING else 0
             if ended_looks >= ENDED_LOOKS:
-                return _job_ended(info)
+                return self._job_ended(info)
 
     async def _up(self) -> None:
         """The client's input into the worker's Stream, coalesced: at most IN_ENTRIES entries wait
@@ -279,7 +279,7 @@ class Relay:
                 info = await self.queue.get(self.info.id)
                 ended_looks = ended_looks + 1 if info.state is not JobState.RUNNING else 0
                 if ended_looks >= ENDED_LOOKS:
-                    return _job_ended(info)
+                    return self._job_ended(info)
                 if heard:
                     continue
                 if asyncio.get_running_loop().time() > give_up:
@@ -301,6 +301,11 @@ class Relay:
                 if taken:
                     channels.add_entry(pipe, self.to_worker, {b"a": str(taken).encode()})
                 await pipe.execute()
+
+    def _job_ended(self, info: JobInfo) -> ChannelClosed:
+        self._ended = True  # the job's end (or its worker's) ends all of it: nothing to kill
+        ended = "ended" if info.state.terminal else "lost its worker"
+        return ChannelClosed(None, f"the job {ended} ({info.state})")
 
     async def _spend(self, size: int) -> None:
         """Count `size` bytes against the user, and wait while the user is over their share."""
@@ -325,14 +330,9 @@ class Relay:
             client.input_changed.set()
             return None
         if (code := fields.get(b"x")) is not None:
-            self._exited = True
+            self._ended = True
             return ChannelClosed(int(code) if code else None, fields.get(b"r", b"").decode())
         return None
-
-
-def _job_ended(info: JobInfo) -> ChannelClosed:
-    ended = "ended" if info.state.terminal else "lost its worker"
-    return ChannelClosed(None, f"the job {ended} ({info.state})")
 
 
 async def _finish(closing: Awaitable[None]) -> None:

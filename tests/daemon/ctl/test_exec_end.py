@@ -7,6 +7,7 @@ Real processes: tests/daemon/ctl/test_exec.py's pool, `poold --worker` and `pool
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import signal
 import subprocess
@@ -29,14 +30,17 @@ CHANNEL_KEYS = "*:channel:*"
 
 
 async def test_an_exec_leaves_nothing_running_and_no_key_however_its_client_ends(
-    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
+    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 49, findings 1, 3, 9 and 13b: Ctrl-C on `poolctl exec` (which cancels the channel,
     then closes the connection: two cancellations of the server's task) kills the command and
     leaves no channel key within seconds; a command whose output poolctl can no longer write
     (`| head -c 10`) is killed too, poolctl exiting 141; a command's channel holds about a window
     of output in Redis while it streams 6 MB, and none of its keys once it has ended; a command
-    line of 5000 arguments is refused in a sentence."""
+    line of 5000 arguments is refused in a sentence; and (finding 13a) a client that stops reading
+    holds its channel no longer than its job: once the job ends, the keys go (the server's
+    heartbeat, made quick here, looks at the job while the relay waits on the client)."""
+    monkeypatch.setattr(server_channels, "HEARTBEAT_SECONDS", 0.3, raising=False)
     async with running_job(redis_server, tmp_path, s3_env) as (pool, job_id, said):
         env = {**pool.env("alice"), "PYTHONPATH": str(ROOT)}
         redis = pool.queue.redis
@@ -99,6 +103,30 @@ async def test_an_exec_leaves_nothing_running_and_no_key_however_its_client_ends
             "poolctl: the command is over 128 KiB or 4096 arguments, or holds a NUL byte; "
             "pass long input on stdin\n"
         )
+
+        unread, stalled_out = os.pipe()  # poolctl's output, never read
+        stalled = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "daemon.ctl.cli", "exec", job_id, "--", "cat", "/dev/zero",
+            env=env, stdin=subprocess.DEVNULL, stdout=stalled_out,
+        )  # fmt: skip
+        os.close(stalled_out)
+        try:
+
+            async def relaying() -> bool:
+                return bool([k async for k in redis.scan_iter(match=CHANNEL_KEYS + ":out")])
+
+            await wait_until(relaying, 10, "the stalled exec to start")
+            await asyncio.sleep(0.5)  # its pipe and its window fill: the relay waits on it
+            await pool.queue.cancel(job_id)
+
+            async def no_key() -> bool:
+                return not [k async for k in redis.scan_iter(match=CHANNEL_KEYS)]
+
+            await wait_until(no_key, 6, "the stalled client's channel to end with its job")
+        finally:
+            stalled.kill()
+            await stalled.wait()
+            os.close(unread)
 
 
 async def test_an_exec_gives_up_on_a_worker_that_does_not_answer(
