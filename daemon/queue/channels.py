@@ -29,6 +29,7 @@ ahead every few seconds; a worker ends a channel on a `k`, or once its record ha
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -67,3 +68,10 @@ async def read(redis: AnyRedis, key: str, after: str, block: float = BLOCK) -> E
     for one; [] when none came."""
     answer = await xread(redis, {key: after}, block=block, count=OUT_ENTRIES)
     return answer[0][1] if answer else []
+
+
+def shown(argv: list[str], limit: int = 500) -> str:
+    """`argv` for a log line: shell-quoted, its control characters escaped (no newline may forge a
+    line), at most `limit` characters."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in shlex.join(argv))
+    return text if len(text) <= limit else text[:limit] + f"... ({len(argv)} arguments)"

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import shlex
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -215,7 +214,7 @@ class Relay:
             for key in (self.record, self.to_worker, self.from_worker):
                 pipe.expire(key, channels.CHANNEL_IDLE)
             await pipe.execute()
-        what = f"to port {self.request.port}" if self.request.kind == "forward" else shown(argv)
+        what = f"to port {self.request.port}" if self.request.kind == "forward" else channels.shown(argv)
         log.info(
             "%s by %s in job %s on worker %s (channel %s): %s",
             self.request.kind,
@@ -349,10 +348,3 @@ async def _finish(closing: Awaitable[None]) -> None:
             log.warning("a channel's end failed", exc_info=True)
     if cancelled:
         raise asyncio.CancelledError
-
-
-def shown(argv: list[str], limit: int = 500) -> str:
-    """`argv` for a log line: shell-quoted, its control characters escaped (no newline may forge a
-    line), at most `limit` characters."""
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in shlex.join(argv))
-    return text if len(text) <= limit else text[:limit] + f"... ({len(argv)} arguments)"

@@ -37,7 +37,8 @@ async def test_an_exec_leaves_nothing_running_and_no_key_however_its_client_ends
     leaves no channel key within seconds; a command whose output poolctl can no longer write
     (`| head -c 10`) is killed too, poolctl exiting 141; a command's channel holds about a window
     of output in Redis while it streams 6 MB, and none of its keys once it has ended; a command
-    line of 5000 arguments is refused in a sentence; and (finding 13a) a client that stops reading
+    line of 5000 arguments is refused in a sentence, and a newline in one forges no line of the
+    job's log; and (finding 13a) a client that stops reading
     holds its channel no longer than its job: once the job ends, the keys go (the server's
     heartbeat, made quick here, looks at the job while the relay waits on the client)."""
     monkeypatch.setattr(server_channels, "HEARTBEAT_SECONDS", 0.3, raising=False)
@@ -97,6 +98,15 @@ async def test_an_exec_leaves_nothing_running_and_no_key_however_its_client_ends
         assert 0 < peak < 3 * CHANNEL_WINDOW, peak  # the window, and what Redis adds to it
         assert not [k async for k in redis.scan_iter(match=CHANNEL_KEYS)]
 
+        forged = "\n[gpupool] exec by bob (pid 1): rm -rf /"
+        assert (await poolctl(env, "exec", job_id, "--", "true", forged))[0] == 0
+
+        async def noted() -> bool:
+            return "rm -rf /" in await log_text(pool.queue, job_id)
+
+        await wait_until(noted, 10, "the exec's line in the job's log")
+        lines = (await log_text(pool.queue, job_id)).splitlines()
+        assert not [line for line in lines if line.startswith("[gpupool] exec by bob")]
         code, _, err = await poolctl(env, "exec", job_id, "--", "true", *[""] * 5000)
         assert code == 2
         assert err == (
