@@ -19,6 +19,7 @@ from protocol import OpenChannel
 READ_SIZE = 64 * 1024
 EXITED = "exited"  # ChannelClosed's reason for a command that exited by itself
 EXIT_NO_CODE = 1  # the command never gave one: it could not start, or its job ended under it
+EXIT_BROKEN_PIPE = 128 + 13  # our output's reader went (`| head`): the command is killed, as by SIGPIPE
 
 
 async def run(client: PoolClient, job_id: str, argv: list[str]) -> int:
@@ -27,9 +28,13 @@ async def run(client: PoolClient, job_id: str, argv: list[str]) -> int:
     if not argv:
         raise UsageError("exec needs a command: poolctl exec JOB -- COMMAND [ARG...]")
     piped = not os.isatty(0)
-    closed = await client.channel(
-        OpenChannel(job_id, "exec", argv, stdin=piped), _write, _stdin() if piped else None
-    )
+    try:
+        closed = await client.channel(
+            OpenChannel(job_id, "exec", argv, stdin=piped), _write, _stdin() if piped else None
+        )
+    except BrokenPipeError:  # the channel is cancelled: the server has the command killed
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # so that the exit's flush of stdout is quiet
+        return EXIT_BROKEN_PIPE
     if closed.reason != EXITED:  # killed, or never started: say why
         print(f"poolctl: {argv[0]} in {job_id}: {closed.reason}", file=sys.stderr)
     return EXIT_NO_CODE if closed.exit_code is None else closed.exit_code

@@ -9,19 +9,29 @@ side appends to one Stream and reads the other's:
                           a=N      N more output entries taken   k=WHY kill the command
   out  (worker → server)  o=BYTES  stdout    s=BYTES  stderr     c=N   N bytes of input taken
                           x=CODE   the end: exit code ('' none)  r=WHY how it ended (with x)
+                          t=1      taken: the worker's first entry, written at once (a server
+                                   that hears nothing for a while gives up on the worker)
 
 Both directions are held to a window, so Redis holds at most that much of one channel whatever
 its ends do: the worker has at most OUT_WINDOW bytes and OUT_ENTRIES entries of output not yet
 taken by the server (`a`), which takes output only as its client acknowledges it; the server has
 at most IN_ENTRIES entries of input not yet taken by the worker (`c`, one per `d`), and the
-client's window bounds their bytes. Each append is capped all the same (MAXLEN), and each key
-expires CHANNEL_IDLE after its last write: a channel whose ends have both gone leaves nothing.
+client's window bounds their bytes. Each reader deletes what it has read, each append is capped
+all the same (MAXLEN: the windows and a few entries of control), and each key expires
+CHANNEL_IDLE after its last write: a channel whose ends have both gone leaves nothing. The server
+makes both Streams (empty) when it opens the channel and deletes them at its end; an append never
+makes one again (NOMKSTREAM), so a late write of the worker's leaves nothing behind either.
+
+The server beats while the channel is open: it moves the record's `alive_until` (epoch seconds)
+ahead every few seconds; a worker ends a channel on a `k`, or once its record has gone or its
+`alive_until` has passed.
 """
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final
 
 from daemon.queue.connection import AnyRedis
 from daemon.queue.reads import Entries, xread
@@ -31,7 +41,10 @@ OUT_WINDOW: Final = CHANNEL_WINDOW
 OUT_ENTRIES: Final = 64
 IN_ENTRIES: Final = 64
 READ_CHUNK: Final = 64 * 1024  # the most one output entry carries
-MAXLEN: Final = 4 * (OUT_ENTRIES + IN_ENTRIES)  # a cap no honest channel reaches (the windows)
+# At most this many entries of a Stream are unread: OUT_ENTRIES of output and IN_ENTRIES of
+# credit (out), or IN_ENTRIES of input and OUT_ENTRIES acknowledgements (in), and a few of
+# control (t, x; e, k). MAXLEN keeps the newest, so a reader that does not delete loses nothing.
+MAXLEN: Final = OUT_ENTRIES + IN_ENTRIES + 8
 CHANNEL_IDLE: Final = 30  # seconds: the server refreshes the record more often while it relays
 BLOCK: Final = 1.0  # seconds a blocking read waits at most: each side looks at its other end then
 
@@ -39,9 +52,15 @@ BLOCK: Final = 1.0  # seconds a blocking read waits at most: each side looks at 
 async def append(redis: AnyRedis, key: str, entry: Mapping[bytes, bytes]) -> None:
     """Append `entry` to the channel's Stream `key`, and keep the key CHANNEL_IDLE from now."""
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.xadd(key, dict(entry), maxlen=MAXLEN, approximate=False)  # type: ignore[arg-type]
-        pipe.expire(key, CHANNEL_IDLE)
+        add_entry(pipe, key, entry)
         await pipe.execute()
+
+
+def add_entry(pipe: Any, key: str, entry: Mapping[bytes, bytes]) -> None:
+    """Queue on `pipe` what `append` does: the entry, capped, into the Stream if it is still
+    there (its channel's end deletes it), and the key kept CHANNEL_IDLE from now."""
+    pipe.xadd(key, dict(entry), maxlen=MAXLEN, approximate=False, nomkstream=True)
+    pipe.expire(key, CHANNEL_IDLE)
 
 
 async def read(redis: AnyRedis, key: str, after: str, block: float = BLOCK) -> Entries:
@@ -49,3 +68,10 @@ async def read(redis: AnyRedis, key: str, after: str, block: float = BLOCK) -> E
     for one; [] when none came."""
     answer = await xread(redis, {key: after}, block=block, count=OUT_ENTRIES)
     return answer[0][1] if answer else []
+
+
+def shown(argv: list[str], limit: int = 500) -> str:
+    """`argv` for a log line: shell-quoted, its control characters escaped (no newline may forge a
+    line), at most `limit` characters."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in shlex.join(argv))
+    return text if len(text) <= limit else text[:limit] + f"... ({len(argv)} arguments)"

@@ -73,8 +73,10 @@ Per queue (``gp:{q:NAME}:…``):
   job:ID:log    Stream of the job's output chunks, bounded in bytes (head and tail kept, log.lua).
   job:ID:channel:S  HASH: channel S into running job ID (poolctl exec, forward): its kind, argv,
                 stdin, port, user, worker and when it was opened, written by the server
-                (server/channels.py), which keeps it from expiring while the channel is open:
-                a worker ends a channel whose record has gone; `taken` once a worker serves it
+                (server/channels.py), which keeps it from expiring while the channel is open
+                and moves its `alive_until` (epoch seconds) ahead every few seconds: a worker
+                ends a channel whose record has gone or whose `alive_until` has passed; the
+                server deletes it and both Streams at the channel's end; `taken` once a worker serves it
                 (only one does: the server may tell it twice). With job:ID:channel:S:in, a
                 Stream of what the server relays to the worker (the client's input,
                 acknowledgements, a kill), and job:ID:channel:S:out, one of what the worker

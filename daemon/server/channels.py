@@ -18,12 +18,10 @@ the client's window has room for it: one entry at a time waits here.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
-import shlex
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -40,8 +38,13 @@ log = logging.getLogger(__name__)
 
 KINDS = frozenset({"exec", "forward"})  # a command run in the job; a TCP connection to its port
 MAX_ARGV_BYTES = 128 * 1024  # a command line longer than this is no command typed at a prompt
-REFRESH_SECONDS = channels.CHANNEL_IDLE / 3  # how often an open channel's keys are kept alive
-ENDED_LOOKS = 2  # reads that found the job ended and no exit from its worker: the channel ends
+MAX_ARGS = 4096  # nor is one of more arguments than this
+HEARTBEAT_SECONDS = 3.0  # how often an open channel's keys are kept alive and its job looked at
+ALIVE_SECONDS = 10.0  # the record's `alive_until`: a worker ends a channel whose server stops beating
+ENDED_LOOKS = 2  # looks that found the job ended and no exit from its worker: the channel ends
+ANSWER_SECONDS = 10.0  # a worker that has written nothing this long after the news never will
+CLOSE_SECONDS = 5.0  # the most a channel's end waits for Redis (its keys expire by themselves)
+KILL_LINGER = 2  # seconds the input Stream stays after a kill: the worker's next read takes it
 
 
 class ClientEnd:
@@ -88,11 +91,11 @@ def check_request(request: OpenChannel) -> None:
         return
     if not request.argv or not request.argv[0]:
         raise GpupoolError("exec needs a command: poolctl exec JOB -- COMMAND", ErrorCode.INVALID_ARGUMENT)
-    if sum(len(arg.encode()) for arg in request.argv) > MAX_ARGV_BYTES or any(
-        "\0" in a for a in request.argv
-    ):
+    size = sum(len(arg.encode()) + 1 for arg in request.argv)  # each with its NUL, as execve counts
+    if len(request.argv) > MAX_ARGS or size > MAX_ARGV_BYTES or any("\0" in a for a in request.argv):
         raise GpupoolError(
-            f"the command is over {MAX_ARGV_BYTES // 1024} KiB or holds a NUL byte; pass long input on stdin",
+            f"the command is over {MAX_ARGV_BYTES // 1024} KiB or {MAX_ARGS} arguments, or holds a NUL "
+            "byte; pass long input on stdin",
             ErrorCode.INVALID_ARGUMENT,
         )
 
@@ -148,40 +151,46 @@ class Relay:
         self.from_worker = keys.channel_out(job_id, self.session)
         self._input_entries = 0  # input entries the worker has not credited yet
         self._relayed = 0  # bytes, both ways
+        self._ended = False  # the command has ended (`x`), or its job has: nothing is left to kill
 
     async def run(self) -> ChannelClosed:
+        """Relay until the channel ends; its end (the keys deleted, the worker told to kill what
+        is left) runs to completion however often this task is cancelled meanwhile: a client's
+        cancel and its connection's end each cancel it, and no helper may outlive it."""
         await self._open()
-        down = asyncio.ensure_future(self._down())
-        helpers = [down, asyncio.ensure_future(self._up()), asyncio.ensure_future(self._keep())]
-        ended = False
+        helpers = [asyncio.ensure_future(h) for h in (self._down(), self._watch(), self._up())]
         try:
             waiting: set[asyncio.Future[Any]] = set(helpers)
-            while not down.done():
+            while True:
                 done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                for helper in done - {down}:
-                    helper.result()  # a helper's failure (Redis gone) is the channel's
-            closed = down.result()
-            ended = True
-            return closed
+                for helper in done:  # a helper's failure (Redis gone) is the channel's
+                    if isinstance(closed := helper.result(), ChannelClosed):
+                        return closed
         finally:
-            log.info(
-                "exec by %s in job %s (channel %s) %s: %d bytes relayed",
-                self.user,
-                self.info.id,
-                self.session,
-                "ended" if ended else "cancelled",
-                self._relayed,
-            )
-            for helper in helpers:
-                await cancel_and_wait(helper)
-            # The client cancelled or went away: the worker kills the command. Shielded: this
-            # task is being cancelled, and the kill must still be written.
-            if not ended:
-                why = b"the client went away"
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(channels.append(self.redis, self.to_worker, {b"k": why}))
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self.redis.delete(self.record))
+            await _finish(self._close(helpers))
+
+    async def _close(self, helpers: Sequence[asyncio.Future[Any]]) -> None:
+        for helper in helpers:
+            await cancel_and_wait(helper)
+        how = "ended" if self._ended else "cancelled"
+        log.info(
+            "%s by %s in job %s (channel %s) %s: %d bytes relayed",
+            self.request.kind,
+            self.user,
+            self.info.id,
+            self.session,
+            how,
+            self._relayed,
+        )
+        async with asyncio.timeout(CLOSE_SECONDS):  # Redis gone: the keys expire by themselves
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.delete(self.record, self.from_worker)
+                if self._ended:
+                    pipe.delete(self.to_worker)
+                else:  # the command may still run: the worker kills it, and its input goes soon
+                    channels.add_entry(pipe, self.to_worker, {b"k": b"the client went away"})
+                    pipe.expire(self.to_worker, KILL_LINGER)
+                await pipe.execute()
 
     async def _open(self) -> None:
         argv = self.request.argv
@@ -196,11 +205,16 @@ class Relay:
                     "user": self.user,
                     "worker": self.info.worker,
                     "created": str(time.time()),
+                    "alive_until": str(time.time() + ALIVE_SECONDS),
                 },
             )
-            pipe.expire(self.record, channels.CHANNEL_IDLE)
+            for stream in (self.to_worker, self.from_worker):  # both made now, and empty: an append
+                pipe.xadd(stream, {"n": ""})  # (NOMKSTREAM) after the end makes no key again
+                pipe.xtrim(stream, maxlen=0, approximate=False)
+            for key in (self.record, self.to_worker, self.from_worker):
+                pipe.expire(key, channels.CHANNEL_IDLE)
             await pipe.execute()
-        what = f"to port {self.request.port}" if self.request.kind == "forward" else shlex.join(argv)
+        what = f"to port {self.request.port}" if self.request.kind == "forward" else channels.shown(argv)
         log.info(
             "%s by %s in job %s on worker %s (channel %s): %s",
             self.request.kind,
@@ -216,16 +230,23 @@ class Relay:
         message = keys.channel_message(self.info.id, self.session)
         await self.redis.publish(keys.worker_channel(self.info.worker), message)
 
-    async def _keep(self) -> None:
-        """Keep the channel's keys from expiring while it is open, however long its ends are quiet
-        (a client that reads no output for minutes): the worker ends a channel whose record has
-        gone, and a Stream that expired would lose what its reader has not taken yet."""
+    async def _watch(self) -> ChannelClosed:
+        """The server's heartbeat: keep the channel's keys from expiring while it is open, however
+        long its ends are quiet (a client that reads no output for minutes), and its record's
+        `alive_until` ahead (a worker ends a channel whose record has gone or whose heartbeat has
+        stopped); and end the channel once its job has, even while _down waits on the client."""
+        ended_looks = 0
         while True:
-            await asyncio.sleep(REFRESH_SECONDS)
+            await asyncio.sleep(HEARTBEAT_SECONDS)
             async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hset(self.record, "alive_until", str(time.time() + ALIVE_SECONDS))
                 for key in (self.record, self.to_worker, self.from_worker):
                     pipe.expire(key, channels.CHANNEL_IDLE)
                 await pipe.execute()
+            info = await self.queue.get(self.info.id)
+            ended_looks = ended_looks + 1 if info.state is not JobState.RUNNING else 0
+            if ended_looks >= ENDED_LOOKS:
+                return self._job_ended(info)
 
     async def _up(self) -> None:
         """The client's input into the worker's Stream, coalesced: at most IN_ENTRIES entries wait
@@ -250,25 +271,40 @@ class Relay:
         """The worker's entries to the client, each as the client's window has room; the final
         reply once the command has ended (or its job has)."""
         after, heard, ended_looks = "0-0", False, 0
+        give_up = asyncio.get_running_loop().time() + ANSWER_SECONDS
         while True:
             entries = await channels.read(self.redis, self.from_worker, after)
             if not entries:
                 info = await self.queue.get(self.info.id)
                 ended_looks = ended_looks + 1 if info.state is not JobState.RUNNING else 0
                 if ended_looks >= ENDED_LOOKS:
-                    ended = "ended" if info.state.terminal else "lost its worker"
-                    return ChannelClosed(None, f"the job {ended} ({info.state})")
-                if not heard:  # the worker may have missed the news (resubscribing): tell it again
-                    await self._tell_worker()
+                    return self._job_ended(info)
+                if heard:
+                    continue
+                if asyncio.get_running_loop().time() > give_up:
+                    raise GpupoolError(
+                        f"the job's worker ({self.info.worker}) did not answer in {ANSWER_SECONDS:g} s; "
+                        "try again, and if it goes on, see `poolctl workers`",
+                        ErrorCode.CONFLICT,
+                    )
+                await self._tell_worker()  # it may have missed the news (resubscribing): again
                 continue
-            heard, taken = True, 0
+            heard, taken = True, 0  # any entry (the worker's first is `t`, taken) is its answer
             for entry_id, fields in entries:
                 after = entry_id.decode()
                 if (closed := await self._entry(fields)) is not None:
                     return closed
                 taken += b"o" in fields or b"s" in fields
-            if taken:
-                await channels.append(self.redis, self.to_worker, {b"a": str(taken).encode()})
+            async with self.redis.pipeline(transaction=False) as pipe:  # what is read goes from Redis
+                pipe.xdel(self.from_worker, *(entry_id for entry_id, _ in entries))
+                if taken:
+                    channels.add_entry(pipe, self.to_worker, {b"a": str(taken).encode()})
+                await pipe.execute()
+
+    def _job_ended(self, info: JobInfo) -> ChannelClosed:
+        self._ended = True  # the job's end (or its worker's) ends all of it: nothing to kill
+        ended = "ended" if info.state.terminal else "lost its worker"
+        return ChannelClosed(None, f"the job {ended} ({info.state})")
 
     async def _spend(self, size: int) -> None:
         """Count `size` bytes against the user, and wait while the user is over their share."""
@@ -293,5 +329,22 @@ class Relay:
             client.input_changed.set()
             return None
         if (code := fields.get(b"x")) is not None:
+            self._ended = True
             return ChannelClosed(int(code) if code else None, fields.get(b"r", b"").decode())
         return None
+
+
+async def _finish(closing: Awaitable[None]) -> None:
+    """Run `closing` to its end although the task awaiting it is cancelled (again and again),
+    then pass the cancellation on: a channel's end must not be cut short halfway."""
+    task = asyncio.ensure_future(closing)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:  # Redis gone: its keys expire by themselves
+            log.warning("a channel's end failed", exc_info=True)
+    if cancelled:
+        raise asyncio.CancelledError

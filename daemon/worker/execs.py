@@ -23,7 +23,6 @@ import contextlib
 import errno
 import logging
 import os
-import shlex
 import signal
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -173,8 +172,9 @@ class ExecCommand:
                 os.close(stdin_read)
         if run.guard is not None:  # a frozen or killed worker's guard kills it as it kills the job
             run.guard.watch(child.pid, run.lease.id)
-        run.output.note(f"exec by {user} (pid {child.pid}): {shlex.join(self.argv)}")
-        log.info("exec by %s in job %s (pid %d): %s", user, self.job_id, child.pid, shlex.join(self.argv))
+        shown = channels.shown(self.argv)  # escaped: a newline in an argument forges no log line
+        run.output.note(f"exec by {user} (pid {child.pid}): {shown}")
+        log.info("exec by %s in job %s (pid %d): %s", user, self.job_id, child.pid, shown)
         pumps = [
             asyncio.ensure_future(self._pump(child.output, b"o")),
             asyncio.ensure_future(self._pump(child.errors, b"s")),
