@@ -9,6 +9,7 @@ side appends to one Stream and reads the other's:
                           a=N      N more output entries taken   k=WHY kill the command
   out  (worker → server)  o=BYTES  stdout    s=BYTES  stderr     c=N   N bytes of input taken
                           x=CODE   the end: exit code ('' none)  r=WHY how it ended (with x)
+                          t=1      the worker has taken the channel (its first entry)
 
 Both directions are held to a window, so Redis holds at most that much of one channel whatever
 its ends do: the worker has at most OUT_WINDOW bytes and OUT_ENTRIES entries of output not yet
@@ -30,6 +31,7 @@ from protocol import CHANNEL_WINDOW
 OUT_WINDOW: Final = CHANNEL_WINDOW
 OUT_ENTRIES: Final = 64
 IN_ENTRIES: Final = 64
+ACCEPTED: Final = b"t"  # the worker's first entry in `out`: it has the channel (nothing to relay)
 READ_CHUNK: Final = 64 * 1024  # the most one output entry carries
 MAXLEN: Final = 4 * (OUT_ENTRIES + IN_ENTRIES)  # a cap no honest channel reaches (the windows)
 CHANNEL_IDLE: Final = 30  # seconds: the server refreshes the record more often while it relays

@@ -4,7 +4,8 @@ channel of kind "forward".
 Each channel is one connection, to 127.0.0.1:PORT as the job sees it: the worker's own loopback
 when the job shares the worker's network namespace, the job's when it has one of its own
 (`job_network = "private"`). There the socket is made by a thread of its own that joins the
-job's namespace (setns(2) on /proc/PID/ns/net of the job's first process), connects, and ends:
+job's namespace (setns(2) on the job's first process's namespace, held open from the first forward into it
+while that process was unreaped: spawn.Child.netns), connects, and ends:
 a socket keeps the namespace it was made in, and the thread, in a namespace not the worker's,
 serves nothing else (never a pool's thread, which would go on to run the worker's own work there).
 
@@ -48,16 +49,20 @@ class Forward(ExecCommand):
     async def run(self, spawner: Spawner, user: str) -> None:
         """Relay the connection until it ends, then its end (`spawner`: none is started)."""
         del spawner
-        code, why = await self._connected(user)
-        log.info("forward by %s to port %d in job %s ended: %s", user, self.port, self.job_id, why)
-        await channels.append(self.redis, self.out, {b"x": code, b"r": why.encode()})
+        code, why = b"", "the worker failed to relay it"
+        try:
+            code, why = await self._connected(user)
+            log.info("forward by %s to port %d in job %s ended: %s", user, self.port, self.job_id, why)
+        finally:  # always: its server waits for this entry until the job ends
+            with contextlib.suppress(Exception):
+                await asyncio.shield(channels.append(self.redis, self.out, {b"x": code, b"r": why.encode()}))
 
     async def _connected(self, user: str) -> tuple[bytes, str]:
         """The connection relayed until it ends: its exit code (b"0" closed, b"" never open) and why."""
         job = self.run_.first_process
         assert job is not None
         try:
-            sock = await connect_in_job(job.pid, self.port)
+            sock = await connect_in_job(job.netns(), self.port)
         except OSError as exc:
             why = f"cannot connect to port {self.port} inside the job: {exc.strerror or exc}"
             log.info("forward by %s in job %s: %s", user, self.job_id, why)
@@ -95,11 +100,10 @@ class Forward(ExecCommand):
             writer.write_eof()
 
 
-async def connect_in_job(pid: int, port: int) -> socket.socket:
-    """A connected, non-blocking socket to 127.0.0.1:`port` in the network namespace of process
-    `pid` (a job's first process, the worker's child: its pid is not reused while it is unreaped)."""
+async def connect_in_job(theirs: int, port: int) -> socket.socket:
+    """A connected, non-blocking socket to 127.0.0.1:`port` in network namespace `theirs` (a
+    descriptor, closed here: the job's, Child.netns)."""
     loop = asyncio.get_running_loop()
-    theirs = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
         if os.fstat(theirs).st_ino == os.stat("/proc/self/ns/net").st_ino:  # the worker's own
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

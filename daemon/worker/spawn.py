@@ -61,6 +61,10 @@ class Child:
         self.errors = errors  # an exec's stderr, apart from its stdout (-1: merged into `output`)
         self.start_error: OSError | None = None
         self.start_step: str | None = None  # what it was doing then (None: looking for its program)
+        # Reaped: its pid may be another process's now, and its job is ending (or has ended). Set
+        # before its job's end is made, so nothing is started into the job from then on.
+        self.reaped = False
+        self._netns = -1  # its network namespace, once asked for (netns)
         self._ended: asyncio.Future[tuple[int, list[int]]] = asyncio.get_running_loop().create_future()
 
     @property
@@ -79,7 +83,20 @@ class Child:
         status, _ = await asyncio.shield(self._ended)
         return status
 
+    def netns(self) -> int:
+        """A new descriptor (the caller's to close) of its network namespace, as its program sees
+        it. Opened once, while it is unreaped and so its pid still its own, and held until its end:
+        never /proc/PID of a pid reaped and maybe reused. Raises ProcessLookupError once reaped."""
+        if self._netns < 0:
+            if self.reaped:
+                raise ProcessLookupError(errno.ESRCH, "the job's first process has ended")
+            self._netns = os.open(f"/proc/{self.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        return os.dup(self._netns)
+
     def ended(self, status: int, left: list[int]) -> None:
+        if self._netns >= 0:
+            os.close(self._netns)
+            self._netns = -1
         if not self._ended.done():
             self._ended.set_result((status, left))
 
@@ -149,7 +166,7 @@ class Spawner:
         in_job: bool,
     ) -> Child:
         plan = NOTHING
-        if identity is not None:
+        if identity is not None and not in_job:  # an exec's IPC objects are its running job's
             uid_sweep.sweep_ipc(identity.uid)  # what another uid made and gave this one (IPC_SET)
             plan = self.confinement.plan(gpus)
         read, write = os.pipe()
@@ -197,6 +214,7 @@ class Spawner:
         got = _spawn.reap(child.pid, pidfd)
         if got is None:
             return  # not yet (a spurious wakeup)
+        child.reaped = True
         asyncio.get_running_loop().remove_reader(pidfd)
         os.close(pidfd)
         self._end(child, got, identity, cgroup)
@@ -204,6 +222,7 @@ class Spawner:
     def _wait_in_thread(self, child: Child, identity: SlotIdentity | None, cgroup: SlotCgroup | None) -> None:
         got = _spawn.reap(child.pid, -1, True)
         assert got is not None
+        child.reaped = True  # (the loop's spawns check it: at worst one races it, and _end kills it)
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
             child._ended.get_loop().call_soon_threadsafe(self._end, child, got, identity, cgroup)
 
