@@ -35,7 +35,8 @@ thread's own while their memory is shared):
                  the switch    no_new_privs, no bounding or ambient capabilities, no supplementary
                                groups, all three gids, all three uids, no capability left
                  keyrings      the uid's persistent keyring emptied first, then its user and
-                               user-session keyrings emptied and locked (k_empty_user_keyrings)
+                               user-session keyrings emptied and locked (k_empty_user_keyrings);
+                               not for an exec in a running job (err_fd given): they are its job's
     chdir(cwd)                 as the job's uid: a directory it may not enter fails the start
     execve                     each candidate path in turn, as execvp does with PATH
 
@@ -117,6 +118,7 @@ struct birth {
     long uid, gid;                    /* -1: keep the worker's */
     char **hidden;                    /* device nodes it may not open, NULL-terminated (with a uid) */
     int own_ipc, own_net;             /* an IPC, a network namespace of its own (with a uid) */
+    int in_job;                       /* a command in a running job: its uid's keyrings are the job's */
     const char *volatile step;        /* what it was doing when it failed (NULL: its exec) */
     int caller_waits;                 /* the calling thread waits for its exec (CLONE_VFORK) */
 };
@@ -573,11 +575,13 @@ static int job_child(void *arg)
         if ((r = k_give_up_privileges()) < 0 || (r = k_switch_to(b->uid, b->gid)) < 0 ||
             (r = k_no_capabilities()) < 0)
             fail(b, r);
+        /* A command run inside a running job (an exec) leaves its uid's keyrings alone: they are
+           the running job's, emptied at its own start. */
         b->step = "emptying its uid's persistent keyring";
-        if ((r = k_empty_persistent_keyring()) < 0)
+        if (!b->in_job && (r = k_empty_persistent_keyring()) < 0)
             fail(b, r);
         b->step = "emptying its uid's keyrings";
-        if ((r = k_empty_user_keyrings(b)) < 0)
+        if (!b->in_job && (r = k_empty_user_keyrings(b)) < 0)
             fail(b, r);
         b->step = NULL;
     }
@@ -885,6 +889,7 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     b->stdin_fd = stdin_fd;
     b->out_fd = out_fd;
     b->err_fd = err_fd >= 0 ? err_fd : out_fd;
+    b->in_job = err_fd >= 0; /* only an exec in a job has a stderr of its own */
     b->cgroup_fd = cgroup_fd;
     b->uid = uid;
     b->gid = gid;
