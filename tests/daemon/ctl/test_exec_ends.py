@@ -16,6 +16,8 @@ from pathlib import Path
 import psutil
 
 from daemon.job import JobSpec, JobState
+from daemon.queue import channels, keys
+from daemon.queue.connection import AnyRedis
 from daemon.queue.embedded_redis import EmbeddedRedis
 from tests.daemon.ctl.test_exec import log_text, running_job
 from tests.support.paths import ROOT
@@ -31,6 +33,45 @@ ENDING_JOB = (
 )
 
 
+async def server_gone_ends_an_exec(redis: AnyRedis, env: dict[str, str], job_id: str) -> None:
+    """Issue 49, review findings 1, 3 and 8 on the worker's side: the worker's first entry for a
+    channel says it has taken it (t=1: its server stops telling it again); the input it has read
+    is deleted from Redis (all of it stayed, up to 512 entries); and a channel whose record says
+    its server's heartbeat is past (`alive_until`) is ended, its command killed (it ran on while
+    anything refreshed the record)."""
+    tag = secrets.token_hex(6)
+    command = f"cat > /dev/null; sleep 600; : {tag}"
+    execing = asyncio.ensure_future(
+        poolctl(env, "exec", job_id, "--", "sh", "-c", command, stdin=b"x" * 300_000)
+    )
+    record = ""
+
+    async def opened() -> bool:
+        nonlocal record
+        async for key in redis.scan_iter(match=keys.channel(job_id, "*")):
+            name = key.decode()
+            if await redis.type(name) == b"hash" and tag.encode() in (await redis.hget(name, "argv") or b""):
+                record = name
+        return bool(record)
+
+    await wait_until(opened, 30, "the exec's channel to open")
+    inbound, outbound = record + ":in", record + ":out"
+
+    async def taken() -> bool:  # read, and the command's stdin at its end
+        return await redis.xlen(outbound) > 1 and await redis.xlen(inbound) == 0
+
+    await wait_until(taken, 5, "the worker to delete the input it has read")
+    first = await redis.xrange(outbound, count=1) or []
+    assert [fields for _, fields in first] == [{channels.ACCEPTED: b"1"}]
+    deadline = time.monotonic() + 10
+    while not execing.done() and time.monotonic() < deadline:  # its server's heartbeat: long past
+        await redis.hset(record, "alive_until", str(time.time() - 60))
+        await asyncio.wait({execing}, timeout=0.1)
+    code, _, err = await asyncio.wait_for(execing, 1)
+    assert code == 137
+    assert err == f"poolctl: sh in {job_id}: killed by SIGKILL (its channel's server went away)\n"
+
+
 async def test_an_exec_ends_on_a_realtime_signal_relays_all_to_a_slow_reader_never_outlives_its_job(
     redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
 ) -> None:
@@ -41,7 +82,8 @@ async def test_an_exec_ends_on_a_realtime_signal_relays_all_to_a_slow_reader_nev
       byte the command wrote, and its exit code 0 (it was cut off silently, exit code 0);
     - execs that arrive after a job's last line, while its end is being made (its first process
       reaped, its uid being swept), are refused or killed with it: once the job has ended no
-      process of its uid is left, `setsid -f` ones included (they outlived the job)."""
+      process of its uid is left, `setsid -f` ones included (they outlived the job);
+    - findings 1, 3 and 8: see server_gone_ends_an_exec."""
     async with running_job(redis_server, tmp_path, s3_env) as (pool, job_id, _):
         env = pool.env("alice")
         go = tmp_path / "read now"  # the slow reader reads once the test makes it
@@ -63,6 +105,8 @@ async def test_an_exec_ends_on_a_realtime_signal_relays_all_to_a_slow_reader_nev
         )
         assert (code, out) == (128 + 40, "")
         assert err == f"poolctl: sh in {job_id}: killed by SIGRTMIN+{40 - signal.SIGRTMIN}\n"
+
+        await server_gone_ends_an_exec(pool.queue.redis, env, job_id)
 
         tag = secrets.token_hex(6)
         ending, _ = await pool.queue.enqueue(
