@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
 import shutil
 import signal
@@ -91,50 +92,58 @@ async def test_an_exec_ends_on_a_realtime_signal_relays_all_to_a_slow_reader_nev
             "bash", "-c",
             f"{sys.executable} -m daemon.ctl.cli exec {job_id} -- head -c {OUTPUT_BYTES} /dev/zero "
             f"| (while [ ! -e '{go}' ]; do sleep 0.05; done; wc -c); echo ${{PIPESTATUS[0]}}",
-            env={**env, "PYTHONPATH": str(ROOT)}, stdout=asyncio.subprocess.PIPE,
+            env={**env, "PYTHONPATH": str(ROOT)}, stdout=asyncio.subprocess.PIPE, start_new_session=True,
         )  # fmt: skip
 
-        async def head_started() -> bool:
-            return "[gpupool] exec by alice" in await log_text(pool.queue, job_id)
+        try:
 
-        await wait_until(head_started, 30, "the slow reader's command to start")
-        read_at = time.monotonic() + UNREAD_SECONDS  # its command has ended by then, long since
+            async def head_started() -> bool:
+                return "[gpupool] exec by alice" in await log_text(pool.queue, job_id)
 
-        code, out, err = await asyncio.wait_for(
-            poolctl(env, "exec", job_id, "--", "sh", "-c", "kill -40 $$"), 20
-        )
-        assert (code, out) == (128 + 40, "")
-        assert err == f"poolctl: sh in {job_id}: killed by SIGRTMIN+{40 - signal.SIGRTMIN}\n"
+            await wait_until(head_started, 30, "the slow reader's command to start")
+            read_at = time.monotonic() + UNREAD_SECONDS  # its command has ended by then, long since
 
-        await server_gone_ends_an_exec(pool.queue.redis, env, job_id)
+            code, out, err = await asyncio.wait_for(
+                poolctl(env, "exec", job_id, "--", "sh", "-c", "kill -40 $$"), 20
+            )
+            assert (code, out) == (128 + 40, "")
+            assert err == f"poolctl: sh in {job_id}: killed by SIGRTMIN+{40 - signal.SIGRTMIN}\n"
 
-        tag = secrets.token_hex(6)
-        ending, _ = await pool.queue.enqueue(
-            JobSpec(argv=("sh", "-c", ENDING_JOB.format(tag=tag)), gpus=1, user="alice")
-        )
+            await server_gone_ends_an_exec(pool.queue.redis, env, job_id)
 
-        await wait_state(pool.queue, ending, JobState.RUNNING)
-        # Execs one after another from its start to its end: some arrive while its end is made.
-        stay = f"setsid -f sleep 1000; : {tag}"
-        late: list[asyncio.Future[tuple[int, str, str]]] = []
-        while not (await pool.queue.get(ending)).state.terminal and len(late) < 40:
-            late.append(asyncio.ensure_future(poolctl(env, "exec", ending, "--", "sh", "-c", stay)))
-            await asyncio.sleep(0.15)
-        await wait_state(pool.queue, ending, JobState.SUCCEEDED)
-        await asyncio.gather(*late)
-        assert "last" in (await log_text(pool.queue, ending)).splitlines()
-        stayed = [
-            p
-            for p in psutil.process_iter(["cmdline", "status"])
-            if p.info["cmdline"] == ["sleep", "1000"] and p.info["status"] != psutil.STATUS_ZOMBIE
-        ]
-        for process in stayed:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        assert not stayed, f"{len(stayed)} of {len(late)} late execs outlived their job"
+            tag = secrets.token_hex(6)
+            ending, _ = await pool.queue.enqueue(
+                JobSpec(argv=("sh", "-c", ENDING_JOB.format(tag=tag)), gpus=1, user="alice")
+            )
 
-        await asyncio.sleep(read_at - time.monotonic())
-        go.touch()
-        out_bytes, _ = await asyncio.wait_for(reading.communicate(), 30)
-        assert out_bytes.split() == [str(OUTPUT_BYTES).encode(), b"0"]
+            await wait_state(pool.queue, ending, JobState.RUNNING)
+            # Execs one after another from its start to its end: some arrive while its end is made.
+            stay = f"setsid -f sleep 1000; : {tag}"
+            late: list[asyncio.Future[tuple[int, str, str]]] = []
+            while not (await pool.queue.get(ending)).state.terminal and len(late) < 40:
+                late.append(asyncio.ensure_future(poolctl(env, "exec", ending, "--", "sh", "-c", stay)))
+                await asyncio.sleep(0.15)
+            await wait_state(pool.queue, ending, JobState.SUCCEEDED)
+            await asyncio.gather(*late)
+            assert "last" in (await log_text(pool.queue, ending)).splitlines()
+            stayed = [
+                p
+                for p in psutil.process_iter(["cmdline", "status"])
+                if p.info["cmdline"] == ["sleep", "1000"] and p.info["status"] != psutil.STATUS_ZOMBIE
+            ]
+            for process in stayed:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+            assert not stayed, f"{len(stayed)} of {len(late)} late execs outlived their job"
+
+            await asyncio.sleep(read_at - time.monotonic())
+            go.touch()
+            out_bytes, _ = await asyncio.wait_for(reading.communicate(), 30)
+            assert out_bytes.split() == [str(OUTPUT_BYTES).encode(), b"0"]
+        finally:  # a failed test leaves no reader waiting
+            go.touch()
+            if reading.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(reading.pid, signal.SIGKILL)
+                await reading.wait()
     shutil.rmtree(f"/tmp/gpupool-ending-{tag}", ignore_errors=True)  # the sweep's, were it stopped
