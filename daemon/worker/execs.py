@@ -10,10 +10,17 @@ client, its exit code ends the channel.
 
 It ends when it exits; when its job's first process ends (the job's end ends everything of it
 anyway: its cgroup is killed, or its uid swept); when the server asks (the client cancelled or
-went away: `k`); or when the channel's record expires (its server went away); and, should the
-worker be frozen or killed, its orphan guard kills it as it kills the job (it watches its process
-group under the job's lease). Every command run so is written in the job's log as a line of the
-pool's own.
+went away: `k`); or when its server has gone (the channel's record expired, or its `alive_until`
+heartbeat is past); and, should the worker be frozen or killed, its orphan guard kills it as it
+kills the job (it watches its process group under the job's lease). Every command run so is
+written in the job's log as a line of the pool's own.
+
+None starts once the job's first process has been reaped (spawn.Child.reaped): its end is being
+made then, and what started after the uid's sweep or the cgroup's kill would outlive the job.
+Once the command has exited, its output is relayed to the last byte however slowly its client
+reads; only reaching its pipes' end (a process it left may hold them) is held to DRAIN_SECONDS.
+The worker's first entry says it has taken the channel (channels.ACCEPTED), and it deletes the
+input entries it has read, so Redis holds only what it has not taken yet.
 """
 
 from __future__ import annotations
