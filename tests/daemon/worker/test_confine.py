@@ -11,6 +11,7 @@ import ctypes
 import errno
 import os
 import random
+import signal
 import stat
 import subprocess
 import sys
@@ -491,3 +492,45 @@ def test_the_c_module_confines_only_a_job_with_a_uid(
         _spawn.spawn(
             [b"/bin/true"], [b"true"], [], b"/", 0, 1, -1, -1, -1, False, -100, hidden, own_ipc, own_net
         )
+
+
+KEEP_A_KEY = (
+    KEYCTL
+    + """
+import time
+print(persistent >= 0 and add(persistent, b"alice-p") > 0, flush=True)
+time.sleep(30)
+"""
+)
+
+
+async def test_an_exec_in_a_running_job_leaves_its_keyrings_as_the_job_has_them() -> None:
+    """Issue 49, review finding 7: a command run inside a running job (`poolctl exec`,
+    spawn_in_job) emptied the job's persistent keyring, as a job's own start does; it now leaves
+    the job's keyrings alone: the key the job put there is still there for it."""
+    uid = random.randrange(62000, 63000)
+    slot = SlotIdentity(uid, uid)
+    async with spawner_of() as spawner:
+        running = spawner.spawn(["python3", "-c", KEEP_A_KEY], cwd=Path("/"), env=ENV, identity=slot, gpus=())
+        try:
+            with os.fdopen(running.output, "rb") as said:
+                kept = await asyncio.wait_for(asyncio.to_thread(said.readline), 30)
+                if kept != b"True\n":
+                    pytest.skip(f"this kernel has no persistent keyrings ({kept!r})")
+                find = KEYCTL + "print(keys(persistent))"
+                execd = spawner.spawn_in_job(
+                    ["python3", "-c", find],
+                    cwd=Path("/"),
+                    env=ENV,
+                    identity=slot,
+                    cgroup=None,
+                    gpus=(),
+                    stdin=None,
+                )
+                os.close(execd.errors)
+                assert await asyncio.to_thread(read_all, execd.output) == "1\n"
+                assert await asyncio.wait_for(execd.wait(), 30) == 0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(running.pid, signal.SIGKILL)
+            await asyncio.wait_for(running.wait(), 30)
