@@ -193,6 +193,7 @@ class ExecCommand:
                 cgroup=run.cgroup,
                 gpus=None if None in minors else {m for m in minors if m is not None},
                 stdin=stdin_read if self.stdin else None,
+                job=job,
             )
         except OSError as exc:
             if stdin_write >= 0:

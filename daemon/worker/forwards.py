@@ -5,7 +5,7 @@ Each channel is one connection, to 127.0.0.1:PORT as the job sees it: the worker
 when the job shares the worker's network namespace, the job's when it has one of its own
 (`job_network = "private"`). There the socket is made by a thread of its own that joins the
 job's namespace (setns(2) on the job's first process's namespace, held open from the first forward into it
-while that process was unreaped: spawn.Child.netns), connects, and ends:
+while that process was unreaped: spawn.Child.namespace), connects, and ends:
 a socket keeps the namespace it was made in, and the thread, in a namespace not the worker's,
 serves nothing else (never a pool's thread, which would go on to run the worker's own work there).
 
@@ -62,7 +62,7 @@ class Forward(ExecCommand):
         job = self.run_.first_process
         assert job is not None
         try:
-            sock = await connect_in_job(job.netns(), self.port)
+            sock = await connect_in_job(job.namespace("net"), self.port)
         except OSError as exc:
             why = f"cannot connect to port {self.port} inside the job: {exc.strerror or exc}"
             log.info("forward by %s in job %s: %s", user, self.job_id, why)
@@ -102,7 +102,7 @@ class Forward(ExecCommand):
 
 async def connect_in_job(theirs: int, port: int) -> socket.socket:
     """A connected, non-blocking socket to 127.0.0.1:`port` in network namespace `theirs` (a
-    descriptor, closed here: the job's, Child.netns)."""
+    descriptor, closed here: the job's, Child.namespace)."""
     loop = asyncio.get_running_loop()
     try:
         if os.fstat(theirs).st_ino == os.stat("/proc/self/ns/net").st_ino:  # the worker's own

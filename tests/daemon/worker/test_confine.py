@@ -427,6 +427,29 @@ async def test_with_a_private_network_a_job_reaches_no_other_jobs_sockets(networ
     assert out.split() == [reached, reached, "reached"]
 
 
+async def test_an_exec_in_a_job_with_a_private_network_reaches_the_jobs_loopback() -> None:
+    """Issue 49, review finding 6: a command run inside a running job (spawn_in_job) joins the
+    job's network and IPC namespaces; with `job_network = "private"` it made new ones, and could
+    not reach what the job serves on its loopback (a Jupyter, a TensorBoard) nor its abstract
+    unix sockets."""
+    async with spawner_of(Confinement("private")) as spawner:
+        listener = spawner.spawn(["python3", "-c", LISTEN], cwd=Path("/"), env=ENV, identity=ALICE)
+        with os.fdopen(listener.output, "rb") as listening:
+            port = int(listening.readline())
+            try:
+                child = spawner.spawn_in_job(
+                    ["python3", "-c", CONNECT, str(port)], cwd=Path("/"), env=ENV, identity=ALICE,
+                    cgroup=None, gpus=(), stdin=None, job=listener,
+                )  # fmt: skip
+                os.close(child.errors)
+                out = await asyncio.to_thread(read_all, child.output)
+                assert await asyncio.wait_for(child.wait(), 30) == 0, out
+            finally:
+                os.killpg(listener.pid, 9)
+                await asyncio.wait_for(listener.wait(), 30)
+    assert out.split() == ["reached", "reached", "reached"]
+
+
 CAP_SYS_ADMIN = 21
 
 
@@ -526,6 +549,7 @@ async def test_an_exec_in_a_running_job_leaves_its_keyrings_as_the_job_has_them(
                     cgroup=None,
                     gpus=(),
                     stdin=None,
+                    job=running,
                 )
                 os.close(execd.errors)
                 assert await asyncio.to_thread(read_all, execd.output) == "1\n"
