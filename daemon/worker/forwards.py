@@ -24,12 +24,14 @@ import contextlib
 import ctypes
 import logging
 import os
+import platform
 import socket
 import threading
 
 from daemon.queue import channels
 from daemon.queue.connection import AnyRedis
 from daemon.worker.execs import ExecCommand
+from daemon.worker.identity import SlotIdentity
 from daemon.worker.runner import JobRun
 from daemon.worker.spawn import Spawner
 
@@ -62,7 +64,7 @@ class Forward(ExecCommand):
         job = self.run_.first_process
         assert job is not None
         try:
-            sock = await connect_in_job(job.namespace("net"), self.port)
+            sock = await connect_in_job(job.namespace("net"), self.port, self.run_.identity)
         except OSError as exc:
             why = f"cannot connect to port {self.port} inside the job: {exc.strerror or exc}"
             log.info("forward by %s in job %s: %s", user, self.job_id, why)
@@ -100,12 +102,14 @@ class Forward(ExecCommand):
             writer.write_eof()
 
 
-async def connect_in_job(theirs: int, port: int) -> socket.socket:
+async def connect_in_job(theirs: int, port: int, identity: SlotIdentity | None = None) -> socket.socket:
     """A connected, non-blocking socket to 127.0.0.1:`port` in network namespace `theirs` (a
-    descriptor, closed here: the job's, Child.namespace)."""
+    descriptor, closed here: the job's, Child.namespace), made as `identity`'s uid when given
+    (the job's: the host's rules by uid apply to it as to the job's own sockets)."""
     loop = asyncio.get_running_loop()
     try:
-        if os.fstat(theirs).st_ino == os.stat("/proc/self/ns/net").st_ino:  # the worker's own
+        own = os.fstat(theirs).st_ino == os.stat("/proc/self/ns/net").st_ino
+        if own and (identity is None or _SET_IDS is None):  # the worker's namespace, as itself
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setblocking(False)
             try:
@@ -115,7 +119,8 @@ async def connect_in_job(theirs: int, port: int) -> socket.socket:
                 raise
             return sock
         made: asyncio.Future[socket.socket] = loop.create_future()
-        thread = threading.Thread(target=_connect_in, args=(theirs, port, loop, made), daemon=True)
+        ids = (identity.uid, identity.gid) if identity is not None else None
+        thread = threading.Thread(target=_connect_in, args=(theirs, port, ids, loop, made), daemon=True)
         thread.start()
         theirs = -1  # the thread's to close
         return await made
@@ -125,10 +130,15 @@ async def connect_in_job(theirs: int, port: int) -> socket.socket:
 
 
 def _connect_in(
-    netns: int, port: int, loop: asyncio.AbstractEventLoop, made: asyncio.Future[socket.socket]
+    netns: int,
+    port: int,
+    ids: tuple[int, int] | None,
+    loop: asyncio.AbstractEventLoop,
+    made: asyncio.Future[socket.socket],
 ) -> None:
-    """A thread's whole life: join namespace `netns` (closed here), connect to `port` there, and
-    hand the socket (or the OSError) to `made` on `loop`. The thread ends in that namespace."""
+    """A thread's whole life: join namespace `netns` (closed here), become uid and gid `ids` (this
+    thread only: raw system calls, which glibc's wrappers would make every thread's), connect to
+    `port` there, and hand the socket (or the OSError) to `made` on `loop`. The thread ends so."""
     result: socket.socket | OSError
     try:
         try:
@@ -137,10 +147,19 @@ def _connect_in(
                 raise OSError(err, f"cannot enter the job's network namespace: {os.strerror(err)}")
         finally:
             os.close(netns)
+        if ids is not None and _SET_IDS is not None:
+            setgroups, setresgid, setresuid = _SET_IDS
+            uid, gid = ids
+            for call, args in ((setgroups, (0, None)), (setresgid, (gid,) * 3), (setresuid, (uid,) * 3)):
+                if _libc.syscall(call, *args) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"cannot become the job's uid: {os.strerror(err)}")
         result = socket.create_connection(("127.0.0.1", port), timeout=CONNECT_SECONDS)
         result.setblocking(False)
     except OSError as exc:
         result = exc
+    except Exception as exc:  # noqa: BLE001 - any failure must reach its waiter, which else waits for good
+        result = OSError(f"cannot connect: {exc}")
     with contextlib.suppress(RuntimeError):  # the loop has closed: the worker is gone
         loop.call_soon_threadsafe(_hand_over, made, result)
 
@@ -155,6 +174,14 @@ def _hand_over(made: asyncio.Future[socket.socket], result: socket.socket | OSEr
         made.set_result(result)
 
 
-_setns = ctypes.CDLL(None, use_errno=True).setns
+_libc = ctypes.CDLL(None, use_errno=True)
+_setns = _libc.setns
 _setns.argtypes = (ctypes.c_int, ctypes.c_int)
 _setns.restype = ctypes.c_int
+# setgroups, setresgid, setresuid: the raw system calls' numbers (None: another machine, where the
+# socket is made as the worker's own uid)
+_SET_IDS: tuple[int, int, int] | None = {"x86_64": (116, 119, 117), "aarch64": (159, 149, 147)}.get(
+    platform.machine()
+)
+"".encode("idna")  # loaded now: socket.connect encodes its host so, in a thread that, as a job's
+# uid, may no longer read Python's own files

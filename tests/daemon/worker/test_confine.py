@@ -12,6 +12,7 @@ import errno
 import os
 import random
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from daemon.job import JobState
 from daemon.queue.job_queue import JobQueue
 from daemon.worker import _spawn
 from daemon.worker.confine import Confinement
+from daemon.worker.forwards import connect_in_job
 from daemon.worker.gpus import GpuInfo
 from daemon.worker.identity import IdentityError, SlotIdentity
 from daemon.worker.spawn import Spawner
@@ -558,3 +560,18 @@ async def test_an_exec_in_a_running_job_leaves_its_keyrings_as_the_job_has_them(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(running.pid, signal.SIGKILL)
             await asyncio.wait_for(running.wait(), 30)
+
+
+async def test_a_forwards_connection_into_a_job_is_made_as_the_jobs_uid() -> None:
+    """Issue 49, review finding 10: a forward's connection to a port inside a job was made by the
+    root worker, so the host's rules by uid (an owner match in its firewall) never applied to it;
+    it is made as the job's uid, as the job's own sockets are (the kernel's socket table says)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        ours = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        with await connect_in_job(ours, listener.getsockname()[1], ALICE) as made:
+            local = f"0100007F:{made.getsockname()[1]:04X}"
+            with open("/proc/net/tcp") as table:
+                owners = [line.split()[7] for line in table if line.split()[1] == local]
+    assert owners == [str(ALICE.uid)]
