@@ -3,11 +3,12 @@ channel of kind "forward".
 
 Each channel is one connection, to 127.0.0.1:PORT as the job sees it: the worker's own loopback
 when the job shares the worker's network namespace, the job's when it has one of its own
-(`job_network = "private"`). There the socket is made by a thread of its own that joins the
-job's namespace (setns(2) on the job's first process's namespace, held open from the first forward into it
-while that process was unreaped: spawn.Child.namespace), connects, and ends:
-a socket keeps the namespace it was made in, and the thread, in a namespace not the worker's,
-serves nothing else (never a pool's thread, which would go on to run the worker's own work there).
+(`job_network = "private"`). The socket is made by a thread of its own that joins the job's
+namespace (setns(2) on the job's first process's, held open from the first forward into it while
+that process was unreaped: spawn.Child.namespace), becomes the job's uid (so the host's rules by
+uid apply to it as to the job's own sockets), connects, and ends: a socket keeps the namespace
+and owner it was made with, and the thread, no longer the worker's, serves nothing else (never a
+pool's thread, which would go on to run the worker's own work so).
 
 Bytes go both ways through the channel's Streams, held to its windows as an exec's output and
 input are (execs.py, whose relaying this reuses): what the job's end of the connection sends
