@@ -40,6 +40,7 @@ from protocol import CHANNEL_WINDOW
 OUT_WINDOW: Final = CHANNEL_WINDOW
 OUT_ENTRIES: Final = 64
 IN_ENTRIES: Final = 64
+ACCEPTED: Final = b"t"  # the worker's first entry in `out`: it has the channel (nothing to relay)
 READ_CHUNK: Final = 64 * 1024  # the most one output entry carries
 # At most this many entries of a Stream are unread: OUT_ENTRIES of output and IN_ENTRIES of
 # credit (out), or IN_ENTRIES of input and OUT_ENTRIES acknowledgements (in), and a few of

@@ -35,7 +35,8 @@ thread's own while their memory is shared):
                  the switch    no_new_privs, no bounding or ambient capabilities, no supplementary
                                groups, all three gids, all three uids, no capability left
                  keyrings      the uid's persistent keyring emptied first, then its user and
-                               user-session keyrings emptied and locked (k_empty_user_keyrings)
+                               user-session keyrings emptied and locked (k_empty_user_keyrings);
+                               not for an exec in a running job (err_fd given): they are its job's
     chdir(cwd)                 as the job's uid: a directory it may not enter fails the start
     execve                     each candidate path in turn, as execvp does with PATH
 
@@ -117,6 +118,8 @@ struct birth {
     long uid, gid;                    /* -1: keep the worker's */
     char **hidden;                    /* device nodes it may not open, NULL-terminated (with a uid) */
     int own_ipc, own_net;             /* an IPC, a network namespace of its own (with a uid) */
+    int in_job;                       /* a command in a running job: its uid's keyrings are the job's */
+    int net_fd, ipc_fd;               /* (in a job) its job's network, IPC namespaces to join, or -1 */
     const char *volatile step;        /* what it was doing when it failed (NULL: its exec) */
     int caller_waits;                 /* the calling thread waits for its exec (CLONE_VFORK) */
 };
@@ -560,6 +563,11 @@ static int job_child(void *arg)
     if ((r = k_dup_onto(b->stdin_fd, 0)) < 0 || (r = k_dup_onto(b->out_fd, 1)) < 0 ||
         (r = k_dup_onto(b->err_fd, 2)) < 0)
         fail(b, r);
+    b->step = "joining its job's namespaces"; /* before their descriptors are closed */
+    if ((b->net_fd >= 0 && (r = k_call(SYS_setns, b->net_fd, CLONE_NEWNET, 0, 0, 0)) < 0) ||
+        (b->ipc_fd >= 0 && (r = k_call(SYS_setns, b->ipc_fd, CLONE_NEWIPC, 0, 0, 0)) < 0))
+        fail(b, r);
+    b->step = NULL;
 #ifdef SYS_close_range
     (void)k_call(SYS_close_range, 3, ~0U, 0, 0, 0); /* ENOSYS before 5.9: all is close-on-exec */
 #endif
@@ -573,11 +581,13 @@ static int job_child(void *arg)
         if ((r = k_give_up_privileges()) < 0 || (r = k_switch_to(b->uid, b->gid)) < 0 ||
             (r = k_no_capabilities()) < 0)
             fail(b, r);
+        /* A command run inside a running job (an exec) leaves its uid's keyrings alone: they are
+           the running job's, emptied at its own start. */
         b->step = "emptying its uid's persistent keyring";
-        if ((r = k_empty_persistent_keyring()) < 0)
+        if (!b->in_job && (r = k_empty_persistent_keyring()) < 0)
             fail(b, r);
         b->step = "emptying its uid's keyrings";
-        if ((r = k_empty_user_keyrings(b)) < 0)
+        if (!b->in_job && (r = k_empty_user_keyrings(b)) < 0)
             fail(b, r);
         b->step = NULL;
     }
@@ -683,7 +693,7 @@ static struct birth *new_birth(size_t extra)
     memset(b, 0, sizeof *b);
     b->size = size;
     b->alive = 1;
-    b->stdin_fd = b->out_fd = b->err_fd = b->cgroup_fd = -1;
+    b->stdin_fd = b->out_fd = b->err_fd = b->cgroup_fd = b->net_fd = b->ipc_fd = -1;
     b->nice = NO_NICE;
     b->uid = b->gid = -1;
     return b;
@@ -813,7 +823,7 @@ static char **take_array(char **at, PyObject *seq)
 
 PyDoc_STRVAR(spawn_doc,
 "spawn(paths, argv, envp, cwd, stdin_fd, out_fd, uid, gid, cgroup_fd, born_in, nice, hidden, own_ipc,\n"
-"      own_net, err_fd=-1) -> (pid, pidfd)\n\n"
+"      own_net, err_fd=-1, net_fd=-1, ipc_fd=-1) -> (pid, pidfd)\n\n"
 "Start the first of `paths` that execs (bytes each; argv and envp lists of bytes, envp as\n"
 "b'KEY=value') in `cwd`, in a session of its own, with stdin from `stdin_fd` and stdout and\n"
 "stderr into `out_fd` (stderr into `err_fd` instead unless -1), as `uid`/`gid` unless -1 (then without privileges to gain), in the cgroup\n"
@@ -823,7 +833,8 @@ PyDoc_STRVAR(spawn_doc,
 "`own_ipc`, a network namespace with only its loopback if `own_net`, and the device nodes\n"
 "`hidden` (paths, bytes) made unopenable in a mount namespace of its own. Returns at once\n"
 "(x86-64); whether it could start, `reap` tells. pidfd is -1 on a kernel without pidfds.\n"
-"Raises OSError when no process could be made.");
+"Raises OSError when no process could be made. `net_fd`, `ipc_fd` unless -1: namespaces it joins\n"
+"first (a running job's, for a command run in it; then pass own_net and own_ipc false).");
 
 static PyObject *spawn(PyObject *self, PyObject *args)
 {
@@ -831,11 +842,11 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     const char *cwd;
     Py_ssize_t cwd_len;
     PyObject *hidden_obj;
-    int stdin_fd, out_fd, cgroup_fd, born_in, nice, own_ipc, own_net, err_fd = -1;
+    int stdin_fd, out_fd, cgroup_fd, born_in, nice, own_ipc, own_net, err_fd = -1, net_fd = -1, ipc_fd = -1;
     long uid, gid;
-    if (!PyArg_ParseTuple(args, "OOOy#iillipiOpp|i", &paths_obj, &argv_obj, &envp_obj, &cwd, &cwd_len,
+    if (!PyArg_ParseTuple(args, "OOOy#iillipiOpp|iii", &paths_obj, &argv_obj, &envp_obj, &cwd, &cwd_len,
                           &stdin_fd, &out_fd, &uid, &gid, &cgroup_fd, &born_in, &nice, &hidden_obj, &own_ipc,
-                          &own_net, &err_fd))
+                          &own_net, &err_fd, &net_fd, &ipc_fd))
         return NULL;
     if (nice != NO_NICE && (nice < -20 || nice > 19)) {
         PyErr_SetString(PyExc_ValueError, "spawn: a niceness from -20 to 19, or -100 (the caller's)");
@@ -885,6 +896,9 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     b->stdin_fd = stdin_fd;
     b->out_fd = out_fd;
     b->err_fd = err_fd >= 0 ? err_fd : out_fd;
+    b->in_job = err_fd >= 0; /* only an exec in a job has a stderr of its own */
+    b->net_fd = net_fd;
+    b->ipc_fd = ipc_fd;
     b->cgroup_fd = cgroup_fd;
     b->uid = uid;
     b->gid = gid;

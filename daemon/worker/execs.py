@@ -10,10 +10,17 @@ client, its exit code ends the channel.
 
 It ends when it exits; when its job's first process ends (the job's end ends everything of it
 anyway: its cgroup is killed, or its uid swept); when the server asks (the client cancelled or
-went away: `k`); or when the channel's record expires (its server went away); and, should the
-worker be frozen or killed, its orphan guard kills it as it kills the job (it watches its process
-group under the job's lease). Every command run so is written in the job's log as a line of the
-pool's own.
+went away: `k`); or when its server has gone (the channel's record expired, or its `alive_until`
+heartbeat is past); and, should the worker be frozen or killed, its orphan guard kills it as it
+kills the job (it watches its process group under the job's lease). Every command run so is
+written in the job's log as a line of the pool's own.
+
+None starts once the job's first process has been reaped (spawn.Child.reaped): its end is being
+made then, and what started after the uid's sweep or the cgroup's kill would outlive the job.
+Once the command has exited, its output is relayed to the last byte however slowly its client
+reads; only reaching its pipes' end (a process it left may hold them) is held to DRAIN_SECONDS.
+The worker's first entry says it has taken the channel (channels.ACCEPTED), and it deletes the
+input entries it has read, so Redis holds only what it has not taken yet.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import errno
 import logging
 import os
 import signal
+import time
 from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any, cast
@@ -39,7 +47,8 @@ from daemon.worker.spawn import Child, Spawner
 
 log = logging.getLogger(__name__)
 
-DRAIN_SECONDS = 5.0  # after the command ends, how long its last output may take to be relayed
+DRAIN_SECONDS = 5.0  # after the command ends, how long its pipes may stay open without their end
+DRAIN_POLL = 0.25  # how often, once the command has ended, to look whether its pipes are stuck
 JOB_END_SECONDS = 0.5  # how long a killed command's job may take to be seen ending with it
 
 
@@ -50,8 +59,17 @@ def exit_status(child: Child, status: int, argv: list[str]) -> tuple[int, str]:
         missing = child.start_error.errno == errno.ENOENT
         return (127 if missing else 126), f"cannot run {argv[0]}: {child.start_error.strerror}"
     if status < 0:
-        return 128 - status, f"killed by {signal.Signals(-status).name}"
+        return 128 - status, f"killed by {signal_name(-status)}"
     return status, "exited"
+
+
+def signal_name(number: int) -> str:
+    """The name of signal `number`: SIGTERM, SIGRTMIN+6 (real-time signals have no name of their own)."""
+    with contextlib.suppress(ValueError):
+        return signal.Signals(number).name
+    if signal.SIGRTMIN <= number <= signal.SIGRTMAX:
+        return f"SIGRTMIN+{number - signal.SIGRTMIN}"
+    return f"signal {number}"
 
 
 class Execs:
@@ -84,7 +102,7 @@ class Execs:
             run = held.run
             if held.lease.job_id == job_id and held.phase is Phase.RUNNING and isinstance(run, JobRun):
                 first = run.first_process
-                if first is not None and first.returncode is None:
+                if first is not None and not first.reaped:  # once reaped, its end is being made
                     return run
         return None
 
@@ -93,6 +111,8 @@ class Execs:
             await self._serve_in(job_id, session)
         except (RedisError, OSError) as exc:  # the channel's, not the worker's: it goes on
             log.warning("channel %s into job %s failed: %s", session, job_id, exc)
+        except Exception:  # a fault of this module's: the channel's all the same (its end is written)
+            log.exception("channel %s into job %s failed", session, job_id)
 
     async def _serve_in(self, job_id: str, session: str) -> None:
         # Taken once: its server tells again when it has not heard from the worker yet (channels.py).
@@ -107,8 +127,10 @@ class Execs:
             return  # expired: its server has gone
         if not first:
             return  # served already, by this worker's first telling
-        run = self._run_of(job_id)
         out = keys.channel_out(job_id, session)
+        await channels.append(self.redis, out, {channels.ACCEPTED: b"1"})  # its server stops telling
+        # From here to the command's start, nothing awaits: the job cannot be reaped in between.
+        run = self._run_of(job_id)
         if run is None:
             why = "the job is not running on its worker any more"
             await channels.append(self.redis, out, {b"x": b"", b"r": why.encode()})
@@ -141,11 +163,19 @@ class ExecCommand:
         self._unread_bytes = 0
         self._taken = asyncio.Event()  # the server took some output
         self._input: asyncio.Queue[bytes | None] = asyncio.Queue()  # for stdin; None: its end
+        self._reading: dict[bytes, float] = {}  # pumps waiting for their pipe: since when (loop time)
 
     async def run(self, spawner: Spawner, user: str) -> None:
-        code, why = await self._run(spawner, user)
-        log.info("exec by %s in job %s ended: %s (%d)", user, self.job_id, why, code)
-        await channels.append(self.redis, self.out, {b"x": str(code).encode(), b"r": why.encode()})
+        """Run the command until it has ended, then write its end: always, whatever failed (its
+        server waits for that entry until the job ends)."""
+        code, why = b"", "the worker failed to relay it"
+        try:
+            status, why = await self._run(spawner, user)
+            code = str(status).encode()
+            log.info("exec by %s in job %s ended: %s (%d)", user, self.job_id, why, status)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(channels.append(self.redis, self.out, {b"x": code, b"r": why.encode()}))
 
     async def _run(self, spawner: Spawner, user: str) -> tuple[int, str]:
         run = self.run_
@@ -162,6 +192,7 @@ class ExecCommand:
                 cgroup=run.cgroup,
                 gpus=None if None in minors else {m for m in minors if m is not None},
                 stdin=stdin_read if self.stdin else None,
+                job=job,
             )
         except OSError as exc:
             if stdin_write >= 0:
@@ -208,14 +239,29 @@ class ExecCommand:
             if status < 0 and killed_why is None:  # killed: by its job's end, the job's cgroup?
                 await asyncio.wait({job_ended}, timeout=JOB_END_SECONDS)
                 killed_why = "the job ended" if job_ended.done() else None
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*pumps), DRAIN_SECONDS)
+            await self._drain(pumps, inbound)
             code, why = exit_status(child, status, self.argv)
             return (code, f"{why} ({killed_why})") if killed_why else (code, why)
         finally:
             job_ended.cancel()
             if not ended.done():  # this task was cancelled (the worker stops): the command goes too
                 _kill_group(child.pid)
+
+    async def _drain(self, pumps: list[asyncio.Task[None]], inbound: asyncio.Future[str]) -> None:
+        """Once the command has ended: wait until its pumps have relayed all it wrote. Only
+        reaching their pipes' end is held to DRAIN_SECONDS (a process it left, detached, may keep
+        them open); waiting for the client to take the output is not (a slow reader gets every
+        byte), and ends only when the server asks (`k`) or has gone."""
+        loop = asyncio.get_running_loop()
+        ended_at = loop.time()
+        pending: set[asyncio.Future[Any]] = set(pumps)
+        while pending - {inbound}:
+            if inbound.done():
+                return
+            _, pending = await asyncio.wait(pending | {inbound}, timeout=DRAIN_POLL)
+            now = loop.time()
+            if any(now - max(since, ended_at) >= DRAIN_SECONDS for since in self._reading.values()):
+                return
 
     async def _pump(self, fd: int, tag: bytes) -> None:
         """Relay pipe `fd` as entries `tag=BYTES`, within the window the server acknowledges."""
@@ -235,7 +281,11 @@ class ExecCommand:
             while self._unread_bytes >= channels.OUT_WINDOW or len(self._unread) >= channels.OUT_ENTRIES:
                 self._taken.clear()
                 await self._taken.wait()
-            data = await reader.read(min(channels.READ_CHUNK, channels.OUT_WINDOW - self._unread_bytes))
+            self._reading[tag] = asyncio.get_running_loop().time()
+            try:
+                data = await reader.read(min(channels.READ_CHUNK, channels.OUT_WINDOW - self._unread_bytes))
+            finally:
+                del self._reading[tag]
             if not data:
                 return
             self._unread.append(len(data))
@@ -244,14 +294,18 @@ class ExecCommand:
 
     async def _inbound(self) -> str:
         """Read what the server relays until it asks for a kill; returns why. Also returns when
-        the channel's record has gone (its server went away)."""
+        its server has gone: the channel's record gone, or its `alive_until` (the server's
+        heartbeat, epoch seconds) past. Each entry read is deleted: Redis holds only what the
+        worker has not taken yet."""
         record = keys.channel(self.job_id, self.session)
         source = keys.channel_in(self.job_id, self.session)
         after = "0-0"
         while True:
             entries = await channels.read(self.redis, source, after)
-            if not entries and not await self.redis.exists(record):
+            if not entries and not await self._server_alive(record):
                 return "its channel's server went away"
+            if entries:
+                await self.redis.xdel(source, *(entry_id for entry_id, _ in entries))
             for entry_id, fields in entries:
                 after = entry_id.decode()
                 if (data := fields.get(b"d")) is not None:
@@ -264,6 +318,12 @@ class ExecCommand:
                     self._taken.set()
                 elif (why := fields.get(b"k")) is not None:
                     return why.decode()
+
+    async def _server_alive(self, record: str) -> bool:
+        kind, alive_until = await self.redis.hmget(record, ["kind", "alive_until"])
+        if kind is None:
+            return False  # the record expired, or its server deleted it
+        return alive_until is None or float(alive_until) >= time.time()
 
     async def _feed(self, fd: int) -> None:
         """Write the client's input into the command's stdin, crediting each piece once written (or

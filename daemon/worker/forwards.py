@@ -3,10 +3,12 @@ channel of kind "forward".
 
 Each channel is one connection, to 127.0.0.1:PORT as the job sees it: the worker's own loopback
 when the job shares the worker's network namespace, the job's when it has one of its own
-(`job_network = "private"`). There the socket is made by a thread of its own that joins the
-job's namespace (setns(2) on /proc/PID/ns/net of the job's first process), connects, and ends:
-a socket keeps the namespace it was made in, and the thread, in a namespace not the worker's,
-serves nothing else (never a pool's thread, which would go on to run the worker's own work there).
+(`job_network = "private"`). The socket is made by a thread of its own that joins the job's
+namespace (setns(2) on the job's first process's, held open from the first forward into it while
+that process was unreaped: spawn.Child.namespace), becomes the job's uid (so the host's rules by
+uid apply to it as to the job's own sockets), connects, and ends: a socket keeps the namespace
+and owner it was made with, and the thread, no longer the worker's, serves nothing else (never a
+pool's thread, which would go on to run the worker's own work so).
 
 Bytes go both ways through the channel's Streams, held to its windows as an exec's output and
 input are (execs.py, whose relaying this reuses): what the job's end of the connection sends
@@ -23,12 +25,14 @@ import contextlib
 import ctypes
 import logging
 import os
+import platform
 import socket
 import threading
 
 from daemon.queue import channels
 from daemon.queue.connection import AnyRedis
 from daemon.worker.execs import ExecCommand
+from daemon.worker.identity import SlotIdentity
 from daemon.worker.runner import JobRun
 from daemon.worker.spawn import Spawner
 
@@ -48,16 +52,20 @@ class Forward(ExecCommand):
     async def run(self, spawner: Spawner, user: str) -> None:
         """Relay the connection until it ends, then its end (`spawner`: none is started)."""
         del spawner
-        code, why = await self._connected(user)
-        log.info("forward by %s to port %d in job %s ended: %s", user, self.port, self.job_id, why)
-        await channels.append(self.redis, self.out, {b"x": code, b"r": why.encode()})
+        code, why = b"", "the worker failed to relay it"
+        try:
+            code, why = await self._connected(user)
+            log.info("forward by %s to port %d in job %s ended: %s", user, self.port, self.job_id, why)
+        finally:  # always: its server waits for this entry until the job ends
+            with contextlib.suppress(Exception):
+                await asyncio.shield(channels.append(self.redis, self.out, {b"x": code, b"r": why.encode()}))
 
     async def _connected(self, user: str) -> tuple[bytes, str]:
         """The connection relayed until it ends: its exit code (b"0" closed, b"" never open) and why."""
         job = self.run_.first_process
         assert job is not None
         try:
-            sock = await connect_in_job(job.pid, self.port)
+            sock = await connect_in_job(job.namespace("net"), self.port, self.run_.identity)
         except OSError as exc:
             why = f"cannot connect to port {self.port} inside the job: {exc.strerror or exc}"
             log.info("forward by %s in job %s: %s", user, self.job_id, why)
@@ -95,13 +103,14 @@ class Forward(ExecCommand):
             writer.write_eof()
 
 
-async def connect_in_job(pid: int, port: int) -> socket.socket:
-    """A connected, non-blocking socket to 127.0.0.1:`port` in the network namespace of process
-    `pid` (a job's first process, the worker's child: its pid is not reused while it is unreaped)."""
+async def connect_in_job(theirs: int, port: int, identity: SlotIdentity | None = None) -> socket.socket:
+    """A connected, non-blocking socket to 127.0.0.1:`port` in network namespace `theirs` (a
+    descriptor, closed here: the job's, Child.namespace), made as `identity`'s uid when given
+    (the job's: the host's rules by uid apply to it as to the job's own sockets)."""
     loop = asyncio.get_running_loop()
-    theirs = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if os.fstat(theirs).st_ino == os.stat("/proc/self/ns/net").st_ino:  # the worker's own
+        own = os.fstat(theirs).st_ino == os.stat("/proc/self/ns/net").st_ino
+        if own and (identity is None or _SET_IDS is None):  # the worker's namespace, as itself
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setblocking(False)
             try:
@@ -111,7 +120,8 @@ async def connect_in_job(pid: int, port: int) -> socket.socket:
                 raise
             return sock
         made: asyncio.Future[socket.socket] = loop.create_future()
-        thread = threading.Thread(target=_connect_in, args=(theirs, port, loop, made), daemon=True)
+        ids = (identity.uid, identity.gid) if identity is not None else None
+        thread = threading.Thread(target=_connect_in, args=(theirs, port, ids, loop, made), daemon=True)
         thread.start()
         theirs = -1  # the thread's to close
         return await made
@@ -121,10 +131,15 @@ async def connect_in_job(pid: int, port: int) -> socket.socket:
 
 
 def _connect_in(
-    netns: int, port: int, loop: asyncio.AbstractEventLoop, made: asyncio.Future[socket.socket]
+    netns: int,
+    port: int,
+    ids: tuple[int, int] | None,
+    loop: asyncio.AbstractEventLoop,
+    made: asyncio.Future[socket.socket],
 ) -> None:
-    """A thread's whole life: join namespace `netns` (closed here), connect to `port` there, and
-    hand the socket (or the OSError) to `made` on `loop`. The thread ends in that namespace."""
+    """A thread's whole life: join namespace `netns` (closed here), become uid and gid `ids` (this
+    thread only: raw system calls, which glibc's wrappers would make every thread's), connect to
+    `port` there, and hand the socket (or the OSError) to `made` on `loop`. The thread ends so."""
     result: socket.socket | OSError
     try:
         try:
@@ -133,10 +148,19 @@ def _connect_in(
                 raise OSError(err, f"cannot enter the job's network namespace: {os.strerror(err)}")
         finally:
             os.close(netns)
+        if ids is not None and _SET_IDS is not None:
+            setgroups, setresgid, setresuid = _SET_IDS
+            uid, gid = ids
+            for call, args in ((setgroups, (0, None)), (setresgid, (gid,) * 3), (setresuid, (uid,) * 3)):
+                if _libc.syscall(call, *args) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"cannot become the job's uid: {os.strerror(err)}")
         result = socket.create_connection(("127.0.0.1", port), timeout=CONNECT_SECONDS)
         result.setblocking(False)
     except OSError as exc:
         result = exc
+    except Exception as exc:  # noqa: BLE001 - any failure must reach its waiter, which else waits for good
+        result = OSError(f"cannot connect: {exc}")
     with contextlib.suppress(RuntimeError):  # the loop has closed: the worker is gone
         loop.call_soon_threadsafe(_hand_over, made, result)
 
@@ -151,6 +175,14 @@ def _hand_over(made: asyncio.Future[socket.socket], result: socket.socket | OSEr
         made.set_result(result)
 
 
-_setns = ctypes.CDLL(None, use_errno=True).setns
+_libc = ctypes.CDLL(None, use_errno=True)
+_setns = _libc.setns
 _setns.argtypes = (ctypes.c_int, ctypes.c_int)
 _setns.restype = ctypes.c_int
+# setgroups, setresgid, setresuid: the raw system calls' numbers (None: another machine, where the
+# socket is made as the worker's own uid)
+_SET_IDS: tuple[int, int, int] | None = {"x86_64": (116, 119, 117), "aarch64": (159, 149, 147)}.get(
+    platform.machine()
+)
+"".encode("idna")  # loaded now: socket.connect encodes its host so, in a thread that, as a job's
+# uid, may no longer read Python's own files

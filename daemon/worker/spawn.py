@@ -17,6 +17,8 @@ Without either (a single user's worker), what is left is the runner's to find (l
 
 A job with a uid of its own is also confined before its exec (confine.py): only its GPUs' device
 nodes open, IPC (and with job_network = "private", network) namespaces of its own, fresh keyrings.
+A command run inside a running job (spawn_in_job) joins that job's network and IPC namespaces
+instead, and leaves its uid's keyrings and IPC objects as the job has them.
 
 A job's processes outliving a killed worker are orphan_guard.py's to kill.
 """
@@ -61,6 +63,10 @@ class Child:
         self.errors = errors  # an exec's stderr, apart from its stdout (-1: merged into `output`)
         self.start_error: OSError | None = None
         self.start_step: str | None = None  # what it was doing then (None: looking for its program)
+        # Reaped: its pid may be another process's now, and its job is ending (or has ended). Set
+        # before its job's end is made, so nothing is started into the job from then on.
+        self.reaped = False
+        self._namespaces: dict[str, int] = {}  # "net", "ipc": its namespaces, once asked for
         self._ended: asyncio.Future[tuple[int, list[int]]] = asyncio.get_running_loop().create_future()
 
     @property
@@ -79,7 +85,20 @@ class Child:
         status, _ = await asyncio.shield(self._ended)
         return status
 
+    def namespace(self, kind: str) -> int:
+        """A new descriptor (the caller's to close) of its namespace `kind` ("net", "ipc"), as its
+        program sees it. Opened once, while it is unreaped and so its pid still its own, and held
+        until its end: never /proc/PID of a pid reaped and maybe reused. Raises
+        ProcessLookupError once reaped."""
+        if kind not in self._namespaces:
+            if self.reaped:
+                raise ProcessLookupError(errno.ESRCH, "the job's first process has ended")
+            self._namespaces[kind] = os.open(f"/proc/{self.pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+        return os.dup(self._namespaces[kind])
+
     def ended(self, status: int, left: list[int]) -> None:
+        _close(*self._namespaces.values())
+        self._namespaces.clear()
         if not self._ended.done():
             self._ended.set_result((status, left))
 
@@ -116,7 +135,7 @@ class Spawner:
         such program, no such directory, one the uid may not enter, a namespace the kernel
         refused) ends at once with `start_error` set. Raises OSError when no process could be
         made."""
-        return self._spawn(argv, cwd, env, identity, cgroup, gpus, stdin=None, in_job=False)
+        return self._spawn(argv, cwd, env, identity, cgroup, gpus, stdin=None, in_job=None)
 
     def spawn_in_job(
         self,
@@ -128,13 +147,19 @@ class Spawner:
         cgroup: SlotCgroup | None,
         gpus: Collection[int] | None,
         stdin: int | None,
+        job: Child,
     ) -> Child:
         """A command run inside a running job (`poolctl exec`, execs.py), as `spawn` starts the
         job's first process, but: stdin from `stdin` (a read end, the caller's to close; None:
-        /dev/null), stderr into a pipe of its own (`Child.errors`), and its end ends nothing
-        else: its uid and cgroup are its job's, whose end ends them (its caller kills its
-        process group)."""
-        return self._spawn(argv, cwd, env, identity, cgroup, gpus, stdin=stdin, in_job=True)
+        /dev/null), stderr into a pipe of its own (`Child.errors`), in the network and IPC
+        namespaces of `job` (its first process: unreaped, or ProcessLookupError), its uid's
+        keyrings and IPC objects left as the job has them, and its end ends nothing else: its
+        uid and cgroup are its job's, whose end ends them (its caller kills its process group)."""
+        joined = (job.namespace("net"), job.namespace("ipc")) if identity is not None else (-1, -1)
+        try:
+            return self._spawn(argv, cwd, env, identity, cgroup, gpus, stdin=stdin, in_job=joined)
+        finally:
+            _close(*joined)
 
     def _spawn(  # noqa: PLR0917 - spawn's and spawn_in_job's arguments, passed on as they came
         self,
@@ -146,11 +171,12 @@ class Spawner:
         gpus: Collection[int] | None,
         *,
         stdin: int | None,
-        in_job: bool,
+        in_job: tuple[int, int] | None,  # an exec's: its job's network and IPC namespaces (or -1)
     ) -> Child:
         plan = NOTHING
         if identity is not None:
-            uid_sweep.sweep_ipc(identity.uid)  # what another uid made and gave this one (IPC_SET)
+            if not in_job:  # an exec's IPC objects are its running job's
+                uid_sweep.sweep_ipc(identity.uid)  # what another uid made and gave this one (IPC_SET)
             plan = self.confinement.plan(gpus)
         read, write = os.pipe()
         errors_read, errors_write = os.pipe() if in_job else (-1, -1)
@@ -169,9 +195,9 @@ class Spawner:
                 born_in,
                 -100 if self.nice is None else self.nice,
                 plan.hidden,
-                plan.own_ipc,
-                plan.own_net,
-                *((errors_write,) if in_job else ()),  # a job's own: one pipe (and any build of _spawn.c)
+                plan.own_ipc and not in_job,  # an exec joins its job's instead
+                plan.own_net and not in_job,
+                *((errors_write, *in_job) if in_job else ()),  # a job's own: one pipe (and any build)
             )
         except ValueError as exc:  # a NUL byte (the server refuses such specs): no exec could take it
             _close(read, errors_read)
@@ -197,6 +223,7 @@ class Spawner:
         got = _spawn.reap(child.pid, pidfd)
         if got is None:
             return  # not yet (a spurious wakeup)
+        child.reaped = True
         asyncio.get_running_loop().remove_reader(pidfd)
         os.close(pidfd)
         self._end(child, got, identity, cgroup)
@@ -204,6 +231,7 @@ class Spawner:
     def _wait_in_thread(self, child: Child, identity: SlotIdentity | None, cgroup: SlotCgroup | None) -> None:
         got = _spawn.reap(child.pid, -1, True)
         assert got is not None
+        child.reaped = True  # (the loop's spawns check it: at worst one races it, and _end kills it)
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
             child._ended.get_loop().call_soon_threadsafe(self._end, child, got, identity, cgroup)
 

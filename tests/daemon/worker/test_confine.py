@@ -11,6 +11,8 @@ import ctypes
 import errno
 import os
 import random
+import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from daemon.job import JobState
 from daemon.queue.job_queue import JobQueue
 from daemon.worker import _spawn
 from daemon.worker.confine import Confinement
+from daemon.worker.forwards import connect_in_job
 from daemon.worker.gpus import GpuInfo
 from daemon.worker.identity import IdentityError, SlotIdentity
 from daemon.worker.spawn import Spawner
@@ -426,6 +429,29 @@ async def test_with_a_private_network_a_job_reaches_no_other_jobs_sockets(networ
     assert out.split() == [reached, reached, "reached"]
 
 
+async def test_an_exec_in_a_job_with_a_private_network_reaches_the_jobs_loopback() -> None:
+    """Issue 49, review finding 6: a command run inside a running job (spawn_in_job) joins the
+    job's network and IPC namespaces; with `job_network = "private"` it made new ones, and could
+    not reach what the job serves on its loopback (a Jupyter, a TensorBoard) nor its abstract
+    unix sockets."""
+    async with spawner_of(Confinement("private")) as spawner:
+        listener = spawner.spawn(["python3", "-c", LISTEN], cwd=Path("/"), env=ENV, identity=ALICE)
+        with os.fdopen(listener.output, "rb") as listening:
+            port = int(listening.readline())
+            try:
+                child = spawner.spawn_in_job(
+                    ["python3", "-c", CONNECT, str(port)], cwd=Path("/"), env=ENV, identity=ALICE,
+                    cgroup=None, gpus=(), stdin=None, job=listener,
+                )  # fmt: skip
+                os.close(child.errors)
+                out = await asyncio.to_thread(read_all, child.output)
+                assert await asyncio.wait_for(child.wait(), 30) == 0, out
+            finally:
+                os.killpg(listener.pid, 9)
+                await asyncio.wait_for(listener.wait(), 30)
+    assert out.split() == ["reached", "reached", "reached"]
+
+
 CAP_SYS_ADMIN = 21
 
 
@@ -491,3 +517,61 @@ def test_the_c_module_confines_only_a_job_with_a_uid(
         _spawn.spawn(
             [b"/bin/true"], [b"true"], [], b"/", 0, 1, -1, -1, -1, False, -100, hidden, own_ipc, own_net
         )
+
+
+KEEP_A_KEY = (
+    KEYCTL
+    + """
+import time
+print(persistent >= 0 and add(persistent, b"alice-p") > 0, flush=True)
+time.sleep(30)
+"""
+)
+
+
+async def test_an_exec_in_a_running_job_leaves_its_keyrings_as_the_job_has_them() -> None:
+    """Issue 49, review finding 7: a command run inside a running job (`poolctl exec`,
+    spawn_in_job) emptied the job's persistent keyring, as a job's own start does; it now leaves
+    the job's keyrings alone: the key the job put there is still there for it."""
+    uid = random.randrange(62000, 63000)
+    slot = SlotIdentity(uid, uid)
+    async with spawner_of() as spawner:
+        running = spawner.spawn(["python3", "-c", KEEP_A_KEY], cwd=Path("/"), env=ENV, identity=slot, gpus=())
+        try:
+            with os.fdopen(running.output, "rb") as said:
+                kept = await asyncio.wait_for(asyncio.to_thread(said.readline), 30)
+                if kept != b"True\n":
+                    pytest.skip(f"this kernel has no persistent keyrings ({kept!r})")
+                find = KEYCTL + "print(keys(persistent))"
+                execd = spawner.spawn_in_job(
+                    ["python3", "-c", find],
+                    cwd=Path("/"),
+                    env=ENV,
+                    identity=slot,
+                    cgroup=None,
+                    gpus=(),
+                    stdin=None,
+                    job=running,
+                )
+                os.close(execd.errors)
+                assert await asyncio.to_thread(read_all, execd.output) == "1\n"
+                assert await asyncio.wait_for(execd.wait(), 30) == 0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(running.pid, signal.SIGKILL)
+            await asyncio.wait_for(running.wait(), 30)
+
+
+async def test_a_forwards_connection_into_a_job_is_made_as_the_jobs_uid() -> None:
+    """Issue 49, review finding 10: a forward's connection to a port inside a job was made by the
+    root worker, so the host's rules by uid (an owner match in its firewall) never applied to it;
+    it is made as the job's uid, as the job's own sockets are (the kernel's socket table says)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        ours = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        with await connect_in_job(ours, listener.getsockname()[1], ALICE) as made:
+            local = f"0100007F:{made.getsockname()[1]:04X}"
+            with open("/proc/net/tcp") as table:
+                owners = [line.split()[7] for line in table if line.split()[1] == local]
+    assert owners == [str(ALICE.uid)]
