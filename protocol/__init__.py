@@ -5,6 +5,7 @@ them bytes, pull events, and write the bytes the connections return. Nothing her
 """
 
 from protocol.client import ClientConnection
+from protocol.codec import Reply, Request, StreamItem
 from protocol.connection import (
     DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
@@ -67,15 +68,12 @@ from protocol.messages import (
     PoolView,
     PrepareDownload,
     PrepareUpload,
-    Reply,
-    Request,
     Requeued,
     RequeueJobs,
     ResolveName,
     Served,
     ServeJobs,
     ShowJob,
-    StreamItem,
     UploadTicket,
     Waited,
     WaitJobs,

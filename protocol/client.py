@@ -4,6 +4,17 @@ from typing import cast
 
 from protocol import auth
 from protocol.channels import Channel
+from protocol.codec import (
+    ChannelInput,
+    Message,
+    Reply,
+    Request,
+    StreamItem,
+    decode_message,
+    encode_message,
+    reply_type,
+    stream_type,
+)
 from protocol.connection import EMPTY_PAYLOAD, Connection, Role, State
 from protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from protocol.events import Authenticated, Event, ReplyReceived, RequestFailed
@@ -22,20 +33,11 @@ from protocol.messages import (
     ChannelCredit,
     ChannelData,
     ChannelEnd,
-    ChannelInput,
     ChannelOutput,
     ErrorMessage,
     Hello,
-    Message,
     OpenChannel,
-    Reply,
-    Request,
-    StreamItem,
     Welcome,
-    decode_message,
-    encode_message,
-    reply_type,
-    stream_type,
 )
 
 __all__ = ["ClientConnection"]

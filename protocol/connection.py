@@ -33,6 +33,7 @@ from enum import Enum
 from typing import Any, ClassVar, Final
 
 from protocol.channels import Channel
+from protocol.codec import decode_message, encode_message
 from protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from protocol.events import (
     NEED_DATA,
@@ -52,7 +53,7 @@ from protocol.frames import (
     pack_payload,
     unpack_payload,
 )
-from protocol.messages import ErrorMessage, Goodbye, decode_message, encode_message
+from protocol.messages import ErrorMessage, Goodbye
 
 __all__ = [
     "DEFAULT_HANDSHAKE_TIMEOUT",

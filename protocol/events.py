@@ -7,7 +7,7 @@ Each is a frozen record (protocol/record.py); dispatch on the class with ``match
 from enum import Enum
 from typing import Final, Literal, TypeAlias
 
-from protocol.messages import Reply, Request, StreamItem
+from protocol.codec import Reply, Request, StreamItem
 from protocol.record import Record
 
 __all__ = [

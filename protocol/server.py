@@ -5,6 +5,16 @@ from typing import Any, cast
 
 from protocol import auth
 from protocol.channels import Channel
+from protocol.codec import (
+    Message,
+    Reply,
+    Request,
+    StreamItem,
+    decode_message,
+    encode_message,
+    reply_type,
+    stream_type,
+)
 from protocol.connection import DEFAULT_MAX_IN_FLIGHT, Connection, Role, State, error_frame
 from protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from protocol.events import (
@@ -37,16 +47,8 @@ from protocol.messages import (
     ChannelOutput,
     ErrorMessage,
     Hello,
-    Message,
     OpenChannel,
-    Reply,
-    Request,
-    StreamItem,
     Welcome,
-    decode_message,
-    encode_message,
-    reply_type,
-    stream_type,
 )
 
 __all__ = ["ServerConnection"]

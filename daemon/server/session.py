@@ -50,9 +50,9 @@ from protocol import (
     ServerConnection,
     StreamItem,
 )
+from protocol.codec import Message, decode_message
 from protocol.connection import State, error_frame
 from protocol.frames import FrameType
-from protocol.messages import Message, decode_message
 
 log = logging.getLogger(__name__)
 

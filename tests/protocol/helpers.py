@@ -16,8 +16,9 @@ from protocol import (
     ServerConnection,
     State,
 )
+from protocol.codec import decode_message
 from protocol.frames import FrameType, decode_frames, encode_frame, pack_payload
-from protocol.messages import ErrorMessage, decode_message
+from protocol.messages import ErrorMessage
 from protocol.record import Record
 
 TOKENS: Mapping[str, bytes] = {"alice": b"alice-secret-token-0123456789abc", "bob": b"bob-secret-token"}

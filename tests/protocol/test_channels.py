@@ -27,8 +27,8 @@ from protocol import (
     ReplyReceived,
     State,
 )
+from protocol.codec import encode_message
 from protocol.frames import HEADER, FrameType
-from protocol.messages import encode_message
 from tests.protocol.helpers import Pair, assert_server_failed, raw_frame
 
 EXEC = OpenChannel("default.1", "exec", ["cat"], stdin=True)

@@ -28,9 +28,9 @@ from protocol import (
     ShowJob,
     State,
 )
+from protocol.codec import decode_message
 from protocol.errors import RemoteProtocolError
 from protocol.frames import MAX_REQUEST_ID, FrameType
-from protocol.messages import decode_message
 
 from .helpers import HELLO, NONCE, Pair, assert_server_failed, drain, fatal_error, raw_frame
 

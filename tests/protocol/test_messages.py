@@ -4,6 +4,7 @@ from typing import Any
 
 import pytest
 
+from protocol import codec
 from protocol import messages as m
 from protocol.errors import ErrorCode, RemoteProtocolError
 from protocol.frames import FrameType, encode_frame, pack_payload
@@ -14,7 +15,7 @@ NONCE = bytes(range(32))
 MAC = bytes(range(32, 64))
 JOB = {"id": "{q:default}:01J", "state": "running", "argv": ["python", "train.py"], "env": {"A": "1"}}
 
-EVERY_MESSAGE: list[m.Message] = [
+EVERY_MESSAGE: list[codec.Message] = [
     m.Hello([1], "alice", NONCE, "poolctl/0.1"),
     m.Hello([1, 2, 7], "ünïcode", NONCE, ""),
     m.Challenge(1, NONCE),
@@ -93,9 +94,9 @@ EVERY_MESSAGE: list[m.Message] = [
 
 
 @pytest.mark.parametrize("message", EVERY_MESSAGE, ids=repr)
-def test_round_trip(message: m.Message) -> None:
-    frame_type, payload = m.encode_message(message)
-    assert m.decode_message(frame_type, payload) == message
+def test_round_trip(message: codec.Message) -> None:
+    frame_type, payload = codec.encode_message(message)
+    assert codec.decode_message(frame_type, payload) == message
 
 
 def test_every_message_class_is_covered() -> None:
@@ -105,16 +106,16 @@ def test_every_message_class_is_covered() -> None:
 
 
 def test_frame_types() -> None:
-    assert m.encode_message(m.Ping())[0] is FrameType.REQUEST
-    assert m.encode_message(m.Pong(1.0))[0] is FrameType.REPLY
-    assert m.encode_message(m.LogChunk(b"", ""))[0] is FrameType.STREAM
-    assert m.encode_message(m.LogEnd("x", None))[0] is FrameType.REPLY
-    assert m.encode_message(m.Goodbye(""))[0] is FrameType.GOODBYE
-    assert m.encode_message(m.ChannelData(b""))[0] is FrameType.CHANNEL
+    assert codec.encode_message(m.Ping())[0] is FrameType.REQUEST
+    assert codec.encode_message(m.Pong(1.0))[0] is FrameType.REPLY
+    assert codec.encode_message(m.LogChunk(b"", ""))[0] is FrameType.STREAM
+    assert codec.encode_message(m.LogEnd("x", None))[0] is FrameType.REPLY
+    assert codec.encode_message(m.Goodbye(""))[0] is FrameType.GOODBYE
+    assert codec.encode_message(m.ChannelData(b""))[0] is FrameType.CHANNEL
 
 
 def test_op_names_are_on_the_wire() -> None:
-    _, payload = m.encode_message(m.ShowJob("j"))
+    _, payload = codec.encode_message(m.ShowJob("j"))
     assert payload == pack_payload({"op": "show_job", "job_id": "j"})
 
 
@@ -126,22 +127,22 @@ def test_messages_are_frozen_and_slotted() -> None:
 
 
 def test_reply_and_stream_types() -> None:
-    assert m.reply_type(m.FollowLogs) is m.LogEnd
-    assert m.stream_type(m.FollowLogs) == (m.LogChunk,)
-    assert m.stream_type(m.WaitJobs) == (m.JobEnded,)
-    assert m.stream_type(m.WatchPool) == (m.PoolView,)
-    assert m.stream_type(m.OpenChannel) == (m.ChannelOutput, m.ChannelCredit)
-    assert m.stream_type(m.Enqueue) == ()
+    assert codec.reply_type(m.FollowLogs) is m.LogEnd
+    assert codec.stream_type(m.FollowLogs) == (m.LogChunk,)
+    assert codec.stream_type(m.WaitJobs) == (m.JobEnded,)
+    assert codec.stream_type(m.WatchPool) == (m.PoolView,)
+    assert codec.stream_type(m.OpenChannel) == (m.ChannelOutput, m.ChannelCredit)
+    assert codec.stream_type(m.Enqueue) == ()
 
 
 def test_unknown_keys_are_ignored() -> None:
     payload = pack_payload({"op": "show_job", "job_id": "j", "added_in_v1_1": [1, 2]})
-    assert m.decode_message(FrameType.REQUEST, payload) == m.ShowJob("j")
+    assert codec.decode_message(FrameType.REQUEST, payload) == m.ShowJob("j")
 
 
 def test_float_fields_accept_integers() -> None:
     payload = pack_payload({"op": "wait_jobs", "job_ids": [], "timeout": 3})
-    decoded = m.decode_message(FrameType.REQUEST, payload)
+    decoded = codec.decode_message(FrameType.REQUEST, payload)
     assert decoded == m.WaitJobs([], 3.0)
     assert isinstance(decoded, m.WaitJobs)
     assert type(decoded.timeout) is float
@@ -149,7 +150,7 @@ def test_float_fields_accept_integers() -> None:
 
 def reject(frame_type: FrameType, body: dict[str, Any], code: ErrorCode = ErrorCode.BAD_PAYLOAD) -> str:
     with pytest.raises(RemoteProtocolError) as caught:
-        m.decode_message(frame_type, pack_payload(body))
+        codec.decode_message(frame_type, pack_payload(body))
     assert caught.value.code is code
     return caught.value.message
 
@@ -219,7 +220,9 @@ def test_handshake_values_checked() -> None:
     reject(FrameType.CHALLENGE, {"version": 1, "server_nonce": b"short"})
     reject(FrameType.AUTH, {"mac": b"x" * 31})
     welcome = {"user": "a", "server": "s", "max_frame_size": 1 << 20, "max_in_flight": 4, "server_mac": b""}
-    assert m.decode_message(FrameType.WELCOME, pack_payload(welcome)) == m.Welcome("a", "s", 1 << 20, 4, b"")
+    assert codec.decode_message(FrameType.WELCOME, pack_payload(welcome)) == m.Welcome(
+        "a", "s", 1 << 20, 4, b""
+    )
     reject(FrameType.WELCOME, {**welcome, "max_in_flight": 0})
     reject(FrameType.WELCOME, {**welcome, "max_frame_size": 10})
     reject(FrameType.WELCOME, {**welcome, "server_mac": b"x"})
@@ -240,12 +243,12 @@ def test_op_dispatch_errors() -> None:
 
 def test_frames_without_messages() -> None:
     with pytest.raises(ValueError, match="carry no message"):
-        m.decode_message(FrameType.PING, pack_payload({}))
+        codec.decode_message(FrameType.PING, pack_payload({}))
 
 
 def test_documented_hello_dump() -> None:
     # The hex dump in docs/PROTOCOL.md §8: keep the two in step.
-    frame_type, payload = m.encode_message(m.Hello([1], "alice", bytes(range(32)), "poolctl/0.1"))
+    frame_type, payload = codec.encode_message(m.Hello([1], "alice", bytes(range(32)), "poolctl/0.1"))
     dump = (
         "47 50 01 01 00 00 00 00 00 00 00 00 00 59 84 a8 76 65 72 73 69 6f 6e 73 91 01 a4 75 73 65 72 a5"
         " 61 6c 69 63 65 ac 63 6c 69 65 6e 74 5f 6e 6f 6e 63 65 c4 20 00 01 02 03 04 05 06 07 08 09 0a 0b"
@@ -256,7 +259,7 @@ def test_documented_hello_dump() -> None:
 
 
 def test_documented_request_dump() -> None:
-    frame_type, payload = m.encode_message(m.ShowJob("j1"))
+    frame_type, payload = codec.encode_message(m.ShowJob("j1"))
     dump = (
         "47 50 01 10 00 00 00 00 00 01 00 00 00 17"  # header
         " 82 a2 6f 70 a8 73 68 6f 77 5f 6a 6f 62 a6 6a 6f 62 5f 69 64 a2 6a 31"  # payload

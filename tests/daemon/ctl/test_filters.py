@@ -17,8 +17,8 @@ import pytest
 
 from daemon.job import JobState, Outcome
 from protocol import JobList, ListJobs
+from protocol.codec import decode_message
 from protocol.frames import FrameType, pack_payload
-from protocol.messages import decode_message
 from tests.support.paths import ROOT
 from tests.support.pool import Pool
 from tests.support.poolctl import poolctl

@@ -37,7 +37,7 @@ from protocol import (
     Waited,
     WaitJobs,
 )
-from protocol.messages import Reply, Request
+from protocol.codec import Reply, Request
 from storage.local import LocalStore
 from tests.support.pool import Pool, running_pool
 
