@@ -12,7 +12,7 @@ RemoteProtocolError when the peer sent it, a LocalProtocolError when the owner t
 """
 
 from protocol.errors import ErrorCode
-from protocol.messages import CHANNEL_WINDOW
+from protocol.messages import CHANNEL_WINDOW, ChannelCredit, ChannelOutput
 
 __all__ = ["Channel", "Refusal"]
 
@@ -88,3 +88,14 @@ class Channel:
             )
         self.output_unacked -= size
         return None
+
+    def count_stream_item(self, item: object) -> Refusal | None:
+        """A stream item of the channel's request, counted as both ends count it (the server as it
+        sends it, the client as it receives it): output against the window, credit for input."""
+        match item:
+            case ChannelOutput(data=data):
+                return self.add_output(len(data))
+            case ChannelCredit(size=size):
+                return self.credit_input(size)
+            case _:
+                return None

@@ -30,10 +30,8 @@ from protocol.messages import (
     Auth,
     Challenge,
     ChannelAck,
-    ChannelCredit,
     ChannelData,
     ChannelEnd,
-    ChannelOutput,
     ErrorMessage,
     Hello,
     OpenChannel,
@@ -217,15 +215,8 @@ class ClientConnection(Connection):
     def _count(self, request_id: int, message: Message) -> None:
         """A channel's output and credit, held to its window: a server that sends past it breaks
         the protocol."""
-        refusal = None
-        match message:
-            case ChannelOutput(data=data):
-                refusal = self._channels[request_id].add_output(len(data))
-            case ChannelCredit(size=size):
-                refusal = self._channels[request_id].credit_input(size)
-            case _:
-                pass
-        if refusal is not None:
+        channel = self._channels.get(request_id)
+        if channel is not None and (refusal := channel.count_stream_item(message)) is not None:
             code, problem = refusal
             raise RemoteProtocolError(
                 code, f"{problem} (request {request_id}); the server breaks the protocol."

@@ -44,7 +44,6 @@ from protocol.messages import (
     ChannelCredit,
     ChannelData,
     ChannelEnd,
-    ChannelOutput,
     ErrorMessage,
     Hello,
     OpenChannel,
@@ -109,15 +108,8 @@ class ServerConnection(Connection):
         if self._state is State.CLOSED:
             return b""
         self._check_answer(request_id, message, stream_type(self._request_class(request_id)))
-        refusal = None
-        match message:
-            case ChannelOutput(data=data):
-                refusal = self._channels[request_id].add_output(len(data))
-            case ChannelCredit(size=size):
-                refusal = self._channels[request_id].credit_input(size)
-            case _:
-                pass
-        if refusal is not None:
+        channel = self._channels.get(request_id)
+        if channel is not None and (refusal := channel.count_stream_item(message)) is not None:
             raise LocalProtocolError(*refusal)
         return self._send(encode_message(message), request_id)
 
