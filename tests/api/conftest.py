@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import gpupool
 from tests.support.s3server import S3Server
 from tests.support.threaded_pool import ThreadedPool, threaded_pool
 
@@ -25,3 +26,10 @@ def as_alice(api_pool: ApiPool, monkeypatch: pytest.MonkeyPatch) -> ApiPool:
         if name != "PATH":
             monkeypatch.setenv(name, value)
     return api_pool
+
+
+@pytest.fixture
+def pool(as_alice: ApiPool) -> Iterator[gpupool.Pool]:
+    """A Pool of this process's, as alice, its jobs in a scratch directory (project=False)."""
+    with gpupool.connect(project=False) as pool:
+        yield pool

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +31,6 @@ from tests.support.paths import ROOT
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the jobs cannot import tests/
 
 WAIT = 30.0
-
-
-@pytest.fixture
-def pool(as_alice: ApiPool) -> Iterator[gpupool.Pool]:
-    with gpupool.connect(project=False) as pool:
-        yield pool
 
 
 def add(a: int, b: int) -> int:
