@@ -153,18 +153,22 @@ async def test_a_frozen_workers_job_dies_at_its_lease_deadline_and_is_not_record
     orphan guard, not frozen with it, holds each lease's deadline and kills the job when it
     passes; the worker, woken, does not take that kill for the job's outcome."""
     queue = JobQueue(redis_server.client(), lease_seconds=LEASE)
-    job_id, _ = await queue.enqueue(sh(f"echo $$ > {tmp_path / 'pid'}; exec sleep 60"))
-    with worker_process(redis_server, tmp_path / "w1", s3_env) as frozen:
-        pid = int((await wait_file(tmp_path / "pid"))[0])
-        frozen.send_signal(signal.SIGSTOP)
-        try:
-            await wait_dead([pid], timeout=LEASE * 3)  # at the deadline, the worker still frozen
-            assert frozen.poll() is None
-        finally:
-            frozen.send_signal(signal.SIGCONT)
-        await asyncio.sleep(LEASE)  # awake: it would record a "killed by signal 9" now, were it to
-        info = await queue.get(job_id)
-        assert info.state is JobState.RUNNING, info.detail  # nothing recorded: the lease decides
-        await queue.redis.zadd(keys.leases("default"), {job_id: 0})
-        assert await queue.reclaim(["default"]) == [(job_id, JobState.QUEUED)]
-    await queue.redis.aclose()
+    try:
+        job_id, _ = await queue.enqueue(sh(f"echo $$ > {tmp_path / 'pid'}; exec sleep 60"))
+        with worker_process(redis_server, tmp_path / "w1", s3_env) as frozen:
+            pid = int((await wait_file(tmp_path / "pid"))[0])
+            frozen.send_signal(signal.SIGSTOP)
+            try:
+                # Dead while the worker is still frozen (the job sleeps 60 s: only the guard ends
+                # it); a bound for a loaded machine, not a speed: the deadline is one lease away.
+                await wait_dead([pid], timeout=LEASE * 8)
+                assert frozen.poll() is None
+            finally:
+                frozen.send_signal(signal.SIGCONT)
+            await asyncio.sleep(LEASE)  # awake: it would record a "killed by signal 9" now, were it to
+            info = await queue.get(job_id)
+            assert info.state is JobState.RUNNING, info.detail  # nothing recorded: the lease decides
+            await queue.redis.zadd(keys.leases("default"), {job_id: 0})
+            assert await queue.reclaim(["default"]) == [(job_id, JobState.QUEUED)]
+    finally:  # closed even when an assertion fails: its connections would fail the next tests
+        await queue.redis.aclose()
