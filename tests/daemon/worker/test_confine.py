@@ -572,6 +572,8 @@ async def test_a_forwards_connection_into_a_job_is_made_as_the_jobs_uid() -> Non
         ours = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         with await connect_in_job(ours, listener.getsockname()[1], ALICE) as made:
             local = f"0100007F:{made.getsockname()[1]:04X}"
-            with open("/proc/net/tcp") as table:
-                owners = [line.split()[7] for line in table if line.split()[1] == local]
+            remote = f"0100007F:{listener.getsockname()[1]:04X}"
+            with open("/proc/net/tcp") as table:  # this connection, established (not a TIME_WAIT
+                rows = [line.split() for line in table]  # of another's, root's, on the same port)
+            owners = [row[7] for row in rows if row[1:4] == [local, remote, "01"]]
     assert owners == [str(ALICE.uid)]
