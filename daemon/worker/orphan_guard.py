@@ -15,8 +15,12 @@ PR_SET_PDEATHSIG, would need a preexec_fn and so a full fork of the worker per j
 The worker is frozen (SIGSTOP, a debugger, a VM paused under it). Its leases then expire in Redis
 and its jobs start elsewhere, while the frozen worker's processes would run on beside them. So the
 guard holds, for each lease, the deadline the worker last knew it good until (attempt.py: by
-CLOCK_BOOTTIME, which counts suspended time too), and SIGKILLs the lease's process group, and its
-session, once that deadline passes; the worker kills at the same moment when it is alive to. While it
+CLOCK_BOOTTIME, which counts suspended time too), and SIGKILLs the lease's process group, its
+session, and every process carrying the lease's mark (`GPUPOOL_ATTEMPT_ID=LEASE`: a job started by
+a worker frozen before it announced the group) once that deadline passes; the worker kills at the
+same moment when it is alive to. The worker writes each line as it says it, so a worker frozen
+at any moment has told the guard all it said: the deadline before the job starts, the group
+just after. While it
 guards anything, the guard looks every CHECK_SECONDS (its sleeps run on the monotonic clock, which
 stops while the machine is suspended) and reads what the worker said meanwhile in one go: it is
 not woken for each line, which costs a busy worker a context switch per line on a small machine.
@@ -63,19 +67,36 @@ def kill_group(group):
         except OSError:
             pass
 
+def environ(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return f.read().split(b"\0")
+
+def kill_lease(lease):  # what carries the lease's mark: started, the worker frozen before telling
+    attempt = b"GPUPOOL_ATTEMPT_ID=" + lease
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and int(name) != os.getpid():
+                env = environ(name)
+                if mark in env and attempt in env:
+                    os.kill(int(name), signal.SIGKILL)
+        except OSError:
+            pass
+
 while True:
     now = time.clock_gettime(time.CLOCK_BOOTTIME)
-    for group, lease in list(groups.items()):
-        if deadlines.get(lease, now + 1) <= now:
-            kill_group(group)
-            del groups[group]
-    due = [deadlines[lease] for lease in groups.values() if lease in deadlines]
+    for lease, deadline in list(deadlines.items()):
+        if deadline <= now:
+            for group in [g for g, held in groups.items() if held == lease]:
+                kill_group(group)
+                del groups[group]
+            kill_lease(lease)
+            del deadlines[lease]  # a worker that wakes and still holds it says so again
     if not groups and not deadlines:
         select.select([0], [], [])  # nothing to guard: asleep until the worker says something
     else:
         # A look every `poll` at most: the worker's lines are not worth a wakeup each (four a
         # job), and a dead worker's end of file or a deadline waits no longer than this.
-        time.sleep(min(poll, max(0.0, min(due) - now)) if due else poll)
+        time.sleep(min(poll, max(0.0, min(deadlines.values()) - now)) if deadlines else poll)
     data, ended = b"", False
     while select.select([0], [], [], 0)[0]:
         chunk = os.read(0, 65536)
@@ -119,10 +140,8 @@ for _ in range(3):  # again, for any that forked while the last pass ran
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
-            if os.stat(f"/proc/{name}").st_uid not in uids:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    if mark not in f.read().split(b"\0"):
-                        continue
+            if os.stat(f"/proc/{name}").st_uid not in uids and mark not in environ(name):
+                continue
             os.kill(int(name), signal.SIGKILL)
             marked += 1
         except OSError:
@@ -148,7 +167,6 @@ class OrphanGuard:
         self._groups: dict[int, str] = {}  # pgid -> lease
         self._deadlines: dict[str, float] = {}  # lease -> deadline
         self._stopping = False
-        self._pending: list[str] = []  # lines said this turn of the loop, not yet written
 
     @property
     def pid(self) -> int | None:
@@ -210,20 +228,14 @@ class OrphanGuard:
         self._send(f"x {lease}\n")
 
     def _send(self, line: str) -> None:
-        """Queue `line`; what one turn of the loop says goes out in one write, at its end (each
-        attempt says four things, and every write wakes the guard)."""
-        if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._pending.append(line)
-
-    def _flush(self) -> None:
-        lines, self._pending = self._pending, []
+        """Write `line` now: a worker may be frozen the moment this returns, and what it said
+        must be the guard's by then. A few bytes into a pipe the guard keeps reading: the write
+        is done at once (no drain(), so callers stay synchronous), and it does not wake a guard
+        that guards anything (it looks every CHECK_SECONDS)."""
         proc = self._proc
         if proc is None or proc.stdin is None or proc.returncode is not None or proc.stdin.is_closing():
             return  # gone: watch_over starts a new one and tells it everything
-        # A few bytes into a pipe the guard keeps reading: never blocks for long enough to matter,
-        # so no drain() and the callers stay synchronous.
-        proc.stdin.write("".join(lines).encode())
+        proc.stdin.write(line.encode())
 
     async def stop(self) -> None:
         """Close the guard's stdin (it kills any group still listed) and wait for it. Safe twice."""
@@ -232,8 +244,5 @@ class OrphanGuard:
         if proc is None:
             return
         if proc.stdin is not None:
-            if self._pending and not proc.stdin.is_closing():
-                lines, self._pending = self._pending, []
-                proc.stdin.write("".join(lines).encode())
             proc.stdin.close()
         await proc.wait()

@@ -6,10 +6,12 @@ import asyncio
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
+from daemon.worker.attempt import boottime
 from daemon.worker.orphan_guard import OrphanGuard
 from tests.support.workers import alive, wait_dead, wait_until
 
@@ -104,3 +106,54 @@ async def test_when_the_worker_is_gone_so_is_every_process_of_its_slots_uids() -
 
 async def _running_as(pid: int, uid: int) -> bool:
     return os.stat(f"/proc/{pid}").st_uid == uid
+
+
+def _frozen_for(seconds: float, pids: list[int]) -> bool:
+    """Block the event loop, as a worker SIGSTOPped right after a call returns would be, until
+    `pids` are all dead (True) or `seconds` pass (False)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(alive(pid) for pid in pids):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+async def test_what_the_worker_tells_the_guard_is_with_it_when_the_call_returns() -> None:
+    """A worker frozen just after it started a job left the job running beside its next attempt
+    (test_liveness's frozen worker, failing under load): the guard's lines waited for the worker's
+    next loop turn, which a frozen worker never takes. The deadline and the group are the guard's
+    once `hold` and `watch` return."""
+    guard = OrphanGuard("GPUPOOL_WORKER=w-guard-test-5")
+    await guard.start()
+    job = start({})
+    try:
+        guard.hold("lease-5", boottime() + 0.3)
+        guard.watch(job.pid, "lease-5")
+        assert _frozen_for(10.0, [job.pid]), "the guard never killed the frozen worker's job"
+    finally:
+        job.kill()
+        job.wait()
+        await guard.stop()
+
+
+async def test_a_lease_past_its_deadline_takes_its_unannounced_processes_too() -> None:
+    """Frozen between starting a job and announcing its group, a worker has told the guard only
+    the lease's deadline: what carries the lease's mark (runner.job_env's GPUPOOL_ATTEMPT_ID) dies
+    with it; another lease's job, and one of another worker, do not."""
+    guard = OrphanGuard("GPUPOOL_WORKER=w-guard-test-6")
+    await guard.start()
+    mine = start({"GPUPOOL_WORKER": "w-guard-test-6", "GPUPOOL_ATTEMPT_ID": "lease-6a"})
+    other_lease = start({"GPUPOOL_WORKER": "w-guard-test-6", "GPUPOOL_ATTEMPT_ID": "lease-6b"})
+    other_worker = start({"GPUPOOL_WORKER": "w-guard-test-7", "GPUPOOL_ATTEMPT_ID": "lease-6a"})
+    try:
+        guard.hold("lease-6a", boottime() + 0.3)
+        guard.hold("lease-6b", boottime() + 60)
+        assert _frozen_for(10.0, [mine.pid]), "the lease's unannounced process outlived its deadline"
+        assert alive(other_lease.pid)
+        assert alive(other_worker.pid)
+    finally:
+        for p in (mine, other_lease, other_worker):
+            p.kill()
+            p.wait()
+        await guard.stop()
