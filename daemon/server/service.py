@@ -295,14 +295,14 @@ class PoolServer:
             before = self.known_tokens.copy()
             self.known_tokens.clear()  # in place: the listener and the dashboard read this map
             self.known_tokens.update(users.tokens)
-            self.handlers.admins = users.admins
-            self.handlers.max_priority = dict(users.max_priority)
+            self.handlers.admission.admins = users.admins
+            self.handlers.admission.max_priority = dict(users.max_priority)
             if self.agents is not None:
                 self.agents.admins = users.admins
             path = config.tokens_file or str(config.data_path() / "tokens.toml")
             said.append(_tokens_change(path, before, users))
-        self.handlers.bounds = SubmitBounds.of(config)
-        self.handlers.default_max_priority = self._default_max_priority(config, users)
+        self.handlers.admission.bounds = SubmitBounds.of(config)
+        self.handlers.admission.default_max_priority = self._default_max_priority(config, users)
         self.queue.max_unended = config.user_max_queued_jobs
         self.queue.max_stored = config.user_max_stored_bytes
         self.config = config
