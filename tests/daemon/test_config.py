@@ -149,6 +149,28 @@ def test_poold_print_config_masks_secrets(tmp_path: Path) -> None:
     assert "redis_port = 6380  # --redis-port" in out.stdout
 
 
+def test_poold_print_config_into_a_closed_pipe_says_nothing(tmp_path: Path) -> None:
+    """`poold --print-config | head -1` (a reader gone before poold has written it all) printed a
+    BrokenPipeError traceback: it stops writing quietly, as poolctl does."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before the first line
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "daemon.main", "--print-config"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            env={"PATH": "/usr/bin:/bin"},
+            cwd=ROOT,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == 0
+
+
 def test_readme_documents_every_option() -> None:
     readme = (ROOT / "README.md").read_text()
     missing = [
