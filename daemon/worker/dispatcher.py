@@ -60,7 +60,8 @@ from daemon.worker import fast_path
 from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime, latest_ends
 from daemon.worker.claim_gate import ClaimGate
 from daemon.worker.confine import Confinement
-from daemon.worker.envs import EnvCache, EnvSettings
+from daemon.worker.env_build import EnvSettings
+from daemon.worker.envs import EnvCache
 from daemon.worker.execs import Execs
 from daemon.worker.fast_path import FastPath
 from daemon.worker.gpu_readings import GpuReadings

@@ -35,7 +35,8 @@ from daemon.git import ANY_PROTOCOL
 from daemon.job import JobState, Lease, Outcome
 from daemon.worker import checkpoints, git_mirror, job_data, leftovers, scratch, spawn
 from daemon.worker.cgroups import SlotCgroup
-from daemon.worker.envs import EnvCache, InUse, find_lock, has_lock
+from daemon.worker.env_lock import find_lock, has_lock
+from daemon.worker.envs import EnvCache, InUse
 from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput

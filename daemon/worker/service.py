@@ -26,7 +26,7 @@ from daemon.tokens import refuse_open
 from daemon.worker import gpus, non_root
 from daemon.worker.agent import Agent, AgentError
 from daemon.worker.dispatcher import Worker
-from daemon.worker.envs import EnvSettings
+from daemon.worker.env_build import EnvSettings
 from daemon.worker.identity import SlotIdentity, lease_uids, slot_identities
 from daemon.worker.lifetime import Lifetime
 from storage.base import ObjectStore

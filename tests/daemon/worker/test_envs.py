@@ -25,7 +25,9 @@ from daemon.job import JobInfo, JobSpec, JobState
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.dispatcher import Worker
-from daemon.worker.envs import NO_INDEX, EnvCache, EnvSettings, find_lock, find_uv, hash_pinned
+from daemon.worker.env_build import NO_INDEX, EnvSettings, find_uv
+from daemon.worker.env_lock import find_lock, hash_pinned
+from daemon.worker.envs import EnvCache
 from daemon.worker.identity import SlotIdentity, slot_identities
 from storage.local import LocalStore
 from tests.support import uids
