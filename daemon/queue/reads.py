@@ -150,6 +150,21 @@ class QueueReads:
             raise JobNotFound(job_id)
         return _job_info(record, history)
 
+    async def get_many(self, job_ids: Sequence[str]) -> list[JobInfo]:
+        """`get` of each of `job_ids`, in order, in one round trip. Raises JobNotFound for the
+        first that is not there."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hgetall(keys.job(job_id))
+                pipe.lrange(keys.attempts(job_id), 0, -1)
+            answers = await pipe.execute()
+        out = []
+        for job_id, record, history in zip(job_ids, answers[::2], answers[1::2], strict=True):
+            if not record:
+                raise JobNotFound(job_id)
+            out.append(_job_info(record, history))
+        return out
+
     async def list_jobs(
         self, queue: str | None = None, *, include_finished: bool = False, limit: int = 1000
     ) -> list[JobInfo]:

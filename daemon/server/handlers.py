@@ -439,26 +439,32 @@ class Handlers:
         return states
 
     async def _wait(self, job_ids: list[str], limit: float | None, send: SendStream) -> Waited:
+        """Stream each of `job_ids` as it ends, then the Waited reply. A job is read when its
+        end's event tells of it (one read each, however many are waited for), and every job
+        still waited for at each WAIT_RECHECK: an event may be lost, and a job's end is then
+        seen there."""
         deadline = None if limit is None else time.monotonic() + limit
-        told: set[str] = set()  # the jobs already streamed as ended
-        async with self.events.watching(job_ids) as changed:
+        jobs: dict[str, JobInfo] = {}
+        unended = list(dict.fromkeys(job_ids))  # (an id given twice is read once)
+        async with self.events.watching(unended) as changes:
+            look = unended  # all of them, first
             while True:
-                changed.clear()
-                jobs = [await self.queue.get(job_id) for job_id in job_ids]
-                for j in jobs:
-                    if j.state.terminal and j.id not in told:
-                        told.add(j.id)
+                for j in await self.queue.get_many(look):
+                    jobs[j.id] = j
+                    if j.state.terminal:
                         await send(JobEnded(j.to_dict()))
-                if all(j.state.terminal for j in jobs):
-                    return Waited([j.to_dict() for j in jobs], timed_out=False)
+                unended = [i for i in unended if not jobs[i].state.terminal]
                 left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return Waited([j.to_dict() for j in jobs], timed_out=True)
-                # Woken by an event, and in any case every WAIT_RECHECK: an event may be lost.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        changed.wait(), WAIT_RECHECK if left is None else min(left, WAIT_RECHECK)
-                    )
+                if not unended or (left is not None and left <= 0):
+                    return Waited([jobs[i].to_dict() for i in job_ids], timed_out=bool(unended))
+                try:
+                    async with asyncio.timeout(WAIT_RECHECK if left is None else min(left, WAIT_RECHECK)):
+                        await changes.wait()
+                    ended = changes.take()
+                    look = [i for i in unended if i in ended]
+                except TimeoutError:
+                    changes.take()
+                    look = unended
 
     async def _watch(self, request: WatchPool, user: str, send: SendStream) -> WatchEnded:
         """A PoolView every `interval` seconds (WATCH_INTERVAL's range), until cancelled or
