@@ -207,13 +207,23 @@ class Session:
         its verdict for its turn (a guess, which never will be)."""
         return not self.authenticated or self._failing
 
+    @property
+    def user(self) -> str | None:
+        """Who it authenticated as (None: not yet)."""
+        return self._user
+
     def evict(self, why: str) -> None:
         """Close a connection that has not authenticated, to make room for one that may (its read
         loop then sees the end of the stream and finishes)."""
         self.evicted = True
         log.info("closing %s: %s", self.peer, why)
+        self.close_saying(ErrorCode.UNAVAILABLE, f"Connection closed: {why}; reconnect.")
+
+    def close_saying(self, code: ErrorCode, sentence: str) -> None:
+        """Close the connection now, telling the client why: its requests end with `code` and
+        `sentence`, and its read loop sees the stream's end and finishes."""
         with contextlib.suppress(ConnectionError, RuntimeError):
-            self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}; reconnect."))
+            self._write(self.conn.abort(code, sentence))
         self.writer.close()
 
     def goodbye(self, reason: str) -> None:
