@@ -29,8 +29,9 @@ Relay CPU: the CPU time (user and system, from /proc, in clock ticks of 10 ms: r
 full sizes) that the processes between the two ends used, a keystroke (µs) or a MiB moved (ms),
 by process: gpupool's poold (its server and its worker, one process as `make run` starts it),
 its redis-server and `poolctl forward`; ssh's client and sshd. Neither end counts (this process,
-the job's server, `cat`): where the time of a slow route goes, and what a busier machine would
-take from it.
+the job's server, `cat`), nor what the relay uses with nothing to relay (measured over `idle`
+seconds before the keystrokes, with every connection open, and subtracted): where the time of a
+slow route goes, and what a busier machine would take from it.
 
 The private sshd (Debian's openssh-server, `/usr/sbin/sshd`; the Makefile installs it for the
 tests where it runs as root): this process's child, `sshd -D -e -f CONFIG` with a config of its
@@ -61,7 +62,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +226,7 @@ class ChannelEcho(Echo):
         self.typed: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.echoed: asyncio.Queue[bytes] = asyncio.Queue()
         self.channel = asyncio.ensure_future(client.channel(request, self._output, self._input()))
+        self.channel.add_done_callback(lambda done: done.cancelled() or done.exception())  # seen here
 
     async def _input(self) -> AsyncIterator[bytes]:
         while (data := await self.typed.get()) is not None:
@@ -457,23 +459,37 @@ def ssh_roles(ssh: asyncio.subprocess.Process, sshd: psutil.Process) -> Roles:
     return roles
 
 
+Snapshot = dict[str, dict[tuple[int, float], float]]  # role -> (pid, its start) -> CPU seconds so far
+
+
+def used_between(before: Snapshot, after: Snapshot) -> Cpu:
+    """What each role used between two snapshots (a process born between counts from nothing;
+    one gone between is lost, and none is: the relays' processes are long-lived)."""
+    return {
+        role: sum(used - before.get(role, {}).get(key, 0.0) for key, used in procs.items())
+        for role, procs in after.items()
+    }
+
+
 @dataclass
 class Route:
     """One way to reach the job's server (or an echoing command): its echo, its port for transfers
-    (None: no transfers through it), and the processes of its relay."""
+    (None: no transfers through it), and the processes of its relay, with the CPU they use a second
+    with nothing to relay (`idle`: timers, heartbeats, blocking reads that time out)."""
 
     name: str
     echo: Echo | None
     port: int | None
     roles: Roles
+    idle: Cpu = field(default_factory=dict)
 
     async def key(self) -> float:
         assert self.echo is not None
         return await self.echo.key()
 
-    def cpu(self) -> dict[str, dict[tuple[int, float], float]]:
+    def cpu(self) -> Snapshot:
         """CPU seconds each of the relay's processes has used so far, by role."""
-        used: dict[str, dict[tuple[int, float], float]] = {}
+        used: Snapshot = {}
         for role, procs in self.roles().items():
             used[role] = {}
             for proc in procs:
@@ -482,17 +498,23 @@ class Route:
                     used[role][(proc.pid, proc.create_time())] = times.user + times.system
         return used
 
+    @contextlib.contextmanager
+    def metered(self, total: Cpu) -> Iterator[None]:
+        """Add to `total` the CPU the relay used within the block, less what it uses idle."""
+        before, began = self.cpu(), time.monotonic()
+        yield
+        elapsed = time.monotonic() - began
+        for role, used in used_between(before, self.cpu()).items():
+            total[role] = total.get(role, 0.0) + used - self.idle.get(role, 0.0) * elapsed
 
-def add_cpu(
-    total: Cpu,
-    before: dict[str, dict[tuple[int, float], float]],
-    after: dict[str, dict[tuple[int, float], float]],
-) -> None:
-    """Add what each role used between `before` and `after` to `total` (a process born between
-    counts from nothing; one gone between is lost, and none is: the relays' are long-lived)."""
-    for role, procs in after.items():
-        was = before.get(role, {})
-        total[role] = total.get(role, 0.0) + sum(used - was.get(key, 0.0) for key, used in procs.items())
+
+async def measure_idle(routes: list[Route], seconds: float) -> None:
+    """Each route's `idle`: its relay's CPU over `seconds` with nothing to relay."""
+    before, began = [route.cpu() for route in routes], time.monotonic()
+    await asyncio.sleep(seconds)
+    elapsed = time.monotonic() - began
+    for route, was in zip(routes, before, strict=True):
+        route.idle = {role: used / elapsed for role, used in used_between(was, route.cpu()).items()}
 
 
 # --- the measures -------------------------------------------------------------------------------
@@ -510,9 +532,8 @@ async def keystrokes(routes: list[Route], keys: int, rounds: int) -> tuple[Sampl
     for r in range(rounds):
         share = keys // rounds + (1 if r < keys % rounds else 0)
         for route in echoing[r % len(echoing) :] + echoing[: r % len(echoing)]:
-            before = route.cpu()
-            times[route.name] += [await route.key() for _ in range(share)]
-            add_cpu(cpu[route.name], before, route.cpu())
+            with route.metered(cpu[route.name]):
+                times[route.name] += [await route.key() for _ in range(share)]
     return times, cpu
 
 
@@ -564,9 +585,8 @@ async def transfers(
         for route in moving[r % len(moving) :] + moving[: r % len(moving)]:
             assert route.port is not None
             for way, move in (("download", download), ("upload", upload)):
-                before = route.cpu()
-                rates[route.name][way].append(size / MIB / await move(route.port, size))
-                add_cpu(cpu[route.name][way], before, route.cpu())
+                with route.metered(cpu[route.name][way]):
+                    rates[route.name][way].append(size / MIB / await move(route.port, size))
     return rates, cpu
 
 
@@ -576,6 +596,7 @@ class Sizes:
     rounds: int
     size: int  # bytes a transfer
     transfers: int
+    idle: float = 2.0  # seconds the relays' idle CPU is measured over
 
 
 async def measure(tmp: Path, sizes: Sizes) -> dict[str, Any]:
@@ -599,39 +620,42 @@ async def measure(tmp: Path, sizes: Sizes) -> dict[str, Any]:
             port = free_port()
             job_id = await serving_job(client, port)
             astack.push_async_callback(cancel, client, job_id)  # else poold's stop waits for it
-            routes.append(Route("direct", await StreamEcho.open(port), port, dict))
+
+            def add(route: Route) -> None:
+                routes.append(route)
+                if route.echo is not None:  # closed before what it goes through
+                    astack.push_async_callback(route.echo.close)
+
+            add(Route("direct", await StreamEcho.open(port), port, dict))
             if isinstance(ssh, str):
                 skipped["ssh -L"] = skipped["ssh cat"] = ssh
             else:
                 sshd = psutil.Process(ssh.pid)
                 tunnel, local = await ssh_tunnel(ssh, port)
                 astack.push_async_callback(stop, tunnel)
-                routes.append(Route("ssh -L", await StreamEcho.open(local), local, ssh_roles(tunnel, sshd)))
+                add(Route("ssh -L", await StreamEcho.open(local), local, ssh_roles(tunnel, sshd)))
                 cat = await asyncio.create_subprocess_exec(
                     *ssh.args, "-T", "cat", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
                 )
                 astack.push_async_callback(stop, cat)
-                routes.append(Route("ssh cat", PipeEcho(cat), None, ssh_roles(cat, sshd)))
+                add(Route("ssh cat", PipeEcho(cat), None, ssh_roles(cat, sshd)))
             exec_cat = ChannelEcho(client, OpenChannel(job_id, "exec", ["cat"], stdin=True))
-            routes.append(Route("gpupool exec", exec_cat, None, pool_roles(poold)))
+            add(Route("gpupool exec", exec_cat, None, pool_roles(poold)))
             forward, local = await poolctl_forward(job_id, port)
             astack.push_async_callback(stop, forward)
             forwarded = await StreamEcho.open(local)
-            routes.append(Route("gpupool forward", forwarded, local, pool_roles(poold, forward)))
+            add(Route("gpupool forward", forwarded, local, pool_roles(poold, forward)))
             # Where the pool has attach channels (a PTY, `poolctl shell`): a route "gpupool attach
             # (PTY)" here, a ChannelEcho of OpenChannel(job_id, "attach", ...), and out of `skipped`.
-            try:
-                keys, keys_cpu = await keystrokes(routes, sizes.keys, sizes.rounds)
-            finally:
-                for route in routes:
-                    if route.echo is not None:
-                        await route.echo.close()
+            await measure_idle(routes, sizes.idle)
+            keys, keys_cpu = await keystrokes(routes, sizes.keys, sizes.rounds)
             rates, rates_cpu = await transfers(routes, sizes.size, sizes.transfers)
     return {
         "keystrokes": keys,
         "keystrokes_cpu": keys_cpu,
         "rates": rates,
         "rates_cpu": rates_cpu,
+        "idle_cpu": {route.name: route.idle for route in routes},
         "skipped": skipped,
         "size_mib": sizes.size / MIB,
     }
@@ -678,6 +702,10 @@ def summary(raw: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     return {
         "machine": {**machine(), "cpu": cpu_model()},
         "sizes": {"keys": sizes.keys, "rounds": sizes.rounds, "size_mib": raw["size_mib"], "warm": WARM},
+        # what each relay used a second with nothing to relay, subtracted from the rest (%)
+        "idle_cpu_percent": {
+            name: {role: used * 100 for role, used in idle.items()} for name, idle in raw["idle_cpu"].items()
+        },
         "keystroke_echo": echo,
         "forwarded_throughput": throughput,
     }
@@ -685,7 +713,7 @@ def summary(raw: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
 
 def by_role(used: dict[str, float], digits: int) -> str:
     """`used` as "poold 12 + redis-server 3" (the roles that used any)."""
-    return " + ".join(f"{role} {value:.{digits}f}" for role, value in used.items() if value > 0) or "-"
+    return " + ".join(f"{role} {value:.{digits}f}" for role, value in used.items()) or "-"
 
 
 def tables(result: dict[str, Any]) -> tuple[Table, Table]:
@@ -731,7 +759,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="20 keystrokes in 2 rounds, 2 transfers of 1 MiB")
     args = p.parse_args(argv)
     sizes = (
-        Sizes(20, 2, MIB, 2) if args.quick else Sizes(args.keys, args.rounds, args.size * MIB, args.transfers)
+        Sizes(20, 2, MIB, 2, idle=0.2)
+        if args.quick
+        else Sizes(args.keys, args.rounds, args.size * MIB, args.transfers)
     )
     with tempfile.TemporaryDirectory(prefix="gpupool-bench-interactive-") as tmp_name:
         tmp = Path(tmp_name)
