@@ -14,8 +14,10 @@ Keystroke echo, ms (p50, p99, max): one byte sent, the next only once it came ba
   `poolctl exec JOB -- cat` runs with its stdin piped;
 - gpupool forward: `poolctl forward JOB 0:PORT` (a process of its own, as a user runs it), to the
   same server;
-- gpupool attach (PTY): where the pool has `attach` channels (`poolctl shell`), a PTY's echo;
-  until then its row says they are not there.
+- gpupool attach (PTY): a second job on a terminal (a `tty` job, as `poolctl shell` starts one),
+  `stty raw -echo; exec cat` (as a shell's line editor, the program echoes each key, not the
+  terminal), attached over a channel of kind "attach" in this process; where the pool has no
+  tty jobs (its server refuses the job), its row says so.
 `--keys` keystrokes each, in `--rounds` rounds: each round every path in turn (the order turning),
 so that the machine's drift reaches all alike; each connection is opened once, and its first
 WARM keystrokes (its set-up) are not counted.
@@ -74,7 +76,7 @@ from rich.table import Table
 
 from bench.common import local_pool, machine, median, percentile, ready, save
 from daemon import tokens
-from daemon.client.pool_client import PoolClient
+from daemon.client.pool_client import ClientError, PoolClient
 from protocol import CancelJobs, Cancelled, Enqueue, Enqueued, JobDetail, OpenChannel, ShowJob, WaitJobs
 
 LIMIT = 30.0  # seconds any one step (a keystroke, a transfer, a start) may take before the bench gives up
@@ -127,7 +129,7 @@ while True:
 
 ECHO_PATHS = ("direct", "ssh -L", "ssh cat", "gpupool exec", "gpupool forward", "gpupool attach (PTY)")
 TRANSFER_PATHS = ("direct", "ssh -L", "gpupool forward")
-NO_ATTACH = "no attach channels on this pool yet (issue 49's `poolctl shell`)"
+PTY_JOB = ["sh", "-c", "stty raw -echo && exec cat"]  # each key read at once and echoed by the program
 
 
 def free_port() -> int:
@@ -220,9 +222,11 @@ class PipeEcho(Echo):
 
 
 class ChannelEcho(Echo):
-    """A channel into the job (PoolClient.channel) whose command echoes its stdin: `cat`."""
+    """A channel into a job (PoolClient.channel) whose far end echoes what it is sent: `cat` run
+    by an exec, or on a tty job's terminal (attach: closed by detaching, as `poolctl attach`)."""
 
-    def __init__(self, client: PoolClient, request: OpenChannel) -> None:
+    def __init__(self, client: PoolClient, request: OpenChannel, *, detach: bool = False) -> None:
+        self.detach = detach
         self.typed: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.echoed: asyncio.Queue[bytes] = asyncio.Queue()
         self.channel = asyncio.ensure_future(client.channel(request, self._output, self._input()))
@@ -233,8 +237,8 @@ class ChannelEcho(Echo):
             yield data
 
     async def _output(self, stream: str, data: bytes) -> None:
-        if stream == "stdout":
-            self.echoed.put_nowait(data)
+        del stream  # cat writes only what it reads; a terminal has one output
+        self.echoed.put_nowait(data)
 
     async def key(self) -> float:
         began = time.perf_counter()
@@ -253,6 +257,11 @@ class ChannelEcho(Echo):
         return time.perf_counter() - began
 
     async def close(self) -> None:
+        if self.detach:  # the channel's cancel: the server detaches, the job goes on
+            self.channel.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await bounded("the detach", self.channel)
+            return
         self.typed.put_nowait(None)  # stdin's end: cat exits
         closed = await bounded("the channel's end", self.channel)
         if closed.exit_code != 0:
@@ -397,6 +406,22 @@ async def serving_job(client: PoolClient, port: int) -> str:
             break
         await asyncio.sleep(0.05)
     raise RuntimeError(why)
+
+
+async def tty_job(client: PoolClient) -> tuple[str | None, str]:
+    """A tty job running PTY_JOB: (its id, ""); or (None, why the pool runs none)."""
+    spec = {"argv": PTY_JOB, "name": "bench-interactive-pty", "tty": True}
+    try:
+        job_id = (await client.call(Enqueue(spec, None), Enqueued)).job_id
+    except ClientError as exc:  # a server of before `poolctl shell`: "tty" is no field of its jobs
+        return None, f"no tty jobs on this pool ({exc})"
+    async with asyncio.timeout(LIMIT):
+        # polled: the pool tells of a job's end (WaitJobs), not of its start
+        while (state := (await client.call(ShowJob(job_id), JobDetail)).job["state"]) == "queued":  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+    if state != "running":
+        raise RuntimeError(f"the tty job {job_id} is {state}")
+    return job_id, ""
 
 
 async def cancel(client: PoolClient, job_id: str) -> None:
@@ -600,7 +625,7 @@ class Sizes:
 
 
 async def measure(tmp: Path, sizes: Sizes) -> dict[str, Any]:
-    skipped: dict[str, str] = {"gpupool attach (PTY)": NO_ATTACH}
+    skipped: dict[str, str] = {}
     routes: list[Route] = []
     listen = f"127.0.0.1:{free_port()}"
     task = asyncio.current_task()
@@ -645,8 +670,13 @@ async def measure(tmp: Path, sizes: Sizes) -> dict[str, Any]:
             astack.push_async_callback(stop, forward)
             forwarded = await StreamEcho.open(local)
             add(Route("gpupool forward", forwarded, local, pool_roles(poold, forward)))
-            # Where the pool has attach channels (a PTY, `poolctl shell`): a route "gpupool attach
-            # (PTY)" here, a ChannelEcho of OpenChannel(job_id, "attach", ...), and out of `skipped`.
+            pty, why = await tty_job(client)
+            if pty is None:
+                skipped["gpupool attach (PTY)"] = why
+            else:
+                astack.push_async_callback(cancel, client, pty)
+                attached = ChannelEcho(client, OpenChannel(pty, "attach", [], stdin=True), detach=True)
+                add(Route("gpupool attach (PTY)", attached, None, pool_roles(poold)))
             await measure_idle(routes, sizes.idle)
             keys, keys_cpu = await keystrokes(routes, sizes.keys, sizes.rounds)
             rates, rates_cpu = await transfers(routes, sizes.size, sizes.transfers)
