@@ -383,6 +383,27 @@ async def ssh_tunnel(ssh: Ssh, port: int) -> tuple[asyncio.subprocess.Process, i
     return proc, local
 
 
+async def ssh_routes(ssh: Ssh, port: int, astack: contextlib.AsyncExitStack) -> list[Route]:
+    """The routes through the private sshd to the job's server (`port`): `ssh -L` to it and `ssh
+    HOST cat`, each seen to echo a key (their echoes closed on the way out)."""
+    sshd = psutil.Process(ssh.pid)
+    tunnel, local = await ssh_tunnel(ssh, port)
+    astack.push_async_callback(stop, tunnel)
+    cat = await asyncio.create_subprocess_exec(
+        *ssh.args, "-T", "cat", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+    )
+    astack.push_async_callback(stop, cat)
+    routes = [
+        Route("ssh -L", await StreamEcho.open(local), local, ssh_roles(tunnel, sshd)),
+        Route("ssh cat", PipeEcho(cat), None, ssh_roles(cat, sshd)),
+    ]
+    for route in routes:
+        assert route.echo is not None
+        astack.push_async_callback(route.echo.close)
+        await route.key()  # it answers, or the rows say why not
+    return routes
+
+
 # --- the pool -----------------------------------------------------------------------------------
 
 
@@ -655,15 +676,10 @@ async def measure(tmp: Path, sizes: Sizes) -> dict[str, Any]:
             if isinstance(ssh, str):
                 skipped["ssh -L"] = skipped["ssh cat"] = ssh
             else:
-                sshd = psutil.Process(ssh.pid)
-                tunnel, local = await ssh_tunnel(ssh, port)
-                astack.push_async_callback(stop, tunnel)
-                add(Route("ssh -L", await StreamEcho.open(local), local, ssh_roles(tunnel, sshd)))
-                cat = await asyncio.create_subprocess_exec(
-                    *ssh.args, "-T", "cat", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
-                )
-                astack.push_async_callback(stop, cat)
-                add(Route("ssh cat", PipeEcho(cat), None, ssh_roles(cat, sshd)))
+                try:
+                    routes += await ssh_routes(ssh, port, astack)
+                except (OSError, RuntimeError, TimeoutError, asyncio.IncompleteReadError) as exc:
+                    skipped["ssh -L"] = skipped["ssh cat"] = f"ssh did not answer: {exc}"
             exec_cat = ChannelEcho(client, OpenChannel(job_id, "exec", ["cat"], stdin=True))
             add(Route("gpupool exec", exec_cat, None, pool_roles(poold)))
             forward, local = await poolctl_forward(job_id, port)
