@@ -1,17 +1,20 @@
-"""What every benchmark shares: the machine description and the JSON result file."""
+"""What every benchmark shares: the machine description and the JSON result file, a pool to
+measure, and the small parts of an asyncio bench (free ports, bounded waits, a child's stop)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ from daemon.server.service import PoolServer
 
 RESULTS = Path(__file__).parent / "results"
 POOL_START_LIMIT = 60.0  # seconds for a `local_pool` to come up
+STEP_LIMIT = 30.0  # seconds one step (a keystroke, a transfer, a start) may take before a bench gives up
 
 
 def machine(redis_version: str = "") -> dict[str, Any]:
@@ -141,3 +145,45 @@ def ready(proc: subprocess.Popen[bytes], tmp: Path) -> None:
             log = (tmp / "poold.log").read_text(errors="replace")[-3000:]
             raise RuntimeError(f"poold did not come up (exit {proc.returncode}):\n{log}")
         time.sleep(0.02)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (now)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def bounded(what: str, waited: Awaitable[Any], seconds: float = STEP_LIMIT) -> Any:
+    """`waited`'s result, or a TimeoutError naming `what` after `seconds`."""
+    try:
+        return await asyncio.wait_for(waited, seconds)
+    except TimeoutError:
+        raise TimeoutError(f"{what}: nothing within {seconds:.0f} s") from None
+
+
+async def accepting(port: int, what: str, alive: Callable[[], str | None]) -> None:
+    """Return once 127.0.0.1:`port` accepts a connection; raise if `alive()` says why it never
+    will, or after STEP_LIMIT."""
+    deadline = time.monotonic() + STEP_LIMIT
+    while True:
+        if (why := alive()) is not None:
+            raise RuntimeError(f"{what}: {why}")
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: 127.0.0.1:{port} did not accept within {STEP_LIMIT:.0f} s")
+        await asyncio.sleep(0.02)
+
+
+async def stop(proc: asyncio.subprocess.Process) -> None:
+    """End a child process of the bench's: SIGTERM, then SIGKILL after 5 s."""
+    if proc.returncode is None:
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 5)
+        except TimeoutError:
+            proc.kill()
+            await asyncio.wait_for(proc.wait(), 5)

@@ -8,7 +8,7 @@ sends or takes N bytes, as the first line of each connection asks.
 
 Keystroke echo, ms (p50, p99, max): one byte sent, the next only once it came back, through
 - direct: a TCP connection to the job's server on loopback (the floor: two hops in the kernel);
-- ssh -L: an `ssh -N -L` tunnel to the private sshd (below), to the same server;
+- ssh -L: an `ssh -N -L` tunnel to the private sshd, to the same server;
 - ssh cat: `ssh HOST cat`, its stdin and stdout pipes here (a remote command's path, no PTY);
 - gpupool exec: `cat` in the job over a channel, `PoolClient.channel` in this process, as
   `poolctl exec JOB -- cat` runs with its stdin piped;
@@ -35,17 +35,18 @@ the job's server, `cat`), nor what the relay uses with nothing to relay (measure
 seconds before the keystrokes, with every connection open, and subtracted): where the time of a
 slow route goes, and what a busier machine would take from it.
 
-The private sshd (Debian's openssh-server, `/usr/sbin/sshd`; the Makefile installs it for the
-tests where it runs as root): this process's child, `sshd -D -e -f CONFIG` with a config of its
-own in a temporary directory (listening on 127.0.0.1 at a free port, its own host key, only its own
-key authorized for this user, no PAM, no password, StrictModes off since the directory is under
-/tmp, its PidFile there: written once it listens), stopped at the end after the ssh clients.
-As root it needs /run/sshd (its privilege separation directory, which the systemd unit makes):
-made here when missing. Where sshd is not installed, or does not start, the ssh rows say why and
-the rest runs. ssh uses OpenSSH's defaults (its cipher and MAC), with no config file of the user's.
+The ssh rows go through a private sshd on loopback (bench/private_sshd.py: Debian's
+openssh-server, a config and keys of its own, OpenSSH's defaults); where sshd is not installed, or
+does not start, they say why and the rest runs.
 
-Every wait is bounded (`LIMIT`). Prints the tables, then the result as one JSON line; writes
-bench/results/interactive.json. `python -m bench.interactive [--quick] [--keys N] [--size MIB]`.
+Its parts: this module has the routes, the pool's jobs, the measures, the summary and the tables;
+bench/echoes.py the paths a keystroke takes (one open connection each, timed a byte at a time);
+bench/relay_cpu.py what a route's relay costs (its processes by role, their CPU as snapshots);
+bench/private_sshd.py the private sshd; bench/common.py the pool, free ports, bounded waits.
+
+Every wait is bounded (bench/common.py `STEP_LIMIT`). Prints the tables, then the result as one
+JSON line; writes bench/results/interactive.json.
+`python -m bench.interactive [--quick] [--keys N] [--size MIB]`.
 """
 
 from __future__ import annotations
@@ -54,16 +55,12 @@ import argparse
 import asyncio
 import contextlib
 import os
-import pwd
 import re
-import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,15 +71,28 @@ import uvloop
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import local_pool, machine, median, percentile, ready, save
+from bench.common import (
+    STEP_LIMIT,
+    accepting,
+    bounded,
+    free_port,
+    local_pool,
+    machine,
+    median,
+    percentile,
+    ready,
+    save,
+    stop,
+)
+from bench.echoes import ChannelEcho, Echo, PipeEcho, StreamEcho
+from bench.private_sshd import Ssh, private_sshd
+from bench.relay_cpu import Cpu, Roles, Snapshot, pool_roles, snapshot, ssh_roles, used_between
 from daemon import tokens
 from daemon.client.pool_client import ClientError, PoolClient
 from protocol import CancelJobs, Cancelled, Enqueue, Enqueued, JobDetail, OpenChannel, ShowJob, WaitJobs
 
-LIMIT = 30.0  # seconds any one step (a keystroke, a transfer, a start) may take before the bench gives up
 WARM = 5  # keystrokes a connection makes before those counted: its set-up, its first round trips
 CHUNK = 1 << 20  # bytes a transfer writes or reads at a time
-SSHD = "/usr/sbin/sshd"
 MIB = 1 << 20
 
 # The job's TCP server, run by /usr/bin/python3 (any uid can): each connection's first line says
@@ -132,237 +142,51 @@ TRANSFER_PATHS = ("direct", "ssh -L", "gpupool forward")
 PTY_JOB = ["sh", "-c", "stty raw -echo && exec cat"]  # each key read at once and echoed by the program
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+# --- a route: its echo, its port, its relay ------------------------------------------------------
 
-
-async def bounded(what: str, waited: Awaitable[Any], seconds: float = LIMIT) -> Any:
-    try:
-        return await asyncio.wait_for(waited, seconds)
-    except TimeoutError:
-        raise TimeoutError(f"{what}: nothing within {seconds:.0f} s") from None
-
-
-async def accepting(port: int, what: str, alive: Callable[[], str | None]) -> None:
-    """Return once 127.0.0.1:`port` accepts a connection; raise if `alive()` says why it never
-    will, or after LIMIT."""
-    deadline = time.monotonic() + LIMIT
-    while True:
-        if (why := alive()) is not None:
-            raise RuntimeError(f"{what}: {why}")
-        with contextlib.suppress(OSError):
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: 127.0.0.1:{port} did not accept within {LIMIT:.0f} s")
-        await asyncio.sleep(0.02)
-
-
-# --- the paths a keystroke takes ------------------------------------------------------------------
-
-
-class Echo:
-    """One open connection whose far end echoes: `key()` the seconds one byte took to come back."""
-
-    async def key(self) -> float:
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        raise NotImplementedError
-
-
-class StreamEcho(Echo):
-    """A TCP connection to the job's server (directly or through a tunnel), in echo mode."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def open(cls, port: int) -> StreamEcho:
-        reader, writer = await bounded("connect", asyncio.open_connection("127.0.0.1", port))
-        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        writer.write(b"echo\n")
-        return cls(reader, writer)
-
-    async def key(self) -> float:
-        began = time.perf_counter()
-        self.writer.write(b"k")
-        if await bounded("a keystroke's echo", self.reader.readexactly(1)) != b"k":
-            raise RuntimeError("the echo is not the keystroke")
-        return time.perf_counter() - began
-
-    async def close(self) -> None:
-        self.writer.close()
-        with contextlib.suppress(OSError):
-            await bounded("close", self.writer.wait_closed())
-
-
-class PipeEcho(Echo):
-    """A process (`ssh HOST cat`) whose stdout gives back its stdin."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        assert proc.stdin is not None
-        assert proc.stdout is not None
-        self.proc, self.stdin, self.stdout = proc, proc.stdin, proc.stdout
-
-    async def key(self) -> float:
-        began = time.perf_counter()
-        self.stdin.write(b"k")
-        await self.stdin.drain()
-        if await bounded("a keystroke's echo", self.stdout.readexactly(1)) != b"k":
-            raise RuntimeError("the echo is not the keystroke")
-        return time.perf_counter() - began
-
-    async def close(self) -> None:
-        self.stdin.close()
-        await stop(self.proc)
-
-
-class ChannelEcho(Echo):
-    """A channel into a job (PoolClient.channel) whose far end echoes what it is sent: `cat` run
-    by an exec, or on a tty job's terminal (attach: closed by detaching, as `poolctl attach`)."""
-
-    def __init__(self, client: PoolClient, request: OpenChannel, *, detach: bool = False) -> None:
-        self.detach = detach
-        self.typed: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self.echoed: asyncio.Queue[bytes] = asyncio.Queue()
-        self.channel = asyncio.ensure_future(client.channel(request, self._output, self._input()))
-        self.channel.add_done_callback(lambda done: done.cancelled() or done.exception())  # seen here
-
-    async def _input(self) -> AsyncIterator[bytes]:
-        while (data := await self.typed.get()) is not None:
-            yield data
-
-    async def _output(self, stream: str, data: bytes) -> None:
-        del stream  # cat writes only what it reads; a terminal has one output
-        self.echoed.put_nowait(data)
-
-    async def key(self) -> float:
-        began = time.perf_counter()
-        self.typed.put_nowait(b"k")
-        echoed = asyncio.ensure_future(self.echoed.get())
-        done, _ = await asyncio.wait(
-            {echoed, self.channel}, timeout=LIMIT, return_when=asyncio.FIRST_COMPLETED
-        )
-        if echoed not in done:
-            echoed.cancel()
-            if self.channel in done:
-                raise RuntimeError(f"the channel ended under a keystroke: {self.channel.result()}")
-            raise TimeoutError(f"a keystroke's echo: nothing within {LIMIT:.0f} s")
-        if echoed.result() != b"k":
-            raise RuntimeError("the echo is not the keystroke")
-        return time.perf_counter() - began
-
-    async def close(self) -> None:
-        if self.detach:  # the channel's cancel: the server detaches, the job goes on
-            self.channel.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await bounded("the detach", self.channel)
-            return
-        self.typed.put_nowait(None)  # stdin's end: cat exits
-        closed = await bounded("the channel's end", self.channel)
-        if closed.exit_code != 0:
-            raise RuntimeError(f"cat in the job ended: {closed.reason}, exit {closed.exit_code}")
-
-
-async def stop(proc: asyncio.subprocess.Process) -> None:
-    """End a child process of the bench's: SIGTERM, then SIGKILL after 5 s."""
-    if proc.returncode is None:
-        proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), 5)
-        except TimeoutError:
-            proc.kill()
-            await asyncio.wait_for(proc.wait(), 5)
-
-
-# --- the private sshd ---------------------------------------------------------------------------
+Samples = dict[str, list[float]]
 
 
 @dataclass
-class Ssh:
-    """How to reach the private sshd: `args` an ssh command line up to (not including) the
-    remote command."""
+class Route:
+    """One way to reach the job's server (or an echoing command): its echo, its port for transfers
+    (None: no transfers through it), and the processes of its relay, with the CPU they use a second
+    with nothing to relay (`idle`: timers, heartbeats, blocking reads that time out)."""
 
-    pid: int  # sshd's
-    port: int
-    args: list[str]
+    name: str
+    echo: Echo | None
+    port: int | None
+    roles: Roles
+    idle: Cpu = field(default_factory=dict)
 
+    async def key(self) -> float:
+        assert self.echo is not None
+        return await self.echo.key()
 
-def sshd_config(tmp: Path, port: int, user: str) -> str:
-    return (
-        f"ListenAddress 127.0.0.1:{port}\n"
-        f"HostKey {tmp / 'host_key'}\n"
-        f"PidFile {tmp / 'sshd.pid'}\n"
-        f"AuthorizedKeysFile {tmp / 'authorized_keys'}\n"
-        f"AllowUsers {user}\n"
-        "AuthenticationMethods publickey\n"
-        "PubkeyAuthentication yes\n"
-        "PasswordAuthentication no\n"
-        "KbdInteractiveAuthentication no\n"
-        "PermitRootLogin prohibit-password\n"
-        "UsePAM no\n"
-        # Checks every directory above the keys for group or world write, /tmp (1777) among them.
-        "StrictModes no\n"
-        "AllowTcpForwarding local\n"
-        "X11Forwarding no\n"
-        "UseDNS no\n"
-        "PrintMotd no\n"
-    )
+    def cpu(self) -> Snapshot:
+        """CPU seconds each of the relay's processes has used so far, by role."""
+        return snapshot(self.roles)
+
+    @contextlib.contextmanager
+    def metered(self, total: Cpu) -> Iterator[None]:
+        """Add to `total` the CPU the relay used within the block, less what it uses idle."""
+        before, began = self.cpu(), time.monotonic()
+        yield
+        elapsed = time.monotonic() - began
+        for role, used in used_between(before, self.cpu()).items():
+            total[role] = total.get(role, 0.0) + used - self.idle.get(role, 0.0) * elapsed
 
 
-@contextlib.contextmanager
-def private_sshd(tmp: Path) -> Iterator[Ssh | str]:
-    """A private sshd (see the module's docstring), ready; or why there is none."""
-    if not os.access(SSHD, os.X_OK):
-        yield "sshd not installed (Debian's openssh-server)"
-        return
-    if shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
-        yield "ssh not installed (Debian's openssh-client)"
-        return
-    for name in ("host_key", "user_key"):
-        subprocess.run(
-            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / name)], check=True, timeout=LIMIT
-        )
-    shutil.copy(tmp / "user_key.pub", tmp / "authorized_keys")
-    port, user = free_port(), pwd.getpwuid(os.geteuid()).pw_name
-    (tmp / "sshd_config").write_text(sshd_config(tmp, port, user))
-    host_key = " ".join((tmp / "host_key.pub").read_text().split()[:2])
-    (tmp / "known_hosts").write_text(f"[127.0.0.1]:{port} {host_key}\n")
-    if os.geteuid() == 0 and not os.path.isdir("/run/sshd"):
-        os.makedirs("/run/sshd", mode=0o755)  # its privilege separation directory, as root
-    with open(tmp / "sshd.log", "wb") as log:
-        proc = subprocess.Popen(
-            [SSHD, "-D", "-e", "-f", str(tmp / "sshd_config")], stdout=log, stderr=log, start_new_session=True
-        )
-    try:
-        deadline = time.monotonic() + LIMIT
-        while not (tmp / "sshd.pid").exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)  # its PidFile is written once it listens
-        if not (tmp / "sshd.pid").exists():
-            said = (tmp / "sshd.log").read_text(errors="replace").strip().splitlines()
-            yield f"sshd did not start: {said[-1] if said else f'exit {proc.poll()}'}"
-            return
-        yield Ssh(
-            proc.pid,
-            port,
-            [
-                "ssh", "-F", "/dev/null", "-i", str(tmp / "user_key"), "-o", "IdentitiesOnly=yes",
-                "-o", f"UserKnownHostsFile={tmp / 'known_hosts'}", "-o", "GlobalKnownHostsFile=/dev/null",
-                "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR",
-                "-p", str(port), f"{user}@127.0.0.1",
-            ],
-        )  # fmt: skip
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+async def measure_idle(routes: list[Route], seconds: float) -> None:
+    """Each route's `idle`: its relay's CPU over `seconds` with nothing to relay."""
+    before, began = [route.cpu() for route in routes], time.monotonic()
+    await asyncio.sleep(seconds)
+    elapsed = time.monotonic() - began
+    for route, was in zip(routes, before, strict=True):
+        route.idle = {role: used / elapsed for role, used in used_between(was, route.cpu()).items()}
+
+
+# --- the routes through the private sshd ---------------------------------------------------------
 
 
 async def ssh_tunnel(ssh: Ssh, port: int) -> tuple[asyncio.subprocess.Process, int]:
@@ -416,14 +240,14 @@ async def serving_job(client: PoolClient, port: int) -> str:
         state = (await client.call(ShowJob(job_id), JobDetail)).job["state"]
         return None if state in ("queued", "running") else f"job {job_id} is {state}"
 
-    deadline = time.monotonic() + LIMIT
+    deadline = time.monotonic() + STEP_LIMIT
     while (why := await why_not()) is None:
         with contextlib.suppress(OSError):
             _, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.close()
             return job_id
         if time.monotonic() > deadline:
-            why = f"job {job_id} did not serve 127.0.0.1:{port} within {LIMIT:.0f} s"
+            why = f"job {job_id} did not serve 127.0.0.1:{port} within {STEP_LIMIT:.0f} s"
             break
         await asyncio.sleep(0.05)
     raise RuntimeError(why)
@@ -436,7 +260,7 @@ async def tty_job(client: PoolClient) -> tuple[str | None, str]:
         job_id = (await client.call(Enqueue(spec, None), Enqueued)).job_id
     except ClientError as exc:  # a server of before `poolctl shell`: "tty" is no field of its jobs
         return None, f"no tty jobs on this pool ({exc})"
-    async with asyncio.timeout(LIMIT):
+    async with asyncio.timeout(STEP_LIMIT):
         # polled: the pool tells of a job's end (WaitJobs), not of its start
         while (state := (await client.call(ShowJob(job_id), JobDetail)).job["state"]) == "queued":  # noqa: ASYNC110
             await asyncio.sleep(0.02)
@@ -448,7 +272,7 @@ async def tty_job(client: PoolClient) -> tuple[str | None, str]:
 async def cancel(client: PoolClient, job_id: str) -> None:
     """Cancel the job and wait for its end."""
     await client.call(CancelJobs([job_id]), Cancelled)
-    async with asyncio.timeout(LIMIT):
+    async with asyncio.timeout(STEP_LIMIT):
         async for _ in client.stream(WaitJobs([job_id], None)):  # its end, then the final reply
             pass
 
@@ -465,102 +289,6 @@ async def poolctl_forward(job_id: str, port: int) -> tuple[asyncio.subprocess.Pr
         await stop(proc)
         raise RuntimeError(f"poolctl forward said {line!r}")
     return proc, int(found[1])
-
-
-# --- what a route's relay costs -------------------------------------------------------------------
-
-Samples = dict[str, list[float]]
-Cpu = dict[str, float]  # CPU seconds (user and system) by the role of the processes that used them
-Roles = Callable[[], dict[str, list[psutil.Process]]]
-ENDS = (["/usr/bin/python3", "-u", "-c"], ["cat"])  # the far ends' command lines: not the relay's
-
-
-def is_end(proc: psutil.Process) -> bool:
-    with contextlib.suppress(psutil.Error):
-        return any(proc.cmdline()[: len(end)] == end for end in ENDS)
-    return True
-
-
-def pool_roles(poold: psutil.Process, forward: asyncio.subprocess.Process | None = None) -> Roles:
-    """The pool's relay: poold (the server and its worker, one process as `make run` starts it,
-    and its helpers), its redis-server, and `poolctl forward`; not the job's processes."""
-    client = [psutil.Process(forward.pid)] if forward is not None else []
-
-    def roles() -> dict[str, list[psutil.Process]]:
-        kids = [p for p in poold.children(recursive=True) if not is_end(p)]
-        redis = [p for p in kids if p.name() == "redis-server"]
-        found = {"poold": [poold, *(p for p in kids if p not in redis)], "redis-server": redis}
-        return found | ({"poolctl forward": client} if client else {})
-
-    return roles
-
-
-def ssh_roles(ssh: asyncio.subprocess.Process, sshd: psutil.Process) -> Roles:
-    """ssh's relay: the ssh client and the private sshd's processes, not the command it runs."""
-    client = psutil.Process(ssh.pid)
-
-    def roles() -> dict[str, list[psutil.Process]]:
-        return {"ssh": [client], "sshd": [sshd, *(p for p in sshd.children(recursive=True) if not is_end(p))]}
-
-    return roles
-
-
-Snapshot = dict[str, dict[tuple[int, float], float]]  # role -> (pid, its start) -> CPU seconds so far
-
-
-def used_between(before: Snapshot, after: Snapshot) -> Cpu:
-    """What each role used between two snapshots (a process born between counts from nothing;
-    one gone between is lost, and none is: the relays' processes are long-lived)."""
-    return {
-        role: sum(used - before.get(role, {}).get(key, 0.0) for key, used in procs.items())
-        for role, procs in after.items()
-    }
-
-
-@dataclass
-class Route:
-    """One way to reach the job's server (or an echoing command): its echo, its port for transfers
-    (None: no transfers through it), and the processes of its relay, with the CPU they use a second
-    with nothing to relay (`idle`: timers, heartbeats, blocking reads that time out)."""
-
-    name: str
-    echo: Echo | None
-    port: int | None
-    roles: Roles
-    idle: Cpu = field(default_factory=dict)
-
-    async def key(self) -> float:
-        assert self.echo is not None
-        return await self.echo.key()
-
-    def cpu(self) -> Snapshot:
-        """CPU seconds each of the relay's processes has used so far, by role."""
-        used: Snapshot = {}
-        for role, procs in self.roles().items():
-            used[role] = {}
-            for proc in procs:
-                with contextlib.suppress(psutil.Error):
-                    times = proc.cpu_times()
-                    used[role][(proc.pid, proc.create_time())] = times.user + times.system
-        return used
-
-    @contextlib.contextmanager
-    def metered(self, total: Cpu) -> Iterator[None]:
-        """Add to `total` the CPU the relay used within the block, less what it uses idle."""
-        before, began = self.cpu(), time.monotonic()
-        yield
-        elapsed = time.monotonic() - began
-        for role, used in used_between(before, self.cpu()).items():
-            total[role] = total.get(role, 0.0) + used - self.idle.get(role, 0.0) * elapsed
-
-
-async def measure_idle(routes: list[Route], seconds: float) -> None:
-    """Each route's `idle`: its relay's CPU over `seconds` with nothing to relay."""
-    before, began = [route.cpu() for route in routes], time.monotonic()
-    await asyncio.sleep(seconds)
-    elapsed = time.monotonic() - began
-    for route, was in zip(routes, before, strict=True):
-        route.idle = {role: used / elapsed for role, used in used_between(was, route.cpu()).items()}
 
 
 # --- the measures -------------------------------------------------------------------------------
@@ -590,7 +318,7 @@ async def download(port: int, size: int) -> float:
         began = time.perf_counter()
         writer.write(f"send {size}\n".encode())
         left = size
-        async with asyncio.timeout(LIMIT + size / MIB):  # 1 MiB/s at the least
+        async with asyncio.timeout(STEP_LIMIT + size / MIB):  # 1 MiB/s at the least
             while left > 0:
                 data = await reader.read(CHUNK)
                 if not data:
@@ -608,7 +336,7 @@ async def upload(port: int, size: int) -> float:
     try:
         began = time.perf_counter()
         writer.write(f"recv {size}\n".encode())
-        async with asyncio.timeout(LIMIT + size / MIB):
+        async with asyncio.timeout(STEP_LIMIT + size / MIB):
             for start in range(0, size, CHUNK):
                 writer.write(block[: min(CHUNK, size - start)])
                 await writer.drain()
