@@ -1,0 +1,154 @@
+"""Issue 49: `poolctl shell` and `poolctl attach`, end to end: a real pool server, a real `poold
+--worker` process with made-up GPUs running jobs as slot uids (test_exec.py's), and `poolctl` as
+a subprocess on a real PTY (pexpect), typed into as a researcher types."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TypeAlias
+
+import pexpect
+
+from daemon.job import JobSpec, JobState
+from daemon.queue import registry
+from daemon.queue.embedded_redis import EmbeddedRedis
+from tests.daemon.ctl.test_exec import gpu_worker, log_text
+from tests.support.paths import ROOT
+from tests.support.pool import Pool, running_pool
+from tests.support.workers import wait_state, wait_until
+
+PROMPT = "@@ "  # the shell's prompt, which no command typed here echoes
+# bash takes its prompt from the environment; nothing of the worker's startup files runs
+SHELL = ["--", "sh", "-c", f"PS1='{PROMPT}' exec bash --norc --noprofile -i"]
+QUEUED = r"poolctl: (\S+) queued"
+Terminal: TypeAlias = "pexpect.spawn[str]"  # poolctl on a PTY, its output read as text
+
+
+@asynccontextmanager
+async def pool_and_worker(
+    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
+) -> AsyncIterator[Pool]:
+    async with running_pool(redis_server, tmp_path) as pool:
+        with gpu_worker(redis_server, tmp_path / "worker.log", s3_env):
+
+            async def registered() -> bool:
+                return len(await registry.list_workers(pool.queue.redis)) == 1
+
+            await wait_until(registered, 30, "the worker to register")
+            yield pool
+
+
+def poolctl_on_a_pty(pool: Pool, user: str, *args: str) -> Terminal:
+    """`poolctl ARGS` as `user`, its terminal a PTY of 24x80 that the test types into."""
+    env = {**pool.env(user), "PYTHONPATH": str(ROOT), "TERM": "dumb"}
+    return pexpect.spawn(
+        sys.executable,
+        ["-m", "daemon.ctl.cli", *args],
+        env=env,
+        cwd="/",
+        dimensions=(24, 80),
+        timeout=30,
+        encoding="utf-8",
+        codec_errors="replace",
+    )
+
+
+async def expect(child: Terminal, pattern: str | type[pexpect.EOF], timeout: float = 15) -> str:
+    """Wait (off the loop, which serves the pool) for `pattern` in what the PTY shows; its first
+    group, if it has one."""
+    await asyncio.to_thread(child.expect, pattern, timeout=timeout)
+    found = child.match
+    return str(found[1]) if isinstance(found, re.Match) and found.re.groups else ""
+
+
+async def ended(child: Terminal) -> int:
+    """poolctl's exit status, once it has ended."""
+    await expect(child, pexpect.EOF)
+    await asyncio.to_thread(child.wait)
+    assert "Traceback" not in (child.before or "")
+    if child.exitstatus is None:
+        assert child.signalstatus is not None
+        return 128 + child.signalstatus
+    return int(child.exitstatus)
+
+
+async def test_shell_types_resizes_interrupts_detaches_reattaches_exits_with_its_code_and_idles_out(
+    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
+) -> None:
+    """Issue 49, `shell` done-when, through a real PTY: `poolctl shell` queues a job whose shell
+    runs on a terminal in its allocation: a command typed is run (`echo $((6*7))` shows 42); the
+    local window's resize reaches it (`stty size`); Ctrl-C interrupts its foreground command and
+    the shell lives on; `Enter ~ .` detaches (poolctl exits 0, saying how to return) and
+    `poolctl attach` returns to the same shell (a variable set before is still set); bob's attach
+    is refused (exit 6), and so is an attach to a job without a terminal; `exit 3` ends poolctl
+    with 3 and the job with exit code 3. Then a shell with `--idle 2` that nobody types into
+    ends by itself, saying why in its log, and frees its slot for the job waiting for it."""
+    async with pool_and_worker(redis_server, tmp_path, s3_env) as pool:
+        queue = pool.queue
+        shell = poolctl_on_a_pty(pool, "alice", "shell", "--gpus", "1", *SHELL)
+        job_id = await expect(shell, QUEUED)
+        await expect(shell, PROMPT)
+
+        shell.sendline("echo $((6*7))")
+        await expect(shell, "42\r\n")  # (what was typed holds no 42)
+
+        shell.setwinsize(33, 101)  # the kernel tells poolctl (SIGWINCH), which tells the job's terminal
+        await asyncio.sleep(0.3)
+        shell.sendline("stty size")
+        await expect(shell, "33 101\r\n")
+
+        shell.sendline("sleep 100; echo not-interrupted")
+        await asyncio.sleep(0.5)
+        shell.sendcontrol("c")  # a byte to the job's terminal, whose line discipline interrupts sleep
+        await expect(shell, PROMPT, timeout=10)
+        shell.sendline("echo alive-$((1+1))")
+        await expect(shell, "alive-2")
+        assert "\nnot-interrupted" not in (shell.before or "")  # (its echo is not its output)
+
+        # A plain job alongside, in the worker's other slot: no terminal to attach to.
+        plain, _ = await queue.enqueue(JobSpec(argv=("sleep", "60"), gpus=1, user="alice"))
+        await wait_state(queue, plain, JobState.RUNNING)
+        refused = poolctl_on_a_pty(pool, "alice", "attach", plain)
+        await expect(refused, f"job {plain} has no terminal")
+        assert await ended(refused) == 2
+
+        shell.sendline("KEPT=kept-$((2+3))")
+        await expect(shell, PROMPT)
+        shell.send("~.")  # first on a line (after the Enter above): ssh's escape
+        await expect(shell, f"detached: poolctl attach {job_id} to return")
+        assert await ended(shell) == 0
+        assert (await queue.get(job_id)).state is JobState.RUNNING  # the shell lives on
+
+        bob = poolctl_on_a_pty(pool, "bob", "attach", job_id)
+        assert await ended(bob) == 6
+
+        again = poolctl_on_a_pty(pool, "alice", "attach", job_id)
+        await expect(again, "KEPT=kept-")  # the session's tail replayed
+        again.sendline('echo "[$KEPT]"')
+        await expect(again, r"\[kept-5\]")
+        again.sendline("exit 3")
+        assert await ended(again) == 3
+        info = await wait_state(queue, job_id, JobState.FAILED)
+        assert info.exit_code == 3
+        log = await log_text(queue, job_id)
+        assert "42" in log  # the session is the job's output
+        assert log.count("attach by alice") == 2
+
+        # The idle limit: a shell nobody types into ends, and its slot takes the job that waits.
+        idle = poolctl_on_a_pty(pool, "alice", "shell", "--gpus", "1", "--idle", "2")
+        idle_id = await expect(idle, QUEUED)
+        await wait_state(queue, idle_id, JobState.RUNNING)
+        waiting, _ = await queue.enqueue(JobSpec(argv=("true",), gpus=1, user="alice"))
+        await asyncio.sleep(0.5)
+        assert (await queue.get(waiting)).state is JobState.QUEUED  # both slots are taken
+        assert await ended(idle) == 128 + 1  # its shell hung up (SIGHUP: a shell's stop signal)
+        info = await wait_state(queue, idle_id, JobState.FAILED)
+        assert "no input for 2 s" in info.detail
+        assert "ended: no input for 2 s" in await log_text(queue, idle_id)
+        await wait_state(queue, waiting, JobState.SUCCEEDED, timeout=15)
+        await queue.cancel(plain)
