@@ -202,7 +202,7 @@ class Relay:
     async def _close(self, helpers: Sequence[asyncio.Future[Any]]) -> None:
         for helper in helpers:
             await cancel_and_wait(helper)
-        how = "ended" if self._ended else "cancelled"
+        how = "ended" if self._ended else "detached" if self.request.kind == "attach" else "cancelled"
         log.info(
             "%s by %s in job %s (channel %s) %s: %d bytes relayed",
             self.request.kind,

@@ -84,8 +84,10 @@ async def test_shell_types_resizes_interrupts_detaches_reattaches_exits_with_its
     runs on a terminal in its allocation: a command typed is run (`echo $((6*7))` shows 42); the
     local window's resize reaches it (`stty size`); Ctrl-C interrupts its foreground command and
     the shell lives on; `Enter ~ .` detaches (poolctl exits 0, saying how to return) and
-    `poolctl attach` returns to the same shell (a variable set before is still set); bob's attach
-    is refused (exit 6), and so is an attach to a job without a terminal; `exit 3` ends poolctl
+    `poolctl attach` returns to the same shell (a variable set before is still set), and another
+    attach takes it over, telling the one before; bob's attach is refused (exit 6), and so is an
+    attach to a job without a terminal; a shell that has to wait says why, and Ctrl-C then cancels
+    it; `exit 3` ends poolctl
     with 3 and the job with exit code 3. Then a shell with `--idle 2` that nobody types into
     ends by itself, saying why in its log, and frees its slot for the job waiting for it."""
     async with pool_and_worker(redis_server, tmp_path, s3_env) as pool:
@@ -117,6 +119,14 @@ async def test_shell_types_resizes_interrupts_detaches_reattaches_exits_with_its
         await expect(refused, f"job {plain} has no terminal")
         assert await ended(refused) == 2
 
+        # Both slots taken: a third shell waits, saying why, and Ctrl-C cancels it.
+        queued = poolctl_on_a_pty(pool, "alice", "shell", "--gpus", "1")
+        queued_id = await expect(queued, QUEUED)
+        await expect(queued, f"poolctl: {queued_id} waits: ")
+        queued.sendcontrol("c")
+        assert await ended(queued) == 130
+        assert (await queue.get(queued_id)).state is JobState.CANCELLED
+
         shell.sendline("KEPT=kept-$((2+3))")
         await expect(shell, PROMPT)
         shell.send("~.")  # first on a line (after the Enter above): ssh's escape
@@ -131,13 +141,18 @@ async def test_shell_types_resizes_interrupts_detaches_reattaches_exits_with_its
         await expect(again, "KEPT=kept-")  # the session's tail replayed
         again.sendline('echo "[$KEPT]"')
         await expect(again, r"\[kept-5\]")
-        again.sendline("exit 3")
-        assert await ended(again) == 3
+
+        third = poolctl_on_a_pty(pool, "alice", "attach", job_id)  # one client at a time: it takes over
+        await expect(third, r"\[kept-5\]")
+        await expect(again, "detached: attached elsewhere")
+        assert await ended(again) == 0
+        third.sendline("exit 3")
+        assert await ended(third) == 3
         info = await wait_state(queue, job_id, JobState.FAILED)
         assert info.exit_code == 3
         log = await log_text(queue, job_id)
         assert "42" in log  # the session is the job's output
-        assert log.count("attach by alice") == 2
+        assert log.count("attach by alice") == 3
 
         # The idle limit: a shell nobody types into ends, and its slot takes the job that waits.
         idle = poolctl_on_a_pty(pool, "alice", "shell", "--gpus", "1", "--idle", "2")
