@@ -118,13 +118,16 @@ async def attach(client: PoolClient, job_id: str) -> int:
     detaches (0)."""
     _need_terminal("attach")
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + START_SECONDS
+    deadline, said = loop.time() + START_SECONDS, False
     while True:
         closed, detached = await _attached(client, job_id)
         if detached:
             print(f"\r\ndetached: poolctl attach {job_id} to return", file=sys.stderr)
             return 0
         if NOT_STARTED in closed.reason and loop.time() < deadline:  # its environment is being built
+            if not said:
+                print(f"poolctl: {job_id} is starting: {closed.reason}", file=sys.stderr, flush=True)
+                said = True
             await asyncio.sleep(POLL_SECONDS)
             continue
         break

@@ -54,7 +54,7 @@ class Attach(ExecCommand):
         self._backlog += data
         self._output_changed.set()
         if self._terminal is not None and len(self._backlog) >= channels.OUT_WINDOW:
-            self._terminal.hold(True)  # the client's window holds the shell back, as ssh's does
+            self._terminal.hold_output(True)  # the client's window holds the shell back, as ssh's does
 
     def taken_over(self) -> None:
         self._taken_over.set()
@@ -140,7 +140,7 @@ class Attach(ExecCommand):
             data = bytes(self._backlog[:size])
             del self._backlog[:size]
             if self._terminal is not None and len(self._backlog) < channels.OUT_WINDOW:
-                self._terminal.hold(False)
+                self._terminal.hold_output(False)
             self._unread.append(size)
             self._unread_bytes += size
             await channels.append(self.redis, self.out, {b"o": data})

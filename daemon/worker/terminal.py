@@ -65,6 +65,7 @@ class Terminal:
         self.viewer: Viewer | None = None
         self.ended = False  # its output has ended (every holder of the slave has closed it)
         self.hold: Callable[[bool], None] = lambda held: None  # job_output's reading, held or not
+        self._held = False
         loop = asyncio.get_running_loop()
         self._last_input = loop.time()
         self._idle_timer = loop.call_later(idle_limit, self._check_idle)
@@ -95,7 +96,13 @@ class Terminal:
         """`viewer` has gone: nothing holds the reading back any more."""
         if self.viewer is viewer:
             self.viewer = None
-            self.hold(False)
+            self.hold_output(False)
+
+    def hold_output(self, held: bool) -> None:
+        """Hold the reading of its output back (the viewer's window is full), or let it go on."""
+        if held != self._held:
+            self._held = held
+            self.hold(held)
 
     async def write(self, data: bytes) -> None:
         """The client's input into the terminal, as it is; it counts as input for the idle limit.

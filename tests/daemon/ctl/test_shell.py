@@ -83,12 +83,12 @@ async def test_shell_types_resizes_interrupts_detaches_reattaches_exits_with_its
     """Issue 49, `shell` done-when, through a real PTY: `poolctl shell` queues a job whose shell
     runs on a terminal in its allocation: a command typed is run (`echo $((6*7))` shows 42); the
     local window's resize reaches it (`stty size`); Ctrl-C interrupts its foreground command and
-    the shell lives on; `Enter ~ .` detaches (poolctl exits 0, saying how to return) and
-    `poolctl attach` returns to the same shell (a variable set before is still set), and another
+    the shell lives on; `Enter ~ .` detaches (poolctl exits 0, saying how to return) and the
+    shell runs on (its output then blocks it nowhere); `poolctl attach` returns to the same
+    shell, replaying the end of what it showed (a variable set before is still set), and another
     attach takes it over, telling the one before; bob's attach is refused (exit 6), and so is an
     attach to a job without a terminal; a shell that has to wait says why, and Ctrl-C then cancels
-    it; `exit 3` ends poolctl
-    with 3 and the job with exit code 3. Then a shell with `--idle 2` that nobody types into
+    it; `exit 3` ends poolctl with 3 and the job with exit code 3. Then a shell with `--idle 2` that nobody types into
     ends by itself, saying why in its log, and frees its slot for the job waiting for it."""
     async with pool_and_worker(redis_server, tmp_path, s3_env) as pool:
         queue = pool.queue
@@ -127,8 +127,9 @@ async def test_shell_types_resizes_interrupts_detaches_reattaches_exits_with_its
         assert await ended(queued) == 130
         assert (await queue.get(queued_id)).state is JobState.CANCELLED
 
-        shell.sendline("KEPT=kept-$((2+3))")
-        await expect(shell, PROMPT)
+        # Detached, the shell goes on: what it writes then (590 kB, past any window or buffer) holds
+        # it up nowhere, and its end is in the tail an attach replays.
+        shell.sendline("KEPT=kept-$((2+3)); sleep 0.3; seq 1 100000; echo finished-$((3*3))")
         shell.send("~.")  # first on a line (after the Enter above): ssh's escape
         await expect(shell, f"detached: poolctl attach {job_id} to return")
         assert await ended(shell) == 0
@@ -138,7 +139,7 @@ async def test_shell_types_resizes_interrupts_detaches_reattaches_exits_with_its
         assert await ended(bob) == 6
 
         again = poolctl_on_a_pty(pool, "alice", "attach", job_id)
-        await expect(again, "KEPT=kept-")  # the session's tail replayed
+        await expect(again, "finished-9")  # the session's tail replayed
         again.sendline('echo "[$KEPT]"')
         await expect(again, r"\[kept-5\]")
 
