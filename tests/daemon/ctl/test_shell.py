@@ -88,8 +88,9 @@ async def test_shell_types_resizes_interrupts_detaches_reattaches_exits_with_its
     shell, replaying the end of what it showed (a variable set before is still set), and another
     attach takes it over, telling the one before; bob's attach is refused (exit 6), and so is an
     attach to a job without a terminal; a shell that has to wait says why, and Ctrl-C then cancels
-    it; `exit 3` ends poolctl with 3 and the job with exit code 3. Then a shell with `--idle 2` that nobody types into
-    ends by itself, saying why in its log, and frees its slot for the job waiting for it."""
+    it; `exit 3` ends poolctl with 3 and the job with exit code 3. Then a shell with `--idle 2`
+    that nobody types into ends by itself, saying why in its log, and frees its slot for the job
+    waiting for it."""
     async with pool_and_worker(redis_server, tmp_path, s3_env) as pool:
         queue = pool.queue
         shell = poolctl_on_a_pty(pool, "alice", "shell", "--gpus", "1", *SHELL)
