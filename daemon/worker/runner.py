@@ -375,7 +375,8 @@ class JobRun:
     def _spawn(self) -> None:
         """The job's first process, its output read and its process group watched by the guard."""
         minors = [g.minor for g in self.gpus]
-        terminal = Terminal(self.idle_limit, self._idle) if self.lease.spec.tty else None
+        owner = self.identity.uid if self.identity is not None else None
+        terminal = Terminal(self.idle_limit, self._idle, owner) if self.lease.spec.tty else None
         try:
             self._proc = self.spawner.spawn(
                 self.lease.spec.argv,

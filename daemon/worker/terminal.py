@@ -54,9 +54,13 @@ class Terminal:
     """The master end of a tty job's PTY: `slave` for its first process (the spawner's; close it
     once spawned), `took` for each piece of its output, `attach` and `write` for its client."""
 
-    def __init__(self, idle_limit: float, idle: Callable[[float], None]) -> None:
-        """`idle(limit)` is called once no input has come for `idle_limit` seconds."""
+    def __init__(self, idle_limit: float, idle: Callable[[float], None], owner: int | None = None) -> None:
+        """`idle(limit)` is called once no input has come for `idle_limit` seconds. `owner`: the
+        job's uid, which is given the terminal (as a login's is: a program that opens it by its
+        name, as `tty` prints it, may), its mode left as the kernel made it (no other uid may)."""
         self.master, self.slave = os.openpty()
+        if owner is not None:
+            os.fchown(self.slave, owner, -1)
         os.set_blocking(self.master, False)  # a write into a full terminal waits in the loop
         self.resize(ROWS, COLS)
         self.idle_limit = idle_limit

@@ -14,6 +14,7 @@ from typing import TypeAlias
 
 import pexpect
 
+from daemon.ctl.job_shell import Escape
 from daemon.job import JobSpec, JobState
 from daemon.queue import registry
 from daemon.queue.embedded_redis import EmbeddedRedis
@@ -97,8 +98,9 @@ async def test_shell_types_resizes_interrupts_detaches_reattaches_exits_with_its
         job_id = await expect(shell, QUEUED)
         await expect(shell, PROMPT)
 
-        shell.sendline("echo $((6*7))")
+        shell.sendline('echo $((6*7)); test -O "$(tty)" && echo tty-of-its-uid-$((2*2))')
         await expect(shell, "42\r\n")  # (what was typed holds no 42)
+        await expect(shell, "tty-of-its-uid-4")  # its terminal is its own, as a login's is
 
         shell.setwinsize(33, 101)  # the kernel tells poolctl (SIGWINCH), which tells the job's terminal
         await asyncio.sleep(0.3)
@@ -169,3 +171,18 @@ async def test_shell_types_resizes_interrupts_detaches_reattaches_exits_with_its
         assert "ended: no input for 2 s" in await log_text(queue, idle_id)
         await wait_state(queue, waiting, JobState.SUCCEEDED, timeout=15)
         await queue.cancel(plain)
+
+
+def test_the_escape_is_a_tilde_first_on_a_line_then_a_dot_and_anything_else_is_typed() -> None:
+    """Issue 49, `shell`'s detach (ssh's escape): `~.` detaches only first on a line (at the
+    start, or after Enter), dropping what follows it; `~~` types one `~`; a `~` before anything
+    else, or anywhere but first on a line, is typed as it is, even split across reads."""
+    assert Escape().feed(b"~.rest") == (b"", True)
+    assert Escape().feed(b"ls\r~.") == (b"ls\r", True)
+    assert Escape().feed(b"ls\n~.") == (b"ls\n", True)
+    assert Escape().feed(b"a~.b") == (b"a~.b", False)
+    assert Escape().feed(b"~~.") == (b"~.", False)
+    assert Escape().feed(b"~x") == (b"~x", False)
+    split = Escape()
+    assert split.feed(b"\r~") == (b"\r", False)
+    assert split.feed(b".") == (b"", True)
