@@ -13,10 +13,11 @@ A tty job (`poolctl shell`) runs on a terminal instead (terminal.py): its output
 terminal's, read the same way, and it is stopped as a timeout stops a job once no client has sent
 it input for its idle limit.
 
-Stopping: a cancel, a timeout, an idle shell or a drain sends SIGTERM to the whole process group and SIGKILL
-after `kill_grace`; a lost lease sends SIGKILL at once. When the first process has ended, every
-process left in the job's session or seen among its descendants is SIGKILLed, and where NVML
-answers, a GPU on which a process of the job still holds memory is reported dirty.
+Stopping: a cancel, a timeout, an idle shell or a drain sends SIGTERM (or the job's stop signal)
+to the whole process group and SIGKILL after `kill_grace`; a lost lease sends SIGKILL at once.
+When the first process has ended, every process left in the job's session or seen among its
+descendants is SIGKILLed, and where NVML answers, a GPU on which a process of the job still holds
+memory is reported dirty.
 """
 
 from __future__ import annotations

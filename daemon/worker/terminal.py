@@ -30,12 +30,6 @@ import termios
 from collections.abc import Callable
 from typing import Protocol
 
-
-def _settle(ready: asyncio.Future[None]) -> None:
-    if not ready.done():
-        ready.set_result(None)
-
-
 TAIL_BYTES = 64 * 1024  # what a reattach replays of the session
 ROWS, COLS = 24, 80  # a terminal's size until a client says its own
 
@@ -157,3 +151,8 @@ class Terminal:
         if self.slave >= 0:
             os.close(self.slave)
             self.slave = -1
+
+
+def _settle(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_result(None)
