@@ -108,10 +108,12 @@ def _run(args: argparse.Namespace) -> int:
 
         return pilot.run(args)
     request = enqueue_request(args) if args.command == "enqueue" else None  # checked before connecting
-    if args.command == "shell":
+    if args.command in ("shell", "attach"):  # refused before connecting when stdin is no terminal
         from daemon.ctl import job_shell
 
-        request = job_shell.enqueue_request(args)
+        job_shell.need_terminal(args.command)
+        if args.command == "shell":
+            request = job_shell.enqueue_request(args)
     if args.command == "put" and not os.path.lexists(args.path):  # the command line's mistake
         raise UsageError(f"{args.path}: no such file or directory")
     if args.command == "cancel":

@@ -54,9 +54,7 @@ READ_SIZE = 4096
 
 def enqueue_request(args: argparse.Namespace) -> Enqueue:
     """The interactive job the shell's command line asks for, built as `poolctl enqueue` builds
-    one (its namespace kept as `args.enqueue`, for its project to be sent as enqueue sends it).
-    Refused, before any connection, when stdin is not a terminal."""
-    _need_terminal("shell")
+    one (its namespace kept as `args.enqueue`, for its project to be sent as enqueue sends it)."""
     from daemon.ctl.commands import parser
     from daemon.ctl.enqueue_spec import project_start, spec_of
 
@@ -116,7 +114,6 @@ async def _until_running(client: PoolClient, job_id: str) -> str:
 async def attach(client: PoolClient, job_id: str) -> int:
     """Attach this terminal to job `job_id`'s until the shell exits (its exit code) or the user
     detaches (0)."""
-    _need_terminal("attach")
     loop = asyncio.get_running_loop()
     deadline, said = loop.time() + START_SECONDS, False
     while True:
@@ -227,9 +224,10 @@ def _size() -> tuple[int, int]:
     return size.lines, size.columns
 
 
-def _need_terminal(command: str) -> None:
+def need_terminal(command: str) -> None:
+    """Refuse `command` (a UsageError, exit 2) when stdin is not a terminal."""
     if not os.isatty(0):
         raise UsageError(
-            f"poolctl {command} needs a terminal on its stdin; to run a command without one, "
+            f"{command} needs a terminal on its stdin; to run a command without one, "
             "`poolctl enqueue`, or `poolctl exec JOB -- COMMAND` inside a running job"
         )

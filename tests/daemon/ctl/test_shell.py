@@ -21,6 +21,7 @@ from daemon.queue.embedded_redis import EmbeddedRedis
 from tests.daemon.ctl.test_exec import gpu_worker, log_text
 from tests.support.paths import ROOT
 from tests.support.pool import Pool, running_pool
+from tests.support.poolctl import poolctl
 from tests.support.workers import wait_state, wait_until
 
 PROMPT = "@@ "  # the shell's prompt, which no command typed here echoes
@@ -196,3 +197,14 @@ def test_the_escape_is_a_tilde_first_on_a_line_then_a_dot_and_anything_else_is_t
     split = Escape()
     assert split.feed(b"\r~") == (b"\r", False)
     assert split.feed(b".") == (b"", True)
+
+
+async def test_shell_and_attach_refuse_a_stdin_that_is_no_terminal_before_connecting(tmp_path: Path) -> None:
+    """Issue 49: `shell` and `attach` need a terminal (a pipe or a file is `exec`'s): refused with a
+    sentence saying what to use instead and exit 2, before asking any server (there is none here)."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "GPUPOOL_SERVER": "127.0.0.1:9"}
+    for args in (("shell", "--gpus", "1"), ("attach", "default.0mzk4g8x1a2b")):
+        code, out, err = await poolctl(env, *args)
+        assert (code, out) == (2, "")
+        assert f"{args[0]} needs a terminal on its stdin" in err
+        assert "poolctl exec JOB -- COMMAND" in err
