@@ -85,14 +85,14 @@ async def test_shell_types_resizes_interrupts_detaches_reattaches_exits_with_its
     """Issue 49, `shell` done-when, through a real PTY: `poolctl shell` queues a job whose shell
     runs on a terminal in its allocation: a command typed is run (`echo $((6*7))` shows 42); the
     local window's resize reaches it (`stty size`); Ctrl-C interrupts its foreground command and
-    the shell lives on; a client that reads nothing holds it back; `Enter ~ .` detaches (poolctl
-    exits 0, saying how to return) and the shell runs on (its output then blocks it nowhere);
-    `poolctl attach` returns to the same shell, replaying the end of what it showed (a variable
-    set before is still set), and another attach takes it over, telling the one before; bob's
-    attach is refused (exit 6), and so is an attach to a job without a terminal; a shell that has
-    to wait says why, and Ctrl-C then cancels it; `exit 3` ends poolctl with 3 and the job with
-    exit code 3. Then a shell with `--idle 2` that nobody types into ends by itself, saying why
-    in its log, and frees its slot for the job waiting for it."""
+    the shell lives on, Ctrl-Z stops one; a client that reads nothing holds it back; `Enter ~ .`
+    detaches (poolctl exits 0, saying how to return) and the shell runs on (its output then
+    blocks it nowhere); `poolctl attach` returns to the same shell, replaying the end of what it
+    showed (a variable set before is still set), and another attach takes it over, telling the
+    one before; bob's attach is refused (exit 6), and so is an attach to a job without a
+    terminal; a shell that has to wait says why, and Ctrl-C then cancels it; `exit 3` ends
+    poolctl with 3 and the job with exit code 3. Then a shell with `--idle 2` that nobody types
+    into ends by itself, saying why in its log, and frees its slot for the job waiting for it."""
     async with pool_and_worker(redis_server, tmp_path, s3_env) as pool:
         queue = pool.queue
         shell = poolctl_on_a_pty(pool, "alice", "shell", "--gpus", "1", *SHELL)
@@ -115,6 +115,11 @@ async def test_shell_types_resizes_interrupts_detaches_reattaches_exits_with_its
         shell.sendline("echo alive-$((1+1))")
         await expect(shell, "alive-2")
         assert "\nnot-interrupted" not in (shell.before or "")  # (its echo is not its output)
+        shell.sendline("sleep 101")
+        await asyncio.sleep(0.3)
+        shell.sendcontrol("z")  # the same way, SIGTSTP: the shell's job control stops it
+        await expect(shell, r"Stopped\s+sleep 101")
+        shell.sendline("kill -9 %1")
 
         # Attached, a client that reads nothing holds the shell back (its window), as ssh's does:
         # of 2 MB, what the windows and buffers on the way hold is read (0.7 MB here), no more
