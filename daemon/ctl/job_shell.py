@@ -104,9 +104,9 @@ async def _until_running(client: PoolClient, job_id: str) -> str:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(POLL_SECONDS):
                     await interrupted.wait()
-            if interrupted.is_set():
-                states = (await client.call(CancelJobs([job_id]), Cancelled)).states
-                return states.get(job_id, "cancelled")
+            if interrupted.is_set():  # cancelled, even if it has just started: the user said so
+                await client.call(CancelJobs([job_id]), Cancelled)
+                return "cancelled"
     finally:
         loop.remove_signal_handler(signal.SIGINT)
 
