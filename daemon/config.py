@@ -84,6 +84,8 @@ class Config:
     worker_env_python_downloads: bool
     worker_env_allow_source_builds: bool
     gpu_max_jobs: int
+    gpu_health_policy: str
+    gpu_health_clear: float
     fast_path: bool
     worker_healthy_response_period: float
     redis_events_block_ms: float

@@ -75,6 +75,7 @@ from daemon.worker.gpus import (
     recheck_quarantine,
     sample_gpus,
 )
+from daemon.worker.health_watch import HealthWatch
 from daemon.worker.heartbeat import Heartbeat
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.lifetime import Lifetime
@@ -94,6 +95,8 @@ RunFactory = Callable[[Lease, tuple[GpuInfo, ...], int], Run]
 
 class Worker(Stopping):
     """Runs jobs from `queue` on this machine. `start()`, then `stop()` (see the module doc)."""
+
+    health: HealthWatch | None = None  # the GPUs' health, watched from start() where NVML found them
 
     def __init__(
         self,
@@ -125,6 +128,8 @@ class Worker(Stopping):
         env_settings: EnvSettings | None = None,
         env_builder: SlotIdentity | None = None,
         local: bool = True,
+        gpu_health_policy: str = "requeue",
+        gpu_health_clear: float = 600.0,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
         (the seam) and optionally a probe. `env` is the base of every job's environment (default:
@@ -140,7 +145,10 @@ class Worker(Stopping):
         `look_ahead_hold` (fast_path.py). A job whose directory holds a lock runs in the
         environment built from it, kept under `data_dir/envs` as `env_settings` say, built as
         `env_builder` (None: this process's uid) (envs.py). `local`: False for an agent's slots
-        (hosted.py): nothing of this machine is opened for them."""
+        (hosted.py): nothing of this machine is opened for them. The health of discovered GPUs is
+        watched (health_watch.py): a faulty one is quarantined, its job handed back
+        (`gpu_health_policy` "requeue") or let finish ("let_finish"), and it comes back once no
+        fault is seen for `gpu_health_clear` seconds and its check passes."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         if identities is not None and len(identities) < slots:
@@ -193,6 +201,7 @@ class Worker(Stopping):
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known, as are
         self.readings = GpuReadings(None, heartbeat_seconds)  # their readings, for the registration
         self._nvml: Nvml | None = None
+        self._health_settings = (gpu_health_policy, gpu_health_clear)
         self._held = Holdings(self._slots.guard)  # every attempt this worker holds, by lease id
         # what the fast path does here, and the jobs it claimed before a slot is free
         self._fast = FastPath(queue.fast_path, self._held, below=look_ahead_below, hold=look_ahead_hold)
@@ -245,6 +254,18 @@ class Worker(Stopping):
         self._spawn(self._slots.guard.watch_over(), "orphan guard watch")
         self._spawn(self.heartbeat.run(), "heartbeat")
         self._spawn(self.readings.run(), "GPU readings")
+        if self._nvml is not None and gpus:
+            policy, clear = self._health_settings
+            self.health = HealthWatch(
+                gpus,
+                self.allocator,
+                self._runs,
+                self._gpu_back,
+                every=self.heartbeat.interval,
+                clear=clear,
+                policy=policy,
+            )
+            self._spawn(self.health.run(), "GPU health")
         execs = Execs(self.queue.redis, self._held, self._slots.spawner, self._spawn)
         self._spawn(
             self.heartbeat.listen_for_pokes(keys.worker_channel(self.id), execs.message),
@@ -326,7 +347,7 @@ class Worker(Stopping):
         room = Capacity(
             gpus_free=self.allocator.free_count(),
             slot_gpus=self.allocator.share,
-            gpus_total=len(self.allocator.gpus),
+            gpus_total=self.allocator.usable(),
             ends=latest_ends(self._held, self._gpus_held, self.kill_grace),
             grace=self.kill_grace,
             lifetime=self.lifetime.claim_lifetime() if self.lifetime else None,
@@ -582,6 +603,13 @@ class Worker(Stopping):
         if self.allocator.quarantined and self.probe is not None:
             self._spawn(self._recheck_quarantine(), "quarantine check")
 
+    def _gpu_back(self) -> None:
+        """A GPU passed its health check: claim for it, and see whether it is clean (a job
+        stopped on it while NVML could not answer left it counted as dirty)."""
+        self._wake.set()
+        if self.allocator.quarantined and self.probe is not None:
+            self._spawn(self._recheck_quarantine(), "quarantine check")
+
     async def _recheck_quarantine(self) -> None:
         assert self.probe is not None
         if await recheck_quarantine(self.allocator, self.probe):
@@ -603,13 +631,20 @@ class Worker(Stopping):
         self.metrics.set_slots(self._busy(), self.slots)
         self.metrics.set_quarantined(self.allocator.quarantined)
         self.metrics.set_shared(self.allocator.shares())
+        if self.health is not None:
+            self.metrics.set_health(self.health.reasons())
 
     # -- heartbeat target -------------------------------------------------------------------------
 
     def registration(self) -> Registration:
         self._registration.running = self._busy()
-        self._registration.gpus = [g | self.readings.for_gpu(g["uuid"]) for g in self.allocator.describe()]
+        self._registration.gpus = [
+            g | self.readings.for_gpu(g["uuid"]) | self._health_of(g) for g in self.allocator.describe()
+        ]
         return self._registration
+
+    def _health_of(self, gpu: Mapping[str, Any]) -> dict[str, Any]:
+        return self.health.for_gpu(gpu["uuid"], gpu.get("parent")) if self.health is not None else {}
 
     def leases(self) -> Sequence[Lease]:
         return [h.lease for h in self._held]

@@ -1,0 +1,228 @@
+"""Issue 50, GPU health: a GPU with a health fault is quarantined, the job on it told and handed
+back (or let finish), no new job lands on it, and it comes back once its check passes.
+
+The faults are real as far as the worker can tell: a real `poold --worker` process reads its GPUs
+through the made-up NVML (tests/support/nvml_seam), into whose GPUs the test writes each fault at
+run time (FAKE_NVML_FAULTS): an Xid event delivered by NVML's event set, uncorrectable ECC errors,
+rows pending remapping, a GPU fallen off the bus, hardware thermal and power-brake slowdown.
+The book that decides when a GPU comes back (health_watch.HealthBook) is also driven directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from daemon.job import JobSpec, JobState
+from daemon.queue import registry
+from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.queue.job_queue import JobQueue
+from daemon.worker.gpu_health import Fault, xid_fault
+from daemon.worker.health_watch import HealthBook
+from tests.support.paths import ROOT
+from tests.support.workers import wait_state, wait_until
+
+NVML_SEAM = ROOT / "tests" / "support" / "nvml_seam"
+CLEAR = 0.8  # gpu_health_clear: seconds without a fault before a GPU's check
+JOB = 'echo "gpu=$CUDA_VISIBLE_DEVICES"; exec sleep 60'
+# Each fault as the made-up NVML is told it (tests/support/nvml_seam/pynvml.py), and its code.
+FAULTS: list[tuple[str, dict[str, Any]]] = [
+    ("xid", {"xid": [79]}),
+    ("ecc", {"ecc": 2}),
+    ("pages", {"remap_pending": True}),
+    ("lost", {"lost": True}),
+    ("thermal", {"clocks": 0x40 | 0x8}),  # HW thermal slowdown (and HW slowdown with it)
+    ("power", {"clocks": 0x80 | 0x8}),  # HW power brake slowdown
+]
+
+
+def test_gpu_health_book_takes_a_gpu_out_at_once_and_back_only_after_the_clear_time() -> None:
+    """Issue 50, a GPU comes back only after a check passes: the first fault takes it out; a
+    fault seen again (or a new Xid) restarts its clear time; its probe puts it back only once
+    `clear` seconds passed without a fault. An application's Xid is no fault at all."""
+    book = HealthBook(clear=10)
+    xid = Fault("xid", "Xid 79")
+    assert book.seen("GPU-a", xid, now=100) is True
+    assert book.seen("GPU-a", Fault("ecc", "2 errors"), now=105) is False  # out already: no new act
+    assert book.fault("GPU-a") == xid  # what took it out stays its reason
+    assert book.due(now=114) == []
+    assert book.passed("GPU-a", now=114) is False  # a probe too soon does not put it back
+    assert book.due(now=115) == ["GPU-a"]
+    book.seen("GPU-a", xid, now=116)  # a new Xid before the probe came back
+    assert book.passed("GPU-a", now=116) is False
+    assert book.passed("GPU-a", now=126) is True
+    assert book.fault("GPU-a") is None
+    assert book.due(now=200) == []
+    assert xid_fault(13) is None  # an application's (a graphics engine exception)
+    assert xid_fault(79) == Fault("xid", "Xid 79 (GPU has fallen off the bus)")
+
+
+@contextlib.contextmanager
+def health_worker(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], faults: Path, host: str, *options: str
+) -> Iterator[Path]:
+    """A `poold --worker` with two made-up GPUs of 16 GiB and two slots, whose GPUs' faults are
+    what `faults` says; yields its log's path. Its data is in /tmp, passable by the slot uids."""
+    data_dir = Path(tempfile.mkdtemp(prefix="gpupool-health-"))
+    data_dir.chmod(0o711)
+    argv = [
+        sys.executable, "-m", "daemon.main", "--worker", "--worker-mode", "multinode",
+        "--redis-port", str(redis_server.port), "--metrics-listen", "127.0.0.1:0",
+        "--data-dir", str(data_dir), "--heartbeat-interval", "0.2", "--kill-grace", "1",
+        "--drain-timeout", "0", "--worker-remote-processors", "2", "--queues", host,
+        "--gpu-health-clear", str(CLEAR), *options,
+    ]  # fmt: skip
+    env = dict(
+        os.environ,
+        GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password,
+        PYTHONPATH=os.pathsep.join([str(NVML_SEAM), str(ROOT)]),
+        FAKE_NVML_GPUS="16,16",
+        FAKE_NVML_HOST=host,
+        FAKE_NVML_FAULTS=str(faults),
+        **s3_env,
+    )
+    log_path = data_dir.parent / f"{data_dir.name}.log"
+    with open(log_path, "wb") as log, subprocess.Popen(argv, env=env, stderr=log) as proc:
+        try:
+            yield log_path
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def inject(path: Path, faults: dict[int, dict[str, Any]]) -> None:
+    """Write the GPUs' faults whole, by index (renamed into place: the seam never reads half)."""
+    part = path.with_suffix(".part")
+    part.write_text(json.dumps({str(i): f for i, f in faults.items()}))
+    part.replace(path)
+
+
+async def log_lines(queue: JobQueue, job_id: str) -> list[str]:
+    return b"".join(d for _, d in await queue.read_log(job_id)).decode().splitlines()
+
+
+async def gpu_of(queue: JobQueue, job_id: str, host: str, count: int = 1) -> int:
+    """The index of the GPU the job's `count`-th attempt was given (its log's gpu= line)."""
+    said: list[str] = []
+
+    async def started() -> bool:
+        said[:] = [line for line in await log_lines(queue, job_id) if line.startswith("gpu=")]
+        return len(said) >= count
+
+    await wait_until(started, 30, f"attempt {count} of {job_id} to start")
+    return int(said[count - 1].removeprefix(f"gpu=GPU-fake-{host}-"))
+
+
+async def gpus_registered(queue: JobQueue) -> list[dict[str, Any]]:
+    (worker,) = await registry.list_workers(queue.redis)
+    gpus: list[dict[str, Any]] = worker["gpus"]
+    return gpus
+
+
+async def wait_health(queue: JobQueue, index: int, code: str, what: str) -> dict[str, Any]:
+    """Wait until the worker's registration says GPU `index`'s health is `code` ("" healthy)."""
+    seen: dict[str, Any] = {}
+
+    async def says() -> bool:
+        seen.update(next(g for g in await gpus_registered(queue) if g["index"] == index))
+        return bool(seen.get("health") == code)
+
+    await wait_until(says, 30, what)
+    return seen
+
+
+async def test_gpu_health_each_fault_quarantines_hands_back_and_clears_after_its_check(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 50, GPU health done-when, each fault in turn on one worker of two GPUs: the GPU a job
+    runs on is quarantined (its registration says which fault and why); the job is told in its
+    log and handed back (gpu_health_policy requeue, the default) and runs again on the other GPU;
+    no new job lands on the quarantined GPU, though a slot is free for it; once the fault is gone
+    for gpu_health_clear seconds and the check passes, the GPU is back and the waiting job starts
+    on it."""
+    host, faults = secrets.token_hex(3), tmp_path / "faults.json"
+    queue = JobQueue(redis_server.client(), lease_seconds=30)
+    spec = JobSpec(argv=("sh", "-c", JOB), gpus=1, queue=host)
+    with health_worker(redis_server, s3_env, faults, host) as log_path:
+        try:
+            await wait_until(lambda: _registered(queue), 30, "the worker to register")
+            for code, fault in FAULTS:
+                first, _ = await queue.enqueue(spec)
+                bad = await gpu_of(queue, first, host)
+                inject(faults, {bad: fault})
+                said = await wait_health(queue, bad, code, f"GPU {bad} quarantined for {code}")
+                assert said["quarantined"], said  # why, in words, for `poolctl workers` and the dashboard
+                assert await gpu_of(queue, first, host, count=2) == 1 - bad, (
+                    code
+                )  # handed back, run elsewhere
+                told = [line for line in await log_lines(queue, first) if line.startswith("[gpupool]")]
+                assert any(f"GPU {bad} (GPU-fake-{host}-{bad}) is unhealthy" in line for line in told), told
+                assert (await queue.get(first)).attempt == 2, code
+
+                if code == "xid":  # a fresh Xid keeps it out while the next job is looked at
+                    inject(faults, {bad: {"xid": [79, 48]}})
+                second, _ = await queue.enqueue(spec)
+                await asyncio.sleep(0.3)  # its claim comes at once (the enqueue wakes the worker)
+                assert (await queue.get(second)).state is JobState.QUEUED, f"{code}: landed on the bad GPU"
+                inject(faults, {})
+                assert await gpu_of(queue, second, host) == bad, code  # back in use once checked
+                assert (await wait_health(queue, bad, "", f"GPU {bad} back after {code}"))[
+                    "quarantined"
+                ] == ""
+                for job in (first, second):
+                    await queue.cancel(job)
+                    await wait_state(queue, job, JobState.CANCELLED)
+        except BaseException:
+            print(log_path.read_text()[-6000:])
+            raise
+        finally:
+            await queue.redis.aclose()
+
+
+async def test_gpu_health_let_finish_keeps_the_job_running_and_the_gpu_out_until_it_clears(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 50, gpu_health_policy let_finish: an Xid on a running job's GPU quarantines the GPU
+    and says so in the job's log, but the job runs on (its attempt stays the first); the GPU is
+    back once no Xid came for gpu_health_clear seconds and its check passed."""
+    host, faults = secrets.token_hex(3), tmp_path / "faults.json"
+    queue = JobQueue(redis_server.client(), lease_seconds=30)
+    options = ("--gpu-health-policy", "let_finish")
+    with health_worker(redis_server, s3_env, faults, host, *options) as log_path:
+        try:
+            await wait_until(lambda: _registered(queue), 30, "the worker to register")
+            job, _ = await queue.enqueue(JobSpec(argv=("sh", "-c", JOB), gpus=1, queue=host))
+            bad = await gpu_of(queue, job, host)
+            inject(faults, {bad: {"xid": [79]}})
+            await wait_health(queue, bad, "xid", f"GPU {bad} quarantined")
+
+            async def told() -> bool:
+                return any("runs on to its end" in line for line in await log_lines(queue, job))
+
+            await wait_until(told, 10, "the job to be told")
+            info = await queue.get(job)
+            assert (info.state, info.attempt) == (JobState.RUNNING, 1)
+            await queue.cancel(job)
+            await wait_state(queue, job, JobState.CANCELLED)
+            assert (await wait_health(queue, bad, "", f"GPU {bad} back"))["quarantined"] == ""
+        except BaseException:
+            print(log_path.read_text()[-6000:])
+            raise
+        finally:
+            await queue.redis.aclose()
+
+
+async def _registered(queue: JobQueue) -> bool:
+    return len(await registry.list_workers(queue.redis)) == 1
