@@ -32,7 +32,7 @@ from tests.support.paths import ROOT
 from tests.support.workers import wait_state, wait_until
 
 NVML_SEAM = ROOT / "tests" / "support" / "nvml_seam"
-CLEAR = 0.8  # gpu_health_clear: seconds without a fault before a GPU's check
+CLEAR = 0.6  # gpu_health_clear: seconds without a fault before a GPU's check
 JOB = 'echo "gpu=$CUDA_VISIBLE_DEVICES"; exec sleep 60'
 # Each fault as the made-up NVML is told it (tests/support/nvml_seam/pynvml.py), and its code.
 FAULTS: list[tuple[str, dict[str, Any]]] = [
@@ -77,7 +77,7 @@ def health_worker(
     argv = [
         sys.executable, "-m", "daemon.main", "--worker", "--worker-mode", "multinode",
         "--redis-port", str(redis_server.port), "--metrics-listen", "127.0.0.1:0",
-        "--data-dir", str(data_dir), "--heartbeat-interval", "0.2", "--kill-grace", "1",
+        "--data-dir", str(data_dir), "--heartbeat-interval", "0.1", "--kill-grace", "1",
         "--drain-timeout", "0", "--worker-remote-processors", "2", "--queues", host,
         "--gpu-health-clear", str(CLEAR), *options,
     ]  # fmt: skip
@@ -125,104 +125,107 @@ async def gpu_of(queue: JobQueue, job_id: str, host: str, count: int = 1) -> int
     return int(said[count - 1].removeprefix(f"gpu=GPU-fake-{host}-"))
 
 
-async def gpus_registered(queue: JobQueue) -> list[dict[str, Any]]:
-    (worker,) = await registry.list_workers(queue.redis)
+async def gpus_registered(queue: JobQueue, host: str) -> list[dict[str, Any]]:
+    """The GPUs the registration of the worker serving queue `host` lists."""
+    (worker,) = [w for w in await registry.list_workers(queue.redis) if w.get("queues") == [host]]
     gpus: list[dict[str, Any]] = worker["gpus"]
     return gpus
 
 
-async def wait_health(queue: JobQueue, index: int, code: str, what: str) -> dict[str, Any]:
-    """Wait until the worker's registration says GPU `index`'s health is `code` ("" healthy)."""
+async def wait_health(queue: JobQueue, host: str, index: int, code: str, what: str) -> dict[str, Any]:
+    """Wait until the registration says GPU `index`'s health is `code` ("": healthy)."""
     seen: dict[str, Any] = {}
 
     async def says() -> bool:
-        seen.update(next(g for g in await gpus_registered(queue) if g["index"] == index))
+        seen.update(next(g for g in await gpus_registered(queue, host) if g["index"] == index))
         return bool(seen.get("health") == code)
 
     await wait_until(says, 30, what)
     return seen
 
 
-async def test_gpu_health_each_fault_quarantines_hands_back_and_clears_after_its_check(
-    redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp_path: Path
-) -> None:
-    """Issue 50, GPU health done-when, each fault in turn on one worker of two GPUs: the GPU a job
-    runs on is quarantined (its registration says which fault and why); the job is told in its
-    log and handed back (gpu_health_policy requeue, the default) and runs again on the other GPU;
-    no new job lands on the quarantined GPU, though a slot is free for it; once the fault is gone
-    for gpu_health_clear seconds and the check passes, the GPU is back and the waiting job starts
-    on it."""
-    host, faults = secrets.token_hex(3), tmp_path / "faults.json"
-    queue = JobQueue(redis_server.client(), lease_seconds=30)
+async def each_fault_requeued(queue: JobQueue, host: str, faults: Path) -> None:
+    """Each fault in turn on the worker serving `host` (gpu_health_policy requeue)."""
     spec = JobSpec(argv=("sh", "-c", JOB), gpus=1, queue=host)
-    with health_worker(redis_server, s3_env, faults, host) as log_path:
-        try:
-            await wait_until(lambda: _registered(queue), 30, "the worker to register")
-            for code, fault in FAULTS:
-                first, _ = await queue.enqueue(spec)
-                bad = await gpu_of(queue, first, host)
-                inject(faults, {bad: fault})
-                said = await wait_health(queue, bad, code, f"GPU {bad} quarantined for {code}")
-                assert said["quarantined"], said  # why, in words, for `poolctl workers` and the dashboard
-                assert await gpu_of(queue, first, host, count=2) == 1 - bad, (
-                    code
-                )  # handed back, run elsewhere
-                told = [line for line in await log_lines(queue, first) if line.startswith("[gpupool]")]
-                assert any(f"GPU {bad} (GPU-fake-{host}-{bad}) is unhealthy" in line for line in told), told
-                assert (await queue.get(first)).attempt == 2, code
+    for code, fault in FAULTS:
+        first, _ = await queue.enqueue(spec)
+        bad = await gpu_of(queue, first, host)
+        inject(faults, {bad: fault})
+        said = await wait_health(queue, host, bad, code, f"GPU {bad} quarantined for {code}")
+        assert said["quarantined"], said  # why, in words, for `poolctl workers` and the dashboard
+        # handed back, and run again on the other GPU
+        assert await gpu_of(queue, first, host, count=2) == 1 - bad, code
+        told = [line for line in await log_lines(queue, first) if line.startswith("[gpupool]")]
+        assert any(f"GPU {bad} (GPU-fake-{host}-{bad}) is unhealthy" in line for line in told), told
+        assert (await queue.get(first)).attempt == 2, code
 
-                if code == "xid":  # a fresh Xid keeps it out while the next job is looked at
-                    inject(faults, {bad: {"xid": [79, 48]}})
-                second, _ = await queue.enqueue(spec)
-                await asyncio.sleep(0.3)  # its claim comes at once (the enqueue wakes the worker)
-                assert (await queue.get(second)).state is JobState.QUEUED, f"{code}: landed on the bad GPU"
-                inject(faults, {})
-                assert await gpu_of(queue, second, host) == bad, code  # back in use once checked
-                assert (await wait_health(queue, bad, "", f"GPU {bad} back after {code}"))[
-                    "quarantined"
-                ] == ""
-                for job in (first, second):
-                    await queue.cancel(job)
-                    await wait_state(queue, job, JobState.CANCELLED)
-        except BaseException:
-            print(log_path.read_text()[-6000:])
-            raise
-        finally:
-            await queue.redis.aclose()
+        if code == "xid":  # a fresh Xid keeps it out while the next job is looked at
+            inject(faults, {bad: {"xid": [79, 48]}})
+        second, _ = await queue.enqueue(spec)
+        await asyncio.sleep(0.2)  # its claim comes at once (the enqueue wakes the worker)
+        assert (await queue.get(second)).state is JobState.QUEUED, f"{code}: landed on the bad GPU"
+        inject(faults, {})
+        assert await gpu_of(queue, second, host) == bad, code  # back in use once checked
+        back = await wait_health(queue, host, bad, "", f"GPU {bad} back after {code}")
+        assert back["quarantined"] == "", back
+        for job in (first, second):
+            await queue.cancel(job)
+        for job in (first, second):
+            await wait_state(queue, job, JobState.CANCELLED)
 
 
-async def test_gpu_health_let_finish_keeps_the_job_running_and_the_gpu_out_until_it_clears(
+async def xid_let_finish(queue: JobQueue, host: str, faults: Path) -> None:
+    """An Xid under a job on the worker serving `host` (gpu_health_policy let_finish)."""
+    job, _ = await queue.enqueue(JobSpec(argv=("sh", "-c", JOB), gpus=1, queue=host))
+    bad = await gpu_of(queue, job, host)
+    inject(faults, {bad: {"xid": [79]}})
+    await wait_health(queue, host, bad, "xid", f"GPU {bad} quarantined")
+
+    async def told() -> bool:
+        return any("runs on to its end" in line for line in await log_lines(queue, job))
+
+    await wait_until(told, 10, "the job to be told")
+    info = await queue.get(job)
+    assert (info.state, info.attempt) == (JobState.RUNNING, 1)
+    await queue.cancel(job)
+    await wait_state(queue, job, JobState.CANCELLED)
+    assert (await wait_health(queue, host, bad, "", f"GPU {bad} back"))["quarantined"] == ""
+
+
+async def test_gpu_health_each_fault_quarantines_hands_back_or_lets_finish_and_clears(
     redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp_path: Path
 ) -> None:
-    """Issue 50, gpu_health_policy let_finish: an Xid on a running job's GPU quarantines the GPU
-    and says so in the job's log, but the job runs on (its attempt stays the first); the GPU is
-    back once no Xid came for gpu_health_clear seconds and its check passed."""
-    host, faults = secrets.token_hex(3), tmp_path / "faults.json"
+    """Issue 50, GPU health done-when, on two workers of two GPUs each (side by side, each
+    serving a queue of its own). With gpu_health_policy requeue (the default), for each fault in
+    turn: the GPU a job runs on is quarantined (its registration says which fault and why); the
+    job is told in its log and handed back, and runs again on the other GPU; no new job lands on
+    the quarantined GPU, though a slot is free for it; once the fault is gone for
+    gpu_health_clear seconds and the check passes, the GPU is back and the waiting job starts on
+    it. With let_finish: an Xid quarantines the GPU and the job is told, but runs on (its first
+    attempt); the GPU comes back after its check."""
     queue = JobQueue(redis_server.client(), lease_seconds=30)
-    options = ("--gpu-health-policy", "let_finish")
-    with health_worker(redis_server, s3_env, faults, host, *options) as log_path:
+    hosts = {policy: secrets.token_hex(3) for policy in ("requeue", "let_finish")}
+    faults = {policy: tmp_path / f"faults-{policy}.json" for policy in hosts}
+    logs: list[Path] = []
+    with contextlib.ExitStack() as workers:
         try:
-            await wait_until(lambda: _registered(queue), 30, "the worker to register")
-            job, _ = await queue.enqueue(JobSpec(argv=("sh", "-c", JOB), gpus=1, queue=host))
-            bad = await gpu_of(queue, job, host)
-            inject(faults, {bad: {"xid": [79]}})
-            await wait_health(queue, bad, "xid", f"GPU {bad} quarantined")
+            for policy, host in hosts.items():
+                options = ("--gpu-health-policy", policy)
+                logs.append(
+                    workers.enter_context(health_worker(redis_server, s3_env, faults[policy], host, *options))
+                )
 
-            async def told() -> bool:
-                return any("runs on to its end" in line for line in await log_lines(queue, job))
+            async def registered() -> bool:
+                return len(await registry.list_workers(queue.redis)) == len(hosts)
 
-            await wait_until(told, 10, "the job to be told")
-            info = await queue.get(job)
-            assert (info.state, info.attempt) == (JobState.RUNNING, 1)
-            await queue.cancel(job)
-            await wait_state(queue, job, JobState.CANCELLED)
-            assert (await wait_health(queue, bad, "", f"GPU {bad} back"))["quarantined"] == ""
+            await wait_until(registered, 30, "the workers to register")
+            await asyncio.gather(
+                each_fault_requeued(queue, hosts["requeue"], faults["requeue"]),
+                xid_let_finish(queue, hosts["let_finish"], faults["let_finish"]),
+            )
         except BaseException:
-            print(log_path.read_text()[-6000:])
+            for log in logs:
+                print(log.read_text()[-6000:])
             raise
         finally:
             await queue.redis.aclose()
-
-
-async def _registered(queue: JobQueue) -> bool:
-    return len(await registry.list_workers(queue.redis)) == 1
