@@ -22,14 +22,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from daemon.job import JobSpec, JobState
 from daemon.queue import registry
+from daemon.queue.claims import Capacity
+from daemon.queue.connection import AnyRedis
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
+from daemon.server.pending import PendingReasons
 from daemon.worker.gpu_health import Fault, xid_fault
+from daemon.worker.gpus import GpuAllocator, NotEnoughGpus
 from daemon.worker.health_watch import HealthBook
 from tests.support.paths import ROOT
-from tests.support.workers import wait_state, wait_until
+from tests.support.workers import fake_gpus, wait_state, wait_until
 
 NVML_SEAM = ROOT / "tests" / "support" / "nvml_seam"
 CLEAR = 0.6  # gpu_health_clear: seconds without a fault before a GPU's check
@@ -64,6 +70,36 @@ def test_gpu_health_book_takes_a_gpu_out_at_once_and_back_only_after_the_clear_t
     assert book.due(now=200) == []
     assert xid_fault(13) is None  # an application's (a graphics engine exception)
     assert xid_fault(79) == Fault("xid", "Xid 79 (GPU has fallen off the bus)")
+
+
+async def test_gpu_health_an_unhealthy_gpu_is_handed_out_and_counted_nowhere(redis: AnyRedis) -> None:
+    """Issue 50, the scheduler must not count a quarantined GPU: the allocator hands it to no job,
+    whole or shared, and leaves it out of the GPUs a claim weighs (`usable`), so a job needing all
+    of the worker's GPUs is parked (left for a worker that has them) rather than waited for here;
+    the registration says why; `poolctl show` counts the workers' healthy GPUs alone."""
+    gpus = fake_gpus(2)
+    alloc = GpuAllocator(gpus, slots=2)
+    alloc.mark_unhealthy(gpus[1].uuid, "Xid 79 (GPU has fallen off the bus)")
+    assert [g.index for g in alloc.free()] == [0]
+    assert alloc.usable() == 1
+    assert [room.index for room in alloc.shared_table()] == [0]
+    with pytest.raises(NotEnoughGpus):
+        alloc.allocate_shared("a", gpus[1].uuid, 2**30)
+    assert [g["quarantined"] for g in alloc.describe()] == ["", "Xid 79 (GPU has fallen off the bus)"]
+    alloc.mark_healthy(gpus[1].uuid)
+    assert (alloc.usable(), alloc.free_count()) == (2, 2)
+
+    queue = JobQueue(redis, lease_seconds=30)
+    both, one = await queue.enqueue_many([JobSpec(argv=("true",), gpus=2), JobSpec(argv=("true",), gpus=1)])
+
+    async def workers() -> list[dict[str, Any]]:
+        gpu = {"memory": 16 * 2**30}
+        return [{"health": "healthy", "queues": ["default"], "gpus": [gpu, gpu | {"health": "xid"}]}]
+
+    reasons = await PendingReasons(queue, workers).of([both])
+    assert reasons[both].startswith("needs 2 GPUs, and no live worker has that many"), reasons
+    got = await queue.claim_many("w1", ["default"], 2, Capacity(1, gpus_total=1))
+    assert [lease.job_id for lease in got] == [one]  # the 2-GPU job blocks nothing here
 
 
 @contextlib.contextmanager
