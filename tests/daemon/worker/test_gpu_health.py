@@ -31,6 +31,7 @@ from daemon.queue.connection import AnyRedis
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.server.pending import PendingReasons
+from daemon.server.web.render import environment
 from daemon.worker.gpu_health import Fault, xid_fault
 from daemon.worker.gpus import GpuAllocator, NotEnoughGpus
 from daemon.worker.health_watch import HealthBook
@@ -100,6 +101,18 @@ async def test_gpu_health_an_unhealthy_gpu_is_handed_out_and_counted_nowhere(red
     assert reasons[both].startswith("needs 2 GPUs, and no live worker has that many"), reasons
     got = await queue.claim_many("w1", ["default"], 2, Capacity(1, gpus_total=1))
     assert [lease.job_id for lease in got] == [one]  # the 2-GPU job blocks nothing here
+
+
+def test_gpu_health_the_dashboard_says_which_fault_took_a_gpu_out() -> None:
+    """Issue 50, the dashboard's worker page shows why: a GPU out for its health says the fault's
+    code, since when, and the worker's sentence; a GPU left dirty says it is quarantined."""
+    gpu = {"index": 0, "name": "H100", "mem_total": 80 * 2**30, "util_bar": 0, "mem_bar": 0}
+    bad = gpu | {"health": "xid", "health_since": 1.8e9, "quarantined": "Xid 79 (GPU has fallen off the bus)"}
+    dirty = gpu | {"index": 1, "health": "", "quarantined": "after job default.x: processes [7] hold memory"}
+    html = environment().get_template("_gpus.html").render(gpus=[bad, dirty])
+    assert "unhealthy (xid, since " in html
+    assert "Xid 79 (GPU has fallen off the bus)" in html
+    assert "quarantined: after job default.x" in html
 
 
 @contextlib.contextmanager
