@@ -84,6 +84,11 @@ class Config:
     worker_env_python_downloads: bool
     worker_env_allow_source_builds: bool
     gpu_max_jobs: int
+    idle_gpu_util: float
+    idle_gpu_minutes: float
+    idle_gpu_grace_minutes: float
+    idle_gpu_requeue_queues: list[str]
+    idle_gpu_cancel_queues: list[str]
     fast_path: bool
     worker_healthy_response_period: float
     redis_events_block_ms: float

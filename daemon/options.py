@@ -218,6 +218,41 @@ OPTIONS: tuple[Option, ...] = (
         lo=1,
     ),
     Option(
+        "idle_gpu_util",
+        float,
+        5.0,
+        "percent: a job whose every GPU reads below it is leaving its GPUs idle",
+        lo=0,
+        hi=100,
+    ),
+    Option(
+        "idle_gpu_minutes",
+        float,
+        30.0,
+        "minutes a job may leave its GPUs idle before it is flagged (its log, poolctl show, the "
+        "dashboard, its notification); 0: never flagged",
+        lo=0,
+    ),
+    Option(
+        "idle_gpu_grace_minutes",
+        float,
+        30.0,
+        "minutes more of idle GPUs, after the flag, before the queues below act",
+        lo=0,
+    ),
+    Option(
+        "idle_gpu_requeue_queues",
+        list,
+        [],
+        "queues whose jobs left idle past the flag and its grace go back to the front of the queue",
+    ),
+    Option(
+        "idle_gpu_cancel_queues",
+        list,
+        [],
+        "queues whose jobs left idle past the flag and its grace are cancelled",
+    ),
+    Option(
         "fast_path",
         bool,
         True,

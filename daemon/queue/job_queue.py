@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgpack
+import orjson
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 
@@ -598,6 +599,16 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
             self.scripts.checkpoint,
             [keys.job(lease.job_id), keys.leases(lease.queue)],
             [lease.worker, lease.attempt, lease.id, name],
+        )
+        return bool(answer)
+
+    async def flag_idle_gpu(self, lease: Lease, record: Mapping[str, Any]) -> bool:
+        """Record on the job that this attempt leaves its GPUs idle (`idle_gpu` in its record,
+        idle_gpu.lua): False, recording nothing, when the attempt no longer holds the job."""
+        answer = await self._call(
+            self.scripts.idle_gpu,
+            [keys.job(lease.job_id)],
+            [lease.worker, lease.attempt, lease.id, orjson.dumps(dict(record))],
         )
         return bool(answer)
 
