@@ -60,7 +60,8 @@ class GpuWatch:
         assert held.run is not None
         assert held.idle is not None
         lease, run, minutes = held.lease, held.run, held.idle.idle_minutes(at)
-        seen = f"its GPUs were below {self.policy.util:g} % for {minutes:.1f} min"
+        idle = f"{minutes * 60:.0f} s" if minutes < 1 else f"{minutes:.1f} min"
+        seen = f"its GPUs were below {self.policy.util:g} % for {idle}"
         if act is Act.FLAG:
             action = held.idle.action
             then = "requeued" if action is Act.REQUEUE else "cancelled" if action is Act.CANCEL else ""
