@@ -278,6 +278,13 @@ def _check_together(c: Config) -> None:
             "a pool's Redis is either a Sentinel group (redis_sentinels) or a Cluster, not both: a "
             "Cluster fails over by itself; keep one of the two",
         )
+    if both := sorted(set(c.idle_gpu_requeue_queues) & set(c.idle_gpu_cancel_queues)):
+        raise ConfigError(
+            "idle_gpu_cancel_queues",
+            c.sources["idle_gpu_cancel_queues"],
+            f"{', '.join(both)} also in idle_gpu_requeue_queues: a queue's jobs left idle are either "
+            "requeued or cancelled; name each queue in one of the two",
+        )
     if c.redis_cluster_nodes and c.redis_db:
         raise ConfigError(
             "redis_db", c.sources["redis_db"], "a Redis Cluster has database 0 only: leave redis_db unset"
