@@ -11,7 +11,10 @@ between readings.
 Efficiency is one number for the attempt: its utilisation-weighted GPU-hours over its allocated
 GPU-hours. Every GPU is held for the whole attempt and read at one steady interval, so that is the
 mean, over its GPUs, of each GPU's mean utilisation (0-1). A GPU whose utilisation NVML cannot
-read (MIG mode) is left out of it rather than counted as idle; with none read it is None.
+read (MIG mode) is left out of it rather than counted as idle; with none read it is None. NVML
+reads a GPU whole: on one shared by --gpu-mem jobs each job's summary holds its neighbours' work
+too, and none of them is idle while one works. A MIG device is a GPU of its own here, as it is to
+the allocator.
 """
 
 from __future__ import annotations
