@@ -34,6 +34,8 @@ from protocol.events import (
 from protocol.frames import DEFAULT_MAX_FRAME_SIZE, HEADER_SIZE, PROTOCOL_VERSION
 from protocol.messages import (
     CHANNEL_WINDOW,
+    Account,
+    Accounted,
     AgentAnswer,
     AgentCall,
     AgentOrder,
@@ -92,6 +94,8 @@ __all__ = [
     "HEADER_SIZE",
     "NEED_DATA",
     "PROTOCOL_VERSION",
+    "Account",
+    "Accounted",
     "AgentAnswer",
     "AgentCall",
     "AgentOrder",
