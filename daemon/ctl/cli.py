@@ -28,6 +28,7 @@ from daemon.ctl.parsing import UsageError
 from daemon.errors import GpupoolError, NotYours
 from daemon.listing import MORE
 from protocol import (
+    Accounted,
     CancelJobs,
     Cancelled,
     Enqueue,
@@ -129,6 +130,11 @@ def _talk(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueBatch | 
     on_loop = request is not None and (
         args.project_dir is not None or (isinstance(request, Enqueue) and (_moves_data(args) or args.follow))
     )
+    if args.command == "acct":
+        from daemon.ctl import acct
+
+        acct.show(to.call(acct.request(args), Accounted), args.by, as_json=args.json, as_csv=args.csv)
+        return 0
     if args.command in ("put", "get", "logs", "exec", "forward") or on_loop:
         import asyncio
 
