@@ -99,6 +99,17 @@ def _raise_if_stale(lease: Lease, reply: Sequence[Any]) -> None:
         )
 
 
+def _gpu_util(result: Mapping[str, Any]) -> str:
+    """The attempt's mean GPU utilisation in percent, from the usage summary its worker puts in
+    its outcome's result (`gpu_usage`'s `efficiency`, 0 to 1), for its accounting record; "" where
+    none was measured."""
+    usage = result.get("gpu_usage")
+    efficiency = usage.get("efficiency") if isinstance(usage, Mapping) else None
+    if isinstance(efficiency, int | float) and not isinstance(efficiency, bool) and 0 <= efficiency <= 1:
+        return f"{efficiency * 100:.2f}"
+    return ""
+
+
 class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
     """All queue operations of one pool, over one Redis client (a connection pool)."""
 
@@ -450,6 +461,7 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
             self.retention,
             *self.backoff_ms,
             self.accounting_days,
+            _gpu_util(outcome.result),
             durable=True,
             linger=linger,
         )

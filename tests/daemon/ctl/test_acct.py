@@ -43,9 +43,12 @@ async def enqueue(pool: Pool, user: str, gpus: int) -> str:
         ).job_id
 
 
-async def run(pool: Pool, job_id: str, state: JobState, *, handed_back_first: bool = False) -> None:
-    """Claim `job_id` as a four-GPU worker would, let it run RUN, and end it as `state`; first
-    hand one attempt back after RUN (a second attempt: both count)."""
+async def run(
+    pool: Pool, job_id: str, state: JobState, *, handed_back_first: bool = False, util: float | None = None
+) -> None:
+    """Claim `job_id` as a four-GPU worker would, let it run RUN, and end it as `state`, with the
+    usage summary a worker's outcome carries when `util` (its GPUs' mean utilisation, 0 to 1) is
+    given; first hand one attempt back after RUN (a second attempt: both count)."""
     for _ in range(2 if handed_back_first else 1):
         (lease,) = await pool.queue.claim_many("stand-in", ["default"], 1, Capacity(4, gpus_total=4))
         assert lease.job_id == job_id
@@ -54,7 +57,9 @@ async def run(pool: Pool, job_id: str, state: JobState, *, handed_back_first: bo
             await pool.queue.hand_back(lease)
             handed_back_first = False
             continue
-        await pool.queue.complete(lease, Outcome(state, exit_code=0 if state is JobState.SUCCEEDED else 1))
+        usage = {} if util is None else {"gpu_usage": {"efficiency": util}}
+        code = 0 if state is JobState.SUCCEEDED else 1
+        await pool.queue.complete(lease, Outcome(state, exit_code=code, result=usage))
 
 
 async def ran(pool: Pool, job_id: str) -> tuple[float, float]:
@@ -83,17 +88,16 @@ async def test_acct_totals_across_two_users_match_the_jobs_that_ran_and_outlive_
 ) -> None:
     """issue 50, accounting: after jobs of two users ran (one handed back and run again, one
     failed), `poolctl acct` as an admin gives each user's jobs, GPU-hours (the attempts' GPUs
-    times their run times), failures, wait p50 and efficiency (the GPU utilisation recorded on a
-    job's record, weighted by its GPU-hours; none where none was recorded) as the jobs' records
+    times their run times), failures, wait p50 and efficiency (the GPU utilisation a worker's
+    outcome reported, weighted by GPU-hours; none where none was reported) as the jobs' records
     say, and gives them again
     once those records have expired (job_retention 1 s): the accounting records outlive them."""
     alice = [await enqueue(pool, "alice", 2), await enqueue(pool, "alice", 0)]
     bob = [await enqueue(pool, "bob", 1)]
-    # alice's first job as a worker's usage summary leaves it: its GPUs busy half the time
-    await pool.queue.redis.hset(keys.job(alice[0]), "gpu_util", 50)
     used = {}  # job id -> (GPU-hours, wait), read at its end, before its record expires (1 s)
-    for job_id, state in ((alice[0], JobState.SUCCEEDED), (alice[1], JobState.SUCCEEDED)):
-        await run(pool, job_id, state)
+    # alice's first job ends with its worker's usage summary: its GPUs busy half the time
+    for job_id, util in ((alice[0], 0.5), (alice[1], None)):
+        await run(pool, job_id, JobState.SUCCEEDED, util=util)
         used[job_id] = await ran(pool, job_id)
     await run(pool, bob[0], JobState.FAILED, handed_back_first=True)
     used[bob[0]] = await ran(pool, bob[0])

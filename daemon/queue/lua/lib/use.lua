@@ -29,10 +29,11 @@ local function charge(prefix, jobkey, now)
 end
 
 -- Close the newest attempt in a job's history, if it is still open, and charge its use (to the
--- user's fair share, and to the job's totals for its accounting record).
-local function close_attempt(prefix, jobkey, how, now)
+-- user's fair share, and to the job's totals for its accounting record; `util`: the attempt's
+-- mean GPU utilisation in percent, where its worker measured it, lib/account.lua).
+local function close_attempt(prefix, jobkey, how, now, util)
   charge(prefix, jobkey, now)
-  tally(jobkey, now)
+  tally(jobkey, now, util)
   local hist = jobkey .. ':attempts'
   local last = redis.call('LINDEX', hist, -1)
   if last then
