@@ -92,6 +92,7 @@ class Config:
     job_network: str
     drain_timeout: float
     kill_grace: float
+    shell_idle_limit: float
     worker_idle_exit: float
     worker_max_lifetime: float
     worker_serve_user: str

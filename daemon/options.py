@@ -280,6 +280,14 @@ OPTIONS: tuple[Option, ...] = (
         "seconds between SIGTERM and SIGKILL when a job is stopped (cancel, timeout, drain)",
         lo=0,
     ),
+    Option(
+        "shell_idle_limit",
+        float,
+        3600.0,
+        "seconds a shell (`poolctl shell`) may go without input from its user, attached or not, "
+        "before it is stopped and its GPUs freed (`poolctl shell --idle` sets a shell's own)",
+        lo=1,
+    ),
     Option("worker_idle_exit", float, 0.0, "seconds a worker idle (no job held) waits, then leaves", lo=0),
     Option("worker_max_lifetime", float, 0.0, "seconds after its start by which a worker has left", lo=0),
     Option(

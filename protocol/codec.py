@@ -30,6 +30,7 @@ from protocol.messages import (
     ChannelData,
     ChannelEnd,
     ChannelOutput,
+    ChannelResize,
     CheckObjects,
     DownloadTicket,
     Enqueue,
@@ -129,7 +130,7 @@ Reply: TypeAlias = (
     | Accounted
 )
 StreamItem: TypeAlias = LogChunk | JobEnded | PoolView | AgentOrder | ChannelOutput | ChannelCredit
-ChannelInput: TypeAlias = ChannelData | ChannelEnd | ChannelAck
+ChannelInput: TypeAlias = ChannelData | ChannelEnd | ChannelAck | ChannelResize
 Control: TypeAlias = Hello | Challenge | Auth | Welcome | ErrorMessage | Goodbye
 Message: TypeAlias = Control | Request | Reply | StreamItem | ChannelInput
 
@@ -164,7 +165,7 @@ _STREAM_FOR: Final[dict[type[Any], tuple[type[Any], ...]]] = {
     OpenChannel: (ChannelOutput, ChannelCredit),
 }
 _STREAMED: Final[frozenset[type[Any]]] = frozenset(c for classes in _STREAM_FOR.values() for c in classes)
-_CHANNEL_INPUT: Final[tuple[type[Any], ...]] = (ChannelData, ChannelEnd, ChannelAck)
+_CHANNEL_INPUT: Final[tuple[type[Any], ...]] = (ChannelData, ChannelEnd, ChannelAck, ChannelResize)
 
 _BY_OP: Final[dict[FrameType, dict[str, type[Any]]]] = {
     FrameType.REQUEST: {cls.OP: cls for cls in _REPLY_FOR},

@@ -37,6 +37,7 @@ __all__ = [
     "ChannelData",
     "ChannelEnd",
     "ChannelOutput",
+    "ChannelResize",
     "CheckObjects",
     "DownloadTicket",
     "Enqueue",
@@ -340,9 +341,11 @@ class AgentCall(Record):
 class OpenChannel(Record):
     """Open a bidirectional channel into running job ``job_id``: ``kind`` "exec" runs ``argv``
     in the job's allocation; "forward" (``argv`` empty, ``stdin`` True) connects to 127.0.0.1:
-    ``port`` as the job sees it. Its output comes back as ChannelOutput items, the credit for the
-    client's input as ChannelCredit items, its end as ChannelClosed; the client sends its input
-    on the same request id in CHANNEL frames (ChannelData, ChannelEnd, ChannelAck). ``stdin``
+    ``port`` as the job sees it; "attach" (``argv`` empty, ``stdin`` True) attaches to the
+    terminal of a tty job (`poolctl shell`), its window ``rows`` x ``cols`` (0: as it is). Its
+    output comes back as ChannelOutput items, the credit for the client's input as ChannelCredit
+    items, its end as ChannelClosed; the client sends its input on the same request id in
+    CHANNEL frames (ChannelData, ChannelEnd, ChannelAck, ChannelResize). ``stdin``
     False: the command's stdin is empty, and ChannelData is refused."""
 
     OP: ClassVar = "open_channel"
@@ -351,6 +354,8 @@ class OpenChannel(Record):
     argv: list[str]
     stdin: bool
     port: int = 0  # a forward's
+    rows: int = 0  # an attach's window (ChannelResize changes it later)
+    cols: int = 0
 
 
 # -- channel input (CHANNEL frames, client → server, on an open channel's request id) ---------------
@@ -367,6 +372,16 @@ class ChannelEnd(Record):
     """No more data from the client (an exec's stdin reaches its end); nothing may follow."""
 
     OP: ClassVar = "channel_end"
+
+
+class ChannelResize(Record):
+    """The client's terminal is now ``rows`` x ``cols`` (1 to 65535 each): an attach's terminal
+    takes that size (channels of other kinds ignore it). Not data: no window counts it, and it
+    may come after ChannelEnd."""
+
+    OP: ClassVar = "channel_resize"
+    rows: int
+    cols: int
 
 
 class ChannelAck(Record):

@@ -241,7 +241,8 @@ class Handlers:
         the user's blocking reads while it lasts (it reads Redis as `logs -f` does)."""
         channels.check_request(request)
         info = await self.queue.get(request.job_id)
-        self._check_owner(info, user, "forward to" if request.kind == "forward" else "exec in")
+        doing = {"forward": "forward to", "attach": "attach to"}.get(request.kind, "exec in")
+        self._check_owner(info, user, doing)
         channels.check_running(info, request.kind)
         with self.blocking_read(user):
             relay = channels.Relay(self.queue, info, request, user, client=client, budget=self.relay_budget)

@@ -36,6 +36,7 @@ from protocol import (
     ChannelAcked,
     ChannelDataReceived,
     ChannelEndReceived,
+    ChannelResized,
     ConnectionClosed,
     ConnectionFailed,
     DecodeNeeded,
@@ -304,7 +305,13 @@ class Session:
                     self._requests[rid] = asyncio.create_task(
                         self._serve(rid, message), name=f"request-{rid}"
                     )
-                case CancelRequested() | ChannelDataReceived() | ChannelEndReceived() | ChannelAcked():
+                case (
+                    CancelRequested()
+                    | ChannelDataReceived()
+                    | ChannelEndReceived()
+                    | ChannelAcked()
+                    | ChannelResized()
+                ):
                     self._to_request(event)
                 case Authenticated(user=user, peer=client):
                     log.debug("%s authenticated as %s (%s)", self.peer, user, client)
@@ -324,7 +331,8 @@ class Session:
                         return True
 
     def _to_request(
-        self, event: CancelRequested | ChannelDataReceived | ChannelEndReceived | ChannelAcked
+        self,
+        event: CancelRequested | ChannelDataReceived | ChannelEndReceived | ChannelAcked | ChannelResized,
     ) -> None:
         """A cancel to its request's task; input of an open channel to its relay (none: its
         request is ending, and the input is dropped)."""
@@ -339,6 +347,8 @@ class Session:
                 end.ended()
             case ChannelAcked() if end is not None:
                 end.acked()
+            case ChannelResized(rows=rows, cols=cols) if end is not None:
+                end.resized(rows, cols)
             case _:
                 pass
 

@@ -105,6 +105,7 @@ class Worker(Stopping):
         heartbeat_seconds: float = 30.0,
         drain_timeout: float = 60.0,
         kill_grace: float = 10.0,
+        shell_idle_limit: float = 3600.0,
         job_nice: int = 0,
         job_network: str = "host",
         gpus: Sequence[GpuInfo] | None = None,
@@ -152,6 +153,7 @@ class Worker(Stopping):
         self.queues = list(queues)
         self.drain_timeout = drain_timeout
         self.kill_grace = kill_grace
+        self.shell_idle_limit = shell_idle_limit  # a tty job's without an idle limit of its own
         self.id = worker_id or registry.new_worker_id()
         # Taken once: os.environ decodes every variable on each read, and every job starts from
         # what it passes on (a filter of every variable on each cold start was a cost to each).
@@ -465,6 +467,7 @@ class Worker(Stopping):
             gpus=gpus,
             env=self.env,
             kill_grace=self.kill_grace,
+            shell_idle_limit=self.shell_idle_limit,
             probe=self.probe,
             guard=self._slots.guard,
             spawner=self._slots.spawner,

@@ -151,6 +151,7 @@ def configured_worker(
         heartbeat_seconds=config.heartbeat_seconds,
         drain_timeout=config.drain_timeout,
         kill_grace=config.kill_grace,
+        shell_idle_limit=config.shell_idle_limit,
         job_nice=config.job_nice,
         job_network=config.job_network,
         store=store,
