@@ -88,12 +88,14 @@ async def test_acct_totals_across_two_users_match_the_jobs_that_ran_and_outlive_
 ) -> None:
     """issue 50, accounting: after jobs of two users ran (one handed back and run again, one
     failed), `poolctl acct` as an admin gives each user's jobs, GPU-hours (the attempts' GPUs
-    times their run times), failures, wait p50 and efficiency (the GPU utilisation a worker's
-    outcome reported, weighted by GPU-hours; none where none was reported) as the jobs' records
-    say, and gives them again
+    times their run times), CPU-hours (the CPUs a job asked for, where it did), failures, wait
+    p50 and efficiency (the GPU utilisation a worker's outcome reported, weighted by GPU-hours;
+    none where none was reported) as the jobs' records say, and gives them again
     once those records have expired (job_retention 1 s): the accounting records outlive them."""
     alice = [await enqueue(pool, "alice", 2), await enqueue(pool, "alice", 0)]
     bob = [await enqueue(pool, "bob", 1)]
+    # bob's job asked for 2 CPUs, as an enqueue records --cpus where CPUs are a resource
+    await pool.queue.redis.hset(keys.job(bob[0]), "cpus", 2)
     used = {}  # job id -> (GPU-hours, wait), read at its end, before its record expires (1 s)
     # alice's first job ends with its worker's usage summary: its GPUs busy half the time
     for job_id, util in ((alice[0], 0.5), (alice[1], None)):
@@ -109,6 +111,7 @@ async def test_acct_totals_across_two_users_match_the_jobs_that_ran_and_outlive_
             failed,
             p50([used[j][1] for j in ids]),
             0.5 if user == "alice" else None,  # alice's only GPU job ran at 50 %; bob's: unknown
+            0.0 if user == "alice" else 2 * sum(used[j][0] for j in ids),  # bob's: 2 CPUs to 1 GPU
         )
     assert expected["bob"][1] > 0
     assert expected["alice"][1] > 0
@@ -116,12 +119,12 @@ async def test_acct_totals_across_two_users_match_the_jobs_that_ran_and_outlive_
     def check(rows: list[dict[str, Any]]) -> None:
         assert [r["user"] for r in rows] == ["alice", "bob"]
         for row in rows:
-            jobs, gpu_hours, failed, wait, efficiency = expected[row["user"]]
+            jobs, gpu_hours, failed, wait, efficiency, cpu_hours = expected[row["user"]]
             assert (row["jobs"], row["failed"]) == (jobs, failed)
             assert row["gpu_hours"] == pytest.approx(gpu_hours, rel=1e-9)
             assert row["wait_p50"] == pytest.approx(wait, rel=0.01, abs=0.001)  # the sketch's 1 %
             assert row["efficiency"] == efficiency
-            assert row["cpu_hours"] == 0
+            assert row["cpu_hours"] == pytest.approx(cpu_hours, rel=1e-9)
 
     check((await acct(pool, "root"))["rows"])
     async with asyncio.timeout(5):  # job_retention: 1 s
