@@ -2,10 +2,11 @@
 
 Exit status: 0 success; 1 a job failed or the request failed; 2 bad usage or input; 3 server
 unreachable; 4 authentication refused, or a token file others can read; 5 unknown job; 6 another
-user's job (only its owner or a pool admin may act on it); 124 `wait` timed out; 130 Ctrl-C (how
-`top` and `ls --watch` end, unless given -n); `logs -f` and `enqueue -f` exit with the job's own
-exit code, `exec` with its command's, `shell` and `attach` with the shell's (0 when detached),
-`forward` 0 when its job ends; `health` exits 0 only when the server and its Redis answer.
+user's job (only its owner or a pool admin may act on it) or accounting (`acct --user`); 124
+`wait` timed out; 130 Ctrl-C (how `top` and `ls --watch` end, unless given -n); `logs -f` and
+`enqueue -f` exit with the job's own exit code, `exec` with its command's, `shell` and `attach`
+with the shell's (0 when detached), `forward` 0 when its job ends; `health` exits 0 only when the
+server and its Redis answer.
 """
 
 from __future__ import annotations
