@@ -105,6 +105,7 @@ class Config:
     worker_token_file: str
     job_nice: int
     job_retention: float
+    accounting_retention_days: int
     retry_backoff: float
     retry_backoff_max: float
     job_log_max_bytes: int

@@ -358,6 +358,15 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("job_retention", float, 7 * 24 * 3600.0, "seconds finished jobs are kept", lo=60),
     Option(
+        "accounting_retention_days",
+        int,
+        400,
+        "days each ended job's accounting record (`poolctl acct`: about 40 bytes) is kept, past "
+        "its job's own record; the workers' and the server's value counts for the jobs each ends",
+        lo=1,
+        hi=100 * 366,
+    ),
+    Option(
         "retry_backoff",
         float,
         10.0,

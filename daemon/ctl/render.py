@@ -112,6 +112,11 @@ def _table(table: Rows, header: bool = True) -> None:
         print(line)
 
 
+def table(rows: Rows) -> None:
+    """`rows` as a table: drawn by rich on a terminal, aligned text otherwise."""
+    _table(rows)
+
+
 def json_text(value: object) -> str:
     """`value` as one line of JSON (what --json prints, a line per item)."""
     import orjson
