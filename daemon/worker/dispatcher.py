@@ -51,7 +51,7 @@ from daemon.errors import NotReplicated, RedisUnavailable
 from daemon.git import ANY_PROTOCOL
 from daemon.job import Lease, RenewStatus
 from daemon.metrics.transfers import MeteredStore
-from daemon.metrics.worker import GpuSampler, WorkerMetrics
+from daemon.metrics.worker import GpuSample, GpuSampler, WorkerMetrics
 from daemon.queue import keys, registry
 from daemon.queue.claims import Capacity, SharedGpu
 from daemon.queue.job_queue import JobQueue
@@ -65,6 +65,7 @@ from daemon.worker.envs import EnvCache
 from daemon.worker.execs import Execs
 from daemon.worker.fast_path import FastPath
 from daemon.worker.gpu_readings import GpuReadings
+from daemon.worker.gpu_watch import GpuWatch
 from daemon.worker.gpus import (
     GpuAllocator,
     GpuInfo,
@@ -78,6 +79,7 @@ from daemon.worker.gpus import (
 from daemon.worker.health_watch import HealthWatch
 from daemon.worker.heartbeat import Heartbeat
 from daemon.worker.identity import SlotIdentity
+from daemon.worker.idle_gpus import IdlePolicy
 from daemon.worker.lifetime import Lifetime
 from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult, passed_env
@@ -130,6 +132,7 @@ class Worker(Stopping):
         local: bool = True,
         gpu_health_policy: str = "requeue",
         gpu_health_clear: float = 600.0,
+        idle_gpus: IdlePolicy | None = None,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
         (the seam) and optionally a probe. `env` is the base of every job's environment (default:
@@ -145,7 +148,9 @@ class Worker(Stopping):
         `look_ahead_hold` (fast_path.py). A job whose directory holds a lock runs in the
         environment built from it, kept under `data_dir/envs` as `env_settings` say, built as
         `env_builder` (None: this process's uid) (envs.py). `local`: False for an agent's slots
-        (hosted.py): nothing of this machine is opened for them. The health of discovered GPUs is
+        (hosted.py): nothing of this machine is opened for them. `idle_gpus`: when a job that
+        leaves its GPUs idle is flagged, and what its queue does then (idle_gpus.py; default:
+        flagged after 30 minutes below 5 %, no queue acts). The health of discovered GPUs is
         watched (health_watch.py): a faulty one is quarantined, its job handed back
         (`gpu_health_policy` "requeue") or let finish ("let_finish"), and it comes back once no
         fault is seen for `gpu_health_clear` seconds and its check passes."""
@@ -172,10 +177,7 @@ class Worker(Stopping):
             self.store = MeteredStore(store, self._transferred)
             self.cache = ObjectCache(self.data_dir / "cache", self.store, cache_bytes)
         self._make_run = make_run or self._job_run
-        self._given_gpus, self._given_sampler = gpus, gpu_sampler
-        self.probe = probe
-        self.gpu_max_jobs = gpu_max_jobs  # --gpu-mem jobs one GPU may take at most
-        self.allocator = GpuAllocator(gpus or [], slots, gpu_max_jobs)
+        self._gpu_books(gpus, gpu_sampler, probe, gpu_max_jobs, (gpu_health_policy, gpu_health_clear))
         self.heartbeat = Heartbeat(queue, self, heartbeat_seconds)
         self._registration = Registration(
             id=self.id,
@@ -201,7 +203,6 @@ class Worker(Stopping):
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known, as are
         self.readings = GpuReadings(None, heartbeat_seconds)  # their readings, for the registration
         self._nvml: Nvml | None = None
-        self._health_settings = (gpu_health_policy, gpu_health_clear)
         self._held = Holdings(self._slots.guard)  # every attempt this worker holds, by lease id
         # what the fast path does here, and the jobs it claimed before a slot is free
         self._fast = FastPath(queue.fast_path, self._held, below=look_ahead_below, hold=look_ahead_hold)
@@ -216,8 +217,27 @@ class Worker(Stopping):
         self._watch = WorkWatch(queue, self.id, self.queues)
         self._stage = Stage.WORKING
         self._forced = asyncio.Event()
+        # each attempt's GPU usage summary and idle clock, fed by the readings (gpu_watch.py)
+        self._gpu_watch = GpuWatch(queue, idle_gpus or IdlePolicy(), self._spawn)
         self._outcomes = Outcomes(queue, self._forced)  # records each attempt's end
         self._stopped = asyncio.Event()
+
+    def _gpu_books(
+        self,
+        gpus: Sequence[GpuInfo] | None,
+        sampler: GpuSampler | None,
+        probe: GpuProbe | None,
+        max_jobs: int,
+        health: tuple[str, float],
+    ) -> None:
+        """The GPUs' books as `__init__` is given them: the GPUs and their sampler (None: NVML
+        finds and reads them at start), the probe of a GPU after a job, the --gpu-mem jobs one GPU
+        may take at most, and the health policy and clear time (health_watch.py)."""
+        self._given_gpus, self._given_sampler = gpus, sampler
+        self.probe = probe
+        self.gpu_max_jobs = max_jobs
+        self.allocator = GpuAllocator(gpus or [], self.slots, max_jobs)
+        self._health_settings = health
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -232,7 +252,7 @@ class Worker(Stopping):
         self._fast.begin(gpus)
         sampler = functools.partial(sample_gpus, gpus) if self._nvml is not None else self._given_sampler
         self.metrics = WorkerMetrics(gpus, sampler)  # NVML is read by sample_gpus, never by metrics/
-        self.readings = GpuReadings(sampler, self.heartbeat.interval)
+        self.readings = GpuReadings(sampler, self.heartbeat.interval, self._gpus_read)
         self.heartbeat.observer = self._observe_heartbeat
         self._registration.started_at = time.time()
         try:
@@ -477,6 +497,7 @@ class Worker(Stopping):
             if lease.ahead:  # it counts as started from here
                 self._fast.say_started(self.queue, lease)
             self.metrics.job_started(lease.spec.queue)
+        self._gpu_watch.begin(held)
         run.start()  # now, when nothing has to come first; else its task prepares and starts it
         held.task = self._attempts.spawn(self._attempt(held), f"job {lease.job_id}")
 
@@ -565,6 +586,7 @@ class Worker(Stopping):
                 # Killed by a signal after the fence deadline: maybe by the fence itself (the orphan
                 # guard, while this worker was frozen). Not the job's outcome: the lease decides.
                 result = RunResult(Ending.LOST, None, result.dirty_gpus, result.killed_by)
+            result = self._gpu_watch.summarised(held, result, self.metrics)
             # While short jobs flow and another runs, its end comes soon: this outcome may wait for it.
             await self._outcomes.report(held.lease, result, self._fast.linger(self._busy()))
         finally:
@@ -622,6 +644,9 @@ class Worker(Stopping):
             self.metrics.heartbeat_failed()
         else:
             self.metrics.heartbeat(round_trip)
+
+    def _gpus_read(self, samples: Sequence[GpuSample], at: float) -> None:
+        self._gpu_watch.read(self._held, samples, at)
 
     def _transferred(self, direction: str, nbytes: int) -> None:
         self.metrics.transferred(direction, nbytes)  # the metrics of now: start() replaces them

@@ -28,6 +28,7 @@ from daemon.worker.agent import Agent, AgentError
 from daemon.worker.dispatcher import Worker
 from daemon.worker.env_build import EnvSettings
 from daemon.worker.identity import SlotIdentity, lease_uids, slot_identities
+from daemon.worker.idle_gpus import IdlePolicy
 from daemon.worker.lifetime import Lifetime
 from storage.base import ObjectStore
 
@@ -164,6 +165,7 @@ def configured_worker(
         gpu_health_policy=config.gpu_health_policy,
         gpu_health_clear=config.gpu_health_clear,
         lifetime=lifetime,
+        idle_gpus=IdlePolicy.of(config),
         env_settings=env_settings(config),
         env_builder=env_builder(identities),
     )
