@@ -4,8 +4,8 @@ Exit status: 0 success; 1 a job failed or the request failed; 2 bad usage or inp
 unreachable; 4 authentication refused, or a token file others can read; 5 unknown job; 6 another
 user's job (only its owner or a pool admin may act on it); 124 `wait` timed out; 130 Ctrl-C (how
 `top` and `ls --watch` end, unless given -n); `logs -f` and `enqueue -f` exit with the job's own
-exit code, `exec` with its command's, `forward` 0 when its job ends; `health` exits 0 only when
-the server and its Redis answer.
+exit code, `exec` with its command's, `forward` 0 when its job ends, `jupyter` too (1 if it failed,
+143 on SIGTERM); `health` exits 0 only when the server and its Redis answer.
 """
 
 from __future__ import annotations
@@ -108,6 +108,10 @@ def _run(args: argparse.Namespace) -> int:
 
         return pilot.run(args)
     request = enqueue_request(args) if args.command == "enqueue" else None  # checked before connecting
+    if args.command == "jupyter":  # the same: an enqueue of JupyterLab
+        from daemon.ctl import job_jupyter
+
+        request = job_jupyter.request(args)
     if args.command == "put" and not os.path.lexists(args.path):  # the command line's mistake
         raise UsageError(f"{args.path}: no such file or directory")
     if args.command == "cancel":
@@ -126,10 +130,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def _talk(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueBatch | None) -> int:
     """The command's requests to the pool at `to`."""
-    on_loop = request is not None and (
+    on_loop = args.command == "enqueue" and (
         args.project_dir is not None or (isinstance(request, Enqueue) and (_moves_data(args) or args.follow))
     )
-    if args.command in ("put", "get", "logs", "exec", "forward") or on_loop:
+    if args.command in ("put", "get", "logs", "exec", "forward", "jupyter") or on_loop:
         import asyncio
 
         from storage.base import StorageError
@@ -164,6 +168,12 @@ async def _on_loop(
             from daemon.ctl import job_forward
 
             return await job_forward.run(client, args.job, args.ports)
+        case "jupyter":
+            from daemon.ctl import job_jupyter
+
+            assert isinstance(request, Enqueue)
+            await _attach_project(client, [request.spec], args)
+            return await job_jupyter.run(client, request, args.port, args.open)
     if isinstance(request, EnqueueBatch):  # an array, run in its project
         await _attach_project(client, request.specs, args)
         try:

@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from daemon.ctl import render
-from daemon.ctl.enqueue_args import add_enqueue
+from daemon.ctl.enqueue_args import GPUS_MAX, add_enqueue, gpu_mem_size
 from daemon.ctl.parsing import Parser, seconds, whole
 from daemon.ctl.pilot import add_pilot
 
@@ -55,6 +55,51 @@ def add_ls(sub: Any) -> None:  # argparse's _SubParsersAction, which it does not
     )
 
 
+def add_interactive(sub: Any) -> None:  # argparse's _SubParsersAction, which it does not export
+    """The commands that work inside a job while it runs (issue 49)."""
+    inside = sub.add_parser(
+        "exec",
+        help="run a command inside a running job (its uid, GPUs, environment and directory); "
+        "piped stdin goes to it; exits with its code",
+    )
+    inside.add_argument("job")
+    inside.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+
+    forward = sub.add_parser(
+        "forward",
+        help="forward 127.0.0.1:LOCAL here to PORT inside a running job (its loopback), each "
+        "connection through the server, until the job ends; LOCAL 0: any free port, printed",
+    )
+    forward.add_argument("job")
+    forward.add_argument("ports", metavar="[LOCAL:]PORT")
+
+    add_jupyter(sub)
+
+
+def add_jupyter(sub: Any) -> None:  # argparse's _SubParsersAction, which it does not export
+    """`poolctl jupyter`: enqueue's options that an interactive JupyterLab needs (job_jupyter.py)."""
+    lab = sub.add_parser(
+        "jupyter",
+        help="a JupyterLab in a job of its own, in your project and its environment, forwarded here: "
+        "prints its URL; Ctrl-C ends it and cancels the job",
+    )
+    lab.add_argument("--queue", "-q", default="default")
+    lab.add_argument("--gpus", type=whole(0, GPUS_MAX), default=0, help="GPUs the job needs")
+    lab.add_argument(
+        "--gpu-mem", type=gpu_mem_size, default=0, metavar="SIZE", help="instead of --gpus: as enqueue's"
+    )
+    lab.add_argument("--time", type=seconds(), metavar="SECONDS", help="end the job after this long")
+    lab.add_argument(
+        "--port", type=whole(0, 65535), default=0, metavar="LOCAL", help="the local port (default: any free)"
+    )
+    lab.add_argument("--open", action="store_true", help="open the URL in a browser too")
+    lab.add_argument("--name", default="jupyter", help="the job's name (default: jupyter)")
+    lab.add_argument("--workdir", metavar="DIR|none", help="the project to run in, as enqueue's")
+    lab.add_argument(
+        "--no-env", action="store_true", help="JupyterLab of the worker's own Python, not the lock's"
+    )
+
+
 def parser() -> Parser:
     p = Parser(prog="poolctl", description="Queue and follow jobs on a gpupool pool.")
     p.add_argument(
@@ -83,21 +128,7 @@ def parser() -> Parser:
     logs.add_argument("job")
     logs.add_argument("-f", "--follow", action="store_true")
 
-    inside = sub.add_parser(
-        "exec",
-        help="run a command inside a running job (its uid, GPUs, environment and directory); "
-        "piped stdin goes to it; exits with its code",
-    )
-    inside.add_argument("job")
-    inside.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
-
-    forward = sub.add_parser(
-        "forward",
-        help="forward 127.0.0.1:LOCAL here to PORT inside a running job (its loopback), each "
-        "connection through the server, until the job ends; LOCAL 0: any free port, printed",
-    )
-    forward.add_argument("job")
-    forward.add_argument("ports", metavar="[LOCAL:]PORT")
+    add_interactive(sub)
 
     cancel = sub.add_parser(
         "cancel",
