@@ -3,16 +3,17 @@ and prints its URL, end to end: a real pool server, real `poold --worker` proces
 as slot uids, a real JupyterLab (the [test] extra's), and `poolctl` as a subprocess, as a
 researcher runs it (test_exec.py's worker, test_forward.py's way of reading what poolctl prints).
 
-poolctl runs in no project here, so its jobs run with the worker's own Python (a worker whose
-`python3` has this venv's packages, JupyterLab among them), as `--no-env` would run them: building
-an environment with JupyterLab from a lock is the worker's envs.py, tested apart, and here would
-cost a minute.
+The project poolctl runs in has no lock, so its jobs run with the worker's own Python (a worker
+whose `python3` has this venv's packages, JupyterLab among them), as `--no-env` would run them:
+building an environment with JupyterLab from a lock is the worker's envs.py, tested apart, and
+here would cost a minute.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ import pytest
 from daemon.job import JobState
 from daemon.queue import registry
 from daemon.queue.embedded_redis import EmbeddedRedis
+from storage.s3 import S3Store
 from tests.daemon.ctl.test_exec import gpu_worker, log_text
 from tests.support import unprivileged
 from tests.support.paths import ROOT
@@ -64,8 +66,10 @@ async def jupyter_pool(
     redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
 ) -> AsyncIterator[Pool]:
     """A pool with two workers: one serving `default`, whose Python has JupyterLab; one serving
-    `bare`, whose Python (the system's) has not."""
-    async with running_pool(redis_server, tmp_path) as pool:
+    `bare`, whose Python (the system's) has not. Its store is theirs (the projects poolctl sends)."""
+    s3 = {name.removeprefix("GPUPOOL_MAIN_SERVER_MINIO_"): value for name, value in s3_env.items()}
+    store = S3Store(s3["ADDRESS"], s3["BUCKET"], s3["ACCESS_KEY_ID"], s3["SECRET_ACCESS_KEY"])
+    async with running_pool(redis_server, tmp_path, store) as pool:
         with (
             worker_python() as place,
             gpu_worker(redis_server, tmp_path, s3_env, search_path=f"{place}:/usr/bin:/bin"),
@@ -80,10 +84,12 @@ async def jupyter_pool(
 
 
 @contextlib.asynccontextmanager
-async def jupyter(env: dict[str, str], *options: str) -> AsyncIterator[asyncio.subprocess.Process]:
-    """`poolctl jupyter OPTIONS` running (killed at the end if it has not ended)."""
+async def jupyter(
+    env: dict[str, str], *options: str, cwd: Path = Path("/")
+) -> AsyncIterator[asyncio.subprocess.Process]:
+    """`poolctl jupyter OPTIONS` running in `cwd` (killed at the end if it has not ended)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "daemon.ctl.cli", "jupyter", *options, cwd="/",
+        sys.executable, "-m", "daemon.ctl.cli", "jupyter", *options, cwd=cwd,
         env={**env, "PYTHONPATH": str(ROOT)}, stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -106,28 +112,34 @@ async def said_until(proc: asyncio.subprocess.Process, pattern: str) -> str:
     return text
 
 
-async def get(port: int, target: str) -> int:
-    """GET `target` from 127.0.0.1:`port`: the status code."""
+async def get(port: int, target: str) -> tuple[int, bytes]:
+    """GET `target` from 127.0.0.1:`port`: the status code and the body."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(f"GET {target} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
     answer = await asyncio.wait_for(reader.read(), 30)
     writer.close()
-    return int(answer.split(b" ", 2)[1])
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
 
 
 async def test_jupyter_prints_a_url_that_needs_its_token_and_ctrl_c_cancels_its_job(
     redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
 ) -> None:
-    """Issue 49, `poolctl jupyter`: it queues a job of one GPU running JupyterLab, forwards a local
-    port to it and prints `http://127.0.0.1:LOCAL/lab?token=T`; through it /api/status answers 200
-    with the token and 403 without; the token is in neither the job's command line nor its log;
+    """Issue 49, `poolctl jupyter`: it queues a job of one GPU running JupyterLab in the project
+    poolctl runs in, forwards a local port to it and prints `http://127.0.0.1:LOCAL/lab?token=T`;
+    through it /api/status answers 200 with the token and 403 without, and the project's files
+    are JupyterLab's; the token is in neither the job's command line nor its log;
     Ctrl-C ends poolctl (130) and cancels the job. A job that still waits is said to, with the
     server's reason, and SIGTERM then cancels it (143). Where the job's Python has no JupyterLab,
     poolctl says to add it to the project's lock (exit 1) instead of waiting for ever."""
     async with jupyter_pool(redis_server, tmp_path, s3_env) as pool:
         env = pool.env("alice")
         bare = asyncio.ensure_future(poolctl(env, "jupyter", "--queue", "bare"))
-        async with jupyter(env, "--gpus", "1") as lab:
+        project = tmp_path / "notebooks"  # below poolctl's HOME, the pool's directory
+        project.mkdir()
+        (project / "pyproject.toml").write_text('[project]\nname = "notebooks"\nversion = "0.1"\n')
+        (project / "analysis.py").write_text("print('hi')\n")
+        async with jupyter(env, "--gpus", "1", cwd=project) as lab:
             job_id = QUEUED.search(await said_until(lab, " queued: "))[1]  # type: ignore[index]
             await wait_state(pool.queue, job_id, JobState.RUNNING, timeout=30)
 
@@ -148,8 +160,11 @@ async def test_jupyter_prints_a_url_that_needs_its_token_and_ctrl_c_cancels_its_
             assert found, line or (await lab.stderr.read()).decode()  # type: ignore[union-attr]
             local, token = int(found[1]), found[2]
             await said_until(lab, "(Ctrl-C ends it and cancels the job)")
-            assert await get(local, f"/api/status?token={token}") == 200
-            assert await get(local, "/api/status") == 403
+            assert (await get(local, f"/api/status?token={token}"))[0] == 200
+            assert (await get(local, "/api/status"))[0] == 403
+            code, body = await get(local, f"/api/contents?token={token}")  # it serves the project
+            assert code == 200
+            assert {"analysis.py", "pyproject.toml"} <= {f["name"] for f in json.loads(body)["content"]}
             info = await pool.queue.get(job_id)
             assert info.state is JobState.RUNNING
             assert token not in " ".join(info.spec.argv)
