@@ -71,6 +71,11 @@ async def serve(
         try:
             async with room:
                 await _relay(client, job_id, port, reader, writer)
+        except asyncio.CancelledError:
+            # serve()'s end, which cancelled this connection's own task and awaits it: it ends
+            # here, as Python 3.11's streams take a handler's task that ends cancelled for an
+            # error, and print it (a browser's open connections at Ctrl-C, each a traceback).
+            pass
         finally:
             open_.discard(task)
             writer.close()

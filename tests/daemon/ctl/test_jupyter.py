@@ -129,7 +129,8 @@ async def test_jupyter_prints_a_url_that_needs_its_token_and_ctrl_c_cancels_its_
     poolctl runs in, forwards a local port to it and prints `http://127.0.0.1:LOCAL/lab?token=T`;
     through it /api/status answers 200 with the token and 403 without, and the project's files
     are JupyterLab's; the token is in neither the job's command line nor its log;
-    Ctrl-C ends poolctl (130) and cancels the job. A job that still waits is said to, with the
+    Ctrl-C ends poolctl (130), closing a connection still open through it without a word of
+    asyncio's, and cancels the job. A job that still waits is said to, with the
     server's reason, and SIGTERM then cancels it (143). Where the job's Python has no JupyterLab,
     poolctl says to add it to the project's lock (exit 1) instead of waiting for ever."""
     async with jupyter_pool(redis_server, tmp_path, s3_env) as pool:
@@ -172,10 +173,18 @@ async def test_jupyter_prints_a_url_that_needs_its_token_and_ctrl_c_cancels_its_
             assert "token=..." in log  # JupyterLab's own line, the token left out
             assert token not in log
 
+            # A browser keeps its connections open: Ctrl-C closes them, quietly.
+            held, holding = await asyncio.open_connection("127.0.0.1", local)
+            request = f"GET /api/status?token={token} HTTP/1.1\r\nHost: 127.0.0.1:{local}\r\n\r\n"
+            holding.write(request.encode())
+            assert (await asyncio.wait_for(held.readline(), 10)).startswith(b"HTTP/1.1 200")
             lab.send_signal(signal.SIGINT)
             assert await asyncio.wait_for(lab.wait(), 15) == 130
-            assert f"job {job_id} cancelled: its GPUs are free" in await said_until(lab, "cancelled")
+            said = await said_until(lab, "cancelled")
+            assert said.endswith(f"poolctl: job {job_id} cancelled: its GPUs are free\n"), said
+            assert "Exception" not in said
             await wait_state(pool.queue, job_id, JobState.CANCELLED, timeout=10)
+            holding.close()
 
         code, out, err = await bare
         assert (code, out) == (1, ""), err
