@@ -172,7 +172,7 @@ async def _on_loop(
             from daemon.ctl import job_jupyter
 
             assert isinstance(request, Enqueue)
-            await _attach_project(client, [request.spec], args)
+            await _attach_project(client, [request.spec], args.enqueue)
             return await job_jupyter.run(client, request, args.port, args.open)
     if isinstance(request, EnqueueBatch):  # an array, run in its project
         await _attach_project(client, request.specs, args)

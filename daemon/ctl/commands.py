@@ -84,9 +84,10 @@ def add_jupyter(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
         "prints its URL; Ctrl-C ends it and cancels the job",
     )
     lab.add_argument("--queue", "-q", default="default")
-    lab.add_argument("--gpus", type=whole(0, GPUS_MAX), default=0, help="GPUs the job needs")
-    lab.add_argument(
-        "--gpu-mem", type=gpu_mem_size, default=0, metavar="SIZE", help="instead of --gpus: as enqueue's"
+    size = lab.add_mutually_exclusive_group()
+    size.add_argument("--gpus", type=whole(0, GPUS_MAX), default=0, help="GPUs the job needs")
+    size.add_argument(
+        "--gpu-mem", type=gpu_mem_size, default=0, metavar="SIZE", help="instead: memory on a shared GPU"
     )
     lab.add_argument("--time", type=seconds(), metavar="SECONDS", help="end the job after this long")
     lab.add_argument(

@@ -65,8 +65,8 @@ class JupyterEnded(GpupoolError):
 
 
 def request(args: argparse.Namespace) -> Enqueue:
-    """The job, as `poolctl enqueue` with jupyter's options would queue it, with a new token; sets
-    what cli.py's project upload reads (`project_dir`, `snapshot`) on `args`."""
+    """The job, as `poolctl enqueue` with jupyter's options would queue it, with a new token (that
+    command line's namespace kept as `args.enqueue`, for its project to be sent as enqueue's is)."""
     from daemon.ctl.commands import parser
     from daemon.ctl.enqueue_spec import enqueue_request
 
@@ -80,7 +80,7 @@ def request(args: argparse.Namespace) -> Enqueue:
     )  # fmt: skip
     queued = enqueue_request(as_enqueue)
     assert isinstance(queued, Enqueue)
-    args.project_dir, args.snapshot = as_enqueue.project_dir, as_enqueue.snapshot
+    args.enqueue = as_enqueue
     return queued
 
 
@@ -168,9 +168,9 @@ async def _started(client: PoolClient, job_id: str) -> int:
             wait = WHY_EVERY
             job = (await client.call(ShowJob(job_id), JobDetail)).job
             if job["state"] == "queued":
-                why = job.get("pending_reason") or "waiting its turn"
+                why = job.get("pending_reason") or "waiting for its turn"
                 if why != said or time.monotonic() - when > REMIND_EVERY:
-                    print(f"poolctl: {job_id} still queued: {why}", file=sys.stderr)
+                    print(f"poolctl: {job_id} waits: {why}", file=sys.stderr)
                     said, when = why, time.monotonic()
             elif job["state"] == "running":
                 running = True

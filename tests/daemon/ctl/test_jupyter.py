@@ -146,9 +146,9 @@ async def test_jupyter_prints_a_url_that_needs_its_token_and_ctrl_c_cancels_its_
 
             # Another needs both GPUs of the worker, one of which JupyterLab holds: it waits.
             async with jupyter(env, "--gpus", "2") as waiting:
-                said = await said_until(waiting, " still queued: ")
+                said = await said_until(waiting, " waits: ")
                 waiting_id = QUEUED.search(said)[1]  # type: ignore[index]
-                assert f"poolctl: {waiting_id} still queued: {WHY}" in said, said
+                assert f"poolctl: {waiting_id} waits: {WHY}" in said, said
                 waiting.send_signal(signal.SIGTERM)
                 assert await asyncio.wait_for(waiting.wait(), 15) == 128 + signal.SIGTERM
                 said = await said_until(waiting, "cancelled")
