@@ -18,9 +18,10 @@ BENCH_EXTRAS := [test,dev,bench]
 # and munge a one-node Slurm cluster on loopback for the pilot workers, tests/support/slurm.py, and
 # slurm-wlm-torque the PBS commands (qsub, qstat, qdel) over it, for the PBS pilots;
 # chromium and chromium-driver a headless browser for the dashboard, tests/support/browser.py;
-# prometheus its promtool for docs/prometheus/alerts.yml).
+# prometheus its promtool for docs/prometheus/alerts.yml; openssh-server an sshd of bench/interactive.py's
+# own, beside which it measures the pool's relay).
 # Installed when this runs as root with apt-get, as CI does; elsewhere those tests skip, saying why.
-TEST_PACKAGES := zsh fish slurm-wlm slurm-wlm-torque munge chromium chromium-driver prometheus
+TEST_PACKAGES := zsh fish slurm-wlm slurm-wlm-torque munge chromium chromium-driver prometheus openssh-server
 
 # $(call venv_with,EXTRAS): the venv, made if missing, with gpupool in it (editable) and EXTRAS.
 # One resolver run for everything: aiobotocore pins a narrow botocore range.

@@ -14,6 +14,7 @@ from bench import (
     enqueue,
     env_start,
     failover,
+    interactive,
     latency,
     peers,
     policies,
@@ -107,6 +108,7 @@ def main(argv: list[str]) -> None:
     policies.main(quick)
     env_start.main(quick)
     python_api.main(quick)
+    interactive.main(quick)
     Console().print(summary())
 
 

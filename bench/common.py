@@ -1,14 +1,20 @@
-"""What every benchmark shares: the machine description and the JSON result file."""
+"""What every benchmark shares: the machine description and the JSON result file, a pool to
+measure, and the small parts of an asyncio bench (free ports, bounded waits, a child's stop)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import os
 import platform
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +24,8 @@ from daemon import config
 from daemon.server.service import PoolServer
 
 RESULTS = Path(__file__).parent / "results"
+POOL_START_LIMIT = 60.0  # seconds for a `local_pool` to come up
+STEP_LIMIT = 30.0  # seconds one step (a keystroke, a transfer, a start) may take before a bench gives up
 
 
 def machine(redis_version: str = "") -> dict[str, Any]:
@@ -87,3 +95,95 @@ async def bench_server() -> AsyncIterator[PoolServer]:
             yield server
         finally:
             await server.stop()
+
+
+@contextlib.contextmanager
+def local_pool(tmp: Path, **extra: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`poold` as `make run` starts it, on loopback, its data and pools.toml under `tmp`; this
+    process's environment then finds it as pools.toml's "local" (XDG_CONFIG_HOME). `extra`:
+    settings of its own (GPUPOOL_...). Yields the process, started: wait for it with `ready`."""
+    for name in ("GPUPOOL_SERVER", "GPUPOOL_POOL", "GPUPOOL_TOKEN", "GPUPOOL_USER"):
+        os.environ.pop(name, None)
+    os.environ["XDG_CONFIG_HOME"] = str(tmp / "xdg")
+    venv = str(Path(sys.executable).parent)  # as an activated environment: its python, its uv
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != venv:
+        os.environ["PATH"] = os.pathsep.join([venv, os.environ.get("PATH", "")])
+    env = {
+        **os.environ,
+        "GPUPOOL_DATA_DIR": str(tmp / "data"),
+        "GPUPOOL_LISTEN": "127.0.0.1:0",
+        "GPUPOOL_METRICS_LISTEN": "127.0.0.1:0",
+        "GPUPOOL_WEB_LISTEN": "off",
+        "GPUPOOL_WORKER_LOCAL_PROCESSORS": "2",
+        # As Slurm here runs a job as its submitter: a root poold's jobs as root, not as slot
+        # uids, which could not run this machine's interpreter (under /root, mode 700).
+        "GPUPOOL_JOB_UID_RANGE": "root",
+        "GPUPOOL_LOG_LEVEL": "warning",
+        **extra,
+    }
+    with open(tmp / "poold.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "daemon.main"], env=env, stdout=log, stderr=log)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def ready(proc: subprocess.Popen[bytes], tmp: Path) -> None:
+    """Return once the pool is registered in pools.toml (it registers after its listener and its
+    slots have started), else raise with its log."""
+    from daemon import pools
+
+    deadline = time.monotonic() + POOL_START_LIMIT
+    while not pools.pools_file().exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            log = (tmp / "poold.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"poold did not come up (exit {proc.returncode}):\n{log}")
+        time.sleep(0.02)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (now)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def bounded(what: str, waited: Awaitable[Any], seconds: float = STEP_LIMIT) -> Any:
+    """`waited`'s result, or a TimeoutError naming `what` after `seconds`."""
+    try:
+        return await asyncio.wait_for(waited, seconds)
+    except TimeoutError:
+        raise TimeoutError(f"{what}: nothing within {seconds:.0f} s") from None
+
+
+async def accepting(port: int, what: str, alive: Callable[[], str | None]) -> None:
+    """Return once 127.0.0.1:`port` accepts a connection; raise if `alive()` says why it never
+    will, or after STEP_LIMIT."""
+    deadline = time.monotonic() + STEP_LIMIT
+    while True:
+        if (why := alive()) is not None:
+            raise RuntimeError(f"{what}: {why}")
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: 127.0.0.1:{port} did not accept within {STEP_LIMIT:.0f} s")
+        await asyncio.sleep(0.02)
+
+
+async def stop(proc: asyncio.subprocess.Process) -> None:
+    """End a child process of the bench's: SIGTERM, then SIGKILL after 5 s."""
+    if proc.returncode is None:
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 5)
+        except TimeoutError:
+            proc.kill()
+            await asyncio.wait_for(proc.wait(), 5)

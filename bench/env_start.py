@@ -32,7 +32,7 @@ from daemon.job import JobSpec
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.dispatcher import Worker
-from daemon.worker.envs import EnvSettings, find_uv
+from daemon.worker.env_build import EnvSettings, find_uv
 from tests.support.wheels import locked_project, make_wheel
 
 ECHO = ("sh", "-c", "echo READY")  # the start alone

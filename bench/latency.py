@@ -190,8 +190,11 @@ async def run_command(
         identity: SlotIdentity | None = None,
         cgroup: SlotCgroup | None = None,
         gpus: Collection[int] | None = None,
+        terminal: int | None = None,
     ) -> spawn.Child:
-        child = real_spawn(self, argv, cwd=cwd, env=env, identity=identity, cgroup=cgroup, gpus=gpus)
+        child = real_spawn(
+            self, argv, cwd=cwd, env=env, identity=identity, cgroup=cgroup, gpus=gpus, terminal=terminal
+        )
         if "GPUPOOL_JOB_ID" in env:
             spawned[env["GPUPOOL_JOB_ID"]] = now()
         return child

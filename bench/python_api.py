@@ -49,7 +49,6 @@ import contextlib
 import logging
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -63,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import RESULTS, machine, percentile, save, summary_ms
+from bench.common import RESULTS, local_pool, machine, percentile, ready, save, summary_ms
 from bench.trivial import trivial
 from tests.support import slurm
 
@@ -71,7 +70,6 @@ if TYPE_CHECKING:
     import gpupool
 
 LIMIT = 60.0  # seconds one round trip may take before the bench gives up
-START_LIMIT = 60.0  # seconds for the pool to come up
 POLL = 0.005  # how often the bench looks for submitit's result file (the "recorded" moment)
 NO_BATCH_DELAY = "SchedulerParameters=batch_sched_delay=0\n"
 
@@ -143,55 +141,6 @@ class FileWatch:
 
 
 # --- gpupool ------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def local_pool(tmp: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """`poold` as `make run` starts it, on loopback, its data and pools.toml under `tmp`; this
-    process's environment then finds it as pools.toml's "local" (XDG_CONFIG_HOME). Yields the
-    process, started: wait for it with `ready`."""
-    for name in ("GPUPOOL_SERVER", "GPUPOOL_POOL", "GPUPOOL_TOKEN", "GPUPOOL_USER"):
-        os.environ.pop(name, None)
-    os.environ["XDG_CONFIG_HOME"] = str(tmp / "xdg")
-    venv = str(Path(sys.executable).parent)  # as an activated environment: its python, its uv
-    if os.environ.get("PATH", "").split(os.pathsep)[0] != venv:
-        os.environ["PATH"] = os.pathsep.join([venv, os.environ.get("PATH", "")])
-    env = {
-        **os.environ,
-        "GPUPOOL_DATA_DIR": str(tmp / "data"),
-        "GPUPOOL_LISTEN": "127.0.0.1:0",
-        "GPUPOOL_METRICS_LISTEN": "127.0.0.1:0",
-        "GPUPOOL_WEB_LISTEN": "off",
-        "GPUPOOL_WORKER_LOCAL_PROCESSORS": "2",
-        # As Slurm here runs a job as its submitter: a root poold's jobs as root, not as slot
-        # uids, which could not run this machine's interpreter (under /root, mode 700).
-        "GPUPOOL_JOB_UID_RANGE": "root",
-        "GPUPOOL_LOG_LEVEL": "warning",
-    }
-    with open(tmp / "poold.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "daemon.main"], env=env, stdout=log, stderr=log)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
-def ready(proc: subprocess.Popen[bytes], tmp: Path) -> None:
-    """Return once the pool is registered in pools.toml (it registers after its listener and its
-    slots have started), else raise with its log."""
-    from daemon import pools
-
-    deadline = time.monotonic() + START_LIMIT
-    while not pools.pools_file().exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            log = (tmp / "poold.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"poold did not come up (exit {proc.returncode}):\n{log}")
-        time.sleep(0.02)
 
 
 def gpupool_trip(pool: gpupool.Pool, x: int) -> Trip:

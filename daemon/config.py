@@ -84,6 +84,11 @@ class Config:
     worker_env_python_downloads: bool
     worker_env_allow_source_builds: bool
     gpu_max_jobs: int
+    idle_gpu_util: float
+    idle_gpu_minutes: float
+    idle_gpu_grace_minutes: float
+    idle_gpu_requeue_queues: list[str]
+    idle_gpu_cancel_queues: list[str]
     fast_path: bool
     worker_healthy_response_period: float
     redis_events_block_ms: float
@@ -92,6 +97,7 @@ class Config:
     job_network: str
     drain_timeout: float
     kill_grace: float
+    shell_idle_limit: float
     worker_idle_exit: float
     worker_max_lifetime: float
     worker_serve_user: str
@@ -99,6 +105,7 @@ class Config:
     worker_token_file: str
     job_nice: int
     job_retention: float
+    accounting_retention_days: int
     retry_backoff: float
     retry_backoff_max: float
     job_log_max_bytes: int
@@ -271,6 +278,13 @@ def _check_together(c: Config) -> None:
             c.sources["redis_cluster_nodes"],
             "a pool's Redis is either a Sentinel group (redis_sentinels) or a Cluster, not both: a "
             "Cluster fails over by itself; keep one of the two",
+        )
+    if both := sorted(set(c.idle_gpu_requeue_queues) & set(c.idle_gpu_cancel_queues)):
+        raise ConfigError(
+            "idle_gpu_cancel_queues",
+            c.sources["idle_gpu_cancel_queues"],
+            f"{', '.join(both)} also in idle_gpu_requeue_queues: a queue's jobs left idle are either "
+            "requeued or cancelled; name each queue in one of the two",
         )
     if c.redis_cluster_nodes and c.redis_db:
         raise ConfigError(

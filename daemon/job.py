@@ -145,6 +145,11 @@ class JobSpec:
     # Run in the environment built from the lock in its directory (worker/envs.py); false:
     # `poolctl enqueue --no-env`, the worker's own Python.
     env_from_lock: bool = True
+    # An interactive job (`poolctl shell`): its first process on a terminal (worker/terminal.py)
+    # that its owner attaches to; it ends once no client has sent it input for `idle_limit`
+    # seconds (None: the worker's `shell_idle_limit`). Only a tty job has an idle limit.
+    tty: bool = False
+    idle_limit: float | None = None
 
     @property
     def held(self) -> bool:
@@ -185,6 +190,8 @@ class JobSpec:
             ),
             **({"notify": self.notify} if self.notify else {}),  # a worker of before it refuses the key
             **({} if self.env_from_lock else {"env_from_lock": False}),  # the same
+            **({"tty": True} if self.tty else {}),  # the same
+            **({"idle_limit": self.idle_limit} if self.idle_limit is not None else {}),  # the same
             "snapshot": dict(self.snapshot) if self.snapshot is not None else None,
             **({"project": _project_copy(self.project)} if self.project is not None else {}),
         }
@@ -210,6 +217,10 @@ class JobSpec:
             {k for k in ("cwd", "git", "inputs", "snapshot", "project") if data.get(k) not in (None, [], ())}
         )
         check_gpu_request(spec.gpus, spec.gpu_mem)
+        if spec.idle_limit is not None and not spec.tty:
+            raise InvalidJob(
+                "idle_limit", "is a shell's (a tty job's, `poolctl shell --idle`); this job has no terminal"
+            )
         return spec
 
 
@@ -466,6 +477,8 @@ _CHECKS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
     "after": lambda d: _after(d["after"]),
     "notify": lambda d: _notify(d["notify"]),
     "env_from_lock": lambda d: _bool(d, "env_from_lock"),
+    "tty": lambda d: _bool(d, "tty"),
+    "idle_limit": lambda d: _opt_positive(d, "idle_limit"),
     "array": lambda d: _array(d["array"], d.get("queue", "default")),
     "array_index": lambda d: _int(d, "array_index", 0, 0, 2**31),
     "array_pos": lambda d: _int(d, "array_pos", 0, 0, MAX_ARRAY),
@@ -566,6 +579,11 @@ class JobInfo:
     lease: str = ""  # the current (or last) attempt's lease id, GPUPOOL_ATTEMPT_ID in its job
     # The save a next attempt restores (worker/checkpoints.py), recorded by an attempt that held the job
     checkpoint: str = ""
+    # What the last attempt's GPUs did (worker/gpu_usage.py), once it ended; None without GPUs
+    gpu_usage: Mapping[str, Any] | None = None
+    # Set when an attempt left its GPUs idle (worker/idle_gpus.py): since when, for how long, what
+    # its queue did about it
+    idle_gpu: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -584,4 +602,6 @@ class JobInfo:
             "attempts": [a.to_dict() for a in self.attempts],
             "result": dict(self.result),
             "lease": self.lease,
+            "gpu_usage": None if self.gpu_usage is None else dict(self.gpu_usage),
+            "idle_gpu": None if self.idle_gpu is None else dict(self.idle_gpu),
         }

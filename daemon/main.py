@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -93,8 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _one_shot(args: argparse.Namespace, config: config_mod.Config) -> int:
     """`--print-config` or `--make-bucket`: do it and exit, starting nothing."""
     if args.print_config:
-        for name, value in config.shown().items():
-            print(f"{name} = {value!r}  # {config.sources[name]}")
+        try:
+            for name, value in config.shown().items():
+                print(f"{name} = {value!r}  # {config.sources[name]}")
+            sys.stdout.flush()
+        except BrokenPipeError:  # `poold --print-config | head`: its reader has all it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush is quiet
         return 0
     try:  # the one thing a multinode pool needs that no poold creates by itself
         print(f"poold: {uvloop.run(object_store.make_bucket(config))}")

@@ -61,6 +61,13 @@ class Channel:
         self.input_open = False
         return None
 
+    @staticmethod
+    def resize(rows: int, cols: int) -> Refusal | None:
+        """A ChannelResize: a terminal's size, as its window-size record holds it (16 bits each)."""
+        if not (0 < rows < 65536 and 0 < cols < 65536):
+            return (ErrorCode.BAD_PAYLOAD, f"ChannelResize to {rows}x{cols}; rows and cols are 1 to 65535")
+        return None
+
     def credit_input(self, size: int) -> Refusal | None:
         if not 0 < size <= self.input_unacked:
             return (

@@ -32,6 +32,7 @@ from protocol.messages import (
     ChannelAck,
     ChannelData,
     ChannelEnd,
+    ChannelResize,
     ErrorMessage,
     Hello,
     OpenChannel,
@@ -108,6 +109,10 @@ class ClientConnection(Connection):
         """The end of the channel's input (an exec's stdin EOF)."""
         return self._channel_input(request_id, ChannelEnd())
 
+    def channel_resize(self, request_id: int, rows: int, cols: int) -> bytes:
+        """The client's terminal is now ``rows`` x ``cols`` (an attach's window; 1 to 65535 each)."""
+        return self._channel_input(request_id, ChannelResize(rows, cols))
+
     def channel_ack(self, request_id: int, size: int) -> bytes:
         """We have taken ``size`` bytes of the channel's output: the server may send as many more.
         b"" once the channel has ended (its output no longer counts)."""
@@ -128,6 +133,8 @@ class ClientConnection(Connection):
                 refusal = channel.end_input()
             case ChannelAck(size=size):
                 refusal = channel.ack_output(size)
+            case ChannelResize(rows=rows, cols=cols):
+                refusal = channel.resize(rows, cols)
         if refusal is not None:
             raise LocalProtocolError(refusal[0], f"{refusal[1]}.")
         return self._send(encode_message(message), request_id)

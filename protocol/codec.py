@@ -15,6 +15,8 @@ from protocol.messages import (
     MAC_SIZE,
     MAX_USER_BYTES,
     NONCE_SIZE,
+    Account,
+    Accounted,
     AgentAnswer,
     AgentCall,
     AgentOrder,
@@ -28,6 +30,7 @@ from protocol.messages import (
     ChannelData,
     ChannelEnd,
     ChannelOutput,
+    ChannelResize,
     CheckObjects,
     DownloadTicket,
     Enqueue,
@@ -103,6 +106,7 @@ Request: TypeAlias = (
     | ServeJobs
     | AgentCall
     | OpenChannel
+    | Account
 )
 Reply: TypeAlias = (
     Enqueued
@@ -123,9 +127,10 @@ Reply: TypeAlias = (
     | Served
     | AgentAnswer
     | ChannelClosed
+    | Accounted
 )
 StreamItem: TypeAlias = LogChunk | JobEnded | PoolView | AgentOrder | ChannelOutput | ChannelCredit
-ChannelInput: TypeAlias = ChannelData | ChannelEnd | ChannelAck
+ChannelInput: TypeAlias = ChannelData | ChannelEnd | ChannelAck | ChannelResize
 Control: TypeAlias = Hello | Challenge | Auth | Welcome | ErrorMessage | Goodbye
 Message: TypeAlias = Control | Request | Reply | StreamItem | ChannelInput
 
@@ -150,6 +155,7 @@ _REPLY_FOR: Final[dict[type[Any], type[Any]]] = {
     ServeJobs: Served,
     AgentCall: AgentAnswer,
     OpenChannel: ChannelClosed,
+    Account: Accounted,
 }
 _STREAM_FOR: Final[dict[type[Any], tuple[type[Any], ...]]] = {
     FollowLogs: (LogChunk,),
@@ -159,7 +165,7 @@ _STREAM_FOR: Final[dict[type[Any], tuple[type[Any], ...]]] = {
     OpenChannel: (ChannelOutput, ChannelCredit),
 }
 _STREAMED: Final[frozenset[type[Any]]] = frozenset(c for classes in _STREAM_FOR.values() for c in classes)
-_CHANNEL_INPUT: Final[tuple[type[Any], ...]] = (ChannelData, ChannelEnd, ChannelAck)
+_CHANNEL_INPUT: Final[tuple[type[Any], ...]] = (ChannelData, ChannelEnd, ChannelAck, ChannelResize)
 
 _BY_OP: Final[dict[FrameType, dict[str, type[Any]]]] = {
     FrameType.REQUEST: {cls.OP: cls for cls in _REPLY_FOR},

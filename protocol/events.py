@@ -17,6 +17,7 @@ __all__ = [
     "ChannelAcked",
     "ChannelDataReceived",
     "ChannelEndReceived",
+    "ChannelResized",
     "ConnectionClosed",
     "ConnectionFailed",
     "DecodeNeeded",
@@ -99,6 +100,14 @@ class ChannelAcked(Record):
     size: int
 
 
+class ChannelResized(Record):
+    """Server: the client's terminal is now ``rows`` x ``cols`` (an attach's terminal takes it)."""
+
+    request_id: int
+    rows: int
+    cols: int
+
+
 class ReplyReceived(Record):
     """Client: an answer; ``final`` False for a STREAM item, True for the REPLY that ends it."""
 
@@ -155,6 +164,7 @@ Event: TypeAlias = (
     | ChannelDataReceived
     | ChannelEndReceived
     | ChannelAcked
+    | ChannelResized
     | ReplyReceived
     | RequestFailed
     | PongReceived

@@ -22,6 +22,8 @@ from protocol.record import Record
 __all__ = [
     "CHANNEL_WINDOW",
     "NONCE_SIZE",
+    "Account",
+    "Accounted",
     "AgentAnswer",
     "AgentCall",
     "AgentOrder",
@@ -35,6 +37,7 @@ __all__ = [
     "ChannelData",
     "ChannelEnd",
     "ChannelOutput",
+    "ChannelResize",
     "CheckObjects",
     "DownloadTicket",
     "Enqueue",
@@ -234,6 +237,20 @@ class ListWorkers(Record):
     OP: ClassVar = "list_workers"
 
 
+class Account(Record):
+    """What the jobs that ended between ``since`` and ``until`` (Unix seconds; None: 30 days ago,
+    and now) used, from their accounting records, summed per ``by`` ("user", "queue" or "day"),
+    for ``user``'s jobs (None: every user's a caller may see: an admin's, everyone's; anyone
+    else's, their own) in ``queue`` (None: every queue)."""
+
+    OP: ClassVar = "account"
+    user: str | None
+    queue: str | None
+    since: float | None
+    until: float | None
+    by: str
+
+
 class Ping(Record):
     """An application-level round trip (the PING frame is the transport-level one)."""
 
@@ -324,9 +341,11 @@ class AgentCall(Record):
 class OpenChannel(Record):
     """Open a bidirectional channel into running job ``job_id``: ``kind`` "exec" runs ``argv``
     in the job's allocation; "forward" (``argv`` empty, ``stdin`` True) connects to 127.0.0.1:
-    ``port`` as the job sees it. Its output comes back as ChannelOutput items, the credit for the
-    client's input as ChannelCredit items, its end as ChannelClosed; the client sends its input
-    on the same request id in CHANNEL frames (ChannelData, ChannelEnd, ChannelAck). ``stdin``
+    ``port`` as the job sees it; "attach" (``argv`` empty, ``stdin`` True) attaches to the
+    terminal of a tty job (`poolctl shell`), its window ``rows`` x ``cols`` (0: as it is). Its
+    output comes back as ChannelOutput items, the credit for the client's input as ChannelCredit
+    items, its end as ChannelClosed; the client sends its input on the same request id in
+    CHANNEL frames (ChannelData, ChannelEnd, ChannelAck, ChannelResize). ``stdin``
     False: the command's stdin is empty, and ChannelData is refused."""
 
     OP: ClassVar = "open_channel"
@@ -335,6 +354,8 @@ class OpenChannel(Record):
     argv: list[str]
     stdin: bool
     port: int = 0  # a forward's
+    rows: int = 0  # an attach's window (ChannelResize changes it later)
+    cols: int = 0
 
 
 # -- channel input (CHANNEL frames, client → server, on an open channel's request id) ---------------
@@ -351,6 +372,16 @@ class ChannelEnd(Record):
     """No more data from the client (an exec's stdin reaches its end); nothing may follow."""
 
     OP: ClassVar = "channel_end"
+
+
+class ChannelResize(Record):
+    """The client's terminal is now ``rows`` x ``cols`` (1 to 65535 each): an attach's terminal
+    takes that size (channels of other kinds ignore it). Not data: no window counts it, and it
+    may come after ChannelEnd."""
+
+    OP: ClassVar = "channel_resize"
+    rows: int
+    cols: int
 
 
 class ChannelAck(Record):
@@ -489,6 +520,20 @@ class WorkerList(Record):
 
     OP: ClassVar = "worker_list"
     workers: list[dict[str, Any]]
+
+
+class Accounted(Record):
+    """Reply to Account: one row per group (its key under the name ``by`` gave, then ``jobs``,
+    ``failed``, ``cancelled``, ``gpu_hours``, ``cpu_hours``, ``efficiency`` (nil where no job of
+    the group had its GPU use recorded), ``wait_p50`` and ``wait_p90`` (seconds; nil where none
+    ran)), in the order of their keys; ``total``, the same over every row; and the times it
+    covered."""
+
+    OP: ClassVar = "accounted"
+    rows: list[dict[str, Any]]
+    total: dict[str, Any]
+    since: float
+    until: float
 
 
 class Pong(Record):

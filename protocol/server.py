@@ -24,6 +24,7 @@ from protocol.events import (
     ChannelAcked,
     ChannelDataReceived,
     ChannelEndReceived,
+    ChannelResized,
     DecodeNeeded,
     Event,
     NeedData,
@@ -44,6 +45,7 @@ from protocol.messages import (
     ChannelCredit,
     ChannelData,
     ChannelEnd,
+    ChannelResize,
     ErrorMessage,
     Hello,
     OpenChannel,
@@ -201,6 +203,8 @@ class ServerConnection(Connection):
                 refusal, event = channel.end_input(), ChannelEndReceived(rid)
             case ChannelAck(size=size):
                 refusal, event = channel.ack_output(size), ChannelAcked(rid, size)
+            case ChannelResize(rows=rows, cols=cols):
+                refusal, event = channel.resize(rows, cols), ChannelResized(rid, rows, cols)
             case _:
                 raise AssertionError(f"{type(message).__name__} is not channel input")
         if refusal is not None:

@@ -26,6 +26,7 @@ from protocol import (
     ChannelClosed,
     ChannelCredit,
     ChannelOutput,
+    ChannelResize,
     ConnectionClosed,
     ConnectionFailed,
     GoodbyeReceived,
@@ -246,7 +247,7 @@ class PoolClient:
         self,
         request: OpenChannel,
         output: Callable[[str, bytes], Awaitable[None]],
-        stdin: AsyncIterator[bytes] | None = None,
+        stdin: AsyncIterator[bytes | ChannelResize] | None = None,
     ) -> ChannelClosed:
         """Open a channel (docs/PROTOCOL.md §5): each piece of output goes to `output(stream,
         data)` and is acknowledged once it returns; `stdin` (when `request.stdin`) is sent as the
@@ -297,10 +298,16 @@ class PoolClient:
                 case _:
                     raise self._closed or ClientError("the connection closed")
 
-    async def _feed(self, rid: int, stdin: AsyncIterator[bytes], credit: asyncio.Event) -> None:
+    async def _feed(
+        self, rid: int, stdin: AsyncIterator[bytes | ChannelResize], credit: asyncio.Event
+    ) -> None:
         """Send `stdin` on channel `rid` within its window, then its end."""
         assert self._writer is not None
         async for data in stdin:
+            if isinstance(data, ChannelResize):
+                if rid in self.conn.in_flight:
+                    self._writer.write(self.conn.channel_resize(rid, data.rows, data.cols))
+                continue
             view = memoryview(data)
             while view:
                 while not (room := self.conn.input_room(rid)):  # 0 too once the channel has ended

@@ -2,9 +2,10 @@
 
 Exit status: 0 success; 1 a job failed or the request failed; 2 bad usage or input; 3 server
 unreachable; 4 authentication refused, or a token file others can read; 5 unknown job; 6 another
-user's job (only its owner or a pool admin may act on it); 124 `wait` timed out; 130 Ctrl-C (how
-`top` and `ls --watch` end, unless given -n); `logs -f` and `enqueue -f` exit with the job's own
-exit code, `exec` with its command's, `forward` 0 when its job ends, `jupyter` too (1 if it failed,
+user's job (only its owner or a pool admin may act on it) or accounting (`acct --user`); 124
+`wait` timed out; 130 Ctrl-C (how `top` and `ls --watch` end, unless given -n); `logs -f` and
+`enqueue -f` exit with the job's own exit code, `exec` with its command's, `shell` and `attach`
+with the shell's (0 when detached), `forward` 0 when its job ends, `jupyter` too (1 if it failed,
 143 on SIGTERM); `health` exits 0 only when the server and its Redis answer.
 """
 
@@ -28,6 +29,7 @@ from daemon.ctl.parsing import UsageError
 from daemon.errors import GpupoolError, NotYours
 from daemon.listing import MORE
 from protocol import (
+    Accounted,
     CancelJobs,
     Cancelled,
     Enqueue,
@@ -108,6 +110,12 @@ def _run(args: argparse.Namespace) -> int:
 
         return pilot.run(args)
     request = enqueue_request(args) if args.command == "enqueue" else None  # checked before connecting
+    if args.command in ("shell", "attach"):  # refused before connecting when stdin is no terminal
+        from daemon.ctl import job_shell
+
+        job_shell.need_terminal(args.command)
+        if args.command == "shell":
+            request = job_shell.enqueue_request(args)
     if args.command == "jupyter":  # the same: an enqueue of JupyterLab
         from daemon.ctl import job_jupyter
 
@@ -130,10 +138,20 @@ def _run(args: argparse.Namespace) -> int:
 
 def _talk(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueBatch | None) -> int:
     """The command's requests to the pool at `to`."""
-    on_loop = args.command == "enqueue" and (
-        args.project_dir is not None or (isinstance(request, Enqueue) and (_moves_data(args) or args.follow))
+    on_loop = (
+        args.command == "enqueue"
+        and request is not None
+        and (
+            args.project_dir is not None
+            or (isinstance(request, Enqueue) and (_moves_data(args) or args.follow))
+        )
     )
-    if args.command in ("put", "get", "logs", "exec", "forward", "jupyter") or on_loop:
+    if args.command == "acct":
+        from daemon.ctl import acct
+
+        acct.show(to.call(acct.request(args), Accounted), args.by, as_json=args.json, as_csv=args.csv)
+        return 0
+    if args.command in ("put", "get", "logs", "exec", "forward", "shell", "attach", "jupyter") or on_loop:
         import asyncio
 
         from storage.base import StorageError
@@ -168,6 +186,14 @@ async def _on_loop(
             from daemon.ctl import job_forward
 
             return await job_forward.run(client, args.job, args.ports)
+        case "shell" | "attach":
+            from daemon.ctl import job_shell
+
+            if args.command == "attach":
+                return await job_shell.attach(client, args.job)
+            assert isinstance(request, Enqueue)
+            await _attach_project(client, [request.spec], args.enqueue)
+            return await job_shell.shell(client, request)
         case "jupyter":
             from daemon.ctl import job_jupyter
 

@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from daemon.ctl import render
+from daemon.ctl.acct import add_acct
 from daemon.ctl.enqueue_args import GPUS_MAX, add_enqueue, gpu_mem_size
 from daemon.ctl.parsing import Parser, seconds, whole
 from daemon.ctl.pilot import add_pilot
@@ -55,8 +56,15 @@ def add_ls(sub: Any) -> None:  # argparse's _SubParsersAction, which it does not
     )
 
 
-def add_interactive(sub: Any) -> None:  # argparse's _SubParsersAction, which it does not export
-    """The commands that work inside a job while it runs (issue 49)."""
+def add_pool_views(sub: Any) -> None:
+    """The commands that show the pool rather than a job: its workers, and what its jobs used."""
+    sub.add_parser("workers", help="the pool's workers").add_argument("--json", action="store_true")
+    add_acct(sub)
+
+
+def add_into_jobs(sub: Any) -> None:
+    """The commands that reach into a running job: exec, forward, shell and attach (job_shell.py),
+    and jupyter (job_jupyter.py)."""
     inside = sub.add_parser(
         "exec",
         help="run a command inside a running job (its uid, GPUs, environment and directory); "
@@ -73,7 +81,36 @@ def add_interactive(sub: Any) -> None:  # argparse's _SubParsersAction, which it
     forward.add_argument("job")
     forward.add_argument("ports", metavar="[LOCAL:]PORT")
 
+    add_shell(sub)
     add_jupyter(sub)
+
+
+def add_shell(sub: Any) -> None:
+    """`poolctl shell` and `poolctl attach` (job_shell.py)."""
+    shell = sub.add_parser(
+        "shell",
+        help="an interactive job: queued like any other, then this terminal attached to a shell (or "
+        "CMD) on a terminal in its allocation; Enter ~ . detaches (poolctl attach JOB returns); "
+        "exits with the shell's code",
+    )
+    size = shell.add_mutually_exclusive_group()
+    size.add_argument("--gpus", type=whole(0, GPUS_MAX), default=0, help="GPUs the shell gets")
+    size.add_argument(
+        "--gpu-mem", type=gpu_mem_size, default=0, metavar="SIZE", help="instead: memory on a shared GPU"
+    )
+    shell.add_argument("--queue", "-q", default="default")
+    shell.add_argument("--time", type=seconds(), metavar="SECONDS", help="end the shell after this long")
+    shell.add_argument(
+        "--idle",
+        type=seconds(),
+        metavar="SECONDS",
+        help="end it once nothing was typed into it for this long, attached or not (default: the "
+        "pool's shell_idle_limit)",
+    )
+    shell.add_argument("--no-env", action="store_true", help="not in the project's locked environment")
+    shell.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+    attach = sub.add_parser("attach", help="attach this terminal to a running shell again (poolctl shell)")
+    attach.add_argument("job")
 
 
 def add_jupyter(sub: Any) -> None:  # argparse's _SubParsersAction, which it does not export
@@ -129,7 +166,7 @@ def parser() -> Parser:
     logs.add_argument("job")
     logs.add_argument("-f", "--follow", action="store_true")
 
-    add_interactive(sub)
+    add_into_jobs(sub)
 
     cancel = sub.add_parser(
         "cancel",
@@ -166,7 +203,7 @@ def parser() -> Parser:
     )
     top.add_argument("--json", action="store_true", help="one JSON object per view")
 
-    sub.add_parser("workers", help="the pool's workers").add_argument("--json", action="store_true")
+    add_pool_views(sub)
     add_pilot(sub)
 
     put = sub.add_parser("put", help="upload a file or directory as a dataset (skipped if already stored)")

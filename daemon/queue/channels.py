@@ -6,8 +6,11 @@ worker with a message on the worker's pub/sub channel (keys.channel_message); fr
 side appends to one Stream and reads the other's:
 
   in   (server → worker)  d=BYTES  the client's input           e=1   the input has ended
-                          a=N      N more output entries taken   k=WHY kill the command
+                          a=N      N more output entries taken   k=WHY kill the command (an
+                                                                       attach: detach, not kill)
+                          w=RxC    an attach's terminal is now R rows by C columns
   out  (worker → server)  o=BYTES  stdout    s=BYTES  stderr     c=N   N bytes of input taken
+                                                                       (one per d; c=0 per w)
                           x=CODE   the end: exit code ('' none)  r=WHY how it ended (with x)
                           t=1      taken: the worker's first entry, written at once (a server
                                    that hears nothing for a while gives up on the worker)
@@ -15,7 +18,7 @@ side appends to one Stream and reads the other's:
 Both directions are held to a window, so Redis holds at most that much of one channel whatever
 its ends do: the worker has at most OUT_WINDOW bytes and OUT_ENTRIES entries of output not yet
 taken by the server (`a`), which takes output only as its client acknowledges it; the server has
-at most IN_ENTRIES entries of input not yet taken by the worker (`c`, one per `d`), and the
+at most IN_ENTRIES entries of input not yet taken by the worker (`c`, one per `d` or `w`), and the
 client's window bounds their bytes. Each reader deletes what it has read, each append is capped
 all the same (MAXLEN: the windows and a few entries of control), and each key expires
 CHANNEL_IDLE after its last write: a channel whose ends have both gone leaves nothing. The server

@@ -150,6 +150,21 @@ class QueueReads:
             raise JobNotFound(job_id)
         return _job_info(record, history)
 
+    async def get_many(self, job_ids: Sequence[str]) -> list[JobInfo]:
+        """`get` of each of `job_ids`, in order, in one round trip. Raises JobNotFound for the
+        first that is not there."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hgetall(keys.job(job_id))
+                pipe.lrange(keys.attempts(job_id), 0, -1)
+            answers = await pipe.execute()
+        out = []
+        for job_id, record, history in zip(job_ids, answers[::2], answers[1::2], strict=True):
+            if not record:
+                raise JobNotFound(job_id)
+            out.append(_job_info(record, history))
+        return out
+
     async def list_jobs(
         self, queue: str | None = None, *, include_finished: bool = False, limit: int = 1000
     ) -> list[JobInfo]:
@@ -277,6 +292,8 @@ def _size(n: int) -> str:
 def _job_info(record: dict[bytes, bytes], history: list[bytes]) -> JobInfo:
     get = record.get
     exit_code = get(b"exit_code")
+    result = msgpack.unpackb(get(b"result")) if get(b"result") else {}
+    gpu_usage = result.pop("gpu_usage", None)  # carried in the outcome's result (worker/gpu_usage.py)
     return JobInfo(
         id=_s(record[b"id"]),
         state=JobState(_s(record[b"state"])),
@@ -291,9 +308,11 @@ def _job_info(record: dict[bytes, bytes], history: list[bytes]) -> JobInfo:
         detail=_s(get(b"detail", b"")),
         cancel_requested=get(b"cancel") == b"1",
         attempts=tuple(_attempt(orjson.loads(h)) for h in history),
-        result=msgpack.unpackb(get(b"result")) if get(b"result") else {},
+        result=result,
         lease=_s(get(b"lease", b"")),
         checkpoint=_s(get(b"checkpoint", b"")),
+        gpu_usage=gpu_usage,
+        idle_gpu=orjson.loads(idle) if (idle := get(b"idle_gpu")) else None,
     )
 
 

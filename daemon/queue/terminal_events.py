@@ -43,6 +43,28 @@ def _seconds(value: bytes | None) -> float | None:
     return int(value) / 1000 if value else None
 
 
+class Changes:
+    """What a waiter is told: the jobs it watches that have ended since it last took them."""
+
+    def __init__(self) -> None:
+        self._ended: set[str] = set()
+        self._told = asyncio.Event()
+
+    def note(self, job_id: str) -> None:
+        self._ended.add(job_id)
+        self._told.set()
+
+    async def wait(self) -> None:
+        """Until a job has ended since the last `take`."""
+        await self._told.wait()
+
+    def take(self) -> set[str]:
+        """The jobs that ended since the last take (the empty set: none), forgotten here."""
+        ended, self._ended = self._ended, set()
+        self._told.clear()
+        return ended
+
+
 class JobEvents:
     def __init__(
         self, queue: JobQueue, refresh_seconds: float, on_terminal: Callable[[Terminal], None] | None = None
@@ -50,23 +72,23 @@ class JobEvents:
         self.queue = queue
         self.on_terminal = on_terminal
         self.refresh = refresh_seconds
-        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._waiters: dict[str, set[Changes]] = {}
         self._cursors: dict[str, str] = {}
         self._refreshed = float("-inf")
 
     @contextlib.asynccontextmanager
-    async def watching(self, job_ids: list[str]) -> AsyncIterator[asyncio.Event]:
-        """An event set whenever one of `job_ids` reaches a terminal state (clear it to rearm)."""
-        event = asyncio.Event()
+    async def watching(self, job_ids: list[str]) -> AsyncIterator[Changes]:
+        """Told of each of `job_ids` that reaches a terminal state, while the context lasts."""
+        changes = Changes()
         for job_id in job_ids:
-            self._waiters.setdefault(job_id, set()).add(event)
+            self._waiters.setdefault(job_id, set()).add(changes)
         try:
-            yield event
+            yield changes
         finally:
             for job_id in job_ids:
                 waiters = self._waiters.get(job_id)
                 if waiters is not None:
-                    waiters.discard(event)
+                    waiters.discard(changes)
                     if not waiters:
                         del self._waiters[job_id]
 
@@ -102,8 +124,8 @@ class JobEvents:
             for entry_id, fields in entries:
                 self._cursors[q] = entry_id.decode()
                 job_id = fields[b"job"].decode()
-                for event in self._waiters.get(job_id, ()):
-                    event.set()
+                for changes in self._waiters.get(job_id, ()):
+                    changes.note(job_id)
                 if self.on_terminal is not None:
                     self.on_terminal(
                         Terminal(

@@ -1,11 +1,12 @@
-"""The server's end of a channel into a running job (`poolctl exec`): a relay between the client's
-connection and the job's worker, through Redis (daemon/queue/channels.py).
+"""The server's end of a channel into a running job (`poolctl exec`, `forward`, `attach`): a relay
+between the client's connection and the job's worker, through Redis (daemon/queue/channels.py).
 
 `ClientEnd` is what the client's session (session.py) hands a channel: the client's input as it
 comes (ChannelData, ChannelEnd, ChannelAck events of its connection), the room its window has for
 output, and the way to send. `open_channel` authorises the channel, writes its record, tells the
 job's worker, and relays both ways until the command has ended (its exit code is the reply), the
-job has, or the client cancels or goes away (the worker is then told to kill the command).
+job has, or the client cancels or goes away (the worker is then told to kill the command; an
+attach's worker detaches instead: the shell lives on).
 
 Time: every byte relayed counts against its user's share (relay_budget.py), so one user's channels
 cannot take the server from everyone else.
@@ -33,10 +34,12 @@ from daemon.queue import channels, keys
 from daemon.queue.job_queue import JobQueue
 from daemon.server.relay_budget import RelayBudget
 from protocol import ChannelClosed, ChannelOutput, ErrorCode, OpenChannel, StreamItem
+from protocol.channels import Channel
 
 log = logging.getLogger(__name__)
 
-KINDS = frozenset({"exec", "forward"})  # a command run in the job; a TCP connection to its port
+# A command run in the job; a TCP connection to its port; its terminal (a tty job's: `poolctl shell`).
+KINDS = frozenset({"exec", "forward", "attach"})
 MAX_ARGV_BYTES = 128 * 1024  # a command line longer than this is no command typed at a prompt
 MAX_ARGS = 4096  # nor is one of more arguments than this
 HEARTBEAT_SECONDS = 3.0  # how often an open channel's keys are kept alive and its job looked at
@@ -61,6 +64,7 @@ class ClientEnd:
         self.credit = credit
         self.input = bytearray()  # received, not yet relayed: within the protocol's window
         self.input_ended = False
+        self.size: tuple[int, int] | None = None  # a terminal's new size, not yet relayed
         self.input_changed = asyncio.Event()
         self.room_changed = asyncio.Event()
 
@@ -75,6 +79,10 @@ class ClientEnd:
     def acked(self) -> None:
         self.room_changed.set()
 
+    def resized(self, rows: int, cols: int) -> None:
+        self.size = (rows, cols)  # only the newest matters: a burst of them is one `w`
+        self.input_changed.set()
+
 
 def check_request(request: OpenChannel) -> None:
     if request.kind not in KINDS:
@@ -82,6 +90,17 @@ def check_request(request: OpenChannel) -> None:
             f"no channel of kind {request.kind!r}; this server opens {', '.join(sorted(KINDS))}",
             ErrorCode.INVALID_ARGUMENT,
         )
+    if request.kind == "attach":
+        if request.argv or not request.stdin or request.port:
+            raise GpupoolError(
+                "an attach reaches a job's terminal and runs no command", ErrorCode.INVALID_ARGUMENT
+            )
+        if Channel.resize(request.rows, request.cols) is not None and (request.rows, request.cols) != (0, 0):
+            raise GpupoolError(
+                f"a terminal of {request.rows}x{request.cols}; rows and cols are 1 to 65535 (or both 0)",
+                ErrorCode.INVALID_ARGUMENT,
+            )
+        return
     if request.kind == "forward":
         if not 0 < request.port < 65536 or request.argv or not request.stdin:
             raise GpupoolError(
@@ -101,10 +120,15 @@ def check_request(request: OpenChannel) -> None:
 
 
 # What each kind of channel does, for the sentences that refuse one.
-DOES = {"exec": "exec runs a command", "forward": "forward reaches a port"}
+DOES = {
+    "exec": "exec runs a command",
+    "forward": "forward reaches a port",
+    "attach": "attach reaches a shell",
+}
 INSTEAD = {
     "exec": "run the command from the job itself",
     "forward": "serve the port from the pool's own workers",
+    "attach": "start the shell on the pool's own workers",
 }
 
 
@@ -119,6 +143,12 @@ def check_running(info: JobInfo, kind: str = "exec") -> None:
         raise GpupoolError(
             f"job {info.id} runs on an agent's machine ({info.worker}), where {kind} is not supported "
             f"yet; {INSTEAD[kind]}",
+            ErrorCode.INVALID_ARGUMENT,
+        )
+    if kind == "attach" and not info.spec.tty:
+        raise GpupoolError(
+            f"job {info.id} has no terminal (only a `poolctl shell` job has one); run a command in it "
+            f"with `poolctl exec {info.id} -- COMMAND`",
             ErrorCode.INVALID_ARGUMENT,
         )
 
@@ -172,7 +202,7 @@ class Relay:
     async def _close(self, helpers: Sequence[asyncio.Future[Any]]) -> None:
         for helper in helpers:
             await cancel_and_wait(helper)
-        how = "ended" if self._ended else "cancelled"
+        how = "ended" if self._ended else "detached" if self.request.kind == "attach" else "cancelled"
         log.info(
             "%s by %s in job %s (channel %s) %s: %d bytes relayed",
             self.request.kind,
@@ -202,6 +232,8 @@ class Relay:
                     "argv": msgpack.packb(argv),
                     "stdin": "1" if self.request.stdin else "0",
                     "port": str(self.request.port),
+                    "rows": str(self.request.rows),
+                    "cols": str(self.request.cols),
                     "user": self.user,
                     "worker": self.info.worker,
                     "created": str(time.time()),
@@ -214,7 +246,9 @@ class Relay:
             for key in (self.record, self.to_worker, self.from_worker):
                 pipe.expire(key, channels.CHANNEL_IDLE)
             await pipe.execute()
-        what = f"to port {self.request.port}" if self.request.kind == "forward" else channels.shown(argv)
+        what = {"forward": f"to port {self.request.port}", "attach": "to its terminal"}.get(
+            self.request.kind, channels.shown(argv)
+        )
         log.info(
             "%s by %s in job %s on worker %s (channel %s): %s",
             self.request.kind,
@@ -254,10 +288,17 @@ class Relay:
         client = self.client
         end_sent = False
         while not end_sent:
-            while self._input_entries >= channels.IN_ENTRIES or not (client.input or client.input_ended):
+            while self._input_entries >= channels.IN_ENTRIES or not (
+                client.input or client.input_ended or client.size
+            ):
                 client.input_changed.clear()
                 await client.input_changed.wait()
-            if client.input:
+            if client.size:  # an attach's terminal resized (other kinds have none: dropped)
+                (rows, cols), client.size = client.size, None
+                if self.request.kind == "attach":
+                    self._input_entries += 1  # its `c` (of 0 bytes) says the worker applied it
+                    await channels.append(self.redis, self.to_worker, {b"w": f"{rows}x{cols}".encode()})
+            elif client.input:
                 data = bytes(client.input)
                 client.input.clear()
                 self._input_entries += 1
@@ -325,7 +366,8 @@ class Relay:
                 return None
         if (size := fields.get(b"c")) is not None:
             self._input_entries -= 1
-            client.credit(int(size))
+            if int(size):  # (0: a `w` applied, which no window counts)
+                client.credit(int(size))
             client.input_changed.set()
             return None
         if (code := fields.get(b"x")) is not None:

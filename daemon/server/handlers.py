@@ -23,13 +23,9 @@ from daemon.errors import (
     GpupoolError,
     InvalidJob,
     JobNotFound,
-    NotReplicated,
     NotYours,
-    NoWorkerFits,
-    NoWorkerServes,
-    PriorityTooHigh,
 )
-from daemon.job import ARRAY_ID, JobInfo, JobSpec, JobState
+from daemon.job import ARRAY_ID, JobInfo, JobState
 from daemon.listing import selected, shortened, within_bytes
 from daemon.metrics.server import ServerMetrics
 from daemon.object_store import artifact_job
@@ -37,18 +33,18 @@ from daemon.queue.failures import out_of_memory
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import registered_workers
 from daemon.queue.terminal_events import JobEvents
-from daemon.server import channels
+from daemon.server import accounting, channels
+from daemon.server.admission import Admission
 from daemon.server.agents import Agents
 from daemon.server.bounds import SubmitBounds
 from daemon.server.channels import ClientEnd
-from daemon.server.data_desk import DataDesk, data_of
-from daemon.server.dependencies import judge_held
+from daemon.server.data_desk import DataDesk
 from daemon.server.log_limit import LogLimit
 from daemon.server.pending import MAX_LIST, PendingReasons, WorkerLister
-from daemon.server.redis_room import RedisRoom
 from daemon.server.relay_budget import RelayBudget
 from daemon.webhook_targets import Allowed
 from protocol import (
+    Account,
     AgentCall,
     CancelJobs,
     Cancelled,
@@ -56,8 +52,6 @@ from protocol import (
     CheckObjects,
     Enqueue,
     EnqueueBatch,
-    Enqueued,
-    EnqueuedBatch,
     ErrorCode,
     FinishUpload,
     FollowLogs,
@@ -92,7 +86,6 @@ from storage.base import InvalidKey, ObjectStore, StorageError
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH = 10_000
 MAX_IDS = 10_000  # job ids in one cancel or wait: more is refused, never worked through for minutes
 # Requests that hold a blocking Redis read for as long as they last (`logs -f`, `wait`), or poll it
 # (live views): each user has this many at once, so one user cannot take every Redis connection
@@ -133,21 +126,30 @@ class Handlers:
         bounded by `queue.max_unended` (bounds.py). `agents`: the agent workers' requests
         (agents.py; None: refused)."""
         self.queue = queue
-        self.bounds = bounds or SubmitBounds()
-        self.room = RedisRoom(queue.redis)  # new jobs refused before Redis is full
-        self.admins = admins
-        self.max_priority = dict(max_priority or {})
-        self.default_max_priority = default_max_priority
-        self.notify_allowed = notify_allowed or Allowed()
         self._blocking: Counter[str] = Counter()  # user -> follows and waits running now
         self.events = events
         self.workers = workers
         self.metrics = metrics
         self.data = DataDesk(store) if store is not None else None
+        self.admission = Admission(
+            queue,
+            self.data,
+            metrics,
+            admins=admins,
+            max_priority=max_priority,
+            default_max_priority=default_max_priority,
+            notify_allowed=notify_allowed,
+            bounds=bounds,
+        )
         self.pending = PendingReasons(queue, workers)  # why a queued job waits
         self.warnings = LogLimit()  # what users' requests cause, per user (the sessions' too)
         self.agents = agents
         self.relay_budget = RelayBudget()  # each user's share of what channels relay (poolctl exec)
+
+    @property
+    def admins(self) -> frozenset[str]:
+        """Who may act on every user's jobs: admission's (one set, which a reload replaces)."""
+        return self.admission.admins
 
     async def handle(
         self, request: Request, user: str, send: SendStream, client: ClientEnd | None = None
@@ -159,6 +161,9 @@ class Handlers:
             if isinstance(request, OpenChannel):
                 assert client is not None, "a channel needs its client's end"
                 return await self._channel(request, user, client)
+            if isinstance(request, Account):
+                queues = await self.queue.queues()
+                return await accounting.account(self.queue.redis, queues, request, user, self.admins)
             return await self._dispatch(request, user, send)
         except InvalidKey as exc:  # the caller's key, refused before the store was asked
             raise GpupoolError(exc.message, ErrorCode.INVALID_ARGUMENT) from None
@@ -189,9 +194,9 @@ class Handlers:
     async def _dispatch(self, request: Request, user: str, send: SendStream) -> Reply:
         match request:
             case Enqueue(spec=spec, idempotency_key=key):
-                return await self._enqueue(spec, key, user)
+                return await self.admission.enqueue(spec, key, user)
             case EnqueueBatch(specs=specs):
-                return await self._enqueue_batch(specs, user)
+                return await self.admission.enqueue_batch(specs, user)
             case ListJobs():
                 return JobList(await self._list(request, user), filtered=True)
             case ShowJob(job_id=job_id) if ARRAY_ID.fullmatch(job_id):
@@ -236,7 +241,8 @@ class Handlers:
         the user's blocking reads while it lasts (it reads Redis as `logs -f` does)."""
         channels.check_request(request)
         info = await self.queue.get(request.job_id)
-        self._check_owner(info, user, "forward to" if request.kind == "forward" else "exec in")
+        doing = {"forward": "forward to", "attach": "attach to"}.get(request.kind, "exec in")
+        self._check_owner(info, user, doing)
         channels.check_running(info, request.kind)
         with self.blocking_read(user):
             relay = channels.Relay(self.queue, info, request, user, client=client, budget=self.relay_budget)
@@ -357,132 +363,6 @@ class Handlers:
                     )
                 return await self.data.prepare_download(key)
 
-    async def _enqueue(self, spec: dict[str, Any], key: str | None, user: str) -> Enqueued:
-        job_spec = _spec(spec, user)
-        self.bounds.check(job_spec)
-        await self.room.check()
-        self._check_priority([job_spec], user)
-        self._check_notify([job_spec])
-        await self._check_fits([job_spec])
-        await self._check_data([job_spec], user)
-        await self._check_after([job_spec])
-        job_id, created = await self.queue.enqueue(job_spec, key)
-        await self._wait_for_others([(job_id, job_spec)])
-        if created and self.metrics is not None:
-            self.metrics.job_enqueued(job_spec.queue)
-        return Enqueued(job_id, created)
-
-    async def _enqueue_batch(self, specs: list[dict[str, Any]], user: str) -> EnqueuedBatch:
-        if len(specs) > MAX_BATCH:
-            raise GpupoolError(
-                f"a batch holds at most {MAX_BATCH} jobs, not {len(specs)}: send them in several",
-                ErrorCode.INVALID_ARGUMENT,
-            )
-        job_specs = [_spec(s, user) for s in specs]
-        for job_spec in job_specs:
-            self.bounds.check(job_spec)
-        await self.room.check()
-        self._check_priority(job_specs, user)
-        self._check_notify(job_specs)
-        await self._check_fits(job_specs)
-        await self._check_data(job_specs, user)
-        await self._check_after(job_specs)
-        ids = await self.queue.enqueue_many(job_specs)
-        await self._wait_for_others(list(zip(ids, job_specs, strict=True)))
-        if self.metrics is not None:
-            for q, count in Counter(s.queue for s in job_specs).items():
-                self.metrics.job_enqueued(q, count)
-        return EnqueuedBatch(ids)
-
-    def _check_notify(self, specs: list[JobSpec]) -> None:
-        """Every --notify URL that names an address names one the pool notifies (a name is judged
-        at delivery, by each address it resolves to: server/notify_resolver.py)."""
-        for spec in specs:
-            if spec.notify and (why := self.notify_allowed.url_refusal(spec.notify)):
-                raise InvalidJob(
-                    "notify",
-                    f"{spec.notify!r}: {why}, which this pool does not notify; only public addresses "
-                    "are, and those the pool's operator lists in notify_allow",
-                )
-
-    async def _check_after(self, specs: list[JobSpec]) -> None:
-        """Every job a spec waits for (--after) is in the pool (the whole batch: nothing is queued)."""
-        for dep in {d.rpartition(":")[0] for s in specs for d in s.after}:
-            try:
-                await self.queue.get(dep)
-            except JobNotFound:
-                raise GpupoolError(
-                    f"--after {dep}: no such job in the pool (or it ended longer ago than the pool "
-                    "keeps jobs)",
-                    ErrorCode.INVALID_ARGUMENT,
-                ) from None
-
-    async def _wait_for_others(self, jobs: list[tuple[str, JobSpec]]) -> None:
-        """Jobs queued to wait for others (held out of their queue, daemon/after.py): each is noted
-        where the jobs it waits for will find it when they end, then judged once (they may have
-        ended already; server/dependencies.py). What each waits for, and its array's window, the
-        enqueue wrote itself: a server that dies before this leaves them to the next sweep."""
-        waits = [(job_id, spec.after) for job_id, spec in jobs if spec.after]
-        if not waits:
-            return
-        try:
-            await self.queue.note_dependents(waits)
-            await judge_held(self.queue, waits)
-        except (RedisError, NotReplicated) as exc:  # queued all the same: the sweep judges them
-            log.warning(
-                "could not note or judge %d job(s) waiting for others now (%s): the sweep will",
-                len(waits),
-                exc,
-            )
-
-    def _check_priority(self, specs: list[JobSpec], user: str) -> None:
-        """Refuse a priority above `user`'s ceiling (the whole batch: nothing is queued)."""
-        asked = max((s.priority for s in specs), default=0)
-        if asked and user not in self.admins:
-            ceiling = self.max_priority.get(user, self.default_max_priority)
-            if asked > ceiling:
-                raise PriorityTooHigh(asked, ceiling)
-
-    async def _check_data(self, specs: list[JobSpec], user: str) -> None:
-        """Every input, snapshot and project pack is data `user` uploaded (admins' jobs may take
-        any)."""
-        if self.data is None or user in self.admins:
-            return
-        seen: set[tuple[str, ...]] = set()
-        for spec in specs:  # a batch shares its data, mostly: each set of it checked once
-            shas = data_of(spec)
-            if shas and shas not in seen:
-                seen.add(shas)
-                await self.data.check_inputs(spec, user)
-
-    async def _check_fits(self, specs: list[JobSpec]) -> None:
-        """Refuse a job for a queue that no registered worker serves, or that asks for more GPUs
-        than every registered worker serving its queue has (dead ones included: they may come
-        back), unless it asks to wait for such a worker: it would never start (queued anyway,
-        workers pass it over: claim.lua). A pool that no worker has joined yet (a server started
-        before its workers) takes a job for any queue, and refuses only a GPU job."""
-        checked = [s for s in specs if not s.wait_for_worker]
-        if not checked:
-            return
-        workers = await registered_workers(self.queue.redis)  # what they serve, not what runs
-        served = {q for w in workers for q in w.get("queues") or ()}
-        for spec in checked:
-            if workers and spec.queue not in served:
-                raise NoWorkerServes(spec.queue, sorted(served))
-            if not (spec.gpus or spec.gpu_mem):
-                continue
-            serving = [w.get("gpus", ()) for w in workers if spec.queue in w.get("queues", ())]
-            if spec.gpu_mem:  # memory on one GPU: the largest GPU of any worker serving the queue
-                most = max((int(g.get("memory", 0)) for gpus in serving for g in gpus), default=None)
-                if spec.gpu_mem > (most or 0):
-                    has = None if most is None else f"a GPU of {most / 2**30:.1f} GiB at most"
-                    raise NoWorkerFits(f"{spec.gpu_mem / 2**30:.1f} GiB on one GPU", spec.queue, has)
-                continue
-            largest = max((len(gpus) for gpus in serving), default=None)
-            if spec.gpus > (largest or 0):
-                needs = f"{spec.gpus} GPU{'s' if spec.gpus != 1 else ''}"
-                raise NoWorkerFits(needs, spec.queue, None if largest is None else str(largest))
-
     async def _list(self, request: ListJobs | WatchPool, user: str) -> list[dict[str, Any]]:
         """The jobs `request` asks for. Its filters (state, user, name) are applied here, to the
         most jobs a listing reads (MAX_LIST), before its limit: a user's own jobs are found among
@@ -564,26 +444,32 @@ class Handlers:
         return states
 
     async def _wait(self, job_ids: list[str], limit: float | None, send: SendStream) -> Waited:
+        """Stream each of `job_ids` as it ends, then the Waited reply. A job is read when its
+        end's event tells of it (one read each, however many are waited for), and every job
+        still waited for at each WAIT_RECHECK: an event may be lost, and a job's end is then
+        seen there."""
         deadline = None if limit is None else time.monotonic() + limit
-        told: set[str] = set()  # the jobs already streamed as ended
-        async with self.events.watching(job_ids) as changed:
+        jobs: dict[str, JobInfo] = {}
+        unended = list(dict.fromkeys(job_ids))  # (an id given twice is read once)
+        async with self.events.watching(unended) as changes:
+            look = unended  # all of them, first
             while True:
-                changed.clear()
-                jobs = [await self.queue.get(job_id) for job_id in job_ids]
-                for j in jobs:
-                    if j.state.terminal and j.id not in told:
-                        told.add(j.id)
+                for j in await self.queue.get_many(look):
+                    jobs[j.id] = j
+                    if j.state.terminal:
                         await send(JobEnded(j.to_dict()))
-                if all(j.state.terminal for j in jobs):
-                    return Waited([j.to_dict() for j in jobs], timed_out=False)
+                unended = [i for i in unended if not jobs[i].state.terminal]
                 left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return Waited([j.to_dict() for j in jobs], timed_out=True)
-                # Woken by an event, and in any case every WAIT_RECHECK: an event may be lost.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        changed.wait(), WAIT_RECHECK if left is None else min(left, WAIT_RECHECK)
-                    )
+                if not unended or (left is not None and left <= 0):
+                    return Waited([jobs[i].to_dict() for i in job_ids], timed_out=bool(unended))
+                try:
+                    async with asyncio.timeout(WAIT_RECHECK if left is None else min(left, WAIT_RECHECK)):
+                        await changes.wait()
+                    ended = changes.take()
+                    look = [i for i in unended if i in ended]
+                except TimeoutError:
+                    changes.take()
+                    look = unended
 
     async def _watch(self, request: WatchPool, user: str, send: SendStream) -> WatchEnded:
         """A PoolView every `interval` seconds (WATCH_INTERVAL's range), until cancelled or
@@ -636,9 +522,3 @@ def _at_most(job_ids: list[str]) -> list[str]:
             ErrorCode.INVALID_ARGUMENT,
         )
     return job_ids
-
-
-def _spec(data: dict[str, Any], user: str) -> JobSpec:
-    if "user" in data:
-        raise InvalidJob("user", "is set by the server from the authenticated connection; leave it out")
-    return JobSpec.from_dict({**data, "user": user})

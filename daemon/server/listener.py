@@ -14,7 +14,7 @@ import math
 import os
 import ssl
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from daemon.address import UNIX, is_loopback
@@ -212,6 +212,19 @@ class Listener:
             del self._sessions[session]
             if self.metrics is not None:
                 self.metrics.connection_closed()
+
+    def cut_off(self, users: Collection[str]) -> int:
+        """Close every connection of `users`, whose tokens were taken back (a reload of the tokens
+        file): a connection made with a token must not outlive it. How many were closed."""
+        closing = [s for s in self._sessions if s.user is not None and s.user in users]
+        for session in closing:
+            log.info("closing %s of %s: their token was taken back", session.peer, session.user)
+            session.close_saying(
+                ErrorCode.AUTH_FAILED,
+                "Connection closed: the pool's admin took back the token it was made with; "
+                "connect again with the token you have now.",
+            )
+        return len(closing)
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop accepting, say GOODBYE, let in-flight requests finish for `grace` seconds, then

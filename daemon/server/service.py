@@ -281,8 +281,8 @@ class PoolServer:
     async def reload(self, config: Config) -> list[str]:
         """SIGHUP (daemon/reload.py): read the tokens file again, and take `config`'s bounds on
         what a user may submit. Returns a sentence for each thing reloaded. A tokens file that does
-        not read raises TokenError with nothing changed. Connections already signed in keep going:
-        a user removed, or given a new token, is refused at their next connection."""
+        not read raises TokenError with nothing changed. A user removed, or given a new token, has
+        every connection and dashboard session made with the old one ended at once."""
         if self.handlers is None or self.queue is None:
             return []
         said = []
@@ -295,14 +295,19 @@ class PoolServer:
             before = self.known_tokens.copy()
             self.known_tokens.clear()  # in place: the listener and the dashboard read this map
             self.known_tokens.update(users.tokens)
-            self.handlers.admins = users.admins
-            self.handlers.max_priority = dict(users.max_priority)
+            self.handlers.admission.admins = users.admins
+            self.handlers.admission.max_priority = dict(users.max_priority)
             if self.agents is not None:
                 self.agents.admins = users.admins
             path = config.tokens_file or str(config.data_path() / "tokens.toml")
             said.append(_tokens_change(path, before, users))
-        self.handlers.bounds = SubmitBounds.of(config)
-        self.handlers.default_max_priority = self._default_max_priority(config, users)
+            taken_back = {u for u, token in before.items() if users.tokens.get(u) != token}
+            if taken_back and self.listener is not None:  # no connection outlives its token
+                self.listener.cut_off(taken_back)
+            if taken_back and self.web is not None:
+                self.web.sessions.sign_out(taken_back)
+        self.handlers.admission.bounds = SubmitBounds.of(config)
+        self.handlers.admission.default_max_priority = self._default_max_priority(config, users)
         self.queue.max_unended = config.user_max_queued_jobs
         self.queue.max_stored = config.user_max_stored_bytes
         self.config = config

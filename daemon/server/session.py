@@ -36,6 +36,7 @@ from protocol import (
     ChannelAcked,
     ChannelDataReceived,
     ChannelEndReceived,
+    ChannelResized,
     ConnectionClosed,
     ConnectionFailed,
     DecodeNeeded,
@@ -207,13 +208,23 @@ class Session:
         its verdict for its turn (a guess, which never will be)."""
         return not self.authenticated or self._failing
 
+    @property
+    def user(self) -> str | None:
+        """Who it authenticated as (None: not yet)."""
+        return self._user
+
     def evict(self, why: str) -> None:
         """Close a connection that has not authenticated, to make room for one that may (its read
         loop then sees the end of the stream and finishes)."""
         self.evicted = True
         log.info("closing %s: %s", self.peer, why)
+        self.close_saying(ErrorCode.UNAVAILABLE, f"Connection closed: {why}; reconnect.")
+
+    def close_saying(self, code: ErrorCode, sentence: str) -> None:
+        """Close the connection now, telling the client why: its requests end with `code` and
+        `sentence`, and its read loop sees the stream's end and finishes."""
         with contextlib.suppress(ConnectionError, RuntimeError):
-            self._write(self.conn.abort(ErrorCode.UNAVAILABLE, f"Connection closed: {why}; reconnect."))
+            self._write(self.conn.abort(code, sentence))
         self.writer.close()
 
     def goodbye(self, reason: str) -> None:
@@ -294,7 +305,13 @@ class Session:
                     self._requests[rid] = asyncio.create_task(
                         self._serve(rid, message), name=f"request-{rid}"
                     )
-                case CancelRequested() | ChannelDataReceived() | ChannelEndReceived() | ChannelAcked():
+                case (
+                    CancelRequested()
+                    | ChannelDataReceived()
+                    | ChannelEndReceived()
+                    | ChannelAcked()
+                    | ChannelResized()
+                ):
                     self._to_request(event)
                 case Authenticated(user=user, peer=client):
                     log.debug("%s authenticated as %s (%s)", self.peer, user, client)
@@ -314,7 +331,8 @@ class Session:
                         return True
 
     def _to_request(
-        self, event: CancelRequested | ChannelDataReceived | ChannelEndReceived | ChannelAcked
+        self,
+        event: CancelRequested | ChannelDataReceived | ChannelEndReceived | ChannelAcked | ChannelResized,
     ) -> None:
         """A cancel to its request's task; input of an open channel to its relay (none: its
         request is ending, and the input is dropped)."""
@@ -329,6 +347,8 @@ class Session:
                 end.ended()
             case ChannelAcked() if end is not None:
                 end.acked()
+            case ChannelResized(rows=rows, cols=cols) if end is not None:
+                end.resized(rows, cols)
             case _:
                 pass
 

@@ -28,7 +28,9 @@ thread's own while their memory is shared):
     setsid                     a session, and so a process group, of its own
     (nice)                     nicer than the worker: the pool's own work is never starved by jobs
     0, 1, 2                    stdin, and stdout+stderr into the job's output pipe (an exec's
-                               stderr into a pipe of its own)
+                               stderr into a pipe of its own; a tty job's three are its terminal)
+    (ctty) TIOCSCTTY           a tty job's terminal (fd 0) made its session's controlling one:
+                               Ctrl-C, Ctrl-Z and window changes reach its foreground group
     close_range(3, ~0)         nothing else of the worker's
     (with a uid) namespaces    IPC, network (loopback up), mounts hiding GPUs not given: as asked
                  keyrings      a new session keyring joined
@@ -119,6 +121,7 @@ struct birth {
     char **hidden;                    /* device nodes it may not open, NULL-terminated (with a uid) */
     int own_ipc, own_net;             /* an IPC, a network namespace of its own (with a uid) */
     int in_job;                       /* a command in a running job: its uid's keyrings are the job's */
+    int ctty;                         /* its stdin is a terminal to make its controlling one */
     int net_fd, ipc_fd;               /* (in a job) its job's network, IPC namespaces to join, or -1 */
     const char *volatile step;        /* what it was doing when it failed (NULL: its exec) */
     int caller_waits;                 /* the calling thread waits for its exec (CLONE_VFORK) */
@@ -563,6 +566,9 @@ static int job_child(void *arg)
     if ((r = k_dup_onto(b->stdin_fd, 0)) < 0 || (r = k_dup_onto(b->out_fd, 1)) < 0 ||
         (r = k_dup_onto(b->err_fd, 2)) < 0)
         fail(b, r);
+    b->step = "taking its terminal";
+    if (b->ctty && (r = k_call(SYS_ioctl, 0, TIOCSCTTY, 0, 0, 0)) < 0)
+        fail(b, r);
     b->step = "joining its job's namespaces"; /* before their descriptors are closed */
     if ((b->net_fd >= 0 && (r = k_call(SYS_setns, b->net_fd, CLONE_NEWNET, 0, 0, 0)) < 0) ||
         (b->ipc_fd >= 0 && (r = k_call(SYS_setns, b->ipc_fd, CLONE_NEWIPC, 0, 0, 0)) < 0))
@@ -823,7 +829,7 @@ static char **take_array(char **at, PyObject *seq)
 
 PyDoc_STRVAR(spawn_doc,
 "spawn(paths, argv, envp, cwd, stdin_fd, out_fd, uid, gid, cgroup_fd, born_in, nice, hidden, own_ipc,\n"
-"      own_net, err_fd=-1, net_fd=-1, ipc_fd=-1) -> (pid, pidfd)\n\n"
+"      own_net, err_fd=-1, net_fd=-1, ipc_fd=-1, ctty=False) -> (pid, pidfd)\n\n"
 "Start the first of `paths` that execs (bytes each; argv and envp lists of bytes, envp as\n"
 "b'KEY=value') in `cwd`, in a session of its own, with stdin from `stdin_fd` and stdout and\n"
 "stderr into `out_fd` (stderr into `err_fd` instead unless -1), as `uid`/`gid` unless -1 (then without privileges to gain), in the cgroup\n"
@@ -834,7 +840,8 @@ PyDoc_STRVAR(spawn_doc,
 "`hidden` (paths, bytes) made unopenable in a mount namespace of its own. Returns at once\n"
 "(x86-64); whether it could start, `reap` tells. pidfd is -1 on a kernel without pidfds.\n"
 "Raises OSError when no process could be made. `net_fd`, `ipc_fd` unless -1: namespaces it joins\n"
-"first (a running job's, for a command run in it; then pass own_net and own_ipc false).");
+"first (a running job's, for a command run in it; then pass own_net and own_ipc false). `ctty`:\n"
+"`stdin_fd` is a terminal, made the child's controlling terminal (TIOCSCTTY) after its setsid.");
 
 static PyObject *spawn(PyObject *self, PyObject *args)
 {
@@ -843,10 +850,11 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     Py_ssize_t cwd_len;
     PyObject *hidden_obj;
     int stdin_fd, out_fd, cgroup_fd, born_in, nice, own_ipc, own_net, err_fd = -1, net_fd = -1, ipc_fd = -1;
+    int ctty = 0;
     long uid, gid;
-    if (!PyArg_ParseTuple(args, "OOOy#iillipiOpp|iii", &paths_obj, &argv_obj, &envp_obj, &cwd, &cwd_len,
+    if (!PyArg_ParseTuple(args, "OOOy#iillipiOpp|iiip", &paths_obj, &argv_obj, &envp_obj, &cwd, &cwd_len,
                           &stdin_fd, &out_fd, &uid, &gid, &cgroup_fd, &born_in, &nice, &hidden_obj, &own_ipc,
-                          &own_net, &err_fd, &net_fd, &ipc_fd))
+                          &own_net, &err_fd, &net_fd, &ipc_fd, &ctty))
         return NULL;
     if (nice != NO_NICE && (nice < -20 || nice > 19)) {
         PyErr_SetString(PyExc_ValueError, "spawn: a niceness from -20 to 19, or -100 (the caller's)");
@@ -897,6 +905,7 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     b->out_fd = out_fd;
     b->err_fd = err_fd >= 0 ? err_fd : out_fd;
     b->in_job = err_fd >= 0; /* only an exec in a job has a stderr of its own */
+    b->ctty = ctty;
     b->net_fd = net_fd;
     b->ipc_fd = ipc_fd;
     b->cgroup_fd = cgroup_fd;

@@ -17,6 +17,9 @@ def spawn(
     own_ipc: bool,
     own_net: bool,
     err_fd: int = -1,
+    net_fd: int = -1,
+    ipc_fd: int = -1,
+    ctty: bool = False,
     /,
 ) -> tuple[int, int]: ...
 def sweep(uid: int, gid: int, /) -> tuple[int, int]: ...

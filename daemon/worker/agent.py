@@ -62,7 +62,8 @@ from daemon.queue import registry
 from daemon.worker import non_root
 from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime
 from daemon.worker.confine import Confinement
-from daemon.worker.envs import EnvCache, EnvSettings
+from daemon.worker.env_build import EnvSettings
+from daemon.worker.envs import EnvCache
 from daemon.worker.gpus import GpuInfo, GpuProbe, Nvml, discover
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.lifetime import Lifetime

@@ -106,6 +106,16 @@ class Execs:
                     return run
         return None
 
+    def _starting(self, job_id: str) -> bool:
+        """Whether the job is held here but its first process not spawned yet."""
+        return any(
+            held.lease.job_id == job_id
+            and held.phase is Phase.RUNNING
+            and isinstance(held.run, JobRun)
+            and held.run.first_process is None
+            for held in self.held
+        )
+
     async def _serve(self, job_id: str, session: str) -> None:
         try:
             await self._serve_in(job_id, session)
@@ -133,6 +143,8 @@ class Execs:
         run = self._run_of(job_id)
         if run is None:
             why = "the job is not running on its worker any more"
+            if self._starting(job_id):  # (job_shell.py's NOT_STARTED: a shell tries again)
+                why = "the job's program is not started yet (its code, data or environment comes first)"
             await channels.append(self.redis, out, {b"x": b"", b"r": why.encode()})
             return
         command: ExecCommand
@@ -140,6 +152,11 @@ class Execs:
             from daemon.worker.forwards import Forward  # noqa: PLC0415 - it builds on this module
 
             command = Forward(self.redis, job_id, session, run, port=int(record[b"port"]))
+        elif record.get(b"kind") == b"attach":  # its terminal, not a command: attach.py
+            from daemon.worker.attach import Attach  # noqa: PLC0415 - it builds on this module
+
+            size = (int(record.get(b"rows", b"0")), int(record.get(b"cols", b"0")))
+            command = Attach(self.redis, job_id, session, run, size=size)
         else:
             argv = [str(arg) for arg in msgpack.unpackb(record[b"argv"])]
             command = ExecCommand(self.redis, job_id, session, run, argv=argv, stdin=record[b"stdin"] == b"1")
@@ -316,8 +333,15 @@ class ExecCommand:
                     for _ in range(min(int(count), len(self._unread))):
                         self._unread_bytes -= self._unread.popleft()
                     self._taken.set()
+                elif (size := fields.get(b"w")) is not None:  # an attach's window: each applied is said
+                    rows, _, cols = size.partition(b"x")
+                    self._resize(int(rows), int(cols))
+                    await channels.append(self.redis, self.out, {b"c": b"0"})
                 elif (why := fields.get(b"k")) is not None:
                     return why.decode()
+
+    def _resize(self, rows: int, cols: int) -> None:
+        """The client's terminal is `rows` x `cols` now: only a terminal's channel (attach.py) has one."""
 
     async def _server_alive(self, record: str) -> bool:
         kind, alive_until = await self.redis.hmget(record, ["kind", "alive_until"])

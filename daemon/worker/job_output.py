@@ -10,6 +10,9 @@ pipe) rather than growing the worker's memory. A refused append (StaleAttempt) m
 is no longer this worker's: the owner is told, and nothing more is sent. While Redis is
 unreachable, output waits in memory (the oldest dropped beyond MAX_BACKLOG, and the drop said in
 the log) and is sent when Redis is back.
+
+A tty job's output is its terminal's (terminal.py): the same reading, each piece also handed to
+the terminal (`tee`), which may hold the reading back while its attached client's window is full.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class JobOutput:
         self._down = False
         self.written = False  # anything (output or a note) went into the log from this attempt
         self._fd: int | None = None  # the pipe, while it is read
+        self._tee: Callable[[bytes], None] | None = None  # a terminal's: each piece read, b"" at the end
+        self._held = False  # a terminal's attached client has no room: nothing is read meanwhile
         self._reading = False
         self._eof: asyncio.Future[None] | None = None
         self._sender: asyncio.Task[None] | None = None
@@ -69,15 +74,26 @@ class JobOutput:
         """A line of the pool's own in the job's log, e.g. why it is being stopped."""
         self._append(f"[gpupool] {text}\n".encode())
 
-    def read_from(self, fd: int) -> None:
+    def read_from(self, fd: int, tee: Callable[[bytes], None] | None = None) -> None:
         """Read the job's output pipe `fd` (taken over: closed by `finish`) as output comes (each
-        read follows the loop's word that the pipe is readable, so it never blocks)."""
+        read follows the loop's word that the pipe is readable, so it never blocks). `tee` is
+        given each piece read too, and b"" at its end (an error reading, such as a terminal's EIO
+        once its last process has closed it, is the end)."""
         self._fd = fd
+        self._tee = tee
         self._eof = asyncio.get_running_loop().create_future()
         self._resume()
 
+    def hold(self, held: bool) -> None:
+        """Stop reading (`held`), or read again: a terminal's attached client is slower than its job."""
+        self._held = held
+        if held:
+            self._pause()
+        else:
+            self._resume()
+
     def _resume(self) -> None:
-        if self._fd is not None and not self._reading:
+        if self._fd is not None and not self._reading and not self._held:
             asyncio.get_running_loop().add_reader(self._fd, self._readable)
             self._reading = True
 
@@ -99,8 +115,12 @@ class JobOutput:
             self._pause()
             if not self._eof.done():
                 self._eof.set_result(None)
+                if self._tee is not None:
+                    self._tee(b"")
             self._more.set()
             return
+        if self._tee is not None:
+            self._tee(data)
         self._append(data)
         self._tail += data
         del self._tail[:-TAIL_BYTES]

@@ -9,10 +9,15 @@ ends (scratch.py).
 Output (stdout and stderr merged) streams to the job's log as it comes (job_output.py); a refused
 log write means the attempt is no longer this worker's, and the job is killed at once.
 
-Stopping: a cancel, a timeout or a drain sends SIGTERM to the whole process group and SIGKILL
-after `kill_grace`; a lost lease sends SIGKILL at once. When the first process has ended, every
-process left in the job's session or seen among its descendants is SIGKILLed, and where NVML
-answers, a GPU on which a process of the job still holds memory is reported dirty.
+A tty job (`poolctl shell`) runs on a terminal instead (terminal.py): its output is the
+terminal's, read the same way, and it is stopped as a timeout stops a job once no client has sent
+it input for its idle limit.
+
+Stopping: a cancel, a timeout, an idle shell or a drain sends SIGTERM (or the job's stop signal)
+to the whole process group and SIGKILL after `kill_grace`; a lost lease sends SIGKILL at once.
+When the first process has ended, every process left in the job's session or seen among its
+descendants is SIGKILLed, and where NVML answers, a GPU on which a process of the job still holds
+memory is reported dirty.
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ from daemon.git import ANY_PROTOCOL
 from daemon.job import JobState, Lease, Outcome
 from daemon.worker import checkpoints, git_mirror, job_data, leftovers, scratch, spawn
 from daemon.worker.cgroups import SlotCgroup
-from daemon.worker.envs import EnvCache, InUse, find_lock, has_lock
+from daemon.worker.env_lock import find_lock, has_lock
+from daemon.worker.envs import EnvCache, InUse
 from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput
 from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.pool_link import UNREACHABLE, PoolLink
+from daemon.worker.terminal import Terminal
 from storage.base import ObjectStore, StorageError
 from storage.cache import ObjectCache
 
@@ -59,6 +66,7 @@ class Ending(enum.StrEnum):
     EXITED = "exited"  # by itself: SUCCEEDED on 0, FAILED otherwise
     CANCELLED = "cancelled"  # the user cancelled: CANCELLED
     TIMED_OUT = "timed out"  # spec.timeout passed: FAILED
+    IDLE = "idle"  # a tty job had no input for its idle limit: FAILED
     HANDED_BACK = "handed back"  # stopped by a drain or a requeue: the attempt goes back to the queue
     LOST = "lost"  # the lease is gone: killed at once, nothing recorded (it is not ours any more)
 
@@ -92,6 +100,8 @@ class Run(Protocol):
     def cancel(self) -> None: ...
     def hand_back(self, now: bool = False, why: str = "the worker is stopping") -> None: ...
     def lose(self, why: str) -> None: ...
+    def note(self, text: str) -> None:
+        """A line of the pool's own in the job's log ("[gpupool] ...")."""
 
 
 # What a job gets of the worker's environment: enough to find programs and speak the user's
@@ -161,6 +171,7 @@ class JobRun:
         gpus: Sequence[GpuInfo] = (),
         env: Mapping[str, str] | None = None,
         kill_grace: float = 10.0,
+        shell_idle_limit: float = 3600.0,
         probe: GpuProbe | None = None,
         guard: OrphanGuard | None = None,
         spawner: spawn.Spawner,
@@ -195,6 +206,8 @@ class JobRun:
         self.lease = lease
         self.gpus = tuple(gpus)
         self.kill_grace = kill_grace
+        self.idle_limit = lease.spec.idle_limit or shell_idle_limit  # a tty job's (terminal.py)
+        self.terminal: Terminal | None = None  # a tty job's, from its spawn to its end
         self.probe = probe
         self.guard = guard
         self.spawner = spawner
@@ -255,6 +268,9 @@ class JobRun:
         the worker is stopping, or the job was requeued."""
         self._stop(Ending.HANDED_BACK, why, now=now)
 
+    def note(self, text: str) -> None:
+        self.output.note(text)
+
     def lose(self, why: str) -> None:
         """The attempt is no longer this worker's: SIGKILL at once, record nothing (its log
         included: the fenced writes would be refused, or Redis is out of reach). Once the job's
@@ -312,6 +328,9 @@ class JobRun:
     def _timeout(self) -> None:
         self._stop(Ending.TIMED_OUT, f"timed out after {self.lease.spec.timeout:g} s")
 
+    def _idle(self, limit: float) -> None:
+        self._stop(Ending.IDLE, f"ended: no input for {limit:g} s")
+
     # -- running ----------------------------------------------------------------------------------
 
     async def run(self) -> RunResult:
@@ -363,15 +382,29 @@ class JobRun:
     def _spawn(self) -> None:
         """The job's first process, its output read and its process group watched by the guard."""
         minors = [g.minor for g in self.gpus]
-        self._proc = self.spawner.spawn(
-            self.lease.spec.argv,
-            cwd=self.cwd,
-            env=self._env,
-            identity=self.identity,
-            cgroup=self.cgroup,
-            gpus=None if None in minors else {m for m in minors if m is not None},
-        )
-        self.output.read_from(self._proc.output)
+        owner = self.identity.uid if self.identity is not None else None
+        terminal = Terminal(self.idle_limit, self._idle, owner) if self.lease.spec.tty else None
+        try:
+            self._proc = self.spawner.spawn(
+                self.lease.spec.argv,
+                cwd=self.cwd,
+                env=self._env,
+                identity=self.identity,
+                cgroup=self.cgroup,
+                gpus=None if None in minors else {m for m in minors if m is not None},
+                terminal=terminal.slave if terminal is not None else None,
+            )
+        except BaseException:
+            if terminal is not None:
+                terminal.close()
+            raise
+        if terminal is None:
+            self.output.read_from(self._proc.output)
+        else:
+            terminal.close_slave()
+            terminal.hold = self.output.hold
+            self.output.read_from(terminal.output_fd(), terminal.took)
+            self.terminal = terminal
         if self.guard is not None:
             self.guard.watch(self._proc.pid, self.lease.id)
 
@@ -513,7 +546,7 @@ class JobRun:
                     self.guard.forget(pgid)
                 if ended and not left:
                     self._hand_over()
-                await self.output.finish()
+                await self._finish_output()
         if left:
             log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(left))
         dirty = await self._check_gpus(pgid)
@@ -530,6 +563,14 @@ class JobRun:
         outcome = self._outcome(returncode, "", started, uploaded)
         killed_by = -returncode if returncode < 0 else None
         return RunResult(self.ending or Ending.EXITED, outcome, dirty, killed_by)
+
+    async def _finish_output(self) -> None:
+        """The rest of the job's output sent, and its terminal, if it had one, closed."""
+        try:
+            await self.output.finish()
+        finally:
+            if self.terminal is not None:
+                self.terminal.close()
 
     async def _restore_checkpoint(self) -> None:
         """A later attempt starts with the newest checkpoint of the newest earlier attempt the
@@ -603,6 +644,8 @@ class JobRun:
             result["signal"] = -returncode
         if ending is Ending.CANCELLED:
             return Outcome(JobState.CANCELLED, code, f"cancelled; {how}", result)
+        if ending is Ending.IDLE:
+            return Outcome(JobState.FAILED, code, f"ended: no input for {self.idle_limit:g} s; {how}", result)
         if ending is Ending.TIMED_OUT:
             return Outcome(
                 JobState.FAILED, code, f"timed out after {self.lease.spec.timeout:g} s; {how}", result

@@ -26,8 +26,9 @@ from daemon.tokens import refuse_open
 from daemon.worker import gpus, non_root
 from daemon.worker.agent import Agent, AgentError
 from daemon.worker.dispatcher import Worker
-from daemon.worker.envs import EnvSettings
+from daemon.worker.env_build import EnvSettings
 from daemon.worker.identity import SlotIdentity, lease_uids, slot_identities
+from daemon.worker.idle_gpus import IdlePolicy
 from daemon.worker.lifetime import Lifetime
 from storage.base import ObjectStore
 
@@ -151,6 +152,7 @@ def configured_worker(
         heartbeat_seconds=config.heartbeat_seconds,
         drain_timeout=config.drain_timeout,
         kill_grace=config.kill_grace,
+        shell_idle_limit=config.shell_idle_limit,
         job_nice=config.job_nice,
         job_network=config.job_network,
         store=store,
@@ -161,6 +163,7 @@ def configured_worker(
         git_protocols=ANY_PROTOCOL if config.embedded else NETWORK_PROTOCOLS,
         gpu_max_jobs=config.gpu_max_jobs,
         lifetime=lifetime,
+        idle_gpus=IdlePolicy.of(config),
         env_settings=env_settings(config),
         env_builder=env_builder(identities),
     )

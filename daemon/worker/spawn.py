@@ -126,16 +126,19 @@ class Spawner:
         identity: SlotIdentity | None = None,
         cgroup: SlotCgroup | None = None,
         gpus: Collection[int] | None = None,
+        terminal: int | None = None,
     ) -> Child:
         """Start `argv` (no shell) in `cwd` with exactly `env` (PATH looked up in it), stdin from
-        /dev/null, stdout and stderr into one pipe, in a session of its own, as `identity` when
+        /dev/null, stdout and stderr into one pipe (with `terminal`, the slave end of a PTY, the
+        caller's to close: its stdin, stdout and stderr all that terminal, made the controlling
+        terminal of its session; `Child.output` is -1 then), in a session of its own, as `identity` when
         given (its directory entered as that uid), born in `cgroup` when given. With `identity`,
         it is confined (confine.py) to the GPUs whose minor numbers are `gpus` (None: unknown,
         every GPU's node is left as it is). Returns at once; a program that could not start (no
         such program, no such directory, one the uid may not enter, a namespace the kernel
         refused) ends at once with `start_error` set. Raises OSError when no process could be
         made."""
-        return self._spawn(argv, cwd, env, identity, cgroup, gpus, stdin=None, in_job=None)
+        return self._spawn(argv, cwd, env, identity, cgroup, gpus, stdin=None, in_job=None, terminal=terminal)
 
     def spawn_in_job(
         self,
@@ -172,14 +175,17 @@ class Spawner:
         *,
         stdin: int | None,
         in_job: tuple[int, int] | None,  # an exec's: its job's network and IPC namespaces (or -1)
+        terminal: int | None = None,  # a tty job's: its terminal's slave end
     ) -> Child:
         plan = NOTHING
         if identity is not None:
             if not in_job:  # an exec's IPC objects are its running job's
                 uid_sweep.sweep_ipc(identity.uid)  # what another uid made and gave this one (IPC_SET)
             plan = self.confinement.plan(gpus)
-        read, write = os.pipe()
+        read, write = os.pipe() if terminal is None else (-1, -1)
         errors_read, errors_write = os.pipe() if in_job else (-1, -1)
+        if terminal is not None:
+            stdin = terminal
         try:
             place, born_in = cgroup.birthplace() if cgroup is not None else (-1, False)
             pid, pidfd = _spawn.spawn(
@@ -188,7 +194,7 @@ class Spawner:
                 [f"{k}={v}".encode(FS_ENCODING, "surrogateescape") for k, v in env.items()],
                 os.fsencode(cwd),
                 self._devnull if stdin is None else stdin,
-                write,
+                write if terminal is None else terminal,
                 identity.uid if identity is not None else -1,
                 identity.gid if identity is not None else -1,
                 place,
@@ -197,7 +203,8 @@ class Spawner:
                 plan.hidden,
                 plan.own_ipc and not in_job,  # an exec joins its job's instead
                 plan.own_net and not in_job,
-                *((errors_write, *in_job) if in_job else ()),  # a job's own: one pipe (and any build)
+                *((errors_write, *in_job) if in_job else (-1, -1, -1)),  # a job's own: one pipe
+                terminal is not None,
             )
         except ValueError as exc:  # a NUL byte (the server refuses such specs): no exec could take it
             _close(read, errors_read)

@@ -21,6 +21,9 @@ from tests.support.paths import ROOT
         ("bench.policies", "ratio to FIFO", ["--jobs", "200", "--rounds", "1"]),
         # issue 48: a function's round trip through the Python API, beside submitit on Slurm
         ("bench.python_api", "round trip p50", ["--quick"]),
+        # issue 49: a keystroke's echo and a forwarded port's throughput through the pool's relay,
+        # beside direct TCP and ssh to a private sshd (where openssh-server is installed)
+        ("bench.interactive", "keystroke echo", ["--quick"]),
     ],
 )
 def test_a_bench_program_runs_at_its_smallest(program: str, says: str, size: list[str]) -> None:

@@ -149,6 +149,28 @@ def test_poold_print_config_masks_secrets(tmp_path: Path) -> None:
     assert "redis_port = 6380  # --redis-port" in out.stdout
 
 
+def test_poold_print_config_into_a_closed_pipe_says_nothing(tmp_path: Path) -> None:
+    """`poold --print-config | head -1` (a reader gone before poold has written it all) printed a
+    BrokenPipeError traceback: it stops writing quietly, as poolctl does."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before the first line
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "daemon.main", "--print-config"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            env={"PATH": "/usr/bin:/bin"},
+            cwd=ROOT,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == 0
+
+
 def test_readme_documents_every_option() -> None:
     readme = (ROOT / "README.md").read_text()
     missing = [
@@ -285,3 +307,13 @@ def test_the_local_slots_by_default_are_the_machines_gpus_or_else_its_cores() ->
     assert local_slot_count(config.load(flags(), env={})) == (gpus.count() or os.cpu_count())
     for given in ("0", "3"):
         assert local_slot_count(config.load(flags("--worker-local-processors", given), env={})) == int(given)
+
+
+def test_a_queue_cannot_both_requeue_and_cancel_idle_gpu_jobs() -> None:
+    """Issue 50, idle GPUs: a queue named in both idle_gpu_* policy lists is refused at start with
+    a sentence naming it, rather than one policy silently winning."""
+    c = config.load(env={"GPUPOOL_IDLE_GPU_REQUEUE_QUEUES": "a", "GPUPOOL_IDLE_GPU_CANCEL_QUEUES": "b"})
+    assert (c.idle_gpu_requeue_queues, c.idle_gpu_cancel_queues) == (["a"], ["b"])
+    both = {"GPUPOOL_IDLE_GPU_REQUEUE_QUEUES": "a,b", "GPUPOOL_IDLE_GPU_CANCEL_QUEUES": "b"}
+    with pytest.raises(ConfigError, match=r"idle_gpu_cancel_queues: .*b also in idle_gpu_requeue_queues"):
+        config.load(env=both)

@@ -77,6 +77,24 @@ def test_gpu_mem_and_whole_gpus_exclude_each_other() -> None:
     assert JobSpec.from_dict({"argv": ["true"], "gpus": 1, "gpu_mem": 0}).gpus == 1
 
 
+def test_a_tty_job_and_its_idle_limit_are_carried_checked_and_written_only_when_set() -> None:
+    """Issue 49, `shell`: a tty job (`tty`, `idle_limit` seconds) goes through to_dict and back;
+    a spec without them writes neither key (a worker of before refuses keys it does not know);
+    an idle limit is refused on a job without a terminal, and must be a positive number."""
+    spec = JobSpec.from_dict({"argv": ["bash"], "tty": True, "idle_limit": 2})
+    assert (spec.tty, spec.idle_limit) == (True, 2.0)
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+    assert {"tty", "idle_limit"}.isdisjoint(JobSpec(argv=("true",)).to_dict())
+    with pytest.raises(InvalidJob) as err:
+        JobSpec.from_dict({"argv": ["true"], "idle_limit": 60})
+    assert err.value.field == "idle_limit"
+    assert "this job has no terminal" in str(err.value)
+    for bad in (0, -1, "1h", True):
+        with pytest.raises(InvalidJob) as err:
+            JobSpec.from_dict({"argv": ["bash"], "tty": True, "idle_limit": bad})
+        assert err.value.field == "idle_limit"
+
+
 def test_a_spec_from_outside_is_what_a_worker_reads_back_from_its_packed_bytes() -> None:
     """A standing claim hands its enqueue's JobSpec to the worker rather than decode the packed
     bytes Redis holds (claims.Claims._claim_reply): the two are the same spec, every field set."""

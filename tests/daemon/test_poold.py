@@ -24,6 +24,7 @@ import pytest
 
 from daemon.queue.embedded_redis import _is_redis_process
 from daemon.worker.identity import DEFAULT_UIDS
+from tests.support import uids
 from tests.support.workers import JOBS_AS_ROOT
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="what a root poold does with its jobs")
@@ -234,18 +235,19 @@ def test_make_run_as_root_runs_jobs_as_leased_slot_uids_not_root() -> None:
 
 @root_only
 def test_a_fresh_root_pool_with_fewer_uids_than_slots_starts_and_says_so() -> None:
-    """issue 44 item 8: a fresh root `poold --job-uid-range 61100-61103` refused to start on the
-    data directory it had just made itself (0700: "the jobs' uids cannot pass through"), and
-    the 32 slots of a single-machine pool wanted 32 uids. It makes that directory 0711 now, and
-    runs as many slots as it has uids, saying so."""
-    with root_pool("--job-uid-range", "61100-61103", "--worker-local-processors", "32") as (
+    """issue 44 item 8: a fresh root `poold --job-uid-range 61100-61103` (here four uids of this
+    test process's) refused to start on the data directory it had just made itself (0700: "the
+    jobs' uids cannot pass through"), and the 32 slots of a single-machine pool wanted 32 uids.
+    It makes that directory 0711 now, and runs as many slots as it has uids, saying so."""
+    first = uids.uid(50)
+    with root_pool("--job-uid-range", f"{first}-{first + 3}", "--worker-local-processors", "32") as (
         top,
         poolctl,
         said,
     ):
         assert "holds 4 uids for 32 slots: running 4 slots (give it 32 uids to run them all)" in said, said
         uid, output = run_a_job(top, poolctl)
-    assert uid in range(61100, 61104)
+    assert uid in range(first, first + 4)
     assert output == "written\n"
 
 

@@ -20,6 +20,8 @@ from protocol import (
     ChannelEnd,
     ChannelEndReceived,
     ChannelOutput,
+    ChannelResize,
+    ChannelResized,
     ErrorCode,
     FollowLogs,
     LocalProtocolError,
@@ -39,7 +41,7 @@ def opened(stdin: bool = True) -> tuple[Pair, int]:
     return pair, pair.request(OpenChannel("default.1", "exec", ["cat"], stdin=stdin))
 
 
-def channel_frame(rid: int, message: ChannelData | ChannelEnd | ChannelAck) -> bytes:
+def channel_frame(rid: int, message: ChannelData | ChannelEnd | ChannelAck | ChannelResize) -> bytes:
     """A CHANNEL frame built without the client's checks: what a hostile client sends."""
     frame_type, payload = encode_message(message)
     assert frame_type is FrameType.CHANNEL
@@ -269,3 +271,28 @@ ChannelModel.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, derandomize=True, database=None, deadline=None
 )
 test_the_channel_model = ChannelModel.TestCase
+
+
+def test_a_resize_goes_up_as_an_event_outside_the_window_even_after_the_input_ends() -> None:
+    """Issue 49, `shell`'s window sizes: ChannelResize is channel input the server hears as
+    ChannelResized (an attach's terminal then takes that size), counted by no window (the input's
+    room is as it was), and it may come after ChannelEnd: a terminal's size is not its data."""
+    pair = Pair().connect()
+    rid = pair.request(OpenChannel("default.1", "attach", [], stdin=True, rows=24, cols=80))
+    assert pair.to_server(pair.client.channel_resize(rid, 50, 132)) == [ChannelResized(rid, 50, 132)]
+    assert pair.client.input_room(rid) == CHANNEL_WINDOW
+    pair.to_server(pair.client.channel_end(rid))
+    assert pair.to_server(pair.client.channel_resize(rid, 1, 65535)) == [ChannelResized(rid, 1, 65535)]
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(0, 80), (24, 0), (65536, 80), (24, -1)])
+def test_a_resize_out_of_a_terminals_range_is_refused_by_each_side(rows: int, cols: int) -> None:
+    """Issue 49: a terminal's size is two 16-bit counts from 1 (struct winsize): the reference
+    client refuses to send another, and a server that gets one from a hostile client closes the
+    connection saying why, never handing a worker a size no terminal has."""
+    pair, rid = opened()
+    with pytest.raises(LocalProtocolError) as refused:
+        pair.client.channel_resize(rid, rows, cols)
+    assert refused.value.code is ErrorCode.BAD_PAYLOAD
+    events = pair.to_server(channel_frame(rid, ChannelResize(rows, cols)))
+    assert_server_failed(pair, events, ErrorCode.BAD_PAYLOAD)

@@ -9,7 +9,7 @@ import subprocess
 import zipfile
 from pathlib import Path
 
-from daemon.worker.envs import find_uv
+from daemon.worker.env_build import find_uv
 
 
 def _record_line(name: str, data: bytes) -> str:

@@ -15,7 +15,7 @@ import hmac
 import secrets
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 COOKIE = "gpupool_session"
@@ -60,6 +60,13 @@ class Sessions:
             self.close(session.id)
             return None
         return session
+
+    def sign_out(self, users: Collection[str]) -> int:
+        """End every session of `users` (their tokens were taken back); how many."""
+        ended = [s.id for s in self._sessions.values() if s.user in users]
+        for session_id in ended:
+            self.close(session_id)
+        return len(ended)
 
     def close(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)

@@ -162,7 +162,7 @@ async def test_an_array_whose_batch_failed_midway_is_named_for_its_cancel(
         code, _, err = await poolctl(pool.env("alice"), "enqueue", "--", "true")  # Redis read: room
         assert code == 0, err
         assert pool.server.listener is not None
-        pool.server.listener.handlers.room.every = 3600.0  # and not read again
+        pool.server.listener.handlers.admission.room.every = 3600.0  # and not read again
         async with memory_full(redis_server):
             code, out, err = await poolctl(pool.env("alice"), "enqueue", "--array", "0-9%2", "--", "true")
         assert code == 1, err
@@ -186,7 +186,7 @@ async def test_an_array_refused_whole_by_a_bound_is_not_said_partly_queued(
         assert "user_max_queued_jobs" in err
         assert "partly queued" not in err
         assert pool.server.listener is not None
-        pool.server.listener.handlers.room.every = 0.0  # Redis's memory read at each submission
+        pool.server.listener.handlers.admission.room.every = 0.0  # Redis's memory read at each submission
         async with memory_full(redis_server):
             code, _, err = await poolctl(pool.env("alice"), "enqueue", "--array", "0-1", "--", "true")
         assert code == 1, err

@@ -24,7 +24,7 @@ from daemon.job import JobSpec, JobState
 from daemon.queue import registry
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.worker import agent
-from daemon.worker.envs import NO_INDEX, EnvSettings
+from daemon.worker.env_build import NO_INDEX, EnvSettings
 from daemon.worker.hosted import hosted_worker
 from protocol import Waited, WaitJobs
 from storage.content import content_key

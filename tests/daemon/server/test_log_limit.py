@@ -55,7 +55,7 @@ async def test_one_users_flood_of_failing_requests_writes_a_few_lines(
             await client.call(Enqueue({"argv": ["true"]}, None), Enqueued)
         assert pool.server.listener is not None
         handlers = pool.server.listener.handlers
-        handlers.room.every = 3600.0
+        handlers.admission.room.every = 3600.0
         async with memory_full(redis_server):
             await refused_enqueues(pool, "alice", FLOOD)
             assert len(warnings_written(caplog)) == BURST

@@ -22,6 +22,7 @@ from protocol import (
     ErrorCode,
     FollowLogs,
     JobDetail,
+    JobEnded,
     JobList,
     ListJobs,
     LogChunk,
@@ -235,3 +236,38 @@ async def test_show_says_a_head_job_is_reserved_on_a_worker_and_when_it_could_st
     assert reason.endswith(
         "when its running jobs' time limits end; jobs behind it start meanwhile where they cannot delay it"
     )
+
+
+async def _job_reads(pool: Pool) -> int:
+    stats = await pool.queue.redis.info("commandstats")
+    return int(stats.get("cmdstat_hgetall", {}).get("calls", 0))
+
+
+async def test_a_wait_reads_each_job_as_it_ends_not_every_job_at_every_end(pool: Pool) -> None:
+    """Issue 48's map waits on many jobs in one WaitJobs: the server read every job it waited for
+    at each end, N jobs N times over (150 jobs ending one by one: ~11,000 reads). It reads the job
+    that ended, and every job still waited for only at each WAIT_RECHECK."""
+    count = 150
+    async with pool.client() as c:
+        ids = (await c.call(EnqueueBatch([job("echo", str(i)) for i in range(count)]), EnqueuedBatch)).job_ids
+        leases = [await pool.queue.claim("stand-in", ["default"]) for _ in ids]
+        before = await _job_reads(pool)
+
+        async def end_one() -> None:  # the last claimed first: each end is some other job than the next
+            lease = leases.pop()
+            assert lease is not None
+            await pool.queue.complete(lease, Outcome(JobState.SUCCEEDED, exit_code=0))
+
+        waited = None
+        await end_one()
+        async with asyncio.timeout(60):  # a bound: each end is told at once, not at a recheck
+            async for item in c.stream(WaitJobs(ids, None)):
+                if isinstance(item, JobEnded):
+                    if leases:  # the next ends once the server has told of this one
+                        await end_one()
+                else:
+                    waited = item
+    reads = await _job_reads(pool) - before
+    assert isinstance(waited, Waited)
+    assert [j["state"] for j in waited.jobs] == ["succeeded"] * count
+    assert reads < 4 * count, reads

@@ -25,9 +25,12 @@ from daemon.job import JobInfo, JobSpec, JobState
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.dispatcher import Worker
-from daemon.worker.envs import NO_INDEX, EnvCache, EnvSettings, find_lock, find_uv, hash_pinned
+from daemon.worker.env_build import NO_INDEX, EnvSettings, find_uv
+from daemon.worker.env_lock import find_lock, hash_pinned
+from daemon.worker.envs import EnvCache
 from daemon.worker.identity import SlotIdentity, slot_identities
 from storage.local import LocalStore
+from tests.support import uids
 from tests.support.git_repo import git
 from tests.support.pool import running_pool
 from tests.support.poolctl import poolctl
@@ -36,8 +39,8 @@ from tests.support.workers import running_worker, wait_state
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
 
-FIRST_UID = 61000
-BUILDER = SlotIdentity(61990, 61990)
+FIRST_UID = uids.uid(0)
+BUILDER = SlotIdentity(uids.uid(90), uids.uid(90))
 # The index is the worker's, with a credential in it: uv is given it (and, were it reached, it
 # would fail: the builds here are the wheelhouse's alone); a job must never see it.
 DEAD_INDEX = "http://builder:index-s3cret@127.0.0.1:9/simple"

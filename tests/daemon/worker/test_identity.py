@@ -28,12 +28,13 @@ from daemon.worker.identity import DEFAULT_UIDS, IdentityError, SlotIdentity, sl
 from daemon.worker.spawn import Spawner
 from storage.content import content_key, pack_files, pack_tree
 from storage.local import LocalStore
+from tests.support import uids
 from tests.support.git_repo import make_repo
 from tests.support.workers import alive, running_worker, sh, wait_file, wait_state
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
 
-FIRST_UID = 61000
+FIRST_UID = uids.uid(0)
 
 
 @pytest.fixture
@@ -198,7 +199,7 @@ def test_a_uid_range_that_cannot_serve_is_refused_saying_why() -> None:
     # fewer uids than slots: as many slots as uids (the worker says so: tests/daemon/test_poold.py)
     assert len(slot_identities(f"{FIRST_UID}-{FIRST_UID + 1}", 3) or ()) == 2
     with pytest.raises(ValueError, match="FIRST-LAST"):
-        slot_identities("61000", 1)
+        slot_identities(str(FIRST_UID), 1)
     with pytest.raises(ValueError, match="uids of no real user"):
         slot_identities("0-10", 1)
 
@@ -410,7 +411,9 @@ async def test_killing_a_uid_that_stops_its_killer_returns_all_the_same(spawner:
         assert await asyncio.to_thread(stopper.wait, 5) == -9
 
 
-@pytest.mark.parametrize(("uid", "gid"), [(0, 0), (FIRST_UID, 0), (-1, FIRST_UID), (2**32 - 1, FIRST_UID)])
+# (A uid of no test process's: refused before anything runs; a fixed one, so every xdist worker
+# collects the same test ids.)
+@pytest.mark.parametrize(("uid", "gid"), [(0, 0), (61000, 0), (-1, 61000), (2**32 - 1, 61000)])
 def test_the_c_module_refuses_root_and_keep_as_a_slots_ids(uid: int, gid: int) -> None:
     """kill(-1) as root would end the machine, and setres*id(-1) keeps the worker's id: a slot id
     must be a real one above 0, whoever asks."""

@@ -25,13 +25,13 @@ from daemon.queue import connection
 from daemon.queue.job_queue import JobQueue
 from storage.content import content_key
 from storage.local import LocalStore
-from tests.support import unprivileged
+from tests.support import uids, unprivileged
 from tests.support.plain_uid import as_uid
 from tests.support.workers import sh, wait_state
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="starting poold as another uid needs root")
 
-POOLD_UID = 61390  # no real user's: the pool's owner, as a workstation's user would be
+POOLD_UID = uids.uid(39)  # no real user's: the pool's owner, as a workstation's user would be
 
 
 @asynccontextmanager

@@ -13,6 +13,7 @@ import pytest
 
 from daemon.worker.attempt import boottime
 from daemon.worker.orphan_guard import OrphanGuard
+from tests.support import uids
 from tests.support.workers import alive, wait_dead, wait_until
 
 
@@ -84,17 +85,18 @@ async def _replaced(guard: OrphanGuard, old: int) -> bool:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
 async def test_when_the_worker_is_gone_so_is_every_process_of_its_slots_uids() -> None:
-    guard = OrphanGuard("GPUPOOL_WORKER=w-guard-test-5", uids=(61010, 61011))
+    guard = OrphanGuard("GPUPOOL_WORKER=w-guard-test-5", uids=(uids.uid(10), uids.uid(11)))
     await guard.start()
 
     def as_uid(uid: int, *argv: str) -> subprocess.Popen[bytes]:
         setpriv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
         return subprocess.Popen([*setpriv, *argv], start_new_session=True)
 
-    escaped = as_uid(61011, "env", "-i", "sleep", "300")  # no mark, its own session: only its uid says
-    other_uid = as_uid(61012, "sleep", "300")
+    escaped = as_uid(uids.uid(11), "env", "-i", "sleep", "300")  # no mark, its own session: only its uid says
+    other_uid = as_uid(uids.uid(12), "sleep", "300")
     try:
-        await wait_until(lambda: _running_as(escaped.pid, 61011), what="the job to run as its slot's uid")
+        slot_uid = uids.uid(11)
+        await wait_until(lambda: _running_as(escaped.pid, slot_uid), what="the job to run as its slot's uid")
         await guard.stop()
         escaped.wait(10)
         assert alive(other_uid.pid)  # no slot of this worker's

@@ -1,0 +1,233 @@
+"""`poolctl shell` and `poolctl attach JOB`: a terminal on a job (docs/PROTOCOL.md §5, kind
+"attach").
+
+`shell` queues an interactive job as `poolctl enqueue` would (its spec, its project and locked
+environment: enqueue_spec.py), its command a shell by default, on a terminal (`tty`); waits while
+it is queued, saying why now and then (Ctrl-C then cancels it); once it runs, attaches. `attach`
+attaches to a running shell again, which first replays the end of what it showed.
+
+Attached, the local terminal is in raw mode (restored on every way out): every byte typed goes to
+the job's terminal as it is (Ctrl-C and Ctrl-Z reach its foreground program through that
+terminal, not through us), its output is written here as it comes, and a change of the window's
+size goes with it. `Enter ~ .` (ssh's escape: a `~` first on a line, then `.`) detaches: the
+shell lives on, and `poolctl attach JOB` returns to it; `~~` sends one `~`. When the shell exits,
+its exit code is poolctl's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import termios
+import tty
+from collections.abc import AsyncIterator
+
+from daemon.client.pool_client import PoolClient
+from daemon.ctl.parsing import UsageError
+from protocol import (
+    CancelJobs,
+    Cancelled,
+    ChannelClosed,
+    ChannelResize,
+    Enqueue,
+    Enqueued,
+    JobDetail,
+    OpenChannel,
+    ShowJob,
+)
+
+# A shell that exists on the worker: bash where there is one, else sh.
+DEFAULT_SHELL = ["sh", "-c", "command -v bash >/dev/null 2>&1 && exec bash -l || exec sh -l"]
+EXITED = "exited"  # ChannelClosed's reason once the shell has exited (worker/attach.py)
+NOT_STARTED = "not started yet"  # a worker's reason for a job still being prepared (execs.py)
+POLL_SECONDS = 0.5  # how often a queued shell's state is looked at
+SAY_SECONDS = 10.0  # how often its reason for waiting is said again, unchanged
+START_SECONDS = 600.0  # how long a running job may take to start its shell (its environment built)
+EXIT_NO_CODE = 1  # the shell never gave one (its job was cancelled, or ended under it)
+EXIT_INTERRUPTED = 130  # Ctrl-C while it was queued: cancelled
+READ_SIZE = 4096
+
+
+def enqueue_request(args: argparse.Namespace) -> Enqueue:
+    """The interactive job the shell's command line asks for, built as `poolctl enqueue` builds
+    one (its namespace kept as `args.enqueue`, for its project to be sent as enqueue sends it)."""
+    from daemon.ctl.commands import parser
+    from daemon.ctl.enqueue_spec import project_start, spec_of
+
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    line = ["enqueue", "--queue", args.queue, "--gpus", str(args.gpus)]
+    line += ["--gpu-mem", str(args.gpu_mem)] if args.gpu_mem else []
+    line += ["--timeout", str(args.time)] if args.time else []
+    line += ["--stop-signal", "HUP"]  # a shell is stopped as a hung-up terminal stops it
+    line += ["--no-env"] if args.no_env else []
+    args.enqueue = parser().parse_args([*line, "--", *(argv or DEFAULT_SHELL)])
+    args.enqueue.project_dir = project_start(args.enqueue)
+    spec = spec_of(args.enqueue)
+    spec["tty"] = True
+    if term := os.environ.get("TERM"):  # what the job's programs draw for: this terminal (as ssh passes it)
+        spec["env"].setdefault("TERM", term)
+    if args.idle:
+        spec["idle_limit"] = args.idle
+    return Enqueue(spec, None)
+
+
+async def shell(client: PoolClient, request: Enqueue) -> int:
+    """Queue the shell, wait for it to start, attach: its exit code."""
+    job_id = (await client.call(request, Enqueued)).job_id
+    print(f"poolctl: {job_id} queued (Ctrl-C cancels it)", file=sys.stderr, flush=True)
+    state = await _until_running(client, job_id)
+    if state != "running":
+        print(f"poolctl: {job_id} {state} before its shell started", file=sys.stderr)
+        return EXIT_INTERRUPTED if state == "cancelled" else EXIT_NO_CODE
+    return await attach(client, job_id)
+
+
+async def _until_running(client: PoolClient, job_id: str) -> str:
+    """Wait while the job is queued, saying why; its state then. Ctrl-C cancels it."""
+    loop = asyncio.get_running_loop()
+    interrupted = asyncio.Event()
+    loop.add_signal_handler(signal.SIGINT, interrupted.set)
+    said, said_at = "", 0.0
+    try:
+        while True:
+            job = (await client.call(ShowJob(job_id), JobDetail)).job
+            if job["state"] != "queued":
+                return str(job["state"])
+            why = str(job.get("pending_reason") or "waiting for its turn")
+            if why != said or loop.time() - said_at >= SAY_SECONDS:
+                print(f"poolctl: {job_id} waits: {why}", file=sys.stderr, flush=True)
+                said, said_at = why, loop.time()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL_SECONDS):
+                    await interrupted.wait()
+            if interrupted.is_set():  # cancelled, even if it has just started: the user said so
+                await client.call(CancelJobs([job_id]), Cancelled)
+                return "cancelled"
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+async def attach(client: PoolClient, job_id: str) -> int:
+    """Attach this terminal to job `job_id`'s until the shell exits (its exit code) or the user
+    detaches (0)."""
+    loop = asyncio.get_running_loop()
+    deadline, said = loop.time() + START_SECONDS, False
+    while True:
+        closed, detached = await _attached(client, job_id)
+        if detached:
+            print(f"\r\ndetached: poolctl attach {job_id} to return", file=sys.stderr)
+            return 0
+        if NOT_STARTED in closed.reason and loop.time() < deadline:  # its environment is being built
+            if not said:
+                print(f"poolctl: {job_id} is starting: {closed.reason}", file=sys.stderr, flush=True)
+                said = True
+            await asyncio.sleep(POLL_SECONDS)
+            continue
+        break
+    if closed.reason == EXITED and closed.exit_code is not None:
+        return closed.exit_code
+    print(f"\r\npoolctl: {job_id}: {closed.reason}", file=sys.stderr)
+    return 0 if closed.reason.startswith("detached") else EXIT_NO_CODE
+
+
+class Escape:
+    """ssh's escape in what is typed: `~` first on a line, then `.` detaches, `~` sends one `~`,
+    anything else sends both."""
+
+    def __init__(self) -> None:
+        self.line_start = True
+        self.pending = False  # a `~` first on a line, held
+
+    def feed(self, data: bytes) -> tuple[bytes, bool]:
+        """What of `data` to send, and whether to detach (what follows `~.` is dropped)."""
+        out = bytearray()
+        for byte in data:
+            char = bytes((byte,))
+            if self.pending:
+                self.pending = False
+                if char == b".":
+                    return bytes(out), True
+                out += char if char == b"~" else b"~" + char
+            elif self.line_start and char == b"~":
+                self.pending = True
+                continue
+            else:
+                out += char
+            self.line_start = char in (b"\r", b"\n")
+        return bytes(out), False
+
+
+async def _attached(client: PoolClient, job_id: str) -> tuple[ChannelClosed, bool]:
+    """One attach: the channel's end, and whether the user detached."""
+    loop = asyncio.get_running_loop()
+    typed: asyncio.Queue[bytes | ChannelResize | None] = asyncio.Queue()
+    detach = asyncio.Event()
+    escape = Escape()
+
+    def readable() -> None:
+        try:
+            data = os.read(0, READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # our terminal has gone
+            loop.remove_reader(0)
+            detach.set()
+            return
+        send, detached = escape.feed(data)
+        if send:
+            typed.put_nowait(send)
+        if detached:
+            detach.set()
+
+    rows, cols = _size()
+    request = OpenChannel(job_id, "attach", [], stdin=True, rows=rows, cols=cols)
+    saved = termios.tcgetattr(0)
+    tty.setraw(0)
+    try:
+        loop.add_reader(0, readable)
+        loop.add_signal_handler(signal.SIGWINCH, lambda: typed.put_nowait(ChannelResize(*_size())))
+        channel = asyncio.ensure_future(client.channel(request, _write, _typed(typed)))
+        detaching = asyncio.ensure_future(detach.wait())
+        await asyncio.wait({channel, detaching}, return_when=asyncio.FIRST_COMPLETED)
+        detaching.cancel()
+        if not channel.done():  # detached: the channel's cancel tells the server, which detaches
+            channel.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await channel
+            return ChannelClosed(None, "detached"), True
+        return channel.result(), False
+    finally:
+        loop.remove_reader(0)
+        loop.remove_signal_handler(signal.SIGWINCH)
+        termios.tcsetattr(0, termios.TCSADRAIN, saved)
+
+
+async def _typed(typed: asyncio.Queue[bytes | ChannelResize | None]) -> AsyncIterator[bytes | ChannelResize]:
+    while (item := await typed.get()) is not None:
+        yield item
+
+
+async def _write(stream: str, data: bytes) -> None:
+    del stream  # a terminal has one output
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+
+def _size() -> tuple[int, int]:
+    size = os.get_terminal_size(0)
+    return size.lines, size.columns
+
+
+def need_terminal(command: str) -> None:
+    """Refuse `command` (a UsageError, exit 2) when stdin is not a terminal."""
+    if not os.isatty(0):
+        raise UsageError(
+            f"{command} needs a terminal on its stdin; to run a command without one, "
+            "`poolctl enqueue`, or `poolctl exec JOB -- COMMAND` inside a running job"
+        )
