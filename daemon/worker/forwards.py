@@ -57,8 +57,7 @@ class Forward(ExecCommand):
             code, why = await self._connected(user)
             log.info("forward by %s to port %d in job %s ended: %s", user, self.port, self.job_id, why)
         finally:  # always: its server waits for this entry until the job ends
-            with contextlib.suppress(Exception):
-                await asyncio.shield(channels.append(self.redis, self.out, {b"x": code, b"r": why.encode()}))
+            await self.end(code, why)
 
     async def _connected(self, user: str) -> tuple[bytes, str]:
         """The connection relayed until it ends: its exit code (b"0" closed, b"" never open) and why."""
@@ -98,7 +97,7 @@ class Forward(ExecCommand):
             with contextlib.suppress(ConnectionError):
                 writer.write(data)
                 await writer.drain()
-            await channels.append(self.redis, self.out, {b"c": str(len(data)).encode()})
+            self.writes.append(self.out, {b"c": str(len(data)).encode()})
         with contextlib.suppress(OSError):
             writer.write_eof()
 
