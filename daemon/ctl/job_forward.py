@@ -117,6 +117,10 @@ async def _relay(
     """One accepted connection, over its own channel, until either end closes it."""
 
     async def output(_stream: str, data: bytes) -> None:
+        if not data:  # the job's end has shut its side: this one's too, and its input goes on
+            if writer.can_write_eof():
+                writer.write_eof()
+            return
         writer.write(data)
         await writer.drain()
 

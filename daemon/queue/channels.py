@@ -11,6 +11,8 @@ side appends to one Stream and reads the other's:
                           x=CODE   the end: exit code ('' none)  r=WHY how it ended (with x)
                           t=1      taken: the worker's first entry, written at once (a server
                                    that hears nothing for a while gives up on the worker)
+                          e=1      the output has ended, the input goes on (a forward's
+                                   connection, half-closed by the job's end)
 
 Both directions are held to a window, so Redis holds at most that much of one channel whatever
 its ends do: the worker has at most OUT_WINDOW bytes and OUT_ENTRIES entries of output not yet

@@ -329,6 +329,9 @@ class Relay:
                 await self._spend(len(data))
                 await client.send(ChannelOutput(stream, data))
                 return None
+        if b"e" in fields:  # the far end's output has ended (a forward's connection, half-closed)
+            await client.send(ChannelOutput("stdout", b""))
+            return None
         if (size := fields.get(b"c")) is not None:
             self._input_entries -= 1
             client.credit(int(size))

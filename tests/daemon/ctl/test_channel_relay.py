@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -14,9 +15,11 @@ from pathlib import Path
 
 from daemon.queue import channels
 from daemon.queue.embedded_redis import EmbeddedRedis
-from tests.daemon.ctl.test_exec import running_job
+from tests.daemon.ctl.test_exec import log_text, running_job
+from tests.daemon.ctl.test_forward import forwarding, free_port
 from tests.support.paths import ROOT
 from tests.support.proxy import Proxy
+from tests.support.workers import wait_until
 
 FAR = 0.05  # seconds each Redis reply takes to reach the worker: a Redis a network away
 OUTPUT = 2 * 2**20  # 32 entries of output, 8 windows
@@ -68,3 +71,63 @@ async def test_output_moves_more_than_an_entry_per_round_trip(
             entries = OUTPUT // channels.READ_CHUNK
             print(f"{OUTPUT >> 20} MiB in {took:.2f} s with Redis {FAR * 1000:g} ms away", file=sys.stderr)
             assert took < entries * FAR, f"{took:.2f} s: a round trip per entry or more"
+
+
+# A job's server: "REQUEST" then the request to its end (the client half-closes), answered; or
+# "ANSWER" answered at once and its side shut, then what the client sends to its end, counted.
+HALVES = r"""
+import socket, sys, threading
+answer = b"".join(b"%d\n" % n for n in range(1, 50001))
+def serve(c):
+    f = c.makefile("rb")
+    if f.readline().strip() == b"REQUEST":
+        c.sendall(b"got %d\n" % len(f.read()) + answer)
+        c.close()
+    else:
+        c.sendall(answer)
+        c.shutdown(socket.SHUT_WR)
+        print("after its end, got", len(f.read()), flush=True)
+        c.close()
+s = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+print("ready", flush=True)
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],)).start()
+"""
+ANSWER = b"".join(b"%d\n" % n for n in range(1, 50001))  # 289 KiB: more than a window
+
+
+async def test_a_forward_relays_each_direction_to_its_own_end(
+    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
+) -> None:
+    """Issue 49, review finding 12: a forward's connection ends when both directions have, not
+    when one has. HTTP/1.0-style, the client sends its request and shuts its write side before it
+    reads: the job's server reads the request to its end and the client gets the whole answer.
+    The other way, the job's server answers and shuts its write side first: the client sees the
+    answer's end (EOF) and its input still reaches the job, all of it (the whole connection
+    closed there, and the job's server read nothing after its end)."""
+    port = free_port()
+    script = Path(tempfile.mkdtemp(prefix="gpupool-halves-")) / "halves.py"
+    script.write_text(HALVES)
+    script.parent.chmod(0o755)
+    script.chmod(0o644)
+    command = f"exec /usr/bin/python3 -u {script} {port}"
+    job = running_job(redis_server, tmp_path, s3_env, command=command, ready_line="ready")
+    async with job as (pool, job_id, _), forwarding(pool.env("alice"), job_id, port) as (_, local):
+        reader, writer = await asyncio.open_connection("127.0.0.1", local)
+        writer.write(b"REQUEST\n" + b"x" * 100_000)
+        writer.write_eof()
+        assert await asyncio.wait_for(reader.read(), 30) == b"got 100000\n" + ANSWER
+        writer.close()
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", local)
+        writer.write(b"ANSWER\n")
+        assert await asyncio.wait_for(reader.read(), 30) == ANSWER  # to its end: the job's side shut
+        writer.write(b"y" * 300_000)
+        writer.write_eof()
+
+        async def counted() -> bool:
+            return "after its end, got" in await log_text(pool.queue, job_id)
+
+        await wait_until(counted, 10, "the job's server to count what came after its end")
+        assert "after its end, got 300000\n" in await log_text(pool.queue, job_id)
+        writer.close()
