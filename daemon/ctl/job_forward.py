@@ -7,11 +7,19 @@ the pool's own, as the server will check again for every connection, and ends, e
 job ends (its open connections close with it), or on Ctrl-C (130). Each channel holds one of the
 user's blocking requests on the server (16 at most), so at most MAX_OPEN connections are relayed
 at once; more wait their turn, accepted, as a busy server's backlog would keep them.
+
+It serves only its own user: any local user can connect to a port on 127.0.0.1, so a connection
+whose other end belongs to another uid (the kernel's socket table says, /proc/net/tcp) is
+closed at once, with a line on stderr, before anything is asked of the server. Where there is no
+such table (not Linux), users cannot be told apart, and poolctl says so when it starts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import struct
 import sys
 from collections.abc import AsyncIterator
 
@@ -50,6 +58,14 @@ async def run(client: PoolClient, job_id: str, where: str) -> int:
     open_: set[asyncio.Task[None]] = set()
 
     async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if (owner := peer_uid(writer.get_extra_info("socket"))) not in (os.getuid(), None):
+            print(
+                f"poolctl: refused a connection from uid {owner}: this forward serves only its own "
+                f"user (uid {os.getuid()})",
+                file=sys.stderr,
+            )
+            writer.close()
+            return
         task = asyncio.current_task()
         assert task is not None
         open_.add(task)
@@ -71,6 +87,8 @@ async def run(client: PoolClient, job_id: str, where: str) -> int:
         ) from None
     bound = listener.sockets[0].getsockname()[1]
     print(f"forwarding 127.0.0.1:{bound} to port {port} in job {job_id} (Ctrl-C ends it)", flush=True)
+    if not sys.platform.startswith("linux"):  # no socket table to tell local users apart by
+        print(f"poolctl: no {SOCKETS} here: any local user may connect to this forward", file=sys.stderr)
     try:
         state = await ended
     finally:
@@ -81,6 +99,32 @@ async def run(client: PoolClient, job_id: str, where: str) -> int:
         ended.cancel()
     print(f"poolctl: job {job_id} {state}: its forward has ended", file=sys.stderr)
     return 0
+
+
+SOCKETS = "/proc/net/tcp"  # the kernel's table of IPv4 TCP sockets: the listener is on 127.0.0.1
+ESTABLISHED = "01"
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid owning the other end of `sock`, a connection accepted on 127.0.0.1 (so both ends
+    are this machine's): its row in the socket table, the one whose local address is the peer's
+    and whose remote address is ours, established. -1 when it is not there (gone already); None
+    where there is no such table."""
+
+    def address(host_port: tuple[str, int]) -> str:  # as the table writes it: the native-order word
+        host, port = host_port[:2]
+        return f"{struct.unpack('=I', socket.inet_aton(host))[0]:08X}:{port:04X}"
+
+    theirs, ours = address(sock.getpeername()), address(sock.getsockname())
+    try:
+        with open(SOCKETS) as table:
+            for line in table:
+                row = line.split()
+                if row[1:4] == [theirs, ours, ESTABLISHED]:
+                    return int(row[7])
+    except OSError:
+        return None
+    return -1
 
 
 async def _check(client: PoolClient, job_id: str) -> None:

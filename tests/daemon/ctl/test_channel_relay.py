@@ -131,3 +131,55 @@ async def test_a_forward_relays_each_direction_to_its_own_end(
         await wait_until(counted, 10, "the job's server to count what came after its end")
         assert "after its end, got 300000\n" in await log_text(pool.queue, job_id)
         writer.close()
+
+
+# Another local user's client: connects to the forward, asks, says what it reads (b'': closed at
+# once, before or after its question reached it).
+OTHERS = """
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10)
+try:
+    s.sendall(b"ANSWER\\n")
+    print(repr(s.recv(100)))
+except ConnectionResetError:
+    print(repr(b""))
+"""
+
+
+async def test_a_forward_serves_only_its_own_user(
+    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
+) -> None:
+    """Issue 49, review finding 11: `poolctl forward` listens on 127.0.0.1, where any local user
+    can connect; a connection from another uid (62050, a real one: the client process setuid to
+    it) is closed at once, a line on stderr says so, and nothing reaches the job (its log has no
+    forward line for it); the user's own connections are served."""
+    port = free_port()
+    script = Path(tempfile.mkdtemp(prefix="gpupool-halves-")) / "halves.py"
+    script.write_text(HALVES)
+    script.parent.chmod(0o755)
+    script.chmod(0o644)
+    command = f"exec /usr/bin/python3 -u {script} {port}"
+    job = running_job(redis_server, tmp_path, s3_env, command=command, ready_line="ready")
+    async with job as (pool, job_id, _), forwarding(pool.env("alice"), job_id, port) as (proc, local):
+        other = await asyncio.create_subprocess_exec(
+            "setpriv", "--reuid=62050", "--regid=62050", "--clear-groups",
+            "/usr/bin/python3", "-c", OTHERS, str(local),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(other.communicate(), 20)
+        assert (other.returncode, out) == (0, b"b''\n"), err
+        assert proc.stderr is not None
+        said = await asyncio.wait_for(proc.stderr.readline(), 10)
+        refused = "refused a connection from uid 62050: this forward serves only its own user (uid 0)"
+        assert said.decode() == f"poolctl: {refused}\n"
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", local)
+        writer.write(b"ANSWER\n")
+        assert await asyncio.wait_for(reader.read(), 30) == ANSWER
+        writer.close()
+
+        async def logged() -> bool:  # the job's output reaches its log in batches
+            return "[gpupool] forward by alice" in await log_text(pool.queue, job_id)
+
+        await wait_until(logged, 10, "the job to log the forward")
+        assert (await log_text(pool.queue, job_id)).count("[gpupool] forward by alice") == 1
