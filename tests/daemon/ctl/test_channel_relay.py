@@ -15,9 +15,11 @@ from pathlib import Path
 
 from daemon.queue import channels
 from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.server.relay_budget import RelayBudget
 from tests.daemon.ctl.test_exec import log_text, running_job
 from tests.daemon.ctl.test_forward import forwarding, free_port
 from tests.support.paths import ROOT
+from tests.support.poolctl import poolctl
 from tests.support.proxy import Proxy
 from tests.support.workers import wait_until
 
@@ -183,3 +185,27 @@ async def test_a_forward_serves_only_its_own_user(
 
         await wait_until(logged, 10, "the job to log the forward")
         assert (await log_text(pool.queue, job_id)).count("[gpupool] forward by alice") == 1
+
+
+async def test_input_counts_against_its_users_relay_budget(
+    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
+) -> None:
+    """Issue 49, review finding 3's last part (the relay's bytes count against per-user limits):
+    the input a client sends, which the server writes into Redis, counts against its user's
+    share as output does, so one user's uploads cannot fill Redis faster than that share nor
+    starve the others: 1 MiB into `cat > /dev/null` with a share of 1 MiB/s after a 256 KiB
+    burst takes its ~0.75 s, and every byte of it is counted against alice."""
+    async with running_job(redis_server, tmp_path, s3_env) as (pool, job_id, _):
+        rate, burst, size = 2**20, 2**18, 2**20
+        handlers = pool.server.handlers
+        assert handlers is not None
+        handlers.relay_budget = RelayBudget(rate=rate, burst=burst)
+        began = time.monotonic()
+        upload = b"z" * size
+        code, out, err = await poolctl(
+            pool.env("alice"), "exec", job_id, "--", "sh", "-c", "cat > /dev/null", stdin=upload
+        )
+        took = time.monotonic() - began
+        assert (code, out, err) == (0, "", "")
+        assert handlers.relay_budget.relayed == {"alice": size}
+        assert took >= (size - burst) / rate * 0.9
