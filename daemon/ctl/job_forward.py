@@ -59,9 +59,10 @@ async def run(client: PoolClient, job_id: str, where: str) -> int:
 
     async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if (owner := peer_uid(writer.get_extra_info("socket"))) not in (os.getuid(), None):
+            whose = f"from uid {owner}" if owner >= 0 else "whose owner is not in the socket table (gone?)"
             print(
-                f"poolctl: refused a connection from uid {owner}: this forward serves only its own "
-                f"user (uid {os.getuid()})",
+                f"poolctl: refused a connection {whose}: this forward serves only its own user "
+                f"(uid {os.getuid()})",
                 file=sys.stderr,
             )
             writer.close()
@@ -102,14 +103,17 @@ async def run(client: PoolClient, job_id: str, where: str) -> int:
 
 
 SOCKETS = "/proc/net/tcp"  # the kernel's table of IPv4 TCP sockets: the listener is on 127.0.0.1
-ESTABLISHED = "01"
+# The states of a connection with an owner: established, or half-closed or closing by either end
+# (a client that sent its request and shut its side is still its user's); not TIME_WAIT, whose
+# rows belong to no one (uid 0) and may be an earlier connection's of the same addresses.
+OWNED = frozenset({"01", "04", "05", "07", "08", "09", "0B"})
 
 
 def peer_uid(sock: socket.socket) -> int | None:
     """The uid owning the other end of `sock`, a connection accepted on 127.0.0.1 (so both ends
     are this machine's): its row in the socket table, the one whose local address is the peer's
-    and whose remote address is ours, established. -1 when it is not there (gone already); None
-    where there is no such table."""
+    and whose remote address is ours, in a state with an owner. -1 when it is not there (gone
+    already); None where there is no such table."""
 
     def address(host_port: tuple[str, int]) -> str:  # as the table writes it: the native-order word
         host, port = host_port[:2]
@@ -120,7 +124,7 @@ def peer_uid(sock: socket.socket) -> int | None:
         with open(SOCKETS) as table:
             for line in table:
                 row = line.split()
-                if row[1:4] == [theirs, ours, ESTABLISHED]:
+                if row[1:3] == [theirs, ours] and row[3] in OWNED:
                     return int(row[7])
     except OSError:
         return None
