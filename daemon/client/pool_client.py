@@ -288,7 +288,8 @@ class PoolClient:
             match await q.get():
                 case ReplyReceived(message=ChannelOutput(stream=stream, data=data)):
                     await output(stream, data)
-                    self._writer.write(self.conn.channel_ack(rid, len(data)))
+                    if data:  # empty: that output has ended (nothing to acknowledge)
+                        self._writer.write(self.conn.channel_ack(rid, len(data)))
                 case ReplyReceived(message=ChannelCredit()):
                     credit.set()
                 case ReplyReceived(message=ChannelClosed() as closed):

@@ -7,11 +7,19 @@ the pool's own, as the server will check again for every connection, and ends, e
 job ends (its open connections close with it), or on Ctrl-C (130). Each channel holds one of the
 user's blocking requests on the server (16 at most), so at most MAX_OPEN connections are relayed
 at once; more wait their turn, accepted, as a busy server's backlog would keep them.
+
+It serves only its own user: any local user can connect to a port on 127.0.0.1, so a connection
+whose other end belongs to another uid (the kernel's socket table says, /proc/net/tcp) is
+closed at once, with a line on stderr, before anything is asked of the server. Where there is no
+such table (not Linux), users cannot be told apart, and poolctl says so when it starts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import struct
 import sys
 from collections.abc import AsyncIterator, Callable
 
@@ -65,6 +73,15 @@ async def serve(
     open_: set[asyncio.Task[None]] = set()
 
     async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if (owner := peer_uid(writer.get_extra_info("socket"))) not in (os.getuid(), None):
+            whose = f"from uid {owner}" if owner >= 0 else "whose owner is not in the socket table (gone?)"
+            print(
+                f"poolctl: refused a connection {whose}: this forward serves only its own user "
+                f"(uid {os.getuid()})",
+                file=sys.stderr,
+            )
+            writer.close()
+            return
         task = asyncio.current_task()
         assert task is not None
         open_.add(task)
@@ -89,6 +106,8 @@ async def serve(
             f"(`poolctl forward {job_id} LOCAL:{port}`, 0 for any free one)",
             ErrorCode.INVALID_ARGUMENT,
         ) from None
+    if not sys.platform.startswith("linux"):  # no socket table to tell local users apart by
+        print(f"poolctl: no {SOCKETS} here: any local user may connect to this forward", file=sys.stderr)
     try:
         listening(listener.sockets[0].getsockname()[1])
         return await ended
@@ -98,6 +117,35 @@ async def serve(
             task.cancel()
         await asyncio.gather(*open_, return_exceptions=True)
         ended.cancel()
+
+
+SOCKETS = "/proc/net/tcp"  # the kernel's table of IPv4 TCP sockets: the listener is on 127.0.0.1
+# The states of a connection with an owner: established, or half-closed or closing by either end
+# (a client that sent its request and shut its side is still its user's); not TIME_WAIT, whose
+# rows belong to no one (uid 0) and may be an earlier connection's of the same addresses.
+OWNED = frozenset({"01", "04", "05", "07", "08", "09", "0B"})
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid owning the other end of `sock`, a connection accepted on 127.0.0.1 (so both ends
+    are this machine's): its row in the socket table, the one whose local address is the peer's
+    and whose remote address is ours, in a state with an owner. -1 when it is not there (gone
+    already); None where there is no such table."""
+
+    def address(host_port: tuple[str, int]) -> str:  # as the table writes it: the native-order word
+        host, port = host_port[:2]
+        return f"{struct.unpack('=I', socket.inet_aton(host))[0]:08X}:{port:04X}"
+
+    theirs, ours = address(sock.getpeername()), address(sock.getsockname())
+    try:
+        with open(SOCKETS) as table:
+            for line in table:
+                row = line.split()
+                if row[1:3] == [theirs, ours] and row[3] in OWNED:
+                    return int(row[7])
+    except OSError:
+        return None
+    return -1
 
 
 async def _check(client: PoolClient, job_id: str) -> None:
@@ -134,6 +182,10 @@ async def _relay(
     """One accepted connection, over its own channel, until either end closes it."""
 
     async def output(_stream: str, data: bytes) -> None:
+        if not data:  # the job's end has shut its side: this one's too, and its input goes on
+            if writer.can_write_eof():
+                writer.write_eof()
+            return
         writer.write(data)
         await writer.drain()
 

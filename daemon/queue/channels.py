@@ -14,16 +14,24 @@ side appends to one Stream and reads the other's:
                           x=CODE   the end: exit code ('' none)  r=WHY how it ended (with x)
                           t=1      taken: the worker's first entry, written at once (a server
                                    that hears nothing for a while gives up on the worker)
+                          e=1      the output has ended, the input goes on (a forward's
+                                   connection, half-closed by the job's end)
 
 Both directions are held to a window, so Redis holds at most that much of one channel whatever
 its ends do: the worker has at most OUT_WINDOW bytes and OUT_ENTRIES entries of output not yet
 taken by the server (`a`), which takes output only as its client acknowledges it; the server has
 at most IN_ENTRIES entries of input not yet taken by the worker (`c`, one per `d` or `w`), and the
-client's window bounds their bytes. Each reader deletes what it has read, each append is capped
-all the same (MAXLEN: the windows and a few entries of control), and each key expires
+client's window bounds their bytes. Each reader deletes what it has read (with its next write:
+Writes), each append is capped all the same (MAXLEN: the windows and a few entries of control,
+the newest kept), and each key expires
 CHANNEL_IDLE after its last write: a channel whose ends have both gone leaves nothing. The server
 makes both Streams (empty) when it opens the channel and deletes them at its end; an append never
 makes one again (NOMKSTREAM), so a late write of the worker's leaves nothing behind either.
+
+Speed: an end never waits for Redis between two of its writes (Writes: what it writes while one
+is on its way leaves together in the next), and the server acknowledges output (`a`) as it takes
+it from Redis, not once its client has it: the worker fills Redis again while the server waits
+for its client, so a window moves in a round trip or two rather than an entry in one.
 
 The server beats while the channel is open: it moves the record's `alive_until` (epoch seconds)
 ahead every few seconds; a worker ends a channel on a `k`, or once its record has gone or its
@@ -32,10 +40,12 @@ ahead every few seconds; a worker ends a channel on a `k`, or once its record ha
 
 from __future__ import annotations
 
+import asyncio
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from daemon.aio import cancel_and_wait
 from daemon.queue.connection import AnyRedis
 from daemon.queue.reads import Entries, xread
 from protocol import CHANNEL_WINDOW
@@ -72,6 +82,74 @@ async def read(redis: AnyRedis, key: str, after: str, block: float = BLOCK) -> E
     for one; [] when none came."""
     answer = await xread(redis, {key: after}, block=block, count=OUT_ENTRIES)
     return answer[0][1] if answer else []
+
+
+class Writes:
+    """One end's writes to its channel's Streams, in the order made, without a round trip each:
+    what is written while a write is on its way leaves with the next one, all in one pipeline.
+    So an end goes on reading its source (a command's pipe, a connection, its other Stream) while
+    Redis answers, and a window's entries cost a round trip or two, not one each. What is queued
+    here is bounded by its writer's window (input entries by IN_ENTRIES): nothing piles up."""
+
+    def __init__(self, redis: AnyRedis) -> None:
+        self.redis = redis
+        self._queued: list[tuple[str, Any]] = []  # (key, an entry to append, or entry ids to delete)
+        self._writing: asyncio.Task[None] | None = None
+        self._failed: Exception | None = None
+
+    def append(self, key: str, entry: Mapping[bytes, bytes]) -> None:
+        """Append `entry` to Stream `key` (as `append` does); raises what an earlier write failed
+        with (Redis gone)."""
+        self._queue(key, dict(entry))
+
+    def delete(self, key: str, entry_ids: Sequence[bytes]) -> None:
+        """Delete entries `entry_ids` (read, and taken) from Stream `key`."""
+        if entry_ids:
+            self._queue(key, tuple(entry_ids))
+
+    async def written(self) -> None:
+        """Wait until everything written so far is in Redis (or has failed: that is raised)."""
+        while self._writing is not None:
+            await asyncio.shield(self._writing)
+        if self._failed is not None:
+            raise self._failed
+
+    async def close(self) -> None:
+        """Stop: what is queued and not yet written is dropped."""
+        if self._writing is not None:
+            await cancel_and_wait(self._writing)
+
+    def _queue(self, key: str, what: Any) -> None:
+        if self._failed is not None:
+            raise self._failed
+        self._queued.append((key, what))
+        if self._writing is None:
+            self._writing = asyncio.ensure_future(self._write())
+
+    async def _write(self) -> None:
+        try:
+            # A turn of the loop first: what the writer wakes by this turn's writes (a pump that
+            # an acknowledgement read and deleted lets read again) joins them, rather than wait
+            # a round trip for the next write.
+            await asyncio.sleep(0)
+            while self._queued:
+                batch, self._queued = self._queued, []
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    appended = set()
+                    for key, what in batch:
+                        if isinstance(what, tuple):
+                            pipe.xdel(key, *what)
+                        else:
+                            pipe.xadd(key, what, maxlen=MAXLEN, approximate=False, nomkstream=True)
+                            appended.add(key)
+                    for key in appended:
+                        pipe.expire(key, CHANNEL_IDLE)
+                    await pipe.execute()
+        except Exception as exc:  # noqa: BLE001 - not hidden: the next write, or written(), raises it
+            self._failed = exc
+            self._queued.clear()
+        finally:
+            self._writing = None
 
 
 def shown(argv: list[str], limit: int = 500) -> str:

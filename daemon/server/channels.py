@@ -12,8 +12,13 @@ Time: every byte relayed counts against its user's share (relay_budget.py), so o
 cannot take the server from everyone else.
 
 Memory: the client's input waits here at most one window (the protocol's: the client is credited
-only once the worker has written it into the command), and output is taken from Redis only as
-the client's window has room for it: one entry at a time waits here.
+only once the worker has written it into the command). Output is taken from Redis a read at a
+time, at most the worker's window (channels.OUT_WINDOW), and the next read waits until the
+client's window has taken all of the last: at most a window of output waits here.
+
+Speed: neither end waits for Redis between its writes (channels.Writes), and output is
+acknowledged to the worker as soon as it is taken from Redis, so the worker fills Redis again
+while this end waits for the client's window: a window each way moves in about a round trip.
 """
 
 from __future__ import annotations
@@ -179,6 +184,7 @@ class Relay:
         self.record = keys.channel(job_id, self.session)
         self.to_worker = keys.channel_in(job_id, self.session)
         self.from_worker = keys.channel_out(job_id, self.session)
+        self.writes = channels.Writes(self.redis)  # input and acknowledgements, without a round trip each
         self._input_entries = 0  # input entries the worker has not credited yet
         self._relayed = 0  # bytes, both ways
         self._ended = False  # the command has ended (`x`), or its job has: nothing is left to kill
@@ -202,6 +208,7 @@ class Relay:
     async def _close(self, helpers: Sequence[asyncio.Future[Any]]) -> None:
         for helper in helpers:
             await cancel_and_wait(helper)
+        await self.writes.close()
         how = "ended" if self._ended else "detached" if self.request.kind == "attach" else "cancelled"
         log.info(
             "%s by %s in job %s (channel %s) %s: %d bytes relayed",
@@ -297,15 +304,16 @@ class Relay:
                 (rows, cols), client.size = client.size, None
                 if self.request.kind == "attach":
                     self._input_entries += 1  # its `c` (of 0 bytes) says the worker applied it
-                    await channels.append(self.redis, self.to_worker, {b"w": f"{rows}x{cols}".encode()})
+                    # (through the same writes as the keys: a resize never overtakes them)
+                    self.writes.append(self.to_worker, {b"w": f"{rows}x{cols}".encode()})
             elif client.input:
                 data = bytes(client.input)
                 client.input.clear()
                 self._input_entries += 1
                 await self._spend(len(data))
-                await channels.append(self.redis, self.to_worker, {b"d": data})
+                self.writes.append(self.to_worker, {b"d": data})
             else:
-                await channels.append(self.redis, self.to_worker, {b"e": b"1"})
+                self.writes.append(self.to_worker, {b"e": b"1"})
                 end_sent = True
 
     async def _down(self) -> ChannelClosed:
@@ -330,17 +338,16 @@ class Relay:
                     )
                 await self._tell_worker()  # it may have missed the news (resubscribing): again
                 continue
-            heard, taken = True, 0  # any entry (the worker's first is `t`, taken) is its answer
-            for entry_id, fields in entries:
-                after = entry_id.decode()
+            heard = True  # any entry (the worker's first is `t`, taken) is its answer
+            after = entries[-1][0].decode()
+            # Taken: gone from Redis, and the worker told at once (`a`), in a write of their own
+            # while they wait here for the client's window: the worker fills Redis again meanwhile.
+            self.writes.delete(self.from_worker, [entry_id for entry_id, _ in entries])
+            if taken := sum(b"o" in fields or b"s" in fields for _, fields in entries):
+                self.writes.append(self.to_worker, {b"a": str(taken).encode()})
+            for _, fields in entries:
                 if (closed := await self._entry(fields)) is not None:
                     return closed
-                taken += b"o" in fields or b"s" in fields
-            async with self.redis.pipeline(transaction=False) as pipe:  # what is read goes from Redis
-                pipe.xdel(self.from_worker, *(entry_id for entry_id, _ in entries))
-                if taken:
-                    channels.add_entry(pipe, self.to_worker, {b"a": str(taken).encode()})
-                await pipe.execute()
 
     def _job_ended(self, info: JobInfo) -> ChannelClosed:
         self._ended = True  # the job's end (or its worker's) ends all of it: nothing to kill
@@ -364,6 +371,9 @@ class Relay:
                 await self._spend(len(data))
                 await client.send(ChannelOutput(stream, data))
                 return None
+        if b"e" in fields:  # the far end's output has ended (a forward's connection, half-closed)
+            await client.send(ChannelOutput("stdout", b""))
+            return None
         if (size := fields.get(b"c")) is not None:
             self._input_entries -= 1
             if int(size):  # (0: a `w` applied, which no window counts)

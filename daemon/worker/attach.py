@@ -70,8 +70,7 @@ class Attach(ExecCommand):
             code, why = await self._attached(user)
             log.info("attach by %s to job %s ended: %s", user, self.job_id, why)
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(channels.append(self.redis, self.out, {b"x": code, b"r": why.encode()}))
+            await self.end(code, why)  # after all output and credit put before it
 
     async def _attached(self, user: str) -> tuple[bytes, str]:
         run, job = self.run_, self.run_.first_process
@@ -143,7 +142,7 @@ class Attach(ExecCommand):
                 self._terminal.hold_output(False)
             self._unread.append(size)
             self._unread_bytes += size
-            await channels.append(self.redis, self.out, {b"o": data})
+            self.writes.append(self.out, {b"o": data})
 
     async def _type_input(self, terminal: Terminal) -> None:
         """The client's input into the terminal as it is (Ctrl-C is a byte its line discipline
@@ -154,7 +153,7 @@ class Attach(ExecCommand):
             if data is None:
                 continue
             await terminal.write(data)
-            await channels.append(self.redis, self.out, {b"c": str(len(data)).encode()})
+            self.writes.append(self.out, {b"c": str(len(data)).encode()})
 
     def _resize(self, rows: int, cols: int) -> None:
         if self._terminal is not None:

@@ -176,6 +176,7 @@ class ExecCommand:
         self.argv = argv
         self.stdin = stdin
         self.out = keys.channel_out(job_id, session)
+        self.writes = channels.Writes(redis)  # output, credit and the end, in order; input read
         self._unread: deque[int] = deque()  # sizes of the output entries the server has not taken
         self._unread_bytes = 0
         self._taken = asyncio.Event()  # the server took some output
@@ -191,8 +192,16 @@ class ExecCommand:
             code = str(status).encode()
             log.info("exec by %s in job %s ended: %s (%d)", user, self.job_id, why, status)
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(channels.append(self.redis, self.out, {b"x": code, b"r": why.encode()}))
+            await self.end(code, why)
+
+    async def end(self, code: bytes, why: str) -> None:
+        """Write the channel's end (`x`) after all output and credit put before it, and stop."""
+        try:
+            with contextlib.suppress(Exception):  # Redis gone: its server ends the channel with the job
+                self.writes.append(self.out, {b"x": code, b"r": why.encode()})
+                await asyncio.shield(self.writes.written())
+        finally:
+            await self.writes.close()
 
     async def _run(self, spawner: Spawner, user: str) -> tuple[int, str]:
         run = self.run_
@@ -307,13 +316,13 @@ class ExecCommand:
                 return
             self._unread.append(len(data))
             self._unread_bytes += len(data)
-            await channels.append(self.redis, self.out, {tag: data})
+            self.writes.append(self.out, {tag: data})
 
     async def _inbound(self) -> str:
         """Read what the server relays until it asks for a kill; returns why. Also returns when
         its server has gone: the channel's record gone, or its `alive_until` (the server's
-        heartbeat, epoch seconds) past. Each entry read is deleted: Redis holds only what the
-        worker has not taken yet."""
+        heartbeat, epoch seconds) past. Each entry read is deleted (with the next write): Redis
+        holds only what the worker has not taken yet."""
         record = keys.channel(self.job_id, self.session)
         source = keys.channel_in(self.job_id, self.session)
         after = "0-0"
@@ -322,9 +331,9 @@ class ExecCommand:
             if not entries and not await self._server_alive(record):
                 return "its channel's server went away"
             if entries:
-                await self.redis.xdel(source, *(entry_id for entry_id, _ in entries))
-            for entry_id, fields in entries:
-                after = entry_id.decode()
+                after = entries[-1][0].decode()
+                self.writes.delete(source, [entry_id for entry_id, _ in entries])
+            for _, fields in entries:
                 if (data := fields.get(b"d")) is not None:
                     self._input.put_nowait(data)  # bounded by the client's window (its credit)
                 elif b"e" in fields:
@@ -336,7 +345,7 @@ class ExecCommand:
                 elif (size := fields.get(b"w")) is not None:  # an attach's window: each applied is said
                     rows, _, cols = size.partition(b"x")
                     self._resize(int(rows), int(cols))
-                    await channels.append(self.redis, self.out, {b"c": b"0"})
+                    self.writes.append(self.out, {b"c": b"0"})  # (in order with the credit before it)
                 elif (why := fields.get(b"k")) is not None:
                     return why.decode()
 
@@ -362,7 +371,7 @@ class ExecCommand:
                 with contextlib.suppress(ConnectionError):
                     writer.write(data)
                     await writer.drain()
-                await channels.append(self.redis, self.out, {b"c": str(len(data)).encode()})
+                self.writes.append(self.out, {b"c": str(len(data)).encode()})
         finally:
             transport.close()
 

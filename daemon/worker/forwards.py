@@ -13,8 +13,10 @@ pool's thread, which would go on to run the worker's own work so).
 Bytes go both ways through the channel's Streams, held to its windows as an exec's output and
 input are (execs.py, whose relaying this reuses): what the job's end of the connection sends
 comes back as output; the client's input is written to it, and the client's end of input
-half-closes it (shutdown SHUT_WR). It ends when the job's end closes it (after all it sent is
-relayed), when the client cancels or goes away, or when the job ends. Every connection is written
+half-closes it (shutdown SHUT_WR). The job's end half-closing it is relayed too (`e`: the client
+half-closes its side), and the input goes on. It ends once both directions have ended (after
+all the job's end sent is relayed), or the job's end takes no more input, when the client
+cancels or goes away, or when the job ends. Every connection is written
 in the job's log as a line of the pool's own, and in the worker's log.
 """
 
@@ -57,8 +59,7 @@ class Forward(ExecCommand):
             code, why = await self._connected(user)
             log.info("forward by %s to port %d in job %s ended: %s", user, self.port, self.job_id, why)
         finally:  # always: its server waits for this entry until the job ends
-            with contextlib.suppress(Exception):
-                await asyncio.shield(channels.append(self.redis, self.out, {b"x": code, b"r": why.encode()}))
+            await self.end(code, why)
 
     async def _connected(self, user: str) -> tuple[bytes, str]:
         """The connection relayed until it ends: its exit code (b"0" closed, b"" never open) and why."""
@@ -80,10 +81,17 @@ class Forward(ExecCommand):
         helpers = (pump, inbound, feed, job_ended)
         try:
             await asyncio.wait({pump, inbound, job_ended}, return_when=asyncio.FIRST_COMPLETED)
-            if pump.done():
-                failed = pump.exception()
-                return b"0", f"closed inside the job ({failed})" if failed else "closed inside the job"
-            return b"0", "the job ended" if job_ended.done() else inbound.result()
+            if pump.done() and pump.exception() is None and not feed.done():
+                # The job's end has shut its side (its output has ended): the client's end is told
+                # (`e`), and its input goes on until it ends too, or the job's end takes no more.
+                self.writes.append(self.out, {b"e": b"1"})
+                await asyncio.wait({feed, inbound, job_ended}, return_when=asyncio.FIRST_COMPLETED)
+            if job_ended.done():
+                return b"0", "the job ended"
+            if inbound.done():
+                return b"0", inbound.result()
+            failed = pump.exception()
+            return b"0", f"closed inside the job ({failed})" if failed else "closed inside the job"
         finally:
             for task in helpers:
                 task.cancel()
@@ -91,14 +99,16 @@ class Forward(ExecCommand):
             writer.close()
 
     async def _write(self, writer: asyncio.StreamWriter) -> None:
-        """Write the client's input to the connection, crediting each piece once written (or
-        dropped: a connection the job's end has shut takes no more, and its client must not
-        wait); the input's end half-closes it."""
+        """Write the client's input to the connection, crediting each piece once written; the
+        input's end half-closes it. Returns then, or once the job's end takes no more (it has
+        closed the connection: nothing more can reach it)."""
         while (data := await self._input.get()) is not None:
-            with contextlib.suppress(ConnectionError):
+            try:
                 writer.write(data)
                 await writer.drain()
-            await channels.append(self.redis, self.out, {b"c": str(len(data)).encode()})
+            except ConnectionError:
+                return
+            self.writes.append(self.out, {b"c": str(len(data)).encode()})
         with contextlib.suppress(OSError):
             writer.write_eof()
 
