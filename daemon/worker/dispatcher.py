@@ -76,6 +76,7 @@ from daemon.worker.gpus import (
     sample_gpus,
 )
 from daemon.worker.heartbeat import Heartbeat
+from daemon.worker.host import HostResources, host_ends
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.lifetime import Lifetime
 from daemon.worker.outcomes import Outcomes
@@ -125,6 +126,7 @@ class Worker(Stopping):
         env_settings: EnvSettings | None = None,
         env_builder: SlotIdentity | None = None,
         local: bool = True,
+        host: HostResources | None = None,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
         (the seam) and optionally a probe. `env` is the base of every job's environment (default:
@@ -140,7 +142,9 @@ class Worker(Stopping):
         `look_ahead_hold` (fast_path.py). A job whose directory holds a lock runs in the
         environment built from it, kept under `data_dir/envs` as `env_settings` say, built as
         `env_builder` (None: this process's uid) (envs.py). `local`: False for an agent's slots
-        (hosted.py): nothing of this machine is opened for them."""
+        (hosted.py): nothing of this machine is opened for them. `host`: the CPUs and memory its
+        jobs may have (host.py), which claims fit with its GPUs; None: not counted, every job
+        fits them."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         if identities is not None and len(identities) < slots:
@@ -166,7 +170,8 @@ class Worker(Stopping):
         self._make_run = make_run or self._job_run
         self._given_gpus, self._given_sampler = gpus, gpu_sampler
         self.probe = probe
-        self.gpu_max_jobs = gpu_max_jobs  # --gpu-mem jobs one GPU may take at most
+        # --gpu-mem jobs one GPU may take at most; the CPUs and memory its jobs may have (None: not counted)
+        self.gpu_max_jobs, self.host = gpu_max_jobs, host
         self.allocator = GpuAllocator(gpus or [], slots, gpu_max_jobs)
         self.heartbeat = Heartbeat(queue, self, heartbeat_seconds)
         self._registration = Registration(
@@ -226,6 +231,8 @@ class Worker(Stopping):
         self.readings = GpuReadings(sampler, self.heartbeat.interval)
         self.heartbeat.observer = self._observe_heartbeat
         self._registration.started_at = time.time()
+        if self.host is not None:  # what its jobs may have: the server refuses a job asking for more
+            self._registration.cpus, self._registration.job_memory = self.host.cpus, self.host.mem
         try:
             await self._slots.open()
             if self._slots.local:  # an agent's jobs get their environments on its own machine
@@ -331,6 +338,16 @@ class Worker(Stopping):
             grace=self.kill_grace,
             lifetime=self.lifetime.claim_lifetime() if self.lifetime else None,
         )
+        if self.host is not None:
+            cpus_free, mem_free = self.host.free(self._held)
+            room = dataclasses.replace(
+                room,
+                cpus_free=cpus_free,
+                cpus_total=self.host.cpus,
+                mem_free=mem_free,
+                mem_total=self.host.mem,
+                host_ends=host_ends(self._held, self.kill_grace),
+            )
         if shared and self.allocator.gpus:
             uuids = [g.uuid for g in self.allocator.gpus]
             free = await asyncio.to_thread(self._nvml.free_memory, uuids) if self._nvml is not None else None
