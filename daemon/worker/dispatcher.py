@@ -494,6 +494,7 @@ class Worker(Stopping):
             slot=self._slots.scratch[slot],
             identity=self._slots.identity(slot),
             cgroup=self._slots.cgroup(slot),
+            limits=self._slots.limit(slot),
             git_protocols=self.git_protocols,
             eager=self._fast.eager,
             on_slot_free=functools.partial(self._slot_free, lease.id) if self._fast.eager else None,
