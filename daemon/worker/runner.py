@@ -669,11 +669,9 @@ class JobRun:
         assert self._usage is not None
         mib = 2**20
         used, asked = self._usage.peak_mem / mib, self.lease.spec.mem / mib
+        limit = f"its --mem of {asked:.0f} MiB" if asked else "no --mem asked (the machine ran out)"
         killed = self._usage.oom_kills
-        return (
-            f"out of memory: used {used:.0f} MiB, its --mem of {asked:.0f} MiB; the kernel killed "
-            f"{killed} of its processes"
-        )
+        return f"out of memory: used {used:.0f} MiB, {limit}; the kernel killed {killed} of its processes"
 
     def _hand_over(self) -> None:
         """Every process of the job is gone: when it holds no GPUs (those are looked at first),

@@ -88,12 +88,13 @@ class SlotLimits:
         """The limits of a job asking for `cpus` CPUs and `mem` bytes (0: no limit), and its
         counters from zero. Blocking (sysfs writes: microseconds)."""
         memory, cpu = self.dirs["memory"], self.dirs["cpu"]
-        if mem:  # the limit first: memsw may never be below it
+        # The last job's limits lifted first (memsw, then memory: memsw may never be below the
+        # memory limit), then this one's set (memory, then memsw).
+        _write(memory / "memory.memsw.limit_in_bytes", UNLIMITED)
+        _write(memory / "memory.limit_in_bytes", UNLIMITED)
+        if mem:
             _write(memory / "memory.limit_in_bytes", b"%d" % mem)
             _write(memory / "memory.memsw.limit_in_bytes", b"%d" % mem)
-        else:
-            _write(memory / "memory.memsw.limit_in_bytes", UNLIMITED)
-            _write(memory / "memory.limit_in_bytes", UNLIMITED)
         _write(memory / "memory.max_usage_in_bytes", b"0")
         _write(cpu / "cpu.cfs_period_us", b"%d" % PERIOD_US)
         _write(cpu / "cpu.cfs_quota_us", b"%d" % (cpus * PERIOD_US) if cpus else UNLIMITED)

@@ -31,10 +31,10 @@ needs_v1 = pytest.mark.skipif(
 async def test_a_job_past_its_mem_fails_saying_so_and_the_worker_goes_on(
     queue: JobQueue, tmp_path: Path
 ) -> None:
-    """issue 50, `--mem` enforced with the sentence: a job that writes 256 MiB with --mem 64M is
+    """issue 50, `--mem` enforced with the sentence: a job that writes 512 MiB with --mem 64M is
     ended by the kernel in its slot's cgroup, not the worker, and fails saying it ran out of its
-    memory; the slot's next job (no --mem) runs unlimited there."""
-    grow = f"{sys.executable} -c 'b = bytearray(256 * 2**20); b[:] = b\"x\" * len(b)'"
+    memory; the slot's next job, under a higher --mem, runs there within it."""
+    grow = f"{sys.executable} -c 'b = bytearray(256 * 2**20); b[:] = b\"x\" * len(b)'"  # 512 MiB written
     async with running_worker(queue, tmp_path / "w", slots=1) as worker:
         assert worker._slots.limits is not None
         hog, _ = await queue.enqueue(sh(grow, mem=64 * MIB))
@@ -43,9 +43,9 @@ async def test_a_job_past_its_mem_fails_saying_so_and_the_worker_goes_on(
         assert info.detail.startswith("out of memory: used 64 MiB, its --mem of 64 MiB; the kernel killed 1 ")
         assert worker._dispatcher is not None
         assert not worker._dispatcher.done()  # the worker goes on
-        after, _ = await queue.enqueue(sh(grow))
+        after, _ = await queue.enqueue(sh(grow, mem=1024 * MIB))  # a higher limit than the last job's
         done = await wait_state(queue, after, JobState.SUCCEEDED, JobState.FAILED)
-        assert done.state is JobState.SUCCEEDED
+        assert done.state is JobState.SUCCEEDED, done.detail
 
 
 @needs_v1
