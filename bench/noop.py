@@ -43,6 +43,9 @@ class NoopRun:
     def lose(self, why: str) -> None:
         pass
 
+    def note(self, text: str) -> None:
+        pass
+
     async def tidy(self) -> None:
         pass
 

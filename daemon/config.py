@@ -85,6 +85,11 @@ class Config:
     worker_env_allow_source_builds: bool
     worker_reserved_mem: int
     gpu_max_jobs: int
+    idle_gpu_util: float
+    idle_gpu_minutes: float
+    idle_gpu_grace_minutes: float
+    idle_gpu_requeue_queues: list[str]
+    idle_gpu_cancel_queues: list[str]
     fast_path: bool
     worker_healthy_response_period: float
     redis_events_block_ms: float
@@ -101,6 +106,7 @@ class Config:
     worker_token_file: str
     job_nice: int
     job_retention: float
+    accounting_retention_days: int
     retry_backoff: float
     retry_backoff_max: float
     job_log_max_bytes: int
@@ -275,6 +281,13 @@ def _check_together(c: Config) -> None:
             c.sources["redis_cluster_nodes"],
             "a pool's Redis is either a Sentinel group (redis_sentinels) or a Cluster, not both: a "
             "Cluster fails over by itself; keep one of the two",
+        )
+    if both := sorted(set(c.idle_gpu_requeue_queues) & set(c.idle_gpu_cancel_queues)):
+        raise ConfigError(
+            "idle_gpu_cancel_queues",
+            c.sources["idle_gpu_cancel_queues"],
+            f"{', '.join(both)} also in idle_gpu_requeue_queues: a queue's jobs left idle are either "
+            "requeued or cancelled; name each queue in one of the two",
         )
     if c.redis_cluster_nodes and c.redis_db:
         raise ConfigError(

@@ -588,6 +588,11 @@ class JobInfo:
     lease: str = ""  # the current (or last) attempt's lease id, GPUPOOL_ATTEMPT_ID in its job
     # The save a next attempt restores (worker/checkpoints.py), recorded by an attempt that held the job
     checkpoint: str = ""
+    # What the last attempt's GPUs did (worker/gpu_usage.py), once it ended; None without GPUs
+    gpu_usage: Mapping[str, Any] | None = None
+    # Set when an attempt left its GPUs idle (worker/idle_gpus.py): since when, for how long, what
+    # its queue did about it
+    idle_gpu: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -606,4 +611,6 @@ class JobInfo:
             "attempts": [a.to_dict() for a in self.attempts],
             "result": dict(self.result),
             "lease": self.lease,
+            "gpu_usage": None if self.gpu_usage is None else dict(self.gpu_usage),
+            "idle_gpu": None if self.idle_gpu is None else dict(self.idle_gpu),
         }

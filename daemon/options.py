@@ -258,6 +258,41 @@ OPTIONS: tuple[Option, ...] = (
         lo=1,
     ),
     Option(
+        "idle_gpu_util",
+        float,
+        5.0,
+        "percent: a job whose every GPU reads below it is leaving its GPUs idle",
+        lo=0,
+        hi=100,
+    ),
+    Option(
+        "idle_gpu_minutes",
+        float,
+        30.0,
+        "minutes a job may leave its GPUs idle before it is flagged (its log, poolctl show, the "
+        "dashboard, its notification); 0: never flagged",
+        lo=0,
+    ),
+    Option(
+        "idle_gpu_grace_minutes",
+        float,
+        30.0,
+        "minutes more of idle GPUs, after the flag, before the queues below act",
+        lo=0,
+    ),
+    Option(
+        "idle_gpu_requeue_queues",
+        list,
+        [],
+        "queues whose jobs left idle past the flag and its grace go back to the front of the queue",
+    ),
+    Option(
+        "idle_gpu_cancel_queues",
+        list,
+        [],
+        "queues whose jobs left idle past the flag and its grace are cancelled",
+    ),
+    Option(
         "fast_path",
         bool,
         True,
@@ -362,6 +397,15 @@ OPTIONS: tuple[Option, ...] = (
         hi=19,
     ),
     Option("job_retention", float, 7 * 24 * 3600.0, "seconds finished jobs are kept", lo=60),
+    Option(
+        "accounting_retention_days",
+        int,
+        400,
+        "days each ended job's accounting record (`poolctl acct`: about 40 bytes) is kept, past "
+        "its job's own record; the workers' and the server's value counts for the jobs each ends",
+        lo=1,
+        hi=100 * 366,
+    ),
     Option(
         "retry_backoff",
         float,

@@ -82,8 +82,9 @@ def user_key(token: bytes) -> bytes:
 
 def end_record(job: dict[str, Any]) -> dict[str, Any]:
     """The body of a notification: what a receiver needs of a job that ended, from its record as
-    the protocol answers it (JobInfo.to_dict). Neither its environment nor its result: they may
-    hold secrets, and the pool-wide URL is not the job owner's."""
+    the protocol answers it (JobInfo.to_dict), with what its GPUs did (`gpu_usage`) and whether
+    it left them idle (`idle_gpu`). Neither its environment nor its result: they may hold
+    secrets, and the pool-wide URL is not the job owner's."""
     spec = job["spec"]
     return {
         "event": EVENT,
@@ -99,4 +100,6 @@ def end_record(job: dict[str, Any]) -> dict[str, Any]:
         "ended_at": job["ended_at"],
         "attempts": job["attempt"],
         "worker": job["worker"],
+        "gpu_usage": job.get("gpu_usage"),
+        "idle_gpu": job.get("idle_gpu"),
     }

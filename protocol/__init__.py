@@ -35,6 +35,8 @@ from protocol.events import (
 from protocol.frames import DEFAULT_MAX_FRAME_SIZE, HEADER_SIZE, PROTOCOL_VERSION
 from protocol.messages import (
     CHANNEL_WINDOW,
+    Account,
+    Accounted,
     AgentAnswer,
     AgentCall,
     AgentOrder,
@@ -94,6 +96,8 @@ __all__ = [
     "HEADER_SIZE",
     "NEED_DATA",
     "PROTOCOL_VERSION",
+    "Account",
+    "Accounted",
     "AgentAnswer",
     "AgentCall",
     "AgentOrder",

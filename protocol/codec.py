@@ -15,6 +15,8 @@ from protocol.messages import (
     MAC_SIZE,
     MAX_USER_BYTES,
     NONCE_SIZE,
+    Account,
+    Accounted,
     AgentAnswer,
     AgentCall,
     AgentOrder,
@@ -104,6 +106,7 @@ Request: TypeAlias = (
     | ServeJobs
     | AgentCall
     | OpenChannel
+    | Account
 )
 Reply: TypeAlias = (
     Enqueued
@@ -124,6 +127,7 @@ Reply: TypeAlias = (
     | Served
     | AgentAnswer
     | ChannelClosed
+    | Accounted
 )
 StreamItem: TypeAlias = LogChunk | JobEnded | PoolView | AgentOrder | ChannelOutput | ChannelCredit
 ChannelInput: TypeAlias = ChannelData | ChannelEnd | ChannelAck | ChannelResize
@@ -151,6 +155,7 @@ _REPLY_FOR: Final[dict[type[Any], type[Any]]] = {
     ServeJobs: Served,
     AgentCall: AgentAnswer,
     OpenChannel: ChannelClosed,
+    Account: Accounted,
 }
 _STREAM_FOR: Final[dict[type[Any], tuple[type[Any], ...]]] = {
     FollowLogs: (LogChunk,),

@@ -22,6 +22,8 @@ from protocol.record import Record
 __all__ = [
     "CHANNEL_WINDOW",
     "NONCE_SIZE",
+    "Account",
+    "Accounted",
     "AgentAnswer",
     "AgentCall",
     "AgentOrder",
@@ -233,6 +235,20 @@ class ListWorkers(Record):
     """List workers and their slots."""
 
     OP: ClassVar = "list_workers"
+
+
+class Account(Record):
+    """What the jobs that ended between ``since`` and ``until`` (Unix seconds; None: 30 days ago,
+    and now) used, from their accounting records, summed per ``by`` ("user", "queue" or "day"),
+    for ``user``'s jobs (None: every user's a caller may see: an admin's, everyone's; anyone
+    else's, their own) in ``queue`` (None: every queue)."""
+
+    OP: ClassVar = "account"
+    user: str | None
+    queue: str | None
+    since: float | None
+    until: float | None
+    by: str
 
 
 class Ping(Record):
@@ -504,6 +520,20 @@ class WorkerList(Record):
 
     OP: ClassVar = "worker_list"
     workers: list[dict[str, Any]]
+
+
+class Accounted(Record):
+    """Reply to Account: one row per group (its key under the name ``by`` gave, then ``jobs``,
+    ``failed``, ``cancelled``, ``gpu_hours``, ``cpu_hours``, ``efficiency`` (nil where no job of
+    the group had its GPU use recorded), ``wait_p50`` and ``wait_p90`` (seconds; nil where none
+    ran)), in the order of their keys; ``total``, the same over every row; and the times it
+    covered."""
+
+    OP: ClassVar = "accounted"
+    rows: list[dict[str, Any]]
+    total: dict[str, Any]
+    since: float
+    until: float
 
 
 class Pong(Record):

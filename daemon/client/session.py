@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from daemon.address import is_loopback, parse_host_port, unix_path
 from daemon.errors import GpupoolError
 from protocol import (
+    Account,
     Authenticated,
     CancelJobs,
     ClientConnection,
@@ -132,6 +133,7 @@ def addresses(server: str) -> list[str]:
 # Requests whose second copy, on another server of the pool, does what the first would have: reads,
 # cancels, waits and streams (a stream resumes where it was: FollowLogs from its offset).
 REPEATABLE = (
+    Account,
     ListJobs,
     ShowJob,
     CancelJobs,

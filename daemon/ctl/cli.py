@@ -2,10 +2,11 @@
 
 Exit status: 0 success; 1 a job failed or the request failed; 2 bad usage or input; 3 server
 unreachable; 4 authentication refused, or a token file others can read; 5 unknown job; 6 another
-user's job (only its owner or a pool admin may act on it); 124 `wait` timed out; 130 Ctrl-C (how
-`top` and `ls --watch` end, unless given -n); `logs -f` and `enqueue -f` exit with the job's own
-exit code, `exec` with its command's, `shell` and `attach` with the shell's (0 when detached),
-`forward` 0 when its job ends; `health` exits 0 only when the server and its Redis answer.
+user's job (only its owner or a pool admin may act on it) or accounting (`acct --user`); 124
+`wait` timed out; 130 Ctrl-C (how `top` and `ls --watch` end, unless given -n); `logs -f` and
+`enqueue -f` exit with the job's own exit code, `exec` with its command's, `shell` and `attach`
+with the shell's (0 when detached), `forward` 0 when its job ends; `health` exits 0 only when the
+server and its Redis answer.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from daemon.ctl.parsing import UsageError
 from daemon.errors import GpupoolError, NotYours
 from daemon.listing import MORE
 from protocol import (
+    Accounted,
     CancelJobs,
     Cancelled,
     Enqueue,
@@ -140,6 +142,11 @@ def _talk(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueBatch | 
             or (isinstance(request, Enqueue) and (_moves_data(args) or args.follow))
         )
     )
+    if args.command == "acct":
+        from daemon.ctl import acct
+
+        acct.show(to.call(acct.request(args), Accounted), args.by, as_json=args.json, as_csv=args.csv)
+        return 0
     if args.command in ("put", "get", "logs", "exec", "forward", "shell", "attach") or on_loop:
         import asyncio
 

@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from daemon.ctl import render
+from daemon.ctl.acct import add_acct
 from daemon.ctl.enqueue_args import GPUS_MAX, add_enqueue, gpu_mem_size
 from daemon.ctl.parsing import Parser, seconds, whole
 from daemon.ctl.pilot import add_pilot
@@ -53,6 +54,12 @@ def add_ls(sub: Any) -> None:  # argparse's _SubParsersAction, which it does not
     ls.add_argument(
         "-n", "--views", type=whole(0, MAX_VIEWS), default=0, metavar="N", help="with --watch: stop after N"
     )
+
+
+def add_pool_views(sub: Any) -> None:
+    """The commands that show the pool rather than a job: its workers, and what its jobs used."""
+    sub.add_parser("workers", help="the pool's workers").add_argument("--json", action="store_true")
+    add_acct(sub)
 
 
 def add_into_jobs(sub: Any) -> None:
@@ -169,7 +176,7 @@ def parser() -> Parser:
     )
     top.add_argument("--json", action="store_true", help="one JSON object per view")
 
-    sub.add_parser("workers", help="the pool's workers").add_argument("--json", action="store_true")
+    add_pool_views(sub)
     add_pilot(sub)
 
     put = sub.add_parser("put", help="upload a file or directory as a dataset (skipped if already stored)")

@@ -112,6 +112,11 @@ def _table(table: Rows, header: bool = True) -> None:
         print(line)
 
 
+def table(rows: Rows) -> None:
+    """`rows` as a table: drawn by rich on a terminal, aligned text otherwise."""
+    _table(rows)
+
+
 def json_text(value: object) -> str:
     """`value` as one line of JSON (what --json prints, a line per item)."""
     import orjson
@@ -312,6 +317,8 @@ def job(j: dict[str, Any], *, as_json: bool) -> None:
         ("ended", _when(j["ended_at"])),
         ("exit code", None if j["exit_code"] is None else str(j["exit_code"])),
         ("detail", j["detail"] or None),
+        ("gpu usage", gpu_usage(j.get("gpu_usage"))),
+        ("gpu idle", gpu_idle(j.get("idle_gpu"))),
     ]
     for key, value in lines:
         if value is not None:
@@ -323,6 +330,32 @@ def job(j: dict[str, Any], *, as_json: bool) -> None:
             started = _when(a["started_at"])
             print(f"  #{a['attempt']}  {a['how']:<10} on {clean(a['worker'])}  started {started}  ran {ran}")
     _artifacts(j.get("result") or {})
+
+
+def gpu_usage(usage: dict[str, Any] | None) -> str | None:
+    """A job's `gpu_usage` in a line: `48 % mean, 85 % p95, peak 10 GiB, 1.2 Wh, efficiency 49 %
+    (2 GPUs, 40 readings)`; None without one (no GPUs, or not ended yet)."""
+    if not usage:
+        return None
+    parts = []
+    if usage.get("util_mean") is not None:
+        parts.append(f"{usage['util_mean']:.0f} % mean, {usage['util_p95']:.0f} % p95")
+    if usage.get("mem_peak") is not None:
+        parts.append(f"peak {_whole(size(int(usage['mem_peak'])))}")
+    if usage.get("energy_j") is not None:
+        parts.append(f"{usage['energy_j'] / 3600:.3g} Wh")
+    if usage.get("efficiency") is not None:
+        parts.append(f"efficiency {usage['efficiency'] * 100:.0f} %")
+    gpus = len(usage.get("gpus") or [])
+    return f"{', '.join(parts) or 'no readings'} ({gpus} GPUs, {usage.get('samples', 0)} readings)"
+
+
+def gpu_idle(idle: dict[str, Any] | None) -> str | None:
+    """A job's `idle_gpu` flag in a line: `below 5 % for 30 min (attempt 1); requeued`."""
+    if not idle:
+        return None
+    done = {"requeue": "; requeued", "cancel": "; cancelled"}.get(str(idle.get("action")), "")
+    return f"below {idle['util_below']:g} % for {idle['minutes']:.1f} min (attempt {idle['attempt']}){done}"
 
 
 def _gpus(gpus: Sequence[dict[str, Any]]) -> str:

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from daemon.metrics.common import RTT_BUCKETS, QueueLabels, new_registry
 
 TRANSFER_DIRECTIONS = ("upload", "download")
+EFFICIENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
 
 class Gpu(Protocol):
@@ -46,6 +47,8 @@ class GpuSample:
     memory_used: int | None = None  # bytes
     memory_total: int | None = None  # bytes
     temperature: float | None = None  # celsius
+    power_w: float | None = None  # the board's draw now, watts
+    energy_mj: int | None = None  # NVML's total energy since the driver loaded, millijoules (Volta on)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +156,14 @@ class WorkerMetrics:
         self._heartbeat_failures = Counter(
             "gpupool_heartbeat_failures", "Heartbeats that failed (Redis unreachable).", registry=r
         )
+        self._efficiency = Histogram(
+            "gpupool_job_gpu_efficiency",
+            "Each attempt's GPU efficiency at its end: utilisation-weighted GPU-hours over allocated "
+            "GPU-hours (0-1).",
+            ["queue"],
+            buckets=EFFICIENCY_BUCKETS,
+            registry=r,
+        )
         self._transferred = Counter(
             "gpupool_transfer_bytes", "Bytes moved to and from the object store.", ["direction"], registry=r
         )
@@ -176,6 +187,11 @@ class WorkerMetrics:
     def job_started(self, queue: str) -> None:
         """An attempt of a job from `queue` was given its slot and is starting."""
         self._started.labels(self._queue(queue)).inc()
+
+    def job_efficiency(self, queue: str, efficiency: float) -> None:
+        """An attempt of a job from `queue` that held GPUs ended having used them `efficiency`
+        (0-1) of its time (worker/gpu_usage.py)."""
+        self._efficiency.labels(self._queue(queue)).observe(efficiency)
 
     def heartbeat(self, rtt_s: float) -> None:
         self._heartbeat.observe(rtt_s)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgpack
+import orjson
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 
@@ -56,6 +57,7 @@ from daemon.webhook import TARGET_JOB, TARGET_POOL
 log = logging.getLogger(__name__)
 
 DEFAULT_RETENTION = 7 * 24 * 3600
+DEFAULT_ACCOUNTING_DAYS = 400  # (config accounting_retention_days)
 RECLAIM_BATCH = 500
 ENQUEUE_CHUNK = 100  # jobs per enqueue_many script call: a few ms of Redis time at most
 MAX_IDEMPOTENCY_KEY = 200
@@ -100,6 +102,17 @@ def _raise_if_stale(lease: Lease, reply: Sequence[Any]) -> None:
         )
 
 
+def _gpu_util(result: Mapping[str, Any]) -> str:
+    """The attempt's mean GPU utilisation in percent, from the usage summary its worker puts in
+    its outcome's result (`gpu_usage`'s `efficiency`, 0 to 1), for its accounting record; "" where
+    none was measured."""
+    usage = result.get("gpu_usage")
+    efficiency = usage.get("efficiency") if isinstance(usage, Mapping) else None
+    if isinstance(efficiency, int | float) and not isinstance(efficiency, bool) and 0 <= efficiency <= 1:
+        return f"{efficiency * 100:.2f}"
+    return ""
+
+
 class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
     """All queue operations of one pool, over one Redis client (a connection pool)."""
 
@@ -109,6 +122,7 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
         *,
         lease_seconds: float = 300.0,
         retention_seconds: int = DEFAULT_RETENTION,
+        accounting_days: int = DEFAULT_ACCOUNTING_DAYS,
         log_max_bytes: int = DEFAULT_LOG_MAX_BYTES,
         watch: RunIdWatch | None = None,
         ack: ReplicaAck | None = None,
@@ -139,8 +153,10 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
         `max_unended`: the most jobs one user may have queued or running in one queue (0: no
         bound), which the enqueue scripts keep to (lib/finish.lua `unended`). `max_stored`: the most
         bytes of jobs one user may submit, over every queue, within one retention (0: no bound;
-        lua/store.lua). `fast_path`: the GPU-less fast path's switch (queue/fast_path.py; off:
-        each script call by itself through plain redis-py, and no claim left standing)."""
+        lua/store.lua). `accounting_days`: how long each ended job's accounting record is kept
+        (lib/account.lua; queue/accounting.py reads them). `fast_path`: the GPU-less fast path's
+        switch (queue/fast_path.py; off: each script call by itself through plain redis-py, and no
+        claim left standing)."""
         self.redis = redis
         self.fast_path = fast_path
         self.max_unended = max_unended
@@ -155,6 +171,7 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
         self.watch = watch
         self.lease_ms = max(1, round(lease_seconds * 1000))
         self.retention = retention_seconds
+        self.accounting_days = accounting_days
         self.backoff_ms = tuple(max(0, round(b * 1000)) for b in retry_backoff)
         self.log_head = log_max_bytes // 4
         self.log_tail = log_max_bytes - self.log_head
@@ -176,6 +193,7 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
             redis,
             lease_seconds=config.worker_healthy_response_period,
             retention_seconds=int(config.job_retention),
+            accounting_days=config.accounting_retention_days,
             log_max_bytes=config.job_log_max_bytes,
             watch=watch,
             ack=ReplicaAck.of(config.redis_min_replicas_ack, config.redis_replicas_ack_timeout),
@@ -445,6 +463,8 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
             msgpack.packb(dict(outcome.result)),
             self.retention,
             *self.backoff_ms,
+            self.accounting_days,
+            _gpu_util(outcome.result),
             durable=True,
             linger=linger,
         )
@@ -460,6 +480,7 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
             lease,
             [keys.stream(q), keys.front(q), keys.leases(q), keys.events(q)],
             self.retention,
+            self.accounting_days,
         )
 
     async def _end_attempt(
@@ -537,7 +558,7 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
             await self._call(
                 self.scripts.cancel,
                 [keys.stream(q), keys.front(q), keys.events(q)],
-                [keys.queue_prefix(q), keys.GROUP, job_id, self.retention, detail],
+                [keys.queue_prefix(q), keys.GROUP, job_id, self.retention, detail, self.accounting_days],
             )
         )
         if state == "missing":
@@ -567,7 +588,7 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
                 batch.add(
                     self.scripts.reclaim,
                     [keys.stream(q), keys.front(q), keys.leases(q), keys.events(q)],
-                    [keys.queue_prefix(q), keys.GROUP, RECLAIM_BATCH, self.retention],
+                    [keys.queue_prefix(q), keys.GROUP, RECLAIM_BATCH, self.retention, self.accounting_days],
                 )
             more = []
             for q, (taken, *pairs) in zip(todo, await batch.execute(), strict=True):
@@ -600,6 +621,16 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
             self.scripts.checkpoint,
             [keys.job(lease.job_id), keys.leases(lease.queue)],
             [lease.worker, lease.attempt, lease.id, name],
+        )
+        return bool(answer)
+
+    async def flag_idle_gpu(self, lease: Lease, record: Mapping[str, Any]) -> bool:
+        """Record on the job that this attempt leaves its GPUs idle (`idle_gpu` in its record,
+        idle_gpu.lua): False, recording nothing, when the attempt no longer holds the job."""
+        answer = await self._call(
+            self.scripts.idle_gpu,
+            [keys.job(lease.job_id)],
+            [lease.worker, lease.attempt, lease.id, orjson.dumps(dict(record))],
         )
         return bool(answer)
 

@@ -90,6 +90,11 @@ Per queue (``gp:{q:NAME}:…``):
                 out once delivered or given up (queue/outbox.py); at most 100 000 per queue.
                 Its attempts so far are counted on the record ('notify_tries:TARGET').
   outbox_dropped  counter of the ends the outbox's cap pushed out, until a server reports them.
+  acct:DAY      LIST of the accounting records of the queue's jobs that ended on day DAY (days
+                since the epoch, Redis time), one per job, in the order they ended: written by the
+                script that ends the job (lib/account.lua, which gives the record's fields), so
+                exactly once; the list expires accounting_retention_days after its day ends, long
+                after the jobs' own records (queue/accounting.py reads them).
   idem:KEY      the job id an idempotency key (``len(user):user:key``) was first used for; it expires
                 with the job's record, `job_retention` after the job ends.
   batch:ID      the ids an enqueue_many call gave, for ten minutes, so that the call sent again
@@ -265,6 +270,11 @@ def channel_in(job_id: str, session: str) -> str:
 
 def channel_out(job_id: str, session: str) -> str:
     return channel(job_id, session) + ":out"
+
+
+def accounting(queue: str, day: int) -> str:
+    """The accounting records of `queue`'s jobs that ended on `day` (days since the epoch)."""
+    return f"{queue_prefix(queue)}acct:{day}"
 
 
 def outbox(queue: str) -> str:

@@ -292,6 +292,8 @@ def _size(n: int) -> str:
 def _job_info(record: dict[bytes, bytes], history: list[bytes]) -> JobInfo:
     get = record.get
     exit_code = get(b"exit_code")
+    result = msgpack.unpackb(get(b"result")) if get(b"result") else {}
+    gpu_usage = result.pop("gpu_usage", None)  # carried in the outcome's result (worker/gpu_usage.py)
     return JobInfo(
         id=_s(record[b"id"]),
         state=JobState(_s(record[b"state"])),
@@ -306,9 +308,11 @@ def _job_info(record: dict[bytes, bytes], history: list[bytes]) -> JobInfo:
         detail=_s(get(b"detail", b"")),
         cancel_requested=get(b"cancel") == b"1",
         attempts=tuple(_attempt(orjson.loads(h)) for h in history),
-        result=msgpack.unpackb(get(b"result")) if get(b"result") else {},
+        result=result,
         lease=_s(get(b"lease", b"")),
         checkpoint=_s(get(b"checkpoint", b"")),
+        gpu_usage=gpu_usage,
+        idle_gpu=orjson.loads(idle) if (idle := get(b"idle_gpu")) else None,
     )
 
 

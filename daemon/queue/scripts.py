@@ -72,6 +72,7 @@ NAMES = (
     "started",
     "store",
     "checkpoint",
+    "idle_gpu",
 )
 
 
@@ -126,6 +127,7 @@ class Scripts:
         self.started: AsyncScript = redis.register_script(source("started"))
         self.store: AsyncScript = redis.register_script(source("store"))
         self.checkpoint: AsyncScript = redis.register_script(source("checkpoint"))
+        self.idle_gpu: AsyncScript = redis.register_script(source("idle_gpu"))
 
 
 @dataclass(frozen=True, slots=True)

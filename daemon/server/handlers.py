@@ -33,7 +33,7 @@ from daemon.queue.failures import out_of_memory
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import registered_workers
 from daemon.queue.terminal_events import JobEvents
-from daemon.server import channels
+from daemon.server import accounting, channels
 from daemon.server.admission import Admission
 from daemon.server.agents import Agents
 from daemon.server.bounds import SubmitBounds
@@ -44,6 +44,7 @@ from daemon.server.pending import MAX_LIST, PendingReasons, WorkerLister
 from daemon.server.relay_budget import RelayBudget
 from daemon.webhook_targets import Allowed
 from protocol import (
+    Account,
     AgentCall,
     CancelJobs,
     Cancelled,
@@ -160,6 +161,9 @@ class Handlers:
             if isinstance(request, OpenChannel):
                 assert client is not None, "a channel needs its client's end"
                 return await self._channel(request, user, client)
+            if isinstance(request, Account):
+                queues = await self.queue.queues()
+                return await accounting.account(self.queue.redis, queues, request, user, self.admins)
             return await self._dispatch(request, user, send)
         except InvalidKey as exc:  # the caller's key, refused before the store was asked
             raise GpupoolError(exc.message, ErrorCode.INVALID_ARGUMENT) from None

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from daemon.job import Lease, RenewStatus
+from daemon.worker.gpu_usage import GpuUsage
+from daemon.worker.idle_gpus import IdleWatch
 from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.runner import Run
 
@@ -57,6 +59,8 @@ class HeldAttempt:
     task: asyncio.Task[None] | None = None
     fenced: bool = False  # killed at its deadline already
     since: float = field(default_factory=boottime)  # boottime() of its claim
+    usage: GpuUsage | None = None  # what its GPUs did so far (gpu_watch.py), if it holds any
+    idle: IdleWatch | None = None  # how long they have been idle, if it holds any and flags are on
 
     def expired(self) -> bool:
         """Past the deadline: the lease may be another worker's by now."""

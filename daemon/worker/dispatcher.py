@@ -51,7 +51,7 @@ from daemon.errors import NotReplicated, RedisUnavailable
 from daemon.git import ANY_PROTOCOL
 from daemon.job import Lease, RenewStatus
 from daemon.metrics.transfers import MeteredStore
-from daemon.metrics.worker import GpuSampler, WorkerMetrics
+from daemon.metrics.worker import GpuSample, GpuSampler, WorkerMetrics
 from daemon.queue import keys, registry
 from daemon.queue.claims import Capacity, SharedGpu
 from daemon.queue.job_queue import JobQueue
@@ -65,6 +65,7 @@ from daemon.worker.envs import EnvCache
 from daemon.worker.execs import Execs
 from daemon.worker.fast_path import FastPath
 from daemon.worker.gpu_readings import GpuReadings
+from daemon.worker.gpu_watch import GpuWatch
 from daemon.worker.gpus import (
     GpuAllocator,
     GpuInfo,
@@ -78,6 +79,7 @@ from daemon.worker.gpus import (
 from daemon.worker.heartbeat import Heartbeat
 from daemon.worker.host import HostResources, host_ends
 from daemon.worker.identity import SlotIdentity
+from daemon.worker.idle_gpus import IdlePolicy
 from daemon.worker.lifetime import Lifetime
 from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult, passed_env
@@ -126,6 +128,7 @@ class Worker(Stopping):
         env_settings: EnvSettings | None = None,
         env_builder: SlotIdentity | None = None,
         local: bool = True,
+        idle_gpus: IdlePolicy | None = None,
         host: HostResources | None = None,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
@@ -142,9 +145,11 @@ class Worker(Stopping):
         `look_ahead_hold` (fast_path.py). A job whose directory holds a lock runs in the
         environment built from it, kept under `data_dir/envs` as `env_settings` say, built as
         `env_builder` (None: this process's uid) (envs.py). `local`: False for an agent's slots
-        (hosted.py): nothing of this machine is opened for them. `host`: the CPUs and memory its
-        jobs may have (host.py), which claims fit with its GPUs; None: not counted, every job
-        fits them."""
+        (hosted.py): nothing of this machine is opened for them. `idle_gpus`: when a job that
+        leaves its GPUs idle is flagged, and what its queue does then (idle_gpus.py; default:
+        flagged after 30 minutes below 5 %, no queue acts). `host`: the CPUs and memory its jobs
+        may have (host.py), which claims fit with its GPUs; None: not counted, every job fits
+        them."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         if identities is not None and len(identities) < slots:
@@ -212,6 +217,8 @@ class Worker(Stopping):
         self._watch = WorkWatch(queue, self.id, self.queues)
         self._stage = Stage.WORKING
         self._forced = asyncio.Event()
+        # each attempt's GPU usage summary and idle clock, fed by the readings (gpu_watch.py)
+        self._gpu_watch = GpuWatch(queue, idle_gpus or IdlePolicy(), self._spawn)
         self._outcomes = Outcomes(queue, self._forced)  # records each attempt's end
         self._stopped = asyncio.Event()
 
@@ -228,7 +235,7 @@ class Worker(Stopping):
         self._fast.begin(gpus)
         sampler = functools.partial(sample_gpus, gpus) if self._nvml is not None else self._given_sampler
         self.metrics = WorkerMetrics(gpus, sampler)  # NVML is read by sample_gpus, never by metrics/
-        self.readings = GpuReadings(sampler, self.heartbeat.interval)
+        self.readings = GpuReadings(sampler, self.heartbeat.interval, self._gpus_read)
         self.heartbeat.observer = self._observe_heartbeat
         self._registration.started_at = time.time()
         if self.host is not None:  # what its jobs may have: the server refuses a job asking for more
@@ -473,6 +480,7 @@ class Worker(Stopping):
             if lease.ahead:  # it counts as started from here
                 self._fast.say_started(self.queue, lease)
             self.metrics.job_started(lease.spec.queue)
+        self._gpu_watch.begin(held)
         run.start()  # now, when nothing has to come first; else its task prepares and starts it
         held.task = self._attempts.spawn(self._attempt(held), f"job {lease.job_id}")
 
@@ -562,6 +570,7 @@ class Worker(Stopping):
                 # Killed by a signal after the fence deadline: maybe by the fence itself (the orphan
                 # guard, while this worker was frozen). Not the job's outcome: the lease decides.
                 result = RunResult(Ending.LOST, None, result.dirty_gpus, result.killed_by)
+            result = self._gpu_watch.summarised(held, result, self.metrics)
             # While short jobs flow and another runs, its end comes soon: this outcome may wait for it.
             await self._outcomes.report(held.lease, result, self._fast.linger(self._busy()))
         finally:
@@ -612,6 +621,9 @@ class Worker(Stopping):
             self.metrics.heartbeat_failed()
         else:
             self.metrics.heartbeat(round_trip)
+
+    def _gpus_read(self, samples: Sequence[GpuSample], at: float) -> None:
+        self._gpu_watch.read(self._held, samples, at)
 
     def _transferred(self, direction: str, nbytes: int) -> None:
         self.metrics.transferred(direction, nbytes)  # the metrics of now: start() replaces them

@@ -3,10 +3,10 @@
 This is the one module that reads NVML. Discovery (`discover`) asks it once, at start; a GPU in MIG
 mode is listed as its MIG devices, each a GPU of its own to the pool (CUDA_VISIBLE_DEVICES takes
 their MIG- UUIDs), since a job on one cannot see or touch the others' memory or compute;
-`sample_gpus` reads the GPUs' utilisation, memory and temperature at each metrics scrape (the worker
-hands it to `WorkerMetrics`, which never imports pynvml). Without the NVIDIA driver, or without GPUs, NVML
-raises `NVMLError` (or sees nothing): the worker then runs as a CPU worker, says so once, and only
-takes jobs that need no GPU. It never crashes for want of a GPU.
+`sample_gpus` reads the GPUs' utilisation, memory, temperature, power and energy at each metrics
+scrape (the worker hands it to `WorkerMetrics`, which never imports pynvml). Without the NVIDIA
+driver, or without GPUs, NVML raises `NVMLError` (or sees nothing): the worker then runs as a CPU
+worker, says so once, and only takes jobs that need no GPU. It never crashes for want of a GPU.
 
 Assignment (`GpuAllocator`) is pure bookkeeping over a list of `GpuInfo`, so tests drive it with a
 made-up list instead of NVML (the seam). Its rules:
@@ -241,7 +241,7 @@ def sample_gpus(gpus: Iterable[GpuInfo]) -> list[GpuSample]:
             handle = pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
         except pynvml.NVMLError:
             continue
-        utilization = used = total = temperature = None
+        utilization = used = total = temperature = power = energy = None
         with contextlib.suppress(pynvml.NVMLError):
             utilization = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100
         with contextlib.suppress(pynvml.NVMLError):
@@ -249,7 +249,11 @@ def sample_gpus(gpus: Iterable[GpuInfo]) -> list[GpuSample]:
             used, total = int(memory.used), int(memory.total)
         with contextlib.suppress(pynvml.NVMLError):
             temperature = float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
-        out.append(GpuSample(gpu.uuid, utilization, used, total, temperature))
+        with contextlib.suppress(pynvml.NVMLError):
+            power = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000  # milliwatts
+        with contextlib.suppress(pynvml.NVMLError):
+            energy = int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+        out.append(GpuSample(gpu.uuid, utilization, used, total, temperature, power, energy))
     return out
 
 

@@ -233,6 +233,10 @@ class RemoteRun:
     def hand_back(self, now: bool = False, why: str = "the worker is stopping") -> None:
         self._stop("hand_back", {"now": now, "why": why})
 
+    def note(self, text: str) -> None:
+        """The agent writes the job's log; a note of this side's is the worker's log line only."""
+        log.info("job %s: %s", self.lease.job_id, text)
+
     def lose(self, why: str) -> None:
         """As JobRun's: killed now, nothing recorded; once its process has ended, no change."""
         if self.phase is RemotePhase.NEW:

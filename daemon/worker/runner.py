@@ -101,6 +101,8 @@ class Run(Protocol):
     def cancel(self) -> None: ...
     def hand_back(self, now: bool = False, why: str = "the worker is stopping") -> None: ...
     def lose(self, why: str) -> None: ...
+    def note(self, text: str) -> None:
+        """A line of the pool's own in the job's log ("[gpupool] ...")."""
 
 
 # What a job gets of the worker's environment: enough to find programs and speak the user's
@@ -271,6 +273,9 @@ class JobRun:
         """Stop the job (at once with `now`) so the attempt can go back to the front of its queue:
         the worker is stopping, or the job was requeued."""
         self._stop(Ending.HANDED_BACK, why, now=now)
+
+    def note(self, text: str) -> None:
+        self.output.note(text)
 
     def lose(self, why: str) -> None:
         """The attempt is no longer this worker's: SIGKILL at once, record nothing (its log

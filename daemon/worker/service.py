@@ -29,6 +29,7 @@ from daemon.worker.dispatcher import Worker
 from daemon.worker.env_build import EnvSettings
 from daemon.worker.host import HostResources, machine_cpus
 from daemon.worker.identity import SlotIdentity, lease_uids, slot_identities
+from daemon.worker.idle_gpus import IdlePolicy
 from daemon.worker.lifetime import Lifetime
 from storage.base import ObjectStore
 
@@ -163,6 +164,7 @@ def configured_worker(
         git_protocols=ANY_PROTOCOL if config.embedded else NETWORK_PROTOCOLS,
         gpu_max_jobs=config.gpu_max_jobs,
         lifetime=lifetime,
+        idle_gpus=IdlePolicy.of(config),
         env_settings=env_settings(config),
         env_builder=env_builder(identities),
         host=HostResources.of_machine(config.worker_reserved_mem),

@@ -307,3 +307,13 @@ def test_the_local_slots_by_default_are_the_machines_gpus_or_else_its_cores() ->
     assert local_slot_count(config.load(flags(), env={})) == (gpus.count() or len(os.sched_getaffinity(0)))
     for given in ("0", "3"):
         assert local_slot_count(config.load(flags("--worker-local-processors", given), env={})) == int(given)
+
+
+def test_a_queue_cannot_both_requeue_and_cancel_idle_gpu_jobs() -> None:
+    """Issue 50, idle GPUs: a queue named in both idle_gpu_* policy lists is refused at start with
+    a sentence naming it, rather than one policy silently winning."""
+    c = config.load(env={"GPUPOOL_IDLE_GPU_REQUEUE_QUEUES": "a", "GPUPOOL_IDLE_GPU_CANCEL_QUEUES": "b"})
+    assert (c.idle_gpu_requeue_queues, c.idle_gpu_cancel_queues) == (["a"], ["b"])
+    both = {"GPUPOOL_IDLE_GPU_REQUEUE_QUEUES": "a,b", "GPUPOOL_IDLE_GPU_CANCEL_QUEUES": "b"}
+    with pytest.raises(ConfigError, match=r"idle_gpu_cancel_queues: .*b also in idle_gpu_requeue_queues"):
+        config.load(env=both)

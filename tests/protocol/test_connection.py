@@ -3,6 +3,8 @@
 import pytest
 
 from protocol import (
+    Account,
+    Accounted,
     CancelJobs,
     Cancelled,
     CancelRequested,
@@ -376,3 +378,18 @@ def test_frames_before_a_violation_are_processed_first() -> None:
     events = pair.to_server(data + b"junk")
     assert events[0] == RequestReceived(request_id, Ping())
     assert isinstance(events[1], ConnectionFailed)
+
+
+def test_an_account_request_is_answered_by_its_rows_and_a_wrong_type_is_refused() -> None:
+    """issue 50, accounting: Account travels the wire and Accounted answers it (sans-IO: a
+    connected pair, no event loop); a request whose `by` is not a string is refused by the
+    server's end as a malformed payload (BAD_PAYLOAD), as any mistyped field is."""
+    pair = Pair().connect()
+    request = Account("alice", None, 1712345678.0, None, "day")
+    request_id = pair.request(request)
+    answer = Accounted([{"day": "2024-04-05", "jobs": 1}], {"jobs": 1}, 1712345678.0, 1712400000.0)
+    data = pair.server.reply(request_id, answer)
+    assert pair.to_client(data) == [ReplyReceived(request_id, answer, final=True)]
+    payload = {"op": "account", "user": None, "queue": None, "since": None, "until": None, "by": 3}
+    events = pair.to_server(raw_frame(FrameType.REQUEST, 9, payload))
+    assert_server_failed(pair, events, ErrorCode.BAD_PAYLOAD)

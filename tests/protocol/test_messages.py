@@ -92,6 +92,14 @@ EVERY_MESSAGE: list[codec.Message] = [
     m.ChannelAck(65536),
     m.ChannelResize(50, 132),
     m.OpenChannel("default.1", "attach", [], stdin=True, rows=24, cols=80),
+    m.Account("alice", "default", 1712345678.0, None, "day"),
+    m.Account(None, None, None, None, "user"),
+    m.Accounted(
+        [{"user": "alice", "jobs": 2, "gpu_hours": 1.5, "efficiency": None, "wait_p50": 3.0}],
+        {"jobs": 2, "gpu_hours": 1.5, "efficiency": None, "wait_p50": 3.0},
+        1712345678.0,
+        1712349999.5,
+    ),
 ]
 
 
@@ -104,7 +112,7 @@ def test_round_trip(message: codec.Message) -> None:
 def test_every_message_class_is_covered() -> None:
     defined = {cls for cls in vars(m).values() if is_record(cls)}
     assert {type(message) for message in EVERY_MESSAGE} == defined
-    assert len(defined) == 6 + 19 + 18 + 6 + 4  # control, requests, replies, stream items, channel input
+    assert len(defined) == 6 + 20 + 19 + 6 + 4  # control, requests, replies, stream items, channel input
 
 
 def test_frame_types() -> None:

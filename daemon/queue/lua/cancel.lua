@@ -8,7 +8,8 @@
 -- its first write is a deletion, and stopping jobs is how memory comes back.
 -- KEYS: 1 stream, 2 the front, 3 events
 -- ARGV: 1 queue key prefix, 2 group, 3 job id, 4 retention (s), 5 why (optional: the record's
---       detail, for a job cancelled by the pool, as one whose dependency can no longer be met)
+--       detail, for a job cancelled by the pool, as one whose dependency can no longer be met),
+--       6 days the job's accounting record is kept (lib/account.lua; absent: its default)
 -- Returns the job's state afterwards: 'cancelled' | 'cancelling' | the terminal state | 'missing'.
 --! include lib/record.lua
 --! include lib/finish.lua
@@ -27,7 +28,7 @@ if state == 'queued' then
   redis.call('ZREM', prefix .. 'depends', id)
   redis.call('ZREM', prefix .. 'backoff', id)
   finish(prefix, stream, group, events, id, 'cancelled', now_ms(), tonumber(ARGV[4]),
-    nil, ARGV[5] and ARGV[5] ~= '' and {'detail', ARGV[5]} or nil)
+    nil, ARGV[5] and ARGV[5] ~= '' and {'detail', ARGV[5]} or nil, ARGV[6])
   return 'cancelled'
 end
 if state == 'running' then

@@ -11,7 +11,10 @@
 -- KEYS: 1 stream, 2 leases, 3 events, 4 the front
 -- ARGV: 1 queue key prefix, 2 group, 3 consumer, 4 job id, 5 attempt, 6 lease id, 7 state,
 --       8 exit code ('' if none), 9 detail, 10 result (msgpack, opaque here), 11 retention (s),
---       12 a retry's back-off (ms; 0: none) before its failure count doubles it, 13 its most (ms)
+--       12 a retry's back-off (ms; 0: none) before its failure count doubles it, 13 its most (ms),
+--       14 days the job's accounting record is kept (lib/account.lua; absent: its default),
+--       15 the attempt's mean GPU utilisation in percent, as its worker measured it ('' or
+--       absent: not measured; lib/account.lua)
 -- Returns {state afterwards} (the outcome's, or 'queued' for a retry) | {'stale', state, attempt}.
 --! include lib/record.lua
 --! include lib/use.lua
@@ -30,7 +33,7 @@ end
 local now = now_ms()
 redis.call('ZREM', leases, id)
 redis.call('HDEL', jobkey, 'ahead')  -- it ran, whether or not its start's mark came first
-close_attempt(prefix, jobkey, state, now)
+close_attempt(prefix, jobkey, state, now, tonumber(ARGV[15]))
 local outcome = {'exit_code', ARGV[8], 'detail', ARGV[9], 'result', ARGV[10], 'ended_by', lease}
 if state == 'failed' and j[7] ~= '1' and tonumber(j[5]) < tonumber(j[6]) then
   outcome[#outcome + 1], outcome[#outcome + 2] = 'ended_as', 'queued'
@@ -40,5 +43,5 @@ if state == 'failed' and j[7] ~= '1' and tonumber(j[5]) < tonumber(j[6]) then
   return {'queued'}
 end
 outcome[#outcome + 1], outcome[#outcome + 2] = 'ended_as', state
-finish(prefix, stream, group, events, id, state, now, tonumber(ARGV[11]), {unpack(j, 10, 17)}, outcome)
+finish(prefix, stream, group, events, id, state, now, tonumber(ARGV[11]), {unpack(j, 10, 17)}, outcome, ARGV[14])
 return {state}

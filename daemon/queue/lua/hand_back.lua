@@ -7,7 +7,8 @@
 -- towards max_attempts. A job the user cancelled meanwhile becomes cancelled. The same call again
 -- answers as the first did. At maxmemory it still runs (its first write is a deletion).
 -- KEYS: 1 stream, 2 the front, 3 leases, 4 events
--- ARGV: 1 queue key prefix, 2 group, 3 consumer, 4 job id, 5 attempt, 6 lease id, 7 retention (s)
+-- ARGV: 1 queue key prefix, 2 group, 3 consumer, 4 job id, 5 attempt, 6 lease id, 7 retention (s),
+--       8 days the job's accounting record is kept (lib/account.lua; absent: its default)
 -- Returns {'queued'} | {'cancelled'} | {'stale', state, attempt}.
 --! include lib/record.lua
 --! include lib/use.lua
@@ -27,7 +28,7 @@ close_attempt(prefix, jobkey, 'released', now)
 redis.call('HDEL', jobkey, 'ahead')  -- (charged nothing above, if it never started)
 local answer = 'queued'
 if j[5] == '1' then
-  finish(prefix, stream, group, events, id, 'cancelled', now, tonumber(ARGV[7]))
+  finish(prefix, stream, group, events, id, 'cancelled', now, tonumber(ARGV[7]), nil, nil, ARGV[8])
   answer = 'cancelled'
 else
   redis.call('HINCRBY', jobkey, 'handbacks', 1)

@@ -12,7 +12,8 @@
 -- to run twice (a lease taken, or a job moved, is gone); at maxmemory it still runs (its first
 -- write is a deletion).
 -- KEYS: 1 stream, 2 the front, 3 leases, 4 events
--- ARGV: 1 queue key prefix, 2 group, 3 most to take in one call, 4 retention (s)
+-- ARGV: 1 queue key prefix, 2 group, 3 most to take in one call, 4 retention (s), 5 days an
+--       ended job's accounting record is kept (lib/account.lua; absent: its default)
 -- Returns a flat list: how many leases it took (up to the limit), then job id, new state, job id,
 -- new state, ... for those whose job was running.
 --! include lib/record.lua
@@ -57,7 +58,7 @@ for _, id in ipairs(expired) do
       state = 'queued'
       requeue(prefix, stream, group, front, id)
     end
-    if state ~= 'queued' then finish(prefix, stream, group, events, id, state, now, retention) end
+    if state ~= 'queued' then finish(prefix, stream, group, events, id, state, now, retention, nil, nil, ARGV[5]) end
     out[#out + 1] = id
     out[#out + 1] = state
   end

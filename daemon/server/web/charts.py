@@ -1,4 +1,5 @@
-"""The small charts of a GPU's recent utilisation and memory, as SVG polyline points.
+"""The small charts of a GPU's recent utilisation and memory, as SVG polyline points, and of what a
+job's GPUs did over its life, as bars.
 
 Drawn by the server as plain SVG attributes: the Content-Security-Policy allows no inline style
 and no script from anywhere but this server, and a chart needs neither.
@@ -6,7 +7,8 @@ and no script from anywhere but this server, and a chart needs neither.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from daemon.server.web.snapshot import Reading
 
@@ -33,6 +35,22 @@ def _points(values: Sequence[float | None]) -> str:
         return ""
     step = WIDTH / max(1, len(values) - 1)
     return " ".join(f"{i * step:.1f},{HEIGHT - min(1.0, max(0.0, v)) * HEIGHT:.1f}" for i, v in known)
+
+
+def usage_bars(usage: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """Each GPU of a job's `gpu_usage` (worker/gpu_usage.py) as the job page draws it: a bar to its
+    mean utilisation and a mark at its 95th percentile, with the figures they stand for."""
+    out = []
+    for g in (usage or {}).get("gpus") or []:
+        mean, p95 = g.get("util_mean"), g.get("util_p95")
+        out.append(
+            {
+                **g,
+                "mean_bar": bar(None if mean is None else mean / 100),
+                "p95_x": bar(None if p95 is None else p95 / 100),
+            }
+        )
+    return out
 
 
 def bar(fraction: float | None) -> float:

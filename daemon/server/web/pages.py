@@ -233,6 +233,9 @@ async def job(request: web.Request) -> Page:
         "active": state in (JobState.QUEUED, JobState.RUNNING),
         "artifacts": (record.get("result") or {}).get("artifacts") or [],
         "attempts": record.get("attempts") or [],
+        "usage": record.get("gpu_usage"),
+        "usage_gpus": charts.usage_bars(record.get("gpu_usage")),
+        "idle": record.get("idle_gpu"),
     }
 
 

@@ -39,6 +39,9 @@ class NotedRun:
     def hand_back(self, now: bool = False, why: str = "") -> None:
         pass
 
+    def note(self, text: str) -> None:
+        pass
+
     def lose(self, why: str) -> None:
         if self.lost_at is None:
             self.lost_at = boottime()

@@ -4,17 +4,22 @@ and the worker discovers, places jobs on and probes GPUs that do not exist. In-p
 tests/support/workers.py `fake_gpus` instead; nothing of the product knows this module.
 
 `FAKE_NVML_GPUS` lists the GPUs' memory in GiB, comma-separated ("80,80": two GPUs of 80 GiB);
-`FAKE_NVML_HOST` goes into their UUIDs, so that two workers' GPUs never share one. Everything the
+`FAKE_NVML_HOST` goes into their UUIDs, so that two workers' GPUs never share one.
+`FAKE_NVML_READINGS` names a directory where a test (or a job: it may be world-writable) sets a
+GPU's readings: a file named after its UUID holding JSON `{"util": percent, "mem_used": bytes,
+"power_w": watts, "energy_mj": millijoules}`, each key optional, read afresh at every call;
+without one a GPU reads 0 % and no memory in use, and has no power or energy reading. Everything the
 worker does not ask of a made-up GPU (errors, constants) is the real module's: it is loaded from
 the path that follows this directory, so `pynvml.NVMLError` and its kin are the very classes the
-worker catches. No process ever holds memory on these GPUs: all of it is free, and no job leaves
-one dirty.
+worker catches. No process ever holds memory on these GPUs (the memory in use a test sets is a
+reading, no more), and no job leaves one dirty.
 """
 
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -89,8 +94,21 @@ def nvmlDeviceGetName(gpu: _Gpu) -> str:
     return "Made-up GPU"
 
 
+def _reading(gpu: _Gpu, key: str) -> float | None:
+    """The test's reading `key` of `gpu` (FAKE_NVML_READINGS), if it set one."""
+    where = os.environ.get("FAKE_NVML_READINGS")
+    if not where:
+        return None
+    try:
+        value = json.loads((Path(where) / gpu.uuid).read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+    return None if value is None else float(value)
+
+
 def nvmlDeviceGetMemoryInfo(gpu: _Gpu) -> SimpleNamespace:
-    return SimpleNamespace(total=gpu.total, used=0, free=gpu.total)
+    used = int(_reading(gpu, "mem_used") or 0)
+    return SimpleNamespace(total=gpu.total, used=used, free=gpu.total - used)
 
 
 def nvmlDeviceGetMinorNumber(gpu: _Gpu) -> int:
@@ -110,7 +128,19 @@ def nvmlDeviceGetGraphicsRunningProcesses(gpu: _Gpu) -> list[object]:
 
 
 def nvmlDeviceGetUtilizationRates(gpu: _Gpu) -> SimpleNamespace:
-    return SimpleNamespace(gpu=0, memory=0)
+    return SimpleNamespace(gpu=int(_reading(gpu, "util") or 0), memory=0)
+
+
+def nvmlDeviceGetPowerUsage(gpu: _Gpu) -> int:
+    if (watts := _reading(gpu, "power_w")) is None:
+        raise NVMLError_NotSupported()  # type: ignore[name-defined]  # noqa: F821 (the real module's)
+    return int(watts * 1000)  # milliwatts, as NVML gives it
+
+
+def nvmlDeviceGetTotalEnergyConsumption(gpu: _Gpu) -> int:
+    if (energy := _reading(gpu, "energy_mj")) is None:
+        raise NVMLError_NotSupported()  # type: ignore[name-defined]  # noqa: F821 (the real module's)
+    return int(energy)
 
 
 def nvmlDeviceGetTemperature(gpu: _Gpu, sensor: int) -> int:

@@ -1,6 +1,7 @@
 -- lib/finish.lua: the one end of every job: counts, notifications, events, retention.
 --! include lib/record.lua
 --! include lib/arrays.lua
+--! include lib/account.lua
 
 -- How many finished jobs of a queue to forget per job that finishes, once past retention: the
 -- index stays bounded by the jobs of the last `retention` seconds at a constant cost per finish.
@@ -53,9 +54,10 @@ end
 -- Move a job to a terminal state: the record (with `fields`, more field-value pairs to set at
 -- once, if given), the stream entry, its notifications (to_outbox), an event for waiters, and
 -- the retention countdown of every key of the job (the set of the jobs waiting for it too); the
--- next jobs of its array's window are let in; the queue's index forgets jobs past retention.
+-- next jobs of its array's window are let in; the queue's index forgets jobs past retention; its
+-- accounting record is written, kept `days` days (lib/account.lua).
 -- `j`: the job's FINISH_FIELDS, when the caller has read them.
-local function finish(prefix, stream, group, events, id, state, now, retention, j, fields)
+local function finish(prefix, stream, group, events, id, state, now, retention, j, fields, days)
   local jobkey = job_key(prefix, id)
   j = j or redis.call('HMGET', jobkey, unpack(FINISH_FIELDS))
   drop_entry(stream, group, j[1])
@@ -63,6 +65,7 @@ local function finish(prefix, stream, group, events, id, state, now, retention, 
   for _, v in ipairs(fields or {}) do set[#set + 1] = v end
   redis.call('HSET', jobkey, unpack(set))
   to_outbox(prefix, jobkey, id, now)
+  account(prefix, jobkey, state, now, days)
   -- the times ride along so that whoever reads events (metrics) needs no second round trip
   redis.call('XADD', events, 'MAXLEN', '~', 10000, '*', 'job', id, 'state', state,
     'enqueued_at', j[3] or '', 'started_at', j[4] or '', 'ended_at', now)

@@ -1,4 +1,5 @@
--- lib/use.lua: what a user used, charged as each attempt ends (fair share).
+-- lib/use.lua: what a user used, charged as each attempt ends (fair share, accounting).
+--! include lib/account.lua
 
 -- Fair share (claim.lua): a queue whose claims rank users by recent use keeps, in its `fairshare`
 -- hash, the half-life its claimers decay use by ('half_life', ms) and each user's use at a time
@@ -27,9 +28,12 @@ local function charge(prefix, jobkey, now)
     't:' .. j[1], now)
 end
 
--- Close the newest attempt in a job's history, if it is still open, and charge its use.
-local function close_attempt(prefix, jobkey, how, now)
+-- Close the newest attempt in a job's history, if it is still open, and charge its use (to the
+-- user's fair share, and to the job's totals for its accounting record; `util`: the attempt's
+-- mean GPU utilisation in percent, where its worker measured it, lib/account.lua).
+local function close_attempt(prefix, jobkey, how, now, util)
   charge(prefix, jobkey, now)
+  tally(jobkey, now, util)
   local hist = jobkey .. ':attempts'
   local last = redis.call('LINDEX', hist, -1)
   if last then

@@ -1,0 +1,101 @@
+"""What the worker does with each reading of its GPUs for the attempts that hold them: keep each
+one's usage summary (gpu_usage.py), apply the idle-GPU policy (idle_gpus.py), and put the summary
+into the attempt's outcome at its end.
+
+An attempt's summary and idle clock live on its record (attempt.HeldAttempt), made when it starts
+on GPUs and dropped with it; readings reach them in the event loop (gpu_readings.py), so nothing
+here locks. Recording the idle flag is one fenced script call (queue/lua/idle_gpu.lua), made in a
+task of its own: a Redis that does not answer costs the flag, never a reading or the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from daemon.errors import NotReplicated
+from daemon.metrics.worker import GpuSample, WorkerMetrics
+from daemon.queue.job_queue import JobQueue
+from daemon.worker.attempt import HeldAttempt, Phase
+from daemon.worker.gpu_usage import GpuUsage
+from daemon.worker.idle_gpus import Act, IdlePolicy
+from daemon.worker.runner import RunResult
+
+log = logging.getLogger(__name__)
+
+Spawn = Callable[[Coroutine[Any, Any, None], str], object]
+
+
+class GpuWatch:
+    """The worker's attempts' GPU summaries and idle clocks, fed by `read`."""
+
+    def __init__(self, queue: JobQueue, policy: IdlePolicy, spawn: Spawn) -> None:
+        self.queue = queue
+        self.policy = policy
+        self._spawn = spawn
+
+    def begin(self, held: HeldAttempt) -> None:
+        """The attempt starts on its GPUs (none: nothing to watch)."""
+        if held.run is not None and held.run.gpus:
+            held.usage = GpuUsage((g.index, g.uuid) for g in held.run.gpus)
+            held.idle = self.policy.watch(held.lease.spec.queue)
+
+    def read(self, held: Iterable[HeldAttempt], samples: Sequence[GpuSample], at: float) -> None:
+        """One reading of the worker's GPUs, taken at `at` (time.time())."""
+        utilization = {s.uuid: s.utilization for s in samples}
+        for h in held:
+            if h.usage is None or h.phase is not Phase.RUNNING or h.run is None or h.run.exited:
+                continue
+            h.usage.add(samples, at)
+            if h.idle is not None:
+                act = h.idle.observe([utilization.get(uuid) for uuid in sorted(h.usage.uuids)], at)
+                if act is not None:
+                    self._idle(h, act, at)
+
+    def _idle(self, held: HeldAttempt, act: Act, at: float) -> None:
+        assert held.run is not None
+        assert held.idle is not None
+        lease, run, minutes = held.lease, held.run, held.idle.idle_minutes(at)
+        idle = f"{minutes * 60:.0f} s" if minutes < 1 else f"{minutes:.1f} min"
+        seen = f"its GPUs were below {self.policy.util:g} % for {idle}"
+        if act is Act.FLAG:
+            action = held.idle.action
+            then = "requeued" if action is Act.REQUEUE else "cancelled" if action is Act.CANCEL else ""
+            later = f"; it is {then} after {self.policy.grace_minutes:g} min more" if then else ""
+            run.note(f"{seen} (idle_gpu_minutes): flagged as idle{later}")
+        elif act is Act.REQUEUE:
+            run.hand_back(why=f"{seen}: its queue requeues jobs that leave GPUs idle")
+        else:
+            run.note(f"{seen}: its queue cancels jobs that leave GPUs idle")
+            run.cancel()
+        log.warning("job %s attempt %d: %s (%s)", lease.job_id, lease.attempt, seen, act.value)
+        record = {
+            "attempt": lease.attempt,
+            "since": held.idle.since,
+            "minutes": round(minutes, 2),
+            "util_below": self.policy.util,
+            "action": None if act is Act.FLAG else act.value,
+        }
+        self._spawn(self._record(held, record), f"idle flag of {lease.job_id}")
+
+    async def _record(self, held: HeldAttempt, record: dict[str, Any]) -> None:
+        try:
+            if not await self.queue.flag_idle_gpu(held.lease, record):
+                log.info("job %s: idle flag not recorded: the attempt no longer holds it", held.lease.job_id)
+        except (RedisError, NotReplicated) as exc:
+            log.warning("job %s: could not record its idle flag: %s", held.lease.job_id, exc)
+
+    @staticmethod
+    def summarised(held: HeldAttempt, result: RunResult, metrics: WorkerMetrics) -> RunResult:
+        """`result` with the attempt's GPU usage in its outcome's record (`gpu_usage`), its
+        efficiency observed in `metrics`; as it was without GPUs, readings or an outcome."""
+        if held.usage is None or result.outcome is None or (usage := held.usage.summary()) is None:
+            return result
+        if usage["efficiency"] is not None:
+            metrics.job_efficiency(held.lease.spec.queue, usage["efficiency"])
+        outcome = dataclasses.replace(result.outcome, result={**result.outcome.result, "gpu_usage": usage})
+        return dataclasses.replace(result, outcome=outcome)
