@@ -18,7 +18,7 @@ from daemon.queue.job_queue import JobQueue
 from daemon.worker import gpus
 from daemon.worker.service import local_slot_count
 from daemon.worker.slot_limits import v1_dirs
-from tests.support.workers import running_worker, sh, wait_state
+from tests.support.workers import running_worker, sh, wait_state, wait_until
 
 MIB = 2**20
 
@@ -59,8 +59,11 @@ async def test_cpus_1_holds_a_spinning_job_to_one_cpus_time(queue: JobQueue, tmp
         assert worker._slots.limits is not None
         quota = worker._slots.limits.slot(0).dirs["cpu"] / "cpu.cfs_quota_us"
         job_id, _ = await queue.enqueue(sh(spin, cpus=1))
-        await wait_state(queue, job_id, JobState.RUNNING)
-        assert quota.read_text().strip() == "100000"  # one period's time in each (cpu.cfs_period_us)
+
+        async def quota_set() -> bool:  # one period's time in each (cpu.cfs_period_us), once it starts
+            return quota.read_text().strip() == "100000"
+
+        await wait_until(quota_set, timeout=10, what="the job's CPU quota")  # (it spins for 1.5 s)
         info = await wait_state(queue, job_id, JobState.SUCCEEDED, JobState.FAILED)
         assert info.state is JobState.SUCCEEDED, info.detail
         result = info.result or {}
