@@ -91,3 +91,16 @@ async def test_a_job_asking_more_cpus_or_memory_than_the_worker_has_is_parked(re
     big = host(8, 64 * GIB, cpus=8, mem=64 * GIB)
     got = await queue.claim_many("w8", ["default"], 2, big)
     assert sorted(lease.job_id for lease in got) == sorted([many_cpus, much_mem])
+
+
+async def test_a_claim_answered_again_counts_its_cpus_and_memory_out(redis: AnyRedis) -> None:
+    """issue 50: a request sent again (its reply lost) answers the same lease, and says the CPUs
+    and memory its job took are not free, as it does for GPUs: the worker, which never heard of
+    the job, sent them as free, and its next queue's claim must not count them twice."""
+    queue = JobQueue(redis, lease_seconds=30)
+    (job,) = await queue.enqueue_many([JobSpec(argv=("true",), cpus=3, mem=4 * GIB)])
+    request = queue._request("w1", "default", 1, 1, host(4, 16 * GIB))
+    first = await queue._claim_call(request)
+    again = await queue._claim_call(request)
+    assert [lease.job_id for lease in again.leases] == [lease.job_id for lease in first.leases] == [job]
+    assert (first.cpus_free, first.mem_free) == (again.cpus_free, again.mem_free) == (1, 12 * GIB)
