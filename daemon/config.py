@@ -85,6 +85,8 @@ class Config:
     worker_env_allow_source_builds: bool
     worker_reserved_mem: int
     gpu_max_jobs: int
+    gpu_health_policy: str
+    gpu_health_clear: float
     idle_gpu_util: float
     idle_gpu_minutes: float
     idle_gpu_grace_minutes: float

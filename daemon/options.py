@@ -258,6 +258,23 @@ OPTIONS: tuple[Option, ...] = (
         lo=1,
     ),
     Option(
+        "gpu_health_policy",
+        str,
+        "requeue",
+        "what a worker does with the job on a GPU a health fault quarantines (Xid, uncorrectable "
+        "ECC, pages pending, off the bus, hardware slowdown): requeue, stop it and hand it back to "
+        "run on a sound GPU; let_finish, let it run to its end",
+        choices=("requeue", "let_finish"),
+    ),
+    Option(
+        "gpu_health_clear",
+        float,
+        600.0,
+        "seconds without a health fault after which a quarantined GPU is checked (NVML answers, "
+        "its memory readable) and, passing, back in use",
+        lo=0,
+    ),
+    Option(
         "idle_gpu_util",
         float,
         5.0,

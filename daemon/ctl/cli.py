@@ -5,8 +5,8 @@ unreachable; 4 authentication refused, or a token file others can read; 5 unknow
 user's job (only its owner or a pool admin may act on it) or accounting (`acct --user`); 124
 `wait` timed out; 130 Ctrl-C (how `top` and `ls --watch` end, unless given -n); `logs -f` and
 `enqueue -f` exit with the job's own exit code, `exec` with its command's, `shell` and `attach`
-with the shell's (0 when detached), `forward` 0 when its job ends; `health` exits 0 only when the
-server and its Redis answer.
+with the shell's (0 when detached), `forward` 0 when its job ends, `jupyter` too (1 if it failed,
+143 on SIGTERM); `health` exits 0 only when the server and its Redis answer.
 """
 
 from __future__ import annotations
@@ -116,6 +116,10 @@ def _run(args: argparse.Namespace) -> int:
         job_shell.need_terminal(args.command)
         if args.command == "shell":
             request = job_shell.enqueue_request(args)
+    if args.command == "jupyter":  # the same: an enqueue of JupyterLab
+        from daemon.ctl import job_jupyter
+
+        request = job_jupyter.request(args)
     if args.command == "put" and not os.path.lexists(args.path):  # the command line's mistake
         raise UsageError(f"{args.path}: no such file or directory")
     if args.command == "cancel":
@@ -147,7 +151,7 @@ def _talk(to: Link, args: argparse.Namespace, request: Enqueue | EnqueueBatch | 
 
         acct.show(to.call(acct.request(args), Accounted), args.by, as_json=args.json, as_csv=args.csv)
         return 0
-    if args.command in ("put", "get", "logs", "exec", "forward", "shell", "attach") or on_loop:
+    if args.command in ("put", "get", "logs", "exec", "forward", "shell", "attach", "jupyter") or on_loop:
         import asyncio
 
         from storage.base import StorageError
@@ -190,6 +194,12 @@ async def _on_loop(
             assert isinstance(request, Enqueue)
             await _attach_project(client, [request.spec], args.enqueue)
             return await job_shell.shell(client, request)
+        case "jupyter":
+            from daemon.ctl import job_jupyter
+
+            assert isinstance(request, Enqueue)
+            await _attach_project(client, [request.spec], args.enqueue)
+            return await job_jupyter.run(client, request, args.port, args.open)
     if isinstance(request, EnqueueBatch):  # an array, run in its project
         await _attach_project(client, request.specs, args)
         try:

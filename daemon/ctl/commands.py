@@ -63,7 +63,8 @@ def add_pool_views(sub: Any) -> None:
 
 
 def add_into_jobs(sub: Any) -> None:
-    """The commands that reach into a running job: exec, forward, shell and attach (job_shell.py)."""
+    """The commands that reach into a running job: exec, forward, shell and attach (job_shell.py),
+    and jupyter (job_jupyter.py)."""
     inside = sub.add_parser(
         "exec",
         help="run a command inside a running job (its uid, GPUs, environment and directory); "
@@ -81,6 +82,7 @@ def add_into_jobs(sub: Any) -> None:
     forward.add_argument("ports", metavar="[LOCAL:]PORT")
 
     add_shell(sub)
+    add_jupyter(sub)
 
 
 def add_shell(sub: Any) -> None:
@@ -109,6 +111,31 @@ def add_shell(sub: Any) -> None:
     shell.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
     attach = sub.add_parser("attach", help="attach this terminal to a running shell again (poolctl shell)")
     attach.add_argument("job")
+
+
+def add_jupyter(sub: Any) -> None:  # argparse's _SubParsersAction, which it does not export
+    """`poolctl jupyter`: enqueue's options that an interactive JupyterLab needs (job_jupyter.py)."""
+    lab = sub.add_parser(
+        "jupyter",
+        help="a JupyterLab in a job of its own, in your project and its environment, forwarded here: "
+        "prints its URL; Ctrl-C ends it and cancels the job",
+    )
+    lab.add_argument("--queue", "-q", default="default")
+    size = lab.add_mutually_exclusive_group()
+    size.add_argument("--gpus", type=whole(0, GPUS_MAX), default=0, help="GPUs the job needs")
+    size.add_argument(
+        "--gpu-mem", type=gpu_mem_size, default=0, metavar="SIZE", help="instead: memory on a shared GPU"
+    )
+    lab.add_argument("--time", type=seconds(), metavar="SECONDS", help="end the job after this long")
+    lab.add_argument(
+        "--port", type=whole(0, 65535), default=0, metavar="LOCAL", help="the local port (default: any free)"
+    )
+    lab.add_argument("--open", action="store_true", help="open the URL in a browser too")
+    lab.add_argument("--name", default="jupyter", help="the job's name (default: jupyter)")
+    lab.add_argument("--workdir", metavar="DIR|none", help="the project to run in, as enqueue's")
+    lab.add_argument(
+        "--no-env", action="store_true", help="JupyterLab of the worker's own Python, not the lock's"
+    )
 
 
 def parser() -> Parser:

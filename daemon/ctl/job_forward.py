@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from daemon.client.pool_client import PoolClient
 from daemon.client.session import ClientError
@@ -45,6 +45,21 @@ async def run(client: PoolClient, job_id: str, where: str) -> int:
     """Forward until job `job_id` ends (0) or Ctrl-C."""
     local, port = ports(where)
     await _check(client, job_id)
+
+    def listening(bound: int) -> None:
+        print(f"forwarding 127.0.0.1:{bound} to port {port} in job {job_id} (Ctrl-C ends it)", flush=True)
+
+    state = await serve(client, job_id, local, port, listening)
+    print(f"poolctl: job {job_id} {state}: its forward has ended", file=sys.stderr)
+    return 0
+
+
+async def serve(
+    client: PoolClient, job_id: str, local: int, port: int, listening: Callable[[int], None]
+) -> str:
+    """Relay connections to 127.0.0.1:`local` here (0: any free port; `listening` is told the one
+    bound) to `port` in running job `job_id` until the job ends: how it ended. `poolctl jupyter`
+    serves its JupyterLab with it."""
     ended = asyncio.ensure_future(_end_of(client, job_id))
     room = asyncio.Semaphore(MAX_OPEN)
     open_: set[asyncio.Task[None]] = set()
@@ -56,6 +71,11 @@ async def run(client: PoolClient, job_id: str, where: str) -> int:
         try:
             async with room:
                 await _relay(client, job_id, port, reader, writer)
+        except asyncio.CancelledError:
+            # serve()'s end, which cancelled this connection's own task and awaits it: it ends
+            # here, as Python 3.11's streams take a handler's task that ends cancelled for an
+            # error, and print it (a browser's open connections at Ctrl-C, each a traceback).
+            pass
         finally:
             open_.discard(task)
             writer.close()
@@ -69,18 +89,15 @@ async def run(client: PoolClient, job_id: str, where: str) -> int:
             f"(`poolctl forward {job_id} LOCAL:{port}`, 0 for any free one)",
             ErrorCode.INVALID_ARGUMENT,
         ) from None
-    bound = listener.sockets[0].getsockname()[1]
-    print(f"forwarding 127.0.0.1:{bound} to port {port} in job {job_id} (Ctrl-C ends it)", flush=True)
     try:
-        state = await ended
+        listening(listener.sockets[0].getsockname()[1])
+        return await ended
     finally:
         listener.close()
         for task in list(open_):
             task.cancel()
         await asyncio.gather(*open_, return_exceptions=True)
         ended.cancel()
-    print(f"poolctl: job {job_id} {state}: its forward has ended", file=sys.stderr)
-    return 0
 
 
 async def _check(client: PoolClient, job_id: str) -> None:

@@ -24,6 +24,8 @@ from prometheus_client.registry import Collector
 from daemon.metrics.common import RTT_BUCKETS, QueueLabels, new_registry
 
 TRANSFER_DIRECTIONS = ("upload", "download")
+# The GPU health faults (daemon/worker/gpu_health.py FAULTS), the `reason` of gpupool_gpu_healthy.
+HEALTH_REASONS = ("xid", "ecc", "pages", "lost", "thermal", "power")
 EFFICIENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
 
@@ -67,9 +69,10 @@ GpuSampler = Callable[[], Sequence[GpuSample]]
 
 
 class _GpuCollector(Collector):
-    """Per-GPU utilisation, memory and temperature from the sampler, and the quarantine flag and
-    the jobs sharing it from the worker's books. No GPU yields no family at all; a GPU without a
-    sample has no live series."""
+    """Per-GPU utilisation, memory and temperature from the sampler, and the quarantine flag, the
+    health verdict and the jobs sharing it from the worker's books. No GPU yields no family at
+    all; a GPU without a sample has no live series, and one whose health is not watched no
+    health series."""
 
     def __init__(
         self,
@@ -77,11 +80,13 @@ class _GpuCollector(Collector):
         sample: GpuSampler | None,
         quarantined: Callable[[], Collection[str]],
         shares: Callable[[], Mapping[str, GpuShare]],
+        health: Callable[[], Mapping[str, str]],
     ) -> None:
         self._gpus = tuple(gpus)
         self._sample = sample
         self._quarantined = quarantined
         self._shares = shares
+        self._health = health
 
     def collect(self) -> Iterator[Metric]:
         labels = ["gpu", "uuid"]
@@ -104,8 +109,15 @@ class _GpuCollector(Collector):
             "GPU memory the jobs sharing the GPU declared (--gpu-mem).",
             labels=labels,
         )
+        healthy = GaugeMetricFamily(
+            "gpupool_gpu_healthy",
+            "1 if the GPU is healthy, 0 if a health fault took it out of use; `reason` says which "
+            f"({', '.join(HEALTH_REASONS)}; none when healthy).",
+            labels=[*labels, "reason"],
+        )
         quarantined = self._quarantined()
         shares = self._shares()
+        health = self._health()
         samples = {s.uuid: s for s in self._sample()} if self._gpus and self._sample is not None else {}
         for gpu in self._gpus:
             values = [str(gpu.index), gpu.uuid]
@@ -113,6 +125,8 @@ class _GpuCollector(Collector):
             share = shares.get(gpu.uuid, GpuShare(gpu.uuid))
             shared_jobs.add_metric(values, share.jobs)
             shared_memory.add_metric(values, share.memory)
+            if (fault := health.get(gpu.uuid)) is not None:
+                healthy.add_metric([*values, fault or "none"], 0 if fault else 1)
             if (s := samples.get(gpu.uuid)) is None:
                 continue
             for family, reading in (
@@ -123,7 +137,7 @@ class _GpuCollector(Collector):
             ):
                 if reading is not None:
                     family.add_metric(values, reading)
-        for family in (util, used, total, temp, quarantine, shared_jobs, shared_memory):
+        for family in (util, used, total, temp, quarantine, shared_jobs, shared_memory, healthy):
             if family.samples:
                 yield family
 
@@ -138,7 +152,12 @@ class WorkerMetrics:
         self._queue = QueueLabels()
         self._quarantined: frozenset[str] = frozenset()
         self._shares: dict[str, GpuShare] = {}
-        r.register(_GpuCollector(gpus, sample_gpus, lambda: self._quarantined, lambda: self._shares))
+        self._health: dict[str, str] = {}
+        r.register(
+            _GpuCollector(
+                gpus, sample_gpus, lambda: self._quarantined, lambda: self._shares, lambda: self._health
+            )
+        )
         self._slots = Gauge("gpupool_worker_slots", "This worker's slots by state.", ["state"], registry=r)
         self.set_slots(0, 0)
         self._quarantined_count = Gauge(
@@ -183,6 +202,14 @@ class WorkerMetrics:
         """How many --gpu-mem jobs share each GPU now, and the memory they declared (the whole
         picture, not a change; a GPU left out has none)."""
         self._shares = {s.uuid: s for s in shares}
+
+    def set_health(self, reasons: Mapping[str, str]) -> None:
+        """Each watched GPU's health fault by UUID ("" for healthy; one of HEALTH_REASONS), the
+        whole picture, not a change (a GPU left out has no health series)."""
+        unknown = {r for r in reasons.values() if r and r not in HEALTH_REASONS}
+        if unknown:
+            raise ValueError(f"GPU health reasons must be among {HEALTH_REASONS}, not {sorted(unknown)}")
+        self._health = dict(reasons)
 
     def job_started(self, queue: str) -> None:
         """An attempt of a job from `queue` was given its slot and is starting."""

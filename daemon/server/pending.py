@@ -108,7 +108,8 @@ class PendingReasons:
         if info.id not in judged:
             asked = [i for i in memo.get("asked", ()) if i not in judged and i.startswith(f"{q}.")]
             gpus = [w.get("gpus", ()) for w in workers]
-            most = max((len(g) for g in gpus), default=0)
+            # A GPU quarantined for its health is not counted: the worker's claims do not count it.
+            most = max((sum(1 for one in g if not one.get("health")) for g in gpus), default=0)
             memory = max((int(one.get("memory", 0)) for g in gpus for one in g), default=0)
             judged |= await explain(
                 self.queue,

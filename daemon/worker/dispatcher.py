@@ -76,6 +76,7 @@ from daemon.worker.gpus import (
     recheck_quarantine,
     sample_gpus,
 )
+from daemon.worker.health_watch import HealthWatch
 from daemon.worker.heartbeat import Heartbeat
 from daemon.worker.host import HostResources, host_ends
 from daemon.worker.identity import SlotIdentity
@@ -97,6 +98,8 @@ RunFactory = Callable[[Lease, tuple[GpuInfo, ...], int], Run]
 
 class Worker(Stopping):
     """Runs jobs from `queue` on this machine. `start()`, then `stop()` (see the module doc)."""
+
+    health: HealthWatch | None = None  # the GPUs' health, watched from start() where NVML found them
 
     def __init__(
         self,
@@ -128,6 +131,8 @@ class Worker(Stopping):
         env_settings: EnvSettings | None = None,
         env_builder: SlotIdentity | None = None,
         local: bool = True,
+        gpu_health_policy: str = "requeue",
+        gpu_health_clear: float = 600.0,
         idle_gpus: IdlePolicy | None = None,
         host: HostResources | None = None,
     ) -> None:
@@ -147,9 +152,12 @@ class Worker(Stopping):
         `env_builder` (None: this process's uid) (envs.py). `local`: False for an agent's slots
         (hosted.py): nothing of this machine is opened for them. `idle_gpus`: when a job that
         leaves its GPUs idle is flagged, and what its queue does then (idle_gpus.py; default:
-        flagged after 30 minutes below 5 %, no queue acts). `host`: the CPUs and memory its jobs
-        may have (host.py), which claims fit with its GPUs; None: not counted, every job fits
-        them."""
+        flagged after 30 minutes below 5 %, no queue acts). The health of discovered GPUs is
+        watched (health_watch.py): a faulty one is quarantined, its job handed back
+        (`gpu_health_policy` "requeue") or let finish ("let_finish"), and it comes back once no
+        fault is seen for `gpu_health_clear` seconds and its check passes. `host`: the CPUs and
+        memory its jobs may have (host.py), which claims fit with its GPUs; None: not counted,
+        every job fits them."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         if identities is not None and len(identities) < slots:
@@ -173,11 +181,8 @@ class Worker(Stopping):
             self.store = MeteredStore(store, self._transferred)
             self.cache = ObjectCache(self.data_dir / "cache", self.store, cache_bytes)
         self._make_run = make_run or self._job_run
-        self._given_gpus, self._given_sampler = gpus, gpu_sampler
-        self.probe = probe
-        # --gpu-mem jobs one GPU may take at most; the CPUs and memory its jobs may have (None: not counted)
-        self.gpu_max_jobs, self.host = gpu_max_jobs, host
-        self.allocator = GpuAllocator(gpus or [], slots, gpu_max_jobs)
+        self._gpu_books(gpus, gpu_sampler, probe, gpu_max_jobs, (gpu_health_policy, gpu_health_clear))
+        self.host = host  # the CPUs and memory its jobs may have (None: not counted)
         self.heartbeat = Heartbeat(queue, self, heartbeat_seconds)
         self._registration = Registration(
             id=self.id,
@@ -222,6 +227,23 @@ class Worker(Stopping):
         self._outcomes = Outcomes(queue, self._forced)  # records each attempt's end
         self._stopped = asyncio.Event()
 
+    def _gpu_books(
+        self,
+        gpus: Sequence[GpuInfo] | None,
+        sampler: GpuSampler | None,
+        probe: GpuProbe | None,
+        max_jobs: int,
+        health: tuple[str, float],
+    ) -> None:
+        """The GPUs' books as `__init__` is given them: the GPUs and their sampler (None: NVML
+        finds and reads them at start), the probe of a GPU after a job, the --gpu-mem jobs one GPU
+        may take at most, and the health policy and clear time (health_watch.py)."""
+        self._given_gpus, self._given_sampler = gpus, sampler
+        self.probe = probe
+        self.gpu_max_jobs = max_jobs
+        self.allocator = GpuAllocator(gpus or [], self.slots, max_jobs)
+        self._health_settings = health
+
     # -- life cycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -259,6 +281,18 @@ class Worker(Stopping):
         self._spawn(self._slots.guard.watch_over(), "orphan guard watch")
         self._spawn(self.heartbeat.run(), "heartbeat")
         self._spawn(self.readings.run(), "GPU readings")
+        if self._nvml is not None and gpus:
+            policy, clear = self._health_settings
+            self.health = HealthWatch(
+                gpus,
+                self.allocator,
+                self._runs,
+                self._gpu_back,
+                every=self.heartbeat.interval,
+                clear=clear,
+                policy=policy,
+            )
+            self._spawn(self.health.run(), "GPU health")
         execs = Execs(self.queue.redis, self._held, self._slots.spawner, self._spawn)
         self._spawn(
             self.heartbeat.listen_for_pokes(keys.worker_channel(self.id), execs.message),
@@ -340,7 +374,7 @@ class Worker(Stopping):
         room = Capacity(
             gpus_free=self.allocator.free_count(),
             slot_gpus=self.allocator.share,
-            gpus_total=len(self.allocator.gpus),
+            gpus_total=self.allocator.usable(),
             ends=latest_ends(self._held, self._gpus_held, self.kill_grace),
             grace=self.kill_grace,
             lifetime=self.lifetime.claim_lifetime() if self.lifetime else None,
@@ -609,6 +643,13 @@ class Worker(Stopping):
         if self.allocator.quarantined and self.probe is not None:
             self._spawn(self._recheck_quarantine(), "quarantine check")
 
+    def _gpu_back(self) -> None:
+        """A GPU passed its health check: claim for it, and see whether it is clean (a job
+        stopped on it while NVML could not answer left it counted as dirty)."""
+        self._wake.set()
+        if self.allocator.quarantined and self.probe is not None:
+            self._spawn(self._recheck_quarantine(), "quarantine check")
+
     async def _recheck_quarantine(self) -> None:
         assert self.probe is not None
         if await recheck_quarantine(self.allocator, self.probe):
@@ -633,13 +674,20 @@ class Worker(Stopping):
         self.metrics.set_slots(self._busy(), self.slots)
         self.metrics.set_quarantined(self.allocator.quarantined)
         self.metrics.set_shared(self.allocator.shares())
+        if self.health is not None:
+            self.metrics.set_health(self.health.reasons())
 
     # -- heartbeat target -------------------------------------------------------------------------
 
     def registration(self) -> Registration:
         self._registration.running = self._busy()
-        self._registration.gpus = [g | self.readings.for_gpu(g["uuid"]) for g in self.allocator.describe()]
+        self._registration.gpus = [
+            g | self.readings.for_gpu(g["uuid"]) | self._health_of(g) for g in self.allocator.describe()
+        ]
         return self._registration
+
+    def _health_of(self, gpu: Mapping[str, Any]) -> dict[str, Any]:
+        return self.health.for_gpu(gpu["uuid"], gpu.get("parent")) if self.health is not None else {}
 
     def leases(self) -> Sequence[Lease]:
         return [h.lease for h in self._held]

@@ -19,6 +19,9 @@ made-up list instead of NVML (the seam). Its rules:
 - A GPU is held by at most one job at a time; `release` gives a job's GPUs back.
 - A GPU left dirty (a process of a finished job still holds memory on it) is quarantined: never
   handed out again until `unquarantine` (the worker re-checks it when other jobs end).
+- A GPU with a health fault (read from NVML by gpu_health.py, the one other module that reads it;
+  health_watch.py) is out of use until `mark_healthy`: handed out to no job, and not counted among
+  the GPUs the worker has (`usable`), so that claims do not wait for it.
 - Sharing (`poolctl enqueue --gpu-mem`): a job that declares the memory it needs on one GPU is put
   on a GPU with other such jobs (`allocate_shared`), at most `max_jobs_per_gpu` of them, their
   declared memory within the GPU's. A GPU shared is never handed out whole, and a GPU held whole is
@@ -284,19 +287,29 @@ class GpuAllocator:
         self._holder: dict[str, str] = {}  # GPU uuid -> the holder (a job's attempt) of all of it
         # GPU uuid -> {holder: bytes declared} of the --gpu-mem jobs on it; no empty maps are kept
         self._shared: dict[str, dict[str, int]] = {}
-        self.quarantined: dict[str, str] = {}  # GPU uuid -> why
+        self.quarantined: dict[str, str] = {}  # GPU uuid -> why, left dirty by a job
+        self.unhealthy: dict[str, str] = {}  # GPU uuid -> why, a health fault (health_watch.py)
 
     def wanted(self, asked: int) -> int:
         """How many GPUs a job asking for `asked` gets: `asked`, or its slot's share for 0."""
         return asked or self.share
 
     def free(self) -> list[GpuInfo]:
-        """The GPUs that can be handed out whole: nobody holds or shares them, none is quarantined."""
+        """The GPUs that can be handed out whole: nobody holds or shares them, none is out of use."""
         return [
             g
             for g in self.gpus
-            if g.uuid not in self._holder and g.uuid not in self._shared and g.uuid not in self.quarantined
+            if g.uuid not in self._holder and g.uuid not in self._shared and not self.out_of_use(g.uuid)
         ]
+
+    def out_of_use(self, uuid: str) -> bool:
+        """Quarantined (left dirty) or unhealthy: handed out to no job."""
+        return uuid in self.quarantined or uuid in self.unhealthy
+
+    def usable(self) -> int:
+        """How many GPUs this worker has for claims to count: all but the unhealthy ones (a dirty
+        one is expected back as soon as its job's last process is gone)."""
+        return len(self.gpus) - len(self.unhealthy.keys() & self._by_uuid.keys())
 
     def free_count(self) -> int:
         return len(self.free())
@@ -347,7 +360,7 @@ class GpuAllocator:
 
     def _no_room(self, gpu: GpuInfo, mem: int) -> str | None:
         """Why `gpu` cannot take one more --gpu-mem job declaring `mem` bytes, or None if it can."""
-        if gpu.uuid in self.quarantined:
+        if self.out_of_use(gpu.uuid):
             return "it is quarantined"
         if gpu.uuid in self._holder:
             return "another job holds it whole"
@@ -367,7 +380,7 @@ class GpuAllocator:
         rows = []
         for g in self.gpus:
             on = self._shared.get(g.uuid, {})
-            if g.uuid in self._holder or g.uuid in self.quarantined or len(on) >= self.max_jobs_per_gpu:
+            if g.uuid in self._holder or self.out_of_use(g.uuid) or len(on) >= self.max_jobs_per_gpu:
                 continue
             avail = g.memory - sum(on.values())
             if free_memory is not None and g.uuid in free_memory:
@@ -401,16 +414,24 @@ class GpuAllocator:
         if self.quarantined.pop(uuid, None) is not None:
             log.info("GPU %s is clean again and back in use", uuid)
 
+    def mark_unhealthy(self, uuid: str, reason: str) -> None:
+        """A health fault takes the GPU out of use (its job, if any, keeps it until it ends)."""
+        self.unhealthy[uuid] = reason
+
+    def mark_healthy(self, uuid: str) -> None:
+        """The GPU passed its health check: back in use, unless it is also left dirty."""
+        self.unhealthy.pop(uuid, None)
+
     def describe(self) -> list[dict[str, Any]]:
         """The GPUs for the worker's registration: each with its holder, the --gpu-mem jobs that
-        share it with the memory each declared, and its quarantine reason."""
+        share it with the memory each declared, and why it is out of use (a health fault first)."""
         return [
             g.to_dict()
             | {
                 "job": self._holder.get(g.uuid, ""),
                 "shared": dict(on := self._shared.get(g.uuid, {})),
                 "shared_memory": sum(on.values()),
-                "quarantined": self.quarantined.get(g.uuid, ""),
+                "quarantined": self.unhealthy.get(g.uuid) or self.quarantined.get(g.uuid, ""),
             }
             for g in self.gpus
         ]

@@ -106,13 +106,18 @@ def exited(exit: asyncio.Future[None]) -> None:
         exit.set_result(None)
 
 
+# Why a GPU NVML could not answer for is dirty: it will not answer better for a wait (fallen off the
+# bus), unlike memory a dead process holds, which the driver frees a moment later.
+UNCHECKED = "cannot check it after the job"
+
+
 def dirty_gpus(probe: GpuProbe, gpus: Sequence[GpuInfo], ours: set[int], sid: int) -> dict[str, str]:
     dirty = {}
     for g in gpus:
         try:
             pids = probe.compute_pids(g.uuid)
         except GpuProbeError as exc:
-            dirty[g.uuid] = f"cannot check it after the job: {exc}"
+            dirty[g.uuid] = f"{UNCHECKED}: {exc}"
             continue
         held = sorted(pid for pid in pids if pid in ours or session(pid) == sid)
         if held:

@@ -730,7 +730,8 @@ class JobRun:
         deadline = time.monotonic() + GPU_SETTLE_SECONDS
         while True:
             dirty = await asyncio.to_thread(leftovers.dirty_gpus, self.probe, self.gpus, ours, pgid)
-            if not dirty or time.monotonic() > deadline:
+            settling = [why for why in dirty.values() if not why.startswith(leftovers.UNCHECKED)]
+            if not settling or time.monotonic() > deadline:
                 return dirty
             # The driver frees a dead process's memory a moment after the process is reaped.
             await asyncio.sleep(0.25)

@@ -163,6 +163,8 @@ def configured_worker(
         # of other users' repositories, anything of root's): network protocols only.
         git_protocols=ANY_PROTOCOL if config.embedded else NETWORK_PROTOCOLS,
         gpu_max_jobs=config.gpu_max_jobs,
+        gpu_health_policy=config.gpu_health_policy,
+        gpu_health_clear=config.gpu_health_clear,
         lifetime=lifetime,
         idle_gpus=IdlePolicy.of(config),
         env_settings=env_settings(config),

@@ -24,6 +24,8 @@ from tests.support.paths import ROOT
         # issue 49: a keystroke's echo and a forwarded port's throughput through the pool's relay,
         # beside direct TCP and ssh to a private sshd (where openssh-server is installed)
         ("bench.interactive", "keystroke echo", ["--quick"]),
+        # issue 50: the GPU health fields NVML gives (here, without a GPU, it says so)
+        ("bench.gpu.health_check", "GPU health fields", ["--watch", "0.1"]),
     ],
 )
 def test_a_bench_program_runs_at_its_smallest(program: str, says: str, size: list[str]) -> None:

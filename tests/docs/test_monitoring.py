@@ -268,6 +268,7 @@ def test_promtool_accepts_the_rules_and_the_reader_finds_them_all() -> None:
         "GpupoolDeadLetters",
         "GpupoolQueueOnlyGrowing",
         "GpupoolGpuQuarantined",
+        "GpupoolGpuUnhealthy",
         "GpupoolRedisUnreachable",
     }
     for rule in rules:
@@ -426,6 +427,7 @@ def worker_exposition() -> str:
     metrics.heartbeat_failed()
     metrics.transferred("upload", 10)
     metrics.set_quarantined([gpu.uuid])
+    metrics.set_health({gpu.uuid: "lost"})
     metrics.set_shared([GpuShare(gpu.uuid, jobs=1, memory=2**30)])
     return generate_latest(metrics.registry).decode()
 

@@ -35,10 +35,15 @@ LOOK = 'echo "$CUDA_VISIBLE_DEVICES $GPUPOOL_JOB_ID"; id -u; pwd'
 
 @contextlib.contextmanager
 def gpu_worker(
-    redis_server: EmbeddedRedis, log_to: Path, s3_env: dict[str, str], *options: str
+    redis_server: EmbeddedRedis,
+    log_to: Path,
+    s3_env: dict[str, str],
+    *options: str,
+    search_path: str | None = None,
 ) -> Iterator[None]:
     """A `poold --worker` with two made-up GPUs (and `options`); as root, its jobs run as uids it
-    leases. Its data is in /tmp, passable by those uids (pytest's own directories are root's, 0700)."""
+    leases. Its data is in /tmp, passable by those uids (pytest's own directories are root's, 0700).
+    `search_path`: its PATH, and so its jobs' (None: this process's)."""
     data_dir = Path(tempfile.mkdtemp(prefix="gpupool-exec-"))
     data_dir.chmod(0o711)
     argv = [
@@ -56,6 +61,8 @@ def gpu_worker(
         FAKE_NVML_HOST=secrets.token_hex(3),
         **s3_env,
     )
+    if search_path is not None:
+        env["PATH"] = search_path
     data_dir.mkdir(parents=True, exist_ok=True)
     with (
         open(data_dir.parent / "worker.log", "wb") as log,

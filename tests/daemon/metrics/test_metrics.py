@@ -230,6 +230,28 @@ async def test_gpus_nvml_cannot_answer_give_no_live_series() -> None:
         assert f"gpupool_gpu_{name}" not in families
 
 
+async def test_gpu_health_gauge_says_healthy_or_the_fault_from_a_fixed_set() -> None:
+    """Issue 50, metrics cover GPU health: gpupool_gpu_healthy is 1 (reason "none") for a healthy
+    GPU and 0 with the fault as its reason for a quarantined one; a GPU whose health is not
+    watched has no series; a reason outside the fixed set (a label value of unbounded variety)
+    is refused."""
+    ok, bad, unwatched = MadeUpGpu(0, "GPU-ok"), MadeUpGpu(1, "GPU-bad"), MadeUpGpu(2, "GPU-other")
+    metrics = WorkerMetrics(gpus=[ok, bad, unwatched])
+    metrics.set_health({"GPU-ok": "", "GPU-bad": "xid"})
+    with pytest.raises(ValueError, match="GPU health reasons"):
+        metrics.set_health({"GPU-bad": "Xid 79 at 12:00"})
+    server = await serve_metrics(metrics.registry)
+    try:
+        _, samples = await scrape(server)
+    finally:
+        await server.close()
+    assert value(samples, "gpupool_gpu_healthy", gpu="0", uuid="GPU-ok", reason="none") == 1
+    assert value(samples, "gpupool_gpu_healthy", gpu="1", uuid="GPU-bad", reason="xid") == 0
+    assert [
+        labels for name, labels in samples if name == "gpupool_gpu_healthy" and ("gpu", "2") in labels
+    ] == []
+
+
 async def test_gpu_series_come_from_the_sampler_the_worker_hands_over() -> None:
     """metrics/ reads no driver: what the sampler returns is what is served, a reading it could not
     take (None) is left out, and a GPU it has no sample for has only its quarantine flag."""

@@ -13,6 +13,13 @@ worker does not ask of a made-up GPU (errors, constants) is the real module's: i
 the path that follows this directory, so `pynvml.NVMLError` and its kin are the very classes the
 worker catches. No process ever holds memory on these GPUs (the memory in use a test sets is a
 reading, no more), and no job leaves one dirty.
+
+`FAKE_NVML_FAULTS` names a JSON file a test writes to give the GPUs health faults at run time (no
+file: all healthy), read afresh at each call: `{"0": {...}}` by GPU index, with any of
+`"xid": [79, ...]` (Xid events, each delivered once by the event set's wait; a shorter list starts
+the count again), `"ecc": N` (uncorrectable volatile ECC errors), `"retired_pending": true`,
+`"remap_pending": true`, `"remap_failed": true`, `"clocks": BITS` (clocks event reasons) and
+`"lost": true` (every call on the GPU says it has fallen off the bus).
 """
 
 from __future__ import annotations
@@ -22,8 +29,11 @@ import importlib.util
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
+from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 GIB = 2**30
@@ -82,7 +92,7 @@ def nvmlDeviceGetHandleByUUID(uuid: str | bytes) -> _Gpu:
     wanted = uuid.decode() if isinstance(uuid, bytes) else uuid
     for gpu in _DEVICES:
         if gpu.uuid == wanted:
-            return gpu
+            return _answering(gpu)
     raise NVMLError_NotFound()  # type: ignore[name-defined]  # noqa: F821 (the real module's)
 
 
@@ -107,6 +117,7 @@ def _reading(gpu: _Gpu, key: str) -> float | None:
 
 
 def nvmlDeviceGetMemoryInfo(gpu: _Gpu) -> SimpleNamespace:
+    _answering(gpu)
     used = int(_reading(gpu, "mem_used") or 0)
     return SimpleNamespace(total=gpu.total, used=used, free=gpu.total - used)
 
@@ -120,28 +131,127 @@ def nvmlDeviceGetMigMode(gpu: _Gpu) -> list[int]:
 
 
 def nvmlDeviceGetComputeRunningProcesses(gpu: _Gpu) -> list[object]:
+    _answering(gpu)
     return []
 
 
 def nvmlDeviceGetGraphicsRunningProcesses(gpu: _Gpu) -> list[object]:
+    _answering(gpu)
     return []
 
 
 def nvmlDeviceGetUtilizationRates(gpu: _Gpu) -> SimpleNamespace:
+    _answering(gpu)
     return SimpleNamespace(gpu=int(_reading(gpu, "util") or 0), memory=0)
 
 
 def nvmlDeviceGetPowerUsage(gpu: _Gpu) -> int:
+    _answering(gpu)
     if (watts := _reading(gpu, "power_w")) is None:
         raise NVMLError_NotSupported()  # type: ignore[name-defined]  # noqa: F821 (the real module's)
     return int(watts * 1000)  # milliwatts, as NVML gives it
 
 
 def nvmlDeviceGetTotalEnergyConsumption(gpu: _Gpu) -> int:
+    _answering(gpu)
     if (energy := _reading(gpu, "energy_mj")) is None:
         raise NVMLError_NotSupported()  # type: ignore[name-defined]  # noqa: F821 (the real module's)
     return int(energy)
 
 
 def nvmlDeviceGetTemperature(gpu: _Gpu, sensor: int) -> int:
+    _answering(gpu)
     return 40
+
+
+# -- health faults (FAKE_NVML_FAULTS) --
+
+
+def _faults(gpu: _Gpu) -> dict[str, Any]:
+    path = os.environ.get("FAKE_NVML_FAULTS")
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            faults = json.load(f)
+    except (OSError, ValueError):  # none yet, or caught half written: none this time
+        return {}
+    found = faults.get(str(_DEVICES.index(gpu)), {})
+    return found if isinstance(found, dict) else {}
+
+
+def _answering(gpu: _Gpu) -> _Gpu:
+    if _faults(gpu).get("lost"):
+        raise NVMLError_GpuIsLost()  # type: ignore[name-defined]  # noqa: F821 (the real module's)
+    return gpu
+
+
+def nvmlDeviceGetTotalEccErrors(gpu: _Gpu, error_type: int, counter_type: int) -> int:
+    uncorrected = error_type == NVML_MEMORY_ERROR_TYPE_UNCORRECTED  # type: ignore[name-defined]  # noqa: F821
+    return int(_faults(_answering(gpu)).get("ecc", 0)) if uncorrected else 0
+
+
+def nvmlDeviceGetRetiredPagesPendingStatus(gpu: _Gpu) -> int:
+    return 1 if _faults(_answering(gpu)).get("retired_pending") else 0
+
+
+def nvmlDeviceGetRemappedRows(gpu: _Gpu) -> tuple[int, int, int, int]:
+    faults = _faults(_answering(gpu))
+    return (0, 0, int(bool(faults.get("remap_pending"))), int(bool(faults.get("remap_failed"))))
+
+
+def nvmlDeviceGetCurrentClocksEventReasons(gpu: _Gpu) -> int:
+    return int(_faults(_answering(gpu)).get("clocks", 0))
+
+
+class _EventSet:
+    def __init__(self) -> None:
+        self.gpus: list[_Gpu] = []
+
+
+_delivered: dict[int, int] = {}  # GPU index -> Xids of its list delivered so far
+_delivering = threading.Lock()
+
+
+def nvmlEventSetCreate() -> _EventSet:
+    return _EventSet()
+
+
+def nvmlDeviceRegisterEvents(gpu: _Gpu, event_types: int, events: _EventSet) -> None:
+    events.gpus.append(_answering(gpu))
+
+
+def nvmlEventSetFree(events: _EventSet) -> None:
+    pass
+
+
+def nvmlEventSetWait_v2(events: _EventSet, timeout_ms: int) -> SimpleNamespace:
+    """The next Xid of a registered GPU's list not yet delivered; NVMLError_Timeout after
+    `timeout_ms` without one."""
+    deadline = time.monotonic() + timeout_ms / 1000
+    if not os.environ.get("FAKE_NVML_FAULTS"):  # no Xid can come: a worker of other tests' waits
+        time.sleep(timeout_ms / 1000)
+        raise NVMLError_Timeout()  # type: ignore[name-defined]  # noqa: F821 (the real module's)
+    while True:
+        with _delivering:
+            for gpu in events.gpus:
+                index = _DEVICES.index(gpu)
+                xids = list(_faults(gpu).get("xid", []))
+                sent = min(_delivered.get(index, 0), len(xids))
+                _delivered[index] = sent
+                if sent < len(xids):
+                    _delivered[index] = sent + 1
+                    return SimpleNamespace(
+                        device=gpu,
+                        eventType=nvmlEventTypeXidCriticalError,  # type: ignore[name-defined]  # noqa: F821
+                        eventData=int(xids[sent]),
+                        gpuInstanceId=0xFFFFFFFF,
+                        computeInstanceId=0xFFFFFFFF,
+                    )
+        if time.monotonic() >= deadline:
+            raise NVMLError_Timeout()  # type: ignore[name-defined]  # noqa: F821 (the real module's)
+        time.sleep(0.02)  # a made-up driver's wait: the file has no way to wake it
+
+
+def nvmlEventSetWait(events: _EventSet, timeout_ms: int) -> SimpleNamespace:
+    return nvmlEventSetWait_v2(events, timeout_ms)

@@ -1,0 +1,200 @@
+"""GPU health: a faulty GPU is quarantined, its job told and handed back (or let finish), and the
+GPU comes back only after a check passes.
+
+The worker reads its GPUs' health (gpu_health.py) once per heartbeat interval, beside their
+readings, in a daemon thread of its own (NVML calls block and may hang on a failing GPU: the
+event loop never waits for one), and an Xid watch waits for Xid events in another. What they
+find reaches the event loop, where this module keeps the book (`HealthBook`) and acts:
+
+- A fault (gpu_health.FAULTS) takes the GPU out of use at once: the allocator hands it to no new
+  job (`GpuAllocator.mark_unhealthy`), the worker's claims stop counting it (its GPUs in all
+  shrink, so a job needing it waits for another worker), and its registration says why (the GPU's
+  `health` code and its `quarantined` sentence, which `poolctl workers` and the dashboard show).
+- The job running on it is told in its log (a [gpupool] line) and, with `gpu_health_policy`
+  "requeue" (the default), stopped and handed back to the front of its queue, as a drain hands a
+  job back, to run on a sound GPU; with "let_finish" it runs on to its end.
+- The GPU comes back when no fault has been seen on it for `gpu_health_clear` seconds (no new Xid,
+  ECC and pages fine, no hardware slowdown, NVML answering) and a probe then passes (NVML answers
+  for it and its memory is readable). A restart of the worker forgets the Xids seen before it;
+  the other faults, which NVML keeps until a GPU reset, are seen again at its first read.
+
+The book is kept per physical GPU: a MIG device shares its GPU's health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from daemon.aio import in_daemon_thread
+from daemon.worker import gpu_health
+from daemon.worker.gpu_health import Fault
+from daemon.worker.gpus import GpuAllocator, GpuInfo
+from daemon.worker.runner import Run
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("requeue", "let_finish")
+XID_JOIN_SECONDS = 2.0  # the longest the worker's stop waits for the Xid watch (one wait is 0.5 s)
+
+# The reads of one pass: each physical GPU's faults now, and the probe's verdict (None: passed)
+# on each GPU due to come back.
+Pass = tuple[dict[str, list[Fault]], dict[str, str | None]]
+
+
+@dataclass(slots=True)
+class Unhealthy:
+    """A physical GPU out of use: the fault that took it out, when (time.time()), and when a
+    fault was last seen on it (time.monotonic())."""
+
+    fault: Fault
+    since: float
+    last_seen: float
+
+
+class HealthBook:
+    """Which physical GPUs are out of use and when each may come back: pure bookkeeping, fed the
+    faults seen and the probes' verdicts, so that tests drive it with made-up ones."""
+
+    def __init__(self, clear: float) -> None:
+        self.clear = clear  # seconds without a fault before a GPU is probed to come back
+        self.unhealthy: dict[str, Unhealthy] = {}
+
+    def seen(self, uuid: str, fault: Fault, now: float) -> bool:
+        """A fault seen on `uuid` at `now` (monotonic); True when it takes the GPU out of use."""
+        if (bad := self.unhealthy.get(uuid)) is not None:
+            bad.last_seen = max(bad.last_seen, now)
+            return False
+        self.unhealthy[uuid] = Unhealthy(fault, time.time(), now)
+        return True
+
+    def due(self, now: float) -> list[str]:
+        """The GPUs out of use with no fault seen for `clear` seconds: those a probe may put back."""
+        return [uuid for uuid, bad in self.unhealthy.items() if now - bad.last_seen >= self.clear]
+
+    def passed(self, uuid: str, now: float) -> bool:
+        """`uuid`'s probe passed at `now`: True when that puts it back (it was due, and no fault
+        came meanwhile)."""
+        if uuid not in self.due(now):
+            return False
+        del self.unhealthy[uuid]
+        return True
+
+    def fault(self, uuid: str) -> Fault | None:
+        bad = self.unhealthy.get(uuid)
+        return bad.fault if bad is not None else None
+
+
+class HealthWatch:
+    """The worker's GPU health: `run()` reads every `every` seconds until cancelled and acts on
+    `allocator` and the running jobs (`runs()`), calling `back()` when a GPU comes back (the
+    dispatcher may claim for it). NVML must be initialised for as long as `run()` runs."""
+
+    def __init__(
+        self,
+        gpus: Sequence[GpuInfo],
+        allocator: GpuAllocator,
+        runs: Callable[[], Iterable[Run]],
+        back: Callable[[], None],
+        *,
+        every: float,
+        clear: float,
+        policy: str = "requeue",
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"gpu_health_policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+        self._devices = gpu_health.physical(gpus)
+        self._allocator = allocator
+        self._runs = runs
+        self._on_back = back
+        self._every = every
+        self._policy = policy
+        self.book = HealthBook(clear)
+
+    def for_gpu(self, uuid: str, parent: str | None = None) -> dict[str, Any]:
+        """The health of GPU `uuid` (a MIG device of `parent`) as registration fields: its fault's
+        code ("" for none) and since when (Unix time)."""
+        bad = self.book.unhealthy.get(parent or uuid)
+        return {"health": bad.fault.code, "health_since": bad.since} if bad else {"health": ""}
+
+    def reasons(self) -> Mapping[str, str]:
+        """Each GPU's fault code ("" for none), by UUID, for the metrics."""
+        return {
+            g.uuid: (f.code if (f := self.book.fault(physical)) else "")
+            for physical, devices in self._devices.items()
+            for g in devices
+        }
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def seen(uuid: str, xid: int) -> None:  # in the Xid watch's thread
+            loop.call_soon_threadsafe(self._xid, uuid, xid)
+
+        xids = gpu_health.XidWatch(self._devices, seen)
+        xids.start()
+        try:
+            while True:
+                due = self.book.due(time.monotonic())
+                try:
+                    faults, probes = await in_daemon_thread(
+                        functools.partial(self._read, due), "gpupool-gpu-health"
+                    )
+                except Exception as exc:  # noqa: BLE001 - a driver's error: no verdict this pass
+                    log.warning("cannot read the GPUs' health: %s", exc)
+                else:
+                    self._apply(faults, probes, time.monotonic())
+                await asyncio.sleep(self._every)
+        finally:
+            xids.stop()  # and NVML stays initialised until its last wait is over
+            if not await asyncio.to_thread(xids.join, XID_JOIN_SECONDS):
+                log.warning("the Xid watch did not end in %g s; NVML is closed under it", XID_JOIN_SECONDS)
+
+    def _read(self, due: Sequence[str]) -> Pass:
+        """One pass, in the health thread: every GPU's faults, and the probe of those `due`."""
+        return gpu_health.read_faults(self._devices), {uuid: gpu_health.probe(uuid) for uuid in due}
+
+    def _xid(self, uuid: str, xid: int) -> None:
+        fault = gpu_health.xid_fault(xid)
+        if fault is None:
+            log.info("GPU %s: Xid %d, an application's error: the GPU stays in use", uuid, xid)
+        elif uuid in self._devices:
+            self._seen(uuid, fault, time.monotonic())
+
+    def _apply(self, faults: Mapping[str, list[Fault]], probes: Mapping[str, str | None], now: float) -> None:
+        for uuid, found in faults.items():
+            for fault in found:
+                self._seen(uuid, fault, now)
+        for uuid, why in probes.items():
+            if why is not None:
+                log.warning("GPU %s stays quarantined: its check failed: %s", uuid, why)
+            elif not faults.get(uuid) and self.book.passed(uuid, now):
+                self._back(uuid)
+
+    def _seen(self, uuid: str, fault: Fault, now: float) -> None:
+        if not self.book.seen(uuid, fault, now):
+            return
+        devices = self._devices[uuid]
+        what = f"GPU {devices[0].index} ({uuid}) is unhealthy: {fault.detail}"
+        log.error("%s; quarantined: it takes no new job until it passes its check", what)
+        for g in devices:
+            self._allocator.mark_unhealthy(g.uuid, fault.detail)
+        held = {g.uuid for g in devices}
+        for run in self._runs():
+            if not held.intersection(g.uuid for g in run.gpus):
+                continue
+            if self._policy == "requeue":
+                run.hand_back(why=f"{what}; the job goes back to its queue to run on a sound GPU")
+            else:
+                run.note(f"{what}; the job runs on to its end (gpu_health_policy let_finish)")
+
+    def _back(self, uuid: str) -> None:
+        for g in self._devices[uuid]:
+            self._allocator.mark_healthy(g.uuid)
+        log.info("GPU %s passed its check after %g s without a fault: back in use", uuid, self.book.clear)
+        self._on_back()

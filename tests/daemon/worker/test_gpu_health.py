@@ -1,0 +1,280 @@
+"""Issue 50, GPU health: a GPU with a health fault is quarantined, the job on it told and handed
+back (or let finish), no new job lands on it, and it comes back once its check passes.
+
+The faults are real as far as the worker can tell: a real `poold --worker` process reads its GPUs
+through the made-up NVML (tests/support/nvml_seam), into whose GPUs the test writes each fault at
+run time (FAKE_NVML_FAULTS): an Xid event delivered by NVML's event set, uncorrectable ECC errors,
+rows pending remapping, a GPU fallen off the bus, hardware thermal and power-brake slowdown.
+The book that decides when a GPU comes back (health_watch.HealthBook) is also driven directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.job import JobSpec, JobState
+from daemon.queue import registry
+from daemon.queue.claims import Capacity
+from daemon.queue.connection import AnyRedis
+from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.queue.job_queue import JobQueue
+from daemon.server.pending import PendingReasons
+from daemon.server.web.render import environment
+from daemon.worker.gpu_health import Fault, xid_fault
+from daemon.worker.gpus import GpuAllocator, NotEnoughGpus
+from daemon.worker.health_watch import HealthBook
+from tests.support.paths import ROOT
+from tests.support.workers import fake_gpus, wait_state, wait_until
+
+NVML_SEAM = ROOT / "tests" / "support" / "nvml_seam"
+CLEAR = 0.6  # gpu_health_clear: seconds without a fault before a GPU's check
+JOB = 'echo "gpu=$CUDA_VISIBLE_DEVICES"; exec sleep 60'
+# Each fault as the made-up NVML is told it (tests/support/nvml_seam/pynvml.py), and its code.
+FAULTS: list[tuple[str, dict[str, Any]]] = [
+    ("xid", {"xid": [79]}),
+    ("ecc", {"ecc": 2}),
+    ("pages", {"remap_pending": True}),
+    ("lost", {"lost": True}),
+    ("thermal", {"clocks": 0x40 | 0x8}),  # HW thermal slowdown (and HW slowdown with it)
+    ("power", {"clocks": 0x80 | 0x8}),  # HW power brake slowdown
+]
+
+
+def test_gpu_health_book_takes_a_gpu_out_at_once_and_back_only_after_the_clear_time() -> None:
+    """Issue 50, a GPU comes back only after a check passes: the first fault takes it out; a
+    fault seen again (or a new Xid) restarts its clear time; its probe puts it back only once
+    `clear` seconds passed without a fault. An application's Xid is no fault at all."""
+    book = HealthBook(clear=10)
+    xid = Fault("xid", "Xid 79")
+    assert book.seen("GPU-a", xid, now=100) is True
+    assert book.seen("GPU-a", Fault("ecc", "2 errors"), now=105) is False  # out already: no new act
+    assert book.fault("GPU-a") == xid  # what took it out stays its reason
+    assert book.due(now=114) == []
+    assert book.passed("GPU-a", now=114) is False  # a probe too soon does not put it back
+    assert book.due(now=115) == ["GPU-a"]
+    book.seen("GPU-a", xid, now=116)  # a new Xid before the probe came back
+    assert book.passed("GPU-a", now=116) is False
+    assert book.passed("GPU-a", now=126) is True
+    assert book.fault("GPU-a") is None
+    assert book.due(now=200) == []
+    assert xid_fault(13) is None  # an application's (a graphics engine exception)
+    assert xid_fault(79) == Fault("xid", "Xid 79 (GPU has fallen off the bus)")
+
+
+async def test_gpu_health_an_unhealthy_gpu_is_handed_out_and_counted_nowhere(redis: AnyRedis) -> None:
+    """Issue 50, the scheduler must not count a quarantined GPU: the allocator hands it to no job,
+    whole or shared, and leaves it out of the GPUs a claim weighs (`usable`), so a job needing all
+    of the worker's GPUs is parked (left for a worker that has them) rather than waited for here;
+    the registration says why; `poolctl show` counts the workers' healthy GPUs alone."""
+    gpus = fake_gpus(2)
+    alloc = GpuAllocator(gpus, slots=2)
+    alloc.mark_unhealthy(gpus[1].uuid, "Xid 79 (GPU has fallen off the bus)")
+    assert [g.index for g in alloc.free()] == [0]
+    assert alloc.usable() == 1
+    assert [room.index for room in alloc.shared_table()] == [0]
+    with pytest.raises(NotEnoughGpus):
+        alloc.allocate_shared("a", gpus[1].uuid, 2**30)
+    assert [g["quarantined"] for g in alloc.describe()] == ["", "Xid 79 (GPU has fallen off the bus)"]
+    alloc.mark_healthy(gpus[1].uuid)
+    assert (alloc.usable(), alloc.free_count()) == (2, 2)
+
+    queue = JobQueue(redis, lease_seconds=30)
+    both, one = await queue.enqueue_many([JobSpec(argv=("true",), gpus=2), JobSpec(argv=("true",), gpus=1)])
+
+    async def workers() -> list[dict[str, Any]]:
+        gpu = {"memory": 16 * 2**30}
+        return [{"health": "healthy", "queues": ["default"], "gpus": [gpu, gpu | {"health": "xid"}]}]
+
+    reasons = await PendingReasons(queue, workers).of([both])
+    assert reasons[both].startswith("needs 2 GPUs, and no live worker has that many"), reasons
+    got = await queue.claim_many("w1", ["default"], 2, Capacity(1, gpus_total=1))
+    assert [lease.job_id for lease in got] == [one]  # the 2-GPU job blocks nothing here
+
+
+def test_gpu_health_the_dashboard_says_which_fault_took_a_gpu_out() -> None:
+    """Issue 50, the dashboard's worker page shows why: a GPU out for its health says the fault's
+    code, since when, and the worker's sentence; a GPU left dirty says it is quarantined."""
+    gpu = {"index": 0, "name": "H100", "mem_total": 80 * 2**30, "util_bar": 0, "mem_bar": 0}
+    bad = gpu | {"health": "xid", "health_since": 1.8e9, "quarantined": "Xid 79 (GPU has fallen off the bus)"}
+    dirty = gpu | {"index": 1, "health": "", "quarantined": "after job default.x: processes [7] hold memory"}
+    html = environment().get_template("_gpus.html").render(gpus=[bad, dirty])
+    assert "unhealthy (xid, since " in html
+    assert "Xid 79 (GPU has fallen off the bus)" in html
+    assert "quarantined: after job default.x" in html
+
+
+@contextlib.contextmanager
+def health_worker(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], faults: Path, host: str, *options: str
+) -> Iterator[Path]:
+    """A `poold --worker` with two made-up GPUs of 16 GiB and two slots, whose GPUs' faults are
+    what `faults` says; yields its log's path. Its data is in /tmp, passable by the slot uids."""
+    data_dir = Path(tempfile.mkdtemp(prefix="gpupool-health-"))
+    data_dir.chmod(0o711)
+    argv = [
+        sys.executable, "-m", "daemon.main", "--worker", "--worker-mode", "multinode",
+        "--redis-port", str(redis_server.port), "--metrics-listen", "127.0.0.1:0",
+        "--data-dir", str(data_dir), "--heartbeat-interval", "0.1", "--kill-grace", "1",
+        "--drain-timeout", "0", "--worker-remote-processors", "2", "--queues", host,
+        "--gpu-health-clear", str(CLEAR), *options,
+    ]  # fmt: skip
+    env = dict(
+        os.environ,
+        GPUPOOL_MAIN_SERVER_REDIS_PASSWORD=redis_server.password,
+        PYTHONPATH=os.pathsep.join([str(NVML_SEAM), str(ROOT)]),
+        FAKE_NVML_GPUS="16,16",
+        FAKE_NVML_HOST=host,
+        FAKE_NVML_FAULTS=str(faults),
+        **s3_env,
+    )
+    log_path = data_dir.parent / f"{data_dir.name}.log"
+    with open(log_path, "wb") as log, subprocess.Popen(argv, env=env, stderr=log) as proc:
+        try:
+            yield log_path
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def inject(path: Path, faults: dict[int, dict[str, Any]]) -> None:
+    """Write the GPUs' faults whole, by index (renamed into place: the seam never reads half)."""
+    part = path.with_suffix(".part")
+    part.write_text(json.dumps({str(i): f for i, f in faults.items()}))
+    part.replace(path)
+
+
+async def log_lines(queue: JobQueue, job_id: str) -> list[str]:
+    return b"".join(d for _, d in await queue.read_log(job_id)).decode().splitlines()
+
+
+async def gpu_of(queue: JobQueue, job_id: str, host: str, count: int = 1) -> int:
+    """The index of the GPU the job's `count`-th attempt was given (its log's gpu= line)."""
+    said: list[str] = []
+
+    async def started() -> bool:
+        said[:] = [line for line in await log_lines(queue, job_id) if line.startswith("gpu=")]
+        return len(said) >= count
+
+    await wait_until(started, 30, f"attempt {count} of {job_id} to start")
+    return int(said[count - 1].removeprefix(f"gpu=GPU-fake-{host}-"))
+
+
+async def gpus_registered(queue: JobQueue, host: str) -> list[dict[str, Any]]:
+    """The GPUs the registration of the worker serving queue `host` lists."""
+    (worker,) = [w for w in await registry.list_workers(queue.redis) if w.get("queues") == [host]]
+    gpus: list[dict[str, Any]] = worker["gpus"]
+    return gpus
+
+
+async def wait_health(queue: JobQueue, host: str, index: int, code: str, what: str) -> dict[str, Any]:
+    """Wait until the registration says GPU `index`'s health is `code` ("": healthy)."""
+    seen: dict[str, Any] = {}
+
+    async def says() -> bool:
+        seen.update(next(g for g in await gpus_registered(queue, host) if g["index"] == index))
+        return bool(seen.get("health") == code)
+
+    await wait_until(says, 30, what)
+    return seen
+
+
+async def each_fault_requeued(queue: JobQueue, host: str, faults: Path) -> None:
+    """Each fault in turn on the worker serving `host` (gpu_health_policy requeue)."""
+    spec = JobSpec(argv=("sh", "-c", JOB), gpus=1, queue=host)
+    for code, fault in FAULTS:
+        first, _ = await queue.enqueue(spec)
+        bad = await gpu_of(queue, first, host)
+        inject(faults, {bad: fault})
+        said = await wait_health(queue, host, bad, code, f"GPU {bad} quarantined for {code}")
+        assert said["quarantined"], said  # why, in words, for `poolctl workers` and the dashboard
+        # handed back, and run again on the other GPU
+        assert await gpu_of(queue, first, host, count=2) == 1 - bad, code
+        told = [line for line in await log_lines(queue, first) if line.startswith("[gpupool]")]
+        assert any(f"GPU {bad} (GPU-fake-{host}-{bad}) is unhealthy" in line for line in told), told
+        assert (await queue.get(first)).attempt == 2, code
+
+        if code == "xid":  # a fresh Xid keeps it out while the next job is looked at
+            inject(faults, {bad: {"xid": [79, 48]}})
+        second, _ = await queue.enqueue(spec)
+        await asyncio.sleep(0.2)  # its claim comes at once (the enqueue wakes the worker)
+        assert (await queue.get(second)).state is JobState.QUEUED, f"{code}: landed on the bad GPU"
+        inject(faults, {})
+        assert await gpu_of(queue, second, host) == bad, code  # back in use once checked
+        back = await wait_health(queue, host, bad, "", f"GPU {bad} back after {code}")
+        assert back["quarantined"] == "", back
+        for job in (first, second):
+            await queue.cancel(job)
+        for job in (first, second):
+            await wait_state(queue, job, JobState.CANCELLED)
+
+
+async def xid_let_finish(queue: JobQueue, host: str, faults: Path) -> None:
+    """An Xid under a job on the worker serving `host` (gpu_health_policy let_finish)."""
+    job, _ = await queue.enqueue(JobSpec(argv=("sh", "-c", JOB), gpus=1, queue=host))
+    bad = await gpu_of(queue, job, host)
+    inject(faults, {bad: {"xid": [79]}})
+    await wait_health(queue, host, bad, "xid", f"GPU {bad} quarantined")
+
+    async def told() -> bool:
+        return any("runs on to its end" in line for line in await log_lines(queue, job))
+
+    await wait_until(told, 10, "the job to be told")
+    info = await queue.get(job)
+    assert (info.state, info.attempt) == (JobState.RUNNING, 1)
+    await queue.cancel(job)
+    await wait_state(queue, job, JobState.CANCELLED)
+    assert (await wait_health(queue, host, bad, "", f"GPU {bad} back"))["quarantined"] == ""
+
+
+async def test_gpu_health_each_fault_quarantines_hands_back_or_lets_finish_and_clears(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 50, GPU health done-when, on two workers of two GPUs each (side by side, each
+    serving a queue of its own). With gpu_health_policy requeue (the default), for each fault in
+    turn: the GPU a job runs on is quarantined (its registration says which fault and why); the
+    job is told in its log and handed back, and runs again on the other GPU; no new job lands on
+    the quarantined GPU, though a slot is free for it; once the fault is gone for
+    gpu_health_clear seconds and the check passes, the GPU is back and the waiting job starts on
+    it. With let_finish: an Xid quarantines the GPU and the job is told, but runs on (its first
+    attempt); the GPU comes back after its check."""
+    queue = JobQueue(redis_server.client(), lease_seconds=30)
+    hosts = {policy: secrets.token_hex(3) for policy in ("requeue", "let_finish")}
+    faults = {policy: tmp_path / f"faults-{policy}.json" for policy in hosts}
+    logs: list[Path] = []
+    with contextlib.ExitStack() as workers:
+        try:
+            for policy, host in hosts.items():
+                options = ("--gpu-health-policy", policy)
+                logs.append(
+                    workers.enter_context(health_worker(redis_server, s3_env, faults[policy], host, *options))
+                )
+
+            async def registered() -> bool:
+                return len(await registry.list_workers(queue.redis)) == len(hosts)
+
+            await wait_until(registered, 30, "the workers to register")
+            await asyncio.gather(
+                each_fault_requeued(queue, hosts["requeue"], faults["requeue"]),
+                xid_let_finish(queue, hosts["let_finish"], faults["let_finish"]),
+            )
+        except BaseException:
+            for log in logs:
+                print(log.read_text()[-6000:])
+            raise
+        finally:
+            await queue.redis.aclose()
