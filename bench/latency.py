@@ -191,9 +191,18 @@ async def run_command(
         cgroup: SlotCgroup | None = None,
         gpus: Collection[int] | None = None,
         terminal: int | None = None,
+        joins: tuple[int, ...] = (),
     ) -> spawn.Child:
         child = real_spawn(
-            self, argv, cwd=cwd, env=env, identity=identity, cgroup=cgroup, gpus=gpus, terminal=terminal
+            self,
+            argv,
+            cwd=cwd,
+            env=env,
+            identity=identity,
+            cgroup=cgroup,
+            gpus=gpus,
+            terminal=terminal,
+            joins=joins,
         )
         if "GPUPOOL_JOB_ID" in env:
             spawned[env["GPUPOOL_JOB_ID"]] = now()

@@ -83,6 +83,7 @@ class Config:
     worker_env_find_links: list[str]
     worker_env_python_downloads: bool
     worker_env_allow_source_builds: bool
+    worker_reserved_mem: int
     gpu_max_jobs: int
     gpu_health_policy: str
     gpu_health_clear: float
@@ -113,6 +114,8 @@ class Config:
     job_log_max_bytes: int
     dead_worker_retention: float
     queues: list[str]
+    queue_default_cpus: list[str]
+    queue_default_mem: list[str]
     fairshare_queues: list[str]
     fairshare_half_life: float
     preempt_queues: list[str]

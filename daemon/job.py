@@ -24,6 +24,7 @@ MAX_ARGV_BYTES = 256 * 1024
 FULL_SHA = re.compile(r"[0-9a-f]{40}")
 MAX_ATTEMPTS_LIMIT = 100
 GPU_MEM_MAX = 2**50  # bytes a --gpu-mem job may declare (a PiB: no GPU comes near it)
+CPUS_MAX, MEM_MAX = 4096, 2**50  # the most CPUs and bytes of memory a job may ask for
 PRIORITY_MAX = 100  # the highest --priority (daemon/queue/lua/lib/arrays.lua PRIO_MAX says the same)
 MAX_INPUTS = 256
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -108,6 +109,10 @@ class JobSpec:
     # Bytes of memory the job asks for on one GPU that other pool jobs may share (0: whole GPUs, as
     # `gpus` says). Such a job asks for no whole GPU: the two exclude each other.
     gpu_mem: int = 0
+    # The CPUs and bytes of memory it needs on its worker (0: none asked): a worker starts it only
+    # with that much free (claim/host.lua), and its slot's cgroup holds it to them (cgroups.py).
+    cpus: int = 0
+    mem: int = 0
     # Queue it even if no worker of the pool has `gpus` GPUs (the server refuses it otherwise).
     wait_for_worker: bool = False
     timeout: float | None = None  # seconds of run time before the attempt is stopped
@@ -189,6 +194,8 @@ class JobSpec:
                 else {}
             ),
             **({"notify": self.notify} if self.notify else {}),  # a worker of before it refuses the key
+            **({"cpus": self.cpus} if self.cpus else {}),  # the same
+            **({"mem": self.mem} if self.mem else {}),  # the same
             **({} if self.env_from_lock else {"env_from_lock": False}),  # the same
             **({"tty": True} if self.tty else {}),  # the same
             **({"idle_limit": self.idle_limit} if self.idle_limit is not None else {}),  # the same
@@ -461,6 +468,8 @@ _CHECKS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
     "cwd": _cwd,
     "gpus": lambda d: _int(d, "gpus", 0, 0, 1024),
     "gpu_mem": lambda d: _int(d, "gpu_mem", 0, 0, GPU_MEM_MAX),
+    "cpus": lambda d: _int(d, "cpus", 0, 0, CPUS_MAX),
+    "mem": lambda d: _int(d, "mem", 0, 0, MEM_MAX),
     "wait_for_worker": lambda d: _bool(d, "wait_for_worker"),
     "timeout": lambda d: _opt_positive(d, "timeout"),
     "checkpoint_every": lambda d: _opt_positive(d, "checkpoint_every"),

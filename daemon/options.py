@@ -47,6 +47,38 @@ def job_uid_range_of(text: str) -> range | None:
         raise ValueError(f'{exc}, or "root" to run jobs as root') from None
 
 
+def queue_amounts(items: list[str], amount: Callable[[str], int]) -> dict[str, int]:
+    """`["QUEUE=AMOUNT", ...]` (a per-queue default) as {queue: amount}, each AMOUNT read by
+    `amount`; ValueError saying what is wrong."""
+    out: dict[str, int] = {}
+    for item in items:
+        queue, sep, text = str(item).partition("=")
+        if not sep or not queue.strip():
+            raise ValueError(f"{item!r}: expected QUEUE=AMOUNT, e.g. default=4")
+        try:
+            out[queue.strip()] = amount(text.strip())
+        except ValueError as exc:
+            raise ValueError(f"{item!r}: {exc}") from None
+    return out
+
+
+def _count(text: str) -> int:
+    """A whole number, 1 or more."""
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{text!r} is not a whole number, 1 or more")
+    return int(text)
+
+
+def queue_cpus(items: list[str]) -> dict[str, int]:
+    """`queue_default_cpus`: {queue: CPUs}."""
+    return queue_amounts(items, _count)
+
+
+def queue_mem(items: list[str]) -> dict[str, int]:
+    """`queue_default_mem`: {queue: bytes}, in bytes as the other sizes of the config are."""
+    return queue_amounts(items, _count)
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     name: str
@@ -159,7 +191,7 @@ OPTIONS: tuple[Option, ...] = (
         int,
         -1,
         "slots the server runs itself in singlenode mode; -1: one per GPU of the machine, or one per "
-        "CPU core on a machine without GPUs",
+        "CPU it may run on (its affinity) on a machine without GPUs",
         lo=-1,
         hi=4096,
     ),
@@ -208,6 +240,14 @@ OPTIONS: tuple[Option, ...] = (
         False,
         "let uv build packages from source for jobs' environments, which runs their code as the "
         "builder's uid (off: binary wheels only)",
+    ),
+    Option(
+        "worker_reserved_mem",
+        int,
+        2 * 2**30,
+        "bytes of the machine's memory a worker keeps for the system and itself: its jobs' --mem "
+        "is fitted into the rest",
+        lo=0,
     ),
     Option(
         "gpu_max_jobs",
@@ -475,6 +515,22 @@ OPTIONS: tuple[Option, ...] = (
         "characters of one job's name the server takes; a longer one is refused, saying so",
         lo=16,
         hi=65536,
+    ),
+    Option(
+        "queue_default_cpus",
+        list,
+        [],
+        "QUEUE=N: the CPUs a job of that queue gets when it asks for none (--cpus); the server "
+        "fills it in at enqueue",
+        check=queue_cpus,
+    ),
+    Option(
+        "queue_default_mem",
+        list,
+        [],
+        "QUEUE=BYTES (e.g. gpu=34359738368): the memory a job of that queue gets when it asks for "
+        "none (--mem); the server fills it in at enqueue",
+        check=queue_mem,
     ),
     Option(
         "fairshare_queues",

@@ -39,6 +39,8 @@ LIVE_ON_SERVER = LIVE_EVERYWHERE | {
     "job_name_max_chars",
     "project_max_bytes",
     "default_max_priority",
+    "queue_default_cpus",
+    "queue_default_mem",
 }
 
 # What a daemon applies of a reloaded configuration beyond the log level: one sentence for each

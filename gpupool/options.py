@@ -12,7 +12,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from daemon.ctl.enqueue_args import ATTEMPTS_MAX, GPUS_MAX, PRIORITY_MAX, STOP_GRACE_MAX, gpu_mem_size
+from daemon.ctl.enqueue_args import (
+    ATTEMPTS_MAX,
+    CPUS_MAX,
+    GPUS_MAX,
+    PRIORITY_MAX,
+    STOP_GRACE_MAX,
+    gpu_mem_size,
+)
 from daemon.errors import GpupoolError
 from gpupool.errors import BadArgument
 
@@ -29,6 +36,8 @@ class Options:
 
     gpus: int = 0
     gpu_mem: int | str | None = None  # bytes, or a size as poolctl takes it: "20G"
+    cpus: int = 0  # CPUs on the worker (0: the queue's default, else no limit)
+    mem: int | str | None = None  # bytes of memory on the worker, or a size: "16G"
     queue: str | None = None
     timeout: float | None = None
     name: str | None = None
@@ -45,6 +54,7 @@ class Options:
 
     def __post_init__(self) -> None:
         _whole("gpus", self.gpus, 0, GPUS_MAX)
+        _whole("cpus", self.cpus, 0, CPUS_MAX)
         _whole("retries", self.retries, 0, ATTEMPTS_MAX)
         _whole("priority", self.priority, 0, PRIORITY_MAX)
         _whole("max_attempts", self.max_attempts, 1, ATTEMPTS_MAX)
@@ -79,14 +89,10 @@ class Options:
         return dataclasses.replace(self, **changes)
 
     def gpu_mem_bytes(self) -> int:
-        if self.gpu_mem is None or self.gpu_mem == 0:
-            return 0
-        if isinstance(self.gpu_mem, bool) or not isinstance(self.gpu_mem, int | str):
-            raise BadArgument(f"gpu_mem={self.gpu_mem!r}: bytes, or a size such as '20G'")
-        try:
-            return gpu_mem_size(str(self.gpu_mem))
-        except argparse.ArgumentTypeError as exc:
-            raise BadArgument(f"gpu_mem: {exc}") from None
+        return _size("gpu_mem", self.gpu_mem)
+
+    def mem_bytes(self) -> int:
+        return _size("mem", self.mem)
 
     def spec(self, argv: list[str], default_name: str) -> dict[str, Any]:
         """The job spec for `argv` with these options (the project and inputs are added later)."""
@@ -108,6 +114,10 @@ class Options:
         }
         if gpu_mem := self.gpu_mem_bytes():  # sent only when asked for, as poolctl does
             spec["gpu_mem"] = gpu_mem
+        if self.cpus:  # the same
+            spec["cpus"] = self.cpus
+        if mem := self.mem_bytes():  # the same
+            spec["mem"] = mem
         if self.after:
             spec["after"] = list(self.after)
         return spec
@@ -135,6 +145,18 @@ def names() -> list[str]:
 def split(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The job options among `kwargs`, taken out of it (the rest are the function's)."""
     return {k: kwargs.pop(k) for k in names() if k in kwargs}
+
+
+def _size(name: str, value: int | str | None) -> int:
+    """Bytes of a size option (`gpu_mem`, `mem`): bytes, or a size as poolctl takes it; 0: none."""
+    if value is None or value == 0:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise BadArgument(f"{name}={value!r}: bytes, or a size such as '20G'")
+    try:
+        return gpu_mem_size(str(value))
+    except argparse.ArgumentTypeError as exc:
+        raise BadArgument(f"{name}: {exc}") from None
 
 
 def _whole(name: str, value: object, lo: int, hi: int) -> None:

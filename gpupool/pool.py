@@ -173,6 +173,8 @@ class Pool:
         queue: str | None = UNSET,
         timeout: float | None = UNSET,
         name: str | None = UNSET,
+        cpus: int = UNSET,
+        mem: int | str | None = UNSET,
         **kwargs: Any,
     ) -> Job:
         """Run `fn(*args, **kwargs)` in a job; its Job. The keyword options are the job's (left
@@ -186,7 +188,15 @@ class Pool:
                 f"pool.executor({taken[0]}=...).submit(fn, ...) gives it to the job, and "
                 f"submit(functools.partial(fn, {taken[0]}=...), ...) to the function"
             )
-        chosen = {"gpus": gpus, "gpu_mem": gpu_mem, "queue": queue, "timeout": timeout, "name": name}
+        chosen = {
+            "gpus": gpus,
+            "gpu_mem": gpu_mem,
+            "queue": queue,
+            "timeout": timeout,
+            "name": name,
+            "cpus": cpus,
+            "mem": mem,
+        }
         options = self.defaults.replace(**{k: v for k, v in chosen.items() if v is not UNSET})
         return self.submit_with(options, fn, args, kwargs)
 

@@ -17,6 +17,7 @@ from daemon.ctl.parsing import seconds, whole
 # daemon/job.py's limits, said again so that ctl need not import the job model (a test checks)
 GPU_MEM_MAX = 2**50
 GPUS_MAX, ATTEMPTS_MAX, PRIORITY_MAX, STOP_GRACE_MAX = 1024, 100, 100, 3600.0
+CPUS_MAX = 4096
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?|\.\d+)\s*(?:(?P<unit>[kmgt])(?:i?b)?|b)?", re.IGNORECASE)
 
@@ -49,10 +50,27 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
         "e.g. 20G (K, M, G, T: powers of 1024)",
     )
     e.add_argument(
+        "--cpus",
+        type=whole(1, CPUS_MAX),
+        default=0,
+        metavar="N",
+        help="CPUs the job needs on its worker: it starts where that many are free, and its "
+        "processes get that much CPU time at most (default: the queue's, else no limit)",
+    )
+    e.add_argument(
+        "--mem",
+        type=gpu_mem_size,
+        default=0,
+        metavar="SIZE",
+        help="memory the job needs on its worker, e.g. 16G: it starts where that much is free, and "
+        "fails, saying so, if it uses more (default: the queue's, else no limit)",
+    )
+    e.add_argument(
         "--wait-for-worker",
         action="store_true",
-        help="queue a --gpus (or --gpu-mem) job even if no worker in the pool has that many GPUs (or a "
-        "GPU that large) yet, or a job for a --queue no worker serves yet",
+        help="queue a --gpus (or --gpu-mem, --cpus, --mem) job even if no worker in the pool has that "
+        "many GPUs (or a GPU that large, that many CPUs, that much memory) yet, or a job for a "
+        "--queue no worker serves yet",
     )
     e.add_argument("--name", default="")
     e.add_argument(

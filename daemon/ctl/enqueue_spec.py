@@ -97,6 +97,10 @@ def spec_of(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.gpu_mem:  # sent only when asked for: a server that does not know it refuses the field
         spec["gpu_mem"] = args.gpu_mem
+    if args.cpus:  # the same
+        spec["cpus"] = args.cpus
+    if args.mem:  # the same
+        spec["mem"] = args.mem
     if args.notify:  # the same; checked here too, before any upload
         spec["notify"] = notify_url(args.notify)
     if args.no_env:  # the same

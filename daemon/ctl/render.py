@@ -302,6 +302,8 @@ def job(j: dict[str, Any], *, as_json: bool) -> None:
         ("command", shlex.join(spec["argv"])),  # as a shell takes it back: quoted where it must be
         ("gpus", None if spec.get("gpu_mem") else str(spec["gpus"])),
         ("gpu mem", f"{_whole(size(spec['gpu_mem']))} on a shared GPU" if spec.get("gpu_mem") else None),
+        ("cpus", str(spec["cpus"]) if spec.get("cpus") else None),
+        ("mem", _whole(size(spec["mem"])) if spec.get("mem") else None),
         ("priority", str(spec["priority"]) if spec.get("priority") else None),
         ("cwd", spec["cwd"]),
         ("env", " ".join(f"{k}={v}" for k, v in spec["env"].items()) or None),

@@ -49,9 +49,11 @@ class Capacity:
     seconds): the GPUs it has free whole, what a job asking for none gets (a slot's share), its
     GPUs in all (None: as many as are free), when its running jobs end at the latest (seconds from
     now, None for no time limit; their GPUs: backfill), its stop grace, the GPUs that can take a
-    --gpu-mem job and its largest GPU's bytes (packing), and the seconds a pilot has left (None:
+    --gpu-mem job and its largest GPU's bytes (packing), the seconds a pilot has left (None:
     no end; a job whose time limit and stop grace run past it is passed over, and so is every job
-    without a time limit)."""
+    without a time limit), and its CPUs and bytes of memory for jobs, free and in all (claim/host.lua;
+    totals of 0: not counted, every job fits them), with when the running jobs holding some end at
+    the latest (`host_ends`: seconds or None, CPUs, bytes), for backfill as `ends` are."""
 
     gpus_free: int = 0
     slot_gpus: int = 0
@@ -61,6 +63,11 @@ class Capacity:
     shared: Sequence[SharedGpu] = ()
     largest_gpu: int = 0
     lifetime: float | None = None
+    cpus_free: int = 0
+    cpus_total: int = 0
+    mem_free: int = 0
+    mem_total: int = 0
+    host_ends: Sequence[tuple[float | None, int, int]] = ()
 
     @property
     def total(self) -> int:
@@ -69,7 +76,12 @@ class Capacity:
     def after(self, reply: ClaimReply) -> Capacity:
         """What is left for the next queue's claim once `reply`'s jobs are counted out."""
         return dataclasses.replace(
-            self, gpus_free=reply.gpus_free, shared=reply.shared, gpus_total=self.total
+            self,
+            gpus_free=reply.gpus_free,
+            shared=reply.shared,
+            gpus_total=self.total,
+            cpus_free=reply.cpus_free,
+            mem_free=reply.mem_free,
         )
 
 
@@ -110,10 +122,17 @@ class ClaimRequest:
                 "slot_gpus": room.slot_gpus,
                 "shared": [list(g) for g in room.shared],
                 "largest_gpu": room.largest_gpu,
-                "ends": [[-1 if t is None else max(0, round(t * 1000)), g] for t, g in room.ends if g],
+                "ends": [
+                    *([_ms(t), g, 0, 0] for t, g in room.ends if g),
+                    *([_ms(t), 0, c, m] for t, c, m in room.host_ends if c or m),
+                ],
                 "grace_ms": round(room.grace * 1000),
                 "lifetime_ms": 0 if room.lifetime is None else max(1, round(room.lifetime * 1000)),
                 "kept": self.kept,
+                "cpus_free": room.cpus_free,
+                "cpus_total": room.cpus_total,
+                "mem_free": room.mem_free,
+                "mem_total": room.mem_total,
                 **self.policy,
             }
         )
@@ -125,7 +144,7 @@ class ClaimReply:
     """claim.lua's answer (claim/ledger.lua `reply`): why claiming stopped (b'claimed', b'empty',
     b'blocked' or b'preempting'), the stream ids to wait after for more (stream, wake), the GPUs
     kept for a head job reserved on the worker, what the call left of the worker's GPUs (free
-    whole, and the shared GPUs' table), and the leases."""
+    whole, and the shared GPUs' table), CPUs and memory, and the leases."""
 
     status: bytes
     cursors: tuple[str, str]
@@ -133,6 +152,13 @@ class ClaimReply:
     gpus_free: int
     shared: tuple[SharedGpu, ...]
     leases: list[Lease]
+    cpus_free: int = 0
+    mem_free: int = 0
+
+
+def _ms(seconds: float | None) -> int:
+    """An end in ms from now as claim/backfill.lua reads it (-1: no time limit)."""
+    return -1 if seconds is None else max(0, round(seconds * 1000))
 
 
 def _boottime() -> float:
@@ -317,7 +343,7 @@ class Claims:
         """claim.lua's answer, read (ClaimReply). `known`: a spec at hand, packed and as the
         JobSpec it was packed from (a standing claim's enqueue's): a job whose packed spec is those
         very bytes has that JobSpec, not decoded again (a decode is dear after an idle spell)."""
-        status, stream_cursor, wake_cursor, kept, gpus_free, shared, *claimed = reply
+        status, stream_cursor, wake_cursor, kept, gpus_free, shared, cpus_free, mem_free, *claimed = reply
         leases = []
         for job_id, attempt, lease_id, packed, place in (
             claimed[i : i + 5] for i in range(0, len(claimed), 5)
@@ -338,7 +364,14 @@ class Claims:
                 await self.redis.publish(keys.worker_channel(worker), q)
         table = tuple(SharedGpu(int(p), int(left), int(n), bool(int(sh))) for p, left, n, sh in shared)
         return ClaimReply(
-            status, (_s(stream_cursor), _s(wake_cursor)), int(kept), int(gpus_free), table, leases
+            status,
+            (_s(stream_cursor), _s(wake_cursor)),
+            int(kept),
+            int(gpus_free),
+            table,
+            leases,
+            int(cpus_free),
+            int(mem_free),
         )
 
     async def _unreadable(self, lease: Lease, exc: Exception) -> None:

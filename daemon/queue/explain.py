@@ -36,13 +36,30 @@ class Explanation:
 
 
 async def explain(
-    queue: Claims, q: str, job_ids: Sequence[str], gpus_most: int, largest_gpu: int = 0
+    queue: Claims,
+    q: str,
+    job_ids: Sequence[str],
+    gpus_most: int,
+    largest_gpu: int = 0,
+    *,
+    host_most: tuple[int, int] = (0, 0),
 ) -> dict[str, Explanation]:
     """How a claim in queue `q` by a worker of `gpus_most` GPUs, all free, whose largest GPU has
-    `largest_gpu` bytes, would judge each of `job_ids` (jobs of `q`) now."""
+    `largest_gpu` bytes, and with `host_most` CPUs and bytes of memory for jobs, all free ((0, 0):
+    not counted), would judge each of `job_ids` (jobs of `q`) now."""
     out: dict[str, Explanation] = {}
     whole = [SharedGpu(0, largest_gpu, 2**31, shared=False)] if gpus_most and largest_gpu else []
-    capacity = Capacity(gpus_free=gpus_most, gpus_total=gpus_most, shared=whole, largest_gpu=largest_gpu)
+    cpus, mem = host_most
+    capacity = Capacity(
+        gpus_free=gpus_most,
+        gpus_total=gpus_most,
+        shared=whole,
+        largest_gpu=largest_gpu,
+        cpus_free=cpus,
+        cpus_total=cpus,
+        mem_free=mem,
+        mem_total=mem,
+    )
     request = queue._request("explain", q, 0, 0, capacity)
     for i in range(0, len(job_ids), EXPLAINED_AT_ONCE):
         rows = await queue.scripts.explain(

@@ -89,6 +89,8 @@ def _job_args(spec: JobSpec, packed: bytes, notify: str) -> list[Any]:
         notify,
         0 if spec.timeout is None else round(spec.timeout * 1000),
         -1 if spec.stop_grace is None else round(spec.stop_grace * 1000),
+        spec.cpus,
+        spec.mem,
     ]
 
 

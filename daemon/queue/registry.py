@@ -84,6 +84,7 @@ class Registration:
     version: str = field(default_factory=version)
     cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
     memory: int = field(default_factory=lambda: psutil.virtual_memory().total)
+    job_memory: int = 0  # bytes its jobs may have in all (--mem; worker/host.py); 0: not counted
     started_at: float = 0.0  # Unix time
     batch_job: str = field(default_factory=batch_job)  # the pilot's, else ""
     leave_by: float = 0.0  # Unix time by which it has left (worker_max_lifetime); 0.0: no end
@@ -100,6 +101,7 @@ class Registration:
             "gpus": self.gpus,
             "cpus": self.cpus,
             "memory": self.memory,
+            "job_memory": self.job_memory,
             "queues": list(self.queues),
             "state": self.state,
             "started_at": self.started_at,

@@ -30,6 +30,7 @@ from daemon.queue.registry import registered_workers
 from daemon.server.bounds import SubmitBounds
 from daemon.server.data_desk import DataDesk, data_of
 from daemon.server.dependencies import judge_held
+from daemon.server.queue_defaults import QueueDefaults
 from daemon.server.redis_room import RedisRoom
 from daemon.webhook_targets import Allowed
 from protocol import Enqueued, EnqueuedBatch, ErrorCode
@@ -66,10 +67,11 @@ class Admission:
         self.default_max_priority = default_max_priority
         self.notify_allowed = notify_allowed or Allowed()
         self.bounds = bounds or SubmitBounds()
+        self.defaults = QueueDefaults()  # the queues' CPUs and memory, set by service.py from the config
         self.room = RedisRoom(queue.redis)  # new jobs refused before Redis is full
 
     async def enqueue(self, spec: dict[str, Any], key: str | None, user: str) -> Enqueued:
-        job_spec = spec_of(spec, user)
+        job_spec = self.defaults.applied(spec_of(spec, user))
         self.bounds.check(job_spec)
         await self.room.check()
         self._check_priority([job_spec], user)
@@ -89,7 +91,7 @@ class Admission:
                 f"a batch holds at most {MAX_BATCH} jobs, not {len(specs)}: send them in several",
                 ErrorCode.INVALID_ARGUMENT,
             )
-        job_specs = [spec_of(s, user) for s in specs]
+        job_specs = [self.defaults.applied(spec_of(s, user)) for s in specs]
         for job_spec in job_specs:
             self.bounds.check(job_spec)
         await self.room.check()
@@ -168,10 +170,11 @@ class Admission:
 
     async def _check_fits(self, specs: list[JobSpec]) -> None:
         """Refuse a job for a queue that no registered worker serves, or that asks for more GPUs
-        than every registered worker serving its queue has (dead ones included: they may come
-        back), unless it asks to wait for such a worker: it would never start (queued anyway,
-        workers pass it over: claim.lua). A pool that no worker has joined yet (a server started
-        before its workers) takes a job for any queue, and refuses only a GPU job."""
+        (or CPUs, or memory) than every registered worker serving its queue has (dead ones
+        included: they may come back), unless it asks to wait for such a worker: it would never
+        start (queued anyway, workers pass it over: claim.lua). A pool that no worker has joined
+        yet (a server started before its workers) takes a job for any queue, and refuses only a
+        GPU job."""
         checked = [s for s in specs if not s.wait_for_worker]
         if not checked:
             return
@@ -180,6 +183,8 @@ class Admission:
         for spec in checked:
             if workers and spec.queue not in served:
                 raise NoWorkerServes(spec.queue, sorted(served))
+            if workers and (spec.cpus or spec.mem):
+                _check_host_fits(spec, [w for w in workers if spec.queue in w.get("queues", ())])
             if not (spec.gpus or spec.gpu_mem):
                 continue
             serving = [w.get("gpus", ()) for w in workers if spec.queue in w.get("queues", ())]
@@ -200,3 +205,19 @@ def spec_of(data: dict[str, Any], user: str) -> JobSpec:
     if "user" in data:
         raise InvalidJob("user", "is set by the server from the authenticated connection; leave it out")
     return JobSpec.from_dict({**data, "user": user})
+
+
+def _check_host_fits(spec: JobSpec, serving: list[dict[str, Any]]) -> None:
+    """Refuse a job asking for more CPUs, or more memory, than any of the `serving` workers lets
+    its jobs have. A worker that does not count them (its `job_memory` 0 or absent: one of before
+    issue 50, or an agent's) fits any job."""
+    if not serving or not all(int(w.get("job_memory") or 0) for w in serving):
+        return
+    cpus = max(int(w.get("cpus", 0)) for w in serving)
+    if spec.cpus > cpus:
+        raise NoWorkerFits(f"{spec.cpus} CPUs", spec.queue, f"{cpus} CPUs for jobs")
+    mem = max(int(w["job_memory"]) for w in serving)
+    if spec.mem > mem:
+        raise NoWorkerFits(
+            f"{spec.mem / 2**30:.1f} GiB of memory", spec.queue, f"{mem / 2**30:.1f} GiB for jobs"
+        )

@@ -72,11 +72,13 @@ class PendingReasons:
             workers = memo["workers"] = [w for w in await self.workers() if w.get("health") == "healthy"]
         judged = await self._explained(info, workers, memo)
         if judged.verdict == "park":  # more than every live worker has (claim/fit.lua)
-            need = (
-                f"{_memory(info.spec.gpu_mem)} on one GPU, and no live worker's GPU has that much"
-                if judged.reason == "no_gpu_memory"
-                else f"{info.spec.gpus} GPUs, and no live worker has that many"
-            )
+            nobody = "and no live worker has that"
+            need = {
+                "no_gpu_memory": f"{_memory(info.spec.gpu_mem)} on one GPU, "
+                "and no live worker's GPU has that much",
+                "too_many_cpus": f"{info.spec.cpus} CPUs, {nobody} many for jobs",
+                "too_much_memory": f"{_memory(info.spec.mem)} of memory, {nobody} much for jobs",
+            }.get(judged.reason, f"{info.spec.gpus} GPUs, {nobody} many")
             return f"needs {need}: the jobs behind it run meanwhile, and it starts when such a worker joins"
         rank = (
             f" (priority {info.spec.priority}: before the queue's jobs of lower priority)"
@@ -109,7 +111,14 @@ class PendingReasons:
             # A GPU quarantined for its health is not counted: the worker's claims do not count it.
             most = max((sum(1 for one in g if not one.get("health")) for g in gpus), default=0)
             memory = max((int(one.get("memory", 0)) for g in gpus for one in g), default=0)
-            judged |= await explain(self.queue, q, list(dict.fromkeys([info.id, *asked])), most, memory)
+            judged |= await explain(
+                self.queue,
+                q,
+                list(dict.fromkeys([info.id, *asked])),
+                most,
+                memory,
+                host_most=_host_most(workers),
+            )
         return judged[info.id]
 
     async def _held_reason(self, info: JobInfo) -> str:
@@ -150,3 +159,11 @@ class PendingReasons:
 
 def _memory(nbytes: int) -> str:
     return f"{nbytes / 2**30:g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:g} MiB"
+
+
+def _host_most(workers: list[dict[str, Any]]) -> tuple[int, int]:
+    """The most CPUs and bytes of memory for jobs of any of `workers`; (0, 0), not counted, when
+    one of them does not count them (worker/host.py): it would take any job."""
+    if not workers or not all(int(w.get("job_memory") or 0) for w in workers):
+        return 0, 0
+    return max(int(w.get("cpus", 0)) for w in workers), max(int(w["job_memory"]) for w in workers)

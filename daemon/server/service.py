@@ -31,6 +31,7 @@ from daemon.server.dependencies import Dependencies
 from daemon.server.handlers import Handlers
 from daemon.server.listener import Listener, ListenerError, refuse_open_beyond_loopback, tls_context
 from daemon.server.notifier import Notifier
+from daemon.server.queue_defaults import QueueDefaults
 from daemon.server.session import Limits
 from daemon.server.web.app import WebServer
 from daemon.server.web.snapshot import Snapshots
@@ -259,7 +260,7 @@ class PoolServer:
         c = self.config
         admins = users.admins if users is not None else frozenset()
         self.agents = Agents(self._agent_workers, queue, c, self.store, admins)
-        return Handlers(
+        handlers = Handlers(
             queue,
             events,
             self.list_workers,
@@ -272,6 +273,8 @@ class PoolServer:
             bounds=SubmitBounds.of(c),
             agents=self.agents,
         )
+        handlers.admission.defaults = QueueDefaults.of(c)
+        return handlers
 
     @staticmethod
     def _default_max_priority(c: Config, users: tokens.Users | None) -> int:
@@ -307,6 +310,7 @@ class PoolServer:
             if taken_back and self.web is not None:
                 self.web.sessions.sign_out(taken_back)
         self.handlers.admission.bounds = SubmitBounds.of(config)
+        self.handlers.admission.defaults = QueueDefaults.of(config)
         self.handlers.admission.default_max_priority = self._default_max_priority(config, users)
         self.queue.max_unended = config.user_max_queued_jobs
         self.queue.max_stored = config.user_max_stored_bytes

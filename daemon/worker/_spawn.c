@@ -24,6 +24,7 @@ The child, in this order (raw system calls on x86-64: it must not set errno, whi
 thread's own while their memory is shared):
 
     (cgroup)                   born in the slot's cgroup (CLONE_INTO_CGROUP), or joining it first
+    (joins)                    the slot's cgroup v1 directories joined (its CPU and memory limits)
     signals                    every disposition back to the default, then an empty mask
     setsid                     a session, and so a process group, of its own
     (nice)                     nicer than the worker: the pool's own work is never starved by jobs
@@ -103,6 +104,8 @@ worker waits for it a moment at most, then kills it, and never waits for it othe
 #define CHILD_STATUS 127                    /* a child that could not start exits with this */
 #define NO_NICE (-100)                      /* keep the worker's niceness */
 
+#define MAX_JOINS 4 /* cgroup v1 hierarchies a job joins: memory, cpu, cpuacct */
+
 /* One child's mapping: this header, its plan's arrays and strings, then its stack. */
 struct birth {
     struct birth *next; /* births whose mapping is still held */
@@ -116,6 +119,8 @@ struct birth {
     const char *cwd;
     int stdin_fd, out_fd, err_fd, cgroup_fd; /* cgroup_fd: the cgroup's directory, or -1 */
     int join;                         /* the child joins the cgroup first thing (cgroup.procs) */
+    int joins[MAX_JOINS];             /* more cgroup directories it joins then (cgroup v1's) */
+    int join_count;
     int nice;                         /* its niceness; NO_NICE: the worker's */
     long uid, gid;                    /* -1: keep the worker's */
     char **hidden;                    /* device nodes it may not open, NULL-terminated (with a uid) */
@@ -558,6 +563,10 @@ static int job_child(void *arg)
     long r;
     if (b->join && (r = k_join_cgroup(b->cgroup_fd)) < 0)
         fail(b, r);
+    for (int i = 0; i < b->join_count; i++) {
+        if ((r = k_join_cgroup(b->joins[i])) < 0)
+            fail(b, r);
+    }
     k_default_signals();
     if ((r = k_call(SYS_setsid, 0, 0, 0, 0, 0)) < 0)
         fail(b, r);
@@ -841,7 +850,8 @@ PyDoc_STRVAR(spawn_doc,
 "(x86-64); whether it could start, `reap` tells. pidfd is -1 on a kernel without pidfds.\n"
 "Raises OSError when no process could be made. `net_fd`, `ipc_fd` unless -1: namespaces it joins\n"
 "first (a running job's, for a command run in it; then pass own_net and own_ipc false). `ctty`:\n"
-"`stdin_fd` is a terminal, made the child's controlling terminal (TIOCSCTTY) after its setsid.");
+"`stdin_fd` is a terminal, made the child's controlling terminal (TIOCSCTTY) after its setsid.\n"
+"`joins`: up to 4 more cgroup directories (open fds, cgroup v1's) it joins first thing.");
 
 static PyObject *spawn(PyObject *self, PyObject *args)
 {
@@ -852,10 +862,27 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     int stdin_fd, out_fd, cgroup_fd, born_in, nice, own_ipc, own_net, err_fd = -1, net_fd = -1, ipc_fd = -1;
     int ctty = 0;
     long uid, gid;
-    if (!PyArg_ParseTuple(args, "OOOy#iillipiOpp|iiip", &paths_obj, &argv_obj, &envp_obj, &cwd, &cwd_len,
+    PyObject *joins_obj = NULL;
+    if (!PyArg_ParseTuple(args, "OOOy#iillipiOpp|iiipO", &paths_obj, &argv_obj, &envp_obj, &cwd, &cwd_len,
                           &stdin_fd, &out_fd, &uid, &gid, &cgroup_fd, &born_in, &nice, &hidden_obj, &own_ipc,
-                          &own_net, &err_fd, &net_fd, &ipc_fd, &ctty))
+                          &own_net, &err_fd, &net_fd, &ipc_fd, &ctty, &joins_obj))
         return NULL;
+    int joins[MAX_JOINS], join_count = 0;
+    if (joins_obj != NULL) {
+        if (!PyTuple_Check(joins_obj) || PyTuple_GET_SIZE(joins_obj) > MAX_JOINS) {
+            PyErr_SetString(PyExc_ValueError, "spawn: joins, a tuple of at most 4 directory fds");
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(joins_obj); i++) {
+            long fd = PyLong_AsLong(PyTuple_GET_ITEM(joins_obj, i));
+            if (fd < 0 || fd > INT_MAX) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_ValueError, "spawn: joins, directory fds");
+                return NULL;
+            }
+            joins[join_count++] = (int)fd;
+        }
+    }
     if (nice != NO_NICE && (nice < -20 || nice > 19)) {
         PyErr_SetString(PyExc_ValueError, "spawn: a niceness from -20 to 19, or -100 (the caller's)");
         return NULL;
@@ -909,6 +936,9 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     b->net_fd = net_fd;
     b->ipc_fd = ipc_fd;
     b->cgroup_fd = cgroup_fd;
+    for (int i = 0; i < join_count; i++)
+        b->joins[i] = joins[i];
+    b->join_count = join_count;
     b->uid = uid;
     b->gid = gid;
     b->nice = nice;

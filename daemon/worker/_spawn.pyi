@@ -20,6 +20,7 @@ def spawn(
     net_fd: int = -1,
     ipc_fd: int = -1,
     ctty: bool = False,
+    joins: tuple[int, ...] = (),
     /,
 ) -> tuple[int, int]: ...
 def sweep(uid: int, gid: int, /) -> tuple[int, int]: ...

@@ -78,6 +78,7 @@ from daemon.worker.gpus import (
 )
 from daemon.worker.health_watch import HealthWatch
 from daemon.worker.heartbeat import Heartbeat
+from daemon.worker.host import HostResources, host_ends
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.idle_gpus import IdlePolicy
 from daemon.worker.lifetime import Lifetime
@@ -133,6 +134,7 @@ class Worker(Stopping):
         gpu_health_policy: str = "requeue",
         gpu_health_clear: float = 600.0,
         idle_gpus: IdlePolicy | None = None,
+        host: HostResources | None = None,
     ) -> None:
         """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
         (the seam) and optionally a probe. `env` is the base of every job's environment (default:
@@ -153,7 +155,9 @@ class Worker(Stopping):
         flagged after 30 minutes below 5 %, no queue acts). The health of discovered GPUs is
         watched (health_watch.py): a faulty one is quarantined, its job handed back
         (`gpu_health_policy` "requeue") or let finish ("let_finish"), and it comes back once no
-        fault is seen for `gpu_health_clear` seconds and its check passes."""
+        fault is seen for `gpu_health_clear` seconds and its check passes. `host`: the CPUs and
+        memory its jobs may have (host.py), which claims fit with its GPUs; None: not counted,
+        every job fits them."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         if identities is not None and len(identities) < slots:
@@ -178,6 +182,7 @@ class Worker(Stopping):
             self.cache = ObjectCache(self.data_dir / "cache", self.store, cache_bytes)
         self._make_run = make_run or self._job_run
         self._gpu_books(gpus, gpu_sampler, probe, gpu_max_jobs, (gpu_health_policy, gpu_health_clear))
+        self.host = host  # the CPUs and memory its jobs may have (None: not counted)
         self.heartbeat = Heartbeat(queue, self, heartbeat_seconds)
         self._registration = Registration(
             id=self.id,
@@ -255,6 +260,8 @@ class Worker(Stopping):
         self.readings = GpuReadings(sampler, self.heartbeat.interval, self._gpus_read)
         self.heartbeat.observer = self._observe_heartbeat
         self._registration.started_at = time.time()
+        if self.host is not None:  # what its jobs may have: the server refuses a job asking for more
+            self._registration.cpus, self._registration.job_memory = self.host.cpus, self.host.mem
         try:
             await self._slots.open()
             if self._slots.local:  # an agent's jobs get their environments on its own machine
@@ -372,6 +379,16 @@ class Worker(Stopping):
             grace=self.kill_grace,
             lifetime=self.lifetime.claim_lifetime() if self.lifetime else None,
         )
+        if self.host is not None:
+            cpus_free, mem_free = self.host.free(self._held)
+            room = dataclasses.replace(
+                room,
+                cpus_free=cpus_free,
+                cpus_total=self.host.cpus,
+                mem_free=mem_free,
+                mem_total=self.host.mem,
+                host_ends=host_ends(self._held, self.kill_grace),
+            )
         if shared and self.allocator.gpus:
             uuids = [g.uuid for g in self.allocator.gpus]
             free = await asyncio.to_thread(self._nvml.free_memory, uuids) if self._nvml is not None else None
@@ -519,6 +536,7 @@ class Worker(Stopping):
             slot=self._slots.scratch[slot],
             identity=self._slots.identity(slot),
             cgroup=self._slots.cgroup(slot),
+            limits=self._slots.limit(slot),
             git_protocols=self.git_protocols,
             eager=self._fast.eager,
             on_slot_free=functools.partial(self._slot_free, lease.id) if self._fast.eager else None,

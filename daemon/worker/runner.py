@@ -47,6 +47,7 @@ from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput
 from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.pool_link import UNREACHABLE, PoolLink
+from daemon.worker.slot_limits import SlotLimits, Usage
 from daemon.worker.terminal import Terminal
 from storage.base import ObjectStore, StorageError
 from storage.cache import ObjectCache
@@ -182,6 +183,7 @@ class JobRun:
         slot: scratch.SlotScratch | None = None,
         identity: SlotIdentity | None = None,
         cgroup: SlotCgroup | None = None,
+        limits: SlotLimits | None = None,
         git_protocols: str = ANY_PROTOCOL,
         eager: bool = True,
         on_slot_free: Callable[[], None] | None = None,
@@ -194,10 +196,12 @@ class JobRun:
         directory holds a lock (envs.py; None: none does). `spawner` starts, reaps and kills its
         processes. `identity`: the uid the job runs as (identity.py; None: the worker's own).
         `cgroup`: the slot's (cgroups.py), which holds all the job starts (None: found through
-        /proc at the end). `eager`: `start` may spawn the job in its caller's turn; `on_slot_free`
-        is called when the slot may take its next job before this one's end is recorded (see
-        `_hand_over`; None: never). Both are the fast path's (worker/fast_path.py). `on_exit` is
-        called as soon as its first process has ended (an agent tells its server: agent.py)."""
+        /proc at the end). `limits`: the slot's CPU and memory limits (slot_limits.py), which hold
+        it to its --cpus and --mem (None: not enforced). `eager`: `start` may spawn the job in its
+        caller's turn; `on_slot_free` is called when the slot may take its next job before this
+        one's end is recorded (see `_hand_over`; None: never). Both are the fast path's
+        (worker/fast_path.py). `on_exit` is called as soon as its first process has ended (an
+        agent tells its server: agent.py)."""
         self.queue = queue
         self.store = store
         self.cache = cache
@@ -223,6 +227,8 @@ class JobRun:
         self._saving: asyncio.Task[None] | None = None  # the periodic saves (spec.checkpoint_every)
         self.identity = identity
         self.cgroup = cgroup
+        self.limits = limits
+        self._usage: Usage | None = None  # what it did under its limits, read at its end
         self.git_protocols = git_protocols  # what a job's repository may be fetched over
         self.eager = eager  # `start` may spawn in its caller's turn (worker/fast_path.py)
         self.tmp_dir = self.slot.tmp
@@ -384,6 +390,8 @@ class JobRun:
         minors = [g.minor for g in self.gpus]
         owner = self.identity.uid if self.identity is not None else None
         terminal = Terminal(self.idle_limit, self._idle, owner) if self.lease.spec.tty else None
+        if self.limits is not None:
+            self.limits.apply(self.lease.spec.cpus, self.lease.spec.mem)
         try:
             self._proc = self.spawner.spawn(
                 self.lease.spec.argv,
@@ -393,6 +401,7 @@ class JobRun:
                 cgroup=self.cgroup,
                 gpus=None if None in minors else {m for m in minors if m is not None},
                 terminal=terminal.slave if terminal is not None else None,
+                joins=self.limits.joins() if self.limits is not None else (),
             )
         except BaseException:
             if terminal is not None:
@@ -523,6 +532,8 @@ class JobRun:
             returncode = await self._proc.wait()
             ended = True
             self.on_exit()
+            # read before the slot may take its next job (`_hand_over`)
+            self._usage = self.limits.usage() if self.limits is not None else None
         finally:
             if timer is not None:
                 timer.cancel()
@@ -642,6 +653,9 @@ class JobRun:
         }
         if returncode is not None and returncode < 0:
             result["signal"] = -returncode
+        if self._usage is not None:
+            result["cpu_seconds"] = self._usage.cpu_ns / 1e9
+            result["peak_mem"] = self._usage.peak_mem
         if ending is Ending.CANCELLED:
             return Outcome(JobState.CANCELLED, code, f"cancelled; {how}", result)
         if ending is Ending.IDLE:
@@ -650,8 +664,19 @@ class JobRun:
             return Outcome(
                 JobState.FAILED, code, f"timed out after {self.lease.spec.timeout:g} s; {how}", result
             )
+        if self._usage is not None and self._usage.oom_kills:  # a process of it, whatever its exit says
+            return Outcome(JobState.FAILED, code, f"{self._out_of_memory()}; {how}", result)
         state = JobState.SUCCEEDED if returncode == 0 else JobState.FAILED
         return Outcome(state, code, "" if returncode == 0 else how, result)
+
+    def _out_of_memory(self) -> str:
+        """The sentence of a job the kernel's OOM killer ended a process of, past its --mem."""
+        assert self._usage is not None
+        mib = 2**20
+        used, asked = self._usage.peak_mem / mib, self.lease.spec.mem / mib
+        limit = f"its --mem of {asked:.0f} MiB" if asked else "no --mem asked (the machine ran out)"
+        killed = self._usage.oom_kills
+        return f"out of memory: used {used:.0f} MiB, {limit}; the kernel killed {killed} of its processes"
 
     def _hand_over(self) -> None:
         """Every process of the job is gone: when it holds no GPUs (those are looked at first),

@@ -27,6 +27,7 @@ from daemon.worker import gpus, non_root
 from daemon.worker.agent import Agent, AgentError
 from daemon.worker.dispatcher import Worker
 from daemon.worker.env_build import EnvSettings
+from daemon.worker.host import HostResources, machine_cpus
 from daemon.worker.identity import SlotIdentity, lease_uids, slot_identities
 from daemon.worker.idle_gpus import IdlePolicy
 from daemon.worker.lifetime import Lifetime
@@ -168,6 +169,7 @@ def configured_worker(
         idle_gpus=IdlePolicy.of(config),
         env_settings=env_settings(config),
         env_builder=env_builder(identities),
+        host=HostResources.of_machine(config.worker_reserved_mem),
     )
 
 
@@ -199,10 +201,10 @@ def local_slots(queue: JobQueue, config: Config, store: ObjectStore) -> Worker:
 
 def local_slot_count(config: Config) -> int:
     """`worker_local_processors`, or for -1 (its default) what the machine can run at once: a job
-    on each of its GPUs, or on each of its CPU cores where it has none."""
+    on each of its GPUs, or on each CPU it may run on (its affinity) where it has none."""
     if config.worker_local_processors >= 0:
         return config.worker_local_processors
-    return gpus.count() or os.cpu_count() or 1
+    return gpus.count() or machine_cpus()
 
 
 # -- through the server: an agent ------------------------------------------------------------

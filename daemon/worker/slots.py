@@ -27,6 +27,7 @@ from daemon.worker.dir_watch import DirWatch
 from daemon.worker.identity import IdentityError, SlotIdentity, check_passable
 from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.scratch import SlotDirs, SlotScratch
+from daemon.worker.slot_limits import SlotLimits, WorkerLimits
 from daemon.worker.spawn import Spawner
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class Slots:
         self.guard = OrphanGuard(f"GPUPOOL_WORKER={worker_id}", [i.uid for i in self.identities or ()])
         self.spawner = Spawner(job_nice, confinement)
         self.cgroups: SlotCgroups | None = None  # one per slot, where the kernel lets us (at open)
+        self.limits: WorkerLimits | None = None  # their CPU and memory limits, the same
 
     def dir(self, slot: int) -> Path:
         """The slot's scratch directories' parent (scratch.py)."""
@@ -74,6 +76,9 @@ class Slots:
 
     def cgroup(self, slot: int) -> SlotCgroup | None:
         return self.cgroups.slot(slot) if self.cgroups is not None else None
+
+    def limit(self, slot: int) -> SlotLimits | None:
+        return self.limits.slot(slot) if self.limits is not None else None
 
     async def open(self) -> None:
         """Everything the slots need, in order; on failure what was opened is closed again."""
@@ -87,6 +92,7 @@ class Slots:
         for scratch in self.scratch:
             scratch.watch = self.watch
         self.cgroups = await asyncio.to_thread(SlotCgroups.make, self.worker_id, self.count, dead)
+        self.limits = await asyncio.to_thread(WorkerLimits.make, self.worker_id, self.count, dead)
         await self.guard.start()
         if self.identities:
             await self.spawner.check(self.identities[0])
@@ -108,6 +114,9 @@ class Slots:
         if self.cgroups is not None:
             await asyncio.to_thread(self.cgroups.close)
             self.cgroups = None
+        if self.limits is not None:
+            await asyncio.to_thread(self.limits.close)
+            self.limits = None
         await asyncio.to_thread(self.dirs.close)
         if self.watch is not None:
             self.watch.close()

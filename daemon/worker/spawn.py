@@ -127,6 +127,7 @@ class Spawner:
         cgroup: SlotCgroup | None = None,
         gpus: Collection[int] | None = None,
         terminal: int | None = None,
+        joins: tuple[int, ...] = (),
     ) -> Child:
         """Start `argv` (no shell) in `cwd` with exactly `env` (PATH looked up in it), stdin from
         /dev/null, stdout and stderr into one pipe (with `terminal`, the slave end of a PTY, the
@@ -137,8 +138,11 @@ class Spawner:
         every GPU's node is left as it is). Returns at once; a program that could not start (no
         such program, no such directory, one the uid may not enter, a namespace the kernel
         refused) ends at once with `start_error` set. Raises OSError when no process could be
-        made."""
-        return self._spawn(argv, cwd, env, identity, cgroup, gpus, stdin=None, in_job=None, terminal=terminal)
+        made. `joins`: more cgroup directories (open, cgroup v1's: slot_limits.py) it joins before
+        it runs anything of the job's."""
+        return self._spawn(
+            argv, cwd, env, identity, cgroup, gpus, stdin=None, in_job=None, terminal=terminal, joins=joins
+        )
 
     def spawn_in_job(
         self,
@@ -176,6 +180,7 @@ class Spawner:
         stdin: int | None,
         in_job: tuple[int, int] | None,  # an exec's: its job's network and IPC namespaces (or -1)
         terminal: int | None = None,  # a tty job's: its terminal's slave end
+        joins: tuple[int, ...] = (),
     ) -> Child:
         plan = NOTHING
         if identity is not None:
@@ -205,6 +210,7 @@ class Spawner:
                 plan.own_net and not in_job,
                 *((errors_write, *in_job) if in_job else (-1, -1, -1)),  # a job's own: one pipe
                 terminal is not None,
+                joins,
             )
         except ValueError as exc:  # a NUL byte (the server refuses such specs): no exec could take it
             _close(read, errors_read)

@@ -262,6 +262,8 @@ def test_bob_cannot_reattach_alices_job(api_pool: ApiPool, monkeypatch: pytest.M
     [
         (lambda pool: pool.submit(add, 1, 2, gpus=-1), r"gpus=-1: a whole number from 0 to 1024"),
         (lambda pool: pool.submit(add, 1, 2, gpu_mem="lots"), r"gpu_mem: 'lots' is not a size"),
+        (lambda pool: pool.submit(add, 1, 2, cpus=-1), r"cpus=-1: a whole number from 0 to 4096"),  # issue 50
+        (lambda pool: pool.submit(add, 1, 2, mem="lots"), r"mem: 'lots' is not a size"),
         (
             lambda pool: pool.submit(add, 1, 2, queue="nowhere"),
             r"^no worker of this pool serves queue 'nowhere' .*Enqueue it with wait_for_worker=True to keep",

@@ -304,7 +304,7 @@ def test_the_local_slots_by_default_are_the_machines_gpus_or_else_its_cores() ->
     from daemon.worker import gpus
     from daemon.worker.service import local_slot_count
 
-    assert local_slot_count(config.load(flags(), env={})) == (gpus.count() or os.cpu_count())
+    assert local_slot_count(config.load(flags(), env={})) == (gpus.count() or len(os.sched_getaffinity(0)))
     for given in ("0", "3"):
         assert local_slot_count(config.load(flags("--worker-local-processors", given), env={})) == int(given)
 

@@ -14,7 +14,8 @@
 --    applies with its own moves; `poolctl show` says the same verdict in words (explain.lua);
 --  * caps per user (claim/caps.lua), fair share (claim/fairshare.lua), backfill with a
 --    reservation (claim/backfill.lua), preemption (claim/preempt.lua), GPU-memory packing
---    (claim/packing.lua), as those files say;
+--    (claim/packing.lua), a worker's CPUs and memory fitted with its GPUs (claim/host.lua), as
+--    those files say;
 --  * once per request: a request sent again (its reply was lost) answers the same leases, still
 --    unexpired and renewed from now, without claiming more; an older request arriving late claims
 --    nothing (claim/ledger.lua);
@@ -24,7 +25,7 @@
 -- KEYS: 1 stream, 2 the front (keys.py `key.front`), 3 leases, 4 the worker's claim memo, 5 parked
 -- ARGV: 1 the request, one msgpack map (daemon/queue/claims.py `ClaimRequest`)
 -- Returns {status, stream cursor, wake cursor, GPUs kept for a head, GPUs free whole left, the
--- shared GPUs' table left, then id, attempt, lease, spec, shared GPU's place (-1: whole GPUs) of
+-- shared GPUs' table left, CPUs and memory free left, then id, attempt, lease, spec, shared GPU's place (-1: whole GPUs) of
 -- each job claimed} (claim/ledger.lua `ledger.reply`). Status: 'claimed' (N jobs, a request answered
 -- again, or cut short at a bound), 'empty' (nothing more), 'blocked' (the next job must wait for
 -- GPUs here) or 'preempting' (blocked, and jobs here were asked to make room for it). The cursors
@@ -34,6 +35,7 @@
 --! include claim/request.lua
 --! include claim/job.lua
 --! include claim/packing.lua
+--! include claim/host.lua
 --! include claim/ledger.lua
 --! include claim/caps.lua
 --! include claim/fit.lua

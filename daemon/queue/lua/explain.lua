@@ -15,6 +15,7 @@
 --! include claim/request.lua
 --! include claim/job.lua
 --! include claim/packing.lua
+--! include claim/host.lua
 --! include claim/ledger.lua
 --! include claim/caps.lua
 --! include claim/fit.lua

@@ -92,6 +92,22 @@ def test_show_prints_the_memory_on_a_shared_gpu(capsys: pytest.CaptureFixture[st
     assert "gpu mem:   1.5 GiB on a shared GPU" in capsys.readouterr().out
 
 
+def test_show_prints_the_cpus_and_memory_a_job_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
+    """issue 50: `poolctl show` says a job's --cpus and --mem, and a limit that the model and
+    poolctl say alike."""
+    assert enqueue_args.CPUS_MAX == job.CPUS_MAX
+    record = {
+        "id": "default.0mzk4g8x1a2b", "state": "queued", "cancel_requested": False, "worker": "",
+        "spec": job.JobSpec(argv=("train",), cpus=4, mem=16 * G, user="alice").to_dict(),
+        "attempt": 0, "enqueued_at": 0.0, "started_at": None, "ended_at": None, "exit_code": None,
+        "detail": "", "attempts": [], "result": {},
+    }  # fmt: skip
+    render.job(record, as_json=False)
+    out = capsys.readouterr().out
+    assert "cpus:      4\n" in out
+    assert "mem:       16 GiB\n" in out
+
+
 def test_workers_counts_the_gpus_shared_and_the_jobs_on_them() -> None:
     gpu = {"name": "H100", "memory": 80 * G, "job": "", "shared": {}, "quarantined": ""}
     gpus = [

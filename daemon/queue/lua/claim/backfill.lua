@@ -1,6 +1,6 @@
 -- claim/backfill.lua: the head of line, its reservation and backfill. When the next job needs more
--- GPUs than the claimer has free (less what this call already handed out), claiming stops there
--- and that job waits for them (the head). The head reserves this worker (`key.reservation`: one per
+-- GPUs than the claimer has free (less what this call already handed out), or more CPUs or memory
+-- (host.lua), claiming stops there and that job waits for them (the head). The head reserves this worker (`key.reservation`: one per
 -- queue, for a lease, renewed by each claim of its worker; a worker that dies lets it lapse),
 -- unless another live worker holds its reservation. Jobs behind it may then start: on any worker
 -- the head is not reserved on; on the one it is, only a job whose time limit (plus stop grace)
@@ -9,27 +9,41 @@
 -- worker has its GPUs. A worker holding a reservation keeps those GPUs from the queues it claims
 -- from after this one too (the request's `kept`).
 
--- When the running jobs here end at the latest: {ms from now, GPUs}, the soonest first.
+-- When the running jobs here end at the latest: {ms from now, GPUs, CPUs, bytes of memory}, the
+-- soonest first.
 backfill.ends = {}
-for _, e in ipairs(req.ends) do backfill.ends[#backfill.ends + 1] = {math.max(0, e[1]), e[2]} end
+for _, e in ipairs(req.ends) do
+  backfill.ends[#backfill.ends + 1] = {math.max(0, e[1]), e[2], e[3] or 0, e[4] or 0}
+end
 table.sort(backfill.ends, function(a, b) return a[1] < b[1] end)
 
--- When `g` GPUs could be free here at the earliest (ms from now): the running jobs end at their
--- limits, and GPUs in use that `backfill.ends` does not account for (jobs without a limit, jobs claimed in
--- this very call) may come back any moment.
-function backfill.earliest(g)
-  local free = req.gpus_total
-  for _, e in ipairs(backfill.ends) do free = free - e[2] end
-  if free >= g then return 0 end
+-- When `need` ({GPUs, CPUs, bytes of memory}) could be free here at the earliest (ms from now):
+-- the running jobs end at their limits, and what is in use that `backfill.ends` does not account
+-- for (jobs without a limit, jobs claimed in this very call) may come back any moment. A resource
+-- the worker does not count (host.lua) is never waited for.
+function backfill.earliest(need)
+  local total = {req.gpus_total, host.cpus_total, host.mem_total}
+  local free = {total[1], total[2], total[3]}
   for _, e in ipairs(backfill.ends) do
-    free = free + e[2]
-    if free >= g then return e[1] end
+    for r = 1, 3 do free[r] = free[r] - e[r + 1] end
+  end
+  local function enough()
+    for r = 1, 3 do
+      if (r == 1 or total[r] > 0) and free[r] < need[r] then return false end
+    end
+    return true
+  end
+  if enough() then return 0 end
+  for _, e in ipairs(backfill.ends) do
+    for r = 1, 3 do free[r] = free[r] + e[r + 1] end
+    if enough() then return e[1] end
   end
   return 0
 end
 
-function backfill.keep_for_head(gpus)
-  ledger.head_need, ledger.head_at = gpus, backfill.earliest(gpus)
+-- Keep `gpus` GPUs here for a head job (and, for its start time, its CPUs and memory).
+function backfill.keep_for_head(gpus, cpus, mem_bytes)
+  ledger.head_need, ledger.head_at = gpus, backfill.earliest({gpus, cpus or 0, mem_bytes or 0})
 end
 if req.kept > 0 then backfill.keep_for_head(req.kept) end
 
@@ -104,7 +118,7 @@ function backfill.blocked(j, gpus)
   if not ledger.head_need and not fit.passed_over(j) then
     local r = redis.call('HMGET', key.reservation, 'job', 'worker', 'until')
     if not (r[1] == j.id and r[2] ~= req.worker and tonumber(r[3]) > now) then
-      backfill.keep_for_head(gpus)
+      backfill.keep_for_head(gpus, j.cpus, j.mem_bytes)
       redis.call('HSET', key.reservation, 'job', j.id, 'worker', req.worker, 'until', now + req.lease_ms, 'at', now + ledger.head_at,
         'preempt', '0')
       if preempt.may(j) and preempt.make_room(gpus, j.priority, false) then

@@ -2,8 +2,17 @@
 
 -- The GPUs a job needs here: what it asks for, or a slot's share when it asks for 0; a job asking
 -- for memory on one shared GPU needs one (more than the worker has, when its largest GPU is too
--- small: it is then passed over as a job of too many GPUs is).
+-- small: it is then passed over as a job of too many GPUs is, and so is one asking for more CPUs
+-- or memory than the worker has: host.lua).
 function fit.need_of(j)
+  if host.too_big(j) then return req.gpus_total + 1 end
+  return fit.parked_as(j)
+end
+
+-- The GPUs a job is parked under (places.park): what it needs of them alone, so that every worker
+-- with that many looks at it, whatever its CPUs and memory (places.oldest_parked passes over one
+-- too big for it in those).
+function fit.parked_as(j)
   if j.mem > 0 then return j.mem <= req.largest_gpu and 1 or req.gpus_total + 1 end
   return j.gpus == 0 and req.slot_gpus or j.gpus
 end
@@ -33,11 +42,13 @@ function fit.passed_over(j)
   return nil
 end
 
--- Why a job of `gpus` GPUs may not start here now, or nil: its GPUs (or memory) are not free, it
--- is not for this claimer, or with a head job's GPUs kept here it is not sure to end before the
+-- Why a job of `gpus` GPUs may not start here now, or nil: its GPUs (or memory on a shared GPU),
+-- or its CPUs or memory on the worker (host.lua), are not free, it is not for this claimer, or with a head job's GPUs kept here it is not sure to end before the
 -- head could start (backfill.lua).
 function fit.cannot_start(j, gpus)
   if not fit.fits_now(j, gpus) then return j.mem > 0 and 'memory' or 'gpus' end
+  local short = host.short(j)
+  if short then return short end
   local passed = fit.passed_over(j)
   if passed then return passed end
   if not ledger.head_need then return nil end
@@ -48,17 +59,23 @@ end
 
 -- The verdict on a job a claim meets, and its reason code (explain.lua says them in words):
 --   'gone'  not queued any more (cancelled, or taken): dropped where it is met;
---   'park'  needs more GPUs than this worker has at all ('too_big'), or more memory than its
---           largest GPU ('no_gpu_memory'): left for a worker big enough, never blocking this one;
+--   'park'  needs more GPUs than this worker has at all ('too_big'), more memory than its
+--           largest GPU ('no_gpu_memory'), or more CPUs or memory than it has ('too_many_cpus',
+--           'too_much_memory'): left for a worker big enough, never blocking this one;
 --   'hold'  its user is at a cap here ('cap');
---   'wait'  must wait here: its GPUs are not free ('gpus', 'memory'), it is not for this worker
+--   'wait'  must wait here: its GPUs are not free ('gpus', 'memory'), nor its CPUs or memory on the
+--           worker ('cpus', 'host_memory'), it is not for this worker
 --           ('outlives', 'serves'), or it could delay a reserved head ('reserved');
 --   'start' ('fits').
 -- Every place a claim takes jobs from applies the verdict with its own moves (places.lua).
 function fit.verdict(j)
   if j.state ~= 'queued' then return 'gone', 'gone', 0 end
   local gpus = fit.need_of(j)
-  if gpus > req.gpus_total then return 'park', j.mem > 0 and 'no_gpu_memory' or 'too_big', gpus end
+  if gpus > req.gpus_total then
+    local too_big = host.too_big(j)
+    if too_big then return 'park', too_big, fit.parked_as(j) end
+    return 'park', j.mem > 0 and 'no_gpu_memory' or 'too_big', gpus
+  end
   if not caps.under_cap(j.user, gpus) then return 'hold', 'cap', gpus end
   local why = fit.cannot_start(j, gpus)
   if why then return 'wait', why, gpus end

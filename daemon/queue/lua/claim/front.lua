@@ -16,11 +16,11 @@ function front.take_preempting_head()
   end
   local gpus = fit.need_of(j)
   redis.call('HSET', key.reservation, 'until', now + req.lease_ms)
-  if req.count > 0 and fit.fits_now(j, gpus) and caps.under_cap(j.user, gpus) then
+  if req.count > 0 and fit.fits_now(j, gpus) and not host.short(j) and caps.under_cap(j.user, gpus) then
     places.take_from_anywhere(j)
     ledger.start(j, gpus)
   elseif not ledger.head_need then
-    backfill.keep_for_head(gpus)
+    backfill.keep_for_head(gpus, j.cpus, j.mem_bytes)
   end
 end
 
@@ -38,7 +38,7 @@ function front.take()
     if j and fit.need_of(j) > req.gpus_total then
       if moved >= MOVES then return ledger.stop('claimed', '0-0'), moved end  -- cut short: asked again
       redis.call('ZREM', key.front, j.id)  -- too big for this worker: parked (its entry stays pending)
-      places.park(j, fit.need_of(j))
+      places.park(j, fit.parked_as(j))
       moved = moved + 1
     else
       local place, pick_seq = key.front, j and j.seq

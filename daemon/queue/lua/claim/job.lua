@@ -13,26 +13,30 @@ end
 
 -- Job `id`: {id, key, state, gpus (asked; 0: a slot's share), attempt, user, seq, priority, entry,
 -- mem (bytes on one shared GPU; 0: whole GPUs), spec (packed, opaque), limit and grace (its time
--- limit and its own stop grace as stored, in ms: `limits_of`)}.
+-- limit and its own stop grace as stored, in ms: `limits_of`), cpus and mem_bytes (the CPUs and
+-- bytes of memory it needs on its worker, host.lua; 0: none asked, as a record of before them)}.
 function job.of(id)
   local jobkey = job_key(req.prefix, id)
   local v = redis.call('HMGET', jobkey, 'state', 'gpus', 'attempt', 'user', 'seq', 'priority', 'entry',
-    'gpu_mem_bytes', 'spec', 'time_limit_ms', 'stop_grace_ms')
+    'gpu_mem_bytes', 'spec', 'time_limit_ms', 'stop_grace_ms', 'cpus', 'mem_bytes')
   return {
     id = id, key = jobkey, state = v[1], gpus = tonumber(v[2]) or 0, attempt = tonumber(v[3]) or 0,
     user = v[4] or '', seq = tonumber(v[5]), priority = tonumber(v[6]) or 0, entry = v[7],
     mem = tonumber(v[8]) or job.old_gpu_mem(jobkey), spec = v[9], limit = v[10], grace = v[11],
+    cpus = tonumber(v[12]) or 0, mem_bytes = tonumber(v[13]) or 0,
   }
 end
 
 -- Job `id` as a verdict needs it (fit.lua), and no more: {id, key, state, gpus, user, mem, limit,
--- grace}, as `of` has them.
+-- grace, cpus, mem_bytes}, as `of` has them.
 function job.peek(id)
   local jobkey = job_key(req.prefix, id)
-  local v = redis.call('HMGET', jobkey, 'state', 'gpus', 'user', 'gpu_mem_bytes', 'time_limit_ms', 'stop_grace_ms')
+  local v = redis.call('HMGET', jobkey, 'state', 'gpus', 'user', 'gpu_mem_bytes', 'time_limit_ms', 'stop_grace_ms',
+    'cpus', 'mem_bytes')
   return {
     id = id, key = jobkey, state = v[1], gpus = tonumber(v[2]) or 0, user = v[3] or '',
     mem = tonumber(v[4]) or job.old_gpu_mem(jobkey), limit = v[5], grace = v[6],
+    cpus = tonumber(v[7]) or 0, mem_bytes = tonumber(v[8]) or 0,
   }
 end
 

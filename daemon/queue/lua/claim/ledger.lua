@@ -37,11 +37,13 @@ function ledger.reply_row(id, jobkey)
 end
 
 -- The reply: {status, stream cursor, wake cursor, GPUs kept for a head job, GPUs free whole left,
--- the shared GPUs' table left, then id, attempt, lease, spec, shared GPU's place of each job}. The
+-- the shared GPUs' table left, CPUs and bytes of memory free left (host.lua), then id, attempt,
+-- lease, spec, shared GPU's place of each job}. The
 -- cursors matter only to a claimer that found nothing more to take (it waits after them): a
 -- 'claimed' answer carries none.
 function ledger.reply(status, cursor)
-  local out = {status, cursor, '0-0', ledger.head_need or 0, ledger.gpus_free, packing.left()}
+  local out = {status, cursor, '0-0', ledger.head_need or 0, ledger.gpus_free, packing.left(), host.cpus_free,
+    host.mem_free}
   if status ~= 'claimed' then
     local top = redis.call('XREVRANGE', req.prefix .. 'wake', '+', '-', 'COUNT', 1)[1]
     out[3] = top and top[1] or '0-0'
@@ -61,6 +63,7 @@ end
 function ledger.start(j, gpus)
   local place = -1
   if j.mem > 0 then place = packing.pack(j.mem) else ledger.gpus_free = ledger.gpus_free - gpus end
+  host.take(j.cpus, j.mem_bytes)
   ledger.ids[#ledger.ids + 1] = j.id
   local lease = ledger.lease_of(#ledger.ids)
   local attempt = j.attempt + 1
@@ -81,11 +84,12 @@ function ledger.start(j, gpus)
 end
 
 -- A job answered again holds what it took then: the worker, which never heard of it, sent its
--- GPUs (or its shared GPU's room) as free, and the claims it makes next in other queues must not
+-- GPUs (or its shared GPU's room), CPUs and memory as free, and the claims it makes next in other queues must not
 -- count them twice.
 function ledger.counted_out(jobkey)
-  local h = redis.call('HMGET', jobkey, 'held_gpus', 'shared_gpu', 'gpu_mem_bytes', 'gpu_mem')
+  local h = redis.call('HMGET', jobkey, 'held_gpus', 'shared_gpu', 'gpu_mem_bytes', 'gpu_mem', 'cpus', 'mem_bytes')
   local place = tonumber(h[2]) or -1
+  host.take(tonumber(h[5]) or 0, tonumber(h[6]) or 0)
   if place < 0 then
     ledger.gpus_free = ledger.gpus_free - (tonumber(h[1]) or 0)
     return

@@ -35,16 +35,25 @@ function places.take_from_prio(j)
   redis.call('XDEL', key.stream, j.entry)
 end
 
--- The oldest parked job this worker can hold, and its seq (nil when there is none).
+-- The oldest parked job this worker can hold, and its seq (nil when there is none). Where the
+-- worker counts its CPUs and memory (host.lua), a job too big for it in those is passed over: a
+-- look at the oldest HELD_LOOK of each GPU count.
 function places.oldest_parked()
   local best, best_seq, from = nil, nil, '-inf'
   local upto = '(' .. string.format('%d', (req.gpus_total + 1) * SEQ)
+  local look = host.counted() and HELD_LOOK or 1
   while true do
-    local p = redis.call('ZRANGEBYSCORE', key.parked, from, upto, 'WITHSCORES', 'LIMIT', 0, 1)
+    local p = redis.call('ZRANGEBYSCORE', key.parked, from, upto, 'WITHSCORES', 'LIMIT', 0, look)
     if not p[1] then return best, best_seq end
-    local score = tonumber(p[2])
-    local g = math.floor(score / SEQ)
-    if not best_seq or score - g * SEQ < best_seq then best, best_seq = p[1], score - g * SEQ end
+    local g = math.floor(tonumber(p[2]) / SEQ)
+    for i = 1, #p, 2 do
+      local seq = tonumber(p[i + 1]) - g * SEQ
+      if seq >= SEQ or (best_seq and seq >= best_seq) then break end  -- (past this GPU count, or not older)
+      if look == 1 or not host.too_big(job.peek(p[i])) then
+        best, best_seq = p[i], seq
+        break
+      end
+    end
     from = string.format('%d', (g + 1) * SEQ)  -- the next GPU count present
   end
 end

@@ -11,7 +11,7 @@ local now = now_ms()
 -- verdict), declared before any is filled in since they call each other. A call builds every
 -- function anew (Redis runs a script's whole body at each call), so each captures a few tables,
 -- not one local per name: what a function captures, Lua looks up when it builds it.
-local job, packing, ledger, caps, fit, places, preempt = {}, {}, {}, {}, {}, {}, {}
+local job, packing, host, ledger, caps, fit, places, preempt = {}, {}, {}, {}, {}, {}, {}, {}
 local backfill, front, priorities, fairshare, stream = {}, {}, {}, {}, {}
 
 -- Bounds: each claim call does a bounded amount of work, and says 'claimed' (ask again at once)

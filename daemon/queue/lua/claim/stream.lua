@@ -24,11 +24,13 @@ function stream.judged(fields)
   return j, v, gpus
 end
 
--- Every GPU this claimer has is free, nothing is kept for a head, no GPU to share (so a --gpu-mem
--- job is too big here), no lifetime, any user's job: no job can make it wait (one asking for more
--- than it has is passed over), so the next entry is taken as it is delivered, without a look first.
+-- Every GPU, CPU and byte of memory this claimer has is free, nothing is kept for a head, no GPU to
+-- share (so a --gpu-mem job is too big here), no lifetime, any user's job: no job can make it wait
+-- (one asking for more than it has is passed over), so the next entry is taken as it is delivered,
+-- without a look first.
 function stream.nothing_can_wait()
-  return ledger.gpus_free >= req.gpus_total and not ledger.head_need and req.largest_gpu == 0 and req.lifetime_ms <= 0 and req.serves == ''
+  return ledger.gpus_free >= req.gpus_total and host.cpus_free >= host.cpus_total and host.mem_free >= host.mem_total
+    and not ledger.head_need and req.largest_gpu == 0 and req.lifetime_ms <= 0 and req.serves == ''
 end
 
 function stream.take()

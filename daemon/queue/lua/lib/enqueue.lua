@@ -21,10 +21,11 @@ end
 -- daemon/after.py; '' for nothing), its array ('QUEUE@NAME'; '' for none), its place in it, the
 -- array's window (the most of it under way at once; 0: no limit), where its end is notified
 -- ('job', 'pool', both space-separated, or '': to_outbox), its time limit (ms; 0: none) and its
--- own stop grace (ms; -1: the worker's). The scheduler reads what it needs of a job from these
+-- own stop grace (ms; -1: the worker's), and the CPUs and bytes of memory it needs on its worker (0:
+-- none asked; claim/host.lua). The scheduler reads what it needs of a job from these
 -- named fields of its record (claim/job.lua), never from the spec.
 local JOB_ARGS = {'spec', 'gpus', 'max_attempts', 'retries', 'priority', 'user', 'gpu_mem_bytes', 'after', 'array',
-  'array_pos', 'window', 'notify', 'time_limit_ms', 'stop_grace_ms'}
+  'array_pos', 'window', 'notify', 'time_limit_ms', 'stop_grace_ms', 'cpus', 'mem_bytes'}
 
 -- The job given at ARGV[first] and on, as a table keyed by JOB_ARGS.
 local function job_args(argv, first)
@@ -45,7 +46,7 @@ local function add_job(prefix, index, jobkey, id, seq, now, a)
     'gpus', a.gpus, 'max_attempts', a.max_attempts, 'retries', a.retries, 'failures', 0, 'losses', 0,
     'enqueued_at', now, 'entry', '', 'priority', priority, 'user', a.user or '',
     'gpu_mem_bytes', tonumber(a.gpu_mem_bytes) or 0, 'time_limit_ms', tonumber(a.time_limit_ms) or 0,
-    'stop_grace_ms', tonumber(a.stop_grace_ms) or -1,
+    'stop_grace_ms', tonumber(a.stop_grace_ms) or -1, 'cpus', tonumber(a.cpus) or 0, 'mem_bytes', tonumber(a.mem_bytes) or 0,
     'after', a.after or '', 'array', a.array or '', 'array_pos', pos, 'window', window, 'counted', 1)
   if a.notify and a.notify ~= '' then redis.call('HSET', jobkey, 'notify', a.notify) end
   redis.call('ZADD', index, seq, id)

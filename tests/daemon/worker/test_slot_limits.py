@@ -1,0 +1,86 @@
+"""A slot's CPU and memory limits (daemon/worker/slot_limits.py, issue 50): a job is held to its
+`--cpus` and `--mem` by its slot's cgroups, and one past its memory fails saying so, the worker
+untouched. Real cgroups, real worker processes: the tests run as root on a machine with cgroup
+v1's memory, cpu and cpuacct hierarchies (skipped where there are none: a cgroup-v2-only machine
+fits jobs' CPUs and memory without enforcing them, as the module says)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon.config import load
+from daemon.job import JobState
+from daemon.queue.job_queue import JobQueue
+from daemon.worker import gpus
+from daemon.worker.service import local_slot_count
+from daemon.worker.slot_limits import v1_dirs
+from tests.support.workers import running_worker, sh, wait_state, wait_until
+
+MIB = 2**20
+
+needs_v1 = pytest.mark.skipif(
+    os.geteuid() != 0 or v1_dirs() is None, reason="needs root and cgroup v1 memory, cpu and cpuacct"
+)
+
+
+@needs_v1
+async def test_a_job_past_its_mem_fails_saying_so_and_the_worker_goes_on(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """issue 50, `--mem` enforced with the sentence: a job that writes 512 MiB with --mem 64M is
+    ended by the kernel in its slot's cgroup, not the worker, and fails saying it ran out of its
+    memory; the slot's next job, under a higher --mem, runs there within it."""
+    grow = f"{sys.executable} -c 'b = bytearray(256 * 2**20); b[:] = b\"x\" * len(b)'"  # 512 MiB written
+    async with running_worker(queue, tmp_path / "w", slots=1) as worker:
+        assert worker._slots.limits is not None
+        hog, _ = await queue.enqueue(sh(grow, mem=64 * MIB))
+        info = await wait_state(queue, hog, JobState.SUCCEEDED, JobState.FAILED)
+        assert info.state is JobState.FAILED
+        assert info.detail.startswith("out of memory: used 64 MiB, its --mem of 64 MiB; the kernel killed 1 ")
+        assert worker._dispatcher is not None
+        assert not worker._dispatcher.done()  # the worker goes on
+        after, _ = await queue.enqueue(sh(grow, mem=1024 * MIB))  # a higher limit than the last job's
+        done = await wait_state(queue, after, JobState.SUCCEEDED, JobState.FAILED)
+        assert done.state is JobState.SUCCEEDED, done.detail
+
+
+@needs_v1
+async def test_cpus_1_holds_a_spinning_job_to_one_cpus_time(queue: JobQueue, tmp_path: Path) -> None:
+    """issue 50, `--cpus` limits a spinning job to its share: two busy processes under --cpus 1
+    get at most about one CPU's time, as the slot's cgroup counts it (cpuacct), over the job's
+    wall time: a ratio in one run (unlimited, two spinners get up to two CPUs' worth on an idle
+    machine; a loaded one gives them less, so the quota itself is read too, while it runs)."""
+    spin = "yes > /dev/null & a=$!; yes > /dev/null & b=$!; sleep 1.5; kill $a $b"
+    async with running_worker(queue, tmp_path / "w", slots=1) as worker:
+        assert worker._slots.limits is not None
+        quota = worker._slots.limits.slot(0).dirs["cpu"] / "cpu.cfs_quota_us"
+        job_id, _ = await queue.enqueue(sh(spin, cpus=1))
+
+        async def quota_set() -> bool:  # one period's time in each (cpu.cfs_period_us), once it starts
+            return quota.read_text().strip() == "100000"
+
+        await wait_until(quota_set, timeout=10, what="the job's CPU quota")  # (it spins for 1.5 s)
+        info = await wait_state(queue, job_id, JobState.SUCCEEDED, JobState.FAILED)
+        assert info.state is JobState.SUCCEEDED, info.detail
+        result = info.result or {}
+        wall = result["ended_at"] - result["started_at"]
+        assert 0 < result["cpu_seconds"] / wall < 1.1, (result["cpu_seconds"], wall)
+        after, _ = await queue.enqueue(sh("true"))  # the next job, asking for none: no quota
+        await wait_state(queue, after, JobState.SUCCEEDED)
+        assert quota.read_text().strip() == "-1"
+
+
+def test_the_default_slots_follow_the_cpus_this_process_may_run_on() -> None:
+    """issue 50, default slots follow the machine's CPUs: a singlenode pool without GPUs runs a
+    slot per CPU it may run on (its affinity, as `taskset` or a cpuset gives it), not per CPU of
+    the machine (os.cpu_count()). This thread is held to one CPU for the look."""
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(mine)})
+    try:
+        assert local_slot_count(load(env={})) == (gpus.count() or 1)
+    finally:
+        os.sched_setaffinity(0, mine)
