@@ -5,8 +5,10 @@ client's one connection to the server, which relays it to the job's worker.
 It listens once the job is known to be this user's (or an admin's) and running on a worker of
 the pool's own, as the server will check again for every connection, and ends, exit 0, when the
 job ends (its open connections close with it), or on Ctrl-C (130). Each channel holds one of the
-user's blocking requests on the server (16 at most), so at most MAX_OPEN connections are relayed
-at once; more wait their turn, accepted, as a busy server's backlog would keep them.
+user's channels on the server (32 at most, handlers.py MAX_CHANNELS_PER_USER), so at most MAX_OPEN
+connections are relayed at once: enough for a browser's (a JupyterLab with several notebooks open
+holds some 14), leaving the user's execs and shells theirs; more wait their turn, accepted, as a
+busy server's backlog would keep them.
 
 It serves only its own user: any local user can connect to a port on 127.0.0.1, so a connection
 whose other end belongs to another uid (the kernel's socket table says, /proc/net/tcp) is
@@ -30,7 +32,7 @@ from daemon.errors import GpupoolError, NotYours
 from daemon.job import is_agent_worker
 from protocol import ErrorCode, JobDetail, JobEnded, OpenChannel, ShowJob, WaitJobs
 
-MAX_OPEN = 8  # connections relayed at once: half a user's blocking requests (handlers.py)
+MAX_OPEN = 24  # connections relayed at once: three quarters of a user's channels (handlers.py)
 READ_SIZE = 64 * 1024
 
 

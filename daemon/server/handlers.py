@@ -91,6 +91,10 @@ MAX_IDS = 10_000  # job ids in one cancel or wait: more is refused, never worked
 # (live views): each user has this many at once, so one user cannot take every Redis connection
 # from everyone else.
 MAX_BLOCKING_PER_USER = 16
+# Channels into jobs (exec, attach, forward) read Redis as long as they last too, and have a bound of
+# their own, so that a forward serving a browser's many connections (a JupyterLab: some 14) does
+# not take the user's `logs -f` and `wait`, nor they its connections.
+MAX_CHANNELS_PER_USER = 32
 # ... and all users together this many: each holds a Redis connection, and Redis serves workers too.
 MAX_BLOCKING = 512
 LOG_BLOCK_SECONDS = 1.0
@@ -127,6 +131,7 @@ class Handlers:
         (agents.py; None: refused)."""
         self.queue = queue
         self._blocking: Counter[str] = Counter()  # user -> follows and waits running now
+        self._channels: Counter[str] = Counter()  # user -> channels open now
         self.events = events
         self.workers = workers
         self.metrics = metrics
@@ -238,13 +243,13 @@ class Handlers:
 
     async def _channel(self, request: OpenChannel, user: str, client: ClientEnd) -> ChannelClosed:
         """A channel into a running job (channels.py): its owner's or an admin's; it holds one of
-        the user's blocking reads while it lasts (it reads Redis as `logs -f` does)."""
+        the user's channels while it lasts (it reads Redis as `logs -f` does)."""
         channels.check_request(request)
         info = await self.queue.get(request.job_id)
         doing = {"forward": "forward to", "attach": "attach to"}.get(request.kind, "exec in")
         self._check_owner(info, user, doing)
         channels.check_running(info, request.kind)
-        with self.blocking_read(user):
+        with self.blocking_read(user, channel=True):
             relay = channels.Relay(self.queue, info, request, user, client=client, budget=self.relay_budget)
             return await relay.run()
 
@@ -281,28 +286,34 @@ class Handlers:
     # -- who may do what ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def blocking_read(self, user: str) -> Iterator[None]:
-        """Hold one of `user`'s MAX_BLOCKING_PER_USER blocking reads (and of the server's
-        MAX_BLOCKING) for the block's duration."""
-        if self._blocking.total() >= MAX_BLOCKING:
+    def blocking_read(self, user: str, *, channel: bool = False) -> Iterator[None]:
+        """Hold one of `user`'s MAX_BLOCKING_PER_USER blocking reads, or with `channel` one of
+        their MAX_CHANNELS_PER_USER channels (and, either way, one of the server's MAX_BLOCKING)
+        for the block's duration."""
+        if self._blocking.total() + self._channels.total() >= MAX_BLOCKING:
             raise GpupoolError(
-                f"the server already serves {MAX_BLOCKING} 'logs -f', 'wait' and live views, the most it "
-                "takes at once; retry in a moment",
+                f"the server already serves {MAX_BLOCKING} 'logs -f', 'wait', live views and channels, "
+                "the most it takes at once; retry in a moment",
                 ErrorCode.UNAVAILABLE,
             )
-        if self._blocking[user] >= MAX_BLOCKING_PER_USER:
-            raise GpupoolError(
-                f"{user} already has {MAX_BLOCKING_PER_USER} 'logs -f', 'wait' and live views running, the "
-                "most one user may; end one, or wait for many jobs in one request",
-                ErrorCode.UNAVAILABLE,
+        held, most = (
+            (self._channels, MAX_CHANNELS_PER_USER) if channel else (self._blocking, MAX_BLOCKING_PER_USER)
+        )
+        if held[user] >= most:
+            what = (
+                "channels (exec, shell, forwarded connections) open, the most one user may; close some"
+                if channel
+                else "'logs -f', 'wait' and live views running, the most one user may; end one, or wait "
+                "for many jobs in one request"
             )
-        self._blocking[user] += 1
+            raise GpupoolError(f"{user} already has {most} {what}", ErrorCode.UNAVAILABLE)
+        held[user] += 1
         try:
             yield
         finally:
-            self._blocking[user] -= 1
-            if not self._blocking[user]:
-                del self._blocking[user]
+            held[user] -= 1
+            if not held[user]:
+                del held[user]
 
     def _may_act_on(self, info: JobInfo, user: str) -> bool:
         return info.spec.user == user or user in self.admins

@@ -8,8 +8,9 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -18,11 +19,12 @@ from daemon.client.pool_client import ClientError, PoolClient
 from daemon.job import JobSpec
 from daemon.listing import FIELD_CHARS, MORE
 from daemon.queue.embedded_redis import EmbeddedRedis
-from daemon.server.handlers import MAX_BLOCKING_PER_USER, MAX_IDS
+from daemon.server.handlers import MAX_BLOCKING_PER_USER, MAX_CHANNELS_PER_USER, MAX_IDS
 from daemon.server.session import FrameBudget, Limits
 from protocol import (
     CancelJobs,
     Cancelled,
+    ChannelClosed,
     Enqueue,
     EnqueueBatch,
     Enqueued,
@@ -32,6 +34,7 @@ from protocol import (
     JobList,
     ListJobs,
     LogEnd,
+    OpenChannel,
     Ping,
     Pong,
 )
@@ -397,3 +400,44 @@ async def test_one_users_long_fields_cannot_break_listing_for_others(pool: Pool)
     assert "n" * (FIELD_CHARS - 1) + "…" in page
     assert long_name not in page
     assert len(page) < 500_000
+
+
+async def test_a_users_channels_have_a_bound_of_their_own_beside_their_blocking_reads(
+    small_pool: Pool,
+) -> None:
+    """Issue 49: a JupyterLab in a browser holds some 14 connections through `poolctl forward` (six
+    keep-alive HTTP ones, its events' and each kernel's websocket), each a channel; channels held
+    the user's 16 blocking reads with `logs -f` and `wait`, so a forward relayed 8 at most and a
+    second notebook's kernel never answered. Channels have MAX_CHANNELS_PER_USER of their own (and
+    count among the server's MAX_BLOCKING), whatever the user's blocking reads hold."""
+
+    async def nothing(stream: str, data: bytes) -> None:
+        del stream, data
+
+    async def no_input() -> AsyncIterator[bytes]:
+        await asyncio.Event().wait()
+        yield b""
+
+    def forward(client: PoolClient, job_id: str) -> Coroutine[Any, Any, ChannelClosed]:
+        return client.channel(OpenChannel(job_id, "forward", [], True, port=9), nothing, no_input())
+
+    async with small_pool.client("bob") as bob, small_pool.client("bob") as more:
+        job_id = (await bob.call(Enqueue({"argv": ["sleep", "60"]}, None), Enqueued)).job_id
+        assert await small_pool.queue.claim("stand-in", ["default"]) is not None  # running
+        held: list[asyncio.Task[Any]] = [
+            asyncio.create_task(bob.call(FollowLogs(job_id, True, ""), LogEnd))
+            for _ in range(MAX_BLOCKING_PER_USER)
+        ]
+        held += [asyncio.create_task(forward(more, job_id)) for _ in range(MAX_CHANNELS_PER_USER)]
+        try:
+            await asyncio.sleep(1.0)  # all of them open (no worker answers the channels for 10 s)
+            refused = [t for t in held if t.done()]
+            assert not refused, refused[0].exception()
+            with pytest.raises(ClientError) as err:
+                await forward(bob, job_id)
+            assert err.value.code == ErrorCode.UNAVAILABLE
+            assert f"already has {MAX_CHANNELS_PER_USER} channels" in err.value.message
+        finally:
+            for task in held:
+                task.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
