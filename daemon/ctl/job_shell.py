@@ -47,7 +47,7 @@ NOT_STARTED = "not started yet"  # a worker's reason for a job still being prepa
 POLL_SECONDS = 0.5  # how often a queued shell's state is looked at
 SAY_SECONDS = 10.0  # how often its reason for waiting is said again, unchanged
 START_SECONDS = 600.0  # how long a running job may take to start its shell (its environment built)
-EXIT_NO_CODE = 1  # the shell never gave one (its job was cancelled, or ended under it)
+EXIT_NO_CODE = 1  # the shell never gave one (it never started, or the attach was refused)
 EXIT_INTERRUPTED = 130  # Ctrl-C while it was queued: cancelled
 READ_SIZE = 4096
 
@@ -130,8 +130,10 @@ async def attach(client: PoolClient, job_id: str) -> int:
         break
     if closed.reason == EXITED and closed.exit_code is not None:
         return closed.exit_code
-    print(f"\r\npoolctl: {job_id}: {closed.reason}", file=sys.stderr)
-    return 0 if closed.reason.startswith("detached") else EXIT_NO_CODE
+    print(f"\r\npoolctl: {job_id}: {closed.reason}", file=sys.stderr)  # what ended it, or why not attached
+    if closed.reason.startswith("detached"):
+        return 0
+    return closed.exit_code if closed.exit_code is not None else EXIT_NO_CODE
 
 
 class Escape:

@@ -36,8 +36,8 @@ LOOK = 'echo "$CUDA_VISIBLE_DEVICES $GPUPOOL_JOB_ID"; id -u; pwd'
 @contextlib.contextmanager
 def gpu_worker(
     redis_server: EmbeddedRedis, log_to: Path, s3_env: dict[str, str], *options: str
-) -> Iterator[None]:
-    """A `poold --worker` with two made-up GPUs (and `options`); as root, its jobs run as uids it
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A `poold --worker` with two made-up GPUs (and `options`), its process; as root, its jobs run as uids it
     leases. Its data is in /tmp, passable by those uids (pytest's own directories are root's, 0700)."""
     data_dir = Path(tempfile.mkdtemp(prefix="gpupool-exec-"))
     data_dir.chmod(0o711)
@@ -62,7 +62,7 @@ def gpu_worker(
         subprocess.Popen(argv, env=env, stderr=log) as proc,
     ):
         try:
-            yield
+            yield proc
         finally:
             proc.terminate()
             try:

@@ -1,0 +1,59 @@
+"""Issue 49: how a `poolctl shell` ends, other than by its own `exit`, on a real pool server, a real
+`poold --worker` running its jobs as slot uids (test_exec.py's) and `poolctl` on a real PTY
+(test_shell.py's): every way tells the user what ended it, and none leaves a shell running
+with nobody at it. One pool and worker for the module; the worker's drain comes last."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from subprocess import Popen
+
+from daemon.job import JobState
+from daemon.queue import registry
+from daemon.queue.embedded_redis import EmbeddedRedis
+from tests.daemon.ctl.test_exec import gpu_worker
+from tests.daemon.ctl.test_shell import PROMPT, QUEUED, SHELL, ended, expect, poolctl_on_a_pty
+from tests.support.pool import Pool, running_pool
+from tests.support.workers import wait_state, wait_until
+
+
+@asynccontextmanager
+async def pool_and_worker(
+    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
+) -> AsyncIterator[tuple[Pool, Popen[bytes]]]:
+    async with running_pool(redis_server, tmp_path) as pool:
+        with gpu_worker(redis_server, tmp_path / "worker.log", s3_env) as worker:
+
+            async def registered() -> bool:
+                return len(await registry.list_workers(pool.queue.redis)) == 1
+
+            await wait_until(registered, 30, "the worker to register")
+            yield pool, worker
+
+
+async def a_drain_ends_an_attached_shell_saying_so(pool: Pool, worker: Popen[bytes]) -> None:
+    """Issue 49, review 49b finding 1: the worker's drain (SIGTERM) does not hand an attached
+    shell back to the queue, where it would start again elsewhere with nobody at it while
+    poolctl exited without a word: its job ends FAILED, saying why, and poolctl says so too."""
+    shell = poolctl_on_a_pty(pool, "alice", "shell", *SHELL)
+    job_id = await expect(shell, QUEUED)
+    await expect(shell, PROMPT)
+    shell.sendline("echo working-$((5+5))")
+    await expect(shell, "working-10")
+    worker.send_signal(signal.SIGTERM)
+    await expect(shell, f"poolctl: {job_id}: the worker is stopping; a shell is not requeued")
+    assert await ended(shell) == 128 + signal.SIGHUP  # (its shell hung up: a shell's stop signal)
+    info = await wait_state(pool.queue, job_id, JobState.FAILED, JobState.QUEUED, timeout=15)
+    assert info.state is JobState.FAILED
+    assert "the worker is stopping; a shell is not requeued" in info.detail
+
+
+async def test_a_shell_ended_by_anything_but_its_exit_says_what_ended_it(
+    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
+) -> None:
+    """Issue 49, `shell` done-when (review 49b): each way a shell ends, in turn on one pool."""
+    async with pool_and_worker(redis_server, tmp_path, s3_env) as (pool, worker):
+        await a_drain_ends_an_attached_shell_saying_so(pool, worker)
