@@ -76,48 +76,56 @@ def enqueue_request(args: argparse.Namespace) -> Enqueue:
 
 
 async def shell(client: PoolClient, request: Enqueue) -> int:
-    """Queue the shell, wait for it to start, attach: its exit code."""
+    """Queue the shell, wait for it to start, attach: its exit code. Until the first attach,
+    Ctrl-C cancels it: while it is queued, and while its job prepares its shell's start."""
     job_id = (await client.call(request, Enqueued)).job_id
     print(f"poolctl: {job_id} queued (Ctrl-C cancels it)", file=sys.stderr, flush=True)
-    state = await _until_running(client, job_id)
-    if state != "running":
-        print(f"poolctl: {job_id} {state} before its shell started", file=sys.stderr)
-        return EXIT_INTERRUPTED if state == "cancelled" else EXIT_NO_CODE
-    return await attach(client, job_id)
-
-
-async def _until_running(client: PoolClient, job_id: str) -> str:
-    """Wait while the job is queued, saying why; its state then. Ctrl-C cancels it."""
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
     loop.add_signal_handler(signal.SIGINT, interrupted.set)
-    said, said_at = "", 0.0
     try:
-        while True:
-            job = (await client.call(ShowJob(job_id), JobDetail)).job
-            if job["state"] != "queued":
-                return str(job["state"])
-            why = str(job.get("pending_reason") or "waiting for its turn")
-            if why != said or loop.time() - said_at >= SAY_SECONDS:
-                print(f"poolctl: {job_id} waits: {why}", file=sys.stderr, flush=True)
-                said, said_at = why, loop.time()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(POLL_SECONDS):
-                    await interrupted.wait()
-            if interrupted.is_set():  # cancelled, even if it has just started: the user said so
-                await client.call(CancelJobs([job_id]), Cancelled)
-                return "cancelled"
+        state = await _until_running(client, job_id, interrupted)
+        if state == "running":
+            return await attach(client, job_id, interrupted)
     finally:
         loop.remove_signal_handler(signal.SIGINT)
+    print(f"poolctl: {job_id} {state} before its shell started", file=sys.stderr)
+    return EXIT_INTERRUPTED if state == "cancelled" else EXIT_NO_CODE
 
 
-async def attach(client: PoolClient, job_id: str) -> int:
+async def _until_running(client: PoolClient, job_id: str, interrupted: asyncio.Event) -> str:
+    """Wait while the job is queued, saying why; its state then. Ctrl-C (`interrupted`) cancels it."""
+    loop = asyncio.get_running_loop()
+    said, said_at = "", 0.0
+    while True:
+        job = (await client.call(ShowJob(job_id), JobDetail)).job
+        if job["state"] != "queued":
+            return str(job["state"])
+        why = str(job.get("pending_reason") or "waiting for its turn")
+        if why != said or loop.time() - said_at >= SAY_SECONDS:
+            print(f"poolctl: {job_id} waits: {why}", file=sys.stderr, flush=True)
+            said, said_at = why, loop.time()
+        if await _interrupted_within(interrupted, POLL_SECONDS):  # cancelled, even if it has just started
+            await client.call(CancelJobs([job_id]), Cancelled)
+            return "cancelled"
+
+
+async def _interrupted_within(interrupted: asyncio.Event, seconds: float) -> bool:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await interrupted.wait()
+    return interrupted.is_set()
+
+
+async def attach(client: PoolClient, job_id: str, interrupted: asyncio.Event | None = None) -> int:
     """Attach this terminal to job `job_id`'s until the shell exits (its exit code) or the user
-    detaches (0)."""
+    detaches (0). `interrupted`: `shell`'s Ctrl-C, which until the first attach cancels the job
+    (a Ctrl-C typed into an attach its worker refused counts: it reached no shell)."""
     loop = asyncio.get_running_loop()
     deadline, said = loop.time() + START_SECONDS, False
     while True:
-        closed, detached = await _attached(client, job_id)
+        typed_interrupt = asyncio.Event()
+        closed, detached = await _attached(client, job_id, typed_interrupt)
         if detached:
             print(f"\r\ndetached: poolctl attach {job_id} to return", file=sys.stderr)
             return 0
@@ -125,7 +133,15 @@ async def attach(client: PoolClient, job_id: str) -> int:
             if not said:
                 print(f"poolctl: {job_id} is starting: {closed.reason}", file=sys.stderr, flush=True)
                 said = True
-            await asyncio.sleep(POLL_SECONDS)
+            if interrupted is None:
+                await asyncio.sleep(POLL_SECONDS)
+                continue
+            if typed_interrupt.is_set():
+                interrupted.set()
+            if await _interrupted_within(interrupted, POLL_SECONDS):
+                await client.call(CancelJobs([job_id]), Cancelled)
+                print(f"poolctl: {job_id} cancelled before its shell started", file=sys.stderr)
+                return EXIT_INTERRUPTED
             continue
         break
     if closed.reason == EXITED and closed.exit_code is not None:
@@ -163,8 +179,11 @@ class Escape:
         return bytes(out), False
 
 
-async def _attached(client: PoolClient, job_id: str) -> tuple[ChannelClosed, bool]:
-    """One attach: the channel's end, and whether the user detached."""
+async def _attached(
+    client: PoolClient, job_id: str, typed_interrupt: asyncio.Event
+) -> tuple[ChannelClosed, bool]:
+    """One attach: the channel's end, and whether the user detached. `typed_interrupt` is set
+    when a Ctrl-C was typed."""
     loop = asyncio.get_running_loop()
     typed: asyncio.Queue[bytes | ChannelResize | None] = asyncio.Queue()
     detach = asyncio.Event()
@@ -181,6 +200,8 @@ async def _attached(client: PoolClient, job_id: str) -> tuple[ChannelClosed, boo
             loop.remove_reader(0)
             detach.set()
             return
+        if b"\x03" in data:
+            typed_interrupt.set()
         send, detached = escape.feed(data)
         if send:
             typed.put_nowait(send)

@@ -6,25 +6,34 @@ with nobody at it. One pool and worker for the module; the worker's drain comes 
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from subprocess import Popen
 
+import pexpect
+
 from daemon.job import JobState
 from daemon.queue import registry
 from daemon.queue.embedded_redis import EmbeddedRedis
+from storage.s3 import S3Store
 from tests.daemon.ctl.test_exec import gpu_worker
 from tests.daemon.ctl.test_shell import PROMPT, QUEUED, SHELL, ended, expect, poolctl_on_a_pty
+from tests.support.paths import ROOT
 from tests.support.pool import Pool, running_pool
+from tests.support.s3server import S3Server
 from tests.support.workers import wait_state, wait_until
+
+S3_SETTINGS = ("ADDRESS", "BUCKET", "ACCESS_KEY_ID", "SECRET_ACCESS_KEY")
 
 
 @asynccontextmanager
 async def pool_and_worker(
     redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
 ) -> AsyncIterator[tuple[Pool, Popen[bytes]]]:
-    async with running_pool(redis_server, tmp_path) as pool:
+    store = S3Store(*(s3_env[f"GPUPOOL_MAIN_SERVER_MINIO_{name}"] for name in S3_SETTINGS))
+    async with running_pool(redis_server, tmp_path, store=store) as pool:  # (the workers' bucket)
         with gpu_worker(redis_server, tmp_path / "worker.log", s3_env) as worker:
 
             async def registered() -> bool:
@@ -32,6 +41,32 @@ async def pool_and_worker(
 
             await wait_until(registered, 30, "the worker to register")
             yield pool, worker
+
+
+async def ctrl_c_while_a_shell_starts_cancels_it(
+    pool: Pool, worker: Popen[bytes], s3_server: S3Server, project: Path
+) -> None:
+    """Issue 49, review 49b finding 2: Ctrl-C while a shell's job runs but its shell is not
+    started yet (its project still coming: the store hangs) cancels the job, as while it is
+    queued, and poolctl says so and exits 130; it left the job running, with nobody at it."""
+    (project / "pyproject.toml").write_text('[project]\nname = "shell-project"\n')  # (a project's mark)
+    (project / "train.py").write_text("print('a project for its shell')\n")
+    env = {**pool.env("alice"), "PYTHONPATH": str(ROOT), "TERM": "dumb"}
+    worker.send_signal(signal.SIGSTOP)  # nothing claims it until its project has been sent
+    try:
+        shell = pexpect.spawn(
+            sys.executable, ["-m", "daemon.ctl.cli", "shell", "--no-env", *SHELL],
+            env=env, cwd=str(project), dimensions=(24, 80), timeout=30, encoding="utf-8",
+        )  # fmt: skip
+        job_id = await expect(shell, QUEUED)
+    finally:
+        worker.send_signal(signal.SIGCONT)
+    with s3_server.paused():  # its project cannot be fetched: the job runs, its shell does not
+        await expect(shell, f"poolctl: {job_id} is starting")
+        shell.sendcontrol("c")
+        await expect(shell, f"poolctl: {job_id} cancelled before its shell started")
+        assert await ended(shell) == 130
+    await wait_state(pool.queue, job_id, JobState.CANCELLED, timeout=15)
 
 
 async def a_drain_ends_an_attached_shell_saying_so(pool: Pool, worker: Popen[bytes]) -> None:
@@ -52,8 +87,11 @@ async def a_drain_ends_an_attached_shell_saying_so(pool: Pool, worker: Popen[byt
 
 
 async def test_a_shell_ended_by_anything_but_its_exit_says_what_ended_it(
-    redis_server: EmbeddedRedis, tmp_path: Path, s3_env: dict[str, str]
+    redis_server: EmbeddedRedis, tmp_path: Path, s3_server: S3Server, s3_env: dict[str, str]
 ) -> None:
     """Issue 49, `shell` done-when (review 49b): each way a shell ends, in turn on one pool."""
     async with pool_and_worker(redis_server, tmp_path, s3_env) as (pool, worker):
+        project = tmp_path / "project"
+        project.mkdir()
+        await ctrl_c_while_a_shell_starts_cancels_it(pool, worker, s3_server, project)
         await a_drain_ends_an_attached_shell_saying_so(pool, worker)
