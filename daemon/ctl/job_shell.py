@@ -27,7 +27,9 @@ import tty
 from collections.abc import AsyncIterator
 
 from daemon.client.pool_client import PoolClient
+from daemon.client.session import ClientError
 from daemon.ctl.parsing import UsageError
+from daemon.job import JobState
 from protocol import (
     CancelJobs,
     Cancelled,
@@ -35,7 +37,10 @@ from protocol import (
     ChannelResize,
     Enqueue,
     Enqueued,
+    ErrorCode,
+    FollowLogs,
     JobDetail,
+    LogChunk,
     OpenChannel,
     ShowJob,
 )
@@ -44,9 +49,11 @@ from protocol import (
 DEFAULT_SHELL = ["sh", "-c", "command -v bash >/dev/null 2>&1 && exec bash -l || exec sh -l"]
 EXITED = "exited"  # ChannelClosed's reason once the shell has exited (worker/attach.py)
 NOT_STARTED = "not started yet"  # a worker's reason for a job still being prepared (execs.py)
+ENDED = "not running on its worker any more"  # a worker's reason for a job that has just ended (execs.py)
 POLL_SECONDS = 0.5  # how often a queued shell's state is looked at
 SAY_SECONDS = 10.0  # how often its reason for waiting is said again, unchanged
 START_SECONDS = 600.0  # how long a running job may take to start its shell (its environment built)
+END_SECONDS = 30.0  # how long an ended job's outcome may take to reach its server
 EXIT_NO_CODE = 1  # the shell never gave one (it never started, or the attach was refused)
 EXIT_INTERRUPTED = 130  # Ctrl-C while it was queued: cancelled
 READ_SIZE = 4096
@@ -85,12 +92,35 @@ async def shell(client: PoolClient, request: Enqueue) -> int:
     loop.add_signal_handler(signal.SIGINT, interrupted.set)
     try:
         state = await _until_running(client, job_id, interrupted)
-        if state == "running":
-            return await attach(client, job_id, interrupted)
+        if state == "cancelled":
+            print(f"poolctl: {job_id} cancelled before its shell started", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if state == "running" and (code := await _attach(client, job_id, interrupted)) is not None:
+            return code
     finally:
         loop.remove_signal_handler(signal.SIGINT)
-    print(f"poolctl: {job_id} {state} before its shell started", file=sys.stderr)
-    return EXIT_INTERRUPTED if state == "cancelled" else EXIT_NO_CODE
+    return await _ended_unattached(client, job_id)
+
+
+async def _ended_unattached(client: PoolClient, job_id: str) -> int:
+    """The job ended before any attach (a short command: `shell -- make test`): what it showed,
+    from its log (as `poolctl logs`), and its exit code; or, where its program never ran, why."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + END_SECONDS
+    while not JobState((job := (await client.call(ShowJob(job_id), JobDetail)).job)["state"]).terminal:
+        if loop.time() > deadline:  # (its worker has let it go; the server has not heard yet)
+            print(f"poolctl: {job_id} is {job['state']} but its shell has gone", file=sys.stderr)
+            return EXIT_NO_CODE
+        await asyncio.sleep(POLL_SECONDS)
+    if job["exit_code"] is None:
+        detail = f": {job['detail']}" if job["detail"] else ""
+        print(f"poolctl: {job_id} {job['state']} before its shell started{detail}", file=sys.stderr)
+        return EXIT_NO_CODE
+    async for item in client.stream(FollowLogs(job_id, False, "")):
+        if isinstance(item, LogChunk):
+            sys.stdout.buffer.write(item.data)
+            sys.stdout.buffer.flush()
+    return int(job["exit_code"])
 
 
 async def _until_running(client: PoolClient, job_id: str, interrupted: asyncio.Event) -> str:
@@ -117,15 +147,28 @@ async def _interrupted_within(interrupted: asyncio.Event, seconds: float) -> boo
     return interrupted.is_set()
 
 
-async def attach(client: PoolClient, job_id: str, interrupted: asyncio.Event | None = None) -> int:
+async def attach(client: PoolClient, job_id: str) -> int:
     """Attach this terminal to job `job_id`'s until the shell exits (its exit code) or the user
-    detaches (0). `interrupted`: `shell`'s Ctrl-C, which until the first attach cancels the job
-    (a Ctrl-C typed into an attach its worker refused counts: it reached no shell)."""
+    detaches (0)."""
+    code = await _attach(client, job_id, None)
+    assert code is not None
+    return code
+
+
+async def _attach(client: PoolClient, job_id: str, interrupted: asyncio.Event | None) -> int | None:
+    """`attach`, or with `interrupted` `shell`'s first: its Ctrl-C then cancels the job until
+    the first attach (a Ctrl-C typed into an attach its worker refused counts: it reached no
+    shell), and None says the job ended before any attach (`_ended_unattached`)."""
     loop = asyncio.get_running_loop()
     deadline, said = loop.time() + START_SECONDS, False
     while True:
         typed_interrupt = asyncio.Event()
-        closed, detached = await _attached(client, job_id, typed_interrupt)
+        try:
+            closed, detached = await _attached(client, job_id, typed_interrupt)
+        except ClientError as exc:  # refused: its job has ended (shell's), or any other reason
+            if interrupted is None or exc.code != ErrorCode.CONFLICT:
+                raise
+            return None
         if detached:
             print(f"\r\ndetached: poolctl attach {job_id} to return", file=sys.stderr)
             return 0
@@ -133,23 +176,35 @@ async def attach(client: PoolClient, job_id: str, interrupted: asyncio.Event | N
             if not said:
                 print(f"poolctl: {job_id} is starting: {closed.reason}", file=sys.stderr, flush=True)
                 said = True
-            if interrupted is None:
-                await asyncio.sleep(POLL_SECONDS)
-                continue
-            if typed_interrupt.is_set():
-                interrupted.set()
-            if await _interrupted_within(interrupted, POLL_SECONDS):
-                await client.call(CancelJobs([job_id]), Cancelled)
-                print(f"poolctl: {job_id} cancelled before its shell started", file=sys.stderr)
+            if await _cancelled_while_starting(client, job_id, interrupted, typed_interrupt):
                 return EXIT_INTERRUPTED
             continue
         break
     if closed.reason == EXITED and closed.exit_code is not None:
         return closed.exit_code
+    if interrupted is not None and ENDED in closed.reason:
+        return None
     print(f"\r\npoolctl: {job_id}: {closed.reason}", file=sys.stderr)  # what ended it, or why not attached
     if closed.reason.startswith("detached"):
         return 0
     return closed.exit_code if closed.exit_code is not None else EXIT_NO_CODE
+
+
+async def _cancelled_while_starting(
+    client: PoolClient, job_id: str, interrupted: asyncio.Event | None, typed_interrupt: asyncio.Event
+) -> bool:
+    """Wait a while before attaching again; with `shell`'s `interrupted`, a Ctrl-C (pressed now,
+    or typed into the attach just refused) cancels the job instead: True."""
+    if interrupted is None:
+        await asyncio.sleep(POLL_SECONDS)
+        return False
+    if typed_interrupt.is_set():
+        interrupted.set()
+    if not await _interrupted_within(interrupted, POLL_SECONDS):
+        return False
+    await client.call(CancelJobs([job_id]), Cancelled)
+    print(f"poolctl: {job_id} cancelled before its shell started", file=sys.stderr)
+    return True
 
 
 class Escape:

@@ -69,6 +69,20 @@ async def ctrl_c_while_a_shell_starts_cancels_it(
     await wait_state(pool.queue, job_id, JobState.CANCELLED, timeout=15)
 
 
+async def a_shell_of_a_quick_command_shows_its_output_and_exits_with_its_code(pool: Pool) -> None:
+    """Issue 49, review 49b finding 3: `shell -- CMD` whose command ends before any attach (it
+    said "failed before its shell started", exit 1, its output and code lost) shows what it wrote
+    (its log) and exits with its code; one whose program never ran says why (the job's detail)."""
+    said = poolctl_on_a_pty(pool, "alice", "shell", "--", "sh", "-c", "echo quick-$((1+1)); exit 7")
+    true = poolctl_on_a_pty(pool, "alice", "shell", "--", "true")
+    missing = poolctl_on_a_pty(pool, "alice", "shell", "--", "/nonexistent")
+    await expect(said, "quick-2")
+    assert await ended(said) == 7
+    assert await ended(true) == 0
+    await expect(missing, r"failed before its shell started: cannot start '/nonexistent'")
+    assert await ended(missing) == 1
+
+
 async def a_drain_ends_an_attached_shell_saying_so(pool: Pool, worker: Popen[bytes]) -> None:
     """Issue 49, review 49b finding 1: the worker's drain (SIGTERM) does not hand an attached
     shell back to the queue, where it would start again elsewhere with nobody at it while
@@ -94,4 +108,5 @@ async def test_a_shell_ended_by_anything_but_its_exit_says_what_ended_it(
         project = tmp_path / "project"
         project.mkdir()
         await ctrl_c_while_a_shell_starts_cancels_it(pool, worker, s3_server, project)
+        await a_shell_of_a_quick_command_shows_its_output_and_exits_with_its_code(pool)
         await a_drain_ends_an_attached_shell_saying_so(pool, worker)
