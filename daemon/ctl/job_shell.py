@@ -57,6 +57,8 @@ END_SECONDS = 30.0  # how long an ended job's outcome may take to reach its serv
 EXIT_NO_CODE = 1  # the shell never gave one (it never started, or the attach was refused)
 EXIT_INTERRUPTED = 130  # Ctrl-C while it was queued: cancelled
 READ_SIZE = 4096
+# Signals that end poolctl by default: attached, each detaches first (its terminal restored).
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 def enqueue_request(args: argparse.Namespace) -> Enqueue:
@@ -169,9 +171,10 @@ async def _attach(client: PoolClient, job_id: str, interrupted: asyncio.Event | 
             if interrupted is None or exc.code != ErrorCode.CONFLICT:
                 raise
             return None
-        if detached:
-            print(f"\r\ndetached: poolctl attach {job_id} to return", file=sys.stderr)
-            return 0
+        if detached is not None:
+            with contextlib.suppress(OSError):  # (a terminal that hung up takes no more)
+                print(f"\r\ndetached: poolctl attach {job_id} to return", file=sys.stderr, flush=True)
+            return detached
         if NOT_STARTED in closed.reason and loop.time() < deadline:  # its environment is being built
             if not said:
                 print(f"poolctl: {job_id} is starting: {closed.reason}", file=sys.stderr, flush=True)
@@ -236,13 +239,20 @@ class Escape:
 
 async def _attached(
     client: PoolClient, job_id: str, typed_interrupt: asyncio.Event
-) -> tuple[ChannelClosed, bool]:
-    """One attach: the channel's end, and whether the user detached. `typed_interrupt` is set
-    when a Ctrl-C was typed."""
+) -> tuple[ChannelClosed, int | None]:
+    """One attach: the channel's end, and poolctl's exit code if it detached instead (0: the
+    user detached; 128+N: signal N ended poolctl, which detaches first, so that the terminal
+    is never left raw). `typed_interrupt` is set when a Ctrl-C was typed."""
     loop = asyncio.get_running_loop()
     typed: asyncio.Queue[bytes | ChannelResize | None] = asyncio.Queue()
     detach = asyncio.Event()
+    detach_code = 0
     escape = Escape()
+
+    def signalled(sig: signal.Signals) -> None:
+        nonlocal detach_code
+        detach_code = 128 + sig
+        detach.set()
 
     def readable() -> None:
         try:
@@ -270,6 +280,8 @@ async def _attached(
     try:
         loop.add_reader(0, readable)
         loop.add_signal_handler(signal.SIGWINCH, lambda: typed.put_nowait(ChannelResize(*_size())))
+        for sig in ENDING_SIGNALS:
+            loop.add_signal_handler(sig, signalled, sig)
         channel = asyncio.ensure_future(client.channel(request, _write, _typed(typed)))
         detaching = asyncio.ensure_future(detach.wait())
         await asyncio.wait({channel, detaching}, return_when=asyncio.FIRST_COMPLETED)
@@ -278,12 +290,14 @@ async def _attached(
             channel.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await channel
-            return ChannelClosed(None, "detached"), True
-        return channel.result(), False
+            return ChannelClosed(None, "detached"), detach_code
+        return channel.result(), None
     finally:
         loop.remove_reader(0)
-        loop.remove_signal_handler(signal.SIGWINCH)
-        termios.tcsetattr(0, termios.TCSADRAIN, saved)
+        for sig in (signal.SIGWINCH, *ENDING_SIGNALS):
+            loop.remove_signal_handler(sig)
+        with contextlib.suppress(termios.error):  # (a terminal hung up has no mode to restore)
+            termios.tcsetattr(0, termios.TCSADRAIN, saved)
 
 
 async def _typed(typed: asyncio.Queue[bytes | ChannelResize | None]) -> AsyncIterator[bytes | ChannelResize]:

@@ -5,6 +5,8 @@ with nobody at it. One pool and worker for the module; the worker's drain comes 
 
 from __future__ import annotations
 
+import os
+import shlex
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -83,6 +85,29 @@ async def a_shell_of_a_quick_command_shows_its_output_and_exits_with_its_code(po
     assert await ended(missing) == 1
 
 
+async def a_signal_to_poolctl_detaches_and_restores_the_terminal(pool: Pool, job_id: str) -> None:
+    """Issue 49, review 49b finding 4: SIGTERM, SIGHUP or SIGQUIT to an attached poolctl detach
+    it, its terminal's mode restored (it was left raw: no echo, no line editing), and it exits
+    128+N; the shell runs on."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        line = shlex.join([sys.executable, "-m", "daemon.ctl.cli", "attach", job_id])
+        then = "echo poolctl-exited-$?; stty -a | tr ' ' '\\n' | grep -x -- '-\\?icanon'; echo mode-said"
+        wrapped = pexpect.spawn(
+            "sh", ["-c", f"{line}; {then}"], cwd="/",
+            env={**pool.env("alice"), "PYTHONPATH": str(ROOT), "TERM": "dumb"},
+            dimensions=(24, 80), timeout=30, encoding="utf-8",
+        )  # fmt: skip
+        await expect(wrapped, PROMPT)  # (the session's tail, replayed: attached)
+        wrapped.sendline("echo attached-$((3+4))")
+        await expect(wrapped, "attached-7")
+        poolctl_pid = int(Path(f"/proc/{wrapped.pid}/task/{wrapped.pid}/children").read_text().split()[0])
+        os.kill(poolctl_pid, sig)
+        await expect(wrapped, f"poolctl-exited-{128 + sig}")
+        assert await expect(wrapped, r"(-?icanon)\s+mode-said") == "icanon"  # (-icanon: raw still)
+        assert await ended(wrapped) == 0
+    assert (await pool.queue.get(job_id)).state is JobState.RUNNING
+
+
 async def a_drain_ends_an_attached_shell_saying_so(pool: Pool, worker: Popen[bytes]) -> None:
     """Issue 49, review 49b finding 1: the worker's drain (SIGTERM) does not hand an attached
     shell back to the queue, where it would start again elsewhere with nobody at it while
@@ -109,4 +134,10 @@ async def test_a_shell_ended_by_anything_but_its_exit_says_what_ended_it(
         project.mkdir()
         await ctrl_c_while_a_shell_starts_cancels_it(pool, worker, s3_server, project)
         await a_shell_of_a_quick_command_shows_its_output_and_exits_with_its_code(pool)
+        shell = poolctl_on_a_pty(pool, "alice", "shell", *SHELL)
+        job_id = await expect(shell, QUEUED)
+        await expect(shell, PROMPT)
+        shell.send("~.")
+        assert await ended(shell) == 0
+        await a_signal_to_poolctl_detaches_and_restores_the_terminal(pool, job_id)
         await a_drain_ends_an_attached_shell_saying_so(pool, worker)
