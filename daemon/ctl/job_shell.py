@@ -11,7 +11,8 @@ the job's terminal as it is (Ctrl-C and Ctrl-Z reach its foreground program thro
 terminal, not through us), its output is written here as it comes, and a change of the window's
 size goes with it. `Enter ~ .` (ssh's escape: a `~` first on a line, then `.`) detaches: the
 shell lives on, and `poolctl attach JOB` returns to it; `~~` sends one `~`. When the shell exits,
-its exit code is poolctl's.
+its exit code is poolctl's; when something else ends it (a cancel, its idle or time limit, its
+worker's drain), poolctl says what, and exits 128+N for the signal N that stopped it.
 """
 
 from __future__ import annotations

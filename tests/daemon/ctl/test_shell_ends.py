@@ -108,6 +108,18 @@ async def a_signal_to_poolctl_detaches_and_restores_the_terminal(pool: Pool, job
     assert (await pool.queue.get(job_id)).state is JobState.RUNNING
 
 
+async def a_cancel_ends_an_attached_shell_saying_so(pool: Pool, job_id: str) -> None:
+    """Issue 49, review 49b finding 6: a cancel while attached ends poolctl saying what ended its
+    shell (it said nothing, the end read as the shell's own exit), with 128+N for the signal N
+    that stopped it (SIGHUP, a shell's stop signal)."""
+    attached = poolctl_on_a_pty(pool, "alice", "attach", job_id)
+    await expect(attached, PROMPT)
+    await pool.queue.cancel(job_id)
+    await expect(attached, f"poolctl: {job_id}: cancelled")
+    assert await ended(attached) == 128 + signal.SIGHUP
+    assert (await wait_state(pool.queue, job_id, JobState.CANCELLED)).state is JobState.CANCELLED
+
+
 async def a_drain_ends_an_attached_shell_saying_so(pool: Pool, worker: Popen[bytes]) -> None:
     """Issue 49, review 49b finding 1: the worker's drain (SIGTERM) does not hand an attached
     shell back to the queue, where it would start again elsewhere with nobody at it while
@@ -140,4 +152,5 @@ async def test_a_shell_ended_by_anything_but_its_exit_says_what_ended_it(
         shell.send("~.")
         assert await ended(shell) == 0
         await a_signal_to_poolctl_detaches_and_restores_the_terminal(pool, job_id)
+        await a_cancel_ends_an_attached_shell_saying_so(pool, job_id)
         await a_drain_ends_an_attached_shell_saying_so(pool, worker)
