@@ -238,24 +238,18 @@ class Escape:
         return bytes(out), False
 
 
-async def _attached(
-    client: PoolClient, job_id: str, typed_interrupt: asyncio.Event
-) -> tuple[ChannelClosed, int | None]:
-    """One attach: the channel's end, and poolctl's exit code if it detached instead (0: the
-    user detached; 128+N: signal N ended poolctl, which detaches first, so that the terminal
-    is never left raw). `typed_interrupt` is set when a Ctrl-C was typed."""
-    loop = asyncio.get_running_loop()
-    typed: asyncio.Queue[bytes | ChannelResize | None] = asyncio.Queue()
-    detach = asyncio.Event()
-    detach_code = 0
-    escape = Escape()
+class _Keyboard:
+    """What this terminal sends while attached: what is typed (through the escape), its window's
+    sizes, and a detach (`~.`, its end, or a signal that ends poolctl)."""
 
-    def signalled(sig: signal.Signals) -> None:
-        nonlocal detach_code
-        detach_code = 128 + sig
-        detach.set()
+    def __init__(self, typed_interrupt: asyncio.Event) -> None:
+        self.typed: asyncio.Queue[bytes | ChannelResize | None] = asyncio.Queue()
+        self.detach = asyncio.Event()
+        self.detach_code = 0  # poolctl's exit code once detached
+        self.typed_interrupt = typed_interrupt  # set when a Ctrl-C is typed
+        self.escape = Escape()
 
-    def readable() -> None:
+    def readable(self) -> None:
         try:
             data = os.read(0, READ_SIZE)
         except BlockingIOError:
@@ -263,35 +257,56 @@ async def _attached(
         except OSError:
             data = b""
         if not data:  # our terminal has gone
-            loop.remove_reader(0)
-            detach.set()
+            asyncio.get_running_loop().remove_reader(0)
+            self.detach.set()
             return
         if b"\x03" in data:
-            typed_interrupt.set()
-        send, detached = escape.feed(data)
+            self.typed_interrupt.set()
+        send, detached = self.escape.feed(data)
         if send:
-            typed.put_nowait(send)
+            self.typed.put_nowait(send)
         if detached:
-            detach.set()
+            self.detach.set()
 
+    def resized(self) -> None:
+        if (size := _size()) != (0, 0):  # (an unknown size is left out: the terminal keeps its last)
+            self.typed.put_nowait(ChannelResize(*size))
+
+    def signalled(self, sig: signal.Signals) -> None:
+        self.detach_code = 128 + sig
+        self.detach.set()
+
+    async def sent(self) -> AsyncIterator[bytes | ChannelResize]:
+        while (item := await self.typed.get()) is not None:
+            yield item
+
+
+async def _attached(
+    client: PoolClient, job_id: str, typed_interrupt: asyncio.Event
+) -> tuple[ChannelClosed, int | None]:
+    """One attach: the channel's end, and poolctl's exit code if it detached instead (0: the
+    user detached; 128+N: signal N ended poolctl, which detaches first, so that the terminal
+    is never left raw). `typed_interrupt` is set when a Ctrl-C was typed."""
+    loop = asyncio.get_running_loop()
+    keyboard = _Keyboard(typed_interrupt)
     rows, cols = _size()
     request = OpenChannel(job_id, "attach", [], stdin=True, rows=rows, cols=cols)
     saved = termios.tcgetattr(0)
     tty.setraw(0)
     try:
-        loop.add_reader(0, readable)
-        loop.add_signal_handler(signal.SIGWINCH, lambda: typed.put_nowait(ChannelResize(*_size())))
+        loop.add_reader(0, keyboard.readable)
+        loop.add_signal_handler(signal.SIGWINCH, keyboard.resized)
         for sig in ENDING_SIGNALS:
-            loop.add_signal_handler(sig, signalled, sig)
-        channel = asyncio.ensure_future(client.channel(request, _write, _typed(typed)))
-        detaching = asyncio.ensure_future(detach.wait())
+            loop.add_signal_handler(sig, keyboard.signalled, sig)
+        channel = asyncio.ensure_future(client.channel(request, _write, keyboard.sent()))
+        detaching = asyncio.ensure_future(keyboard.detach.wait())
         await asyncio.wait({channel, detaching}, return_when=asyncio.FIRST_COMPLETED)
         detaching.cancel()
         if not channel.done():  # detached: the channel's cancel tells the server, which detaches
             channel.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await channel
-            return ChannelClosed(None, "detached"), detach_code
+            return ChannelClosed(None, "detached"), keyboard.detach_code
         return channel.result(), None
     finally:
         loop.remove_reader(0)
@@ -301,11 +316,6 @@ async def _attached(
             termios.tcsetattr(0, termios.TCSADRAIN, saved)
 
 
-async def _typed(typed: asyncio.Queue[bytes | ChannelResize | None]) -> AsyncIterator[bytes | ChannelResize]:
-    while (item := await typed.get()) is not None:
-        yield item
-
-
 async def _write(stream: str, data: bytes) -> None:
     del stream  # a terminal has one output
     sys.stdout.buffer.write(data)
@@ -313,8 +323,10 @@ async def _write(stream: str, data: bytes) -> None:
 
 
 def _size() -> tuple[int, int]:
+    """This terminal's rows and columns; (0, 0), unknown, where it says 0 for either (as some
+    say while they are drawn), which the protocol takes only as both."""
     size = os.get_terminal_size(0)
-    return size.lines, size.columns
+    return (size.lines, size.columns) if size.lines and size.columns else (0, 0)
 
 
 def need_terminal(command: str) -> None:

@@ -5,6 +5,7 @@ with nobody at it. One pool and worker for the module; the worker's drain comes 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shlex
 import signal
@@ -15,10 +16,12 @@ from pathlib import Path
 from subprocess import Popen
 
 import pexpect
+import pytest
 
 from daemon.job import JobState
 from daemon.queue import registry
 from daemon.queue.embedded_redis import EmbeddedRedis
+from protocol import ChannelResize, LocalProtocolError, OpenChannel
 from storage.s3 import S3Store
 from tests.daemon.ctl.test_exec import gpu_worker
 from tests.daemon.ctl.test_shell import PROMPT, QUEUED, SHELL, ended, expect, poolctl_on_a_pty
@@ -108,6 +111,43 @@ async def a_signal_to_poolctl_detaches_and_restores_the_terminal(pool: Pool, job
     assert (await pool.queue.get(job_id)).state is JobState.RUNNING
 
 
+async def a_window_of_no_rows_keeps_the_attach_typing(pool: Pool, job_id: str) -> None:
+    """Issue 49, review 49b finding 5: a window of 0 rows (as some terminals say while they are
+    drawn) is an unknown size: attached, the resize is left out and what is typed still reaches
+    the shell (all input was lost, silently); an attach from such a window is no longer refused;
+    and a channel whose input fails to be sent fails with that error (it went on without input)."""
+    attached = poolctl_on_a_pty(pool, "alice", "attach", job_id)
+    await expect(attached, PROMPT)
+    attached.setwinsize(0, 80)
+    await asyncio.sleep(0.3)  # (its SIGWINCH handled)
+    attached.sendline("echo typed-$((2+2))")
+    await expect(attached, "typed-4")
+    attached.send("\r~.")
+    assert await ended(attached) == 0
+    env = {**pool.env("alice"), "PYTHONPATH": str(ROOT), "TERM": "dumb"}
+    unsized = pexpect.spawn(
+        sys.executable, ["-m", "daemon.ctl.cli", "attach", job_id],
+        env=env, cwd="/", dimensions=(0, 80), timeout=30, encoding="utf-8",
+    )  # fmt: skip
+    await expect(unsized, PROMPT)
+    unsized.sendline("echo unsized-$((3+3))")
+    await expect(unsized, "unsized-6")
+    unsized.send("\r~.")
+    assert await ended(unsized) == 0
+
+    async def unsendable() -> AsyncIterator[bytes | ChannelResize]:  # (a client that sends 0 rows)
+        yield ChannelResize(0, 80)
+        await asyncio.Event().wait()
+
+    async def shown(stream: str, data: bytes) -> None:
+        del stream, data
+
+    async with pool.client("alice") as client:  # what fails a channel's input fails the channel
+        request = OpenChannel(job_id, "attach", [], stdin=True)
+        with pytest.raises(LocalProtocolError):
+            await asyncio.wait_for(client.channel(request, shown, unsendable()), 10)
+
+
 async def a_cancel_ends_an_attached_shell_saying_so(pool: Pool, job_id: str) -> None:
     """Issue 49, review 49b finding 6: a cancel while attached ends poolctl saying what ended its
     shell (it said nothing, the end read as the shell's own exit), with 128+N for the signal N
@@ -152,5 +192,6 @@ async def test_a_shell_ended_by_anything_but_its_exit_says_what_ended_it(
         shell.send("~.")
         assert await ended(shell) == 0
         await a_signal_to_poolctl_detaches_and_restores_the_terminal(pool, job_id)
+        await a_window_of_no_rows_keeps_the_attach_typing(pool, job_id)
         await a_cancel_ends_an_attached_shell_saying_so(pool, job_id)
         await a_drain_ends_an_attached_shell_saying_so(pool, worker)
