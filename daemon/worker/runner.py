@@ -205,7 +205,9 @@ class JobRun:
         self.lease = lease
         self.gpus = tuple(gpus)
         self.kill_grace = kill_grace
-        self.idle_limit = lease.spec.idle_limit or shell_idle_limit  # a tty job's (terminal.py)
+        # A tty job's (terminal.py): its own, up to the worker's, which is a cap (a shell with a
+        # limit of its own past it would keep its GPUs from others, forgotten, as long as it liked).
+        self.idle_limit = min(lease.spec.idle_limit or shell_idle_limit, shell_idle_limit)
         self.terminal: Terminal | None = None  # a tty job's, from its spawn to its end
         self.probe = probe
         self.guard = guard

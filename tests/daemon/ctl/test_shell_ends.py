@@ -6,10 +6,12 @@ with nobody at it. One pool and worker for the module; the worker's drain comes 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import shlex
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,7 +20,8 @@ from subprocess import Popen
 import pexpect
 import pytest
 
-from daemon.job import JobState
+from daemon.errors import InvalidJob
+from daemon.job import JobSpec, JobState
 from daemon.queue import registry
 from daemon.queue.embedded_redis import EmbeddedRedis
 from protocol import ChannelResize, LocalProtocolError, OpenChannel
@@ -30,6 +33,7 @@ from tests.support.pool import Pool, running_pool
 from tests.support.s3server import S3Server
 from tests.support.workers import wait_state, wait_until
 
+IDLE_LIMIT = 5  # the worker's shell_idle_limit: every shell here has activity more often
 S3_SETTINGS = ("ADDRESS", "BUCKET", "ACCESS_KEY_ID", "SECRET_ACCESS_KEY")
 
 
@@ -39,7 +43,9 @@ async def pool_and_worker(
 ) -> AsyncIterator[tuple[Pool, Popen[bytes]]]:
     store = S3Store(*(s3_env[f"GPUPOOL_MAIN_SERVER_MINIO_{name}"] for name in S3_SETTINGS))
     async with running_pool(redis_server, tmp_path, store=store) as pool:  # (the workers' bucket)
-        with gpu_worker(redis_server, tmp_path / "worker.log", s3_env) as worker:
+        with gpu_worker(
+            redis_server, tmp_path / "worker.log", s3_env, "--shell-idle-limit", str(IDLE_LIMIT)
+        ) as worker:
 
             async def registered() -> bool:
                 return len(await registry.list_workers(pool.queue.redis)) == 1
@@ -148,6 +154,28 @@ async def a_window_of_no_rows_keeps_the_attach_typing(pool: Pool, job_id: str) -
             await asyncio.wait_for(client.channel(request, shown, unsendable()), 10)
 
 
+async def an_attach_counts_as_activity_and_the_pools_idle_limit_caps_a_shells(pool: Pool) -> None:
+    """Issue 49, review 49b finding 7: the idle limit counts an attach as its user's activity (a
+    shell attached to a while before its limit was ended under its user); and the worker's
+    shell_idle_limit is a cap: `--idle 1e300` is that limit (it opted out of it), and a raw
+    spec's infinite limit is refused."""
+    shell = poolctl_on_a_pty(pool, "alice", "shell", "--idle", "1e300", *SHELL)
+    job_id = await expect(shell, QUEUED)
+    await expect(shell, PROMPT)
+    started = time.monotonic()  # (its limit counts from before: its terminal's start)
+    shell.send("~.")
+    assert await ended(shell) == 0
+    await asyncio.sleep(started + 3 - time.monotonic())
+    again = poolctl_on_a_pty(pool, "alice", "attach", job_id)
+    await expect(again, PROMPT)
+    await asyncio.sleep(started + IDLE_LIMIT + 1 - time.monotonic())
+    assert (await pool.queue.get(job_id)).state is JobState.RUNNING  # its attach counted
+    await expect(again, f"poolctl: {job_id}: ended: no input for {IDLE_LIMIT} s", timeout=10)
+    assert await ended(again) == 128 + signal.SIGHUP
+    with pytest.raises(InvalidJob, match="idle_limit: must be a positive number of seconds, not inf"):
+        JobSpec.from_dict({"argv": ["sh"], "tty": True, "idle_limit": math.inf})
+
+
 async def a_cancel_ends_an_attached_shell_saying_so(pool: Pool, job_id: str) -> None:
     """Issue 49, review 49b finding 6: a cancel while attached ends poolctl saying what ended its
     shell (it said nothing, the end read as the shell's own exit), with 128+N for the signal N
@@ -191,7 +219,11 @@ async def test_a_shell_ended_by_anything_but_its_exit_says_what_ended_it(
         await expect(shell, PROMPT)
         shell.send("~.")
         assert await ended(shell) == 0
+        idling = asyncio.ensure_future(
+            an_attach_counts_as_activity_and_the_pools_idle_limit_caps_a_shells(pool)
+        )
         await a_signal_to_poolctl_detaches_and_restores_the_terminal(pool, job_id)
         await a_window_of_no_rows_keeps_the_attach_typing(pool, job_id)
         await a_cancel_ends_an_attached_shell_saying_so(pool, job_id)
+        await idling
         await a_drain_ends_an_attached_shell_saying_so(pool, worker)
