@@ -168,9 +168,10 @@ async def _attach(client: PoolClient, job_id: str, interrupted: asyncio.Event | 
         typed_interrupt = asyncio.Event()
         try:
             closed, detached = await _attached(client, job_id, typed_interrupt)
-        except ClientError as exc:  # refused: its job has ended (shell's), or any other reason
-            if interrupted is None or exc.code != ErrorCode.CONFLICT:
+        except ClientError as exc:
+            if interrupted is None:
                 raise
+            await _first_refused(client, job_id, exc)
             return None
         if detached is not None:
             with contextlib.suppress(OSError):  # (a terminal that hung up takes no more)
@@ -192,6 +193,18 @@ async def _attach(client: PoolClient, job_id: str, interrupted: asyncio.Event | 
     if closed.reason.startswith("detached"):
         return 0
     return closed.exit_code if closed.exit_code is not None else EXIT_NO_CODE
+
+
+async def _first_refused(client: PoolClient, job_id: str, refusal: ClientError) -> None:
+    """`shell`'s first attach was refused: returns where its job has ended (`_ended_unattached`
+    says how); raises the refusal otherwise, having cancelled the job where the refusal is for
+    good (it runs where no attach reaches, as an agent's machine: nobody could use it there)."""
+    if refusal.code == ErrorCode.CONFLICT:  # (not running: it has ended)
+        return
+    if refusal.code != ErrorCode.INVALID_ARGUMENT:
+        raise refusal
+    await client.call(CancelJobs([job_id]), Cancelled)
+    raise ClientError(f"{refusal}; poolctl cancelled {job_id}: no attach reaches it there", refusal.code)
 
 
 async def _cancelled_while_starting(

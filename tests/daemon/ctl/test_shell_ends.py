@@ -188,6 +188,26 @@ async def a_cancel_ends_an_attached_shell_saying_so(pool: Pool, job_id: str) -> 
     assert (await wait_state(pool.queue, job_id, JobState.CANCELLED)).state is JobState.CANCELLED
 
 
+async def a_shell_no_one_can_attach_to_is_cancelled(pool: Pool, worker: Popen[bytes]) -> None:
+    """Issue 49, review 49b finding 8: a shell whose job an agent's machine claimed (where no
+    attach reaches) is cancelled by the `poolctl shell` that queued it, saying so: it was left
+    running there, its GPUs held, with nobody able to use it."""
+    worker.send_signal(signal.SIGSTOP)  # (the agent claims it, not this worker)
+    try:
+        shell = poolctl_on_a_pty(pool, "alice", "shell", *SHELL)
+        job_id = await expect(shell, QUEUED)
+        agent = registry.agent_worker_id("laptop")
+        lease = await pool.queue.claim(agent, ["default"])
+        assert lease is not None
+        assert lease.job_id == job_id
+    finally:
+        worker.send_signal(signal.SIGCONT)
+    await expect(shell, f"runs on an agent's machine \\({agent}\\), where attach is not supported yet")
+    await expect(shell, f"poolctl cancelled {job_id}: no attach reaches it there")
+    assert await ended(shell) == 2
+    assert (await pool.queue.get(job_id)).cancel_requested
+
+
 async def a_drain_ends_an_attached_shell_saying_so(pool: Pool, worker: Popen[bytes]) -> None:
     """Issue 49, review 49b finding 1: the worker's drain (SIGTERM) does not hand an attached
     shell back to the queue, where it would start again elsewhere with nobody at it while
@@ -226,4 +246,5 @@ async def test_a_shell_ended_by_anything_but_its_exit_says_what_ended_it(
         await a_window_of_no_rows_keeps_the_attach_typing(pool, job_id)
         await a_cancel_ends_an_attached_shell_saying_so(pool, job_id)
         await idling
+        await a_shell_no_one_can_attach_to_is_cancelled(pool, worker)
         await a_drain_ends_an_attached_shell_saying_so(pool, worker)
