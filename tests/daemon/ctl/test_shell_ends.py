@@ -233,15 +233,17 @@ async def test_a_shell_ended_by_anything_but_its_exit_says_what_ended_it(
         project = tmp_path / "project"
         project.mkdir()
         await ctrl_c_while_a_shell_starts_cancels_it(pool, worker, s3_server, project)
+        # The idle limit's step waits on its clock, meanwhile the others run (the worker's own
+        # stops, below, come after it).
+        idling = asyncio.ensure_future(
+            an_attach_counts_as_activity_and_the_pools_idle_limit_caps_a_shells(pool)
+        )
         await a_shell_of_a_quick_command_shows_its_output_and_exits_with_its_code(pool)
         shell = poolctl_on_a_pty(pool, "alice", "shell", *SHELL)
         job_id = await expect(shell, QUEUED)
         await expect(shell, PROMPT)
         shell.send("~.")
         assert await ended(shell) == 0
-        idling = asyncio.ensure_future(
-            an_attach_counts_as_activity_and_the_pools_idle_limit_caps_a_shells(pool)
-        )
         await a_signal_to_poolctl_detaches_and_restores_the_terminal(pool, job_id)
         await a_window_of_no_rows_keeps_the_attach_typing(pool, job_id)
         await a_cancel_ends_an_attached_shell_saying_so(pool, job_id)
