@@ -94,6 +94,19 @@ async def a_shell_of_a_quick_command_shows_its_output_and_exits_with_its_code(po
     assert await ended(missing) == 1
 
 
+async def a_requeue_ends_a_shell_saying_so(pool: Pool) -> None:
+    """Issue 49, review 49b finding 1, a requeue: as a drain (below), it ends an attached shell
+    FAILED, saying so, rather than hand it back to start again with nobody at it."""
+    shell = poolctl_on_a_pty(pool, "alice", "shell", *SHELL)
+    job_id = await expect(shell, QUEUED)
+    await expect(shell, PROMPT)
+    await pool.queue.requeue(job_id)
+    await expect(shell, f"poolctl: {job_id}: requeued by its user; a shell is not requeued")
+    assert await ended(shell) == 128 + signal.SIGHUP
+    info = await wait_state(pool.queue, job_id, JobState.FAILED, JobState.QUEUED, timeout=15)
+    assert (info.state, info.attempt) == (JobState.FAILED, 1)
+
+
 async def a_signal_to_poolctl_detaches_and_restores_the_terminal(pool: Pool, job_id: str) -> None:
     """Issue 49, review 49b finding 4: SIGTERM, SIGHUP or SIGQUIT to an attached poolctl detach
     it, its terminal's mode restored (it was left raw: no echo, no line editing), and it exits
@@ -238,7 +251,10 @@ async def test_a_shell_ended_by_anything_but_its_exit_says_what_ended_it(
         idling = asyncio.ensure_future(
             an_attach_counts_as_activity_and_the_pools_idle_limit_caps_a_shells(pool)
         )
-        await a_shell_of_a_quick_command_shows_its_output_and_exits_with_its_code(pool)
+        await asyncio.gather(
+            a_shell_of_a_quick_command_shows_its_output_and_exits_with_its_code(pool),
+            a_requeue_ends_a_shell_saying_so(pool),
+        )
         shell = poolctl_on_a_pty(pool, "alice", "shell", *SHELL)
         job_id = await expect(shell, QUEUED)
         await expect(shell, PROMPT)
