@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import math
 import random
 import re
 import time
@@ -439,7 +440,7 @@ def _opt_positive(data: Mapping[str, Any], name: str, most: float | None = None)
     value = data.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise InvalidJob(name, f"must be a positive number of seconds, not {value!r}")
     if most is not None and value > most:
         raise InvalidJob(name, f"must be at most {most:g} seconds, not {value!r}")

@@ -377,7 +377,7 @@ OPTIONS: tuple[Option, ...] = (
         float,
         3600.0,
         "seconds a shell (`poolctl shell`) may go without input from its user, attached or not, "
-        "before it is stopped and its GPUs freed (`poolctl shell --idle` sets a shell's own)",
+        "before it is stopped and its GPUs freed (`poolctl shell --idle` sets a shell's own, up to this)",
         lo=1,
     ),
     Option("worker_idle_exit", float, 0.0, "seconds a worker idle (no job held) waits, then leaves", lo=0),

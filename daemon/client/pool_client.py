@@ -266,9 +266,15 @@ class PoolClient:
             self._writer.write(data)
             credit = asyncio.Event()
             feeding = asyncio.ensure_future(self._feed(rid, stdin, credit)) if stdin is not None else None
+            answers = asyncio.ensure_future(self._channel_answers(rid, q, output, credit))
             try:
-                return await self._channel_answers(rid, q, output, credit)
+                if feeding is not None:
+                    await asyncio.wait({answers, feeding}, return_when=asyncio.FIRST_COMPLETED)
+                    if feeding.done():
+                        feeding.result()  # what failed its input fails the channel: never dropped
+                return await answers
             finally:
+                await cancel_and_wait(answers)
                 if feeding is not None:
                     await cancel_and_wait(feeding)
                 del self._pending[rid]

@@ -104,8 +104,8 @@ def add_shell(sub: Any) -> None:
         "--idle",
         type=seconds(),
         metavar="SECONDS",
-        help="end it once nothing was typed into it for this long, attached or not (default: the "
-        "pool's shell_idle_limit)",
+        help="end it once nothing was typed into it for this long, attached or not (default and "
+        "most: the pool's shell_idle_limit)",
     )
     shell.add_argument("--no-env", action="store_true", help="not in the project's locked environment")
     shell.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")

@@ -9,7 +9,8 @@ terminal's output as it comes; its input goes into the terminal as it is, and it
 
 It detaches, leaving the shell as it is, when the server asks (`k`: the client detached, or went
 away), when its server has gone, or when another client attaches (it is told so). When the job's
-first process ends, the rest of the output is relayed, then the job's exit code ends the channel.
+first process ends, the rest of the output is relayed, then the job's exit code ends the channel,
+with `exited` as its reason when the shell ended by itself, else what stopped the job.
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ class Attach(ExecCommand):
                 return b"", f"detached ({inbound.result()})"
             await self._drain_output(helpers[0], inbound)
             code, _ = describe_exit(job_ended.result())
-            return str(code).encode(), EXITED
+            # What ended it: the shell itself, or what stopped its job (a cancel, its idle limit,
+            # its time limit, its worker's drain), which the client then says.
+            return str(code).encode(), EXITED if run.ending is None else run.stopped_why
         finally:
             terminal.detach(self)
             for task in (*helpers, *watched):

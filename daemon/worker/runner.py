@@ -69,6 +69,7 @@ class Ending(enum.StrEnum):
     TIMED_OUT = "timed out"  # spec.timeout passed: FAILED
     IDLE = "idle"  # a tty job had no input for its idle limit: FAILED
     HANDED_BACK = "handed back"  # stopped by a drain or a requeue: the attempt goes back to the queue
+    STOPPED = "stopped"  # a tty job a drain or a requeue stopped: FAILED (a shell is never requeued)
     LOST = "lost"  # the lease is gone: killed at once, nothing recorded (it is not ours any more)
 
 
@@ -210,7 +211,9 @@ class JobRun:
         self.lease = lease
         self.gpus = tuple(gpus)
         self.kill_grace = kill_grace
-        self.idle_limit = lease.spec.idle_limit or shell_idle_limit  # a tty job's (terminal.py)
+        # A tty job's (terminal.py): its own, up to the worker's, which is a cap (a shell with a
+        # limit of its own past it would keep its GPUs from others, forgotten, as long as it liked).
+        self.idle_limit = min(lease.spec.idle_limit or shell_idle_limit, shell_idle_limit)
         self.terminal: Terminal | None = None  # a tty job's, from its spawn to its end
         self.probe = probe
         self.guard = guard
@@ -237,6 +240,7 @@ class JobRun:
         self._env["GPUPOOL_OUTPUT"] = str(self.output_dir)
         self._env["GPUPOOL_CHECKPOINT_DIR"] = str(self.checkpoint_dir)
         self.ending: Ending | None = None
+        self.stopped_why = ""  # what stopped it, when something did (`ending`'s sentence)
         self._proc: spawn.Child | None = None
         self._started = 0.0  # time.time() when it started
         self._start_error: Exception | None = None  # why `start` could not spawn it: `run` tells
@@ -271,8 +275,13 @@ class JobRun:
 
     def hand_back(self, now: bool = False, why: str = "the worker is stopping") -> None:
         """Stop the job (at once with `now`) so the attempt can go back to the front of its queue:
-        the worker is stopping, or the job was requeued."""
-        self._stop(Ending.HANDED_BACK, why, now=now)
+        the worker is stopping, or the job was requeued. A tty job ends instead, FAILED: its shell
+        is its user's terminal, which a requeue would leave running elsewhere with nobody at it
+        (holding its GPUs until its idle limit), while the user's poolctl saw only an end."""
+        if self.lease.spec.tty:
+            self._stop(Ending.STOPPED, f"{why}; a shell is not requeued", now=now)
+        else:
+            self._stop(Ending.HANDED_BACK, why, now=now)
 
     def note(self, text: str) -> None:
         self.output.note(text)
@@ -299,7 +308,7 @@ class JobRun:
             return  # how it ended is decided
         first = self.ending is None
         if first or ending is Ending.LOST:
-            self.ending = ending
+            self.ending, self.stopped_why = ending, why
         if self._proc is None:
             return  # not started yet: run() applies the ending
         if now:
@@ -660,6 +669,8 @@ class JobRun:
             return Outcome(JobState.CANCELLED, code, f"cancelled; {how}", result)
         if ending is Ending.IDLE:
             return Outcome(JobState.FAILED, code, f"ended: no input for {self.idle_limit:g} s; {how}", result)
+        if ending is Ending.STOPPED:
+            return Outcome(JobState.FAILED, code, f"{self.stopped_why}; {how}", result)
         if ending is Ending.TIMED_OUT:
             return Outcome(
                 JobState.FAILED, code, f"timed out after {self.lease.spec.timeout:g} s; {how}", result

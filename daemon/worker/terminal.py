@@ -15,8 +15,8 @@ last holder has closed it is the end of the output, not an error.
 
 One client is attached at a time (attach.py, a channel of kind "attach"): a new one takes over,
 and the one before is told why it was detached. Each piece of a client's input is written into
-the master as it is; the job ends once no client has sent it any for its idle limit (`idle`),
-attached or not.
+the master as it is; the job ends once no client has typed into it, attached to it or resized
+it for its idle limit (`idle`), attached or not.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ class Terminal:
         if self.viewer is not None:
             self.viewer.taken_over()
         self.viewer = viewer
+        self._active()
         return bytes(self._tail)
 
     def detach(self, viewer: Viewer) -> None:
@@ -105,7 +106,7 @@ class Terminal:
     async def write(self, data: bytes) -> None:
         """The client's input into the terminal, as it is; it counts as input for the idle limit.
         Waits while the terminal takes no more (its program reads nothing)."""
-        self._last_input = asyncio.get_running_loop().time()
+        self._active()
         view = memoryview(data)
         while view:
             try:
@@ -125,9 +126,15 @@ class Terminal:
             loop.remove_writer(self.master)
 
     def resize(self, rows: int, cols: int) -> None:
-        """The window is `rows` x `cols` now: the kernel tells the foreground group (SIGWINCH)."""
+        """The window is `rows` x `cols` now: the kernel tells the foreground group (SIGWINCH).
+        A client's resize counts as input for the idle limit, as its attach does."""
+        self._active()
         with contextlib.suppress(OSError):
             fcntl.ioctl(self.master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    def _active(self) -> None:
+        """Its user is at it (typing, attaching, resizing): the idle limit counts from now."""
+        self._last_input = asyncio.get_running_loop().time()
 
     def _check_idle(self) -> None:
         loop = asyncio.get_running_loop()

@@ -23,6 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from daemon.queue.embedded_redis import free_port, port_free
@@ -129,6 +130,17 @@ class S3Server:
                 continue
             return
         raise RuntimeError(f"weed did not serve S3 on {self.endpoint} in {timeout} s")
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The server stopped (SIGSTOP to its process group) for the block: a request to it
+        hangs until the block ends (SIGCONT), as one to an overloaded store does."""
+        assert self._proc is not None
+        os.killpg(self._proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.killpg(self._proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         if self._proc is None:

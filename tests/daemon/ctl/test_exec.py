@@ -40,10 +40,10 @@ def gpu_worker(
     s3_env: dict[str, str],
     *options: str,
     search_path: str | None = None,
-) -> Iterator[None]:
-    """A `poold --worker` with two made-up GPUs (and `options`); as root, its jobs run as uids it
-    leases. Its data is in /tmp, passable by those uids (pytest's own directories are root's, 0700).
-    `search_path`: its PATH, and so its jobs' (None: this process's)."""
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A `poold --worker` with two made-up GPUs (and `options`), its process; as root, its jobs run
+    as uids it leases. Its data is in /tmp, passable by those uids (pytest's own directories are
+    root's, 0700). `search_path`: its PATH, and so its jobs' (None: this process's)."""
     data_dir = Path(tempfile.mkdtemp(prefix="gpupool-exec-"))
     data_dir.chmod(0o711)
     argv = [
@@ -69,7 +69,7 @@ def gpu_worker(
         subprocess.Popen(argv, env=env, stderr=log) as proc,
     ):
         try:
-            yield
+            yield proc
         finally:
             proc.terminate()
             try:

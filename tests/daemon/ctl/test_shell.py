@@ -181,6 +181,7 @@ async def test_shell_types_resizes_interrupts_detaches_reattaches_exits_with_its
         waiting, _ = await queue.enqueue(JobSpec(argv=("true",), gpus=1, user="alice"))
         await asyncio.sleep(0.5)
         assert (await queue.get(waiting)).state is JobState.QUEUED  # both slots are taken
+        await expect(idle, f"poolctl: {idle_id}: ended: no input for 2 s")  # (review 49b finding 6)
         assert await ended(idle) == 128 + 1  # its shell hung up (SIGHUP: a shell's stop signal)
         info = await wait_state(queue, idle_id, JobState.FAILED)
         assert "no input for 2 s" in info.detail
