@@ -139,6 +139,9 @@ class ClaimRequest:
         return packed
 
 
+REPLY_HEAD = 8  # the fields of claim.lua's reply before its leases (ClaimReply's, less `leases`)
+
+
 @dataclass(frozen=True)
 class ClaimReply:
     """claim.lua's answer (claim/ledger.lua `reply`): why claiming stopped (b'claimed', b'empty',
@@ -343,7 +346,8 @@ class Claims:
         """claim.lua's answer, read (ClaimReply). `known`: a spec at hand, packed and as the
         JobSpec it was packed from (a standing claim's enqueue's): a job whose packed spec is those
         very bytes has that JobSpec, not decoded again (a decode is dear after an idle spell)."""
-        status, stream_cursor, wake_cursor, kept, gpus_free, shared, cpus_free, mem_free, *claimed = reply
+        head, claimed = reply[:REPLY_HEAD], reply[REPLY_HEAD:]
+        status, stream_cursor, wake_cursor, kept, gpus_free, shared, cpus_free, mem_free = head
         leases = []
         for job_id, attempt, lease_id, packed, place in (
             claimed[i : i + 5] for i in range(0, len(claimed), 5)
