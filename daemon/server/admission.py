@@ -71,12 +71,13 @@ class Admission:
         self.room = RedisRoom(queue.redis)  # new jobs refused before Redis is full
 
     async def enqueue(self, spec: dict[str, Any], key: str | None, user: str) -> Enqueued:
-        job_spec = self.defaults.applied(spec_of(spec, user))
+        workers = await registered_workers(self.queue.redis)  # what they serve, not what runs
+        job_spec = self._resources(spec_of(spec, user), workers)
         self.bounds.check(job_spec)
         await self.room.check()
         self._check_priority([job_spec], user)
         self._check_notify([job_spec])
-        await self._check_fits([job_spec])
+        self._check_fits([job_spec], workers)
         await self._check_data([job_spec], user)
         await self._check_after([job_spec])
         job_id, created = await self.queue.enqueue(job_spec, key)
@@ -91,13 +92,14 @@ class Admission:
                 f"a batch holds at most {MAX_BATCH} jobs, not {len(specs)}: send them in several",
                 ErrorCode.INVALID_ARGUMENT,
             )
-        job_specs = [self.defaults.applied(spec_of(s, user)) for s in specs]
+        workers = await registered_workers(self.queue.redis)
+        job_specs = [self._resources(spec_of(s, user), workers) for s in specs]
         for job_spec in job_specs:
             self.bounds.check(job_spec)
         await self.room.check()
         self._check_priority(job_specs, user)
         self._check_notify(job_specs)
-        await self._check_fits(job_specs)
+        self._check_fits(job_specs, workers)
         await self._check_data(job_specs, user)
         await self._check_after(job_specs)
         ids = await self.queue.enqueue_many(job_specs)
@@ -168,7 +170,28 @@ class Admission:
                 seen.add(shas)
                 await self.data.check_inputs(spec, user)
 
-    async def _check_fits(self, specs: list[JobSpec]) -> None:
+    def _resources(self, spec: JobSpec, workers: list[dict[str, Any]]) -> JobSpec:
+        """`spec` with its queue's CPUs and memory where it asks for none. Not while a worker of
+        before issue 50 serves its queue (in a rolling upgrade: its registration has no
+        `job_memory`): such a worker refuses a spec with `cpus` or `mem`, and would fail the job;
+        there no default is filled in, and a job that asks is refused, saying why."""
+        older = sorted(
+            str(w.get("id"))
+            for w in workers
+            if spec.queue in (w.get("queues") or ()) and "job_memory" not in w
+        )
+        if not older:
+            return self.defaults.applied(spec)
+        if spec.cpus or spec.mem:
+            raise InvalidJob(
+                "cpus" if spec.cpus else "mem",
+                f"cannot be given in queue {spec.queue!r} yet: its worker(s) {', '.join(older[:3])} "
+                "are of a gpupool before CPUs and memory were resources and would fail the job; "
+                "upgrade the queue's workers first (docs/OPERATIONS.md, upgrades)",
+            )
+        return spec
+
+    def _check_fits(self, specs: list[JobSpec], workers: list[dict[str, Any]]) -> None:
         """Refuse a job for a queue that no registered worker serves, or that asks for more GPUs
         (or CPUs, or memory) than every registered worker serving its queue has (dead ones
         included: they may come back), unless it asks to wait for such a worker: it would never
@@ -178,7 +201,6 @@ class Admission:
         checked = [s for s in specs if not s.wait_for_worker]
         if not checked:
             return
-        workers = await registered_workers(self.queue.redis)  # what they serve, not what runs
         served = {q for w in workers for q in w.get("queues") or ()}
         for spec in checked:
             if workers and spec.queue not in served:
@@ -208,10 +230,18 @@ def spec_of(data: dict[str, Any], user: str) -> JobSpec:
 
 
 def _check_host_fits(spec: JobSpec, serving: list[dict[str, Any]]) -> None:
-    """Refuse a job asking for more CPUs, or more memory, than any of the `serving` workers lets
-    its jobs have. A worker that does not count them (its `job_memory` 0 or absent: one of before
-    issue 50, or an agent's) fits any job."""
+    """Refuse a job that no one of the `serving` workers could ever hold: its CPUs, its memory
+    and its GPUs on one worker (the most CPUs of one and the most memory of another hold no job
+    that needs both). A worker that does not count them (its `job_memory` 0: an agent's) fits
+    any job's CPUs and memory."""
     if not serving or not all(int(w.get("job_memory") or 0) for w in serving):
+        return
+    if any(
+        spec.cpus <= int(w.get("cpus", 0))
+        and spec.mem <= int(w["job_memory"])
+        and spec.gpus <= len(w.get("gpus") or ())
+        for w in serving
+    ):
         return
     cpus = max(int(w.get("cpus", 0)) for w in serving)
     if spec.cpus > cpus:
@@ -221,3 +251,10 @@ def _check_host_fits(spec: JobSpec, serving: list[dict[str, Any]]) -> None:
         raise NoWorkerFits(
             f"{spec.mem / 2**30:.1f} GiB of memory", spec.queue, f"{mem / 2**30:.1f} GiB for jobs"
         )
+    gpus = f" and {spec.gpus} GPUs" if spec.gpus else ""
+    raise GpupoolError(
+        f"needs {spec.cpus} CPUs, {spec.mem / 2**30:.1f} GiB of memory{gpus} on one worker; no worker "
+        f"serving queue {spec.queue!r} has them all (each is short of one). Enqueue it with "
+        "--wait-for-worker to keep it queued until such a worker joins",
+        ErrorCode.INVALID_ARGUMENT,
+    )

@@ -5,13 +5,17 @@ and a live worker fitting what it holds. A real server, a real worker, poolctl a
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from daemon.client.pool_client import ClientError
 from daemon.job import JobState
+from daemon.queue import keys
 from daemon.queue.embedded_redis import EmbeddedRedis
+from daemon.queue.registry import Registration
 from daemon.worker.host import HostResources
 from protocol import CancelJobs, Cancelled, Enqueue, Enqueued, ErrorCode, JobDetail, ShowJob, Waited, WaitJobs
 from tests.support.pool import running_pool
@@ -60,3 +64,57 @@ async def test_cpus_and_mem_are_asked_defaulted_refused_and_fitted(
         await c.call(CancelJobs([big, waits.job_id]), Cancelled)
         done = await c.call(WaitJobs([small], 30), Waited)
         assert [j["state"] for j in done.jobs] == ["succeeded"]
+
+
+async def test_a_queue_an_older_worker_serves_gets_no_cpus_or_memory_in_its_specs(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 50, a review's finding: in a rolling upgrade a worker of before issue 50 refuses a
+    spec with `cpus` or `mem` (unknown fields) and fails the job: every job of a queue with a
+    default failed on every worker not upgraded yet. While such a worker serves the queue (its
+    registration has no `job_memory`), the server fills in no default there and refuses a job
+    that asks, saying to upgrade the queue's workers first."""
+    async with (
+        running_pool(redis_server, tmp_path, queue_default_cpus=["default=1"]) as pool,
+        pool.client() as c,
+    ):
+        older = Registration(id="w-older", slots=1, queues=("default",), healthy_period=300).to_dict()
+        del older["job_memory"]  # as a worker of before issue 50 registers
+        async with pool.queue.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(keys.WORKERS, "w-older", msgpack.packb(older))
+            pipe.zadd(keys.WORKERS_SEEN, {"w-older": time.time() * 1000})
+            await pipe.execute()
+        plain = (await c.call(Enqueue({"argv": ["true"]}, None), Enqueued)).job_id
+        assert "cpus" not in (await c.call(ShowJob(plain), JobDetail)).job["spec"]  # no default
+        with pytest.raises(ClientError) as refused:
+            await c.call(Enqueue({"argv": ["true"], "cpus": 1}, None), Enqueued)
+        assert refused.value.code == ErrorCode.INVALID_ARGUMENT
+        assert "w-older" in str(refused.value)
+        assert "upgrade" in str(refused.value)
+        await c.call(CancelJobs([plain]), Cancelled)
+
+
+async def test_a_job_is_refused_unless_one_worker_has_all_it_needs(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 50, a review's finding: admission compared a job's CPUs with the most CPUs of any
+    worker and its memory with the most memory of any, so a job needing 64 CPUs and 256 GiB was
+    queued where one worker has the CPUs and another the memory: parked for ever. One worker
+    must have all of it."""
+    async with running_pool(redis_server, tmp_path) as pool, pool.client() as c:
+        for name, cpus, memory in (("w-many-cpus", 64, 8 * GIB), ("w-much-memory", 2, 512 * GIB)):
+            worker = Registration(id=name, slots=1, queues=("big",), healthy_period=300)
+            worker.cpus, worker.job_memory = cpus, memory
+            async with pool.queue.redis.pipeline(transaction=False) as pipe:
+                pipe.hset(keys.WORKERS, name, msgpack.packb(worker.to_dict()))
+                pipe.zadd(keys.WORKERS_SEEN, {name: time.time() * 1000})
+                await pipe.execute()
+        with pytest.raises(ClientError) as refused:
+            await c.call(
+                Enqueue({"argv": ["true"], "queue": "big", "cpus": 64, "mem": 256 * GIB}, None), Enqueued
+            )
+        assert refused.value.code == ErrorCode.INVALID_ARGUMENT
+        assert "on one worker" in str(refused.value), refused.value
+        fits = {"argv": ["true"], "queue": "big", "cpus": 64, "mem": 8 * GIB}
+        job_id = (await c.call(Enqueue(fits, None), Enqueued)).job_id  # the first worker holds it
+        await c.call(CancelJobs([job_id]), Cancelled)

@@ -5,7 +5,8 @@
 -- the worker has at all is parked as one of too many GPUs is; one asking for more than is free
 -- now waits as one whose GPUs are not free does: it may be the head of line, and backfill treats
 -- its CPUs and memory as it treats GPUs (backfill.lua `earliest`). A worker that counts neither
--- (its totals 0: an older worker, or an explain of GPUs alone) fits every job here.
+-- (its totals 0: an agent's, or an explain of GPUs alone) fits every job here. (A worker of before
+-- this part never sees a job with CPUs or memory: the server gives none to a queue it serves.)
 
 host.cpus_free, host.mem_free = req.cpus_free or 0, req.mem_free or 0
 host.cpus_total, host.mem_total = req.cpus_total or 0, req.mem_total or 0
