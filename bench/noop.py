@@ -37,7 +37,9 @@ class NoopRun:
     def cancel(self) -> None:
         pass
 
-    def hand_back(self, now: bool = False, why: str = "the worker is stopping") -> None:
+    def hand_back(
+        self, now: bool = False, why: str = "the worker is stopping", by_policy: bool = False
+    ) -> None:
         pass
 
     def lose(self, why: str) -> None:

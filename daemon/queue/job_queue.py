@@ -469,11 +469,13 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
             linger=linger,
         )
 
-    async def hand_back(self, lease: Lease) -> JobState:
+    async def hand_back(self, lease: Lease, *, by_policy: bool = False) -> JobState:
         """Hand an attempt back that this worker stopped before its job finished (a drain): the job
         goes to the front of its queue and is claimed next with attempt+1; a hand-back does not
-        count towards max_attempts. Returns QUEUED, or CANCELLED when the user cancelled it
-        meanwhile. Raises StaleAttempt, changing nothing, when `lease` is no longer current."""
+        count towards max_attempts, unless the pool's GPU policies made it (`by_policy`: idle
+        GPUs, a GPU fault), when it is a loss and the job is DEAD at max_attempts. Returns QUEUED,
+        DEAD, or CANCELLED when the user cancelled it meanwhile. Raises StaleAttempt, changing
+        nothing, when `lease` is no longer current."""
         q = lease.queue
         return await self._end_attempt(
             self.scripts.hand_back,
@@ -481,6 +483,7 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
             [keys.stream(q), keys.front(q), keys.leases(q), keys.events(q)],
             self.retention,
             self.accounting_days,
+            "1" if by_policy else "",
         )
 
     async def _end_attempt(

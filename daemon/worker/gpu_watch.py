@@ -68,7 +68,7 @@ class GpuWatch:
             later = f"; it is {then} after {self.policy.grace_minutes:g} min more" if then else ""
             run.note(f"{seen} (idle_gpu_minutes): flagged as idle{later}")
         elif act is Act.REQUEUE:
-            run.hand_back(why=f"{seen}: its queue requeues jobs that leave GPUs idle")
+            run.hand_back(why=f"{seen}: its queue requeues jobs that leave GPUs idle", by_policy=True)
         else:
             run.note(f"{seen}: its queue cancels jobs that leave GPUs idle")
             run.cancel()

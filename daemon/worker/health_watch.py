@@ -189,7 +189,9 @@ class HealthWatch:
             if not held.intersection(g.uuid for g in run.gpus):
                 continue
             if self._policy == "requeue":
-                run.hand_back(why=f"{what}; the job goes back to its queue to run on a sound GPU")
+                run.hand_back(
+                    why=f"{what}; the job goes back to its queue to run on a sound GPU", by_policy=True
+                )
             else:
                 run.note(f"{what}; the job runs on to its end (gpu_health_policy let_finish)")
 

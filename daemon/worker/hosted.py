@@ -230,7 +230,10 @@ class RemoteRun:
     def cancel(self) -> None:
         self._stop("cancel", {})
 
-    def hand_back(self, now: bool = False, why: str = "the worker is stopping") -> None:
+    def hand_back(
+        self, now: bool = False, why: str = "the worker is stopping", by_policy: bool = False
+    ) -> None:
+        del by_policy  # (an agent's GPUs are not watched by the pool's GPU policies)
         self._stop("hand_back", {"now": now, "why": why})
 
     def note(self, text: str) -> None:

@@ -43,7 +43,7 @@ class Outcomes:
         if result.ending is Ending.LOST:
             log.warning("job %s attempt %d: killed, nothing recorded: the lease was lost", job, n)
         elif result.outcome is None:
-            state = await self.hand_back(lease)
+            state = await self.hand_back(lease, by_policy=result.by_policy)
             if state is not None:
                 log.info("job %s attempt %d: handed back (%s)", job, n, state)
         else:
@@ -59,9 +59,12 @@ class Outcomes:
             else:
                 log.info("job %s attempt %d: %s", job, n, how)
 
-    async def hand_back(self, lease: Lease) -> JobState | None:
-        """Put the attempt back at the front of its queue (hand_back.lua); None if not recorded."""
-        return await self._record(lease, "hand back", lambda: self.queue.hand_back(lease))
+    async def hand_back(self, lease: Lease, *, by_policy: bool = False) -> JobState | None:
+        """Put the attempt back at the front of its queue (hand_back.lua; `by_policy`: a loss
+        towards max_attempts); None if not recorded."""
+        return await self._record(
+            lease, "hand back", lambda: self.queue.hand_back(lease, by_policy=by_policy)
+        )
 
     async def _record(
         self, lease: Lease, what: str, call: Callable[[], Awaitable[JobState]]

@@ -79,6 +79,8 @@ class RunResult:
     outcome: Outcome | None  # what to complete the attempt with; None for HANDED_BACK and LOST
     dirty_gpus: Mapping[str, str] = field(default_factory=dict)  # GPU uuid -> why
     killed_by: int | None = None  # the signal that ended the job's first process, if one did
+    # Handed back by the pool's GPU policies (idle GPUs, a GPU fault): a loss towards max_attempts.
+    by_policy: bool = False
 
 
 class Run(Protocol):
@@ -100,7 +102,12 @@ class Run(Protocol):
         """After `run`: leave what the attempt used (its slot's directories) ready for the next."""
 
     def cancel(self) -> None: ...
-    def hand_back(self, now: bool = False, why: str = "the worker is stopping") -> None: ...
+    def hand_back(
+        self, now: bool = False, why: str = "the worker is stopping", by_policy: bool = False
+    ) -> None:
+        """Stop it so the attempt goes back to its queue; `by_policy`: the pool's GPU policies
+        ask (idle GPUs, a GPU fault), and the hand-back is a loss towards max_attempts."""
+
     def lose(self, why: str) -> None: ...
     def note(self, text: str) -> None:
         """A line of the pool's own in the job's log ("[gpupool] ...")."""
@@ -241,6 +248,7 @@ class JobRun:
         self._env["GPUPOOL_CHECKPOINT_DIR"] = str(self.checkpoint_dir)
         self.ending: Ending | None = None
         self.stopped_why = ""  # what stopped it, when something did (`ending`'s sentence)
+        self._by_policy = False  # handed back by the pool's GPU policies (RunResult.by_policy)
         self._proc: spawn.Child | None = None
         self._started = 0.0  # time.time() when it started
         self._start_error: Exception | None = None  # why `start` could not spawn it: `run` tells
@@ -273,14 +281,18 @@ class JobRun:
         """The user cancelled: SIGTERM, SIGKILL after the grace; recorded as CANCELLED."""
         self._stop(Ending.CANCELLED, "cancelled")
 
-    def hand_back(self, now: bool = False, why: str = "the worker is stopping") -> None:
+    def hand_back(
+        self, now: bool = False, why: str = "the worker is stopping", by_policy: bool = False
+    ) -> None:
         """Stop the job (at once with `now`) so the attempt can go back to the front of its queue:
-        the worker is stopping, or the job was requeued. A tty job ends instead, FAILED: its shell
+        the worker is stopping, or the job was requeued, or (`by_policy`) the pool's GPU policies
+        ask, a loss towards max_attempts. A tty job ends instead, FAILED: its shell
         is its user's terminal, which a requeue would leave running elsewhere with nobody at it
         (holding its GPUs until its idle limit), while the user's poolctl saw only an end."""
         if self.lease.spec.tty:
             self._stop(Ending.STOPPED, f"{why}; a shell is not requeued", now=now)
         else:
+            self._by_policy = self._by_policy or (by_policy and self.ending is None)
             self._stop(Ending.HANDED_BACK, why, now=now)
 
     def note(self, text: str) -> None:
@@ -582,7 +594,8 @@ class JobRun:
             )
         outcome = self._outcome(returncode, "", started, uploaded)
         killed_by = -returncode if returncode < 0 else None
-        return RunResult(self.ending or Ending.EXITED, outcome, dirty, killed_by)
+        by_policy = self._by_policy and self.ending is Ending.HANDED_BACK
+        return RunResult(self.ending or Ending.EXITED, outcome, dirty, killed_by, by_policy)
 
     async def _finish_output(self) -> None:
         """The rest of the job's output sent, and its terminal, if it had one, closed."""

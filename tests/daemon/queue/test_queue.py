@@ -673,6 +673,26 @@ async def test_a_requeued_job_is_handed_back_to_the_front_and_runs_again_once(qu
         await queue.requeue("default.doesnotexist1")
 
 
+async def test_hand_backs_by_the_pools_gpu_policies_are_losses_and_end_at_max_attempts(
+    queue: JobQueue,
+) -> None:
+    """issue 50, a review's finding: the idle-GPU policy's requeue and GPU health's hand-back were
+    hand-backs like a drain's, never a loss towards max_attempts: a job that idles wherever it
+    runs (or faults every GPU it runs on) went round for ever, holding GPUs. A hand-back by a
+    policy counts as a loss; at max_attempts the job is dead, saying why. A drain's does not."""
+    job_id, _ = await queue.enqueue(spec(0, max_attempts=2))
+    lease = await claim(queue)
+    assert await queue.hand_back(lease) is JobState.QUEUED  # a drain: no loss
+    lease = await claim(queue)
+    assert await queue.hand_back(lease, by_policy=True) is JobState.QUEUED  # loss 1 of 2
+    lease = await claim(queue)
+    assert lease.attempt == 3
+    assert await queue.hand_back(lease, by_policy=True) is JobState.DEAD
+    info = await queue.get(job_id)
+    assert [a.how for a in info.attempts] == ["released", "released", "released"]
+    assert "handed back by the pool's GPU policies" in info.detail
+
+
 async def test_a_job_claimed_ahead_that_never_started_is_no_loss_and_costs_its_user_nothing(
     redis: AnyRedis,
 ) -> None:

@@ -36,7 +36,7 @@ class NotedRun:
     def cancel(self) -> None:
         pass
 
-    def hand_back(self, now: bool = False, why: str = "") -> None:
+    def hand_back(self, now: bool = False, why: str = "", by_policy: bool = False) -> None:
         pass
 
     def note(self, text: str) -> None:
