@@ -46,7 +46,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from daemon.aio import TaskSet, woken_or
+from daemon.aio import TaskSet, in_daemon_thread, woken_or
 from daemon.errors import NotReplicated, RedisUnavailable
 from daemon.git import ANY_PROTOCOL
 from daemon.job import Lease, RenewStatus
@@ -91,6 +91,8 @@ from storage.base import ObjectStore
 from storage.cache import ObjectCache
 
 log = logging.getLogger(__name__)
+
+FREE_MEMORY_SECONDS = 2.0  # how long a claim waits for NVML's free memory before claiming without it
 
 # An attempt's executor, given its GPUs and slot.
 RunFactory = Callable[[Lease, tuple[GpuInfo, ...], int], Run]
@@ -391,7 +393,7 @@ class Worker(Stopping):
             )
         if shared and self.allocator.gpus:
             uuids = [g.uuid for g in self.allocator.gpus]
-            free = await asyncio.to_thread(self._nvml.free_memory, uuids) if self._nvml is not None else None
+            free = await self._free_memory([u for u in uuids if not self.allocator.out_of_use(u)])
             whole = {g.uuid for g in self.allocator.free()}
             room = dataclasses.replace(
                 room,
@@ -402,6 +404,21 @@ class Worker(Stopping):
                 largest_gpu=max(g.memory for g in self.allocator.gpus),
             )
         return room
+
+    async def _free_memory(self, uuids: list[str]) -> dict[str, int] | None:
+        """NVML's free memory of `uuids` (GPUs in use: one out for its health may hang it), read in
+        a daemon thread within FREE_MEMORY_SECONDS: a hung read holds no claim, nor the worker's
+        exit (the default executor's threads are waited for at the end); None, unknown, then."""
+        nvml = self._nvml
+        if nvml is None or not uuids:
+            return None
+        reading = in_daemon_thread(lambda: nvml.free_memory(uuids), "NVML free memory")
+        try:
+            return await asyncio.wait_for(reading, FREE_MEMORY_SECONDS)
+        except TimeoutError:
+            why = "NVML did not say the GPUs' free memory in %g s: claiming by what jobs declared"
+            log.warning(why, FREE_MEMORY_SECONDS)
+            return None
 
     async def _claim(self) -> bool:
         """One claim for every free slot; the jobs claimed are started (or given back, when the

@@ -18,7 +18,8 @@ import secrets
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from daemon.worker.gpu_health import Fault, xid_fault
 from daemon.worker.gpus import GpuAllocator, NotEnoughGpus
 from daemon.worker.health_watch import HealthBook
 from tests.support.paths import ROOT
-from tests.support.workers import fake_gpus, wait_state, wait_until
+from tests.support.workers import fake_gpus, running_worker, sh, wait_state, wait_until
 
 NVML_SEAM = ROOT / "tests" / "support" / "nvml_seam"
 CLEAR = 0.6  # gpu_health_clear: seconds without a fault before a GPU's check
@@ -278,3 +279,36 @@ async def test_gpu_health_each_fault_quarantines_hands_back_or_lets_finish_and_c
             raise
         finally:
             await queue.redis.aclose()
+
+
+async def test_gpu_health_a_claim_never_asks_nvml_of_a_gpu_out_for_its_health(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """issue 50, a review's finding: every claim read NVML's free memory of every GPU, the ones out
+    for their health among them, on the event loop's default executor: NVML hung on a GPU fallen
+    off the bus held every claim (no job started, even on the sound GPUs) and the worker's exit.
+    Only the GPUs in use are read, in a daemon thread, within a bound."""
+    gpus = fake_gpus(2)
+    asked: list[list[str]] = []
+    release = threading.Event()
+
+    class HangsOnTheLostGpu:
+        def free_memory(self, uuids: Iterable[str]) -> dict[str, int]:
+            asked.append(list(uuids))
+            if gpus[1].uuid in asked[-1]:
+                release.wait(20)  # NVML hung on the GPU that fell off the bus
+            return dict.fromkeys(asked[-1], 16 * 2**30)
+
+        def close(self) -> None:
+            pass
+
+    try:
+        async with running_worker(queue, tmp_path / "w", gpus=gpus, slots=2, heartbeat_seconds=0.1) as worker:
+            worker._nvml = HangsOnTheLostGpu()  # type: ignore[assignment]
+            worker.allocator.mark_unhealthy(gpus[1].uuid, "NVML says the GPU has fallen off the bus")
+            job_id, _ = await queue.enqueue(sh("true", gpus=1))
+            await wait_state(queue, job_id, JobState.SUCCEEDED, timeout=10)
+        assert asked
+        assert all(gpus[1].uuid not in uuids for uuids in asked), asked
+    finally:
+        release.set()
