@@ -26,6 +26,7 @@ FULL_SHA = re.compile(r"[0-9a-f]{40}")
 MAX_ATTEMPTS_LIMIT = 100
 GPU_MEM_MAX = 2**50  # bytes a --gpu-mem job may declare (a PiB: no GPU comes near it)
 CPUS_MAX, MEM_MAX = 4096, 2**50  # the most CPUs and bytes of memory a job may ask for
+MEM_MIN = 2**20  # the least memory a job may ask for (--mem 4096 is a mistake for 4096M)
 PRIORITY_MAX = 100  # the highest --priority (daemon/queue/lua/lib/arrays.lua PRIO_MAX says the same)
 MAX_INPUTS = 256
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -436,6 +437,16 @@ def _int(data: Mapping[str, Any], name: str, default: int, lo: int, hi: int) -> 
     return value
 
 
+def _mem(data: Mapping[str, Any]) -> int:
+    """`mem`: none (0), or bytes from a MiB to MEM_MAX."""
+    mem = _int(data, "mem", 0, 0, MEM_MAX)
+    if 0 < mem < MEM_MIN:
+        raise InvalidJob(
+            "mem", f"must be at least 1 MiB ({MEM_MIN} bytes), not {mem}: a size with a unit, e.g. 4G"
+        )
+    return mem
+
+
 def _opt_positive(data: Mapping[str, Any], name: str, most: float | None = None) -> float | None:
     value = data.get(name)
     if value is None:
@@ -470,7 +481,7 @@ _CHECKS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
     "gpus": lambda d: _int(d, "gpus", 0, 0, 1024),
     "gpu_mem": lambda d: _int(d, "gpu_mem", 0, 0, GPU_MEM_MAX),
     "cpus": lambda d: _int(d, "cpus", 0, 0, CPUS_MAX),
-    "mem": lambda d: _int(d, "mem", 0, 0, MEM_MAX),
+    "mem": _mem,
     "wait_for_worker": lambda d: _bool(d, "wait_for_worker"),
     "timeout": lambda d: _opt_positive(d, "timeout"),
     "checkpoint_every": lambda d: _opt_positive(d, "checkpoint_every"),

@@ -17,7 +17,7 @@ from daemon.ctl.parsing import seconds, whole
 # daemon/job.py's limits, said again so that ctl need not import the job model (a test checks)
 GPU_MEM_MAX = 2**50
 GPUS_MAX, ATTEMPTS_MAX, PRIORITY_MAX, STOP_GRACE_MAX = 1024, 100, 100, 3600.0
-CPUS_MAX = 4096
+CPUS_MAX, MEM_MIN = 4096, 2**20
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?|\.\d+)\s*(?:(?P<unit>[kmgt])(?:i?b)?|b)?", re.IGNORECASE)
 
@@ -34,6 +34,17 @@ def gpu_mem_size(text: str) -> int:
     size = int(Decimal(m["number"]) * _UNITS[(m["unit"] or "").lower()])
     if not 0 < size <= GPU_MEM_MAX:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size from 1 byte to 1024T")
+    return size
+
+
+def job_mem_size(text: str) -> int:
+    """A job's --mem: a size as `gpu_mem_size` reads it, of a MiB at least (a bare 4096, a
+    Slurm user's MiB, would be 4096 bytes: a job killed by its own limit at once)."""
+    size = gpu_mem_size(text)
+    if size < MEM_MIN:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {size} bytes, less than a MiB: give a unit, e.g. {text.strip()}M or {text.strip()}G"
+        )
     return size
 
 
@@ -59,7 +70,7 @@ def add_enqueue(sub: Any) -> None:  # argparse's _SubParsersAction, which it doe
     )
     e.add_argument(
         "--mem",
-        type=gpu_mem_size,
+        type=job_mem_size,
         default=0,
         metavar="SIZE",
         help="memory the job needs on its worker, e.g. 16G: it starts where that much is free, and "

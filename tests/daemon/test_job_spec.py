@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import msgpack
 import pytest
 
+from daemon.ctl.enqueue_args import job_mem_size
 from daemon.errors import InvalidJob
 from daemon.job import JobSpec
 
@@ -167,3 +169,15 @@ def test_every_field_given_as_its_default_is_the_default_spec() -> None:
     with pytest.raises(InvalidJob) as err:
         JobSpec.from_dict({**stored, "colour": "red", "brightness": 1})
     assert err.value.field == "brightness"  # the first unknown one, by name
+
+
+def test_a_jobs_memory_is_none_or_at_least_a_mib() -> None:
+    """issue 50, a review's finding: `--mem 4096` (a Slurm user's MiB) was 4096 bytes, and the job
+    was killed by its memory limit at once. A spec's `mem` is none (0) or at least a MiB, and
+    poolctl refuses a size under a MiB saying to give a unit."""
+    assert JobSpec.from_dict({"argv": ["true"], "mem": 2**20}).mem == 2**20
+    with pytest.raises(InvalidJob, match="at least 1 MiB"):
+        JobSpec.from_dict({"argv": ["true"], "mem": 4096})
+    with pytest.raises(argparse.ArgumentTypeError, match=r"give a unit, e\.g\. 4096M"):
+        job_mem_size("4096")
+    assert job_mem_size("4096M") == 4096 * 2**20

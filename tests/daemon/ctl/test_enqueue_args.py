@@ -95,7 +95,7 @@ def test_show_prints_the_memory_on_a_shared_gpu(capsys: pytest.CaptureFixture[st
 def test_show_prints_the_cpus_and_memory_a_job_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
     """issue 50: `poolctl show` says a job's --cpus and --mem, and a limit that the model and
     poolctl say alike."""
-    assert enqueue_args.CPUS_MAX == job.CPUS_MAX
+    assert (enqueue_args.CPUS_MAX, enqueue_args.MEM_MIN) == (job.CPUS_MAX, job.MEM_MIN)
     record = {
         "id": "default.0mzk4g8x1a2b", "state": "queued", "cancel_requested": False, "worker": "",
         "spec": job.JobSpec(argv=("train",), cpus=4, mem=16 * G, user="alice").to_dict(),
