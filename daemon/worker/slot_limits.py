@@ -6,8 +6,10 @@ Where the kernel has them is cgroup v1's memory, cpu and cpuacct hierarchies (a 
 with cgroup v2 alone gives them to v2, where they are not used yet: its jobs run unlimited, with a
 line in the worker's log saying so, and claims still fit their CPUs and memory). Each slot has a
 directory in each, `gpupool-WORKER/slot-N` under the worker's own, made at start and removed at
-the end; a job's first process joins them before it runs anything of the job's (_spawn.c `joins`),
-and whatever it starts stays in them. Before each job its limits are written:
+the end (the memory one made anew for each job: nothing the last one left charged, a file on
+tmpfs, counts against the next); a job's first process joins them before it runs anything of the
+job's (_spawn.c `joins`), and whatever it starts stays in them. Before each job its limits are
+written:
 
     cpu.cfs_quota_us / cpu.cfs_period_us   N CPUs' time per period (-1: none asked)
     memory.limit_in_bytes                  its --mem (-1: none asked)
@@ -86,8 +88,9 @@ class SlotLimits:
 
     def apply(self, cpus: int, mem: int) -> None:
         """The limits of a job asking for `cpus` CPUs and `mem` bytes (0: no limit), and its
-        counters from zero. Blocking (sysfs writes: microseconds)."""
+        counters from zero. Blocking (sysfs writes and a memory cgroup made anew: microseconds)."""
         memory, cpu = self.dirs["memory"], self.dirs["cpu"]
+        self._fresh_memory()
         # The last job's limits lifted first (memsw, then memory: memsw may never be below the
         # memory limit), then this one's set (memory, then memsw).
         _write(memory / "memory.memsw.limit_in_bytes", UNLIMITED)
@@ -100,6 +103,21 @@ class SlotLimits:
         _write(cpu / "cpu.cfs_quota_us", b"%d" % (cpus * PERIOD_US) if cpus else UNLIMITED)
         _write(self.dirs["cpuacct"] / "cpuacct.usage", b"0")
         self._oom_before = self._oom_kills()
+
+    def _fresh_memory(self) -> None:
+        """The slot's memory cgroup made anew, empty, for the next job: what the last one left
+        charged (a file on tmpfs, /dev/shm, which no reclaim frees without swap) goes to the
+        parent, and reaches neither this job's limit (which could not be set below it: EBUSY) nor
+        its usage; nor does lowering a limit reclaim the last job's page cache on the event loop.
+        A cgroup some process of the last job is still in (being swept) stays as it is."""
+        memory = self.dirs["memory"]
+        with contextlib.suppress(OSError):
+            memory.rmdir()
+        memory.mkdir(exist_ok=True)
+        if self._fds:  # the first process joins the new directory
+            for fd in self._fds:
+                os.close(fd)
+            self._fds.clear()
 
     def usage(self) -> Usage:
         """What the job that ran since `apply` did."""

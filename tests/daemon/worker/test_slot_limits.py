@@ -7,6 +7,7 @@ fits jobs' CPUs and memory without enforcing them, as the module says)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from daemon.job import JobState
 from daemon.queue.job_queue import JobQueue
 from daemon.worker import gpus
 from daemon.worker.service import local_slot_count
-from daemon.worker.slot_limits import v1_dirs
+from daemon.worker.slot_limits import WorkerLimits, v1_dirs
 from tests.support.workers import running_worker, sh, wait_state, wait_until
 
 MIB = 2**20
@@ -84,3 +85,27 @@ def test_the_default_slots_follow_the_cpus_this_process_may_run_on() -> None:
         assert local_slot_count(load(env={})) == (gpus.count() or 1)
     finally:
         os.sched_setaffinity(0, mine)
+
+
+@needs_v1
+def test_what_a_job_left_charged_to_its_slot_reaches_no_later_job(tmp_path: Path) -> None:
+    """issue 50, a review's finding: a file a job left on tmpfs (/dev/shm) stays charged to its
+    slot's memory cgroup, unreclaimable without swap: the next job's smaller --mem could not be set
+    (EBUSY: it failed, "cannot start"), a larger one started with the leftover counted. Each job
+    has a memory cgroup of its own, fresh (what was charged before goes to the parent)."""
+    limits = WorkerLimits.make(f"test-{os.getpid()}", 1)
+    assert limits is not None
+    slot = limits.slot(0)
+    left = Path(f"/dev/shm/gpupool-test-{os.getpid()}")
+    try:
+        slot.apply(0, 0)
+        joins = [str(p) for p in dict.fromkeys(slot.dirs.values())]
+        leaves = f"import os\nfor d in {joins!r}: open(os.path.join(d, 'cgroup.procs'), 'w').write('0')\n"
+        leaves += f"open({str(left)!r}, 'wb').write(b'x' * (64 << 20))\n"
+        subprocess.run([sys.executable, "-c", leaves], check=True, timeout=30)
+        slot.apply(1, 32 << 20)  # below what the last job left charged
+        assert int((slot.dirs["memory"] / "memory.usage_in_bytes").read_text()) < 8 << 20
+        assert int((slot.dirs["memory"] / "memory.limit_in_bytes").read_text()) == 32 << 20
+    finally:
+        left.unlink(missing_ok=True)
+        limits.close()
