@@ -92,12 +92,17 @@ class SlotLimits:
         memory, cpu = self.dirs["memory"], self.dirs["cpu"]
         self._fresh_memory()
         # The last job's limits lifted first (memsw, then memory: memsw may never be below the
-        # memory limit), then this one's set (memory, then memsw).
-        _write(memory / "memory.memsw.limit_in_bytes", UNLIMITED)
+        # memory limit), then this one's set (memory, then memsw). A kernel without swap
+        # accounting (swapaccount=0) has no memsw: the memory limit alone, there.
+        memsw = memory / "memory.memsw.limit_in_bytes"
+        swap = memsw.exists()
+        if swap:
+            _write(memsw, UNLIMITED)
         _write(memory / "memory.limit_in_bytes", UNLIMITED)
         if mem:
             _write(memory / "memory.limit_in_bytes", b"%d" % mem)
-            _write(memory / "memory.memsw.limit_in_bytes", b"%d" % mem)
+            if swap:
+                _write(memsw, b"%d" % mem)
         _write(memory / "memory.max_usage_in_bytes", b"0")
         _write(cpu / "cpu.cfs_period_us", b"%d" % PERIOD_US)
         _write(cpu / "cpu.cfs_quota_us", b"%d" % (cpus * PERIOD_US) if cpus else UNLIMITED)

@@ -18,7 +18,7 @@ from daemon.job import JobState
 from daemon.queue.job_queue import JobQueue
 from daemon.worker import gpus
 from daemon.worker.service import local_slot_count
-from daemon.worker.slot_limits import WorkerLimits, v1_dirs
+from daemon.worker.slot_limits import SlotLimits, WorkerLimits, v1_dirs
 from tests.support.workers import running_worker, sh, wait_state, wait_until
 
 MIB = 2**20
@@ -109,3 +109,22 @@ def test_what_a_job_left_charged_to_its_slot_reaches_no_later_job(tmp_path: Path
     finally:
         left.unlink(missing_ok=True)
         limits.close()
+
+
+def test_a_kernel_without_swap_accounting_still_limits_memory(tmp_path: Path) -> None:
+    """issue 50, a review's finding: the memory+swap limit was written unconditionally, and a
+    kernel without swap accounting (swapaccount=0) has no memory.memsw.* files: every job failed
+    to start (FileNotFoundError). Its memory limit is written alone there. (Plain files stand in
+    for the cgroup's: the kernel here has swap accounting.)"""
+    dirs = {h: tmp_path / h for h in ("memory", "cpu", "cpuacct")}
+    for d in dirs.values():
+        d.mkdir()
+    for name in ("memory.limit_in_bytes", "memory.max_usage_in_bytes"):
+        (dirs["memory"] / name).write_text("0")
+    (dirs["memory"] / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
+    for name in ("cpu.cfs_period_us", "cpu.cfs_quota_us"):
+        (dirs["cpu"] / name).write_text("0")
+    (dirs["cpuacct"] / "cpuacct.usage").write_text("0")
+    SlotLimits(dirs).apply(1, 64 << 20)
+    assert (dirs["memory"] / "memory.limit_in_bytes").read_text() == str(64 << 20)
+    assert not (dirs["memory"] / "memory.memsw.limit_in_bytes").exists()
