@@ -57,6 +57,7 @@ class _OneGpu:
     first_counter_mj: int | None = None  # NVML's total-energy counter at the first reading
     last_counter_mj: int | None = None
     last_power_at: tuple[float, float] | None = None  # (watts, at) of the last reading with power
+    energy_readings: int = 0  # readings that said something of energy (a counter, or power)
 
     def add(self, s: GpuSample, at: float) -> None:
         self.samples += 1
@@ -66,6 +67,8 @@ class _OneGpu:
             self.util_sum += percent
         if s.memory_used is not None:
             self.mem_peak = s.memory_used if self.mem_peak is None else max(self.mem_peak, s.memory_used)
+        if s.energy_mj is not None or s.power_w is not None:
+            self.energy_readings += 1
         if s.energy_mj is not None:
             if self.first_counter_mj is None:
                 self.first_counter_mj = s.energy_mj
@@ -86,6 +89,9 @@ class _OneGpu:
         return round(self.util_sum / n, 2) if n else None
 
     def energy(self) -> float | None:
+        """Joules over the time its readings span; None (unknown, not 0 J) with fewer than two."""
+        if self.energy_readings < 2:
+            return None
         if self.first_counter_mj is not None and self.last_counter_mj is not None:
             return round((self.last_counter_mj - self.first_counter_mj) / 1000, 3)
         return round(self.energy_j, 3) if self.energy_known else None

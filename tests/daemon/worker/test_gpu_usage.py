@@ -31,6 +31,7 @@ from daemon.job import JobInfo, JobState
 from daemon.metrics.worker import GpuSample
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
+from daemon.worker.gpu_usage import GpuUsage
 from daemon.worker.idle_gpus import IdlePolicy
 from tests.support.paths import ROOT
 from tests.support.workers import fake_gpus, running_worker, sh, wait_state, wait_until
@@ -247,3 +248,18 @@ async def test_a_poold_worker_reads_usage_through_nvml_and_cancels_an_idle_gpu_j
     assert 0 < usage["util_mean"] <= 37
     assert usage["efficiency"] == round(usage["util_mean"] / 100, 4)
     assert usage["energy_j"] > 0  # 200 W between its readings that had it
+
+
+def test_one_reading_says_no_energy_rather_than_none_used() -> None:
+    """issue 50, a review's finding: an attempt read once (a short job) reported 0 J, by the counter
+    and by power alike: energy is known only between two readings; with one it is unknown."""
+    for sample in (
+        GpuSample("GPU-a", 0.9, GIB, 16 * GIB, power_w=300.0, energy_mj=None),
+        GpuSample("GPU-a", 0.9, GIB, 16 * GIB, power_w=None, energy_mj=7_000),
+    ):
+        usage = GpuUsage([(0, "GPU-a")])
+        usage.add([sample], 1.0)
+        summary = usage.summary()
+        assert summary is not None
+        assert summary["energy_j"] is None
+        assert summary["gpus"][0]["energy_j"] is None
