@@ -61,6 +61,7 @@ HW_THERMAL_SLOWDOWN = 0x40  # nvmlClocksEventReasonHwThermalSlowdown
 HW_POWER_BRAKE_SLOWDOWN = 0x80  # nvmlClocksEventReasonHwPowerBrakeSlowdown
 XID_EVENT = 0x8  # nvmlEventTypeXidCriticalError
 XID_WAIT_MS = 500  # one wait for an Xid: the watch sees its stop within this
+XID_PAUSE_MAX = 30.0  # seconds between tries at most while every wait for an Xid fails
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +178,7 @@ class XidWatch:
         self._seen = seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpupool-xid-watch", daemon=True)
+        self._failing: tuple[str, float] | None = None  # (the wait's error, its pause) while it fails
 
     def start(self) -> None:
         self._thread.start()
@@ -216,11 +218,20 @@ class XidWatch:
         try:
             data = pynvml.nvmlEventSetWait_v2(events, XID_WAIT_MS)
         except pynvml.NVMLError_Timeout:
+            self._failing = None
             return
         except pynvml.NVMLError as exc:  # GPU lost mid-wait, or NVML failing: the reads see which
-            log.warning("waiting for Xid errors failed (%s)", exc)
-            self._stop.wait(XID_WAIT_MS / 1000)  # not a poll: a pause before the next wait
+            # Said once for each kind of error while it lasts (a GPU lost until its reset fails
+            # every wait), with a pause before the next wait that doubles, to XID_PAUSE_MAX.
+            why, pause = str(exc), XID_WAIT_MS / 1000
+            if self._failing is None or self._failing[0] != why:
+                log.warning("waiting for Xid errors failed (%s); trying again, said once while it lasts", why)
+            else:
+                pause = min(self._failing[1] * 2, XID_PAUSE_MAX)
+            self._failing = (why, pause)
+            self._stop.wait(pause)  # not a poll: a pause before the next wait
             return
+        self._failing = None
         if not int(data.eventType) & XID_EVENT:
             return
         try:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.server.pending import PendingReasons
 from daemon.server.web.render import environment
-from daemon.worker.gpu_health import Fault, xid_fault
+from daemon.worker.gpu_health import Fault, XidWatch, xid_fault
 from daemon.worker.gpus import GpuAllocator, NotEnoughGpus
 from daemon.worker.health_watch import HealthBook
 from tests.support.paths import ROOT
@@ -312,3 +313,29 @@ async def test_gpu_health_a_claim_never_asks_nvml_of_a_gpu_out_for_its_health(
         assert all(gpus[1].uuid not in uuids for uuids in asked), asked
     finally:
         release.set()
+
+
+def test_gpu_health_an_xid_wait_that_keeps_failing_is_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """issue 50, a review's finding: a GPU lost until its reset fails every wait for Xid events,
+    and the watch said so twice a second (172,800 lines a day). Said once while the same error
+    lasts, with a pause that grows between tries; the watch still stops at once."""
+    import pynvml
+
+    def lost(events: object, ms: int) -> object:
+        raise pynvml.NVMLError_GpuIsLost()
+
+    monkeypatch.setattr(pynvml, "nvmlEventSetCreate", object)
+    monkeypatch.setattr(pynvml, "nvmlEventSetFree", lambda events: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", lambda uuid: uuid)
+    monkeypatch.setattr(pynvml, "nvmlDeviceRegisterEvents", lambda handle, kind, events: None)
+    monkeypatch.setattr(pynvml, "nvmlEventSetWait_v2", lost)
+    watch = XidWatch(["GPU-a"], lambda uuid, xid: None)
+    with caplog.at_level("WARNING", logger="daemon.worker.gpu_health"):
+        watch.start()
+        time.sleep(2.0)  # four waits' pauses on main
+        watch.stop()
+        assert watch.join(5.0)
+    said = [r for r in caplog.records if "waiting for Xid errors failed" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
