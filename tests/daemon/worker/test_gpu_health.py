@@ -55,13 +55,14 @@ FAULTS: list[tuple[str, dict[str, Any]]] = [
 
 def test_gpu_health_book_takes_a_gpu_out_at_once_and_back_only_after_the_clear_time() -> None:
     """Issue 50, a GPU comes back only after a check passes: the first fault takes it out; a
-    fault seen again (or a new Xid) restarts its clear time; its probe puts it back only once
-    `clear` seconds passed without a fault. An application's Xid is no fault at all."""
+    fault seen again (or a new Xid) restarts its clear time; its reason is the most lasting
+    fault seen (thermal then ECC shows ECC, which does not clear when the GPU cools); its probe
+    puts it back only once `clear` seconds passed without a fault. An application's Xid is no fault at all."""
     book = HealthBook(clear=10)
     xid = Fault("xid", "Xid 79")
     assert book.seen("GPU-a", xid, now=100) is True
     assert book.seen("GPU-a", Fault("ecc", "2 errors"), now=105) is False  # out already: no new act
-    assert book.fault("GPU-a") == xid  # what took it out stays its reason
+    assert book.fault("GPU-a") == Fault("ecc", "2 errors")  # the most lasting fault seen is its reason
     assert book.due(now=114) == []
     assert book.passed("GPU-a", now=114) is False  # a probe too soon does not put it back
     assert book.due(now=115) == ["GPU-a"]
@@ -70,6 +71,10 @@ def test_gpu_health_book_takes_a_gpu_out_at_once_and_back_only_after_the_clear_t
     assert book.passed("GPU-a", now=126) is True
     assert book.fault("GPU-a") is None
     assert book.due(now=200) == []
+    book.seen("GPU-b", Fault("thermal", "hot"), now=100)
+    book.seen("GPU-b", Fault("ecc", "3 errors"), now=101)
+    book.seen("GPU-b", Fault("thermal", "hot again"), now=102)
+    assert book.fault("GPU-b") == Fault("ecc", "3 errors")
     assert xid_fault(13) is None  # an application's (a graphics engine exception)
     assert xid_fault(79) == Fault("xid", "Xid 79 (GPU has fallen off the bus)")
 
