@@ -317,3 +317,41 @@ async def test_gpu_health_a_claim_never_asks_nvml_of_a_gpu_out_for_its_health(
         assert all(gpus[1].uuid not in uuids for uuids in asked), asked
     finally:
         release.set()
+
+
+def test_xid_watch_logs_a_failing_wait_once_and_tries_less_often(tmp_path: Path) -> None:
+    """Issue 50, GPU health (the Xid watch): a GPU that falls off the bus under the watch fails
+    every wait for an Xid; the watch logs that once, not twice a second for ever, pauses longer
+    and longer between tries, and still ends when stopped."""
+    faults = tmp_path / "faults.json"
+    script = f"""
+import json, logging, sys, time
+from daemon.worker import gpu_health
+import pynvml
+logged = []
+gpu_health.log.addHandler(logging.Handler())
+gpu_health.log.handlers[-1].emit = logged.append
+pynvml.nvmlInit()
+uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0))
+watch = gpu_health.XidWatch([uuid], lambda u, x: None)
+watch.start()
+time.sleep(0.3)
+open({str(faults)!r}, "w").write(json.dumps({{"0": {{"lost": True}}}}))
+time.sleep(2.0)
+watch.stop()
+print(json.dumps({{"ended": watch.join(2.0), "logged": [r.getMessage() for r in logged]}}))
+"""
+    faults.write_text("{}")
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{NVML_SEAM}{os.pathsep}{ROOT}",
+        "FAKE_NVML_GPUS": "80",
+        "FAKE_NVML_FAULTS": str(faults),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30, check=True
+    )
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["ended"] is True
+    assert len(seen["logged"]) == 1, seen["logged"]
+    assert "GPU is lost" in seen["logged"][0]
