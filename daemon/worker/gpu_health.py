@@ -61,7 +61,7 @@ HW_THERMAL_SLOWDOWN = 0x40  # nvmlClocksEventReasonHwThermalSlowdown
 HW_POWER_BRAKE_SLOWDOWN = 0x80  # nvmlClocksEventReasonHwPowerBrakeSlowdown
 XID_EVENT = 0x8  # nvmlEventTypeXidCriticalError
 XID_WAIT_MS = 500  # one wait for an Xid: the watch sees its stop within this
-XID_PAUSE_MAX = 30.0  # seconds between tries at most while every wait for an Xid fails
+XID_PAUSE_MAX = 60.0  # the longest pause between failing waits (it doubles from XID_WAIT_MS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +177,9 @@ class XidWatch:
         self._uuids = list(uuids)
         self._seen = seen
         self._stop = threading.Event()
+        self._failed: set[str] = set()  # the kinds of wait error logged: each is logged once
+        self._pause = XID_WAIT_MS / 1000  # before the next wait after a failed one; grows
         self._thread = threading.Thread(target=self._run, name="gpupool-xid-watch", daemon=True)
-        self._failing: tuple[str, float] | None = None  # (the wait's error, its pause) while it fails
 
     def start(self) -> None:
         self._thread.start()
@@ -218,20 +219,18 @@ class XidWatch:
         try:
             data = pynvml.nvmlEventSetWait_v2(events, XID_WAIT_MS)
         except pynvml.NVMLError_Timeout:
-            self._failing = None
+            self._pause = XID_WAIT_MS / 1000
             return
         except pynvml.NVMLError as exc:  # GPU lost mid-wait, or NVML failing: the reads see which
-            # Said once for each kind of error while it lasts (a GPU lost until its reset fails
-            # every wait), with a pause before the next wait that doubles, to XID_PAUSE_MAX.
-            why, pause = str(exc), XID_WAIT_MS / 1000
-            if self._failing is None or self._failing[0] != why:
-                log.warning("waiting for Xid errors failed (%s); trying again, said once while it lasts", why)
-            else:
-                pause = min(self._failing[1] * 2, XID_PAUSE_MAX)
-            self._failing = (why, pause)
-            self._stop.wait(pause)  # not a poll: a pause before the next wait
+            if (kind := type(exc).__name__) not in self._failed:
+                self._failed.add(kind)
+                log.warning(
+                    "waiting for Xid errors failed (%s); tried again less often, not logged again", exc
+                )
+            self._stop.wait(self._pause)  # not a poll: a pause, growing, before the next wait
+            self._pause = min(XID_PAUSE_MAX, self._pause * 2)
             return
-        self._failing = None
+        self._pause = XID_WAIT_MS / 1000
         if not int(data.eventType) & XID_EVENT:
             return
         try:

@@ -19,6 +19,7 @@ the allocator.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,11 +54,12 @@ class _OneGpu:
     samples: int = 0  # readings taken, whatever they held
     mem_peak: int | None = None
     energy_j: float = 0.0
-    energy_known: bool = False
+    energy_reads: int = 0  # readings that carried the energy counter or the power
+    energy_first_at: float | None = None  # when the first and last of them were taken
+    energy_last_at: float | None = None
     first_counter_mj: int | None = None  # NVML's total-energy counter at the first reading
     last_counter_mj: int | None = None
     last_power_at: tuple[float, float] | None = None  # (watts, at) of the last reading with power
-    energy_readings: int = 0  # readings that said something of energy (a counter, or power)
 
     def add(self, s: GpuSample, at: float) -> None:
         self.samples += 1
@@ -68,7 +70,10 @@ class _OneGpu:
         if s.memory_used is not None:
             self.mem_peak = s.memory_used if self.mem_peak is None else max(self.mem_peak, s.memory_used)
         if s.energy_mj is not None or s.power_w is not None:
-            self.energy_readings += 1
+            self.energy_reads += 1
+            if self.energy_first_at is None:
+                self.energy_first_at = at
+            self.energy_last_at = at
         if s.energy_mj is not None:
             if self.first_counter_mj is None:
                 self.first_counter_mj = s.energy_mj
@@ -78,7 +83,6 @@ class _OneGpu:
                 watts, then = self.last_power_at
                 self.energy_j += (watts + s.power_w) / 2 * max(0.0, at - then)  # the trapezoid
             self.last_power_at = (s.power_w, at)
-            self.energy_known = True
 
     @property
     def util_count(self) -> int:
@@ -88,22 +92,30 @@ class _OneGpu:
         n = self.util_count
         return round(self.util_sum / n, 2) if n else None
 
-    def energy(self) -> float | None:
-        """Joules over the time its readings span; None (unknown, not 0 J) with fewer than two."""
-        if self.energy_readings < 2:
+    def energy(self, duration: float) -> float | None:
+        """Joules over `duration` seconds: the energy measured between the first and last
+        readings is a mean power, carried over the whole attempt (the time before the first
+        reading and after the last was drawn too); unknown with fewer than two readings, which
+        measure no interval at all."""
+        if self.energy_reads < 2 or self.energy_first_at is None or self.energy_last_at is None:
             return None
+        span = self.energy_last_at - self.energy_first_at
         if self.first_counter_mj is not None and self.last_counter_mj is not None:
-            return round((self.last_counter_mj - self.first_counter_mj) / 1000, 3)
-        return round(self.energy_j, 3) if self.energy_known else None
+            measured = (self.last_counter_mj - self.first_counter_mj) / 1000
+        else:
+            measured = self.energy_j
+        if span <= 0:
+            return None
+        return round(measured / span * max(span, duration), 3)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, duration: float) -> dict[str, Any]:
         return {
             "uuid": self.uuid,
             "index": self.index,
             "util_mean": self.util_mean(),
             "util_p95": percentile(self.counts, 0.95),
             "mem_peak": self.mem_peak,
-            "energy_j": self.energy(),
+            "energy_j": self.energy(duration),
             "samples": self.samples,
         }
 
@@ -112,8 +124,9 @@ class GpuUsage:
     """The running summary of one attempt's GPUs (given as (index, uuid) pairs): `add` each
     reading as it comes, `summary()` at the attempt's end."""
 
-    def __init__(self, gpus: Iterable[tuple[int, str]]) -> None:
+    def __init__(self, gpus: Iterable[tuple[int, str]], started: float | None = None) -> None:
         self._gpus = {uuid: _OneGpu(uuid, index) for index, uuid in gpus}
+        self.started = time.time() if started is None else started  # the attempt's start
 
     @property
     def uuids(self) -> frozenset[str]:
@@ -125,8 +138,10 @@ class GpuUsage:
             if (gpu := self._gpus.get(s.uuid)) is not None:
                 gpu.add(s, at)
 
-    def summary(self) -> dict[str, Any] | None:
-        """The record's `gpu_usage` (docs/PROTOCOL.md); None before any reading was taken."""
+    def summary(self, ended: float | None = None) -> dict[str, Any] | None:
+        """The record's `gpu_usage` (docs/PROTOCOL.md) for the attempt ended at `ended` (now if
+        not given); None before any reading was taken."""
+        duration = max(0.0, (time.time() if ended is None else ended) - self.started)
         gpus = sorted(self._gpus.values(), key=lambda g: g.index)
         if not any(g.samples for g in gpus):
             return None
@@ -135,7 +150,7 @@ class GpuUsage:
         util_sum, util_n = sum(g.util_sum for g in read), sum(g.util_count for g in read)
         means = [g.util_sum / g.util_count for g in read]
         peaks = [g.mem_peak for g in gpus if g.mem_peak is not None]
-        energies = [e for g in gpus if (e := g.energy()) is not None]
+        energies = [e for g in gpus if (e := g.energy(duration)) is not None]
         return {
             "util_mean": round(util_sum / util_n, 2) if util_n else None,
             "util_p95": percentile(counts, 0.95),
@@ -143,5 +158,5 @@ class GpuUsage:
             "energy_j": round(sum(energies), 3) if energies else None,
             "efficiency": round(sum(means) / len(means) / 100, 4) if means else None,
             "samples": sum(g.samples for g in gpus),
-            "gpus": [g.summary() for g in gpus],
+            "gpus": [g.summary(duration) for g in gpus],
         }

@@ -47,14 +47,26 @@ XID_JOIN_SECONDS = 2.0  # the longest the worker's stop waits for the Xid watch 
 Pass = tuple[dict[str, list[Fault]], dict[str, str | None]]
 
 
+# How long each kind of fault lasts, longest first: a GPU out of use shows the most lasting of
+# the faults seen on it, since a slowdown clears when the GPU cools but an ECC error stays.
+LASTING = ("lost", "ecc", "pages", "xid", "thermal", "power")
+
+
 @dataclass(slots=True)
 class Unhealthy:
-    """A physical GPU out of use: the fault that took it out, when (time.time()), and when a
-    fault was last seen on it (time.monotonic())."""
+    """A physical GPU out of use: the faults seen on it (the latest of each kind), when it went
+    out (time.time()), and when a fault was last seen on it (time.monotonic())."""
 
-    fault: Fault
+    faults: dict[str, Fault]
     since: float
     last_seen: float
+
+    @property
+    def fault(self) -> Fault:
+        """The most lasting fault seen: the reason it shows."""
+        return min(
+            self.faults.values(), key=lambda f: LASTING.index(f.code) if f.code in LASTING else len(LASTING)
+        )
 
 
 class HealthBook:
@@ -66,12 +78,20 @@ class HealthBook:
         self.unhealthy: dict[str, Unhealthy] = {}
 
     def seen(self, uuid: str, fault: Fault, now: float) -> bool:
-        """A fault seen on `uuid` at `now` (monotonic); True when it takes the GPU out of use."""
+        """A fault seen on `uuid` at `now` (monotonic); True when it takes the GPU out of use.
+        A GPU already out keeps every kind seen (`new_kind` says whether this one was new)."""
         if (bad := self.unhealthy.get(uuid)) is not None:
             bad.last_seen = max(bad.last_seen, now)
+            bad.faults[fault.code] = fault
             return False
-        self.unhealthy[uuid] = Unhealthy(fault, time.time(), now)
+        self.unhealthy[uuid] = Unhealthy({fault.code: fault}, time.time(), now)
         return True
+
+    def new_kind(self, uuid: str, fault: Fault) -> bool:
+        """Whether `fault` is of a kind not yet seen on `uuid` since it went out of use (asked
+        before `seen`, so that each kind is logged once)."""
+        bad = self.unhealthy.get(uuid)
+        return bad is not None and fault.code not in bad.faults
 
     def due(self, now: float) -> list[str]:
         """The GPUs out of use with no fault seen for `clear` seconds: those a probe may put back."""
@@ -177,7 +197,13 @@ class HealthWatch:
                 self._back(uuid)
 
     def _seen(self, uuid: str, fault: Fault, now: float) -> None:
+        new_kind = self.book.new_kind(uuid, fault)
         if not self.book.seen(uuid, fault, now):
+            if new_kind:
+                shown = self.book.unhealthy[uuid].fault
+                log.error("GPU %s, out of use, shows a new fault: %s", uuid, fault.detail)
+                for g in self._devices[uuid]:
+                    self._allocator.mark_unhealthy(g.uuid, shown.detail)
             return
         devices = self._devices[uuid]
         what = f"GPU {devices[0].index} ({uuid}) is unhealthy: {fault.detail}"

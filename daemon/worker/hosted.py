@@ -115,7 +115,9 @@ def run_result(args: Mapping[str, Any], gpus: tuple[GpuInfo, ...], lease: Lease)
                 JobState(str(given.get("state"))),
                 _optional_int(given.get("exit_code"), "outcome exit_code"),
                 str(given.get("detail") or ""),
-                dict(given.get("result") or {}),
+                # gpu_usage is the worker's own reading of NVML; an agent reads none, and its
+                # word on it would reach accounting as measured (docs/OPERATIONS.md)
+                {k: v for k, v in dict(given.get("result") or {}).items() if k != "gpu_usage"},
             )
         except (ValueError, TypeError):
             raise invalid("outcome state must be succeeded, failed or cancelled, result a map") from None

@@ -206,3 +206,23 @@ async def test_a_run_says_its_first_process_ended_as_it_ends(
     assert result.ending is Ending.EXITED
     assert seen == [(True, False)]
     await run.tidy()
+
+
+def test_an_agents_outcome_cannot_carry_gpu_usage() -> None:
+    """Issue 50, per-job GPU usage and accounting: an agent's job gets no NVML readings, so a
+    `gpu_usage` in the outcome an agent sends is dropped, never recorded as measured (it would
+    reach acct's efficiency on the agent's word); the rest of its result is kept."""
+    from daemon.worker.hosted import run_result
+
+    said = {
+        "ending": "exited",
+        "outcome": {
+            "state": "succeeded",
+            "exit_code": 0,
+            "detail": "",
+            "result": {"gpu_usage": {"efficiency": 1.0}, "tail": "ok"},
+        },
+    }
+    result = run_result(said, (), LEASE)
+    assert result.outcome is not None
+    assert result.outcome.result == {"tail": "ok"}

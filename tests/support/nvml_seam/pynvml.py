@@ -235,6 +235,7 @@ def nvmlEventSetWait_v2(events: _EventSet, timeout_ms: int) -> SimpleNamespace:
     while True:
         with _delivering:
             for gpu in events.gpus:
+                _answering(gpu)  # a GPU fallen off the bus fails the wait, as NVML's does
                 index = _DEVICES.index(gpu)
                 xids = list(_faults(gpu).get("xid", []))
                 sent = min(_delivered.get(index, 0), len(xids))
