@@ -193,11 +193,11 @@ class Admission:
 
     def _check_fits(self, specs: list[JobSpec], workers: list[dict[str, Any]]) -> None:
         """Refuse a job for a queue that no registered worker serves, or that asks for more GPUs
-        (or CPUs, or memory) than every registered worker serving its queue has (dead ones
-        included: they may come back), unless it asks to wait for such a worker: it would never
-        start (queued anyway, workers pass it over: claim.lua). A pool that no worker has joined
-        yet (a server started before its workers) takes a job for any queue, and refuses only a
-        GPU job."""
+        than every registered worker serving its queue has, or CPUs, memory and GPUs that no one
+        of them has together (dead ones included: they may come back), unless it asks to wait for
+        such a worker: it would never start (queued anyway, workers pass it over: claim.lua). A
+        pool that no worker has joined yet (a server started before its workers) takes a job for
+        any queue, and refuses only a GPU job."""
         checked = [s for s in specs if not s.wait_for_worker]
         if not checked:
             return
@@ -205,21 +205,10 @@ class Admission:
         for spec in checked:
             if workers and spec.queue not in served:
                 raise NoWorkerServes(spec.queue, sorted(served))
+            serving = [w for w in workers if spec.queue in w.get("queues", ())]
+            _check_gpus_fit(spec, serving)
             if workers and (spec.cpus or spec.mem):
-                _check_host_fits(spec, [w for w in workers if spec.queue in w.get("queues", ())])
-            if not (spec.gpus or spec.gpu_mem):
-                continue
-            serving = [w.get("gpus", ()) for w in workers if spec.queue in w.get("queues", ())]
-            if spec.gpu_mem:  # memory on one GPU: the largest GPU of any worker serving the queue
-                most = max((int(g.get("memory", 0)) for gpus in serving for g in gpus), default=None)
-                if spec.gpu_mem > (most or 0):
-                    has = None if most is None else f"a GPU of {most / 2**30:.1f} GiB at most"
-                    raise NoWorkerFits(f"{spec.gpu_mem / 2**30:.1f} GiB on one GPU", spec.queue, has)
-                continue
-            largest = max((len(gpus) for gpus in serving), default=None)
-            if spec.gpus > (largest or 0):
-                needs = f"{spec.gpus} GPU{'s' if spec.gpus != 1 else ''}"
-                raise NoWorkerFits(needs, spec.queue, None if largest is None else str(largest))
+                _check_host_fits(spec, serving)
 
 
 def spec_of(data: dict[str, Any], user: str) -> JobSpec:
@@ -229,17 +218,40 @@ def spec_of(data: dict[str, Any], user: str) -> JobSpec:
     return JobSpec.from_dict({**data, "user": user})
 
 
+def _check_gpus_fit(spec: JobSpec, serving: list[dict[str, Any]]) -> None:
+    """Refuse a job asking for more GPUs, or more memory on one GPU, than any of the `serving`
+    workers has."""
+    if spec.gpu_mem:  # memory on one GPU: the largest GPU of any worker serving the queue
+        most = max((int(g.get("memory", 0)) for w in serving for g in w.get("gpus", ())), default=None)
+        if spec.gpu_mem > (most or 0):
+            has = None if most is None else f"a GPU of {most / 2**30:.1f} GiB at most"
+            raise NoWorkerFits(f"{spec.gpu_mem / 2**30:.1f} GiB on one GPU", spec.queue, has)
+    elif spec.gpus:
+        largest = max((len(w.get("gpus", ())) for w in serving), default=None)
+        if spec.gpus > (largest or 0):
+            needs = f"{spec.gpus} GPU{'s' if spec.gpus != 1 else ''}"
+            raise NoWorkerFits(needs, spec.queue, None if largest is None else str(largest))
+
+
+def _holds_gpus(spec: JobSpec, gpus: list[dict[str, Any]]) -> bool:
+    """Whether a worker with `gpus` could hold the job's: so many GPUs, or one with the memory it
+    shares (--gpu-mem)."""
+    if spec.gpu_mem:
+        return any(int(g.get("memory", 0)) >= spec.gpu_mem for g in gpus)
+    return spec.gpus <= len(gpus)
+
+
 def _check_host_fits(spec: JobSpec, serving: list[dict[str, Any]]) -> None:
     """Refuse a job that no one of the `serving` workers could ever hold: its CPUs, its memory
-    and its GPUs on one worker (the most CPUs of one and the most memory of another hold no job
-    that needs both). A worker that does not count them (its `job_memory` 0: an agent's) fits
-    any job's CPUs and memory."""
+    and its GPUs (or the memory it shares on one GPU) on one worker (the most CPUs of one and the
+    GPU or memory of another hold no job that needs both). A worker that does not count CPUs and
+    memory (its `job_memory` 0: an agent's) fits any job's."""
     if not serving or not all(int(w.get("job_memory") or 0) for w in serving):
         return
     if any(
         spec.cpus <= int(w.get("cpus", 0))
         and spec.mem <= int(w["job_memory"])
-        and spec.gpus <= len(w.get("gpus") or ())
+        and _holds_gpus(spec, w.get("gpus") or [])
         for w in serving
     ):
         return
@@ -251,9 +263,12 @@ def _check_host_fits(spec: JobSpec, serving: list[dict[str, Any]]) -> None:
         raise NoWorkerFits(
             f"{spec.mem / 2**30:.1f} GiB of memory", spec.queue, f"{mem / 2**30:.1f} GiB for jobs"
         )
-    gpus = f" and {spec.gpus} GPUs" if spec.gpus else ""
+    needs = [f"{spec.cpus} CPUs"] if spec.cpus else []
+    needs += [f"{spec.mem / 2**30:.1f} GiB of memory"] if spec.mem else []
+    needs += [f"{spec.gpus} GPUs"] if spec.gpus else []
+    needs += [f"{spec.gpu_mem / 2**30:.1f} GiB on one GPU"] if spec.gpu_mem else []
     raise GpupoolError(
-        f"needs {spec.cpus} CPUs, {spec.mem / 2**30:.1f} GiB of memory{gpus} on one worker; no worker "
+        f"needs {' and '.join(needs)} on one worker; no worker "
         f"serving queue {spec.queue!r} has them all (each is short of one). Enqueue it with "
         "--wait-for-worker to keep it queued until such a worker joins",
         ErrorCode.INVALID_ARGUMENT,

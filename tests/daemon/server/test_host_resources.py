@@ -118,3 +118,31 @@ async def test_a_job_is_refused_unless_one_worker_has_all_it_needs(
         fits = {"argv": ["true"], "queue": "big", "cpus": 64, "mem": 8 * GIB}
         job_id = (await c.call(Enqueue(fits, None), Enqueued)).job_id  # the first worker holds it
         await c.call(CancelJobs([job_id]), Cancelled)
+
+
+async def test_a_job_needs_its_gpus_on_the_worker_that_has_its_cpus(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 50, a review's finding (one worker must fit a job whole): the one-worker check left
+    GPUs out for a job sharing a GPU (--gpu-mem), so 32 CPUs on a worker with no GPU and 40 GiB on
+    another's GPU were taken together: parked for ever. And a job asking for more GPUs than any
+    worker has hears that, not that no worker has "them all"."""
+    async with running_pool(redis_server, tmp_path) as pool, pool.client() as c:
+        one_gpu: list[dict[str, int]] = [{"index": 0, "memory": 80 * GIB}]
+        for name, cpus, gpus in (("w-cpus-only", 64, []), ("w-one-gpu", 4, one_gpu)):
+            worker = Registration(id=name, slots=1, queues=("mixed",), healthy_period=300, gpus=gpus)
+            worker.cpus, worker.job_memory = cpus, 64 * GIB
+            async with pool.queue.redis.pipeline(transaction=False) as pipe:
+                pipe.hset(keys.WORKERS, name, msgpack.packb(worker.to_dict()))
+                pipe.zadd(keys.WORKERS_SEEN, {name: time.time() * 1000})
+                await pipe.execute()
+        shared = {"argv": ["true"], "queue": "mixed", "cpus": 32, "gpu_mem": 40 * GIB}
+        with pytest.raises(ClientError) as refused:
+            await c.call(Enqueue(shared, None), Enqueued)
+        assert "on one worker" in str(refused.value), refused.value
+        whole = {"argv": ["true"], "queue": "mixed", "cpus": 1, "gpus": 2}
+        with pytest.raises(ClientError) as refused:
+            await c.call(Enqueue(whole, None), Enqueued)
+        assert "needs 2 GPUs; the largest worker serving queue 'mixed' has 1" in str(refused.value)
+        fits = (await c.call(Enqueue({**shared, "cpus": 4}, None), Enqueued)).job_id  # w-one-gpu's
+        await c.call(CancelJobs([fits]), Cancelled)
