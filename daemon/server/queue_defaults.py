@@ -1,7 +1,8 @@
 """The CPUs and memory a job gets in its queue when it asks for none (issue 50): the server fills
 them into its spec at enqueue (`queue_default_cpus`, `queue_default_mem`), so the scheduler, the
 worker's cgroup and `poolctl show` all see what it runs with. A job that asks (`--cpus`, `--mem`)
-keeps its own."""
+keeps its own. Not in a queue a worker of before issue 50 still serves: it would fail a spec with
+either (admission.py `_resources` gives none there)."""
 
 from __future__ import annotations
 
