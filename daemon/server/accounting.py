@@ -66,9 +66,9 @@ class Quantiles:
 @dataclass(slots=True)
 class Totals:
     """One group's sums, in ms as the records keep them. `measured_gpu_ms` are the GPU-ms of its
-    jobs whose usage the worker recorded, `used_gpu_ms` those weighted by their utilisation
-    (percent): efficiency is the second over the first, and says nothing where nothing was
-    measured."""
+    jobs' attempts whose usage the worker recorded, `used_gpu_ms` those weighted by their
+    utilisation (percent): efficiency is the second over the first, and says nothing where
+    nothing was measured."""
 
     jobs: int = 0
     failed: int = 0
@@ -79,9 +79,12 @@ class Totals:
     used_gpu_ms: int = 0
     waits: Quantiles = field(default_factory=Quantiles)
 
-    def add(self, state: bytes, wait: bytes, gpu: bytes, cpu: bytes, util: bytes) -> None:
+    def add(
+        self, state: bytes, wait: bytes, gpu: bytes, cpu: bytes, util: bytes, *, measured: bytes = b""
+    ) -> None:
         """Count one record's fields (queue/accounting.py's layout), converting only those it sums:
-        a year of a busy pool is millions of them."""
+        a year of a busy pool is millions of them. Its utilisation weighs the GPU-ms it was
+        measured over (`measured`; b'': all its GPU-ms), never those of an attempt not measured."""
         self.jobs += 1
         if state in (FAILED, DEAD):
             self.failed += 1
@@ -91,8 +94,9 @@ class Totals:
         self.gpu_ms += gpu_ms
         self.cpu_ms += int(cpu)
         if util != UNKNOWN and gpu_ms:
-            self.measured_gpu_ms += gpu_ms
-            self.used_gpu_ms += gpu_ms * int(util)
+            weight = int(measured) if measured else gpu_ms
+            self.measured_gpu_ms += weight
+            self.used_gpu_ms += weight * int(util)
         if wait != UNKNOWN:
             self.waits.add(int(wait) / 1000)
 
@@ -178,14 +182,14 @@ async def account(
             # the group of every record here, but by user: the record's own
             group = queue if request.by == "queue" else time.strftime("%Y-%m-%d", time.gmtime(day * DAY))
             async for page in read_day(redis, queue, day):
-                for into_day, state, wait, gpu, cpu, util, owner in page:
+                for into_day, state, wait, gpu, cpu, util, owner, measured in page:
                     if (mine is not None and owner != mine) or not (whole or start <= int(into_day) <= end):
                         continue
                     key = owner.decode(errors="replace") if request.by == "user" else group
                     totals = groups.get(key)
                     if totals is None:
                         totals = groups[key] = Totals()
-                    totals.add(state, wait, gpu, cpu, util)
+                    totals.add(state, wait, gpu, cpu, util, measured=measured)
     total = Totals()
     rows = []
     for key in sorted(groups):

@@ -41,7 +41,11 @@ local STATE_LETTER = {succeeded = 's', failed = 'f', cancelled = 'c', dead = 'd'
 -- the rest of the string, so a name may hold spaces):
 --   ms into the day it ended, state letter, wait (ms from enqueue to first start; '-': never
 --   ran), GPU-ms, CPU-ms, mean GPU utilisation % of its measured attempts (their used over
---   their measured GPU-ms; '-': none measured), user.
+--   their measured GPU-ms; '-': none measured), user;
+-- then, where only some of its GPU-ms were measured, byte 255 and the measured GPU-ms: the
+-- efficiency of many jobs weighs each one's utilisation by these. A user name is UTF-8, which
+-- never holds byte 255, so the field is told apart from any name; a record without it (all its
+-- GPU-ms measured, or none, or written before the field was) reads as all measured.
 local function account(prefix, jobkey, state, now, days)
   local j = redis.call('HMGET', jobkey, 'user', 'enqueued_at', 'first_ran', 'gpu_ms', 'cpu_ms', 'gpu_used_ms',
     'gpu_measured_ms')
@@ -51,8 +55,10 @@ local function account(prefix, jobkey, state, now, days)
   local util = measured > 0 and 100 * (tonumber(j[6]) or 0) / measured or nil
   local day = math.floor(now / DAY_MS)
   local key = prefix .. 'acct:' .. day
-  redis.call('RPUSH', key, string.format('%d %s %s %d %d %s %s', now - day * DAY_MS,
-    STATE_LETTER[state] or state, wait, tonumber(j[4]) or 0, math.floor(tonumber(j[5]) or 0),
-    util and string.format('%d', math.floor(util + 0.5)) or '-', j[1] or ''))
+  local gpu_ms = tonumber(j[4]) or 0
+  local part = (util and measured ~= gpu_ms) and string.format('\255%d', measured) or ''
+  redis.call('RPUSH', key, string.format('%d %s %s %d %d %s %s%s', now - day * DAY_MS,
+    STATE_LETTER[state] or state, wait, gpu_ms, math.floor(tonumber(j[5]) or 0),
+    util and string.format('%d', math.floor(util + 0.5)) or '-', j[1] or '', part))
   redis.call('EXPIREAT', key, math.floor(((day + 1 + (tonumber(days) or ACCOUNT_DAYS)) * DAY_MS) / 1000))
 end
