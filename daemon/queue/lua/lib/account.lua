@@ -8,14 +8,15 @@ local DAY_MS = 86400000
 
 -- Add what the attempt ending now used to its job's running totals, as its end is written (from
 -- close_attempt, lib/use.lua, in the script that ends the attempt, so each attempt is counted
--- once): 'gpu_ms' (GPUs held times ms run), 'cpu_ms' (CPUs held times ms run: the record's
--- 'held_cpus', or else the 'cpus' it asked for, once CPUs are a resource; none before) and
--- 'first_ran' (when the first attempt that ran started: the end of the job's wait). `util`, the attempt's mean GPU utilisation in percent where its worker
+-- once): 'gpu_ms' (GPUs held times ms run), 'cpu_ms' (the 'cpus' it asked for, or its queue
+-- gave it, times ms run; none before CPUs were a resource) and 'first_ran' (when the first
+-- attempt that ran started: the end of the job's wait). `util`, the attempt's mean GPU
+-- utilisation in percent where its worker
 -- measured it (complete.lua; nil: not measured), adds its GPU-ms to 'gpu_measured_ms' and,
 -- weighted by it, to 'gpu_used_ms'. An attempt claimed ahead of a free slot that never started
 -- used nothing.
 local function tally(jobkey, now, util)
-  local j = redis.call('HMGET', jobkey, 'held_gpus', 'ran_from', 'started_at', 'ahead', 'held_cpus', 'cpus')
+  local j = redis.call('HMGET', jobkey, 'held_gpus', 'ran_from', 'started_at', 'ahead', 'cpus')
   if not j[3] or j[4] == '1' then return end
   local from = tonumber(j[2]) or tonumber(j[3])
   local ran = math.max(0, now - from)
@@ -25,7 +26,7 @@ local function tally(jobkey, now, util)
     redis.call('HINCRBY', jobkey, 'gpu_measured_ms', gpu_ms)
     redis.call('HINCRBYFLOAT', jobkey, 'gpu_used_ms', gpu_ms * util / 100)
   end
-  local cpus = tonumber(j[5]) or tonumber(j[6]) or 0
+  local cpus = tonumber(j[5]) or 0
   if cpus > 0 then redis.call('HINCRBYFLOAT', jobkey, 'cpu_ms', cpus * ran) end
   redis.call('HSETNX', jobkey, 'first_ran', from)
 end
