@@ -8,7 +8,8 @@ local DAY_MS = 86400000
 
 -- Add what the attempt ending now used to its job's running totals, as its end is written (from
 -- close_attempt, lib/use.lua, in the script that ends the attempt, so each attempt is counted
--- once): 'gpu_ms' (GPUs held times ms run), 'cpu_ms' (the 'cpus' it asked for, or its queue
+-- once): 'gpu_ms' (GPUs held times ms run; a job on a shared GPU holds the share its claim
+-- wrote, 'milli_gpus', where it wrote one: claim/ledger.lua), 'cpu_ms' (the 'cpus' it asked for, or its queue
 -- gave it, times ms run; none before CPUs were a resource) and 'first_ran' (when the first
 -- attempt that ran started: the end of the job's wait). `util`, the attempt's mean GPU
 -- utilisation in percent where its worker
@@ -16,11 +17,12 @@ local DAY_MS = 86400000
 -- weighted by it, to 'gpu_used_ms'. An attempt claimed ahead of a free slot that never started
 -- used nothing.
 local function tally(jobkey, now, util)
-  local j = redis.call('HMGET', jobkey, 'held_gpus', 'ran_from', 'started_at', 'ahead', 'cpus')
+  local j = redis.call('HMGET', jobkey, 'held_gpus', 'ran_from', 'started_at', 'ahead', 'cpus', 'milli_gpus')
   if not j[3] or j[4] == '1' then return end
   local from = tonumber(j[2]) or tonumber(j[3])
   local ran = math.max(0, now - from)
-  local gpu_ms = (tonumber(j[1]) or 0) * ran
+  local milli = tonumber(j[6])
+  local gpu_ms = milli and math.floor(milli * ran / 1000) or (tonumber(j[1]) or 0) * ran
   redis.call('HINCRBY', jobkey, 'gpu_ms', gpu_ms)
   if util and gpu_ms > 0 then
     redis.call('HINCRBY', jobkey, 'gpu_measured_ms', gpu_ms)
