@@ -8,6 +8,13 @@ within 1 % of the exact value at a fixed size, however many jobs a year holds.
 
 Who sees what: an admin, every user's jobs (or the one user asked for); anyone else, their own,
 and asking for another user's is refused (PERMISSION_DENIED).
+
+What a request costs: every record of its span and queues is read and split, whoever asks (a
+user's own are not kept apart), 1 to 2 microseconds each (measured: 200 000 records, 0.14 s of
+CPU for a user with none of them, 0.4 s for an admin's table of all): a year of a pool ending
+10 000 jobs a day, some 3.7 million records, is 3 to 7 s of the server's CPU. So `Accountant`
+answers one request of each user at a time (ACCT_AT_ONCE), and a request yields between its pages
+(PAGE records), so the server serves everyone else meanwhile.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from protocol import Account, Accounted, ErrorCode
 BY = ("user", "queue", "day")
 DEFAULT_SPAN = 30 * DAY  # seconds back `since` defaults to
 MAX_DAYS = 366  # days one request may span: a year, whatever the records kept
+ACCT_AT_ONCE = 1  # acct requests of one user answered at once: each may read a year of records
 GAMMA = 1.01  # the ratio between neighbouring buckets of a Quantiles: its relative error is half of 1 %
 
 
@@ -196,3 +204,28 @@ async def account(
         total.merge(groups[key])
         rows.append({request.by: key, **groups[key].row()})
     return Accounted(rows, total.row(), since, until)
+
+
+class Accountant:
+    """The server's `poolctl acct`: answers `account`, at most ACCT_AT_ONCE requests of each user at
+    once (a request past them is refused at once, UNAVAILABLE: nothing queues up behind it)."""
+
+    def __init__(self) -> None:
+        self._running: Counter[str] = Counter()  # user -> their requests being answered now
+
+    async def answer(
+        self, redis: AnyRedis, queues: Iterable[str], request: Account, user: str, admins: frozenset[str]
+    ) -> Accounted:
+        if self._running[user] >= ACCT_AT_ONCE:
+            raise GpupoolError(
+                f"acct: {user} already has an acct request running, the most one user may at once "
+                "(each reads every record of its span); wait for its answer, then ask again",
+                ErrorCode.UNAVAILABLE,
+            )
+        self._running[user] += 1
+        try:
+            return await account(redis, queues, request, user, admins)
+        finally:
+            self._running[user] -= 1
+            if not self._running[user]:
+                del self._running[user]
