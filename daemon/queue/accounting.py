@@ -21,13 +21,24 @@ DAY = 86400  # seconds; a record's day is its end's, in Redis time (UTC)
 PAGE = 2000  # records read in one round trip: a busy day (10 000 jobs) is five
 
 # A record's fields, in the order lib/account.lua writes them (bytes, split at spaces; the user
-# is the rest of the record): ms into its day it ended, its state's letter, its wait (ms from
-# enqueue to first start; '-': never ran), GPU-ms, CPU-ms, mean GPU utilisation in percent ('-':
-# not recorded), user. Left as bytes: a year of a busy pool is millions of records, and the
-# reader converts only the fields it sums (daemon/server/accounting.py).
+# is the rest of the record, up to byte 255): ms into its day it ended, its state's letter, its
+# wait (ms from enqueue to first start; '-': never ran), GPU-ms, CPU-ms, mean GPU utilisation in
+# percent ('-': not recorded), user, then the GPU-ms its utilisation was measured over (after byte
+# 255; b'': all its GPU-ms, as every record of before the field reads). Left as bytes: a year of
+# a busy pool is millions of records, and the reader converts only the fields it sums
+# (daemon/server/accounting.py).
 Record = list[bytes]
 FAILED, DEAD, CANCELLED = b"f", b"d", b"c"  # the states' letters that are not success ('s')
 UNKNOWN = b"-"
+MEASURED = b"\xff"  # what comes before the measured GPU-ms: never in a user name (UTF-8)
+
+
+def fields(raw: bytes) -> Record:
+    """A record's eight fields, the last b'' where it has no measured GPU-ms of its own."""
+    record = raw.split(b" ", 6)
+    user, _, measured = record[6].partition(MEASURED)
+    record[6:] = user, measured
+    return record
 
 
 def day_of(t: float) -> int:
@@ -43,7 +54,7 @@ async def read_day(redis: AnyRedis, queue: str, day: int) -> AsyncIterator[list[
         # the pool's clients read bytes (connection.py: no decode_responses)
         page = cast(list[bytes], await redis.lrange(key, start, start + PAGE - 1))
         if page:
-            yield [raw.split(b" ", 6) for raw in page]
+            yield [fields(raw) for raw in page]
         if len(page) < PAGE:
             return
         start += PAGE

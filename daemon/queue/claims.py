@@ -34,13 +34,16 @@ log = logging.getLogger(__name__)
 
 class SharedGpu(NamedTuple):
     """A worker's GPU that can take a --gpu-mem job, as a claim weighs it: its place in the
-    worker's list of GPUs, the bytes it has left, how many more jobs it may take, and whether
-    jobs share it already (else it is free whole)."""
+    worker's list of GPUs, the bytes it has left, how many more jobs it may take, whether jobs
+    share it already (else it is free whole), and its bytes in all, by which a job on it is
+    charged its share of a GPU (accounting; 0: not said, as by a worker of before, and the job is
+    charged a whole GPU)."""
 
     place: int
     avail: int
     jobs: int
     shared: bool
+    memory: int = 0
 
 
 @dataclass(frozen=True)
@@ -366,7 +369,10 @@ class Claims:
         if status == b"preempting":  # the worker's jobs asked to make room: it hears at its next beat,
             with contextlib.suppress(RedisError):  # or now (best effort: the leases are what count)
                 await self.redis.publish(keys.worker_channel(worker), q)
-        table = tuple(SharedGpu(int(p), int(left), int(n), bool(int(sh))) for p, left, n, sh in shared)
+        table = tuple(
+            SharedGpu(int(p), int(left), int(n), bool(int(sh)), int(memory))
+            for p, left, n, sh, memory in shared
+        )
         return ClaimReply(
             status,
             (_s(stream_cursor), _s(wake_cursor)),

@@ -150,6 +150,7 @@ class Handlers:
         self.warnings = LogLimit()  # what users' requests cause, per user (the sessions' too)
         self.agents = agents
         self.relay_budget = RelayBudget()  # each user's share of what channels relay (poolctl exec)
+        self.accountant = accounting.Accountant()  # `poolctl acct`: one request of each user at a time
 
     @property
     def admins(self) -> frozenset[str]:
@@ -168,7 +169,7 @@ class Handlers:
                 return await self._channel(request, user, client)
             if isinstance(request, Account):
                 queues = await self.queue.queues()
-                return await accounting.account(self.queue.redis, queues, request, user, self.admins)
+                return await self.accountant.answer(self.queue.redis, queues, request, user, self.admins)
             return await self._dispatch(request, user, send)
         except InvalidKey as exc:  # the caller's key, refused before the store was asked
             raise GpupoolError(exc.message, ErrorCode.INVALID_ARGUMENT) from None

@@ -398,8 +398,9 @@ class Worker(Stopping):
             room = dataclasses.replace(
                 room,
                 shared=[
-                    SharedGpu(uuids.index(r.uuid), r.avail, r.jobs, r.uuid not in whole)
+                    SharedGpu(place, r.avail, r.jobs, r.uuid not in whole, self.allocator.gpus[place].memory)
                     for r in self.allocator.shared_table(free)
+                    for place in (uuids.index(r.uuid),)
                 ],
                 largest_gpu=max(g.memory for g in self.allocator.gpus),
             )

@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 
+from daemon.client.pool_client import ClientError
 from daemon.job import JobState, Outcome
 from daemon.queue import keys
 from daemon.queue.claims import Capacity
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.scripts import source
-from protocol import Enqueue, Enqueued
+from protocol import Account, Accounted, Enqueue, Enqueued, ErrorCode
 from tests.support.pool import Pool, running_pool
 from tests.support.poolctl import poolctl
 
@@ -196,3 +197,59 @@ async def test_acct_by_day_groups_across_a_day_boundary(pool: Pool) -> None:
     code, _, err = await poolctl(pool.env("alice"), "acct", "--since", "400d")  # the server's bound
     assert code == 2
     assert "one request covers at most 366: ask for each year apart" in err
+
+
+async def test_acct_efficiency_weighs_only_the_measured_gpu_time_and_reads_records_of_before(
+    pool: Pool,
+) -> None:
+    """issue 50, accounting (review 50b finding 6): alice's first job runs an attempt nobody
+    measured (handed back), then one at 90 %; her second runs once at 10 %. Her efficiency is
+    the measured GPU-ms weighted by their utilisation over the measured GPU-ms: the unmeasured
+    attempt weighs nothing (a record of one utilisation per job, weighted by all its GPU-ms,
+    gave its 90 % the handed-back attempt's time too). A record written before the record
+    carried its measured GPU-ms (its user holding spaces and ending in a number) reads as
+    before: all its GPU-ms measured at its utilisation."""
+    first, second = await enqueue(pool, "alice", 1), await enqueue(pool, "alice", 1)
+    await run(pool, first, JobState.SUCCEEDED, handed_back_first=True, util=0.9)
+    await run(pool, second, JobState.SUCCEEDED, util=0.1)
+    measured = []  # the GPU-ms of each job's last attempt: the one its worker measured
+    for job_id in (first, second):
+        last = json.loads((await pool.queue.redis.lrange(keys.attempts(job_id), -1, -1))[0])
+        measured.append(last["ended_at"] - last["started_at"])
+    today = int(time.time() // 86400)
+    into_day = int(time.time() * 1000) - today * 86_400_000
+    old = f"{into_day} s 500 3600000 0 55 old user 7"  # lib/account.lua's layout before the field
+    await pool.queue.redis.rpush(keys.accounting("default", today), old)
+    rows = {r["user"]: r for r in (await acct(pool, "root", "--since", "1h"))["rows"]}
+    truth = (0.9 * measured[0] + 0.1 * measured[1]) / sum(measured)
+    assert rows["alice"]["efficiency"] == pytest.approx(truth, abs=0.006)  # utilisation kept in whole %
+    assert (rows["old user 7"]["efficiency"], rows["old user 7"]["gpu_hours"]) == (0.55, 1.0)
+
+
+async def test_acct_answers_one_request_of_a_user_at_a_time(pool: Pool) -> None:
+    """issue 50, accounting (review 50b finding 10): a request reads every record of its span,
+    whoever asks, so the server answers one acct of each user at a time: alice's second, sent
+    while her first reads 40 000 records, is refused with a sentence (UNAVAILABLE), bob's at the
+    same time is answered, and alice may ask again once her first is answered."""
+    today = int(time.time() // 86400)
+    fill = pool.queue.redis.pipeline(transaction=False)
+    for day in range(10):
+        fill.rpush(keys.accounting("default", today - day), *[b"3600000 s 1000 3600000 0 55 alice"] * 4000)
+    await fill.execute()
+    request = Account(None, "default", time.time() - 11 * 86400, None, "user")
+    async with pool.client("alice") as alice, pool.client("bob") as bob:
+        first, second, bobs = await asyncio.gather(
+            alice.call(request, Accounted),
+            alice.call(request, Accounted),
+            bob.call(request, Accounted),
+            return_exceptions=True,
+        )
+        answered, refused = (first, second) if isinstance(first, Accounted) else (second, first)
+        assert isinstance(answered, Accounted)
+        assert answered.total["jobs"] == 40_000
+        assert isinstance(refused, ClientError)
+        assert refused.code == ErrorCode.UNAVAILABLE
+        assert "alice already has an acct request running" in refused.message
+        assert isinstance(bobs, Accounted)
+        assert bobs.total["jobs"] == 0
+        assert (await alice.call(request, Accounted)).total["jobs"] == 40_000

@@ -4,11 +4,13 @@ memory (30 GiB jobs), or of room under the cap of jobs per GPU (20 GiB jobs, gpu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from daemon.job import JobSpec, JobState
+from daemon.queue import accounting, keys
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.gpus import GpuInfo
 from tests.support.workers import running_worker, sh, wait_file, wait_state
@@ -36,3 +38,24 @@ async def test_two_jobs_share_an_80g_gpu_and_a_third_waits(
         for job_id in ids:
             await wait_state(queue, job_id, JobState.SUCCEEDED)
     assert log.read_text().splitlines()[2] == f"job2 {gpu.uuid} {gib * GIB}"
+
+
+async def test_gpu_mem_jobs_sharing_a_gpu_are_each_charged_their_share_of_it(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """issue 50, accounting (review 50b finding 5): two --gpu-mem jobs of 20 GiB share one made-up
+    80 GiB GPU for the same time; each one's accounting record charges a quarter of a GPU for
+    its run (its memory over the GPU's), not a whole GPU each: together they held one GPU at
+    most, and `poolctl acct` counts half of one here."""
+    gpu = GpuInfo(0, "GPU-00000000-big-fake", "Fake 80 GiB GPU", 80 * GIB)
+    async with running_worker(queue, tmp_path / "w", gpus=[gpu], slots=2):
+        ids = [(await queue.enqueue(sh("sleep 0.2", gpu_mem=20 * GIB)))[0] for _ in range(2)]
+        for job_id in ids:
+            await wait_state(queue, job_id, JobState.SUCCEEDED)
+        ran = {}  # job id -> ms its one attempt ran, read before its record goes
+        for job_id in ids:
+            (attempt,) = [json.loads(a) for a in await queue.redis.lrange(keys.attempts(job_id), 0, -1)]
+            ran[job_id] = attempt["ended_at"] - attempt["started_at"]
+    day = int((await queue.redis.time())[0] // 86400)
+    charged = [int(r[3]) async for page in accounting.read_day(queue.redis, "default", day) for r in page]
+    assert sorted(charged) == pytest.approx(sorted(ms / 4 for ms in ran.values()), abs=1)

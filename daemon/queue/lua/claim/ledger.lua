@@ -59,10 +59,18 @@ function ledger.stop(status, cursor)
 end
 
 -- Start job `j` (job.lua) needing `gpus` here: running, attempt+1, under a new lease. Its GPUs
--- (or its place on a shared GPU, packing.lua) are counted out for the jobs after it.
+-- (or its place on a shared GPU, packing.lua) are counted out for the jobs after it; on a shared
+-- GPU, its share ('milli_gpus': thousandths of a GPU) is what its accounting charges
+-- (lib/account.lua), none said: a whole GPU.
 function ledger.start(j, gpus)
   local place = -1
-  if j.mem > 0 then place = packing.pack(j.mem) else ledger.gpus_free = ledger.gpus_free - gpus end
+  if j.mem > 0 then
+    local milli
+    place, milli = packing.pack(j.mem)
+    if milli then redis.call('HSET', j.key, 'milli_gpus', milli) else redis.call('HDEL', j.key, 'milli_gpus') end
+  else
+    ledger.gpus_free = ledger.gpus_free - gpus
+  end
   host.take(j.cpus, j.mem_bytes)
   ledger.ids[#ledger.ids + 1] = j.id
   local lease = ledger.lease_of(#ledger.ids)
