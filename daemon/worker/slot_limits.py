@@ -17,7 +17,9 @@ written:
 
 and the counters read after it: memory.oom_control's `oom_kill` (the kernel's OOM killer ended a
 process of it: the job fails saying so, never the worker, which is in none of them),
-memory.max_usage_in_bytes and cpuacct.usage.
+memory.max_usage_in_bytes and cpuacct.usage. A kernel without swap accounting (swapaccount=0)
+has no memsw files: the memory limit alone is written there, and the worker's log says at start
+that a job may then swap past its --mem.
 """
 
 from __future__ import annotations
@@ -72,10 +74,11 @@ class Usage:
 
 class SlotLimits:
     """One slot's directories, open: `apply` a job's limits, its `joins` for its first process,
-    `usage` once it has ended."""
+    `usage` once it has ended. `swap`: the kernel accounts swap (memsw files)."""
 
-    def __init__(self, dirs: dict[str, Path]) -> None:
+    def __init__(self, dirs: dict[str, Path], swap: bool = True) -> None:
         self.dirs = dirs
+        self.swap = swap
         self._fds: list[int] = []
         self._oom_before = 0
 
@@ -92,16 +95,14 @@ class SlotLimits:
         memory, cpu = self.dirs["memory"], self.dirs["cpu"]
         self._fresh_memory()
         # The last job's limits lifted first (memsw, then memory: memsw may never be below the
-        # memory limit), then this one's set (memory, then memsw). A kernel without swap
-        # accounting (swapaccount=0) has no memsw: the memory limit alone, there.
+        # memory limit), then this one's set (memory, then memsw).
         memsw = memory / "memory.memsw.limit_in_bytes"
-        swap = memsw.exists()
-        if swap:
+        if self.swap:
             _write(memsw, UNLIMITED)
         _write(memory / "memory.limit_in_bytes", UNLIMITED)
         if mem:
             _write(memory / "memory.limit_in_bytes", b"%d" % mem)
-            if swap:
+            if self.swap:
                 _write(memsw, b"%d" % mem)
         _write(memory / "memory.max_usage_in_bytes", b"0")
         _write(cpu / "cpu.cfs_period_us", b"%d" % PERIOD_US)
@@ -153,11 +154,14 @@ class WorkerLimits:
         self.slots = slots
 
     @classmethod
-    def make(cls, worker_id: str, slots: int, dead: Iterable[str] = ()) -> WorkerLimits | None:
-        """Make them (blocking: a thread), and remove what the `dead` workers left; None where the
-        kernel does not let this process (not root, no cgroup v1 memory, cpu and cpuacct
-        hierarchies): its jobs' --cpus and --mem are then fitted, not enforced."""
-        dirs = v1_dirs() if os.geteuid() == 0 else None
+    def make(
+        cls, worker_id: str, slots: int, dead: Iterable[str] = (), within: dict[str, Path] | None = None
+    ) -> WorkerLimits | None:
+        """Make them (blocking: a thread) in `within`'s directories, one per hierarchy (default:
+        this process's own), and remove what the `dead` workers left; None where the kernel does
+        not let this process (not root, no cgroup v1 memory, cpu and cpuacct hierarchies): its
+        jobs' --cpus and --mem are then fitted, not enforced."""
+        dirs = within or (v1_dirs() if os.geteuid() == 0 else None)
         if dirs is None:
             log.info("jobs' --cpus and --mem are not enforced here: no cgroup v1 memory, cpu and cpuacct")
             return None
@@ -172,8 +176,14 @@ class WorkerLimits:
             log.info("jobs' --cpus and --mem are not enforced here (%s)", exc)
             _remove(tops)
             return None
+        swap = (dirs["memory"] / "memory.memsw.limit_in_bytes").exists()
+        if not swap:
+            log.warning(
+                "jobs' --mem limits their memory here, not their swap: this kernel does not account "
+                "swap to cgroups (boot it with swapaccount=1 to hold a job to its --mem, swap included)"
+            )
         made = [
-            SlotLimits({h: d / f"{PREFIX}{worker_id}" / f"slot-{n}" for h, d in dirs.items()})
+            SlotLimits({h: d / f"{PREFIX}{worker_id}" / f"slot-{n}" for h, d in dirs.items()}, swap)
             for n in range(slots)
         ]
         return cls(tops, made)

@@ -6,6 +6,7 @@ fits jobs' CPUs and memory without enforcing them, as the module says)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -111,20 +112,33 @@ def test_what_a_job_left_charged_to_its_slot_reaches_no_later_job(tmp_path: Path
         limits.close()
 
 
-def test_a_kernel_without_swap_accounting_still_limits_memory(tmp_path: Path) -> None:
-    """issue 50, a review's finding: the memory+swap limit was written unconditionally, and a
+@needs_v1
+def test_a_kernel_without_swap_accounting_limits_memory_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """issue 50, a review's finding 8: the memory+swap limit was written unconditionally, and a
     kernel without swap accounting (swapaccount=0) has no memory.memsw.* files: every job failed
-    to start (FileNotFoundError). Its memory limit is written alone there. (Plain files stand in
-    for the cgroup's: the kernel here has swap accounting.)"""
-    dirs = {h: tmp_path / h for h in ("memory", "cpu", "cpuacct")}
-    for d in dirs.values():
+    to start (FileNotFoundError). A worker that finds none says at start that its jobs may swap
+    past their --mem, and its slots write the memory limit alone. (Plain directories stand in for
+    such a hierarchy where the worker looks; a real slot told so sets its limit: the kernel here
+    accounts swap.)"""
+    plain = {h: tmp_path / h for h in ("memory", "cpu", "cpuacct")}
+    for d in plain.values():
         d.mkdir()
-    for name in ("memory.limit_in_bytes", "memory.max_usage_in_bytes"):
-        (dirs["memory"] / name).write_text("0")
-    (dirs["memory"] / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
-    for name in ("cpu.cfs_period_us", "cpu.cfs_quota_us"):
-        (dirs["cpu"] / name).write_text("0")
-    (dirs["cpuacct"] / "cpuacct.usage").write_text("0")
-    SlotLimits(dirs).apply(1, 64 << 20)
-    assert (dirs["memory"] / "memory.limit_in_bytes").read_text() == str(64 << 20)
-    assert not (dirs["memory"] / "memory.memsw.limit_in_bytes").exists()
+    with caplog.at_level(logging.WARNING, logger="daemon.worker.slot_limits"):
+        without = WorkerLimits.make("test", 1, within=plain)
+    assert without is not None
+    assert not without.slot(0).swap
+    assert "--mem limits their memory here, not their swap" in caplog.text
+    without.close()
+    real = WorkerLimits.make(f"test-{os.getpid()}", 1)
+    assert real is not None
+    try:
+        assert real.slot(0).swap
+        slot = SlotLimits(real.slot(0).dirs, swap=False)
+        slot.apply(1, 64 * MIB)
+        assert int((slot.dirs["memory"] / "memory.limit_in_bytes").read_text()) == 64 * MIB
+        assert int((slot.dirs["memory"] / "memory.memsw.limit_in_bytes").read_text()) > 2**60  # none
+        slot.close()
+    finally:
+        real.close()
