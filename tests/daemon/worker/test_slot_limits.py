@@ -6,10 +6,12 @@ fits jobs' CPUs and memory without enforcing them, as the module says)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,3 +144,49 @@ def test_a_kernel_without_swap_accounting_limits_memory_and_says_so(
         slot.close()
     finally:
         real.close()
+
+
+@needs_v1
+async def test_a_process_of_the_last_job_left_in_its_slot_reaches_not_the_next_job(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """issue 50, a review's findings 4 and 7: a process of the slot's last job still in its memory
+    cgroup (being swept), holding 64 MiB on tmpfs and 256 MiB of page cache, kept that cgroup
+    from being made anew: the next job's smaller --mem could not be set (EBUSY: it failed,
+    "cannot start"), and setting it reclaimed the page cache on the worker's event loop first
+    (a tenth of a second and more, every job of the worker waiting). The next job gets a memory
+    cgroup of its own beside it: it runs within its --mem, counting none of that, and the loop
+    goes on meanwhile (a ticker's longest gap)."""
+    shm, cache = Path(f"/dev/shm/gpupool-test-{os.getpid()}"), tmp_path / "cache"
+    async with running_worker(queue, tmp_path / "w", slots=1) as worker:
+        assert worker._slots.limits is not None
+        memory = worker._slots.limits.slot(0).dirs["memory"]
+        stays = f"open({str(memory / 'cgroup.procs')!r}, 'w').write('0')\n"
+        stays += f"open({str(shm)!r}, 'wb').write(b'x' * (64 << 20))\n"
+        stays += f"f = open({str(cache)!r}, 'wb')\nfor _ in range(64): f.write(b'x' * (4 << 20))\n"
+        stays += "f.close()\nprint('charged', flush=True)\nimport time; time.sleep(60)\n"
+        lingers = subprocess.Popen([sys.executable, "-c", stays], stdout=subprocess.PIPE)
+        try:
+            assert lingers.stdout is not None
+            assert await asyncio.wait_for(asyncio.to_thread(lingers.stdout.readline), 30) == b"charged\n"
+            gaps = [0.0]
+
+            async def tick() -> None:
+                while True:
+                    before = time.monotonic()
+                    await asyncio.sleep(0.005)
+                    gaps.append(time.monotonic() - before)
+
+            ticker = asyncio.create_task(tick())
+            try:
+                job_id, _ = await queue.enqueue(sh("true", mem=32 * MIB))
+                info = await wait_state(queue, job_id, JobState.SUCCEEDED, JobState.FAILED)
+            finally:
+                ticker.cancel()
+            assert max(gaps) < 0.1, max(gaps)  # (the reclaim on the loop: twice that here)
+            assert info.state is JobState.SUCCEEDED, info.detail
+            assert (info.result or {})["peak_mem"] < 32 * MIB
+        finally:
+            lingers.kill()
+            lingers.communicate()
+            shm.unlink(missing_ok=True)
