@@ -23,6 +23,10 @@ process of it: the job fails saying so, never the worker, which is in none of th
 memory.max_usage_in_bytes and cpuacct.usage. A kernel without swap accounting (swapaccount=0)
 has no memsw files: the memory limit alone is written there, and the worker's log says at start
 that a job may then swap past its --mem.
+
+A limit that cannot be written (the worker's own cgroup given a lower CPU quota, a slot's
+directory removed under it) is the worker's fault, not the job's: runner.py hands the attempt
+back, saying why in the worker's log and the job's.
 """
 
 from __future__ import annotations

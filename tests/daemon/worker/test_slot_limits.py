@@ -190,3 +190,31 @@ async def test_a_process_of_the_last_job_left_in_its_slot_reaches_not_the_next_j
             lingers.kill()
             lingers.communicate()
             shm.unlink(missing_ok=True)
+
+
+@needs_v1
+async def test_limits_a_worker_cannot_set_hand_the_job_back_not_fail_it(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """issue 50, a review's finding 4: a limit the worker could not set failed the job ("cannot
+    start 'sh' ...: Invalid argument"), though the fault was the worker's. Here the worker's own
+    cgroup is held to one CPU, below which the kernel refuses a slot's quota of two: the attempt
+    is handed back, saying why in the job's log, as a loss (a worker that can never set them
+    does not take the job round for ever: at max_attempts it is dead, saying so); the worker
+    goes on, and runs a job whose limits it can set."""
+    async with running_worker(queue, tmp_path / "w", slots=1) as worker:
+        assert worker._slots.limits is not None
+        own = worker._slots.limits.slot(0).dirs["cpu"].parent / "cpu.cfs_quota_us"
+        own.write_text("100000")  # one CPU's time
+        try:
+            job_id, _ = await queue.enqueue(sh("true", cpus=2, max_attempts=2))
+            info = await wait_state(queue, job_id, JobState.SUCCEEDED, JobState.FAILED, JobState.DEAD)
+            assert info.state is JobState.DEAD, info.detail
+            assert "workers that could not set its CPU and memory limits: 2 attempts lost" in info.detail
+            said = b"".join(data for _, data in await queue.read_log(job_id)).decode()
+            assert "this worker could not set the job's CPU and memory limits (Invalid argument)" in said
+            after, _ = await queue.enqueue(sh("true", cpus=1))
+            done = await wait_state(queue, after, JobState.SUCCEEDED, JobState.FAILED)
+            assert done.state is JobState.SUCCEEDED, done.detail
+        finally:
+            own.write_text("-1")
