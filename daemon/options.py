@@ -16,6 +16,7 @@ from typing import Any
 
 from daemon.address import SERVER_PORT, check_host_names, parse_host_port, parse_host_ports
 from daemon.errors import ConfigError
+from daemon.job import MEM_MIN
 from daemon.webhook import check_url
 from daemon.webhook_targets import Allowed
 
@@ -74,9 +75,19 @@ def queue_cpus(items: list[str]) -> dict[str, int]:
     return queue_amounts(items, _count)
 
 
+def _mem(text: str) -> int:
+    """Bytes of a job's memory: a MiB at least (4096 is 4096 bytes, a job killed at once)."""
+    size = _count(text)
+    if size < MEM_MIN:
+        raise ValueError(
+            f"{text!r} is {size} bytes, less than a MiB: bytes, e.g. {size * MEM_MIN} for {size} MiB"
+        )
+    return size
+
+
 def queue_mem(items: list[str]) -> dict[str, int]:
     """`queue_default_mem`: {queue: bytes}, in bytes as the other sizes of the config are."""
-    return queue_amounts(items, _count)
+    return queue_amounts(items, _mem)
 
 
 @dataclass(frozen=True, slots=True)

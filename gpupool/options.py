@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from daemon.ctl.enqueue_args import (
     PRIORITY_MAX,
     STOP_GRACE_MAX,
     gpu_mem_size,
+    job_mem_size,
 )
 from daemon.errors import GpupoolError
 from gpupool.errors import BadArgument
@@ -89,10 +90,12 @@ class Options:
         return dataclasses.replace(self, **changes)
 
     def gpu_mem_bytes(self) -> int:
-        return _size("gpu_mem", self.gpu_mem)
+        return _size("gpu_mem", self.gpu_mem, gpu_mem_size)
 
     def mem_bytes(self) -> int:
-        return _size("mem", self.mem)
+        """`mem`, in bytes: a MiB at least, as poolctl's --mem (mem=4096 is 4096 bytes, a job
+        killed by its own limit at once: refused, saying to give a unit)."""
+        return _size("mem", self.mem, job_mem_size)
 
     def spec(self, argv: list[str], default_name: str) -> dict[str, Any]:
         """The job spec for `argv` with these options (the project and inputs are added later)."""
@@ -147,14 +150,15 @@ def split(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: kwargs.pop(k) for k in names() if k in kwargs}
 
 
-def _size(name: str, value: int | str | None) -> int:
-    """Bytes of a size option (`gpu_mem`, `mem`): bytes, or a size as poolctl takes it; 0: none."""
+def _size(name: str, value: int | str | None, size: Callable[[str], int]) -> int:
+    """Bytes of a size option (`gpu_mem`, `mem`): bytes, or a size as poolctl takes it (read by
+    `size`, poolctl's reader of that option); 0: none."""
     if value is None or value == 0:
         return 0
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise BadArgument(f"{name}={value!r}: bytes, or a size such as '20G'")
     try:
-        return gpu_mem_size(str(value))
+        return size(str(value))
     except argparse.ArgumentTypeError as exc:
         raise BadArgument(f"{name}: {exc}") from None
 

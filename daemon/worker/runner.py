@@ -79,7 +79,8 @@ class RunResult:
     outcome: Outcome | None  # what to complete the attempt with; None for HANDED_BACK and LOST
     dirty_gpus: Mapping[str, str] = field(default_factory=dict)  # GPU uuid -> why
     killed_by: int | None = None  # the signal that ended the job's first process, if one did
-    # Handed back by the pool's GPU policies (idle GPUs, a GPU fault): a loss towards max_attempts.
+    # Handed back by the pool's policies (idle GPUs, a GPU fault, a slot's limits this worker
+    # could not set): a loss towards max_attempts.
     by_policy: bool = False
 
 
@@ -392,13 +393,17 @@ class JobRun:
         directories free and surely as new (scratch.py `take`). It saves a turn of the loop
         between one job's end and the next one's start, most of a short job's wait. `run` then
         supervises it (or, if the spawn failed, records why); else `run` prepares and spawns."""
-        if (
-            not self.eager
-            or self.ending is not None
-            or self._fetches()
-            or self._may_have_lock()
-            or not self.slot.take(self._scratch_dirs())
-        ):
+        if not self.eager or self.ending is not None or self._fetches() or self._may_have_lock():
+            return
+        if self.limits is not None:
+            # In this turn too (the fast path's): a cgroup made for the job, empty, which setting
+            # a limit reclaims nothing from. One that cannot be set is left to `run`, which tries
+            # again off the loop and hands the attempt back if it fails there too.
+            try:
+                self.limits.apply(self.lease.spec.cpus, self.lease.spec.mem)
+            except OSError:
+                return
+        if not self.slot.take(self._scratch_dirs()):
             return
         self._started = time.time()
         try:
@@ -411,8 +416,6 @@ class JobRun:
         minors = [g.minor for g in self.gpus]
         owner = self.identity.uid if self.identity is not None else None
         terminal = Terminal(self.idle_limit, self._idle, owner) if self.lease.spec.tty else None
-        if self.limits is not None:
-            self.limits.apply(self.lease.spec.cpus, self.lease.spec.mem)
         try:
             self._proc = self.spawner.spawn(
                 self.lease.spec.argv,
@@ -450,6 +453,8 @@ class JobRun:
                 await self._prepare()
                 if self.ending is Ending.LOST:  # lost while its data came: it must not start at all
                     return RunResult(Ending.LOST, None)
+                if not await self._set_limits():
+                    return RunResult(Ending.HANDED_BACK, None, by_policy=True)
                 self._spawn()
             except (OSError, GpupoolError) as exc:
                 return await self._not_started(exc, self.cwd, self._started)
@@ -465,6 +470,26 @@ class JobRun:
         if self._proc.start_error is not None:  # it ended without running its program
             return await self._not_started(self._proc.start_error, self.cwd, started)
         return result
+
+    async def _set_limits(self) -> bool:
+        """The slot's CPU and memory limits set for the job (slot_limits.py), in a thread: a
+        cgroup made and one removed, which the loop does not wait for. One that cannot be set is
+        the worker's fault, not the job's: logged, and False, for the attempt to be handed back,
+        as a loss towards max_attempts (a worker that can never set them would otherwise take
+        the job from the front of its queue again and again)."""
+        if self.limits is None:
+            return True
+        spec = self.lease.spec
+        try:
+            await asyncio.to_thread(self.limits.apply, spec.cpus, spec.mem)
+        except OSError as exc:
+            why = f"this worker could not set the job's CPU and memory limits ({exc.strerror or exc})"
+            log.error("job %s attempt %d: %s; handing it back", self.lease.job_id, self.lease.attempt, why)
+            self._stop(Ending.HANDED_BACK, why)
+            self.output.note(f"{why}: the job goes back to its queue")
+            await self.output.flush()
+            return False
+        return True
 
     def _placed(self) -> bool:
         """Whether code or data is placed in the job's directory before the spawn."""

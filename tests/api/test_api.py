@@ -264,6 +264,11 @@ def test_bob_cannot_reattach_alices_job(api_pool: ApiPool, monkeypatch: pytest.M
         (lambda pool: pool.submit(add, 1, 2, gpu_mem="lots"), r"gpu_mem: 'lots' is not a size"),
         (lambda pool: pool.submit(add, 1, 2, cpus=-1), r"cpus=-1: a whole number from 0 to 4096"),  # issue 50
         (lambda pool: pool.submit(add, 1, 2, mem="lots"), r"mem: 'lots' is not a size"),
+        # issue 50, a review's finding 12: 4096 bytes, a job killed by its own limit at once
+        (
+            lambda pool: pool.submit(add, 1, 2, mem=4096),
+            r"mem: '4096' is 4096 bytes, less than a MiB: give a unit",
+        ),
         (
             lambda pool: pool.submit(add, 1, 2, queue="nowhere"),
             r"^no worker of this pool serves queue 'nowhere' .*Enqueue it with wait_for_worker=True to keep",

@@ -317,3 +317,16 @@ def test_a_queue_cannot_both_requeue_and_cancel_idle_gpu_jobs() -> None:
     both = {"GPUPOOL_IDLE_GPU_REQUEUE_QUEUES": "a,b", "GPUPOOL_IDLE_GPU_CANCEL_QUEUES": "b"}
     with pytest.raises(ConfigError, match=r"idle_gpu_cancel_queues: .*b also in idle_gpu_requeue_queues"):
         config.load(env=both)
+
+
+def test_a_queues_default_memory_is_a_mib_at_least() -> None:
+    """issue 50, a review's finding 12: `queue_default_mem = ["gpu=4096"]` (a MiB meant) gave every
+    job of that queue asking for no --mem a limit of 4096 bytes: each killed at once. The config
+    refuses a default under a MiB, saying what the bytes would be."""
+    assert config.load(flags(), env={"GPUPOOL_QUEUE_DEFAULT_MEM": "gpu=1048576"}).queue_default_mem == [
+        "gpu=1048576"
+    ]
+    with pytest.raises(
+        ConfigError, match=r"'gpu=4096': '4096' is 4096 bytes, less than a MiB: bytes, e\.g\. 4294967296"
+    ):
+        config.load(flags(), env={"GPUPOOL_QUEUE_DEFAULT_MEM": "gpu=4096"})

@@ -5,14 +5,16 @@
 -- handed-back job goes to the front of its queue (before every job not yet started) and
 -- is claimed next with attempt+1; the hand-back is counted in `handbacks`, never as a loss
 -- towards max_attempts, unless the pool's GPU policies made it (ARGV 9: a job left idle, or on a
--- GPU with a fault): that one is a loss, and once `losses` reaches max_attempts the job is dead
--- (a job that idles, or faults its GPU, wherever it runs never goes round for ever). A job the
+-- GPU with a fault; or a worker that could not set its slot's CPU and memory limits): that one is
+-- a loss, and once `losses` reaches max_attempts the job is dead (a job that idles, or faults its
+-- GPU, or meets workers that cannot hold it to its limits, never goes round for ever). A job the
 -- user cancelled meanwhile becomes cancelled. The same call again answers as the first did. At
 -- maxmemory it still runs (its first write is a deletion).
 -- KEYS: 1 stream, 2 the front, 3 leases, 4 events
 -- ARGV: 1 queue key prefix, 2 group, 3 consumer, 4 job id, 5 attempt, 6 lease id, 7 retention (s),
 --       8 days the job's accounting record is kept (lib/account.lua; absent: its default),
---       9 '1' when the pool's GPU policies hand it back (absent or '': a drain, a requeue)
+--       9 '1' when the pool's GPU policies hand it back, or a worker that could not set its limits
+--         (absent or '': a drain, a requeue)
 -- Returns {'queued'} | {'cancelled'} | {'dead'} | {'stale', state, attempt}.
 --! include lib/record.lua
 --! include lib/use.lua
@@ -38,7 +40,8 @@ if j[5] == '1' then
   answer = 'cancelled'
 elseif losses > 0 and losses >= tonumber(j[8]) then
   redis.call('HSET', jobkey, 'detail',
-    'handed back by the pool\'s GPU policies (idle GPUs, a GPU fault): ' .. losses .. ' attempts lost (max_attempts)')
+    'handed back by the pool\'s GPU policies (idle GPUs, a GPU fault) or by workers that could not set '
+    .. 'its CPU and memory limits: ' .. losses .. ' attempts lost (max_attempts)')
   finish(prefix, stream, group, events, id, 'dead', now, tonumber(ARGV[7]), nil, nil, ARGV[8])
   answer = 'dead'
 else
