@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from daemon.ctl.commands import parser as poolctl_parser
-from daemon.ctl.enqueue_args import gpu_mem_size
+from daemon.ctl.enqueue_args import gpu_mem_size, job_mem_size
 from daemon.ctl.parsing import Number, Parser
 
 
@@ -30,8 +30,9 @@ def test_every_numeric_option_of_every_command_states_its_range() -> None:
         or (isinstance(action.default, int | float) and not isinstance(action.default, bool))
     }
     assert {"ls --limit", "wait --timeout", "top -d", "enqueue --gpus", "pilot --count"} <= set(numeric)
-    ranged = [o for o, kind in numeric.items() if isinstance(kind, Number) or kind is gpu_mem_size]
-    assert ranged == list(numeric)  # gpu_mem_size: a size with its unit, from 1 byte to 1024T
+    sizes = (gpu_mem_size, job_mem_size)  # a size with its unit, from 1 byte (a job's memory: 1 MiB) to 1024T
+    ranged = [o for o, kind in numeric.items() if isinstance(kind, Number) or kind in sizes]
+    assert ranged == list(numeric)
     with pytest.raises(TypeError, match="give a number's option a Number type, with its range"):
         Parser().add_argument("--count", type=int)
 
