@@ -214,9 +214,7 @@ async def test_the_next_job_of_a_uid_finds_no_key_of_the_last(changes: str) -> N
     may a job, changing its uid's keyrings, keep the next job of its uid from starting, nor
     invalidate them to be given new ones it could fill and lock as the worker did (a reviewer's
     way round the first lock, which kept the right to search them)."""
-    # A fresh one each run (the kernel keeps a uid's keyrings as earlier runs left them), above the
-    # slot uids workers lease (identity.DEFAULT_UIDS from 62000), whose jobs' ends sweep them.
-    uid = random.randrange(63000, 65000)
+    uid = fresh_uid()
     slot = SlotIdentity(uid, uid)
     async with spawner_of() as spawner:
         await job(spawner, slot, LEAVE_KEYS + changes)
@@ -245,7 +243,7 @@ async def test_a_keyring_a_job_names_as_its_uids_own_keeps_no_later_job_from_sta
     uid's persistent keyring (emptied only after that look) stopped every later job of its uid
     from starting until the machine restarted. Nor may the same user's job on another slot keep
     such a keyring alive for it, out of reach of the next start's emptying."""
-    uid = random.randrange(63000, 65000)  # above the leases in use (identity.DEFAULT_UIDS)
+    uid = fresh_uid()
     slot, helper = SlotIdentity(uid, uid), SlotIdentity(uid + 1000, uid + 1000)
     async with spawner_of() as spawner:
         fakes = [int(serial) for serial in (await job(spawner, slot, PLANT_FAKES)).split()]
@@ -263,6 +261,14 @@ planted = add(USER, b"left")
 assert planted > 0 and keyctl(5, USER, 0x1b1b0000) == 0  # locked as the worker once did, a key in it
 """
 )
+
+
+def fresh_uid() -> int:
+    """A uid no run is likely to have used (the kernel keeps a uid's keyrings as earlier runs left
+    them), and, with the helper uid 1000 above it, no other test's: above the slot uids workers
+    lease (identity.DEFAULT_UIDS, 62000-65533, whose jobs' ends sweep them), and apart from
+    a_uid_left_so's 63000-65000, which leaves its keyrings as its program left them."""
+    return random.randrange(66000, 67000)
 
 
 def a_uid_left_so(program: str) -> int:
@@ -535,7 +541,7 @@ async def test_an_exec_in_a_running_job_leaves_its_keyrings_as_the_job_has_them(
     """Issue 49, review finding 7: a command run inside a running job (`poolctl exec`,
     spawn_in_job) emptied the job's persistent keyring, as a job's own start does; it now leaves
     the job's keyrings alone: the key the job put there is still there for it."""
-    uid = random.randrange(63000, 65000)  # above the leases in use (identity.DEFAULT_UIDS)
+    uid = fresh_uid()
     slot = SlotIdentity(uid, uid)
     async with spawner_of() as spawner:
         running = spawner.spawn(["python3", "-c", KEEP_A_KEY], cwd=Path("/"), env=ENV, identity=slot, gpus=())
