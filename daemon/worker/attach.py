@@ -10,7 +10,9 @@ terminal's output as it comes; its input goes into the terminal as it is, and it
 It detaches, leaving the shell as it is, when the server asks (`k`: the client detached, or went
 away), when its server has gone, or when another client attaches (it is told so). When the job's
 first process ends, the rest of the output is relayed, then the job's exit code ends the channel,
-with `exited` as its reason when the shell ended by itself, else what stopped the job.
+with `exited` as its reason when the shell ended by itself, else what stopped the job; when its
+program never started (an attach served between its spawn and its reap), no code, and the reason
+says it is not running.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 from daemon.queue import channels
 from daemon.queue.connection import AnyRedis
-from daemon.worker.execs import DRAIN_SECONDS, ExecCommand
+from daemon.worker.execs import DRAIN_SECONDS, NOT_RUNNING, ExecCommand
 from daemon.worker.runner import JobRun, describe_exit
 from daemon.worker.spawn import Spawner
 from daemon.worker.terminal import Terminal
@@ -100,6 +102,8 @@ class Attach(ExecCommand):
             if inbound.done():
                 return b"", f"detached ({inbound.result()})"
             await self._drain_output(helpers[0], inbound)
+            if job.start_error is not None:  # no shell was reached: the client asks the job why
+                return b"", f"{NOT_RUNNING}: its program did not start ({job.start_error.strerror})"
             code, _ = describe_exit(job_ended.result())
             # What ended it: the shell itself, or what stopped its job (a cancel, its idle limit,
             # its time limit, its worker's drain), which the client then says.

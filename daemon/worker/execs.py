@@ -47,6 +47,8 @@ from daemon.worker.spawn import Child, Spawner
 
 log = logging.getLogger(__name__)
 
+# A channel's reason when its job is not running here (job_shell.py's ENDED: `shell` asks the job why)
+NOT_RUNNING = "the job is not running on its worker any more"
 DRAIN_SECONDS = 5.0  # after the command ends, how long its pipes may stay open without their end
 DRAIN_POLL = 0.25  # how often, once the command has ended, to look whether its pipes are stuck
 JOB_END_SECONDS = 0.5  # how long a killed command's job may take to be seen ending with it
@@ -142,7 +144,7 @@ class Execs:
         # From here to the command's start, nothing awaits: the job cannot be reaped in between.
         run = self._run_of(job_id)
         if run is None:
-            why = "the job is not running on its worker any more"
+            why = NOT_RUNNING
             if self._starting(job_id):  # (job_shell.py's NOT_STARTED: a shell tries again)
                 why = "the job's program is not started yet (its code, data or environment comes first)"
             await channels.append(self.redis, out, {b"x": b"", b"r": why.encode()})
