@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from daemon.errors import ConfigError
-from daemon.job import MEM_MIN
+from daemon.spec_checks import MEM_MIN
 
 ROOT = "root"  # job_uid_range's value that runs jobs as root, by the operator's explicit choice
 
