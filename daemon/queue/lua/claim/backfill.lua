@@ -121,7 +121,7 @@ function backfill.blocked(j, gpus)
       backfill.keep_for_head(gpus, j.cpus, j.mem_bytes)
       redis.call('HSET', key.reservation, 'job', j.id, 'worker', req.worker, 'until', now + req.lease_ms, 'at', now + ledger.head_at,
         'preempt', '0')
-      if preempt.may(j) and preempt.make_room(gpus, j.priority, false) then
+      if preempt.may(j) and preempt.make_room(j, gpus, false) then
         redis.call('HSET', key.reservation, 'preempt', '1')
         status = 'preempting'
       end
