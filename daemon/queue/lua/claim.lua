@@ -24,7 +24,8 @@
 --    caller asks again; cancelled jobs met on the way are acknowledged and deleted, never run.
 -- KEYS: 1 stream, 2 the front (keys.py `key.front`), 3 leases, 4 the worker's claim memo, 5 parked
 -- ARGV: 1 the request, one msgpack map (daemon/queue/claims.py `ClaimRequest`)
--- Returns {status, stream cursor, wake cursor, GPUs kept for a head, GPUs free whole left, the
+-- Returns {status, stream cursor, wake cursor, what is kept for a head ({GPUs, CPUs, bytes}; {}:
+-- none), GPUs free whole left, the
 -- shared GPUs' table left, CPUs and memory free left, then id, attempt, lease, spec, shared GPU's place (-1: whole GPUs) of
 -- each job claimed} (claim/ledger.lua `ledger.reply`). Status: 'claimed' (N jobs, a request answered
 -- again, or cut short at a bound), 'empty' (nothing more), 'blocked' (the next job must wait for

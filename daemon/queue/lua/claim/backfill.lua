@@ -6,8 +6,10 @@
 -- the head is not reserved on; on the one it is, only a job whose time limit (plus stop grace)
 -- ends before the head could start there (the running jobs' limits say when: one without a limit
 -- may end any moment). So no job it waits behind can delay it, and it starts once its reserved
--- worker has its GPUs. A worker holding a reservation keeps those GPUs from the queues it claims
--- from after this one too (the request's `kept`).
+-- worker has its GPUs. A worker holding a reservation keeps all the head needs (its GPUs, CPUs and
+-- memory) from the queues it claims from after this one in the same round too: the reply carries
+-- that need and the next queue's request brings it back (`kept`), so a job there starts only if
+-- it ends before the head could start, as one of the head's own queue does.
 
 -- When the running jobs here end at the latest: {ms from now, GPUs, CPUs, bytes of memory}, the
 -- soonest first.
@@ -41,11 +43,11 @@ function backfill.earliest(need)
   return 0
 end
 
--- Keep `gpus` GPUs here for a head job (and, for its start time, its CPUs and memory).
-function backfill.keep_for_head(gpus, cpus, mem_bytes)
-  ledger.head_need, ledger.head_at = gpus, backfill.earliest({gpus, cpus or 0, mem_bytes or 0})
+-- Keep what a head job needs here, `need` ({GPUs, CPUs, bytes of memory}), till it could start.
+function backfill.keep_for_head(need)
+  ledger.head_need, ledger.head_at = need, backfill.earliest(need)
 end
-if req.kept > 0 then backfill.keep_for_head(req.kept) end
+if #req.kept > 0 then backfill.keep_for_head(req.kept) end
 
 -- The front's jobs a backfill looks at, in the front's own order (front.lua): the front's ZSET,
 -- the parked jobs and the jobs held at a cap that are part of the front (every one in a FIFO
@@ -118,7 +120,7 @@ function backfill.blocked(j, gpus)
   if not ledger.head_need and not fit.passed_over(j) then
     local r = redis.call('HMGET', key.reservation, 'job', 'worker', 'until')
     if not (r[1] == j.id and r[2] ~= req.worker and tonumber(r[3]) > now) then
-      backfill.keep_for_head(gpus, j.cpus, j.mem_bytes)
+      backfill.keep_for_head({gpus, j.cpus, j.mem_bytes})
       redis.call('HSET', key.reservation, 'job', j.id, 'worker', req.worker, 'until', now + req.lease_ms, 'at', now + ledger.head_at,
         'preempt', '0')
       if preempt.may(j) and preempt.make_room(j, gpus, false) then
