@@ -205,6 +205,7 @@ class Claims:
     _requests: dict[str, int]
     _unanswered: dict[str, tuple[str, int]]
     _stranded: dict[str, list[Lease]]
+    _head_queue: dict[str, str]
 
     async def complete(self, lease: Lease, outcome: Outcome) -> JobState:
         raise NotImplementedError  # JobQueue's
@@ -259,6 +260,7 @@ class Claims:
         if (pending := self._unanswered.pop(worker, None)) is not None:
             todo.append(pending)
         leases: list[Lease] = []
+        self._head_queue.pop(worker, None)  # this round finds afresh where a head is kept
         for q in [*[p[0] for p in todo], *queues]:
             if len(leases) >= count and not todo:
                 break
@@ -274,6 +276,7 @@ class Claims:
             except (RedisError, NotReplicated, asyncio.CancelledError) as exc:
                 if unanswered(exc):
                     self._unanswered[worker] = (q, request)
+                self._head_queue.setdefault(worker, q)  # what it keeps is unknown: none stands after it
                 if isinstance(exc, asyncio.CancelledError):
                     self._stranded.setdefault(worker, []).extend(leases)  # for settle_claims
                 if not leases or isinstance(exc, asyncio.CancelledError):
@@ -282,6 +285,8 @@ class Claims:
                 log.warning("claiming from queue %s failed; running the %d jobs claimed", q, len(leases))
                 break
             room, kept = room.after(got), got.kept
+            if kept is not None:
+                self._head_queue.setdefault(worker, q)
             leases += _ahead_past(got.leases, free)
             if got.status != b"claimed":
                 self._cursors[q] = got.cursors
