@@ -1,6 +1,7 @@
 """Preemption (claim.lua), where an admin enables it for a queue: a job with a priority that must
-wait for GPUs on the worker it reserved asks that worker's lower-priority jobs to make room, as few
-as will do, and goes first once they have. Against one redis-server and a Redis Cluster."""
+wait for GPUs, CPUs or memory on the worker it reserved asks that worker's lower-priority jobs to
+make room (taken in order while something is short, then any not needed left running), and goes
+first once they have. Against one redis-server and a Redis Cluster."""
 
 from __future__ import annotations
 
@@ -199,3 +200,16 @@ async def test_a_full_worker_asked_for_a_slot_stops_the_job_that_holds_the_cpus(
     await queue.enqueue(sized("urgent", 1, cpus=2, priority=5))
     assert await queue.preempt_check("w1", ["default"], room(2, 1, 16 * GIB))
     assert await statuses(queue, "w1", running) == [RenewStatus.PREEMPT, RenewStatus.OK]
+
+
+async def test_a_lower_priority_job_the_room_does_not_need_runs_on(redis: AnyRedis) -> None:
+    """issue 50 review, pinned: the jobs are taken in order (the lowest priority first) while
+    something is still short, then any not needed is left running, the last taken first. Beside
+    B (priority 3, 2 GPUs) and A (priority 1, 1 GPU), with 1 GPU free, a job needing 3 takes A,
+    then B; B alone frees enough, so A (the lower priority) runs on and B alone is stopped:
+    none is stopped for nothing."""
+    queue = JobQueue(redis, lease_seconds=30, preempt=["default"])
+    b, a = await fill(queue, "w1", [spec(0, 2, priority=3), spec(1, 1, priority=1)])
+    await queue.enqueue(spec(9, 3, priority=5))
+    assert await queue.claim_many("w1", ["default"], 1, Capacity(1, gpus_total=4, ends=[(None, 3)])) == []
+    assert await statuses(queue, "w1", [b, a]) == [RenewStatus.PREEMPT, RenewStatus.OK]

@@ -1,16 +1,20 @@
 -- claim/preempt.lua: preemption, where an admin enables it for the queue. A job with a priority
 -- that must wait for GPUs, CPUs or memory on this worker (host.lua), which holds its reservation
 -- (backfill.lua), asks this worker's running jobs of lower priority in the queue to stop and be
--- handed back (the lowest priority first, the latest started first among equals; the flag
--- renew.lua answers 'preempt' to), as few as make room for all it needs; the reservation is
--- marked so, and this worker's next claims start that job before anything else, and nothing that
--- could delay it meanwhile. A job on a shared GPU waits for memory: it preempts nobody; one
--- running on a shared GPU frees no whole GPU when it stops, only its CPUs and memory.
+-- handed back (the flag renew.lua answers 'preempt' to), to make room for all it needs: taken in
+-- order (the lowest priority first, the latest started first among equals), only those that free
+-- something still short, then any not needed left running, the last taken first. So no job stops
+-- for nothing, and a lower-priority one may run on where a higher one that frees more stops (with
+-- 1 GPU free, a head needing 3 stops a 2-GPU job of priority 3, not the 1-GPU job of priority 1
+-- beside it, which it took first). Nobody stops when all of them would not make room. The
+-- reservation is marked so, and this worker's next claims start that job before anything else,
+-- and nothing that could delay it meanwhile. A job on a shared GPU waits for memory: it preempts
+-- nobody; one running on a shared GPU frees no whole GPU when it stops, only its CPUs and memory.
 
--- Ask as few of this worker's running jobs of this queue with a priority below job `j`'s to stop
--- as make room for its `gpus` GPUs, its CPUs and its memory (a resource the worker does not count
--- is never short: host.lua) and, with `slot`, for a slot too; jobs already asked to stop count as
--- leaving, and what they hold as free. True when there is room, or will be.
+-- Ask this worker's running jobs of this queue with a priority below job `j`'s to stop (chosen as
+-- the top says) to make room for its `gpus` GPUs, its CPUs and its memory (a resource the worker
+-- does not count is never short: host.lua) and, with `slot`, for a slot too; jobs already asked to
+-- stop count as leaving, and what they hold as free. True when there is room, or will be.
 function preempt.make_room(j, gpus, slot)
   local need, counted = {gpus, j.cpus, j.mem_bytes}, {true, host.cpus_total > 0, host.mem_total > 0}
   local have, leaving, victims = {ledger.gpus_free, host.cpus_free, host.mem_free}, 0, {}
