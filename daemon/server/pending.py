@@ -1,6 +1,7 @@
 """Why a queued job waits, in the sentence `poolctl show` and the dashboard give: what it waits
-for (a job it depends on, GPUs reserved for it, a worker with enough GPUs, a worker for its queue,
-its user's cap or turn in a fair-share queue), else its place in line. What the scheduler decides
+for (a job it depends on, a worker reserved for it till what it needs is free there, a worker with
+enough GPUs, a worker for its queue, its user's cap or turn in a fair-share queue), else its place
+in line. What the scheduler decides
 (caps, fair share's ranking, a job too big for every worker) is its own verdict, read through
 queue/explain.py: it is put in words here, never judged again. That verdict is a claim's by one
 worker with the most of each resource any live worker has; whether one worker has all the job
@@ -67,9 +68,11 @@ class PendingReasons:
                 if at > time.time() + 1
                 else "expected as soon as its running jobs end (not all have a time limit)"
             )
-            gpus = f"{info.spec.gpus} GPUs" if info.spec.gpus else "its GPUs"
+            # All it needs free there at once (claim/backfill.lua): GPUs, CPUs, memory; a job
+            # asking for none of them waits for a slot's share of the worker's GPUs.
+            needs = worker_fit.needs(info.spec) or "its GPUs"
             return (
-                f"waiting for {gpus}; reserved on {worker}, {when}; jobs behind it start meanwhile "
+                f"waiting for {needs}; reserved on {worker}, {when}; jobs behind it start meanwhile "
                 "where they cannot delay it"
             )
         if (workers := memo.get("workers")) is None:

@@ -14,6 +14,7 @@ import pytest
 from daemon.client.pool_client import ClientError
 from daemon.job import JobState
 from daemon.queue import keys
+from daemon.queue.claims import Capacity
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.registry import Registration
 from daemon.worker.host import HostResources
@@ -176,3 +177,20 @@ async def test_show_says_no_worker_can_hold_a_job_whose_cpus_and_memory_no_one_w
             "1 job(s) ahead of it in queue 'big'"
         )
         await c.call(CancelJobs([never, fits]), Cancelled)
+
+
+async def test_show_says_what_a_head_reserved_on_a_worker_waits_for(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 50 review: a head reserved on a worker was said to be "waiting for its GPUs" when it
+    needs none and waits for CPUs (2 of the worker's 4 held for 10 minutes at most): `show` says
+    what it waits for."""
+    async with running_pool(redis_server, tmp_path) as pool, pool.client() as c:
+        head = (
+            await c.call(Enqueue({"argv": ["true"], "cpus": 4, "wait_for_worker": True}, None), Enqueued)
+        ).job_id
+        room = Capacity(cpus_free=2, cpus_total=4, mem_free=GIB, mem_total=GIB, host_ends=[(600.0, 2, 0)])
+        assert await pool.queue.claim_many("w1", ["default"], 1, room) == []  # as the worker would
+        reason = (await c.call(ShowJob(head), JobDetail)).job["pending_reason"]
+        assert reason.startswith("waiting for 4 CPUs; reserved on w1, expected by "), reason
+        await c.call(CancelJobs([head]), Cancelled)
