@@ -1,15 +1,16 @@
 -- claim/backfill.lua: the head of line, its reservation and backfill. When the next job needs more
 -- GPUs than the claimer has free (less what this call already handed out), or more CPUs or memory
--- (host.lua), claiming stops there and that job waits for them (the head). The head reserves this worker (`key.reservation`: one per
--- queue, for a lease, renewed by each claim of its worker; a worker that dies lets it lapse),
--- unless another live worker holds its reservation. Jobs behind it may then start: on any worker
--- the head is not reserved on; on the one it is, only a job whose time limit (plus stop grace)
--- ends before the head could start there (the running jobs' limits say when: one without a limit
--- may end any moment). So no job it waits behind can delay it, and it starts once its reserved
--- worker has its GPUs. A worker holding a reservation keeps all the head needs (its GPUs, CPUs and
--- memory) from the queues it claims from after this one in the same round too: the reply carries
--- that need and the next queue's request brings it back (`kept`), so a job there starts only if
--- it ends before the head could start, as one of the head's own queue does.
+-- (host.lua), claiming stops there and that job waits for them (the head). The head reserves this
+-- worker (`key.reservation`: one per queue, for a lease, renewed by each claim of its worker; a
+-- worker that dies lets it lapse), unless another live worker holds its reservation. Jobs behind
+-- it may then start: on any worker the head is not reserved on; on the one it is, only a job whose
+-- time limit (plus stop grace) ends before the head could start there (the running jobs' limits
+-- say when: one without a limit may end any moment). So no job it waits behind can delay it, and
+-- it starts once its reserved worker has all it needs free (its GPUs, CPUs and memory). A worker
+-- holding a reservation keeps all the head needs (its GPUs, CPUs and memory) from the queues it
+-- claims from after this one in the same round too: the reply carries that need and the next
+-- queue's request brings it back (`kept`), so a job there starts only if it ends before the head
+-- could start, as one of the head's own queue does.
 
 -- When the running jobs here end at the latest: {ms from now, GPUs, CPUs, bytes of memory}, the
 -- soonest first.
@@ -111,10 +112,10 @@ function backfill.behind(head)
   end
 end
 
--- Job `j`, the first that must wait for its `gpus` here: it reserves this worker unless another
--- live one holds its reservation (or GPUs here are kept for a head already) or it is not for this
--- worker (fit.lua `fit.passed_over`); it may preempt jobs here; the jobs behind it that may start do
--- (backfill); and the claim stops.
+-- Job `j`, the first that must wait here (for its `gpus` GPUs, its CPUs or its memory): it
+-- reserves this worker unless another live one holds its reservation (or what a head needs is kept
+-- here already, from an earlier queue) or it is not for this worker (fit.lua `fit.passed_over`);
+-- it may preempt jobs here; the jobs behind it that may start do (backfill); and the claim stops.
 function backfill.blocked(j, gpus)
   local status = 'blocked'
   if not ledger.head_need and not fit.passed_over(j) then

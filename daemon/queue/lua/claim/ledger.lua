@@ -39,14 +39,13 @@ function ledger.reply_row(id, jobkey)
 end
 
 -- The reply: {status, stream cursor, wake cursor, what is kept for a head job ({GPUs, CPUs, bytes
--- of memory}; {}: none), GPUs free whole left,
--- the shared GPUs' table left, CPUs and bytes of memory free left (host.lua), then id, attempt,
--- lease, spec, shared GPU's place of each job}. The
--- cursors matter only to a claimer that found nothing more to take (it waits after them): a
+-- of memory}; {}: none), GPUs free whole left, the shared GPUs' table left, CPUs and bytes of
+-- memory free left (host.lua), then id, attempt, lease, spec, shared GPU's place of each job}.
+-- The cursors matter only to a claimer that found nothing more to take (it waits after them): a
 -- 'claimed' answer carries none.
 function ledger.reply(status, cursor)
-  local out = {status, cursor, '0-0', ledger.head_need or {}, ledger.gpus_free, packing.left(), host.cpus_free,
-    host.mem_free}
+  local out = {status, cursor, '0-0', ledger.head_need or {}, ledger.gpus_free, packing.left(),
+    host.cpus_free, host.mem_free}
   if status ~= 'claimed' then
     local top = redis.call('XREVRANGE', req.prefix .. 'wake', '+', '-', 'COUNT', 1)[1]
     out[3] = top and top[1] or '0-0'

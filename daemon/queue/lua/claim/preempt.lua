@@ -19,15 +19,17 @@ function preempt.make_room(j, gpus, slot)
   local need, counted = {gpus, j.cpus, j.mem_bytes}, {true, host.cpus_total > 0, host.mem_total > 0}
   local have, leaving, victims = {ledger.gpus_free, host.cpus_free, host.mem_free}, 0, {}
   for _, id in ipairs(redis.call('ZRANGE', key.leases, 0, -1)) do
-    local v = redis.call('HMGET', job_key(req.prefix, id), 'worker', 'priority', 'held_gpus', 'started_at', 'requeue',
-      'cancel', 'seq', 'shared_gpu', 'cpus', 'mem_bytes')
-    local holds = {(tonumber(v[8]) or -1) >= 0 and 0 or tonumber(v[3]) or 0, tonumber(v[9]) or 0, tonumber(v[10]) or 0}
+    local v = redis.call('HMGET', job_key(req.prefix, id), 'worker', 'priority', 'held_gpus', 'started_at',
+      'requeue', 'cancel', 'seq', 'shared_gpu', 'cpus', 'mem_bytes')
+    -- What it frees when it stops: its whole GPUs (none from a shared GPU), CPUs and memory.
+    local whole = (tonumber(v[8]) or -1) < 0 and tonumber(v[3]) or 0
+    local holds = {whole, tonumber(v[9]) or 0, tonumber(v[10]) or 0}
     if v[1] == req.worker and (v[5] or v[6] == '1') then
       for r = 1, 3 do have[r] = have[r] + holds[r] end
       leaving = leaving + 1
     elseif v[1] == req.worker and (tonumber(v[2]) or 0) < j.priority then
-      victims[#victims + 1] = {id = id, priority = tonumber(v[2]) or 0, started = tonumber(v[4]) or 0, holds = holds,
-        seq = tonumber(v[7]) or 0}
+      victims[#victims + 1] = {id = id, priority = tonumber(v[2]) or 0, started = tonumber(v[4]) or 0,
+        holds = holds, seq = tonumber(v[7]) or 0}
     end
   end
   table.sort(victims, function(a, b)  -- the lowest priority, the latest started, the latest queued
