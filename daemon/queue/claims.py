@@ -88,14 +88,25 @@ class Capacity:
         )
 
 
+class HeadNeed(NamedTuple):
+    """What a head job reserved on a worker needs there (claim/backfill.lua): its GPUs, CPUs and
+    bytes of memory. A claim keeps it from the worker's later queues in the same round: a job
+    there starts only if it ends before the head could have all of it."""
+
+    gpus: int
+    cpus: int
+    mem: int
+
+
 @dataclass(frozen=True)
 class ClaimRequest:
     """One claim.lua call: `count` jobs of `queue` for `worker` (its request number `request`; a
     request sent again answers the same leases), of which `slots` go to slots free now (the others
-    are claimed ahead of a free slot), on `capacity`, with `kept` GPUs kept for a head job reserved
-    on the worker in a queue it claimed from before this one. `policy` is the queue's: its caps per
-    user, fair share's half-life, whether priorities preempt, the one user the worker serves and
-    the lease length. Packed once, as one msgpack map that claim/request.lua unpacks once."""
+    are claimed ahead of a free slot), on `capacity`, with `kept` what a head job reserved on the
+    worker in a queue it claimed from before this one needs (None: no such head). `policy` is the
+    queue's: its caps per user, fair share's half-life, whether priorities preempt, the one user
+    the worker serves and the lease length. Packed once, as one msgpack map that
+    claim/request.lua unpacks once."""
 
     worker: str
     queue: str
@@ -104,7 +115,7 @@ class ClaimRequest:
     slots: int
     capacity: Capacity
     policy: Mapping[str, object]
-    kept: int = 0
+    kept: HeadNeed | None = None
 
     def keys(self) -> list[str]:
         q = self.queue
@@ -131,7 +142,7 @@ class ClaimRequest:
                 ],
                 "grace_ms": round(room.grace * 1000),
                 "lifetime_ms": 0 if room.lifetime is None else max(1, round(room.lifetime * 1000)),
-                "kept": self.kept,
+                "kept": [] if self.kept is None else list(self.kept),
                 "cpus_free": room.cpus_free,
                 "cpus_total": room.cpus_total,
                 "mem_free": room.mem_free,
@@ -148,13 +159,13 @@ REPLY_HEAD = 8  # the fields of claim.lua's reply before its leases (ClaimReply'
 @dataclass(frozen=True)
 class ClaimReply:
     """claim.lua's answer (claim/ledger.lua `reply`): why claiming stopped (b'claimed', b'empty',
-    b'blocked' or b'preempting'), the stream ids to wait after for more (stream, wake), the GPUs
-    kept for a head job reserved on the worker, what the call left of the worker's GPUs (free
-    whole, and the shared GPUs' table), CPUs and memory, and the leases."""
+    b'blocked' or b'preempting'), the stream ids to wait after for more (stream, wake), what a
+    head job reserved on the worker needs kept there (None: none), what the call left of the
+    worker's GPUs (free whole, and the shared GPUs' table), CPUs and memory, and the leases."""
 
     status: bytes
     cursors: tuple[str, str]
-    kept: int
+    kept: HeadNeed | None
     gpus_free: int
     shared: tuple[SharedGpu, ...]
     leases: list[Lease]
@@ -194,6 +205,7 @@ class Claims:
     _requests: dict[str, int]
     _unanswered: dict[str, tuple[str, int]]
     _stranded: dict[str, list[Lease]]
+    _head_queue: dict[str, str]
 
     async def complete(self, lease: Lease, outcome: Outcome) -> JobState:
         raise NotImplementedError  # JobQueue's
@@ -219,8 +231,9 @@ class Claims:
         """Up to `count` next jobs for `worker` (a worker with that many free slots and
         `capacity`), in queue priority order then each queue's order, one script call per queue
         tried (claim.lua: what a job needs, and which waits, is its parts' to say). The GPUs a
-        claimed job takes are counted out for the next queue's call, and so are the GPUs kept for
-        a head job reserved on the worker (backfill). [] when none has work.
+        claimed job takes are counted out for the next queue's call, and what a head job reserved
+        on the worker needs is kept from it (backfill: its GPUs, CPUs and memory). [] when none
+        has work.
 
         Each script call is a numbered request (claim.lua): one whose reply never came (a broken
         connection, a timeout, the caller cancelled) is sent again, first, by the worker's next
@@ -242,11 +255,12 @@ class Claims:
         reclaim of it is no loss, and bills nothing) until `mark_started` says it started; none is
         taken from the front of a queue, where the claim stops instead (claim.lua)."""
         room = capacity or Capacity()
-        kept = 0
+        kept: HeadNeed | None = None
         todo: list[tuple[str, int]] = []
         if (pending := self._unanswered.pop(worker, None)) is not None:
             todo.append(pending)
         leases: list[Lease] = []
+        self._head_queue.pop(worker, None)  # this round finds afresh where a head is kept
         for q in [*[p[0] for p in todo], *queues]:
             if len(leases) >= count and not todo:
                 break
@@ -262,6 +276,7 @@ class Claims:
             except (RedisError, NotReplicated, asyncio.CancelledError) as exc:
                 if unanswered(exc):
                     self._unanswered[worker] = (q, request)
+                self._head_queue.setdefault(worker, q)  # what it keeps is unknown: none stands after it
                 if isinstance(exc, asyncio.CancelledError):
                     self._stranded.setdefault(worker, []).extend(leases)  # for settle_claims
                 if not leases or isinstance(exc, asyncio.CancelledError):
@@ -270,6 +285,8 @@ class Claims:
                 log.warning("claiming from queue %s failed; running the %d jobs claimed", q, len(leases))
                 break
             room, kept = room.after(got), got.kept
+            if kept is not None:
+                self._head_queue.setdefault(worker, q)
             leases += _ahead_past(got.leases, free)
             if got.status != b"claimed":
                 self._cursors[q] = got.cursors
@@ -320,7 +337,7 @@ class Claims:
         capacity: Capacity,
         *,
         slots: int | None = None,
-        kept: int = 0,
+        kept: HeadNeed | None = None,
     ) -> ClaimRequest:
         """A claim request of `worker`'s in queue `q`, under this queue's policy there."""
         policy: Mapping[str, object] = {
@@ -376,7 +393,7 @@ class Claims:
         return ClaimReply(
             status,
             (_s(stream_cursor), _s(wake_cursor)),
-            int(kept),
+            HeadNeed(int(kept[0]), int(kept[1]), int(kept[2])) if kept else None,
             int(gpus_free),
             table,
             leases,

@@ -405,11 +405,20 @@ class StandingClaims(Claims):
         again first, in its next `claim_many`. Only a worker without GPUs leaves one: its `ends`
         (backfill) are empty, and no NVML reading ages in it; a pilot's `lifetime` is counted
         down while it stands (Standing). None too while the fast path is off: the worker waits,
-        and claims once woken, as a GPU worker does."""
+        and claims once woken, as a GPU worker does.
+
+        It stands for `queues` up to the first whose head job the worker's last claims kept
+        from the later ones (backfill: its GPUs, CPUs and memory), none after: sent alone, to
+        one queue, a claim there would keep nothing for that head, and a job of a later queue
+        could take what the head waits for. An enqueue to one of those wakes the worker's read
+        for work instead, and its claims of every queue, in order, keep the head's need."""
         if not self.fast_path or worker in self._unanswered:
             return None
         room = capacity or Capacity()
         ends_at = None if room.lifetime is None else _boottime() + room.lifetime
+        head = self._head_queue.get(worker)
+        if head is not None and head in queues:
+            queues = queues[: list(queues).index(head) + 1]
         standing = Standing(worker, tuple(queues), count, room, ends_at, ready, slots)
         self._standing.append(standing)
         return standing
@@ -457,4 +466,11 @@ class StandingClaims(Claims):
             del self._unanswered[standing.worker]
         if got.status != b"claimed":
             self._cursors[q] = got.cursors
+        # A head it kept (its queue comes before any kept for already: `stand`) is kept from
+        # the queues after it by the worker's next standing claim too; a look through the whole
+        # of the queue kept for so far that finds no head to keep there ends that.
+        if got.kept is not None:
+            self._head_queue[standing.worker] = q
+        elif got.status != b"claimed" and self._head_queue.get(standing.worker) == q:
+            del self._head_queue[standing.worker]
         return _ahead_past(got.leases, standing.count if standing.slots is None else standing.slots)

@@ -186,6 +186,9 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
         self._unanswered: dict[str, tuple[str, int]] = {}
         self._stranded: dict[str, list[Lease]] = {}  # claimed by a claim_many cancelled midway
         self._standing: list[Standing] = []  # idle workers' next claims, for an enqueue to send
+        # Worker -> the first of its queues whose head job its claims keep from the later ones
+        # (backfill): its standing claim goes to none of those (StandingClaims.stand).
+        self._head_queue: dict[str, str] = {}
 
     @classmethod
     def from_config(cls, redis: AnyRedis, config: Config, *, watch: RunIdWatch | None = None) -> JobQueue:

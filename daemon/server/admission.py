@@ -27,6 +27,7 @@ from daemon.job import JobSpec
 from daemon.metrics.server import ServerMetrics
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import registered_workers
+from daemon.server import worker_fit
 from daemon.server.bounds import SubmitBounds
 from daemon.server.data_desk import DataDesk, data_of
 from daemon.server.dependencies import judge_held
@@ -233,27 +234,11 @@ def _check_gpus_fit(spec: JobSpec, serving: list[dict[str, Any]]) -> None:
             raise NoWorkerFits(needs, spec.queue, None if largest is None else str(largest))
 
 
-def _holds_gpus(spec: JobSpec, gpus: list[dict[str, Any]]) -> bool:
-    """Whether a worker with `gpus` could hold the job's: so many GPUs, or one with the memory it
-    shares (--gpu-mem)."""
-    if spec.gpu_mem:
-        return any(int(g.get("memory", 0)) >= spec.gpu_mem for g in gpus)
-    return spec.gpus <= len(gpus)
-
-
 def _check_host_fits(spec: JobSpec, serving: list[dict[str, Any]]) -> None:
-    """Refuse a job that no one of the `serving` workers could ever hold: its CPUs, its memory
-    and its GPUs (or the memory it shares on one GPU) on one worker (the most CPUs of one and the
-    GPU or memory of another hold no job that needs both). A worker that does not count CPUs and
-    memory (its `job_memory` 0: an agent's) fits any job's."""
-    if not serving or not all(int(w.get("job_memory") or 0) for w in serving):
-        return
-    if any(
-        spec.cpus <= int(w.get("cpus", 0))
-        and spec.mem <= int(w["job_memory"])
-        and _holds_gpus(spec, w.get("gpus") or [])
-        for w in serving
-    ):
+    """Refuse a job that no one of the `serving` workers could ever hold whole (worker_fit.py),
+    saying what it lacks: the CPUs or the memory, where no worker has that much, else the one
+    worker with all of it."""
+    if not worker_fit.none_holds(spec, serving):
         return
     cpus = max(int(w.get("cpus", 0)) for w in serving)
     if spec.cpus > cpus:
@@ -263,12 +248,8 @@ def _check_host_fits(spec: JobSpec, serving: list[dict[str, Any]]) -> None:
         raise NoWorkerFits(
             f"{spec.mem / 2**30:.1f} GiB of memory", spec.queue, f"{mem / 2**30:.1f} GiB for jobs"
         )
-    needs = [f"{spec.cpus} CPUs"] if spec.cpus else []
-    needs += [f"{spec.mem / 2**30:.1f} GiB of memory"] if spec.mem else []
-    needs += [f"{spec.gpus} GPUs"] if spec.gpus else []
-    needs += [f"{spec.gpu_mem / 2**30:.1f} GiB on one GPU"] if spec.gpu_mem else []
     raise GpupoolError(
-        f"needs {' and '.join(needs)} on one worker; no worker "
+        f"needs {worker_fit.needs(spec)} on one worker; no worker "
         f"serving queue {spec.queue!r} has them all (each is short of one). Enqueue it with "
         "--wait-for-worker to keep it queued until such a worker joins",
         ErrorCode.INVALID_ARGUMENT,

@@ -1,8 +1,11 @@
 """Why a queued job waits, in the sentence `poolctl show` and the dashboard give: what it waits
-for (a job it depends on, GPUs reserved for it, a worker with enough GPUs, a worker for its queue,
-its user's cap or turn in a fair-share queue), else its place in line. What the scheduler decides
+for (a job it depends on, a worker reserved for it till what it needs is free there, a worker with
+enough GPUs, a worker for its queue, its user's cap or turn in a fair-share queue), else its place
+in line. What the scheduler decides
 (caps, fair share's ranking, a job too big for every worker) is its own verdict, read through
-queue/explain.py: it is put in words here, never judged again."""
+queue/explain.py: it is put in words here, never judged again. That verdict is a claim's by one
+worker with the most of each resource any live worker has; whether one worker has all the job
+needs together is admission's own check (worker_fit.py), asked of the live workers."""
 
 from __future__ import annotations
 
@@ -15,9 +18,11 @@ from daemon.errors import JobNotFound
 from daemon.job import JobInfo, JobState
 from daemon.queue.explain import Explanation, explain
 from daemon.queue.job_queue import JobQueue
+from daemon.server import worker_fit
 from daemon.server.dependencies import weigh
 
 MAX_LIST = 10_000  # the most jobs listed (ls), read for a reason, or asked about at once
+_WHEN_ONE_JOINS = "the jobs behind it run meanwhile, and it starts when such a worker joins"
 WorkerLister = Callable[[], Awaitable[list[dict[str, Any]]]]
 
 
@@ -63,9 +68,11 @@ class PendingReasons:
                 if at > time.time() + 1
                 else "expected as soon as its running jobs end (not all have a time limit)"
             )
-            gpus = f"{info.spec.gpus} GPUs" if info.spec.gpus else "its GPUs"
+            # All it needs free there at once (claim/backfill.lua): GPUs, CPUs, memory; a job
+            # asking for none of them waits for a slot's share of the worker's GPUs.
+            needs = worker_fit.needs(info.spec) or "its GPUs"
             return (
-                f"waiting for {gpus}; reserved on {worker}, {when}; jobs behind it start meanwhile "
+                f"waiting for {needs}; reserved on {worker}, {when}; jobs behind it start meanwhile "
                 "where they cannot delay it"
             )
         if (workers := memo.get("workers")) is None:
@@ -79,7 +86,13 @@ class PendingReasons:
                 "too_many_cpus": f"{info.spec.cpus} CPUs, {nobody} many for jobs",
                 "too_much_memory": f"{_memory(info.spec.mem)} of memory, {nobody} much for jobs",
             }.get(judged.reason, f"{info.spec.gpus} GPUs, {nobody} many")
-            return f"needs {need}: the jobs behind it run meanwhile, and it starts when such a worker joins"
+            return f"needs {need}: {_WHEN_ONE_JOINS}"
+        serving = [w for w in workers if info.spec.queue in w.get("queues", ())]
+        if worker_fit.none_holds(info.spec, serving):  # no one worker has all of it together
+            return (
+                f"needs {worker_fit.needs(info.spec)} on one worker, and no live worker serving queue "
+                f"{info.spec.queue!r} has them all: {_WHEN_ONE_JOINS}"
+            )
         rank = (
             f" (priority {info.spec.priority}: before the queue's jobs of lower priority)"
             if info.spec.priority
@@ -163,7 +176,8 @@ def _memory(nbytes: int) -> str:
 
 def _host_most(workers: list[dict[str, Any]]) -> tuple[int, int]:
     """The most CPUs and bytes of memory for jobs of any of `workers`; (0, 0), not counted, when
-    one of them does not count them (worker/host.py): it would take any job."""
+    one of them does not count them (worker/host.py): it would take any job. The two may be two
+    workers' (`reason` asks worker_fit whether one has both)."""
     if not workers or not all(int(w.get("job_memory") or 0) for w in workers):
         return 0, 0
     return max(int(w.get("cpus", 0)) for w in workers), max(int(w["job_memory"]) for w in workers)

@@ -17,8 +17,9 @@ queues through that JobQueue sends the claim right after its own call, in the sa
 the job starts with no claim round trip after its enqueue. In a single-machine pool the server
 enqueues through the JobQueue its slots claim through, so an idle pool starts a job one round trip
 to Redis after the client's request reached the server. What the claim takes is what any claim
-takes (claim.lua: the head of the queue, FIFO), and it stays unanswered until its reply is read
-here, as any claim does, so a worker stopped in between settles it (JobQueue.settle_claims). It
+takes (claim.lua: the head of the queue, FIFO; it stands for no queue after one whose head job
+the worker's claims keep, queue/fast_path.py `stand`), and it stays unanswered until its reply is
+read here, as any claim does, so a worker stopped in between settles it (JobQueue.settle_claims). It
 goes only while the worker may claim (its heartbeats succeed, no pause after a Redis restart:
 claim_gate.py), and a pilot's lifetime in it is counted down while it stands. A GPU worker leaves
 none: its claim carries NVML's readings of free memory, which would age while it stands."""

@@ -6,10 +6,10 @@
 --    and a lease id that no other claim ever gets (claim/ledger.lua);
 --  * order: the places in one fixed order (claim/places.lua): the front, then priorities, then
 --    (fair share) the users' lines, then the stream in enqueue order; head of line: the first job
---    that must wait for GPUs here stops the claim (claim/backfill.lua), and only jobs that cannot
---    delay it start behind it; a job that needs more than this worker has at all never blocks it
---    (parked); one not for this worker (a pilot's end, another user's on a one-user worker) is
---    never waited for (claim/fit.lua);
+--    that must wait here (for GPUs, CPUs or memory) stops the claim (claim/backfill.lua), and only
+--    jobs that cannot delay it start behind it; a job that needs more than this worker has at all
+--    never blocks it (parked); one not for this worker (a pilot's end, another user's on a
+--    one-user worker) is never waited for (claim/fit.lua);
 --  * every job met gets one verdict with a reason code (claim/fit.lua `fit.verdict`), which each place
 --    applies with its own moves; `poolctl show` says the same verdict in words (explain.lua);
 --  * caps per user (claim/caps.lua), fair share (claim/fairshare.lua), backfill with a
@@ -24,11 +24,12 @@
 --    caller asks again; cancelled jobs met on the way are acknowledged and deleted, never run.
 -- KEYS: 1 stream, 2 the front (keys.py `key.front`), 3 leases, 4 the worker's claim memo, 5 parked
 -- ARGV: 1 the request, one msgpack map (daemon/queue/claims.py `ClaimRequest`)
--- Returns {status, stream cursor, wake cursor, GPUs kept for a head, GPUs free whole left, the
--- shared GPUs' table left, CPUs and memory free left, then id, attempt, lease, spec, shared GPU's place (-1: whole GPUs) of
--- each job claimed} (claim/ledger.lua `ledger.reply`). Status: 'claimed' (N jobs, a request answered
--- again, or cut short at a bound), 'empty' (nothing more), 'blocked' (the next job must wait for
--- GPUs here) or 'preempting' (blocked, and jobs here were asked to make room for it). The cursors
+-- Returns {status, stream cursor, wake cursor, what is kept for a head ({GPUs, CPUs, bytes}; {}:
+-- none), GPUs free whole left, the shared GPUs' table left, CPUs and memory free left, then id,
+-- attempt, lease, spec, shared GPU's place (-1: whole GPUs) of each job claimed}
+-- (claim/ledger.lua `ledger.reply`). Status: 'claimed' (N jobs, a request answered again, or cut
+-- short at a bound), 'empty' (nothing more), 'blocked' (the next job must wait here for GPUs, CPUs
+-- or memory) or 'preempting' (blocked, and jobs here were asked to make room for it). The cursors
 -- are the stream ids to wait after (XREAD BLOCK on the stream and the `wake` stream).
 --! include lib/record.lua
 --! include lib/caps.lua

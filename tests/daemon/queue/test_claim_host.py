@@ -104,3 +104,36 @@ async def test_a_claim_answered_again_counts_its_cpus_and_memory_out(redis: AnyR
     again = await queue._claim_call(request)
     assert [lease.job_id for lease in again.leases] == [lease.job_id for lease in first.leases] == [job]
     assert (first.cpus_free, first.mem_free) == (again.cpus_free, again.mem_free) == (1, 12 * GIB)
+
+
+async def test_a_head_waiting_for_cpus_keeps_them_from_the_workers_next_queue(redis: AnyRedis) -> None:
+    """issue 50 review: the head of one queue kept its GPUs from the queues its worker claims from
+    next in the same call, but not its CPUs or memory: a head needing no GPU kept nothing, and a
+    job of the next queue with no time limit took the CPUs it waited for. Now one that could delay
+    the head waits, and one sure to end before the head could start (60 s) starts, as in the
+    head's own queue."""
+    queue = JobQueue(redis, lease_seconds=30)
+    (head,) = await queue.enqueue_many([JobSpec(argv=("head",), cpus=4, queue="urgent")])
+    endless, short = await queue.enqueue_many(
+        [JobSpec(argv=("endless",), cpus=1), JobSpec(argv=("short",), cpus=1, timeout=5.0)]
+    )
+    room = host(2, 16 * GIB, host_ends=[(60.0, 2, 0)])
+    got = await queue.claim_many("w1", ["urgent", "default"], 3, room)
+    assert [lease.job_id for lease in got] == [short]
+    for waiting in (head, endless):
+        assert (await queue.get(waiting)).state is JobState.QUEUED
+
+
+async def test_a_head_kept_from_the_next_queue_could_start_once_all_it_needs_is_free(
+    redis: AnyRedis,
+) -> None:
+    """issue 50 review: across queues the head's start was counted from its GPUs alone, free now,
+    so nothing of the next queue backfilled, though the CPUs the head waits for are held for a
+    minute: a job ending well before that starts, as it would in the head's own queue."""
+    queue = JobQueue(redis, lease_seconds=30)
+    (head,) = await queue.enqueue_many([JobSpec(argv=("head",), gpus=1, cpus=4, queue="urgent")])
+    (short,) = await queue.enqueue_many([JobSpec(argv=("short",), gpus=1, cpus=1, timeout=5.0)])
+    room = Capacity(2, gpus_total=4, ends=[(None, 2)], cpus_free=1, cpus_total=4, host_ends=[(60.0, 3, 0)])
+    got = await queue.claim_many("w1", ["urgent", "default"], 2, room)
+    assert [lease.job_id for lease in got] == [short]
+    assert (await queue.get(head)).state is JobState.QUEUED

@@ -1,6 +1,7 @@
 """Preemption (claim.lua), where an admin enables it for a queue: a job with a priority that must
-wait for GPUs on the worker it reserved asks that worker's lower-priority jobs to make room, as few
-as will do, and goes first once they have. Against one redis-server and a Redis Cluster."""
+wait for GPUs, CPUs or memory on the worker it reserved asks that worker's lower-priority jobs to
+make room (taken in order while something is short, then any not needed left running), and goes
+first once they have. Against one redis-server and a Redis Cluster."""
 
 from __future__ import annotations
 
@@ -131,3 +132,84 @@ async def test_a_preempting_job_starts_only_within_its_users_cap(redis: AnyRedis
         lease.spec.argv for lease in await queue.claim_many("w1", ["default"], 1, Capacity(2, gpus_total=2))
     ] != [("urgent",)]
     assert (await queue.get(urgent)).state is JobState.QUEUED
+
+
+GIB = 2**30
+
+
+def sized(name: str, gpus: int, cpus: int = 0, mem: int = 0, priority: int = 0) -> JobSpec:
+    return JobSpec(argv=(name,), gpus=gpus, cpus=cpus, mem=mem, priority=priority)
+
+
+def room(gpus: int, cpus: int, mem: int, slot_gpus: int = 0) -> Capacity:
+    """What a worker of 4 GPUs, 4 CPUs and 16 GiB for jobs has free."""
+    return Capacity(
+        gpus, slot_gpus, gpus_total=4, cpus_free=cpus, cpus_total=4, mem_free=mem, mem_total=16 * GIB
+    )
+
+
+async def run_sized(queue: JobQueue, worker: str, jobs: list[JobSpec]) -> list[Lease]:
+    """`worker` (4 GPUs, 4 CPUs, 16 GiB) claims and runs `jobs`, one claim each, in order."""
+    leases: list[Lease] = []
+    for job in jobs:
+        await queue.enqueue(job)
+        held = [lease.spec for lease in leases]
+        free = room(
+            4 - sum(s.gpus for s in held), 4 - sum(s.cpus for s in held), 16 * GIB - sum(s.mem for s in held)
+        )
+        (lease,) = await queue.claim_many(worker, ["default"], 1, free)
+        leases.append(lease)
+    return leases
+
+
+async def test_a_priority_job_waiting_for_cpus_or_memory_stops_the_jobs_that_hold_them(
+    redis: AnyRedis,
+) -> None:
+    """issue 50 review: preemption counted GPUs alone, so a priority job whose GPUs were free but
+    whose CPUs and memory lower jobs held stopped nobody and waited behind them for ever. It stops
+    the job holding the CPUs and the one holding the memory, and not the latest started, which
+    holds only a GPU it does not need."""
+    queue = JobQueue(redis, lease_seconds=30, preempt=["default"])
+    running = await run_sized(
+        queue, "w1", [sized("cpus", 1, cpus=3), sized("memory", 1, mem=8 * GIB), sized("gpu", 1)]
+    )
+    urgent, _ = await queue.enqueue(sized("urgent", 1, cpus=2, mem=12 * GIB, priority=5))
+    assert await queue.claim_many("w1", ["default"], 1, room(1, 1, 8 * GIB)) == []
+    assert await statuses(queue, "w1", running) == [RenewStatus.PREEMPT, RenewStatus.PREEMPT, RenewStatus.OK]
+    for lease in running[:2]:
+        assert await queue.hand_back(lease) is JobState.QUEUED
+    got = await queue.claim_many("w1", ["default"], 1, room(3, 4, 16 * GIB))
+    assert [lease.job_id for lease in got] == [urgent]
+
+
+async def test_a_priority_job_stops_enough_for_its_gpus_and_its_cpus_together(redis: AnyRedis) -> None:
+    """issue 50 review: the victims were chosen to free GPUs alone, so a job needing 3 GPUs and 4
+    CPUs stopped the 2-GPU job and not the one holding the CPUs: it could not start after all."""
+    queue = JobQueue(redis, lease_seconds=30, preempt=["default"])
+    running = await run_sized(queue, "w1", [sized("cpus", 1, cpus=3), sized("gpus", 2)])
+    await queue.enqueue(sized("urgent", 3, cpus=4, priority=5))
+    assert await queue.claim_many("w1", ["default"], 1, room(1, 1, 16 * GIB)) == []
+    assert await statuses(queue, "w1", running) == [RenewStatus.PREEMPT, RenewStatus.PREEMPT]
+
+
+async def test_a_full_worker_asked_for_a_slot_stops_the_job_that_holds_the_cpus(redis: AnyRedis) -> None:
+    """issue 50 review: with every slot taken, the job stopped for a slot was the latest started,
+    whatever it held, so a priority job needing CPUs got a slot and still could not start."""
+    queue = JobQueue(redis, lease_seconds=30, preempt=["default"])
+    running = await run_sized(queue, "w1", [sized("cpus", 1, cpus=3), sized("gpu", 1)])
+    await queue.enqueue(sized("urgent", 1, cpus=2, priority=5))
+    assert await queue.preempt_check("w1", ["default"], room(2, 1, 16 * GIB))
+    assert await statuses(queue, "w1", running) == [RenewStatus.PREEMPT, RenewStatus.OK]
+
+
+async def test_a_lower_priority_job_the_room_does_not_need_runs_on(redis: AnyRedis) -> None:
+    """issue 50 review, pinned: the jobs are taken in order (the lowest priority first) while
+    something is still short, then any not needed is left running, the last taken first. Beside
+    B (priority 3, 2 GPUs) and A (priority 1, 1 GPU), with 1 GPU free, a job needing 3 takes A,
+    then B; B alone frees enough, so A (the lower priority) runs on and B alone is stopped:
+    none is stopped for nothing."""
+    queue = JobQueue(redis, lease_seconds=30, preempt=["default"])
+    b, a = await fill(queue, "w1", [spec(0, 2, priority=3), spec(1, 1, priority=1)])
+    await queue.enqueue(spec(9, 3, priority=5))
+    assert await queue.claim_many("w1", ["default"], 1, Capacity(1, gpus_total=4, ends=[(None, 3)])) == []
+    assert await statuses(queue, "w1", [b, a]) == [RenewStatus.PREEMPT, RenewStatus.OK]

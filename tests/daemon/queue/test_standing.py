@@ -14,6 +14,8 @@ from daemon.queue.claims import Capacity
 from daemon.queue.job_queue import JobQueue
 from tests.daemon.queue.test_scripts import counting_round_trips
 
+GIB = 2**30
+
 
 def spec(n: int, queue: str = "default") -> JobSpec:
     return JobSpec(argv=("echo", str(n)), queue=queue)
@@ -92,6 +94,56 @@ async def test_a_standing_claim_counts_the_time_it_stood_against_a_pilots_lifeti
     assert not queue.withdraw(standing)
     assert await queue.standing_claimed(standing) == []
     assert (await queue.get(job_id)).state is JobState.QUEUED
+
+
+def four_cpus_two_held_for_a_minute() -> Capacity:
+    """A worker without GPUs of 4 CPUs, 2 of them held by a job that ends within 60 s."""
+    return Capacity(cpus_free=2, cpus_total=4, mem_free=GIB, mem_total=GIB, host_ends=[(60.0, 2, 0)])
+
+
+async def test_a_standing_claim_keeps_a_head_of_an_earlier_queue_from_a_later_one(queue: JobQueue) -> None:
+    """issue 50 review: the head of `urgent` (4 CPUs, 2 held for a minute) is kept from `default`
+    by the worker's claims of one round, but the claim it then left standing went to `default`
+    keeping nothing: a job there with no time limit started on the CPUs the head waits for. Now
+    it waits; and a job behind the head in the head's own queue, sure to end before it could
+    start, still starts from the standing claim in its enqueue's round trip."""
+    room = four_cpus_two_held_for_a_minute()
+    head, _ = await queue.enqueue(JobSpec(argv=("head",), cpus=4, queue="urgent"))
+    assert await queue.claim_many("w1", ["urgent", "default"], 1, room) == []
+    standing = queue.stand("w1", ["urgent", "default"], 1, room)
+    assert standing is not None
+    endless, _ = await queue.enqueue(JobSpec(argv=("endless",), cpus=2))
+    if not queue.withdraw(standing):
+        assert await queue.standing_claimed(standing) == []
+    assert (await queue.get(endless)).state is JobState.QUEUED
+    standing = queue.stand("w1", ["urgent", "default"], 1, room)
+    assert standing is not None
+    short, _ = await queue.enqueue(JobSpec(argv=("short",), cpus=2, timeout=5.0, queue="urgent"))
+    assert not queue.withdraw(standing)
+    assert [lease.job_id for lease in await queue.standing_claimed(standing)] == [short]
+    for waiting in (head, endless):
+        assert (await queue.get(waiting)).state is JobState.QUEUED
+
+
+async def test_a_head_a_standing_claim_reserved_is_kept_from_the_next_standing_claim(queue: JobQueue) -> None:
+    """issue 50 review: a standing claim can find the head itself (the job its enqueue queued
+    needs more CPUs than are free): the claim the worker leaves standing next keeps that head's
+    need from its later queue, as its next round of claims would."""
+    room = four_cpus_two_held_for_a_minute()
+    await queue.enqueue(spec(0, "elsewhere"))  # scripts loaded: the batches below run as sent
+    assert await queue.claim_many("w1", ["urgent", "default"], 1, room) == []
+    standing = queue.stand("w1", ["urgent", "default"], 1, room)
+    assert standing is not None
+    head, _ = await queue.enqueue(JobSpec(argv=("head",), cpus=4, queue="urgent"))
+    assert not queue.withdraw(standing)
+    assert await queue.standing_claimed(standing) == []
+    standing = queue.stand("w1", ["urgent", "default"], 1, room)
+    assert standing is not None
+    endless, _ = await queue.enqueue(JobSpec(argv=("endless",), cpus=2))
+    if not queue.withdraw(standing):
+        assert await queue.standing_claimed(standing) == []
+    for waiting in (head, endless):
+        assert (await queue.get(waiting)).state is JobState.QUEUED
 
 
 async def _commands(redis: Redis) -> dict[str, int]:

@@ -14,6 +14,7 @@ import pytest
 from daemon.client.pool_client import ClientError
 from daemon.job import JobState
 from daemon.queue import keys
+from daemon.queue.claims import Capacity
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.registry import Registration
 from daemon.worker.host import HostResources
@@ -146,3 +147,50 @@ async def test_a_job_needs_its_gpus_on_the_worker_that_has_its_cpus(
         assert "needs 2 GPUs; the largest worker serving queue 'mixed' has 1" in str(refused.value)
         fits = (await c.call(Enqueue({**shared, "cpus": 4}, None), Enqueued)).job_id  # w-one-gpu's
         await c.call(CancelJobs([fits]), Cancelled)
+
+
+async def test_show_says_no_worker_can_hold_a_job_whose_cpus_and_memory_no_one_worker_has(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 50 review: `poolctl show` judged a job by a worker with the most CPUs of one live
+    worker and the most memory of another, so a job needing 16 CPUs and 60 GiB, where one worker
+    has 16 CPUs and 8 GiB and the other 2 CPUs and 64 GiB, was said to be next to start: it never
+    would. It is said to need them on one worker, as admission (the same check) refuses it; a job
+    one of them holds is not."""
+    async with running_pool(redis_server, tmp_path) as pool, pool.client() as c:
+        for name, cpus, memory in (("w-cpus", 16, 8 * GIB), ("w-memory", 2, 64 * GIB)):
+            worker = Registration(id=name, slots=1, queues=("big",), healthy_period=300)
+            worker.cpus, worker.job_memory = cpus, memory
+            async with pool.queue.redis.pipeline(transaction=False) as pipe:
+                pipe.hset(keys.WORKERS, name, msgpack.packb(worker.to_dict()))
+                pipe.zadd(keys.WORKERS_SEEN, {name: time.time() * 1000})
+                await pipe.execute()
+        both = {"argv": ["true"], "queue": "big", "cpus": 16, "mem": 60 * GIB, "wait_for_worker": True}
+        never = (await c.call(Enqueue(both, None), Enqueued)).job_id
+        fits = (await c.call(Enqueue({**both, "mem": 8 * GIB}, None), Enqueued)).job_id
+        reason = (await c.call(ShowJob(never), JobDetail)).job["pending_reason"]
+        assert reason.startswith(
+            "needs 16 CPUs and 60.0 GiB of memory on one worker, and no live worker serving queue "
+            "'big' has them all"
+        ), reason
+        assert (await c.call(ShowJob(fits), JobDetail)).job["pending_reason"] == (
+            "1 job(s) ahead of it in queue 'big'"
+        )
+        await c.call(CancelJobs([never, fits]), Cancelled)
+
+
+async def test_show_says_what_a_head_reserved_on_a_worker_waits_for(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """issue 50 review: a head reserved on a worker was said to be "waiting for its GPUs" when it
+    needs none and waits for CPUs (2 of the worker's 4 held for 10 minutes at most): `show` says
+    what it waits for."""
+    async with running_pool(redis_server, tmp_path) as pool, pool.client() as c:
+        head = (
+            await c.call(Enqueue({"argv": ["true"], "cpus": 4, "wait_for_worker": True}, None), Enqueued)
+        ).job_id
+        room = Capacity(cpus_free=2, cpus_total=4, mem_free=GIB, mem_total=GIB, host_ends=[(600.0, 2, 0)])
+        assert await pool.queue.claim_many("w1", ["default"], 1, room) == []  # as the worker would
+        reason = (await c.call(ShowJob(head), JobDetail)).job["pending_reason"]
+        assert reason.startswith("waiting for 4 CPUs; reserved on w1, expected by "), reason
+        await c.call(CancelJobs([head]), Cancelled)

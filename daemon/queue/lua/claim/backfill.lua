@@ -1,13 +1,16 @@
 -- claim/backfill.lua: the head of line, its reservation and backfill. When the next job needs more
 -- GPUs than the claimer has free (less what this call already handed out), or more CPUs or memory
--- (host.lua), claiming stops there and that job waits for them (the head). The head reserves this worker (`key.reservation`: one per
--- queue, for a lease, renewed by each claim of its worker; a worker that dies lets it lapse),
--- unless another live worker holds its reservation. Jobs behind it may then start: on any worker
--- the head is not reserved on; on the one it is, only a job whose time limit (plus stop grace)
--- ends before the head could start there (the running jobs' limits say when: one without a limit
--- may end any moment). So no job it waits behind can delay it, and it starts once its reserved
--- worker has its GPUs. A worker holding a reservation keeps those GPUs from the queues it claims
--- from after this one too (the request's `kept`).
+-- (host.lua), claiming stops there and that job waits for them (the head). The head reserves this
+-- worker (`key.reservation`: one per queue, for a lease, renewed by each claim of its worker; a
+-- worker that dies lets it lapse), unless another live worker holds its reservation. Jobs behind
+-- it may then start: on any worker the head is not reserved on; on the one it is, only a job whose
+-- time limit (plus stop grace) ends before the head could start there (the running jobs' limits
+-- say when: one without a limit may end any moment). So no job it waits behind can delay it, and
+-- it starts once its reserved worker has all it needs free (its GPUs, CPUs and memory). A worker
+-- holding a reservation keeps all the head needs (its GPUs, CPUs and memory) from the queues it
+-- claims from after this one in the same round too: the reply carries that need and the next
+-- queue's request brings it back (`kept`), so a job there starts only if it ends before the head
+-- could start, as one of the head's own queue does.
 
 -- When the running jobs here end at the latest: {ms from now, GPUs, CPUs, bytes of memory}, the
 -- soonest first.
@@ -41,11 +44,11 @@ function backfill.earliest(need)
   return 0
 end
 
--- Keep `gpus` GPUs here for a head job (and, for its start time, its CPUs and memory).
-function backfill.keep_for_head(gpus, cpus, mem_bytes)
-  ledger.head_need, ledger.head_at = gpus, backfill.earliest({gpus, cpus or 0, mem_bytes or 0})
+-- Keep what a head job needs here, `need` ({GPUs, CPUs, bytes of memory}), till it could start.
+function backfill.keep_for_head(need)
+  ledger.head_need, ledger.head_at = need, backfill.earliest(need)
 end
-if req.kept > 0 then backfill.keep_for_head(req.kept) end
+if #req.kept > 0 then backfill.keep_for_head(req.kept) end
 
 -- The front's jobs a backfill looks at, in the front's own order (front.lua): the front's ZSET,
 -- the parked jobs and the jobs held at a cap that are part of the front (every one in a FIFO
@@ -109,19 +112,19 @@ function backfill.behind(head)
   end
 end
 
--- Job `j`, the first that must wait for its `gpus` here: it reserves this worker unless another
--- live one holds its reservation (or GPUs here are kept for a head already) or it is not for this
--- worker (fit.lua `fit.passed_over`); it may preempt jobs here; the jobs behind it that may start do
--- (backfill); and the claim stops.
+-- Job `j`, the first that must wait here (for its `gpus` GPUs, its CPUs or its memory): it
+-- reserves this worker unless another live one holds its reservation (or what a head needs is kept
+-- here already, from an earlier queue) or it is not for this worker (fit.lua `fit.passed_over`);
+-- it may preempt jobs here; the jobs behind it that may start do (backfill); and the claim stops.
 function backfill.blocked(j, gpus)
   local status = 'blocked'
   if not ledger.head_need and not fit.passed_over(j) then
     local r = redis.call('HMGET', key.reservation, 'job', 'worker', 'until')
     if not (r[1] == j.id and r[2] ~= req.worker and tonumber(r[3]) > now) then
-      backfill.keep_for_head(gpus, j.cpus, j.mem_bytes)
+      backfill.keep_for_head({gpus, j.cpus, j.mem_bytes})
       redis.call('HSET', key.reservation, 'job', j.id, 'worker', req.worker, 'until', now + req.lease_ms, 'at', now + ledger.head_at,
         'preempt', '0')
-      if preempt.may(j) and preempt.make_room(gpus, j.priority, false) then
+      if preempt.may(j) and preempt.make_room(j, gpus, false) then
         redis.call('HSET', key.reservation, 'preempt', '1')
         status = 'preempting'
       end

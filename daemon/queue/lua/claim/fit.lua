@@ -43,8 +43,9 @@ function fit.passed_over(j)
 end
 
 -- Why a job of `gpus` GPUs may not start here now, or nil: its GPUs (or memory on a shared GPU),
--- or its CPUs or memory on the worker (host.lua), are not free, it is not for this claimer, or with a head job's GPUs kept here it is not sure to end before the
--- head could start (backfill.lua).
+-- or its CPUs or memory on the worker (host.lua), are not free, it is not for this claimer, or,
+-- with what a head job needs kept here, it is not sure to end before the head could start
+-- (backfill.lua).
 function fit.cannot_start(j, gpus)
   if not fit.fits_now(j, gpus) then return j.mem > 0 and 'memory' or 'gpus' end
   local short = host.short(j)

@@ -20,7 +20,7 @@ function front.take_preempting_head()
     places.take_from_anywhere(j)
     ledger.start(j, gpus)
   elseif not ledger.head_need then
-    backfill.keep_for_head(gpus, j.cpus, j.mem_bytes)
+    backfill.keep_for_head({gpus, j.cpus, j.mem_bytes})
   end
 end
 

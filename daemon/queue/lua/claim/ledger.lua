@@ -3,7 +3,9 @@
 -- queue, the reply, and the worker's memo that makes a request answered once.
 ledger.gpus_free = req.gpus_free  -- GPUs free whole, as this call counts them out
 ledger.ids, ledger.claimed = {}, {}  -- the ids started by this call; the reply's rows for them
-ledger.head_need, ledger.head_at = nil, nil  -- a head job's GPUs kept here, and when it could start (ms)
+-- A head job's whole need kept here ({GPUs, CPUs, bytes of memory}: backfill.lua), and when it
+-- could start (ms from now); nil: none.
+ledger.head_need, ledger.head_at = nil, nil
 
 function ledger.lease_of(i)
   return req.worker .. '/' .. req.request .. '.' .. i
@@ -36,14 +38,14 @@ function ledger.reply_row(id, jobkey)
   for _, v in ipairs({id, j[1], j[2], j[3], j[4] or -1}) do ledger.claimed[#ledger.claimed + 1] = v end
 end
 
--- The reply: {status, stream cursor, wake cursor, GPUs kept for a head job, GPUs free whole left,
--- the shared GPUs' table left, CPUs and bytes of memory free left (host.lua), then id, attempt,
--- lease, spec, shared GPU's place of each job}. The
--- cursors matter only to a claimer that found nothing more to take (it waits after them): a
+-- The reply: {status, stream cursor, wake cursor, what is kept for a head job ({GPUs, CPUs, bytes
+-- of memory}; {}: none), GPUs free whole left, the shared GPUs' table left, CPUs and bytes of
+-- memory free left (host.lua), then id, attempt, lease, spec, shared GPU's place of each job}.
+-- The cursors matter only to a claimer that found nothing more to take (it waits after them): a
 -- 'claimed' answer carries none.
 function ledger.reply(status, cursor)
-  local out = {status, cursor, '0-0', ledger.head_need or 0, ledger.gpus_free, packing.left(), host.cpus_free,
-    host.mem_free}
+  local out = {status, cursor, '0-0', ledger.head_need or {}, ledger.gpus_free, packing.left(),
+    host.cpus_free, host.mem_free}
   if status ~= 'claimed' then
     local top = redis.call('XREVRANGE', req.prefix .. 'wake', '+', '-', 'COUNT', 1)[1]
     out[3] = top and top[1] or '0-0'

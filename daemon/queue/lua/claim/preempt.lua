@@ -1,25 +1,35 @@
 -- claim/preempt.lua: preemption, where an admin enables it for the queue. A job with a priority
--- that must wait for GPUs on this worker, which holds its reservation (backfill.lua), asks this
--- worker's running jobs of lower priority in the queue to stop and be handed back (the lowest
--- priority first, the latest started first among equals; the flag renew.lua answers 'preempt'
--- to), as few as make room; the reservation is marked so, and this worker's next claims start
--- that job before anything else, and nothing that could delay it meanwhile. A job on a shared GPU
--- waits for memory: it preempts nobody, and its own GPU frees no whole one.
+-- that must wait for GPUs, CPUs or memory on this worker (host.lua), which holds its reservation
+-- (backfill.lua), asks this worker's running jobs of lower priority in the queue to stop and be
+-- handed back (the flag renew.lua answers 'preempt' to), to make room for all it needs: taken in
+-- order (the lowest priority first, the latest started first among equals), only those that free
+-- something still short, then any not needed left running, the last taken first. So no job stops
+-- for nothing, and a lower-priority one may run on where a higher one that frees more stops (with
+-- 1 GPU free, a head needing 3 stops a 2-GPU job of priority 3, not the 1-GPU job of priority 1
+-- beside it, which it took first). Nobody stops when all of them would not make room. The
+-- reservation is marked so, and this worker's next claims start that job before anything else,
+-- and nothing that could delay it meanwhile. A job on a shared GPU waits for memory: it preempts
+-- nobody; one running on a shared GPU frees no whole GPU when it stops, only its CPUs and memory.
 
--- Ask as few of this worker's running jobs of this queue with a priority below `p` to stop as
--- make room for `gpus` GPUs (and, with `slot`, for a slot too); jobs already asked to stop count
--- as leaving. True when there is room, or will be.
-function preempt.make_room(gpus, p, slot)
-  local have, leaving, victims = ledger.gpus_free, 0, {}
+-- Ask this worker's running jobs of this queue with a priority below job `j`'s to stop (chosen as
+-- the top says) to make room for its `gpus` GPUs, its CPUs and its memory (a resource the worker
+-- does not count is never short: host.lua) and, with `slot`, for a slot too; jobs already asked to
+-- stop count as leaving, and what they hold as free. True when there is room, or will be.
+function preempt.make_room(j, gpus, slot)
+  local need, counted = {gpus, j.cpus, j.mem_bytes}, {true, host.cpus_total > 0, host.mem_total > 0}
+  local have, leaving, victims = {ledger.gpus_free, host.cpus_free, host.mem_free}, 0, {}
   for _, id in ipairs(redis.call('ZRANGE', key.leases, 0, -1)) do
-    local j = redis.call('HMGET', job_key(req.prefix, id), 'worker', 'priority', 'held_gpus', 'started_at', 'requeue',
-      'cancel', 'seq', 'shared_gpu')
-    local g = (tonumber(j[8]) or -1) >= 0 and 0 or tonumber(j[3]) or 0
-    if j[1] == req.worker and (j[5] or j[6] == '1') then
-      have, leaving = have + g, leaving + 1
-    elseif j[1] == req.worker and (tonumber(j[2]) or 0) < p then
-      victims[#victims + 1] = {id = id, priority = tonumber(j[2]) or 0, started = tonumber(j[4]) or 0, gpus = g,
-        seq = tonumber(j[7]) or 0}
+    local v = redis.call('HMGET', job_key(req.prefix, id), 'worker', 'priority', 'held_gpus', 'started_at',
+      'requeue', 'cancel', 'seq', 'shared_gpu', 'cpus', 'mem_bytes')
+    -- What it frees when it stops: its whole GPUs (none from a shared GPU), CPUs and memory.
+    local whole = (tonumber(v[8]) or -1) < 0 and tonumber(v[3]) or 0
+    local holds = {whole, tonumber(v[9]) or 0, tonumber(v[10]) or 0}
+    if v[1] == req.worker and (v[5] or v[6] == '1') then
+      for r = 1, 3 do have[r] = have[r] + holds[r] end
+      leaving = leaving + 1
+    elseif v[1] == req.worker and (tonumber(v[2]) or 0) < j.priority then
+      victims[#victims + 1] = {id = id, priority = tonumber(v[2]) or 0, started = tonumber(v[4]) or 0,
+        holds = holds, seq = tonumber(v[7]) or 0}
     end
   end
   table.sort(victims, function(a, b)  -- the lowest priority, the latest started, the latest queued
@@ -27,16 +37,30 @@ function preempt.make_room(gpus, p, slot)
     if a.started ~= b.started then return a.started > b.started end
     return a.seq > b.seq
   end)
-  local chosen = {}
-  for _, v in ipairs(victims) do
-    if have >= gpus and (not slot or leaving + #chosen > 0) then break end
-    if v.gpus > 0 or (slot and leaving + #chosen == 0) then
-      chosen[#chosen + 1] = v.id
-      have = have + v.gpus
-    end
+  local chosen, n = {}, 0
+  local function short(r) return counted[r] and have[r] < need[r] end
+  local function room() return not (short(1) or short(2) or short(3)) and (not slot or leaving + n > 0) end
+  local function move(v, sign)
+    for r = 1, 3 do have[r] = have[r] + sign * v.holds[r] end
+    n = n + sign
   end
-  if have < gpus or (leaving + #chosen == 0) then return false end  -- no room, or none needed
-  for _, id in ipairs(chosen) do redis.call('HSET', job_key(req.prefix, id), 'requeue', 'preempt') end
+  for _, v in ipairs(victims) do
+    if room() then break end
+    local helps = slot and leaving + n == 0
+    for r = 1, 3 do helps = helps or (short(r) and v.holds[r] > 0) end
+    if helps then chosen[#chosen + 1] = v; move(v, 1) end
+  end
+  if not room() or leaving + n == 0 then return false end  -- no room, or none needed
+  -- One taken early may be needless once later ones freed more (a job taken for a slot, or for a
+  -- GPU, when the one taken for the CPUs held GPUs too): the last taken first, each left running
+  -- where the room stays without it.
+  for i = #chosen, 1, -1 do
+    move(chosen[i], -1)
+    if room() then chosen[i] = false else move(chosen[i], 1) end
+  end
+  for _, v in ipairs(chosen) do
+    if v then redis.call('HSET', job_key(req.prefix, v.id), 'requeue', 'preempt') end
+  end
   return true
 end
 
@@ -58,7 +82,7 @@ function preempt.check()
     local j = job.of(top)
     local gpus = fit.need_of(j)
     if j.state == 'queued' and gpus <= req.gpus_total and caps.under_cap(j.user, gpus) and not fit.passed_over(j)
-        and preempt.may(j) and preempt.make_room(gpus, j.priority, true) then
+        and preempt.may(j) and preempt.make_room(j, gpus, true) then
       redis.call('HSET', key.reservation, 'job', top, 'worker', req.worker, 'until', now + req.lease_ms, 'at', now,
         'preempt', '1')
       status = 'preempting'
