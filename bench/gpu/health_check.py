@@ -35,7 +35,7 @@ except ImportError:
         pass
 
     stub.GpuSample = stub.GpuShare = _Any  # type: ignore[attr-defined]
-    stub.HEALTH_REASONS = ("xid", "ecc", "pages", "lost", "thermal", "power")  # type: ignore[attr-defined]
+    stub.HEALTH_REASONS = ("xid", "ecc", "pages", "lost", "hung", "thermal", "power")  # type: ignore[attr-defined]
     sys.modules["daemon.metrics.worker"] = stub
 
 import pynvml  # noqa: E402

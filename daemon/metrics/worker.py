@@ -25,7 +25,7 @@ from daemon.metrics.common import RTT_BUCKETS, QueueLabels, new_registry
 
 TRANSFER_DIRECTIONS = ("upload", "download")
 # The GPU health faults (daemon/worker/gpu_health.py FAULTS), the `reason` of gpupool_gpu_healthy.
-HEALTH_REASONS = ("xid", "ecc", "pages", "lost", "thermal", "power")
+HEALTH_REASONS = ("xid", "ecc", "pages", "lost", "hung", "thermal", "power")
 EFFICIENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,9 +48,16 @@ from typing import Any, Protocol
 
 import pynvml
 
+from daemon.aio import in_daemon_thread
 from daemon.metrics.worker import GpuSample, GpuShare
 
 log = logging.getLogger(__name__)
+
+# How long the worker waits for NVML to answer for a GPU (its health, the processes on it) before
+# it takes the GPU for one whose driver stopped answering (as one falling off the bus does). A
+# sound GPU answers in milliseconds. Each such read runs in a daemon thread of its own
+# (daemon.aio.in_daemon_thread), which a hung call holds alone: never a claim, nor the exit.
+NVML_READ_SECONDS = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,12 +447,18 @@ class GpuAllocator:
 
 async def recheck_quarantine(allocator: GpuAllocator, probe: GpuProbe) -> bool:
     """Put back into use each quarantined GPU no process holds memory on any more (it is clean);
-    whether any came back. NVML is asked in a thread."""
+    whether any came back. A GPU out for its health is not asked (its NVML may hang: the health
+    watch brings it back, then this runs again); the others are asked in a daemon thread each,
+    for NVML_READ_SECONDS at most (one that does not answer stays quarantined)."""
     back = False
-    for uuid in list(allocator.quarantined):
+    for uuid in [u for u in allocator.quarantined if u not in allocator.unhealthy]:
+        asking = in_daemon_thread(functools.partial(probe.compute_pids, uuid), "gpupool-gpu-clean")
         try:
-            busy = await asyncio.to_thread(probe.compute_pids, uuid)
+            busy = await asyncio.wait_for(asking, NVML_READ_SECONDS)
         except GpuProbeError:
+            continue
+        except TimeoutError:
+            log.warning("GPU %s stays quarantined: NVML does not answer for it", uuid)
             continue
         if not busy:
             allocator.unquarantine(uuid)

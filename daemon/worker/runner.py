@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from daemon.aio import cancel_and_wait
+from daemon.aio import cancel_and_wait, in_daemon_thread
 from daemon.errors import GpupoolError, JobNotFound, StaleAttempt
 from daemon.git import ANY_PROTOCOL
 from daemon.job import JobState, Lease, Outcome
@@ -42,7 +42,7 @@ from daemon.worker import checkpoints, git_mirror, job_data, leftovers, scratch,
 from daemon.worker.cgroups import SlotCgroup
 from daemon.worker.env_lock import find_lock, has_lock
 from daemon.worker.envs import EnvCache, InUse
-from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
+from daemon.worker.gpus import NVML_READ_SECONDS, GpuInfo, GpuProbe, visible_devices
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput
 from daemon.worker.orphan_guard import OrphanGuard
@@ -777,8 +777,19 @@ class JobRun:
             return {}
         ours = set(self._descendants) | {pgid}
         deadline = time.monotonic() + GPU_SETTLE_SECONDS
+        probe = self.probe
         while True:
-            dirty = await asyncio.to_thread(leftovers.dirty_gpus, self.probe, self.gpus, ours, pgid)
+            # In a daemon thread, within a bound: NVML may hang on a GPU whose driver stopped
+            # answering (the health watch quarantines it), and the attempt's end, its hand-back
+            # and the worker's stop must not wait for it. Unanswered, every GPU counts as dirty.
+            asking = in_daemon_thread(
+                lambda: leftovers.dirty_gpus(probe, self.gpus, ours, pgid), "gpupool-gpu-check"
+            )
+            try:
+                dirty = await asyncio.wait_for(asking, NVML_READ_SECONDS)
+            except TimeoutError:
+                why = f"{leftovers.UNCHECKED}: NVML does not answer"
+                return {g.uuid: why for g in self.gpus}
             settling = [why for why in dirty.values() if not why.startswith(leftovers.UNCHECKED)]
             if not settling or time.monotonic() > deadline:
                 return dirty

@@ -124,9 +124,10 @@ def test_gpu_health_the_dashboard_says_which_fault_took_a_gpu_out() -> None:
 @contextlib.contextmanager
 def health_worker(
     redis_server: EmbeddedRedis, s3_env: dict[str, str], faults: Path, host: str, *options: str
-) -> Iterator[Path]:
+) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
     """A `poold --worker` with two made-up GPUs of 16 GiB and two slots, whose GPUs' faults are
-    what `faults` says; yields its log's path. Its data is in /tmp, passable by the slot uids."""
+    what `faults` says; yields its log's path and its process. Its data is in /tmp, passable by
+    the slot uids."""
     data_dir = Path(tempfile.mkdtemp(prefix="gpupool-health-"))
     data_dir.chmod(0o711)
     argv = [
@@ -148,7 +149,7 @@ def health_worker(
     log_path = data_dir.parent / f"{data_dir.name}.log"
     with open(log_path, "wb") as log, subprocess.Popen(argv, env=env, stderr=log) as proc:
         try:
-            yield log_path
+            yield log_path, proc
         finally:
             proc.terminate()
             try:
@@ -266,9 +267,10 @@ async def test_gpu_health_each_fault_quarantines_hands_back_or_lets_finish_and_c
         try:
             for policy, host in hosts.items():
                 options = ("--gpu-health-policy", policy)
-                logs.append(
-                    workers.enter_context(health_worker(redis_server, s3_env, faults[policy], host, *options))
+                log, _ = workers.enter_context(
+                    health_worker(redis_server, s3_env, faults[policy], host, *options)
                 )
+                logs.append(log)
 
             async def registered() -> bool:
                 return len(await registry.list_workers(queue.redis)) == len(hosts)
@@ -317,6 +319,57 @@ async def test_gpu_health_a_claim_never_asks_nvml_of_a_gpu_out_for_its_health(
         assert all(gpus[1].uuid not in uuids for uuids in asked), asked
     finally:
         release.set()
+
+
+async def test_gpu_health_a_gpu_whose_nvml_hangs_is_quarantined_and_the_others_still_checked(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 50, a review's finding: the health watch read every GPU's health in one pass, so one
+    NVML call that hung (a GPU whose driver stops answering, as one falling off the bus does)
+    stopped every health check of the worker for good. Each GPU's read is bounded: the GPU whose
+    NVML does not answer is quarantined for it (`hung`) and its job told and handed back, to run
+    on the other GPU; the other GPU's faults are still seen; the hung GPU comes back once NVML
+    answers for `gpu_health_clear` seconds and its probe passes; and a worker stopped while a
+    GPU's NVML hangs (its job's end, its quarantine check) still stops, handing its job back."""
+    queue = JobQueue(redis_server.client(), lease_seconds=30)
+    host = secrets.token_hex(3)
+    faults = tmp_path / "faults.json"
+    spec = JobSpec(argv=("sh", "-c", JOB), gpus=1, queue=host)
+    with health_worker(redis_server, s3_env, faults, host) as (log, proc):
+        try:
+            first, _ = await queue.enqueue(spec)
+            bad = await gpu_of(queue, first, host)
+            inject(faults, {bad: {"hang": True}})
+            said = await wait_health(queue, host, bad, "hung", f"GPU {bad} quarantined for not answering")
+            assert said["quarantined"].startswith("NVML does not answer"), said
+            assert await gpu_of(queue, first, host, count=2) == 1 - bad  # handed back, run on the other
+            told = [line for line in await log_lines(queue, first) if line.startswith("[gpupool]")]
+            what = f"GPU {bad} (GPU-fake-{host}-{bad}) is unhealthy: NVML does not answer"
+            assert any(what in line for line in told), told
+            await queue.cancel(first)
+            await wait_state(queue, first, JobState.CANCELLED)
+
+            inject(faults, {bad: {"hang": True}, 1 - bad: {"ecc": 2}})  # still checked, beside the hung one
+            await wait_health(queue, host, 1 - bad, "ecc", f"GPU {1 - bad} quarantined beside the hung one")
+            inject(faults, {})
+            for index in (bad, 1 - bad):
+                back = await wait_health(queue, host, index, "", f"GPU {index} back")
+                assert back["quarantined"] == "", back  # nor left counted as dirty
+
+            second, _ = await queue.enqueue(spec)
+            hung = await gpu_of(queue, second, host)
+            inject(faults, {hung: {"hang": True}})
+            await wait_health(queue, host, hung, "hung", f"GPU {hung} quarantined again")
+            assert await gpu_of(queue, second, host, count=2) == 1 - hung
+            proc.terminate()  # while NVML hangs on the GPU its job's first attempt left
+            await asyncio.to_thread(proc.wait, 60)
+            assert (await queue.get(second)).state is JobState.QUEUED  # handed back at the stop
+        except BaseException:
+            print(log.read_text()[-8000:])
+            raise
+        finally:
+            inject(faults, {})
+            await queue.redis.aclose()
 
 
 def test_xid_watch_logs_a_failing_wait_once_and_tries_less_often(tmp_path: Path) -> None:
