@@ -208,7 +208,7 @@ class Worker(Stopping):
             env=self.env,
         )
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known, as are
-        self.readings = GpuReadings(None, heartbeat_seconds)  # their readings, for the registration
+        self.readings = GpuReadings({}, heartbeat_seconds)  # their readings, for the registration
         self._nvml: Nvml | None = None
         self._held = Holdings(self._slots.guard)  # every attempt this worker holds, by lease id
         # what the fast path does here, and the jobs it claimed before a slot is free
@@ -257,9 +257,14 @@ class Worker(Stopping):
             self.probe = self.probe or self._nvml
         gpus = self.allocator.gpus
         self._fast.begin(gpus)
-        sampler = functools.partial(sample_gpus, gpus) if self._nvml is not None else self._given_sampler
-        self.metrics = WorkerMetrics(gpus, sampler)  # NVML is read by sample_gpus, never by metrics/
-        self.readings = GpuReadings(sampler, self.heartbeat.interval, self._gpus_read)
+        readers: dict[str, GpuSampler] = {}
+        if self._nvml is not None:  # one reader per GPU: a GPU whose NVML hangs holds only its own
+            readers = {g.uuid: functools.partial(sample_gpus, [g]) for g in gpus}
+        elif self._given_sampler is not None:
+            readers = {"given GPUs": self._given_sampler}
+        self.readings = GpuReadings(readers, self.heartbeat.interval, self._gpus_read)
+        # The metrics serve the latest readings: a scrape never asks NVML (which may hang on a GPU).
+        self.metrics = WorkerMetrics(gpus, self.readings.samples if readers else None)
         self.heartbeat.observer = self._observe_heartbeat
         self._registration.started_at = time.time()
         if self.host is not None:  # what its jobs may have: the server refuses a job asking for more

@@ -3,10 +3,11 @@
 This is the one module that reads NVML. Discovery (`discover`) asks it once, at start; a GPU in MIG
 mode is listed as its MIG devices, each a GPU of its own to the pool (CUDA_VISIBLE_DEVICES takes
 their MIG- UUIDs), since a job on one cannot see or touch the others' memory or compute;
-`sample_gpus` reads the GPUs' utilisation, memory, temperature, power and energy at each metrics
-scrape (the worker hands it to `WorkerMetrics`, which never imports pynvml). Without the NVIDIA
-driver, or without GPUs, NVML raises `NVMLError` (or sees nothing): the worker then runs as a CPU
-worker, says so once, and only takes jobs that need no GPU. It never crashes for want of a GPU.
+`sample_gpu` reads a GPU's utilisation, memory, temperature, power and energy, once per heartbeat
+interval (gpu_readings.py, whose latest readings the metrics serve: metrics/ never imports
+pynvml). Without the NVIDIA driver, or without GPUs, NVML raises `NVMLError` (or sees nothing):
+the worker then runs as a CPU worker, says so once, and only takes jobs that need no GPU. It never
+crashes for want of a GPU.
 
 Assignment (`GpuAllocator`) is pure bookkeeping over a list of `GpuInfo`, so tests drive it with a
 made-up list instead of NVML (the seam). Its rules:
@@ -50,14 +51,9 @@ import pynvml
 
 from daemon.aio import in_daemon_thread
 from daemon.metrics.worker import GpuSample, GpuShare
+from daemon.worker.nvml_asks import NVML_READ_SECONDS
 
 log = logging.getLogger(__name__)
-
-# How long the worker waits for NVML to answer for a GPU (its health, the processes on it) before
-# it takes the GPU for one whose driver stopped answering (as one falling off the bus does). A
-# sound GPU answers in milliseconds. Each such read runs in a daemon thread of its own
-# (daemon.aio.in_daemon_thread), which a hung call holds alone: never a claim, nor the exit.
-NVML_READ_SECONDS = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,31 +237,33 @@ def discover() -> tuple[list[GpuInfo], Nvml | None]:
 
 
 def sample_gpus(gpus: Iterable[GpuInfo]) -> list[GpuSample]:
-    """The live readings of `gpus` for a metrics scrape. NVML must be initialised (`discover` leaves
-    it so when it finds GPUs). A GPU NVML cannot find (no driver, fallen off the bus) gives no
-    sample; a query it cannot answer (not supported, e.g. utilisation in MIG mode, or a transient
-    error) leaves that reading None. Blocking, and it may hang on a failing GPU: the metrics
-    endpoint calls it from a thread."""
-    out = []
-    for gpu in gpus:
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
-        except pynvml.NVMLError:
-            continue
-        utilization = used = total = temperature = power = energy = None
-        with contextlib.suppress(pynvml.NVMLError):
-            utilization = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100
-        with contextlib.suppress(pynvml.NVMLError):
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            used, total = int(memory.used), int(memory.total)
-        with contextlib.suppress(pynvml.NVMLError):
-            temperature = float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
-        with contextlib.suppress(pynvml.NVMLError):
-            power = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000  # milliwatts
-        with contextlib.suppress(pynvml.NVMLError):
-            energy = int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
-        out.append(GpuSample(gpu.uuid, utilization, used, total, temperature, power, energy))
-    return out
+    """The live readings of `gpus` (`sample_gpu` of each), those NVML could give. Blocking, and
+    it may hang on a failing GPU: call it from a daemon thread."""
+    return [s for gpu in gpus if (s := sample_gpu(gpu)) is not None]
+
+
+def sample_gpu(gpu: GpuInfo) -> GpuSample | None:
+    """The live readings of `gpu`. NVML must be initialised (`discover` leaves it so when it finds
+    GPUs). A GPU NVML cannot find (no driver, fallen off the bus) gives None; a query it cannot
+    answer (not supported, e.g. utilisation in MIG mode, or a transient error) leaves that reading
+    None. Blocking, and it may hang on a failing GPU: the worker asks it through nvml_asks.py."""
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+    except pynvml.NVMLError:
+        return None
+    utilization = used = total = temperature = power = energy = None
+    with contextlib.suppress(pynvml.NVMLError):
+        utilization = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100
+    with contextlib.suppress(pynvml.NVMLError):
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        used, total = int(memory.used), int(memory.total)
+    with contextlib.suppress(pynvml.NVMLError):
+        temperature = float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
+    with contextlib.suppress(pynvml.NVMLError):
+        power = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000  # milliwatts
+    with contextlib.suppress(pynvml.NVMLError):
+        energy = int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+    return GpuSample(gpu.uuid, utilization, used, total, temperature, power, energy)
 
 
 def visible_devices(gpus: Iterable[GpuInfo]) -> str:

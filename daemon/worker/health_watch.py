@@ -2,12 +2,14 @@
 GPU comes back only after a check passes.
 
 The worker reads its GPUs' health (gpu_health.py) once per heartbeat interval, beside their
-readings, each physical GPU in a daemon thread of its own, and an Xid watch waits for Xid events
-in another. NVML calls block and may hang on a failing GPU (its driver stopped answering, as with a
-GPU falling off the bus): a pass waits NVML_READ_SECONDS at most for each GPU's read. A GPU whose
-read does not answer by then is faulty (`hung`, "NVML does not answer"), and stays so while that
-read hangs (it is not asked again meanwhile: one hung thread per GPU at most), while the other
-GPUs go on being read; the event loop, and so the worker's stop, never waits for a hung read.
+readings, each physical GPU asked in a daemon thread of its own (nvml_asks.py), and an Xid watch
+waits for Xid events in another. NVML calls block and may hang on a failing GPU (its driver
+stopped answering, as with a GPU falling off the bus): a pass waits NVML_READ_SECONDS at most for
+the GPUs' reads. A read still unanswered is not asked again until it answers, and gives no verdict
+until it has gone unanswered for HUNG_SECONDS: then the GPU is faulty (`hung`, "NVML does not
+answer"), each pass while that read hangs; a read that answers sooner (a driver lock held a few
+seconds) is no fault. The other GPUs go on being read; the event loop, and so the worker's stop,
+never waits for a hung read.
 What they find reaches the event loop, where this module keeps the book (`HealthBook`) and acts:
 
 - A fault (gpu_health.FAULTS) takes the GPU out of use at once: the allocator hands it to no new
@@ -35,10 +37,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.aio import in_daemon_thread
 from daemon.worker import gpu_health
 from daemon.worker.gpu_health import Fault
-from daemon.worker.gpus import NVML_READ_SECONDS, GpuAllocator, GpuInfo
+from daemon.worker.gpus import GpuAllocator, GpuInfo
+from daemon.worker.nvml_asks import HUNG_SECONDS, GpuAsks
 from daemon.worker.runner import Run
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ XID_JOIN_SECONDS = 2.0  # the longest the worker's stop waits for the Xid watch 
 LASTING = ("lost", "ecc", "pages", "hung", "xid", "thermal", "power")
 
 
-HUNG = Fault("hung", f"NVML does not answer (no health read in {NVML_READ_SECONDS:g} s)")
+HUNG = Fault("hung", f"NVML does not answer (no health read in {HUNG_SECONDS:g} s)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +149,8 @@ class HealthWatch:
         self._every = every
         self._policy = policy
         self.book = HealthBook(clear)
-        # Each physical GPU's read not yet taken in: one that did not answer in its pass is not
-        # asked again until it does (a GPU that hangs holds one thread, not one per pass).
-        self._reading: dict[str, asyncio.Future[Reading]] = {}
+        # Each physical GPU's read, one at a time: a GPU that hangs holds one thread, not one per pass.
+        self._reads: GpuAsks[Reading] = GpuAsks("gpupool-gpu-health")
 
     def for_gpu(self, uuid: str, parent: str | None = None) -> dict[str, Any]:
         """The health of GPU `uuid` (a MIG device of `parent`) as registration fields: its fault's
@@ -185,27 +186,21 @@ class HealthWatch:
 
     async def _pass(self) -> tuple[dict[str, list[Fault]], dict[str, str | None]]:
         """One pass: each physical GPU's faults, and the probe's verdict on those due to come
-        back, each GPU read in a daemon thread of its own (a GPU whose last read still hangs is
-        not read again), waited for NVML_READ_SECONDS at most. A read that does not answer in
-        time is the GPU's fault (`hung`), this pass and each next one while it hangs."""
+        back, each GPU read in a daemon thread of its own (nvml_asks.py). A read unanswered for
+        HUNG_SECONDS is the GPU's fault (`hung`), this pass and each next one while it hangs;
+        one unanswered for less says nothing yet."""
         due = set(self.book.due(time.monotonic()))
-        asked = []
-        for uuid in self._devices:
-            if uuid not in self._reading:
-                read = functools.partial(self._read, uuid, uuid in due)
-                self._reading[uuid] = reading = in_daemon_thread(read, "gpupool-gpu-health")
-                asked.append(reading)
-        if asked:
-            await asyncio.wait(asked, timeout=NVML_READ_SECONDS)
+        reads = await self._reads.ask({u: functools.partial(self._read, u, u in due) for u in self._devices})
+        now = time.monotonic()
         faults: dict[str, list[Fault]] = {}
         probes: dict[str, str | None] = {}
-        for uuid, reading in list(self._reading.items()):
-            if not reading.done():
-                faults[uuid] = [HUNG]
+        for uuid, read in reads.items():
+            if not read.answer.done():
+                if read.hung(now):
+                    faults[uuid] = [HUNG]
                 continue
-            del self._reading[uuid]
             try:
-                got = reading.result()
+                got = read.answer.result()
             except Exception as exc:  # noqa: BLE001 - a driver's error: no verdict this pass
                 log.warning("cannot read the health of GPU %s: %s", uuid, exc)
                 continue

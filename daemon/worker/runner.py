@@ -42,9 +42,10 @@ from daemon.worker import checkpoints, git_mirror, job_data, leftovers, scratch,
 from daemon.worker.cgroups import SlotCgroup
 from daemon.worker.env_lock import find_lock, has_lock
 from daemon.worker.envs import EnvCache, InUse
-from daemon.worker.gpus import NVML_READ_SECONDS, GpuInfo, GpuProbe, visible_devices
+from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput
+from daemon.worker.nvml_asks import NVML_READ_SECONDS
 from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.pool_link import UNREACHABLE, PoolLink
 from daemon.worker.slot_limits import SlotLimits, Usage
