@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from daemon.aio import cancel_and_wait, in_daemon_thread
+from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError, JobNotFound, StaleAttempt
 from daemon.git import ANY_PROTOCOL
 from daemon.job import JobState, Lease, Outcome
@@ -45,7 +45,6 @@ from daemon.worker.envs import EnvCache, InUse
 from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput
-from daemon.worker.nvml_asks import NVML_READ_SECONDS
 from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.pool_link import UNREACHABLE, PoolLink
 from daemon.worker.slot_limits import SlotLimits, Usage
@@ -58,7 +57,6 @@ log = logging.getLogger(__name__)
 SAMPLE_SECONDS = 0.5  # RSS sampling period
 FIRST_SAMPLE_SECONDS = 0.05  # a job that ends sooner is not sampled (a scan is not free)
 TAIL_LINES = 20  # lines of output kept in the outcome
-GPU_SETTLE_SECONDS = 3.0  # how long a GPU may take to free a dead process's memory
 LEFTOVERS_SECONDS = 5.0  # how long killed leftovers of a job may take to die
 
 
@@ -773,26 +771,7 @@ class JobRun:
     # -- GPUs -------------------------------------------------------------------------------------
 
     async def _check_gpus(self, pgid: int) -> dict[str, str]:
-        """GPUs on which a process of the job still holds memory, after a short settling time."""
+        """GPUs on which a process of the job still holds memory (leftovers.check_gpus)."""
         if not self.gpus or self.probe is None:
             return {}
-        ours = set(self._descendants) | {pgid}
-        deadline = time.monotonic() + GPU_SETTLE_SECONDS
-        probe = self.probe
-        while True:
-            # In a daemon thread, within a bound: NVML may hang on a GPU whose driver stopped
-            # answering (the health watch quarantines it), and the attempt's end, its hand-back
-            # and the worker's stop must not wait for it. Unanswered, every GPU counts as dirty.
-            asking = in_daemon_thread(
-                lambda: leftovers.dirty_gpus(probe, self.gpus, ours, pgid), "gpupool-gpu-check"
-            )
-            try:
-                dirty = await asyncio.wait_for(asking, NVML_READ_SECONDS)
-            except TimeoutError:
-                why = f"{leftovers.UNCHECKED}: NVML does not answer"
-                return {g.uuid: why for g in self.gpus}
-            settling = [why for why in dirty.values() if not why.startswith(leftovers.UNCHECKED)]
-            if not settling or time.monotonic() > deadline:
-                return dirty
-            # The driver frees a dead process's memory a moment after the process is reaped.
-            await asyncio.sleep(0.25)
+        return await leftovers.check_gpus(self.probe, self.gpus, set(self._descendants) | {pgid}, pgid)

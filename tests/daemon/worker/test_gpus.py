@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from daemon.job import JobSpec, JobState
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import list_workers
-from daemon.worker import runner
+from daemon.worker import leftovers
 from daemon.worker.gpus import GpuAllocator, NotEnoughGpus, discover, visible_devices
 from tests.support.workers import fake_gpus, running_worker, wait_file, wait_state, wait_until
 
@@ -154,7 +154,7 @@ class FakeProbe:
 async def test_a_gpu_left_dirty_is_quarantined_and_reported(
     queue: JobQueue, redis: Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(runner, "GPU_SETTLE_SECONDS", 0.2)
+    monkeypatch.setattr(leftovers, "GPU_SETTLE_SECONDS", 0.2)
     probe = FakeProbe(tmp_path / "pid")
     dirty, _ = await queue.enqueue(JobSpec(argv=("sh", "-c", f"echo $$ > {probe.pidfile}"), gpus=1))
     async with running_worker(queue, tmp_path / "w", slots=1, gpus=fake_gpus(2), probe=probe) as worker:
