@@ -82,6 +82,7 @@ from daemon.worker.host import HostResources, host_ends
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.idle_gpus import IdlePolicy
 from daemon.worker.lifetime import Lifetime
+from daemon.worker.nvml_asks import GpuAsks
 from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult, passed_env
 from daemon.worker.slots import Slots
@@ -210,6 +211,8 @@ class Worker(Stopping):
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known, as are
         self.readings = GpuReadings({}, heartbeat_seconds)  # their readings, for the registration
         self._nvml: Nvml | None = None
+        # The quarantine checks' asks of NVML: one at a time per GPU, however many jobs end.
+        self._pids_asks: GpuAsks[set[int]] = GpuAsks("gpupool-gpu-clean")
         self._held = Holdings(self._slots.guard)  # every attempt this worker holds, by lease id
         # what the fast path does here, and the jobs it claimed before a slot is free
         self._fast = FastPath(queue.fast_path, self._held, below=look_ahead_below, hold=look_ahead_hold)
@@ -675,7 +678,7 @@ class Worker(Stopping):
 
     async def _recheck_quarantine(self) -> None:
         assert self.probe is not None
-        if await recheck_quarantine(self.allocator, self.probe):
+        if await recheck_quarantine(self.allocator, self.probe, self._pids_asks):
             self._wake.set()
 
     # -- metrics ----------------------------------------------------------------------------------

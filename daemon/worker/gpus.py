@@ -39,7 +39,6 @@ for both.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
@@ -49,9 +48,8 @@ from typing import Any, Protocol
 
 import pynvml
 
-from daemon.aio import in_daemon_thread
 from daemon.metrics.worker import GpuSample, GpuShare
-from daemon.worker.nvml_asks import NVML_READ_SECONDS
+from daemon.worker.nvml_asks import GpuAsks
 
 log = logging.getLogger(__name__)
 
@@ -443,20 +441,22 @@ class GpuAllocator:
         ]
 
 
-async def recheck_quarantine(allocator: GpuAllocator, probe: GpuProbe) -> bool:
+async def recheck_quarantine(allocator: GpuAllocator, probe: GpuProbe, asks: GpuAsks[set[int]]) -> bool:
     """Put back into use each quarantined GPU no process holds memory on any more (it is clean);
     whether any came back. A GPU out for its health is not asked (its NVML may hang: the health
-    watch brings it back, then this runs again); the others are asked in a daemon thread each,
-    for NVML_READ_SECONDS at most (one that does not answer stays quarantined)."""
+    watch brings it back, then this runs again); the others are asked through `asks` (the
+    worker's one for this: a GPU whose last ask still hangs is not asked again, however many
+    jobs end meanwhile), NVML_READ_SECONDS at most (one that does not answer stays quarantined)."""
+    uuids = [u for u in allocator.quarantined if u not in allocator.unhealthy]
+    asked = await asks.ask({u: functools.partial(probe.compute_pids, u) for u in uuids})
     back = False
-    for uuid in [u for u in allocator.quarantined if u not in allocator.unhealthy]:
-        asking = in_daemon_thread(functools.partial(probe.compute_pids, uuid), "gpupool-gpu-clean")
-        try:
-            busy = await asyncio.wait_for(asking, NVML_READ_SECONDS)
-        except GpuProbeError:
-            continue
-        except TimeoutError:
+    for uuid, ask in asked.items():
+        if not ask.answer.done():
             log.warning("GPU %s stays quarantined: NVML does not answer for it", uuid)
+            continue
+        try:
+            busy = ask.answer.result()
+        except GpuProbeError:
             continue
         if not busy:
             allocator.unquarantine(uuid)
