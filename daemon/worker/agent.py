@@ -64,7 +64,7 @@ from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime
 from daemon.worker.confine import Confinement
 from daemon.worker.env_build import EnvSettings
 from daemon.worker.envs import EnvCache
-from daemon.worker.gpus import GpuInfo, GpuProbe, Nvml, discover
+from daemon.worker.gpus import GpuInfo, GpuProbe, Nvml, close_within, discover_within
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.lifetime import Lifetime
 from daemon.worker.pool_link import PoolUnreachable
@@ -170,7 +170,7 @@ class Agent:
 
     async def _start(self) -> None:
         if self._discover:
-            self.gpus, self._nvml = await asyncio.to_thread(discover)
+            self.gpus, self._nvml = await discover_within()
             self.probe = self._nvml
         await self.client.connect()
         self._hello = asyncio.get_running_loop().create_future()
@@ -242,7 +242,7 @@ class Agent:
             await self._http.close()
             self._http = None
         if self._nvml is not None:
-            await asyncio.to_thread(self._nvml.close)
+            await close_within(self._nvml)
             self._nvml = None
         self.ended.set()
         log.info("agent of worker %s stopped", self.worker_id)

@@ -72,7 +72,7 @@ from daemon.worker.gpus import (
     GpuProbe,
     NotEnoughGpus,
     Nvml,
-    discover,
+    discover_within,
     recheck_quarantine,
     sample_gpus,
 )
@@ -255,7 +255,7 @@ class Worker(Stopping):
         """Find the GPUs, register (raises RedisUnavailable when Redis does not answer), then
         start the heartbeat, the fence and the dispatcher. On failure nothing is left running."""
         if self._given_gpus is None:
-            gpus, self._nvml = await asyncio.to_thread(discover)
+            gpus, self._nvml = await discover_within()
             self.allocator = GpuAllocator(gpus, self.slots, self.gpu_max_jobs)
             self.probe = self.probe or self._nvml
         gpus = self.allocator.gpus

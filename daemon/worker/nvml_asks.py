@@ -80,3 +80,10 @@ class GpuAsks(Generic[T]):
         if not ask.answer.done():
             raise TimeoutError(f"NVML does not answer for GPU {uuid}")
         return ask.answer.result()
+
+
+async def bounded(call: Callable[[], T], name: str, seconds: float) -> T:
+    """`call` (one that may hang on NVML, not about one GPU: its start or its close) in a daemon
+    thread of its own, waited for `seconds` at most (TimeoutError; the thread is left to finish or
+    die with the process)."""
+    return await asyncio.wait_for(in_daemon_thread(call, name), seconds)

@@ -454,6 +454,45 @@ async def test_gpu_health_a_read_that_answers_within_the_hung_bound_faults_nothi
             await queue.redis.aclose()
 
 
+async def test_gpu_health_a_worker_whose_nvml_hangs_at_its_start_or_its_stop_still_stops(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 50, a review's finding: the worker found its GPUs at its start, and closed NVML at
+    its stop, on the event loop's default executor without a bound, and the exit waits for that
+    executor's threads: a worker whose NVML hung there never exited. Both run in a daemon thread
+    of their own within a bound: a worker stopped while NVML hangs at its close, or while its
+    discovery hangs, still exits."""
+    faults = tmp_path / "faults.json"
+    host = secrets.token_hex(3)
+    queue = JobQueue(redis_server.client(), lease_seconds=30)
+    try:
+        with health_worker(redis_server, s3_env, faults, host) as (log, proc):
+            try:
+
+                async def registered() -> bool:
+                    return bool(await registry.list_workers(queue.redis))
+
+                await wait_until(registered, 30, "the worker to register")
+                inject(faults, {1: {"hang": True}})  # NVML's close then hangs too
+                proc.terminate()
+                await asyncio.to_thread(proc.wait, 60)
+            except BaseException:
+                print(log.read_text()[-8000:])
+                raise
+        with health_worker(redis_server, s3_env, faults, host) as (log, proc):
+            try:
+                await asyncio.sleep(3)  # started, and hung in listing its GPUs
+                assert not await registry.list_workers(queue.redis)  # it did not get past them
+                proc.terminate()
+                await asyncio.to_thread(proc.wait, 60)
+            except BaseException:
+                print(log.read_text()[-8000:])
+                raise
+    finally:
+        inject(faults, {})
+        await queue.redis.aclose()
+
+
 def test_xid_watch_logs_a_failing_wait_once_and_tries_less_often(tmp_path: Path) -> None:
     """Issue 50, GPU health (the Xid watch): a GPU that falls off the bus under the watch fails
     every wait for an Xid; the watch logs that once, not twice a second for ever, pauses longer

@@ -20,7 +20,8 @@ file: all healthy), read afresh at each call: `{"0": {...}}` by GPU index, with 
 the count again), `"ecc": N` (uncorrectable volatile ECC errors), `"retired_pending": true`,
 `"remap_pending": true`, `"remap_failed": true`, `"clocks": BITS` (clocks event reasons),
 `"lost": true` (every call on the GPU says it has fallen off the bus) and `"hang": true` (every call
-on the GPU waits, as a driver that stopped answering does, until the file no longer says so).
+on the GPU, and nvmlShutdown, waits, as a driver that stopped answering does, until the file no
+longer says so).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def nvmlInit() -> None:
 
 
 def nvmlShutdown() -> None:
-    pass
+    while any(_faults(gpu).get("hang") for gpu in _DEVICES):  # as a driver that stopped answering
+        time.sleep(0.05)
 
 
 def nvmlDeviceGetCount() -> int:
