@@ -64,9 +64,10 @@ from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime
 from daemon.worker.confine import Confinement
 from daemon.worker.env_build import EnvSettings
 from daemon.worker.envs import EnvCache
-from daemon.worker.gpus import GpuInfo, GpuProbe, Nvml, close_within, discover_within
+from daemon.worker.gpus import GpuInfo, GpuProbe, Nvml
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.lifetime import Lifetime
+from daemon.worker.nvml_life import close_within, discover_within
 from daemon.worker.pool_link import PoolUnreachable
 from daemon.worker.relay import AgentCalls, Relay
 from daemon.worker.runner import Ending, JobRun, RunResult, passed_env

@@ -72,7 +72,6 @@ from daemon.worker.gpus import (
     GpuProbe,
     NotEnoughGpus,
     Nvml,
-    discover_within,
     recheck_quarantine,
     sample_gpus,
 )
@@ -83,6 +82,7 @@ from daemon.worker.identity import SlotIdentity
 from daemon.worker.idle_gpus import IdlePolicy
 from daemon.worker.lifetime import Lifetime
 from daemon.worker.nvml_asks import GpuAsks
+from daemon.worker.nvml_life import discover_within
 from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult, passed_env
 from daemon.worker.slots import Slots

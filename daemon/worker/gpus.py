@@ -8,7 +8,7 @@ interval (gpu_readings.py, whose latest readings the metrics serve: metrics/ nev
 pynvml). Without the NVIDIA driver, or without GPUs, NVML raises `NVMLError` (or sees nothing):
 the worker then runs as a CPU worker, says so once, and only takes jobs that need no GPU. It never
 crashes for want of a GPU. NVML may hang on a failing GPU: the worker asks it within a bound
-(`discover_within`, `close_within`, nvml_asks.py).
+(nvml_asks.py; its start and close: nvml_life.py).
 
 Assignment (`GpuAllocator`) is pure bookkeeping over a list of `GpuInfo`, so tests drive it with a
 made-up list instead of NVML (the seam). Its rules:
@@ -49,9 +49,8 @@ from typing import Any, Protocol
 
 import pynvml
 
-from daemon.errors import GpupoolError
 from daemon.metrics.worker import GpuSample, GpuShare
-from daemon.worker.nvml_asks import GpuAsks, bounded
+from daemon.worker.nvml_asks import GpuAsks
 
 log = logging.getLogger(__name__)
 
@@ -234,34 +233,6 @@ def discover() -> tuple[list[GpuInfo], Nvml | None]:
         mig = f" (MIG device of {g.parent})" if g.parent else ""
         log.info("GPU %d: %s, %.1f GiB, %s%s", g.index, g.name, g.memory / 2**30, g.uuid, mig)
     return gpus, nvml
-
-
-# How long the worker waits for NVML to start and list its GPUs (`discover_within`): a machine
-# whose driver is not kept loaded (no persistence daemon) may take seconds per GPU to initialise.
-NVML_START_SECONDS = 60.0
-# How long the worker's stop waits for NVML to close: past it, the process's exit frees it.
-NVML_CLOSE_SECONDS = 5.0
-
-
-async def discover_within(seconds: float = NVML_START_SECONDS) -> tuple[list[GpuInfo], Nvml | None]:
-    """`discover`, in a daemon thread of its own, for `seconds` at most: NVML hung on a GPU whose
-    driver stopped answering fails the worker's start with a GpupoolError that says so."""
-    try:
-        return await bounded(discover, "gpupool-gpu-discover", seconds)
-    except TimeoutError:
-        raise GpupoolError(
-            f"NVML did not list this machine's GPUs in {seconds:g} s: a GPU's driver has stopped "
-            "answering (nvidia-smi should hang too); reset the GPU or reboot, then start the worker"
-        ) from None
-
-
-async def close_within(nvml: Nvml, seconds: float = NVML_CLOSE_SECONDS) -> None:
-    """`nvml.close()`, in a daemon thread of its own, for `seconds` at most: NVML hung on a GPU
-    does not hold the worker's stop (the process's exit frees it)."""
-    try:
-        await bounded(nvml.close, "gpupool-nvml-close", seconds)
-    except TimeoutError:
-        log.warning("NVML not closed in %g s (a GPU's driver stopped answering); left to the exit", seconds)
 
 
 def sample_gpus(gpus: Iterable[GpuInfo]) -> list[GpuSample]:

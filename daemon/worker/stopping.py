@@ -29,7 +29,7 @@ from daemon.errors import NotReplicated
 from daemon.job import Lease
 from daemon.queue import registry
 from daemon.worker.attempt import boottime
-from daemon.worker.gpus import close_within
+from daemon.worker.nvml_life import close_within
 
 if TYPE_CHECKING:
     from daemon.queue.job_queue import JobQueue
