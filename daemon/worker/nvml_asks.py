@@ -73,14 +73,6 @@ class GpuAsks(Generic[T]):
                 del self._pending[uuid]
         return asks
 
-    async def one(self, uuid: str, call: Callable[[], T], seconds: float = NVML_READ_SECONDS) -> T:
-        """`call`'s answer about GPU `uuid` (its error raised), asked as `ask` does; TimeoutError
-        when it does not answer in `seconds` (or an earlier ask of it still hangs)."""
-        ask = (await self.ask({uuid: call}, seconds))[uuid]
-        if not ask.answer.done():
-            raise TimeoutError(f"NVML does not answer for GPU {uuid}")
-        return ask.answer.result()
-
 
 async def bounded(call: Callable[[], T], name: str, seconds: float) -> T:
     """`call` (one that may hang on NVML, not about one GPU: its start or its close) in a daemon
