@@ -26,5 +26,5 @@ def stand_in_worker_metrics() -> None:
             pass
 
         stub.GpuSample = stub.GpuShare = _Any  # type: ignore[attr-defined]
-        stub.HEALTH_REASONS = ("xid", "ecc", "pages", "lost", "thermal", "power")  # type: ignore[attr-defined]
+        stub.HEALTH_REASONS = ("xid", "ecc", "pages", "lost", "hung", "thermal", "power")  # type: ignore[attr-defined]
         sys.modules["daemon.metrics.worker"] = stub

@@ -2,12 +2,14 @@
 how many --gpu-mem jobs share each GPU.
 
 What happens (a heartbeat returns, an attempt starts, bytes cross to or from the object store) is
-recorded in place by the typed methods of `WorkerMetrics`. The GPUs are read at scrape time, which
-the endpoint runs in a thread, so a slow driver never stalls the event loop.
+recorded in place by the typed methods of `WorkerMetrics`. The GPUs' live series are the worker's
+latest readings, taken once per heartbeat interval, never a read at scrape time: NVML may hang on
+a failing GPU, and a scrape that waited for it would answer nothing at all (not even which GPU is
+out, and why) for as long as it hangs.
 
-metrics/ never asks NVML itself: the worker hands `WorkerMetrics` a sampler (`sample_gpus`, in
-practice daemon.worker.gpus.sample_gpus bound to the GPUs discovery found) that returns one
-`GpuSample` per GPU it could read. The sample's shape is defined here, on the side that reads it, so that
+metrics/ never asks NVML itself: the worker hands `WorkerMetrics` a callable (`sample_gpus`, in
+practice daemon.worker.gpu_readings.GpuReadings.samples) that returns the latest `GpuSample` of
+each GPU it could read. The sample's shape is defined here, on the side that reads it, so that
 metrics/ depends on no worker code and tests feed it made-up readings.
 """
 
@@ -25,7 +27,7 @@ from daemon.metrics.common import RTT_BUCKETS, QueueLabels, new_registry
 
 TRANSFER_DIRECTIONS = ("upload", "download")
 # The GPU health faults (daemon/worker/gpu_health.py FAULTS), the `reason` of gpupool_gpu_healthy.
-HEALTH_REASONS = ("xid", "ecc", "pages", "lost", "thermal", "power")
+HEALTH_REASONS = ("xid", "ecc", "pages", "lost", "hung", "thermal", "power")
 EFFICIENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
 
@@ -41,7 +43,7 @@ class Gpu(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class GpuSample:
-    """One GPU's live readings at one scrape. A reading the driver could not give (not supported,
+    """One GPU's live readings at one time. A reading the driver could not give (not supported,
     e.g. utilisation in MIG mode, or a transient error) is None and left out of that scrape."""
 
     uuid: str
@@ -63,8 +65,9 @@ class GpuShare:
     memory: int = 0  # bytes
 
 
-# Called at every scrape, in the endpoint's collection thread: a sample for each GPU it could read
-# (a GPU fallen off the bus, or no driver, gives none).
+# A sample for each GPU it could read (a GPU fallen off the bus, or no driver, gives none): what
+# the worker's GPU readers return (gpu_readings.py), and what the collection thread gets at each
+# scrape, there the latest readings, which must not block (no NVML).
 GpuSampler = Callable[[], Sequence[GpuSample]]
 
 
@@ -144,7 +147,7 @@ class _GpuCollector(Collector):
 
 class WorkerMetrics:
     """A worker's metrics. `gpus` are the GPUs discovery found (none on a CPU worker);
-    `sample_gpus` reads their live state at each scrape (None: no live GPU series)."""
+    `sample_gpus` gives their latest readings at each scrape (None: no live GPU series)."""
 
     def __init__(self, gpus: Sequence[Gpu] = (), sample_gpus: GpuSampler | None = None) -> None:
         self.registry = new_registry("worker")

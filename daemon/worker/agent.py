@@ -64,9 +64,10 @@ from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime
 from daemon.worker.confine import Confinement
 from daemon.worker.env_build import EnvSettings
 from daemon.worker.envs import EnvCache
-from daemon.worker.gpus import GpuInfo, GpuProbe, Nvml, discover
+from daemon.worker.gpus import GpuInfo, GpuProbe, Nvml
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.lifetime import Lifetime
+from daemon.worker.nvml_life import close_within, discover_within
 from daemon.worker.pool_link import PoolUnreachable
 from daemon.worker.relay import AgentCalls, Relay
 from daemon.worker.runner import Ending, JobRun, RunResult, passed_env
@@ -170,7 +171,7 @@ class Agent:
 
     async def _start(self) -> None:
         if self._discover:
-            self.gpus, self._nvml = await asyncio.to_thread(discover)
+            self.gpus, self._nvml = await discover_within()
             self.probe = self._nvml
         await self.client.connect()
         self._hello = asyncio.get_running_loop().create_future()
@@ -242,7 +243,7 @@ class Agent:
             await self._http.close()
             self._http = None
         if self._nvml is not None:
-            await asyncio.to_thread(self._nvml.close)
+            await close_within(self._nvml)
             self._nvml = None
         self.ended.set()
         log.info("agent of worker %s stopped", self.worker_id)

@@ -72,7 +72,6 @@ from daemon.worker.gpus import (
     GpuProbe,
     NotEnoughGpus,
     Nvml,
-    discover,
     recheck_quarantine,
     sample_gpus,
 )
@@ -82,6 +81,8 @@ from daemon.worker.host import HostResources, host_ends
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.idle_gpus import IdlePolicy
 from daemon.worker.lifetime import Lifetime
+from daemon.worker.nvml_asks import GpuAsks
+from daemon.worker.nvml_life import discover_within
 from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult, passed_env
 from daemon.worker.slots import Slots
@@ -208,8 +209,10 @@ class Worker(Stopping):
             env=self.env,
         )
         self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known, as are
-        self.readings = GpuReadings(None, heartbeat_seconds)  # their readings, for the registration
+        self.readings = GpuReadings({}, heartbeat_seconds)  # their readings, for the registration
         self._nvml: Nvml | None = None
+        # The quarantine checks' asks of NVML: one at a time per GPU, however many jobs end.
+        self._pids_asks: GpuAsks[set[int]] = GpuAsks("gpupool-gpu-clean")
         self._held = Holdings(self._slots.guard)  # every attempt this worker holds, by lease id
         # what the fast path does here, and the jobs it claimed before a slot is free
         self._fast = FastPath(queue.fast_path, self._held, below=look_ahead_below, hold=look_ahead_hold)
@@ -252,14 +255,19 @@ class Worker(Stopping):
         """Find the GPUs, register (raises RedisUnavailable when Redis does not answer), then
         start the heartbeat, the fence and the dispatcher. On failure nothing is left running."""
         if self._given_gpus is None:
-            gpus, self._nvml = await asyncio.to_thread(discover)
+            gpus, self._nvml = await discover_within()
             self.allocator = GpuAllocator(gpus, self.slots, self.gpu_max_jobs)
             self.probe = self.probe or self._nvml
         gpus = self.allocator.gpus
         self._fast.begin(gpus)
-        sampler = functools.partial(sample_gpus, gpus) if self._nvml is not None else self._given_sampler
-        self.metrics = WorkerMetrics(gpus, sampler)  # NVML is read by sample_gpus, never by metrics/
-        self.readings = GpuReadings(sampler, self.heartbeat.interval, self._gpus_read)
+        readers: dict[str, GpuSampler] = {}
+        if self._nvml is not None:  # one reader per GPU: a GPU whose NVML hangs holds only its own
+            readers = {g.uuid: functools.partial(sample_gpus, [g]) for g in gpus}
+        elif self._given_sampler is not None:
+            readers = {"given GPUs": self._given_sampler}
+        self.readings = GpuReadings(readers, self.heartbeat.interval, self._gpus_read)
+        # The metrics serve the latest readings: a scrape never asks NVML (which may hang on a GPU).
+        self.metrics = WorkerMetrics(gpus, self.readings.samples if readers else None)
         self.heartbeat.observer = self._observe_heartbeat
         self._registration.started_at = time.time()
         if self.host is not None:  # what its jobs may have: the server refuses a job asking for more
@@ -670,7 +678,7 @@ class Worker(Stopping):
 
     async def _recheck_quarantine(self) -> None:
         assert self.probe is not None
-        if await recheck_quarantine(self.allocator, self.probe):
+        if await recheck_quarantine(self.allocator, self.probe, self._pids_asks):
             self._wake.set()
 
     # -- metrics ----------------------------------------------------------------------------------

@@ -9,15 +9,18 @@ A fault is one of a small fixed set (`FAULTS`, also the metrics' `reason` label 
 - `pages`: memory pages waiting to be retired, or rows waiting to be remapped (or a remapping
   that failed): the GPU needs a reset before its memory can be trusted again;
 - `lost`: NVML says the GPU has fallen off the bus (NVML_ERROR_GPU_IS_LOST on any call);
+- `hung`: NVML does not answer for the GPU at all within a bound (its driver stopped answering, as
+  with a GPU falling off the bus): health_watch.py gives it, as its read is what hangs;
 - `thermal`: the hardware slows the clocks because the GPU is too hot (HW thermal slowdown);
 - `power`: the hardware slows the clocks on its power brake (an external power supply signal).
 
 The throttling the driver does by itself under load (its software power cap, its software
 thermal slowdown) is how a GPU keeps to its limits, not a fault, and is not read as one.
 
-`read_faults` reads the conditions of the GPUs in one pass, `probe` checks that a GPU answers
-and its memory is readable, and `XidWatch` waits for Xid events in a thread of its own. They all
-block, and may hang on a failing GPU: the worker calls them from daemon threads (health_watch.py).
+`faults_of` reads the conditions of a GPU (`read_faults`, of several in one go), `probe` checks
+that a GPU answers and its memory is readable, and `XidWatch` waits for Xid events in a thread of
+its own. They all block, and may hang on a failing GPU: the worker calls them from daemon threads,
+one per GPU, within a bound (health_watch.py).
 A query a GPU does not support (ECC off, retired pages on a GPU that remaps rows instead) says
 nothing. MIG devices share their GPU's health: it is read from the GPU itself (`GpuInfo.parent`).
 """
@@ -91,10 +94,12 @@ def xid_fault(xid: int) -> Fault | None:
 def read_faults(uuids: Iterable[str]) -> dict[str, list[Fault]]:
     """The faults each physical GPU of `uuids` shows now (an empty list: none). NVML must be
     initialised. Blocking: call it from a daemon thread."""
-    return {uuid: _faults_of(uuid) for uuid in uuids}
+    return {uuid: faults_of(uuid) for uuid in uuids}
 
 
-def _faults_of(uuid: str) -> list[Fault]:
+def faults_of(uuid: str) -> list[Fault]:
+    """The faults the physical GPU `uuid` shows now (an empty list: none). Blocking, as
+    `read_faults`."""
     try:
         handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
         found = [f for read in (_ecc, _pages, _clocks) if (f := read(handle)) is not None]

@@ -3,10 +3,12 @@
 This is the one module that reads NVML. Discovery (`discover`) asks it once, at start; a GPU in MIG
 mode is listed as its MIG devices, each a GPU of its own to the pool (CUDA_VISIBLE_DEVICES takes
 their MIG- UUIDs), since a job on one cannot see or touch the others' memory or compute;
-`sample_gpus` reads the GPUs' utilisation, memory, temperature, power and energy at each metrics
-scrape (the worker hands it to `WorkerMetrics`, which never imports pynvml). Without the NVIDIA
-driver, or without GPUs, NVML raises `NVMLError` (or sees nothing): the worker then runs as a CPU
-worker, says so once, and only takes jobs that need no GPU. It never crashes for want of a GPU.
+`sample_gpu` reads a GPU's utilisation, memory, temperature, power and energy, once per heartbeat
+interval (gpu_readings.py, whose latest readings the metrics serve: metrics/ never imports
+pynvml). Without the NVIDIA driver, or without GPUs, NVML raises `NVMLError` (or sees nothing):
+the worker then runs as a CPU worker, says so once, and only takes jobs that need no GPU. It never
+crashes for want of a GPU. NVML may hang on a failing GPU: the worker asks it within a bound
+(nvml_asks.py; its start and close: nvml_life.py).
 
 Assignment (`GpuAllocator`) is pure bookkeeping over a list of `GpuInfo`, so tests drive it with a
 made-up list instead of NVML (the seam). Its rules:
@@ -38,8 +40,8 @@ for both.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,6 +50,7 @@ from typing import Any, Protocol
 import pynvml
 
 from daemon.metrics.worker import GpuSample, GpuShare
+from daemon.worker.nvml_asks import GpuAsks
 
 log = logging.getLogger(__name__)
 
@@ -233,31 +236,33 @@ def discover() -> tuple[list[GpuInfo], Nvml | None]:
 
 
 def sample_gpus(gpus: Iterable[GpuInfo]) -> list[GpuSample]:
-    """The live readings of `gpus` for a metrics scrape. NVML must be initialised (`discover` leaves
-    it so when it finds GPUs). A GPU NVML cannot find (no driver, fallen off the bus) gives no
-    sample; a query it cannot answer (not supported, e.g. utilisation in MIG mode, or a transient
-    error) leaves that reading None. Blocking, and it may hang on a failing GPU: the metrics
-    endpoint calls it from a thread."""
-    out = []
-    for gpu in gpus:
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
-        except pynvml.NVMLError:
-            continue
-        utilization = used = total = temperature = power = energy = None
-        with contextlib.suppress(pynvml.NVMLError):
-            utilization = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100
-        with contextlib.suppress(pynvml.NVMLError):
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            used, total = int(memory.used), int(memory.total)
-        with contextlib.suppress(pynvml.NVMLError):
-            temperature = float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
-        with contextlib.suppress(pynvml.NVMLError):
-            power = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000  # milliwatts
-        with contextlib.suppress(pynvml.NVMLError):
-            energy = int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
-        out.append(GpuSample(gpu.uuid, utilization, used, total, temperature, power, energy))
-    return out
+    """The live readings of `gpus` (`sample_gpu` of each), those NVML could give. Blocking, and
+    it may hang on a failing GPU: call it from a daemon thread."""
+    return [s for gpu in gpus if (s := sample_gpu(gpu)) is not None]
+
+
+def sample_gpu(gpu: GpuInfo) -> GpuSample | None:
+    """The live readings of `gpu`. NVML must be initialised (`discover` leaves it so when it finds
+    GPUs). A GPU NVML cannot find (no driver, fallen off the bus) gives None; a query it cannot
+    answer (not supported, e.g. utilisation in MIG mode, or a transient error) leaves that reading
+    None. Blocking, and it may hang on a failing GPU: the worker asks it through nvml_asks.py."""
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+    except pynvml.NVMLError:
+        return None
+    utilization = used = total = temperature = power = energy = None
+    with contextlib.suppress(pynvml.NVMLError):
+        utilization = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100
+    with contextlib.suppress(pynvml.NVMLError):
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        used, total = int(memory.used), int(memory.total)
+    with contextlib.suppress(pynvml.NVMLError):
+        temperature = float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
+    with contextlib.suppress(pynvml.NVMLError):
+        power = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000  # milliwatts
+    with contextlib.suppress(pynvml.NVMLError):
+        energy = int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+    return GpuSample(gpu.uuid, utilization, used, total, temperature, power, energy)
 
 
 def visible_devices(gpus: Iterable[GpuInfo]) -> str:
@@ -437,13 +442,21 @@ class GpuAllocator:
         ]
 
 
-async def recheck_quarantine(allocator: GpuAllocator, probe: GpuProbe) -> bool:
+async def recheck_quarantine(allocator: GpuAllocator, probe: GpuProbe, asks: GpuAsks[set[int]]) -> bool:
     """Put back into use each quarantined GPU no process holds memory on any more (it is clean);
-    whether any came back. NVML is asked in a thread."""
+    whether any came back. A GPU out for its health is not asked (its NVML may hang: the health
+    watch brings it back, then this runs again); the others are asked through `asks` (the
+    worker's one for this: a GPU whose last ask still hangs is not asked again, however many
+    jobs end meanwhile), NVML_READ_SECONDS at most (one that does not answer stays quarantined)."""
+    uuids = [u for u in allocator.quarantined if u not in allocator.unhealthy]
+    asked = await asks.ask({u: functools.partial(probe.compute_pids, u) for u in uuids})
     back = False
-    for uuid in list(allocator.quarantined):
+    for uuid, ask in asked.items():
+        if not ask.answer.done():
+            log.warning("GPU %s stays quarantined: NVML does not answer for it", uuid)
+            continue
         try:
-            busy = await asyncio.to_thread(probe.compute_pids, uuid)
+            busy = ask.answer.result()
         except GpuProbeError:
             continue
         if not busy:

@@ -2,9 +2,15 @@
 GPU comes back only after a check passes.
 
 The worker reads its GPUs' health (gpu_health.py) once per heartbeat interval, beside their
-readings, in a daemon thread of its own (NVML calls block and may hang on a failing GPU: the
-event loop never waits for one), and an Xid watch waits for Xid events in another. What they
-find reaches the event loop, where this module keeps the book (`HealthBook`) and acts:
+readings, each physical GPU asked in a daemon thread of its own (nvml_asks.py), and an Xid watch
+waits for Xid events in another. NVML calls block and may hang on a failing GPU (its driver
+stopped answering, as with a GPU falling off the bus): a pass waits NVML_READ_SECONDS at most for
+the GPUs' reads. A read still unanswered is not asked again until it answers, and gives no verdict
+until it has gone unanswered for HUNG_SECONDS: then the GPU is faulty (`hung`, "NVML does not
+answer"), each pass while that read hangs; a read that answers sooner (a driver lock held a few
+seconds) is no fault. The other GPUs go on being read; the event loop, and so the worker's stop,
+never waits for a hung read.
+What they find reaches the event loop, where this module keeps the book (`HealthBook`) and acts:
 
 - A fault (gpu_health.FAULTS) takes the GPU out of use at once: the allocator hands it to no new
   job (`GpuAllocator.mark_unhealthy`), the worker's claims stop counting it (its GPUs in all
@@ -31,10 +37,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.aio import in_daemon_thread
 from daemon.worker import gpu_health
 from daemon.worker.gpu_health import Fault
 from daemon.worker.gpus import GpuAllocator, GpuInfo
+from daemon.worker.nvml_asks import HUNG_SECONDS, GpuAsks
 from daemon.worker.runner import Run
 
 log = logging.getLogger(__name__)
@@ -42,14 +48,22 @@ log = logging.getLogger(__name__)
 POLICIES = ("requeue", "let_finish")
 XID_JOIN_SECONDS = 2.0  # the longest the worker's stop waits for the Xid watch (one wait is 0.5 s)
 
-# The reads of one pass: each physical GPU's faults now, and the probe's verdict (None: passed)
-# on each GPU due to come back.
-Pass = tuple[dict[str, list[Fault]], dict[str, str | None]]
-
-
 # How long each kind of fault lasts, longest first: a GPU out of use shows the most lasting of
 # the faults seen on it, since a slowdown clears when the GPU cools but an ECC error stays.
-LASTING = ("lost", "ecc", "pages", "xid", "thermal", "power")
+LASTING = ("lost", "ecc", "pages", "hung", "xid", "thermal", "power")
+
+
+HUNG = Fault("hung", f"NVML does not answer (no health read in {HUNG_SECONDS:g} s)")
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One physical GPU's health read: the faults it shows now, and, when it was due to come
+    back, its probe's verdict (`probed`; `why` None: passed)."""
+
+    faults: list[Fault]
+    probed: bool = False
+    why: str | None = None
 
 
 @dataclass(slots=True)
@@ -135,6 +149,8 @@ class HealthWatch:
         self._every = every
         self._policy = policy
         self.book = HealthBook(clear)
+        # Each physical GPU's read, one at a time: a GPU that hangs holds one thread, not one per pass.
+        self._reads: GpuAsks[Reading] = GpuAsks("gpupool-gpu-health")
 
     def for_gpu(self, uuid: str, parent: str | None = None) -> dict[str, Any]:
         """The health of GPU `uuid` (a MIG device of `parent`) as registration fields: its fault's
@@ -160,24 +176,44 @@ class HealthWatch:
         xids.start()
         try:
             while True:
-                due = self.book.due(time.monotonic())
-                try:
-                    faults, probes = await in_daemon_thread(
-                        functools.partial(self._read, due), "gpupool-gpu-health"
-                    )
-                except Exception as exc:  # noqa: BLE001 - a driver's error: no verdict this pass
-                    log.warning("cannot read the GPUs' health: %s", exc)
-                else:
-                    self._apply(faults, probes, time.monotonic())
+                faults, probes = await self._pass()
+                self._apply(faults, probes, time.monotonic())
                 await asyncio.sleep(self._every)
         finally:
             xids.stop()  # and NVML stays initialised until its last wait is over
             if not await asyncio.to_thread(xids.join, XID_JOIN_SECONDS):
                 log.warning("the Xid watch did not end in %g s; NVML is closed under it", XID_JOIN_SECONDS)
 
-    def _read(self, due: Sequence[str]) -> Pass:
-        """One pass, in the health thread: every GPU's faults, and the probe of those `due`."""
-        return gpu_health.read_faults(self._devices), {uuid: gpu_health.probe(uuid) for uuid in due}
+    async def _pass(self) -> tuple[dict[str, list[Fault]], dict[str, str | None]]:
+        """One pass: each physical GPU's faults, and the probe's verdict on those due to come
+        back, each GPU read in a daemon thread of its own (nvml_asks.py). A read unanswered for
+        HUNG_SECONDS is the GPU's fault (`hung`), this pass and each next one while it hangs;
+        one unanswered for less says nothing yet."""
+        due = set(self.book.due(time.monotonic()))
+        reads = await self._reads.ask({u: functools.partial(self._read, u, u in due) for u in self._devices})
+        now = time.monotonic()
+        faults: dict[str, list[Fault]] = {}
+        probes: dict[str, str | None] = {}
+        for uuid, read in reads.items():
+            if not read.answer.done():
+                if read.hung(now):
+                    faults[uuid] = [HUNG]
+                continue
+            try:
+                got = read.answer.result()
+            except Exception as exc:  # noqa: BLE001 - a driver's error: no verdict this pass
+                log.warning("cannot read the health of GPU %s: %s", uuid, exc)
+                continue
+            faults[uuid] = got.faults
+            if got.probed:
+                probes[uuid] = got.why
+        return faults, probes
+
+    @staticmethod
+    def _read(uuid: str, due: bool) -> Reading:
+        """One GPU's read, in its health thread: its faults, and its probe when `due`."""
+        faults = gpu_health.faults_of(uuid)
+        return Reading(faults, True, gpu_health.probe(uuid)) if due else Reading(faults)
 
     def _xid(self, uuid: str, xid: int) -> None:
         fault = gpu_health.xid_fault(xid)

@@ -3,7 +3,7 @@ escaped its group or session, and GPU memory its processes still hold.
 
 The runner samples `tree` while the job runs (RSS, and every descendant's pid with its creation
 time, so that a pid reused later is not taken for the job's); when the job's first process exits,
-`leftovers` SIGKILLs whatever of it is left, and `dirty_gpus` names the GPUs a process of the job
+`leftovers` SIGKILLs whatever of it is left, and `check_gpus` names the GPUs a process of the job
 still holds memory on (they are quarantined until it is freed).
 """
 
@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
+import time
 from collections.abc import Mapping, Sequence
 
 import psutil
 
 from daemon.worker.gpus import GpuInfo, GpuProbe, GpuProbeError
+from daemon.worker.nvml_asks import GpuAsks
+
+GPU_SETTLE_SECONDS = 3.0  # how long a GPU may take to free a dead process's memory
 
 
 def tree(pgid: int) -> tuple[int, dict[int, float]]:
@@ -111,18 +116,34 @@ def exited(exit: asyncio.Future[None]) -> None:
 UNCHECKED = "cannot check it after the job"
 
 
-def dirty_gpus(probe: GpuProbe, gpus: Sequence[GpuInfo], ours: set[int], sid: int) -> dict[str, str]:
-    dirty = {}
-    for g in gpus:
-        try:
-            pids = probe.compute_pids(g.uuid)
-        except GpuProbeError as exc:
-            dirty[g.uuid] = f"{UNCHECKED}: {exc}"
-            continue
-        held = sorted(pid for pid in pids if pid in ours or session(pid) == sid)
-        if held:
-            dirty[g.uuid] = f"processes {held} of the job still hold memory on it"
-    return dirty
+async def check_gpus(probe: GpuProbe, gpus: Sequence[GpuInfo], ours: set[int], sid: int) -> dict[str, str]:
+    """The GPUs of `gpus` on which a process of the job (`ours`, or of its session `sid`) still
+    holds memory, after a short settling time, with why. Each GPU is asked in a daemon thread of
+    its own, within a bound (nvml_asks.py): NVML may hang on a GPU whose driver stopped answering
+    (the health watch takes it out), and the attempt's end, its hand-back and the worker's stop
+    must not wait for it. A GPU that does not answer counts as dirty (unchecked)."""
+    asks: GpuAsks[set[int]] = GpuAsks("gpupool-gpu-check")
+    deadline = time.monotonic() + GPU_SETTLE_SECONDS
+    while True:
+        asked = await asks.ask({g.uuid: functools.partial(probe.compute_pids, g.uuid) for g in gpus})
+        dirty = {}
+        for uuid, ask in asked.items():
+            if not ask.answer.done():
+                dirty[uuid] = f"{UNCHECKED}: NVML does not answer"
+                continue
+            try:
+                pids = ask.answer.result()
+            except GpuProbeError as exc:
+                dirty[uuid] = f"{UNCHECKED}: {exc}"
+                continue
+            held = sorted(pid for pid in pids if pid in ours or session(pid) == sid)
+            if held:
+                dirty[uuid] = f"processes {held} of the job still hold memory on it"
+        settling = [why for why in dirty.values() if not why.startswith(UNCHECKED)]
+        if not settling or time.monotonic() > deadline:
+            return dirty
+        # The driver frees a dead process's memory a moment after the process is reaped.
+        await asyncio.sleep(0.25)
 
 
 def session(pid: int) -> int | None:

@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 SAMPLE_SECONDS = 0.5  # RSS sampling period
 FIRST_SAMPLE_SECONDS = 0.05  # a job that ends sooner is not sampled (a scan is not free)
 TAIL_LINES = 20  # lines of output kept in the outcome
-GPU_SETTLE_SECONDS = 3.0  # how long a GPU may take to free a dead process's memory
 LEFTOVERS_SECONDS = 5.0  # how long killed leftovers of a job may take to die
 
 
@@ -772,15 +771,7 @@ class JobRun:
     # -- GPUs -------------------------------------------------------------------------------------
 
     async def _check_gpus(self, pgid: int) -> dict[str, str]:
-        """GPUs on which a process of the job still holds memory, after a short settling time."""
+        """GPUs on which a process of the job still holds memory (leftovers.check_gpus)."""
         if not self.gpus or self.probe is None:
             return {}
-        ours = set(self._descendants) | {pgid}
-        deadline = time.monotonic() + GPU_SETTLE_SECONDS
-        while True:
-            dirty = await asyncio.to_thread(leftovers.dirty_gpus, self.probe, self.gpus, ours, pgid)
-            settling = [why for why in dirty.values() if not why.startswith(leftovers.UNCHECKED)]
-            if not settling or time.monotonic() > deadline:
-                return dirty
-            # The driver frees a dead process's memory a moment after the process is reaped.
-            await asyncio.sleep(0.25)
+        return await leftovers.check_gpus(self.probe, self.gpus, set(self._descendants) | {pgid}, pgid)

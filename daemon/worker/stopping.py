@@ -29,6 +29,7 @@ from daemon.errors import NotReplicated
 from daemon.job import Lease
 from daemon.queue import registry
 from daemon.worker.attempt import boottime
+from daemon.worker.nvml_life import close_within
 
 if TYPE_CHECKING:
     from daemon.queue.job_queue import JobQueue
@@ -175,5 +176,5 @@ class Stopping:
 
     async def _close_nvml(self) -> None:
         if self._nvml is not None:
-            await asyncio.to_thread(self._nvml.close)
+            await close_within(self._nvml)
             self._nvml = None

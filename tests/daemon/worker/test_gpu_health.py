@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.job import JobSpec, JobState
 from daemon.queue import registry
@@ -36,6 +38,7 @@ from daemon.server.web.render import environment
 from daemon.worker.gpu_health import Fault, xid_fault
 from daemon.worker.gpus import GpuAllocator, NotEnoughGpus
 from daemon.worker.health_watch import HealthBook
+from daemon.worker.nvml_asks import HUNG_SECONDS, NVML_READ_SECONDS
 from tests.support.paths import ROOT
 from tests.support.workers import fake_gpus, running_worker, sh, wait_state, wait_until
 
@@ -124,9 +127,10 @@ def test_gpu_health_the_dashboard_says_which_fault_took_a_gpu_out() -> None:
 @contextlib.contextmanager
 def health_worker(
     redis_server: EmbeddedRedis, s3_env: dict[str, str], faults: Path, host: str, *options: str
-) -> Iterator[Path]:
+) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
     """A `poold --worker` with two made-up GPUs of 16 GiB and two slots, whose GPUs' faults are
-    what `faults` says; yields its log's path. Its data is in /tmp, passable by the slot uids."""
+    what `faults` says; yields its log's path and its process. Its data is in /tmp, passable by
+    the slot uids."""
     data_dir = Path(tempfile.mkdtemp(prefix="gpupool-health-"))
     data_dir.chmod(0o711)
     argv = [
@@ -148,7 +152,7 @@ def health_worker(
     log_path = data_dir.parent / f"{data_dir.name}.log"
     with open(log_path, "wb") as log, subprocess.Popen(argv, env=env, stderr=log) as proc:
         try:
-            yield log_path
+            yield log_path, proc
         finally:
             proc.terminate()
             try:
@@ -187,16 +191,42 @@ async def gpus_registered(queue: JobQueue, host: str) -> list[dict[str, Any]]:
     return gpus
 
 
-async def wait_health(queue: JobQueue, host: str, index: int, code: str, what: str) -> dict[str, Any]:
+async def gpu_registered(queue: JobQueue, host: str, index: int) -> dict[str, Any]:
+    return next(g for g in await gpus_registered(queue, host) if g["index"] == index)
+
+
+async def wait_health(
+    queue: JobQueue, host: str, index: int, code: str, what: str, *, timeout: float = 30
+) -> dict[str, Any]:
     """Wait until the registration says GPU `index`'s health is `code` ("": healthy)."""
     seen: dict[str, Any] = {}
 
     async def says() -> bool:
-        seen.update(next(g for g in await gpus_registered(queue, host) if g["index"] == index))
+        seen.update(await gpu_registered(queue, host, index))
         return bool(seen.get("health") == code)
 
-    await wait_until(says, 30, what)
+    await wait_until(says, timeout, what)
     return seen
+
+
+async def scrape_worker(log: Path) -> dict[tuple[str, str], tuple[str, float]]:
+    """The worker's /metrics (its port from its log), within a bound: each GPU series' (name, gpu
+    index) with its `reason` label ("" for none) and value. Fails unless the scrape answers 200."""
+    port = re.search(rb"metrics on http://127\.0\.0\.1:(\d+)/metrics", log.read_bytes())
+    assert port is not None, "the worker does not say where its metrics are"
+    async with asyncio.timeout(30):
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(port.group(1)))
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        raw = await reader.read()
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return {
+        (s.name, s.labels["gpu"]): (s.labels.get("reason", ""), s.value)
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+        if "gpu" in s.labels
+    }
 
 
 async def each_fault_requeued(queue: JobQueue, host: str, faults: Path) -> None:
@@ -266,9 +296,10 @@ async def test_gpu_health_each_fault_quarantines_hands_back_or_lets_finish_and_c
         try:
             for policy, host in hosts.items():
                 options = ("--gpu-health-policy", policy)
-                logs.append(
-                    workers.enter_context(health_worker(redis_server, s3_env, faults[policy], host, *options))
+                log, _ = workers.enter_context(
+                    health_worker(redis_server, s3_env, faults[policy], host, *options)
                 )
+                logs.append(log)
 
             async def registered() -> bool:
                 return len(await registry.list_workers(queue.redis)) == len(hosts)
@@ -317,6 +348,149 @@ async def test_gpu_health_a_claim_never_asks_nvml_of_a_gpu_out_for_its_health(
         assert all(gpus[1].uuid not in uuids for uuids in asked), asked
     finally:
         release.set()
+
+
+async def test_gpu_health_a_gpu_whose_nvml_hangs_is_quarantined_and_the_others_still_checked(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 50, a review's finding: the health watch read every GPU's health in one pass, so one
+    NVML call that hung (a GPU whose driver stops answering, as one falling off the bus does)
+    stopped every health check of the worker for good. Each GPU's read is bounded: the GPU whose
+    NVML does not answer for HUNG_SECONDS is quarantined for it (`hung`) and its job told and
+    handed back, to run on the other GPU; the other GPU's faults are still seen, and its readings
+    still come; the worker's /metrics still answers, saying why the GPU is out (a second review
+    found each scrape read every GPU through NVML and answered 503 while one hung, so the alert
+    on gpupool_gpu_healthy could never fire); the hung GPU comes back once NVML answers for
+    `gpu_health_clear` seconds and its probe passes; and a worker stopped while a GPU's NVML
+    hangs under its job (the job's end checks the GPU) still stops, handing its job back."""
+    queue = JobQueue(redis_server.client(), lease_seconds=30)
+    host = secrets.token_hex(3)
+    faults = tmp_path / "faults.json"
+    spec = JobSpec(argv=("sh", "-c", JOB), gpus=1, queue=host)
+    with health_worker(redis_server, s3_env, faults, host) as (log, proc):
+        try:
+            first, _ = await queue.enqueue(spec)
+            bad = await gpu_of(queue, first, host)
+            inject(faults, {bad: {"hang": True}})
+            what = f"GPU {bad} quarantined for not answering"
+            said = await wait_health(queue, host, bad, "hung", what, timeout=HUNG_SECONDS + 30)
+            assert said["quarantined"].startswith("NVML does not answer"), said
+            assert await gpu_of(queue, first, host, count=2) == 1 - bad  # handed back, run on the other
+            told = [line for line in await log_lines(queue, first) if line.startswith("[gpupool]")]
+            what = f"GPU {bad} (GPU-fake-{host}-{bad}) is unhealthy: NVML does not answer"
+            assert any(what in line for line in told), told
+
+            read = (await gpu_registered(queue, host, 1 - bad))["read_at"]
+
+            async def read_again() -> bool:  # the other GPU's readings go on while this one hangs
+                return bool((await gpu_registered(queue, host, 1 - bad))["read_at"] > read)
+
+            await wait_until(read_again, 10, f"GPU {1 - bad} read again while GPU {bad} hangs")
+            series = await scrape_worker(log)
+            assert series[("gpupool_gpu_healthy", str(bad))] == ("hung", 0), series
+            assert series[("gpupool_gpu_healthy", str(1 - bad))] == ("none", 1), series
+            assert ("gpupool_gpu_memory_total_bytes", str(1 - bad)) in series, series
+            await queue.cancel(first)
+            await wait_state(queue, first, JobState.CANCELLED)
+
+            inject(faults, {bad: {"hang": True}, 1 - bad: {"ecc": 2}})  # still checked, beside the hung one
+            await wait_health(queue, host, 1 - bad, "ecc", f"GPU {1 - bad} quarantined beside the hung one")
+            inject(faults, {})
+            for index in (bad, 1 - bad):
+                back = await wait_health(queue, host, index, "", f"GPU {index} back")
+                assert back["quarantined"] == "", back  # nor left counted as dirty
+
+            second, _ = await queue.enqueue(spec)
+            hung = await gpu_of(queue, second, host)
+            inject(faults, {hung: {"hang": True}})
+            await asyncio.sleep(NVML_READ_SECONDS)  # a health read of its GPU is hanging
+            proc.terminate()  # while NVML hangs on the GPU the job's end then checks
+            await asyncio.to_thread(proc.wait, 60)
+            assert (await queue.get(second)).state is JobState.QUEUED  # handed back at the stop
+        except BaseException:
+            print(log.read_text()[-8000:])
+            raise
+        finally:
+            inject(faults, {})
+            await queue.redis.aclose()
+
+
+async def test_gpu_health_a_read_that_answers_within_the_hung_bound_faults_nothing(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 50, a review's finding: one health read slower than NVML_READ_SECONDS made the GPU
+    `hung` at once and, with gpu_health_policy requeue, handed its job back and kept the GPU out
+    for gpu_health_clear: a driver lock held a few seconds (a big CUDA context's teardown,
+    `nvidia-smi -q`) would hand back every job of the worker. A read is `hung` only once it has
+    gone unanswered for HUNG_SECONDS; one that answers before is no fault, and the job runs on."""
+    queue = JobQueue(redis_server.client(), lease_seconds=30)
+    host = secrets.token_hex(3)
+    faults = tmp_path / "faults.json"
+    with health_worker(redis_server, s3_env, faults, host) as (log, _):
+        try:
+            job, _ = await queue.enqueue(JobSpec(argv=("sh", "-c", JOB), gpus=1, queue=host))
+            slow = await gpu_of(queue, job, host)
+            inject(faults, {slow: {"hang": True}})
+            await asyncio.sleep(2 * NVML_READ_SECONDS)  # well past one pass's wait, short of HUNG_SECONDS
+            inject(faults, {})
+            read = (await gpu_registered(queue, host, slow)).get("read_at", 0)
+
+            async def answered() -> bool:  # its readings come again: NVML answered for it
+                return bool((await gpu_registered(queue, host, slow)).get("read_at", 0) > read)
+
+            await wait_until(answered, 10, f"GPU {slow} read again")
+            gpu = await gpu_registered(queue, host, slow)
+            assert (gpu["health"], gpu["quarantined"]) == ("", ""), gpu
+            info = await queue.get(job)
+            assert (info.state, info.attempt) == (JobState.RUNNING, 1)
+            assert not [line for line in await log_lines(queue, job) if line.startswith("[gpupool]")]
+            await queue.cancel(job)
+            await wait_state(queue, job, JobState.CANCELLED)
+        except BaseException:
+            print(log.read_text()[-8000:])
+            raise
+        finally:
+            inject(faults, {})
+            await queue.redis.aclose()
+
+
+async def test_gpu_health_a_worker_whose_nvml_hangs_at_its_start_or_its_stop_still_stops(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 50, a review's finding: the worker found its GPUs at its start, and closed NVML at
+    its stop, on the event loop's default executor without a bound, and the exit waits for that
+    executor's threads: a worker whose NVML hung there never exited. Both run in a daemon thread
+    of their own within a bound: a worker stopped while NVML hangs at its close, or while its
+    discovery hangs, still exits."""
+    faults = tmp_path / "faults.json"
+    host = secrets.token_hex(3)
+    queue = JobQueue(redis_server.client(), lease_seconds=30)
+    try:
+        with health_worker(redis_server, s3_env, faults, host) as (log, proc):
+            try:
+
+                async def registered() -> bool:
+                    return bool(await registry.list_workers(queue.redis))
+
+                await wait_until(registered, 30, "the worker to register")
+                inject(faults, {1: {"hang": True}})  # NVML's close then hangs too
+                proc.terminate()
+                await asyncio.to_thread(proc.wait, 60)
+            except BaseException:
+                print(log.read_text()[-8000:])
+                raise
+        with health_worker(redis_server, s3_env, faults, host) as (log, proc):
+            try:
+                await asyncio.sleep(3)  # started, and hung in listing its GPUs
+                assert not await registry.list_workers(queue.redis)  # it did not get past them
+                proc.terminate()
+                await asyncio.to_thread(proc.wait, 60)
+            except BaseException:
+                print(log.read_text()[-8000:])
+                raise
+    finally:
+        inject(faults, {})
+        await queue.redis.aclose()
 
 
 def test_xid_watch_logs_a_failing_wait_once_and_tries_less_often(tmp_path: Path) -> None:

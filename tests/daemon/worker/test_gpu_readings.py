@@ -25,7 +25,7 @@ async def test_readings_are_taken_in_a_thread_and_a_hung_one_holds_nothing() -> 
             release.wait(10)  # the second reading hangs, as NVML can on a failing GPU
         return [GpuSample("GPU-a", 0.5, 2 * 2**30, 16 * 2**30)]
 
-    readings = GpuReadings(sampler, every=0.05)
+    readings = GpuReadings({"GPU-a": sampler}, every=0.05)
     task = asyncio.create_task(readings.run())
     try:
         async with asyncio.timeout(5):
@@ -45,8 +45,8 @@ async def test_readings_are_taken_in_a_thread_and_a_hung_one_holds_nothing() -> 
         await cancel_and_wait(task)
 
 
-async def test_no_sampler_no_readings() -> None:
-    readings = GpuReadings(None, every=0.01)
+async def test_no_reader_no_readings() -> None:
+    readings = GpuReadings({}, every=0.01)
     await asyncio.wait_for(readings.run(), 1)
     assert readings.for_gpu("GPU-a") == {}
 
@@ -64,7 +64,7 @@ def test_a_hung_reading_does_not_hold_the_daemons_exit(tmp_path: Path) -> None:
         "    started.set()\n"
         "    threading.Event().wait()  # hangs for good, as NVML on a GPU fallen off the bus\n"
         "async def main():\n"
-        "    task = asyncio.create_task(GpuReadings(sampler, every=0.01).run())\n"
+        "    task = asyncio.create_task(GpuReadings({'GPU-a': sampler}, every=0.01).run())\n"
         "    while not started.is_set():\n"
         "        await asyncio.sleep(0.01)\n"
         "    await cancel_and_wait(task)\n"

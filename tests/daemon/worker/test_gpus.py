@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,9 @@ from redis.asyncio import Redis
 from daemon.job import JobSpec, JobState
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import list_workers
-from daemon.worker import runner
-from daemon.worker.gpus import GpuAllocator, NotEnoughGpus, discover, visible_devices
+from daemon.worker import leftovers
+from daemon.worker.gpus import GpuAllocator, NotEnoughGpus, discover, recheck_quarantine, visible_devices
+from daemon.worker.nvml_asks import NVML_READ_SECONDS, GpuAsks
 from tests.support.workers import fake_gpus, running_worker, wait_file, wait_state, wait_until
 
 
@@ -154,7 +157,7 @@ class FakeProbe:
 async def test_a_gpu_left_dirty_is_quarantined_and_reported(
     queue: JobQueue, redis: Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(runner, "GPU_SETTLE_SECONDS", 0.2)
+    monkeypatch.setattr(leftovers, "GPU_SETTLE_SECONDS", 0.2)
     probe = FakeProbe(tmp_path / "pid")
     dirty, _ = await queue.enqueue(JobSpec(argv=("sh", "-c", f"echo $$ > {probe.pidfile}"), gpus=1))
     async with running_worker(queue, tmp_path / "w", slots=1, gpus=fake_gpus(2), probe=probe) as worker:
@@ -184,3 +187,39 @@ async def _quarantined(quarantined: dict[str, str], expected: dict[str, str] | N
 async def _reported(redis: Redis) -> bool:
     [record] = await list_workers(redis)
     return any(g["quarantined"] for g in record["gpus"])
+
+
+async def test_a_quarantine_recheck_waits_for_nvml_within_a_bound_and_asks_once_at_a_time() -> None:
+    """Issue 50, a review's finding: the quarantine recheck, run at every job's end, waited for
+    NVML without a bound once, then asked again at each job's end while the last ask still hung:
+    a hung GPU piled up a thread per job end. An unanswered ask leaves the GPU quarantined after
+    NVML_READ_SECONDS; the next rechecks do not ask it again while it hangs; once it answers
+    (clean), the GPU comes back."""
+    gpus = fake_gpus(2)
+    allocator = GpuAllocator(gpus, slots=1)
+    allocator.quarantine(gpus[0].uuid, "after job default.x: processes [7] still hold memory on it")
+    release, asked = threading.Event(), []
+
+    class HangingProbe:  # NVML hung on GPU 0 until released
+        def compute_pids(self, uuid: str) -> set[int]:
+            asked.append(uuid)
+            release.wait(30)
+            return set()
+
+    asks: GpuAsks[set[int]] = GpuAsks("test-gpu-clean")
+    try:
+        async with asyncio.timeout(NVML_READ_SECONDS + 20):  # the bound, and a margin
+            assert await recheck_quarantine(allocator, HangingProbe(), asks) is False
+            assert gpus[0].uuid in allocator.quarantined
+            for _ in range(3):  # more jobs end while it hangs: no new ask
+                assert await recheck_quarantine(allocator, HangingProbe(), asks) is False
+            assert asked == [gpus[0].uuid]
+            release.set()
+
+            async def back() -> bool:
+                return await recheck_quarantine(allocator, HangingProbe(), asks)
+
+            await wait_until(back, 10, "the GPU back once NVML answered")
+        assert gpus[0].uuid not in allocator.quarantined
+    finally:
+        release.set()
