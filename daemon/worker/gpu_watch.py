@@ -23,7 +23,7 @@ from daemon.queue.job_queue import JobQueue
 from daemon.worker.attempt import HeldAttempt, Phase
 from daemon.worker.gpu_usage import GpuUsage
 from daemon.worker.idle_gpus import Act, IdlePolicy
-from daemon.worker.runner import RunResult
+from daemon.worker.runner import Ending, RunResult
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +91,15 @@ class GpuWatch:
 
     @staticmethod
     def summarised(held: HeldAttempt, result: RunResult, metrics: WorkerMetrics) -> RunResult:
-        """`result` with the attempt's GPU usage in its outcome's record (`gpu_usage`), its
-        efficiency observed in `metrics`; as it was without GPUs, readings or an outcome."""
-        if held.usage is None or result.outcome is None or (usage := held.usage.summary()) is None:
+        """`result` with the attempt's GPU usage (`gpu_usage`), in its outcome's record too where
+        it has one, its efficiency observed in `metrics`; as it was without GPUs, readings, or an
+        end to record (a lost lease). A hand-back carries it as well: the attempt's GPU-hours are
+        accounted, so is what they did."""
+        if held.usage is None or result.ending is Ending.LOST or (usage := held.usage.summary()) is None:
             return result
         if usage["efficiency"] is not None:
             metrics.job_efficiency(held.lease.spec.queue, usage["efficiency"])
-        outcome = dataclasses.replace(result.outcome, result={**result.outcome.result, "gpu_usage": usage})
-        return dataclasses.replace(result, outcome=outcome)
+        outcome = result.outcome
+        if outcome is not None:
+            outcome = dataclasses.replace(outcome, result={**outcome.result, "gpu_usage": usage})
+        return dataclasses.replace(result, outcome=outcome, gpu_usage=usage)

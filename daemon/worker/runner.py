@@ -82,6 +82,9 @@ class RunResult:
     # Handed back by the pool's policies (idle GPUs, a GPU fault, a slot's limits this worker
     # could not set): a loss towards max_attempts.
     by_policy: bool = False
+    # What its GPUs did (gpu_usage.py; set by gpu_watch.py): an outcome carries it in its result,
+    # a hand-back passes it on, so that the attempt's accounting has its efficiency either way.
+    gpu_usage: Mapping[str, Any] | None = None
 
 
 class Run(Protocol):

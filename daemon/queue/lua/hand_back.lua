@@ -14,7 +14,10 @@
 -- ARGV: 1 queue key prefix, 2 group, 3 consumer, 4 job id, 5 attempt, 6 lease id, 7 retention (s),
 --       8 days the job's accounting record is kept (lib/account.lua; absent: its default),
 --       9 '1' when the pool's GPU policies hand it back, or a worker that could not set its limits
---         (absent or '': a drain, a requeue)
+--         (absent or '': a drain, a requeue),
+--       10 the attempt's mean GPU utilisation in percent, as its worker measured it ('' or absent:
+--         not measured; lib/account.lua), as complete.lua takes it: the GPU-ms a handed-back
+--         attempt held are counted, so their measurement is too
 -- Returns {'queued'} | {'cancelled'} | {'dead'} | {'stale', state, attempt}.
 --! include lib/record.lua
 --! include lib/use.lua
@@ -31,7 +34,7 @@ if not holds(j, ARGV[5], consumer, lease) then
 end
 local now = now_ms()
 redis.call('ZREM', leases, id)
-close_attempt(prefix, jobkey, 'released', now)
+close_attempt(prefix, jobkey, 'released', now, tonumber(ARGV[10]))
 redis.call('HDEL', jobkey, 'ahead')  -- (charged nothing above, if it never started)
 local answer = 'queued'
 local losses = ARGV[9] == '1' and redis.call('HINCRBY', jobkey, 'losses', 1) or 0

@@ -29,6 +29,7 @@ import orjson
 from daemon import webhook
 from daemon.job import JobInfo, JobState
 from daemon.metrics.worker import GpuSample
+from daemon.queue import accounting
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.gpu_usage import GpuUsage
@@ -268,3 +269,48 @@ def test_energy_is_unknown_from_one_reading_and_spans_the_whole_attempt() -> Non
         summary = usage.summary(ended=1009.0)
         assert summary is not None
         assert summary["energy_j"] == 2700.0, (by_counter, summary)
+
+
+async def accounting_records(queue: JobQueue, name: str) -> list[list[bytes]]:
+    """The accounting records of queue `name`'s jobs that ended yesterday or today (lib/account.lua)."""
+    today = accounting.day_of(time.time())
+    return [
+        r
+        for day in (today - 1, today)
+        async for page in accounting.read_day(queue.redis, name, day)
+        for r in page
+    ]
+
+
+async def test_a_requeued_idle_jobs_measured_attempt_counts_in_its_accounting_record(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """issue 50, a review's finding 1: a job the idle-GPU policy hands back ran an attempt its
+    worker measured (1 % all along); its accounting record carries that attempt's utilisation,
+    as a completed attempt's does. The hand-back counted the attempt's GPU-ms but not its
+    measurement: the record read '-' (no attempt measured), and `poolctl acct` left it out."""
+    gpus = fake_gpus(1)
+
+    def sampler() -> list[GpuSample]:
+        return [GpuSample(gpus[0].uuid, 0.01, GIB, 16 * GIB)]
+
+    policy = IdlePolicy(util=5, minutes=0.3 / 60, grace_minutes=0.2 / 60, requeue_queues=["again"])
+    async with running_worker(
+        queue,
+        tmp_path / "w",
+        gpus=gpus,
+        slots=1,
+        queues=["again"],
+        gpu_sampler=sampler,
+        heartbeat_seconds=0.05,
+        idle_gpus=policy,
+    ):
+        # its second attempt ends at once (maybe before any reading: unmeasured)
+        job_id, _ = await queue.enqueue(
+            sh('[ "$GPUPOOL_ATTEMPT" -gt 1 ] || exec sleep 60', gpus=1, queue="again")
+        )
+        info = await wait_state(queue, job_id, JobState.SUCCEEDED, timeout=20)
+    assert info.attempts[0].how == "released"
+    (record,) = await accounting_records(queue, "again")
+    assert int(record[3]) > 0  # GPU-ms, both attempts'
+    assert record[5] == b"1", record  # its mean utilisation: 1 %, the handed-back attempt's
