@@ -623,6 +623,7 @@ class Worker(Stopping):
                 # guard, while this worker was frozen). Not the job's outcome: the lease decides.
                 result = RunResult(Ending.LOST, None, result.dirty_gpus, result.killed_by)
             result = self._gpu_watch.summarised(held, result, self.metrics)
+            await self._gpu_watch.recorded(held)  # its idle record first: the end it explains
             # While short jobs flow and another runs, its end comes soon: this outcome may wait for it.
             await self._outcomes.report(held.lease, result, self._fast.linger(self._busy()))
         finally:

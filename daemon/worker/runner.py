@@ -97,6 +97,12 @@ class Run(Protocol):
     def exited(self) -> bool:
         """The job's first process has ended (known as soon as the loop sees it)."""
 
+    @property
+    def stopping(self) -> bool:
+        """How the attempt ends is decided: a stop was asked (the first one asked decides), or
+        its first process has ended. A policy that would stop it asks first, so that it never
+        takes an end as its own that was another's (idle_gpus.py, health_watch.py)."""
+
     def start(self) -> None:
         """Start its processes now, in the caller's turn, if nothing has to come first (else
         `run` starts them)."""
@@ -318,6 +324,10 @@ class JobRun:
     @property
     def exited(self) -> bool:
         return self._ended()
+
+    @property
+    def stopping(self) -> bool:
+        return self.ending is not None or self._ended()
 
     def _stop(self, ending: Ending, why: str, now: bool = False) -> None:
         if self._ended():

@@ -314,3 +314,48 @@ async def test_a_requeued_idle_jobs_measured_attempt_counts_in_its_accounting_re
     (record,) = await accounting_records(queue, "again")
     assert int(record[3]) > 0  # GPU-ms, both attempts'
     assert record[5] == b"1", record  # its mean utilisation: 1 %, the handed-back attempt's
+
+
+async def test_an_idle_gpu_policy_due_while_a_job_ends_otherwise_does_not_claim_its_end(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """issue 50, a review's finding 2: a job its user cancelled takes its time over its stop
+    signal (it goes on until SIGKILL, --stop-grace 4 s), leaving its GPU idle meanwhile; its
+    queue's idle policy (requeue) comes due before it is gone. The job ends as its user
+    cancelled it, so its record must not say the policy stopped it: `idle_gpu` is the flag
+    alone (action null), and no line in its log says its queue requeued it. The policy recorded
+    "requeue" whatever stop was under way (and a job that ends as a drain or its GPU's health
+    handed it back was as wrongly recorded)."""
+    gpus = fake_gpus(1)
+    started, stopping = tmp_path / "started", tmp_path / "stopping"
+
+    def sampler() -> list[GpuSample]:
+        """Busy until the job is told to stop; idle from then on."""
+        return [GpuSample(gpus[0].uuid, 0.01 if stopping.exists() else 0.9, GIB, 16 * GIB)]
+
+    policy = IdlePolicy(util=5, minutes=0.3 / 60, grace_minutes=0.3 / 60, requeue_queues=["again"])
+    async with running_worker(
+        queue,
+        tmp_path / "w",
+        gpus=gpus,
+        slots=1,
+        queues=["again"],
+        gpu_sampler=sampler,
+        heartbeat_seconds=0.05,
+        idle_gpus=policy,
+    ):
+        script = f"trap 'touch {stopping}' TERM; touch {started}; while :; do sleep 0.05; done"
+        job_id, _ = await queue.enqueue(sh(script, gpus=1, queue="again", stop_grace=4))
+
+        async def running() -> bool:
+            return started.exists()
+
+        await wait_until(running, 15, "the job to start")
+        await queue.cancel(job_id)
+        info = await wait_state(queue, job_id, JobState.CANCELLED, timeout=20)
+    log = b"".join(d for _, d in await queue.read_log(job_id)).decode()
+    assert "flagged as idle; it is requeued after" in log  # idle while it stopped: flagged
+    assert "its queue requeues jobs that leave GPUs idle" not in log
+    assert info.idle_gpu is not None
+    assert info.idle_gpu["action"] is None, info.idle_gpu
+    assert info.attempt == 1
