@@ -469,14 +469,20 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
         )
 
     async def hand_back(
-        self, lease: Lease, *, by_policy: bool = False, gpu_usage: Mapping[str, Any] | None = None
+        self,
+        lease: Lease,
+        *,
+        by_policy: bool = False,
+        gpu_usage: Mapping[str, Any] | None = None,
+        why: str = "",
     ) -> JobState:
         """Hand an attempt back that this worker stopped before its job finished (a drain): the job
         goes to the front of its queue and is claimed next with attempt+1; a hand-back does not
         count towards max_attempts, unless the pool's GPU policies made it (`by_policy`: idle
         GPUs, a GPU fault), when it is a loss and the job is DEAD at max_attempts. `gpu_usage`:
         the attempt's GPU usage summary, where its worker measured one: its efficiency goes into
-        the job's accounting as a completed attempt's does. Returns QUEUED, DEAD, or CANCELLED
+        the job's accounting as a completed attempt's does. `why`: what the policies saw, the
+        job's detail while it waits again (and named in a dead one's). Returns QUEUED, DEAD, or CANCELLED
         when the user cancelled it meanwhile. Raises StaleAttempt, changing nothing, when `lease`
         is no longer current."""
         q = lease.queue
@@ -488,6 +494,7 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
             self.accounting_days,
             "1" if by_policy else "",
             _gpu_util(gpu_usage),
+            why if by_policy else "",
         )
 
     async def _end_attempt(

@@ -537,6 +537,7 @@ class Worker(Stopping):
         held.task = self._attempts.spawn(self._attempt(held), f"job {lease.job_id}")
 
     def _job_run(self, lease: Lease, gpus: tuple[GpuInfo, ...], slot: int) -> Run:
+        health = self.health  # a job that fails by itself is checked for its GPUs' fault at its end
         return JobRun(
             self.queue,
             lease,
@@ -558,6 +559,7 @@ class Worker(Stopping):
             git_protocols=self.git_protocols,
             eager=self._fast.eager,
             on_slot_free=functools.partial(self._slot_free, lease.id) if self._fast.eager else None,
+            gpu_fault=functools.partial(health.fault_under, gpus) if health is not None and gpus else None,
         )
 
     def _slot_free(self, lease_id: str) -> None:

@@ -13,6 +13,10 @@ find reaches the event loop, where this module keeps the book (`HealthBook`) and
 - The job running on it is told in its log (a [gpupool] line) and, with `gpu_health_policy`
   "requeue" (the default), stopped and handed back to the front of its queue, as a drain hands a
   job back, to run on a sound GPU; with "let_finish" it runs on to its end.
+- A failing GPU most often kills its job first (a CUDA error, exit 1), before a pass sees the
+  fault. So a job that fails by itself is checked at its end (`fault_under`): a fault seen on one
+  of its GPUs while it ran, or read on them then, hands it back as the stop above would have
+  ("requeue"), or names the fault in its outcome's detail ("let_finish"), not a failure of its own.
 - The GPU comes back when no fault has been seen on it for `gpu_health_clear` seconds (no new Xid,
   ECC and pages fine, no hardware slowdown, NVML answering) and a probe then passes (NVML answers
   for it and its memory is readable). A restart of the worker forgets the Xids seen before it;
@@ -35,12 +39,13 @@ from daemon.aio import in_daemon_thread
 from daemon.worker import gpu_health
 from daemon.worker.gpu_health import Fault
 from daemon.worker.gpus import GpuAllocator, GpuInfo
-from daemon.worker.runner import Run
+from daemon.worker.runner import GpuFaulted, Run
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("requeue", "let_finish")
 XID_JOIN_SECONDS = 2.0  # the longest the worker's stop waits for the Xid watch (one wait is 0.5 s)
+END_CHECK_SECONDS = 5.0  # the longest a job's end waits for its GPUs' health (NVML may hang on one)
 
 # The reads of one pass: each physical GPU's faults now, and the probe's verdict (None: passed)
 # on each GPU due to come back.
@@ -178,6 +183,30 @@ class HealthWatch:
     def _read(self, due: Sequence[str]) -> Pass:
         """One pass, in the health thread: every GPU's faults, and the probe of those `due`."""
         return gpu_health.read_faults(self._devices), {uuid: gpu_health.probe(uuid) for uuid in due}
+
+    async def fault_under(self, gpus: Sequence[GpuInfo]) -> GpuFaulted | None:
+        """The health fault of one of `gpus`, those of a job that failed by itself, and what
+        `gpu_health_policy` makes of it; None when they are sound. A GPU out of use had its fault
+        while the job held it (a GPU out takes no new job); else their health is read now, as a
+        pass would (a fault read here quarantines the GPU at once), at most END_CHECK_SECONDS."""
+        held = {g.parent or g.uuid for g in gpus} & self._devices.keys()
+        if not any(uuid in self.book.unhealthy for uuid in held):
+            try:
+                found = await asyncio.wait_for(
+                    in_daemon_thread(
+                        functools.partial(gpu_health.read_faults, sorted(held)), "gpupool-end-check"
+                    ),
+                    END_CHECK_SECONDS,
+                )
+            except Exception as exc:  # noqa: BLE001 - a driver's error, or a hang: no verdict
+                log.warning("cannot read the health of GPUs %s at their job's end: %r", sorted(held), exc)
+                return None
+            self._apply(found, {}, time.monotonic())
+        for uuid in sorted(held):
+            if (fault := self.book.fault(uuid)) is not None:
+                what = f"GPU {self._devices[uuid][0].index} ({uuid}) is unhealthy: {fault.detail}"
+                return GpuFaulted(what, hand_back=self._policy == "requeue")
+        return None
 
     def _xid(self, uuid: str, xid: int) -> None:
         fault = gpu_health.xid_fault(xid)

@@ -44,7 +44,9 @@ class Outcomes:
         if result.ending is Ending.LOST:
             log.warning("job %s attempt %d: killed, nothing recorded: the lease was lost", job, n)
         elif result.outcome is None:
-            state = await self.hand_back(lease, by_policy=result.by_policy, gpu_usage=result.gpu_usage)
+            state = await self.hand_back(
+                lease, by_policy=result.by_policy, gpu_usage=result.gpu_usage, why=result.why
+            )
             if state is not None:
                 log.info("job %s attempt %d: handed back (%s)", job, n, state)
         else:
@@ -61,15 +63,20 @@ class Outcomes:
                 log.info("job %s attempt %d: %s", job, n, how)
 
     async def hand_back(
-        self, lease: Lease, *, by_policy: bool = False, gpu_usage: Mapping[str, Any] | None = None
+        self,
+        lease: Lease,
+        *,
+        by_policy: bool = False,
+        gpu_usage: Mapping[str, Any] | None = None,
+        why: str = "",
     ) -> JobState | None:
         """Put the attempt back at the front of its queue (hand_back.lua; `by_policy`: a loss
-        towards max_attempts; `gpu_usage`: what its GPUs did, for its accounting); None if not
-        recorded."""
+        towards max_attempts, `why` the job's detail meanwhile; `gpu_usage`: what its GPUs did,
+        for its accounting); None if not recorded."""
         return await self._record(
             lease,
             "hand back",
-            lambda: self.queue.hand_back(lease, by_policy=by_policy, gpu_usage=gpu_usage),
+            lambda: self.queue.hand_back(lease, by_policy=by_policy, gpu_usage=gpu_usage, why=why),
         )
 
     async def _record(

@@ -29,7 +29,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -85,6 +85,20 @@ class RunResult:
     # What its GPUs did (gpu_usage.py; set by gpu_watch.py): an outcome carries it in its result,
     # a hand-back passes it on, so that the attempt's accounting has its efficiency either way.
     gpu_usage: Mapping[str, Any] | None = None
+    # Why the pool's policies handed it back (by_policy): the job's detail while it waits again
+    why: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuFaulted:
+    """A health fault on a GPU of an attempt that ended by itself, failed: seen while it ran, or
+    as its end was checked (health_watch.py). `what` says which GPU and what fault; `hand_back`:
+    `gpu_health_policy` hands the job back for it ("requeue"), as the health watch's stop would
+    have, since what killed the job was most likely its GPU (a CUDA error on an Xid 79, an
+    uncorrectable ECC error); else ("let_finish") its end stands, the fault in its detail."""
+
+    what: str
+    hand_back: bool
 
 
 class Run(Protocol):
@@ -206,6 +220,7 @@ class JobRun:
         eager: bool = True,
         on_slot_free: Callable[[], None] | None = None,
         on_exit: Callable[[], None] | None = None,
+        gpu_fault: Callable[[], Awaitable[GpuFaulted | None]] | None = None,
     ) -> None:
         """`slot` is the scratch directories of the slot it runs on (scratch.py; default: those
         under `slot_dir`, or `data_dir/slot`). `store` receives the artifacts; `cache` fetches the
@@ -219,7 +234,8 @@ class JobRun:
         caller's turn; `on_slot_free` is called when the slot may take its next job before this
         one's end is recorded (see `_hand_over`; None: never). Both are the fast path's
         (worker/fast_path.py). `on_exit` is called as soon as its first process has ended (an
-        agent tells its server: agent.py)."""
+        agent tells its server: agent.py). `gpu_fault` says, as a job that failed by itself ends,
+        whether its GPUs showed a health fault meanwhile (health_watch.py; None: not watched)."""
         self.queue = queue
         self.store = store
         self.cache = cache
@@ -267,6 +283,8 @@ class JobRun:
         self.output = JobOutput(queue, lease, self.lose)
         self.on_slot_free = on_slot_free
         self.on_exit = on_exit or (lambda: None)
+        self._gpu_fault = gpu_fault
+        self._fault = ""  # a fault of its GPUs its outcome's detail names (let_finish)
         self._handed_over = False  # its directories are the slot's next job's already
         self._descendants: dict[int, float] = {}  # pid -> create time, of every process seen
         self._peak_rss = 0
@@ -620,6 +638,7 @@ class JobRun:
         if left:
             log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(left))
         dirty = await self._check_gpus(pgid)
+        await self._faulted(returncode)
         await self._save_checkpoint(returncode)
         uploaded: dict[str, Any] = {}
         if self._recorded() and self.store is not None:
@@ -633,7 +652,30 @@ class JobRun:
         outcome = self._outcome(returncode, "", started, uploaded)
         killed_by = -returncode if returncode < 0 else None
         by_policy = self._by_policy and self.ending is Ending.HANDED_BACK
-        return RunResult(self.ending or Ending.EXITED, outcome, dirty, killed_by, by_policy)
+        why = self.stopped_why if by_policy else ""
+        return RunResult(self.ending or Ending.EXITED, outcome, dirty, killed_by, by_policy, why=why)
+
+    async def _faulted(self, returncode: int) -> None:
+        """If the job failed by itself on a GPU with a health fault: handed back as the health
+        watch stops such a job (a loss towards max_attempts), or, with let_finish, its end stands
+        and names the fault. Said in its log either way."""
+        if self.ending is not None or returncode == 0 or self._gpu_fault is None:
+            return
+        if (fault := await self._gpu_fault()) is None:
+            return
+        how = describe_exit(returncode)[1]
+        if fault.hand_back:
+            self.ending, self._by_policy = Ending.HANDED_BACK, True
+            self.stopped_why = (
+                f"{fault.what}; the job ended on it ({how}): back to its queue to run on a sound GPU"
+            )
+            self.output.note(self.stopped_why)
+        else:
+            self._fault = fault.what
+            self.output.note(
+                f"{fault.what}; the job ended on it ({how}): its end stands (gpu_health_policy let_finish)"
+            )
+        await self.output.flush()
 
     async def _finish_output(self) -> None:
         """The rest of the job's output sent, and its terminal, if it had one, closed."""
@@ -729,6 +771,8 @@ class JobRun:
         if self._usage is not None and self._usage.oom_kills:  # a process of it, whatever its exit says
             return Outcome(JobState.FAILED, code, f"{self._out_of_memory()}; {how}", result)
         state = JobState.SUCCEEDED if returncode == 0 else JobState.FAILED
+        if self._fault:
+            how = f"{how}; {self._fault}"
         return Outcome(state, code, "" if returncode == 0 else how, result)
 
     def _out_of_memory(self) -> str:

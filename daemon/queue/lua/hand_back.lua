@@ -17,7 +17,9 @@
 --         (absent or '': a drain, a requeue),
 --       10 the attempt's mean GPU utilisation in percent, as its worker measured it ('' or absent:
 --         not measured; lib/account.lua), as complete.lua takes it: the GPU-ms a handed-back
---         attempt held are counted, so their measurement is too
+--         attempt held are counted, so their measurement is too,
+--       11 why the pool's policies handed it back (ARGV 9), kept as the job's `detail` while it
+--         waits to run again, and named in a dead job's (absent or '': the detail stays)
 -- Returns {'queued'} | {'cancelled'} | {'dead'} | {'stale', state, attempt}.
 --! include lib/record.lua
 --! include lib/use.lua
@@ -42,13 +44,15 @@ if j[5] == '1' then
   finish(prefix, stream, group, events, id, 'cancelled', now, tonumber(ARGV[7]), nil, nil, ARGV[8])
   answer = 'cancelled'
 elseif losses > 0 and losses >= tonumber(j[8]) then
+  local last = (ARGV[11] or '') ~= '' and ('; the last: ' .. ARGV[11]) or ''
   redis.call('HSET', jobkey, 'detail',
     'handed back by the pool\'s GPU policies (idle GPUs, a GPU fault) or by workers that could not set '
-    .. 'its CPU and memory limits: ' .. losses .. ' attempts lost (max_attempts)')
+    .. 'its CPU and memory limits: ' .. losses .. ' attempts lost (max_attempts)' .. last)
   finish(prefix, stream, group, events, id, 'dead', now, tonumber(ARGV[7]), nil, nil, ARGV[8])
   answer = 'dead'
 else
   redis.call('HINCRBY', jobkey, 'handbacks', 1)
+  if (ARGV[11] or '') ~= '' then redis.call('HSET', jobkey, 'detail', ARGV[11]) end
   requeue(prefix, stream, group, front, id)
 end
 redis.call('HSET', jobkey, 'ended_by', lease, 'ended_as', answer)

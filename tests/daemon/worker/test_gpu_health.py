@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -355,3 +356,61 @@ print(json.dumps({{"ended": watch.join(2.0), "logged": [r.getMessage() for r in 
     assert seen["ended"] is True
     assert len(seen["logged"]) == 1, seen["logged"]
     assert "GPU is lost" in seen["logged"][0]
+
+
+@pytest.mark.parametrize("policy", ["requeue", "let_finish"])
+async def test_gpu_health_a_job_killed_by_its_gpus_fault_before_the_watch_saw_it_is_its_gpus(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], policy: str
+) -> None:
+    """issue 50, a review's finding 3: a GPU that fails under its job (uncorrectable ECC errors
+    here, as an Xid 79 would be) most often kills it first: the program gets a CUDA error and
+    exits 1 before the health watch's next pass stops it. The job ended FAILED, counted against
+    its user and its max_attempts, for its GPU's fault, which nothing said. Checked at its end,
+    the fault is seen (and the GPU quarantined), and gpu_health_policy decides as when the watch
+    sees it first: requeue hands it back (its attempt released, not failed; it needs both GPUs of
+    the worker, one of them now out, so it waits, queued, the fault in its detail); let_finish
+    lets its end stand, the fault in its detail. Its log says so either way."""
+    shared = Path(tempfile.mkdtemp(prefix="gpupool-faults-"))
+    shared.chmod(0o1777)  # the job, as a slot uid, breaks its own GPU
+    faults = shared / "faults.json"
+    # The job's first GPU shows the fault, then the job dies of it at once (heartbeats, and so
+    # the watch's passes, come once a second: the end comes first).
+    breaks = shared / "break.sh"
+    breaks.write_text(
+        "i=${CUDA_VISIBLE_DEVICES%%,*}; i=${i##*-}\n"
+        f'printf \'{{"%s": {{"ecc": 2}}}}\' "$i" > {shared}/part && mv {shared}/part {faults}\n'
+        'echo "CUDA error: uncorrectable ECC error encountered"; exit 1\n'
+    )
+    breaks.chmod(0o755)
+    host = secrets.token_hex(3)
+    queue = JobQueue(redis_server.client(), lease_seconds=30)
+    options = ("--heartbeat-interval", "1", "--gpu-health-policy", policy)
+    fault = "is unhealthy: 2 uncorrectable ECC error(s) since the driver loaded"
+    with health_worker(redis_server, s3_env, faults, host, *options) as log:
+        try:
+            job, _ = await queue.enqueue(JobSpec(argv=("sh", str(breaks)), gpus=2, queue=host))
+
+            async def ended() -> bool:
+                attempts = (await queue.get(job)).attempts
+                return bool(attempts) and attempts[0].how != "running"
+
+            await wait_until(ended, 30, "the job's first attempt to end")
+            info = await queue.get(job)
+            if policy == "requeue":
+                assert (info.state, info.attempts[0].how) == (JobState.QUEUED, "released"), info.detail
+            else:
+                assert (info.state, info.attempts[0].how) == (JobState.FAILED, "failed"), info.detail
+                assert info.detail.startswith("exited with status 1; GPU "), info.detail
+            assert fault in info.detail, info.detail
+            told = [line for line in await log_lines(queue, job) if line.startswith("[gpupool]")]
+            assert any(fault in line and "the job ended on it" in line for line in told), told
+            assert (await wait_health(queue, host, 0, "ecc", "GPU 0 quarantined"))["quarantined"]
+            if policy == "requeue":
+                await queue.cancel(job)
+                await wait_state(queue, job, JobState.CANCELLED)
+        except BaseException:
+            print(log.read_text()[-6000:])
+            raise
+        finally:
+            await queue.redis.aclose()
+            shutil.rmtree(shared, ignore_errors=True)
