@@ -22,6 +22,7 @@ import orjson
 
 from daemon import config
 from daemon.server.service import PoolServer
+from tests.support.processes import terminate
 
 RESULTS = Path(__file__).parent / "results"
 POOL_START_LIMIT = 60.0  # seconds for a `local_pool` to come up
@@ -126,12 +127,7 @@ def local_pool(tmp: Path, **extra: str) -> Iterator[subprocess.Popen[bytes]]:
     try:
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        terminate(proc, 30)
 
 
 def ready(proc: subprocess.Popen[bytes], tmp: Path) -> None:

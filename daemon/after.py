@@ -6,7 +6,7 @@ and did not succeed) or `any` (ended at all, cancelled included). A job with dep
 out of its queue until every one is met, then joins it at its tail; as soon as one can no longer
 be met (the job it waits for ended otherwise), it is cancelled, saying which and why. The server
 decides (server/dependencies.py), from the queue's terminal events and a periodic sweep. A
-spec's `after` is checked where every field is (job.py: "JOB:how" each).
+spec's `after` is checked where every field is (spec_checks.py: "JOB:how" each).
 """
 
 from __future__ import annotations

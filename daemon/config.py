@@ -2,10 +2,10 @@
 derived from it (the data directory, the heartbeat's period, the flags).
 
 Precedence: command-line flag > ``GPUPOOL_<NAME>`` environment variable > TOML file > default.
-Every option is one `Option` row of daemon/options.py, which also checks each value; its TOML key,
-its env variable (``GPUPOOL_`` + upper case) and its flag (``--name-with-dashes``) all come from its
-name. Secrets may instead be read from a file (``<name>_file`` in any layer) so they need not sit in
-the TOML or the process table.
+Every option is one `Option` row of daemon/options.py (daemon/option_values.py checks each value);
+its TOML key, its env variable (``GPUPOOL_`` + upper case) and its flag (``--name-with-dashes``) all
+come from its name. Secrets may instead be read from a file (``<name>_file`` in any layer) so they
+need not sit in the TOML or the process table.
 
 A bad value stops start-up with one line: the key, where it came from (file:line, env var or flag)
 and what was expected (`ConfigError`, exit status 2). Reading the sources themselves (the file with
@@ -25,7 +25,8 @@ from typing import Any
 from daemon.address import parse_host_port
 from daemon.config_sources import ENV_PREFIX, Layer, from_env, from_flags, read_secret, read_toml
 from daemon.errors import ConfigError, GpupoolError
-from daemon.options import BY_NAME, OPTIONS, RENAMED, SECRET_NAMES, convert, uid_range_of
+from daemon.option_values import convert, uid_range_of
+from daemon.options import BY_NAME, OPTIONS, RENAMED, SECRET_NAMES
 
 # The table's names that tests read through this module are re-exported with it.
 __all__ = [

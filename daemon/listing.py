@@ -9,7 +9,7 @@ and every list and map to LIST_ITEMS entries, and one that was cut says so ('sho
 they reach LIST_BYTES, well within one frame, whatever the row count asked for, and its last
 record says how many more there were (MORE), which poolctl prints: a key in a record, which
 clients that do not know it ignore, rather than a field of the reply, which every client must
-send and read (protocol/messages.py).
+send and read (protocol/replies.py).
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def read_users(path: Path) -> Users:
     refuse_open(path, mode, ", the tokens file,")
     import tomllib  # noqa: PLC0415 - the server's side, as above
 
-    from daemon.job import PRIORITY_MAX  # noqa: PLC0415 - as tomllib: poolctl reads no tokens file
+    from daemon.spec_checks import PRIORITY_MAX  # noqa: PLC0415 - as tomllib: poolctl reads no tokens file
 
     try:
         data = tomllib.loads(text)

@@ -27,7 +27,7 @@ from daemon.ctl.arrays import MAX_JOBS, array_specs
 from daemon.ctl.link import Link, reach
 from daemon.ctl.parsing import UsageError
 from daemon.errors import GpupoolError, NotYours
-from daemon.job import ARRAY_ID, JOB_ID
+from daemon.spec_checks import ARRAY_ID, JOB_ID
 from gpupool import _loop, shipping
 from gpupool.errors import BadArgument, Error, JobFailed
 from gpupool.job import Job

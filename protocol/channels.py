@@ -12,7 +12,8 @@ RemoteProtocolError when the peer sent it, a LocalProtocolError when the owner t
 """
 
 from protocol.errors import ErrorCode
-from protocol.messages import CHANNEL_WINDOW, ChannelCredit, ChannelOutput
+from protocol.messages import CHANNEL_WINDOW
+from protocol.replies import ChannelCredit, ChannelOutput
 
 __all__ = ["Channel", "Refusal"]
 

@@ -26,18 +26,8 @@ from protocol.frames import (
     FrameType,
     encode_frame,
 )
-from protocol.messages import (
-    Auth,
-    Challenge,
-    ChannelAck,
-    ChannelData,
-    ChannelEnd,
-    ChannelResize,
-    ErrorMessage,
-    Hello,
-    OpenChannel,
-    Welcome,
-)
+from protocol.messages import Auth, Challenge, ErrorMessage, Hello, Welcome
+from protocol.requests import ChannelAck, ChannelData, ChannelEnd, ChannelResize, OpenChannel
 
 __all__ = ["ClientConnection"]
 

@@ -38,19 +38,9 @@ from protocol.frames import (
     encode_frame,
     unpack_payload,
 )
-from protocol.messages import (
-    Auth,
-    Challenge,
-    ChannelAck,
-    ChannelCredit,
-    ChannelData,
-    ChannelEnd,
-    ChannelResize,
-    ErrorMessage,
-    Hello,
-    OpenChannel,
-    Welcome,
-)
+from protocol.messages import Auth, Challenge, ErrorMessage, Hello, Welcome
+from protocol.replies import ChannelCredit
+from protocol.requests import ChannelAck, ChannelData, ChannelEnd, ChannelResize, OpenChannel
 
 __all__ = ["ServerConnection"]
 

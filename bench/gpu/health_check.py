@@ -12,31 +12,20 @@ so (tests/bench/test_smallest.py)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 # On a GPU machine without the project's venv, only pynvml needs to travel (in `.devcheck/site`):
-# the metrics module the worker's GPU code names is stood in for (nothing here serves metrics).
+# the metrics module the worker's GPU code names is stood in for (bench/gpu/common.py).
 sys.path[:0] = [".devcheck/site", "."]
-try:
-    import daemon.metrics.worker  # noqa: F401
-except ImportError:
-    stub = types.ModuleType("daemon.metrics.worker")
+from bench.gpu.common import stand_in_worker_metrics  # noqa: E402
 
-    @dataclasses.dataclass
-    class _Any:
-        pass
-
-    stub.GpuSample = stub.GpuShare = _Any  # type: ignore[attr-defined]
-    stub.HEALTH_REASONS = ("xid", "ecc", "pages", "lost", "thermal", "power")  # type: ignore[attr-defined]
-    sys.modules["daemon.metrics.worker"] = stub
+stand_in_worker_metrics()
 
 import pynvml  # noqa: E402
 

@@ -6,28 +6,18 @@ runner's dirty check seeing both pids, and the GPU clean and whole again after.
 
 Run on a machine with an NVIDIA GPU: `python bench/gpu/share_check.py` (results: bench/README.md)."""
 
-import dataclasses
 import os
 import subprocess
 import sys
 import time
-import types
 
 # On a GPU machine without the project's venv (it is too big to carry there), only pynvml needs to
 # travel (in `.devcheck/site`): the metrics module gpus.py names, with its psutil and redis, is
-# stood in for, since nothing here samples metrics.
+# stood in for (bench/gpu/common.py), since nothing here samples metrics.
 sys.path[:0] = [".devcheck/site", "."]
-try:
-    import daemon.metrics.worker  # noqa: F401
-except ImportError:
-    stub = types.ModuleType("daemon.metrics.worker")
+from bench.gpu.common import stand_in_worker_metrics  # noqa: E402
 
-    @dataclasses.dataclass
-    class _Any:
-        pass
-
-    stub.GpuSample = stub.GpuShare = _Any  # type: ignore[attr-defined]
-    sys.modules["daemon.metrics.worker"] = stub
+stand_in_worker_metrics()
 from daemon.worker.gpus import GpuAllocator, discover  # noqa: E402
 
 GIB = 2**30

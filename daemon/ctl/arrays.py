@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 MAX_JOBS = 10_000  # one batch (the server's admission.MAX_BATCH)
-MAX_INDEX = 2**31  # the job model's bound on $GPUPOOL_ARRAY_INDEX (daemon/job.py array_index)
+MAX_INDEX = 2**31  # the job model's bound on $GPUPOOL_ARRAY_INDEX (daemon/spec_checks.py array_index)
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

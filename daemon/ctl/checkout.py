@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from daemon.git import GitError, git
-from daemon.job import FULL_SHA
+from daemon.spec_checks import FULL_SHA
 from protocol import ErrorCode
 
 

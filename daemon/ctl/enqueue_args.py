@@ -14,7 +14,7 @@ from typing import Any
 
 from daemon.ctl.parsing import seconds, whole
 
-# daemon/job.py's limits, said again so that ctl need not import the job model (a test checks)
+# daemon/spec_checks.py's limits, said again so that ctl need not import the job model (a test checks)
 GPU_MEM_MAX = 2**50
 GPUS_MAX, ATTEMPTS_MAX, PRIORITY_MAX, STOP_GRACE_MAX = 1024, 100, 100, 3600.0
 CPUS_MAX, MEM_MIN = 4096, 2**20

@@ -30,7 +30,7 @@ from typing import Any
 from daemon.client.pool_client import PoolClient
 from daemon.ctl.pack_cache import PackCache
 from daemon.ctl.project import Project, ProjectFile
-from daemon.job import project_id
+from daemon.spec_checks import project_id
 from protocol import CheckObjects, ObjectsHeld
 from storage.content import pack_entries, stream_sha256
 

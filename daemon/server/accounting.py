@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.errors import GpupoolError
-from daemon.job import QUEUE_NAME
 from daemon.queue.accounting import CANCELLED, DAY, DEAD, FAILED, UNKNOWN, day_of, read_day
 from daemon.queue.connection import AnyRedis
+from daemon.spec_checks import QUEUE_NAME
 from protocol import Account, Accounted, ErrorCode
 
 BY = ("user", "queue", "day")

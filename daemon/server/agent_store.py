@@ -23,9 +23,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from daemon.errors import GpupoolError
-from daemon.job import SHA256, Lease
+from daemon.job import Lease
 from daemon.object_store import artifact_prefix, attempt_segment, checkpoint_prefix
 from daemon.server.data_desk import data_of
+from daemon.spec_checks import SHA256
 from protocol import ErrorCode
 from storage.base import ObjectNotFound, ObjectStore, check_key
 from storage.content import content_key

@@ -34,10 +34,11 @@ from typing import Any, Protocol
 
 from daemon.config import Config
 from daemon.errors import GpupoolError
-from daemon.job import QUEUE_NAME, Lease
+from daemon.job import Lease
 from daemon.object_store import attempt_segment
 from daemon.queue.job_queue import JobQueue
 from daemon.server.agent_store import AgentStore
+from daemon.spec_checks import QUEUE_NAME
 from protocol import AgentAnswer, AgentCall, AgentOrder, ErrorCode, Served, ServeJobs, StreamItem
 from storage.base import ObjectStore
 

@@ -43,7 +43,7 @@ import time
 import orjson
 
 from daemon.errors import GpupoolError
-from daemon.job import INPUT_KINDS, SHA256, JobSpec
+from daemon.job import JobSpec
 from daemon.object_store import (
     DATASET_NAME,
     UPLOADS_PREFIX,
@@ -53,6 +53,7 @@ from daemon.object_store import (
     owners_prefix,
     upload_key,
 )
+from daemon.spec_checks import INPUT_KINDS, SHA256
 from protocol import DownloadTicket, ErrorCode, ObjectRef, ObjectsHeld, UploadTicket
 from storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore, StorageError
 from storage.content import content_key

@@ -25,7 +25,7 @@ from daemon.errors import (
     JobNotFound,
     NotYours,
 )
-from daemon.job import ARRAY_ID, JobInfo, JobState
+from daemon.job import JobInfo, JobState
 from daemon.listing import selected, shortened, within_bytes
 from daemon.metrics.server import ServerMetrics
 from daemon.object_store import artifact_job
@@ -42,6 +42,7 @@ from daemon.server.data_desk import DataDesk
 from daemon.server.log_limit import LogLimit
 from daemon.server.pending import MAX_LIST, PendingReasons, WorkerLister
 from daemon.server.relay_budget import RelayBudget
+from daemon.spec_checks import ARRAY_ID
 from daemon.webhook_targets import Allowed
 from protocol import (
     Account,

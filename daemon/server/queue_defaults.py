@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from daemon.config import Config
 from daemon.job import JobSpec
-from daemon.options import queue_cpus, queue_mem
+from daemon.option_values import queue_cpus, queue_mem
 
 
 @dataclass(frozen=True, slots=True)

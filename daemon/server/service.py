@@ -14,7 +14,7 @@ from daemon.address import fits_unix_socket, is_loopback, parse_host_port
 from daemon.aio import TaskSet, start_or_undo
 from daemon.config import Config, make_data_dir
 from daemon.errors import GpupoolError
-from daemon.job import PRIORITY_MAX, JobState, queue_of
+from daemon.job import JobState, queue_of
 from daemon.metrics.endpoint import MetricsServer, serve_for
 from daemon.metrics.server import ServerMetrics
 from daemon.object_store import make_store, open_checked
@@ -35,6 +35,7 @@ from daemon.server.queue_defaults import QueueDefaults
 from daemon.server.session import Limits
 from daemon.server.web.app import WebServer
 from daemon.server.web.snapshot import Snapshots
+from daemon.spec_checks import PRIORITY_MAX
 from daemon.webhook_targets import Allowed
 from storage.base import ObjectStore
 

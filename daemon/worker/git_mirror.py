@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from daemon.git import ANY_PROTOCOL, GitError, git
-from daemon.job import FULL_SHA
+from daemon.spec_checks import FULL_SHA
 
 _locks: dict[Path, asyncio.Lock] = {}
 

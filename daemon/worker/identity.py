@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from daemon.errors import GpupoolError
-from daemon.options import ROOT, uid_range_of
+from daemon.option_values import ROOT, uid_range_of
 
 log = logging.getLogger(__name__)
 

@@ -140,6 +140,30 @@ def _python(code: str, env: dict[str, str]) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+def _first_line(proc: subprocess.Popen[str], seconds: float) -> str:
+    """The first line `proc` prints that is not empty, within `seconds`; else it is killed and
+    the test fails with what it wrote on stderr (a bare readline waited without a bound)."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(_lines_until_one(proc.stdout)), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    if not lines or not lines[-1].strip():
+        proc.kill()
+        err = proc.communicate(timeout=WAIT)[1]
+        pytest.fail(f"no line printed in {seconds:.0f} s (exit {proc.returncode}); stderr: {err}")
+    return lines[-1].strip()
+
+
+def _lines_until_one(stream: Any) -> list[str]:
+    read = []
+    while line := stream.readline():
+        read.append(line)
+        if line.strip():
+            break
+    return read
+
+
 BANNED_TOPS = ("redis", "aiobotocore", "botocore")
 BANNED_ROOMS = ("daemon.server", "daemon.worker", "daemon.queue", "daemon.metrics", "daemon.object_store")
 
@@ -178,8 +202,7 @@ def test_ctrl_c_interrupts_result_and_the_job_runs_on(pool: gpupool.Pool, api_po
     KeyboardInterrupt there at once, and the job goes on in the pool (cancelled here after)."""
     with _python(CTRL_C, api_pool.env("alice")) as proc:
         assert proc.stdout is not None
-        job_id = proc.stdout.readline().strip()
-        assert job_id, proc.communicate(timeout=WAIT)[1]
+        job_id = _first_line(proc, 2 * WAIT)
         time.sleep(0.2)  # into the wait: a signal before it would be as good a test of nothing
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=WAIT)

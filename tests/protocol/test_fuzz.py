@@ -26,8 +26,10 @@ from protocol import (
     ShowJob,
     WaitJobs,
     codec,
+    messages,
+    replies,
+    requests,
 )
-from protocol import messages as m
 from protocol.errors import ErrorCode, RemoteProtocolError
 from protocol.frames import (
     HEADER,
@@ -150,8 +152,9 @@ def test_authenticated_client_arbitrary_frames(frames: list[bytes], split_seed: 
 
 
 # Every request op with fields drawn from every message's field names: exercises the type checks.
-FIELD_NAMES = sorted({name for cls in vars(m).values() if is_record(cls) for name in fields(cls)})
-OPS = sorted(cls.OP for cls in vars(m).values() if hasattr(cls, "OP"))
+MESSAGES = [cls for module in (messages, requests, replies) for cls in vars(module).values()]
+FIELD_NAMES = sorted({name for cls in MESSAGES if is_record(cls) for name in fields(cls)})
+OPS = sorted(cls.OP for cls in MESSAGES if hasattr(cls, "OP"))
 
 
 @FUZZ

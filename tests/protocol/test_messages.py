@@ -6,6 +6,8 @@ import pytest
 
 from protocol import codec
 from protocol import messages as m
+from protocol import replies as rp
+from protocol import requests as rq
 from protocol.errors import ErrorCode, RemoteProtocolError
 from protocol.frames import FrameType, encode_frame, pack_payload
 
@@ -25,49 +27,49 @@ EVERY_MESSAGE: list[codec.Message] = [
     m.ErrorMessage(41, "Job 7 does not exist; check the id with poolctl ls."),
     m.ErrorMessage(999, "a code from the future"),
     m.Goodbye("server shutting down"),
-    m.Enqueue({"argv": ["python", "train.py"], "gpus": 2}, "key-1"),
-    m.Enqueue({}, None),
-    m.EnqueueBatch([{"argv": ["a"]}, {"argv": ["b"]}]),
-    m.EnqueueBatch([]),
-    m.ListJobs("default", "running", include_finished=False, limit=100),
-    m.ListJobs(None, None, include_finished=True, limit=0),
-    m.ShowJob("{q:default}:01J"),
-    m.CancelJobs(["a", "b"]),
-    m.RequeueJobs(["a"]),
-    m.WaitJobs(["a"], 30.5),
-    m.WaitJobs(["a"], None),
-    m.FollowLogs("a", follow=True, offset=""),
-    m.ListWorkers(),
-    m.Ping(),
-    m.Enqueued("a", created=True),
-    m.EnqueuedBatch(["a", "b"]),
-    m.JobList([JOB, JOB]),
-    m.JobDetail(JOB),
-    m.Cancelled({"a": "cancelled", "b": "succeeded"}),
-    m.Requeued({"a": "requeueing", "b": "queued"}),
-    m.Waited([JOB], timed_out=False),
-    m.LogChunk(b"\x00epoch 1 loss 0.3\n\xff", "1712345678-0"),
-    m.JobEnded(JOB),
-    m.WatchPool("default", None, False, 100, 2.0, 0),
-    m.WatchPool(None, "running", True, 10, 0.5, 3),
-    m.PoolView([JOB], [{"id": "w1", "slots": 2}], 1712345678.5),
-    m.WatchEnded(3),
-    m.LogEnd("succeeded", 0),
-    m.LogEnd("lost", None),
-    m.WorkerList([{"name": "gpu-01", "slots": 2}]),
-    m.Pong(1712345678.25),
-    m.PrepareUpload("ab" * 32, 0),
-    m.CheckObjects(["ab" * 32, "cd" * 32]),
-    m.FinishUpload("ab" * 32, "dir", "imagenet"),
-    m.FinishUpload("ab" * 32, "file", None),
-    m.ResolveName("imagenet"),
-    m.PrepareDownload("artifacts/default.1/1/log"),
-    m.UploadTicket("sha256/ab/" + "ab" * 32, exists=True, url=None, local_store=None),
-    m.UploadTicket("k", exists=False, url="http://s3/b/k?X-Amz-Signature=1", local_store=None),
-    m.ObjectRef("imagenet", "ab" * 32, 1024, "dir"),
-    m.ObjectsHeld(["cd" * 32]),
-    m.DownloadTicket("k", 5, None, None, "/var/lib/gpupool/store"),
-    m.ServeJobs(
+    rq.Enqueue({"argv": ["python", "train.py"], "gpus": 2}, "key-1"),
+    rq.Enqueue({}, None),
+    rq.EnqueueBatch([{"argv": ["a"]}, {"argv": ["b"]}]),
+    rq.EnqueueBatch([]),
+    rq.ListJobs("default", "running", include_finished=False, limit=100),
+    rq.ListJobs(None, None, include_finished=True, limit=0),
+    rq.ShowJob("{q:default}:01J"),
+    rq.CancelJobs(["a", "b"]),
+    rq.RequeueJobs(["a"]),
+    rq.WaitJobs(["a"], 30.5),
+    rq.WaitJobs(["a"], None),
+    rq.FollowLogs("a", follow=True, offset=""),
+    rq.ListWorkers(),
+    rq.Ping(),
+    rp.Enqueued("a", created=True),
+    rp.EnqueuedBatch(["a", "b"]),
+    rp.JobList([JOB, JOB]),
+    rp.JobDetail(JOB),
+    rp.Cancelled({"a": "cancelled", "b": "succeeded"}),
+    rp.Requeued({"a": "requeueing", "b": "queued"}),
+    rp.Waited([JOB], timed_out=False),
+    rp.LogChunk(b"\x00epoch 1 loss 0.3\n\xff", "1712345678-0"),
+    rp.JobEnded(JOB),
+    rq.WatchPool("default", None, False, 100, 2.0, 0),
+    rq.WatchPool(None, "running", True, 10, 0.5, 3),
+    rp.PoolView([JOB], [{"id": "w1", "slots": 2}], 1712345678.5),
+    rp.WatchEnded(3),
+    rp.LogEnd("succeeded", 0),
+    rp.LogEnd("lost", None),
+    rp.WorkerList([{"name": "gpu-01", "slots": 2}]),
+    rp.Pong(1712345678.25),
+    rq.PrepareUpload("ab" * 32, 0),
+    rq.CheckObjects(["ab" * 32, "cd" * 32]),
+    rq.FinishUpload("ab" * 32, "dir", "imagenet"),
+    rq.FinishUpload("ab" * 32, "file", None),
+    rq.ResolveName("imagenet"),
+    rq.PrepareDownload("artifacts/default.1/1/log"),
+    rp.UploadTicket("sha256/ab/" + "ab" * 32, exists=True, url=None, local_store=None),
+    rp.UploadTicket("k", exists=False, url="http://s3/b/k?X-Amz-Signature=1", local_store=None),
+    rp.ObjectRef("imagenet", "ab" * 32, 1024, "dir"),
+    rp.ObjectsHeld(["cd" * 32]),
+    rp.DownloadTicket("k", 5, None, None, "/var/lib/gpupool/store"),
+    rq.ServeJobs(
         2,
         ["default"],
         [{"index": 0, "uuid": "GPU-1", "name": "H100", "memory": 80 << 30}],
@@ -78,23 +80,23 @@ EVERY_MESSAGE: list[codec.Message] = [
         4.0,
         2.0,
     ),
-    m.AgentOrder("run", "w/1.0", {"slot": 0, "gpus": ["GPU-1"], "valid_for": 20.0}),
-    m.Served("the pool server is stopping"),
-    m.AgentCall("w", b"\x00" * 32, "w/1.0", "append_log", {"number": 1, "chunks": [b"hi\n"]}),
-    m.AgentAnswer({}),
-    m.OpenChannel("default.1", "exec", ["sh", "-c", "echo hi"], stdin=True),
-    m.ChannelOutput("stderr", b"\x00oops\n"),
-    m.ChannelCredit(4096),
-    m.ChannelClosed(3, "exited"),
-    m.ChannelClosed(None, "the job ended"),
-    m.ChannelData(b"hi\n"),
-    m.ChannelEnd(),
-    m.ChannelAck(65536),
-    m.ChannelResize(50, 132),
-    m.OpenChannel("default.1", "attach", [], stdin=True, rows=24, cols=80),
-    m.Account("alice", "default", 1712345678.0, None, "day"),
-    m.Account(None, None, None, None, "user"),
-    m.Accounted(
+    rp.AgentOrder("run", "w/1.0", {"slot": 0, "gpus": ["GPU-1"], "valid_for": 20.0}),
+    rp.Served("the pool server is stopping"),
+    rq.AgentCall("w", b"\x00" * 32, "w/1.0", "append_log", {"number": 1, "chunks": [b"hi\n"]}),
+    rp.AgentAnswer({}),
+    rq.OpenChannel("default.1", "exec", ["sh", "-c", "echo hi"], stdin=True),
+    rp.ChannelOutput("stderr", b"\x00oops\n"),
+    rp.ChannelCredit(4096),
+    rp.ChannelClosed(3, "exited"),
+    rp.ChannelClosed(None, "the job ended"),
+    rq.ChannelData(b"hi\n"),
+    rq.ChannelEnd(),
+    rq.ChannelAck(65536),
+    rq.ChannelResize(50, 132),
+    rq.OpenChannel("default.1", "attach", [], stdin=True, rows=24, cols=80),
+    rq.Account("alice", "default", 1712345678.0, None, "day"),
+    rq.Account(None, None, None, None, "user"),
+    rp.Accounted(
         [{"user": "alice", "jobs": 2, "gpu_hours": 1.5, "efficiency": None, "wait_p50": 3.0}],
         {"jobs": 2, "gpu_hours": 1.5, "efficiency": None, "wait_p50": 3.0},
         1712345678.0,
@@ -110,51 +112,51 @@ def test_round_trip(message: codec.Message) -> None:
 
 
 def test_every_message_class_is_covered() -> None:
-    defined = {cls for cls in vars(m).values() if is_record(cls)}
+    defined = {cls for module in (m, rq, rp) for cls in vars(module).values() if is_record(cls)}
     assert {type(message) for message in EVERY_MESSAGE} == defined
     assert len(defined) == 6 + 20 + 19 + 6 + 4  # control, requests, replies, stream items, channel input
 
 
 def test_frame_types() -> None:
-    assert codec.encode_message(m.Ping())[0] is FrameType.REQUEST
-    assert codec.encode_message(m.Pong(1.0))[0] is FrameType.REPLY
-    assert codec.encode_message(m.LogChunk(b"", ""))[0] is FrameType.STREAM
-    assert codec.encode_message(m.LogEnd("x", None))[0] is FrameType.REPLY
+    assert codec.encode_message(rq.Ping())[0] is FrameType.REQUEST
+    assert codec.encode_message(rp.Pong(1.0))[0] is FrameType.REPLY
+    assert codec.encode_message(rp.LogChunk(b"", ""))[0] is FrameType.STREAM
+    assert codec.encode_message(rp.LogEnd("x", None))[0] is FrameType.REPLY
     assert codec.encode_message(m.Goodbye(""))[0] is FrameType.GOODBYE
-    assert codec.encode_message(m.ChannelData(b""))[0] is FrameType.CHANNEL
+    assert codec.encode_message(rq.ChannelData(b""))[0] is FrameType.CHANNEL
 
 
 def test_op_names_are_on_the_wire() -> None:
-    _, payload = codec.encode_message(m.ShowJob("j"))
+    _, payload = codec.encode_message(rq.ShowJob("j"))
     assert payload == pack_payload({"op": "show_job", "job_id": "j"})
 
 
 def test_messages_are_frozen_and_slotted() -> None:
-    message = m.ShowJob("j")
+    message = rq.ShowJob("j")
     with pytest.raises(AttributeError):
         message.job_id = "k"  # type: ignore[misc]
     assert not hasattr(message, "__dict__")
 
 
 def test_reply_and_stream_types() -> None:
-    assert codec.reply_type(m.FollowLogs) is m.LogEnd
-    assert codec.stream_type(m.FollowLogs) == (m.LogChunk,)
-    assert codec.stream_type(m.WaitJobs) == (m.JobEnded,)
-    assert codec.stream_type(m.WatchPool) == (m.PoolView,)
-    assert codec.stream_type(m.OpenChannel) == (m.ChannelOutput, m.ChannelCredit)
-    assert codec.stream_type(m.Enqueue) == ()
+    assert codec.reply_type(rq.FollowLogs) is rp.LogEnd
+    assert codec.stream_type(rq.FollowLogs) == (rp.LogChunk,)
+    assert codec.stream_type(rq.WaitJobs) == (rp.JobEnded,)
+    assert codec.stream_type(rq.WatchPool) == (rp.PoolView,)
+    assert codec.stream_type(rq.OpenChannel) == (rp.ChannelOutput, rp.ChannelCredit)
+    assert codec.stream_type(rq.Enqueue) == ()
 
 
 def test_unknown_keys_are_ignored() -> None:
     payload = pack_payload({"op": "show_job", "job_id": "j", "added_in_v1_1": [1, 2]})
-    assert codec.decode_message(FrameType.REQUEST, payload) == m.ShowJob("j")
+    assert codec.decode_message(FrameType.REQUEST, payload) == rq.ShowJob("j")
 
 
 def test_float_fields_accept_integers() -> None:
     payload = pack_payload({"op": "wait_jobs", "job_ids": [], "timeout": 3})
     decoded = codec.decode_message(FrameType.REQUEST, payload)
-    assert decoded == m.WaitJobs([], 3.0)
-    assert isinstance(decoded, m.WaitJobs)
+    assert decoded == rq.WaitJobs([], 3.0)
+    assert isinstance(decoded, rq.WaitJobs)
     assert type(decoded.timeout) is float
 
 
@@ -269,7 +271,7 @@ def test_documented_hello_dump() -> None:
 
 
 def test_documented_request_dump() -> None:
-    frame_type, payload = codec.encode_message(m.ShowJob("j1"))
+    frame_type, payload = codec.encode_message(rq.ShowJob("j1"))
     dump = (
         "47 50 01 10 00 00 00 00 00 01 00 00 00 17"  # header
         " 82 a2 6f 70 a8 73 68 6f 77 5f 6a 6f 62 a6 6a 6f 62 5f 69 64 a2 6a 31"  # payload

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from daemon import job
+from daemon import job, spec_checks
 from daemon.ctl import commands, enqueue_args, render
 from daemon.ctl.enqueue_spec import spec_of
 from daemon.errors import InvalidJob
@@ -65,11 +65,11 @@ def test_the_spec_carries_it_only_when_asked_and_never_with_gpus() -> None:
 
 
 def test_poolctl_says_the_same_limit_as_the_job_model() -> None:
-    assert enqueue_args.GPU_MEM_MAX == job.GPU_MEM_MAX
+    assert enqueue_args.GPU_MEM_MAX == spec_checks.GPU_MEM_MAX
     assert (enqueue_args.ATTEMPTS_MAX, enqueue_args.PRIORITY_MAX, enqueue_args.STOP_GRACE_MAX) == (
-        job.MAX_ATTEMPTS_LIMIT,
-        job.PRIORITY_MAX,
-        job.MAX_STOP_GRACE,
+        spec_checks.MAX_ATTEMPTS_LIMIT,
+        spec_checks.PRIORITY_MAX,
+        spec_checks.MAX_STOP_GRACE,
     )
     assert job.JobSpec.from_dict({"argv": ["true"], "gpus": enqueue_args.GPUS_MAX}).gpus == 1024
     with pytest.raises(InvalidJob, match="gpus"):
@@ -95,7 +95,7 @@ def test_show_prints_the_memory_on_a_shared_gpu(capsys: pytest.CaptureFixture[st
 def test_show_prints_the_cpus_and_memory_a_job_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
     """issue 50: `poolctl show` says a job's --cpus and --mem, and a limit that the model and
     poolctl say alike."""
-    assert (enqueue_args.CPUS_MAX, enqueue_args.MEM_MIN) == (job.CPUS_MAX, job.MEM_MIN)
+    assert (enqueue_args.CPUS_MAX, enqueue_args.MEM_MIN) == (spec_checks.CPUS_MAX, spec_checks.MEM_MIN)
     record = {
         "id": "default.0mzk4g8x1a2b", "state": "queued", "cancel_requested": False, "worker": "",
         "spec": job.JobSpec(argv=("train",), cpus=4, mem=16 * G, user="alice").to_dict(),

@@ -25,6 +25,7 @@ from daemon.queue.job_queue import JobQueue
 from tests.support.paths import ROOT
 from tests.support.pool import Pool, running_pool
 from tests.support.poolctl import poolctl
+from tests.support.processes import terminate
 from tests.support.workers import wait_state, wait_until
 
 NVML_SEAM = ROOT / "tests" / "support" / "nvml_seam"
@@ -71,11 +72,7 @@ def gpu_worker(
         try:
             yield proc
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            terminate(proc, 30)
 
 
 @asynccontextmanager

@@ -16,7 +16,8 @@ import pytest
 
 from daemon.client.pool_client import ClientError
 from daemon.errors import InvalidJob
-from daemon.job import JobSpec, JobState, project_id
+from daemon.job import JobSpec, JobState
+from daemon.spec_checks import project_id
 from protocol import CheckObjects, Enqueue, Enqueued, ErrorCode, JobDetail, ObjectsHeld, ShowJob
 from storage.base import ObjectStore
 from storage.local import LocalStore

@@ -21,10 +21,11 @@ import aiohttp
 import pytest
 
 from daemon.client.pool_client import ClientError, PoolClient
-from daemon.job import JobSpec, JobState, project_id
+from daemon.job import JobSpec, JobState
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.server import agents
+from daemon.spec_checks import project_id
 from daemon.worker import hosted
 from daemon.worker.hosted import hosted_worker
 from protocol import (

@@ -19,8 +19,9 @@ from typing import Any
 import psutil
 import pytest
 
-from daemon.job import JobInfo, JobSpec, JobState, project_id
+from daemon.job import JobInfo, JobSpec, JobState
 from daemon.queue.job_queue import JobQueue
+from daemon.spec_checks import project_id
 from daemon.worker import _spawn
 from daemon.worker.cgroups import SlotCgroups
 from daemon.worker.dispatcher import Worker
