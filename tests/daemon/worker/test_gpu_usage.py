@@ -286,13 +286,16 @@ async def test_a_requeued_idle_jobs_measured_attempt_counts_in_its_accounting_re
     queue: JobQueue, tmp_path: Path
 ) -> None:
     """issue 50, a review's finding 1: a job the idle-GPU policy hands back ran an attempt its
-    worker measured (1 % all along); its accounting record carries that attempt's utilisation,
-    as a completed attempt's does. The hand-back counted the attempt's GPU-ms but not its
-    measurement: the record read '-' (no attempt measured), and `poolctl acct` left it out."""
+    worker measured (1 % until it is told to stop); its accounting record carries that attempt's
+    utilisation, as a completed attempt's does. The hand-back counted the attempt's GPU-ms but
+    not its measurement: the record read '-' (no attempt measured), and `poolctl acct` left it
+    out. Its second attempt reads 90 % from its start (measured or not, as it ends at once:
+    review 50c finding 7), so the record's mean is below 90 only if the first attempt counts."""
     gpus = fake_gpus(1)
+    stopped = tmp_path / "stopped"  # the first attempt was told to stop: the readings go up
 
     def sampler() -> list[GpuSample]:
-        return [GpuSample(gpus[0].uuid, 0.01, GIB, 16 * GIB)]
+        return [GpuSample(gpus[0].uuid, 0.9 if stopped.exists() else 0.01, GIB, 16 * GIB)]
 
     policy = IdlePolicy(util=5, minutes=0.3 / 60, grace_minutes=0.2 / 60, requeue_queues=["again"])
     async with running_worker(
@@ -305,15 +308,18 @@ async def test_a_requeued_idle_jobs_measured_attempt_counts_in_its_accounting_re
         heartbeat_seconds=0.05,
         idle_gpus=policy,
     ):
-        # its second attempt ends at once (maybe before any reading: unmeasured)
-        job_id, _ = await queue.enqueue(
-            sh('[ "$GPUPOOL_ATTEMPT" -gt 1 ] || exec sleep 60', gpus=1, queue="again")
+        script = (
+            f'[ "$GPUPOOL_ATTEMPT" -gt 1 ] && exit 0; trap "touch {stopped}; exit 143" TERM; '
+            "while :; do sleep 0.05; done"
         )
+        job_id, _ = await queue.enqueue(sh(script, gpus=1, queue="again"))
         info = await wait_state(queue, job_id, JobState.SUCCEEDED, timeout=20)
     assert info.attempts[0].how == "released"
     (record,) = await accounting_records(queue, "again")
     assert int(record[3]) > 0  # GPU-ms, both attempts'
-    assert record[5] == b"1", record  # its mean utilisation: 1 %, the handed-back attempt's
+    # its mean utilisation: the handed-back attempt's (about 1 %), with the second's 90 % if measured
+    assert record[5] != b"-", record
+    assert 1 <= float(record[5]) < 90, record
 
 
 async def test_an_idle_gpu_policy_due_while_a_job_ends_otherwise_does_not_claim_its_end(
