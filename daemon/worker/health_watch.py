@@ -188,7 +188,9 @@ class HealthWatch:
         """The health fault of one of `gpus`, those of a job that failed by itself, and what
         `gpu_health_policy` makes of it; None when they are sound. A GPU out of use had its fault
         while the job held it (a GPU out takes no new job); else their health is read now, as a
-        pass would (a fault read here quarantines the GPU at once), at most END_CHECK_SECONDS."""
+        pass would (a fault read here quarantines the GPU at once), at most END_CHECK_SECONDS. A
+        read that fails or hangs (a lost GPU's NVML) gives no verdict, but the book does: the Xid
+        watch or a pass may have taken the GPU out meanwhile."""
         held = {g.parent or g.uuid for g in gpus} & self._devices.keys()
         if not any(uuid in self.book.unhealthy for uuid in held):
             try:
@@ -198,10 +200,10 @@ class HealthWatch:
                     ),
                     END_CHECK_SECONDS,
                 )
-            except Exception as exc:  # noqa: BLE001 - a driver's error, or a hang: no verdict
+            except Exception as exc:  # noqa: BLE001 - a driver's error, or a hang: the book says
                 log.warning("cannot read the health of GPUs %s at their job's end: %r", sorted(held), exc)
-                return None
-            self._apply(found, {}, time.monotonic())
+            else:
+                self._apply(found, {}, time.monotonic())
         for uuid in sorted(held):
             if (fault := self.book.fault(uuid)) is not None:
                 what = f"GPU {self._devices[uuid][0].index} ({uuid}) is unhealthy: {fault.detail}"
@@ -241,8 +243,8 @@ class HealthWatch:
             self._allocator.mark_unhealthy(g.uuid, fault.detail)
         held = {g.uuid for g in devices}
         for run in self._runs():
-            if not held.intersection(g.uuid for g in run.gpus):
-                continue
+            if run.exited or not held.intersection(g.uuid for g in run.gpus):
+                continue  # (an ended job's end check says what the fault made of its end)
             if self._policy == "requeue":
                 run.hand_back(
                     why=f"{what}; the job goes back to its queue to run on a sound GPU", by_policy=True

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from daemon.job import JobSpec, JobState
+from daemon.job import JobInfo, JobSpec, JobState
 from daemon.queue import registry
 from daemon.queue.claims import Capacity
 from daemon.queue.connection import AnyRedis
@@ -358,6 +358,43 @@ print(json.dumps({{"ended": watch.join(2.0), "logged": [r.getMessage() for r in 
     assert "GPU is lost" in seen["logged"][0]
 
 
+@contextlib.contextmanager
+def breaking(fault: str, then: str) -> Iterator[tuple[Path, Path]]:
+    """A job's script that gives its first GPU `fault` (the JSON of its entry in the made-up
+    NVML's faults file: '"ecc": 2') and then dies of it at once with `then` (heartbeats, and so
+    the health watch's passes, come once a second: the end comes first); yields the script and
+    the faults file, in a directory the job, as a slot uid, may write."""
+    shared = Path(tempfile.mkdtemp(prefix="gpupool-faults-"))
+    shared.chmod(0o1777)
+    faults = shared / "faults.json"
+    script = shared / "break.sh"
+    script.write_text(
+        "i=${CUDA_VISIBLE_DEVICES%%,*}; i=${i##*-}\n"
+        f'printf \'{{"%s": {{{fault}}}}}\' "$i" > {shared}/part && mv {shared}/part {faults}\n'
+        f"{then}\n"
+    )
+    script.chmod(0o755)
+    try:
+        yield script, faults
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+CUDA_ECC_EXIT = 'echo "CUDA error: uncorrectable ECC error encountered"; exit 1'
+ECC_FAULT = "is unhealthy: 2 uncorrectable ECC error(s) since the driver loaded"
+
+
+async def first_end(queue: JobQueue, job: str) -> JobInfo:
+    """The job once its first attempt has ended."""
+
+    async def ended() -> bool:
+        attempts = (await queue.get(job)).attempts
+        return bool(attempts) and attempts[0].how != "running"
+
+    await wait_until(ended, 30, "the job's first attempt to end")
+    return await queue.get(job)
+
+
 @pytest.mark.parametrize("policy", ["requeue", "let_finish"])
 async def test_gpu_health_a_job_killed_by_its_gpus_fault_before_the_watch_saw_it_is_its_gpus(
     redis_server: EmbeddedRedis, s3_env: dict[str, str], policy: str
@@ -369,41 +406,29 @@ async def test_gpu_health_a_job_killed_by_its_gpus_fault_before_the_watch_saw_it
     the fault is seen (and the GPU quarantined), and gpu_health_policy decides as when the watch
     sees it first: requeue hands it back (its attempt released, not failed; it needs both GPUs of
     the worker, one of them now out, so it waits, queued, the fault in its detail); let_finish
-    lets its end stand, the fault in its detail. Its log says so either way."""
-    shared = Path(tempfile.mkdtemp(prefix="gpupool-faults-"))
-    shared.chmod(0o1777)  # the job, as a slot uid, breaks its own GPU
-    faults = shared / "faults.json"
-    # The job's first GPU shows the fault, then the job dies of it at once (heartbeats, and so
-    # the watch's passes, come once a second: the end comes first).
-    breaks = shared / "break.sh"
-    breaks.write_text(
-        "i=${CUDA_VISIBLE_DEVICES%%,*}; i=${i##*-}\n"
-        f'printf \'{{"%s": {{"ecc": 2}}}}\' "$i" > {shared}/part && mv {shared}/part {faults}\n'
-        'echo "CUDA error: uncorrectable ECC error encountered"; exit 1\n'
-    )
-    breaks.chmod(0o755)
+    lets its end stand, the fault in its detail. Its log says so either way, and once: the
+    quarantine the end check made said "the job runs on to its end (let_finish)" too, of the
+    job that had just ended (issue 50, review 50c finding 3)."""
     host = secrets.token_hex(3)
     queue = JobQueue(redis_server.client(), lease_seconds=30)
     options = ("--heartbeat-interval", "1", "--gpu-health-policy", policy)
-    fault = "is unhealthy: 2 uncorrectable ECC error(s) since the driver loaded"
-    with health_worker(redis_server, s3_env, faults, host, *options) as log:
+    with (
+        breaking('"ecc": 2', CUDA_ECC_EXIT) as (breaks, faults),
+        health_worker(redis_server, s3_env, faults, host, *options) as log,
+    ):
         try:
             job, _ = await queue.enqueue(JobSpec(argv=("sh", str(breaks)), gpus=2, queue=host))
-
-            async def ended() -> bool:
-                attempts = (await queue.get(job)).attempts
-                return bool(attempts) and attempts[0].how != "running"
-
-            await wait_until(ended, 30, "the job's first attempt to end")
-            info = await queue.get(job)
+            info = await first_end(queue, job)
             if policy == "requeue":
                 assert (info.state, info.attempts[0].how) == (JobState.QUEUED, "released"), info.detail
             else:
                 assert (info.state, info.attempts[0].how) == (JobState.FAILED, "failed"), info.detail
                 assert info.detail.startswith("exited with status 1; GPU "), info.detail
-            assert fault in info.detail, info.detail
+            assert ECC_FAULT in info.detail, info.detail
             told = [line for line in await log_lines(queue, job) if line.startswith("[gpupool]")]
-            assert any(fault in line and "the job ended on it" in line for line in told), told
+            assert [line for line in told if ECC_FAULT in line] == told, told
+            assert len(told) == 1, told
+            assert "the job ended on it" in told[0], told
             assert (await wait_health(queue, host, 0, "ecc", "GPU 0 quarantined"))["quarantined"]
             if policy == "requeue":
                 await queue.cancel(job)
@@ -413,4 +438,55 @@ async def test_gpu_health_a_job_killed_by_its_gpus_fault_before_the_watch_saw_it
             raise
         finally:
             await queue.redis.aclose()
-            shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_gpu_health_the_end_check_whose_read_hangs_still_finds_the_fault_booked_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """issue 50, review 50c finding 2: the end check of a job that failed by itself reads its
+    GPUs' health within a bound; when the read hangs (NVML of a GPU fallen off the bus: the case
+    the bound is for), it said "sound" at the bound, never looking at the book, where the Xid
+    watch had quarantined the GPU meanwhile (Xid 79): the job ended FAILED though the worker
+    knew. Here GPU 0's NVML hangs (the made-up NVML's "hang"), and the Xid watch, watching GPU 1,
+    sees an Xid 79 on it while the end check of a job on both waits: the check finds it."""
+    faults = tmp_path / "faults.json"
+    script = f"""
+import asyncio, json, time
+import pynvml
+from daemon.worker import gpu_health
+from daemon.worker.gpus import GpuAllocator, GpuInfo
+from daemon.worker.health_watch import HealthWatch
+pynvml.nvmlInit()
+uuids = [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(2)]
+gpus = [GpuInfo(index=i, uuid=u, name="Made-up GPU", memory=16 * 2**30) for i, u in enumerate(uuids)]
+watch = HealthWatch(gpus, GpuAllocator(gpus, slots=1), lambda: [], lambda: None, every=1, clear=600)
+async def main():
+    loop = asyncio.get_running_loop()
+    xids = gpu_health.XidWatch(uuids[1:], lambda u, x: loop.call_soon_threadsafe(watch._xid, u, x))
+    xids.start()
+    open({str(faults)!r}, "w").write(json.dumps({{"0": {{"hang": True}}}}))
+    check = asyncio.create_task(watch.fault_under(gpus))
+    await asyncio.sleep(0.5)  # the check's read is under way, hung on GPU 0
+    booked_before = bool(watch.book.unhealthy)
+    open({str(faults)!r}, "w").write(json.dumps({{"0": {{"hang": True}}, "1": {{"xid": [79]}}}}))
+    found = await check
+    xids.stop()
+    return booked_before, found
+booked_before, found = asyncio.run(main())
+print(json.dumps({{"booked_before": booked_before, "found": found and found.what}}))
+"""
+    faults.write_text("{}")
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{NVML_SEAM}{os.pathsep}{ROOT}",
+        "FAKE_NVML_GPUS": "16,16",
+        "FAKE_NVML_FAULTS": str(faults),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["booked_before"] is False  # the check began with a sound book: it read, and hung
+    assert seen["found"], (seen, done.stderr[-2000:])
+    assert "Xid 79 (GPU has fallen off the bus)" in seen["found"], seen

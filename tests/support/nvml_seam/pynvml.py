@@ -18,8 +18,9 @@ reading, no more), and no job leaves one dirty.
 file: all healthy), read afresh at each call: `{"0": {...}}` by GPU index, with any of
 `"xid": [79, ...]` (Xid events, each delivered once by the event set's wait; a shorter list starts
 the count again), `"ecc": N` (uncorrectable volatile ECC errors), `"retired_pending": true`,
-`"remap_pending": true`, `"remap_failed": true`, `"clocks": BITS` (clocks event reasons) and
-`"lost": true` (every call on the GPU says it has fallen off the bus).
+`"remap_pending": true`, `"remap_failed": true`, `"clocks": BITS` (clocks event reasons),
+`"lost": true` (every call on the GPU says it has fallen off the bus) and `"hang": true` (every call
+on the GPU waits, as a driver that stopped answering does, until the file no longer says so).
 """
 
 from __future__ import annotations
@@ -181,6 +182,8 @@ def _faults(gpu: _Gpu) -> dict[str, Any]:
 
 
 def _answering(gpu: _Gpu) -> _Gpu:
+    while _faults(gpu).get("hang"):  # the file is the only way to let it go: looked at again
+        time.sleep(0.05)
     if _faults(gpu).get("lost"):
         raise NVMLError_GpuIsLost()  # type: ignore[name-defined]  # noqa: F821 (the real module's)
     return gpu
