@@ -14,9 +14,10 @@ find reaches the event loop, where this module keeps the book (`HealthBook`) and
   "requeue" (the default), stopped and handed back to the front of its queue, as a drain hands a
   job back, to run on a sound GPU; with "let_finish" it runs on to its end.
 - A failing GPU most often kills its job first (a CUDA error, exit 1), before a pass sees the
-  fault. So a job that fails by itself is checked at its end (`fault_under`): a fault seen on one
-  of its GPUs while it ran, or read on them then, hands it back as the stop above would have
-  ("requeue"), or names the fault in its outcome's detail ("let_finish"), not a failure of its own.
+  fault. So a job that fails by itself is checked at its end (`fault_under`, gpu_fault_end.py): a
+  fault seen on one of its GPUs while it ran, or read on them then, hands it back as the stop above
+  would have ("requeue"), or names the fault in its outcome's detail ("let_finish"), not a failure
+  of its own.
 - The GPU comes back when no fault has been seen on it for `gpu_health_clear` seconds (no new Xid,
   ECC and pages fine, no hardware slowdown, NVML answering) and a probe then passes (NVML answers
   for it and its memory is readable). A restart of the worker forgets the Xids seen before it;
@@ -37,9 +38,10 @@ from typing import Any
 
 from daemon.aio import in_daemon_thread
 from daemon.worker import gpu_health
+from daemon.worker.gpu_fault_end import GpuFaulted
 from daemon.worker.gpu_health import Fault
 from daemon.worker.gpus import GpuAllocator, GpuInfo
-from daemon.worker.runner import GpuFaulted, Run
+from daemon.worker.runner import Run
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,6 +42,7 @@ from daemon.worker import checkpoints, git_mirror, job_data, leftovers, scratch,
 from daemon.worker.cgroups import SlotCgroup
 from daemon.worker.env_lock import find_lock, has_lock
 from daemon.worker.envs import EnvCache, InUse
+from daemon.worker.gpu_fault_end import FaultCheck, gpu_fault_end
 from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput
@@ -89,18 +90,6 @@ class RunResult:
     why: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class GpuFaulted:
-    """A health fault on a GPU of an attempt that ended by itself, failed: seen while it ran, or
-    as its end was checked (health_watch.py). `what` says which GPU and what fault; `hand_back`:
-    `gpu_health_policy` hands the job back for it ("requeue"), as the health watch's stop would
-    have, since what killed the job was most likely its GPU (a CUDA error on an Xid 79, an
-    uncorrectable ECC error); else ("let_finish") its end stands, the fault in its detail."""
-
-    what: str
-    hand_back: bool
-
-
 class Run(Protocol):
     """What a worker asks of an attempt: JobRun, or a benchmark's no-op executor."""
 
@@ -114,8 +103,8 @@ class Run(Protocol):
     @property
     def stopping(self) -> bool:
         """How the attempt ends is decided: a stop was asked (the first one asked decides), or
-        its first process has ended. A policy that would stop it asks first, so that it never
-        takes an end as its own that was another's (idle_gpus.py, health_watch.py)."""
+        its first process has ended. The idle-GPU policy asks first (gpu_watch.py), so that it
+        never takes an end as its own that was another's."""
 
     def start(self) -> None:
         """Start its processes now, in the caller's turn, if nothing has to come first (else
@@ -220,7 +209,7 @@ class JobRun:
         eager: bool = True,
         on_slot_free: Callable[[], None] | None = None,
         on_exit: Callable[[], None] | None = None,
-        gpu_fault: Callable[[], Awaitable[GpuFaulted | None]] | None = None,
+        gpu_fault: FaultCheck | None = None,
     ) -> None:
         """`slot` is the scratch directories of the slot it runs on (scratch.py; default: those
         under `slot_dir`, or `data_dir/slot`). `store` receives the artifacts; `cache` fetches the
@@ -317,11 +306,14 @@ class JobRun:
         ask, a loss towards max_attempts. A tty job ends instead, FAILED: its shell
         is its user's terminal, which a requeue would leave running elsewhere with nobody at it
         (holding its GPUs until its idle limit), while the user's poolctl saw only an end."""
+        self._stop(*self._handing_back(why, by_policy), now=now)
+
+    def _handing_back(self, why: str, by_policy: bool) -> tuple[Ending, str]:
+        """The ending a hand-back asks, and why: STOPPED for a tty job (see `hand_back`)."""
         if self.lease.spec.tty:
-            self._stop(Ending.STOPPED, f"{why}; a shell is not requeued", now=now)
-        else:
-            self._by_policy = self._by_policy or (by_policy and self.ending is None)
-            self._stop(Ending.HANDED_BACK, why, now=now)
+            return Ending.STOPPED, f"{why}; a shell is not requeued"
+        self._by_policy = self._by_policy or (by_policy and self.ending is None)
+        return Ending.HANDED_BACK, why
 
     def note(self, text: str) -> None:
         self.output.note(text)
@@ -656,25 +648,17 @@ class JobRun:
         return RunResult(self.ending or Ending.EXITED, outcome, dirty, killed_by, by_policy, why=why)
 
     async def _faulted(self, returncode: int) -> None:
-        """If the job failed by itself on a GPU with a health fault: handed back as the health
-        watch stops such a job (a loss towards max_attempts), or, with let_finish, its end stands
-        and names the fault. Said in its log either way."""
-        if self.ending is not None or returncode == 0 or self._gpu_fault is None:
+        """A job that failed by itself of its GPU's fault is handed back as every hand-back is (a
+        shell ends STOPPED), or (let_finish) its end names the fault (gpu_fault_end.py)."""
+        if self.ending is not None or not (fault := await gpu_fault_end(self._gpu_fault, returncode)):
             return
-        if (fault := await self._gpu_fault()) is None:
-            return
-        how = describe_exit(returncode)[1]
-        if fault.hand_back:
-            self.ending, self._by_policy = Ending.HANDED_BACK, True
-            self.stopped_why = (
-                f"{fault.what}; the job ended on it ({how}): back to its queue to run on a sound GPU"
-            )
-            self.output.note(self.stopped_why)
+        why = fault.why(describe_exit(returncode)[1])
+        if fault.hand_back:  # its process has ended: no stop to ask, the ending is set as one's
+            self.ending, self.stopped_why = self._handing_back(why, by_policy=True)
+            why = self.stopped_why
         else:
             self._fault = fault.what
-            self.output.note(
-                f"{fault.what}; the job ended on it ({how}): its end stands (gpu_health_policy let_finish)"
-            )
+        self.output.note(why)
         await self.output.flush()
 
     async def _finish_output(self) -> None:

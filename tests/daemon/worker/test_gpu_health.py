@@ -440,6 +440,36 @@ async def test_gpu_health_a_job_killed_by_its_gpus_fault_before_the_watch_saw_it
             await queue.redis.aclose()
 
 
+async def test_gpu_health_a_shell_its_gpus_fault_ended_is_not_requeued(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str]
+) -> None:
+    """issue 50, review 50c finding 1: a `poolctl shell --gpus 2` whose shell dies of its GPU's
+    ECC fault (exit 1, before the watch's pass) was handed back by the end check, which set the
+    ending itself past JobRun.hand_back: requeued, it started again with nobody attached. A
+    shell is never requeued: its end is STOPPED, FAILED saying why, as the watch's own stop of
+    a shell is."""
+    host = secrets.token_hex(3)
+    queue = JobQueue(redis_server.client(), lease_seconds=30)
+    options = ("--heartbeat-interval", "1", "--gpu-health-policy", "requeue")
+    with (
+        breaking('"ecc": 2', CUDA_ECC_EXIT) as (breaks, faults),
+        health_worker(redis_server, s3_env, faults, host, *options) as log,
+    ):
+        try:
+            spec = JobSpec(argv=("sh", str(breaks)), gpus=2, queue=host, tty=True, idle_limit=60)
+            job, _ = await queue.enqueue(spec)
+            info = await first_end(queue, job)
+            assert (info.state, info.attempts[0].how) == (JobState.FAILED, "failed"), info.detail
+            assert ECC_FAULT in info.detail, info.detail
+            assert "a shell is not requeued" in info.detail, info.detail
+            assert info.attempt == 1
+        except BaseException:
+            print(log.read_text()[-6000:])
+            raise
+        finally:
+            await queue.redis.aclose()
+
+
 def test_gpu_health_the_end_check_whose_read_hangs_still_finds_the_fault_booked_meanwhile(
     tmp_path: Path,
 ) -> None:
