@@ -14,10 +14,10 @@ find reaches the event loop, where this module keeps the book (`HealthBook`) and
   "requeue" (the default), stopped and handed back to the front of its queue, as a drain hands a
   job back, to run on a sound GPU; with "let_finish" it runs on to its end.
 - A failing GPU most often kills its job first (a CUDA error, exit 1), before a pass sees the
-  fault. So a job that fails by itself is checked at its end (`fault_under`, gpu_fault_end.py): a
-  fault seen on one of its GPUs while it ran, or read on them then, hands it back as the stop above
-  would have ("requeue"), or names the fault in its outcome's detail ("let_finish"), not a failure
-  of its own.
+  fault. So a job that fails by itself is checked at its end (`fault_under`): a fault that kills
+  programs (gpu_fault_end.py) seen on one of its GPUs while it ran, or read on them then, hands
+  it back as the stop above would have ("requeue"), or names the fault in its outcome's detail
+  ("let_finish"), not a failure of its own.
 - The GPU comes back when no fault has been seen on it for `gpu_health_clear` seconds (no new Xid,
   ECC and pages fine, no hardware slowdown, NVML answering) and a probe then passes (NVML answers
   for it and its memory is readable). A restart of the worker forgets the Xids seen before it;
@@ -38,7 +38,7 @@ from typing import Any
 
 from daemon.aio import in_daemon_thread
 from daemon.worker import gpu_health
-from daemon.worker.gpu_fault_end import GpuFaulted
+from daemon.worker.gpu_fault_end import KILLING, GpuFaulted
 from daemon.worker.gpu_health import Fault
 from daemon.worker.gpus import GpuAllocator, GpuInfo
 from daemon.worker.runner import Run
@@ -187,12 +187,12 @@ class HealthWatch:
         return gpu_health.read_faults(self._devices), {uuid: gpu_health.probe(uuid) for uuid in due}
 
     async def fault_under(self, gpus: Sequence[GpuInfo]) -> GpuFaulted | None:
-        """The health fault of one of `gpus`, those of a job that failed by itself, and what
-        `gpu_health_policy` makes of it; None when they are sound. A GPU out of use had its fault
-        while the job held it (a GPU out takes no new job); else their health is read now, as a
-        pass would (a fault read here quarantines the GPU at once), at most END_CHECK_SECONDS. A
-        read that fails or hangs (a lost GPU's NVML) gives no verdict, but the book does: the Xid
-        watch or a pass may have taken the GPU out meanwhile."""
+        """The fault that kills programs (gpu_fault_end.KILLING) on one of `gpus`, those of a job
+        that failed by itself, and what `gpu_health_policy` makes of it; None when they show none.
+        A GPU out of use had its fault while the job held it (a GPU out takes no new job); else
+        their health is read now, as a pass would (a fault read here quarantines the GPU at
+        once), at most END_CHECK_SECONDS. A read that fails or hangs (a lost GPU's NVML) gives no
+        verdict, but the book does: the Xid watch or a pass may have taken the GPU out meanwhile."""
         held = {g.parent or g.uuid for g in gpus} & self._devices.keys()
         if not any(uuid in self.book.unhealthy for uuid in held):
             try:
@@ -206,8 +206,8 @@ class HealthWatch:
                 log.warning("cannot read the health of GPUs %s at their job's end: %r", sorted(held), exc)
             else:
                 self._apply(found, {}, time.monotonic())
-        for uuid in sorted(held):
-            if (fault := self.book.fault(uuid)) is not None:
+        for uuid in sorted(held):  # (a GPU's shown fault is its most lasting: a killing one if any)
+            if (fault := self.book.fault(uuid)) is not None and fault.code in KILLING:
                 what = f"GPU {self._devices[uuid][0].index} ({uuid}) is unhealthy: {fault.detail}"
                 return GpuFaulted(what, hand_back=self._policy == "requeue")
         return None

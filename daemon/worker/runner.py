@@ -650,7 +650,8 @@ class JobRun:
     async def _faulted(self, returncode: int) -> None:
         """A job that failed by itself of its GPU's fault is handed back as every hand-back is (a
         shell ends STOPPED), or (let_finish) its end names the fault (gpu_fault_end.py)."""
-        if self.ending is not None or not (fault := await gpu_fault_end(self._gpu_fault, returncode)):
+        oom = self._usage is not None and self._usage.oom_kills > 0
+        if self.ending is not None or not (fault := await gpu_fault_end(self._gpu_fault, returncode, oom)):
             return
         why = fault.why(describe_exit(returncode)[1])
         if fault.hand_back:  # its process has ended: no stop to ask, the ending is set as one's

@@ -37,6 +37,7 @@ from daemon.server.web.render import environment
 from daemon.worker.gpu_health import Fault, xid_fault
 from daemon.worker.gpus import GpuAllocator, NotEnoughGpus
 from daemon.worker.health_watch import HealthBook
+from daemon.worker.slot_limits import v1_dirs
 from tests.support.paths import ROOT
 from tests.support.workers import fake_gpus, running_worker, sh, wait_state, wait_until
 
@@ -463,6 +464,45 @@ async def test_gpu_health_a_shell_its_gpus_fault_ended_is_not_requeued(
             assert ECC_FAULT in info.detail, info.detail
             assert "a shell is not requeued" in info.detail, info.detail
             assert info.attempt == 1
+        except BaseException:
+            print(log.read_text()[-6000:])
+            raise
+        finally:
+            await queue.redis.aclose()
+
+
+@pytest.mark.parametrize("end", ["thermal", "out of memory"])
+async def test_gpu_health_a_job_failing_of_its_own_on_a_faulty_gpu_fails(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], end: str
+) -> None:
+    """issue 50, review 50c finding 4: only a fault that kills programs (lost, ecc, xid, pages)
+    makes a failed job's end its GPU's. A thermal slowdown slows a program, no more: a job that
+    crashes of its own bug on a hot GPU was handed back as a loss (DEAD at max_attempts) where it
+    fails. And a job the kernel's OOM killer ended, on a GPU with an ECC fault, lost its "out of
+    memory" detail to a hand-back: it fails saying so."""
+    if end == "out of memory" and (os.geteuid() != 0 or v1_dirs() is None):
+        pytest.skip("needs root and cgroup v1 memory, cpu and cpuacct (--mem)")
+    host = secrets.token_hex(3)
+    queue = JobQueue(redis_server.client(), lease_seconds=30)
+    options = ("--heartbeat-interval", "1", "--gpu-health-policy", "requeue")
+    grow = "head -c 512M /dev/zero | tail"  # tail holds the one line, 512 MiB of it, in memory
+    fault, then, mem = ('"clocks": 72', "exit 1", 0) if end == "thermal" else ('"ecc": 2', grow, 64 * 2**20)
+    with (
+        breaking(fault, then) as (breaks, faults),
+        health_worker(redis_server, s3_env, faults, host, *options) as log,
+    ):
+        try:
+            spec = JobSpec(argv=("sh", str(breaks)), gpus=2, queue=host, mem=mem)
+            job, _ = await queue.enqueue(spec)
+            info = await first_end(queue, job)
+            assert (info.state, info.attempts[0].how) == (JobState.FAILED, "failed"), info.detail
+            if end == "thermal":
+                assert info.detail == "exited with status 1", info.detail
+            else:
+                assert info.detail.startswith("out of memory: used "), info.detail
+                assert "its --mem of 64 MiB; the kernel killed 1 of its processes" in info.detail, info.detail
+            told = [line for line in await log_lines(queue, job) if "the job ended on it" in line]
+            assert told == [], told
         except BaseException:
             print(log.read_text()[-6000:])
             raise
