@@ -482,7 +482,8 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
         GPUs, a GPU fault), when it is a loss and the job is DEAD at max_attempts. `gpu_usage`:
         the attempt's GPU usage summary, where its worker measured one: its efficiency goes into
         the job's accounting as a completed attempt's does. `why`: what the policies saw, the
-        job's detail while it waits again (and named in a dead one's). Returns QUEUED, DEAD, or CANCELLED
+        job's detail until an end of its own sets another (its next attempt runs with it, as
+        after a failed retry), and named in a dead one's. Returns QUEUED, DEAD, or CANCELLED
         when the user cancelled it meanwhile. Raises StaleAttempt, changing nothing, when `lease`
         is no longer current."""
         q = lease.queue

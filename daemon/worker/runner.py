@@ -86,7 +86,7 @@ class RunResult:
     # What its GPUs did (gpu_usage.py; set by gpu_watch.py): an outcome carries it in its result,
     # a hand-back passes it on, so that the attempt's accounting has its efficiency either way.
     gpu_usage: Mapping[str, Any] | None = None
-    # Why the pool's policies handed it back (by_policy): the job's detail while it waits again
+    # Why the pool's policies handed it back (by_policy): the job's detail until its next end
     why: str = ""
 
 

@@ -18,8 +18,9 @@
 --       10 the attempt's mean GPU utilisation in percent, as its worker measured it ('' or absent:
 --         not measured; lib/account.lua), as complete.lua takes it: the GPU-ms a handed-back
 --         attempt held are counted, so their measurement is too,
---       11 why the pool's policies handed it back (ARGV 9), kept as the job's `detail` while it
---         waits to run again, and named in a dead job's (absent or '': the detail stays)
+--       11 why the pool's policies handed it back (ARGV 9), the job's `detail` until an end of
+--         its own sets another (while it waits, and while its next attempt runs, as a failed
+--         retry's detail is), and named in a dead job's (absent or '': the detail stays)
 -- Returns {'queued'} | {'cancelled'} | {'dead'} | {'stale', state, attempt}.
 --! include lib/record.lua
 --! include lib/use.lua
