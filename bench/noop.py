@@ -34,6 +34,10 @@ class NoopRun:
         self.exited = True
         return DONE
 
+    @property
+    def stopping(self) -> bool:
+        return self.exited
+
     def cancel(self) -> None:
         pass
 

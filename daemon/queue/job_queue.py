@@ -102,11 +102,10 @@ def _raise_if_stale(lease: Lease, reply: Sequence[Any]) -> None:
         )
 
 
-def _gpu_util(result: Mapping[str, Any]) -> str:
-    """The attempt's mean GPU utilisation in percent, from the usage summary its worker puts in
-    its outcome's result (`gpu_usage`'s `efficiency`, 0 to 1), for its accounting record; "" where
-    none was measured."""
-    usage = result.get("gpu_usage")
+def _gpu_util(usage: object) -> str:
+    """The attempt's mean GPU utilisation in percent, from the usage summary its worker measured
+    (`gpu_usage`'s `efficiency`, 0 to 1: in an outcome's result, or given with a hand-back), for
+    its accounting record; "" where none was measured."""
     efficiency = usage.get("efficiency") if isinstance(usage, Mapping) else None
     if isinstance(efficiency, int | float) and not isinstance(efficiency, bool) and 0 <= efficiency <= 1:
         return f"{efficiency * 100:.2f}"
@@ -467,18 +466,29 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
             self.retention,
             *self.backoff_ms,
             self.accounting_days,
-            _gpu_util(outcome.result),
+            _gpu_util(outcome.result.get("gpu_usage")),
             durable=True,
             linger=linger,
         )
 
-    async def hand_back(self, lease: Lease, *, by_policy: bool = False) -> JobState:
+    async def hand_back(
+        self,
+        lease: Lease,
+        *,
+        by_policy: bool = False,
+        gpu_usage: Mapping[str, Any] | None = None,
+        why: str = "",
+    ) -> JobState:
         """Hand an attempt back that this worker stopped before its job finished (a drain): the job
         goes to the front of its queue and is claimed next with attempt+1; a hand-back does not
         count towards max_attempts, unless the pool's GPU policies made it (`by_policy`: idle
-        GPUs, a GPU fault), when it is a loss and the job is DEAD at max_attempts. Returns QUEUED,
-        DEAD, or CANCELLED when the user cancelled it meanwhile. Raises StaleAttempt, changing
-        nothing, when `lease` is no longer current."""
+        GPUs, a GPU fault), when it is a loss and the job is DEAD at max_attempts. `gpu_usage`:
+        the attempt's GPU usage summary, where its worker measured one: its efficiency goes into
+        the job's accounting as a completed attempt's does. `why`: what the policies saw, the
+        job's detail until an end of its own sets another (its next attempt runs with it, as
+        after a failed retry), and named in a dead one's. Returns QUEUED, DEAD, or CANCELLED
+        when the user cancelled it meanwhile. Raises StaleAttempt, changing nothing, when `lease`
+        is no longer current."""
         q = lease.queue
         return await self._end_attempt(
             self.scripts.hand_back,
@@ -487,6 +497,8 @@ class JobQueue(StandingClaims, QueueReads, HeldJobs, UserRoom):
             self.retention,
             self.accounting_days,
             "1" if by_policy else "",
+            _gpu_util(gpu_usage),
+            why if by_policy else "",
         )
 
     async def _end_attempt(

@@ -61,6 +61,8 @@ class HeldAttempt:
     since: float = field(default_factory=boottime)  # boottime() of its claim
     usage: GpuUsage | None = None  # what its GPUs did so far (gpu_watch.py), if it holds any
     idle: IdleWatch | None = None  # how long they have been idle, if it holds any and flags are on
+    # The last write of its idle record (gpu_watch.py), which its end's record waits for
+    idle_record: asyncio.Task[None] | None = None
 
     def expired(self) -> bool:
         """Past the deadline: the lease may be another worker's by now."""

@@ -545,6 +545,7 @@ class Worker(Stopping):
         held.task = self._attempts.spawn(self._attempt(held), f"job {lease.job_id}")
 
     def _job_run(self, lease: Lease, gpus: tuple[GpuInfo, ...], slot: int) -> Run:
+        health = self.health  # a job that fails by itself is checked for its GPUs' fault at its end
         return JobRun(
             self.queue,
             lease,
@@ -566,6 +567,7 @@ class Worker(Stopping):
             git_protocols=self.git_protocols,
             eager=self._fast.eager,
             on_slot_free=functools.partial(self._slot_free, lease.id) if self._fast.eager else None,
+            gpu_fault=functools.partial(health.fault_under, gpus) if health is not None and gpus else None,
         )
 
     def _slot_free(self, lease_id: str) -> None:
@@ -631,6 +633,7 @@ class Worker(Stopping):
                 # guard, while this worker was frozen). Not the job's outcome: the lease decides.
                 result = RunResult(Ending.LOST, None, result.dirty_gpus, result.killed_by)
             result = self._gpu_watch.summarised(held, result, self.metrics)
+            await self._gpu_watch.recorded(held)  # its idle record first: the end it explains
             # While short jobs flow and another runs, its end comes soon: this outcome may wait for it.
             await self._outcomes.report(held.lease, result, self._fast.linger(self._busy()))
         finally:

@@ -19,6 +19,11 @@ What they find reaches the event loop, where this module keeps the book (`Health
 - The job running on it is told in its log (a [gpupool] line) and, with `gpu_health_policy`
   "requeue" (the default), stopped and handed back to the front of its queue, as a drain hands a
   job back, to run on a sound GPU; with "let_finish" it runs on to its end.
+- A failing GPU most often kills its job first (a CUDA error, exit 1), before a pass sees the
+  fault. So a job that fails by itself is checked at its end (`fault_under`): a fault that kills
+  programs (gpu_fault_end.py) seen on one of its GPUs while it ran, or read on them then, hands
+  it back as the stop above would have ("requeue"), or names the fault in its outcome's detail
+  ("let_finish"), not a failure of its own.
 - The GPU comes back when no fault has been seen on it for `gpu_health_clear` seconds (no new Xid,
   ECC and pages fine, no hardware slowdown, NVML answering) and a probe then passes (NVML answers
   for it and its memory is readable). A restart of the worker forgets the Xids seen before it;
@@ -38,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from daemon.worker import gpu_health
+from daemon.worker.gpu_fault_end import KILLING, GpuFaulted
 from daemon.worker.gpu_health import Fault
 from daemon.worker.gpus import GpuAllocator, GpuInfo
 from daemon.worker.nvml_asks import HUNG_SECONDS, GpuAsks
@@ -215,6 +221,31 @@ class HealthWatch:
         faults = gpu_health.faults_of(uuid)
         return Reading(faults, True, gpu_health.probe(uuid)) if due else Reading(faults)
 
+    async def fault_under(self, gpus: Sequence[GpuInfo]) -> GpuFaulted | None:
+        """The fault that kills programs (gpu_fault_end.KILLING) on one of `gpus`, those of a job
+        that failed by itself, and what `gpu_health_policy` makes of it; None when they show none.
+        A GPU out of use had its fault while the job held it (a GPU out takes no new job); else
+        their health is read now, as a pass reads it (nvml_asks.py: a fault read here quarantines
+        the GPU at once), NVML_READ_SECONDS at most. A read that fails or hangs (a lost GPU's NVML) gives no
+        verdict, but the book does: the Xid watch or a pass may have taken the GPU out meanwhile."""
+        held = {g.parent or g.uuid for g in gpus} & self._devices.keys()
+        if not any(uuid in self.book.unhealthy for uuid in held):
+            reads = await self._reads.ask({u: functools.partial(self._read, u, False) for u in held})
+            found: dict[str, list[Fault]] = {}
+            for uuid, read in reads.items():
+                if not read.answer.done():
+                    continue  # (a pass says `hung` once it has hung long enough)
+                if (exc := read.answer.exception()) is not None:  # a driver's error: the book says
+                    log.warning("cannot read the health of GPU %s at its job's end: %r", uuid, exc)
+                    continue
+                found[uuid] = read.answer.result().faults
+            self._apply(found, {}, time.monotonic())
+        for uuid in sorted(held):  # (a GPU's shown fault is its most lasting: a killing one if any)
+            if (fault := self.book.fault(uuid)) is not None and fault.code in KILLING:
+                what = f"GPU {self._devices[uuid][0].index} ({uuid}) is unhealthy: {fault.detail}"
+                return GpuFaulted(what, hand_back=self._policy == "requeue")
+        return None
+
     def _xid(self, uuid: str, xid: int) -> None:
         fault = gpu_health.xid_fault(xid)
         if fault is None:
@@ -248,8 +279,8 @@ class HealthWatch:
             self._allocator.mark_unhealthy(g.uuid, fault.detail)
         held = {g.uuid for g in devices}
         for run in self._runs():
-            if not held.intersection(g.uuid for g in run.gpus):
-                continue
+            if run.exited or not held.intersection(g.uuid for g in run.gpus):
+                continue  # (an ended job's end check says what the fault made of its end)
             if self._policy == "requeue":
                 run.hand_back(
                     why=f"{what}; the job goes back to its queue to run on a sound GPU", by_policy=True

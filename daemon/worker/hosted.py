@@ -184,12 +184,17 @@ class RemoteRun:
         self._valid_for = valid_for
         self._tidy_wait = kill_grace + TIDY_SLACK
         self._exited = False
+        self._stop_ordered = False  # a cancel, hand-back or loss was ordered (`stopping`)
         self._result: asyncio.Future[RunResult] = asyncio.get_running_loop().create_future()
         self._tidied = asyncio.Event()
 
     @property
     def exited(self) -> bool:
         return self._exited
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_ordered or self._exited
 
     def start(self) -> None:
         if self.phase is not RemotePhase.NEW or self._result.done():
@@ -253,6 +258,7 @@ class RemoteRun:
 
     def _stop(self, act: str, detail: dict[str, Any]) -> None:
         if self.phase is RemotePhase.RUNNING:
+            self._stop_ordered = True
             self._order(act, self.lease.id, detail)
 
     def _settle(self, result: RunResult) -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -43,7 +44,9 @@ class Outcomes:
         if result.ending is Ending.LOST:
             log.warning("job %s attempt %d: killed, nothing recorded: the lease was lost", job, n)
         elif result.outcome is None:
-            state = await self.hand_back(lease, by_policy=result.by_policy)
+            state = await self.hand_back(
+                lease, by_policy=result.by_policy, gpu_usage=result.gpu_usage, why=result.why
+            )
             if state is not None:
                 log.info("job %s attempt %d: handed back (%s)", job, n, state)
         else:
@@ -59,11 +62,21 @@ class Outcomes:
             else:
                 log.info("job %s attempt %d: %s", job, n, how)
 
-    async def hand_back(self, lease: Lease, *, by_policy: bool = False) -> JobState | None:
+    async def hand_back(
+        self,
+        lease: Lease,
+        *,
+        by_policy: bool = False,
+        gpu_usage: Mapping[str, Any] | None = None,
+        why: str = "",
+    ) -> JobState | None:
         """Put the attempt back at the front of its queue (hand_back.lua; `by_policy`: a loss
-        towards max_attempts); None if not recorded."""
+        towards max_attempts, `why` the job's detail meanwhile; `gpu_usage`: what its GPUs did,
+        for its accounting); None if not recorded."""
         return await self._record(
-            lease, "hand back", lambda: self.queue.hand_back(lease, by_policy=by_policy)
+            lease,
+            "hand back",
+            lambda: self.queue.hand_back(lease, by_policy=by_policy, gpu_usage=gpu_usage, why=why),
         )
 
     async def _record(

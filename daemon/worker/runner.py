@@ -42,6 +42,7 @@ from daemon.worker import checkpoints, git_mirror, job_data, leftovers, scratch,
 from daemon.worker.cgroups import SlotCgroup
 from daemon.worker.env_lock import find_lock, has_lock
 from daemon.worker.envs import EnvCache, InUse
+from daemon.worker.gpu_fault_end import FaultCheck, gpu_fault_end
 from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput
@@ -81,6 +82,11 @@ class RunResult:
     # Handed back by the pool's policies (idle GPUs, a GPU fault, a slot's limits this worker
     # could not set): a loss towards max_attempts.
     by_policy: bool = False
+    # What its GPUs did (gpu_usage.py; set by gpu_watch.py): an outcome carries it in its result,
+    # a hand-back passes it on, so that the attempt's accounting has its efficiency either way.
+    gpu_usage: Mapping[str, Any] | None = None
+    # Why the pool's policies handed it back (by_policy): the job's detail until its next end
+    why: str = ""
 
 
 class Run(Protocol):
@@ -92,6 +98,12 @@ class Run(Protocol):
     @property
     def exited(self) -> bool:
         """The job's first process has ended (known as soon as the loop sees it)."""
+
+    @property
+    def stopping(self) -> bool:
+        """How the attempt ends is decided: a stop was asked (the first one asked decides), or
+        its first process has ended. The idle-GPU policy asks first (gpu_watch.py), so that it
+        never takes an end as its own that was another's."""
 
     def start(self) -> None:
         """Start its processes now, in the caller's turn, if nothing has to come first (else
@@ -196,6 +208,7 @@ class JobRun:
         eager: bool = True,
         on_slot_free: Callable[[], None] | None = None,
         on_exit: Callable[[], None] | None = None,
+        gpu_fault: FaultCheck | None = None,
     ) -> None:
         """`slot` is the scratch directories of the slot it runs on (scratch.py; default: those
         under `slot_dir`, or `data_dir/slot`). `store` receives the artifacts; `cache` fetches the
@@ -209,7 +222,8 @@ class JobRun:
         caller's turn; `on_slot_free` is called when the slot may take its next job before this
         one's end is recorded (see `_hand_over`; None: never). Both are the fast path's
         (worker/fast_path.py). `on_exit` is called as soon as its first process has ended (an
-        agent tells its server: agent.py)."""
+        agent tells its server: agent.py). `gpu_fault` says, as a job that failed by itself ends,
+        whether its GPUs showed a health fault meanwhile (health_watch.py; None: not watched)."""
         self.queue = queue
         self.store = store
         self.cache = cache
@@ -257,6 +271,8 @@ class JobRun:
         self.output = JobOutput(queue, lease, self.lose)
         self.on_slot_free = on_slot_free
         self.on_exit = on_exit or (lambda: None)
+        self._gpu_fault = gpu_fault
+        self._fault = ""  # a fault of its GPUs its outcome's detail names (let_finish)
         self._handed_over = False  # its directories are the slot's next job's already
         self._descendants: dict[int, float] = {}  # pid -> create time, of every process seen
         self._peak_rss = 0
@@ -289,11 +305,14 @@ class JobRun:
         ask, a loss towards max_attempts. A tty job ends instead, FAILED: its shell
         is its user's terminal, which a requeue would leave running elsewhere with nobody at it
         (holding its GPUs until its idle limit), while the user's poolctl saw only an end."""
+        self._stop(*self._handing_back(why, by_policy), now=now)
+
+    def _handing_back(self, why: str, by_policy: bool) -> tuple[Ending, str]:
+        """The ending a hand-back asks, and why: STOPPED for a tty job (see `hand_back`)."""
         if self.lease.spec.tty:
-            self._stop(Ending.STOPPED, f"{why}; a shell is not requeued", now=now)
-        else:
-            self._by_policy = self._by_policy or (by_policy and self.ending is None)
-            self._stop(Ending.HANDED_BACK, why, now=now)
+            return Ending.STOPPED, f"{why}; a shell is not requeued"
+        self._by_policy = self._by_policy or (by_policy and self.ending is None)
+        return Ending.HANDED_BACK, why
 
     def note(self, text: str) -> None:
         self.output.note(text)
@@ -314,6 +333,10 @@ class JobRun:
     @property
     def exited(self) -> bool:
         return self._ended()
+
+    @property
+    def stopping(self) -> bool:
+        return self.ending is not None or self._ended()
 
     def _stop(self, ending: Ending, why: str, now: bool = False) -> None:
         if self._ended():
@@ -606,6 +629,7 @@ class JobRun:
         if left:
             log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(left))
         dirty = await self._check_gpus(pgid)
+        await self._faulted(returncode)
         await self._save_checkpoint(returncode)
         uploaded: dict[str, Any] = {}
         if self._recorded() and self.store is not None:
@@ -619,7 +643,23 @@ class JobRun:
         outcome = self._outcome(returncode, "", started, uploaded)
         killed_by = -returncode if returncode < 0 else None
         by_policy = self._by_policy and self.ending is Ending.HANDED_BACK
-        return RunResult(self.ending or Ending.EXITED, outcome, dirty, killed_by, by_policy)
+        why = self.stopped_why if by_policy else ""
+        return RunResult(self.ending or Ending.EXITED, outcome, dirty, killed_by, by_policy, why=why)
+
+    async def _faulted(self, returncode: int) -> None:
+        """A job that failed by itself of its GPU's fault is handed back as every hand-back is (a
+        shell ends STOPPED), or (let_finish) its end names the fault (gpu_fault_end.py)."""
+        oom = self._usage is not None and self._usage.oom_kills > 0
+        if self.ending is not None or not (fault := await gpu_fault_end(self._gpu_fault, returncode, oom)):
+            return
+        why = fault.why(describe_exit(returncode)[1])
+        if fault.hand_back:  # its process has ended: no stop to ask, the ending is set as one's
+            self.ending, self.stopped_why = self._handing_back(why, by_policy=True)
+            why = self.stopped_why
+        else:
+            self._fault = fault.what
+        self.output.note(why)
+        await self.output.flush()
 
     async def _finish_output(self) -> None:
         """The rest of the job's output sent, and its terminal, if it had one, closed."""
@@ -715,6 +755,8 @@ class JobRun:
         if self._usage is not None and self._usage.oom_kills:  # a process of it, whatever its exit says
             return Outcome(JobState.FAILED, code, f"{self._out_of_memory()}; {how}", result)
         state = JobState.SUCCEEDED if returncode == 0 else JobState.FAILED
+        if self._fault:
+            how = f"{how}; {self._fault}"
         return Outcome(state, code, "" if returncode == 0 else how, result)
 
     def _out_of_memory(self) -> str:

@@ -14,7 +14,13 @@
 -- ARGV: 1 queue key prefix, 2 group, 3 consumer, 4 job id, 5 attempt, 6 lease id, 7 retention (s),
 --       8 days the job's accounting record is kept (lib/account.lua; absent: its default),
 --       9 '1' when the pool's GPU policies hand it back, or a worker that could not set its limits
---         (absent or '': a drain, a requeue)
+--         (absent or '': a drain, a requeue),
+--       10 the attempt's mean GPU utilisation in percent, as its worker measured it ('' or absent:
+--         not measured; lib/account.lua), as complete.lua takes it: the GPU-ms a handed-back
+--         attempt held are counted, so their measurement is too,
+--       11 why the pool's policies handed it back (ARGV 9), the job's `detail` until an end of
+--         its own sets another (while it waits, and while its next attempt runs, as a failed
+--         retry's detail is), and named in a dead job's (absent or '': the detail stays)
 -- Returns {'queued'} | {'cancelled'} | {'dead'} | {'stale', state, attempt}.
 --! include lib/record.lua
 --! include lib/use.lua
@@ -31,7 +37,7 @@ if not holds(j, ARGV[5], consumer, lease) then
 end
 local now = now_ms()
 redis.call('ZREM', leases, id)
-close_attempt(prefix, jobkey, 'released', now)
+close_attempt(prefix, jobkey, 'released', now, tonumber(ARGV[10]))
 redis.call('HDEL', jobkey, 'ahead')  -- (charged nothing above, if it never started)
 local answer = 'queued'
 local losses = ARGV[9] == '1' and redis.call('HINCRBY', jobkey, 'losses', 1) or 0
@@ -39,13 +45,15 @@ if j[5] == '1' then
   finish(prefix, stream, group, events, id, 'cancelled', now, tonumber(ARGV[7]), nil, nil, ARGV[8])
   answer = 'cancelled'
 elseif losses > 0 and losses >= tonumber(j[8]) then
+  local last = (ARGV[11] or '') ~= '' and ('; the last: ' .. ARGV[11]) or ''
   redis.call('HSET', jobkey, 'detail',
     'handed back by the pool\'s GPU policies (idle GPUs, a GPU fault) or by workers that could not set '
-    .. 'its CPU and memory limits: ' .. losses .. ' attempts lost (max_attempts)')
+    .. 'its CPU and memory limits: ' .. losses .. ' attempts lost (max_attempts)' .. last)
   finish(prefix, stream, group, events, id, 'dead', now, tonumber(ARGV[7]), nil, nil, ARGV[8])
   answer = 'dead'
 else
   redis.call('HINCRBY', jobkey, 'handbacks', 1)
+  if (ARGV[11] or '') ~= '' then redis.call('HSET', jobkey, 'detail', ARGV[11]) end
   requeue(prefix, stream, group, front, id)
 end
 redis.call('HSET', jobkey, 'ended_by', lease, 'ended_as', answer)

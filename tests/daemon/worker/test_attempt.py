@@ -33,6 +33,10 @@ class NotedRun:
     async def tidy(self) -> None:
         pass
 
+    @property
+    def stopping(self) -> bool:
+        return self.exited
+
     def cancel(self) -> None:
         pass
 

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,7 +28,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.job import JobSpec, JobState
+from daemon.job import JobInfo, JobSpec, JobState
 from daemon.queue import registry
 from daemon.queue.claims import Capacity
 from daemon.queue.connection import AnyRedis
@@ -39,6 +40,7 @@ from daemon.worker.gpu_health import Fault, xid_fault
 from daemon.worker.gpus import GpuAllocator, NotEnoughGpus
 from daemon.worker.health_watch import HealthBook
 from daemon.worker.nvml_asks import HUNG_SECONDS, NVML_READ_SECONDS
+from daemon.worker.slot_limits import v1_dirs
 from tests.support.paths import ROOT
 from tests.support.workers import fake_gpus, running_worker, sh, wait_state, wait_until
 
@@ -529,3 +531,206 @@ print(json.dumps({{"ended": watch.join(2.0), "logged": [r.getMessage() for r in 
     assert seen["ended"] is True
     assert len(seen["logged"]) == 1, seen["logged"]
     assert "GPU is lost" in seen["logged"][0]
+
+
+@contextlib.contextmanager
+def breaking(fault: str, then: str) -> Iterator[tuple[Path, Path]]:
+    """A job's script that gives its first GPU `fault` (the JSON of its entry in the made-up
+    NVML's faults file: '"ecc": 2') and then dies of it at once with `then` (heartbeats, and so
+    the health watch's passes, come once a second: the end comes first); yields the script and
+    the faults file, in a directory the job, as a slot uid, may write."""
+    shared = Path(tempfile.mkdtemp(prefix="gpupool-faults-"))
+    shared.chmod(0o1777)
+    faults = shared / "faults.json"
+    script = shared / "break.sh"
+    script.write_text(
+        "i=${CUDA_VISIBLE_DEVICES%%,*}; i=${i##*-}\n"
+        f'printf \'{{"%s": {{{fault}}}}}\' "$i" > {shared}/part && mv {shared}/part {faults}\n'
+        f"{then}\n"
+    )
+    script.chmod(0o755)
+    try:
+        yield script, faults
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+CUDA_ECC_EXIT = 'echo "CUDA error: uncorrectable ECC error encountered"; exit 1'
+ECC_FAULT = "is unhealthy: 2 uncorrectable ECC error(s) since the driver loaded"
+
+
+async def first_end(queue: JobQueue, job: str) -> JobInfo:
+    """The job once its first attempt has ended."""
+
+    async def ended() -> bool:
+        attempts = (await queue.get(job)).attempts
+        return bool(attempts) and attempts[0].how != "running"
+
+    await wait_until(ended, 30, "the job's first attempt to end")
+    return await queue.get(job)
+
+
+@pytest.mark.parametrize("policy", ["requeue", "let_finish"])
+async def test_gpu_health_a_job_killed_by_its_gpus_fault_before_the_watch_saw_it_is_its_gpus(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], policy: str
+) -> None:
+    """issue 50, a review's finding 3: a GPU that fails under its job (uncorrectable ECC errors
+    here, as an Xid 79 would be) most often kills it first: the program gets a CUDA error and
+    exits 1 before the health watch's next pass stops it. The job ended FAILED, counted against
+    its user and its max_attempts, for its GPU's fault, which nothing said. Checked at its end,
+    the fault is seen (and the GPU quarantined), and gpu_health_policy decides as when the watch
+    sees it first: requeue hands it back (its attempt released, not failed; it needs both GPUs of
+    the worker, one of them now out, so it waits, queued, the fault in its detail); let_finish
+    lets its end stand, the fault in its detail. Its log says so either way, and once: the
+    quarantine the end check made said "the job runs on to its end (let_finish)" too, of the
+    job that had just ended (issue 50, review 50c finding 3)."""
+    host = secrets.token_hex(3)
+    queue = JobQueue(redis_server.client(), lease_seconds=30)
+    options = ("--heartbeat-interval", "1", "--gpu-health-policy", policy)
+    with (
+        breaking('"ecc": 2', CUDA_ECC_EXIT) as (breaks, faults),
+        health_worker(redis_server, s3_env, faults, host, *options) as (log, _),
+    ):
+        try:
+            job, _ = await queue.enqueue(JobSpec(argv=("sh", str(breaks)), gpus=2, queue=host))
+            info = await first_end(queue, job)
+            if policy == "requeue":
+                assert (info.state, info.attempts[0].how) == (JobState.QUEUED, "released"), info.detail
+            else:
+                assert (info.state, info.attempts[0].how) == (JobState.FAILED, "failed"), info.detail
+                assert info.detail.startswith("exited with status 1; GPU "), info.detail
+            assert ECC_FAULT in info.detail, info.detail
+            told = [line for line in await log_lines(queue, job) if line.startswith("[gpupool]")]
+            assert [line for line in told if ECC_FAULT in line] == told, told
+            assert len(told) == 1, told
+            assert "the job ended on it" in told[0], told
+            assert (await wait_health(queue, host, 0, "ecc", "GPU 0 quarantined"))["quarantined"]
+            if policy == "requeue":
+                await queue.cancel(job)
+                await wait_state(queue, job, JobState.CANCELLED)
+        except BaseException:
+            print(log.read_text()[-6000:])
+            raise
+        finally:
+            await queue.redis.aclose()
+
+
+async def test_gpu_health_a_shell_its_gpus_fault_ended_is_not_requeued(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str]
+) -> None:
+    """issue 50, review 50c finding 1: a `poolctl shell --gpus 2` whose shell dies of its GPU's
+    ECC fault (exit 1, before the watch's pass) was handed back by the end check, which set the
+    ending itself past JobRun.hand_back: requeued, it started again with nobody attached. A
+    shell is never requeued: its end is STOPPED, FAILED saying why, as the watch's own stop of
+    a shell is."""
+    host = secrets.token_hex(3)
+    queue = JobQueue(redis_server.client(), lease_seconds=30)
+    options = ("--heartbeat-interval", "1", "--gpu-health-policy", "requeue")
+    with (
+        breaking('"ecc": 2', CUDA_ECC_EXIT) as (breaks, faults),
+        health_worker(redis_server, s3_env, faults, host, *options) as (log, _),
+    ):
+        try:
+            spec = JobSpec(argv=("sh", str(breaks)), gpus=2, queue=host, tty=True, idle_limit=60)
+            job, _ = await queue.enqueue(spec)
+            info = await first_end(queue, job)
+            assert (info.state, info.attempts[0].how) == (JobState.FAILED, "failed"), info.detail
+            assert ECC_FAULT in info.detail, info.detail
+            assert "a shell is not requeued" in info.detail, info.detail
+            assert info.attempt == 1
+        except BaseException:
+            print(log.read_text()[-6000:])
+            raise
+        finally:
+            await queue.redis.aclose()
+
+
+@pytest.mark.parametrize("end", ["thermal", "out of memory"])
+async def test_gpu_health_a_job_failing_of_its_own_on_a_faulty_gpu_fails(
+    redis_server: EmbeddedRedis, s3_env: dict[str, str], end: str
+) -> None:
+    """issue 50, review 50c finding 4: only a fault that kills programs (lost, ecc, xid, pages)
+    makes a failed job's end its GPU's. A thermal slowdown slows a program, no more: a job that
+    crashes of its own bug on a hot GPU was handed back as a loss (DEAD at max_attempts) where it
+    fails. And a job the kernel's OOM killer ended, on a GPU with an ECC fault, lost its "out of
+    memory" detail to a hand-back: it fails saying so."""
+    if end == "out of memory" and (os.geteuid() != 0 or v1_dirs() is None):
+        pytest.skip("needs root and cgroup v1 memory, cpu and cpuacct (--mem)")
+    host = secrets.token_hex(3)
+    queue = JobQueue(redis_server.client(), lease_seconds=30)
+    options = ("--heartbeat-interval", "1", "--gpu-health-policy", "requeue")
+    grow = "head -c 512M /dev/zero | tail"  # tail holds the one line, 512 MiB of it, in memory
+    fault, then, mem = ('"clocks": 72', "exit 1", 0) if end == "thermal" else ('"ecc": 2', grow, 64 * 2**20)
+    with (
+        breaking(fault, then) as (breaks, faults),
+        health_worker(redis_server, s3_env, faults, host, *options) as (log, _),
+    ):
+        try:
+            spec = JobSpec(argv=("sh", str(breaks)), gpus=2, queue=host, mem=mem)
+            job, _ = await queue.enqueue(spec)
+            info = await first_end(queue, job)
+            assert (info.state, info.attempts[0].how) == (JobState.FAILED, "failed"), info.detail
+            if end == "thermal":
+                assert info.detail == "exited with status 1", info.detail
+            else:
+                assert info.detail.startswith("out of memory: used "), info.detail
+                assert "its --mem of 64 MiB; the kernel killed 1 of its processes" in info.detail, info.detail
+            told = [line for line in await log_lines(queue, job) if "the job ended on it" in line]
+            assert told == [], told
+        except BaseException:
+            print(log.read_text()[-6000:])
+            raise
+        finally:
+            await queue.redis.aclose()
+
+
+def test_gpu_health_the_end_check_whose_read_hangs_still_finds_the_fault_booked_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """issue 50, review 50c finding 2: the end check of a job that failed by itself reads its
+    GPUs' health within a bound; when the read hangs (NVML of a GPU fallen off the bus: the case
+    the bound is for), it said "sound" at the bound, never looking at the book, where the Xid
+    watch had quarantined the GPU meanwhile (Xid 79): the job ended FAILED though the worker
+    knew. Here GPU 0's NVML hangs (the made-up NVML's "hang"), and the Xid watch, watching GPU 1,
+    sees an Xid 79 on it while the end check of a job on both waits: the check finds it."""
+    faults = tmp_path / "faults.json"
+    script = f"""
+import asyncio, json, time
+import pynvml
+from daemon.worker import gpu_health
+from daemon.worker.gpus import GpuAllocator, GpuInfo
+from daemon.worker.health_watch import HealthWatch
+pynvml.nvmlInit()
+uuids = [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(2)]
+gpus = [GpuInfo(index=i, uuid=u, name="Made-up GPU", memory=16 * 2**30) for i, u in enumerate(uuids)]
+watch = HealthWatch(gpus, GpuAllocator(gpus, slots=1), lambda: [], lambda: None, every=1, clear=600)
+async def main():
+    loop = asyncio.get_running_loop()
+    xids = gpu_health.XidWatch(uuids[1:], lambda u, x: loop.call_soon_threadsafe(watch._xid, u, x))
+    xids.start()
+    open({str(faults)!r}, "w").write(json.dumps({{"0": {{"hang": True}}}}))
+    check = asyncio.create_task(watch.fault_under(gpus))
+    await asyncio.sleep(0.5)  # the check's read is under way, hung on GPU 0
+    booked_before = bool(watch.book.unhealthy)
+    open({str(faults)!r}, "w").write(json.dumps({{"0": {{"hang": True}}, "1": {{"xid": [79]}}}}))
+    found = await check
+    xids.stop()
+    return booked_before, found
+booked_before, found = asyncio.run(main())
+print(json.dumps({{"booked_before": booked_before, "found": found and found.what}}))
+"""
+    faults.write_text("{}")
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{NVML_SEAM}{os.pathsep}{ROOT}",
+        "FAKE_NVML_GPUS": "16,16",
+        "FAKE_NVML_FAULTS": str(faults),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["booked_before"] is False  # the check began with a sound book: it read, and hung
+    assert seen["found"], (seen, done.stderr[-2000:])
+    assert "Xid 79 (GPU has fallen off the bus)" in seen["found"], seen

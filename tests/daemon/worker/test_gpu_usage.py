@@ -29,6 +29,7 @@ import orjson
 from daemon import webhook
 from daemon.job import JobInfo, JobState
 from daemon.metrics.worker import GpuSample
+from daemon.queue import accounting
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.gpu_usage import GpuUsage
@@ -268,3 +269,99 @@ def test_energy_is_unknown_from_one_reading_and_spans_the_whole_attempt() -> Non
         summary = usage.summary(ended=1009.0)
         assert summary is not None
         assert summary["energy_j"] == 2700.0, (by_counter, summary)
+
+
+async def accounting_records(queue: JobQueue, name: str) -> list[list[bytes]]:
+    """The accounting records of queue `name`'s jobs that ended yesterday or today (lib/account.lua)."""
+    today = accounting.day_of(time.time())
+    return [
+        r
+        for day in (today - 1, today)
+        async for page in accounting.read_day(queue.redis, name, day)
+        for r in page
+    ]
+
+
+async def test_a_requeued_idle_jobs_measured_attempt_counts_in_its_accounting_record(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """issue 50, a review's finding 1: a job the idle-GPU policy hands back ran an attempt its
+    worker measured (1 % until it is told to stop); its accounting record carries that attempt's
+    utilisation, as a completed attempt's does. The hand-back counted the attempt's GPU-ms but
+    not its measurement: the record read '-' (no attempt measured), and `poolctl acct` left it
+    out. Its second attempt reads 90 % from its start (measured or not, as it ends at once:
+    review 50c finding 7), so the record's mean is below 90 only if the first attempt counts."""
+    gpus = fake_gpus(1)
+    stopped = tmp_path / "stopped"  # the first attempt was told to stop: the readings go up
+
+    def sampler() -> list[GpuSample]:
+        return [GpuSample(gpus[0].uuid, 0.9 if stopped.exists() else 0.01, GIB, 16 * GIB)]
+
+    policy = IdlePolicy(util=5, minutes=0.3 / 60, grace_minutes=0.2 / 60, requeue_queues=["again"])
+    async with running_worker(
+        queue,
+        tmp_path / "w",
+        gpus=gpus,
+        slots=1,
+        queues=["again"],
+        gpu_sampler=sampler,
+        heartbeat_seconds=0.05,
+        idle_gpus=policy,
+    ):
+        script = (
+            f'[ "$GPUPOOL_ATTEMPT" -gt 1 ] && exit 0; trap "touch {stopped}; exit 143" TERM; '
+            "while :; do sleep 0.05; done"
+        )
+        job_id, _ = await queue.enqueue(sh(script, gpus=1, queue="again"))
+        info = await wait_state(queue, job_id, JobState.SUCCEEDED, timeout=20)
+    assert info.attempts[0].how == "released"
+    (record,) = await accounting_records(queue, "again")
+    assert int(record[3]) > 0  # GPU-ms, both attempts'
+    # its mean utilisation: the handed-back attempt's (about 1 %), with the second's 90 % if measured
+    assert record[5] != b"-", record
+    assert 1 <= float(record[5]) < 90, record
+
+
+async def test_an_idle_gpu_policy_due_while_a_job_ends_otherwise_does_not_claim_its_end(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """issue 50, a review's finding 2: a job its user cancelled takes its time over its stop
+    signal (it goes on until SIGKILL, --stop-grace 4 s), leaving its GPU idle meanwhile; its
+    queue's idle policy (requeue) comes due before it is gone. The job ends as its user
+    cancelled it, so its record must not say the policy stopped it: `idle_gpu` is the flag
+    alone (action null), and no line in its log says its queue requeued it. The policy recorded
+    "requeue" whatever stop was under way (and a job that ends as a drain or its GPU's health
+    handed it back was as wrongly recorded)."""
+    gpus = fake_gpus(1)
+    started, stopping = tmp_path / "started", tmp_path / "stopping"
+
+    def sampler() -> list[GpuSample]:
+        """Busy until the job is told to stop; idle from then on."""
+        return [GpuSample(gpus[0].uuid, 0.01 if stopping.exists() else 0.9, GIB, 16 * GIB)]
+
+    policy = IdlePolicy(util=5, minutes=0.3 / 60, grace_minutes=0.3 / 60, requeue_queues=["again"])
+    async with running_worker(
+        queue,
+        tmp_path / "w",
+        gpus=gpus,
+        slots=1,
+        queues=["again"],
+        gpu_sampler=sampler,
+        heartbeat_seconds=0.05,
+        idle_gpus=policy,
+    ):
+        script = f"trap 'touch {stopping}' TERM; touch {started}; while :; do sleep 0.05; done"
+        job_id, _ = await queue.enqueue(sh(script, gpus=1, queue="again", stop_grace=4))
+
+        async def running() -> bool:
+            return started.exists()
+
+        await wait_until(running, 15, "the job to start")
+        await queue.cancel(job_id)
+        info = await wait_state(queue, job_id, JobState.CANCELLED, timeout=20)
+    log = b"".join(d for _, d in await queue.read_log(job_id)).decode()
+    assert "flagged as idle; it is requeued after" in log  # idle while it stopped: flagged
+    assert "its queue requeues jobs that leave GPUs idle" not in log
+    assert info.idle_gpu is not None
+    assert info.idle_gpu["action"] is None, info.idle_gpu
+    assert info.attempt == 1

@@ -13,7 +13,7 @@ local DAY_MS = 86400000
 -- gave it, times ms run; none before CPUs were a resource) and 'first_ran' (when the first
 -- attempt that ran started: the end of the job's wait). `util`, the attempt's mean GPU
 -- utilisation in percent where its worker
--- measured it (complete.lua; nil: not measured), adds its GPU-ms to 'gpu_measured_ms' and,
+-- measured it (complete.lua, hand_back.lua; nil: not measured), adds its GPU-ms to 'gpu_measured_ms' and,
 -- weighted by it, to 'gpu_used_ms'. An attempt claimed ahead of a free slot that never started
 -- used nothing.
 local function tally(jobkey, now, util)
