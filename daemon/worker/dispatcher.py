@@ -24,12 +24,13 @@ process is frozen. Claims wait while the heartbeat fails, and for a while after 
 (claim_gate.py says why).
 
 Stopping is two-phase: stopping.py. Why one class of ~550 lines: its life cycle, its claims and
-its attempts share one set of books (the held attempts, the slots, the GPUs) and the events that
-wake the dispatcher; the parts that stand alone live beside it: attempt.py (the record and its
-fence), claim_gate.py, fast_path.py, heartbeat.py, outcomes.py (recording an attempt's end),
-runner.py (the processes), slots.py (what the machine gives the slots: directories, uids, cgroups,
-the spawner and the orphan guard), stopping.py (its stop, a mixin on the same books),
-work_watch.py (its wait for work).
+its attempts share one set of books (the held attempts, the slots) and the events that wake the
+dispatcher; the parts that stand alone live beside it: attempt.py (the record and its fence),
+claim_gate.py, fast_path.py, gpu_books.py (what it keeps about its GPUs: who holds which, their
+readings and health), heartbeat.py, outcomes.py (recording an attempt's end), runner.py (the
+processes), slots.py (what the machine gives the slots: directories, uids, cgroups, the spawner
+and the orphan guard), stopping.py (its stop, a mixin on the same books), work_watch.py (its wait
+for work).
 """
 
 from __future__ import annotations
@@ -46,43 +47,31 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from daemon.aio import TaskSet, in_daemon_thread, woken_or
+from daemon.aio import TaskSet, woken_or
 from daemon.errors import NotReplicated, RedisUnavailable
 from daemon.git import ANY_PROTOCOL
 from daemon.job import Lease, RenewStatus
 from daemon.metrics.transfers import MeteredStore
-from daemon.metrics.worker import GpuSample, GpuSampler, WorkerMetrics
+from daemon.metrics.worker import GpuSampler, WorkerMetrics
 from daemon.queue import keys, registry
-from daemon.queue.claims import Capacity, SharedGpu
+from daemon.queue.claims import Capacity
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.registry import Registration
 from daemon.worker import fast_path
-from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime, latest_ends
+from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime
 from daemon.worker.claim_gate import ClaimGate
 from daemon.worker.confine import Confinement
 from daemon.worker.env_build import EnvSettings
 from daemon.worker.envs import EnvCache
 from daemon.worker.execs import Execs
 from daemon.worker.fast_path import FastPath
-from daemon.worker.gpu_readings import GpuReadings
-from daemon.worker.gpu_watch import GpuWatch
-from daemon.worker.gpus import (
-    GpuAllocator,
-    GpuInfo,
-    GpuProbe,
-    NotEnoughGpus,
-    Nvml,
-    recheck_quarantine,
-    sample_gpus,
-)
-from daemon.worker.health_watch import HealthWatch
+from daemon.worker.gpu_books import GpuBooks
+from daemon.worker.gpus import GpuInfo, GpuProbe, NotEnoughGpus
 from daemon.worker.heartbeat import Heartbeat
 from daemon.worker.host import HostResources, host_ends
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.idle_gpus import IdlePolicy
 from daemon.worker.lifetime import Lifetime
-from daemon.worker.nvml_asks import GpuAsks
-from daemon.worker.nvml_life import discover_within
 from daemon.worker.outcomes import Outcomes
 from daemon.worker.runner import Ending, JobRun, Run, RunResult, passed_env
 from daemon.worker.slots import Slots
@@ -93,16 +82,12 @@ from storage.cache import ObjectCache
 
 log = logging.getLogger(__name__)
 
-FREE_MEMORY_SECONDS = 2.0  # how long a claim waits for NVML's free memory before claiming without it
-
 # An attempt's executor, given its GPUs and slot.
 RunFactory = Callable[[Lease, tuple[GpuInfo, ...], int], Run]
 
 
 class Worker(Stopping):
     """Runs jobs from `queue` on this machine. `start()`, then `stop()` (see the module doc)."""
-
-    health: HealthWatch | None = None  # the GPUs' health, watched from start() where NVML found them
 
     def __init__(
         self,
@@ -139,28 +124,21 @@ class Worker(Stopping):
         idle_gpus: IdlePolicy | None = None,
         host: HostResources | None = None,
     ) -> None:
-        """`gpus=None` discovers them with NVML at start (`probe` is then NVML); tests pass a list
-        (the seam) and optionally a probe. `env` is the base of every job's environment (default:
-        this process's). `store` (open, owned by the caller) holds datasets and artifacts; the worker
-        caches what it fetches from it under `data_dir/cache`, up to `cache_bytes`. `make_run` replaces
-        the runner (JobRun) with another executor: a benchmark's no-op one measures the queue and
-        this dispatcher without processes. `identities` (one per slot, identity.py) are the uids
-        the slots' jobs run as; None: the worker's own. `job_network`: "host" or "private", for
-        jobs with a uid of their own (confine.py). `lifetime`: its end, if any (lifetime.py).
-        `gpu_sampler` reads given `gpus` live (discovered ones are read by NVML). Without GPUs and
-        with the queue's `fast_path` on, jobs are claimed ahead of a free slot while jobs end
-        within `look_ahead_below` seconds, and handed back if not started after
-        `look_ahead_hold` (fast_path.py). A job whose directory holds a lock runs in the
-        environment built from it, kept under `data_dir/envs` as `env_settings` say, built as
-        `env_builder` (None: this process's uid) (envs.py). `local`: False for an agent's slots
-        (hosted.py): nothing of this machine is opened for them. `idle_gpus`: when a job that
-        leaves its GPUs idle is flagged, and what its queue does then (idle_gpus.py; default:
-        flagged after 30 minutes below 5 %, no queue acts). The health of discovered GPUs is
-        watched (health_watch.py): a faulty one is quarantined, its job handed back
-        (`gpu_health_policy` "requeue") or let finish ("let_finish"), and it comes back once no
-        fault is seen for `gpu_health_clear` seconds and its check passes. `host`: the CPUs and
-        memory its jobs may have (host.py), which claims fit with its GPUs; None: not counted,
-        every job fits them."""
+        """`env` is the base of every job's environment (default: this process's). `store` (open, owned by the
+        caller) holds datasets and artifacts; the worker caches what it fetches from it under
+        `data_dir/cache`, up to `cache_bytes`. `make_run` replaces the runner (JobRun) with another executor:
+        a benchmark's no-op one measures the queue and this dispatcher without processes. `identities` (one
+        per slot, identity.py) are the uids the slots' jobs run as; None: the worker's own. `job_network`:
+        "host" or "private", for jobs with a uid of their own (confine.py). `lifetime`: its end, if any
+        (lifetime.py). Without GPUs and with the queue's `fast_path` on, jobs are claimed ahead of a free slot
+        while jobs end within `look_ahead_below` seconds, and handed back if not started after
+        `look_ahead_hold` (fast_path.py). A job whose directory holds a lock runs in the environment built
+        from it, kept under `data_dir/envs` as `env_settings` say, built as `env_builder` (None: this
+        process's uid) (envs.py). `local`: False for an agent's slots (hosted.py): nothing of this machine is
+        opened for them. `host`: the CPUs and memory its jobs may have (host.py), which claims fit with its
+        GPUs; None: not counted, every job fits them. The GPUs (`gpus`, `probe`, `gpu_sampler`,
+        `gpu_max_jobs`, `gpu_health_policy`, `gpu_health_clear`, `idle_gpus`: default, flagged after 30
+        minutes below 5 %, no queue acts) are kept in `gpu_books` (gpu_books.GpuBooks says what each is)."""
         if slots < 1:
             raise ValueError("a worker needs at least one slot")
         if identities is not None and len(identities) < slots:
@@ -184,7 +162,6 @@ class Worker(Stopping):
             self.store = MeteredStore(store, self._transferred)
             self.cache = ObjectCache(self.data_dir / "cache", self.store, cache_bytes)
         self._make_run = make_run or self._job_run
-        self._gpu_books(gpus, gpu_sampler, probe, gpu_max_jobs, (gpu_health_policy, gpu_health_clear))
         self.host = host  # the CPUs and memory its jobs may have (None: not counted)
         self.heartbeat = Heartbeat(queue, self, heartbeat_seconds)
         self._registration = Registration(
@@ -208,12 +185,24 @@ class Worker(Stopping):
             sweep=self._slots.spawner.sweep,
             env=self.env,
         )
-        self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known, as are
-        self.readings = GpuReadings({}, heartbeat_seconds)  # their readings, for the registration
-        self._nvml: Nvml | None = None
-        # The quarantine checks' asks of NVML: one at a time per GPU, however many jobs end.
-        self._pids_asks: GpuAsks[set[int]] = GpuAsks("gpupool-gpu-clean")
+        self.metrics = WorkerMetrics()  # replaced at start(), once the GPUs are known
         self._held = Holdings(self._slots.guard)  # every attempt this worker holds, by lease id
+        self._wake = asyncio.Event()  # GPUs came back, or the drain began: claim again
+        # its GPUs: who holds which, their readings and health (gpu_books.py)
+        self.gpu_books = GpuBooks(
+            queue,
+            self._held,
+            gpus,
+            gpu_sampler,
+            probe,
+            slots=slots,
+            max_jobs=gpu_max_jobs,
+            health=(gpu_health_policy, gpu_health_clear),
+            idle=idle_gpus or IdlePolicy(),
+            every=heartbeat_seconds,
+            wake=self._wake,
+            spawn=self._spawn,
+        )
         # what the fast path does here, and the jobs it claimed before a slot is free
         self._fast = FastPath(queue.fast_path, self._held, below=look_ahead_below, hold=look_ahead_hold)
         self._ahead = self._fast.look_ahead
@@ -222,52 +211,21 @@ class Worker(Stopping):
         self._background = TaskSet("%s failed: the worker no longer works as it should", logging.CRITICAL)
         self._dispatcher: asyncio.Task[None] | None = None
         self._slot_freed = asyncio.Event()
-        self._wake = asyncio.Event()  # GPUs came back, or the drain began: claim again
         self._gate = ClaimGate(queue, self.heartbeat, self.queues)
         self._watch = WorkWatch(queue, self.id, self.queues)
         self._stage = Stage.WORKING
         self._forced = asyncio.Event()
-        # each attempt's GPU usage summary and idle clock, fed by the readings (gpu_watch.py)
-        self._gpu_watch = GpuWatch(queue, idle_gpus or IdlePolicy(), self._spawn)
         self._outcomes = Outcomes(queue, self._forced)  # records each attempt's end
         self._stopped = asyncio.Event()
-
-    def _gpu_books(
-        self,
-        gpus: Sequence[GpuInfo] | None,
-        sampler: GpuSampler | None,
-        probe: GpuProbe | None,
-        max_jobs: int,
-        health: tuple[str, float],
-    ) -> None:
-        """The GPUs' books as `__init__` is given them: the GPUs and their sampler (None: NVML
-        finds and reads them at start), the probe of a GPU after a job, the --gpu-mem jobs one GPU
-        may take at most, and the health policy and clear time (health_watch.py)."""
-        self._given_gpus, self._given_sampler = gpus, sampler
-        self.probe = probe
-        self.gpu_max_jobs = max_jobs
-        self.allocator = GpuAllocator(gpus or [], self.slots, max_jobs)
-        self._health_settings = health
 
     # -- life cycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Find the GPUs, register (raises RedisUnavailable when Redis does not answer), then
         start the heartbeat, the fence and the dispatcher. On failure nothing is left running."""
-        if self._given_gpus is None:
-            gpus, self._nvml = await discover_within()
-            self.allocator = GpuAllocator(gpus, self.slots, self.gpu_max_jobs)
-            self.probe = self.probe or self._nvml
-        gpus = self.allocator.gpus
+        gpus = await self.gpu_books.find(self.heartbeat.interval)
         self._fast.begin(gpus)
-        readers: dict[str, GpuSampler] = {}
-        if self._nvml is not None:  # one reader per GPU: a GPU whose NVML hangs holds only its own
-            readers = {g.uuid: functools.partial(sample_gpus, [g]) for g in gpus}
-        elif self._given_sampler is not None:
-            readers = {"given GPUs": self._given_sampler}
-        self.readings = GpuReadings(readers, self.heartbeat.interval, self._gpus_read)
-        # The metrics serve the latest readings: a scrape never asks NVML (which may hang on a GPU).
-        self.metrics = WorkerMetrics(gpus, self.readings.samples if readers else None)
+        self.metrics = self.gpu_books.metrics()
         self.heartbeat.observer = self._observe_heartbeat
         self._registration.started_at = time.time()
         if self.host is not None:  # what its jobs may have: the server refuses a job asking for more
@@ -286,23 +244,11 @@ class Worker(Stopping):
         except BaseException:
             await self.envs.close()
             await self._slots.close()
-            await self._close_nvml()
+            await self.gpu_books.close()
             raise
         self._spawn(self._slots.guard.watch_over(), "orphan guard watch")
         self._spawn(self.heartbeat.run(), "heartbeat")
-        self._spawn(self.readings.run(), "GPU readings")
-        if self._nvml is not None and gpus:
-            policy, clear = self._health_settings
-            self.health = HealthWatch(
-                gpus,
-                self.allocator,
-                self._runs,
-                self._gpu_back,
-                every=self.heartbeat.interval,
-                clear=clear,
-                policy=policy,
-            )
-            self._spawn(self.health.run(), "GPU health")
+        self.gpu_books.start(self._runs, self.heartbeat.interval)  # the readings, the health watch
         execs = Execs(self.queue.redis, self._held, self._slots.spawner, self._spawn)
         self._spawn(
             self.heartbeat.listen_for_pokes(keys.worker_channel(self.id), execs.message),
@@ -321,7 +267,7 @@ class Worker(Stopping):
             self.id,
             self.slots,
             ", ".join(self.queues),
-            f"{len(gpus)} GPUs ({self.allocator.share} per slot)" if gpus else "CPU only",
+            f"{len(gpus)} GPUs ({self.gpu_books.allocator.share} per slot)" if gpus else "CPU only",
         )
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -381,12 +327,8 @@ class Worker(Stopping):
         all, when the attempts holding some end at the latest (backfill), the time a pilot has left
         (a preemption check says it too: a pilot stops nothing for a job it would not take), and
         with `shared` those that can take a --gpu-mem job (NVML's free memory read now)."""
-        room = Capacity(
-            gpus_free=self.allocator.free_count(),
-            slot_gpus=self.allocator.share,
-            gpus_total=self.allocator.usable(),
-            ends=latest_ends(self._held, self._gpus_held, self.kill_grace),
-            grace=self.kill_grace,
+        room = dataclasses.replace(
+            self.gpu_books.capacity(self.kill_grace),
             lifetime=self.lifetime.claim_lifetime() if self.lifetime else None,
         )
         if self.host is not None:
@@ -399,35 +341,7 @@ class Worker(Stopping):
                 mem_total=self.host.mem,
                 host_ends=host_ends(self._held, self.kill_grace),
             )
-        if shared and self.allocator.gpus:
-            uuids = [g.uuid for g in self.allocator.gpus]
-            free = await self._free_memory([u for u in uuids if not self.allocator.out_of_use(u)])
-            whole = {g.uuid for g in self.allocator.free()}
-            room = dataclasses.replace(
-                room,
-                shared=[
-                    SharedGpu(place, r.avail, r.jobs, r.uuid not in whole, self.allocator.gpus[place].memory)
-                    for r in self.allocator.shared_table(free)
-                    for place in (uuids.index(r.uuid),)
-                ],
-                largest_gpu=max(g.memory for g in self.allocator.gpus),
-            )
-        return room
-
-    async def _free_memory(self, uuids: list[str]) -> dict[str, int] | None:
-        """NVML's free memory of `uuids` (GPUs in use: one out for its health may hang it), read in
-        a daemon thread within FREE_MEMORY_SECONDS: a hung read holds no claim, nor the worker's
-        exit (the default executor's threads are waited for at the end); None, unknown, then."""
-        nvml = self._nvml
-        if nvml is None or not uuids:
-            return None
-        reading = in_daemon_thread(lambda: nvml.free_memory(uuids), "NVML free memory")
-        try:
-            return await asyncio.wait_for(reading, FREE_MEMORY_SECONDS)
-        except TimeoutError:
-            why = "NVML did not say the GPUs' free memory in %g s: claiming by what jobs declared"
-            log.warning(why, FREE_MEMORY_SECONDS)
-            return None
+        return await self.gpu_books.shared(room) if shared else room
 
     async def _claim(self) -> bool:
         """One claim for every free slot; the jobs claimed are started (or given back, when the
@@ -522,13 +436,7 @@ class Worker(Stopping):
                 other.run.lose("the job was reclaimed from this attempt")
         slot = min(set(range(self.slots)) - {h.slot for h in self._held})
         try:
-            if lease.spec.gpu_mem:  # on the GPU the claim chose (claim.lua)
-                uuid = self.allocator.gpus[lease.shared_gpu].uuid if lease.shared_gpu >= 0 else ""
-                gpus: tuple[GpuInfo, ...] = (
-                    self.allocator.allocate_shared(lease.id, uuid, lease.spec.gpu_mem),
-                )
-            else:
-                gpus = self.allocator.allocate(lease.id, lease.spec.gpus, slot)
+            gpus = self.gpu_books.allocate(lease, slot)
         except NotEnoughGpus as exc:  # claims are sized by free GPUs, so this is a bug: say so
             log.error("%s; handing the attempt back", exc)
             self._hand_back([lease], deadline)
@@ -540,12 +448,12 @@ class Worker(Stopping):
             if lease.ahead:  # it counts as started from here
                 self._fast.say_started(self.queue, lease)
             self.metrics.job_started(lease.spec.queue)
-        self._gpu_watch.begin(held)
+        self.gpu_books.gpu_watch.begin(held)
         run.start()  # now, when nothing has to come first; else its task prepares and starts it
         held.task = self._attempts.spawn(self._attempt(held), f"job {lease.job_id}")
 
     def _job_run(self, lease: Lease, gpus: tuple[GpuInfo, ...], slot: int) -> Run:
-        health = self.health  # a job that fails by itself is checked for its GPUs' fault at its end
+        health = self.gpu_books.health  # a job that fails by itself is checked for its GPUs' fault at its end
         return JobRun(
             self.queue,
             lease,
@@ -554,7 +462,7 @@ class Worker(Stopping):
             env=self.env,
             kill_grace=self.kill_grace,
             shell_idle_limit=self.shell_idle_limit,
-            probe=self.probe,
+            probe=self.gpu_books.probe,
             guard=self._slots.guard,
             spawner=self._slots.spawner,
             store=self.store,
@@ -632,8 +540,8 @@ class Worker(Stopping):
                 # Killed by a signal after the fence deadline: maybe by the fence itself (the orphan
                 # guard, while this worker was frozen). Not the job's outcome: the lease decides.
                 result = RunResult(Ending.LOST, None, result.dirty_gpus, result.killed_by)
-            result = self._gpu_watch.summarised(held, result, self.metrics)
-            await self._gpu_watch.recorded(held)  # its idle record first: the end it explains
+            result = self.gpu_books.gpu_watch.summarised(held, result, self.metrics)
+            await self.gpu_books.gpu_watch.recorded(held)  # its idle record first: the end it explains
             # While short jobs flow and another runs, its end comes soon: this outcome may wait for it.
             await self._outcomes.report(held.lease, result, self._fast.linger(self._busy()))
         finally:
@@ -659,30 +567,14 @@ class Worker(Stopping):
 
     def _free(self, held: HeldAttempt, result: RunResult | None) -> None:
         """Give the attempt's slot and GPUs back (the dirty ones into quarantine)."""
-        if result is not None:
-            for uuid, why in result.dirty_gpus.items():
-                self.allocator.quarantine(uuid, f"after job {held.lease.job_id}: {why}")
-        self.allocator.release(held.lease.id)
+        self.gpu_books.release(held.lease, result)
         held.slot = None
         self._ahead.ended(boottime() - held.since)
         if not self.draining() and (ahead := self._ahead.next()) is not None:
             self._launch(ahead.lease, ahead.deadline)  # on the slot just freed, with no round trip
         self._slot_freed.set()
         self._wake.set()  # a slot to claim for, and the head of a queue may have waited for these GPUs
-        if self.allocator.quarantined and self.probe is not None:
-            self._spawn(self._recheck_quarantine(), "quarantine check")
-
-    def _gpu_back(self) -> None:
-        """A GPU passed its health check: claim for it, and see whether it is clean (a job
-        stopped on it while NVML could not answer left it counted as dirty)."""
-        self._wake.set()
-        if self.allocator.quarantined and self.probe is not None:
-            self._spawn(self._recheck_quarantine(), "quarantine check")
-
-    async def _recheck_quarantine(self) -> None:
-        assert self.probe is not None
-        if await recheck_quarantine(self.allocator, self.probe, self._pids_asks):
-            self._wake.set()
+        self.gpu_books.check_quarantine()
 
     # -- metrics ----------------------------------------------------------------------------------
 
@@ -692,31 +584,20 @@ class Worker(Stopping):
         else:
             self.metrics.heartbeat(round_trip)
 
-    def _gpus_read(self, samples: Sequence[GpuSample], at: float) -> None:
-        self._gpu_watch.read(self._held, samples, at)
-
     def _transferred(self, direction: str, nbytes: int) -> None:
         self.metrics.transferred(direction, nbytes)  # the metrics of now: start() replaces them
 
     async def sample_metrics(self) -> None:
         """Before each scrape: the slots and quarantined GPUs as they are now."""
         self.metrics.set_slots(self._busy(), self.slots)
-        self.metrics.set_quarantined(self.allocator.quarantined)
-        self.metrics.set_shared(self.allocator.shares())
-        if self.health is not None:
-            self.metrics.set_health(self.health.reasons())
+        self.gpu_books.sample_into(self.metrics)
 
     # -- heartbeat target -------------------------------------------------------------------------
 
     def registration(self) -> Registration:
         self._registration.running = self._busy()
-        self._registration.gpus = [
-            g | self.readings.for_gpu(g["uuid"]) | self._health_of(g) for g in self.allocator.describe()
-        ]
+        self._registration.gpus = self.gpu_books.describe()
         return self._registration
-
-    def _health_of(self, gpu: Mapping[str, Any]) -> dict[str, Any]:
-        return self.health.for_gpu(gpu["uuid"], gpu.get("parent")) if self.health is not None else {}
 
     def leases(self) -> Sequence[Lease]:
         return [h.lease for h in self._held]
@@ -732,9 +613,6 @@ class Worker(Stopping):
                 self._hand_back([held.lease], held.deadline)
 
     # -- reads ------------------------------------------------------------------------------------
-
-    def _gpus_held(self, lease_id: str) -> int:
-        return len(self.allocator.held_by(lease_id))
 
     def _busy(self) -> int:
         """Slots taken: attempts that hold one (from their start until their processes are gone)."""

@@ -29,14 +29,13 @@ from daemon.errors import NotReplicated
 from daemon.job import Lease
 from daemon.queue import registry
 from daemon.worker.attempt import boottime
-from daemon.worker.nvml_life import close_within
 
 if TYPE_CHECKING:
     from daemon.queue.job_queue import JobQueue
     from daemon.queue.registry import Registration
     from daemon.worker.envs import EnvCache
     from daemon.worker.fast_path import LookAhead
-    from daemon.worker.gpus import Nvml
+    from daemon.worker.gpu_books import GpuBooks
     from daemon.worker.runner import Run
     from daemon.worker.slots import Slots
     from storage.cache import ObjectCache
@@ -71,7 +70,7 @@ class Stopping:
     _ahead: LookAhead
     _registration: Registration
     _slots: Slots
-    _nvml: Nvml | None
+    gpu_books: GpuBooks
 
     def _runs(self) -> list[Run]:
         raise NotImplementedError  # the Worker's
@@ -171,10 +170,5 @@ class Stopping:
         await self._slots.close()
         if self.cache is not None:
             await self.cache.close()
-        await self._close_nvml()
+        await self.gpu_books.close()
         log.info("worker %s stopped", self.id)
-
-    async def _close_nvml(self) -> None:
-        if self._nvml is not None:
-            await close_within(self._nvml)
-            self._nvml = None

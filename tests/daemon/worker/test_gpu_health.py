@@ -342,8 +342,10 @@ async def test_gpu_health_a_claim_never_asks_nvml_of_a_gpu_out_for_its_health(
 
     try:
         async with running_worker(queue, tmp_path / "w", gpus=gpus, slots=2, heartbeat_seconds=0.1) as worker:
-            worker._nvml = HangsOnTheLostGpu()  # type: ignore[assignment]
-            worker.allocator.mark_unhealthy(gpus[1].uuid, "NVML says the GPU has fallen off the bus")
+            worker.gpu_books._nvml = HangsOnTheLostGpu()  # type: ignore[assignment]
+            worker.gpu_books.allocator.mark_unhealthy(
+                gpus[1].uuid, "NVML says the GPU has fallen off the bus"
+            )
             job_id, _ = await queue.enqueue(sh("true", gpus=1))
             await wait_state(queue, job_id, JobState.SUCCEEDED, timeout=10)
         assert asked

@@ -33,7 +33,7 @@ async def test_two_jobs_share_an_80g_gpu_and_a_third_waits(
         ids = [(await queue.enqueue(job(f"job{i}")))[0] for i in range(3)]
         assert sorted(await wait_file(log, 2)) == [f"job{i} {gpu.uuid} {gib * GIB}" for i in range(2)]
         assert (await queue.get(ids[2])).state is JobState.QUEUED  # no room: memory, or the cap
-        assert worker.allocator.free() == []  # shared, so not free whole
+        assert worker.gpu_books.allocator.free() == []  # shared, so not free whole
         go.touch()
         for job_id in ids:
             await wait_state(queue, job_id, JobState.SUCCEEDED)

@@ -162,8 +162,8 @@ async def test_a_gpu_left_dirty_is_quarantined_and_reported(
     dirty, _ = await queue.enqueue(JobSpec(argv=("sh", "-c", f"echo $$ > {probe.pidfile}"), gpus=1))
     async with running_worker(queue, tmp_path / "w", slots=1, gpus=fake_gpus(2), probe=probe) as worker:
         await wait_state(queue, dirty, JobState.SUCCEEDED)
-        await wait_until(lambda: _quarantined(worker.allocator.quarantined), what="the quarantine")
-        assert "still hold memory" in worker.allocator.quarantined["GPU-00000000-fake"]
+        await wait_until(lambda: _quarantined(worker.gpu_books.allocator.quarantined), what="the quarantine")
+        assert "still hold memory" in worker.gpu_books.allocator.quarantined["GPU-00000000-fake"]
         # the next jobs get the clean GPU only
         seen = tmp_path / "seen"
         for _ in range(2):
@@ -177,7 +177,9 @@ async def test_a_gpu_left_dirty_is_quarantined_and_reported(
         probe.clean = True
         job, _ = await queue.enqueue(JobSpec(argv=("true",), gpus=1))
         await wait_state(queue, job, JobState.SUCCEEDED)
-        await wait_until(lambda: _quarantined({}, worker.allocator.quarantined), what="the GPU to return")
+        await wait_until(
+            lambda: _quarantined({}, worker.gpu_books.allocator.quarantined), what="the GPU to return"
+        )
 
 
 async def _quarantined(quarantined: dict[str, str], expected: dict[str, str] | None = None) -> bool:
