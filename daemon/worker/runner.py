@@ -18,12 +18,17 @@ to the whole process group and SIGKILL after `kill_grace`; a lost lease sends SI
 When the first process has ended, every process left in the job's session or seen among its
 descendants is SIGKILLed, and where NVML answers, a GPU on which a process of the job still holds
 memory is reported dirty.
+
+Its parts that stand alone are modules of their own: what comes before its program starts (its
+directories, code, data, checkpoint, limits and environment: job_setup.py), its checkpoint at
+either end (attempt_checkpoints.py), its process tree sampled and what it left (job_tree.py), its
+stop signals (job_signals.py), and what its end records (attempt_outcome.py). Here: its
+processes' life, and how it ended (Ending), which decides what is recorded.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import os
@@ -35,29 +40,37 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from daemon.aio import cancel_and_wait
-from daemon.errors import GpupoolError, JobNotFound, StaleAttempt
+from daemon.errors import GpupoolError
 from daemon.git import ANY_PROTOCOL
 from daemon.job import JobState, Lease, Outcome
-from daemon.worker import checkpoints, git_mirror, job_data, leftovers, scratch, spawn
+from daemon.worker import (
+    attempt_checkpoints,
+    attempt_outcome,
+    checkpoints,
+    job_data,
+    leftovers,
+    scratch,
+    spawn,
+)
 from daemon.worker.cgroups import SlotCgroup
-from daemon.worker.env_lock import find_lock, has_lock
-from daemon.worker.envs import EnvCache, InUse
+from daemon.worker.envs import EnvCache
 from daemon.worker.gpu_fault_end import FaultCheck, gpu_fault_end
 from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput
+from daemon.worker.job_setup import JobSetup
+from daemon.worker.job_signals import StopSignals
+from daemon.worker.job_tree import JobTree
 from daemon.worker.orphan_guard import OrphanGuard
-from daemon.worker.pool_link import UNREACHABLE, PoolLink
+from daemon.worker.pool_link import PoolLink
 from daemon.worker.slot_limits import SlotLimits, Usage
 from daemon.worker.terminal import Terminal
-from storage.base import ObjectStore, StorageError
+from storage.base import ObjectStore
 from storage.cache import ObjectCache
 
 log = logging.getLogger(__name__)
 
-SAMPLE_SECONDS = 0.5  # RSS sampling period
 FIRST_SAMPLE_SECONDS = 0.05  # a job that ends sooner is not sampled (a scan is not free)
-TAIL_LINES = 20  # lines of output kept in the outcome
 LEFTOVERS_SECONDS = 5.0  # how long killed leftovers of a job may take to die
 
 
@@ -226,12 +239,9 @@ class JobRun:
         whether its GPUs showed a health fault meanwhile (health_watch.py; None: not watched)."""
         self.queue = queue
         self.store = store
-        self.cache = cache
-        self.envs = envs
-        self._env_held: InUse | None = None  # the environment it runs in, held till its end
         self.lease = lease
         self.gpus = tuple(gpus)
-        self.kill_grace = kill_grace
+        self._signals = StopSignals(lease.spec, kill_grace)
         # A tty job's (terminal.py): its own, up to the worker's, which is a cap (a shell with a
         # limit of its own past it would keep its GPUs from others, forgotten, as long as it liked).
         self.idle_limit = min(lease.spec.idle_limit or shell_idle_limit, shell_idle_limit)
@@ -239,10 +249,8 @@ class JobRun:
         self.probe = probe
         self.guard = guard
         self.spawner = spawner
-        self.data_dir = data_dir
         owner = (identity.uid, identity.gid) if identity is not None else None
         self.slot = slot or scratch.SlotScratch(slot_dir or data_dir / "slot", owner)
-        self.scratch = self.slot.work
         self.output_dir = self.slot.out
         self.checkpoint_dir = self.slot.ckpt
         self._saver = (
@@ -253,13 +261,7 @@ class JobRun:
         self.cgroup = cgroup
         self.limits = limits
         self._usage: Usage | None = None  # what it did under its limits, read at its end
-        self.git_protocols = git_protocols  # what a job's repository may be fetched over
         self.eager = eager  # `start` may spawn in its caller's turn (worker/fast_path.py)
-        self.tmp_dir = self.slot.tmp
-        home, tmp = (self.scratch, self.tmp_dir) if identity is not None else (None, None)
-        self._env = job_env(os.environ if env is None else env, lease, self.gpus, home, tmp)
-        self._env["GPUPOOL_OUTPUT"] = str(self.output_dir)
-        self._env["GPUPOOL_CHECKPOINT_DIR"] = str(self.checkpoint_dir)
         self.ending: Ending | None = None
         self.stopped_why = ""  # what stopped it, when something did (`ending`'s sentence)
         self._by_policy = False  # handed back by the pool's GPU policies (RunResult.by_policy)
@@ -267,15 +269,21 @@ class JobRun:
         self._started = 0.0  # time.time() when it started
         self._start_error: Exception | None = None  # why `start` could not spawn it: `run` tells
         self._killer: asyncio.Task[None] | None = None
-        self._sampler: asyncio.Task[None] | None = None  # RSS and descendants (_sample)
+        self._tree = JobTree(f"rss {lease.job_id}")  # its processes: RSS and descendants
         self.output = JobOutput(queue, lease, self.lose)
+        home, tmp = (self.slot.work, self.slot.tmp) if identity is not None else (None, None)
+        job_vars = job_env(os.environ if env is None else env, lease, self.gpus, home, tmp)
+        job_vars["GPUPOOL_OUTPUT"] = str(self.output_dir)
+        job_vars["GPUPOOL_CHECKPOINT_DIR"] = str(self.checkpoint_dir)
+        self.setup = JobSetup(
+            lease, self.slot, job_vars, queue=queue, store=store, cache=cache, envs=envs, identity=identity,
+            limits=limits, mirrors=data_dir / "git", git_protocols=git_protocols, note=self.output.note,
+        )  # fmt: skip
         self.on_slot_free = on_slot_free
         self.on_exit = on_exit or (lambda: None)
         self._gpu_fault = gpu_fault
         self._fault = ""  # a fault of its GPUs its outcome's detail names (let_finish)
         self._handed_over = False  # its directories are the slot's next job's already
-        self._descendants: dict[int, float] = {}  # pid -> create time, of every process seen
-        self._peak_rss = 0
 
     @property
     def pid(self) -> int | None:
@@ -289,7 +297,7 @@ class JobRun:
     @property
     def env(self) -> dict[str, str]:
         """The job's environment, as its first process got it (a copy)."""
-        return dict(self._env)
+        return dict(self.setup.env)
 
     # -- stopping ---------------------------------------------------------------------------------
 
@@ -350,30 +358,17 @@ class JobRun:
             self.output.note(f"{why}: killing the job now")
             self._signal(signal.SIGKILL)
         elif self._killer is None:  # not yet asked: a stop noted before the start is sent now
-            sig, grace = self.stop_signal, self.stop_grace
+            sig, grace = self._signals.stop_signal, self._signals.stop_grace
             self.output.note(f"{why}: stopping the job ({sig.name}, then SIGKILL after {grace:g} s)")
             self._killer = asyncio.create_task(self._terminate(), name=f"stop {self.lease.job_id}")
 
-    @property
-    def stop_signal(self) -> signal.Signals:
-        """The signal the job asked to be stopped with (`--stop-signal`; SIGTERM by default)."""
-        return signal.Signals[f"SIG{self.lease.spec.stop_signal}"]
-
-    @property
-    def stop_grace(self) -> float:
-        """How long a stopping job has before SIGKILL: its own `--stop-grace`, else the worker's."""
-        return self.lease.spec.stop_grace or self.kill_grace
-
     async def _terminate(self) -> None:
-        self._signal(self.stop_signal)
-        await asyncio.sleep(self.stop_grace)
-        self._signal(signal.SIGKILL)
+        if self._proc is not None:
+            await self._signals.terminate(self._proc.pid)
 
     def _signal(self, sig: signal.Signals) -> None:
         if self._proc is not None:
-            # The first process leads the group (new session), so its pid is the group id.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._proc.pid, sig)
+            self._signals.send(self._proc.pid, sig)
 
     def _timeout(self) -> None:
         self._stop(Ending.TIMED_OUT, f"timed out after {self.lease.spec.timeout:g} s")
@@ -391,23 +386,18 @@ class JobRun:
         finally:  # the periodic saves end with the attempt however it ends, before the slot's tidying
             if self._saving is not None:
                 await cancel_and_wait(self._saving)
-            if self._env_held is not None:  # its environment may be evicted now
-                self._env_held.release()
+            self.setup.release()
 
     async def tidy(self) -> None:
         """The slot's directories back to a new one's state for its next job, which waits for
         this (scratch.py): the attempt is over, nothing of it runs."""
         if not self._handed_over:
-            await self.slot.finish(self._scratch_dirs())
+            await self.slot.finish(self.setup.dirs)
 
     @property
     def cwd(self) -> Path:
-        """Where the job runs: its spec's `cwd`, else its slot's `work` directory (where its project
-        is, the directory in it poolctl ran in)."""
-        spec = self.lease.spec
-        if spec.cwd:
-            return Path(spec.cwd)
-        return self.scratch / spec.project["dir"] if spec.project else self.scratch
+        """Where the job runs (JobSetup.cwd)."""
+        return self.setup.cwd
 
     def start(self) -> None:
         """Spawn the job now, in the caller's turn (the one that freed its slot, or got its claim),
@@ -415,17 +405,11 @@ class JobRun:
         directories free and surely as new (scratch.py `take`). It saves a turn of the loop
         between one job's end and the next one's start, most of a short job's wait. `run` then
         supervises it (or, if the spawn failed, records why); else `run` prepares and spawns."""
-        if not self.eager or self.ending is not None or self._fetches() or self._may_have_lock():
+        if not self.eager or self.ending is not None or self.setup.fetches() or self.setup.may_have_lock():
             return
-        if self.limits is not None:
-            # In this turn too (the fast path's): a cgroup made for the job, empty, which setting
-            # a limit reclaims nothing from. One that cannot be set is left to `run`, which tries
-            # again off the loop and hands the attempt back if it fails there too.
-            try:
-                self.limits.apply(self.lease.spec.cpus, self.lease.spec.mem)
-            except OSError:
-                return
-        if not self.slot.take(self._scratch_dirs()):
+        if not self.setup.set_limits_now():
+            return  # `run` tries again off the loop, and hands the attempt back if it fails there too
+        if not self.slot.take(self.setup.dirs):
             return
         self._started = time.time()
         try:
@@ -442,7 +426,7 @@ class JobRun:
             self._proc = self.spawner.spawn(
                 self.lease.spec.argv,
                 cwd=self.cwd,
-                env=self._env,
+                env=self.setup.env,
                 identity=self.identity,
                 cgroup=self.cgroup,
                 gpus=None if None in minors else {m for m in minors if m is not None},
@@ -472,7 +456,7 @@ class JobRun:
         if self._proc is None:
             self._started = time.time()
             try:
-                await self._prepare()
+                await self.setup.prepare(lambda: self.ending is Ending.LOST)
                 if self.ending is Ending.LOST:  # lost while its data came: it must not start at all
                     return RunResult(Ending.LOST, None)
                 if not await self._set_limits():
@@ -494,81 +478,16 @@ class JobRun:
         return result
 
     async def _set_limits(self) -> bool:
-        """The slot's CPU and memory limits set for the job (slot_limits.py), in a thread: a
-        cgroup made and one removed, which the loop does not wait for. One that cannot be set is
-        the worker's fault, not the job's: logged, and False, for the attempt to be handed back,
-        as a loss towards max_attempts (a worker that can never set them would otherwise take
-        the job from the front of its queue again and again)."""
-        if self.limits is None:
+        """The slot's CPU and memory limits set for the job (JobSetup.set_limits). One that cannot
+        be set is the worker's fault, not the job's: False, for the attempt to be handed back, as a
+        loss towards max_attempts (a worker that can never set them would otherwise take the job
+        from the front of its queue again and again)."""
+        if not (why := await self.setup.set_limits()):
             return True
-        spec = self.lease.spec
-        try:
-            await asyncio.to_thread(self.limits.apply, spec.cpus, spec.mem)
-        except OSError as exc:
-            why = f"this worker could not set the job's CPU and memory limits ({exc.strerror or exc})"
-            log.error("job %s attempt %d: %s; handing it back", self.lease.job_id, self.lease.attempt, why)
-            self._stop(Ending.HANDED_BACK, why)
-            self.output.note(f"{why}: the job goes back to its queue")
-            await self.output.flush()
-            return False
-        return True
-
-    def _placed(self) -> bool:
-        """Whether code or data is placed in the job's directory before the spawn."""
-        spec = self.lease.spec
-        return (
-            spec.git is not None or spec.snapshot is not None or spec.project is not None or bool(spec.inputs)
-        )
-
-    def _may_have_lock(self) -> bool:
-        """Whether the job runs in a directory of its own (`cwd`) that holds a lock: then its
-        environment comes first. (Code placed in its directory is looked at once placed.)"""
-        spec = self.lease.spec
-        return self.envs is not None and spec.env_from_lock and spec.cwd is not None and has_lock(self.cwd)
-
-    def _fetches(self) -> bool:
-        """Whether anything is fetched before the spawn: code, data, or an earlier attempt's
-        checkpoint (`_restore_checkpoint`)."""
-        return self._placed() or (self.lease.attempt > 1 and self.store is not None)
-
-    async def _prepare(self) -> None:
-        """What comes before the spawn: the slot's directories, the job's code, data and checkpoint."""
-        spec = self.lease.spec
-        await self._reset_scratch()
-        if spec.git is not None:
-            await self._checkout(spec.git)
-        await job_data.prepare(
-            self.cache, spec, self.scratch if spec.project else self.cwd, self.output.note,
-            as_cache_owner=self.identity is None,
-        )  # fmt: skip
-        await self._restore_checkpoint()
-        await self._take_environment()
-        if self.identity is not None and not spec.cwd and self._placed():
-            # its code, and the directories its inputs were placed in (not the inputs: root's)
-            await asyncio.to_thread(self.identity.own_tree, self.scratch)
-
-    def _lock_dir(self) -> Path | None:
-        """Where the job's lock is: its directory, or, for a project job started in a directory
-        below the project's top, the nearest above it up to that top (where uv, run there,
-        would find it). None: no lock."""
-        places = [self.cwd]
-        if self.lease.spec.project and not self.lease.spec.cwd:
-            places += [p for p in self.cwd.parents if p.is_relative_to(self.scratch)]
-        return next((place for place in places if has_lock(place)), None)
-
-    async def _take_environment(self) -> None:
-        """The environment its lock describes (envs.py), built if this worker has not built it
-        yet, and held until the attempt ends: VIRTUAL_ENV and PATH name it."""
-        if self.envs is None or not self.lease.spec.env_from_lock or (where := self._lock_dir()) is None:
-            return
-        lock = await asyncio.to_thread(find_lock, where)
-        if lock is None:
-            self.output.note(
-                "requirements.txt is not hash-pinned: the job runs without an environment of its own"
-            )
-            return
-        self._env_held = await self.envs.use(lock, self.output.note)
-        self._env.update(self._env_held.variables(self._env.get("PATH", "")))
+        self._stop(Ending.HANDED_BACK, why)
+        self.output.note(f"{why}: the job goes back to its queue")
+        await self.output.flush()
+        return False
 
     async def _not_started(self, exc: OSError | GpupoolError, cwd: Path, started: float) -> RunResult:
         """The job could not start (its data, its program, its directory): EXITED, saying why."""
@@ -581,19 +500,11 @@ class JobRun:
         await self.output.flush()
         return RunResult(Ending.EXITED, self._outcome(None, detail, started))
 
-    async def _checkout(self, source: Mapping[str, str]) -> None:
-        """The job's code: its repository at the exact commit, in the (empty) scratch directory."""
-        rev = source.get("commit") or source["ref"]
-        commit = await git_mirror.checkout(
-            self.data_dir / "git", source["repo"], rev, self.scratch, self.git_protocols
-        )
-        self.output.note(f"git: {source['repo']} at {commit}")
-
     async def _supervise(self, pgid: int, started: float) -> RunResult:
         assert self._proc is not None
         loop = asyncio.get_running_loop()
         # The RSS sampler starts once the job has run a while: most never do.
-        sample = loop.call_later(FIRST_SAMPLE_SECONDS, self._start_sampler, pgid)
+        sample = loop.call_later(FIRST_SAMPLE_SECONDS, self._tree.start, pgid)
         timer = loop.call_later(self.lease.spec.timeout, self._timeout) if self.lease.spec.timeout else None
         ended = False  # (not cancelled meanwhile)
         try:
@@ -606,17 +517,11 @@ class JobRun:
             if timer is not None:
                 timer.cancel()
             sample.cancel()
-            if self._sampler is not None:
-                await cancel_and_wait(self._sampler)
+            await self._tree.stop()
             if self._killer is not None:
                 await cancel_and_wait(self._killer)
-            # With a cgroup or an identity, all the job started has been killed by now (the
-            # spawner does it before it says the first process ended, and tells what is still
-            # dying): waited for here. Else it is found, and killed, from /proc.
-            if self.cgroup is not None or self.identity is not None:
-                left = leftovers.processes(self._proc.left)
-            else:
-                left = leftovers.leftovers(pgid, self._descendants)
+            contained = self.cgroup is not None or self.identity is not None  # (JobTree.left)
+            left = self._tree.left(pgid, self._proc.left if contained else None)
             try:
                 if left:
                     await leftovers.gone(left, LEFTOVERS_SECONDS)
@@ -628,7 +533,7 @@ class JobRun:
                 await self._finish_output()
         if left:
             log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(left))
-        dirty = await self._check_gpus(pgid)
+        dirty = await self._tree.dirty_gpus(pgid, self.probe, self.gpus)
         await self._faulted(returncode)
         await self._save_checkpoint(returncode)
         uploaded: dict[str, Any] = {}
@@ -669,30 +574,6 @@ class JobRun:
             if self.terminal is not None:
                 self.terminal.close()
 
-    async def _restore_checkpoint(self) -> None:
-        """A later attempt starts with the newest checkpoint of the newest earlier attempt the
-        job's history knows (checkpoints.py); one that cannot be fetched fails the start rather
-        than start the job over unsaid."""
-        if self.lease.attempt == 1 or self.store is None:
-            return
-        try:
-            history, recorded = await checkpoints.counted_attempts(
-                self.queue, self.lease, lambda: self.ending is Ending.LOST
-            )
-            restored = await checkpoints.restore(
-                self.store, self.lease.job_id, history, recorded, self.checkpoint_dir
-            )
-        except (StorageError, OSError, JobNotFound) as exc:
-            raise job_data.DataError(f"cannot restore the job's checkpoint: {exc}") from None
-        if restored is not None:
-            attempt, n = restored
-            lease = f" ({attempt.lease})" if attempt.lease else ""
-            self.output.note(
-                f"checkpoint {n} of attempt {attempt.attempt}{lease} restored into $GPUPOOL_CHECKPOINT_DIR"
-            )
-            if self.identity is not None:
-                await asyncio.to_thread(self.identity.own_tree, self.checkpoint_dir)
-
     def _followed(self, returncode: int) -> bool:
         """Whether another attempt may follow this one, to want its checkpoint: handed back, or
         failed with retries (a lost one's job is another attempt's; a success or a cancel ends it)."""
@@ -708,14 +589,7 @@ class JobRun:
             await cancel_and_wait(self._saving)
         if self._saver is None or self._handed_over or not self._followed(returncode):
             return  # (handed over: its checkpoint directory was empty)
-        try:
-            if files := await self._saver.save():
-                self.output.note(f"checkpoint saved ({files} files)")
-        except (StorageError, OSError, StaleAttempt, *UNREACHABLE) as exc:
-            self.output.note(f"checkpoint not saved: {exc}")
-            log.warning(
-                "job %s attempt %d: checkpoint not saved (%s)", self.lease.job_id, self.lease.attempt, exc
-            )
+        await attempt_checkpoints.save_last(self._saver, self.lease, self.output.note)
 
     def _recorded(self) -> bool:
         """Whether the attempt's end is an outcome to record (not a hand-back, nor lost)."""
@@ -729,19 +603,15 @@ class JobRun:
             return None
         ending = self.ending or Ending.EXITED
         code, how = describe_exit(returncode) if returncode is not None else (None, detail)
-        result: dict[str, Any] = {
-            "peak_rss": self._peak_rss,
-            "started_at": started,
-            "ended_at": time.time(),
-            "gpus": [g.uuid for g in self.gpus],
-            "tail": self.output.tail(TAIL_LINES),
-            **(extra or {}),
-        }
-        if returncode is not None and returncode < 0:
-            result["signal"] = -returncode
-        if self._usage is not None:
-            result["cpu_seconds"] = self._usage.cpu_ns / 1e9
-            result["peak_mem"] = self._usage.peak_mem
+        result = attempt_outcome.result(
+            peak_rss=self._tree.peak_rss,
+            started=started,
+            gpus=self.gpus,
+            tail=self.output.tail(attempt_outcome.TAIL_LINES),
+            returncode=returncode,
+            usage=self._usage,
+            extra=extra,
+        )
         if ending is Ending.CANCELLED:
             return Outcome(JobState.CANCELLED, code, f"cancelled; {how}", result)
         if ending is Ending.IDLE:
@@ -752,21 +622,9 @@ class JobRun:
             return Outcome(
                 JobState.FAILED, code, f"timed out after {self.lease.spec.timeout:g} s; {how}", result
             )
-        if self._usage is not None and self._usage.oom_kills:  # a process of it, whatever its exit says
-            return Outcome(JobState.FAILED, code, f"{self._out_of_memory()}; {how}", result)
-        state = JobState.SUCCEEDED if returncode == 0 else JobState.FAILED
-        if self._fault:
-            how = f"{how}; {self._fault}"
-        return Outcome(state, code, "" if returncode == 0 else how, result)
-
-    def _out_of_memory(self) -> str:
-        """The sentence of a job the kernel's OOM killer ended a process of, past its --mem."""
-        assert self._usage is not None
-        mib = 2**20
-        used, asked = self._usage.peak_mem / mib, self.lease.spec.mem / mib
-        limit = f"its --mem of {asked:.0f} MiB" if asked else "no --mem asked (the machine ran out)"
-        killed = self._usage.oom_kills
-        return f"out of memory: used {used:.0f} MiB, {limit}; the kernel killed {killed} of its processes"
+        return attempt_outcome.exited(
+            code, how, returncode, result, usage=self._usage, mem=self.lease.spec.mem, fault=self._fault
+        )
 
     def _hand_over(self) -> None:
         """Every process of the job is gone: when it holds no GPUs (those are looked at first),
@@ -777,43 +635,8 @@ class JobRun:
             self.on_slot_free is None
             or self.gpus
             or self._saving is not None
-            or not self.slot.hand_over(self._scratch_dirs())
+            or not self.slot.hand_over(self.setup.dirs)
         ):
             return
         self._handed_over = True
         self.on_slot_free()
-
-    def _start_sampler(self, pgid: int) -> None:
-        self._sampler = asyncio.create_task(self._sample(pgid), name=f"rss {self.lease.job_id}")
-
-    async def _sample(self, pgid: int) -> None:
-        """Peak RSS of the job's process tree, and every descendant's pid (to find, at the end,
-        any that left the session). Sampled: a kernel high-water mark per tree does not exist."""
-        while True:
-            rss, seen = await asyncio.to_thread(leftovers.tree, pgid)
-            self._peak_rss = max(self._peak_rss, rss)
-            self._descendants.update(seen)
-            await asyncio.sleep(SAMPLE_SECONDS)
-
-    def _scratch_dirs(self) -> tuple[Path, ...]:
-        """The slot's directories this job uses: `out`, `ckpt`, and `work` unless it runs in a `cwd` of its
-        own (a job with an identity has it anyway: it is its HOME), and, with an identity, `tmp`
-        (its TMPDIR)."""
-        if self.identity is not None:
-            return (self.output_dir, self.checkpoint_dir, self.scratch, self.tmp_dir)
-        if self.lease.spec.cwd:
-            return (self.output_dir, self.checkpoint_dir)
-        return (self.output_dir, self.checkpoint_dir, self.scratch)
-
-    async def _reset_scratch(self) -> None:
-        """Empty, real directories for the job, whatever the slot's last job left or did to them
-        (scratch.py); with an identity, owned by it (mode 0700: no other slot's job can look in)."""
-        await self.slot.prepare(self._scratch_dirs())
-
-    # -- GPUs -------------------------------------------------------------------------------------
-
-    async def _check_gpus(self, pgid: int) -> dict[str, str]:
-        """GPUs on which a process of the job still holds memory (leftovers.check_gpus)."""
-        if not self.gpus or self.probe is None:
-            return {}
-        return await leftovers.check_gpus(self.probe, self.gpus, set(self._descendants) | {pgid}, pgid)
