@@ -1,8 +1,9 @@
 """What a job leaves behind, and the sweep that ends it: its process tree, the processes that
 escaped its group or session, and GPU memory its processes still hold.
 
-The runner samples `tree` while the job runs (RSS, and every descendant's pid with its creation
-time, so that a pid reused later is not taken for the job's); when the job's first process exits,
+The run's JobTree (job_tree.py) samples `tree` while the job runs (RSS, and every descendant's
+pid with its creation time, so that a pid reused later is not taken for the job's); when the
+job's first process exits,
 `leftovers` SIGKILLs whatever of it is left, and `check_gpus` names the GPUs a process of the job
 still holds memory on (they are quarantined until it is freed).
 """
