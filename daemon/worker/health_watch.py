@@ -226,11 +226,15 @@ class HealthWatch:
         that failed by itself, and what `gpu_health_policy` makes of it; None when they show none.
         A GPU out of use had its fault while the job held it (a GPU out takes no new job); else
         their health is read now, as a pass reads it (nvml_asks.py: a fault read here quarantines
-        the GPU at once), NVML_READ_SECONDS at most. A read that fails or hangs (a lost GPU's NVML) gives no
-        verdict, but the book does: the Xid watch or a pass may have taken the GPU out meanwhile."""
+        the GPU at once), NVML_READ_SECONDS at most. A read that fails or hangs (a lost GPU's
+        NVML) gives no verdict, but the book does: the Xid watch or a pass may have taken the GPU
+        out meanwhile."""
         held = {g.parent or g.uuid for g in gpus} & self._devices.keys()
         if not any(uuid in self.book.unhealthy for uuid in held):
-            reads = await self._reads.ask({u: functools.partial(self._read, u, False) for u in held})
+            # (a read a pass asked a moment before is waited for too: the dying job's context
+            # torn down may hold the driver a few seconds, and its answer is this check's)
+            calls = {u: functools.partial(self._read, u, False) for u in held}
+            reads = await self._reads.ask(calls, wait_pending=True)
             found: dict[str, list[Fault]] = {}
             for uuid, read in reads.items():
                 if not read.answer.done():

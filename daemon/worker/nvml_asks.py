@@ -51,25 +51,34 @@ class GpuAsks(Generic[T]):
         self._pending: dict[str, Ask[T]] = {}
 
     async def ask(
-        self, calls: Mapping[str, Callable[[], T]], seconds: float = NVML_READ_SECONDS
+        self,
+        calls: Mapping[str, Callable[[], T]],
+        seconds: float = NVML_READ_SECONDS,
+        *,
+        wait_pending: bool = False,
     ) -> dict[str, Ask[T]]:
         """Ask each GPU of `calls` (by UUID) its call, each in a thread of its own, and wait for
-        the answers `seconds` at most. A GPU whose earlier ask is still unanswered is not asked
-        again, nor waited for: its ask is returned as it is (an answer that came since is taken,
-        older than a fresh one but its own). Each GPU's ask comes back, done or not; one not
-        done is kept, to be returned until it is."""
+        the answers `seconds` at most. A GPU whose earlier ask (this asker's or another's) is
+        still unanswered is not asked again: its ask is returned as it is (an answer that came
+        since is taken, older than a fresh one but its own), waited for only with `wait_pending`
+        (a pass does not wait again on a GPU that hangs; a job's end check waits for a read a
+        pass asked a moment before). Each GPU's ask comes back, done or not; one not done is
+        kept, to be returned until it is. Askers share the asks: whichever sees an ask answered
+        first lets it go, and the others still get it."""
         now = time.monotonic()
         asks: dict[str, Ask[T]] = {}
-        asked = []
+        waited = []
         for uuid, call in calls.items():
             if (ask := self._pending.get(uuid)) is None:
                 ask = self._pending[uuid] = Ask(in_daemon_thread(call, self._name), now)
-                asked.append(ask.answer)
+                waited.append(ask.answer)
+            elif wait_pending:
+                waited.append(ask.answer)
             asks[uuid] = ask
-        if asked:
-            await asyncio.wait(asked, timeout=seconds)
+        if waited:
+            await asyncio.wait(waited, timeout=seconds)
         for uuid, ask in asks.items():
-            if ask.answer.done():
+            if ask.answer.done() and self._pending.get(uuid) is ask:
                 del self._pending[uuid]
         return asks
 
