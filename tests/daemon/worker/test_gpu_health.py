@@ -536,17 +536,18 @@ print(json.dumps({{"ended": watch.join(2.0), "logged": [r.getMessage() for r in 
 
 
 @contextlib.contextmanager
-def breaking(fault: str, then: str) -> Iterator[tuple[Path, Path]]:
-    """A job's script that gives its first GPU `fault` (the JSON of its entry in the made-up
-    NVML's faults file: '"ecc": 2') and then dies of it at once with `then` (heartbeats, and so
-    the health watch's passes, come once a second: the end comes first); yields the script and
-    the faults file, in a directory the job, as a slot uid, may write."""
+def breaking(fault: str, then: str, before: str = "") -> Iterator[tuple[Path, Path]]:
+    """A job's script that runs `before`, then gives its first GPU `fault` (the JSON of its entry
+    in the made-up NVML's faults file: '"ecc": 2') and then dies of it at once with `then`
+    (heartbeats, and so the health watch's passes, come once a second: the end comes first);
+    yields the script and the faults file, in a directory the job, as a slot uid, may write."""
     shared = Path(tempfile.mkdtemp(prefix="gpupool-faults-"))
     shared.chmod(0o1777)
     faults = shared / "faults.json"
     script = shared / "break.sh"
     script.write_text(
         "i=${CUDA_VISIBLE_DEVICES%%,*}; i=${i##*-}\n"
+        f"{before}\n"
         f'printf \'{{"%s": {{{fault}}}}}\' "$i" > {shared}/part && mv {shared}/part {faults}\n'
         f"{then}\n"
     )
@@ -662,9 +663,13 @@ async def test_gpu_health_a_job_failing_of_its_own_on_a_faulty_gpu_fails(
     queue = JobQueue(redis_server.client(), lease_seconds=30)
     options = ("--heartbeat-interval", "1", "--gpu-health-policy", "requeue")
     grow = "head -c 512M /dev/zero | tail"  # tail holds the one line, 512 MiB of it, in memory
-    fault, then, mem = ('"clocks": 72', "exit 1", 0) if end == "thermal" else ('"ecc": 2', grow, 64 * 2**20)
+    # The fault comes last, a moment before the end: were it seen while the job runs, the watch
+    # would hand the job back by its policy, rightly (an OOM takes a while under load).
+    fault, before, then, mem = ('"clocks": 72', "", "exit 1", 0)
+    if end == "out of memory":
+        fault, before, then, mem = ('"ecc": 2', f"{grow}; code=$?", "exit $code", 64 * 2**20)
     with (
-        breaking(fault, then) as (breaks, faults),
+        breaking(fault, then, before) as (breaks, faults),
         health_worker(redis_server, s3_env, faults, host, *options) as (log, _),
     ):
         try:
