@@ -224,16 +224,17 @@ class HealthWatch:
     async def fault_under(self, gpus: Sequence[GpuInfo]) -> GpuFaulted | None:
         """The fault that kills programs (gpu_fault_end.KILLING) on one of `gpus`, those of a job
         that failed by itself, and what `gpu_health_policy` makes of it; None when they show none.
-        A GPU out of use had its fault while the job held it (a GPU out takes no new job); else
-        their health is read now, as a pass reads it (nvml_asks.py: a fault read here quarantines
-        the GPU at once), NVML_READ_SECONDS at most. A read that fails or hangs (a lost GPU's
-        NVML) gives no verdict, but the book does: the Xid watch or a pass may have taken the GPU
-        out meanwhile."""
+        A GPU out of use had its fault while the job held it (a GPU out takes no new job), and
+        the book says which (its NVML may hang: it is not read); the others are read now, as a
+        pass reads them (nvml_asks.py: a fault read here quarantines the GPU at once),
+        NVML_READ_SECONDS at most: one of them may have failed beside one out for a slowdown. A
+        read that fails or hangs (a lost GPU's NVML) gives no verdict, but the book does: the Xid
+        watch or a pass may have taken the GPU out meanwhile."""
         held = {g.parent or g.uuid for g in gpus} & self._devices.keys()
-        if not any(uuid in self.book.unhealthy for uuid in held):
+        if unread := {uuid for uuid in held if uuid not in self.book.unhealthy}:
             # (a read a pass asked a moment before is waited for too: the dying job's context
             # torn down may hold the driver a few seconds, and its answer is this check's)
-            calls = {u: functools.partial(self._read, u, False) for u in held}
+            calls = {u: functools.partial(self._read, u, False) for u in unread}
             reads = await self._reads.ask(calls, wait_pending=True)
             found: dict[str, list[Fault]] = {}
             for uuid, read in reads.items():

@@ -741,3 +741,49 @@ print(json.dumps({{"booked_before": booked_before, "found": found and found.what
     assert seen["booked_before"] is False  # the check began with a sound book: it read, and hung
     assert seen["found"], (seen, done.stderr[-2000:])
     assert "Xid 79 (GPU has fallen off the bus)" in seen["found"], seen
+
+
+def test_gpu_health_the_end_check_reads_the_gpus_not_out_beside_one_out(tmp_path: Path) -> None:
+    """issue 50, a final review's finding 1: the end check of a job that failed by itself read
+    none of its GPUs once one of them was out already (GPU 0 out for a thermal slowdown, under
+    gpu_health_policy let_finish): a job on GPUs 0 and 1 that died of a fresh uncorrectable ECC
+    error on GPU 1 ended as a plain failure. The GPUs not out are read; the book judges the rest."""
+    faults = tmp_path / "faults.json"
+    script = f"""
+import asyncio, json
+import pynvml
+from daemon.worker.gpus import GpuAllocator, GpuInfo
+from daemon.worker.health_watch import HealthWatch
+pynvml.nvmlInit()
+uuids = [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(2)]
+gpus = [GpuInfo(index=i, uuid=u, name="Made-up GPU", memory=16 * 2**30) for i, u in enumerate(uuids)]
+watch = HealthWatch(
+    gpus, GpuAllocator(gpus, slots=1), lambda: [], lambda: None, every=1, clear=600, policy="let_finish"
+)
+async def main():
+    open({str(faults)!r}, "w").write(json.dumps({{"0": {{"clocks": 72}}}}))
+    watch._apply(*(await watch._pass()), 0.0)  # a pass takes GPU 0 out for its slowdown
+    out = sorted(watch.book.unhealthy)
+    open({str(faults)!r}, "w").write(json.dumps({{"0": {{"clocks": 72}}, "1": {{"ecc": 2}}}}))
+    found = await watch.fault_under(gpus)  # the job on both died of GPU 1's ECC error
+    return out, found
+out, found = asyncio.run(main())
+print(json.dumps({{"out": out, "found": found and found.what, "hand_back": found and found.hand_back}}))
+"""
+    faults.write_text("{}")
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{NVML_SEAM}{os.pathsep}{ROOT}",
+        "FAKE_NVML_GPUS": "16,16",
+        "FAKE_NVML_FAULTS": str(faults),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(seen["out"]) == 1  # GPU 0, out for its slowdown, before the job's end
+    assert seen["found"], (seen, done.stderr[-2000:])
+    assert "GPU 1 (" in seen["found"], seen
+    assert ECC_FAULT in seen["found"], seen
+    assert seen["hand_back"] is False  # let_finish: the fault named in its detail
