@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -447,13 +448,17 @@ async def recheck_quarantine(allocator: GpuAllocator, probe: GpuProbe, asks: Gpu
     whether any came back. A GPU out for its health is not asked (its NVML may hang: the health
     watch brings it back, then this runs again); the others are asked through `asks` (the
     worker's one for this: a GPU whose last ask still hangs is not asked again, however many
-    jobs end meanwhile), NVML_READ_SECONDS at most (one that does not answer stays quarantined)."""
+    jobs end meanwhile), NVML_READ_SECONDS at most (one that does not answer stays quarantined;
+    the log says NVML does not answer only once the ask has hung: one pending, asked a moment
+    before by another check, may yet answer, and that check then says what it found)."""
     uuids = [u for u in allocator.quarantined if u not in allocator.unhealthy]
     asked = await asks.ask({u: functools.partial(probe.compute_pids, u) for u in uuids})
     back = False
+    now = time.monotonic()
     for uuid, ask in asked.items():
         if not ask.answer.done():
-            log.warning("GPU %s stays quarantined: NVML does not answer for it", uuid)
+            if ask.hung(now):
+                log.warning("GPU %s stays quarantined: NVML does not answer for it", uuid)
             continue
         try:
             busy = ask.answer.result()

@@ -4,9 +4,14 @@ job's end check), each ask a real daemon thread running a call that blocks as NV
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
+import pytest
+
+from daemon.worker.gpus import GpuAllocator, recheck_quarantine
 from daemon.worker.nvml_asks import GpuAsks
+from tests.support.workers import fake_gpus
 
 WAIT = 10.0
 
@@ -54,3 +59,31 @@ async def test_an_asker_may_wait_for_an_ask_another_made() -> None:
     assert checked["X"].answer.done()
     assert checked["X"].answer.result() == "ecc"
     await asyncio.wait_for(passing, WAIT)
+
+
+async def test_a_quarantine_check_on_a_gpu_whose_ask_is_pending_says_nothing_of_nvml(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A final review's finding 2: a quarantine check that found its GPU's ask pending, asked by
+    a check a moment before (the asks are shared: two jobs ending together), logged "stays
+    quarantined: NVML does not answer for it" at once, of a GPU whose NVML had not yet had
+    a second to answer. It says so only once the ask has hung (nvml_asks.HUNG_SECONDS)."""
+    gpus = fake_gpus(1)
+    allocator = GpuAllocator(gpus, slots=1)
+    allocator.quarantine(gpus[0].uuid, "after job default.x: processes [7] hold memory")
+    held = threading.Event()
+
+    class HeldByItsDriver:  # NVML's compute processes of a GPU whose driver lock is held a moment
+        def compute_pids(self, uuid: str) -> set[int]:
+            held.wait(WAIT)
+            return set()
+
+    asks: GpuAsks[set[int]] = GpuAsks("test-asks")
+    first = asyncio.ensure_future(recheck_quarantine(allocator, HeldByItsDriver(), asks))
+    await asyncio.sleep(0.2)  # the first check waits on its ask
+    with caplog.at_level(logging.WARNING, logger="daemon.worker.gpus"):
+        assert await recheck_quarantine(allocator, HeldByItsDriver(), asks) is False  # pending
+        held.set()  # the driver lets go: the first check's ask answers
+        assert await asyncio.wait_for(first, WAIT) is True
+    assert allocator.quarantined == {}
+    assert [r.getMessage() for r in caplog.records if "NVML does not answer" in r.getMessage()] == []
