@@ -463,6 +463,7 @@ class Worker(Stopping):
             kill_grace=self.kill_grace,
             shell_idle_limit=self.shell_idle_limit,
             probe=self.gpu_books.probe,
+            gpu_asks=self.gpu_books.pids_asks,
             guard=self._slots.guard,
             spawner=self._slots.spawner,
             store=self.store,

@@ -80,8 +80,10 @@ class GpuBooks:
         self.readings = GpuReadings({}, every)  # replaced at `find`, once the GPUs are known
         self._sampled = False  # whether the readings read anything (the metrics serve them then)
         self._nvml: Nvml | None = None
-        # The quarantine checks' asks of NVML: one at a time per GPU, however many jobs end.
-        self._pids_asks: GpuAsks[set[int]] = GpuAsks("gpupool-gpu-clean")
+        # The asks of NVML for the processes on a GPU, of the jobs' end checks (leftovers.py, through
+        # their runs) and the quarantine checks: one at a time per GPU, however many jobs end on it,
+        # so that a GPU whose NVML hangs holds one thread for them all.
+        self.pids_asks: GpuAsks[set[int]] = GpuAsks("gpupool-gpu-pids")
         # each attempt's GPU usage summary and idle clock, fed by the readings (gpu_watch.py)
         self.gpu_watch = GpuWatch(queue, idle, spawn)
 
@@ -156,7 +158,7 @@ class GpuBooks:
 
     async def _recheck_quarantine(self) -> None:
         assert self.probe is not None
-        if await recheck_quarantine(self.allocator, self.probe, self._pids_asks):
+        if await recheck_quarantine(self.allocator, self.probe, self.pids_asks):
             self._wake.set()
 
     def _read(self, samples: Sequence[GpuSample], at: float) -> None:

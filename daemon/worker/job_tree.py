@@ -15,6 +15,7 @@ import psutil
 from daemon.aio import cancel_and_wait
 from daemon.worker import leftovers
 from daemon.worker.gpus import GpuInfo, GpuProbe
+from daemon.worker.nvml_asks import GpuAsks
 
 SAMPLE_SECONDS = 0.5  # RSS sampling period
 
@@ -45,11 +46,14 @@ class JobTree:
             return leftovers.processes(killed)
         return leftovers.leftovers(pgid, self.descendants)
 
-    async def dirty_gpus(self, pgid: int, probe: GpuProbe | None, gpus: Sequence[GpuInfo]) -> dict[str, str]:
-        """GPUs on which a process of the job still holds memory (leftovers.check_gpus)."""
+    async def dirty_gpus(
+        self, pgid: int, probe: GpuProbe | None, gpus: Sequence[GpuInfo], asks: GpuAsks[set[int]]
+    ) -> dict[str, str]:
+        """GPUs on which a process of the job still holds memory (leftovers.check_gpus, asking
+        through `asks`)."""
         if not gpus or probe is None:
             return {}
-        return await leftovers.check_gpus(probe, gpus, set(self.descendants) | {pgid}, pgid)
+        return await leftovers.check_gpus(probe, gpus, set(self.descendants) | {pgid}, pgid, asks)
 
     async def _sample(self, pgid: int) -> None:
         while True:

@@ -117,21 +117,31 @@ def exited(exit: asyncio.Future[None]) -> None:
 UNCHECKED = "cannot check it after the job"
 
 
-async def check_gpus(probe: GpuProbe, gpus: Sequence[GpuInfo], ours: set[int], sid: int) -> dict[str, str]:
+async def check_gpus(
+    probe: GpuProbe, gpus: Sequence[GpuInfo], ours: set[int], sid: int, asks: GpuAsks[set[int]]
+) -> dict[str, str]:
     """The GPUs of `gpus` on which a process of the job (`ours`, or of its session `sid`) still
-    holds memory, after a short settling time, with why. Each GPU is asked in a daemon thread of
-    its own, within a bound (nvml_asks.py): NVML may hang on a GPU whose driver stopped answering
-    (the health watch takes it out), and the attempt's end, its hand-back and the worker's stop
-    must not wait for it. A GPU that does not answer counts as dirty (unchecked)."""
-    asks: GpuAsks[set[int]] = GpuAsks("gpupool-gpu-check")
-    deadline = time.monotonic() + GPU_SETTLE_SECONDS
+    holds memory, after a short settling time, with why. Each GPU is asked through `asks` (the
+    worker's, shared by its end and quarantine checks), in a daemon thread of its own, within a
+    bound (nvml_asks.py): NVML may hang on a GPU whose driver stopped answering (the health watch
+    takes it out), and the attempt's end, its hand-back and the worker's stop must not wait for
+    it; a GPU whose ask still hangs is not asked again (one thread per hung GPU, however many
+    jobs end on it). An ask another check made a moment before is waited for, within the bound
+    too (a job ending beside another on the same GPU), but its answer, older than the job's
+    end, says clean only once asked again. A GPU that does not answer counts as dirty
+    (unchecked)."""
+    began = time.monotonic()
+    deadline = began + GPU_SETTLE_SECONDS
     while True:
-        asked = await asks.ask({g.uuid: functools.partial(probe.compute_pids, g.uuid) for g in gpus})
-        dirty = {}
+        calls = {g.uuid: functools.partial(probe.compute_pids, g.uuid) for g in gpus}
+        asked = await asks.ask(calls, wait_pending=True)
+        dirty, older = {}, False
         for uuid, ask in asked.items():
             if not ask.answer.done():
                 dirty[uuid] = f"{UNCHECKED}: NVML does not answer"
                 continue
+            if ask.since < began:  # (asked before the job's end: a process it started since is not in it)
+                older = True
             try:
                 pids = ask.answer.result()
             except GpuProbeError as exc:
@@ -141,7 +151,7 @@ async def check_gpus(probe: GpuProbe, gpus: Sequence[GpuInfo], ours: set[int], s
             if held:
                 dirty[uuid] = f"processes {held} of the job still hold memory on it"
         settling = [why for why in dirty.values() if not why.startswith(UNCHECKED)]
-        if not settling or time.monotonic() > deadline:
+        if not (settling or older) or time.monotonic() > deadline:
             return dirty
         # The driver frees a dead process's memory a moment after the process is reaped.
         await asyncio.sleep(0.25)

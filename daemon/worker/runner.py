@@ -61,6 +61,7 @@ from daemon.worker.job_output import JobOutput
 from daemon.worker.job_setup import JobSetup
 from daemon.worker.job_signals import StopSignals
 from daemon.worker.job_tree import JobTree
+from daemon.worker.nvml_asks import GpuAsks
 from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.pool_link import PoolLink
 from daemon.worker.slot_limits import SlotLimits, Usage
@@ -222,6 +223,7 @@ class JobRun:
         on_slot_free: Callable[[], None] | None = None,
         on_exit: Callable[[], None] | None = None,
         gpu_fault: FaultCheck | None = None,
+        gpu_asks: GpuAsks[set[int]] | None = None,
     ) -> None:
         """`slot` is the scratch directories of the slot it runs on (scratch.py; default: those
         under `slot_dir`, or `data_dir/slot`). `store` receives the artifacts; `cache` fetches the
@@ -236,7 +238,10 @@ class JobRun:
         one's end is recorded (see `_hand_over`; None: never). Both are the fast path's
         (worker/fast_path.py). `on_exit` is called as soon as its first process has ended (an
         agent tells its server: agent.py). `gpu_fault` says, as a job that failed by itself ends,
-        whether its GPUs showed a health fault meanwhile (health_watch.py; None: not watched)."""
+        whether its GPUs showed a health fault meanwhile (health_watch.py; None: not watched).
+        `gpu_asks`: the worker's asks of `probe` (nvml_asks.py), shared by its runs' end checks,
+        so that a GPU whose NVML hangs holds one thread however many jobs end on it (None: this
+        run's own)."""
         self.queue = queue
         self.store = store
         self.lease = lease
@@ -247,6 +252,7 @@ class JobRun:
         self.idle_limit = min(lease.spec.idle_limit or shell_idle_limit, shell_idle_limit)
         self.terminal: Terminal | None = None  # a tty job's, from its spawn to its end
         self.probe = probe
+        self._gpu_asks: GpuAsks[set[int]] = gpu_asks or GpuAsks("gpupool-gpu-check")
         self.guard = guard
         self.spawner = spawner
         owner = (identity.uid, identity.gid) if identity is not None else None
@@ -533,7 +539,7 @@ class JobRun:
                 await self._finish_output()
         if left:
             log.warning("job %s left %d processes behind; killed them", self.lease.job_id, len(left))
-        dirty = await self._tree.dirty_gpus(pgid, self.probe, self.gpus)
+        dirty = await self._tree.dirty_gpus(pgid, self.probe, self.gpus, self._gpu_asks)
         await self._faulted(returncode)
         await self._save_checkpoint(returncode)
         uploaded: dict[str, Any] = {}

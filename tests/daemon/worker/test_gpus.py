@@ -225,3 +225,38 @@ async def test_a_quarantine_recheck_waits_for_nvml_within_a_bound_and_asks_once_
         assert gpus[0].uuid not in allocator.quarantined
     finally:
         release.set()
+
+
+async def test_the_end_checks_of_jobs_on_a_gpu_whose_nvml_hangs_hold_one_thread(
+    queue: JobQueue, tmp_path: Path
+) -> None:
+    """A final review's finding 3: each job's end check (leftovers.check_gpus) made asks of its
+    own, so each job that ended on a GPU whose NVML hangs left one more thread hung in NVML, and
+    the quarantine check beside them one more. The worker's checks of a GPU's processes share
+    one ask per GPU: however many jobs end on it while it hangs, it holds one thread."""
+    gpu = fake_gpus(1)
+    release, asked = threading.Event(), []
+
+    class HangingProbe:  # NVML hung on the GPU until released
+        def compute_pids(self, uuid: str) -> set[int]:
+            asked.append(uuid)
+            release.wait(60)
+            return set()
+
+    try:
+        async with running_worker(queue, tmp_path / "w", slots=1, gpus=gpu, probe=HangingProbe()) as worker:
+            allocator = worker.gpu_books.allocator
+
+            async def dirty() -> bool:  # counted dirty: NVML did not answer for it
+                return "NVML does not answer" in allocator.quarantined.get(gpu[0].uuid, "")
+
+            for _ in range(2):
+                job, _ = await queue.enqueue(JobSpec(argv=("true",), gpus=1))
+                await wait_state(queue, job, JobState.SUCCEEDED)  # within NVML_READ_SECONDS of its end
+                # counted dirty: NVML did not answer for it
+                await wait_until(dirty, 10, "the GPU counted dirty")
+                # as its quarantine check would, had NVML answered it: the next job may take it
+                allocator.unquarantine(gpu[0].uuid)
+            assert asked == [gpu[0].uuid]
+    finally:
+        release.set()
