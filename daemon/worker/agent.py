@@ -10,8 +10,8 @@ it hands the job back untouched and leaves, saying why.
 It offers its slots and GPUs with `serve_jobs`; the server runs a real Worker for it
 (daemon/worker/hosted.py), which claims, renews, heartbeats and records every end, and streams
 orders: `run` an attempt on a slot with some GPUs, `cancel`, `hand_back` or `lose` it, and `tidy`
-its slot. The agent calls `beat` every `beat_seconds` (the hello says it): that keeps the server's
-worker alive, and its answer says how long each lease still holds.
+its slot. The agent calls `beat` every `beat_seconds` (the hello says it; agent_beats.py): that
+keeps the server's worker alive, and its answer says how long each lease still holds.
 
 Each `run` is a real `runner.JobRun` on this machine's `slots.Slots` (scratch directories, slot
 uids when root, cgroups, the spawner, the orphan guard), whose pool is the attempt's
@@ -60,6 +60,7 @@ from daemon.git import NETWORK_PROTOCOLS
 from daemon.job import JobSpec, Lease
 from daemon.queue import registry
 from daemon.worker import non_root
+from daemon.worker.agent_beats import Beats
 from daemon.worker.attempt import HeldAttempt, Holdings, Phase, boottime
 from daemon.worker.confine import Confinement
 from daemon.worker.env_build import EnvSettings
@@ -144,9 +145,7 @@ class Agent:
         self.kill_grace = kill_grace  # then the one the server's hello says its worker takes
         self.beat_seconds = 10.0  # then the hello's: how often it beats, and how long a beat may take
         self.lease_seconds = 30.0  # then the hello's: with no beat answered for this long, it leaves
-        self._beat_now = asyncio.Event()
         self._ending = ""  # why the agent itself ended its serve (its beats went unanswered)
-        self._provisional: set[str] = set()  # leases whose deadline is still their run order's
         self.ended = asyncio.Event()
         self.leaving = asyncio.Event()
         self._hello: asyncio.Future[None] | None = None
@@ -155,6 +154,7 @@ class Agent:
         self._env_settings, self._env_builder = env_settings or EnvSettings(), env_builder
         self.envs: EnvCache | None = None  # its jobs' environments (envs.py), once its slots are
         self._held: Holdings | None = None
+        self._beats: Beats | None = None  # (from the hello)
         self._http: aiohttp.ClientSession | None = None
         self._orders: asyncio.Task[None] | None = None
         self._attempts = TaskSet("%s failed in the agent; its lease will lapse")
@@ -401,66 +401,25 @@ class Agent:
             ),
             "agent fence",
         )
-        self._background.spawn(self._beat(), "agent beats")
+        self._beats = Beats(
+            self._calls,
+            self._held,
+            beat_seconds=self.beat_seconds,
+            lease_seconds=self.lease_seconds,
+            over=lambda: self.ended.is_set() or self._served,
+            silent=self._end_serve,
+        )
+        self._background.spawn(self._beats.run(), "agent beats")
 
-    async def _beat(self) -> None:
-        """Call `beat` every beat_seconds, and at once when a job is ordered run, until the serve
-        ends: each answer moves the deadlines from when its beat was sent. Once none has been
-        answered for a lease, the server's worker for this agent has abandoned it, or will before
-        the agent could hear so: the agent ends its serve (closing its connection), which kills
-        every job."""
-        assert self._calls is not None
-        answered = boottime()  # the hello: its worker counts it as a beat
-        failing = False
-        while not self.ended.is_set() and not self._served:
-            self._beat_now.clear()
-            sent = boottime()
-            try:
-                answer = await self._calls.call("", "beat", within=self.beat_seconds)
-                valid_for = {str(k): float(v) for k, v in answer["valid_for"].items()}
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:  # the server's bug: said
-                log.error("the pool server's answer to beat is malformed (%r); taken as none", exc)
-                failing = True
-            except (PoolUnreachable, ClientError) as exc:
-                if self._served or self.ended.is_set():
-                    return
-                if not failing:
-                    log.warning("beat unanswered (%s); jobs are killed if none is answered in time", exc)
-                failing = True
-            else:
-                if failing:
-                    log.info("beats answered again after %.1f s", boottime() - answered)
-                answered, failing = sent, False
-                self._renewed(valid_for, sent)
-            if (silent := boottime() - answered) >= self.lease_seconds:
-                self._ending = f"no beat answered by the pool server for {silent:.1f} s, a lease"
-                log.error("%s: ending this agent's serve", self._ending)
-                self._lose_all(self._ending)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(DRAIN_CALL_SECONDS):
-                        await self.client.close()  # the serve ends with its connection
-                return
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, sent + self.beat_seconds - boottime())):
-                    await self._beat_now.wait()
-
-    def _renewed(self, valid_for: Mapping[str, float], sent: float) -> None:
-        """A beat's answer: each lease holds `valid_for` seconds from when the server took the beat,
-        so at least that long from `sent`, when the agent sent it. The first answer for an attempt
-        sets its deadline, earlier too: its run order's `valid_for`, counted from when the order
-        came, may have waited in the server's queue or on the connection."""
-        assert self._held is not None
-        for lease_id, seconds in valid_for.items():
-            held = self._held.get(lease_id)
-            first = lease_id in self._provisional
-            self._provisional.discard(lease_id)
-            if held is None or (held.run is not None and held.run.exited):
-                continue  # ended, or its processes are gone: its deadline stays where the end found it
-            if first:
-                held.deadline = sent + float(seconds)
-                self._held.guard.hold(lease_id, held.deadline)
-            elif held.renewed(sent + float(seconds)):
-                self._held.guard.hold(lease_id, held.deadline)
+    async def _end_serve(self, why: str) -> None:
+        """No beat answered for a lease (agent_beats.py): the agent ends its serve by closing its
+        connection, which kills every job."""
+        self._ending = why
+        log.error("%s: ending this agent's serve", why)
+        self._lose_all(why)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(DRAIN_CALL_SECONDS):
+                await self.client.close()  # the serve ends with its connection
 
     def _run(self, lease_id: str, detail: Mapping[str, Any], base: float) -> None:
         # (all set by hello, the first order)
@@ -468,6 +427,7 @@ class Agent:
         assert self._slots is not None
         assert self._calls is not None
         assert self._http is not None
+        assert self._beats is not None
         raw = detail["lease"]
         lease = Lease(
             job_id=str(raw["job_id"]),
@@ -482,8 +442,7 @@ class Agent:
             log.error("the pool server's run order for %s carries lease %s; ignored", lease_id, lease.id)
             return
         held = self._held.hold(lease, base + float(detail["valid_for"]))
-        self._provisional.add(lease.id)
-        self._beat_now.set()  # the order's valid_for is provisional: a beat's answer follows
+        self._beats.expect(lease.id)  # the order's valid_for is provisional: a beat's answer follows
         slot = int(detail["slot"])
         by_uuid = {g.uuid: g for g in self.gpus}
         if not all(uuid in by_uuid for uuid in detail.get("gpus", ())) or not 0 <= slot < self.slots:
@@ -598,7 +557,8 @@ class Agent:
                     )
             await self._tell(held.lease.id, "tidied")
         finally:
-            self._provisional.discard(held.lease.id)
+            if self._beats is not None:
+                self._beats.forget(held.lease.id)
             if self._held is not None:
                 self._held.drop(held)
 

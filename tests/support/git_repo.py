@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from daemon.queue.embedded_redis import free_port
+from tests.support.processes import terminate
 
 DAEMON_START_TIMEOUT = 10.0  # until git daemon accepts connections
 
@@ -69,9 +70,4 @@ def git_daemon(base: Path, delay: float = 0.0) -> Iterator[str]:
             time.sleep(0.05)
         yield f"git://127.0.0.1:{port}/"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        terminate(proc, 10)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from daemon.queue.embedded_redis import free_port
+from tests.support.processes import terminate_all
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo", "scancel")
 START_TIMEOUT = 30.0  # until sinfo shows the node idle
@@ -172,15 +173,7 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
             deadline = time.monotonic() + STOP_TIMEOUT
             while self.queued() and time.monotonic() < deadline:
                 time.sleep(0.2)
-        for _, proc in reversed(self._procs):
-            if proc.poll() is None:
-                proc.terminate()
-        for _, proc in reversed(self._procs):
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        terminate_all([proc for _, proc in reversed(self._procs)], 10)
         self._procs.clear()
         with contextlib.suppress(OSError):
             shutil.rmtree(self.dir)

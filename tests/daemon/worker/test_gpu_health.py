@@ -42,6 +42,7 @@ from daemon.worker.health_watch import HealthBook
 from daemon.worker.nvml_asks import HUNG_SECONDS, NVML_READ_SECONDS
 from daemon.worker.slot_limits import v1_dirs
 from tests.support.paths import ROOT
+from tests.support.processes import terminate
 from tests.support.workers import fake_gpus, running_worker, sh, wait_state, wait_until
 
 NVML_SEAM = ROOT / "tests" / "support" / "nvml_seam"
@@ -156,11 +157,7 @@ def health_worker(
         try:
             yield log_path, proc
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            terminate(proc, 30)
 
 
 def inject(path: Path, faults: dict[int, dict[str, Any]]) -> None:

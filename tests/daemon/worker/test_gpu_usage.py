@@ -35,6 +35,7 @@ from daemon.queue.job_queue import JobQueue
 from daemon.worker.gpu_usage import GpuUsage
 from daemon.worker.idle_gpus import IdlePolicy
 from tests.support.paths import ROOT
+from tests.support.processes import terminate
 from tests.support.workers import fake_gpus, running_worker, sh, wait_state, wait_until
 
 GIB = 2**30
@@ -68,11 +69,7 @@ def gpu_worker(
         try:
             yield
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            terminate(proc, 30)
             shutil.rmtree(data_dir, ignore_errors=True)
 
 

@@ -19,6 +19,7 @@ from daemon.queue import keys
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.queue.reads import xrange
+from tests.support.processes import terminate
 from tests.support.workers import JOBS_AS_ROOT, sh, wait_dead, wait_file, wait_state
 
 LEASE = 1.5
@@ -56,12 +57,8 @@ def worker_process(
             yield proc
         finally:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                proc.send_signal(signal.SIGCONT)  # a frozen (SIGSTOPped) worker must wake to end
+                terminate(proc, 30)
 
 
 async def reap_until(queue: JobQueue, done: asyncio.Event) -> None:
