@@ -34,6 +34,7 @@ from typing import Any
 
 from daemon.client.pool_client import ClientError
 from daemon.ctl.arrays import array_specs
+from daemon.job import JobState
 from protocol import EnqueueBatch, EnqueuedBatch, JobDetail, ShowJob
 from protocol.errors import ErrorCode
 from tests.chaos.harness import FINAL, GPU_QUEUE, Cluster, Refused, Submitter, job_command
@@ -41,6 +42,7 @@ from tests.chaos.harness import FINAL, GPU_QUEUE, Cluster, Refused, Submitter, j
 SHORT = 0.2  # seconds of a chain's job
 ARRAY_SECONDS = 0.6  # long enough that an array's window is full while the next ones wait
 CHECKPOINT_SECONDS = 2.0  # long enough for a requeue or a preemption to catch it running
+FILL_SECONDS = 10.0  # the most a unit waits for its GPU jobs to run before the one that preempts
 LIMIT = 4.0  # --timeout of the jobs a pilot may run: with its stop grace, well within its lifetime
 GIB = 2**30
 UNIT_JOBS = 29  # jobs in one unit, when nothing is refused
@@ -110,11 +112,25 @@ class Workflows:
         if (kk := await self._one(f"{k}-k", ckpt)) is not None:
             self.cluster.requeueable.add(kk)
         gpu = {"queue": GPU_QUEUE, "wait_for_worker": True}
-        for i in range(4):
-            await self._one(f"{k}-g{i}", {**ckpt, **gpu, "gpus": 1})
+        filling = [await self._one(f"{k}-g{i}", {**ckpt, **gpu, "gpus": 1}) for i in range(4)]
+        # The job with a priority once they all run: sent sooner, on a loaded machine it took a
+        # GPU not yet filled, ahead of them, and nothing was preempted.
+        await self._until_running([job for job in filling if job], FILL_SECONDS)
         await self._one(f"{k}-p", self._job(SHORT, priority=5, gpus=1, **gpu))
         for i in range(2):
             await self._one(f"{k}-m{i}", self._job(SHORT * 2, gpu_mem=30 * GIB, **gpu))
+
+    async def _until_running(self, jobs: list[str], seconds: float) -> None:
+        """Wait until every one of `jobs` runs, `seconds` at most (a fault may keep one back: the
+        unit goes on regardless)."""
+        deadline = time.monotonic() + seconds
+        with contextlib.suppress(Exception):  # (Redis at fault: the unit goes on)
+            async with self.cluster.queue() as queue:
+                while time.monotonic() < deadline:
+                    states = [(await queue.get(job)).state for job in jobs]
+                    if all(state is JobState.RUNNING for state in states):
+                        return
+                    await asyncio.sleep(0.1)
 
     async def array(self, key: str, base: dict[str, Any], size: int, window: int) -> None:
         """An array of `size` jobs, at most `window` under way, sent in one batch as poolctl
