@@ -233,8 +233,9 @@ async def test_acct_answers_one_request_of_a_user_at_a_time(pool: Pool) -> None:
     same time is answered, and alice may ask again once her first is answered."""
     today = int(time.time() // 86400)
     fill = pool.queue.redis.pipeline(transaction=False)
-    for day in range(10):
-        fill.rpush(keys.accounting("default", today - day), *[b"3600000 s 1000 3600000 0 55 alice"] * 4000)
+    for day in range(10):  # each ended at its day's midnight: today's too are before now (at 01:00
+        # they were after it when the test ran between 00:00 and 01:00 UTC: 36 000 counted)
+        fill.rpush(keys.accounting("default", today - day), *[b"0 s 1000 3600000 0 55 alice"] * 4000)
     await fill.execute()
     request = Account(None, "default", time.time() - 11 * 86400, None, "user")
     async with pool.client("alice") as alice, pool.client("bob") as bob:
