@@ -516,17 +516,7 @@ time.sleep(2.0)
 watch.stop()
 print(json.dumps({{"ended": watch.join(2.0), "logged": [r.getMessage() for r in logged]}}))
 """
-    faults.write_text("{}")
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{NVML_SEAM}{os.pathsep}{ROOT}",
-        "FAKE_NVML_GPUS": "80",
-        "FAKE_NVML_FAULTS": str(faults),
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30, check=True
-    )
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen, _ = on_made_up_nvml(script, faults, gpus="80")
     assert seen["ended"] is True
     assert len(seen["logged"]) == 1, seen["logged"]
     assert "GPU is lost" in seen["logged"][0]
@@ -688,6 +678,24 @@ async def test_gpu_health_a_job_failing_of_its_own_on_a_faulty_gpu_fails(
             await queue.redis.aclose()
 
 
+def on_made_up_nvml(script: str, faults: Path, gpus: str = "16,16") -> tuple[dict[str, Any], str]:
+    """Run `script` (Python printing one JSON line last) in a fresh interpreter on made-up GPUs
+    (`gpus`: their GiB, FAKE_NVML_GPUS) whose faults are what `faults` says (none at first); its
+    JSON, and the end of what it wrote on stderr."""
+    faults.write_text("{}")
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{NVML_SEAM}{os.pathsep}{ROOT}",
+        "FAKE_NVML_GPUS": gpus,
+        "FAKE_NVML_FAULTS": str(faults),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr[-2000:]
+
+
 def test_gpu_health_the_end_check_whose_read_hangs_still_finds_the_fault_booked_meanwhile(
     tmp_path: Path,
 ) -> None:
@@ -723,20 +731,9 @@ async def main():
 booked_before, found = asyncio.run(main())
 print(json.dumps({{"booked_before": booked_before, "found": found and found.what}}))
 """
-    faults.write_text("{}")
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{NVML_SEAM}{os.pathsep}{ROOT}",
-        "FAKE_NVML_GPUS": "16,16",
-        "FAKE_NVML_FAULTS": str(faults),
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen, stderr = on_made_up_nvml(script, faults)
     assert seen["booked_before"] is False  # the check began with a sound book: it read, and hung
-    assert seen["found"], (seen, done.stderr[-2000:])
+    assert seen["found"], (seen, stderr)
     assert "Xid 79 (GPU has fallen off the bus)" in seen["found"], seen
 
 
@@ -767,20 +764,9 @@ async def main():
 out, found = asyncio.run(main())
 print(json.dumps({{"out": out, "found": found and found.what, "hand_back": found and found.hand_back}}))
 """
-    faults.write_text("{}")
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{NVML_SEAM}{os.pathsep}{ROOT}",
-        "FAKE_NVML_GPUS": "16,16",
-        "FAKE_NVML_FAULTS": str(faults),
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen, stderr = on_made_up_nvml(script, faults)
     assert len(seen["out"]) == 1  # GPU 0, out for its slowdown, before the job's end
-    assert seen["found"], (seen, done.stderr[-2000:])
+    assert seen["found"], (seen, stderr)
     assert "GPU 1 (" in seen["found"], seen
     assert ECC_FAULT in seen["found"], seen
     assert seen["hand_back"] is False  # let_finish: the fault named in its detail
