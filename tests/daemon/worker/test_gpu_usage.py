@@ -21,8 +21,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -33,6 +35,7 @@ from daemon.queue import accounting
 from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.gpu_usage import GpuUsage
+from daemon.worker.gpus import GpuInfo
 from daemon.worker.idle_gpus import IdlePolicy
 from tests.support.paths import ROOT
 from tests.support.processes import terminate
@@ -77,6 +80,30 @@ def nearest_rank(values: list[float], q: float) -> float:
     """The q-th percentile by nearest rank: the reference the summary's histogram must meet."""
     ordered = sorted(values)
     return ordered[math.ceil(q * len(ordered)) - 1]
+
+
+def idle_watched_worker(
+    queue: JobQueue,
+    tmp_path: Path,
+    gpus: list[GpuInfo],
+    sampler: Callable[[], list[GpuSample]],
+    policy: IdlePolicy,
+    *,
+    queues: list[str],
+    slots: int,
+) -> AbstractAsyncContextManager[Any]:
+    """A worker of `slots` on `queues` whose `gpus` read as `sampler` says, every 50 ms, and whose
+    idle-GPU policy is `policy`."""
+    return running_worker(
+        queue,
+        tmp_path / "w",
+        gpus=gpus,
+        slots=slots,
+        queues=queues,
+        gpu_sampler=sampler,
+        heartbeat_seconds=0.05,
+        idle_gpus=policy,
+    )
 
 
 async def test_a_jobs_gpu_usage_summarises_the_readings_fed_to_it(queue: JobQueue, tmp_path: Path) -> None:
@@ -162,15 +189,8 @@ async def test_idle_gpu_jobs_are_flagged_and_their_queues_policy_requeues_or_can
     policy = IdlePolicy(
         util=5, minutes=0.5 / 60, grace_minutes=0.4 / 60, requeue_queues=["again"], cancel_queues=["strict"]
     )
-    async with running_worker(
-        queue,
-        tmp_path / "w",
-        gpus=gpus,
-        slots=4,
-        queues=["default", "again", "strict"],
-        gpu_sampler=sampler,
-        heartbeat_seconds=0.05,
-        idle_gpus=policy,
+    async with idle_watched_worker(
+        queue, tmp_path, gpus, sampler, policy, queues=["default", "again", "strict"], slots=4
     ):
         busy, _ = await queue.enqueue(sh(f"touch {busy_dir}/$CUDA_VISIBLE_DEVICES; {wait}", gpus=1))
         idle, _ = await queue.enqueue(sh(wait, gpus=1))
@@ -295,16 +315,7 @@ async def test_a_requeued_idle_jobs_measured_attempt_counts_in_its_accounting_re
         return [GpuSample(gpus[0].uuid, 0.9 if stopped.exists() else 0.01, GIB, 16 * GIB)]
 
     policy = IdlePolicy(util=5, minutes=0.3 / 60, grace_minutes=0.2 / 60, requeue_queues=["again"])
-    async with running_worker(
-        queue,
-        tmp_path / "w",
-        gpus=gpus,
-        slots=1,
-        queues=["again"],
-        gpu_sampler=sampler,
-        heartbeat_seconds=0.05,
-        idle_gpus=policy,
-    ):
+    async with idle_watched_worker(queue, tmp_path, gpus, sampler, policy, queues=["again"], slots=1):
         script = (
             f'[ "$GPUPOOL_ATTEMPT" -gt 1 ] && exit 0; trap "touch {stopped}; exit 143" TERM; '
             "while :; do sleep 0.05; done"
@@ -337,16 +348,7 @@ async def test_an_idle_gpu_policy_due_while_a_job_ends_otherwise_does_not_claim_
         return [GpuSample(gpus[0].uuid, 0.01 if stopping.exists() else 0.9, GIB, 16 * GIB)]
 
     policy = IdlePolicy(util=5, minutes=0.3 / 60, grace_minutes=0.3 / 60, requeue_queues=["again"])
-    async with running_worker(
-        queue,
-        tmp_path / "w",
-        gpus=gpus,
-        slots=1,
-        queues=["again"],
-        gpu_sampler=sampler,
-        heartbeat_seconds=0.05,
-        idle_gpus=policy,
-    ):
+    async with idle_watched_worker(queue, tmp_path, gpus, sampler, policy, queues=["again"], slots=1):
         script = f"trap 'touch {stopping}' TERM; touch {started}; while :; do sleep 0.05; done"
         job_id, _ = await queue.enqueue(sh(script, gpus=1, queue="again", stop_grace=4))
 
