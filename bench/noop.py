@@ -12,7 +12,7 @@ from daemon.job import JobState, Lease, Outcome
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.dispatcher import Worker
 from daemon.worker.gpus import GpuInfo
-from daemon.worker.runner import Ending, RunResult
+from daemon.worker.run_types import Ending, RunResult
 
 DONE = RunResult(Ending.EXITED, Outcome(JobState.SUCCEEDED, exit_code=0))
 

@@ -71,7 +71,8 @@ from daemon.worker.lifetime import Lifetime
 from daemon.worker.nvml_life import close_within, discover_within
 from daemon.worker.pool_link import PoolUnreachable
 from daemon.worker.relay import AgentCalls, Relay
-from daemon.worker.runner import Ending, JobRun, RunResult, passed_env
+from daemon.worker.run_types import Ending, RunResult, passed_env
+from daemon.worker.runner import JobRun
 from daemon.worker.slots import Slots
 from daemon.worker.ticket_store import TicketStore
 from protocol import AgentOrder, Served, ServeJobs

@@ -25,7 +25,8 @@ from typing import Any
 from daemon.queue import channels
 from daemon.queue.connection import AnyRedis
 from daemon.worker.execs import DRAIN_SECONDS, NOT_RUNNING, ExecCommand
-from daemon.worker.runner import JobRun, describe_exit
+from daemon.worker.run_types import describe_exit
+from daemon.worker.runner import JobRun
 from daemon.worker.spawn import Spawner
 from daemon.worker.terminal import Terminal
 

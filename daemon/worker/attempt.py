@@ -31,7 +31,7 @@ from daemon.job import Lease, RenewStatus
 from daemon.worker.gpu_usage import GpuUsage
 from daemon.worker.idle_gpus import IdleWatch
 from daemon.worker.orphan_guard import OrphanGuard
-from daemon.worker.runner import Run
+from daemon.worker.run_types import Run
 
 log = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ def exited(
     """The outcome of a job whose processes ended by themselves (no stop asked): FAILED when the
     kernel's OOM killer ended a process of it, whatever its exit says; else SUCCEEDED on 0,
     FAILED otherwise, with `how` it exited and the `fault` of its GPUs, if one, as its detail.
-    `code`, `how`: its exit as runner.describe_exit tells it; `mem`: its --mem (0: none asked)."""
+    `code`, `how`: its exit as run_types.describe_exit tells it; `mem`: its --mem (0: none asked)."""
     if usage is not None and usage.oom_kills:
         return Outcome(JobState.FAILED, code, f"{out_of_memory(usage, mem)}; {how}", result)
     state = JobState.SUCCEEDED if returncode == 0 else JobState.FAILED

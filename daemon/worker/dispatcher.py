@@ -73,7 +73,8 @@ from daemon.worker.identity import SlotIdentity
 from daemon.worker.idle_gpus import IdlePolicy
 from daemon.worker.lifetime import Lifetime
 from daemon.worker.outcomes import Outcomes
-from daemon.worker.runner import Ending, JobRun, Run, RunResult, passed_env
+from daemon.worker.run_types import Ending, Run, RunResult, passed_env
+from daemon.worker.runner import JobRun
 from daemon.worker.slots import Slots
 from daemon.worker.stopping import Stage, Stopping
 from daemon.worker.work_watch import WorkWatch

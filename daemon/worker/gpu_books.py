@@ -32,7 +32,7 @@ from daemon.worker.health_watch import HealthWatch
 from daemon.worker.idle_gpus import IdlePolicy
 from daemon.worker.nvml_asks import GpuAsks
 from daemon.worker.nvml_life import close_within, discover_within
-from daemon.worker.runner import Run, RunResult
+from daemon.worker.run_types import Run, RunResult
 
 log = logging.getLogger(__name__)
 

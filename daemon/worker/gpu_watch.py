@@ -31,7 +31,7 @@ from daemon.queue.job_queue import JobQueue
 from daemon.worker.attempt import HeldAttempt, Phase
 from daemon.worker.gpu_usage import GpuUsage
 from daemon.worker.idle_gpus import Act, IdlePolicy
-from daemon.worker.runner import Ending, RunResult
+from daemon.worker.run_types import Ending, RunResult
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ from daemon.worker.gpu_fault_end import KILLING, GpuFaulted
 from daemon.worker.gpu_health import Fault
 from daemon.worker.gpus import GpuAllocator, GpuInfo
 from daemon.worker.nvml_asks import HUNG_SECONDS, GpuAsks
-from daemon.worker.runner import Run
+from daemon.worker.run_types import Run
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ credentials, as a worker makes them on its own machine.
 `HostedWorker` differs from a worker on its own machine in three things only. Its slots are the
 agent's: nothing of the server's machine is opened for them (no directory, uid, cgroup, spawner or
 orphan guard: slots.py, `local=False`). Its `make_run` is a `RemoteRun`, the Run protocol
-(runner.py) as `agent_order` items of the agent's `serve_jobs` stream, told how the attempt went by
+(run_types.py) as `agent_order` items of the agent's `serve_jobs` stream, told how the attempt went by
 the agent's calls (`exited`, `ended`, `tidied`). And its JobQueue is a view of its own on the
 server's Redis client: the read cursors and the standing claim of one worker's wait for work are
 kept per JobQueue, and the view's claims take only the agent's user's jobs (`serve_user`), unless
@@ -49,7 +49,7 @@ from daemon.worker.attempt import boottime
 from daemon.worker.dispatcher import Worker
 from daemon.worker.gpus import GpuInfo
 from daemon.worker.lifetime import Lifetime
-from daemon.worker.runner import Ending, RunResult
+from daemon.worker.run_types import Ending, RunResult
 from protocol import AgentOrder, ErrorCode, ServeJobs
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ def _optional_int(value: Any, what: str) -> int | None:
 
 
 class RemoteRun:
-    """One attempt run by the agent (the Run protocol, runner.py). `start` orders it run;
+    """One attempt run by the agent (the Run protocol, run_types.py). `start` orders it run;
     `cancel`, `hand_back` and `lose` order it stopped; `run` returns what the agent's `ended`
     said: LOST once the agent is gone (`gone`), or LOSE_WAIT after `lose` with no word from it."""
 

@@ -49,7 +49,7 @@ class JobSetup:
         git_protocols: str,
         note: Callable[[str], None],
     ) -> None:
-        """`env`: the job's environment (runner.job_env's); `mirrors`: the worker's git mirrors
+        """`env`: the job's environment (run_types.job_env's); `mirrors`: the worker's git mirrors
         (git_mirror.py); `note`: a line of the pool's in the job's log. The rest as JobRun's."""
         self.lease = lease
         self.slot = slot

@@ -6,7 +6,7 @@ The worker dies. A job's processes would otherwise outlive a killed worker as or
 background children, a training script's data-loader processes), holding GPUs no one will ever
 hand out. When the guard's stdin reaches end of file, because the worker exited and the kernel
 closed its end of the pipe (SIGKILL included), the guard SIGKILLs every group still listed, then
-every process whose environment carries this worker's `GPUPOOL_WORKER=ID` (runner.job_env sets
+every process whose environment carries this worker's `GPUPOOL_WORKER=ID` (run_types.job_env sets
 it) or that runs as one of its slots' uids (identity.py): that covers a job the worker started but
 died before announcing, descendants that moved to a group of their own, and, for slots with a uid
 of their own, whatever cleared its environment too. Then it exits. (A kernel death signal,

@@ -21,7 +21,7 @@ from daemon.errors import NotReplicated, StaleAttempt
 from daemon.job import JobState, Lease
 from daemon.queue.failures import transient
 from daemon.queue.job_queue import JobQueue
-from daemon.worker.runner import Ending, RunResult
+from daemon.worker.run_types import Ending, RunResult
 
 log = logging.getLogger(__name__)
 

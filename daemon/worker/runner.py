@@ -22,22 +22,21 @@ memory is reported dirty.
 Its parts that stand alone are modules of their own: what comes before its program starts (its
 directories, code, data, checkpoint, limits and environment: job_setup.py), its checkpoint at
 either end (attempt_checkpoints.py), its process tree sampled and what it left (job_tree.py), its
-stop signals (job_signals.py), and what its end records (attempt_outcome.py). Here: its
-processes' life, and how it ended (Ending), which decides what is recorded.
+stop signals (job_signals.py), and what its end records (attempt_outcome.py); what a run is and
+what its end says (Ending, RunResult, the Run protocol, the job's environment), which every worker
+module speaks, is run_types.py's. Here: its processes' life, and which Ending it had.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import os
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from daemon.aio import cancel_and_wait
 from daemon.errors import GpupoolError
@@ -55,7 +54,7 @@ from daemon.worker import (
 from daemon.worker.cgroups import SlotCgroup
 from daemon.worker.envs import EnvCache
 from daemon.worker.gpu_fault_end import FaultCheck, gpu_fault_end
-from daemon.worker.gpus import GpuInfo, GpuProbe, visible_devices
+from daemon.worker.gpus import GpuInfo, GpuProbe
 from daemon.worker.identity import SlotIdentity
 from daemon.worker.job_output import JobOutput
 from daemon.worker.job_setup import JobSetup
@@ -64,6 +63,7 @@ from daemon.worker.job_tree import JobTree
 from daemon.worker.nvml_asks import GpuAsks
 from daemon.worker.orphan_guard import OrphanGuard
 from daemon.worker.pool_link import PoolLink
+from daemon.worker.run_types import Ending, RunResult, describe_exit, job_env
 from daemon.worker.slot_limits import SlotLimits, Usage
 from daemon.worker.terminal import Terminal
 from storage.base import ObjectStore
@@ -73,125 +73,6 @@ log = logging.getLogger(__name__)
 
 FIRST_SAMPLE_SECONDS = 0.05  # a job that ends sooner is not sampled (a scan is not free)
 LEFTOVERS_SECONDS = 5.0  # how long killed leftovers of a job may take to die
-
-
-class Ending(enum.StrEnum):
-    """Why the job's processes ended, which decides what is recorded."""
-
-    EXITED = "exited"  # by itself: SUCCEEDED on 0, FAILED otherwise
-    CANCELLED = "cancelled"  # the user cancelled: CANCELLED
-    TIMED_OUT = "timed out"  # spec.timeout passed: FAILED
-    IDLE = "idle"  # a tty job had no input for its idle limit: FAILED
-    HANDED_BACK = "handed back"  # stopped by a drain or a requeue: the attempt goes back to the queue
-    STOPPED = "stopped"  # a tty job a drain or a requeue stopped: FAILED (a shell is never requeued)
-    LOST = "lost"  # the lease is gone: killed at once, nothing recorded (it is not ours any more)
-
-
-@dataclass(frozen=True, slots=True)
-class RunResult:
-    ending: Ending
-    outcome: Outcome | None  # what to complete the attempt with; None for HANDED_BACK and LOST
-    dirty_gpus: Mapping[str, str] = field(default_factory=dict)  # GPU uuid -> why
-    killed_by: int | None = None  # the signal that ended the job's first process, if one did
-    # Handed back by the pool's policies (idle GPUs, a GPU fault, a slot's limits this worker
-    # could not set): a loss towards max_attempts.
-    by_policy: bool = False
-    # What its GPUs did (gpu_usage.py; set by gpu_watch.py): an outcome carries it in its result,
-    # a hand-back passes it on, so that the attempt's accounting has its efficiency either way.
-    gpu_usage: Mapping[str, Any] | None = None
-    # Why the pool's policies handed it back (by_policy): the job's detail until its next end
-    why: str = ""
-
-
-class Run(Protocol):
-    """What a worker asks of an attempt: JobRun, or a benchmark's no-op executor."""
-
-    lease: Lease
-    gpus: tuple[GpuInfo, ...]
-
-    @property
-    def exited(self) -> bool:
-        """The job's first process has ended (known as soon as the loop sees it)."""
-
-    @property
-    def stopping(self) -> bool:
-        """How the attempt ends is decided: a stop was asked (the first one asked decides), or
-        its first process has ended. The idle-GPU policy asks first (gpu_watch.py), so that it
-        never takes an end as its own that was another's."""
-
-    def start(self) -> None:
-        """Start its processes now, in the caller's turn, if nothing has to come first (else
-        `run` starts them)."""
-
-    async def run(self) -> RunResult: ...
-    async def tidy(self) -> None:
-        """After `run`: leave what the attempt used (its slot's directories) ready for the next."""
-
-    def cancel(self) -> None: ...
-    def hand_back(
-        self, now: bool = False, why: str = "the worker is stopping", by_policy: bool = False
-    ) -> None:
-        """Stop it so the attempt goes back to its queue; `by_policy`: the pool's GPU policies
-        ask (idle GPUs, a GPU fault), and the hand-back is a loss towards max_attempts."""
-
-    def lose(self, why: str) -> None: ...
-    def note(self, text: str) -> None:
-        """A line of the pool's own in the job's log ("[gpupool] ...")."""
-
-
-# What a job gets of the worker's environment: enough to find programs and speak the user's
-# language. Nothing else: the daemon's environment may hold secrets (credentials of its own,
-# systemd's notify socket, through which a job could speak for the daemon).
-PASSED_ENV = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TERM"})
-
-
-def passed_env(base: Mapping[str, str]) -> dict[str, str]:
-    """What a job gets of `base`, the worker's environment: PASSED_ENV and the locale (LC_*)."""
-    return {k: v for k, v in base.items() if k in PASSED_ENV or k.startswith("LC_")}
-
-
-def job_env(
-    base: Mapping[str, str],
-    lease: Lease,
-    gpus: Sequence[GpuInfo],
-    home: Path | None = None,
-    tmp: Path | None = None,
-) -> dict[str, str]:
-    """The job's environment: PASSED_ENV and the locale (LC_*) from the worker's, HOME set to `home`
-    and TMPDIR to `tmp` when given (a job with an identity of its own gets its slot's directories:
-    what it leaves in a temporary file goes with the attempt, not to the next user of the slot's
-    uid), then the spec's, then the pool's variables, which the spec cannot override."""
-    env = passed_env(base)
-    if home is not None:
-        env["HOME"] = str(home)
-    if tmp is not None:
-        env["TMPDIR"] = str(tmp)
-    env.update(lease.spec.env)
-    env.update(
-        GPUPOOL_JOB_ID=lease.job_id,
-        GPUPOOL_ATTEMPT=str(lease.attempt),
-        GPUPOOL_ATTEMPT_ID=lease.id,
-        GPUPOOL_QUEUE=lease.queue,
-        GPUPOOL_WORKER=lease.worker,
-        CUDA_VISIBLE_DEVICES=visible_devices(gpus),
-    )
-    if lease.spec.gpu_mem:  # the memory it declared on its shared GPU, to size its batches by
-        env["GPUPOOL_GPU_MEM"] = str(lease.spec.gpu_mem)
-    if lease.spec.array:  # one of an array (poolctl enqueue --array/--sweep)
-        env.update(GPUPOOL_ARRAY_ID=lease.spec.array, GPUPOOL_ARRAY_INDEX=str(lease.spec.array_index))
-    return env
-
-
-def describe_exit(returncode: int) -> tuple[int, str]:
-    """(exit code as a shell reports it, words): a signal N becomes 128+N."""
-    if returncode >= 0:
-        return returncode, f"exited with status {returncode}"
-    sig = -returncode
-    try:
-        name = f" ({signal.Signals(sig).name})"
-    except ValueError:
-        name = ""
-    return 128 + sig, f"killed by signal {sig}{name}"
 
 
 class JobRun:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from daemon.worker.envs import EnvCache
     from daemon.worker.fast_path import LookAhead
     from daemon.worker.gpu_books import GpuBooks
-    from daemon.worker.runner import Run
+    from daemon.worker.run_types import Run
     from daemon.worker.slots import Slots
     from storage.cache import ObjectCache
 

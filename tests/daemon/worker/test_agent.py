@@ -25,7 +25,8 @@ from daemon.worker.agent import AgentError
 from daemon.worker.job_output import JobOutput
 from daemon.worker.pool_link import UNREACHABLE, PoolUnreachable
 from daemon.worker.relay import AgentCalls, Relay
-from daemon.worker.runner import Ending, JobRun
+from daemon.worker.run_types import Ending
+from daemon.worker.runner import JobRun
 from daemon.worker.service import read_token
 from daemon.worker.spawn import Spawner
 from protocol import ErrorCode, Request

@@ -12,7 +12,7 @@ from daemon.worker import attempt
 from daemon.worker.attempt import Holdings, boottime
 from daemon.worker.gpus import GpuInfo
 from daemon.worker.orphan_guard import OrphanGuard
-from daemon.worker.runner import Ending, RunResult
+from daemon.worker.run_types import Ending, RunResult
 
 
 class NotedRun:

@@ -8,7 +8,7 @@ import pytest
 from daemon.job import JobSpec, Lease
 from daemon.metrics.worker import GpuShare
 from daemon.worker.gpus import GpuAllocator, GpuInfo, NotEnoughGpus, SharedRoom, visible_devices
-from daemon.worker.runner import job_env
+from daemon.worker.run_types import job_env
 from tests.support.workers import fake_gpus
 
 G = 2**30

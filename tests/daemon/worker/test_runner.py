@@ -13,7 +13,8 @@ from daemon.job import JobSpec, JobState, Lease
 from daemon.queue import keys
 from daemon.queue.claims import Capacity
 from daemon.queue.job_queue import JobQueue
-from daemon.worker.runner import Ending, JobRun, RunResult
+from daemon.worker.run_types import Ending, RunResult
+from daemon.worker.runner import JobRun
 from daemon.worker.spawn import Spawner
 from tests.support.workers import alive, fake_gpus, sh, wait_dead, wait_file
 
@@ -47,7 +48,7 @@ async def test_environment_directory_and_outcome(spawner: Spawner, queue: JobQue
     assert env["GPUPOOL_WORKER"] == "w1"
     assert env["CUDA_VISIBLE_DEVICES"] == f"{gpus[0].uuid},{gpus[1].uuid}"
     assert env["MY_VAR"] == "mine"
-    assert "KEEP" not in env  # of the daemon's environment, only PATH, HOME, the locale (runner.PASSED_ENV)
+    assert "KEEP" not in env  # of the daemon's environment: PATH, HOME, the locale (run_types.PASSED_ENV)
     assert "GPUPOOL_MAIN_SERVER_REDIS_PASSWORD" not in env  # the worker's settings stay its own
     scratch = out.read_text().splitlines()[-1]
     assert scratch == str(tmp_path / "data" / "slot" / "work")  # the slot's scratch directory

@@ -17,7 +17,7 @@ from daemon.queue.embedded_redis import EmbeddedRedis
 from daemon.queue.job_queue import JobQueue
 from daemon.worker.dispatcher import Worker
 from daemon.worker.gpus import GpuInfo
-from daemon.worker.runner import Run
+from daemon.worker.run_types import Run
 from tests.support.faults import aof_copy, memory_full, roll_back
 from tests.support.proxy import Proxy
 from tests.support.workers import alive, running_worker, sh, wait_dead, wait_file, wait_state, wait_until
