@@ -23,14 +23,16 @@ whose deadline passes; the orphan guard (orphan_guard.py) holds the same deadlin
 process is frozen. Claims wait while the heartbeat fails, and for a while after Redis restarts
 (claim_gate.py says why).
 
-Stopping is two-phase: stopping.py. Why one class of ~550 lines: its life cycle, its claims and
-its attempts share one set of books (the held attempts, the slots) and the events that wake the
-dispatcher; the parts that stand alone live beside it: attempt.py (the record and its fence),
-claim_gate.py, fast_path.py, gpu_books.py (what it keeps about its GPUs: who holds which, their
-readings and health), heartbeat.py, outcomes.py (recording an attempt's end), runner.py (the
-processes), slots.py (what the machine gives the slots: directories, uids, cgroups, the spawner
-and the orphan guard), stopping.py (its stop, a mixin on the same books), work_watch.py (its wait
-for work).
+Stopping is two-phase: stopping.py. What the worker tells others about itself (its registration,
+leases and answers for the heartbeat, its metrics, the reads of its books) is worker_view.py. Why
+one class of ~500 lines: its life cycle, its claims and its attempts share one set of books (the
+held attempts, the slots) and the events that wake the dispatcher; the parts that stand alone live
+beside it: attempt.py (the record and its fence), claim_gate.py, fast_path.py, gpu_books.py (what
+it keeps about its GPUs: who holds which, their readings and health), heartbeat.py, outcomes.py
+(recording an attempt's end), runner.py (the processes), slots.py (what the machine gives the
+slots: directories, uids, cgroups, the spawner and the orphan guard), stopping.py (its stop, a
+mixin on the same books), work_watch.py (its wait for work), worker_view.py (the heartbeat's and
+the metrics' view of it, a mixin on the same books).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from redis.exceptions import RedisError
 from daemon.aio import TaskSet, woken_or
 from daemon.errors import NotReplicated, RedisUnavailable
 from daemon.git import ANY_PROTOCOL
-from daemon.job import Lease, RenewStatus
+from daemon.job import Lease
 from daemon.metrics.transfers import MeteredStore
 from daemon.metrics.worker import GpuSampler, WorkerMetrics
 from daemon.queue import keys, registry
@@ -78,6 +80,7 @@ from daemon.worker.runner import JobRun
 from daemon.worker.slots import Slots
 from daemon.worker.stopping import Stage, Stopping
 from daemon.worker.work_watch import WorkWatch
+from daemon.worker.worker_view import WorkerView
 from storage.base import ObjectStore
 from storage.cache import ObjectCache
 
@@ -87,7 +90,7 @@ log = logging.getLogger(__name__)
 RunFactory = Callable[[Lease, tuple[GpuInfo, ...], int], Run]
 
 
-class Worker(Stopping):
+class Worker(WorkerView, Stopping):
     """Runs jobs from `queue` on this machine. `start()`, then `stop()` (see the module doc)."""
 
     def __init__(
@@ -577,57 +580,3 @@ class Worker(Stopping):
         self._slot_freed.set()
         self._wake.set()  # a slot to claim for, and the head of a queue may have waited for these GPUs
         self.gpu_books.check_quarantine()
-
-    # -- metrics ----------------------------------------------------------------------------------
-
-    def _observe_heartbeat(self, round_trip: float | None) -> None:
-        if round_trip is None:
-            self.metrics.heartbeat_failed()
-        else:
-            self.metrics.heartbeat(round_trip)
-
-    def _transferred(self, direction: str, nbytes: int) -> None:
-        self.metrics.transferred(direction, nbytes)  # the metrics of now: start() replaces them
-
-    async def sample_metrics(self) -> None:
-        """Before each scrape: the slots and quarantined GPUs as they are now."""
-        self.metrics.set_slots(self._busy(), self.slots)
-        self.gpu_books.sample_into(self.metrics)
-
-    # -- heartbeat target -------------------------------------------------------------------------
-
-    def registration(self) -> Registration:
-        self._registration.running = self._busy()
-        self._registration.gpus = self.gpu_books.describe()
-        return self._registration
-
-    def leases(self) -> Sequence[Lease]:
-        return [h.lease for h in self._held]
-
-    def idle_for(self) -> float:  # seconds it has held no attempt, 0.0 while it holds one (lifetime.py)
-        return self._held.quiet_for()
-
-    def renewed(self, statuses: Mapping[str, RenewStatus], until: float) -> None:
-        self._held.renewed(statuses, until)
-        if self._ahead:  # cancelled, requeued or preempted before it started: handed back
-            stop = (RenewStatus.CANCEL, RenewStatus.REQUEUE, RenewStatus.PREEMPT)
-            for held in self._ahead.give_up(i for i, status in statuses.items() if status in stop):
-                self._hand_back([held.lease], held.deadline)
-
-    # -- reads ------------------------------------------------------------------------------------
-
-    def _busy(self) -> int:
-        """Slots taken: attempts that hold one (from their start until their processes are gone)."""
-        return sum(1 for h in self._held if h.slot is not None)
-
-    def _runs(self) -> list[Run]:
-        return [h.run for h in self._held if h.run is not None and h.phase is Phase.RUNNING]
-
-    def draining(self) -> bool:
-        """True once `stop()` began: no more jobs are claimed."""
-        return self._stage is not Stage.WORKING
-
-    @property
-    def running(self) -> dict[str, Lease]:
-        """The attempts running now, by job id."""
-        return {h.lease.job_id: h.lease for h in self._held if h.phase is Phase.RUNNING}
