@@ -191,6 +191,9 @@ async def test_a_promoted_replica_is_new_to_the_pool_however_long_it_has_run(
     promoted replica's uptime."""
     async with sentinel_queue(sentinel_group) as queue:
         assert await queue.primary_age(["default"]) > 3600  # a new Redis: it never held what a worker runs
+        # its record on the replica before the kill (killed at once, the replica, promoted, had
+        # none: "never held the pool's data", as old as time; a fresh-clone run saw it once)
+        assert await queue.redis.wait(1, 5000) >= 1
         old = sentinel_group.primary()
         sentinel_group.kill(old)
         await asyncio.to_thread(sentinel_group.wait_failover, old)
